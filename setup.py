@@ -1,0 +1,27 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="stree",
+    version="0.1.0",
+    description="Speculative tree decoding for Mamba2 and hybrid SSM/attention language models (Triton kernels)",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["stree", "stree.*"]),
+    install_requires=[
+        "torch>=2.4",
+        "triton>=3.2",
+        "einops",
+        "transformers>=5.0",
+        "safetensors",
+        "numpy",
+        "tqdm",
+    ],
+    extras_require={
+        "test": ["pytest", "hypothesis", "scipy", "matplotlib"],
+        "bench": ["matplotlib"],
+        # Optional baselines for benchmarks on CUDA machines; never imported at package import time.
+        "gpu": ["mamba-ssm", "causal-conv1d"],
+    },
+    entry_points={"console_scripts": ["stree-selfcheck=stree.selfcheck:main"]},
+)

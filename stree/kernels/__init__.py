@@ -1,0 +1,22 @@
+"""Tree kernels for Mamba2: each has a Triton kernel and a ``*_ref`` PyTorch reference.
+
+``backend="auto"`` runs Triton on CUDA tensors and the reference on CPU tensors; ``"triton"``
+on CPU tensors needs ``TRITON_INTERPRET=1`` set before this package is imported.
+"""
+
+from .multistep import multistep_update, multistep_update_ref
+from .replay import replay, replay_ref
+from .tree_conv1d import tree_conv1d, tree_conv1d_ref
+from .tree_scan import MAX_TREE_NODES, tree_scan, tree_scan_ref
+
+__all__ = [
+    "tree_scan",
+    "tree_scan_ref",
+    "tree_conv1d",
+    "tree_conv1d_ref",
+    "multistep_update",
+    "multistep_update_ref",
+    "replay",
+    "replay_ref",
+    "MAX_TREE_NODES",
+]

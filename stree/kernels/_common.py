@@ -1,0 +1,139 @@
+"""Argument checking, backend choice and the dt / group conventions shared by the SSM kernels."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from ..tree import TreeIndex, tree_index
+
+BACKENDS = ("auto", "triton", "torch")
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+INF = math.inf
+
+# triton.jit picks the interpreter when it decorates a kernel, so what matters is the setting at
+# the time this package was imported, not the environment now.
+TRITON_INTERPRETED = bool(triton.knobs.runtime.interpret)
+
+
+def resolve_backend(backend: str, device: torch.device) -> str:
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "auto":
+        return "triton" if device.type == "cuda" else "torch"
+    if backend == "triton" and device.type != "cuda" and not TRITON_INTERPRETED:
+        raise ValueError(
+            f"backend='triton' got tensors on {device}: Triton kernels need CUDA tensors, or "
+            "TRITON_INTERPRET=1 set before stree.kernels is imported"
+        )
+    return backend
+
+
+def check_tensor(name, t, shape, device, *, kind="float", dtype=None):
+    """Raise TypeError/ValueError naming ``name`` unless ``t`` is a tensor of ``shape`` on ``device``."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if kind == "float" and t.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{name} must be float32, float16 or bfloat16, got {t.dtype}")
+    if kind == "int" and (t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool):
+        raise TypeError(f"{name} must have an integer dtype, got {t.dtype}")
+    if dtype is not None and t.dtype != dtype:
+        raise TypeError(f"{name} must have dtype {dtype}, got {t.dtype}")
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device} but x is on {device}: all inputs must be on one device")
+    if tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(t.shape)}")
+    return t
+
+
+def check_layout(name, t, layout: str):
+    """Type and rank check for a float tensor whose sizes define the others (x, B, xBC)."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{name} must be float32, float16 or bfloat16, got {t.dtype}")
+    if t.dim() != len(layout.split(",")):
+        raise ValueError(f"{name} must have shape [{layout}], got {tuple(t.shape)}")
+    return t.shape
+
+
+def check_dt_limit(dt_limit):
+    try:
+        lo, hi = (float(v) for v in dt_limit)
+    except (TypeError, ValueError) as exc:
+        raise TypeError(f"dt_limit must be a pair of floats (lo, hi), got {dt_limit!r}") from exc
+    if not lo <= hi:
+        raise ValueError(f"dt_limit must satisfy lo <= hi, got {dt_limit!r}")
+    return lo, hi
+
+
+def check_ssm_params(nheads, headdim, device, A, D, dt_bias):
+    """Check the per-head parameters; returns D as ``[h, p]`` (per-head D broadcast) or None."""
+    check_tensor("A", A, (nheads,), device)
+    if dt_bias is not None:
+        check_tensor("dt_bias", dt_bias, (nheads,), device)
+    if D is None:
+        return None
+    if not isinstance(D, torch.Tensor) or D.dim() not in (1, 2):
+        raise ValueError(f"D must have shape ({nheads},) or ({nheads}, {headdim}), got {getattr(D, 'shape', type(D))}")
+    check_tensor("D", D, (nheads,) if D.dim() == 1 else (nheads, headdim), device)
+    return D[:, None].expand(nheads, headdim) if D.dim() == 1 else D
+
+
+def check_groups(nheads, ngroups):
+    if ngroups < 1 or nheads % ngroups:
+        raise ValueError(f"nheads ({nheads}) must be a multiple of ngroups ({ngroups})")
+    return nheads // ngroups
+
+
+def check_tree(parents, batch, n, device) -> TreeIndex:
+    """A TreeIndex for ``parents`` (tensor or TreeIndex) matching ``batch`` rows of ``n`` nodes."""
+    if isinstance(parents, torch.Tensor) and parents.device != device:
+        raise ValueError(f"parents is on {parents.device} but x is on {device}: all inputs must be on one device")
+    index = tree_index(parents)
+    if index.device != device:
+        raise ValueError(f"parents is on {index.device} but x is on {device}: all inputs must be on one device")
+    if index.n != n:
+        raise ValueError(f"parents describes {index.n} nodes but the inputs have n = {n}")
+    return index.for_batch(batch)
+
+
+def process_dt(dt, dt_bias, dt_softplus, dt_limit):
+    """dt -> clamp(softplus(dt + bias)) in fp32, softplus linear above 20 as in mamba_ssm."""
+    dt = dt.float()
+    if dt_bias is not None:
+        dt = dt + dt_bias.float()
+    if dt_softplus:
+        dt = F.softplus(dt, threshold=20.0)
+    return dt.clamp(dt_limit[0], dt_limit[1])
+
+
+def heads_view(t, nheads):
+    """``[..., g, s]`` group tensor -> ``[..., h, s]``: head h reads group h // (h / g)."""
+    return t.repeat_interleave(nheads // t.shape[-2], dim=-2)
+
+
+def pow2_block(n, minimum=16):
+    return max(minimum, triton.next_power_of_2(n))
+
+
+def dot_precision(dtype):
+    """fp32 operands get full-precision dots (no silent TF32); 16-bit ones are exact anyway."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+@triton.jit
+def process_dt_tl(dt, bias, DT_SOFTPLUS: tl.constexpr, dt_lo, dt_hi):
+    dt = dt + bias
+    if DT_SOFTPLUS:
+        # max(x, 0) + log1p(exp(-|x|)), with log1p by Goldberg's (1 + u) - 1 correction: a plain
+        # log(1 + exp(x)) loses all relative precision for the small dt Mamba2 runs at.
+        u = tl.exp(-tl.abs(dt))
+        w = 1.0 + u
+        log1p_u = tl.where(w == 1.0, u, tl.log(w) * (u / (w - 1.0)))
+        dt = tl.where(dt <= 20.0, tl.maximum(dt, 0.0) + log1p_u, dt)
+    return tl.minimum(tl.maximum(dt, dt_lo), dt_hi)

@@ -1,0 +1,173 @@
+"""Fused multi-step selective state update: T recurrence steps with the state kept on chip.
+
+Per head h and step t::
+
+    h_t = exp(dt_t A_h) h_{t-1} + dt_t x_t B_t^T        y_t = C_t . h_t + D x_t
+
+Used for chains (vanilla speculative decoding), unrolled tree paths (the baseline STree beats)
+and the single autoregressive step (T = 1). The same kernel, reading the steps through an index
+table with a per-row length and writing no outputs, is the SSM half of activation replay.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import (
+    INF,
+    check_dt_limit,
+    check_groups,
+    check_layout,
+    check_ssm_params,
+    check_tensor,
+    heads_view,
+    pow2_block,
+    process_dt,
+    process_dt_tl,
+    resolve_backend,
+)
+
+__all__ = ["multistep_update", "multistep_update_ref"]
+
+
+@triton.jit
+def ssm_recurrence_kernel(
+    state_ptr, x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, dt_bias_ptr, y_ptr, out_ptr, idx_ptr, len_ptr,
+    T, nheads, headdim, dstate, heads_per_group, dt_lo, dt_hi,
+    s_st_b, s_st_h, s_st_p, s_st_s,
+    s_x_b, s_x_t, s_x_h, s_x_p,
+    s_dt_b, s_dt_t, s_dt_h,
+    s_B_b, s_B_t, s_B_g, s_B_s,
+    s_C_b, s_C_t, s_C_g, s_C_s,
+    s_D_h, s_D_p,
+    s_y_b, s_y_t, s_y_h, s_y_p,
+    s_out_b, s_out_h, s_out_p, s_out_s,
+    s_idx_b, s_idx_t,
+    HAS_INDEX: tl.constexpr, HAS_Y: tl.constexpr, HAS_D: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
+    DT_SOFTPLUS: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    """Steps t < length(b) of the recurrence; step t reads position ``idx[b, t]`` (or t)."""
+    pid_bh = tl.program_id(0)
+    pid_p = tl.program_id(1)
+    b = pid_bh // nheads
+    h = pid_bh % nheads
+    g = h // heads_per_group
+    offs_p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
+    offs_s = tl.arange(0, BLOCK_S)
+    p_ok = offs_p < headdim
+    s_ok = offs_s < dstate
+    ps_ok = p_ok[:, None] & s_ok[None, :]
+
+    state = tl.load(state_ptr + b * s_st_b + h * s_st_h + offs_p[:, None] * s_st_p + offs_s[None, :] * s_st_s,
+                    mask=ps_ok, other=0.0).to(tl.float32)
+    A = tl.load(A_ptr + h).to(tl.float32)
+    bias = 0.0
+    if HAS_DT_BIAS:
+        bias = tl.load(dt_bias_ptr + h).to(tl.float32)
+    if HAS_D:
+        D = tl.load(D_ptr + h * s_D_h + offs_p * s_D_p, mask=p_ok, other=0.0).to(tl.float32)
+    length = T
+    if HAS_INDEX:
+        length = tl.load(len_ptr + b)
+
+    for t in range(0, length):
+        pos = t
+        if HAS_INDEX:
+            pos = tl.load(idx_ptr + b * s_idx_b + t * s_idx_t)
+        x_t = tl.load(x_ptr + b * s_x_b + pos * s_x_t + h * s_x_h + offs_p * s_x_p, mask=p_ok, other=0.0).to(tl.float32)
+        dt_t = tl.load(dt_ptr + b * s_dt_b + pos * s_dt_t + h * s_dt_h).to(tl.float32)
+        dt_t = process_dt_tl(dt_t, bias, DT_SOFTPLUS, dt_lo, dt_hi)
+        B_t = tl.load(B_ptr + b * s_B_b + pos * s_B_t + g * s_B_g + offs_s * s_B_s, mask=s_ok, other=0.0).to(tl.float32)
+        state = state * tl.exp(dt_t * A) + (dt_t * x_t)[:, None] * B_t[None, :]
+        if HAS_Y:
+            C_t = tl.load(C_ptr + b * s_C_b + pos * s_C_t + g * s_C_g + offs_s * s_C_s, mask=s_ok, other=0.0).to(tl.float32)
+            y_t = tl.sum(state * C_t[None, :], axis=1)
+            if HAS_D:
+                y_t += D * x_t
+            tl.store(y_ptr + b * s_y_b + t * s_y_t + h * s_y_h + offs_p * s_y_p, y_t.to(y_ptr.dtype.element_ty), mask=p_ok)
+
+    tl.store(out_ptr + b * s_out_b + h * s_out_h + offs_p[:, None] * s_out_p + offs_s[None, :] * s_out_s,
+             state, mask=ps_ok)
+
+
+def launch_ssm_recurrence(state, x, dt, A, B, C, D, dt_bias, dt_softplus, dt_limit, y, index=None, lengths=None):
+    """Launch :func:`ssm_recurrence_kernel`; returns the new fp32 state (``state`` is not written)."""
+    batch, nheads, headdim, dstate = state.shape
+    ngroups = B.shape[2]
+    out = torch.empty(batch, nheads, headdim, dstate, dtype=torch.float32, device=state.device)
+    block_p = min(pow2_block(headdim), 32)
+    grid = (batch * nheads, triton.cdiv(headdim, block_p))
+    dummy = state
+    ssm_recurrence_kernel[grid](
+        state, x, dt, A, B, C if C is not None else dummy, D if D is not None else dummy,
+        dt_bias if dt_bias is not None else dummy, y if y is not None else dummy, out,
+        index if index is not None else dummy, lengths if lengths is not None else dummy,
+        x.shape[1], nheads, headdim, dstate, nheads // ngroups, dt_limit[0], dt_limit[1],
+        *state.stride(), *x.stride(), *dt.stride(), *B.stride(),
+        *(C.stride() if C is not None else (0, 0, 0, 0)), *(D.stride() if D is not None else (0, 0)),
+        *(y.stride() if y is not None else (0, 0, 0, 0)), *out.stride(),
+        *(index.stride() if index is not None else (0, 0)),
+        HAS_INDEX=index is not None, HAS_Y=y is not None, HAS_D=D is not None, HAS_DT_BIAS=dt_bias is not None,
+        DT_SOFTPLUS=bool(dt_softplus), BLOCK_P=block_p, BLOCK_S=pow2_block(dstate),
+    )
+    return out
+
+
+def ssm_recurrence_ref(state, x, dt, A, B, C, D, dt_bias, dt_softplus, dt_limit, lengths=None):
+    """The recurrence step by step in fp32; rows stop advancing after ``lengths[b]`` steps."""
+    nheads = x.shape[2]
+    dt = process_dt(dt, dt_bias, dt_softplus, dt_limit)  # [b, T, h]
+    decay = torch.exp(dt * A.float())
+    Bh = heads_view(B.float(), nheads)
+    Ch = heads_view(C.float(), nheads) if C is not None else None
+    xf = x.float()
+    h = state.float().clone()
+    ys = []
+    for t in range(x.shape[1]):
+        new = h * decay[:, t, :, None, None] + (dt[:, t, :, None] * xf[:, t])[..., None] * Bh[:, t, :, None, :]
+        h = new if lengths is None else torch.where((t < lengths).view(-1, 1, 1, 1), new, h)
+        if Ch is not None:
+            y = torch.einsum("bhps,bhs->bhp", h, Ch[:, t])
+            ys.append(y + xf[:, t] * D.float() if D is not None else y)
+    y = torch.stack(ys, dim=1).to(x.dtype) if ys else None
+    return y, h
+
+
+def _check_args(state, x, dt, A, B, C, D, dt_bias, dt_limit):
+    batch, T, nheads, headdim = check_layout("x", x, "batch, T, nheads, headdim")
+    device = x.device
+    if T == 0:
+        raise ValueError("x has no steps (T = 0)")
+    ngroups, dstate = check_layout("B", B, "batch, T, ngroups, dstate")[2:]
+    check_tensor("state", state, (batch, nheads, headdim, dstate), device, dtype=torch.float32)
+    check_tensor("dt", dt, (batch, T, nheads), device)
+    check_tensor("B", B, (batch, T, ngroups, dstate), device, dtype=x.dtype)
+    check_tensor("C", C, (batch, T, ngroups, dstate), device, dtype=x.dtype)
+    check_groups(nheads, ngroups)
+    D = check_ssm_params(nheads, headdim, device, A, D, dt_bias)
+    return D, check_dt_limit(dt_limit)
+
+
+def multistep_update_ref(state, x, dt, A, B, C, *, D=None, dt_bias=None, dt_softplus=True, dt_limit=(0.0, INF)):
+    D, dt_limit = _check_args(state, x, dt, A, B, C, D, dt_bias, dt_limit)
+    return ssm_recurrence_ref(state, x, dt, A, B, C, D, dt_bias, dt_softplus, dt_limit)
+
+
+def multistep_update(state, x, dt, A, B, C, *, D=None, dt_bias=None, dt_softplus=True, dt_limit=(0.0, INF),
+                     backend="auto"):
+    """T fused recurrence steps from ``state``; returns ``(y, final_state)``.
+
+    state ``[b, h, p, s]`` fp32 (not modified); x ``[b, T, h, p]``; dt ``[b, T, h]`` raw; A ``[h]``;
+    B, C ``[b, T, g, s]`` in x's dtype; D ``[h]`` or ``[h, p]``; dt_bias ``[h]``.
+    y ``[b, T, h, p]`` is in x's dtype, final_state ``[b, h, p, s]`` fp32.
+    """
+    check_layout("x", x, "batch, T, nheads, headdim")
+    if resolve_backend(backend, x.device) == "torch":
+        return multistep_update_ref(state, x, dt, A, B, C, D=D, dt_bias=dt_bias, dt_softplus=dt_softplus,
+                                    dt_limit=dt_limit)
+    D, dt_limit = _check_args(state, x, dt, A, B, C, D, dt_bias, dt_limit)
+    y = torch.empty_like(x)
+    final = launch_ssm_recurrence(state, x, dt, A, B, C, D, dt_bias, dt_softplus, dt_limit, y)
+    return y, final

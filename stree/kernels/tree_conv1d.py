@@ -1,0 +1,136 @@
+"""Depthwise causal conv1d along each node's ancestor path (Mamba2's conv over xBC, on a tree).
+
+Node i's window is its ``d_conv - 1`` nearest ancestors and itself, oldest first; slots above the
+root come from ``conv_state`` (the raw inputs of the last ``d_conv`` committed positions, newest
+last). Walking up from a node, positions are numbered: a node index ``>= 0``, then -1 for the
+newest conv-state slot, -2 for the one before, ... so "position v" is row ``d_conv + v`` of the
+sequence ``[conv_state columns; xBC rows]``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import check_layout, check_tensor, check_tree, pow2_block, resolve_backend
+
+__all__ = ["tree_conv1d", "tree_conv1d_ref"]
+
+ACTIVATIONS = (None, "silu")
+
+
+@triton.jit
+def _tree_conv1d_kernel(
+    xbc_ptr, conv_ptr, w_ptr, bias_ptr, par_ptr, out_ptr,
+    n, dim,
+    s_x_b, s_x_n, s_x_d,
+    s_c_b, s_c_d, s_c_k,
+    s_w_d, s_w_k,
+    s_o_b, s_o_n, s_o_d,
+    s_tree_b,
+    K: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    b = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_d = tl.program_id(2)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
+    n_ok = offs_n < n
+    d_ok = offs_d < dim
+
+    acc = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_d, mask=d_ok, other=0.0).to(tl.float32)[None, :]
+    pos = offs_n
+    for k in tl.static_range(K):
+        in_tree = pos >= 0
+        ok_tree = (n_ok & in_tree)[:, None] & d_ok[None, :]
+        ok_state = (n_ok & ~in_tree)[:, None] & d_ok[None, :]
+        v = tl.load(xbc_ptr + b * s_x_b + tl.maximum(pos, 0)[:, None] * s_x_n + offs_d[None, :] * s_x_d,
+                    mask=ok_tree, other=0.0).to(tl.float32)
+        v += tl.load(conv_ptr + b * s_c_b + offs_d[None, :] * s_c_d + (K + tl.minimum(pos, -1))[:, None] * s_c_k,
+                     mask=ok_state, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + offs_d * s_w_d + (K - 1 - k) * s_w_k, mask=d_ok, other=0.0).to(tl.float32)
+        acc += v * w[None, :]
+        if k < K - 1:
+            up = tl.load(par_ptr + b * s_tree_b + tl.maximum(pos, 0), mask=n_ok & in_tree, other=-1)
+            pos = tl.where(in_tree, up, pos - 1)
+    if SILU:
+        acc = acc * tl.sigmoid(acc)
+    tl.store(out_ptr + b * s_o_b + offs_n[:, None] * s_o_n + offs_d[None, :] * s_o_d,
+             acc.to(out_ptr.dtype.element_ty), mask=n_ok[:, None] & d_ok[None, :])
+
+
+def _check_args(xBC, parents, conv_state, weight, bias, activation):
+    batch, n, dim = check_layout("xBC", xBC, "batch, n, dim")
+    device = xBC.device
+    if n == 0:
+        raise ValueError("xBC has no nodes (n = 0)")
+    if not isinstance(weight, torch.Tensor) or weight.dim() not in (2, 3):
+        raise ValueError(f"weight must have shape [dim, d_conv] or [dim, 1, d_conv], got {getattr(weight, 'shape', type(weight))}")
+    if weight.dim() == 3:
+        check_tensor("weight", weight, (dim, 1, weight.shape[-1]), device)
+        weight = weight[:, 0]
+    d_conv = weight.shape[-1]
+    check_tensor("weight", weight, (dim, d_conv), device)
+    if d_conv < 1:
+        raise ValueError("weight must have d_conv >= 1 taps")
+    check_tensor("conv_state", conv_state, (batch, dim, d_conv), device)
+    if bias is not None:
+        check_tensor("bias", bias, (dim,), device)
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+    return check_tree(parents, batch, n, device), weight
+
+
+def window_positions(parents_rows: torch.Tensor, d_conv: int) -> torch.Tensor:
+    """``[rows, n]`` parents -> ``[rows, n, d_conv]`` positions (see module docstring), oldest first."""
+    pos = torch.arange(parents_rows.shape[1], device=parents_rows.device).expand_as(parents_rows)
+    steps = [pos]
+    for _ in range(d_conv - 1):
+        up = torch.gather(parents_rows, 1, pos.clamp(min=0))
+        pos = torch.where(pos >= 0, up, pos - 1)
+        steps.append(pos)
+    return torch.stack(steps[::-1], dim=-1)
+
+
+def tree_conv1d_ref(xBC, parents, conv_state, weight, bias=None, activation="silu"):
+    """Gather each node's window from ``[conv_state; xBC]`` and apply the taps, in fp32."""
+    index, weight = _check_args(xBC, parents, conv_state, weight, bias, activation)
+    batch, n, dim = xBC.shape
+    d_conv = weight.shape[-1]
+    seq = torch.cat([conv_state.transpose(1, 2).float(), xBC.float()], dim=1)  # [b, K + n, dim]
+    pos = (window_positions(index.parents.long(), d_conv) + d_conv).expand(batch, n, d_conv)
+    windows = torch.gather(seq, 1, pos.reshape(batch, n * d_conv, 1).expand(-1, -1, dim)).view(batch, n, d_conv, dim)
+    out = torch.einsum("bnkd,dk->bnd", windows, weight.float())
+    if bias is not None:
+        out = out + bias.float()
+    if activation == "silu":
+        out = torch.nn.functional.silu(out)
+    return out.to(xBC.dtype)
+
+
+def tree_conv1d(xBC, parents, conv_state, weight, bias=None, activation="silu", backend="auto"):
+    """Causal depthwise conv of every tree node over its ancestor path; ``conv_state`` is read only.
+
+    xBC ``[b, n, dim]`` raw inputs; conv_state ``[b, dim, d_conv]``; weight ``[dim, d_conv]`` (or
+    nn.Conv1d's ``[dim, 1, d_conv]``), tap ``d_conv - 1`` multiplies the node itself; bias ``[dim]``;
+    activation ``"silu"`` or None. Returns ``[b, n, dim]`` in xBC's dtype.
+    """
+    check_layout("xBC", xBC, "batch, n, dim")
+    if resolve_backend(backend, xBC.device) == "torch":
+        return tree_conv1d_ref(xBC, parents, conv_state, weight, bias, activation)
+    index, weight = _check_args(xBC, parents, conv_state, weight, bias, activation)
+    batch, n, dim = xBC.shape
+    out = torch.empty_like(xBC)
+    block_n = min(pow2_block(n), 16)
+    block_d = 128
+    grid = (batch, triton.cdiv(n, block_n), triton.cdiv(dim, block_d))
+    _tree_conv1d_kernel[grid](
+        xBC, conv_state, weight, bias if bias is not None else weight, index.parents, out,
+        n, dim, *xBC.stride(), *conv_state.stride(), *weight.stride(), *out.stride(), index.row_stride(),
+        K=weight.shape[-1], HAS_BIAS=bias is not None, SILU=activation == "silu",
+        BLOCK_N=block_n, BLOCK_D=block_d,
+    )
+    return out

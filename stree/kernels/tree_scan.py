@@ -1,0 +1,225 @@
+"""Mamba2's SSM over a packed token tree (STree): one state in, one output per node.
+
+For head h and node i, with j ranging over i's ancestors-or-self and x0 the committed state::
+
+    dA_j     = dt_j * A_h                       (dt after bias, softplus, clamp)
+    Atree_i  = sum_j dA_j
+    y_i      = C_i . (exp(Atree_i) x0) + sum_j exp(Atree_i - Atree_j) (C_i . B_j) dt_j x_j + D x_i
+
+which is the recurrence ``h_i = exp(dA_i) h_parent(i) + dt_i x_i B_i^T``, ``y_i = C_i . h_i + D x_i``
+along every root-to-node path at once. On a chain it is Mamba2's SSD with an initial state.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import (
+    INF,
+    check_dt_limit,
+    check_groups,
+    check_layout,
+    check_ssm_params,
+    check_tensor,
+    check_tree,
+    dot_precision,
+    heads_view,
+    pow2_block,
+    process_dt,
+    process_dt_tl,
+    resolve_backend,
+)
+
+MAX_TREE_NODES = 256
+
+__all__ = ["tree_scan", "tree_scan_ref", "MAX_TREE_NODES"]
+
+
+@triton.jit
+def _atree(
+    pre_rows, dt_ptr, pre_ptr, last_ptr, n, hi, A, bias, dt_lo, dt_hi, s_dt_n,
+    DT_SOFTPLUS: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """Atree for a vector of nodes given by their pre-order ranks (-1 for padding rows)."""
+    acc = tl.zeros(pre_rows.shape, dtype=tl.float32)
+    for k0 in range(0, hi, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = offs_k < n
+        pre_k = tl.load(pre_ptr + offs_k, mask=k_ok, other=n)
+        last_k = tl.load(last_ptr + offs_k, mask=k_ok, other=-1)
+        dt_k = tl.load(dt_ptr + offs_k * s_dt_n, mask=k_ok, other=0.0).to(tl.float32)
+        dA_k = process_dt_tl(dt_k, bias, DT_SOFTPLUS, dt_lo, dt_hi) * A
+        anc = (pre_k[None, :] <= pre_rows[:, None]) & (pre_rows[:, None] <= last_k[None, :])
+        acc += tl.sum(tl.where(anc, dA_k[None, :], 0.0), axis=1)
+    return acc
+
+
+@triton.jit
+def _tree_scan_kernel(
+    x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, dt_bias_ptr, x0_ptr, y_ptr, pre_ptr, last_ptr,
+    n, nheads, headdim, dstate, heads_per_group, dt_lo, dt_hi,
+    s_x_b, s_x_n, s_x_h, s_x_p,
+    s_dt_b, s_dt_n, s_dt_h,
+    s_B_b, s_B_n, s_B_g, s_B_s,
+    s_C_b, s_C_n, s_C_g, s_C_s,
+    s_D_h, s_D_p,
+    s_x0_b, s_x0_h, s_x0_p, s_x0_s,
+    s_y_b, s_y_n, s_y_h, s_y_p,
+    s_tree_b,
+    HAS_D: tl.constexpr, HAS_DT_BIAS: tl.constexpr, HAS_X0: tl.constexpr, DT_SOFTPLUS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    pid_bh = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    pid_p = tl.program_id(2)
+    b = pid_bh // nheads
+    h = pid_bh % nheads
+    g = h // heads_per_group
+
+    x_ptr += b * s_x_b + h * s_x_h
+    dt_ptr += b * s_dt_b + h * s_dt_h
+    B_ptr += b * s_B_b + g * s_B_g
+    C_ptr += b * s_C_b + g * s_C_g
+    y_ptr += b * s_y_b + h * s_y_h
+    pre_ptr += b * s_tree_b
+    last_ptr += b * s_tree_b
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
+    offs_s = tl.arange(0, BLOCK_S)
+    m_ok = offs_m < n
+    p_ok = offs_p < headdim
+    s_ok = offs_s < dstate
+
+    A = tl.load(A_ptr + h).to(tl.float32)
+    bias = 0.0
+    if HAS_DT_BIAS:
+        bias = tl.load(dt_bias_ptr + h).to(tl.float32)
+
+    # Ancestors precede their descendants, so rows of this tile only see columns below `hi`.
+    hi = tl.minimum(n, (pid_m + 1) * BLOCK_M)
+    pre_m = tl.load(pre_ptr + offs_m, mask=m_ok, other=-1)
+    atree_m = _atree(pre_m, dt_ptr, pre_ptr, last_ptr, n, hi, A, bias, dt_lo, dt_hi, s_dt_n,
+                     DT_SOFTPLUS, BLOCK_K)
+
+    C_m = tl.load(C_ptr + offs_m[:, None] * s_C_n + offs_s[None, :] * s_C_s,
+                  mask=m_ok[:, None] & s_ok[None, :], other=0.0)
+    acc = tl.zeros((BLOCK_M, BLOCK_P), dtype=tl.float32)
+
+    for k0 in range(0, hi, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = offs_k < n
+        B_k = tl.load(B_ptr + offs_k[:, None] * s_B_n + offs_s[None, :] * s_B_s,
+                      mask=k_ok[:, None] & s_ok[None, :], other=0.0)
+        cb = tl.dot(C_m, tl.trans(B_k), input_precision=DOT_PRECISION)
+        pre_k = tl.load(pre_ptr + offs_k, mask=k_ok, other=n)
+        last_k = tl.load(last_ptr + offs_k, mask=k_ok, other=-1)
+        atree_k = _atree(pre_k, dt_ptr, pre_ptr, last_ptr, n, tl.minimum(n, k0 + BLOCK_K), A, bias,
+                         dt_lo, dt_hi, s_dt_n, DT_SOFTPLUS, BLOCK_K)
+        dt_k = tl.load(dt_ptr + offs_k * s_dt_n, mask=k_ok, other=0.0).to(tl.float32)
+        dt_k = process_dt_tl(dt_k, bias, DT_SOFTPLUS, dt_lo, dt_hi)
+        anc = (pre_k[None, :] <= pre_m[:, None]) & (pre_m[:, None] <= last_k[None, :])
+        # Non-ancestor pairs get exp(-inf) = 0 rather than a masked exp that could overflow.
+        decay = tl.exp(tl.where(anc, atree_m[:, None] - atree_k[None, :], -float("inf")))
+        w = cb * decay * dt_k[None, :]
+        x_k = tl.load(x_ptr + offs_k[:, None] * s_x_n + offs_p[None, :] * s_x_p,
+                      mask=k_ok[:, None] & p_ok[None, :], other=0.0)
+        acc += tl.dot(w.to(x_k.dtype), x_k, input_precision=DOT_PRECISION)
+
+    if HAS_X0:
+        x0 = tl.load(x0_ptr + b * s_x0_b + h * s_x0_h + offs_s[:, None] * s_x0_s + offs_p[None, :] * s_x0_p,
+                     mask=s_ok[:, None] & p_ok[None, :], other=0.0)
+        # The state is fp32; keep its contribution fp32 whatever the activation dtype.
+        cx = tl.dot(C_m.to(tl.float32), x0, input_precision="ieee")
+        acc += cx * tl.exp(atree_m)[:, None]
+
+    x_m = tl.load(x_ptr + offs_m[:, None] * s_x_n + offs_p[None, :] * s_x_p,
+                  mask=m_ok[:, None] & p_ok[None, :], other=0.0).to(tl.float32)
+    if HAS_D:
+        D = tl.load(D_ptr + h * s_D_h + offs_p * s_D_p, mask=p_ok, other=0.0).to(tl.float32)
+        acc += D[None, :] * x_m
+    tl.store(y_ptr + offs_m[:, None] * s_y_n + offs_p[None, :] * s_y_p, acc.to(y_ptr.dtype.element_ty),
+             mask=m_ok[:, None] & p_ok[None, :])
+
+
+def _check_args(x, dt, A, B, C, parents, D, dt_bias, dt_limit, initial_state):
+    batch, n, nheads, headdim = check_layout("x", x, "batch, n, nheads, headdim")
+    device = x.device
+    if n > MAX_TREE_NODES:
+        raise ValueError(f"tree_scan handles trees of at most {MAX_TREE_NODES} nodes, got n = {n}")
+    if n == 0:
+        raise ValueError("x has no nodes (n = 0)")
+    check_tensor("dt", dt, (batch, n, nheads), device)
+    ngroups, dstate = check_layout("B", B, "batch, n, ngroups, dstate")[2:]
+    check_tensor("B", B, (batch, n, ngroups, dstate), device, dtype=x.dtype)
+    check_tensor("C", C, (batch, n, ngroups, dstate), device, dtype=x.dtype)
+    check_groups(nheads, ngroups)
+    D = check_ssm_params(nheads, headdim, device, A, D, dt_bias)
+    if initial_state is not None:
+        check_tensor("initial_state", initial_state, (batch, nheads, headdim, dstate), device, dtype=torch.float32)
+    index = check_tree(parents, batch, n, device)
+    return index, D, check_dt_limit(dt_limit)
+
+
+def tree_scan_ref(x, dt, A, B, C, parents, *, D=None, dt_bias=None, dt_softplus=True,
+                  dt_limit=(0.0, INF), initial_state=None):
+    """Vectorised PyTorch version of the formula above (fp32, explicit ``n x n`` ancestor mask)."""
+    index, D, dt_limit = _check_args(x, dt, A, B, C, parents, D, dt_bias, dt_limit, initial_state)
+    nheads = x.shape[2]
+    L = index.ancestor_mask().expand(x.shape[0], -1, -1)  # [b, n, n]
+    dt = process_dt(dt, dt_bias, dt_softplus, dt_limit)  # [b, n, h]
+    dA = dt * A.float()
+    atree = torch.einsum("bij,bjh->bhi", L.float(), dA)  # [b, h, n]
+    seg = atree[..., :, None] - atree[..., None, :]  # [b, h, i, j]
+    decay = torch.exp(seg.masked_fill(~L[:, None], -INF))
+    Bh, Ch = heads_view(B.float(), nheads), heads_view(C.float(), nheads)
+    cb = torch.einsum("bihs,bjhs->bhij", Ch, Bh)
+    w = cb * decay * dt.transpose(1, 2)[:, :, None, :]
+    xf = x.float()
+    y = torch.einsum("bhij,bjhp->bihp", w, xf)
+    if initial_state is not None:
+        y = y + torch.einsum("bihs,bhps->bihp", Ch, initial_state) * torch.exp(atree).transpose(1, 2)[..., None]
+    if D is not None:
+        y = y + xf * D.float()
+    return y.to(x.dtype)
+
+
+def tree_scan(x, dt, A, B, C, parents, *, D=None, dt_bias=None, dt_softplus=True,
+              dt_limit=(0.0, INF), initial_state=None, backend="auto"):
+    """Mamba2 SSM outputs for every node of a packed tree (see the module docstring).
+
+    x ``[b, n, h, p]``; dt ``[b, n, h]`` raw (before bias); A ``[h]``; B, C ``[b, n, g, s]`` in x's
+    dtype; D ``[h]`` or ``[h, p]``; dt_bias ``[h]``; initial_state ``[b, h, p, s]`` fp32 (zeros if
+    None); parents ``[n]``, ``[b, n]`` or a :class:`~stree.tree.TreeIndex`; n <= 256.
+    Returns y ``[b, n, h, p]`` in x's dtype.
+    """
+    check_layout("x", x, "batch, n, nheads, headdim")
+    if resolve_backend(backend, x.device) == "torch":
+        return tree_scan_ref(x, dt, A, B, C, parents, D=D, dt_bias=dt_bias, dt_softplus=dt_softplus,
+                             dt_limit=dt_limit, initial_state=initial_state)
+    index, D, (lo, hi) = _check_args(x, dt, A, B, C, parents, D, dt_bias, dt_limit, initial_state)
+    batch, n, nheads, headdim = x.shape
+    ngroups, dstate = B.shape[2], B.shape[3]
+    y = torch.empty_like(x)
+    block_n = pow2_block(n)
+    block_m = min(block_n, 64)
+    block_p = min(pow2_block(headdim), 64)
+    grid = (batch * nheads, triton.cdiv(n, block_m), triton.cdiv(headdim, block_p))
+    dummy = x  # never read: the matching HAS_* flag is off
+    x0 = initial_state if initial_state is not None else dummy
+    x0_strides = initial_state.stride() if initial_state is not None else (0, 0, 0, 0)
+    _tree_scan_kernel[grid](
+        x, dt, A, B, C, D if D is not None else dummy, dt_bias if dt_bias is not None else dummy, x0, y,
+        index.pre, index.last,
+        n, nheads, headdim, dstate, nheads // ngroups, lo, hi,
+        *x.stride(), *dt.stride(), *B.stride(), *C.stride(),
+        *(D.stride() if D is not None else (0, 0)), *x0_strides, *y.stride(),
+        index.row_stride(),
+        HAS_D=D is not None, HAS_DT_BIAS=dt_bias is not None, HAS_X0=initial_state is not None,
+        DT_SOFTPLUS=bool(dt_softplus), DOT_PRECISION=dot_precision(x.dtype),
+        BLOCK_M=block_m, BLOCK_K=block_m, BLOCK_P=block_p, BLOCK_S=pow2_block(dstate),
+    )
+    return y

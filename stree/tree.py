@@ -1,0 +1,328 @@
+"""Token trees: parent arrays, their validation, and the derived indices every tree kernel uses.
+
+A tree of ``n`` nodes is a parent array in topological order: ``parents[0] == -1`` (the root) and
+``0 <= parents[i] < i``. Kernels never see an ``n x n`` mask; they get a :class:`TreeIndex`
+(depth plus a pre-order interval per node), from which "j is an ancestor-or-self of i" is the
+two comparisons ``pre[j] <= pre[i] <= last[j]``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+__all__ = [
+    "check_parents",
+    "ancestor_mask",
+    "TreeIndex",
+    "tree_index",
+    "leaf_paths",
+    "TreeShape",
+    "TokenTree",
+]
+
+
+def check_parents(parents, name: str = "parents") -> torch.Tensor:
+    """Validate a parent array (``[n]`` or ``[rows, n]``) and return it as int64.
+
+    Raises ``TypeError`` for a non-integer array and ``ValueError`` naming the first bad index.
+    """
+    if not isinstance(parents, torch.Tensor):
+        try:
+            parents = torch.as_tensor(parents)
+        except (TypeError, ValueError, RuntimeError) as exc:
+            raise TypeError(f"{name} must be an integer tensor or sequence, got {type(parents).__name__}") from exc
+    if parents.dtype.is_floating_point or parents.dtype.is_complex or parents.dtype == torch.bool:
+        raise TypeError(f"{name} must have an integer dtype, got {parents.dtype}")
+    if parents.dim() not in (1, 2):
+        raise ValueError(f"{name} must have shape [n] or [batch, n], got {tuple(parents.shape)}")
+    n = parents.shape[-1]
+    if n == 0:
+        raise ValueError(f"{name} must hold at least the root node, got an empty array")
+    p = parents.reshape(-1, n).long()
+    idx = torch.arange(n, device=p.device)
+    bad = (p < 0) | (p >= idx)
+    bad[:, 0] = p[:, 0] != -1
+    if bool(bad.any()):
+        row, i = (int(v) for v in torch.nonzero(bad)[0])
+        where = f"{name}[{row}, {i}]" if parents.dim() == 2 else f"{name}[{i}]"
+        rule = "the root must have parent -1" if i == 0 else f"need 0 <= parent < {i} (topological order)"
+        raise ValueError(f"invalid parent array: first bad index {i}: {where} = {int(p[row, i])}; {rule}")
+    return p.reshape(parents.shape)
+
+
+def _ancestor_mask_rows(p: torch.Tensor) -> torch.Tensor:
+    """``[rows, n]`` valid parents -> ``[rows, n, n]`` bool, ``L[r, i, j]`` = j ancestor-or-self of i.
+
+    Pointer doubling: after step k, ``L`` holds the ancestors within distance ``< 2**k`` and
+    ``jump`` the ``2**k``-th ancestor, so ``ceil(log2 n)`` gathers cover any depth.
+    """
+    rows, n = p.shape
+    L = torch.eye(n, dtype=torch.bool, device=p.device).expand(rows, n, n).clone()
+    jump = p.clone()
+    reach = 1
+    while reach < n:
+        has = jump >= 0
+        src = jump.clamp(min=0)
+        L |= torch.gather(L, 1, src[:, :, None].expand(rows, n, n)) & has[:, :, None]
+        jump = torch.where(has, torch.gather(jump, 1, src), jump)
+        reach *= 2
+    return L
+
+
+def ancestor_mask(parents) -> torch.Tensor:
+    """Bool mask ``[..., n, n]``: entry ``(i, j)`` is True iff j is i or an ancestor of i."""
+    p = check_parents(parents)
+    n = p.shape[-1]
+    return _ancestor_mask_rows(p.reshape(-1, n)).reshape(*p.shape, n)
+
+
+@dataclass(frozen=True)
+class TreeIndex:
+    """Validated tree in the form kernels consume; ``rows`` is 1 (shared by the batch) or batch.
+
+    ``pre`` is the pre-order rank (children visited in index order) and ``last`` the largest
+    pre-order rank in the node's subtree, so the subtree of j is the interval ``[pre[j], last[j]]``.
+    All tensors are int32 ``[rows, n]`` on one device.
+    """
+
+    parents: torch.Tensor
+    depth: torch.Tensor
+    pre: torch.Tensor
+    last: torch.Tensor
+
+    @property
+    def rows(self) -> int:
+        return self.parents.shape[0]
+
+    @property
+    def n(self) -> int:
+        return self.parents.shape[1]
+
+    @property
+    def device(self) -> torch.device:
+        return self.parents.device
+
+    def ancestor_mask(self) -> torch.Tensor:
+        """``[rows, n, n]`` bool, from the intervals (what the kernels compute in registers)."""
+        pre_i = self.pre[:, :, None]
+        return (self.pre[:, None, :] <= pre_i) & (pre_i <= self.last[:, None, :])
+
+    def for_batch(self, batch: int, name: str = "parents") -> "TreeIndex":
+        if self.rows not in (1, batch):
+            raise ValueError(f"{name} has {self.rows} rows but the inputs have batch {batch}; use one shared row or one per batch row")
+        return self
+
+    def row_stride(self) -> int:
+        """Stride between batch rows for kernels: 0 when one tree is shared by the whole batch."""
+        return 0 if self.rows == 1 else self.parents.stride(0)
+
+
+def tree_index(parents) -> TreeIndex:
+    """Validate ``parents`` (``[n]`` or ``[rows, n]``) and compute its :class:`TreeIndex`."""
+    if isinstance(parents, TreeIndex):
+        return parents
+    p = check_parents(parents)
+    n = p.shape[-1]
+    p = p.reshape(-1, n)
+    L = _ancestor_mask_rows(p)
+    Li = L.long()
+    depth = Li.sum(-1) - 1
+    size = Li.sum(-2)
+    # left[a]: total size of a's siblings that come before it; pre[i] = depth[i] + sum over
+    # i's ancestors-or-self of left (every earlier sibling subtree along the path precedes i).
+    same_parent = p[:, :, None] == p[:, None, :]
+    earlier = torch.ones(n, n, dtype=torch.bool, device=p.device).tril(-1)
+    left = ((same_parent & earlier).long() * size[:, None, :]).sum(-1)
+    pre = depth + (Li * left[:, None, :]).sum(-1)
+    last = pre + size - 1
+    as32 = lambda t: t.to(torch.int32).contiguous()
+    return TreeIndex(as32(p), as32(depth), as32(pre), as32(last))
+
+
+def leaf_paths(parents: Sequence[int]) -> list[list[int]]:
+    """Root-to-leaf node lists of one tree, leaves in index order (the unrolled baseline's batch)."""
+    p = [int(v) for v in check_parents(torch.as_tensor(list(parents))).tolist()]
+    has_child = set(p[1:])
+    paths = []
+    for leaf in (i for i in range(len(p)) if i not in has_child):
+        path = [leaf]
+        while p[path[-1]] >= 0:
+            path.append(p[path[-1]])
+        paths.append(path[::-1])
+    return paths
+
+
+@dataclass(frozen=True)
+class TreeShape:
+    """A static tree topology (no tokens), shared by all rows of a batch."""
+
+    parents: tuple[int, ...]
+
+    def __post_init__(self):
+        object.__setattr__(self, "parents", tuple(int(v) for v in check_parents(list(self.parents)).tolist()))
+
+    @property
+    def n(self) -> int:
+        return len(self.parents)
+
+    @cached_property
+    def depth(self) -> tuple[int, ...]:
+        d = [0] * self.n
+        for i in range(1, self.n):
+            d[i] = d[self.parents[i]] + 1
+        return tuple(d)
+
+    @property
+    def max_depth(self) -> int:
+        return max(self.depth)
+
+    def children(self) -> list[list[int]]:
+        kids: list[list[int]] = [[] for _ in range(self.n)]
+        for i in range(1, self.n):
+            kids[self.parents[i]].append(i)
+        return kids
+
+    def leaf_paths(self) -> list[list[int]]:
+        return leaf_paths(self.parents)
+
+    def parents_tensor(self, device=None) -> torch.Tensor:
+        return torch.tensor(self.parents, dtype=torch.long, device=device)
+
+    @classmethod
+    def chain(cls, depth: int) -> "TreeShape":
+        """The root followed by ``depth`` nodes in a line (vanilla speculative decoding)."""
+        if depth < 0:
+            raise ValueError(f"depth must be >= 0, got {depth}")
+        return cls(tuple(range(-1, depth)))
+
+    @classmethod
+    def full(cls, width: int, depth: int) -> "TreeShape":
+        """Complete ``width``-ary tree with ``depth`` levels below the root, in BFS order."""
+        if width < 1 or depth < 0:
+            raise ValueError(f"full tree needs width >= 1 and depth >= 0, got width={width}, depth={depth}")
+        n = sum(width**level for level in range(depth + 1))
+        return cls((-1,) + tuple((i - 1) // width for i in range(1, n)))
+
+    @classmethod
+    def from_children(cls, counts: Sequence[int]) -> "TreeShape":
+        """BFS-numbered tree where node i has ``counts[i]`` children (missing entries mean 0)."""
+        parents = [-1]
+        for i, c in enumerate(counts):
+            if c < 0:
+                raise ValueError(f"counts[{i}] must be >= 0, got {c}")
+            if c and i >= len(parents):
+                raise ValueError(f"counts[{i}] = {c} but the tree has only {len(parents)} nodes before it")
+            parents.extend([i] * c)
+        return cls(tuple(parents))
+
+    @classmethod
+    def paper13(cls) -> "TreeShape":
+        """The 13-node static tree of the STree paper (4 levels, 3 nodes per level)."""
+        return cls((-1, 0, 0, 0, 1, 1, 2, 4, 4, 5, 7, 7, 7))
+
+    def to_json(self) -> str:
+        return json.dumps({"format": "stree.tree_shape", "version": 1, "parents": list(self.parents)})
+
+    @classmethod
+    def from_json(cls, text: str) -> "TreeShape":
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"tree shape JSON is malformed: {exc}") from exc
+        if not isinstance(data, dict) or data.get("format") != "stree.tree_shape" or "parents" not in data:
+            raise ValueError("tree shape JSON must be an object with format 'stree.tree_shape' and a 'parents' list")
+        return cls(tuple(data["parents"]))
+
+    def save(self, path) -> None:
+        Path(path).write_text(self.to_json())
+
+    @classmethod
+    def load(cls, path) -> "TreeShape":
+        return cls.from_json(Path(path).read_text())
+
+
+@dataclass
+class TokenTree:
+    """Draft tokens on a tree: ``parents`` ``[N]`` (shared) or ``[B, N]``, ``tokens`` ``[B, N]``.
+
+    Node 0 is the root: the last chosen token not yet fed to the model. ``valid`` marks padding
+    nodes a drafter could not fill (never accepted). ``child_ids``/``child_probs`` ``[B, N, K]``
+    carry, for stochastic drafts, the distribution each node's children were drawn from.
+    """
+
+    parents: torch.Tensor
+    tokens: torch.Tensor
+    valid: torch.Tensor | None = None
+    child_ids: torch.Tensor | None = None
+    child_probs: torch.Tensor | None = None
+    with_replacement: bool = False
+    _index: TreeIndex | None = field(default=None, init=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        self.parents = check_parents(self.parents)
+        if not isinstance(self.tokens, torch.Tensor) or self.tokens.dtype.is_floating_point or self.tokens.dtype == torch.bool:
+            raise TypeError(f"tokens must be an integer tensor [B, N], got {getattr(self.tokens, 'dtype', type(self.tokens))}")
+        if self.tokens.dim() != 2 or self.tokens.shape[1] != self.n:
+            raise ValueError(f"tokens must have shape [B, {self.n}], got {tuple(self.tokens.shape)}")
+        if self.parents.dim() == 2 and self.parents.shape[0] != self.batch_size:
+            raise ValueError(f"parents has {self.parents.shape[0]} rows but tokens has batch {self.batch_size}")
+        if self.parents.device != self.tokens.device:
+            raise ValueError(f"parents is on {self.parents.device} but tokens is on {self.tokens.device}")
+        if self.valid is not None:
+            if self.valid.dtype != torch.bool or tuple(self.valid.shape) != tuple(self.tokens.shape):
+                raise ValueError(f"valid must be a bool tensor of shape {tuple(self.tokens.shape)}")
+            if not bool(self.valid[:, 0].all()):
+                raise ValueError("valid[:, 0] must be True: the root is always a real token")
+        if (self.child_ids is None) != (self.child_probs is None):
+            raise ValueError("child_ids and child_probs must be given together")
+        if self.child_ids is not None and (
+            self.child_ids.shape != self.child_probs.shape or tuple(self.child_ids.shape[:2]) != tuple(self.tokens.shape)
+        ):
+            raise ValueError(f"child_ids and child_probs must have shape [B, N, K] with [B, N] = {tuple(self.tokens.shape)}")
+
+    @property
+    def n(self) -> int:
+        return self.parents.shape[-1]
+
+    @property
+    def batch_size(self) -> int:
+        return self.tokens.shape[0]
+
+    @property
+    def index(self) -> TreeIndex:
+        """Validated kernel index, computed once per tree."""
+        if self._index is None:
+            self._index = tree_index(self.parents)
+        return self._index
+
+    @property
+    def depth(self) -> torch.Tensor:
+        return self.index.depth.long().expand(self.batch_size, self.n)
+
+    @property
+    def ancestor_mask(self) -> torch.Tensor:
+        return self.index.ancestor_mask().expand(self.batch_size, self.n, self.n)
+
+    def position_ids(self, prefix_len) -> torch.Tensor:
+        """RoPE positions ``prefix_len + depth``; ``prefix_len`` is an int or a ``[B]`` tensor."""
+        prefix = torch.as_tensor(prefix_len, device=self.tokens.device).reshape(-1, 1)
+        return prefix + self.depth
+
+    def children(self, row: int = 0) -> list[list[int]]:
+        p = self.parents if self.parents.dim() == 1 else self.parents[row]
+        return TreeShape(tuple(p.tolist())).children()
+
+    def leaf_paths(self, row: int = 0) -> list[list[int]]:
+        p = self.parents if self.parents.dim() == 1 else self.parents[row]
+        return leaf_paths(p.tolist())
+
+    @classmethod
+    def from_shape(cls, shape: TreeShape, tokens: torch.Tensor, **kwargs) -> "TokenTree":
+        return cls(shape.parents_tensor(tokens.device), tokens, **kwargs)

@@ -1,0 +1,43 @@
+import os
+
+import torch
+
+HAS_CUDA = torch.cuda.is_available()
+if not HAS_CUDA:
+    # triton.jit reads this when it decorates a kernel, so it must be set before any test module
+    # imports stree.kernels.
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+from hypothesis import HealthCheck, settings  # noqa: E402
+
+settings.register_profile(
+    "default",
+    max_examples=20,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.function_scoped_fixture],
+)
+settings.register_profile("thorough", max_examples=300, deadline=None,
+                          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
+                                                 HealthCheck.function_scoped_fixture])
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
+
+
+@pytest.fixture(scope="session")
+def device():
+    """Where the Triton kernels run: the GPU when there is one, else the CPU under the interpreter."""
+    return torch.device("cuda" if HAS_CUDA else "cpu")
+
+
+@pytest.fixture
+def poison(monkeypatch):
+    """Make every torch.empty/empty_like during the test return NaN (or -1 for integers), so an
+    output element a kernel forgot to write cannot pass as a plausible value."""
+    real_empty, real_empty_like = torch.empty, torch.empty_like
+
+    def fill(t):
+        return t.fill_(float("nan") if t.dtype.is_floating_point else -1)
+
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: fill(real_empty(*a, **k)))
+    monkeypatch.setattr(torch, "empty_like", lambda *a, **k: fill(real_empty_like(*a, **k)))

@@ -1,0 +1,93 @@
+import math
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from strategies import dt_options, ssm_inputs, ssm_shapes
+
+from stree.kernels import multistep_update
+from stree.testing import max_rel_error, multistep_def
+
+FP32_TOL = 1e-5
+
+
+def _call(inp, dt_opts, backend, device):
+    to = lambda t: t.to(device) if t is not None else None
+    return multistep_update(to(inp["initial_state"]), to(inp["x"]), to(inp["dt"]), to(inp["A"]), to(inp["B"]),
+                            to(inp["C"]), D=to(inp["D"]), dt_bias=to(inp["dt_bias"]),
+                            dt_softplus=dt_opts["dt_softplus"], dt_limit=dt_opts["dt_limit"], backend=backend)
+
+
+@given(batch=st.integers(1, 3), T=st.integers(1, 12), shape=ssm_shapes(), dt_opts=dt_options(),
+       D_kind=st.sampled_from(["none", "head", "dim"]), seed=st.integers(0, 2**16))
+def test_matches_definition(batch, T, shape, dt_opts, D_kind, seed, device, poison):
+    inp = ssm_inputs(torch.Generator().manual_seed(seed), batch, T, shape, dt_opts, D_kind=D_kind)
+    y_def, state_def = multistep_def(inp["initial_state"], inp["x"], inp["dt"], inp["A"], inp["B"], inp["C"],
+                                     D=inp["D"], dt_bias=inp["dt_bias"], dt_softplus=dt_opts["dt_softplus"],
+                                     dt_limit=dt_opts["dt_limit"])
+    state_before = inp["initial_state"].clone()
+    for backend, dev in (("torch", torch.device("cpu")), ("triton", device)):
+        y, state = _call(inp, dt_opts, backend, dev)
+        assert state.dtype == torch.float32 and y.shape == inp["x"].shape
+        assert max_rel_error(y, y_def) <= FP32_TOL, backend
+        assert max_rel_error(state, state_def) <= FP32_TOL, backend
+    assert torch.equal(inp["initial_state"], state_before)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_single_step_equals_transformers_selective_state_update(backend, device):
+    """T = 1 is the autoregressive step; transformers' PyTorch step is an independent reference."""
+    from transformers.models.mamba2.modeling_mamba2 import mamba2_selective_state_update
+
+    opts = dict(dt_softplus=True, dt_limit=(0.0, math.inf), use_bias=True)
+    inp = ssm_inputs(torch.Generator().manual_seed(7), 3, 1, dict(ngroups=2, nheads=4, headdim=8, dstate=16), opts)
+    dev = device if backend == "triton" else torch.device("cpu")
+    y, state = _call(inp, opts, backend, dev)
+    hf_state = inp["initial_state"].clone()
+    p, s = hf_state.shape[2:]
+    # transformers' step takes mamba_ssm's tied layout: dt [b, h, p], A [h, p, s], D and dt_bias [h, p].
+    y_hf = mamba2_selective_state_update(
+        hf_state, inp["x"][:, 0], inp["dt"][:, 0, :, None].expand(-1, -1, p), inp["A"][:, None, None].expand(-1, p, s),
+        inp["B"][:, 0], inp["C"][:, 0], D=inp["D"][:, None].expand(-1, p), dt_bias=inp["dt_bias"][:, None].expand(-1, p),
+        dt_softplus=True)
+    assert max_rel_error(y[:, 0], y_hf) <= FP32_TOL
+    assert max_rel_error(state, hf_state) <= FP32_TOL
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_half_precision_activations(dtype, backend, device):
+    opts = dict(dt_softplus=True, dt_limit=(0.0, math.inf), use_bias=True)
+    inp = ssm_inputs(torch.Generator().manual_seed(8), 2, 6, dict(ngroups=1, nheads=2, headdim=16, dstate=16), opts,
+                     dtype=dtype)
+    dev = device if backend == "triton" else torch.device("cpu")
+    y, state = _call(inp, opts, backend, dev)
+    y_def, state_def = multistep_def(inp["initial_state"], inp["x"], inp["dt"], inp["A"], inp["B"], inp["C"],
+                                     D=inp["D"], dt_bias=inp["dt_bias"])
+    assert y.dtype == dtype and state.dtype == torch.float32
+    assert max_rel_error(y, y_def) <= 1e-2 and max_rel_error(state, state_def) <= 1e-5
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_bad_inputs_raise_clear_errors(backend):
+    opts = dict(dt_softplus=True, dt_limit=(0.0, math.inf), use_bias=True)
+    inp = ssm_inputs(torch.Generator().manual_seed(0), 1, 3, dict(ngroups=1, nheads=2, headdim=4, dstate=4), opts)
+
+    def call(**kw):
+        a = {**inp, **kw}
+        return multistep_update(a["initial_state"], a["x"], a["dt"], a["A"], a["B"], a["C"], D=a["D"],
+                                dt_bias=a["dt_bias"], backend=backend)
+
+    with pytest.raises(TypeError, match="state must have dtype torch.float32"):
+        call(initial_state=inp["initial_state"].bfloat16())
+    with pytest.raises(ValueError, match=r"state must have shape \(1, 2, 4, 4\)"):
+        call(initial_state=inp["initial_state"][:, :1])
+    with pytest.raises(ValueError, match=r"C must have shape"):
+        call(C=inp["C"][:, :2])
+    with pytest.raises(ValueError, match=r"A must have shape \(2,\)"):
+        call(A=inp["A"][:1])
+    with pytest.raises(ValueError, match=r"dt_bias is on meta"):
+        call(dt_bias=inp["dt_bias"].to("meta"))
+    with pytest.raises(ValueError, match=r"x must have shape \[batch, T, nheads, headdim\]"):
+        call(x=inp["x"][0])

@@ -1,0 +1,129 @@
+import math
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from strategies import dt_options, ssm_inputs, ssm_shapes, trees
+
+from stree.kernels import replay, tree_conv1d, tree_scan
+from stree.testing import max_rel_error, replay_def
+from stree.tree import TreeShape
+
+FP32_TOL = 1e-5
+
+
+@st.composite
+def accepted_paths(draw, parents, batch):
+    """Per row a root-first path walking down random children; the tail past num_accepted is junk."""
+    rows, nums = [], []
+    for b in range(batch):
+        par = (parents if parents.dim() == 1 else parents[b]).tolist()
+        kids = {i: [j for j in range(len(par)) if par[j] == i] for i in range(len(par))}
+        path = [0]
+        while kids[path[-1]] and draw(st.integers(0, 4)) > 0:
+            path.append(draw(st.sampled_from(kids[path[-1]])))
+        rows.append(path)
+        nums.append(len(path))
+    L = max(nums) + draw(st.integers(0, 2))
+    junk = draw(st.sampled_from([-1, 10**6]))
+    return torch.tensor([r + [junk] * (L - len(r)) for r in rows]), torch.tensor(nums)
+
+
+def _replay_inputs(seed, batch, n, shape, dt_opts, dim=12, d_conv=4, dtype=torch.float32):
+    gen = torch.Generator().manual_seed(seed)
+    inp = ssm_inputs(gen, batch, n, shape, dt_opts, dtype=dtype)
+    inp["xBC"] = torch.randn(batch, n, dim, generator=gen).to(dtype)
+    inp["conv_state"] = torch.randn(batch, dim, d_conv, generator=gen).to(dtype)
+    return inp
+
+
+def _call(inp, accepted, num, dt_opts, backend, device):
+    to = lambda t: t.to(device) if t is not None else None
+    return replay(to(inp["initial_state"]), to(inp["conv_state"]), to(inp["xBC"]), to(inp["x"]), to(inp["dt"]),
+                  to(inp["B"]), to(inp["A"]), to(accepted), to(num), dt_bias=to(inp["dt_bias"]),
+                  dt_softplus=dt_opts["dt_softplus"], dt_limit=dt_opts["dt_limit"], backend=backend)
+
+
+@given(data=st.data(), tree=trees(max_n=30), shape=ssm_shapes(), dt_opts=dt_options(),
+       d_conv=st.sampled_from([1, 2, 4]), seed=st.integers(0, 2**16))
+def test_matches_definition_and_reads_only_the_accepted_path(data, tree, shape, dt_opts, d_conv, seed, device, poison):
+    parents, batch = tree
+    n = parents.shape[-1]
+    accepted, num = data.draw(accepted_paths(parents, batch))
+    inp = _replay_inputs(seed, batch, n, shape, dt_opts, d_conv=d_conv)
+    ssm_def, conv_def = replay_def(inp["initial_state"], inp["conv_state"], inp["xBC"], inp["x"], inp["dt"], inp["B"],
+                                   inp["A"], accepted, num, dt_bias=inp["dt_bias"], dt_softplus=dt_opts["dt_softplus"],
+                                   dt_limit=dt_opts["dt_limit"])
+    # NaN in every node off the accepted paths: a replay that reads them cannot come out finite.
+    on_path = torch.zeros(batch, n, dtype=torch.bool)
+    for b in range(batch):
+        on_path[b, accepted[b, : num[b]]] = True
+    for key in ("x", "dt", "B", "xBC"):
+        inp[key] = inp[key].masked_fill(~on_path.view(batch, n, *([1] * (inp[key].dim() - 2))), float("nan"))
+    before = {k: v.clone() for k, v in inp.items() if v is not None}
+    for backend, dev in (("torch", torch.device("cpu")), ("triton", device)):
+        new_ssm, new_conv = _call(inp, accepted, num, dt_opts, backend, dev)
+        assert new_ssm.dtype == torch.float32 and new_conv.dtype == inp["conv_state"].dtype
+        assert max_rel_error(new_ssm, ssm_def) <= FP32_TOL, backend
+        assert torch.equal(new_conv.cpu(), conv_def.float()), backend  # a pure copy: exact
+    for k, v in before.items():
+        torch.testing.assert_close(inp[k], v, rtol=0, atol=0, equal_nan=True, msg=f"{k} was modified")
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_replayed_state_reproduces_the_tree_outputs_at_the_accepted_node(backend, device):
+    """The verify pass's y and conv output at the last accepted node, recomputed from the
+    replayed states with one more step, must match: the state really is the one at that node."""
+    shape = TreeShape.paper13()
+    opts = dict(dt_softplus=True, dt_limit=(0.0, math.inf), use_bias=True)
+    dims = dict(ngroups=1, nheads=2, headdim=8, dstate=8)
+    inp = _replay_inputs(11, 1, shape.n, dims, opts)
+    dev = device if backend == "triton" else torch.device("cpu")
+    inp = {k: (v.to(dev) if v is not None else None) for k, v in inp.items()}
+    parents = shape.parents_tensor(dev)
+    accepted = torch.tensor([[0, 1, 4, 7, 11]], device=dev)
+    num = torch.tensor([5], device=dev)
+    node = 11
+    weight, bias = torch.randn(12, 4).to(dev), torch.randn(12).to(dev)
+    conv_out = tree_conv1d(inp["xBC"], parents, inp["conv_state"], weight, bias, backend=backend)
+    y = tree_scan(inp["x"], inp["dt"], inp["A"], inp["B"], inp["C"], parents, D=inp["D"], dt_bias=inp["dt_bias"],
+                  initial_state=inp["initial_state"], backend=backend)
+    new_ssm, new_conv = _call(inp, accepted, num, opts, backend, dev)
+    y_node = torch.einsum("bhps,bs->bhp", new_ssm, inp["C"][:, node, 0]) + inp["D"][:, None] * inp["x"][:, node]
+    assert max_rel_error(y_node, y[:, node]) <= FP32_TOL
+    conv_node = torch.nn.functional.silu((new_conv * weight).sum(-1) + bias)
+    assert max_rel_error(conv_node, conv_out[:, node]) <= FP32_TOL
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_bad_inputs_raise_clear_errors(backend):
+    opts = dict(dt_softplus=True, dt_limit=(0.0, math.inf), use_bias=False)
+    inp = _replay_inputs(0, 2, 5, dict(ngroups=1, nheads=2, headdim=4, dstate=4), opts)
+    accepted = torch.tensor([[0, 1, 2], [0, 3, -1]])
+    num = torch.tensor([3, 2])
+
+    def call(accepted=accepted, num=num, **kw):
+        a = {**inp, **kw}
+        return replay(a["initial_state"], a["conv_state"], a["xBC"], a["x"], a["dt"], a["B"], a["A"], accepted, num,
+                      backend=backend)
+
+    call()
+    with pytest.raises(ValueError, match=r"num_accepted\[1\] = 0 must be in \[1, 3\]"):
+        call(num=torch.tensor([3, 0]))
+    with pytest.raises(ValueError, match=r"num_accepted\[0\] = 4 must be in \[1, 3\]"):
+        call(num=torch.tensor([4, 2]))
+    with pytest.raises(ValueError, match=r"accepted\[1, 2\] = -1 is not a node index in \[0, 5\)"):
+        call(num=torch.tensor([3, 3]))
+    with pytest.raises(TypeError, match="accepted must have an integer dtype"):
+        call(accepted=accepted.float())
+    with pytest.raises(ValueError, match=r"accepted must have shape \[batch, L\]"):
+        call(accepted=accepted[0])
+    with pytest.raises(TypeError, match="ssm_state must have dtype torch.float32"):
+        call(initial_state=inp["initial_state"].half())
+    with pytest.raises(ValueError, match=r"xBC must have shape \(2, 5, 12\)"):
+        call(xBC=inp["xBC"][:, :4])
+    with pytest.raises(ValueError, match=r"conv_state must have shape \(2, 12, 4\)"):
+        call(conv_state=inp["conv_state"][:1])
+    with pytest.raises(ValueError, match=r"num_accepted is on meta"):
+        call(num=num.to("meta"))

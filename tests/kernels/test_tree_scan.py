@@ -1,0 +1,165 @@
+import math
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from strategies import dt_options, ssm_inputs, ssm_shapes, trees
+
+from stree.kernels import MAX_TREE_NODES, multistep_update, tree_scan, tree_scan_ref
+from stree.testing import max_rel_error, tree_scan_def
+from stree.tree import TreeShape, tree_index
+
+FP32_TOL = 1e-5
+
+
+def _run(inp, parents, dt_opts, backend, device):
+    to = lambda t: t.to(device) if isinstance(t, torch.Tensor) else t
+    return tree_scan(to(inp["x"]), to(inp["dt"]), to(inp["A"]), to(inp["B"]), to(inp["C"]), to(parents),
+                     D=to(inp["D"]), dt_bias=to(inp["dt_bias"]), dt_softplus=dt_opts["dt_softplus"],
+                     dt_limit=dt_opts["dt_limit"], initial_state=to(inp.get("initial_state")), backend=backend)
+
+
+def _definition(inp, parents, dt_opts):
+    return tree_scan_def(inp["x"], inp["dt"], inp["A"], inp["B"], inp["C"], parents, D=inp["D"],
+                         dt_bias=inp["dt_bias"], dt_softplus=dt_opts["dt_softplus"], dt_limit=dt_opts["dt_limit"],
+                         initial_state=inp.get("initial_state"))
+
+
+@given(tree=trees(), shape=ssm_shapes(), dt_opts=dt_options(), D_kind=st.sampled_from(["none", "head", "dim"]),
+       with_state=st.booleans(), seed=st.integers(0, 2**16))
+def test_matches_definition_on_random_trees(tree, shape, dt_opts, D_kind, with_state, seed, device, poison):
+    parents, batch = tree
+    n = parents.shape[-1]
+    inp = ssm_inputs(torch.Generator().manual_seed(seed), batch, n, shape, dt_opts, D_kind=D_kind)
+    if not with_state:
+        inp["initial_state"] = None
+    expected = _definition(inp, parents, dt_opts)
+    for backend, dev in (("torch", torch.device("cpu")), ("triton", device)):
+        y = _run(inp, parents, dt_opts, backend, dev)
+        assert y.dtype == torch.float32 and y.shape == inp["x"].shape
+        assert max_rel_error(y, expected) <= FP32_TOL, backend
+
+
+@pytest.mark.parametrize("n", [65, 130, MAX_TREE_NODES])
+def test_multi_tile_trees(n, device, poison):
+    """Trees over 64 nodes span several row and column tiles of the Triton kernel."""
+    gen = torch.Generator().manual_seed(n)
+    parents = [-1] + [int(torch.randint(max(0, i - 8), i, (1,), generator=gen)) for i in range(1, n)]
+    parents = torch.tensor(parents)
+    shape = dict(ngroups=1, nheads=2, headdim=4, dstate=8)
+    opts = dict(dt_softplus=True, dt_limit=(0.0, math.inf), use_bias=True)
+    inp = ssm_inputs(gen, 1, n, shape, opts)
+    expected = _definition(inp, parents, opts)
+    assert max_rel_error(_run(inp, parents, opts, "triton", device), expected) <= FP32_TOL
+    assert max_rel_error(_run(inp, parents, opts, "torch", torch.device("cpu")), expected) <= FP32_TOL
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_half_precision_inputs(dtype, backend, device, poison):
+    if backend == "triton" and dtype == torch.bfloat16 and device.type != "cuda":
+        pytest.skip("the Triton interpreter computes bf16 tl.dot wrongly (numpy has no bfloat16); run on CUDA")
+    shape_ = TreeShape.paper13()
+    shape = dict(ngroups=2, nheads=4, headdim=16, dstate=16)
+    opts = dict(dt_softplus=True, dt_limit=(0.0, math.inf), use_bias=True)
+    inp = ssm_inputs(torch.Generator().manual_seed(1), 2, shape_.n, shape, opts, dtype=dtype)
+    y = _run(inp, shape_.parents_tensor(), opts, backend, device if backend == "triton" else torch.device("cpu"))
+    assert y.dtype == dtype
+    assert max_rel_error(y, _definition(inp, shape_.parents_tensor(), opts)) <= (1e-2 if dtype == torch.bfloat16 else 2e-3)
+
+
+def test_chain_equals_multistep_and_transformers_chunk_scan(device):
+    """On a chain the tree scan is Mamba2's SSD with an initial state: compare with our fused
+    recurrence and with transformers' independent PyTorch chunk scan."""
+    from transformers.models.mamba2.modeling_mamba2 import mamba2_chunk_scan
+
+    n = 23
+    shape = dict(ngroups=2, nheads=4, headdim=8, dstate=16)
+    opts = dict(dt_softplus=True, dt_limit=(0.0, math.inf), use_bias=True)
+    inp = ssm_inputs(torch.Generator().manual_seed(3), 2, n, shape, opts)
+    chain = TreeShape.chain(n - 1).parents_tensor()
+    y_tree = _run(inp, chain, opts, "triton", device).cpu()
+    y_ref = _run(inp, chain, opts, "torch", torch.device("cpu"))
+    y_ms, _ = multistep_update(inp["initial_state"].to(device), inp["x"].to(device), inp["dt"].to(device),
+                               inp["A"].to(device), inp["B"].to(device), inp["C"].to(device), D=inp["D"].to(device),
+                               dt_bias=inp["dt_bias"].to(device), backend="triton")
+    y_hf = mamba2_chunk_scan(inp["x"], inp["dt"], inp["A"], inp["B"], inp["C"], chunk_size=8, D=inp["D"],
+                             dt_bias=inp["dt_bias"], initial_states=inp["initial_state"], dt_softplus=True)
+    assert y_hf.abs().max() > 0.1  # a real signal, not two zero tensors agreeing
+    for y in (y_tree, y_ref, y_ms.cpu()):
+        assert max_rel_error(y, y_hf) <= FP32_TOL
+
+
+def test_tree_index_is_accepted_and_shared_across_batch(device):
+    shape = TreeShape.full(3, 2)
+    opts = dict(dt_softplus=True, dt_limit=(0.0, math.inf), use_bias=False)
+    inp = ssm_inputs(torch.Generator().manual_seed(4), 3, shape.n, dict(ngroups=1, nheads=2, headdim=4, dstate=4), opts)
+    parents = shape.parents_tensor()
+    by_index = _run(inp, tree_index(parents.to(device)), opts, "triton", device)
+    per_row = _run(inp, parents.expand(3, -1).contiguous(), opts, "triton", device)
+    torch.testing.assert_close(by_index, per_row, rtol=0, atol=0)
+
+
+def test_inputs_are_not_modified(device):
+    shape = TreeShape.paper13()
+    opts = dict(dt_softplus=True, dt_limit=(0.0, math.inf), use_bias=True)
+    inp = ssm_inputs(torch.Generator().manual_seed(5), 1, shape.n, dict(ngroups=1, nheads=2, headdim=4, dstate=4), opts)
+    inp = {k: v.to(device) for k, v in inp.items()}
+    before = {k: v.clone() for k, v in inp.items()}
+    _run(inp, shape.parents_tensor(device), opts, "triton", device)
+    for k in inp:
+        assert torch.equal(inp[k], before[k]), k
+
+
+def _args(n=5, batch=1, nheads=2, headdim=4, dstate=4, ngroups=1, device="cpu"):
+    g = torch.Generator().manual_seed(0)
+    r = lambda *s: torch.randn(*s, generator=g).to(device)
+    return dict(x=r(batch, n, nheads, headdim), dt=r(batch, n, nheads), A=-r(nheads).abs(),
+                B=r(batch, n, ngroups, dstate), C=r(batch, n, ngroups, dstate), parents=torch.arange(-1, n - 1).to(device))
+
+
+def _call(backend, **kw):
+    a = _args()
+    a.update(kw)
+    return tree_scan(a.pop("x"), a.pop("dt"), a.pop("A"), a.pop("B"), a.pop("C"), a.pop("parents"), **a, backend=backend)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_bad_inputs_raise_clear_errors(backend):
+    a = _args()
+    with pytest.raises(ValueError, match=r"first bad index 3"):
+        _call(backend, parents=torch.tensor([-1, 0, 1, 3, 2]))
+    with pytest.raises(ValueError, match=r"root must have parent -1"):
+        _call(backend, parents=torch.tensor([0, 0, 1, 2, 3]))
+    with pytest.raises(TypeError, match="parents must have an integer dtype"):
+        _call(backend, parents=torch.tensor([-1.0, 0, 1, 2, 3]))
+    with pytest.raises(ValueError, match="parents describes 4 nodes"):
+        _call(backend, parents=torch.tensor([-1, 0, 1, 2]))
+    with pytest.raises(ValueError, match=r"dt must have shape \(1, 5, 2\)"):
+        _call(backend, dt=a["dt"][:, :4])
+    with pytest.raises(TypeError, match="B must have dtype torch.float32"):
+        _call(backend, B=a["B"].half())
+    with pytest.raises(ValueError, match=r"nheads \(2\) must be a multiple of ngroups \(3\)"):
+        _call(backend, B=torch.randn(1, 5, 3, 4), C=torch.randn(1, 5, 3, 4))
+    with pytest.raises(TypeError, match="initial_state must have dtype torch.float32"):
+        _call(backend, initial_state=torch.zeros(1, 2, 4, 4, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match=r"D must have shape"):
+        _call(backend, D=torch.ones(3))
+    with pytest.raises(TypeError, match="x must be float32, float16 or bfloat16"):
+        _call(backend, x=a["x"].double())
+    with pytest.raises(ValueError, match="dt_limit must satisfy lo <= hi"):
+        _call(backend, dt_limit=(1.0, 0.5))
+    with pytest.raises(ValueError, match=r"dt is on meta but x is on cpu"):
+        _call(backend, dt=a["dt"].to("meta"))
+    with pytest.raises(ValueError, match=r"parents is on meta but x is on cpu"):
+        _call(backend, parents=a["parents"].to("meta"))
+    with pytest.raises(ValueError, match="backend must be one of"):
+        tree_scan(*[a[k] for k in ("x", "dt", "A", "B", "C", "parents")], backend="cuda")
+
+
+def test_more_than_256_nodes_is_refused():
+    n = MAX_TREE_NODES + 1
+    a = _args(n=n)
+    with pytest.raises(ValueError, match=r"at most 256 nodes, got n = 257"):
+        tree_scan_ref(a["x"], a["dt"], a["A"], a["B"], a["C"], a["parents"])

@@ -1,0 +1,25 @@
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_tree_scan_sweep_smoke_writes_consistent_json_and_png(tmp_path):
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "tree_scan_sweep.py"), "--smoke", "--out", str(tmp_path)],
+                   check=True, capture_output=True, text=True)
+    result = json.loads((tmp_path / "tree_scan_sweep_smoke.json").read_text())
+    assert result["device"] and result["date"] and "--smoke" in result["command"]
+    assert (tmp_path / "tree_scan_sweep_smoke.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    rows = result["results"]
+    assert {r["tree"] for r in rows} >= {"chain5", "paper13"}
+    for r in rows:
+        assert r["max_rel_diff_vs_tree_scan"] <= 1e-5, r
+        assert r["time_ms_median"] > 0
+        if r["method"] == "tree_scan":
+            assert r["states_held"] == 1 and r["tokens_computed"] == r["nodes"]
+        else:
+            assert r["states_held"] == r["leaves"] and r["tokens_computed"] >= r["nodes"]
+    paper = {r["method"]: r for r in rows if r["tree"] == "paper13"}
+    assert paper["unrolled_multistep"]["tokens_computed"] == 7 * 5  # 7 leaf paths padded to depth 4 + root

@@ -1,0 +1,13 @@
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_ci_runs_the_readme_test_command():
+    readme = (ROOT / "README.md").read_text()
+    commands = [line.strip() for line in readme.splitlines() if line.startswith("    pip install")]
+    assert len(commands) == 2, "the README holds exactly two commands"
+    main_job, tests = commands
+    assert main_job.endswith("python -m stree.selfcheck")
+    assert tests.endswith("python -m pytest -q")
+    assert tests in (ROOT / ".ci" / "run").read_text()

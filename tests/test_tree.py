@@ -1,0 +1,126 @@
+import json
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from strategies import parent_lists, trees
+
+from stree.tree import TokenTree, TreeShape, ancestor_mask, check_parents, leaf_paths, tree_index
+
+
+def _naive_mask(parents):
+    n = len(parents)
+    L = torch.zeros(n, n, dtype=torch.bool)
+    for i in range(n):
+        j = i
+        while j >= 0:
+            L[i, j] = True
+            j = parents[j]
+    return L
+
+
+@given(tree=trees(max_n=60))
+def test_ancestor_mask_depth_and_intervals_match_a_walk_up_the_parents(tree):
+    parents, batch = tree
+    rows = parents.reshape(-1, parents.shape[-1])
+    index = tree_index(parents)
+    mask = ancestor_mask(parents).reshape(-1, rows.shape[1], rows.shape[1])
+    for r, row in enumerate(rows.tolist()):
+        expected = _naive_mask(row)
+        assert torch.equal(mask[r], expected)
+        assert torch.equal(index.ancestor_mask()[r], expected)
+        assert index.depth[r].tolist() == (expected.sum(1) - 1).tolist()
+
+
+@pytest.mark.parametrize(
+    "parents, bad",
+    [([0, 0, 1], 0), ([-1, 1, 1], 1), ([-1, 0, 3, 1], 2), ([-1, 0, -2], 2), ([-1, 0, 1, 2, 0, 5], 5)],
+)
+def test_invalid_parents_name_the_first_bad_index(parents, bad):
+    with pytest.raises(ValueError, match=f"first bad index {bad}:"):
+        check_parents(parents)
+
+
+def test_invalid_parents_other_errors():
+    with pytest.raises(ValueError, match=r"parents\[1, 2\] = 2"):
+        check_parents([[-1, 0, 1], [-1, 0, 2]])
+    with pytest.raises(TypeError, match="integer dtype"):
+        check_parents(torch.tensor([-1.0, 0.0]))
+    with pytest.raises(TypeError, match="integer dtype"):
+        check_parents(torch.tensor([True, False]))
+    with pytest.raises(ValueError, match="at least the root"):
+        check_parents(torch.zeros(0, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"shape \[n\] or \[batch, n\]"):
+        check_parents(torch.full((1, 1, 1), -1))
+
+
+def test_static_shapes():
+    assert TreeShape.chain(4).parents == (-1, 0, 1, 2, 3)
+    assert TreeShape.chain(0).n == 1
+    assert [TreeShape.full(2, d).n for d in (3, 4, 5, 6)] == [15, 31, 63, 127]
+    full = TreeShape.full(3, 2)
+    assert full.parents == (-1, 0, 0, 0, 1, 1, 1, 2, 2, 2, 3, 3, 3)  # BFS order
+    paper = TreeShape.paper13()
+    assert paper.parents == (-1, 0, 0, 0, 1, 1, 2, 4, 4, 5, 7, 7, 7)
+    assert paper.max_depth == 4
+    assert [len(level) for level in ([i for i in range(13) if paper.depth[i] == d] for d in range(1, 5))] == [3] * 4
+    assert TreeShape.from_children([3, 2, 1, 0, 2, 1, 0, 3]).parents == paper.parents
+    assert TreeShape.from_children([2, 2]).parents == (-1, 0, 0, 1, 1)
+    with pytest.raises(ValueError, match=r"counts\[3\] = 1 but the tree has only 3 nodes"):
+        TreeShape.from_children([2, 0, 0, 1])
+    with pytest.raises(ValueError, match="first bad index 2"):
+        TreeShape((-1, 0, 2))
+
+
+def test_leaf_paths_and_children():
+    paper = TreeShape.paper13()
+    paths = paper.leaf_paths()
+    assert paths[0] == [0, 3] and paths[-1] == [0, 1, 4, 7, 12]
+    assert sorted(p[-1] for p in paths) == [3, 6, 8, 9, 10, 11, 12]
+    assert paper.children()[7] == [10, 11, 12]
+    assert leaf_paths([-1]) == [[0]]
+
+
+@given(parents=st.integers(1, 40).flatmap(parent_lists))
+def test_json_round_trip(parents, tmp_path_factory):
+    shape = TreeShape(tuple(parents))
+    path = tmp_path_factory.mktemp("trees") / "tree.json"
+    shape.save(path)
+    assert TreeShape.load(path) == shape
+
+
+def test_malformed_json_is_a_clear_error():
+    with pytest.raises(ValueError, match="malformed"):
+        TreeShape.from_json("{not json")
+    with pytest.raises(ValueError, match="format 'stree.tree_shape'"):
+        TreeShape.from_json(json.dumps({"parents": [-1]}))
+    with pytest.raises(ValueError, match="first bad index 1"):
+        TreeShape.from_json(json.dumps({"format": "stree.tree_shape", "parents": [-1, 1]}))
+
+
+def test_token_tree_per_row_parents_and_positions():
+    parents = torch.tensor([[-1, 0, 0, 1], [-1, 0, 1, 2]])
+    tree = TokenTree(parents, torch.arange(8).view(2, 4))
+    assert tree.depth.tolist() == [[0, 1, 1, 2], [0, 1, 2, 3]]
+    assert tree.position_ids(torch.tensor([10, 3])).tolist() == [[10, 11, 11, 12], [3, 4, 5, 6]]
+    assert torch.equal(tree.ancestor_mask[1], torch.ones(4, 4, dtype=torch.bool).tril())  # a chain
+    assert not tree.ancestor_mask[0, 2, 1] and tree.ancestor_mask[0, 3, 1]
+    assert tree.leaf_paths(0) == [[0, 2], [0, 1, 3]]  # leaves in index order and tree.leaf_paths(1) == [[0, 1, 2, 3]]
+    shared = TokenTree.from_shape(TreeShape.paper13(), torch.zeros(3, 13, dtype=torch.long))
+    assert shared.depth.shape == (3, 13) and shared.children()[0] == [1, 2, 3]
+
+
+def test_token_tree_validation():
+    with pytest.raises(ValueError, match=r"tokens must have shape \[B, 3\]"):
+        TokenTree(torch.tensor([-1, 0, 0]), torch.zeros(2, 4, dtype=torch.long))
+    with pytest.raises(TypeError, match="tokens must be an integer tensor"):
+        TokenTree(torch.tensor([-1, 0, 0]), torch.zeros(2, 3))
+    with pytest.raises(ValueError, match="parents has 3 rows but tokens has batch 2"):
+        TokenTree(torch.tensor([[-1, 0]] * 3), torch.zeros(2, 2, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"valid\[:, 0\] must be True"):
+        TokenTree(torch.tensor([-1, 0]), torch.zeros(1, 2, dtype=torch.long), valid=torch.tensor([[False, True]]))
+    with pytest.raises(ValueError, match="first bad index 1"):
+        TokenTree(torch.tensor([-1, 5]), torch.zeros(1, 2, dtype=torch.long))
+    with pytest.raises(ValueError, match="child_ids and child_probs must be given together"):
+        TokenTree(torch.tensor([-1, 0]), torch.zeros(1, 2, dtype=torch.long), child_ids=torch.zeros(1, 2, 3))
