@@ -40,7 +40,7 @@ def ssm_shapes(draw):
     return dict(
         ngroups=ngroups,
         nheads=ngroups * draw(st.sampled_from([1, 2])),
-        headdim=draw(st.sampled_from([1, 5, 8, 12, 16, 20])),
+        headdim=draw(st.sampled_from([1, 5, 8, 12, 16, 20, 40, 72])),  # > 32 / 64: several p-blocks
         dstate=draw(st.sampled_from([1, 3, 8, 16, 24])),
     )
 

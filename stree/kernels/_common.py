@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 import torch.nn.functional as F
@@ -16,8 +17,10 @@ FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 INF = math.inf
 
 # triton.jit picks the interpreter when it decorates a kernel, so what matters is the setting at
-# the time this package was imported, not the environment now.
-TRITON_INTERPRETED = bool(triton.knobs.runtime.interpret)
+# the time this package was imported, not the environment now. (triton < 3.4 has no knobs.)
+_knobs = getattr(triton, "knobs", None)
+TRITON_INTERPRETED = (bool(_knobs.runtime.interpret) if _knobs is not None
+                      else os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on"))
 
 
 def resolve_backend(backend: str, device: torch.device) -> str:
@@ -91,12 +94,13 @@ def check_groups(nheads, ngroups):
 
 
 def check_tree(parents, batch, n, device) -> TreeIndex:
-    """A TreeIndex for ``parents`` (tensor or TreeIndex) matching ``batch`` rows of ``n`` nodes."""
-    if isinstance(parents, torch.Tensor) and parents.device != device:
-        raise ValueError(f"parents is on {parents.device} but x is on {device}: all inputs must be on one device")
+    """A TreeIndex for ``parents`` (tensor, sequence or TreeIndex) matching ``batch`` rows of ``n`` nodes."""
+    if isinstance(parents, (torch.Tensor, TreeIndex)):
+        if parents.device != device:
+            raise ValueError(f"parents is on {parents.device} but x is on {device}: all inputs must be on one device")
+    else:
+        parents = torch.as_tensor(parents, device=device)
     index = tree_index(parents)
-    if index.device != device:
-        raise ValueError(f"parents is on {index.device} but x is on {device}: all inputs must be on one device")
     if index.n != n:
         raise ValueError(f"parents describes {index.n} nodes but the inputs have n = {n}")
     return index.for_batch(batch)

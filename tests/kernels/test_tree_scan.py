@@ -47,7 +47,7 @@ def test_multi_tile_trees(n, device, poison):
     gen = torch.Generator().manual_seed(n)
     parents = [-1] + [int(torch.randint(max(0, i - 8), i, (1,), generator=gen)) for i in range(1, n)]
     parents = torch.tensor(parents)
-    shape = dict(ngroups=1, nheads=2, headdim=4, dstate=8)
+    shape = dict(ngroups=1, nheads=2, headdim=72, dstate=8)  # two p-blocks as well
     opts = dict(dt_softplus=True, dt_limit=(0.0, math.inf), use_bias=True)
     inp = ssm_inputs(gen, 1, n, shape, opts)
     expected = _definition(inp, parents, opts)
@@ -89,6 +89,36 @@ def test_chain_equals_multistep_and_transformers_chunk_scan(device):
     assert y_hf.abs().max() > 0.1  # a real signal, not two zero tensors agreeing
     for y in (y_tree, y_ref, y_ms.cpu()):
         assert max_rel_error(y, y_hf) <= FP32_TOL
+
+
+def test_strided_views_as_a_model_produces_them(device):
+    """x, B, C sliced out of one conv output and dt out of the in_proj output, as the Mamba2 layer
+    does: the kernel must follow the strides, not assume contiguity."""
+    g = torch.Generator().manual_seed(6)
+    shape = TreeShape.paper13()
+    b, n, h, p, grp, s = 2, shape.n, 4, 8, 2, 8
+    xbc = torch.randn(b, n, h * p + 2 * grp * s, generator=g)
+    zxbcdt = torch.randn(b, n, 5 + h, generator=g)
+    x = xbc[..., : h * p].unflatten(-1, (h, p))
+    B = xbc[..., h * p : h * p + grp * s].unflatten(-1, (grp, s))
+    C = xbc[..., h * p + grp * s :].unflatten(-1, (grp, s))
+    dt = zxbcdt[..., 5:]
+    assert not (x.is_contiguous() or B.is_contiguous() or dt.is_contiguous())
+    A, D, x0 = -torch.rand(h, generator=g) * 4, torch.randn(h, generator=g), torch.randn(b, h, p, s, generator=g)
+    parents = shape.parents_tensor()
+    expected = tree_scan_def(x, dt, A, B, C, parents, D=D, initial_state=x0)
+    y = tree_scan(*(t.to(device) for t in (x, dt, A, B, C, parents)), D=D.to(device), initial_state=x0.to(device),
+                  backend="triton")
+    assert max_rel_error(y, expected) <= FP32_TOL
+
+
+def test_inputs_on_two_devices_are_refused(device):
+    other = "cpu" if device.type == "cuda" else "meta"
+    a = {k: v.to(device) for k, v in _args().items()}
+    with pytest.raises(ValueError, match=f"parents is on {other}"):
+        tree_scan(*(a[k] for k in ("x", "dt", "A", "B", "C")), a["parents"].to(other), backend="triton")
+    with pytest.raises(ValueError, match=f"C is on {other}"):
+        tree_scan(*(a[k] for k in ("x", "dt", "A", "B")), a["C"].to(other), a["parents"], backend="triton")
 
 
 def test_tree_index_is_accepted_and_shared_across_batch(device):
