@@ -64,12 +64,12 @@ def _check_args(ssm_state, conv_state, xBC, x, dt, B, A, accepted, num_accepted,
     check_tensor("num_accepted", num_accepted, (batch,), device, kind="int")
     L = accepted.shape[1]
     bad_num = (num_accepted < 1) | (num_accepted > L)
-    if bool(bad_num.any()):
-        row = int(torch.nonzero(bad_num)[0])
-        raise ValueError(f"num_accepted[{row}] = {int(num_accepted[row])} must be in [1, {L}] (the root always counts)")
     used = torch.arange(L, device=device) < num_accepted[:, None]
     bad = used & ((accepted < 0) | (accepted >= n))
-    if bool(bad.any()):
+    if bool(bad_num.any() | bad.any()):  # one device sync for both checks
+        if bool(bad_num.any()):
+            row = int(torch.nonzero(bad_num)[0])
+            raise ValueError(f"num_accepted[{row}] = {int(num_accepted[row])} must be in [1, {L}] (the root always counts)")
         row, t = (int(v) for v in torch.nonzero(bad)[0])
         raise ValueError(f"accepted[{row}, {t}] = {int(accepted[row, t])} is not a node index in [0, {n})")
     return check_dt_limit(dt_limit)

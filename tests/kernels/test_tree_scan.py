@@ -193,3 +193,13 @@ def test_more_than_256_nodes_is_refused():
     a = _args(n=n)
     with pytest.raises(ValueError, match=r"at most 256 nodes, got n = 257"):
         tree_scan_ref(a["x"], a["dt"], a["A"], a["B"], a["C"], a["parents"])
+
+
+def test_triton_on_cpu_without_the_interpreter_is_a_clear_error(monkeypatch):
+    from stree.kernels import _common
+
+    monkeypatch.setattr(_common, "TRITON_INTERPRETED", False)
+    a = _args()
+    with pytest.raises(ValueError, match="TRITON_INTERPRET=1 set before stree.kernels is imported"):
+        tree_scan(*(a[k] for k in ("x", "dt", "A", "B", "C", "parents")), backend="triton")
+    assert tree_scan(*(a[k] for k in ("x", "dt", "A", "B", "C", "parents"))).shape == a["x"].shape  # auto -> torch
