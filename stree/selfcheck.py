@@ -23,6 +23,7 @@ from stree.testing import (  # noqa: E402
     multistep_def,
     random_ssm_inputs,
     replay_def,
+    tree_attention_def,
     tree_conv1d_def,
     tree_scan_def,
 )
@@ -52,6 +53,15 @@ def _cases(device, dtype, large):
         cargs = (xbc, parents, conv, w, bias)
         yield ("tree_conv1d", tree_name, lambda be, a=cargs: (kernels.tree_conv1d(*a, backend=be),),
                (tree_conv1d_def(*cargs),))
+
+        hq, hkv, d, t_max = (8, 2, 64, 256) if large else (4, 2, 16, 40)
+        attn = dict(q=torch.randn(2, n, hq, d, generator=g), k_cache=torch.randn(2, t_max, hkv, d, generator=g),
+                    v_cache=torch.randn(2, t_max, hkv, d, generator=g), k_tree=torch.randn(2, n, hkv, d, generator=g),
+                    v_tree=torch.randn(2, n, hkv, d, generator=g))
+        attn = {k: v.to(device, dtype) for k, v in attn.items()}
+        attn.update(cache_seqlens=torch.tensor([t_max, t_max // 3], device=device), parents=parents)
+        yield ("tree_attention", tree_name, lambda be, a=attn: (kernels.tree_attention(**a, backend=be),),
+               (tree_attention_def(**attn),))
 
         path = torch.tensor(shape.leaf_paths()[-1], device=device)
         accepted = torch.stack([path, torch.zeros_like(path)])  # the deepest path, and the root alone

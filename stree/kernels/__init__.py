@@ -1,4 +1,4 @@
-"""Tree kernels for Mamba2: each has a Triton kernel and a ``*_ref`` PyTorch reference.
+"""Tree kernels for Mamba2 and the hybrids' attention layers: each has a Triton kernel and a ``*_ref`` PyTorch reference.
 
 ``backend="auto"`` runs Triton on CUDA tensors and the reference on CPU tensors; ``"triton"``
 on CPU tensors needs ``TRITON_INTERPRET=1`` set before this package is imported.
@@ -6,6 +6,7 @@ on CPU tensors needs ``TRITON_INTERPRET=1`` set before this package is imported.
 
 from .multistep import multistep_update, multistep_update_ref
 from .replay import replay, replay_ref
+from .tree_attention import tree_attention, tree_attention_ref
 from .tree_conv1d import tree_conv1d, tree_conv1d_ref
 from .tree_scan import MAX_TREE_NODES, tree_scan, tree_scan_ref
 
@@ -18,5 +19,7 @@ __all__ = [
     "multistep_update_ref",
     "replay",
     "replay_ref",
+    "tree_attention",
+    "tree_attention_ref",
     "MAX_TREE_NODES",
 ]

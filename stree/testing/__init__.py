@@ -5,6 +5,7 @@ from .definitions import (
     multistep_def,
     random_ssm_inputs,
     replay_def,
+    tree_attention_def,
     tree_conv1d_def,
     tree_scan_def,
 )
@@ -14,6 +15,7 @@ __all__ = [
     "multistep_def",
     "random_ssm_inputs",
     "replay_def",
+    "tree_attention_def",
     "tree_conv1d_def",
     "tree_scan_def",
 ]

@@ -126,6 +126,26 @@ def replay_def(ssm_state, conv_state, xBC, x, dt, B, A, accepted, num_accepted, 
     return new_ssm, new_conv
 
 
+def tree_attention_def(q, k_cache, v_cache, cache_seqlens, k_tree, v_tree, parents, *, softmax_scale=None):
+    """Per node and query head: softmax over the visible prefix keys and the node's ancestors-or-self."""
+    batch, n, hq, d = q.shape
+    hkv = k_cache.shape[2]
+    scale = 1.0 / math.sqrt(d) if softmax_scale is None else softmax_scale
+    q, k_cache, v_cache, k_tree, v_tree = (t.double().cpu() for t in (q, k_cache, v_cache, k_tree, v_tree))
+    out = torch.zeros(batch, n, hq, d, dtype=torch.float64)
+    for b in range(batch):
+        par = _row_parents(parents, b)
+        length = int(cache_seqlens[b])
+        for i in range(n):
+            path = _path(par, i)
+            for h in range(hq):
+                kv = h // (hq // hkv)
+                keys = torch.cat([k_cache[b, :length, kv], k_tree[b, path, kv]])
+                values = torch.cat([v_cache[b, :length, kv], v_tree[b, path, kv]])
+                out[b, i, h] = torch.softmax(keys @ q[b, i, h] * scale, dim=0) @ values
+    return out
+
+
 def max_rel_error(out, ref) -> float:
     """max |out - ref| / max |ref| (the whole tensor's scale, so tiny entries cannot blow it up)."""
     out, ref = out.double().cpu(), ref.double().cpu()

@@ -1,0 +1,160 @@
+"""Attention of packed-tree queries over a committed KV prefix plus the tree's own keys.
+
+Query node i of row b attends to every committed position ``t < cache_seqlens[b]`` and to the
+tree nodes that are i or its ancestors (the tree mask). Flash-style: one pass over the prefix and
+one over the tree block with an online softmax, so the two parts merge exactly as one softmax.
+GQA is native: query head h reads KV head ``h // (hq / hkv)``; K/V are never repeated in memory.
+RoPE is the caller's job (positions ``prefix_len + depth``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from ._common import check_layout, check_tensor, check_tree, dot_precision, pow2_block, resolve_backend
+
+__all__ = ["tree_attention", "tree_attention_ref"]
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _online_softmax_step(s, v, m_i, l_i, acc, DOT_PRECISION: tl.constexpr):
+    """Fold a block of base-2 scores ``s`` [M, N] (-inf = masked) and values ``v`` [N, D] in."""
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _tree_attention_kernel(
+    q_ptr, kc_ptr, vc_ptr, lens_ptr, kt_ptr, vt_ptr, pre_ptr, last_ptr, out_ptr,
+    n, hq, head_dim, q_per_kv, scale_log2,
+    s_q_b, s_q_n, s_q_h, s_q_d,
+    s_kc_b, s_kc_t, s_kc_h, s_kc_d,
+    s_vc_b, s_vc_t, s_vc_h, s_vc_d,
+    s_kt_b, s_kt_n, s_kt_h, s_kt_d,
+    s_vt_b, s_vt_n, s_vt_h, s_vt_d,
+    s_o_b, s_o_n, s_o_h, s_o_d,
+    s_tree_b,
+    DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    pid_bh = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    b = pid_bh // hq
+    h = pid_bh % hq
+    kvh = h // q_per_kv
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    m_ok = offs_m < n
+    d_ok = offs_d < head_dim
+
+    q = tl.load(q_ptr + b * s_q_b + h * s_q_h + offs_m[:, None] * s_q_n + offs_d[None, :] * s_q_d,
+                mask=m_ok[:, None] & d_ok[None, :], other=0.0)
+    # Finite floor instead of -inf: fully masked (padding) rows then give alpha = 1 and p = 0, not NaN.
+    m_i = tl.full((BLOCK_M,), -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
+
+    seqlen = tl.load(lens_ptr + b)
+    for t0 in range(0, seqlen, BLOCK_N):
+        offs_t = t0 + tl.arange(0, BLOCK_N)
+        t_ok = offs_t < seqlen
+        k = tl.load(kc_ptr + b * s_kc_b + kvh * s_kc_h + offs_t[:, None] * s_kc_t + offs_d[None, :] * s_kc_d,
+                    mask=t_ok[:, None] & d_ok[None, :], other=0.0)
+        v = tl.load(vc_ptr + b * s_vc_b + kvh * s_vc_h + offs_t[:, None] * s_vc_t + offs_d[None, :] * s_vc_d,
+                    mask=t_ok[:, None] & d_ok[None, :], other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+        s = tl.where(t_ok[None, :], s, -float("inf"))
+        m_i, l_i, acc = _online_softmax_step(s, v, m_i, l_i, acc, DOT_PRECISION)
+
+    pre_m = tl.load(pre_ptr + b * s_tree_b + offs_m, mask=m_ok, other=-1)
+    hi = tl.minimum(n, (pid_m + 1) * BLOCK_M)  # ancestors precede their descendants
+    for k0 in range(0, hi, BLOCK_N):
+        offs_k = k0 + tl.arange(0, BLOCK_N)
+        k_ok = offs_k < n
+        k = tl.load(kt_ptr + b * s_kt_b + kvh * s_kt_h + offs_k[:, None] * s_kt_n + offs_d[None, :] * s_kt_d,
+                    mask=k_ok[:, None] & d_ok[None, :], other=0.0)
+        v = tl.load(vt_ptr + b * s_vt_b + kvh * s_vt_h + offs_k[:, None] * s_vt_n + offs_d[None, :] * s_vt_d,
+                    mask=k_ok[:, None] & d_ok[None, :], other=0.0)
+        pre_k = tl.load(pre_ptr + b * s_tree_b + offs_k, mask=k_ok, other=n)
+        last_k = tl.load(last_ptr + b * s_tree_b + offs_k, mask=k_ok, other=-1)
+        anc = (pre_k[None, :] <= pre_m[:, None]) & (pre_m[:, None] <= last_k[None, :])
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+        s = tl.where(anc, s, -float("inf"))
+        m_i, l_i, acc = _online_softmax_step(s, v, m_i, l_i, acc, DOT_PRECISION)
+
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    tl.store(out_ptr + b * s_o_b + h * s_o_h + offs_m[:, None] * s_o_n + offs_d[None, :] * s_o_d,
+             out.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
+
+
+def _check_args(q, k_cache, v_cache, cache_seqlens, k_tree, v_tree, parents, softmax_scale):
+    batch, n, hq, head_dim = check_layout("q", q, "batch, n, q_heads, head_dim")
+    device = q.device
+    if n == 0:
+        raise ValueError("q has no nodes (n = 0)")
+    t_max, hkv = check_layout("k_cache", k_cache, "batch, t_max, kv_heads, head_dim")[1:3]
+    if hkv < 1 or hq % hkv:
+        raise ValueError(f"q_heads ({hq}) must be a multiple of kv_heads ({hkv})")
+    check_tensor("k_cache", k_cache, (batch, t_max, hkv, head_dim), device, dtype=q.dtype)
+    check_tensor("v_cache", v_cache, (batch, t_max, hkv, head_dim), device, dtype=q.dtype)
+    check_tensor("k_tree", k_tree, (batch, n, hkv, head_dim), device, dtype=q.dtype)
+    check_tensor("v_tree", v_tree, (batch, n, hkv, head_dim), device, dtype=q.dtype)
+    check_tensor("cache_seqlens", cache_seqlens, (batch,), device, kind="int")
+    bad = (cache_seqlens < 0) | (cache_seqlens > t_max)
+    if bool(bad.any()):
+        row = int(torch.nonzero(bad)[0])
+        raise ValueError(f"cache_seqlens[{row}] = {int(cache_seqlens[row])} must be in [0, t_max = {t_max}]")
+    scale = 1.0 / math.sqrt(head_dim) if softmax_scale is None else float(softmax_scale)
+    return check_tree(parents, batch, n, device), scale
+
+
+def tree_attention_ref(q, k_cache, v_cache, cache_seqlens, k_tree, v_tree, parents, *, softmax_scale=None):
+    """SDPA over ``[prefix; tree]`` keys with an explicit mask (prefix length per row, tree mask)."""
+    index, scale = _check_args(q, k_cache, v_cache, cache_seqlens, k_tree, v_tree, parents, softmax_scale)
+    batch, n, hq, _ = q.shape
+    t_max, hkv = k_cache.shape[1:3]
+    keys = torch.cat([k_cache, k_tree], dim=1).float().repeat_interleave(hq // hkv, dim=2)
+    values = torch.cat([v_cache, v_tree], dim=1).float().repeat_interleave(hq // hkv, dim=2)
+    prefix = torch.arange(t_max, device=q.device) < cache_seqlens[:, None]  # [b, t_max]
+    mask = torch.cat([prefix[:, None, :].expand(batch, n, t_max), index.ancestor_mask().expand(batch, n, n)], dim=2)
+    out = F.scaled_dot_product_attention(q.float().transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
+                                         attn_mask=mask[:, None], scale=scale)
+    return out.transpose(1, 2).to(q.dtype)
+
+
+def tree_attention(q, k_cache, v_cache, cache_seqlens, k_tree, v_tree, parents, *, softmax_scale=None,
+                   backend="auto"):
+    """Tree-masked attention over a KV prefix and the tree's own K/V.
+
+    q ``[b, n, hq, d]``; k_cache, v_cache ``[b, t_max, hkv, d]`` of which the first
+    ``cache_seqlens[b]`` positions are visible; k_tree, v_tree ``[b, n, hkv, d]``; parents ``[n]``,
+    ``[b, n]`` or a TreeIndex. Returns ``[b, n, hq, d]`` in q's dtype.
+    """
+    check_layout("q", q, "batch, n, q_heads, head_dim")
+    if resolve_backend(backend, q.device) == "torch":
+        return tree_attention_ref(q, k_cache, v_cache, cache_seqlens, k_tree, v_tree, parents,
+                                  softmax_scale=softmax_scale)
+    index, scale = _check_args(q, k_cache, v_cache, cache_seqlens, k_tree, v_tree, parents, softmax_scale)
+    batch, n, hq, head_dim = q.shape
+    hkv = k_cache.shape[2]
+    out = torch.empty_like(q)
+    block_m = min(pow2_block(n), 64)
+    grid = (batch * hq, triton.cdiv(n, block_m))
+    _tree_attention_kernel[grid](
+        q, k_cache, v_cache, cache_seqlens, k_tree, v_tree, index.pre, index.last, out,
+        n, hq, head_dim, hq // hkv, scale * LOG2E,
+        *q.stride(), *k_cache.stride(), *v_cache.stride(), *k_tree.stride(), *v_tree.stride(), *out.stride(),
+        index.row_stride(),
+        DOT_PRECISION=dot_precision(q.dtype), BLOCK_M=block_m, BLOCK_N=64, BLOCK_D=pow2_block(head_dim),
+    )
+    return out
