@@ -1,4 +1,4 @@
-"""Argument checking, backend choice and the dt / group conventions shared by the SSM kernels."""
+"""Argument checking, backend choice, and the dt / group conventions shared by the kernels."""
 
 from __future__ import annotations
 
