@@ -1,0 +1,189 @@
+"""Local checkpoint directories: detect the format, build the model from the files' own sizes,
+load the weights with shape checks; and write checkpoints in each format (test fixtures, exports).
+
+Formats: ``mamba_ssm`` (config.json with ``ssm_cfg``; pytorch_model.bin or model.safetensors,
+``backbone.embedding``) and ``hf`` (transformers Mamba2: ``model_type`` "mamba2",
+``backbone.embeddings``). MambaInLlama directories (with mamba_config.json) are recognised and
+refused until the hybrid model exists.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from .config import Mamba2Config
+from .mamba2 import Mamba2LM
+
+FORMATS = ("mamba_ssm", "hf")
+WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
+
+# mamba_ssm Mamba2 options this implementation does not compute; a checkpoint that sets them is refused.
+_UNSUPPORTED_SSM = {"D_has_hdim": False, "rmsnorm": True, "norm_before_gate": False}
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{path} is missing") from None
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path} is not valid JSON: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} must hold a JSON object")
+    return data
+
+
+def detect_format(path) -> str:
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"checkpoint directory {path} does not exist")
+    if (path / "mamba_config.json").exists():
+        raise ValueError(f"{path} is a MambaInLlama checkpoint (mamba_config.json); hybrids are not supported yet")
+    config = _read_json(path / "config.json")
+    if config.get("model_type") == "mamba2":
+        return "hf"
+    if isinstance(config.get("ssm_cfg"), dict):
+        return "mamba_ssm"
+    raise ValueError(f"{path / 'config.json'}: unknown checkpoint format (neither model_type 'mamba2' nor ssm_cfg)")
+
+
+def _require(config: dict, key: str, file: Path):
+    if key not in config:
+        raise ValueError(f"{file}: missing key {key!r}")
+    return config[key]
+
+
+def _config_mamba_ssm(config: dict, file: Path) -> Mamba2Config:
+    ssm = config["ssm_cfg"]
+    if ssm.get("layer", "Mamba1") != "Mamba2":
+        raise ValueError(f"{file}: ssm_cfg.layer is {ssm.get('layer')!r}, only 'Mamba2' is supported")
+    for key, value in _UNSUPPORTED_SSM.items():
+        if ssm.get(key, value) != value:
+            raise ValueError(f"{file}: ssm_cfg.{key} = {ssm[key]!r} is not supported (only {value!r})")
+    if config.get("d_intermediate", 0) or config.get("attn_layer_idx"):
+        raise ValueError(f"{file}: d_intermediate / attn_layer_idx (mamba_ssm MLP or attention layers) are not supported")
+    if not config.get("rms_norm", True):
+        raise ValueError(f"{file}: rms_norm = false (LayerNorm blocks) is not supported")
+    d_model = _require(config, "d_model", file)
+    expand = ssm.get("expand", 2)
+    if ssm.get("d_ssm") not in (None, expand * d_model):
+        raise ValueError(f"{file}: ssm_cfg.d_ssm different from d_inner is not supported")
+    return Mamba2Config(
+        d_model=d_model, n_layer=_require(config, "n_layer", file), vocab_size=_require(config, "vocab_size", file),
+        d_state=ssm.get("d_state", 128), d_conv=ssm.get("d_conv", 4), expand=expand, headdim=ssm.get("headdim", 64),
+        ngroups=ssm.get("ngroups", 1), chunk_size=ssm.get("chunk_size", 256),
+        dt_limit=tuple(float(v) for v in ssm.get("dt_limit", (0.0, math.inf))),
+        conv_bias=ssm.get("conv_bias", True), bias=ssm.get("bias", False),
+        pad_vocab_size_multiple=config.get("pad_vocab_size_multiple", 8),
+        tie_embeddings=config.get("tie_embeddings", True), residual_in_fp32=config.get("residual_in_fp32", True),
+    )
+
+
+def _config_hf(config: dict, file: Path) -> Mamba2Config:
+    hidden, expand, head_dim = (_require(config, k, file) for k in ("hidden_size", "expand", "head_dim"))
+    num_heads = _require(config, "num_heads", file)
+    if num_heads * head_dim != hidden * expand:
+        raise ValueError(f"{file}: num_heads * head_dim = {num_heads * head_dim} != hidden_size * expand = {hidden * expand}")
+    return Mamba2Config(
+        d_model=hidden, n_layer=_require(config, "num_hidden_layers", file),
+        vocab_size=_require(config, "vocab_size", file), d_state=_require(config, "state_size", file),
+        d_conv=config.get("conv_kernel", 4), expand=expand, headdim=head_dim,
+        ngroups=_require(config, "n_groups", file), chunk_size=config.get("chunk_size", 256),
+        dt_limit=tuple(float(v) for v in config.get("time_step_limit", (0.0, math.inf))),
+        conv_bias=config.get("use_conv_bias", True), bias=config.get("use_bias", False),
+        pad_vocab_size_multiple=1,  # transformers stores the padded size as vocab_size
+        tie_embeddings=config.get("tie_word_embeddings", False), residual_in_fp32=config.get("residual_in_fp32", True),
+        norm_eps=config.get("layer_norm_epsilon", 1e-5),
+    )
+
+
+def _read_weights(path: Path) -> tuple[dict, Path]:
+    for name in WEIGHT_FILES:
+        file = path / name
+        if file.exists():
+            try:
+                state = load_file(str(file)) if name.endswith(".safetensors") else torch.load(
+                    file, map_location="cpu", weights_only=True)
+            except Exception as exc:
+                raise ValueError(f"{file} could not be read: {exc}") from exc
+            return state, file
+    raise FileNotFoundError(f"{path} holds no weights ({' or '.join(WEIGHT_FILES)})")
+
+
+def load(path, dtype: torch.dtype | None = None, device=None) -> Mamba2LM:
+    """Build and load the model in checkpoint directory ``path`` (format auto-detected).
+
+    ``dtype`` defaults to the checkpoint's embedding dtype; D stays fp32 as in mamba_ssm.
+    """
+    path = Path(path)
+    fmt = detect_format(path)
+    config_file = path / "config.json"
+    raw = _read_json(config_file)
+    cfg = _config_hf(raw, config_file) if fmt == "hf" else _config_mamba_ssm(raw, config_file)
+    state, weights_file = _read_weights(path)
+    if fmt == "hf":
+        state = {k.replace("backbone.embeddings.", "backbone.embedding.", 1): v for k, v in state.items()}
+    embedding = state.get("backbone.embedding.weight")
+    if embedding is None:
+        raise ValueError(f"{weights_file}: missing key 'backbone.embedding{'s' if fmt == 'hf' else ''}.weight'")
+    model = Mamba2LM(cfg, device=device, dtype=dtype or embedding.dtype)
+    expected = model.state_dict()
+    if cfg.tie_embeddings:
+        state.pop("lm_head.weight", None)  # the same tensor as the embedding when present
+        expected.pop("lm_head.weight")
+    for key, tensor in expected.items():
+        if key not in state:
+            raise ValueError(f"{weights_file}: missing key {key!r}")
+        if tuple(state[key].shape) != tuple(tensor.shape):
+            raise ValueError(f"{weights_file}: {key!r} has shape {tuple(state[key].shape)}, "
+                             f"the config in {config_file} implies {tuple(tensor.shape)}")
+    unexpected = sorted(set(state) - set(expected))
+    if unexpected:
+        raise ValueError(f"{weights_file}: unexpected keys {unexpected[:5]}")
+    model.load_state_dict(state, strict=not cfg.tie_embeddings)
+    return model.eval()
+
+
+def save(model: Mamba2LM, path, format: str = "mamba_ssm") -> None:
+    """Write ``model`` as a checkpoint directory in ``format`` (config.json + model.safetensors)."""
+    if format not in FORMATS:
+        raise ValueError(f"format must be one of {FORMATS}, got {format!r}")
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    cfg = model.cfg
+    state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+    if cfg.tie_embeddings:
+        state.pop("lm_head.weight")  # safetensors stores each tensor once; loading re-ties
+    if format == "hf":
+        state = {k.replace("backbone.embedding.", "backbone.embeddings.", 1): v for k, v in state.items()}
+        config = dict(model_type="mamba2", architectures=["Mamba2ForCausalLM"], hidden_size=cfg.d_model,
+                      num_hidden_layers=cfg.n_layer, vocab_size=cfg.padded_vocab_size, state_size=cfg.d_state,
+                      conv_kernel=cfg.d_conv, expand=cfg.expand, num_heads=cfg.nheads, head_dim=cfg.headdim,
+                      n_groups=cfg.ngroups, chunk_size=cfg.chunk_size, time_step_limit=list(cfg.dt_limit),
+                      use_bias=cfg.bias, use_conv_bias=cfg.conv_bias, tie_word_embeddings=cfg.tie_embeddings,
+                      residual_in_fp32=cfg.residual_in_fp32, layer_norm_epsilon=cfg.norm_eps)
+    else:
+        ssm = dict(layer="Mamba2", d_state=cfg.d_state, d_conv=cfg.d_conv, expand=cfg.expand, headdim=cfg.headdim,
+                   ngroups=cfg.ngroups, chunk_size=cfg.chunk_size, dt_limit=list(cfg.dt_limit), bias=cfg.bias,
+                   conv_bias=cfg.conv_bias)
+        config = dict(d_model=cfg.d_model, d_intermediate=0, n_layer=cfg.n_layer, vocab_size=cfg.vocab_size,
+                      ssm_cfg=ssm, attn_layer_idx=[], attn_cfg={}, rms_norm=True,
+                      residual_in_fp32=cfg.residual_in_fp32, fused_add_norm=True,
+                      pad_vocab_size_multiple=cfg.pad_vocab_size_multiple, tie_embeddings=cfg.tie_embeddings)
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    save_file(state, str(path / "model.safetensors"))
+
+
+def load_tokenizer(path):
+    """The tokenizer saved in checkpoint directory ``path``, loaded offline."""
+    from transformers import AutoTokenizer
+
+    path = Path(path)
+    if not any((path / name).exists() for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        raise FileNotFoundError(f"{path} holds no tokenizer (tokenizer.json / tokenizer_config.json)")
+    return AutoTokenizer.from_pretrained(str(path), local_files_only=True)

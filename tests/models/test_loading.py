@@ -1,0 +1,119 @@
+import json
+
+import pytest
+import torch
+
+from stree.models import Mamba2Config, Mamba2LM, detect_format, load, load_tokenizer, save
+from stree.tree import TokenTree, TreeShape
+
+
+def _model(tie=True, ngroups=2):
+    torch.manual_seed(0)
+    return Mamba2LM(Mamba2Config(d_model=32, n_layer=2, vocab_size=100, d_state=8, headdim=8, ngroups=ngroups,
+                                 tie_embeddings=tie)).eval()
+
+
+def _logits(model):
+    ids = torch.randint(0, 100, (2, 9), generator=torch.Generator().manual_seed(1))
+    return model.forward_tree(TokenTree.from_shape(TreeShape.chain(8), ids), model.allocate_cache(2, 16))
+
+
+@pytest.mark.parametrize("fmt", ["mamba_ssm", "hf"])
+@pytest.mark.parametrize("tie", [True, False])
+def test_save_load_round_trip_gives_identical_logits(fmt, tie, tmp_path):
+    model = _model(tie)
+    save(model, tmp_path, format=fmt)
+    assert detect_format(tmp_path) == fmt
+    loaded = load(tmp_path)
+    assert loaded.cfg.padded_vocab_size == model.cfg.padded_vocab_size
+    assert (loaded.lm_head.weight is loaded.backbone.embedding.weight) == tie
+    assert torch.equal(_logits(loaded), _logits(model))
+
+
+def test_hf_directory_loads_in_transformers_with_the_same_logits(tmp_path):
+    from transformers import Mamba2ForCausalLM
+
+    model = _model(ngroups=2)
+    save(model, tmp_path, format="hf")
+    hf = Mamba2ForCausalLM.from_pretrained(str(tmp_path), local_files_only=True).eval()
+    ids = torch.randint(0, 100, (2, 9), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert (hf(ids).logits - _logits(model)).abs().max() <= 1e-4
+
+
+def test_mamba_ssm_bin_with_defaults_and_tied_duplicate(tmp_path):
+    """The state-spaces layout: config.json with only ``{"layer": "Mamba2"}`` plus the sizes that
+    differ from mamba_ssm's defaults, and a pickled state dict holding lm_head and the embedding."""
+    torch.manual_seed(0)
+    cfg = Mamba2Config(d_model=64, n_layer=1, vocab_size=50, d_state=128, headdim=64)  # mamba_ssm defaults
+    model = Mamba2LM(cfg).eval()
+    state = {k: v.half() if k != "backbone.layers.0.mixer.D" else v for k, v in model.state_dict().items()}
+    torch.save(state, tmp_path / "pytorch_model.bin")
+    (tmp_path / "config.json").write_text(json.dumps(dict(
+        d_model=64, n_layer=1, vocab_size=50, ssm_cfg={"layer": "Mamba2"}, rms_norm=True, residual_in_fp32=True,
+        fused_add_norm=True, pad_vocab_size_multiple=16, tie_embeddings=True)))
+    loaded = load(tmp_path)
+    assert loaded.cfg == cfg
+    assert loaded.dtype == torch.float16 and loaded.backbone.layers[0].mixer.D.dtype == torch.float32
+    as_bf16 = load(tmp_path, dtype=torch.bfloat16)
+    assert as_bf16.backbone.layers[0].mixer.in_proj.weight.dtype == torch.bfloat16
+    assert as_bf16.backbone.layers[0].mixer.D.dtype == torch.float32
+
+
+def test_malformed_checkpoints_name_the_file_and_key(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load(tmp_path / "nowhere")
+    with pytest.raises(FileNotFoundError, match="config.json is missing"):
+        load(tmp_path)
+    (tmp_path / "config.json").write_text("{broken")
+    with pytest.raises(ValueError, match="config.json is not valid JSON"):
+        load(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    with pytest.raises(ValueError, match="unknown checkpoint format"):
+        load(tmp_path)
+
+    save(_model(), tmp_path, format="mamba_ssm")
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "ssm_cfg": {**cfg["ssm_cfg"], "d_state": 16}}))
+    with pytest.raises(ValueError, match=r"model.safetensors: 'backbone.layers.0.mixer.in_proj.weight' has shape"):
+        load(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "ssm_cfg": {**cfg["ssm_cfg"], "D_has_hdim": True}}))
+    with pytest.raises(ValueError, match="ssm_cfg.D_has_hdim = True is not supported"):
+        load(tmp_path)
+    del cfg["n_layer"]
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="config.json: missing key 'n_layer'"):
+        load(tmp_path)
+
+    from safetensors.torch import load_file, save_file
+
+    save(_model(), tmp_path, format="hf")
+    state = load_file(str(tmp_path / "model.safetensors"))
+    del state["backbone.layers.1.mixer.A_log"]
+    save_file(state, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match="model.safetensors: missing key 'backbone.layers.1.mixer.A_log'"):
+        load(tmp_path)
+    (tmp_path / "model.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match="holds no weights"):
+        load(tmp_path)
+    (tmp_path / "mamba_config.json").write_text("{}")
+    with pytest.raises(ValueError, match="MambaInLlama checkpoint"):
+        load(tmp_path)
+    with pytest.raises(ValueError, match="format must be one of"):
+        save(_model(), tmp_path, format="gguf")
+
+
+def test_load_tokenizer_offline(tmp_path):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    with pytest.raises(FileNotFoundError, match="holds no tokenizer"):
+        load_tokenizer(tmp_path)
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(["def f(x):\n    return x + 1\n"] * 20, trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>"]))
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>").save_pretrained(str(tmp_path))
+    loaded = load_tokenizer(tmp_path)
+    text = "def f(x):\n    return x + 1\n"
+    assert loaded.decode(loaded.encode(text)) == text
