@@ -1,4 +1,4 @@
-"""Committed decoding state of a Mamba2 LM, plus the scratch one tree verify pass leaves for commit."""
+"""Committed decoding state of a model, plus the scratch one tree verify pass leaves for commit."""
 
 from __future__ import annotations
 
@@ -9,40 +9,54 @@ import torch
 
 @dataclass
 class SSMScratch:
-    """Per-node activations of one layer's last ``forward_tree``: what replay needs, nothing more."""
+    """Per-node activations of one Mamba2 layer's last ``forward_tree``: what replay needs."""
 
     xBC: torch.Tensor  # [b, n, conv_dim] raw, before the conv
-    x: torch.Tensor  # [b, n, h, p] after conv and SiLU
+    x: torch.Tensor  # [b, n, h, p] after conv and SiLU (repeated to heads)
     dt: torch.Tensor  # [b, n, h] raw, before bias
     B: torch.Tensor  # [b, n, g, s] after conv and SiLU
 
 
 @dataclass
-class Mamba2Cache:
-    """``conv`` ``[layers, b, conv_dim, d_conv]`` in model dtype (raw inputs, newest last);
-    ``ssm`` ``[layers, b, h, p, s]`` fp32; ``seqlens`` ``[b]`` tokens committed per row."""
+class AttnScratch:
+    """The tree nodes' keys (after RoPE) and values of one attention layer's last ``forward_tree``."""
 
-    conv: torch.Tensor
-    ssm: torch.Tensor
+    k: torch.Tensor  # [b, n, hkv, d]
+    v: torch.Tensor
+
+
+@dataclass
+class ModelCache:
+    """Per-row committed state. SSM layers: ``conv`` ``[ssm_layers, b, conv_dim, d_conv]`` (model
+    dtype, raw inputs, newest last) and ``ssm`` ``[ssm_layers, b, h, p, s]`` fp32. Attention layers:
+    ``k``, ``v`` ``[attn_layers, b, max_length, hkv, d]``. ``seqlens`` ``[b]``: tokens committed."""
+
+    conv: torch.Tensor | None
+    ssm: torch.Tensor | None
+    k: torch.Tensor | None
+    v: torch.Tensor | None
     seqlens: torch.Tensor
     max_length: int
-    scratch: list[SSMScratch | None] = field(default_factory=list)
+    scratch: list = field(default_factory=list)
     tree_n: int | None = None  # nodes of the tree the scratch belongs to
 
     @property
     def batch_size(self) -> int:
-        return self.ssm.shape[1]
+        return self.seqlens.shape[0]
 
-    def select(self, rows: torch.Tensor) -> "Mamba2Cache":
+    def select(self, rows: torch.Tensor) -> "ModelCache":
         """A copy of the committed state of ``rows`` (a LongTensor of row indices); no scratch."""
-        return Mamba2Cache(self.conv[:, rows], self.ssm[:, rows], self.seqlens[rows], self.max_length,
-                           [None] * len(self.scratch))
+        take = lambda t: t[:, rows] if t is not None else None
+        return ModelCache(take(self.conv), take(self.ssm), take(self.k), take(self.v), self.seqlens[rows],
+                          self.max_length, [None] * len(self.scratch))
 
-    def assign(self, rows: torch.Tensor, other: "Mamba2Cache") -> None:
+    def assign(self, rows: torch.Tensor, other: "ModelCache") -> None:
         """Write ``other``'s committed state (from :meth:`select`) back into ``rows``."""
-        self.conv[:, rows] = other.conv
-        self.ssm[:, rows] = other.ssm
+        for name in ("conv", "ssm", "k", "v"):
+            mine = getattr(self, name)
+            if mine is not None:
+                mine[:, rows] = getattr(other, name)
         self.seqlens[rows] = other.seqlens
 
-    def clone(self) -> "Mamba2Cache":
+    def clone(self) -> "ModelCache":
         return self.select(torch.arange(self.batch_size, device=self.seqlens.device))

@@ -30,6 +30,9 @@ class Mamba2Config:
     tie_embeddings: bool = True
     residual_in_fp32: bool = True
     norm_eps: float = 1e-5
+    # MambaInLlama's variant: x and B are d_xb wide (one group per KV head), convolved un-repeated
+    # and repeated to the heads afterwards; None is standard Mamba2.
+    d_xb: int | None = None
 
     def __post_init__(self):
         for name in ("d_model", "n_layer", "vocab_size", "d_state", "d_conv", "expand", "headdim", "ngroups"):
@@ -40,6 +43,11 @@ class Mamba2Config:
             raise ValueError(f"d_inner = expand * d_model = {self.d_inner} must be a multiple of headdim = {self.headdim}")
         if self.nheads % self.ngroups:
             raise ValueError(f"nheads = {self.nheads} must be a multiple of ngroups = {self.ngroups}")
+        if self.d_xb is not None:
+            x_heads, b_groups = divmod(self.d_xb, self.headdim), divmod(self.d_xb, self.d_state)
+            if x_heads[1] or b_groups[1] or self.nheads % x_heads[0] or self.ngroups % b_groups[0]:
+                raise ValueError(f"d_xb = {self.d_xb} must split into whole heads (headdim {self.headdim}) and "
+                                 f"groups (d_state {self.d_state}) dividing nheads {self.nheads} and ngroups {self.ngroups}")
 
     @property
     def d_inner(self) -> int:
@@ -50,14 +58,76 @@ class Mamba2Config:
         return self.d_inner // self.headdim
 
     @property
+    def x_dim(self) -> int:
+        return self.d_xb if self.d_xb is not None else self.d_inner
+
+    @property
+    def B_dim(self) -> int:
+        return self.d_xb if self.d_xb is not None else self.ngroups * self.d_state
+
+    @property
+    def C_dim(self) -> int:
+        return self.ngroups * self.d_state
+
+    @property
     def conv_dim(self) -> int:
-        return self.d_inner + 2 * self.ngroups * self.d_state
+        return self.x_dim + self.B_dim + self.C_dim
 
     @property
     def d_in_proj(self) -> int:
-        return 2 * self.d_inner + 2 * self.ngroups * self.d_state + self.nheads
+        return self.d_inner + self.conv_dim + self.nheads
 
     @property
     def padded_vocab_size(self) -> int:
         m = self.pad_vocab_size_multiple
         return -(-self.vocab_size // m) * m
+
+
+@dataclass(frozen=True)
+class HybridConfig:
+    """MambaInLlama: Llama decoder layers whose token mixer is attention at ``attn_layers`` and a
+    Mamba2 mixer in the d_xb variant elsewhere (nheads = ngroups, headdim = d_state)."""
+
+    d_model: int
+    n_layer: int
+    vocab_size: int
+    attn_layers: tuple[int, ...]
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    d_inner: int
+    d_xb: int
+    d_state: int
+    ngroups: int
+    d_conv: int = 4
+    conv_bias: bool = True
+    bias: bool = False
+    dt_limit: tuple[float, float] = (0.0, math.inf)
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 500000.0
+    rope_scaling: dict | None = None  # {"rope_type": "llama3", ...}; None is plain RoPE
+    tie_word_embeddings: bool = False
+
+    def __post_init__(self):
+        object.__setattr__(self, "attn_layers", tuple(sorted(int(i) for i in self.attn_layers)))
+        bad = [i for i in self.attn_layers if not 0 <= i < self.n_layer]
+        if bad:
+            raise ValueError(f"attn_layers {bad} outside [0, n_layer = {self.n_layer})")
+        if self.d_inner % self.d_model:
+            raise ValueError(f"d_inner = {self.d_inner} must be a multiple of d_model = {self.d_model}")
+        self.mamba  # validates the Mamba2 side
+
+    @property
+    def ssm_layers(self) -> tuple[int, ...]:
+        return tuple(i for i in range(self.n_layer) if i not in self.attn_layers)
+
+    @property
+    def mamba(self) -> Mamba2Config:
+        return Mamba2Config(
+            d_model=self.d_model, n_layer=self.n_layer, vocab_size=self.vocab_size, d_state=self.d_state,
+            d_conv=self.d_conv, expand=self.d_inner // self.d_model, headdim=self.d_state, ngroups=self.ngroups,
+            dt_limit=self.dt_limit, conv_bias=self.conv_bias, bias=self.bias, pad_vocab_size_multiple=1,
+            tie_embeddings=self.tie_word_embeddings, residual_in_fp32=False, norm_eps=self.rms_norm_eps,
+            d_xb=self.d_xb,
+        )

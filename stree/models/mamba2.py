@@ -16,23 +16,29 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..kernels import MAX_TREE_NODES, multistep_update, replay, tree_conv1d, tree_scan
-from ..tree import TokenTree, TreeIndex, TreeShape, leaf_paths
-from .cache import Mamba2Cache, SSMScratch
+from ..kernels import multistep_update, replay, tree_conv1d, tree_scan
+from ..tree import TokenTree, TreeIndex, leaf_paths
+from .base import TreeLM
+from .cache import ModelCache, SSMScratch
 from .config import Mamba2Config
-
-TREE_BACKENDS = ("tree", "chain", "unrolled")
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float, device=None, dtype=None):
+    """fp32 arithmetic. ``round_before_weight``: HF LlamaRMSNorm rounds to the output dtype before
+    the weight multiply; mamba_ssm's Triton norm multiplies in fp32 and rounds once."""
+
+    def __init__(self, dim: int, eps: float, device=None, dtype=None, round_before_weight: bool = False):
         super().__init__()
         self.eps = eps
+        self.round_before_weight = round_before_weight
         self.weight = nn.Parameter(torch.ones(dim, device=device, dtype=dtype))
 
     def forward(self, x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
         xf = x.float()
-        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight.float()).to(out_dtype)
+        normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.round_before_weight:
+            return self.weight * normed.to(out_dtype)
+        return (normed * self.weight.float()).to(out_dtype)
 
 
 class GatedRMSNorm(RMSNorm):
@@ -80,11 +86,16 @@ class Mamba2Mixer(nn.Module):
         return z, xBC, dt
 
     def _ssm_inputs(self, conv_out):
+        """Split the conv output into x ``[.., h, p]``, B and C ``[.., g, s]``; in the d_xb variant
+        x and B hold one head / group per KV head and are repeated (head h reads h // repeat)."""
         cfg = self.cfg
-        gs = cfg.ngroups * cfg.d_state
-        x, B, C = torch.split(conv_out, [cfg.d_inner, gs, gs], dim=-1)
-        return (x.unflatten(-1, (cfg.nheads, cfg.headdim)), B.unflatten(-1, (cfg.ngroups, cfg.d_state)),
-                C.unflatten(-1, (cfg.ngroups, cfg.d_state)))
+        x, B, C = torch.split(conv_out, [cfg.x_dim, cfg.B_dim, cfg.C_dim], dim=-1)
+        x = x.unflatten(-1, (cfg.x_dim // cfg.headdim, cfg.headdim))
+        B = B.unflatten(-1, (cfg.B_dim // cfg.d_state, cfg.d_state))
+        if cfg.d_xb is not None:
+            x = x.repeat_interleave(cfg.nheads // x.shape[-2], dim=-2)
+            B = B.repeat_interleave(cfg.ngroups // B.shape[-2], dim=-2)
+        return x, B, C.unflatten(-1, (cfg.ngroups, cfg.d_state))
 
     def _output(self, y, z):
         return self.out_proj(self.norm(y.flatten(-2), z))
@@ -96,6 +107,7 @@ class Mamba2Mixer(nn.Module):
         return dict(dt_bias=self.dt_bias, dt_limit=self.cfg.dt_limit)
 
     def forward_tree(self, u, index: TreeIndex, conv_state, ssm_state, backend: str, kernel_backend: str):
+        """Outputs for every node of the tree; the states are only read."""
         z, xBC, dt = self._split(u)
         conv_out = tree_conv1d(xBC, index, conv_state, self.conv1d.weight, self.conv1d.bias, backend=kernel_backend)
         x, B, C = self._ssm_inputs(conv_out)
@@ -160,7 +172,7 @@ class Mamba2Backbone(nn.Module):
         self.norm_f = RMSNorm(cfg.d_model, cfg.norm_eps, device, dtype)
 
 
-class Mamba2LM(nn.Module):
+class Mamba2LM(TreeLM):
     """Parameter names are mamba_ssm's (``backbone.embedding``, ``backbone.layers.i.mixer.*``)."""
 
     def __init__(self, cfg: Mamba2Config, device=None, dtype=None):
@@ -170,32 +182,6 @@ class Mamba2LM(nn.Module):
         self.lm_head = nn.Linear(cfg.d_model, cfg.padded_vocab_size, bias=False, device=device, dtype=dtype)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.backbone.embedding.weight
-        self.kernel_backend = "auto"  # "triton" forces the Triton kernels (tests: under the interpreter)
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.backbone.embedding.weight.dtype
-
-    @property
-    def device(self) -> torch.device:
-        return self.backbone.embedding.weight.device
-
-    def _check_tokens(self, name, tokens):
-        if not isinstance(tokens, torch.Tensor) or tokens.dtype.is_floating_point or tokens.dtype == torch.bool:
-            raise TypeError(f"{name} must be an integer tensor, got {getattr(tokens, 'dtype', type(tokens))}")
-        if tokens.device != self.device:
-            raise ValueError(f"{name} is on {tokens.device} but the model is on {self.device}")
-        bad = (tokens < 0) | (tokens >= self.cfg.padded_vocab_size)
-        if bool(bad.any()):
-            pos = tuple(int(v) for v in torch.nonzero(bad)[0])
-            raise ValueError(f"{name}{list(pos)} = {int(tokens[pos])} is outside the vocabulary [0, {self.cfg.padded_vocab_size})")
-
-    def _check_cache(self, cache: Mamba2Cache, batch: int, new_tokens: int):
-        if cache.batch_size != batch:
-            raise ValueError(f"the cache holds {cache.batch_size} rows but the input has batch {batch}")
-        longest = int(cache.seqlens.max()) + new_tokens
-        if longest > cache.max_length:
-            raise ValueError(f"sequence would reach {longest} tokens, past the cache's max_length {cache.max_length}")
 
     def _run(self, tokens, mixer_fn):
         """Embedding, blocks (fused add+norm semantics), final norm and head; ``mixer_fn(i, mixer, h)``."""
@@ -208,26 +194,21 @@ class Mamba2LM(nn.Module):
             hidden = mixer_fn(i, layer.mixer, layer.norm(residual, self.dtype))
         return self.lm_head(self.backbone.norm_f(hidden + residual, self.dtype))
 
-    def allocate_cache(self, batch_size: int, max_length: int) -> Mamba2Cache:
+    def allocate_cache(self, batch_size: int, max_length: int) -> ModelCache:
         cfg = self.cfg
-        return Mamba2Cache(
+        return ModelCache(
             conv=torch.zeros(cfg.n_layer, batch_size, cfg.conv_dim, cfg.d_conv, device=self.device, dtype=self.dtype),
             ssm=torch.zeros(cfg.n_layer, batch_size, cfg.nheads, cfg.headdim, cfg.d_state, device=self.device),
+            k=None, v=None,
             seqlens=torch.zeros(batch_size, dtype=torch.long, device=self.device),
             max_length=max_length,
             scratch=[None] * cfg.n_layer,
         )
 
     @torch.no_grad()
-    def forward_tree(self, tree: TokenTree, cache: Mamba2Cache, backend: str = "tree") -> torch.Tensor:
+    def forward_tree(self, tree: TokenTree, cache: ModelCache, backend: str = "tree") -> torch.Tensor:
         """Logits ``[b, n, V]`` at every tree node; the committed state is not changed."""
-        if backend not in TREE_BACKENDS:
-            raise ValueError(f"backend must be one of {TREE_BACKENDS}, got {backend!r}")
-        self._check_tokens("tree.tokens", tree.tokens)
-        index = tree.index
-        self._check_cache(cache, tree.batch_size, int(index.depth.max()) + 1)
-        if backend == "chain" and not bool((index.depth == torch.arange(tree.n, device=index.device)).all()):
-            raise ValueError("backend='chain' needs a chain tree (parents[i] == i - 1)")
+        index = self.check_tree(tree, cache, backend)
 
         def mixer_fn(i, mixer, h):
             out, cache.scratch[i] = mixer.forward_tree(h, index, cache.conv[i], cache.ssm[i], backend,
@@ -239,54 +220,19 @@ class Mamba2LM(nn.Module):
         return logits
 
     @torch.no_grad()
-    def commit(self, cache: Mamba2Cache, tree: TokenTree, accepted: torch.Tensor, num_accepted: torch.Tensor):
+    def commit(self, cache: ModelCache, tree: TokenTree, accepted: torch.Tensor, num_accepted: torch.Tensor):
         """Advance each row by its accepted path (root first) by activation replay."""
-        if cache.tree_n != tree.n or any(s is None for s in cache.scratch):
-            raise ValueError("commit needs the forward_tree pass of this same tree just before it")
+        self.check_commit(cache, tree)
         for i, layer in enumerate(self.backbone.layers):
             layer.mixer.replay(cache.scratch[i], cache.conv[i], cache.ssm[i], accepted, num_accepted,
                                self.kernel_backend)
-        cache.seqlens += num_accepted.to(cache.seqlens.device)
-        cache.scratch = [None] * len(cache.scratch)
-        cache.tree_n = None
+        self.finish_commit(cache, num_accepted)
 
     @torch.no_grad()
-    def step(self, tokens: torch.Tensor, cache: Mamba2Cache) -> torch.Tensor:
-        """Feed one token per row (``[b]``); returns next-token logits ``[b, V]``."""
-        self._check_tokens("tokens", tokens)
-        self._check_cache(cache, tokens.shape[0], 1)
+    def step(self, tokens: torch.Tensor, cache: ModelCache) -> torch.Tensor:
+        """The single-token path: conv shift and one fused recurrence step per layer."""
+        self.check_tokens("tokens", tokens)
+        self.check_cache(cache, tokens.shape[0], 1)
         logits = self._run(tokens, lambda i, mixer, h: mixer.step(h, cache.conv[i], cache.ssm[i], self.kernel_backend))
         cache.seqlens += 1
         return logits
-
-    @torch.no_grad()
-    def prefill(self, input_ids: torch.Tensor, cache: Mamba2Cache, lengths: torch.Tensor | None = None,
-                chunk: int = MAX_TREE_NODES) -> torch.Tensor:
-        """Feed right-padded prompts ``[b, T]`` (row b's first ``lengths[b] >= 1`` tokens) in chains
-        of at most ``chunk`` tokens; returns the logits after each row's last token ``[b, V]``."""
-        self._check_tokens("input_ids", input_ids)
-        batch, T = input_ids.shape
-        lengths = torch.full((batch,), T) if lengths is None else lengths.cpu()
-        if tuple(lengths.shape) != (batch,) or bool(((lengths < 1) | (lengths > T)).any()):
-            raise ValueError(f"lengths must be [batch] with 1 <= lengths <= {T}, got {lengths.tolist()}")
-        if not 1 <= chunk <= MAX_TREE_NODES:
-            raise ValueError(f"chunk must be in [1, {MAX_TREE_NODES}], got {chunk}")
-        self._check_cache(cache, batch, int(lengths.max()))
-        last = torch.empty(batch, self.cfg.padded_vocab_size, device=self.device, dtype=self.dtype)
-        for start in range(0, T, chunk):
-            end = min(T, start + chunk)
-            counts = (lengths - start).clamp(0, end - start)
-            rows = torch.nonzero(counts > 0).flatten()
-            sub = cache if len(rows) == batch else cache.select(rows.to(self.device))
-            shape = TreeShape.chain(end - start - 1)
-            tree = TokenTree.from_shape(shape, input_ids[rows.to(self.device), start:end])
-            logits = self.forward_tree(tree, sub)
-            n = counts[rows].to(self.device)
-            self.commit(sub, tree, torch.arange(end - start, device=self.device).expand(len(rows), -1), n)
-            if sub is not cache:
-                cache.assign(rows.to(self.device), sub)
-            ends_here = (lengths[rows] <= end).to(self.device)
-            pick = torch.nonzero(ends_here).flatten()
-            last[rows.to(self.device)[pick]] = logits[pick, n[pick] - 1]
-        return last
-

@@ -1,0 +1,106 @@
+"""What every target model shares: input checks, chunked prefill through the tree path, and a
+step that is a one-node tree followed by its commit."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..kernels import MAX_TREE_NODES
+from ..tree import TokenTree, TreeShape
+from .cache import ModelCache
+
+TREE_BACKENDS = ("tree", "chain", "unrolled")
+
+
+class TreeLM(nn.Module):
+    """Subclasses implement ``allocate_cache``, ``forward_tree`` and ``commit``."""
+
+    kernel_backend = "auto"  # "triton" forces the Triton kernels (tests: under the interpreter)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.lm_head.weight.shape[0]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.lm_head.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.lm_head.weight.device
+
+    def check_tokens(self, name, tokens):
+        if not isinstance(tokens, torch.Tensor) or tokens.dtype.is_floating_point or tokens.dtype == torch.bool:
+            raise TypeError(f"{name} must be an integer tensor, got {getattr(tokens, 'dtype', type(tokens))}")
+        if tokens.device != self.device:
+            raise ValueError(f"{name} is on {tokens.device} but the model is on {self.device}")
+        bad = (tokens < 0) | (tokens >= self.vocab_size)
+        if bool(bad.any()):
+            pos = tuple(int(v) for v in torch.nonzero(bad)[0])
+            raise ValueError(f"{name}{list(pos)} = {int(tokens[pos])} is outside the vocabulary [0, {self.vocab_size})")
+
+    def check_cache(self, cache: ModelCache, batch: int, new_tokens: int):
+        if cache.batch_size != batch:
+            raise ValueError(f"the cache holds {cache.batch_size} rows but the input has batch {batch}")
+        longest = int(cache.seqlens.max()) + new_tokens
+        if longest > cache.max_length:
+            raise ValueError(f"sequence would reach {longest} tokens, past the cache's max_length {cache.max_length}")
+
+    def check_tree(self, tree: TokenTree, cache: ModelCache, backend: str):
+        if backend not in TREE_BACKENDS:
+            raise ValueError(f"backend must be one of {TREE_BACKENDS}, got {backend!r}")
+        self.check_tokens("tree.tokens", tree.tokens)
+        index = tree.index
+        self.check_cache(cache, tree.batch_size, int(index.depth.max()) + 1)
+        if backend == "chain" and not bool((index.depth == torch.arange(tree.n, device=index.device)).all()):
+            raise ValueError("backend='chain' needs a chain tree (parents[i] == i - 1)")
+        return index
+
+    def check_commit(self, cache: ModelCache, tree: TokenTree):
+        if cache.tree_n != tree.n or any(s is None for s in cache.scratch):
+            raise ValueError("commit needs the forward_tree pass of this same tree just before it")
+
+    def finish_commit(self, cache: ModelCache, num_accepted: torch.Tensor):
+        cache.seqlens += num_accepted.to(cache.seqlens.device)
+        cache.scratch = [None] * len(cache.scratch)
+        cache.tree_n = None
+
+    @torch.no_grad()
+    def step(self, tokens: torch.Tensor, cache: ModelCache) -> torch.Tensor:
+        """Feed one token per row (``[b]``); returns next-token logits ``[b, V]``."""
+        self.check_tokens("tokens", tokens)
+        tree = TokenTree.from_shape(TreeShape.chain(0), tokens[:, None])
+        logits = self.forward_tree(tree, cache)
+        ones = torch.ones(len(tokens), dtype=torch.long, device=tokens.device)
+        self.commit(cache, tree, torch.zeros_like(ones)[:, None], ones)
+        return logits[:, 0]
+
+    @torch.no_grad()
+    def prefill(self, input_ids: torch.Tensor, cache: ModelCache, lengths: torch.Tensor | None = None,
+                chunk: int = MAX_TREE_NODES) -> torch.Tensor:
+        """Feed right-padded prompts ``[b, T]`` (row b's first ``lengths[b] >= 1`` tokens) as chains
+        of at most ``chunk`` tokens; returns the logits after each row's last token ``[b, V]``."""
+        self.check_tokens("input_ids", input_ids)
+        batch, T = input_ids.shape
+        lengths = torch.full((batch,), T) if lengths is None else lengths.cpu()
+        if tuple(lengths.shape) != (batch,) or bool(((lengths < 1) | (lengths > T)).any()):
+            raise ValueError(f"lengths must be [batch] with 1 <= lengths <= {T}, got {lengths.tolist()}")
+        if not 1 <= chunk <= MAX_TREE_NODES:
+            raise ValueError(f"chunk must be in [1, {MAX_TREE_NODES}], got {chunk}")
+        self.check_cache(cache, batch, int(lengths.max()))
+        last = torch.empty(batch, self.vocab_size, device=self.device, dtype=self.dtype)
+        for start in range(0, T, chunk):
+            end = min(T, start + chunk)
+            counts = (lengths - start).clamp(0, end - start)
+            rows = torch.nonzero(counts > 0).flatten().to(self.device)
+            sub = cache if len(rows) == batch else cache.select(rows)
+            tree = TokenTree.from_shape(TreeShape.chain(end - start - 1), input_ids[rows, start:end])
+            logits = self.forward_tree(tree, sub)
+            n = counts[counts > 0].to(self.device)
+            self.commit(sub, tree, torch.arange(end - start, device=self.device).expand(len(rows), -1), n)
+            if sub is not cache:
+                cache.assign(rows, sub)
+            pick = torch.nonzero((lengths[counts > 0] <= end).to(self.device)).flatten()
+            last[rows[pick]] = logits[pick, n[pick] - 1]
+        return last
