@@ -9,7 +9,6 @@ two comparisons ``pre[j] <= pre[i] <= last[j]``.
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path

@@ -24,7 +24,7 @@ def _row_parents(parents, b):
     return (p if p.dim() == 1 else p[b]).tolist()
 
 
-def _path(parents, i):
+def root_path(parents, i):
     """Root-first node list from the root to i."""
     path = [i]
     while parents[path[-1]] >= 0:
@@ -60,7 +60,7 @@ def tree_scan_def(x, dt, A, B, C, parents, *, D=None, dt_bias=None, dt_softplus=
         for i in range(n):
             h = (initial_state[b].double().cpu() if initial_state is not None
                  else torch.zeros(nheads, headdim, dstate, dtype=torch.float64))
-            for j in _path(par, i):
+            for j in root_path(par, i):
                 h = _step(h, x[b, j], dt[b, j], A, B[b, j], goh)
             y[b, i] = _out(h, x[b, i], C[b, i], D, goh)
     return y
@@ -84,7 +84,7 @@ def multistep_def(state, x, dt, A, B, C, *, D=None, dt_bias=None, dt_softplus=Tr
 
 def _window(parents, conv_state_b, xbc_b, i, d_conv):
     """Raw inputs of node i's window, oldest first: ancestors, then conv-state columns above the root."""
-    path = _path(parents, i)
+    path = root_path(parents, i)
     cols = [conv_state_b[:, k] for k in range(conv_state_b.shape[1])] + [xbc_b[j] for j in path]
     return cols[-d_conv:]
 
@@ -137,7 +137,7 @@ def tree_attention_def(q, k_cache, v_cache, cache_seqlens, k_tree, v_tree, paren
         par = _row_parents(parents, b)
         length = int(cache_seqlens[b])
         for i in range(n):
-            path = _path(par, i)
+            path = root_path(par, i)
             for h in range(hq):
                 kv = h // (hq // hkv)
                 keys = torch.cat([k_cache[b, :length, kv], k_tree[b, path, kv]])

@@ -1,5 +1,3 @@
-import math
-
 import pytest
 import torch
 import torch.nn.functional as F

@@ -1,8 +1,5 @@
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
-from strategies import parent_lists
 
 from stree.models import HybridConfig, HybridLM, Mamba2Config
 from stree.models.mamba2 import Mamba2Mixer
@@ -85,75 +82,6 @@ def test_d_xb_mixer_equals_standard_mamba2_with_tiled_weights():
     out_mil, _ = mil.forward_tree(u, index, conv, ssm, "tree", "auto")
     out_std, _ = std.forward_tree(u, index, conv_std, ssm, "tree", "auto")
     assert (out_mil - out_std).abs().max() <= 1e-5
-
-
-def _path(parents, i):
-    path = [i]
-    while parents[path[-1]] >= 0:
-        path.append(parents[path[-1]])
-    return path[::-1]
-
-
-def _sequential_logits(model, cache, row, tokens):
-    sub = cache.select(torch.tensor([row]))
-    logits = None
-    for t in tokens:
-        logits = model.step(torch.tensor([t]), sub)
-    return logits[0]
-
-
-@settings(max_examples=5)
-@given(n=st.integers(1, 10), data=st.data(), per_row=st.booleans())
-def test_forward_tree_equals_feeding_each_root_path(n, data, per_row):
-    model = _model(_cfg())
-    g = torch.Generator().manual_seed(n)
-    lengths = [6, 2, 9]
-    cache = model.allocate_cache(3, 40)
-    model.prefill(torch.randint(0, 90, (3, 9), generator=g), cache, lengths=torch.tensor(lengths), chunk=4)
-    rows = [data.draw(parent_lists(n)) for _ in range(3)] if per_row else [data.draw(parent_lists(n))] * 3
-    tree = TokenTree(torch.tensor(rows) if per_row else torch.tensor(rows[0]), torch.randint(0, 90, (3, n), generator=g))
-    before = [t.clone() for t in (cache.conv, cache.ssm, cache.k, cache.v)]
-    logits = model.forward_tree(tree, cache)
-    assert all(torch.equal(a, b) for a, b in zip(before, (cache.conv, cache.ssm, cache.k, cache.v)))
-    for b in range(3):
-        for i in range(n):
-            expected = _sequential_logits(model, cache, b, tree.tokens[b, _path(rows[b], i)].tolist())
-            assert (logits[b, i] - expected).abs().max() <= 1e-4, (b, i)
-
-
-@pytest.mark.parametrize("kernel_backend", ["auto", "triton"])
-def test_commit_then_next_tree_equals_sequential_reference(kernel_backend):
-    model = _model(_cfg())
-    model.kernel_backend = kernel_backend
-    g = torch.Generator().manual_seed(5)
-    cache = model.allocate_cache(3, 40)
-    model.prefill(torch.randint(0, 90, (3, 7), generator=g), cache, lengths=torch.tensor([7, 3, 5]))
-    start = cache.clone()
-    shape = TreeShape.paper13()
-    tree = TokenTree.from_shape(shape, torch.randint(0, 90, (3, shape.n), generator=g))
-    model.forward_tree(tree, cache)
-    paths = [[0, 2, 6], [0, 1, 4, 7, 12], [0]]
-    model.commit(cache, tree, torch.tensor([p + [0] * (5 - len(p)) for p in paths]), torch.tensor([len(p) for p in paths]))
-    assert cache.seqlens.tolist() == [10, 8, 6]
-    tree2 = TokenTree.from_shape(TreeShape.full(2, 2), torch.randint(0, 90, (3, 7), generator=g))
-    logits = model.forward_tree(tree2, cache)
-    model.kernel_backend = "auto"  # the sequential reference need not run under the interpreter
-    for b in range(3):
-        committed = tree.tokens[b, paths[b]].tolist()
-        for i in range(7):
-            expected = _sequential_logits(model, start, b, committed + tree2.tokens[b, _path(tree2.parents.tolist(), i)].tolist())
-            assert (logits[b, i] - expected).abs().max() <= 1e-4, (b, i)
-
-
-def test_chain_and_unrolled_backends_agree_with_tree():
-    model = _model(_cfg())
-    g = torch.Generator().manual_seed(6)
-    cache = model.allocate_cache(2, 40)
-    model.prefill(torch.randint(0, 90, (2, 5), generator=g), cache)
-    tree = TokenTree.from_shape(TreeShape.paper13(), torch.randint(0, 90, (2, 13), generator=g))
-    assert (model.forward_tree(tree, cache, backend="unrolled") - model.forward_tree(tree, cache)).abs().max() <= 1e-5
-    chain = TokenTree.from_shape(TreeShape.chain(5), torch.randint(0, 90, (2, 6), generator=g))
-    assert (model.forward_tree(chain, cache, backend="chain") - model.forward_tree(chain, cache)).abs().max() <= 1e-5
 
 
 def test_config_errors():

@@ -1,8 +1,5 @@
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
-from strategies import parent_lists
 
 from stree.models import Mamba2Config, Mamba2LM
 from stree.tree import TokenTree, TreeShape
@@ -58,93 +55,6 @@ def test_matches_transformers_prefill_and_steps(ngroups, n_layer):
         assert (got - ref).abs().max() <= 1e-4
         tok = ref.argmax(-1)
     assert cache.seqlens.tolist() == [21, 21]
-
-
-def _sequential_logits(model, cache, row, tokens):
-    """Feed ``tokens`` one by one to a copy of row ``row``'s committed state: the definition."""
-    sub = cache.select(torch.tensor([row]))
-    logits = None
-    for t in tokens:
-        logits = model.step(torch.tensor([t]), sub)
-    return logits[0], sub
-
-
-def _path(parents, i):
-    path = [i]
-    while parents[path[-1]] >= 0:
-        path.append(parents[path[-1]])
-    return path[::-1]
-
-
-def _prefilled(model, lengths, seed):
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, 100, (len(lengths), max(lengths)), generator=g)
-    cache = model.allocate_cache(len(lengths), 128)
-    model.prefill(ids, cache, lengths=torch.tensor(lengths), chunk=5)
-    return cache, g
-
-
-@settings(max_examples=6)
-@given(n=st.integers(1, 12), data=st.data(), per_row=st.booleans())
-def test_forward_tree_equals_feeding_each_root_path(n, data, per_row):
-    model = _model(ngroups=2)
-    lengths = [7, 3, 12]
-    cache, g = _prefilled(model, lengths, seed=n)
-    assert cache.seqlens.tolist() == lengths
-    rows = [data.draw(parent_lists(n)) for _ in range(3)] if per_row else [data.draw(parent_lists(n))] * 3
-    parents = torch.tensor(rows) if per_row else torch.tensor(rows[0])
-    tokens = torch.randint(0, 100, (3, n), generator=g)
-    before = (cache.conv.clone(), cache.ssm.clone())
-    logits = model.forward_tree(TokenTree(parents, tokens), cache)
-    assert torch.equal(cache.conv, before[0]) and torch.equal(cache.ssm, before[1])  # committed state untouched
-    for b in range(3):
-        for i in range(n):
-            expected, _ = _sequential_logits(model, cache, b, tokens[b, _path(rows[b], i)].tolist())
-            assert (logits[b, i] - expected).abs().max() <= 1e-4, (b, i)
-
-
-@pytest.mark.parametrize("kernel_backend", ["auto", "triton"])
-def test_commit_then_next_tree_equals_sequential_reference(kernel_backend):
-    model = _model(ngroups=2)
-    model.kernel_backend = kernel_backend
-    cache, g = _prefilled(model, [4, 9, 6], seed=3)
-    start = cache.clone()
-    shape = TreeShape.paper13()
-    tree = TokenTree.from_shape(shape, torch.randint(0, 100, (3, shape.n), generator=g))
-    model.forward_tree(tree, cache)
-    paths = [[0, 1, 4, 7, 11], [0, 3], [0]]
-    accepted = torch.tensor([p + [0] * (5 - len(p)) for p in paths])
-    model.commit(cache, tree, accepted, torch.tensor([len(p) for p in paths]))
-    assert cache.seqlens.tolist() == [4 + 5, 9 + 2, 6 + 1]
-    tree2 = TokenTree.from_shape(TreeShape.full(2, 2), torch.randint(0, 100, (3, 7), generator=g))
-    logits = model.forward_tree(tree2, cache)
-    model.kernel_backend = "auto"  # the sequential reference need not run under the interpreter
-    for b in range(3):
-        committed = tree.tokens[b, paths[b]].tolist()
-        for i in range(7):
-            expected, sub = _sequential_logits(model, start, b, committed + tree2.tokens[b, _path(tree2.parents.tolist(), i)].tolist())
-            assert (logits[b, i] - expected).abs().max() <= 1e-4, (b, i)
-        ref_state = start.select(torch.tensor([b]))
-        for t in committed:
-            model.step(torch.tensor([t]), ref_state)
-        assert (cache.ssm[:, b] - ref_state.ssm[:, 0]).abs().max() <= 1e-5
-        # in_proj over a batch of nodes vs one token rounds differently: close, not bitwise
-        assert (cache.conv[:, b] - ref_state.conv[:, 0]).abs().max() <= 1e-5
-
-
-def test_chain_and_unrolled_backends_agree_with_tree():
-    model = _model(ngroups=1)
-    cache, g = _prefilled(model, [5, 8], seed=4)
-    shape = TreeShape.paper13()
-    tree = TokenTree(torch.tensor([list(shape.parents), [-1, 0, 1, 1, 0, 4, 5, 2, 3, 3, 9, 6, 11]]),
-                     torch.randint(0, 100, (2, shape.n), generator=g))
-    tree_logits = model.forward_tree(tree, cache)
-    unrolled = model.forward_tree(tree, cache, backend="unrolled")
-    assert (unrolled - tree_logits).abs().max() <= 1e-5
-    chain = TokenTree.from_shape(TreeShape.chain(6), torch.randint(0, 100, (2, 7), generator=g))
-    assert (model.forward_tree(chain, cache, backend="chain") - model.forward_tree(chain, cache)).abs().max() <= 1e-5
-    with pytest.raises(ValueError, match="backend='chain' needs a chain tree"):
-        model.forward_tree(tree, cache, backend="chain")
 
 
 def test_bad_inputs_raise_clear_errors():
