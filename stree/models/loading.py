@@ -2,9 +2,9 @@
 load the weights with shape checks; and write checkpoints in each format (test fixtures, exports).
 
 Formats: ``mamba_ssm`` (config.json with ``ssm_cfg``; pytorch_model.bin or model.safetensors,
-``backbone.embedding``) and ``hf`` (transformers Mamba2: ``model_type`` "mamba2",
-``backbone.embeddings``). MambaInLlama directories (with mamba_config.json) are recognised and
-refused until the hybrid model exists.
+``backbone.embedding``), ``hf`` (transformers Mamba2: ``model_type`` "mamba2",
+``backbone.embeddings``) and ``mil`` (MambaInLlama: the Llama config.json plus mamba_config.json,
+HF Llama parameter names, lm_head tied when the file has none).
 """
 
 from __future__ import annotations
@@ -16,10 +16,11 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from .config import Mamba2Config
+from .config import HybridConfig, Mamba2Config
+from .hybrid import HybridLM
 from .mamba2 import Mamba2LM
 
-FORMATS = ("mamba_ssm", "hf")
+FORMATS = ("mamba_ssm", "hf", "mil")
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 
 # mamba_ssm Mamba2 options this implementation does not compute; a checkpoint that sets them is refused.
@@ -42,9 +43,9 @@ def detect_format(path) -> str:
     path = Path(path)
     if not path.is_dir():
         raise FileNotFoundError(f"checkpoint directory {path} does not exist")
-    if (path / "mamba_config.json").exists():
-        raise ValueError(f"{path} is a MambaInLlama checkpoint (mamba_config.json); hybrids are not supported yet")
     config = _read_json(path / "config.json")
+    if (path / "mamba_config.json").exists():
+        return "mil"
     if config.get("model_type") == "mamba2":
         return "hf"
     if isinstance(config.get("ssm_cfg"), dict):
@@ -102,6 +103,31 @@ def _config_hf(config: dict, file: Path) -> Mamba2Config:
     )
 
 
+def _config_mil(config: dict, config_file: Path, mamba: dict, mamba_file: Path, plain_rope: bool) -> HybridConfig:
+    if mamba.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"{mamba_file}: hidden_act {mamba['hidden_act']!r} is not supported (only 'silu')")
+    ssm = _require(mamba, "ssm_cfg", mamba_file)
+    heads = _require(config, "num_attention_heads", config_file)
+    hidden = _require(mamba, "d_model", mamba_file)
+    scaling = config.get("rope_scaling")
+    if scaling is not None:
+        scaling = dict(scaling, rope_type=scaling.get("rope_type", scaling.get("type", "default")))
+        if scaling["rope_type"] == "default":
+            scaling = None
+    return HybridConfig(
+        d_model=hidden, n_layer=_require(mamba, "n_layer", mamba_file),
+        vocab_size=mamba.get("vocab_size") or _require(config, "vocab_size", config_file),
+        attn_layers=tuple(_require(mamba, "attn_layers", mamba_file)),
+        intermediate_size=_require(mamba, "intermediate_size", mamba_file), num_attention_heads=heads,
+        num_key_value_heads=config.get("num_key_value_heads", heads),
+        head_dim=config.get("head_dim") or hidden // heads, d_inner=_require(mamba, "d_inner", mamba_file),
+        d_xb=_require(mamba, "d_xb", mamba_file), d_state=ssm.get("d_state", 128), ngroups=ssm.get("ngroups", 1),
+        d_conv=ssm.get("d_conv", 4), rms_norm_eps=mamba.get("rms_norm_eps", config.get("rms_norm_eps", 1e-5)),
+        rope_theta=config.get("rope_theta", 10000.0), rope_scaling=None if plain_rope else scaling,
+        tie_word_embeddings=config.get("tie_word_embeddings", False),
+    )
+
+
 def _read_weights(path: Path) -> tuple[dict, Path]:
     for name in WEIGHT_FILES:
         file = path / name
@@ -115,25 +141,35 @@ def _read_weights(path: Path) -> tuple[dict, Path]:
     raise FileNotFoundError(f"{path} holds no weights ({' or '.join(WEIGHT_FILES)})")
 
 
-def load(path, dtype: torch.dtype | None = None, device=None) -> Mamba2LM:
+def load(path, dtype: torch.dtype | None = None, device=None, plain_rope: bool = False):
     """Build and load the model in checkpoint directory ``path`` (format auto-detected).
 
-    ``dtype`` defaults to the checkpoint's embedding dtype; D stays fp32 as in mamba_ssm.
+    ``dtype`` defaults to the checkpoint's embedding dtype; Mamba2's D stays fp32 as in mamba_ssm.
+    ``plain_rope`` drops a hybrid's llama3 RoPE scaling (what MIL's own inference code runs).
     """
     path = Path(path)
     fmt = detect_format(path)
     config_file = path / "config.json"
     raw = _read_json(config_file)
-    cfg = _config_hf(raw, config_file) if fmt == "hf" else _config_mamba_ssm(raw, config_file)
     state, weights_file = _read_weights(path)
-    if fmt == "hf":
-        state = {k.replace("backbone.embeddings.", "backbone.embedding.", 1): v for k, v in state.items()}
-    embedding = state.get("backbone.embedding.weight")
+    if fmt == "mil":
+        mamba_file = path / "mamba_config.json"
+        cfg = _config_mil(raw, config_file, _read_json(mamba_file), mamba_file, plain_rope)
+        if "lm_head.weight" not in state:  # MIL 3B ships no lm_head: tied to the embedding
+            cfg = HybridConfig(**{**cfg.__dict__, "tie_word_embeddings": True})
+        build, tied, embed_key = HybridLM, cfg.tie_word_embeddings, "model.embed_tokens.weight"
+    else:
+        cfg = _config_hf(raw, config_file) if fmt == "hf" else _config_mamba_ssm(raw, config_file)
+        if fmt == "hf":
+            state = {k.replace("backbone.embeddings.", "backbone.embedding.", 1): v for k, v in state.items()}
+        build, tied, embed_key = Mamba2LM, cfg.tie_embeddings, "backbone.embedding.weight"
+    embedding = state.get(embed_key)
     if embedding is None:
-        raise ValueError(f"{weights_file}: missing key 'backbone.embedding{'s' if fmt == 'hf' else ''}.weight'")
-    model = Mamba2LM(cfg, device=device, dtype=dtype or embedding.dtype)
+        file_key = "backbone.embeddings.weight" if fmt == "hf" else embed_key
+        raise ValueError(f"{weights_file}: missing key {file_key!r}")
+    model = build(cfg, device=device, dtype=dtype or embedding.dtype)
     expected = model.state_dict()
-    if cfg.tie_embeddings:
+    if tied:
         state.pop("lm_head.weight", None)  # the same tensor as the embedding when present
         expected.pop("lm_head.weight")
     for key, tensor in expected.items():
@@ -145,21 +181,38 @@ def load(path, dtype: torch.dtype | None = None, device=None) -> Mamba2LM:
     unexpected = sorted(set(state) - set(expected))
     if unexpected:
         raise ValueError(f"{weights_file}: unexpected keys {unexpected[:5]}")
-    model.load_state_dict(state, strict=not cfg.tie_embeddings)
+    model.load_state_dict(state, strict=not tied)
     return model.eval()
 
 
-def save(model: Mamba2LM, path, format: str = "mamba_ssm") -> None:
-    """Write ``model`` as a checkpoint directory in ``format`` (config.json + model.safetensors)."""
+def save(model, path, format: str | None = None) -> None:
+    """Write ``model`` as a checkpoint directory (config file(s) + model.safetensors): a Mamba2LM
+    as ``mamba_ssm`` (default) or ``hf``, a HybridLM as ``mil``."""
+    if format is None:
+        format = "mil" if isinstance(model, HybridLM) else "mamba_ssm"
     if format not in FORMATS:
         raise ValueError(f"format must be one of {FORMATS}, got {format!r}")
+    if (format == "mil") != isinstance(model, HybridLM):
+        raise ValueError(f"format {format!r} does not fit a {type(model).__name__}")
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     cfg = model.cfg
     state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
-    if cfg.tie_embeddings:
+    if getattr(cfg, "tie_embeddings", getattr(cfg, "tie_word_embeddings", False)):
         state.pop("lm_head.weight")  # safetensors stores each tensor once; loading re-ties
-    if format == "hf":
+    if format == "mil":
+        (path / "mamba_config.json").write_text(json.dumps(dict(
+            d_model=cfg.d_model, ssm_cfg=dict(expand=cfg.d_inner // cfg.d_model, ngroups=cfg.ngroups,
+                                              d_state=cfg.d_state, d_conv=cfg.d_conv),
+            rms_norm_eps=cfg.rms_norm_eps, vocab_size=None, d_inner=cfg.d_inner, d_xb=cfg.d_xb,
+            intermediate_size=cfg.intermediate_size, hidden_act="silu", n_layer=cfg.n_layer,
+            attn_layers=list(cfg.attn_layers)), indent=2))
+        config = dict(model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=cfg.vocab_size,
+                      hidden_size=cfg.d_model, intermediate_size=cfg.intermediate_size, num_hidden_layers=cfg.n_layer,
+                      num_attention_heads=cfg.num_attention_heads, num_key_value_heads=cfg.num_key_value_heads,
+                      head_dim=cfg.head_dim, rms_norm_eps=cfg.rms_norm_eps, rope_theta=cfg.rope_theta,
+                      rope_scaling=cfg.rope_scaling, tie_word_embeddings=cfg.tie_word_embeddings)
+    elif format == "hf":
         state = {k.replace("backbone.embedding.", "backbone.embeddings.", 1): v for k, v in state.items()}
         config = dict(model_type="mamba2", architectures=["Mamba2ForCausalLM"], hidden_size=cfg.d_model,
                       num_hidden_layers=cfg.n_layer, vocab_size=cfg.padded_vocab_size, state_size=cfg.d_state,

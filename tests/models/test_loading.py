@@ -3,7 +3,7 @@ import json
 import pytest
 import torch
 
-from stree.models import Mamba2Config, Mamba2LM, detect_format, load, load_tokenizer, save
+from stree.models import HybridConfig, HybridLM, Mamba2Config, Mamba2LM, detect_format, load, load_tokenizer, save
 from stree.tree import TokenTree, TreeShape
 
 
@@ -96,11 +96,62 @@ def test_malformed_checkpoints_name_the_file_and_key(tmp_path):
     (tmp_path / "model.safetensors").unlink()
     with pytest.raises(FileNotFoundError, match="holds no weights"):
         load(tmp_path)
-    (tmp_path / "mamba_config.json").write_text("{}")
-    with pytest.raises(ValueError, match="MambaInLlama checkpoint"):
-        load(tmp_path)
     with pytest.raises(ValueError, match="format must be one of"):
         save(_model(), tmp_path, format="gguf")
+    with pytest.raises(ValueError, match="format 'mil' does not fit a Mamba2LM"):
+        save(_model(), tmp_path, format="mil")
+
+
+def _hybrid(tie=False):
+    torch.manual_seed(0)
+    return HybridLM(HybridConfig(
+        d_model=32, n_layer=3, vocab_size=90, attn_layers=[1], intermediate_size=48, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, d_inner=32, d_xb=16, d_state=8, ngroups=4, rope_theta=10000.0,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                      "original_max_position_embeddings": 16}, tie_word_embeddings=tie)).eval()
+
+
+def _hybrid_logits(model):
+    ids = torch.randint(0, 90, (2, 20), generator=torch.Generator().manual_seed(1))
+    return model.forward_tree(TokenTree.from_shape(TreeShape.chain(19), ids), model.allocate_cache(2, 24))
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_mil_round_trip_gives_identical_logits(tie, tmp_path):
+    model = _hybrid(tie)
+    save(model, tmp_path)
+    assert detect_format(tmp_path) == "mil"
+    loaded = load(tmp_path)
+    assert loaded.cfg == model.cfg
+    assert torch.equal(_hybrid_logits(loaded), _hybrid_logits(model))
+    plain = load(tmp_path, plain_rope=True)
+    assert plain.cfg.rope_scaling is None
+    assert not torch.allclose(_hybrid_logits(plain), _hybrid_logits(model))  # the switch changes positions > 16
+
+
+def test_mil_bin_without_lm_head_ties_it_and_casts(tmp_path):
+    model = _hybrid(tie=False)
+    save(model, tmp_path)
+    (tmp_path / "model.safetensors").unlink()
+    state = {k: v for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    torch.save(state, tmp_path / "pytorch_model.bin")
+    loaded = load(tmp_path, dtype=torch.bfloat16)
+    assert loaded.cfg.tie_word_embeddings and loaded.lm_head.weight is loaded.model.embed_tokens.weight
+    assert loaded.dtype == torch.bfloat16 and loaded.model.layers[0].mamba.D.dtype == torch.float32
+
+
+def test_malformed_mil_checkpoints(tmp_path):
+    save(_hybrid(), tmp_path)
+    mamba = json.loads((tmp_path / "mamba_config.json").read_text())
+    (tmp_path / "mamba_config.json").write_text(json.dumps({k: v for k, v in mamba.items() if k != "d_xb"}))
+    with pytest.raises(ValueError, match="mamba_config.json: missing key 'd_xb'"):
+        load(tmp_path)
+    (tmp_path / "mamba_config.json").write_text(json.dumps({**mamba, "hidden_act": "gelu"}))
+    with pytest.raises(ValueError, match="hidden_act 'gelu' is not supported"):
+        load(tmp_path)
+    (tmp_path / "mamba_config.json").write_text(json.dumps({**mamba, "attn_layers": [0]}))
+    with pytest.raises(ValueError, match=r"'model.layers.0.mamba.in_proj.weight'|missing key 'model.layers.0.self_attn"):
+        load(tmp_path)
 
 
 def test_load_tokenizer_offline(tmp_path):
