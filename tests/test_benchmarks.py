@@ -23,3 +23,22 @@ def test_tree_scan_sweep_smoke_writes_consistent_json_and_png(tmp_path):
             assert r["states_held"] == r["leaves"] and r["tokens_computed"] >= r["nodes"]
     paper = {r["method"]: r for r in rows if r["tree"] == "paper13"}
     assert paper["unrolled_multistep"]["tokens_computed"] == 7 * 5  # 7 leaf paths padded to depth 4 + root
+
+
+def test_model_forward_smoke_writes_json_and_png(tmp_path):
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "model_forward.py"), "--smoke", "--out", str(tmp_path)],
+                   check=True, capture_output=True, text=True)
+    result = json.loads((tmp_path / "model_forward_smoke.json").read_text())
+    assert result["device"] and result["date"] and "--smoke" in result["command"]
+    assert (tmp_path / "model_forward_smoke.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    rows = result["results"]
+    assert {r["model"] for r in rows} == {"mamba2-smoke", "mil-smoke"}
+    for model in ("mamba2-smoke", "mil-smoke"):
+        ours = [r for r in rows if r["model"] == model]
+        step = [r for r in ours if r["backend"] == "step"]
+        assert len(step) == 1 and step[0]["ratio_to_step"] == 1.0
+        for tree in ("chain5", "paper13", "binary15", "binary31", "binary63"):
+            for backend in ("tree", "unrolled"):
+                (r,) = [r for r in ours if r["tree"] == tree and r["backend"] == backend]
+                assert r["time_ms_median"] > 0
+                assert abs(r["ratio_to_step"] - r["time_ms_median"] / step[0]["time_ms_median"]) < 1e-9

@@ -1,0 +1,141 @@
+"""Target-model cost of verifying a token tree: ``forward_tree`` (packed STree) and the unrolled
+baseline against one autoregressive ``step``, on random-weight models at real configurations
+(Mamba2-2.7B; MambaInLlama-8B per FORMATS.md). Writes JSON and a PNG to benchmarks/results/.
+
+    python benchmarks/model_forward.py            # full size, bf16 (meant for a GPU)
+    python benchmarks/model_forward.py --smoke    # tiny configs, any machine
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import sys
+from pathlib import Path
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before stree.kernels is imported
+
+from tqdm import tqdm  # noqa: E402
+
+from stree.models import HybridConfig, HybridLM, Mamba2Config, Mamba2LM  # noqa: E402
+from stree.timing import median_ms  # noqa: E402
+from stree.tree import TokenTree, TreeShape  # noqa: E402
+
+LLAMA3_8B = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+             "original_max_position_embeddings": 8192}
+
+
+def models(smoke):
+    if smoke:
+        yield "mamba2-smoke", Mamba2LM, Mamba2Config(d_model=32, n_layer=2, vocab_size=100, d_state=16, headdim=8)
+        yield "mil-smoke", HybridLM, HybridConfig(
+            d_model=32, n_layer=2, vocab_size=100, attn_layers=[1], intermediate_size=64, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=8, d_inner=32, d_xb=16, d_state=8, ngroups=4, rope_scaling=LLAMA3_8B)
+        return
+    yield "mamba2-2.7b", Mamba2LM, Mamba2Config(d_model=2560, n_layer=64, vocab_size=50277, pad_vocab_size_multiple=16)
+    yield "mil-8b", HybridLM, HybridConfig(
+        d_model=4096, n_layer=32, vocab_size=128256, attn_layers=list(range(1, 32, 2)), intermediate_size=14336,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=128, d_inner=4096, d_xb=1024, d_state=128,
+        ngroups=32, rope_theta=500000.0, rope_scaling=LLAMA3_8B)
+
+
+TREES = [("chain5", TreeShape.chain(4)), ("paper13", TreeShape.paper13())] + [
+    (f"binary{TreeShape.full(2, d).n}", TreeShape.full(2, d)) for d in (3, 4, 5)]
+
+
+def peak_bytes(fn, device):
+    if device.type != "cuda":
+        return None
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - base
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--smoke", action="store_true", help="tiny configs (CI)")
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--prompt", type=int, default=512)
+    parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    args = parser.parse_args(argv)
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    prompt, reps = (8, 2) if args.smoke else (args.prompt, args.reps)
+    warmup = 1 if args.smoke else 3
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for name, cls, cfg in models(args.smoke):
+        torch.manual_seed(0)
+        model = cls(cfg, device=device, dtype=dtype).eval()
+        vocab = model.vocab_size
+        cache = model.allocate_cache(args.batch, prompt + 64 + (warmup + reps) * 2)
+        model.prefill(torch.randint(0, vocab, (args.batch, prompt), generator=gen).to(device), cache)
+        tok = torch.randint(0, vocab, (args.batch,), generator=gen).to(device)
+        step_ms = median_ms(lambda: model.step(tok, cache), device, warmup=warmup, reps=reps)
+        step_peak = peak_bytes(lambda: model.step(tok, cache), device)
+        rows.append(dict(model=name, tree="step", nodes=1, backend="step", time_ms_median=step_ms, ratio_to_step=1.0,
+                         peak_mem_bytes=step_peak))
+        for tree_name, shape in tqdm(TREES, desc=name, file=sys.stderr):
+            tree = TokenTree.from_shape(shape, torch.randint(0, vocab, (args.batch, shape.n), generator=gen).to(device))
+            for backend in ("tree", "unrolled"):
+                run = lambda: model.forward_tree(tree, cache, backend=backend)
+                ms = median_ms(run, device, warmup=warmup, reps=reps)
+                rows.append(dict(model=name, tree=tree_name, nodes=shape.n, backend=backend, time_ms_median=ms,
+                                 ratio_to_step=ms / step_ms, peak_mem_bytes=peak_bytes(run, device)))
+        del model, cache
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    result = dict(
+        benchmark="model_forward",
+        device=torch.cuda.get_device_name() if device.type == "cuda" else f"cpu ({os.cpu_count()} cores, {platform.machine()})",
+        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        command="python " + " ".join([sys.argv[0]] + (argv if argv is not None else sys.argv[1:])),
+        dtype=str(dtype).replace("torch.", ""), batch=args.batch, prompt=prompt, reps=reps,
+        kernels="triton" if device.type == "cuda" else "torch reference", torch=torch.__version__, results=rows,
+    )
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    tag = "smoke" if args.smoke else device.type
+    (out / f"model_forward_{tag}.json").write_text(json.dumps(result, indent=2))
+    plot(result, out / f"model_forward_{tag}.png")
+    for r in rows:
+        print(f"{r['model']:<14}{r['tree']:<10}{r['backend']:<9}{r['time_ms_median']:>10.3f} ms  x{r['ratio_to_step']:.2f} of a step")
+    return result
+
+
+def plot(result, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(dict.fromkeys(r["model"] for r in result["results"]))
+    fig, axes = plt.subplots(1, len(names), figsize=(5.5 * len(names), 4), squeeze=False)
+    for ax, name in zip(axes[0], names):
+        for backend in ("tree", "unrolled"):
+            rs = sorted((r for r in result["results"] if r["model"] == name and r["backend"] == backend),
+                        key=lambda r: r["nodes"])
+            ax.plot([r["nodes"] for r in rs], [r["ratio_to_step"] for r in rs], "o-", label=f"forward_tree ({backend})")
+        ax.axhline(1.0, color="gray", lw=0.8, ls="--", label="one step")
+        ax.set(xscale="log", xlabel="tree nodes", ylabel="time / step time", title=f"{name}, {result['device']}")
+        ax.legend()
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()
