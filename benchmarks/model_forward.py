@@ -93,9 +93,6 @@ def main(argv=None):
                 ms = median_ms(run, device, warmup=warmup, reps=reps)
                 rows.append(dict(model=name, tree=tree_name, nodes=shape.n, backend=backend, time_ms_median=ms,
                                  ratio_to_step=ms / step_ms, peak_mem_bytes=peak_bytes(run, device)))
-        del model, cache
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
 
     result = dict(
         benchmark="model_forward",
