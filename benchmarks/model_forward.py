@@ -9,10 +9,8 @@ baseline against one autoregressive ``step``, on random-weight models at real co
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import sys
 from pathlib import Path
 
@@ -24,7 +22,7 @@ if not torch.cuda.is_available():
 from tqdm import tqdm  # noqa: E402
 
 from stree.models import HybridConfig, HybridLM, Mamba2Config, Mamba2LM  # noqa: E402
-from stree.timing import median_ms  # noqa: E402
+from stree.timing import median_ms, peak_bytes, run_info  # noqa: E402
 from stree.tree import TokenTree, TreeShape  # noqa: E402
 
 LLAMA3_8B = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -47,17 +45,6 @@ def models(smoke):
 
 TREES = [("chain5", TreeShape.chain(4)), ("paper13", TreeShape.paper13())] + [
     (f"binary{TreeShape.full(2, d).n}", TreeShape.full(2, d)) for d in (3, 4, 5)]
-
-
-def peak_bytes(fn, device):
-    if device.type != "cuda":
-        return None
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    fn()
-    torch.cuda.synchronize()
-    return torch.cuda.max_memory_allocated() - base
 
 
 def main(argv=None):
@@ -95,12 +82,9 @@ def main(argv=None):
                                  ratio_to_step=ms / step_ms, peak_mem_bytes=peak_bytes(run, device)))
 
     result = dict(
-        benchmark="model_forward",
-        device=torch.cuda.get_device_name() if device.type == "cuda" else f"cpu ({os.cpu_count()} cores, {platform.machine()})",
-        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        command="python " + " ".join([sys.argv[0]] + (argv if argv is not None else sys.argv[1:])),
+        benchmark="model_forward", **run_info(device, argv),
         dtype=str(dtype).replace("torch.", ""), batch=args.batch, prompt=prompt, reps=reps,
-        kernels="triton" if device.type == "cuda" else "torch reference", torch=torch.__version__, results=rows,
+        kernels="triton" if device.type == "cuda" else "torch reference", results=rows,
     )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -12,10 +12,8 @@ Writes JSON and a PNG to benchmarks/results/.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import sys
 from pathlib import Path
 
@@ -28,7 +26,7 @@ from tqdm import tqdm  # noqa: E402
 
 from stree.kernels import multistep_update, tree_scan  # noqa: E402
 from stree.testing import max_rel_error, random_ssm_inputs  # noqa: E402
-from stree.timing import median_ms  # noqa: E402
+from stree.timing import median_ms, peak_bytes, run_info  # noqa: E402
 from stree.tree import TreeShape  # noqa: E402
 
 FULL = dict(nheads=80, headdim=64, dstate=128, ngroups=1)  # Mamba2-2.7B: d_inner 5120 = 80 x 64
@@ -60,19 +58,6 @@ def mamba_chunk_scan():
     return mamba_chunk_scan_combined
 
 
-def measure(fn, device, reps):
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-        base = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-        fn()
-        torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated() - base
-    else:
-        peak = None
-    return median_ms(fn, device, warmup=2 if reps > 1 else 0, reps=reps), peak
-
-
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="tiny sizes (CI)")
@@ -85,7 +70,6 @@ def main(argv=None):
     dims = SMOKE if args.smoke else FULL
     dtype = getattr(torch, args.dtype) if device.type == "cuda" else torch.float32
     reps = 2 if args.smoke else args.reps
-    device_name = torch.cuda.get_device_name() if device.type == "cuda" else f"cpu ({os.cpu_count()} cores, {platform.machine()})"
     backend = "triton" if device.type == "cuda" or args.smoke else "torch"
     chunk_scan = mamba_chunk_scan() if device.type == "cuda" else None
     gen = torch.Generator().manual_seed(0)
@@ -118,7 +102,8 @@ def main(argv=None):
         for method, fn, on_paths, states, tokens in methods:
             # Every method computes the same function: check before timing (padding excluded).
             agreement = max_rel_error(on_paths(fn())[real], y_tree)
-            ms, peak = measure(fn, device, reps)
+            ms = median_ms(fn, device, warmup=2 if reps > 1 else 0, reps=reps)
+            peak = peak_bytes(fn, device)
             rows.append(dict(tree=name, nodes=shape.n, leaves=len(paths), depth=shape.max_depth, method=method,
                              time_ms_median=ms, states_held=states, state_bytes=states * state_bytes,
                              tokens_computed=tokens, peak_mem_bytes=peak,
@@ -126,14 +111,11 @@ def main(argv=None):
 
     result = dict(
         benchmark="tree_scan_sweep",
-        device=device_name,
-        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        command="python " + " ".join([sys.argv[0]] + (argv if argv is not None else sys.argv[1:])),
+        **run_info(device, argv),
         backend=backend,
         dtype=str(dtype).replace("torch.", ""),
         dims=dims,
         reps=reps,
-        torch=torch.__version__,
         results=rows,
     )
     out = Path(args.out)

@@ -1,8 +1,12 @@
-"""Wall-clock timing of a callable on the tensors' device (device events on CUDA)."""
+"""Measurement helpers for benchmarks: timing (device events on CUDA), peak memory, run metadata."""
 
 from __future__ import annotations
 
+import datetime
+import os
+import platform
 import statistics
+import sys
 import time
 
 import torch
@@ -30,3 +34,26 @@ def median_ms(fn, device, *, warmup: int = 3, reps: int = 10) -> float:
         fn()
         times.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(times)
+
+
+def peak_bytes(fn, device) -> int | None:
+    """Peak device memory ``fn()`` allocates beyond what was already allocated (None off CUDA)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    torch.cuda.synchronize(device)
+    base = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    fn()
+    torch.cuda.synchronize(device)
+    return torch.cuda.max_memory_allocated(device) - base
+
+
+def run_info(device, argv=None) -> dict:
+    """What a committed result must carry: device name, UTC date, the exact command, torch version."""
+    device = torch.device(device)
+    name = (torch.cuda.get_device_name(device) if device.type == "cuda"
+            else f"cpu ({os.cpu_count()} cores, {platform.machine()})")
+    args = sys.argv[1:] if argv is None else list(argv)
+    return dict(device=name, date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                command=" ".join(["python", sys.argv[0], *args]), torch=torch.__version__)
