@@ -5,7 +5,7 @@ on CPU tensors needs ``TRITON_INTERPRET=1`` set before this package is imported.
 """
 
 from .multistep import multistep_update, multistep_update_ref
-from .replay import replay, replay_ref
+from .replay import check_accepted, replay, replay_ref
 from .tree_attention import tree_attention, tree_attention_ref
 from .tree_conv1d import tree_conv1d, tree_conv1d_ref
 from .tree_scan import MAX_TREE_NODES, tree_scan, tree_scan_ref
@@ -19,6 +19,7 @@ __all__ = [
     "multistep_update_ref",
     "replay",
     "replay_ref",
+    "check_accepted",
     "tree_attention",
     "tree_attention_ref",
     "MAX_TREE_NODES",

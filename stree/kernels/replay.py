@@ -16,7 +16,7 @@ import triton.language as tl
 from ._common import INF, check_dt_limit, check_groups, check_layout, check_ssm_params, check_tensor, resolve_backend
 from .multistep import launch_ssm_recurrence, ssm_recurrence_ref
 
-__all__ = ["replay", "replay_ref"]
+__all__ = ["replay", "replay_ref", "check_accepted"]
 
 
 @triton.jit
@@ -44,7 +44,7 @@ def _replay_conv_kernel(
         tl.store(out_ptr + b * s_o_b + offs_d * s_o_d + (K - 1 - k) * s_o_k, v, mask=d_ok)
 
 
-def _check_args(ssm_state, conv_state, xBC, x, dt, B, A, accepted, num_accepted, dt_bias, dt_limit):
+def _check_args(ssm_state, conv_state, xBC, x, dt, B, A, accepted, num_accepted, dt_bias, dt_limit, validate):
     batch, n, nheads, headdim = check_layout("x", x, "batch, n, nheads, headdim")
     device = x.device
     ngroups, dstate = check_layout("B", B, "batch, n, ngroups, dstate")[2:]
@@ -62,17 +62,23 @@ def _check_args(ssm_state, conv_state, xBC, x, dt, B, A, accepted, num_accepted,
         raise ValueError(f"accepted must have shape [batch, L], got {getattr(accepted, 'shape', type(accepted))}")
     check_tensor("accepted", accepted, (batch, accepted.shape[1]), device, kind="int")
     check_tensor("num_accepted", num_accepted, (batch,), device, kind="int")
+    if validate:
+        check_accepted(accepted, num_accepted, n)
+    return check_dt_limit(dt_limit)
+
+
+def check_accepted(accepted, num_accepted, n):
+    """ValueError unless every row accepts 1..L nodes, all valid indices in [0, n). One device sync."""
     L = accepted.shape[1]
     bad_num = (num_accepted < 1) | (num_accepted > L)
-    used = torch.arange(L, device=device) < num_accepted[:, None]
+    used = torch.arange(L, device=accepted.device) < num_accepted[:, None]
     bad = used & ((accepted < 0) | (accepted >= n))
-    if bool(bad_num.any() | bad.any()):  # one device sync for both checks
+    if bool(bad_num.any() | bad.any()):
         if bool(bad_num.any()):
             row = int(torch.nonzero(bad_num)[0])
             raise ValueError(f"num_accepted[{row}] = {int(num_accepted[row])} must be in [1, {L}] (the root always counts)")
         row, t = (int(v) for v in torch.nonzero(bad)[0])
         raise ValueError(f"accepted[{row}, {t}] = {int(accepted[row, t])} is not a node index in [0, {n})")
-    return check_dt_limit(dt_limit)
 
 
 def _gather_rows(t, index):
@@ -82,8 +88,9 @@ def _gather_rows(t, index):
 
 
 def replay_ref(ssm_state, conv_state, xBC, x, dt, B, A, accepted, num_accepted, *, dt_bias=None,
-               dt_softplus=True, dt_limit=(0.0, INF)):
-    dt_limit = _check_args(ssm_state, conv_state, xBC, x, dt, B, A, accepted, num_accepted, dt_bias, dt_limit)
+               dt_softplus=True, dt_limit=(0.0, INF), validate=True):
+    dt_limit = _check_args(ssm_state, conv_state, xBC, x, dt, B, A, accepted, num_accepted, dt_bias, dt_limit,
+                           validate)
     L = accepted.shape[1]
     used = torch.arange(L, device=x.device) < num_accepted[:, None]
     path = torch.where(used, accepted, 0)
@@ -99,7 +106,7 @@ def replay_ref(ssm_state, conv_state, xBC, x, dt, B, A, accepted, num_accepted, 
 
 
 def replay(ssm_state, conv_state, xBC, x, dt, B, A, accepted, num_accepted, *, dt_bias=None,
-           dt_softplus=True, dt_limit=(0.0, INF), backend="auto"):
+           dt_softplus=True, dt_limit=(0.0, INF), validate=True, backend="auto"):
     """New ``(ssm_state, conv_state)`` after the accepted path; the inputs are not modified.
 
     ssm_state ``[b, h, p, s]`` fp32 and conv_state ``[b, dim, d_conv]``: the states before the
@@ -110,8 +117,9 @@ def replay(ssm_state, conv_state, xBC, x, dt, B, A, accepted, num_accepted, *, d
     check_layout("x", x, "batch, n, nheads, headdim")
     if resolve_backend(backend, x.device) == "torch":
         return replay_ref(ssm_state, conv_state, xBC, x, dt, B, A, accepted, num_accepted, dt_bias=dt_bias,
-                          dt_softplus=dt_softplus, dt_limit=dt_limit)
-    dt_limit = _check_args(ssm_state, conv_state, xBC, x, dt, B, A, accepted, num_accepted, dt_bias, dt_limit)
+                          dt_softplus=dt_softplus, dt_limit=dt_limit, validate=validate)
+    dt_limit = _check_args(ssm_state, conv_state, xBC, x, dt, B, A, accepted, num_accepted, dt_bias, dt_limit,
+                           validate)
     new_ssm = launch_ssm_recurrence(ssm_state, x, dt, A, B, None, None, dt_bias, dt_softplus, dt_limit, None,
                                     index=accepted, lengths=num_accepted)
     batch, dim, d_conv = conv_state.shape

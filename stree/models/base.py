@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..kernels import MAX_TREE_NODES
+from ..kernels import MAX_TREE_NODES, check_accepted
 from ..tree import TokenTree, TreeShape
 from .cache import ModelCache
 
@@ -57,9 +57,11 @@ class TreeLM(nn.Module):
             raise ValueError("backend='chain' needs a chain tree (parents[i] == i - 1)")
         return index
 
-    def check_commit(self, cache: ModelCache, tree: TokenTree):
+    def check_commit(self, cache: ModelCache, tree: TokenTree, accepted, num_accepted):
+        """Once per commit, so the per-layer kernels can skip their own index checks."""
         if cache.tree_n != tree.n or any(s is None for s in cache.scratch):
             raise ValueError("commit needs the forward_tree pass of this same tree just before it")
+        check_accepted(accepted, num_accepted, tree.n)
 
     def finish_commit(self, cache: ModelCache, num_accepted: torch.Tensor):
         cache.seqlens += num_accepted.to(cache.seqlens.device)

@@ -100,7 +100,7 @@ class HybridLM(TreeLM):
     @torch.no_grad()
     def commit(self, cache: ModelCache, tree: TokenTree, accepted: torch.Tensor, num_accepted: torch.Tensor):
         """SSM layers: activation replay; attention layers: accepted K/V into consecutive slots."""
-        self.check_commit(cache, tree)
+        self.check_commit(cache, tree, accepted, num_accepted)
         for i, layer in enumerate(self.model.layers):
             s = self._slot[i]
             if i in self.cfg.attn_layers:

@@ -135,8 +135,10 @@ class Mamba2Mixer(nn.Module):
         return self._output(y[:, 0], z)
 
     def replay(self, scratch: SSMScratch, conv_state, ssm_state, accepted, num_accepted, kernel_backend: str):
+        # The model checked accepted / num_accepted once for all layers (TreeLM.check_commit).
         new_ssm, new_conv = replay(ssm_state, conv_state, scratch.xBC, scratch.x, scratch.dt, scratch.B, self.A(),
-                                   accepted, num_accepted, **self.ssm_kwargs(), backend=kernel_backend)
+                                   accepted, num_accepted, **self.ssm_kwargs(), validate=False,
+                                   backend=kernel_backend)
         ssm_state.copy_(new_ssm)
         conv_state.copy_(new_conv)
 
@@ -222,7 +224,7 @@ class Mamba2LM(TreeLM):
     @torch.no_grad()
     def commit(self, cache: ModelCache, tree: TokenTree, accepted: torch.Tensor, num_accepted: torch.Tensor):
         """Advance each row by its accepted path (root first) by activation replay."""
-        self.check_commit(cache, tree)
+        self.check_commit(cache, tree, accepted, num_accepted)
         for i, layer in enumerate(self.backbone.layers):
             layer.mixer.replay(cache.scratch[i], cache.conv[i], cache.ssm[i], accepted, num_accepted,
                                self.kernel_backend)

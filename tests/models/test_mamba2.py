@@ -72,6 +72,11 @@ def test_bad_inputs_raise_clear_errors():
     tree = TokenTree.from_shape(TreeShape.chain(3), torch.ones(2, 4, dtype=torch.long))
     with pytest.raises(ValueError, match="commit needs the forward_tree pass"):
         model.commit(cache, tree, torch.zeros(2, 1, dtype=torch.long), torch.ones(2, dtype=torch.long))
+    model.forward_tree(tree, cache)
+    with pytest.raises(ValueError, match=r"accepted\[1, 1\] = 7 is not a node index in \[0, 4\)"):
+        model.commit(cache, tree, torch.tensor([[0, 1], [0, 7]]), torch.tensor([2, 2]))
+    with pytest.raises(ValueError, match=r"num_accepted\[0\] = 0 must be in \[1, 2\]"):
+        model.commit(cache, tree, torch.tensor([[0, 1], [0, 1]]), torch.tensor([0, 2]))
     with pytest.raises(ValueError, match="backend must be one of"):
         model.forward_tree(tree, cache, backend="fast")
     with pytest.raises(ValueError, match=r"lengths must be \[batch\] with 1 <= lengths <= 3"):
