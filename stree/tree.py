@@ -226,6 +226,28 @@ class TreeShape:
         """The 13-node static tree of the STree paper (4 levels, 3 nodes per level)."""
         return cls((-1, 0, 0, 0, 1, 1, 2, 4, 4, 5, 7, 7, 7))
 
+    @classmethod
+    def from_spec(cls, spec: str) -> "TreeShape":
+        """``paper13``, ``chain:D``, ``full:WxD`` (width W, depth D) or a path to a JSON file."""
+        if not isinstance(spec, str) or not spec:
+            raise ValueError(f"tree spec must be a non-empty string, got {spec!r}")
+        kind, _, arg = spec.partition(":")
+        try:
+            if spec == "paper13":
+                return cls.paper13()
+            if kind == "chain" and arg:
+                return cls.chain(int(arg))
+            if kind == "full" and arg:
+                width, depth = arg.lower().split("x")
+                return cls.full(int(width), int(depth))
+        except ValueError as exc:
+            raise ValueError(f"bad tree spec {spec!r}: {exc}") from exc
+        if spec.endswith(".json"):
+            if not Path(spec).is_file():
+                raise ValueError(f"tree spec {spec!r}: no such file")
+            return cls.load(spec)
+        raise ValueError(f"bad tree spec {spec!r}: use paper13, chain:D, full:WxD or a .json file")
+
     def to_json(self) -> str:
         return json.dumps({"format": "stree.tree_shape", "version": 1, "parents": list(self.parents)})
 

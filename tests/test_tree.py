@@ -124,3 +124,15 @@ def test_token_tree_validation():
         TokenTree(torch.tensor([-1, 5]), torch.zeros(1, 2, dtype=torch.long))
     with pytest.raises(ValueError, match="child_ids and child_probs must be given together"):
         TokenTree(torch.tensor([-1, 0]), torch.zeros(1, 2, dtype=torch.long), child_ids=torch.zeros(1, 2, 3))
+
+
+def test_tree_specs(tmp_path):
+    assert TreeShape.from_spec("paper13") == TreeShape.paper13()
+    assert TreeShape.from_spec("chain:4") == TreeShape.chain(4)
+    assert TreeShape.from_spec("full:3x2") == TreeShape.full(3, 2)
+    path = tmp_path / "t.json"
+    TreeShape.from_children([2, 0, 1]).save(path)
+    assert TreeShape.from_spec(str(path)) == TreeShape.from_children([2, 0, 1])
+    for bad in ["", "full:3", "chain:x", "star:3", str(tmp_path / "missing.json"), "chain:-1"]:
+        with pytest.raises(ValueError, match="tree spec"):
+            TreeShape.from_spec(bad)

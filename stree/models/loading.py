@@ -232,11 +232,15 @@ def save(model, path, format: str | None = None) -> None:
     save_file(state, str(path / "model.safetensors"))
 
 
-def load_tokenizer(path):
-    """The tokenizer saved in checkpoint directory ``path``, loaded offline."""
+def load_tokenizer(path, vocab_size: int | None = None):
+    """The tokenizer saved in checkpoint directory ``path``, loaded offline. With ``vocab_size``
+    (the model's), a tokenizer that can produce ids the model has no row for is a ValueError."""
     from transformers import AutoTokenizer
 
     path = Path(path)
     if not any((path / name).exists() for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
         raise FileNotFoundError(f"{path} holds no tokenizer (tokenizer.json / tokenizer_config.json)")
-    return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    if vocab_size is not None and len(tokenizer) > vocab_size:
+        raise ValueError(f"the tokenizer in {path} has {len(tokenizer)} tokens but the model's vocab_size is {vocab_size}")
+    return tokenizer

@@ -10,9 +10,15 @@ from .definitions import (
     tree_conv1d_def,
     tree_scan_def,
 )
+from .markov import MarkovCache, MarkovDrafter, MarkovLM
 from .sequential import sequential_logits
+from .stats import chi_square
 
 __all__ = [
+    "MarkovCache",
+    "MarkovDrafter",
+    "MarkovLM",
+    "chi_square",
     "max_rel_error",
     "multistep_def",
     "random_ssm_inputs",

@@ -6,37 +6,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from strategies import parent_lists
+from tiny_models import FAMILIES, VOCAB
 
-from stree.models import HybridConfig, HybridLM, Mamba2Config, Mamba2LM
 from stree.testing import root_path, sequential_logits
 from stree.tree import TokenTree, TreeShape
-
-VOCAB = 90
-
-
-def _perturb_norms(model):
-    with torch.no_grad():  # non-trivial norm weights, so every term matters
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight") or name.endswith("layernorm.weight") or name.endswith("norm_f.weight"):
-                p.add_(0.1 * torch.randn_like(p))
-    return model
-
-
-def mamba2():
-    torch.manual_seed(0)
-    return _perturb_norms(Mamba2LM(Mamba2Config(d_model=32, n_layer=2, vocab_size=VOCAB, d_state=8, headdim=8,
-                                                ngroups=2)).eval())
-
-
-def hybrid():
-    torch.manual_seed(0)
-    cfg = HybridConfig(d_model=32, n_layer=3, vocab_size=VOCAB, attn_layers=[1], intermediate_size=48,
-                       num_attention_heads=4, num_key_value_heads=2, head_dim=8, d_inner=32, d_xb=16, d_state=8,
-                       ngroups=4, rope_theta=10000.0)
-    return _perturb_norms(HybridLM(cfg).eval())
-
-
-FAMILIES = {"mamba2": mamba2, "hybrid": hybrid}
 
 
 def _prefilled(model, lengths, g):

@@ -1,0 +1,89 @@
+"""Prompt-lookup drafting: continuations of the context's own n-grams, longest match first."""
+
+from __future__ import annotations
+
+import torch
+
+from ..tree import TokenTree, TreeShape
+from .base import DraftContext, Drafter
+
+
+class _RowIndex:
+    """For one row: every n-gram (n = 1..max_n) of its context mapped to the tokens that followed
+    it, with their counts and last positions; extended only by the tokens added since last time."""
+
+    def __init__(self, max_n: int):
+        self.max_n = max_n
+        self.tokens: list[int] = []
+        self.next: dict[tuple[int, ...], dict[int, list[int]]] = {}
+
+    def extend(self, new: list[int]) -> None:
+        toks = self.tokens
+        for tok in new:
+            j = len(toks)
+            for n in range(1, min(self.max_n, j) + 1):
+                seen = self.next.setdefault(tuple(toks[j - n: j]), {})
+                entry = seen.get(tok)
+                if entry is None:
+                    seen[tok] = [1, j]
+                else:
+                    entry[0] += 1
+                    entry[1] = j
+            toks.append(tok)
+
+    def candidates(self, suffix: tuple[int, ...], k: int, min_n: int) -> list[int]:
+        """Up to ``k`` distinct continuations: those of the longest matching suffix first (most
+        frequent, then most recent), then shorter suffixes' to fill the remaining slots."""
+        out: list[int] = []
+        for n in range(min(len(suffix), self.max_n), min_n - 1, -1):
+            seen = self.next.get(suffix[len(suffix) - n:])
+            if not seen:
+                continue
+            for tok, _ in sorted(seen.items(), key=lambda kv: (-kv[1][0], -kv[1][1])):
+                if tok not in out:
+                    out.append(tok)
+                    if len(out) == k:
+                        return out
+        return out
+
+
+class NGramDrafter(Drafter):
+    """Deterministic drafts from the row's own context (prompt + generated): each node's children
+    are the distinct continuations of the longest suffix (n = ``max_n``..``min_n``) of the path
+    context that occurred before, most frequent first; slots with no candidate are invalid."""
+
+    def __init__(self, max_n: int = 4, min_n: int = 1):
+        if not 1 <= min_n <= max_n:
+            raise ValueError(f"need 1 <= min_n <= max_n, got min_n={min_n}, max_n={max_n}")
+        self.max_n, self.min_n = max_n, min_n
+        self._rows: dict[int, _RowIndex] = {}
+
+    def reset(self) -> None:
+        self._rows = {}
+
+    def _index(self, context: DraftContext, i: int) -> _RowIndex:
+        index = self._rows.setdefault(context.rows[i], _RowIndex(self.max_n))
+        length = int(context.lengths[context.rows[i]])
+        if length < len(index.tokens):
+            raise ValueError(f"row {context.rows[i]}'s context shrank from {len(index.tokens)} to {length} tokens; "
+                             "call reset() before drafting for new rows")
+        index.extend(context.row(i, start=len(index.tokens)))
+        return index
+
+    def propose(self, context: DraftContext, shape: TreeShape) -> TokenTree:
+        kids = shape.children()
+        tokens = torch.zeros(len(context), shape.n, dtype=torch.long)
+        valid = torch.zeros(len(context), shape.n, dtype=torch.bool)
+        for i in range(len(context)):
+            index = self._index(context, i)
+            toks, ok = tokens[i].tolist(), valid[i].tolist()
+            toks[0], ok[0] = index.tokens[-1], True
+            suffix = {0: tuple(index.tokens[-self.max_n:])}
+            for v in range(shape.n):  # parents come first: BFS / topological order
+                if not ok[v] or not kids[v]:
+                    continue
+                for child, tok in zip(kids[v], index.candidates(suffix[v], len(kids[v]), self.min_n)):
+                    toks[child], ok[child] = tok, True
+                    suffix[child] = (suffix[v] + (tok,))[-self.max_n:]
+            tokens[i], valid[i] = torch.tensor(toks), torch.tensor(ok)
+        return TokenTree(shape.parents_tensor(), tokens, valid)

@@ -1,0 +1,241 @@
+"""Lossless verification of a drafted token tree against the target's logits at every node.
+
+Every rule is a *one-node* rule applied top-down (DRAFTING_AND_VERIFICATION.md §3): at the current
+node the children are tried in draw order (index order); the first accepted child becomes the
+current node; when all are rejected, or the node has no children, the emitted token is drawn from
+the node's residual distribution. :func:`acceptance_tables` computes, for every node at once, the
+probability that a child is accepted given that its parent was reached and its earlier siblings
+were rejected, and each node's residual; :func:`verify` then needs one uniform per node and one
+draw from the residual of the last accepted node. Rules, chosen from what the tree carries:
+
+- ``greedy`` (temperature 0): accept the child equal to the argmax; the bonus is the argmax.
+- ``one_hot`` (no ``child_probs``: deterministic drafts): accept x with p(x); on rejection zero x
+  in p and renormalise.
+- ``iid`` (``with_replacement``; SpecInfer multi-step): accept x with min(1, p(x)/q(x)); on rejection
+  p <- norm(max(0, p - q)) with the same q.
+- ``without_replacement`` (recursive rejection sampling): as ``iid`` but with the conditional q_i,
+  i.e. q with the earlier siblings' tokens zeroed and renormalised, in the residual as well.
+- ``naive`` (``mode="naive"``): one target draw per node; follow the child equal to it, emit the
+  draw at the first node where no child matches.
+
+Chain speculative sampling is the one-child case of ``iid`` / ``without_replacement`` (the two are
+the same rule for one child). Invalid (padding) nodes are never accepted and change no residual.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .tree import TokenTree
+
+__all__ = ["RULES", "VerifyResult", "acceptance_tables", "choose_rule", "follow_choices", "process_logits", "sample_tokens", "verify"]
+
+RULES = ("greedy", "one_hot", "iid", "without_replacement", "naive")
+
+
+@dataclass
+class VerifyResult:
+    """``accepted`` ``[B, D+1]``: accepted node indices root first (entries past ``num_accepted``
+    are 0); ``num_accepted`` ``[B]`` counts the root; ``bonus`` ``[B]``: the correction or bonus
+    token. ``probs`` ``[B, N, V]``: the processed target distributions (None for greedy)."""
+
+    accepted: torch.Tensor
+    num_accepted: torch.Tensor
+    bonus: torch.Tensor
+    probs: torch.Tensor | None = None
+
+
+def check_sampling(temperature: float, top_k: int, top_p: float) -> None:
+    if not isinstance(temperature, (int, float)) or temperature < 0:
+        raise ValueError(f"temperature must be a number >= 0, got {temperature!r}")
+    if not isinstance(top_k, int) or top_k < 0:
+        raise ValueError(f"top_k must be an int >= 0 (0 disables it), got {top_k!r}")
+    if not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
+
+
+def process_logits(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
+    """The target's sampling distribution, in fp32: logits / temperature, then top-k, then top-p
+    (the smallest set of most likely tokens whose mass reaches ``top_p``)."""
+    check_sampling(temperature, top_k, top_p)
+    if temperature == 0:
+        raise ValueError("temperature 0 is greedy decoding: there is no distribution to process")
+    x = logits.float() / temperature
+    if 0 < top_k < x.shape[-1]:
+        kth = torch.topk(x, top_k, dim=-1).values[..., -1:]
+        x = x.masked_fill(x < kth, float("-inf"))
+    probs = torch.softmax(x, dim=-1)
+    if top_p < 1:
+        sorted_p, order = torch.sort(probs, dim=-1, descending=True)
+        mass_before = sorted_p.cumsum(-1) - sorted_p
+        sorted_p = sorted_p.masked_fill(mass_before >= top_p, 0.0)
+        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+def sample_tokens(logits: torch.Tensor, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+                  generator: torch.Generator | None = None) -> torch.Tensor:
+    """One token per row of ``logits`` ``[B, V]``: the argmax at temperature 0, else a draw from
+    :func:`process_logits`."""
+    check_sampling(temperature, top_k, top_p)
+    if temperature == 0:
+        return logits.float().argmax(-1)
+    return torch.multinomial(process_logits(logits, temperature, top_k, top_p), 1, generator=generator)[:, 0]
+
+
+def choose_rule(tree: TokenTree, temperature: float, mode: str = "auto") -> str:
+    if mode not in ("auto", "naive"):
+        raise ValueError(f"mode must be 'auto' or 'naive', got {mode!r}")
+    if temperature == 0:
+        return "greedy"
+    if mode == "naive":
+        return "naive"
+    if tree.child_probs is None:
+        return "one_hot"
+    return "iid" if tree.with_replacement else "without_replacement"
+
+
+def _normalize(t: torch.Tensor, fallback: torch.Tensor) -> torch.Tensor:
+    """``t`` rescaled to sum 1 over the last axis; ``fallback`` where it has no mass (a rejection
+    that had probability 0, so the value is never used)."""
+    s = t.sum(-1, keepdim=True)
+    return torch.where(s > 0, t / s.clamp_min(torch.finfo(t.dtype).tiny), fallback)
+
+
+def _sibling_rank(parents: torch.Tensor) -> torch.Tensor:
+    """``[B, N]``: how many lower-indexed siblings each node has (its position in draw order)."""
+    n = parents.shape[-1]
+    earlier = torch.ones(n, n, dtype=torch.bool, device=parents.device).tril(-1)
+    return ((parents[:, :, None] == parents[:, None, :]) & earlier).sum(-1)
+
+
+def _draft_law(tree: TokenTree, V: int, dtype: torch.dtype) -> torch.Tensor:
+    """Dense ``[B, N, V]`` law each node's children were drawn from, renormalised over the stored
+    entries (a truncated top-K store is sampled from its renormalised entries)."""
+    ids, pr = tree.child_ids.long(), tree.child_probs.to(dtype).clamp_min(0)
+    if bool(((ids < 0) | (ids >= V)).any()):
+        raise ValueError(f"tree.child_ids holds ids outside the vocabulary [0, {V})")
+    q = torch.zeros(*ids.shape[:2], V, dtype=dtype, device=pr.device).scatter_add_(2, ids, pr)
+    return _normalize(q, torch.zeros_like(q))
+
+
+def acceptance_tables(tree: TokenTree, probs: torch.Tensor, rule: str):
+    """For the stochastic rules ``one_hot`` / ``iid`` / ``without_replacement``: ``accept`` ``[B, N]``
+    (node c's acceptance probability given its parent was reached and c's earlier siblings were
+    rejected; 0 for the root and invalid nodes) and ``residual`` ``[B, N, V]`` (the law emitted at a
+    node whose children were all rejected; p itself at a node without children).
+
+    Works in the dtype of ``probs``, so float64 inputs give the exact law (tests enumerate it)."""
+    if rule not in ("one_hot", "iid", "without_replacement"):
+        raise ValueError(f"acceptance_tables handles one_hot, iid and without_replacement, got {rule!r}")
+    B, N, V = probs.shape
+    parents = tree.parents.to(probs.device).expand(B, N)
+    valid = torch.ones(B, N, dtype=torch.bool, device=probs.device) if tree.valid is None else tree.valid.clone()
+    valid[:, 0] = False  # the root is never a candidate
+    rank = _sibling_rank(parents)
+    slot = torch.where(valid, parents, N)  # a child's parent, or a dummy column N for non-candidates
+    tokens = tree.tokens.long()
+    q = _draft_law(tree, V, probs.dtype) if rule != "one_hot" else None
+    p = probs.clone()
+    accept = torch.zeros(B, N + 1, dtype=probs.dtype, device=probs.device)
+    node = torch.arange(N, device=probs.device).expand(B, N)
+    for r in range(int(rank.max()) + 1):
+        # child_at[b, v]: v's child of draw rank r, or N; each parent has at most one per rank.
+        at_r = rank == r
+        child_at = torch.full((B, N + 1), N, dtype=torch.long, device=probs.device)
+        child_at.scatter_(1, torch.where(at_r, slot, N), torch.where(at_r, node, N))
+        child_at = child_at[:, :N]
+        has = child_at < N
+        x = torch.where(has, tokens.gather(1, child_at.clamp(max=N - 1)), 0)[..., None]
+        px = p.gather(2, x)[..., 0]
+        if rule == "one_hot":
+            drafted, a = has, px
+            rejected = _normalize(p.scatter(2, x, 0.0), p)
+        else:
+            qx = q.gather(2, x)[..., 0]
+            drafted = has & (qx > 0)  # a token its law could not produce is never accepted
+            a = torch.where(drafted, (px / qx.clamp_min(torch.finfo(qx.dtype).tiny)).clamp(max=1), 0)
+            rejected = _normalize((p - q).clamp_min(0), p)
+        accept.scatter_(1, torch.where(drafted, child_at, N), torch.where(drafted, a, 0))
+        p = torch.where(drafted[..., None], rejected, p)
+        if rule == "without_replacement":
+            q = torch.where(drafted[..., None], _normalize(q.scatter(2, x, 0.0), torch.zeros_like(q)), q)
+    return accept[:, :N], p
+
+
+def _walk(parents: torch.Tensor, accepted_edge: torch.Tensor, max_depth: int):
+    """Follow, from the root, the lowest-indexed child whose edge is accepted; returns the path
+    ``[B, max_depth + 1]``, its length and its last node."""
+    B, N = accepted_edge.shape
+    node = torch.arange(N, device=parents.device).expand(B, N)
+    first = torch.full((B, N + 1), N, dtype=torch.long, device=parents.device)
+    first.scatter_reduce_(1, torch.where(accepted_edge, parents, N), torch.where(accepted_edge, node, N), "amin")
+    cur = torch.zeros(B, dtype=torch.long, device=parents.device)
+    alive = torch.ones(B, dtype=torch.bool, device=parents.device)
+    path = [cur]
+    for _ in range(max_depth):
+        nxt = first.gather(1, cur[:, None])[:, 0]
+        alive = alive & (nxt < N)
+        cur = torch.where(alive, nxt, cur)
+        path.append(torch.where(alive, nxt, 0))
+    accepted = torch.stack(path, 1)
+    num = 1 + (accepted[:, 1:] > 0).sum(1)
+    return accepted, num, cur
+
+
+def _max_depth(tree: TokenTree) -> int:
+    return int(tree.index.depth.max())
+
+
+def follow_choices(tree: TokenTree, choice: torch.Tensor):
+    """Greedy and naive verification: ``choice`` ``[B, N]`` is the token each node emits (the
+    argmax, or one target draw per node). Follow the first child equal to its parent's choice;
+    the bonus is the choice at the last node reached. Returns ``(accepted, num_accepted, bonus)``."""
+    B, N = choice.shape
+    parents = tree.parents.to(choice.device).expand(B, N)
+    edge = tree.tokens.long() == choice.gather(1, parents.clamp(min=0))
+    if tree.valid is not None:
+        edge &= tree.valid
+    edge[:, 0] = False
+    accepted, num, end = _walk(parents, edge, _max_depth(tree))
+    return accepted, num, choice.gather(1, end[:, None])[:, 0]
+
+
+def verify(tree: TokenTree, logits: torch.Tensor, *, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+           generator: torch.Generator | None = None, mode: str = "auto") -> VerifyResult:
+    """Accept the longest valid path of ``tree`` under the target ``logits`` ``[B, N, V]``.
+
+    The emitted tokens (accepted drafts then ``bonus``) are distributed exactly as sampling from the
+    processed target distribution token by token, provided the tree's drafts were drawn from the
+    law it declares (``child_probs``, draw order = index order) independently of this call's
+    randomness; at temperature 0 they are exactly greedy decoding."""
+    check_sampling(temperature, top_k, top_p)
+    if logits.dim() != 3 or tuple(logits.shape[:2]) != (tree.batch_size, tree.n):
+        raise ValueError(f"logits must have shape [{tree.batch_size}, {tree.n}, V], got {tuple(logits.shape)}")
+    B, N, V = logits.shape
+    if tree.tokens.device != logits.device:
+        raise ValueError(f"tree is on {tree.tokens.device} but logits are on {logits.device}")
+    tokens = tree.tokens.long()
+    if bool(((tokens < 0) | (tokens >= V)).any()):
+        pos = tuple(int(v) for v in torch.nonzero((tokens < 0) | (tokens >= V))[0])
+        raise ValueError(f"tree.tokens{list(pos)} = {int(tokens[pos])} is outside the vocabulary [0, {V})")
+    rule = choose_rule(tree, temperature, mode)
+    probs = None
+    if rule in ("greedy", "naive"):
+        if rule == "greedy":
+            choice = logits.float().argmax(-1)
+        else:
+            probs = process_logits(logits, temperature, top_k, top_p)
+            choice = torch.multinomial(probs.reshape(B * N, V), 1, generator=generator).reshape(B, N)
+        accepted, num, bonus = follow_choices(tree, choice)
+    else:
+        probs = process_logits(logits, temperature, top_k, top_p)
+        accept, residual = acceptance_tables(tree, probs, rule)
+        coins = torch.rand(B, N, generator=generator, device=logits.device)
+        accepted, num, end = _walk(tree.parents.to(logits.device).expand(B, N), coins < accept, _max_depth(tree))
+        last = residual.gather(1, end[:, None, None].expand(B, 1, V))[:, 0]
+        bonus = torch.multinomial(last, 1, generator=generator)[:, 0]
+    return VerifyResult(accepted, num, bonus, probs)

@@ -1,0 +1,116 @@
+"""NGramDrafter: longest-suffix continuations, frequency order, back-off, tree filling, and an
+index that only ever reads the new tokens of a row."""
+
+import pytest
+import torch
+
+from stree.drafters import DraftContext, NGramDrafter
+from stree.drafters import ngram as ngram_module
+from stree.tree import TreeShape
+
+
+def context(rows_tokens):
+    T = max(map(len, rows_tokens))
+    tokens = torch.zeros(len(rows_tokens), T, dtype=torch.long)
+    for i, r in enumerate(rows_tokens):
+        tokens[i, : len(r)] = torch.tensor(r)
+    return DraftContext(tokens, torch.tensor([len(r) for r in rows_tokens]), list(range(len(rows_tokens))))
+
+
+def continuations(ctx, suffix):
+    """The definition: tokens that followed ``suffix`` in ``ctx``, most frequent then most recent."""
+    n, stats = len(suffix), {}
+    for j in range(n, len(ctx)):
+        if tuple(ctx[j - n: j]) == tuple(suffix):
+            c, _ = stats.get(ctx[j], (0, -1))
+            stats[ctx[j]] = (c + 1, j)
+    return [t for t, _ in sorted(stats.items(), key=lambda kv: (-kv[1][0], -kv[1][1]))]
+
+
+def expected_children(ctx, k, max_n=4):
+    out = []
+    for n in range(min(max_n, len(ctx)), 0, -1):
+        for t in continuations(ctx, ctx[len(ctx) - n:]):
+            if t not in out and len(out) < k:
+                out.append(t)
+    return out
+
+
+def test_children_are_the_longest_matches_continuations_then_backoff():
+    ctx = [5, 1, 2, 3, 9, 1, 2, 3, 7, 4, 2, 3, 8, 1, 2, 3, 7, 0, 1, 2, 3]
+    tree = NGramDrafter().propose(context([ctx]), TreeShape.full(4, 1))
+    # 4-gram (1,2,3)->... : "x 1 2 3" keys; 3-gram (1,2,3) -> 9, 7, 7 ; 2-gram (2,3) adds 8
+    assert tree.tokens[0, 0] == 3
+    assert tree.tokens[0, 1:4].tolist() == [7, 9, 8] == expected_children(ctx, 4)
+    assert tree.valid[0].tolist() == [True] * 4 + [False]  # only 3 distinct continuations exist
+
+
+def test_random_contexts_match_the_definition_at_every_depth():
+    g = torch.Generator().manual_seed(0)
+    drafter = NGramDrafter()
+    shape = TreeShape.full(2, 3)
+    for trial in range(30):
+        ctx = torch.randint(0, 4, (int(torch.randint(1, 40, (1,), generator=g)),), generator=g).tolist()
+        drafter.reset()
+        tree = drafter.propose(context([ctx]), shape)
+        kids = shape.children()
+        for v in range(shape.n):
+            if not kids[v] or not tree.valid[0, v]:
+                assert not any(tree.valid[0, c] for c in kids[v])
+                continue
+            path, u = [], v
+            while u > 0:
+                path.append(int(tree.tokens[0, u]))
+                u = shape.parents[u]
+            # the index holds the committed context only: drafted tokens extend the key, not the table
+            got = [int(tree.tokens[0, c]) for c in kids[v] if tree.valid[0, c]]
+            assert got == want_from_committed(ctx, path[::-1], len(kids[v])), (ctx, v)
+
+
+def want_from_committed(ctx, path, k, max_n=4):
+    """Continuations looked up with the path context's suffix, counted over the committed ``ctx``."""
+    full = ctx + path
+    out = []
+    for n in range(min(max_n, len(full)), 0, -1):
+        suffix = full[len(full) - n:]
+        for t in continuations(ctx, suffix):
+            if t not in out and len(out) < k:
+                out.append(t)
+    return out
+
+
+def test_no_match_leaves_invalid_slots_and_prunes_their_subtrees():
+    tree = NGramDrafter().propose(context([[1, 2, 3]]), TreeShape.full(2, 2))
+    # 3 never occurred before, and no shorter suffix of "3" has a continuation
+    assert tree.tokens[0, 0] == 3 and tree.valid[0].tolist() == [True] + [False] * 6
+    tree = NGramDrafter().propose(context([[1, 2, 1]]), TreeShape.full(2, 1))
+    assert tree.tokens[0, :2].tolist() == [1, 2] and tree.valid[0].tolist() == [True, True, False]
+
+
+def test_index_reads_each_token_once(monkeypatch):
+    seen = []
+    real = ngram_module._RowIndex.extend
+    monkeypatch.setattr(ngram_module._RowIndex, "extend", lambda self, new: (seen.extend(new), real(self, new)))
+    drafter = NGramDrafter()
+    tokens = torch.randint(0, 5, (2, 60))
+    lengths = torch.tensor([10, 12])
+    for _ in range(5):
+        drafter.propose(DraftContext(tokens, lengths, [0, 1]), TreeShape.paper13())
+        lengths += torch.tensor([3, 1])
+    assert len(seen) == int(lengths.sum()) - 4  # every token indexed once (the last step's growth not yet seen)
+    fresh = NGramDrafter()
+    a = drafter.propose(DraftContext(tokens, lengths, [0, 1]), TreeShape.paper13())
+    b = fresh.propose(DraftContext(tokens, lengths, [0, 1]), TreeShape.paper13())
+    assert torch.equal(a.tokens, b.tokens) and torch.equal(a.valid, b.valid)
+
+
+def test_rows_are_keyed_by_stable_id_and_shrinking_is_an_error():
+    drafter = NGramDrafter()
+    tokens = torch.tensor([[1, 2, 1, 2, 1], [3, 4, 3, 4, 3]])
+    drafter.propose(DraftContext(tokens, torch.tensor([5, 5]), [0, 1]), TreeShape.chain(2))
+    only_second = drafter.propose(DraftContext(tokens, torch.tensor([5, 5]), [1]), TreeShape.chain(2))
+    assert only_second.tokens.tolist() == [[3, 4, 3]]
+    with pytest.raises(ValueError, match="shrank"):
+        drafter.propose(DraftContext(tokens, torch.tensor([5, 3]), [1]), TreeShape.chain(2))
+    with pytest.raises(ValueError, match="min_n"):
+        NGramDrafter(max_n=2, min_n=3)

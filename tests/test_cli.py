@@ -1,0 +1,77 @@
+"""`stree generate` on a tiny checkpoint directory with its own tokenizer."""
+
+import subprocess
+import sys
+
+import pytest
+from tiny_models import mamba2
+
+from stree.cli import main
+from stree.models import save
+from stree.tree import TreeShape
+
+TEXT = "def f(x):\n    return x + 1\n\nclass A:\n    pass\n"
+
+
+def tokenizer_files(path, vocab=120):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator([TEXT] * 20, trainers.BpeTrainer(vocab_size=vocab, special_tokens=["<unk>", "<eos>"]))
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<eos>")
+    fast.save_pretrained(str(path))
+    return len(fast)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    path = tmp_path_factory.mktemp("ckpt")
+    n = tokenizer_files(path)
+    save(mamba2(vocab_size=n), path, format="mamba_ssm")
+    return path
+
+
+def test_generate_prints_text_stats_and_comparison(checkpoint, capsys):
+    rc = main(["generate", "--model", str(checkpoint), "--prompt", "def f(x):\n    return", "--tree", "full:2x3",
+               "--max-new-tokens", "12", "--compare"])
+    out = capsys.readouterr().out.splitlines()
+    assert rc == 0
+    assert out[0].startswith("def f(x):")
+    stats = [line for line in out if line.startswith("[stree]")]
+    assert len(stats) == 1 and "tau" in stats[0] and "tok/s" in stats[0]
+    assert any(line.startswith("[autoregressive]") for line in out)
+    assert out[-1].startswith("speedup x") and out[-1].endswith("greedy outputs identical: yes")
+
+
+def test_generate_sampling_and_tree_file(checkpoint, tmp_path, capsys):
+    shape = tmp_path / "tree.json"
+    TreeShape.from_children([2, 1, 1]).save(shape)
+    argv = ["generate", "--model", str(checkpoint), "--prompt", "class A:", "--tree", str(shape), "--temperature",
+            "0.8", "--top-p", "0.9", "--seed", "3", "--max-new-tokens", "8"]
+    assert main(argv) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert main(argv) == 0
+    assert capsys.readouterr().out.splitlines()[0] == first  # same seed, same text
+
+
+def test_errors_exit_2_with_the_reason(checkpoint, tmp_path, capsys):
+    assert main(["generate", "--model", str(checkpoint), "--prompt", "x", "--tree", "full:2"]) == 2
+    assert "bad tree spec 'full:2'" in capsys.readouterr().err
+    assert main(["generate", "--model", str(checkpoint), "--prompt", "", "--max-new-tokens", "3"]) == 2
+    assert "--prompt '' encodes to no tokens" in capsys.readouterr().err
+    small = tmp_path / "small"
+    small.mkdir()
+    n = tokenizer_files(small)
+    save(mamba2(vocab_size=n - 10, pad_vocab_size_multiple=1), small, format="mamba_ssm")
+    assert main(["generate", "--model", str(small), "--prompt", "x"]) == 2
+    assert f"has {n} tokens but the model's vocab_size is {n - 10}" in capsys.readouterr().err
+
+
+def test_module_entry_point(checkpoint):
+    run = subprocess.run([sys.executable, "-m", "stree", "generate", "--model", str(checkpoint), "--prompt", "def",
+                          "--method", "chain", "--max-new-tokens", "4"], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.splitlines()[-1].startswith("[chain] tokens 4")
