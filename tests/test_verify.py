@@ -181,28 +181,29 @@ def markov_setup(V, seed):
     return P, Q
 
 
-SHAPE = TreeShape.full(2, 2)  # root, 2 children, 2 grandchildren each
 ROOT = 0
 
 
-def two_level_trees(Q, with_replacement):
-    """Every draft tree of SHAPE (children of a node drawn from Q[node token]) and its probability,
-    batched: ``(TokenTree [B, 7], weights [B])``."""
+def two_level_trees(Q, width, with_replacement):
+    """Every draft tree of ``full(width, 2)`` (children of a node drawn from Q[node token]) with its
+    probability, batched: ``(TokenTree [B, n], weights [B])``. Width 1 is a chain of 2 drafts."""
     V = Q.shape[0]
+    shape = TreeShape.full(width, 2)
+    kids = shape.children()
     rows, weights = [], []
-    for top, w1 in draw_sequences(Q[ROOT], 2, with_replacement):
-        subs = [list(draw_sequences(Q[max(t, 0)], 2, with_replacement)) for t in top]
-        for (s1, w2), (s2, w3) in itertools.product(*subs):
-            rows.append([ROOT] + top + s1 + s2)
-            weights.append(w1 * w2 * w3)
+    for top, w1 in draw_sequences(Q[ROOT], width, with_replacement):
+        subs = [list(draw_sequences(Q[max(t, 0)], width, with_replacement)) for t in top]
+        for below in itertools.product(*subs):
+            rows.append([ROOT] + top + [t for seq, _ in below for t in seq])
+            weights.append(w1 * float(torch.prod(torch.tensor([w for _, w in below], dtype=torch.float64))))
     raw = torch.tensor(rows)
     valid = raw >= 0
-    valid[:, 3:5] &= valid[:, 1:2]
-    valid[:, 5:7] &= valid[:, 2:3]
+    for c in kids[0]:
+        valid[:, kids[c]] &= valid[:, c:c + 1]
     tokens = raw.clamp(min=0)
     B = len(rows)
-    ids = torch.arange(V).expand(B, SHAPE.n, V)
-    tree = TokenTree(SHAPE.parents_tensor(), tokens, valid, child_ids=ids, child_probs=Q[tokens],
+    ids = torch.arange(V).expand(B, shape.n, V)
+    tree = TokenTree(shape.parents_tensor(), tokens, valid, child_ids=ids, child_probs=Q[tokens],
                      with_replacement=with_replacement)
     return tree, torch.tensor(weights, dtype=torch.float64)
 
@@ -219,7 +220,7 @@ def tree_joint(tree, weights, P, rule):
     probs = P[tree.tokens]
     accept, residual = acceptance_tables(tree, probs, rule)
     joint = torch.zeros(V, V, dtype=torch.float64)
-    kids = SHAPE.children()
+    kids = tree.children()
     for b in range(tree.batch_size):
         w, tok = float(weights[b]), tree.tokens[b].tolist()
         reach = 1.0
@@ -235,15 +236,17 @@ def tree_joint(tree, weights, P, rule):
     return joint
 
 
+@pytest.mark.parametrize("width", [1, 2], ids=["chain", "tree"])
 @pytest.mark.parametrize("with_replacement", [True, False])
-def test_two_level_tree_emits_the_exact_joint_law(with_replacement):
-    P, Q = markov_setup(4, seed=11 + with_replacement)
-    tree, weights = two_level_trees(Q, with_replacement)
+def test_two_level_drafts_emit_the_exact_joint_law(width, with_replacement):
+    """Width 1 is chain speculative sampling (2 drafts); width 2 a binary tree of depth 2."""
+    P, Q = markov_setup(4, seed=11 + with_replacement + 2 * width)
+    tree, weights = two_level_trees(Q, width, with_replacement)
     rule = "iid" if with_replacement else "without_replacement"
     joint = tree_joint(tree, weights, P, rule)
     assert abs(float(weights.sum()) - 1) < EXACT
     assert (joint - exact_joint(P)).abs().max() < EXACT
-    if not with_replacement:  # and the base-q variant is caught at depth 2 as well
+    if width == 2 and not with_replacement:  # and the base-q variant is caught at depth 2 as well
         wrong = tree_joint(TokenTree(tree.parents, tree.tokens, tree.valid, tree.child_ids, tree.child_probs, True),
                            weights, P, "iid")
         assert (wrong - exact_joint(P)).abs().max() > 1e-3
@@ -252,11 +255,12 @@ def test_two_level_tree_emits_the_exact_joint_law(with_replacement):
 def test_two_level_naive_sampling_emits_the_exact_joint_law():
     V = 3
     P, _ = markov_setup(V, seed=4)
+    shape = TreeShape.full(2, 2)
     tokens = torch.tensor([[ROOT, 1, 2, 0, 1, 2, 2]])  # fixed drafts, a duplicate among cousins
-    tree = TokenTree(SHAPE.parents_tensor(), tokens)
-    choices = torch.tensor(list(itertools.product(range(V), repeat=SHAPE.n)))  # one draw per node
+    tree = TokenTree(shape.parents_tensor(), tokens)
+    choices = torch.tensor(list(itertools.product(range(V), repeat=shape.n)))  # one draw per node
     B = len(choices)
-    batch = TokenTree(SHAPE.parents_tensor(), tokens.expand(B, -1))
+    batch = TokenTree(shape.parents_tensor(), tokens.expand(B, -1))
     weights = torch.prod(P[tokens.expand(B, -1), choices], dim=1)
     accepted, num, bonus = follow_choices(batch, choices)
     joint = torch.zeros(V, V, dtype=torch.float64)
