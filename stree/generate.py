@@ -120,7 +120,7 @@ class _Clock:
 def generate(model, input_ids, *, drafter: Drafter | None = None, tree: TreeShape | None = None,
              method: str = "stree", max_new_tokens: int, temperature: float = 0.0, top_k: int = 0,
              top_p: float = 1.0, eos_token_id: int | list[int] | None = None, seed: int | None = None,
-             mode: str = "auto", max_length: int | None = None) -> GenerationOutput:
+             mode: str = "auto", max_length: int | None = None, on_step=None) -> GenerationOutput:
     """Decode up to ``max_new_tokens`` per row; a row stops after emitting an EOS.
 
     ``input_ids``: a ``[B, T]`` tensor or a list of token lists (ragged prompts allowed).
@@ -128,13 +128,17 @@ def generate(model, input_ids, *, drafter: Drafter | None = None, tree: TreeShap
     (chain drafts through the chain backend; default ``chain(4)``) or ``autoregressive``.
     ``drafter`` defaults to :class:`NGramDrafter`. ``mode="naive"`` verifies by exact-match
     sampling. ``max_length``: the cache size; by default the longest prompt plus
-    ``max_new_tokens`` plus the tree depth. The same ``seed`` gives the same output."""
+    ``max_new_tokens`` plus the tree depth. The same ``seed`` gives the same output.
+    ``on_step(rows, tree, result)``, if given, sees every verify step (row ids, the drafted
+    :class:`TokenTree`, the :class:`~stree.verify.VerifyResult`), e.g. to count accepted nodes."""
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
     check_sampling(temperature, top_k, top_p)
     prompts = _prompts(input_ids)
+    if tree is None and method == "stree":
+        tree = getattr(drafter, "shape", None)  # a drafter built for a tree shape (e.g. STAND's)
     shape = _resolve_shape(method, tree)
     depth = shape.max_depth if shape is not None else 0
     B, longest = len(prompts), max(map(len, prompts))
@@ -208,6 +212,8 @@ def generate(model, input_ids, *, drafter: Drafter | None = None, tree: TreeShap
         context = DraftContext(seq, lengths, active.tolist())
         draft = drafter.propose(context, shape)
         _check_draft(draft, roots)
+        if draft.valid is not None and not bool(draft.valid[:, 1:].any()):
+            draft = TokenTree.from_shape(TreeShape.chain(0), draft.tokens[:, :1])  # nothing drafted: one node
         draft = _to(draft, device)
         stats.time_draft += clock.lap()
         logits = model.forward_tree(draft, cache, backend="chain" if method == "chain" else "tree")
@@ -218,17 +224,22 @@ def generate(model, input_ids, *, drafter: Drafter | None = None, tree: TreeShap
         stats.target_forwards += 1
         model.commit(cache, draft, result.accepted, result.num_accepted)
         stats.time_commit += clock.lap()
+        if on_step is not None:
+            on_step(active.tolist(), draft, result)
         # Emitted: the accepted drafts (path nodes after the root), then the bonus.
         path_tokens = draft.tokens.cpu().gather(1, accepted)
         out = torch.cat([path_tokens[:, 1:], torch.zeros(len(active), 1, dtype=torch.long)], 1)
         out.scatter_(1, (num - 1)[:, None], bonus[:, None])
         for r, a in zip(active.tolist(), (num - 1).tolist()):
             stats.accepted[r].append(a)
-        if drafter.needs_target_probs:
+        if drafter.target_top_k:
             probs = result.probs if result.probs is not None else torch.softmax(logits.float(), -1)
-            seen = probs.gather(1, result.accepted[:, :, None].expand(-1, -1, probs.shape[-1])).cpu()
+            V = probs.shape[-1]
+            seen = probs.gather(1, result.accepted[:, :, None].expand(-1, -1, V))
+            best_p, best_i = (t.cpu() for t in torch.topk(seen, min(drafter.target_top_k, V), dim=-1))
             drafter.observe(active.tolist(), [o[:k].tolist() for o, k in zip(out, num.tolist())],
-                            [s[:k] for s, k in zip(seen, num.tolist())])
+                            [(i[:k], p[:k]) for i, p, k in zip(best_i, best_p, num.tolist())])
+            stats.time_draft += clock.lap()  # feeding the drafter's store is drafting work
         done = emit(out, num)
     clock.lap()
     stats.time_total = clock.t - start

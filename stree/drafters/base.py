@@ -38,8 +38,9 @@ class Drafter:
     equal to the row's last token, siblings numbered in draw order, ``valid`` marking nodes the
     drafter could not fill, and ``child_ids``/``child_probs`` when its drafts are random."""
 
-    #: whether ``observe`` wants the target's processed distributions (costs a gather per step)
-    needs_target_probs = False
+    #: how many of the target's most likely next tokens ``observe`` wants at each emitted position
+    #: (0: none, so the loop skips the top-k)
+    target_top_k = 0
 
     def reset(self) -> None:
         """Forget per-row state: the next ``propose`` starts new rows."""
@@ -47,6 +48,8 @@ class Drafter:
     def propose(self, context: DraftContext, shape: TreeShape) -> TokenTree:
         raise NotImplementedError
 
-    def observe(self, rows: list[int], tokens: list[list[int]], target_probs: list[torch.Tensor] | None) -> None:
-        """After a verify step: each row's emitted tokens and, if ``needs_target_probs``, the target
-        distributions ``[len, V]`` they were drawn from (root first)."""
+    def observe(self, rows: list[int], tokens: list[list[int]], target_top: list[tuple[torch.Tensor, torch.Tensor]] | None) -> None:
+        """After a verify step, rows in batch order: each row's emitted tokens and, if
+        ``target_top_k``, the top entries ``(ids [len, k], probs [len, k])`` of the processed target
+        distribution each emitted token was drawn from (at temperature 0: the softmax of the
+        logits). Emitted token i follows the row's context plus emitted tokens 0..i-1."""

@@ -1,0 +1,200 @@
+"""STAND: store arithmetic and eviction, Gumbel-top-k law, noise hygiene, tree filling, and
+losslessness of its drafts on an exact Markov target (chi-square), including a stale store."""
+
+import itertools
+
+import pytest
+import torch
+from tiny_models import FAMILIES
+
+from stree.drafters import DraftContext, STANDDrafter, STANDStore, gumbel_top_k
+from stree.generate import generate
+from stree.testing import MarkovLM, chi_square
+from stree.tree import TreeShape
+
+
+def t(*v, dtype=torch.float32):
+    return torch.tensor([list(v)], dtype=dtype)
+
+
+def test_merge_is_the_running_mean_over_the_union_then_top_k():
+    store = STANDStore(capacity=8, top_k=3)
+    store.update([(5,)], t(1, 2, 3, dtype=torch.long), t(0.5, 0.3, 0.2))
+    store.update([(5,)], t(2, 4, 1, dtype=torch.long), t(0.6, 0.3, 0.1))
+    ids, probs, count = store.entry((5,))
+    # union: 1: .5/2 + .1/2 = .3, 2: .3/2 + .6/2 = .45, 3: .2/2 = .1, 4: .3/2 = .15 -> top 3
+    assert ids.tolist() == [2, 1, 4] and torch.allclose(probs, torch.tensor([0.45, 0.3, 0.15])) and count == 2
+    store.update([(5,)], t(3, 9, 2, dtype=torch.long), t(0.9, 0.06, 0.04))
+    ids, probs, count = store.entry((5,))
+    # k = 2: 2/3 old + 1/3 new: 2: .3 + .04/3, 1: .2, 4: .1, 3: .3, 9: .02 -> 3 (.3), 2 (.3133), 1 (.2)
+    assert ids.tolist() == [2, 3, 1] and count == 3
+    assert torch.allclose(probs, torch.tensor([0.3 + 0.04 / 3, 0.3, 0.2]))
+    assert store.entry((4,)) is None and len(store) == 1
+
+
+def test_repeated_keys_in_one_update_merge_in_order():
+    one, two = STANDStore(top_k=4), STANDStore(top_k=4)
+    rows = [(t(1, 2, 3, 0, dtype=torch.long), t(0.4, 0.3, 0.2, 0.1)), (t(3, 5, 6, 7, dtype=torch.long), t(0.7, 0.1, 0.1, 0.1)),
+            (t(8, 1, 2, 3, dtype=torch.long), t(0.25, 0.25, 0.25, 0.25))]
+    one.update([(1, 2), (9,), (1, 2)] , torch.cat([rows[0][0], rows[1][0], rows[2][0]]),
+               torch.cat([rows[0][1], rows[1][1], rows[2][1]]))
+    for key, (ids, probs) in zip([(1, 2), (9,), (1, 2)], rows):
+        two.update([key], ids, probs)
+    for key in [(1, 2), (9,)]:
+        a, b = one.entry(key), two.entry(key)
+        assert a[0].tolist() == b[0].tolist() and torch.equal(a[1], b[1]) and a[2] == b[2]
+    assert one.entry((1, 2))[2] == 2
+
+
+def test_capacity_is_bounded_and_least_recently_updated_entries_go_first():
+    store = STANDStore(capacity=10, top_k=2, evict_fraction=0.3)
+    dist = (t(1, 2, dtype=torch.long), t(0.5, 0.5))
+    for k in range(10):
+        store.update([(k,)], *dist)
+    store.update([(0,)], *dist)  # refresh key 0: now 1, 2, 3 are the least recently updated
+    store.update([(100,)], *dist)
+    assert len(store) == 8 and store.entry((100,)) is not None and store.entry((0,)) is not None
+    assert all(store.entry((k,)) is None for k in (1, 2, 3))
+    for k in range(200, 230):
+        store.update([(k,)], *dist)
+        assert len(store) <= 10
+    assert store.ids.shape == (10, 2)  # packed, preallocated
+
+
+def test_gumbel_top_k_is_sequential_sampling_without_replacement():
+    """Ordered triples from 5 candidates (stored unnormalised): chi-square against the exact law of
+    three sequential draws without replacement from the renormalised entry (60 cells)."""
+    drafter = STANDDrafter(STANDStore(top_k=5), seed=1)
+    stored = torch.tensor([0.32, 0.2, 0.16, 0.08, 0.04])  # mass 0.8: a truncated entry
+    m = 120_000
+    noise = drafter._take_noise(m * 5).view(m, 5)
+    order = gumbel_top_k(stored.expand(m, 5), 3, noise)
+    p = stored / stored.sum()
+    triples = list(itertools.permutations(range(5), 3))
+    exact = torch.tensor([float(p[a] * p[b] / (1 - p[a]) * p[c] / (1 - p[a] - p[b])) for a, b, c in triples])
+    index = {tr: i for i, tr in enumerate(triples)}
+    counts = torch.bincount(torch.tensor([index[tuple(r)] for r in order.tolist()]), minlength=len(triples))
+    assert chi_square(counts, exact)[2] > 1e-3
+    # and a zero-probability candidate is never drawn ahead of a positive one
+    order = gumbel_top_k(torch.tensor([[0.0, 0.5, 0.0, 0.5]]).expand(1000, 4), 2, drafter._take_noise(4000).view(1000, 4))
+    assert set(order.flatten().tolist()) == {1, 3}
+
+
+def test_noise_is_never_reused(monkeypatch):
+    store = STANDStore(top_k=4)
+    for k in range(6):
+        store.update([(k,)], t(k, (k + 1) % 6, (k + 2) % 6, (k + 3) % 6, dtype=torch.long), t(0.4, 0.3, 0.2, 0.1))
+    drafter = STANDDrafter(store, TreeShape.full(2, 3), noise_size=50)
+    taken = []
+    real = STANDDrafter._take_noise
+    monkeypatch.setattr(STANDDrafter, "_take_noise", lambda self, n: taken.append(real(self, n).clone()) or taken[-1])
+    tokens = torch.randint(0, 6, (3, 12))
+    for step in range(10):
+        drafter.propose(DraftContext(tokens, torch.tensor([4 + step, 5, 12]), [0, 1, 2]), TreeShape.full(2, 3))
+    values = torch.cat(taken)
+    assert len(values) > 3 * 50  # the buffer was refreshed several times
+    assert len(torch.unique(values)) == len(values)  # no value used twice
+
+
+def hand_store():
+    store = STANDStore(top_k=3)
+    store.update([(1,), (2, 1), (7, 2, 1), (4,)],
+                 torch.tensor([[2, 3, 0], [5, 6, 0], [8, 0, 0], [3, 0, 0]]),
+                 torch.tensor([[0.5, 0.3, 0.1], [0.6, 0.3, 0.0], [0.9, 0.0, 0.0], [1.0, 0.0, 0.0]]))
+    return store
+
+
+def test_children_come_from_the_longest_match_and_short_entries_prune():
+    store = hand_store()
+    shape = TreeShape.from_children([3, 2, 1])  # root: 3 children; node 1: 2; node 2: 1
+    ctx = DraftContext(torch.tensor([[7, 2, 1], [9, 2, 1], [3, 3, 1]]), torch.tensor([3, 3, 3]), [0, 1, 2])
+    tree = STANDDrafter(store, shape, stochastic=False, learn=False).propose(ctx)
+    # row 0 matches (7,2,1): one candidate (8), so root slots 2 and 3 are invalid; 8 has no entry
+    assert tree.tokens[0, :2].tolist() == [1, 8] and tree.valid[0].tolist() == [True, True, False, False, False, False, False]
+    # row 1 matches (2,1): 5 then 6 (the 0-probability slot stays invalid); (…,1,5) has no entry
+    assert tree.tokens[1, :3].tolist() == [1, 5, 6] and tree.valid[1].tolist() == [True, True, True, False, False, False, False]
+    # row 2 only matches (1,): 2, 3, 0; node 1 (token 2) has no entry, node 2 (token 3) none either
+    assert tree.tokens[2, :4].tolist() == [1, 2, 3, 0] and tree.valid[2, :4].all()
+    assert tree.child_probs is None  # deterministic drafts: one-hot verification
+    stochastic = STANDDrafter(store, shape, learn=False).propose(ctx)
+    assert stochastic.child_probs is not None and not stochastic.with_replacement
+    assert stochastic.child_ids[1, 0].tolist() == [5, 6, 0] and torch.allclose(stochastic.child_probs[1, 0], torch.tensor([0.6, 0.3, 0.0]))
+    assert sorted(stochastic.tokens[1, 1:3].tolist()) == [5, 6] and stochastic.valid[1].tolist() == tree.valid[1].tolist()
+
+
+def test_observe_inserts_each_emitted_position_under_its_1_to_4_gram_keys():
+    store = STANDStore(top_k=2)
+    drafter = STANDDrafter(store, TreeShape.chain(1))
+    ctx = DraftContext(torch.tensor([[1, 2, 3, 4, 5]]), torch.tensor([5]), [0])
+    before = len(store)
+    drafter.propose(ctx)
+    assert len(store) == before == 0  # drafting reads a snapshot, never writes
+    dists = (torch.tensor([[6, 0], [7, 1]]), torch.tensor([[0.9, 0.1], [0.8, 0.2]]))
+    drafter.observe([0], [[6, 7]], [dists])
+    assert {k for k in store._slot} == {(5,), (4, 5), (3, 4, 5), (2, 3, 4, 5), (6,), (5, 6), (4, 5, 6), (3, 4, 5, 6)}
+    assert store.entry((2, 3, 4, 5))[0].tolist() == [6, 0] and store.entry((5, 6))[0].tolist() == [7, 1]
+    frozen = STANDDrafter(store, TreeShape.chain(1), learn=False)
+    assert frozen.target_top_k == 0
+    frozen.observe([0], [[6, 7]], [dists])
+    assert store.entry((5,))[2] == 1
+
+
+def markov(V=5, seed=3):
+    g = torch.Generator().manual_seed(seed)
+    table = torch.distributions.Dirichlet(torch.full((V,), 0.7, dtype=torch.float64)).sample((V, V))
+    return MarkovLM(table)
+
+
+def markov_joint(model, prompt):
+    V = model.vocab_size
+    joint = torch.zeros(V, V, V, dtype=torch.float64)
+    for a, b, c in itertools.product(range(V), repeat=3):
+        s = list(prompt) + [a, b]
+        joint[a, b, c] = model.table[tuple(s[-4:-2])][a] * model.table[tuple(s[-3:-1])][b] * model.table[(a, b)][c]
+    return joint
+
+
+def stale_store(V, seed):
+    """Entries for every 1- and 2-gram from a *different* random table: a deliberately wrong store."""
+    wrong = markov(V, seed)
+    store = STANDStore(top_k=4)
+    for a, b in itertools.product(range(V), repeat=2):
+        p, i = torch.topk(wrong.table[a, b].float(), 4)
+        store.update([(a, b)], i[None], p[None])
+        store.update([(b,)], i[None], p[None])
+    return store
+
+
+@pytest.mark.parametrize("case", ["stale-store", "stale-deterministic", "learning"])
+def test_stand_drafts_are_lossless_on_a_markov_target(case):
+    """20k rows, T = 1, full(3,2) trees: the joint of the first 3 tokens against the exact law."""
+    model = markov()
+    prompt = [1, 2, 1, 2, 0, 1, 2, 1]
+    shape = TreeShape.full(3, 2)
+    if case == "learning":  # warm the store on earlier trajectories, keep learning during the test
+        drafter = STANDDrafter(STANDStore(top_k=4), shape, seed=2)
+        generate(model, [prompt] * 50, drafter=drafter, max_new_tokens=40, temperature=1.0, seed=1)
+    else:
+        drafter = STANDDrafter(stale_store(5, seed=9), shape, stochastic=case == "stale-store", learn=False, seed=2)
+    out = generate(model, [prompt] * 20_000, drafter=drafter, max_new_tokens=3, temperature=1.0, seed=4)
+    accepted = torch.tensor([a[0] for a in out.stats.accepted], dtype=torch.float)
+    assert accepted.mean() > 0.2
+    toks = torch.tensor(out.new_tokens)
+    counts = torch.bincount((toks[:, 0] * 5 + toks[:, 1]) * 5 + toks[:, 2], minlength=125)
+    assert chi_square(counts, markov_joint(model, prompt))[2] > 1e-3
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_identity_with_a_shared_store(family):
+    model = FAMILIES[family]()
+    store = STANDStore()
+    drafter = STANDDrafter(store, TreeShape.full(2, 3))
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, model.vocab_size, (6,), generator=g).tolist() for _ in range(3)]
+    accepted = 0
+    for trajectory in range(3):  # sequential trajectories sharing one store
+        ref = generate(model, prompts, method="autoregressive", max_new_tokens=16)
+        out = generate(model, prompts, drafter=drafter, max_new_tokens=16)
+        assert out.sequences == ref.sequences
+        accepted += sum(map(sum, out.stats.accepted))
+    assert accepted > 20 and len(store) > 0
