@@ -7,11 +7,11 @@ import sys
 
 import torch
 
-from .drafters import NGramDrafter
+from .drafters import NGramDrafter, STANDDrafter, STANDStore
 from .generate import METHODS, generate
 from .tree import TreeShape
 
-DRAFTERS = {"ngram": NGramDrafter}
+DRAFTERS = {"ngram": lambda: NGramDrafter(), "stand": lambda: STANDDrafter(STANDStore())}
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -33,12 +33,57 @@ def _generate_parser(sub) -> None:
                                                              "whether greedy outputs are identical")
 
 
-def _run_generate(args) -> int:
+def _optimize_parser(sub) -> None:
+    p = sub.add_parser("optimize-tree", help="calibrate a static STAND tree on prompts (STAND appendix A)")
+    p.add_argument("--model", required=True)
+    p.add_argument("--prompts", required=True, help="a text file, one prompt per line (.jsonl: a 'prompt' field per line)")
+    p.add_argument("--out", required=True, help="where to write the tree JSON (for --tree PATH.json)")
+    p.add_argument("--nodes", type=int, default=80, help="draft nodes kept besides the root")
+    p.add_argument("--temperature", type=float, default=0.6)
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", choices=sorted(DTYPES), default=None)
+    p.add_argument("--device", default=None)
+
+
+def _load(args):
     from .models import load, load_tokenizer
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     model = load(args.model, dtype=DTYPES.get(args.dtype), device=device)
-    tokenizer = load_tokenizer(args.model, vocab_size=model.vocab_size)
+    return model, load_tokenizer(args.model, vocab_size=model.vocab_size)
+
+
+def _read_prompts(path: str) -> list[str]:
+    import json
+    from pathlib import Path
+
+    lines = [line for line in Path(path).read_text().splitlines() if line.strip()]
+    prompts = [json.loads(line)["prompt"] for line in lines] if path.endswith(".jsonl") else lines
+    if not prompts:
+        raise ValueError(f"--prompts {path} holds no prompts")
+    return prompts
+
+
+def _run_optimize(args) -> int:
+    from .tree_optimize import optimize_static_tree
+
+    model, tokenizer = _load(args)
+    prompts = [tokenizer.encode(p, add_special_tokens=False) for p in _read_prompts(args.prompts)]
+    if any(not p for p in prompts):
+        raise ValueError(f"--prompts {args.prompts}: a prompt encodes to no tokens")
+    shape, counts = optimize_static_tree(model, prompts, STANDDrafter(STANDStore()), nodes=args.nodes,
+                                         temperature=args.temperature, max_new_tokens=args.max_new_tokens,
+                                         seed=args.seed, progress=True)
+    shape.save(args.out)
+    steps = int(counts[0])
+    print(f"{len(prompts)} prompts, {steps} verify steps, tau {float(counts.sum()) / max(steps, 1):.2f} on the initial "
+          f"tree; kept {shape.n - 1} nodes (depth {shape.max_depth}) -> {args.out}")
+    return 0
+
+
+def _run_generate(args) -> int:
+    model, tokenizer = _load(args)
     ids = tokenizer.encode(args.prompt, add_special_tokens=False)
     if not ids:
         raise ValueError(f"--prompt {args.prompt!r} encodes to no tokens")
@@ -62,9 +107,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="stree", description="speculative tree decoding for Mamba2 and hybrids")
     sub = parser.add_subparsers(dest="command", required=True)
     _generate_parser(sub)
+    _optimize_parser(sub)
     args = parser.parse_args(argv)
     try:
-        return _run_generate(args)
+        return _run_generate(args) if args.command == "generate" else _run_optimize(args)
     except (ValueError, FileNotFoundError) as exc:
         print(f"stree {args.command}: error: {exc}", file=sys.stderr)
         return 2

@@ -75,3 +75,22 @@ def test_module_entry_point(checkpoint):
                           "--method", "chain", "--max-new-tokens", "4"], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
     assert run.stdout.splitlines()[-1].startswith("[chain] tokens 4")
+
+
+def test_optimize_tree_writes_a_tree_generate_can_use(checkpoint, tmp_path, capsys):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("def f(x):\n\nclass A:\n    return x\n")
+    out = tmp_path / "tree.json"
+    rc = main(["optimize-tree", "--model", str(checkpoint), "--prompts", str(prompts), "--out", str(out), "--nodes", "12",
+               "--max-new-tokens", "10", "--temperature", "0"])
+    assert rc == 0, capsys.readouterr().err
+    assert "3 prompts" in capsys.readouterr().out
+    shape = TreeShape.load(out)
+    assert shape.n <= 13
+    assert main(["generate", "--model", str(checkpoint), "--prompt", "def f", "--tree", str(out), "--drafter", "stand",
+                 "--max-new-tokens", "6", "--compare"]) == 0
+    assert capsys.readouterr().out.splitlines()[-1].endswith("identical: yes")
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n")
+    assert main(["optimize-tree", "--model", str(checkpoint), "--prompts", str(empty), "--out", str(out)]) == 2
+    assert "holds no prompts" in capsys.readouterr().err

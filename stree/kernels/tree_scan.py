@@ -32,7 +32,7 @@ from ._common import (
     resolve_backend,
 )
 
-MAX_TREE_NODES = 256
+MAX_TREE_NODES = 1024
 
 __all__ = ["tree_scan", "tree_scan_ref", "MAX_TREE_NODES"]
 
@@ -193,7 +193,7 @@ def tree_scan(x, dt, A, B, C, parents, *, D=None, dt_bias=None, dt_softplus=True
 
     x ``[b, n, h, p]``; dt ``[b, n, h]`` raw (before bias); A ``[h]``; B, C ``[b, n, g, s]`` in x's
     dtype; D ``[h]`` or ``[h, p]``; dt_bias ``[h]``; initial_state ``[b, h, p, s]`` fp32 (zeros if
-    None); parents ``[n]``, ``[b, n]`` or a :class:`~stree.tree.TreeIndex`; n <= 256.
+    None); parents ``[n]``, ``[b, n]`` or a :class:`~stree.tree.TreeIndex`; n <= MAX_TREE_NODES (1024).
     Returns y ``[b, n, h, p]`` in x's dtype.
     """
     check_layout("x", x, "batch, n, nheads, headdim")

@@ -6,6 +6,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from strategies import dt_options, ssm_inputs, ssm_shapes, trees
 
+from stree.drafters.tree_search import stand_initial_tree
 from stree.kernels import MAX_TREE_NODES, multistep_update, tree_scan, tree_scan_ref
 from stree.testing import max_rel_error, tree_scan_def
 from stree.tree import TreeShape, tree_index
@@ -41,12 +42,15 @@ def test_matches_definition_on_random_trees(tree, shape, dt_opts, D_kind, with_s
         assert max_rel_error(y, expected) <= FP32_TOL, backend
 
 
-@pytest.mark.parametrize("n", [65, 130, MAX_TREE_NODES])
+@pytest.mark.parametrize("n", [65, 130, 625])
 def test_multi_tile_trees(n, device, poison):
-    """Trees over 64 nodes span several row and column tiles of the Triton kernel."""
+    """Trees over 64 nodes span several row and column tiles of the Triton kernel; 625 is STAND's
+    initial tree (depth 20), the largest a decoding step uses."""
     gen = torch.Generator().manual_seed(n)
-    parents = [-1] + [int(torch.randint(max(0, i - 8), i, (1,), generator=gen)) for i in range(1, n)]
-    parents = torch.tensor(parents)
+    if n == 625:
+        parents = stand_initial_tree().parents_tensor()
+    else:
+        parents = torch.tensor([-1] + [int(torch.randint(max(0, i - 8), i, (1,), generator=gen)) for i in range(1, n)])
     shape = dict(ngroups=1, nheads=2, headdim=72, dstate=8)  # two p-blocks as well
     opts = dict(dt_softplus=True, dt_limit=(0.0, math.inf), use_bias=True)
     inp = ssm_inputs(gen, 1, n, shape, opts)
@@ -188,10 +192,10 @@ def test_bad_inputs_raise_clear_errors(backend):
         tree_scan(*[a[k] for k in ("x", "dt", "A", "B", "C", "parents")], backend="cuda")
 
 
-def test_more_than_256_nodes_is_refused():
+def test_more_than_max_tree_nodes_is_refused():
     n = MAX_TREE_NODES + 1
     a = _args(n=n)
-    with pytest.raises(ValueError, match=r"at most 256 nodes, got n = 257"):
+    with pytest.raises(ValueError, match=rf"at most {MAX_TREE_NODES} nodes, got n = {n}"):
         tree_scan_ref(a["x"], a["dt"], a["A"], a["B"], a["C"], a["parents"])
 
 
