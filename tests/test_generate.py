@@ -7,7 +7,7 @@ from tiny_models import FAMILIES, mamba2
 
 from stree.drafters import Drafter, NGramDrafter
 from stree.generate import generate
-from stree.testing import MarkovDrafter, MarkovLM, chi_square
+from stree.testing import MarkovDrafter, MarkovLM, cell_counts, chi_square
 from stree.tree import TokenTree, TreeShape
 
 SEEDED_P = 1e-3  # fixed seeds, so each chi-square test is deterministic; correct code passes this
@@ -90,19 +90,6 @@ def markov(order, V, seed):
     return MarkovLM(table), q, g
 
 
-def markov_joint(model, prompt, n):
-    """Exact law of the first n tokens after ``prompt`` under the Markov table, ``[V] * n``."""
-    V, k = model.vocab_size, model.order
-    joint = torch.zeros((V,) * n, dtype=torch.float64)
-    for idx in torch.cartesian_prod(*[torch.arange(V)] * n).reshape(-1, n).tolist():
-        seq, p = list(prompt), 1.0
-        for t in idx:
-            p *= float(model.table[tuple(seq[-k:])][t])
-            seq.append(t)
-        joint[tuple(idx)] = p
-    return joint
-
-
 class FlippedDeclaration(MarkovDrafter):
     """Draws without replacement but declares i.i.d. draws: the base-q residual bug."""
 
@@ -137,9 +124,7 @@ def test_markov_lm_decoding_samples_the_exact_joint_law(case):
                    temperature=1.0, seed=spec["seed"], mode=spec.get("mode", "auto"))
     first_step = torch.tensor([a[0] for a in out.stats.accepted], dtype=torch.float)
     assert first_step.mean() > 0.05  # the tree's verification decided thousands of tokens 2 and 3
-    toks = torch.tensor(out.new_tokens)
-    counts = torch.bincount((toks[:, 0] * 5 + toks[:, 1]) * 5 + toks[:, 2], minlength=125)
-    _, _, pvalue = chi_square(counts, markov_joint(model, prompt, 3))
+    _, _, pvalue = chi_square(cell_counts(torch.tensor(out.new_tokens), 5), model.joint_law(prompt, 3))
     assert pvalue > SEEDED_P, pvalue
 
 
@@ -148,9 +133,7 @@ def test_markov_chi_square_detects_the_base_q_bug():
     prompt = [1, 2, 1, 2, 0, 1, 2, 1]
     out = generate(model, [prompt] * 40_000, drafter=FlippedDeclaration(q, seed=10), tree=TreeShape.full(3, 2),
                    max_new_tokens=3, temperature=1.0, seed=0)
-    toks = torch.tensor(out.new_tokens)
-    counts = torch.bincount((toks[:, 0] * 5 + toks[:, 1]) * 5 + toks[:, 2], minlength=125)
-    assert chi_square(counts, markov_joint(model, prompt, 3))[2] < WRONG_P
+    assert chi_square(cell_counts(torch.tensor(out.new_tokens), 5), model.joint_law(prompt, 3))[2] < WRONG_P
 
 
 def test_tiny_mamba2_sampling_matches_the_enumerated_law():
@@ -174,8 +157,7 @@ def test_tiny_mamba2_sampling_matches_the_enumerated_law():
                    max_new_tokens=2, seed=5, **kw)
     accepted = torch.tensor([a[0] for a in out.stats.accepted], dtype=torch.float)
     assert accepted.mean() > 0.5
-    toks = torch.tensor(out.new_tokens)
-    _, _, pvalue = chi_square(torch.bincount(toks[:, 0] * V + toks[:, 1], minlength=V * V), joint)
+    _, _, pvalue = chi_square(cell_counts(torch.tensor(out.new_tokens), V), joint)
     assert pvalue > SEEDED_P, pvalue
 
 

@@ -12,12 +12,13 @@ from .definitions import (
 )
 from .markov import MarkovCache, MarkovDrafter, MarkovLM
 from .sequential import sequential_logits
-from .stats import chi_square
+from .stats import cell_counts, chi_square
 
 __all__ = [
     "MarkovCache",
     "MarkovDrafter",
     "MarkovLM",
+    "cell_counts",
     "chi_square",
     "max_rel_error",
     "multistep_def",

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from ..drafters.base import DraftContext, Drafter
+from ..drafters.stand import gumbel_top_k
 from ..tree import TokenTree, TreeShape
 
 
@@ -42,6 +43,18 @@ class MarkovLM:
         self.logits_table = table.reshape(-1, V).log().float()
         self.device = torch.device("cpu")
         self.dtype = torch.float32
+
+    def joint_law(self, prompt, n: int) -> torch.Tensor:
+        """Exact law ``[V] * n`` of the first n tokens sampled after ``prompt``."""
+        V, k = self.vocab_size, self.order
+        joint = torch.zeros((V,) * n, dtype=torch.float64)
+        for idx in torch.cartesian_prod(*[torch.arange(V)] * n).reshape(-1, n).tolist():
+            seq, p = list(prompt), 1.0
+            for t in idx:
+                p *= float(self.table[tuple(seq[-k:])][t])
+                seq.append(t)
+            joint[tuple(idx)] = p
+        return joint
 
     def allocate_cache(self, batch_size: int, max_length: int) -> MarkovCache:
         return MarkovCache(torch.zeros(batch_size, max_length, dtype=torch.long), torch.zeros(batch_size, dtype=torch.long),
@@ -123,8 +136,8 @@ class MarkovDrafter(Drafter):
                 draws, ok = torch.multinomial(q, len(kids), replacement=True, generator=self.generator), True
             else:
                 u = torch.rand(b, V, generator=self.generator).clamp(1e-12, 1 - 1e-12)
-                keys, draws = torch.topk(q.log() - (-u.log()).log(), len(kids), dim=-1)
-                ok = keys > float("-inf")
+                draws = gumbel_top_k(q, len(kids), -(-u.log()).log())
+                ok = q.gather(1, draws) > 0
             tokens[:, kids] = draws
             valid[:, kids] = valid[:, v:v + 1] & ok
         probs = self.q[tokens]

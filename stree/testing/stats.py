@@ -22,3 +22,13 @@ def chi_square(counts: torch.Tensor, probs: torch.Tensor, min_expected: float = 
     df = len(exp) - 1
     pvalue = float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), torch.tensor(stat / 2, dtype=torch.float64)))
     return stat, df, pvalue
+
+
+def cell_counts(tokens: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Counts ``[V] * n`` of the rows of ``tokens`` ``[rows, n]`` (each row one cell), for
+    :func:`chi_square` against a joint law of n tokens."""
+    n = tokens.shape[1]
+    flat = torch.zeros(len(tokens), dtype=torch.long)
+    for j in range(n):
+        flat = flat * vocab_size + tokens[:, j]
+    return torch.bincount(flat, minlength=vocab_size**n).reshape((vocab_size,) * n)

@@ -9,7 +9,7 @@ from tiny_models import FAMILIES
 
 from stree.drafters import DraftContext, STANDDrafter, STANDStore, gumbel_top_k
 from stree.generate import generate
-from stree.testing import MarkovLM, chi_square
+from stree.testing import MarkovLM, cell_counts, chi_square
 from stree.tree import TreeShape
 
 
@@ -145,15 +145,6 @@ def markov(V=5, seed=3):
     return MarkovLM(table)
 
 
-def markov_joint(model, prompt):
-    V = model.vocab_size
-    joint = torch.zeros(V, V, V, dtype=torch.float64)
-    for a, b, c in itertools.product(range(V), repeat=3):
-        s = list(prompt) + [a, b]
-        joint[a, b, c] = model.table[tuple(s[-4:-2])][a] * model.table[tuple(s[-3:-1])][b] * model.table[(a, b)][c]
-    return joint
-
-
 def stale_store(V, seed):
     """Entries for every 1- and 2-gram from a *different* random table: a deliberately wrong store."""
     wrong = markov(V, seed)
@@ -179,9 +170,7 @@ def test_stand_drafts_are_lossless_on_a_markov_target(case):
     out = generate(model, [prompt] * 20_000, drafter=drafter, max_new_tokens=3, temperature=1.0, seed=4)
     accepted = torch.tensor([a[0] for a in out.stats.accepted], dtype=torch.float)
     assert accepted.mean() > 0.2
-    toks = torch.tensor(out.new_tokens)
-    counts = torch.bincount((toks[:, 0] * 5 + toks[:, 1]) * 5 + toks[:, 2], minlength=125)
-    assert chi_square(counts, markov_joint(model, prompt))[2] > 1e-3
+    assert chi_square(cell_counts(torch.tensor(out.new_tokens), 5), model.joint_law(prompt, 3))[2] > 1e-3
 
 
 @pytest.mark.parametrize("family", FAMILIES)
