@@ -9,7 +9,6 @@ baseline against one autoregressive ``step``, on random-weight models at real co
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from pathlib import Path
@@ -22,7 +21,7 @@ if not torch.cuda.is_available():
 from tqdm import tqdm  # noqa: E402
 
 from stree.models import HybridConfig, HybridLM, Mamba2Config, Mamba2LM  # noqa: E402
-from stree.timing import median_ms, peak_bytes, run_info  # noqa: E402
+from stree.timing import median_ms, peak_bytes, run_info, save_result  # noqa: E402
 from stree.tree import TokenTree, TreeShape  # noqa: E402
 
 LLAMA3_8B = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -86,20 +85,13 @@ def main(argv=None):
         dtype=str(dtype).replace("torch.", ""), batch=args.batch, prompt=prompt, reps=reps,
         kernels="triton" if device.type == "cuda" else "torch reference", results=rows,
     )
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    tag = "smoke" if args.smoke else device.type
-    (out / f"model_forward_{tag}.json").write_text(json.dumps(result, indent=2))
-    plot(result, out / f"model_forward_{tag}.png")
+    save_result(result, args.out, f"model_forward_{'smoke' if args.smoke else device.type}", plot)
     for r in rows:
         print(f"{r['model']:<14}{r['tree']:<10}{r['backend']:<9}{r['time_ms_median']:>10.3f} ms  x{r['ratio_to_step']:.2f} of a step")
     return result
 
 
 def plot(result, path):
-    import matplotlib
-
-    matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     names = list(dict.fromkeys(r["model"] for r in result["results"]))

@@ -12,7 +12,6 @@ Writes JSON and a PNG to benchmarks/results/.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from pathlib import Path
@@ -26,7 +25,7 @@ from tqdm import tqdm  # noqa: E402
 
 from stree.kernels import multistep_update, tree_scan  # noqa: E402
 from stree.testing import max_rel_error, random_ssm_inputs  # noqa: E402
-from stree.timing import median_ms, peak_bytes, run_info  # noqa: E402
+from stree.timing import median_ms, peak_bytes, run_info, save_result  # noqa: E402
 from stree.tree import TreeShape  # noqa: E402
 
 FULL = dict(nheads=80, headdim=64, dstate=128, ngroups=1)  # Mamba2-2.7B: d_inner 5120 = 80 x 64
@@ -118,11 +117,7 @@ def main(argv=None):
         reps=reps,
         results=rows,
     )
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    tag = "smoke" if args.smoke else device.type
-    (out / f"tree_scan_sweep_{tag}.json").write_text(json.dumps(result, indent=2))
-    plot(result, out / f"tree_scan_sweep_{tag}.png")
+    save_result(result, args.out, f"tree_scan_sweep_{'smoke' if args.smoke else device.type}", plot)
     for r in rows:
         print(f"{r['tree']:<11}{r['method']:<27}{r['time_ms_median']:>10.3f} ms  states {r['states_held']:>3}  "
               f"tokens {r['tokens_computed']:>4}  diff {r['max_rel_diff_vs_tree_scan']:.1e}")
@@ -130,9 +125,6 @@ def main(argv=None):
 
 
 def plot(result, path):
-    import matplotlib
-
-    matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))

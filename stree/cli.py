@@ -7,11 +7,12 @@ import sys
 
 import torch
 
-from .drafters import NGramDrafter, STANDDrafter, STANDStore
+from .drafters import ConsensusDrafter, NGramDrafter, STANDDrafter, STANDStore
 from .generate import METHODS, generate
 from .tree import TreeShape
 
-DRAFTERS = {"ngram": lambda: NGramDrafter(), "stand": lambda: STANDDrafter(STANDStore())}
+DRAFTERS = {"ngram": lambda: NGramDrafter(), "stand": lambda: STANDDrafter(STANDStore()),
+            "consensus": lambda: ConsensusDrafter(include_self=True)}
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -20,7 +21,8 @@ def _generate_parser(sub) -> None:
     p.add_argument("--model", required=True, help="local checkpoint directory (mamba_ssm, HF Mamba2 or MambaInLlama)")
     p.add_argument("--prompt", required=True)
     p.add_argument("--method", choices=METHODS, default="stree")
-    p.add_argument("--drafter", choices=sorted(DRAFTERS), default="ngram")
+    p.add_argument("--drafter", choices=sorted(DRAFTERS), default="ngram",
+                   help="consensus drafts from its own earlier text here (one prompt, no other trajectories)")
     p.add_argument("--tree", default=None, help="paper13 | chain:D | full:WxD | PATH.json (default: paper13; chain:4 for --method chain)")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-k", type=int, default=0)

@@ -13,10 +13,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .drafters.base import DraftContext, Drafter
+from .drafters.base import DraftContext, Drafter, TargetTop
 from .drafters.ngram import NGramDrafter
 from .tree import TokenTree, TreeShape
-from .verify import check_sampling, sample_tokens, verify
+from .verify import check_sampling, process_logits, sample_tokens, verify
 
 __all__ = ["METHODS", "GenerationOutput", "GenerationStats", "generate"]
 
@@ -45,6 +45,11 @@ class GenerationStats:
         steps = sum(len(a) for a in self.accepted)
         from_steps = sum(n - 1 for n in self.new_tokens if n > 0)  # the first token came from the prefill
         return from_steps / steps if steps else float("nan")
+
+    def row_tau(self, row: int) -> float:
+        """``tau`` of one row."""
+        steps = len(self.accepted[row])
+        return (self.new_tokens[row] - 1) / steps if steps else float("nan")
 
     @property
     def time_other(self) -> float:
@@ -150,7 +155,9 @@ def generate(model, input_ids, *, drafter: Drafter | None = None, tree: TreeShap
                          f"max_new_tokens ({max_new_tokens}) plus the tree depth ({depth}) needs {need}")
     eos = torch.tensor([] if eos_token_id is None else [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id),
                        dtype=torch.long)
-    if method != "autoregressive" and drafter is None:
+    if method == "autoregressive":
+        drafter = None
+    elif drafter is None:
         drafter = NGramDrafter()
     device = model.device
     generator = None
@@ -172,9 +179,10 @@ def generate(model, input_ids, *, drafter: Drafter | None = None, tree: TreeShap
     active = torch.arange(B)
     produced = torch.zeros(B, dtype=torch.long)
 
-    def emit(tokens: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """Append ``tokens[i, :counts[i]]`` to active row i, cut at EOS and max_new_tokens; returns
-        the mask of active rows that are now finished."""
+    def emit(tokens: torch.Tensor, counts: torch.Tensor, probs: torch.Tensor | None) -> torch.Tensor:
+        """Append ``tokens[i, :counts[i]]`` (drawn from ``probs[i]``) to active row i, cut at EOS and
+        max_new_tokens, and show the drafter what was appended; returns the mask of active rows that
+        are now finished."""
         j = torch.arange(tokens.shape[1])
         is_eos = torch.isin(tokens, eos) & (j < counts[:, None])
         hit = is_eos.any(1)
@@ -182,15 +190,19 @@ def generate(model, input_ids, *, drafter: Drafter | None = None, tree: TreeShap
         room = max_new_tokens - produced[active]
         n = torch.minimum(upto, room)
         keep = j < n[:, None]
+        if drafter is not None:
+            _feed(drafter, DraftContext(seq, lengths, active.tolist()), tokens, n, probs)
         rows = active[:, None].expand_as(tokens)[keep]
         seq[rows, (lengths[active][:, None] + j)[keep]] = tokens[keep]
         lengths[active] += n
         produced[active] += n
         return (hit & (upto <= n)) | (n == room)
 
-    done = emit(first[:, None], torch.ones(B, dtype=torch.long))
     if drafter is not None:
         drafter.reset()
+    done = emit(first[:, None], torch.ones(B, dtype=torch.long),
+                None if drafter is None else _distribution(logits, temperature, top_k, top_p)[:, None])
+    stats.time_draft += clock.lap()
     while True:
         if bool(done.any()):
             keep = torch.nonzero(~done).flatten()
@@ -207,7 +219,7 @@ def generate(model, input_ids, *, drafter: Drafter | None = None, tree: TreeShap
             stats.target_forwards += 1
             for r in active.tolist():
                 stats.accepted[r].append(0)
-            done = emit(nxt[:, None], torch.ones(len(active), dtype=torch.long))
+            done = emit(nxt[:, None], torch.ones(len(active), dtype=torch.long), None)
             continue
         context = DraftContext(seq, lengths, active.tolist())
         draft = drafter.propose(context, shape)
@@ -232,20 +244,36 @@ def generate(model, input_ids, *, drafter: Drafter | None = None, tree: TreeShap
         out.scatter_(1, (num - 1)[:, None], bonus[:, None])
         for r, a in zip(active.tolist(), (num - 1).tolist()):
             stats.accepted[r].append(a)
-        if drafter.target_top_k:
-            probs = result.probs if result.probs is not None else torch.softmax(logits.float(), -1)
-            V = probs.shape[-1]
-            seen = probs.gather(1, result.accepted[:, :, None].expand(-1, -1, V))
-            best_p, best_i = (t.cpu() for t in torch.topk(seen, min(drafter.target_top_k, V), dim=-1))
-            drafter.observe(active.tolist(), [o[:k].tolist() for o, k in zip(out, num.tolist())],
-                            [(i[:k], p[:k]) for i, p, k in zip(best_i, best_p, num.tolist())])
-            stats.time_draft += clock.lap()  # feeding the drafter's store is drafting work
-        done = emit(out, num)
+        at_path = result.accepted[:, :, None].expand(-1, -1, logits.shape[-1])
+        if result.probs is not None:
+            seen = result.probs.gather(1, at_path)
+        else:
+            seen = _distribution(logits.gather(1, at_path), temperature, top_k, top_p)
+        done = emit(out, num, seen)
+        stats.time_draft += clock.lap()  # feeding the drafter is drafting work
     clock.lap()
     stats.time_total = clock.t - start
     stats.new_tokens = produced.tolist()
     sequences = [seq[i, : int(lengths[i])].tolist() for i in range(B)]
     return GenerationOutput(sequences, [len(p) for p in prompts], stats)
+
+
+def _distribution(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
+    """What emitted tokens were drawn from (at temperature 0: the softmax, for drafters to learn)."""
+    if temperature == 0:
+        return torch.softmax(logits.float(), -1)
+    return process_logits(logits, temperature, top_k, top_p)
+
+
+def _feed(drafter: Drafter, context: DraftContext, tokens: torch.Tensor, counts: torch.Tensor,
+          probs: torch.Tensor) -> None:
+    """``drafter.observe`` the emission of ``tokens[i, :counts[i]]``, token t drawn from ``probs[i, t]``."""
+    k = min(drafter.target_top_k, probs.shape[-1])
+    top_p, top_i = (t.cpu() for t in torch.topk(probs, k, dim=-1))
+    token_p = probs.gather(-1, tokens.to(probs.device)[:, :, None])[..., 0].cpu()
+    n = counts.tolist()
+    drafter.observe(context, [row[:m].tolist() for row, m in zip(tokens, n)],
+                    [TargetTop(i[:m], p[:m], q[:m]) for i, p, q, m in zip(top_i, top_p, token_p, n)])
 
 
 def _check_draft(draft: TokenTree, roots: torch.Tensor) -> None:

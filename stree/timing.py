@@ -57,3 +57,18 @@ def run_info(device, argv=None) -> dict:
     args = sys.argv[1:] if argv is None else list(argv)
     return dict(device=name, date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                 command=" ".join(["python", sys.argv[0], *args]), torch=torch.__version__)
+
+
+def save_result(result: dict, out_dir, stem: str, plot) -> None:
+    """Write ``result`` to ``{out_dir}/{stem}.json`` and have ``plot(result, path)`` draw
+    ``{stem}.png`` (matplotlib's Agg backend: no display needed)."""
+    import json
+    from pathlib import Path
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{stem}.json").write_text(json.dumps(result, indent=2))
+    plot(result, out / f"{stem}.png")

@@ -42,3 +42,17 @@ def test_model_forward_smoke_writes_json_and_png(tmp_path):
                 (r,) = [r for r in ours if r["tree"] == tree and r["backend"] == backend]
                 assert r["time_ms_median"] > 0
                 assert abs(r["ratio_to_step"] - r["time_ms_median"] / step[0]["time_ms_median"]) < 1e-9
+
+
+def test_drafting_smoke_writes_json_and_png(tmp_path):
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "drafting.py"), "--smoke", "--out", str(tmp_path)],
+                   check=True, capture_output=True, text=True)
+    result = json.loads((tmp_path / "drafting_smoke.json").read_text())
+    assert result["device"] and result["date"] and "--smoke" in result["command"] and result["tree_nodes"] == 81
+    assert (tmp_path / "drafting_smoke.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    rows = result["results"]
+    assert {r["drafter"] for r in rows} == {"ngram", "stand", "stand_deterministic", "consensus"}
+    assert {r["context"] for r in rows} == {64, 256}
+    for r in rows:
+        assert 0 < r["step_us_min"] <= r["step_us_median"]
+        assert r["store_size"] is None or r["store_entries"] >= r["store_size"]

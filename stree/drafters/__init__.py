@@ -1,7 +1,9 @@
 """Drafters: propose token trees from token ids alone (see :class:`Drafter`)."""
 
-from .base import DraftContext, Drafter
+from .base import DraftContext, Drafter, TargetTop
+from .consensus import ConsensusDAG, ConsensusDrafter, PathStore
 from .ngram import NGramDrafter
 from .stand import STANDDrafter, STANDStore, gumbel_top_k
 
-__all__ = ["DraftContext", "Drafter", "NGramDrafter", "STANDDrafter", "STANDStore", "gumbel_top_k"]
+__all__ = ["ConsensusDAG", "ConsensusDrafter", "DraftContext", "Drafter", "NGramDrafter", "PathStore", "STANDDrafter",
+           "STANDStore", "TargetTop", "gumbel_top_k"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -33,13 +34,22 @@ class DraftContext:
         return self.tokens[rows, self.lengths[rows] - 1]
 
 
+class TargetTop(NamedTuple):
+    """For one row, the processed target distributions its emitted tokens were drawn from, one row
+    per token: the ``target_top_k`` most likely entries (``ids``, ``probs`` ``[len, k]``, most likely
+    first) and ``token_probs`` ``[len]``, the probability of the token actually emitted."""
+
+    ids: torch.Tensor
+    probs: torch.Tensor
+    token_probs: torch.Tensor
+
+
 class Drafter:
     """``propose`` returns a :class:`TokenTree` (CPU) with one row per drafted row, the root token
     equal to the row's last token, siblings numbered in draw order, ``valid`` marking nodes the
     drafter could not fill, and ``child_ids``/``child_probs`` when its drafts are random."""
 
-    #: how many of the target's most likely next tokens ``observe`` wants at each emitted position
-    #: (0: none, so the loop skips the top-k)
+    #: how many of the target's most likely next tokens ``observe`` receives per emitted position
     target_top_k = 0
 
     def reset(self) -> None:
@@ -48,8 +58,8 @@ class Drafter:
     def propose(self, context: DraftContext, shape: TreeShape) -> TokenTree:
         raise NotImplementedError
 
-    def observe(self, rows: list[int], tokens: list[list[int]], target_top: list[tuple[torch.Tensor, torch.Tensor]] | None) -> None:
-        """After a verify step, rows in batch order: each row's emitted tokens and, if
-        ``target_top_k``, the top entries ``(ids [len, k], probs [len, k])`` of the processed target
-        distribution each emitted token was drawn from (at temperature 0: the softmax of the
-        logits). Emitted token i follows the row's context plus emitted tokens 0..i-1."""
+    def observe(self, context: DraftContext, tokens: list[list[int]], target: list[TargetTop]) -> None:
+        """Called each time tokens are emitted (the prefill's first token, then every verify step):
+        ``context`` holds the rows *before* the emission, ``tokens`` each row's emitted tokens (in
+        ``context.rows`` order) and ``target`` their :class:`TargetTop` (at temperature 0: from the
+        softmax of the logits). Emitted token i follows the row's context plus tokens 0..i-1."""

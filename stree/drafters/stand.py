@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 
 from ..tree import TokenTree, TreeShape
@@ -42,6 +43,10 @@ class STANDStore:
         self.probs = torch.zeros(capacity, top_k, dtype=torch.float32)
         self.count = torch.zeros(capacity, dtype=torch.int32)
         self.stamp = torch.zeros(capacity, dtype=torch.int64)
+        # NumPy views of the same memory: the per-step work is many tiny ops, cheaper in NumPy
+        self._np_ids, self._np_probs = self.ids.numpy(), self.probs.numpy()
+        self._np_count, self._np_stamp = self.count.numpy(), self.stamp.numpy()
+        self._earlier = np.tril(np.ones((2 * top_k, 2 * top_k), dtype=bool), -1)  # [i, j]: j < i
         self._slot: dict[tuple[int, ...], int] = {}
         self._key: list[tuple[int, ...] | None] = [None] * capacity
         self._free = list(range(capacity - 1, -1, -1))
@@ -95,22 +100,23 @@ class STANDStore:
             slots.append(s)
         return slots
 
-    def update(self, keys: list[tuple[int, ...]], ids: torch.Tensor, probs: torch.Tensor) -> None:
+    def update(self, keys: list[tuple[int, ...]], ids, probs) -> None:
         """Merge occurrence i (``ids[i]``, ``probs[i]``: a distribution's top entries, most likely
-        first) into ``keys[i]``, in list order (a key occurring twice is merged twice, in order)."""
+        first; CPU tensors or NumPy arrays) into ``keys[i]``, in list order (a key occurring twice is
+        merged twice, in order)."""
         if len(keys) != len(ids) or ids.shape != probs.shape:
             raise ValueError(f"update needs one (ids, probs) row per key, got {len(keys)} keys, {tuple(ids.shape)}, "
                              f"{tuple(probs.shape)}")
         if not keys:
             return
         K = self.top_k
-        new_ids, new_p = ids[:, :K].to(torch.int32), probs[:, :K].float()
+        new_ids = np.asarray(ids)[:, :K].astype(np.int32)
+        new_p = np.asarray(probs)[:, :K].astype(np.float32)
         if new_ids.shape[1] < K:
-            pad = K - new_ids.shape[1]
-            new_ids = torch.cat([new_ids, torch.zeros(len(keys), pad, dtype=torch.int32)], 1)
-            new_p = torch.cat([new_p, torch.zeros(len(keys), pad)], 1)
+            pad = ((0, 0), (0, K - new_ids.shape[1]))
+            new_ids, new_p = np.pad(new_ids, pad), np.pad(new_p, pad)
         # Rounds of distinct keys: the r-th occurrence of a key goes in round r.
-        keys = [tuple(int(t) for t in k) for k in keys]
+        keys = [tuple(map(int, k)) for k in keys]
         seen: dict[tuple[int, ...], int] = {}
         rounds: list[list[int]] = []
         for i, k in enumerate(keys):
@@ -119,29 +125,36 @@ class STANDStore:
             if r == len(rounds):
                 rounds.append([])
             rounds[r].append(i)
-        for members in rounds:
+        # A piece small enough that one eviction batch always frees room for it.
+        piece = max(1, self.capacity - math.ceil(self.evict_fraction * self.capacity))
+        for members in (r[j: j + piece] for r in rounds for j in range(0, len(r), piece)):
             self._clock += 1
-            slots = torch.tensor(self._slots_for([keys[i] for i in members]))
-            rows = torch.tensor(members)
-            k = self.count[slots].float()[:, None]
-            all_ids = torch.cat([self.ids[slots], new_ids[rows]], 1)
-            weight = torch.cat([self.probs[slots] * (k / (k + 1)), new_p[rows] / (k + 1)], 1)
+            slots = np.array(self._slots_for([keys[i] for i in members]))
+            k = self._np_count[slots].astype(np.float32)[:, None]
+            all_ids = np.concatenate([self._np_ids[slots], new_ids[members]], 1)
+            weight = np.concatenate([self._np_probs[slots] * k, new_p[members]], 1) / (k + 1)
             same = all_ids[:, :, None] == all_ids[:, None, :]
             total = (same * weight[:, None, :]).sum(-1)
-            earlier = torch.ones(2 * K, 2 * K, dtype=torch.bool).tril(-1)
-            first = ~(same & earlier).any(-1)  # each id once, at its first position
-            score, pick = torch.topk(torch.where(first, total, -1.0), K, dim=1)
-            self.ids[slots] = all_ids.gather(1, pick)
-            self.probs[slots] = score.clamp_min(0)
-            self.count[slots] += 1
-            self.stamp[slots] = self._clock
+            first = ~(same & self._earlier).any(-1)  # each id once, at its first position
+            score = np.where(first, total, -1.0)
+            pick = np.argsort(-score, axis=1, kind="stable")[:, :K]
+            at = np.arange(len(members))[:, None]
+            self._np_ids[slots] = all_ids[at, pick]
+            self._np_probs[slots] = score[at, pick].clip(0, None)
+            self._np_count[slots] += 1
+            self._np_stamp[slots] = self._clock
 
 
-def gumbel_top_k(probs: torch.Tensor, k: int, noise: torch.Tensor) -> torch.Tensor:
+def gumbel_top_k(probs, k: int, noise):
     """Indices ``[m, k]`` of k draws without replacement from the renormalised rows of ``probs``
     ``[m, K]``, in draw order: the top-k of ``log probs + noise`` with ``noise`` i.i.d. Gumbel(0, 1).
-    Entries with probability 0 are never drawn before the positive ones (they rank last)."""
-    return torch.topk(probs.log() + noise, k, dim=1).indices
+    Entries with probability 0 are never drawn before the positive ones (they rank last). Takes
+    (and returns) CPU tensors or NumPy arrays."""
+    if isinstance(probs, torch.Tensor):
+        return torch.from_numpy(gumbel_top_k(probs.numpy(), k, noise.numpy()))
+    with np.errstate(divide="ignore"):
+        keys = np.log(probs) + noise
+    return np.argsort(-keys, axis=1, kind="stable")[:, :k]
 
 
 class STANDDrafter(Drafter):
@@ -154,27 +167,34 @@ class STANDDrafter(Drafter):
     stored probability (deterministic drafts, one-hot verification). Slots beyond the entry's
     nonzero candidates, and subtrees of nodes without a match, are invalid.
 
-    ``learn=False`` leaves the store unchanged (a fixed or deliberately stale store). Only verify
-    steps are inserted (no prefill positions)."""
+    ``learn=False`` leaves the store unchanged (a fixed or deliberately stale store). Every emitted
+    token's distribution is inserted (the prefill's first token included); prompt positions are
+    not, as no distribution was computed for them."""
 
     def __init__(self, store: STANDStore, shape: TreeShape | None = None, stochastic: bool = True, seed: int = 0,
                  noise_size: int = 1 << 16, learn: bool = True):
         self.store, self.shape, self.stochastic, self.learn = store, shape, stochastic, learn
         self.target_top_k = store.top_k if learn else 0
         self.generator = torch.Generator().manual_seed(seed)
-        self._noise = torch.empty(0)
+        self._noise = np.empty(0, dtype=np.float32)
         self._noise_size = noise_size
         self._pos = 0
-        self._tails: dict[int, tuple[int, ...]] = {}
+        self._planned = None
 
-    def reset(self) -> None:
-        self._tails = {}
+    def _plan(self, shape: TreeShape):
+        """The shape's children and its nodes by depth (cached: the same shape comes every step)."""
+        if self._planned is None or self._planned[0] != shape:
+            levels: list[list[int]] = [[] for _ in range(shape.max_depth + 1)]
+            for v, d in enumerate(shape.depth):
+                levels[d].append(v)
+            self._planned = (shape, shape.children(), levels)
+        return self._planned[1:]
 
-    def _take_noise(self, n: int) -> torch.Tensor:
+    def _take_noise(self, n: int) -> np.ndarray:
         if self._pos + n > len(self._noise):
             size = max(self._noise_size, n)
             u = torch.rand(size, generator=self.generator, dtype=torch.float64).clamp(1e-12, 1 - 1e-12)
-            self._noise, self._pos = (-(-u.log()).log()).float(), 0
+            self._noise, self._pos = (-(-u.log()).log()).float().numpy(), 0
         out = self._noise[self._pos: self._pos + n]
         self._pos += n
         return out
@@ -184,61 +204,60 @@ class STANDDrafter(Drafter):
         if shape is None:
             raise ValueError("STANDDrafter needs a tree shape (at construction or per call)")
         b, n, K, store = len(context), shape.n, self.store.top_k, self.store
-        kids = shape.children()
-        tokens = torch.zeros(b, n, dtype=torch.long)
-        valid = torch.zeros(b, n, dtype=torch.bool)
-        child_ids = torch.zeros(b, n, K, dtype=torch.long)
-        child_probs = torch.zeros(b, n, K)
+        kids, levels = self._plan(shape)
+        # NumPy while filling (many tiny writes), handed to torch without a copy
+        tokens = np.zeros((b, n), dtype=np.int64)
+        valid = np.zeros((b, n), dtype=bool)
+        child_ids = np.zeros((b, n, K), dtype=np.int64)
+        child_probs = np.zeros((b, n, K), dtype=np.float32)
         paths: dict[tuple[int, int], tuple[int, ...]] = {}
         for i in range(b):
             tail = tuple(context.row(i, start=max(0, int(context.lengths[context.rows[i]]) - store.max_n)))
-            self._tails[context.rows[i]] = tail
             paths[i, 0] = tail
             tokens[i, 0], valid[i, 0] = tail[-1], True
-        for level in _levels(shape):
+        for level in levels:
             # every (row, node) of this depth that can have children, with its store slot
             todo = [(i, v, store.longest_match(paths[i, v])) for v in level if kids[v] for i in range(b) if (i, v) in paths]
             todo = [t for t in todo if t[2] is not None]
             if not todo:
                 continue
-            slots = torch.tensor([s for _, _, s in todo])
-            ids, probs = store.ids[slots].long(), store.probs[slots]
-            width = min(K, max(len(kids[v]) for _, v, _ in todo))  # children past K stay invalid
+            rows, nodes, slots = zip(*todo)
+            ids, probs = store._np_ids[list(slots)], store._np_probs[list(slots)]
+            child_ids[rows, nodes], child_probs[rows, nodes] = ids, probs
+            width = min(K, max(len(kids[v]) for v in nodes))  # children past K stay invalid
             if self.stochastic:
-                order = gumbel_top_k(probs, width, self._take_noise(probs.numel()).view_as(probs))
+                order = gumbel_top_k(probs, width, self._take_noise(probs.size).reshape(probs.shape))
             else:
-                order = torch.topk(probs, width, dim=1).indices
-            drawn_ids, drawn_p = ids.gather(1, order).tolist(), probs.gather(1, order).tolist()
+                order = np.argsort(-probs, axis=1, kind="stable")[:, :width]
+            at = np.arange(len(todo))[:, None]
+            drawn_ids, drawn_p = ids[at, order].tolist(), probs[at, order].tolist()
             for j, (i, v, _) in enumerate(todo):
-                child_ids[i, v], child_probs[i, v] = ids[j], probs[j]
                 for r, c in enumerate(kids[v][:width]):
                     if drawn_p[j][r] > 0:
                         tokens[i, c], valid[i, c] = drawn_ids[j][r], True
                         paths[i, c] = (paths[i, v] + (drawn_ids[j][r],))[-store.max_n:]
+        tokens, valid = torch.from_numpy(tokens), torch.from_numpy(valid)
         if not self.stochastic:
             return TokenTree(shape.parents_tensor(), tokens, valid)
-        return TokenTree(shape.parents_tensor(), tokens, valid, child_ids=child_ids, child_probs=child_probs)
+        return TokenTree(shape.parents_tensor(), tokens, valid, child_ids=torch.from_numpy(child_ids),
+                         child_probs=torch.from_numpy(child_probs))
 
-    def observe(self, rows, tokens, target_top) -> None:
+    def observe(self, context: DraftContext, tokens, target) -> None:
         if not self.learn:
             return
         keys, ids, probs = [], [], []
-        for row, emitted, (top_i, top_p) in zip(rows, tokens, target_top):
-            seq = self._tails.get(row, ()) + tuple(emitted)
+        max_n = self.store.max_n
+        for i, (emitted, top) in enumerate(zip(tokens, target)):
+            length = int(context.lengths[context.rows[i]])
+            seq = tuple(context.row(i, start=max(0, length - max_n))) + tuple(emitted)
             start = len(seq) - len(emitted)
+            which = []  # the emitted position whose distribution each key gets
             for t in range(len(emitted)):
                 end = start + t  # the distribution at position t followed seq[:end]
-                for n in range(1, min(self.store.max_n, end) + 1):
+                for n in range(1, min(max_n, end) + 1):
                     keys.append(seq[end - n: end])
-                    ids.append(top_i[t])
-                    probs.append(top_p[t])
-            self._tails[row] = seq[-self.store.max_n:]
+                    which.append(t)
+            ids.append(top.ids.numpy()[which])
+            probs.append(top.probs.numpy()[which])
         if keys:
-            self.store.update(keys, torch.stack(ids), torch.stack(probs))
-
-
-def _levels(shape: TreeShape) -> list[list[int]]:
-    levels: list[list[int]] = [[] for _ in range(shape.max_depth + 1)]
-    for v, d in enumerate(shape.depth):
-        levels[d].append(v)
-    return levels
+            self.store.update(keys, np.concatenate(ids), np.concatenate(probs))

@@ -7,7 +7,7 @@ import pytest
 import torch
 from tiny_models import FAMILIES
 
-from stree.drafters import DraftContext, STANDDrafter, STANDStore, gumbel_top_k
+from stree.drafters import DraftContext, STANDDrafter, STANDStore, TargetTop, gumbel_top_k
 from stree.generate import generate
 from stree.testing import MarkovLM, cell_counts, chi_square
 from stree.tree import TreeShape
@@ -59,6 +59,9 @@ def test_capacity_is_bounded_and_least_recently_updated_entries_go_first():
         store.update([(k,)], *dist)
         assert len(store) <= 10
     assert store.ids.shape == (10, 2)  # packed, preallocated
+    # one update with more distinct keys than the store holds keeps the most recent ones
+    store.update([(k,) for k in range(300, 340)], dist[0].expand(40, 2), dist[1].expand(40, 2))
+    assert len(store) <= 10 and store.entry((339,)) is not None and store.entry((300,)) is None
 
 
 def test_gumbel_top_k_is_sequential_sampling_without_replacement():
@@ -67,7 +70,7 @@ def test_gumbel_top_k_is_sequential_sampling_without_replacement():
     drafter = STANDDrafter(STANDStore(top_k=5), seed=1)
     stored = torch.tensor([0.32, 0.2, 0.16, 0.08, 0.04])  # mass 0.8: a truncated entry
     m = 120_000
-    noise = drafter._take_noise(m * 5).view(m, 5)
+    noise = torch.from_numpy(drafter._take_noise(m * 5)).view(m, 5)
     order = gumbel_top_k(stored.expand(m, 5), 3, noise)
     p = stored / stored.sum()
     triples = list(itertools.permutations(range(5), 3))
@@ -76,7 +79,7 @@ def test_gumbel_top_k_is_sequential_sampling_without_replacement():
     counts = torch.bincount(torch.tensor([index[tuple(r)] for r in order.tolist()]), minlength=len(triples))
     assert chi_square(counts, exact)[2] > 1e-3
     # and a zero-probability candidate is never drawn ahead of a positive one
-    order = gumbel_top_k(torch.tensor([[0.0, 0.5, 0.0, 0.5]]).expand(1000, 4), 2, drafter._take_noise(4000).view(1000, 4))
+    order = gumbel_top_k(torch.tensor([[0.0, 0.5, 0.0, 0.5]]).expand(1000, 4), 2, torch.from_numpy(drafter._take_noise(4000)).view(1000, 4))
     assert set(order.flatten().tolist()) == {1, 3}
 
 
@@ -87,7 +90,7 @@ def test_noise_is_never_reused(monkeypatch):
     drafter = STANDDrafter(store, TreeShape.full(2, 3), noise_size=50)
     taken = []
     real = STANDDrafter._take_noise
-    monkeypatch.setattr(STANDDrafter, "_take_noise", lambda self, n: taken.append(real(self, n).clone()) or taken[-1])
+    monkeypatch.setattr(STANDDrafter, "_take_noise", lambda self, n: taken.append(torch.from_numpy(real(self, n).copy())) or taken[-1].numpy())
     tokens = torch.randint(0, 6, (3, 12))
     for step in range(10):
         drafter.propose(DraftContext(tokens, torch.tensor([4 + step, 5, 12]), [0, 1, 2]), TreeShape.full(2, 3))
@@ -125,22 +128,37 @@ def test_children_come_from_the_longest_match_and_short_entries_prune():
 def test_observe_inserts_each_emitted_position_under_its_1_to_4_gram_keys():
     store = STANDStore(top_k=2)
     drafter = STANDDrafter(store, TreeShape.chain(1))
-    ctx = DraftContext(torch.tensor([[1, 2, 3, 4, 5]]), torch.tensor([5]), [0])
+    ctx = DraftContext(torch.tensor([[1, 2, 3, 4, 5, 0, 0]]), torch.tensor([5]), [0])
     before = len(store)
     drafter.propose(ctx)
     assert len(store) == before == 0  # drafting reads a snapshot, never writes
-    dists = (torch.tensor([[6, 0], [7, 1]]), torch.tensor([[0.9, 0.1], [0.8, 0.2]]))
-    drafter.observe([0], [[6, 7]], [dists])
+    dists = TargetTop(torch.tensor([[6, 0], [7, 1]]), torch.tensor([[0.9, 0.1], [0.8, 0.2]]), torch.tensor([0.9, 0.8]))
+    drafter.observe(ctx, [[6, 7]], [dists])
     assert {k for k in store._slot} == {(5,), (4, 5), (3, 4, 5), (2, 3, 4, 5), (6,), (5, 6), (4, 5, 6), (3, 4, 5, 6)}
     assert store.entry((2, 3, 4, 5))[0].tolist() == [6, 0] and store.entry((5, 6))[0].tolist() == [7, 1]
     frozen = STANDDrafter(store, TreeShape.chain(1), learn=False)
     assert frozen.target_top_k == 0
-    frozen.observe([0], [[6, 7]], [dists])
+    frozen.observe(ctx, [[6, 7]], [dists])
     assert store.entry((5,))[2] == 1
 
 
+def test_generate_feeds_the_first_token_and_every_verify_step():
+    """Keys after generation: the prompt's tail followed by what was emitted, nothing else."""
+    model = markov()
+    store = STANDStore(top_k=4)
+    out = generate(model, [[1, 2, 3, 4]], drafter=STANDDrafter(store, TreeShape.chain(2)), max_new_tokens=6,
+                   temperature=1.0, seed=0)
+    seq = out.sequences[0]
+    expected = {tuple(seq[e - n: e]) for e in range(4, len(seq)) for n in range(1, 5)}
+    assert set(store._slot) == expected
+    # the entry under the whole prompt is the target's law after it (the prefill's distribution)
+    ids, probs, _ = store.entry((1, 2, 3, 4))
+    law = model.table[3, 4].float()
+    assert torch.allclose(probs, law[ids], atol=1e-6)
+
+
 def markov(V=5, seed=3):
-    g = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)  # Dirichlet draws from the global generator
     table = torch.distributions.Dirichlet(torch.full((V,), 0.7, dtype=torch.float64)).sample((V, V))
     return MarkovLM(table)
 

@@ -1,0 +1,217 @@
+"""Consensus drafting across trajectories (paper 003): continuations that other trajectories of
+the same problem wrote after the current suffix, merged into a DAG and read out greedily.
+
+A :class:`PathStore` keeps every trajectory's tokens with the probability each had when it was
+generated, and indexes every k-gram under its exact key and k wildcard keys (one position masked),
+so a query finds exact and substitution-tolerant (Hamming distance 1) matches with k + 1 hash
+probes. :class:`ConsensusDrafter` turns the matches into a DAG with one node per (layer, token),
+edge weights ``alpha * sum p + (1 - alpha) * freq``, and fills the requested tree shape along the
+DAG's edges: a chain is the paper's path-constrained greedy extraction, wider nodes keep their
+top-b successors (the tree variant). Drafts are deterministic: verification is one-hot.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+import torch
+
+from ..tree import TokenTree, TreeShape
+from .base import DraftContext, Drafter
+
+__all__ = ["Candidate", "PathStore", "ConsensusDAG", "ConsensusDrafter"]
+
+_MASK = -1  # the wildcard in an index key (token ids are >= 0)
+
+
+@dataclass
+class Candidate:
+    """A continuation found for a query: ``tokens`` and the probabilities their trajectory gave them,
+    ``weight`` 1 for an exact match, ``fuzzy_weight`` for a match with one substitution."""
+
+    tokens: list[int]
+    probs: list[float]
+    weight: float
+    path: int
+
+
+class PathStore:
+    """Trajectories of one problem, searchable by suffix; shared by the rows of a batch and by
+    trajectories decoded one after another (pass the same store), emptied with :meth:`clear`.
+
+    A path starts with the ``k`` context tokens before its first generated token (so that first
+    token can be matched) and only generated tokens are ever returned as continuations: windows
+    of n = 1..k tokens are indexed when a generated token follows them."""
+
+    def __init__(self, k: int = 3, fuzzy: bool = True):
+        if k < 1:
+            raise ValueError(f"k must be >= 1, got {k}")
+        self.k, self.fuzzy = k, fuzzy
+        self.clear()
+
+    def clear(self) -> None:
+        self.tokens: list[list[int]] = []
+        self.probs: list[list[float]] = []
+        self._index: dict[tuple[int, ...], list[tuple[int, int]]] = defaultdict(list)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def open(self, context: list[int]) -> int:
+        """A new path after ``context`` (only its last ``k`` tokens are kept); returns its id."""
+        self.tokens.append([int(t) for t in context[-self.k:]])
+        self.probs.append([float("nan")] * len(self.tokens[-1]))
+        return len(self.tokens) - 1
+
+    def extend(self, pid: int, tokens: list[int], probs: list[float]) -> None:
+        """Append generated tokens with the probabilities they were drawn with."""
+        if len(tokens) != len(probs):
+            raise ValueError(f"extend needs one probability per token, got {len(tokens)} tokens and {len(probs)}")
+        toks = self.tokens[pid]
+        for tok, p in zip(tokens, probs):
+            # windows are indexed once a token follows them, so every hit has a continuation
+            e = len(toks)
+            for n in range(1, min(self.k, e) + 1):
+                key = tuple(toks[e - n: e])
+                self._index[key].append((pid, e))
+                if self.fuzzy and n == self.k and n >= 2:
+                    for j in range(n):
+                        self._index[key[:j] + (_MASK,) + key[j + 1:]].append((pid, e))
+            toks.append(int(tok))
+            self.probs[pid].append(float(p))
+
+    def candidates(self, suffix: list[int], length: int, *, exclude: int | None = None, min_k: int = 1,
+                   fuzzy_weight: float = 0.5, limit: int = 64) -> list[Candidate]:
+        """Continuations (up to ``length`` tokens) of the longest suffix of ``suffix`` (``k`` down to
+        ``min_k`` tokens) that occurs in a path other than ``exclude``: at the full ``k``, exact
+        occurrences and, if ``fuzzy``, those differing in one position; at most ``limit``, exact
+        before fuzzy, most recent first."""
+        for n in range(min(self.k, len(suffix)), min_k - 1, -1):
+            key = tuple(int(t) for t in suffix[len(suffix) - n:])
+            probes = [(key, 1.0)]
+            if self.fuzzy and n == self.k and n >= 2:
+                probes += [(key[:j] + (_MASK,) + key[j + 1:], fuzzy_weight) for j in range(n)]
+            found: list[Candidate] = []
+            seen: set[tuple[int, int]] = set()
+            for probe, weight in probes:
+                for pid, e in reversed(self._index.get(probe, ())):
+                    if pid == exclude or (pid, e) in seen:
+                        continue
+                    seen.add((pid, e))
+                    found.append(Candidate(self.tokens[pid][e: e + length], self.probs[pid][e: e + length], weight, pid))
+                    if len(found) == limit:
+                        return found
+            if found:
+                return found
+        return []
+
+
+class ConsensusDAG:
+    """Candidates merged by (layer, token): layer d holds the tokens seen d positions after the
+    match; an edge u -> v weighs ``alpha * sum_i w_i p_i(v) + (1 - alpha) * sum_i w_i / n`` over
+    the candidates i with that transition (``w_i`` the match weight, ``p_i(v)`` the probability
+    their trajectory gave v, unknown counted as 0, ``n`` the number of candidates). Layer 0 is the
+    virtual root (the current token)."""
+
+    ROOT = (0, _MASK)
+
+    def __init__(self, candidates: list[Candidate], alpha: float = 1.0):
+        if not 0 <= alpha <= 1:
+            raise ValueError(f"alpha must lie in [0, 1], got {alpha}")
+        self.edges: dict[tuple[int, int], dict[int, float]] = {}
+        self.in_weight: dict[tuple[int, int], float] = {}
+        n = max(len(candidates), 1)
+        for c in candidates:
+            u, by_p, by_count = self.ROOT, alpha * c.weight, (1 - alpha) * c.weight / n
+            for d, (tok, p) in enumerate(zip(c.tokens, c.probs), start=1):
+                w = by_p * p + by_count if p == p else by_count  # p is NaN when unknown
+                out = self.edges.get(u)
+                if out is None:
+                    out = self.edges[u] = {}
+                out[tok] = out.get(tok, 0.0) + w
+                v = (d, tok)
+                self.in_weight[v] = self.in_weight.get(v, 0.0) + w
+                u = v
+
+    def successors(self, node: tuple[int, int], limit: int) -> list[int]:
+        """The ``limit`` best next tokens after ``node``: by edge weight, then the successor's total
+        in-weight, then token id (deterministic)."""
+        out = self.edges.get(node)
+        if not out:
+            return []
+        d = node[0] + 1
+        return sorted(out, key=lambda v: (-out[v], -self.in_weight[d, v], v))[:limit]
+
+    def greedy_path(self, length: int) -> list[int]:
+        """Path-constrained greedy extraction: from the root, the best successor, up to ``length``."""
+        path, node = [], self.ROOT
+        while len(path) < length:
+            nxt = self.successors(node, 1)
+            if not nxt:
+                break
+            path.append(nxt[0])
+            node = (node[0] + 1, nxt[0])
+        return path
+
+
+class ConsensusDrafter(Drafter):
+    """Drafts for each row from the other trajectories in ``store`` (other rows of the batch and
+    earlier trajectories; the row's own path too with ``include_self``): the last ``k`` tokens are
+    the query, backing off to ``min_k``; the matches' continuations (up to the tree depth) form a
+    :class:`ConsensusDAG`; node v's children are the best successors of v's DAG node, in rank
+    order. Slots with no successor are invalid. Deterministic drafts (one-hot verification)."""
+
+    def __init__(self, store: PathStore | None = None, *, min_k: int = 1, alpha: float = 1.0,
+                 fuzzy_weight: float = 0.5, max_candidates: int = 64, include_self: bool = False,
+                 shape: TreeShape | None = None):
+        self.store = store if store is not None else PathStore()
+        if not 1 <= min_k <= self.store.k:
+            raise ValueError(f"need 1 <= min_k <= k = {self.store.k}, got min_k={min_k}")
+        if max_candidates < 1:
+            raise ValueError(f"max_candidates must be >= 1, got {max_candidates}")
+        self.min_k, self.alpha, self.fuzzy_weight = min_k, alpha, fuzzy_weight
+        self.max_candidates, self.include_self, self.shape = max_candidates, include_self, shape
+        self._live: dict[int, tuple[int, int]] = {}  # row id -> (path id, context length it ends at)
+
+    def reset(self) -> None:
+        self._live = {}  # the rows' paths stay in the store as earlier trajectories
+
+    def observe(self, context: DraftContext, tokens, target) -> None:
+        for i, (emitted, top) in enumerate(zip(tokens, target)):
+            r = context.rows[i]
+            length = int(context.lengths[r])
+            pid, end = self._live.get(r, (None, None))
+            if end != length:  # a row this drafter has not followed: a new trajectory
+                pid = self.store.open(context.row(i, start=max(0, length - self.store.k)))
+            self.store.extend(pid, emitted, top.token_probs.tolist())
+            self._live[r] = (pid, length + len(emitted))
+
+    def dag(self, context: DraftContext, i: int, length: int) -> ConsensusDAG:
+        r = context.rows[i]
+        own = self._live.get(r, (None, None))[0]
+        suffix = context.row(i, start=max(0, int(context.lengths[r]) - self.store.k))
+        cands = self.store.candidates(suffix, length, exclude=None if self.include_self else own, min_k=self.min_k,
+                                      fuzzy_weight=self.fuzzy_weight, limit=self.max_candidates)
+        return ConsensusDAG(cands, self.alpha)
+
+    def propose(self, context: DraftContext, shape: TreeShape | None = None) -> TokenTree:
+        shape = shape or self.shape
+        if shape is None:
+            raise ValueError("ConsensusDrafter needs a tree shape (at construction or per call)")
+        kids = shape.children()
+        tokens = torch.zeros(len(context), shape.n, dtype=torch.long)
+        valid = torch.zeros(len(context), shape.n, dtype=torch.bool)
+        for i in range(len(context)):
+            dag = self.dag(context, i, shape.max_depth)
+            toks, ok = tokens[i].tolist(), valid[i].tolist()
+            toks[0], ok[0] = int(context.tokens[context.rows[i], int(context.lengths[context.rows[i]]) - 1]), True
+            node = {0: ConsensusDAG.ROOT}
+            for v in range(shape.n):  # parents come first
+                if not ok[v] or not kids[v]:
+                    continue
+                for child, tok in zip(kids[v], dag.successors(node[v], len(kids[v]))):
+                    toks[child], ok[child] = tok, True
+                    node[child] = (node[v][0] + 1, tok)
+            tokens[i], valid[i] = torch.tensor(toks), torch.tensor(ok)
+        return TokenTree(shape.parents_tensor(), tokens, valid)

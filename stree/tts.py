@@ -1,0 +1,133 @@
+"""Test-time scaling: many sampled trajectories for one problem, drafting from each other through
+one shared store, and the usual ways to pick an answer from them (SPECREASON_AND_TTS.md §3)."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+from .drafters.base import Drafter
+from .drafters.consensus import ConsensusDrafter, PathStore
+from .drafters.ngram import NGramDrafter
+from .drafters.stand import STANDDrafter, STANDStore
+from .generate import GenerationStats, generate
+from .tree import TreeShape
+
+__all__ = ["Trajectories", "sample_trajectories", "majority_vote", "extract_boxed", "best_of_n"]
+
+DRAFTERS = ("stand", "ngram", "consensus")
+
+
+@dataclass
+class Trajectories:
+    """``tokens[i]``: trajectory i's generated tokens (``texts[i]`` decoded, when a tokenizer was
+    given); ``tau[i]`` its acceptance length; ``stats``: one :class:`GenerationStats` per batch;
+    ``store``: the shared drafter store, to pass on to later calls for the same problem."""
+
+    tokens: list[list[int]]
+    texts: list[str] | None
+    tau: list[float]
+    stats: list[GenerationStats]
+    store: STANDStore | PathStore | None
+
+
+def _drafter(drafter, store, tree):
+    if drafter is None or isinstance(drafter, Drafter):
+        if store is not None:
+            raise ValueError("store is only used with drafter='stand' or 'consensus'")
+        return drafter, getattr(drafter, "store", None)
+    if drafter == "stand":
+        store = STANDStore() if store is None else store
+        if not isinstance(store, STANDStore):
+            raise TypeError(f"drafter='stand' needs a STANDStore, got {type(store).__name__}")
+        return STANDDrafter(store, tree), store
+    if drafter == "consensus":
+        store = PathStore() if store is None else store
+        if not isinstance(store, PathStore):
+            raise TypeError(f"drafter='consensus' needs a PathStore, got {type(store).__name__}")
+        return ConsensusDrafter(store, shape=tree), store
+    if drafter == "ngram":
+        if store is not None:
+            raise ValueError("the n-gram drafter reads each row's own context: it takes no store")
+        return NGramDrafter(), None
+    raise ValueError(f"drafter must be one of {DRAFTERS}, None or a Drafter, got {drafter!r}")
+
+
+def sample_trajectories(model, prompt_ids, n: int, *, drafter="stand", batch_size: int = 1,
+                        tree: TreeShape | None = None, temperature: float = 1.0, top_k: int = 0,
+                        top_p: float = 1.0, max_new_tokens: int = 256, eos_token_id=None, seed: int | None = 0,
+                        store=None, tokenizer=None) -> Trajectories:
+    """``n`` trajectories after one prompt, ``batch_size`` at a time (the last batch may be
+    smaller), every batch drafting from one store that persists across batches and, when passed
+    in as ``store``, across calls. ``drafter``: ``"stand"`` (the default), ``"ngram"``,
+    ``"consensus"``, a :class:`Drafter`, or None (autoregressive). Batch b decodes with seed
+    ``seed + b``. ``tree``: the draft tree shape (default: :func:`generate`'s)."""
+    if not isinstance(n, int) or n < 1:
+        raise ValueError(f"n must be an int >= 1, got {n!r}")
+    if not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
+    prompt = [int(t) for t in prompt_ids]
+    drafter, store = _drafter(drafter, store, tree)
+    method = "autoregressive" if drafter is None else "stree"
+    tokens, tau, stats = [], [], []
+    for b, start in enumerate(range(0, n, batch_size)):
+        rows = min(batch_size, n - start)
+        out = generate(model, [prompt] * rows, drafter=drafter, tree=tree, method=method, max_new_tokens=max_new_tokens,
+                       temperature=temperature, top_k=top_k, top_p=top_p, eos_token_id=eos_token_id,
+                       seed=None if seed is None else seed + b)
+        tokens += out.new_tokens
+        tau += [out.stats.row_tau(i) for i in range(rows)]
+        stats.append(out.stats)
+    texts = None if tokenizer is None else [tokenizer.decode(t) for t in tokens]
+    return Trajectories(tokens, texts, tau, stats, store)
+
+
+def majority_vote(answers, weights=None):
+    """The most common answer (None answers abstain), or with ``weights`` the answer with the
+    largest total weight; ties go to the answer seen first. None if every answer abstains."""
+    if weights is not None and len(weights) != len(answers):
+        raise ValueError(f"need one weight per answer, got {len(weights)} weights for {len(answers)} answers")
+    total: Counter = Counter()
+    first: dict = {}
+    for i, a in enumerate(answers):
+        if a is None:
+            continue
+        total[a] += 1 if weights is None else weights[i]
+        first.setdefault(a, i)
+    if not total:
+        return None
+    return max(total, key=lambda a: (total[a], -first[a]))
+
+
+def extract_boxed(text: str) -> str | None:
+    """The contents of the last ``\\boxed{...}`` (nested braces kept, e.g. ``\\frac{a}{b}``), or of
+    ``\\boxed x`` up to the next ``$``; None when there is no box or its braces never close."""
+    at = text.rfind("\\boxed")
+    if at < 0:
+        return None
+    rest = text[at + len("\\boxed"):]
+    body = rest.lstrip()
+    if not body.startswith("{"):
+        if rest == body:  # "\boxedfoo" is another command
+            return None
+        answer = body.split("$", 1)[0].strip()
+        return answer or None
+    depth = 0
+    for j, ch in enumerate(body):
+        depth += ch == "{"
+        depth -= ch == "}"
+        if depth == 0:
+            return body[1:j].strip()
+    return None
+
+
+def best_of_n(candidates, scorer):
+    """``(best, score)``: the candidate ``scorer`` rates highest (ties: the first)."""
+    best, best_score = None, None
+    for c in candidates:
+        s = scorer(c)
+        if best_score is None or s > best_score:
+            best, best_score = c, s
+    if best_score is None:
+        raise ValueError("best_of_n needs at least one candidate")
+    return best, best_score
