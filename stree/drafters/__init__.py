@@ -3,7 +3,8 @@
 from .base import DraftContext, Drafter, TargetTop
 from .consensus import ConsensusDAG, ConsensusDrafter, PathStore
 from .ngram import NGramDrafter
+from .ssm import SSMDrafter
 from .stand import STANDDrafter, STANDStore, gumbel_top_k
 
-__all__ = ["ConsensusDAG", "ConsensusDrafter", "DraftContext", "Drafter", "NGramDrafter", "PathStore", "STANDDrafter",
-           "STANDStore", "TargetTop", "gumbel_top_k"]
+__all__ = ["ConsensusDAG", "ConsensusDrafter", "DraftContext", "Drafter", "NGramDrafter", "PathStore", "SSMDrafter",
+           "STANDDrafter", "STANDStore", "TargetTop", "gumbel_top_k"]

@@ -1,0 +1,153 @@
+"""A small language model as the drafter (paper 001 §5.2): its own committed cache follows the
+rows, and it drafts a tree with its own tree forwards, so it never rolls back.
+
+Any model with the decoding protocol works (``allocate_cache``, ``prefill``, ``forward_tree``,
+``commit``): a distilled 1-2 layer Mamba2 in practice, an exact Markov table in the tests.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..tree import TokenTree, TreeShape
+from .base import DraftContext, Drafter
+from .stand import gumbel_top_k
+
+__all__ = ["SSMDrafter"]
+
+
+class SSMDrafter(Drafter):
+    """Drafts from ``model``'s own next-token distributions q = softmax(logits / temperature).
+
+    ``mode="static"``: fills ``shape`` level by level, one tree forward per level over the nodes
+    drafted so far; node v's c children are c draws without replacement from q's top ``top_k``
+    (Gumbel-top-k, the law attached for lossless verification), or with ``stochastic=False`` the
+    c most likely tokens (one-hot verification).
+
+    ``mode="beam"``: ``beams`` beams for ``steps`` steps; each step every beam proposes its
+    ``beams`` most likely tokens and the best ``beams`` by total log-probability survive. Every
+    surviving token becomes a node under its beam's node (1 + beams * steps nodes, parents per
+    row). Deterministic: one-hot verification.
+
+    ``vocab_size``: draft only ids below it (the target's vocabulary when the drafter's embedding
+    is padded past it). The cache holds every context token but the last (the root, fed with the drafted tree); new
+    tokens are fed as one chain forward plus commit per step."""
+
+    def __init__(self, model, shape: TreeShape | None = None, *, mode: str = "static", stochastic: bool = True,
+                 temperature: float = 1.0, top_k: int = 10, beams: int = 4, steps: int = 4, seed: int = 0,
+                 max_length: int = 4096, vocab_size: int | None = None):
+        if mode not in ("static", "beam"):
+            raise ValueError(f"mode must be 'static' or 'beam', got {mode!r}")
+        if temperature <= 0 or top_k < 1 or beams < 1 or steps < 1:
+            raise ValueError(f"need temperature > 0 and top_k, beams, steps >= 1, got {temperature}, {top_k}, "
+                             f"{beams}, {steps}")
+        self.model, self.shape, self.mode, self.stochastic = model, shape, mode, stochastic
+        self.temperature, self.top_k, self.beams, self.steps, self.max_length = temperature, top_k, beams, steps, max_length
+        self.vocab_size = model.vocab_size if vocab_size is None else vocab_size
+        if not 1 <= self.vocab_size <= model.vocab_size:
+            raise ValueError(f"vocab_size must be in [1, {model.vocab_size}] (the drafter's logits), got {vocab_size}")
+        self.generator = torch.Generator().manual_seed(seed)
+        self.reset()
+
+    def reset(self) -> None:
+        self._cache, self._rows, self._fed = None, [], torch.zeros(0, dtype=torch.long)
+
+    def _advance(self, context: DraftContext) -> None:
+        """Bring the cache to each row's context minus its last token."""
+        rows = context.rows
+        want = context.lengths[torch.tensor(rows)] - 1
+        known = {r: i for i, r in enumerate(self._rows)}
+        if self._cache is not None and all(r in known for r in rows):
+            pos = torch.tensor([known[r] for r in rows])
+            if pos.tolist() != list(range(len(self._rows))):
+                self._cache, self._fed = self._cache.select(pos.to(self.model.device)), self._fed[pos]
+            self._rows = list(rows)
+            new = want - self._fed
+            if bool((new == 0).all()):
+                return
+            if bool((new > 0).all()):
+                m = int(new.max())
+                at = (self._fed[:, None] + torch.arange(m)).clamp(max=(want - 1)[:, None])
+                chain = TokenTree.from_shape(TreeShape.chain(m - 1), context.tokens[torch.tensor(rows)[:, None], at]
+                                             .to(self.model.device))
+                self.model.forward_tree(chain, self._cache, backend="chain")
+                dev = self.model.device
+                self.model.commit(self._cache, chain, torch.arange(m, device=dev).expand(len(rows), m).contiguous(),
+                                  new.to(dev))
+                self._fed = want.clone()
+                return
+        # new rows, or rows advancing unevenly: start again from the contexts
+        if bool((want < 1).any()):
+            raise ValueError("every row needs at least two context tokens (a prefix and the root)")
+        self._cache = self.model.allocate_cache(len(rows), self.max_length)
+        prefix = context.tokens[torch.tensor(rows), : int(want.max())]
+        self.model.prefill(prefix.to(self.model.device), self._cache, lengths=want)
+        self._rows, self._fed = list(rows), want.clone()
+
+    def _q(self, tree: TokenTree) -> torch.Tensor:
+        logits = self.model.forward_tree(tree, self._cache)[..., : self.vocab_size]  # only the target's ids
+        return torch.softmax(logits.float().cpu() / self.temperature, -1)
+
+    def propose(self, context: DraftContext, shape: TreeShape | None = None) -> TokenTree:
+        self._advance(context)
+        roots = context.last_tokens()
+        if self.mode == "beam":
+            return self._beam(roots)
+        shape = shape or self.shape
+        if shape is None:
+            raise ValueError("SSMDrafter(mode='static') needs a tree shape (at construction or per call)")
+        return self._static(roots, shape)
+
+    def _static(self, roots: torch.Tensor, shape: TreeShape) -> TokenTree:
+        b, n, kids = len(roots), shape.n, shape.children()
+        K = max(self.top_k, max(map(len, kids)))
+        tokens = torch.zeros(b, n, dtype=torch.long)
+        tokens[:, 0] = roots
+        child_ids = torch.zeros(b, n, K, dtype=torch.long)
+        child_probs = torch.zeros(b, n, K)
+        depth = shape.depth
+        for d in range(shape.max_depth):
+            # the nodes drafted so far (depth <= d) as a tree of their own; parents precede children
+            keep = [v for v in range(n) if depth[v] <= d]
+            where = {v: j for j, v in enumerate(keep)}
+            sub = TokenTree(torch.tensor([-1] + [where[shape.parents[v]] for v in keep[1:]]),
+                            tokens[:, keep].to(self.model.device))
+            q = self._q(sub)
+            for v in keep:
+                if depth[v] != d or not kids[v]:
+                    continue
+                probs, ids = torch.topk(q[:, where[v]], min(K, q.shape[-1]), dim=-1)
+                child_ids[:, v, : probs.shape[1]], child_probs[:, v, : probs.shape[1]] = ids, probs
+                c = len(kids[v])
+                if self.stochastic:
+                    u = torch.rand(probs.shape, generator=self.generator, dtype=torch.float64).clamp(1e-12, 1 - 1e-12)
+                    order = gumbel_top_k(probs, c, -(-u.log()).log().float())
+                else:
+                    order = torch.arange(c).expand(b, c)
+                tokens[:, kids[v]] = ids.gather(1, order)
+        if not self.stochastic:
+            return TokenTree(shape.parents_tensor(), tokens)
+        return TokenTree(shape.parents_tensor(), tokens, child_ids=child_ids, child_probs=child_probs)
+
+    def _beam(self, roots: torch.Tensor) -> TokenTree:
+        b, M = len(roots), self.beams
+        parents = torch.full((b, 1), -1, dtype=torch.long)
+        tokens = roots[:, None].clone()
+        beam_nodes = torch.zeros(b, 1, dtype=torch.long)  # node index of each live beam
+        beam_score = torch.zeros(b, 1)
+        for _ in range(self.steps):
+            q = self._q(TokenTree(parents.to(self.model.device), tokens.to(self.model.device)))
+            logq = q.gather(1, beam_nodes[:, :, None].expand(-1, -1, q.shape[-1])).clamp_min(1e-30).log()
+            top_lp, top_id = torch.topk(logq, min(M, q.shape[-1]), dim=-1)  # [b, beams, M]
+            score = (beam_score[:, :, None] + top_lp).flatten(1)
+            best = torch.topk(score, min(M, score.shape[1]), dim=1).indices  # ties: lower beam, then rank
+            width = top_lp.shape[-1]
+            from_beam = best // width
+            new_tokens = top_id.flatten(1).gather(1, best)
+            new_parents = beam_nodes.gather(1, from_beam)
+            first = tokens.shape[1]
+            parents = torch.cat([parents, new_parents], 1)
+            tokens = torch.cat([tokens, new_tokens], 1)
+            beam_score = score.gather(1, best)
+            beam_nodes = first + torch.arange(best.shape[1]).expand(b, -1)
+        return TokenTree(parents, tokens)
