@@ -159,7 +159,7 @@ def main(argv=None):
     return result
 
 
-def plot(result, path):
+def plot(result):
     import matplotlib.pyplot as plt
 
     rows = result["results"]
@@ -180,9 +180,7 @@ def plot(result, path):
         ax.legend(fontsize=8)
     axes[0].set(xlabel="context length (tokens)", title=f"{result['tree_nodes']}-node tree, store {largest}")
     axes[1].set(xlabel="store size", title=f"context {mid_context}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    return fig
 
 
 if __name__ == "__main__":

@@ -91,7 +91,7 @@ def main(argv=None):
     return result
 
 
-def plot(result, path):
+def plot(result):
     import matplotlib.pyplot as plt
 
     names = list(dict.fromkeys(r["model"] for r in result["results"]))
@@ -105,9 +105,7 @@ def plot(result, path):
         ax.set(xscale="log", xlabel="tree nodes", ylabel="time / step time", title=f"{name}, {result['device']}")
         ax.legend()
         ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    return fig
 
 
 if __name__ == "__main__":

@@ -124,7 +124,7 @@ def main(argv=None):
     return result
 
 
-def plot(result, path):
+def plot(result):
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
@@ -142,9 +142,7 @@ def plot(result, path):
     for ax in axes:
         ax.legend()
         ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    return fig
 
 
 if __name__ == "__main__":

@@ -60,7 +60,7 @@ def run_info(device, argv=None) -> dict:
 
 
 def save_result(result: dict, out_dir, stem: str, plot) -> None:
-    """Write ``result`` to ``{out_dir}/{stem}.json`` and have ``plot(result, path)`` draw
+    """Write ``result`` to ``{out_dir}/{stem}.json`` and the figure ``plot(result)`` returns to
     ``{stem}.png`` (matplotlib's Agg backend: no display needed)."""
     import json
     from pathlib import Path
@@ -68,7 +68,12 @@ def save_result(result: dict, out_dir, stem: str, plot) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{stem}.json").write_text(json.dumps(result, indent=2))
-    plot(result, out / f"{stem}.png")
+    fig = plot(result)
+    fig.tight_layout()
+    fig.savefig(out / f"{stem}.png", dpi=100)
+    plt.close(fig)

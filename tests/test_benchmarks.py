@@ -6,12 +6,18 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_tree_scan_sweep_smoke_writes_consistent_json_and_png(tmp_path):
-    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "tree_scan_sweep.py"), "--smoke", "--out", str(tmp_path)],
+def smoke(name, tmp_path):
+    """Run ``benchmarks/{name}.py --smoke``; its JSON, after the checks every result must pass."""
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / f"{name}.py"), "--smoke", "--out", str(tmp_path)],
                    check=True, capture_output=True, text=True)
-    result = json.loads((tmp_path / "tree_scan_sweep_smoke.json").read_text())
+    result = json.loads((tmp_path / f"{name}_smoke.json").read_text())
     assert result["device"] and result["date"] and "--smoke" in result["command"]
-    assert (tmp_path / "tree_scan_sweep_smoke.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (tmp_path / f"{name}_smoke.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    return result
+
+
+def test_tree_scan_sweep_smoke_writes_consistent_json_and_png(tmp_path):
+    result = smoke("tree_scan_sweep", tmp_path)
     rows = result["results"]
     assert {r["tree"] for r in rows} >= {"chain5", "paper13"}
     for r in rows:
@@ -26,11 +32,7 @@ def test_tree_scan_sweep_smoke_writes_consistent_json_and_png(tmp_path):
 
 
 def test_model_forward_smoke_writes_json_and_png(tmp_path):
-    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "model_forward.py"), "--smoke", "--out", str(tmp_path)],
-                   check=True, capture_output=True, text=True)
-    result = json.loads((tmp_path / "model_forward_smoke.json").read_text())
-    assert result["device"] and result["date"] and "--smoke" in result["command"]
-    assert (tmp_path / "model_forward_smoke.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    result = smoke("model_forward", tmp_path)
     rows = result["results"]
     assert {r["model"] for r in rows} == {"mamba2-smoke", "mil-smoke"}
     for model in ("mamba2-smoke", "mil-smoke"):
@@ -45,11 +47,8 @@ def test_model_forward_smoke_writes_json_and_png(tmp_path):
 
 
 def test_drafting_smoke_writes_json_and_png(tmp_path):
-    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "drafting.py"), "--smoke", "--out", str(tmp_path)],
-                   check=True, capture_output=True, text=True)
-    result = json.loads((tmp_path / "drafting_smoke.json").read_text())
-    assert result["device"] and result["date"] and "--smoke" in result["command"] and result["tree_nodes"] == 81
-    assert (tmp_path / "drafting_smoke.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    result = smoke("drafting", tmp_path)
+    assert result["tree_nodes"] == 81
     rows = result["results"]
     assert {r["drafter"] for r in rows} == {"ngram", "stand", "stand_deterministic", "consensus"}
     assert {r["context"] for r in rows} == {64, 256}

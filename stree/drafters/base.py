@@ -52,8 +52,18 @@ class Drafter:
     #: how many of the target's most likely next tokens ``observe`` receives per emitted position
     target_top_k = 0
 
+    #: the tree shape ``propose`` fills when the call passes none (None: every call must pass one)
+    shape: TreeShape | None = None
+
     def reset(self) -> None:
         """Forget per-row state: the next ``propose`` starts new rows."""
+
+    def tree_shape(self, shape: TreeShape | None) -> TreeShape:
+        """``shape``, else the drafter's own; a ValueError when neither is set."""
+        shape = shape or self.shape
+        if shape is None:
+            raise ValueError(f"{type(self).__name__} needs a tree shape (at construction or per call)")
+        return shape
 
     def propose(self, context: DraftContext, shape: TreeShape) -> TokenTree:
         raise NotImplementedError

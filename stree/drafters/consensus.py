@@ -196,9 +196,7 @@ class ConsensusDrafter(Drafter):
         return ConsensusDAG(cands, self.alpha)
 
     def propose(self, context: DraftContext, shape: TreeShape | None = None) -> TokenTree:
-        shape = shape or self.shape
-        if shape is None:
-            raise ValueError("ConsensusDrafter needs a tree shape (at construction or per call)")
+        shape = self.tree_shape(shape)
         kids = shape.children()
         tokens = torch.zeros(len(context), shape.n, dtype=torch.long)
         valid = torch.zeros(len(context), shape.n, dtype=torch.bool)

@@ -93,9 +93,7 @@ class SSMDrafter(Drafter):
         roots = context.last_tokens()
         if self.mode == "beam":
             return self._beam(roots)
-        shape = shape or self.shape
-        if shape is None:
-            raise ValueError("SSMDrafter(mode='static') needs a tree shape (at construction or per call)")
+        shape = self.tree_shape(shape)
         return self._static(roots, shape)
 
     def _static(self, roots: torch.Tensor, shape: TreeShape) -> TokenTree:

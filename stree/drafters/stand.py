@@ -200,9 +200,7 @@ class STANDDrafter(Drafter):
         return out
 
     def propose(self, context: DraftContext, shape: TreeShape | None = None) -> TokenTree:
-        shape = shape or self.shape
-        if shape is None:
-            raise ValueError("STANDDrafter needs a tree shape (at construction or per call)")
+        shape = self.tree_shape(shape)
         b, n, K, store = len(context), shape.n, self.store.top_k, self.store
         kids, levels = self._plan(shape)
         # NumPy while filling (many tiny writes), handed to torch without a copy
