@@ -133,7 +133,8 @@ def generate(model, input_ids, *, drafter: Drafter | None = None, tree: TreeShap
     (chain drafts through the chain backend; default ``chain(4)``) or ``autoregressive``.
     ``drafter`` defaults to :class:`NGramDrafter`. ``mode="naive"`` verifies by exact-match
     sampling. ``max_length``: the cache size; by default the longest prompt plus
-    ``max_new_tokens`` plus the tree depth. The same ``seed`` gives the same output.
+    ``max_new_tokens`` plus the tree depth (the drafter's ``draft_depth`` when deeper). The same
+    ``seed`` gives the same output.
     ``on_step(rows, tree, result)``, if given, sees every verify step (row ids, the drafted
     :class:`TokenTree`, the :class:`~stree.verify.VerifyResult`), e.g. to count accepted nodes."""
     if method not in METHODS:
@@ -145,7 +146,7 @@ def generate(model, input_ids, *, drafter: Drafter | None = None, tree: TreeShap
     if tree is None and method == "stree":
         tree = getattr(drafter, "shape", None)  # a drafter built for a tree shape (e.g. STAND's)
     shape = _resolve_shape(method, tree)
-    depth = shape.max_depth if shape is not None else 0
+    depth = 0 if shape is None else max(shape.max_depth, getattr(drafter, "draft_depth", None) or 0)
     B, longest = len(prompts), max(map(len, prompts))
     need = longest + max_new_tokens + depth
     if max_length is None:

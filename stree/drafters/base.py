@@ -54,6 +54,8 @@ class Drafter:
 
     #: the tree shape ``propose`` fills when the call passes none (None: every call must pass one)
     shape: TreeShape | None = None
+    #: the depth of the trees it proposes when that is not the shape's (e.g. beam search)
+    draft_depth: int | None = None
 
     def reset(self) -> None:
         """Forget per-row state: the next ``propose`` starts new rows."""

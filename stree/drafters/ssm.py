@@ -43,6 +43,7 @@ class SSMDrafter(Drafter):
                              f"{beams}, {steps}")
         self.model, self.shape, self.mode, self.stochastic = model, shape, mode, stochastic
         self.temperature, self.top_k, self.beams, self.steps, self.max_length = temperature, top_k, beams, steps, max_length
+        self.draft_depth = steps if mode == "beam" else None
         self.vocab_size = model.vocab_size if vocab_size is None else vocab_size
         if not 1 <= self.vocab_size <= model.vocab_size:
             raise ValueError(f"vocab_size must be in [1, {model.vocab_size}] (the drafter's logits), got {vocab_size}")

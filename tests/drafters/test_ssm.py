@@ -66,3 +66,19 @@ def test_the_drafter_cache_follows_the_rows():
     assert torch.equal(advanced.child_ids[:, 0], fresh.child_ids[:, 0])
     with pytest.raises(ValueError, match="two context tokens"):
         SSMDrafter(model, shape).propose(DraftContext(tokens, torch.tensor([1]), [0]))
+
+
+def test_beam_trees_deeper_than_the_shape_fit_in_the_cache():
+    """The target's cache is sized for the drafter's own depth (7 beam steps), not the default
+    shape's: a deterministic target drafted by itself accepts all 7 drafts every step, so the last
+    step starts 1 token short of max_new_tokens with a depth-7 tree."""
+    V = 5
+    table = torch.zeros(V, V, V, dtype=torch.float64)
+    for a in range(V):
+        for b in range(V):
+            table[a, b, (a + 2 * b + 1) % V] = 1.0
+    target = MarkovLM(table)
+    drafter = SSMDrafter(MarkovLM(table), mode="beam", beams=2, steps=7)
+    ref = generate(target, [[1, 2, 1]], method="autoregressive", max_new_tokens=18)
+    out = generate(target, [[1, 2, 1]], drafter=drafter, max_new_tokens=18)
+    assert out.sequences == ref.sequences and out.stats.accepted[0][:2] == [7, 7]
