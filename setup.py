@@ -8,6 +8,7 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     packages=find_packages(include=["stree", "stree.*"]),
+    package_data={"stree": ["assets/*/*.json", "assets/*/*.jsonl", "assets/*/*.safetensors"]},
     install_requires=[
         "torch>=2.4",
         "triton>=3.2",
@@ -16,6 +17,7 @@ setup(
         "safetensors",
         "numpy",
         "tqdm",
+        "tokenizers",
     ],
     extras_require={
         "test": ["pytest", "hypothesis", "scipy", "matplotlib"],

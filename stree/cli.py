@@ -7,12 +7,11 @@ import sys
 
 import torch
 
-from .drafters import ConsensusDrafter, NGramDrafter, STANDDrafter, STANDStore
+from .drafters import STANDDrafter, STANDStore
+from .drafters.registry import DRAFTER_NAMES, NEEDS_MODEL, make_drafter
 from .generate import METHODS, generate
 from .tree import TreeShape
 
-DRAFTERS = {"ngram": lambda: NGramDrafter(), "stand": lambda: STANDDrafter(STANDStore()),
-            "consensus": lambda: ConsensusDrafter(include_self=True)}
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -21,8 +20,10 @@ def _generate_parser(sub) -> None:
     p.add_argument("--model", required=True, help="local checkpoint directory (mamba_ssm, HF Mamba2 or MambaInLlama)")
     p.add_argument("--prompt", required=True)
     p.add_argument("--method", choices=METHODS, default="stree")
-    p.add_argument("--drafter", choices=sorted(DRAFTERS), default="ngram",
-                   help="consensus drafts from its own earlier text here (one prompt, no other trajectories)")
+    p.add_argument("--drafter", choices=DRAFTER_NAMES, default="ngram",
+                   help="consensus drafts from its own earlier text here (one prompt, no other trajectories); "
+                        "ssm-static / ssm-beam need --drafter-model")
+    p.add_argument("--drafter-model", default=None, help="checkpoint directory of a small drafter LM (stree distill)")
     p.add_argument("--tree", default=None, help="paper13 | chain:D | full:WxD | PATH.json (default: paper13; chain:4 for --method chain)")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-k", type=int, default=0)
@@ -46,6 +47,82 @@ def _optimize_parser(sub) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None)
     p.add_argument("--device", default=None)
+
+
+def _loop_args(p, steps: int, batch_size: int, seq_len: int, lr: float) -> None:
+    p.add_argument("--out", required=True, help="checkpoint directory to write")
+    p.add_argument("--steps", type=int, default=steps)
+    p.add_argument("--batch-size", type=int, default=batch_size)
+    p.add_argument("--seq-len", type=int, default=seq_len)
+    p.add_argument("--lr", type=float, default=lr)
+    p.add_argument("--warmup", type=int, default=30)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--save-every", type=int, default=100, help="steps between resumable states (out/train_state.pt)")
+    p.add_argument("--resume", action="store_true", help="continue from out/train_state.pt")
+    p.add_argument("--corpus", default=None, help="directory of .py files (default: this Python's standard library)")
+    p.add_argument("--held-out", default=None, help="comma-separated paths relative to the corpus (default: a fixed "
+                                                    "list of stdlib modules)")
+    p.add_argument("--eval-tokens", type=int, default=40_000, help="held-out tokens evaluated at the end")
+    p.add_argument("--save-dtype", choices=sorted(DTYPES), default="float32")
+    p.add_argument("--device", default="cpu")
+
+
+def _train_lm_parser(sub) -> None:
+    p = sub.add_parser("train-lm", help="train a small Mamba2 (or hybrid) LM on local Python sources")
+    _loop_args(p, steps=600, batch_size=16, seq_len=128, lr=3e-3)
+    p.add_argument("--arch", choices=("mamba2", "hybrid"), default="mamba2")
+    p.add_argument("--vocab-size", type=int, default=4096)
+    p.add_argument("--tokenizer-bytes", type=int, default=4_000_000, help="training text the BPE is learnt from")
+    p.add_argument("--d-model", type=int, default=256)
+    p.add_argument("--n-layer", type=int, default=4)
+    p.add_argument("--d-state", type=int, default=32)
+    p.add_argument("--headdim", type=int, default=64)
+
+
+def _distill_parser(sub) -> None:
+    p = sub.add_parser("distill", help="distil a 1-2 layer Mamba2 drafter from a target checkpoint")
+    p.add_argument("--target", required=True, help="the target's checkpoint directory (with its tokenizer)")
+    _loop_args(p, steps=300, batch_size=16, seq_len=128, lr=3e-3)
+    p.add_argument("--n-layer", type=int, default=1)
+
+
+def _run_distill(args) -> int:
+    from .training import distill
+
+    report = distill(args.target, args.out, n_layer=args.n_layer, corpus=args.corpus, held_out=_held_out(args),
+                     loop=_loop_config(args), eval_tokens=args.eval_tokens, save_dtype=args.save_dtype,
+                     resume=args.resume, device=args.device)
+    init = report["at_init"]
+    print(f"held-out KL {init['held_out_kl_nats']:.3f} -> {report['held_out_kl_nats']:.3f} nats/token, top-1 agreement "
+          f"{init['held_out_top1_agreement']:.3f} -> {report['held_out_top1_agreement']:.3f}; {report['seconds']} s "
+          f"-> {args.out}")
+    return 0
+
+
+def _loop_config(args):
+    from .training import LoopConfig
+
+    return LoopConfig(steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr,
+                      warmup=args.warmup, seed=args.seed, save_every=args.save_every)
+
+
+def _held_out(args):
+    from .training import HELD_OUT
+
+    return HELD_OUT if args.held_out is None else tuple(s.strip() for s in args.held_out.split(",") if s.strip())
+
+
+def _run_train_lm(args) -> int:
+    from .training import ModelSize, train_lm
+
+    report = train_lm(args.out, corpus=args.corpus, held_out=_held_out(args), arch=args.arch,
+                      vocab_size=args.vocab_size, loop=_loop_config(args), tokenizer_bytes=args.tokenizer_bytes,
+                      size=ModelSize(args.d_model, args.n_layer, args.d_state, args.headdim),
+                      eval_tokens=args.eval_tokens, save_dtype=args.save_dtype, resume=args.resume,
+                      device=args.device)
+    print(f"held-out bits/byte: model {report['model_bits_per_byte']:.3f}, unigram "
+          f"{report['unigram_bits_per_byte']:.3f} ({report['held_out_bytes']} bytes); {report['seconds']} s -> {args.out}")
+    return 0
 
 
 def _load(args):
@@ -92,7 +169,18 @@ def _run_generate(args) -> int:
     tree = TreeShape.from_spec(args.tree) if args.tree else None
     kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
               eos_token_id=tokenizer.eos_token_id, seed=args.seed)
-    out = generate(model, [ids], drafter=DRAFTERS[args.drafter](), tree=tree, method=args.method, **kw)
+    drafter_model = None
+    if args.drafter_model is not None and args.drafter not in NEEDS_MODEL:
+        raise ValueError(f"--drafter-model is only for --drafter {' / '.join(NEEDS_MODEL)}, not {args.drafter}")
+    if args.drafter in NEEDS_MODEL:
+        if args.drafter_model is None:
+            raise ValueError(f"--drafter {args.drafter} needs --drafter-model DIR")
+        from .models import load
+
+        drafter_model = load(args.drafter_model, dtype=model.dtype, device=model.device)
+    drafter = make_drafter(args.drafter, drafter_model=drafter_model, vocab_size=model.vocab_size,
+                           temperature=args.temperature, include_self=True)
+    out = generate(model, [ids], drafter=drafter, tree=tree, method=args.method, **kw)
     print(tokenizer.decode(out.sequences[0]))
     print(f"[{args.method}] {out.stats.summary()}")
     if args.compare:
@@ -106,13 +194,24 @@ def _run_generate(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["demo"]:
+        from .demo import main as demo_main
+
+        return demo_main(argv[1:])
     parser = argparse.ArgumentParser(prog="stree", description="speculative tree decoding for Mamba2 and hybrids")
     sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("demo", add_help=False, help="the shipped tiny model pair: every decoding method and drafter, "
+                                                "greedy identity, tau and tokens/s (stree demo --help)")
     _generate_parser(sub)
     _optimize_parser(sub)
+    _train_lm_parser(sub)
+    _distill_parser(sub)
     args = parser.parse_args(argv)
+    run = {"generate": _run_generate, "optimize-tree": _run_optimize, "train-lm": _run_train_lm,
+           "distill": _run_distill}[args.command]
     try:
-        return _run_generate(args) if args.command == "generate" else _run_optimize(args)
+        return run(args)
     except (ValueError, FileNotFoundError) as exc:
         print(f"stree {args.command}: error: {exc}", file=sys.stderr)
         return 2

@@ -7,9 +7,9 @@ from collections import Counter
 from dataclasses import dataclass
 
 from .drafters.base import Drafter
-from .drafters.consensus import ConsensusDrafter, PathStore
-from .drafters.ngram import NGramDrafter
-from .drafters.stand import STANDDrafter, STANDStore
+from .drafters.consensus import PathStore
+from .drafters.registry import make_drafter
+from .drafters.stand import STANDStore
 from .generate import GenerationStats, generate
 from .tree import TreeShape
 
@@ -31,26 +31,21 @@ class Trajectories:
     store: STANDStore | PathStore | None
 
 
-def _drafter(drafter, store, tree):
+def _drafter(drafter, store):
     if drafter is None or isinstance(drafter, Drafter):
         if store is not None:
             raise ValueError("store is only used with drafter='stand' or 'consensus'")
         return drafter, getattr(drafter, "store", None)
-    if drafter == "stand":
-        store = STANDStore() if store is None else store
-        if not isinstance(store, STANDStore):
-            raise TypeError(f"drafter='stand' needs a STANDStore, got {type(store).__name__}")
-        return STANDDrafter(store, tree), store
-    if drafter == "consensus":
-        store = PathStore() if store is None else store
-        if not isinstance(store, PathStore):
-            raise TypeError(f"drafter='consensus' needs a PathStore, got {type(store).__name__}")
-        return ConsensusDrafter(store, shape=tree), store
-    if drafter == "ngram":
-        if store is not None:
-            raise ValueError("the n-gram drafter reads each row's own context: it takes no store")
-        return NGramDrafter(), None
-    raise ValueError(f"drafter must be one of {DRAFTERS}, None or a Drafter, got {drafter!r}")
+    if drafter not in DRAFTERS:
+        raise ValueError(f"drafter must be one of {DRAFTERS}, None or a Drafter, got {drafter!r}")
+    kinds = {"stand": STANDStore, "consensus": PathStore}
+    if drafter in kinds:
+        store = kinds[drafter]() if store is None else store
+        if not isinstance(store, kinds[drafter]):
+            raise TypeError(f"drafter={drafter!r} needs a {kinds[drafter].__name__}, got {type(store).__name__}")
+    elif store is not None:
+        raise ValueError("the n-gram drafter reads each row's own context: it takes no store")
+    return make_drafter(drafter, store=store), store
 
 
 def sample_trajectories(model, prompt_ids, n: int, *, drafter="stand", batch_size: int = 1,
@@ -67,7 +62,7 @@ def sample_trajectories(model, prompt_ids, n: int, *, drafter="stand", batch_siz
     if not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
     prompt = [int(t) for t in prompt_ids]
-    drafter, store = _drafter(drafter, store, tree)
+    drafter, store = _drafter(drafter, store)
     method = "autoregressive" if drafter is None else "stree"
     tokens, tau, stats = [], [], []
     for b, start in enumerate(range(0, n, batch_size)):

@@ -55,3 +55,16 @@ def test_drafting_smoke_writes_json_and_png(tmp_path):
     for r in rows:
         assert 0 < r["step_us_min"] <= r["step_us_median"]
         assert r["store_size"] is None or r["store_entries"] >= r["store_size"]
+
+
+def test_acceptance_smoke_writes_json_table_and_png(tmp_path):
+    result = smoke("acceptance", tmp_path)
+    rows = result["results"]
+    names = ("ngram", "stand", "stand-det", "consensus", "ssm-static", "ssm-beam")
+    assert [(r["drafter"], r["temperature"], r["trajectories"]) for r in rows] == [
+        (d, t, n) for d in names for t in (0.0, 0.6, 1.0) for n in (1, 2)]
+    assert all(r["tau"] >= 1.0 and r["config_tokens_per_s"] > 0 for r in rows)
+    greedy_stand = {r["trajectories"]: r["tau"] for r in rows if r["drafter"] == "stand-det" and r["temperature"] == 0}
+    assert greedy_stand[2] > greedy_stand[1]  # the second greedy trajectory drafts from the first's store
+    table = (tmp_path / "acceptance_smoke.md").read_text()
+    assert "| stand | 0.6 |" in table and table.count("\n|") == 2 + len(names) * 3

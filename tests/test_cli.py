@@ -7,7 +7,7 @@ import pytest
 from tiny_models import mamba2
 
 from stree.cli import main
-from stree.models import save
+from stree.models import load, save
 from stree.tree import TreeShape
 
 TEXT = "def f(x):\n    return x + 1\n\nclass A:\n    pass\n"
@@ -94,3 +94,17 @@ def test_optimize_tree_writes_a_tree_generate_can_use(checkpoint, tmp_path, caps
     empty.write_text("\n")
     assert main(["optimize-tree", "--model", str(checkpoint), "--prompts", str(empty), "--out", str(out)]) == 2
     assert "holds no prompts" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("drafter", ["ssm-static", "ssm-beam"])
+def test_generate_with_a_drafter_model(checkpoint, tmp_path, capsys, drafter):
+    small = tmp_path / "drafter"
+    save(mamba2(vocab_size=load(checkpoint).cfg.vocab_size, n_layer=1, seed=5), small)  # an unrelated drafter
+    argv = ["generate", "--model", str(checkpoint), "--prompt", "def f(x):", "--drafter", drafter,
+            "--drafter-model", str(small), "--max-new-tokens", "10", "--compare"]
+    assert main(argv) == 0
+    assert capsys.readouterr().out.splitlines()[-1].endswith("identical: yes")
+    assert main(argv[:-5] + ["--max-new-tokens", "3"]) == 2
+    assert f"--drafter {drafter} needs --drafter-model DIR" in capsys.readouterr().err
+    assert main(["generate", "--model", str(checkpoint), "--prompt", "x", "--drafter-model", str(small)]) == 2
+    assert "--drafter-model is only for" in capsys.readouterr().err

@@ -8,6 +8,6 @@ def test_ci_runs_the_readme_test_command():
     commands = [line.strip() for line in readme.splitlines() if line.startswith("    pip install")]
     assert len(commands) == 2, "the README holds exactly two commands"
     main_job, tests = commands
-    assert main_job.endswith("python -m stree.selfcheck")
+    assert main_job.endswith("python -m stree demo")
     assert tests.endswith("python -m pytest -q")
     assert tests in (ROOT / ".ci" / "run").read_text()

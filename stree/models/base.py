@@ -14,7 +14,8 @@ TREE_BACKENDS = ("tree", "chain", "unrolled")
 
 
 class TreeLM(nn.Module):
-    """Subclasses implement ``allocate_cache``, ``forward_tree`` and ``commit``."""
+    """Subclasses implement ``allocate_cache``, ``tree_pass`` (the layers over a validated tree,
+    storing each layer's scratch in the cache) and ``commit``."""
 
     kernel_backend = "auto"  # "triton" forces the Triton kernels (tests: under the interpreter)
 
@@ -67,6 +68,24 @@ class TreeLM(nn.Module):
         cache.seqlens += num_accepted.to(cache.seqlens.device)
         cache.scratch = [None] * len(cache.scratch)
         cache.tree_n = None
+
+    @torch.no_grad()
+    def forward_tree(self, tree: TokenTree, cache: ModelCache, backend: str = "tree") -> torch.Tensor:
+        """Logits ``[b, n, V]`` at every tree node; the committed state is not changed.
+        ``backend`` ("tree", "chain", "unrolled") chooses the SSM layers' algorithm."""
+        index = self.check_tree(tree, cache, backend)
+        return self.tree_pass(tree, index, cache, backend, self.kernel_backend)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Differentiable logits ``[b, T, V]`` at every position of ``input_ids [b, T]`` from an
+        empty state (training): one chain through the PyTorch reference kernels, since the Triton
+        kernels have no backward."""
+        self.check_tokens("input_ids", input_ids)
+        if input_ids.dim() != 2 or not 1 <= input_ids.shape[1] <= MAX_TREE_NODES:
+            raise ValueError(f"input_ids must be [batch, T] with 1 <= T <= {MAX_TREE_NODES}, got {tuple(input_ids.shape)}")
+        batch, T = input_ids.shape
+        tree = TokenTree.from_shape(TreeShape.chain(T - 1), input_ids)
+        return self.tree_pass(tree, tree.index, self.allocate_cache(batch, T), "tree", "torch")
 
     @torch.no_grad()
     def step(self, tokens: torch.Tensor, cache: ModelCache) -> torch.Tensor:

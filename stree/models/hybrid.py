@@ -76,11 +76,7 @@ class HybridLM(TreeLM):
             scratch=[None] * cfg.n_layer,
         )
 
-    @torch.no_grad()
-    def forward_tree(self, tree: TokenTree, cache: ModelCache, backend: str = "tree") -> torch.Tensor:
-        """Logits ``[b, n, V]`` at every tree node; the committed state is not changed.
-        ``backend`` ("tree", "chain", "unrolled") chooses the SSM layers' algorithm."""
-        index = self.check_tree(tree, cache, backend)
+    def tree_pass(self, tree: TokenTree, index, cache: ModelCache, backend: str, kernel_backend: str) -> torch.Tensor:
         positions = cache.seqlens[:, None] + tree.depth
         hidden = self.model.embed_tokens(tree.tokens)
         for i, layer in enumerate(self.model.layers):
@@ -88,10 +84,10 @@ class HybridLM(TreeLM):
             s = self._slot[i]
             if i in self.cfg.attn_layers:
                 x, cache.scratch[i] = layer.self_attn.forward_tree(x, positions, index, cache.k[s], cache.v[s],
-                                                                   cache.seqlens, self.kernel_backend)
+                                                                   cache.seqlens, kernel_backend)
             else:
                 x, cache.scratch[i] = layer.mamba.forward_tree(x, index, cache.conv[s], cache.ssm[s], backend,
-                                                               self.kernel_backend)
+                                                               kernel_backend)
             hidden = hidden + x
             hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden, hidden.dtype))
         cache.tree_n = tree.n

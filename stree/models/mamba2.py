@@ -207,14 +207,9 @@ class Mamba2LM(TreeLM):
             scratch=[None] * cfg.n_layer,
         )
 
-    @torch.no_grad()
-    def forward_tree(self, tree: TokenTree, cache: ModelCache, backend: str = "tree") -> torch.Tensor:
-        """Logits ``[b, n, V]`` at every tree node; the committed state is not changed."""
-        index = self.check_tree(tree, cache, backend)
-
+    def tree_pass(self, tree: TokenTree, index, cache: ModelCache, backend: str, kernel_backend: str) -> torch.Tensor:
         def mixer_fn(i, mixer, h):
-            out, cache.scratch[i] = mixer.forward_tree(h, index, cache.conv[i], cache.ssm[i], backend,
-                                                       self.kernel_backend)
+            out, cache.scratch[i] = mixer.forward_tree(h, index, cache.conv[i], cache.ssm[i], backend, kernel_backend)
             return out
 
         logits = self._run(tree.tokens, mixer_fn)

@@ -90,3 +90,20 @@ def test_chain_and_unrolled_backends_agree_with_tree(family):
     assert (model.forward_tree(chain, cache, backend="chain") - model.forward_tree(chain, cache)).abs().max() <= 1e-5
     with pytest.raises(ValueError, match="backend='chain' needs a chain tree"):
         model.forward_tree(tree, cache, backend="chain")
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_training_forward_equals_step_by_step_logits_and_has_gradients(family):
+    """``model(ids)`` (training) gives at position t the logits of feeding ids[:t+1] one by one."""
+    model = FAMILIES[family]()
+    ids = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(7))
+    logits = model(ids)
+    assert logits.requires_grad and logits.shape == (2, 9, model.vocab_size)
+    cache = model.allocate_cache(2, 9)
+    for t in range(9):
+        assert (logits[:, t] - model.step(ids[:, t], cache)).abs().max() <= 1e-4, t
+    logits.sum().backward()
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    assert [n for n, g in grads.items() if g is None or not bool(g.abs().sum() > 0)] == []
+    with pytest.raises(ValueError, match="1 <= T <= 1024"):
+        model(torch.zeros(1, 1025, dtype=torch.long))
