@@ -26,16 +26,10 @@ from tqdm import tqdm
 
 from stree.demo import DRAFTER, TARGET, read_prompts
 from stree.drafters.registry import DRAFTER_NAMES, NEEDS_MODEL, make_drafter
+from stree.generate import pooled_tau
 from stree.models import load, load_tokenizer
 from stree.timing import run_info, save_result
 from stree.tts import sample_trajectories
-
-
-def pooled_tau(stats, n: int) -> float:
-    """Tokens after the prefill's per verify step over each prompt's first ``n`` trajectories."""
-    chosen = [s for per_prompt in stats for s in per_prompt[:n]]
-    steps = sum(len(s.accepted[0]) for s in chosen)
-    return sum(s.new_tokens[0] - 1 for s in chosen) / steps if steps else float("nan")
 
 
 def main(argv=None):
@@ -74,7 +68,8 @@ def main(argv=None):
         seconds = time.perf_counter() - t0
         tokens = sum(s.new_tokens[0] for per in stats for s in per)
         for n in counts:  # tokens/s: the whole configuration (every prompt and trajectory), drafting included
-            rows.append(dict(drafter=name, temperature=temperature, trajectories=n, tau=pooled_tau(stats, n),
+            first_n = [s for per_prompt in stats for s in per_prompt[:n]]
+            rows.append(dict(drafter=name, temperature=temperature, trajectories=n, tau=pooled_tau(first_n),
                              config_tokens_per_s=tokens / seconds))
 
     result = dict(benchmark="acceptance", **run_info(device, argv), model=args.model, drafter_model=args.drafter_model,

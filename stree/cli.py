@@ -10,9 +10,9 @@ import torch
 from .drafters import STANDDrafter, STANDStore
 from .drafters.registry import DRAFTER_NAMES, NEEDS_MODEL, make_drafter
 from .generate import METHODS, generate
+from .models.loading import DTYPES
 from .tree import TreeShape
 
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 def _generate_parser(sub) -> None:

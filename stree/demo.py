@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from .drafters.registry import NEEDS_MODEL, make_drafter
-from .generate import generate
+from .generate import generate, pooled_tau
 from .models import load, load_tokenizer
 from .tree import TreeShape
 
@@ -71,16 +71,16 @@ def run_demo(target_dir=TARGET, drafter_dir=DRAFTER, *, prompts: int = 4, max_ne
         drafter = None if name is None else make_drafter(
             name, drafter_model=draft_model if name in NEEDS_MODEL else None, vocab_size=target.vocab_size)
         tree = TreeShape.chain(4) if method == "chain" else None
-        outputs, steps, tokens, seconds = [], 0, 0, 0.0
+        outputs, stats, tokens, seconds = [], [], 0, 0.0
         for prompt in ids:
             res = generate(target, [prompt], method=method, drafter=drafter, tree=tree, **kw)
             outputs.append(res.new_tokens[0])
-            steps += sum(len(a) for a in res.stats.accepted)
+            stats.append(res.stats)
             tokens += res.stats.new_tokens[0]
             seconds += res.stats.time_total
         if reference is None:
             reference = dict(outputs=outputs, tok_s=tokens / seconds)
-        row = dict(method=method, drafter=name or "-", tau=(tokens - len(ids)) / steps if steps else float("nan"),
+        row = dict(method=method, drafter=name or "-", tau=pooled_tau(stats),
                    tokens_per_s=tokens / seconds, identical=outputs == reference["outputs"], tokens=tokens)
         row["speedup"] = row["tokens_per_s"] / reference["tok_s"]
         rows.append(row)

@@ -42,9 +42,7 @@ class GenerationStats:
 
     @property
     def tau(self) -> float:
-        steps = sum(len(a) for a in self.accepted)
-        from_steps = sum(n - 1 for n in self.new_tokens if n > 0)  # the first token came from the prefill
-        return from_steps / steps if steps else float("nan")
+        return pooled_tau([self])
 
     def row_tau(self, row: int) -> float:
         """``tau`` of one row."""
@@ -63,6 +61,13 @@ class GenerationStats:
         return (f"tokens {sum(self.new_tokens)} | forwards {self.target_forwards} | tau {self.tau:.2f} | "
                 f"{self.tokens_per_s:.1f} tok/s | draft {self.time_draft:.3f}s verify {self.time_verify:.3f}s "
                 f"commit {self.time_commit:.3f}s other {self.time_other:.3f}s (prefill {self.time_prefill:.3f}s)")
+
+
+def pooled_tau(stats: list[GenerationStats]) -> float:
+    """``tau`` over the rows of several runs together."""
+    steps = sum(len(a) for s in stats for a in s.accepted)
+    from_steps = sum(n - 1 for s in stats for n in s.new_tokens if n > 0)  # the first token came from the prefill
+    return from_steps / steps if steps else float("nan")
 
 
 @dataclass

@@ -21,6 +21,7 @@ from .hybrid import HybridLM
 from .mamba2 import Mamba2LM
 
 FORMATS = ("mamba_ssm", "hf", "mil")
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 
 # mamba_ssm Mamba2 options this implementation does not compute; a checkpoint that sets them is refused.

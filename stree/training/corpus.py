@@ -129,6 +129,14 @@ class TokenCorpus:
                 covered += int(mask.sum())
                 yield ids, mask
 
+    def window_batches(self, length: int, max_tokens: int | None, batch: int, device):
+        """:meth:`windows` stacked ``batch`` at a time: (ids, mask) tensors ``[<= batch, length]``."""
+        windows = list(self.windows(length, max_tokens))
+        for i in range(0, len(windows), batch):
+            chunk = windows[i:i + batch]
+            yield (torch.from_numpy(np.stack([w[0] for w in chunk])).to(device),
+                   torch.from_numpy(np.stack([w[1] for w in chunk])).to(device))
+
     def bytes_per_token(self) -> float:
         return self.n_bytes / self.n_tokens
 

@@ -14,10 +14,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..models import Mamba2Config, Mamba2LM, load, save
+from ..models import DTYPES, Mamba2Config, Mamba2LM, load, save
 from .corpus import HELD_OUT, TokenCorpus, find_sources
 from .loop import LoopConfig, masked_mean, train
-from .train_lm import DTYPES, init_weights
+from .train_lm import init_weights
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
@@ -81,10 +81,7 @@ def distill_loss(student, teacher, ids: torch.Tensor, mask: torch.Tensor) -> tor
 def held_out_agreement(student, teacher, corpus: TokenCorpus, seq_len: int, max_tokens: int, device,
                        batch: int = 8) -> dict:
     kl_sum, agree, count = 0.0, 0, 0
-    windows = list(corpus.windows(seq_len, max_tokens))
-    for i in range(0, len(windows), batch):
-        ids = torch.from_numpy(np.stack([w[0] for w in windows[i:i + batch]])).to(device)
-        mask = torch.from_numpy(np.stack([w[1] for w in windows[i:i + batch]])).to(device)
+    for ids, mask in corpus.window_batches(seq_len, max_tokens, batch, device):
         kl, same = kl_terms(student(ids), teacher(ids))
         kl_sum += float(kl[mask].sum())
         agree += int(same[mask].sum())

@@ -16,12 +16,11 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoTokenizer
 
-from ..models import HybridConfig, HybridLM, Mamba2Config, Mamba2LM, save
+from ..models import DTYPES, HybridConfig, HybridLM, Mamba2Config, Mamba2LM, save
 from .corpus import HELD_OUT, TokenCorpus, code_prompts, find_sources, train_tokenizer
 from .loop import STATE_FILE, LoopConfig, masked_mean, train
 
 ARCHS = ("mamba2", "hybrid")
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 @dataclass(frozen=True)
@@ -75,10 +74,8 @@ def token_bytes(tokenizer, vocab_size: int) -> np.ndarray:
 def held_out_nats(model, corpus: TokenCorpus, seq_len: int, max_tokens: int, device, batch: int = 8):
     """Per predicted token: the model's nats and the target ids, over consecutive held-out windows."""
     nats, targets = [], []
-    windows = list(corpus.windows(seq_len + 1, max_tokens))
-    for i in range(0, len(windows), batch):
-        ids = torch.from_numpy(np.stack([w[0] for w in windows[i:i + batch]])).to(device)
-        mask = torch.from_numpy(np.stack([w[1] for w in windows[i:i + batch]]))[:, 1:].to(device)
+    for ids, mask in corpus.window_batches(seq_len + 1, max_tokens, batch, device):
+        mask = mask[:, 1:]
         logits = model(ids[:, :-1]).float()
         loss = F.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten(), reduction="none").view_as(mask)
         nats.append(loss[mask].cpu())

@@ -11,7 +11,7 @@ import torch
 
 from stree.cli import main as cli_main
 from stree.models import Mamba2LM, HybridLM, load, load_tokenizer
-from stree.training import LoopConfig, ModelSize, TokenCorpus, find_sources, train_lm
+from stree.training import HELD_OUT, LoopConfig, ModelSize, TokenCorpus, find_sources, train_lm
 from stree.training.loop import train
 from stree.training.train_lm import bits_per_byte, token_bytes
 
@@ -154,3 +154,10 @@ def test_cli_train_lm_and_resume_errors(corpus, tmp_path, capsys):
     assert cli_main(args + ["--resume", "--d-model", "64"]) == 2  # other settings than the saved state
     assert "different settings" in capsys.readouterr().err
     assert cli_main(["train-lm", "--out", str(tmp_path / "none"), "--corpus", str(corpus), "--resume"]) == 2
+
+
+def test_default_corpus_is_the_stdlib_with_every_held_out_module():
+    split = find_sources()
+    held = {p.relative_to(split.root).as_posix() for p in split.held_out}
+    assert held == set(HELD_OUT) and not held & {p.relative_to(split.root).as_posix() for p in split.train}
+    assert len(split.train) > 100 and not any({"test", "site-packages"} & set(p.parts) for p in split.train)
