@@ -1,6 +1,8 @@
 """Target-model cost of verifying a token tree: ``forward_tree`` (packed STree) and the unrolled
 baseline against one autoregressive ``step``, on random-weight models at real configurations
-(Mamba2-2.7B; MambaInLlama-8B per FORMATS.md). Writes JSON and a PNG to benchmarks/results/.
+(Mamba2-2.7B; MambaInLlama-8B per FORMATS.md). On CUDA both are also timed replayed from CUDA
+graphs (``GraphedStep``, ``GraphedTreePass``), where the ratio is to the graphed step. Writes JSON
+and a PNG to benchmarks/results/.
 
     python benchmarks/model_forward.py            # full size, bf16 (meant for a GPU)
     python benchmarks/model_forward.py --smoke    # tiny configs, any machine
@@ -20,7 +22,7 @@ if not torch.cuda.is_available():
 
 from tqdm import tqdm  # noqa: E402
 
-from stree.models import HybridConfig, HybridLM, Mamba2Config, Mamba2LM  # noqa: E402
+from stree.models import GraphedStep, GraphedTreePass, HybridConfig, HybridLM, Mamba2Config, Mamba2LM  # noqa: E402
 from stree.timing import median_ms, peak_bytes, run_info, save_result  # noqa: E402
 from stree.tree import TokenTree, TreeShape  # noqa: E402
 
@@ -65,13 +67,19 @@ def main(argv=None):
         torch.manual_seed(0)
         model = cls(cfg, device=device, dtype=dtype).eval()
         vocab = model.vocab_size
-        cache = model.allocate_cache(args.batch, prompt + 64 + (warmup + reps) * 2)
+        graphs = device.type == "cuda"
+        cache = model.allocate_cache(args.batch, prompt + 64 + (warmup + reps + 4) * (4 if graphs else 2))
         model.prefill(torch.randint(0, vocab, (args.batch, prompt), generator=gen).to(device), cache)
         tok = torch.randint(0, vocab, (args.batch,), generator=gen).to(device)
         step_ms = median_ms(lambda: model.step(tok, cache), device, warmup=warmup, reps=reps)
         step_peak = peak_bytes(lambda: model.step(tok, cache), device)
         rows.append(dict(model=name, tree="step", nodes=1, backend="step", time_ms_median=step_ms, ratio_to_step=1.0,
                          peak_mem_bytes=step_peak))
+        if graphs:  # validate=False: the length check is a host sync, and the cache has room by construction
+            graphed_step = GraphedStep(model, cache)
+            graph_step_ms = median_ms(lambda: graphed_step(tok, validate=False), device, warmup=warmup, reps=reps)
+            rows.append(dict(model=name, tree="step", nodes=1, backend="step-graph", time_ms_median=graph_step_ms,
+                             ratio_to_step=1.0, peak_mem_bytes=None))
         for tree_name, shape in tqdm(TREES, desc=name, file=sys.stderr):
             tree = TokenTree.from_shape(shape, torch.randint(0, vocab, (args.batch, shape.n), generator=gen).to(device))
             for backend in ("tree", "unrolled"):
@@ -79,11 +87,23 @@ def main(argv=None):
                 ms = median_ms(run, device, warmup=warmup, reps=reps)
                 rows.append(dict(model=name, tree=tree_name, nodes=shape.n, backend=backend, time_ms_median=ms,
                                  ratio_to_step=ms / step_ms, peak_mem_bytes=peak_bytes(run, device)))
+            if graphs:
+                graphed_tree = GraphedTreePass(model, cache, shape)
+                ms = median_ms(lambda: graphed_tree(tree.tokens, validate=False), device, warmup=warmup, reps=reps)
+                rows.append(dict(model=name, tree=tree_name, nodes=shape.n, backend="tree-graph", time_ms_median=ms,
+                                 ratio_to_step=ms / graph_step_ms, peak_mem_bytes=None))
+                del graphed_tree
+        del cache, model
+        if graphs:
+            del graphed_step
+            torch.cuda.empty_cache()
 
     result = dict(
         benchmark="model_forward", **run_info(device, argv),
         dtype=str(dtype).replace("torch.", ""), batch=args.batch, prompt=prompt, reps=reps,
-        kernels="triton" if device.type == "cuda" else "torch reference", results=rows,
+        kernels="triton" if device.type == "cuda" else "torch reference",
+        note="ratio_to_step: eager rows over the eager step, *-graph rows over the graphed step",
+        results=rows,
     )
     save_result(result, args.out, f"model_forward_{'smoke' if args.smoke else device.type}", plot)
     for r in rows:
@@ -97,9 +117,11 @@ def plot(result):
     names = list(dict.fromkeys(r["model"] for r in result["results"]))
     fig, axes = plt.subplots(1, len(names), figsize=(5.5 * len(names), 4), squeeze=False)
     for ax, name in zip(axes[0], names):
-        for backend in ("tree", "unrolled"):
+        for backend in ("tree", "unrolled", "tree-graph"):
             rs = sorted((r for r in result["results"] if r["model"] == name and r["backend"] == backend),
                         key=lambda r: r["nodes"])
+            if not rs:
+                continue
             ax.plot([r["nodes"] for r in rs], [r["ratio_to_step"] for r in rs], "o-", label=f"forward_tree ({backend})")
         ax.axhline(1.0, color="gray", lw=0.8, ls="--", label="one step")
         ax.set(xscale="log", xlabel="tree nodes", ylabel="time / step time", title=f"{name}, {result['device']}")

@@ -118,6 +118,13 @@ class TreeIndex:
             raise ValueError(f"{name} has {self.rows} rows but the inputs have batch {batch}; use one shared row or one per batch row")
         return self
 
+    @classmethod
+    def root_only(cls, device) -> "TreeIndex":
+        """The one-node tree, built without validation or host-to-device copies (so it can be made
+        inside a CUDA-graph capture): what an autoregressive step attends with."""
+        zero = torch.zeros(1, 1, dtype=torch.int32, device=device)
+        return cls(zero - 1, zero, zero, zero)
+
     def row_stride(self) -> int:
         """Stride between batch rows for kernels: 0 when one tree is shared by the whole batch."""
         return 0 if self.rows == 1 else self.parents.stride(0)

@@ -97,7 +97,7 @@ def _tree_attention_kernel(
              out.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
 
 
-def _check_args(q, k_cache, v_cache, cache_seqlens, k_tree, v_tree, parents, softmax_scale):
+def _check_args(q, k_cache, v_cache, cache_seqlens, k_tree, v_tree, parents, softmax_scale, validate):
     batch, n, hq, head_dim = check_layout("q", q, "batch, n, q_heads, head_dim")
     device = q.device
     if n == 0:
@@ -111,16 +111,17 @@ def _check_args(q, k_cache, v_cache, cache_seqlens, k_tree, v_tree, parents, sof
     check_tensor("v_tree", v_tree, (batch, n, hkv, head_dim), device, dtype=q.dtype)
     check_tensor("cache_seqlens", cache_seqlens, (batch,), device, kind="int")
     bad = (cache_seqlens < 0) | (cache_seqlens > t_max)
-    if bool(bad.any()):
+    if validate and bool(bad.any()):
         row = int(torch.nonzero(bad)[0])
         raise ValueError(f"cache_seqlens[{row}] = {int(cache_seqlens[row])} must be in [0, t_max = {t_max}]")
     scale = 1.0 / math.sqrt(head_dim) if softmax_scale is None else float(softmax_scale)
     return check_tree(parents, batch, n, device), scale
 
 
-def tree_attention_ref(q, k_cache, v_cache, cache_seqlens, k_tree, v_tree, parents, *, softmax_scale=None):
+def tree_attention_ref(q, k_cache, v_cache, cache_seqlens, k_tree, v_tree, parents, *, softmax_scale=None,
+                       validate=True):
     """SDPA over ``[prefix; tree]`` keys with an explicit mask (prefix length per row, tree mask)."""
-    index, scale = _check_args(q, k_cache, v_cache, cache_seqlens, k_tree, v_tree, parents, softmax_scale)
+    index, scale = _check_args(q, k_cache, v_cache, cache_seqlens, k_tree, v_tree, parents, softmax_scale, validate)
     batch, n, hq, _ = q.shape
     t_max, hkv = k_cache.shape[1:3]
     keys = torch.cat([k_cache, k_tree], dim=1).float().repeat_interleave(hq // hkv, dim=2)
@@ -133,18 +134,20 @@ def tree_attention_ref(q, k_cache, v_cache, cache_seqlens, k_tree, v_tree, paren
 
 
 def tree_attention(q, k_cache, v_cache, cache_seqlens, k_tree, v_tree, parents, *, softmax_scale=None,
-                   backend="auto"):
+                   validate=True, backend="auto"):
     """Tree-masked attention over a KV prefix and the tree's own K/V.
 
     q ``[b, n, hq, d]``; k_cache, v_cache ``[b, t_max, hkv, d]`` of which the first
     ``cache_seqlens[b]`` positions are visible; k_tree, v_tree ``[b, n, hkv, d]``; parents ``[n]``,
-    ``[b, n]`` or a TreeIndex. Returns ``[b, n, hq, d]`` in q's dtype.
+    ``[b, n]`` or a TreeIndex. Returns ``[b, n, hq, d]`` in q's dtype. ``validate=False`` skips
+    the range check of ``cache_seqlens`` (a device-to-host sync): for callers that checked the
+    lengths already, and for CUDA-graph capture.
     """
     check_layout("q", q, "batch, n, q_heads, head_dim")
     if resolve_backend(backend, q.device) == "torch":
         return tree_attention_ref(q, k_cache, v_cache, cache_seqlens, k_tree, v_tree, parents,
-                                  softmax_scale=softmax_scale)
-    index, scale = _check_args(q, k_cache, v_cache, cache_seqlens, k_tree, v_tree, parents, softmax_scale)
+                                  softmax_scale=softmax_scale, validate=validate)
+    index, scale = _check_args(q, k_cache, v_cache, cache_seqlens, k_tree, v_tree, parents, softmax_scale, validate)
     batch, n, hq, head_dim = q.shape
     hkv = k_cache.shape[2]
     out = torch.empty_like(q)

@@ -2,8 +2,9 @@
 
 from .cache import AttnScratch, ModelCache, SSMScratch
 from .config import HybridConfig, Mamba2Config
+from .graphs import GraphedStep, GraphedTreePass
 from .hybrid import HybridLM
 from .loading import DTYPES, detect_format, load, load_tokenizer, save
 from .mamba2 import Mamba2LM
 
-__all__ = ["DTYPES", "AttnScratch", "HybridConfig", "HybridLM", "ModelCache", "Mamba2Config", "Mamba2LM", "SSMScratch", "detect_format", "load", "load_tokenizer", "save"]
+__all__ = ["DTYPES", "AttnScratch", "GraphedStep", "GraphedTreePass", "HybridConfig", "HybridLM", "ModelCache", "Mamba2Config", "Mamba2LM", "SSMScratch", "detect_format", "load", "load_tokenizer", "save"]

@@ -56,13 +56,29 @@ class LlamaAttention(nn.Module):
         cos, sin = emb.cos().to(t.dtype), emb.sin().to(t.dtype)
         return t * cos + _rotate_half(t) * sin
 
-    def forward_tree(self, h, positions, index: TreeIndex, k_cache, v_cache, seqlens, kernel_backend: str):
-        """Outputs for every tree node; node i sees the committed prefix and its ancestors-or-self."""
+    def _qkv(self, h, positions):
         q = self._rope(self.q_proj(h).unflatten(-1, (self.num_heads, self.head_dim)), positions)
         k = self._rope(self.k_proj(h).unflatten(-1, (self.num_kv_heads, self.head_dim)), positions)
-        v = self.v_proj(h).unflatten(-1, (self.num_kv_heads, self.head_dim))
-        out = tree_attention(q, k_cache, v_cache, seqlens, k, v, index, backend=kernel_backend)
+        return q, k, self.v_proj(h).unflatten(-1, (self.num_kv_heads, self.head_dim))
+
+    def forward_tree(self, h, positions, index: TreeIndex, k_cache, v_cache, seqlens, kernel_backend: str):
+        """Outputs for every tree node; node i sees the committed prefix and its ancestors-or-self.
+        The model checked ``seqlens`` against the cache once for all layers."""
+        q, k, v = self._qkv(h, positions)
+        out = tree_attention(q, k_cache, v_cache, seqlens, k, v, index, validate=False, backend=kernel_backend)
         return self.o_proj(out.flatten(-2)), AttnScratch(k, v)
+
+    def step(self, h, k_cache, v_cache, seqlens, kernel_backend: str):
+        """One token per row ``h [b, d]`` at position ``seqlens``: attends to the prefix and itself,
+        then writes its K/V into slot ``seqlens`` of each row (``seqlens`` is advanced by the model)."""
+        positions = seqlens[:, None]
+        q, k, v = self._qkv(h[:, None], positions)
+        out = tree_attention(q, k_cache, v_cache, seqlens, k, v, TreeIndex.root_only(h.device), validate=False,
+                             backend=kernel_backend)
+        rows = torch.arange(h.shape[0], device=h.device)
+        k_cache[rows, seqlens] = k[:, 0]
+        v_cache[rows, seqlens] = v[:, 0]
+        return self.o_proj(out[:, 0].flatten(-2))
 
     @staticmethod
     def commit(scratch: AttnScratch, k_cache, v_cache, seqlens, accepted, num_accepted):

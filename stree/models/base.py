@@ -1,5 +1,5 @@
-"""What every target model shares: input checks, chunked prefill through the tree path, and a
-step that is a one-node tree followed by its commit."""
+"""What every target model shares: input checks, chunked prefill through the tree path, the
+training forward, and the checks around the single-token step."""
 
 from __future__ import annotations
 
@@ -15,7 +15,8 @@ TREE_BACKENDS = ("tree", "chain", "unrolled")
 
 class TreeLM(nn.Module):
     """Subclasses implement ``allocate_cache``, ``tree_pass`` (the layers over a validated tree,
-    storing each layer's scratch in the cache) and ``commit``."""
+    storing each layer's scratch in the cache), ``step_pass`` (one token per row, states advanced
+    in place, ``seqlens`` left to the caller) and ``commit``."""
 
     kernel_backend = "auto"  # "triton" forces the Triton kernels (tests: under the interpreter)
 
@@ -31,19 +32,25 @@ class TreeLM(nn.Module):
     def device(self) -> torch.device:
         return self.lm_head.weight.device
 
-    def check_tokens(self, name, tokens):
+    def check_tokens(self, name, tokens, values: bool = True):
+        """dtype and device; with ``values`` also the vocabulary range (a device-to-host sync)."""
         if not isinstance(tokens, torch.Tensor) or tokens.dtype.is_floating_point or tokens.dtype == torch.bool:
             raise TypeError(f"{name} must be an integer tensor, got {getattr(tokens, 'dtype', type(tokens))}")
         if tokens.device != self.device:
             raise ValueError(f"{name} is on {tokens.device} but the model is on {self.device}")
+        if not values:
+            return
         bad = (tokens < 0) | (tokens >= self.vocab_size)
         if bool(bad.any()):
             pos = tuple(int(v) for v in torch.nonzero(bad)[0])
             raise ValueError(f"{name}{list(pos)} = {int(tokens[pos])} is outside the vocabulary [0, {self.vocab_size})")
 
-    def check_cache(self, cache: ModelCache, batch: int, new_tokens: int):
+    def check_cache(self, cache: ModelCache, batch: int, new_tokens: int, lengths: bool = True):
+        """Batch size; with ``lengths`` also the room left (a device-to-host sync)."""
         if cache.batch_size != batch:
             raise ValueError(f"the cache holds {cache.batch_size} rows but the input has batch {batch}")
+        if not lengths:
+            return
         longest = int(cache.seqlens.max()) + new_tokens
         if longest > cache.max_length:
             raise ValueError(f"sequence would reach {longest} tokens, past the cache's max_length {cache.max_length}")
@@ -88,14 +95,20 @@ class TreeLM(nn.Module):
         return self.tree_pass(tree, tree.index, self.allocate_cache(batch, T), "tree", "torch")
 
     @torch.no_grad()
-    def step(self, tokens: torch.Tensor, cache: ModelCache) -> torch.Tensor:
-        """Feed one token per row (``[b]``); returns next-token logits ``[b, V]``."""
-        self.check_tokens("tokens", tokens)
-        tree = TokenTree.from_shape(TreeShape.chain(0), tokens[:, None])
-        logits = self.forward_tree(tree, cache)
-        ones = torch.ones(len(tokens), dtype=torch.long, device=tokens.device)
-        self.commit(cache, tree, torch.zeros_like(ones)[:, None], ones)
-        return logits[:, 0]
+    def step(self, tokens: torch.Tensor, cache: ModelCache, validate: bool = True) -> torch.Tensor:
+        """Feed one token per row (``[b]``); returns next-token logits ``[b, V]``. The fast path:
+        no tree, no scratch, each layer's state advanced in place by one token.
+
+        ``validate=False`` skips the vocabulary-range and cache-room checks, the only
+        device-to-host syncs of a step, so that it can be captured in a CUDA graph; the caller
+        then answers for both (see :class:`stree.models.graphs.GraphedStep`)."""
+        self.check_tokens("tokens", tokens, values=validate)
+        if tokens.dim() != 1:
+            raise ValueError(f"tokens must have shape [batch], got {tuple(tokens.shape)}")
+        self.check_cache(cache, tokens.shape[0], 1, lengths=validate)
+        logits = self.step_pass(tokens, cache)
+        cache.seqlens += 1
+        return logits
 
     @torch.no_grad()
     def prefill(self, input_ids: torch.Tensor, cache: ModelCache, lengths: torch.Tensor | None = None,

@@ -76,11 +76,18 @@ class HybridLM(TreeLM):
             scratch=[None] * cfg.n_layer,
         )
 
+    def _run(self, tokens, mix):
+        """Embedding, pre-norm blocks and head; ``mix(i, layer, x)`` is layer i's token mixer."""
+        hidden = self.model.embed_tokens(tokens)
+        for i, layer in enumerate(self.model.layers):
+            hidden = hidden + mix(i, layer, layer.input_layernorm(hidden, hidden.dtype))
+            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden, hidden.dtype))
+        return self.lm_head(self.model.norm(hidden, hidden.dtype))
+
     def tree_pass(self, tree: TokenTree, index, cache: ModelCache, backend: str, kernel_backend: str) -> torch.Tensor:
         positions = cache.seqlens[:, None] + tree.depth
-        hidden = self.model.embed_tokens(tree.tokens)
-        for i, layer in enumerate(self.model.layers):
-            x = layer.input_layernorm(hidden, hidden.dtype)
+
+        def mix(i, layer, x):
             s = self._slot[i]
             if i in self.cfg.attn_layers:
                 x, cache.scratch[i] = layer.self_attn.forward_tree(x, positions, index, cache.k[s], cache.v[s],
@@ -88,10 +95,22 @@ class HybridLM(TreeLM):
             else:
                 x, cache.scratch[i] = layer.mamba.forward_tree(x, index, cache.conv[s], cache.ssm[s], backend,
                                                                kernel_backend)
-            hidden = hidden + x
-            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden, hidden.dtype))
+            return x
+
+        logits = self._run(tree.tokens, mix)
         cache.tree_n = tree.n
-        return self.lm_head(self.model.norm(hidden, hidden.dtype))
+        return logits
+
+    def step_pass(self, tokens: torch.Tensor, cache: ModelCache) -> torch.Tensor:
+        """Attention layers: decode attention, K/V appended; Mamba2 layers: conv shift and one
+        recurrence step."""
+        def mix(i, layer, x):
+            s = self._slot[i]
+            if i in self.cfg.attn_layers:
+                return layer.self_attn.step(x, cache.k[s], cache.v[s], cache.seqlens, self.kernel_backend)
+            return layer.mamba.step(x, cache.conv[s], cache.ssm[s], self.kernel_backend)
+
+        return self._run(tokens, mix)
 
     @torch.no_grad()
     def commit(self, cache: ModelCache, tree: TokenTree, accepted: torch.Tensor, num_accepted: torch.Tensor):

@@ -225,11 +225,6 @@ class Mamba2LM(TreeLM):
                                self.kernel_backend)
         self.finish_commit(cache, num_accepted)
 
-    @torch.no_grad()
-    def step(self, tokens: torch.Tensor, cache: ModelCache) -> torch.Tensor:
-        """The single-token path: conv shift and one fused recurrence step per layer."""
-        self.check_tokens("tokens", tokens)
-        self.check_cache(cache, tokens.shape[0], 1)
-        logits = self._run(tokens, lambda i, mixer, h: mixer.step(h, cache.conv[i], cache.ssm[i], self.kernel_backend))
-        cache.seqlens += 1
-        return logits
+    def step_pass(self, tokens: torch.Tensor, cache: ModelCache) -> torch.Tensor:
+        """Conv shift and one fused recurrence step per layer."""
+        return self._run(tokens, lambda i, mixer, h: mixer.step(h, cache.conv[i], cache.ssm[i], self.kernel_backend))

@@ -1,0 +1,97 @@
+"""CUDA graphs for the two calls a decode loop repeats: the autoregressive step and the verify
+pass of one fixed tree shape. At batch 1 both are launch-bound (every layer launches a dozen
+small kernels), and a graph replays all of them as one launch.
+
+A graph is captured against one cache and keeps pointing at its tensors, which the step and
+commit update in place. A captured call cannot read values back on the host, so the checks that
+need to (token range, room left in the cache) run eagerly in ``__call__`` unless the caller turns
+them off with ``validate=False``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..tree import TokenTree, TreeShape
+from .base import TreeLM
+from .cache import ModelCache
+
+__all__ = ["GraphedStep", "GraphedTreePass"]
+
+
+def _recurrent_state(cache: ModelCache) -> list[torch.Tensor]:
+    """What a call may advance; K/V slots past ``seqlens`` are scratch, so they need no restore."""
+    return [t for t in (cache.conv, cache.ssm) if t is not None] + [cache.seqlens]
+
+
+def _capture(model: TreeLM, cache: ModelCache, fn, warmup: int):
+    """Run ``fn`` ``warmup`` times on a side stream (Triton compiles, the allocator settles),
+    restoring the cache after each, then capture one call. Returns ``(graph, output)``."""
+    if model.device.type != "cuda":
+        raise ValueError(f"CUDA graphs need a model on a CUDA device, got {model.device}")
+    if warmup < 1:
+        raise ValueError(f"warmup must be >= 1 (the capture must not see a first launch), got {warmup}")
+    saved = [t.clone() for t in _recurrent_state(cache)]
+    stream = torch.cuda.Stream(model.device)
+    stream.wait_stream(torch.cuda.current_stream(model.device))
+    with torch.cuda.stream(stream):
+        for _ in range(warmup):
+            fn()
+            for t, s in zip(_recurrent_state(cache), saved):
+                t.copy_(s)
+    torch.cuda.current_stream(model.device).wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph, out
+
+
+class GraphedStep:
+    """``model.step(tokens, cache)`` replayed from a CUDA graph. The returned logits tensor is the
+    graph's own output: the next call overwrites it."""
+
+    def __init__(self, model: TreeLM, cache: ModelCache, warmup: int = 2):
+        model.check_cache(cache, cache.batch_size, 1)
+        self.model, self.cache = model, cache
+        self.tokens = torch.zeros(cache.batch_size, dtype=torch.long, device=model.device)
+        self.graph, self.logits = _capture(model, cache, lambda: model.step(self.tokens, cache, validate=False),
+                                           warmup)
+
+    def __call__(self, tokens: torch.Tensor, validate: bool = True) -> torch.Tensor:
+        self.model.check_tokens("tokens", tokens, values=validate)
+        if tokens.shape != self.tokens.shape:
+            raise ValueError(f"tokens must have shape {tuple(self.tokens.shape)} (captured), got {tuple(tokens.shape)}")
+        self.model.check_cache(self.cache, self.cache.batch_size, 1, lengths=validate)
+        self.tokens.copy_(tokens)
+        self.graph.replay()
+        return self.logits
+
+
+class GraphedTreePass:
+    """``model.forward_tree(tree, cache)`` for trees of one ``shape``, replayed from a CUDA graph.
+    It leaves the per-node scratch in the cache like the eager pass, so ``model.commit(cache,
+    graphed.tree, accepted, num_accepted)`` follows it as usual."""
+
+    def __init__(self, model: TreeLM, cache: ModelCache, shape: TreeShape, warmup: int = 2):
+        self.model, self.cache = model, cache
+        self.new_tokens = shape.max_depth + 1  # the most a commit can add
+        self.tree = TokenTree.from_shape(shape, torch.zeros(cache.batch_size, shape.n, dtype=torch.long,
+                                                            device=model.device))
+        index = model.check_tree(self.tree, cache, "tree")
+        kernels = model.kernel_backend
+        self.graph, self.logits = _capture(model, cache, lambda: model.tree_pass(self.tree, index, cache, "tree", kernels),
+                                           warmup)
+        self.scratch = list(cache.scratch)
+        # The capture did not run: leave no scratch behind that a commit could take for real.
+        cache.scratch, cache.tree_n = [None] * len(cache.scratch), None
+
+    def __call__(self, tokens: torch.Tensor, validate: bool = True) -> torch.Tensor:
+        """Logits ``[b, n, V]`` for the tree of this shape carrying ``tokens [b, n]``."""
+        self.model.check_tokens("tokens", tokens, values=validate)
+        if tokens.shape != self.tree.tokens.shape:
+            raise ValueError(f"tokens must have shape {tuple(self.tree.tokens.shape)} (captured), got {tuple(tokens.shape)}")
+        self.model.check_cache(self.cache, self.cache.batch_size, self.new_tokens, lengths=validate)
+        self.tree.tokens.copy_(tokens)
+        self.graph.replay()
+        self.cache.scratch, self.cache.tree_n = list(self.scratch), self.tree.n
+        return self.logits

@@ -1,0 +1,79 @@
+"""The single-token step: its own fast path (no tree, no scratch) must compute exactly what a
+one-node tree and its commit compute, and without validation it must never wait on the host
+(what CUDA-graph capture needs)."""
+
+import pytest
+import torch
+from host_sync import HostSync, no_host_sync
+from tiny_models import FAMILIES, VOCAB
+
+from stree.tree import TokenTree, TreeShape
+
+
+def _prefilled(model, lengths, seed):
+    g = torch.Generator().manual_seed(seed)
+    cache = model.allocate_cache(len(lengths), 24)
+    ids = torch.randint(0, VOCAB, (len(lengths), max(lengths)), generator=g)
+    model.prefill(ids, cache, lengths=torch.tensor(lengths))
+    return cache, torch.randint(0, VOCAB, (len(lengths),), generator=g)
+
+
+def _committed(cache, row):
+    return [t[:, row] for t in (cache.conv, cache.ssm) if t is not None] + [
+        t[:, row, : int(cache.seqlens[row])] for t in (cache.k, cache.v) if t is not None]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("kernel_backend", ["auto", "triton"])
+def test_step_equals_a_one_node_tree_and_its_commit(family, kernel_backend):
+    model = FAMILIES[family]()
+    model.kernel_backend = kernel_backend
+    cache, tok = _prefilled(model, [6, 2, 9], seed=1)
+    other = cache.clone()
+    for _ in range(3):  # rows at different lengths, several steps
+        got = model.step(tok, cache)
+        tree = TokenTree.from_shape(TreeShape.chain(0), tok[:, None])
+        want = model.forward_tree(tree, other)[:, 0]
+        model.commit(other, tree, torch.zeros(3, 1, dtype=torch.long), torch.ones(3, dtype=torch.long))
+        assert (got - want).abs().max() <= 1e-5
+        assert torch.equal(cache.seqlens, other.seqlens)
+        for b in range(3):
+            for a, c in zip(_committed(cache, b), _committed(other, b)):
+                assert (a - c).abs().max() <= 1e-5
+        tok = got.argmax(-1)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("kernel_backend", ["auto", "triton"])
+def test_unvalidated_step_and_tree_pass_never_wait_on_the_host(family, kernel_backend):
+    model = FAMILIES[family]()
+    model.kernel_backend = kernel_backend
+    cache, tok = _prefilled(model, [5, 3], seed=2)
+    reference = cache.clone()
+    want = model.step(tok, reference)
+    with pytest.raises(HostSync):  # the guard sees the checks a validated step makes
+        with no_host_sync():
+            model.step(tok, cache.clone())
+    with no_host_sync():
+        got = model.step(tok, cache, validate=False)
+    assert torch.equal(got, want) and torch.equal(cache.seqlens, reference.seqlens)
+    tree = TokenTree.from_shape(TreeShape.paper13(), torch.randint(0, VOCAB, (2, 13)))
+    index = tree.index
+    want = model.forward_tree(tree, cache)
+    with no_host_sync():
+        got = model.tree_pass(tree, index, cache, "tree", kernel_backend)
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_unvalidated_step_still_checks_what_costs_no_sync(family):
+    model = FAMILIES[family]()
+    cache, tok = _prefilled(model, [4, 4], seed=3)
+    with pytest.raises(TypeError, match="tokens must be an integer tensor"):
+        model.step(tok.float(), cache, validate=False)
+    with pytest.raises(ValueError, match=r"tokens must have shape \[batch\]"):
+        model.step(tok[:, None], cache, validate=False)
+    with pytest.raises(ValueError, match="the cache holds 2 rows but the input has batch 1"):
+        model.step(tok[:1], cache, validate=False)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        model.step(torch.tensor([1, model.vocab_size]), cache)
