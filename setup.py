@@ -18,6 +18,7 @@ setup(
         "numpy",
         "tqdm",
         "tokenizers",
+        "sympy",
     ],
     extras_require={
         "test": ["pytest", "hypothesis", "scipy", "matplotlib"],

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
+from .answers import canonical_answer, extract_answer, extract_boxed
 from .drafters.base import Drafter
 from .drafters.consensus import PathStore
 from .drafters.registry import make_drafter
@@ -13,7 +14,8 @@ from .drafters.stand import STANDStore
 from .generate import GenerationStats, generate
 from .tree import TreeShape
 
-__all__ = ["Trajectories", "sample_trajectories", "majority_vote", "extract_boxed", "best_of_n"]
+__all__ = ["Trajectories", "sample_trajectories", "majority_vote", "extract_answer", "extract_boxed", "canonical_answer",
+           "best_of_n"]
 
 DRAFTERS = ("stand", "ngram", "consensus")
 
@@ -77,9 +79,11 @@ def sample_trajectories(model, prompt_ids, n: int, *, drafter="stand", batch_siz
     return Trajectories(tokens, texts, tau, stats, store)
 
 
-def majority_vote(answers, weights=None):
-    """The most common answer (None answers abstain), or with ``weights`` the answer with the
-    largest total weight; ties go to the answer seen first. None if every answer abstains."""
+def majority_vote(answers, weights=None, key=canonical_answer):
+    """The winning answer: answers are grouped by ``key`` (default :func:`canonical_answer`, so
+    ``\\frac12`` and ``0.5`` vote together; ``None`` for exact strings), a group scores its count,
+    or with ``weights`` its total weight. Ties go to the group seen first; the group is returned
+    as its first answer. None answers abstain; None if every answer abstains."""
     if weights is not None and len(weights) != len(answers):
         raise ValueError(f"need one weight per answer, got {len(weights)} weights for {len(answers)} answers")
     total: Counter = Counter()
@@ -87,33 +91,12 @@ def majority_vote(answers, weights=None):
     for i, a in enumerate(answers):
         if a is None:
             continue
-        total[a] += 1 if weights is None else weights[i]
-        first.setdefault(a, i)
+        group = a if key is None else key(a)
+        total[group] += 1 if weights is None else weights[i]
+        first.setdefault(group, (i, a))
     if not total:
         return None
-    return max(total, key=lambda a: (total[a], -first[a]))
-
-
-def extract_boxed(text: str) -> str | None:
-    """The contents of the last ``\\boxed{...}`` (nested braces kept, e.g. ``\\frac{a}{b}``), or of
-    ``\\boxed x`` up to the next ``$``; None when there is no box or its braces never close."""
-    at = text.rfind("\\boxed")
-    if at < 0:
-        return None
-    rest = text[at + len("\\boxed"):]
-    body = rest.lstrip()
-    if not body.startswith("{"):
-        if rest == body:  # "\boxedfoo" is another command
-            return None
-        answer = body.split("$", 1)[0].strip()
-        return answer or None
-    depth = 0
-    for j, ch in enumerate(body):
-        depth += ch == "{"
-        depth -= ch == "}"
-        if depth == 0:
-            return body[1:j].strip()
-    return None
+    return first[max(total, key=lambda g: (total[g], -first[g][0]))][1]
 
 
 def best_of_n(candidates, scorer):
