@@ -73,8 +73,7 @@ class TreeLM(nn.Module):
 
     def finish_commit(self, cache: ModelCache, num_accepted: torch.Tensor):
         cache.seqlens += num_accepted.to(cache.seqlens.device)
-        cache.scratch = [None] * len(cache.scratch)
-        cache.tree_n = None
+        cache.drop_scratch()
 
     @torch.no_grad()
     def forward_tree(self, tree: TokenTree, cache: ModelCache, backend: str = "tree") -> torch.Tensor:
@@ -108,6 +107,7 @@ class TreeLM(nn.Module):
         self.check_cache(cache, tokens.shape[0], 1, lengths=validate)
         logits = self.step_pass(tokens, cache)
         cache.seqlens += 1
+        cache.drop_scratch()
         return logits
 
     @torch.no_grad()

@@ -40,6 +40,11 @@ class ModelCache:
     scratch: list = field(default_factory=list)
     tree_n: int | None = None  # nodes of the tree the scratch belongs to
 
+    def drop_scratch(self) -> None:
+        """Forget the last tree pass: once the state moves on, a commit of it would be wrong."""
+        self.scratch = [None] * len(self.scratch)
+        self.tree_n = None
+
     @property
     def batch_size(self) -> int:
         return self.seqlens.shape[0]

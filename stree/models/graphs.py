@@ -64,6 +64,7 @@ class GraphedStep:
         self.model.check_cache(self.cache, self.cache.batch_size, 1, lengths=validate)
         self.tokens.copy_(tokens)
         self.graph.replay()
+        self.cache.drop_scratch()  # host-side bookkeeping the captured step cannot replay
         return self.logits
 
 
@@ -82,8 +83,7 @@ class GraphedTreePass:
         self.graph, self.logits = _capture(model, cache, lambda: model.tree_pass(self.tree, index, cache, "tree", kernels),
                                            warmup)
         self.scratch = list(cache.scratch)
-        # The capture did not run: leave no scratch behind that a commit could take for real.
-        cache.scratch, cache.tree_n = [None] * len(cache.scratch), None
+        cache.drop_scratch()  # the capture ran nothing: no commit may take its scratch for real
 
     def __call__(self, tokens: torch.Tensor, validate: bool = True) -> torch.Tensor:
         """Logits ``[b, n, V]`` for the tree of this shape carrying ``tokens [b, n]``."""

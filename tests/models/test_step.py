@@ -77,3 +77,15 @@ def test_unvalidated_step_still_checks_what_costs_no_sync(family):
         model.step(tok[:1], cache, validate=False)
     with pytest.raises(ValueError, match="outside the vocabulary"):
         model.step(torch.tensor([1, model.vocab_size]), cache)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_step_after_a_tree_pass_makes_its_commit_an_error(family):
+    """The step moved the state on, so the tree pass's scratch no longer belongs to it."""
+    model = FAMILIES[family]()
+    cache, tok = _prefilled(model, [4, 4], seed=5)
+    tree = TokenTree.from_shape(TreeShape.chain(2), torch.randint(0, VOCAB, (2, 3)))
+    model.forward_tree(tree, cache)
+    model.step(tok, cache)
+    with pytest.raises(ValueError, match="commit needs the forward_tree pass of this same tree"):
+        model.commit(cache, tree, torch.zeros(2, 1, dtype=torch.long), torch.ones(2, dtype=torch.long))
