@@ -21,12 +21,12 @@ def mamba2(vocab_size=VOCAB, seed=0, **kw):
     return perturb_norms(Mamba2LM(Mamba2Config(**{**cfg, **kw})).eval())
 
 
-def hybrid(vocab_size=VOCAB, seed=0):
+def hybrid(vocab_size=VOCAB, seed=0, **kw):
     torch.manual_seed(seed)
-    cfg = HybridConfig(d_model=32, n_layer=3, vocab_size=vocab_size, attn_layers=[1], intermediate_size=48,
-                       num_attention_heads=4, num_key_value_heads=2, head_dim=8, d_inner=32, d_xb=16, d_state=8,
-                       ngroups=4, rope_theta=10000.0)
-    return perturb_norms(HybridLM(cfg).eval())
+    cfg = dict(d_model=32, n_layer=3, vocab_size=vocab_size, attn_layers=[1], intermediate_size=48,
+               num_attention_heads=4, num_key_value_heads=2, head_dim=8, d_inner=32, d_xb=16, d_state=8,
+               ngroups=4, rope_theta=10000.0)
+    return perturb_norms(HybridLM(HybridConfig(**{**cfg, **kw})).eval())
 
 
 FAMILIES = {"mamba2": mamba2, "hybrid": hybrid}
