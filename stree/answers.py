@@ -9,6 +9,7 @@ A trace that opens ``<think>`` and never closes it was cut off before answering 
 from __future__ import annotations
 
 import re
+import string
 from functools import lru_cache
 
 __all__ = ["extract_boxed", "extract_answer", "normalize_answer", "canonical_answer"]
@@ -157,8 +158,6 @@ def canonical_answer(answer: str | None) -> str | None:
     text = _to_sympy_text(s) if len(s) <= 80 else None
     if text is None:
         return s
-    import string
-
     import sympy
     from sympy.parsing.sympy_parser import implicit_multiplication_application, parse_expr, standard_transformations
 

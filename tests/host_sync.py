@@ -16,58 +16,55 @@ class HostSync(RuntimeError):
     pass
 
 
-_state = {"armed": False}
+@contextlib.contextmanager
+def flag_kernel_launches():
+    """Yields a dict whose ``"active"`` is True while the Triton interpreter runs a kernel launch,
+    so that checks on the library's own torch operations can leave the interpreter's out."""
+    flag = {"active": False}
+    launch = interpreter.GridExecutor.__call__
 
-
-def _banned(name):
-    def fail(*args, **kwargs):
-        raise HostSync(f"{name} reads a device value on the host")
-    return fail
-
-
-def _guard(name, original):
     def call(*args, **kwargs):
-        if _state["armed"]:
-            _banned(name)()
-        return original(*args, **kwargs)
-    return call
-
-
-def _guard_bool_index(name, original):
-    """Indexing with a bool mask has a data-dependent shape (a nonzero under the hood)."""
-    def call(self, index, *rest):
-        parts = index if isinstance(index, tuple) else (index,)
-        if _state["armed"] and any(isinstance(p, torch.Tensor) and p.dtype == torch.bool for p in parts):
-            _banned(f"{name} with a bool mask")()
-        return original(self, index, *rest)
-    return call
-
-
-def _unarmed(original):
-    def call(*args, **kwargs):
-        armed, _state["armed"] = _state["armed"], False
+        outer, flag["active"] = flag["active"], True
         try:
-            return original(*args, **kwargs)
+            return launch(*args, **kwargs)
         finally:
-            _state["armed"] = armed
-    return call
+            flag["active"] = outer
+
+    with mock.patch.object(interpreter.GridExecutor, "__call__", call):
+        yield flag
+
+
+def _fail(name):
+    raise HostSync(f"{name} reads a device value on the host")
 
 
 @contextlib.contextmanager
 def no_host_sync():
     T = torch.Tensor
-    methods = ["item", "tolist", "__bool__", "__int__", "__float__", "numpy", "cpu", "nonzero", "masked_select"]
     with contextlib.ExitStack() as stack:
-        for name in methods:
-            stack.enter_context(mock.patch.object(T, name, _guard(f"Tensor.{name}", getattr(T, name))))
+        launch = stack.enter_context(flag_kernel_launches())
+        armed = lambda: not launch["active"]
+
+        def guard(name, original):
+            def call(*args, **kwargs):
+                if armed():
+                    _fail(name)
+                return original(*args, **kwargs)
+            return call
+
+        def guard_bool_index(name, original):
+            """Indexing with a bool mask has a data-dependent shape (a nonzero under the hood)."""
+            def call(self, index, *rest):
+                parts = index if isinstance(index, tuple) else (index,)
+                if armed() and any(isinstance(p, torch.Tensor) and p.dtype == torch.bool for p in parts):
+                    _fail(f"{name} with a bool mask")
+                return original(self, index, *rest)
+            return call
+
+        for name in ("item", "tolist", "__bool__", "__int__", "__float__", "numpy", "cpu", "nonzero", "masked_select"):
+            stack.enter_context(mock.patch.object(T, name, guard(f"Tensor.{name}", getattr(T, name))))
         for name in ("nonzero", "masked_select", "unique"):
-            stack.enter_context(mock.patch.object(torch, name, _guard(f"torch.{name}", getattr(torch, name))))
+            stack.enter_context(mock.patch.object(torch, name, guard(f"torch.{name}", getattr(torch, name))))
         for name in ("__getitem__", "__setitem__"):
-            stack.enter_context(mock.patch.object(T, name, _guard_bool_index(f"Tensor.{name}", getattr(T, name))))
-        stack.enter_context(mock.patch.object(interpreter.GridExecutor, "__call__",
-                                              _unarmed(interpreter.GridExecutor.__call__)))
-        _state["armed"] = True
-        try:
-            yield
-        finally:
-            _state["armed"] = False
+            stack.enter_context(mock.patch.object(T, name, guard_bool_index(f"Tensor.{name}", getattr(T, name))))
+        yield

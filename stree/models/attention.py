@@ -68,13 +68,12 @@ class LlamaAttention(nn.Module):
         out = tree_attention(q, k_cache, v_cache, seqlens, k, v, index, validate=False, backend=kernel_backend)
         return self.o_proj(out.flatten(-2)), AttnScratch(k, v)
 
-    def step(self, h, k_cache, v_cache, seqlens, kernel_backend: str):
-        """One token per row ``h [b, d]`` at position ``seqlens``: attends to the prefix and itself,
-        then writes its K/V into slot ``seqlens`` of each row (``seqlens`` is advanced by the model)."""
-        positions = seqlens[:, None]
-        q, k, v = self._qkv(h[:, None], positions)
-        out = tree_attention(q, k_cache, v_cache, seqlens, k, v, TreeIndex.root_only(h.device), validate=False,
-                             backend=kernel_backend)
+    def step(self, h, k_cache, v_cache, seqlens, root: TreeIndex, kernel_backend: str):
+        """One token per row ``h [b, d]`` at position ``seqlens``: attends to the prefix and itself
+        (``root``: the one-node tree), then writes its K/V into slot ``seqlens`` of each row
+        (``seqlens`` is advanced by the model)."""
+        q, k, v = self._qkv(h[:, None], seqlens[:, None])
+        out = tree_attention(q, k_cache, v_cache, seqlens, k, v, root, validate=False, backend=kernel_backend)
         rows = torch.arange(h.shape[0], device=h.device)
         k_cache[rows, seqlens] = k[:, 0]
         v_cache[rows, seqlens] = v[:, 0]

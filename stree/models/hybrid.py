@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..tree import TokenTree
+from ..tree import TokenTree, TreeIndex
 from .attention import LlamaAttention
 from .base import TreeLM
 from .cache import ModelCache
@@ -104,10 +104,12 @@ class HybridLM(TreeLM):
     def step_pass(self, tokens: torch.Tensor, cache: ModelCache) -> torch.Tensor:
         """Attention layers: decode attention, K/V appended; Mamba2 layers: conv shift and one
         recurrence step."""
+        root = TreeIndex.root_only(self.device)  # once per step, shared by the attention layers
+
         def mix(i, layer, x):
             s = self._slot[i]
             if i in self.cfg.attn_layers:
-                return layer.self_attn.step(x, cache.k[s], cache.v[s], cache.seqlens, self.kernel_backend)
+                return layer.self_attn.step(x, cache.k[s], cache.v[s], cache.seqlens, root, self.kernel_backend)
             return layer.mamba.step(x, cache.conv[s], cache.ssm[s], self.kernel_backend)
 
         return self._run(tokens, mix)

@@ -3,9 +3,9 @@ feeding each node's root path token by token, and commit leaves exactly the sequ
 
 import pytest
 import torch
-import triton.runtime.interpreter as interpreter
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from host_sync import flag_kernel_launches
 from strategies import parent_lists
 from tiny_models import FAMILIES, VOCAB
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -115,15 +115,15 @@ class _LargestOutput(TorchDispatchMode):
     """Records the largest tensor any torch operation of the library produces (the Triton
     interpreter's own copies, inside a kernel launch, are not the library's)."""
 
-    def __init__(self):
+    def __init__(self, launch):
         super().__init__()
         self.largest = 0
-        self.in_launch = False
+        self.launch = launch
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         for t in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(t, torch.Tensor) and not self.in_launch:
+            if isinstance(t, torch.Tensor) and not self.launch["active"]:
                 self.largest = max(self.largest, t.numel())
         return out
 
@@ -134,7 +134,7 @@ WIDE_STATE = {"mamba2": dict(d_state=64), "hybrid": dict(d_inner=128, d_xb=64, d
 
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("kernel_backend", ["auto", "triton"])
-def test_forward_tree_never_materialises_a_per_node_ssm_state(family, kernel_backend, monkeypatch):
+def test_forward_tree_never_materialises_a_per_node_ssm_state(family, kernel_backend):
     model = FAMILIES[family](**WIDE_STATE[family])
     model.kernel_backend = kernel_backend
     cache = model.allocate_cache(2, 20)
@@ -142,17 +142,6 @@ def test_forward_tree_never_materialises_a_per_node_ssm_state(family, kernel_bac
     shape = TreeShape.paper13()
     tree = TokenTree.from_shape(shape, torch.randint(0, VOCAB, (2, shape.n)))
     per_node_states = 2 * shape.n * cache.ssm[0, 0].numel()
-    seen = _LargestOutput()
-    launch = interpreter.GridExecutor.__call__
-
-    def unseen_launch(*args, **kwargs):
-        seen.in_launch = True
-        try:
-            return launch(*args, **kwargs)
-        finally:
-            seen.in_launch = False
-
-    monkeypatch.setattr(interpreter.GridExecutor, "__call__", unseen_launch)
-    with seen:
+    with flag_kernel_launches() as launch, _LargestOutput(launch) as seen:
         model.forward_tree(tree, cache)
     assert 0 < seen.largest < per_node_states / 2, (seen.largest, per_node_states)
