@@ -22,26 +22,15 @@ if not torch.cuda.is_available():
 
 from tqdm import tqdm  # noqa: E402
 
-from stree.models import GraphedStep, GraphedTreePass, HybridConfig, HybridLM, Mamba2Config, Mamba2LM  # noqa: E402
+from stree.models import GraphedStep, GraphedTreePass  # noqa: E402
+from stree.models.presets import PRESETS, TINY  # noqa: E402
 from stree.timing import median_ms, peak_bytes, run_info, save_result  # noqa: E402
 from stree.tree import TokenTree, TreeShape  # noqa: E402
 
-LLAMA3_8B = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-             "original_max_position_embeddings": 8192}
-
 
 def models(smoke):
-    if smoke:
-        yield "mamba2-smoke", Mamba2LM, Mamba2Config(d_model=32, n_layer=2, vocab_size=100, d_state=16, headdim=8)
-        yield "mil-smoke", HybridLM, HybridConfig(
-            d_model=32, n_layer=2, vocab_size=100, attn_layers=[1], intermediate_size=64, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=8, d_inner=32, d_xb=16, d_state=8, ngroups=4, rope_scaling=LLAMA3_8B)
-        return
-    yield "mamba2-2.7b", Mamba2LM, Mamba2Config(d_model=2560, n_layer=64, vocab_size=50277, pad_vocab_size_multiple=16)
-    yield "mil-8b", HybridLM, HybridConfig(
-        d_model=4096, n_layer=32, vocab_size=128256, attn_layers=list(range(1, 32, 2)), intermediate_size=14336,
-        num_attention_heads=32, num_key_value_heads=8, head_dim=128, d_inner=4096, d_xb=1024, d_state=128,
-        ngroups=32, rope_theta=500000.0, rope_scaling=LLAMA3_8B)
+    for name, (cls, config) in (TINY if smoke else PRESETS).items():
+        yield name, cls, config()
 
 
 TREES = [("chain5", TreeShape.chain(4)), ("paper13", TreeShape.paper13())] + [

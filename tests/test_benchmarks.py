@@ -34,8 +34,8 @@ def test_tree_scan_sweep_smoke_writes_consistent_json_and_png(tmp_path):
 def test_model_forward_smoke_writes_json_and_png(tmp_path):
     result = smoke("model_forward", tmp_path)
     rows = result["results"]
-    assert {r["model"] for r in rows} == {"mamba2-smoke", "mil-smoke"}
-    for model in ("mamba2-smoke", "mil-smoke"):
+    assert {r["model"] for r in rows} == {"mamba2-tiny", "mil-tiny"}
+    for model in ("mamba2-tiny", "mil-tiny"):
         ours = [r for r in rows if r["model"] == model]
         step = [r for r in ours if r["backend"] == "step"]
         assert len(step) == 1 and step[0]["ratio_to_step"] == 1.0

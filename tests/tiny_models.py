@@ -2,7 +2,8 @@
 
 import torch
 
-from stree.models import HybridConfig, HybridLM, Mamba2Config, Mamba2LM
+from stree.models import HybridLM, Mamba2LM
+from stree.models.presets import tiny_hybrid, tiny_mamba2
 
 VOCAB = 90
 
@@ -17,16 +18,12 @@ def perturb_norms(model):
 
 def mamba2(vocab_size=VOCAB, seed=0, **kw):
     torch.manual_seed(seed)
-    cfg = dict(d_model=32, n_layer=2, vocab_size=vocab_size, d_state=8, headdim=8, ngroups=2)
-    return perturb_norms(Mamba2LM(Mamba2Config(**{**cfg, **kw})).eval())
+    return perturb_norms(Mamba2LM(tiny_mamba2(vocab_size=vocab_size, **kw)).eval())
 
 
 def hybrid(vocab_size=VOCAB, seed=0, **kw):
     torch.manual_seed(seed)
-    cfg = dict(d_model=32, n_layer=3, vocab_size=vocab_size, attn_layers=[1], intermediate_size=48,
-               num_attention_heads=4, num_key_value_heads=2, head_dim=8, d_inner=32, d_xb=16, d_state=8,
-               ngroups=4, rope_theta=10000.0)
-    return perturb_norms(HybridLM(HybridConfig(**{**cfg, **kw})).eval())
+    return perturb_norms(HybridLM(tiny_hybrid(vocab_size=vocab_size, **kw)).eval())
 
 
 FAMILIES = {"mamba2": mamba2, "hybrid": hybrid}

@@ -21,6 +21,8 @@ INF = math.inf
 _knobs = getattr(triton, "knobs", None)
 TRITON_INTERPRETED = (bool(_knobs.runtime.interpret) if _knobs is not None
                       else os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on"))
+# Set by stree.kernels.aot.capture: launches are recorded, not run, so any device will do.
+CAPTURING = False
 
 
 def resolve_backend(backend: str, device: torch.device) -> str:
@@ -28,7 +30,7 @@ def resolve_backend(backend: str, device: torch.device) -> str:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "auto":
         return "triton" if device.type == "cuda" else "torch"
-    if backend == "triton" and device.type != "cuda" and not TRITON_INTERPRETED:
+    if backend == "triton" and device.type != "cuda" and not (TRITON_INTERPRETED or CAPTURING):
         raise ValueError(
             f"backend='triton' got tensors on {device}: Triton kernels need CUDA tensors, or "
             "TRITON_INTERPRET=1 set before stree.kernels is imported"

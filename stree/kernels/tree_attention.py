@@ -133,6 +133,15 @@ def tree_attention_ref(q, k_cache, v_cache, cache_seqlens, k_tree, v_tree, paren
     return out.transpose(1, 2).to(q.dtype)
 
 
+def launch_config(n, head_dim, dtype):
+    """Tiles and warps of :func:`_tree_attention_kernel`, chosen with ``python -m stree.aotcheck``
+    to keep head_dim 128 free of spills on sm_80 / sm_90: 32 queries x 64 keys in 16-bit; fp32
+    dots have no tensor-core path at full precision, so 16 x 16 on 8 warps there."""
+    if dtype == torch.float32:
+        return dict(BLOCK_M=16, BLOCK_N=16, BLOCK_D=pow2_block(head_dim), num_warps=8)
+    return dict(BLOCK_M=min(pow2_block(n), 32), BLOCK_N=64, BLOCK_D=pow2_block(head_dim), num_warps=4)
+
+
 def tree_attention(q, k_cache, v_cache, cache_seqlens, k_tree, v_tree, parents, *, softmax_scale=None,
                    validate=True, backend="auto"):
     """Tree-masked attention over a KV prefix and the tree's own K/V.
@@ -151,13 +160,13 @@ def tree_attention(q, k_cache, v_cache, cache_seqlens, k_tree, v_tree, parents, 
     batch, n, hq, head_dim = q.shape
     hkv = k_cache.shape[2]
     out = torch.empty_like(q)
-    block_m = min(pow2_block(n), 64)
-    grid = (batch * hq, triton.cdiv(n, block_m))
+    cfg = launch_config(n, head_dim, q.dtype)
+    grid = (batch * hq, triton.cdiv(n, cfg["BLOCK_M"]))
     _tree_attention_kernel[grid](
         q, k_cache, v_cache, cache_seqlens, k_tree, v_tree, index.pre, index.last, out,
         n, hq, head_dim, hq // hkv, scale * LOG2E,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *k_tree.stride(), *v_tree.stride(), *out.stride(),
         index.row_stride(),
-        DOT_PRECISION=dot_precision(q.dtype), BLOCK_M=block_m, BLOCK_N=64, BLOCK_D=pow2_block(head_dim),
+        DOT_PRECISION=dot_precision(q.dtype), **cfg,
     )
     return out

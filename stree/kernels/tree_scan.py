@@ -38,25 +38,6 @@ __all__ = ["tree_scan", "tree_scan_ref", "MAX_TREE_NODES"]
 
 
 @triton.jit
-def _atree(
-    pre_rows, dt_ptr, pre_ptr, last_ptr, n, hi, A, bias, dt_lo, dt_hi, s_dt_n,
-    DT_SOFTPLUS: tl.constexpr, BLOCK_K: tl.constexpr,
-):
-    """Atree for a vector of nodes given by their pre-order ranks (-1 for padding rows)."""
-    acc = tl.zeros(pre_rows.shape, dtype=tl.float32)
-    for k0 in range(0, hi, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        k_ok = offs_k < n
-        pre_k = tl.load(pre_ptr + offs_k, mask=k_ok, other=n)
-        last_k = tl.load(last_ptr + offs_k, mask=k_ok, other=-1)
-        dt_k = tl.load(dt_ptr + offs_k * s_dt_n, mask=k_ok, other=0.0).to(tl.float32)
-        dA_k = process_dt_tl(dt_k, bias, DT_SOFTPLUS, dt_lo, dt_hi) * A
-        anc = (pre_k[None, :] <= pre_rows[:, None]) & (pre_rows[:, None] <= last_k[None, :])
-        acc += tl.sum(tl.where(anc, dA_k[None, :], 0.0), axis=1)
-    return acc
-
-
-@triton.jit
 def _tree_scan_kernel(
     x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, dt_bias_ptr, x0_ptr, y_ptr, pre_ptr, last_ptr,
     n, nheads, headdim, dstate, heads_per_group, dt_lo, dt_hi,
@@ -92,7 +73,6 @@ def _tree_scan_kernel(
     offs_s = tl.arange(0, BLOCK_S)
     m_ok = offs_m < n
     p_ok = offs_p < headdim
-    s_ok = offs_s < dstate
 
     A = tl.load(A_ptr + h).to(tl.float32)
     bias = 0.0
@@ -100,41 +80,56 @@ def _tree_scan_kernel(
         bias = tl.load(dt_bias_ptr + h).to(tl.float32)
 
     # Ancestors precede their descendants, so rows of this tile only see columns below `hi`.
+    # Column tiles are visited last first: `below[r]` accumulates dA over r's ancestors-or-self in
+    # the tiles already visited, so exp(Atree_r - Atree_c) = exp(dA summed over the path strictly
+    # below c) comes from one reverse cumsum per tile, never from differences of whole-path sums
+    # (which would also cost a pass over all earlier columns per tile).
     hi = tl.minimum(n, (pid_m + 1) * BLOCK_M)
+    num_k = tl.cdiv(hi, BLOCK_K)
     pre_m = tl.load(pre_ptr + offs_m, mask=m_ok, other=-1)
-    atree_m = _atree(pre_m, dt_ptr, pre_ptr, last_ptr, n, hi, A, bias, dt_lo, dt_hi, s_dt_n,
-                     DT_SOFTPLUS, BLOCK_K)
-
-    C_m = tl.load(C_ptr + offs_m[:, None] * s_C_n + offs_s[None, :] * s_C_s,
-                  mask=m_ok[:, None] & s_ok[None, :], other=0.0)
+    below = tl.zeros((BLOCK_M,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_P), dtype=tl.float32)
 
-    for k0 in range(0, hi, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
+    for kk in range(0, num_k):
+        offs_k = (num_k - 1 - kk) * BLOCK_K + tl.arange(0, BLOCK_K)
         k_ok = offs_k < n
-        B_k = tl.load(B_ptr + offs_k[:, None] * s_B_n + offs_s[None, :] * s_B_s,
-                      mask=k_ok[:, None] & s_ok[None, :], other=0.0)
-        cb = tl.dot(C_m, tl.trans(B_k), input_precision=DOT_PRECISION)
         pre_k = tl.load(pre_ptr + offs_k, mask=k_ok, other=n)
         last_k = tl.load(last_ptr + offs_k, mask=k_ok, other=-1)
-        atree_k = _atree(pre_k, dt_ptr, pre_ptr, last_ptr, n, tl.minimum(n, k0 + BLOCK_K), A, bias,
-                         dt_lo, dt_hi, s_dt_n, DT_SOFTPLUS, BLOCK_K)
         dt_k = tl.load(dt_ptr + offs_k * s_dt_n, mask=k_ok, other=0.0).to(tl.float32)
         dt_k = process_dt_tl(dt_k, bias, DT_SOFTPLUS, dt_lo, dt_hi)
-        anc = (pre_k[None, :] <= pre_m[:, None]) & (pre_m[:, None] <= last_k[None, :])
-        # Non-ancestor pairs get exp(-inf) = 0 rather than a masked exp that could overflow.
-        decay = tl.exp(tl.where(anc, atree_m[:, None] - atree_k[None, :], -float("inf")))
+        anc = (pre_k[None, :] <= pre_m[:, None]) & (pre_m[:, None] <= last_k[None, :])  # c is r or above it
+        path_dA = tl.where(anc, (dt_k * A)[None, :], 0.0)
+        # Later columns of r's path are deeper: the reverse cumsum minus the column itself sums
+        # the path strictly below c inside this tile; `below` adds the deeper tiles.
+        seg = tl.cumsum(path_dA, axis=1, reverse=True) - path_dA + below[:, None]
+        decay = tl.exp(tl.where(anc, seg, -float("inf")))  # exp(-inf) = 0, never an overflowing exp
+        below += tl.sum(path_dA, axis=1)
+        # C B^T over d_state in slices of BLOCK_S: whole [*, d_state] tiles of C and B would
+        # not fit in registers next to the accumulators at d_state 128.
+        cb = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
+        for s0 in range(0, dstate, BLOCK_S):
+            s_ok = s0 + offs_s < dstate
+            C_s = tl.load(C_ptr + offs_m[:, None] * s_C_n + (s0 + offs_s)[None, :] * s_C_s,
+                          mask=m_ok[:, None] & s_ok[None, :], other=0.0)
+            B_s = tl.load(B_ptr + offs_k[:, None] * s_B_n + (s0 + offs_s)[None, :] * s_B_s,
+                          mask=k_ok[:, None] & s_ok[None, :], other=0.0)
+            cb += tl.dot(C_s, tl.trans(B_s), input_precision=DOT_PRECISION)
         w = cb * decay * dt_k[None, :]
         x_k = tl.load(x_ptr + offs_k[:, None] * s_x_n + offs_p[None, :] * s_x_p,
                       mask=k_ok[:, None] & p_ok[None, :], other=0.0)
         acc += tl.dot(w.to(x_k.dtype), x_k, input_precision=DOT_PRECISION)
 
     if HAS_X0:
-        x0 = tl.load(x0_ptr + b * s_x0_b + h * s_x0_h + offs_s[:, None] * s_x0_s + offs_p[None, :] * s_x0_p,
-                     mask=s_ok[:, None] & p_ok[None, :], other=0.0)
         # The state is fp32; keep its contribution fp32 whatever the activation dtype.
-        cx = tl.dot(C_m.to(tl.float32), x0, input_precision="ieee")
-        acc += cx * tl.exp(atree_m)[:, None]
+        cx = tl.zeros((BLOCK_M, BLOCK_P), dtype=tl.float32)
+        for s0 in range(0, dstate, BLOCK_S):
+            s_ok = s0 + offs_s < dstate
+            C_s = tl.load(C_ptr + offs_m[:, None] * s_C_n + (s0 + offs_s)[None, :] * s_C_s,
+                          mask=m_ok[:, None] & s_ok[None, :], other=0.0).to(tl.float32)
+            x0 = tl.load(x0_ptr + b * s_x0_b + h * s_x0_h + (s0 + offs_s)[:, None] * s_x0_s + offs_p[None, :] * s_x0_p,
+                         mask=s_ok[:, None] & p_ok[None, :], other=0.0)
+            cx += tl.dot(C_s, x0, input_precision="ieee")
+        acc += cx * tl.exp(below)[:, None]  # below = Atree of the row after the last tile
 
     x_m = tl.load(x_ptr + offs_m[:, None] * s_x_n + offs_p[None, :] * s_x_p,
                   mask=m_ok[:, None] & p_ok[None, :], other=0.0).to(tl.float32)
@@ -187,6 +182,15 @@ def tree_scan_ref(x, dt, A, B, C, parents, *, D=None, dt_bias=None, dt_softplus=
     return y.to(x.dtype)
 
 
+def launch_config(n, headdim, dstate):
+    """Tiles and warps of :func:`_tree_scan_kernel`, chosen with ``python -m stree.aotcheck``:
+    16-node tiles, up to 64 channels and d_state in slices of up to 32, on 8 warps, need under
+    100 registers and never spill on sm_80 / sm_90, from the test sizes to Mamba2-2.7B and
+    MambaInLlama-8B, in fp32 and 16-bit (32-node tiles need up to 254 registers in fp32)."""
+    return dict(BLOCK_M=16, BLOCK_K=16, BLOCK_P=min(pow2_block(headdim), 64), BLOCK_S=min(pow2_block(dstate), 32),
+                num_warps=8)
+
+
 def tree_scan(x, dt, A, B, C, parents, *, D=None, dt_bias=None, dt_softplus=True,
               dt_limit=(0.0, INF), initial_state=None, backend="auto"):
     """Mamba2 SSM outputs for every node of a packed tree (see the module docstring).
@@ -204,9 +208,8 @@ def tree_scan(x, dt, A, B, C, parents, *, D=None, dt_bias=None, dt_softplus=True
     batch, n, nheads, headdim = x.shape
     ngroups, dstate = B.shape[2], B.shape[3]
     y = torch.empty_like(x)
-    block_n = pow2_block(n)
-    block_m = min(block_n, 64)
-    block_p = min(pow2_block(headdim), 64)
+    cfg = launch_config(n, headdim, dstate)
+    block_m, block_p = cfg["BLOCK_M"], cfg["BLOCK_P"]
     grid = (batch * nheads, triton.cdiv(n, block_m), triton.cdiv(headdim, block_p))
     dummy = x  # never read: the matching HAS_* flag is off
     x0 = initial_state if initial_state is not None else dummy
@@ -219,7 +222,6 @@ def tree_scan(x, dt, A, B, C, parents, *, D=None, dt_bias=None, dt_softplus=True
         *(D.stride() if D is not None else (0, 0)), *x0_strides, *y.stride(),
         index.row_stride(),
         HAS_D=D is not None, HAS_DT_BIAS=dt_bias is not None, HAS_X0=initial_state is not None,
-        DT_SOFTPLUS=bool(dt_softplus), DOT_PRECISION=dot_precision(x.dtype),
-        BLOCK_M=block_m, BLOCK_K=block_m, BLOCK_P=block_p, BLOCK_S=pow2_block(dstate),
+        DT_SOFTPLUS=bool(dt_softplus), DOT_PRECISION=dot_precision(x.dtype), **cfg,
     )
     return y

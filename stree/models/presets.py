@@ -1,0 +1,47 @@
+"""The real model configurations the benchmarks and the ahead-of-time kernel check are sized for.
+
+``layers`` and ``vocab_size`` can be cut: every layer of a kind launches the same kernels at the
+same sizes, and the vocabulary only sizes the embedding and the head (plain matmuls).
+"""
+
+from __future__ import annotations
+
+from .config import HybridConfig, Mamba2Config
+from .hybrid import HybridLM
+from .mamba2 import Mamba2LM
+
+__all__ = ["LLAMA3_8B_ROPE", "PRESETS", "TINY", "mamba2_2p7b", "mil_8b", "tiny_hybrid", "tiny_mamba2"]
+
+LLAMA3_8B_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                  "original_max_position_embeddings": 8192}
+
+
+def mamba2_2p7b(n_layer: int = 64, vocab_size: int = 50277) -> Mamba2Config:
+    """state-spaces/mamba2-2.7b: 80 heads of 64 channels, d_state 128, one group."""
+    return Mamba2Config(d_model=2560, n_layer=n_layer, vocab_size=vocab_size, pad_vocab_size_multiple=16)
+
+
+def mil_8b(n_layer: int = 32, vocab_size: int = 128256) -> HybridConfig:
+    """MambaInLlama 50% on Llama-3.1-8B (FORMATS.md): attention at every odd layer."""
+    return HybridConfig(
+        d_model=4096, n_layer=n_layer, vocab_size=vocab_size, attn_layers=list(range(1, n_layer, 2)),
+        intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8, head_dim=128, d_inner=4096,
+        d_xb=1024, d_state=128, ngroups=32, rope_theta=500000.0, rope_scaling=LLAMA3_8B_ROPE)
+
+
+PRESETS = {"mamba2-2.7b": (Mamba2LM, mamba2_2p7b), "mil-8b": (HybridLM, mil_8b)}
+
+
+def tiny_mamba2(**overrides) -> Mamba2Config:
+    """The test suite's Mamba2: every size below a GPU tile (d_state 8, headdim 8, two groups)."""
+    return Mamba2Config(**{**dict(d_model=32, n_layer=2, vocab_size=90, d_state=8, headdim=8, ngroups=2), **overrides})
+
+
+def tiny_hybrid(**overrides) -> HybridConfig:
+    """The test suite's MambaInLlama: attention at layer 1 of 3, GQA 4/2 heads of 8."""
+    return HybridConfig(**{**dict(d_model=32, n_layer=3, vocab_size=90, attn_layers=[1], intermediate_size=48,
+                                  num_attention_heads=4, num_key_value_heads=2, head_dim=8, d_inner=32, d_xb=16,
+                                  d_state=8, ngroups=4, rope_theta=10000.0), **overrides})
+
+
+TINY = {"mamba2-tiny": (Mamba2LM, tiny_mamba2), "mil-tiny": (HybridLM, tiny_hybrid)}
