@@ -105,12 +105,12 @@ def run_case(case: Case):
     shape = TreeShape.chain(case.nodes - 1) if case.call == "chain" else TREES[case.nodes]
     tree = TokenTree.from_shape(shape, tokens)
     with capture() as launches:
-        model.forward_tree(tree, cache, backend="chain" if case.call == "chain" else "tree")
+        _, tree_pass = model.forward_tree(tree, cache, backend="chain" if case.call == "chain" else "tree")
     if case.call != "commit":
         return launches
     path = torch.tensor([shape.leaf_paths()[-1]])
     with capture() as launches:
-        model.commit(cache, tree, path, torch.tensor([path.shape[1]]))
+        model.commit(cache, tree_pass, path, torch.tensor([path.shape[1]]))
     return launches
 
 

@@ -234,13 +234,13 @@ def generate(model, input_ids, *, drafter: Drafter | None = None, tree: TreeShap
             draft = TokenTree.from_shape(TreeShape.chain(0), draft.tokens[:, :1])  # nothing drafted: one node
         draft = _to(draft, device)
         stats.time_draft += clock.lap()
-        logits = model.forward_tree(draft, cache, backend="chain" if method == "chain" else "tree")
+        logits, tree_pass = model.forward_tree(draft, cache, backend="chain" if method == "chain" else "tree")
         result = verify(draft, logits, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator,
                         mode=mode)
         accepted, num, bonus = result.accepted.cpu(), result.num_accepted.cpu(), result.bonus.cpu()
         stats.time_verify += clock.lap()
         stats.target_forwards += 1
-        model.commit(cache, draft, result.accepted, result.num_accepted)
+        model.commit(cache, tree_pass, result.accepted, result.num_accepted)
         stats.time_commit += clock.lap()
         if on_step is not None:
             on_step(active.tolist(), draft, result)

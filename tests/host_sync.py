@@ -34,6 +34,22 @@ def flag_kernel_launches():
         yield flag
 
 
+@contextlib.contextmanager
+def count_kernel_launches():
+    """Yields a dict whose ``"count"`` counts the Triton launches made meanwhile, compiled
+    (JITFunction) or interpreted alike."""
+    from triton.runtime.jit import JITFunction
+
+    seen = {"count": 0}
+    with contextlib.ExitStack() as stack:
+        for cls in (JITFunction, interpreter.InterpretedFunction):
+            def run(self, *args, _real=cls.run, **kwargs):
+                seen["count"] += not kwargs.get("warmup", False)
+                return _real(self, *args, **kwargs)
+            stack.enter_context(mock.patch.object(cls, "run", run))
+        yield seen
+
+
 def _fail(name):
     raise HostSync(f"{name} reads a device value on the host")
 

@@ -1,8 +1,8 @@
 """A small language model as the drafter (paper 001 §5.2): its own committed cache follows the
 rows, and it drafts a tree with its own tree forwards, so it never rolls back.
 
-Any model with the decoding protocol works (``allocate_cache``, ``prefill``, ``forward_tree``,
-``commit``): a distilled 1-2 layer Mamba2 in practice, an exact Markov table in the tests.
+Any model with the decoding protocol works (``allocate_cache``, ``prefill``, ``forward_tree``
+returning logits and a pass handle, ``commit`` of that handle): a distilled 1-2 layer Mamba2 in practice, an exact Markov table in the tests.
 """
 
 from __future__ import annotations
@@ -71,9 +71,9 @@ class SSMDrafter(Drafter):
                 at = (self._fed[:, None] + torch.arange(m)).clamp(max=(want - 1)[:, None])
                 chain = TokenTree.from_shape(TreeShape.chain(m - 1), context.tokens[torch.tensor(rows)[:, None], at]
                                              .to(self.model.device))
-                self.model.forward_tree(chain, self._cache, backend="chain")
+                _, tree_pass = self.model.forward_tree(chain, self._cache, backend="chain")
                 dev = self.model.device
-                self.model.commit(self._cache, chain, torch.arange(m, device=dev).expand(len(rows), m).contiguous(),
+                self.model.commit(self._cache, tree_pass, torch.arange(m, device=dev).expand(len(rows), m).contiguous(),
                                   new.to(dev))
                 self._fed = want.clone()
                 return
@@ -86,7 +86,7 @@ class SSMDrafter(Drafter):
         self._rows, self._fed = list(rows), want.clone()
 
     def _q(self, tree: TokenTree) -> torch.Tensor:
-        logits = self.model.forward_tree(tree, self._cache)[..., : self.vocab_size]  # only the target's ids
+        logits = self.model.forward_tree(tree, self._cache)[0][..., : self.vocab_size]  # only the target's ids
         return torch.softmax(logits.float().cpu() / self.temperature, -1)
 
     def propose(self, context: DraftContext, shape: TreeShape | None = None) -> TokenTree:

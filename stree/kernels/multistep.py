@@ -5,7 +5,7 @@ Per head h and step t::
     h_t = exp(dt_t A_h) h_{t-1} + dt_t x_t B_t^T        y_t = C_t . h_t + D x_t
 
 Used for chains (vanilla speculative decoding), unrolled tree paths (the baseline STree beats)
-and the single autoregressive step (T = 1). The same kernel, reading the steps through an index
+and the single autoregressive step (T = 1). The same program, reading the steps through an index
 table with a per-row length and writing no outputs, is the SSM half of activation replay.
 """
 
@@ -33,9 +33,9 @@ __all__ = ["multistep_update", "multistep_update_ref"]
 
 
 @triton.jit
-def ssm_recurrence_kernel(
+def ssm_recurrence_program(
     state_ptr, x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, dt_bias_ptr, y_ptr, out_ptr, idx_ptr, len_ptr,
-    T, nheads, headdim, dstate, heads_per_group, dt_lo, dt_hi,
+    b, h, pid_p, T, headdim, dstate, heads_per_group, dt_lo, dt_hi,
     s_st_b, s_st_h, s_st_p, s_st_s,
     s_x_b, s_x_t, s_x_h, s_x_p,
     s_dt_b, s_dt_t, s_dt_h,
@@ -48,11 +48,8 @@ def ssm_recurrence_kernel(
     HAS_INDEX: tl.constexpr, HAS_Y: tl.constexpr, HAS_D: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
     DT_SOFTPLUS: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
-    """Steps t < length(b) of the recurrence; step t reads position ``idx[b, t]`` (or t)."""
-    pid_bh = tl.program_id(0)
-    pid_p = tl.program_id(1)
-    b = pid_bh // nheads
-    h = pid_bh % nheads
+    """Steps t < length(b) of the recurrence for head h, channels of block pid_p; step t reads
+    position ``idx[b, t]`` (or t). Shared by the multistep launch and the all-layer replay."""
     g = h // heads_per_group
     offs_p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
     offs_s = tl.arange(0, BLOCK_S)
@@ -92,24 +89,53 @@ def ssm_recurrence_kernel(
              state, mask=ps_ok)
 
 
-def launch_ssm_recurrence(state, x, dt, A, B, C, D, dt_bias, dt_softplus, dt_limit, y, index=None, lengths=None):
+@triton.jit
+def ssm_recurrence_kernel(
+    state_ptr, x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, dt_bias_ptr, y_ptr, out_ptr,
+    T, nheads, headdim, dstate, heads_per_group, dt_lo, dt_hi,
+    s_st_b, s_st_h, s_st_p, s_st_s,
+    s_x_b, s_x_t, s_x_h, s_x_p,
+    s_dt_b, s_dt_t, s_dt_h,
+    s_B_b, s_B_t, s_B_g, s_B_s,
+    s_C_b, s_C_t, s_C_g, s_C_s,
+    s_D_h, s_D_p,
+    s_y_b, s_y_t, s_y_h, s_y_p,
+    s_out_b, s_out_h, s_out_p, s_out_s,
+    HAS_Y: tl.constexpr, HAS_D: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
+    DT_SOFTPLUS: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    """T recurrence steps per (row, head) from ``state``; outputs y and the final state."""
+    pid_bh = tl.program_id(0)
+    ssm_recurrence_program(
+        state_ptr, x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, dt_bias_ptr, y_ptr, out_ptr, state_ptr, state_ptr,
+        pid_bh // nheads, pid_bh % nheads, tl.program_id(1), T, headdim, dstate, heads_per_group, dt_lo, dt_hi,
+        s_st_b, s_st_h, s_st_p, s_st_s, s_x_b, s_x_t, s_x_h, s_x_p, s_dt_b, s_dt_t, s_dt_h,
+        s_B_b, s_B_t, s_B_g, s_B_s, s_C_b, s_C_t, s_C_g, s_C_s, s_D_h, s_D_p, s_y_b, s_y_t, s_y_h, s_y_p,
+        s_out_b, s_out_h, s_out_p, s_out_s, 0, 0,
+        False, HAS_Y, HAS_D, HAS_DT_BIAS, DT_SOFTPLUS, BLOCK_P, BLOCK_S,
+    )
+
+
+def recurrence_block_p(headdim: int) -> int:
+    return min(pow2_block(headdim), 32)
+
+
+def launch_ssm_recurrence(state, x, dt, A, B, C, D, dt_bias, dt_softplus, dt_limit, y):
     """Launch :func:`ssm_recurrence_kernel`; returns the new fp32 state (``state`` is not written)."""
     batch, nheads, headdim, dstate = state.shape
     ngroups = B.shape[2]
     out = torch.empty(batch, nheads, headdim, dstate, dtype=torch.float32, device=state.device)
-    block_p = min(pow2_block(headdim), 32)
+    block_p = recurrence_block_p(headdim)
     grid = (batch * nheads, triton.cdiv(headdim, block_p))
     dummy = state
     ssm_recurrence_kernel[grid](
         state, x, dt, A, B, C if C is not None else dummy, D if D is not None else dummy,
         dt_bias if dt_bias is not None else dummy, y if y is not None else dummy, out,
-        index if index is not None else dummy, lengths if lengths is not None else dummy,
         x.shape[1], nheads, headdim, dstate, nheads // ngroups, dt_limit[0], dt_limit[1],
         *state.stride(), *x.stride(), *dt.stride(), *B.stride(),
         *(C.stride() if C is not None else (0, 0, 0, 0)), *(D.stride() if D is not None else (0, 0)),
         *(y.stride() if y is not None else (0, 0, 0, 0)), *out.stride(),
-        *(index.stride() if index is not None else (0, 0)),
-        HAS_INDEX=index is not None, HAS_Y=y is not None, HAS_D=D is not None, HAS_DT_BIAS=dt_bias is not None,
+        HAS_Y=y is not None, HAS_D=D is not None, HAS_DT_BIAS=dt_bias is not None,
         DT_SOFTPLUS=bool(dt_softplus), BLOCK_P=block_p, BLOCK_S=pow2_block(dstate),
     )
     return out

@@ -1,10 +1,14 @@
 """Activation replay: the committed SSM and conv states at the accepted node, from the verify
-pass's cached per-node activations, touching only the accepted path of each row.
+pass's cached per-node activations, touching only the accepted path of each row, for every
+Mamba2 layer of a model in one launch.
 
 ``accepted [b, L]`` lists node indices root-first, of which the first ``num_accepted[b] >= 1``
 count (the root always does: it was fed to the model for the first time in the verify pass).
 SSM state: the recurrence over those nodes from the old state. Conv state: the last ``d_conv`` raw
 inputs along ``[old conv_state columns; accepted nodes' xBC]``.
+
+Every tensor may carry a leading layer dimension (``[layers, b, ...]``, A and dt_bias
+``[layers, h]``); layer l replays with its own A and dt_bias.
 """
 
 from __future__ import annotations
@@ -13,58 +17,114 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import INF, check_dt_limit, check_groups, check_layout, check_ssm_params, check_tensor, resolve_backend
-from .multistep import launch_ssm_recurrence, ssm_recurrence_ref
+from ._common import INF, check_dt_limit, check_groups, check_layout, check_tensor, pow2_block, resolve_backend
+from .multistep import recurrence_block_p, ssm_recurrence_program, ssm_recurrence_ref
 
 __all__ = ["replay", "replay_ref", "check_accepted"]
 
 
 @triton.jit
-def _replay_conv_kernel(
-    xbc_ptr, conv_ptr, acc_ptr, num_ptr, out_ptr, dim,
-    s_x_b, s_x_n, s_x_d,
-    s_c_b, s_c_d, s_c_k,
+def _replay_kernel(
+    state_ptr, x_ptr, dt_ptr, A_ptr, B_ptr, dt_bias_ptr, new_state_ptr, acc_ptr, num_ptr,
+    xbc_ptr, conv_ptr, new_conv_ptr,
+    batch, nheads, headdim, dstate, heads_per_group, dim, dt_lo, dt_hi, ssm_programs, p_blocks, d_blocks,
+    s_st_l, s_st_b, s_st_h, s_st_p, s_st_s,
+    s_x_l, s_x_b, s_x_n, s_x_h, s_x_p,
+    s_dt_l, s_dt_b, s_dt_n, s_dt_h,
+    s_B_l, s_B_b, s_B_n, s_B_g, s_B_s,
+    s_A_l, s_bias_l,
+    s_ns_l, s_ns_b, s_ns_h, s_ns_p, s_ns_s,
     s_a_b, s_a_l,
-    s_o_b, s_o_d, s_o_k,
-    K: tl.constexpr, BLOCK_D: tl.constexpr,
+    s_xbc_l, s_xbc_b, s_xbc_n, s_xbc_d,
+    s_c_l, s_c_b, s_c_d, s_c_k,
+    s_nc_l, s_nc_b, s_nc_d, s_nc_k,
+    HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr, K: tl.constexpr,
+    BLOCK_P: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    b = tl.program_id(0)
-    offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
-    d_ok = offs_d < dim
-    num = tl.load(num_ptr + b)
-    for k in tl.static_range(K):
-        # Path position feeding output slot K-1-k, as a vector so it can join the channel mask;
-        # a negative position reaches back into the old conv state.
-        q = num - 1 - k + tl.zeros((BLOCK_D,), dtype=tl.int32)
-        node = tl.load(acc_ptr + b * s_a_b + tl.maximum(q, 0) * s_a_l)
-        v = tl.load(xbc_ptr + b * s_x_b + node * s_x_n + offs_d * s_x_d, mask=d_ok & (q >= 0), other=0.0)
-        v_old = tl.load(conv_ptr + b * s_c_b + offs_d * s_c_d + (K + tl.minimum(q, -1)) * s_c_k,
-                        mask=d_ok & (q < 0), other=0.0)
-        v = tl.where(q >= 0, v.to(out_ptr.dtype.element_ty), v_old.to(out_ptr.dtype.element_ty))
-        tl.store(out_ptr + b * s_o_b + offs_d * s_o_d + (K - 1 - k) * s_o_k, v, mask=d_ok)
+    """Programs below ``ssm_programs`` run the SSM recurrence of one (layer, row, head, channel
+    block); the rest rebuild the conv state of one (layer, row, channel block)."""
+    pid = tl.program_id(0)
+    if pid < ssm_programs:
+        pid_p = pid % p_blocks
+        rest = pid // p_blocks
+        h = rest % nheads
+        rest = rest // nheads
+        b = rest % batch
+        layer = rest // batch
+        ssm_recurrence_program(
+            state_ptr + layer * s_st_l, x_ptr + layer * s_x_l, dt_ptr + layer * s_dt_l, A_ptr + layer * s_A_l,
+            B_ptr + layer * s_B_l, state_ptr, state_ptr, dt_bias_ptr + layer * s_bias_l, state_ptr,
+            new_state_ptr + layer * s_ns_l, acc_ptr, num_ptr,
+            b, h, pid_p, 0, headdim, dstate, heads_per_group, dt_lo, dt_hi,
+            s_st_b, s_st_h, s_st_p, s_st_s, s_x_b, s_x_n, s_x_h, s_x_p, s_dt_b, s_dt_n, s_dt_h,
+            s_B_b, s_B_n, s_B_g, s_B_s, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+            s_ns_b, s_ns_h, s_ns_p, s_ns_s, s_a_b, s_a_l,
+            True, False, False, HAS_DT_BIAS, DT_SOFTPLUS, BLOCK_P, BLOCK_S,
+        )
+    else:
+        c = pid - ssm_programs
+        offs_d = (c % d_blocks) * BLOCK_D + tl.arange(0, BLOCK_D)
+        b = (c // d_blocks) % batch
+        layer = c // d_blocks // batch
+        d_ok = offs_d < dim
+        num = tl.load(num_ptr + b)
+        xbc = xbc_ptr + layer * s_xbc_l + b * s_xbc_b
+        old = conv_ptr + layer * s_c_l + b * s_c_b + offs_d * s_c_d
+        new = new_conv_ptr + layer * s_nc_l + b * s_nc_b + offs_d * s_nc_d
+        # Output slot j takes path position q = num - K + j; a negative q reaches back to old slot
+        # K + q = j + num > j. Filling slots in ascending order therefore never reads a slot this
+        # program already wrote, so `new` may be the conv state itself (an in-place commit).
+        for j in tl.static_range(K):
+            q = num - K + j + tl.zeros((BLOCK_D,), dtype=tl.int32)  # a vector, to join the channel mask
+            node = tl.load(acc_ptr + b * s_a_b + tl.maximum(q, 0) * s_a_l)
+            v = tl.load(xbc + node * s_xbc_n + offs_d * s_xbc_d, mask=d_ok & (q >= 0), other=0.0)
+            v_old = tl.load(old + (K + tl.minimum(q, -1)) * s_c_k, mask=d_ok & (q < 0), other=0.0)
+            v = tl.where(q >= 0, v.to(new_conv_ptr.dtype.element_ty), v_old.to(new_conv_ptr.dtype.element_ty))
+            tl.store(new + j * s_nc_k, v, mask=d_ok)
 
 
-def _check_args(ssm_state, conv_state, xBC, x, dt, B, A, accepted, num_accepted, dt_bias, dt_limit, validate):
-    batch, n, nheads, headdim = check_layout("x", x, "batch, n, nheads, headdim")
+def _as_layers(t, single: bool):
+    return t.unsqueeze(0) if single and t is not None else t
+
+
+def _check_args(ssm_state, conv_state, xBC, x, dt, B, A, accepted, num_accepted, dt_bias, dt_limit, validate, out):
+    """Checks; returns (layer-stacked views of every tensor, dt_limit, single-layer flag)."""
+    if not isinstance(x, torch.Tensor) or x.dim() not in (4, 5):
+        raise ValueError(f"x must have shape [b, n, h, p] or [layers, b, n, h, p], got {getattr(x, 'shape', type(x))}")
+    single = x.dim() == 4
+    lead = () if single else (x.shape[0],)
+    layout = lambda s: ("" if single else "layers, ") + s
+    batch, n, nheads, headdim = x.shape[-4:]
     device = x.device
-    ngroups, dstate = check_layout("B", B, "batch, n, ngroups, dstate")[2:]
-    check_tensor("B", B, (batch, n, ngroups, dstate), device, dtype=x.dtype)
+    check_layout("x", x, layout("batch, n, nheads, headdim"))
+    ngroups, dstate = check_layout("B", B, layout("batch, n, ngroups, dstate"))[-2:]
+    check_tensor("B", B, (*lead, batch, n, ngroups, dstate), device, dtype=x.dtype)
     check_groups(nheads, ngroups)
-    check_tensor("ssm_state", ssm_state, (batch, nheads, headdim, dstate), device, dtype=torch.float32)
-    check_tensor("dt", dt, (batch, n, nheads), device)
-    check_ssm_params(nheads, headdim, device, A, None, dt_bias)
-    dim = check_layout("xBC", xBC, "batch, n, dim")[2]
-    check_tensor("xBC", xBC, (batch, n, dim), device)
-    if not isinstance(conv_state, torch.Tensor) or conv_state.dim() != 3:
-        raise ValueError(f"conv_state must have shape [batch, dim, d_conv], got {getattr(conv_state, 'shape', type(conv_state))}")
-    check_tensor("conv_state", conv_state, (batch, dim, conv_state.shape[2]), device)
+    check_tensor("ssm_state", ssm_state, (*lead, batch, nheads, headdim, dstate), device, dtype=torch.float32)
+    check_tensor("dt", dt, (*lead, batch, n, nheads), device)
+    check_tensor("A", A, (*lead, nheads), device)
+    if dt_bias is not None:
+        check_tensor("dt_bias", dt_bias, (*lead, nheads), device)
+    dim = check_layout("xBC", xBC, layout("batch, n, dim"))[-1]
+    check_tensor("xBC", xBC, (*lead, batch, n, dim), device)
+    if not isinstance(conv_state, torch.Tensor) or conv_state.dim() != len(lead) + 3:
+        raise ValueError(f"conv_state must have shape [{layout('batch, dim, d_conv')}], "
+                         f"got {getattr(conv_state, 'shape', type(conv_state))}")
+    check_tensor("conv_state", conv_state, (*lead, batch, dim, conv_state.shape[-1]), device)
     if not isinstance(accepted, torch.Tensor) or accepted.dim() != 2:
         raise ValueError(f"accepted must have shape [batch, L], got {getattr(accepted, 'shape', type(accepted))}")
     check_tensor("accepted", accepted, (batch, accepted.shape[1]), device, kind="int")
     check_tensor("num_accepted", num_accepted, (batch,), device, kind="int")
+    if out is not None:
+        if not isinstance(out, (tuple, list)) or len(out) != 2:
+            raise TypeError("out must be a pair (ssm_out, conv_out)")
+        check_tensor("out[0]", out[0], ssm_state.shape, device, dtype=torch.float32)
+        check_tensor("out[1]", out[1], conv_state.shape, device, dtype=conv_state.dtype)
     if validate:
         check_accepted(accepted, num_accepted, n)
-    return check_dt_limit(dt_limit)
+    stacked = [_as_layers(t, single) for t in (ssm_state, conv_state, xBC, x, dt, B, A, dt_bias)]
+    outs = None if out is None else tuple(_as_layers(t, single) for t in out)
+    return stacked, outs, check_dt_limit(dt_limit), single
 
 
 def check_accepted(accepted, num_accepted, n):
@@ -81,53 +141,67 @@ def check_accepted(accepted, num_accepted, n):
         raise ValueError(f"accepted[{row}, {t}] = {int(accepted[row, t])} is not a node index in [0, {n})")
 
 
-def _gather_rows(t, index):
-    """``t[b, index[b, l], ...]`` for an index table ``[b, L]``."""
-    idx = index.long().view(*index.shape, *([1] * (t.dim() - 2))).expand(*index.shape, *t.shape[2:])
-    return torch.gather(t, 1, idx)
+def _finish(new_ssm, new_conv, outs, single):
+    if outs is not None:
+        outs[0].copy_(new_ssm)
+        outs[1].copy_(new_conv)
+        new_ssm, new_conv = outs
+    return (new_ssm[0], new_conv[0]) if single else (new_ssm, new_conv)
 
 
 def replay_ref(ssm_state, conv_state, xBC, x, dt, B, A, accepted, num_accepted, *, dt_bias=None,
-               dt_softplus=True, dt_limit=(0.0, INF), validate=True):
-    dt_limit = _check_args(ssm_state, conv_state, xBC, x, dt, B, A, accepted, num_accepted, dt_bias, dt_limit,
-                           validate)
+               dt_softplus=True, dt_limit=(0.0, INF), validate=True, out=None):
+    stacked, outs, dt_limit, single = _check_args(ssm_state, conv_state, xBC, x, dt, B, A, accepted, num_accepted,
+                                                  dt_bias, dt_limit, validate, out)
+    ssm_state, conv_state, xBC, x, dt, B, A, dt_bias = stacked
+    layers, batch = x.shape[:2]
     L = accepted.shape[1]
     used = torch.arange(L, device=x.device) < num_accepted[:, None]
-    path = torch.where(used, accepted, 0)
-    _, new_ssm = ssm_recurrence_ref(ssm_state, _gather_rows(x, path), _gather_rows(dt, path), A,
-                                    _gather_rows(B, path), None, None, dt_bias, dt_softplus, dt_limit,
-                                    lengths=num_accepted)
-    d_conv = conv_state.shape[2]
-    seq = torch.cat([conv_state.transpose(1, 2), xBC.to(conv_state.dtype)], dim=1)  # [b, K + n, dim]
+    path = torch.where(used, accepted, 0).long()
+    rows = torch.arange(batch, device=x.device)[:, None]
+    flat = lambda t: t[:, rows, path].flatten(0, 1)  # [layers * b, L, ...]: one recurrence row per (layer, row)
+    per_row = lambda p: None if p is None else p[:, None].expand(layers, batch, p.shape[-1]).flatten(0, 1)[:, None]
+    _, new_ssm = ssm_recurrence_ref(ssm_state.flatten(0, 1), flat(x), flat(dt), per_row(A), flat(B), None, None,
+                                    per_row(dt_bias), dt_softplus, dt_limit, lengths=num_accepted.repeat(layers))
+    d_conv = conv_state.shape[-1]
+    seq = torch.cat([conv_state.transpose(-1, -2), xBC.to(conv_state.dtype)], dim=-2)  # [layers, b, K + n, dim]
     q = num_accepted[:, None] - d_conv + torch.arange(d_conv, device=x.device)  # oldest slot first
     pos = d_conv + torch.where(q >= 0, torch.gather(path, 1, q.clamp(min=0)), q)
-    new_conv = _gather_rows(seq, pos).transpose(1, 2).contiguous()
-    return new_ssm, new_conv
+    new_conv = seq[:, rows, pos].transpose(-1, -2)
+    return _finish(new_ssm.view_as(ssm_state), new_conv, outs, single)
 
 
 def replay(ssm_state, conv_state, xBC, x, dt, B, A, accepted, num_accepted, *, dt_bias=None,
-           dt_softplus=True, dt_limit=(0.0, INF), validate=True, backend="auto"):
-    """New ``(ssm_state, conv_state)`` after the accepted path; the inputs are not modified.
+           dt_softplus=True, dt_limit=(0.0, INF), validate=True, out=None, backend="auto"):
+    """New ``(ssm_state, conv_state)`` after the accepted path, for one layer or a stack of them.
 
-    ssm_state ``[b, h, p, s]`` fp32 and conv_state ``[b, dim, d_conv]``: the states before the
-    verify pass. xBC ``[b, n, dim]`` raw pre-conv, x ``[b, n, h, p]`` post-conv, dt ``[b, n, h]``
-    raw, B ``[b, n, g, s]``: the verify pass's per-node activations. accepted ``[b, L]`` and
-    num_accepted ``[b]`` as in the module docstring.
+    ssm_state ``[(layers,) b, h, p, s]`` fp32 and conv_state ``[(layers,) b, dim, d_conv]``: the
+    states before the verify pass. xBC ``[.., b, n, dim]`` raw pre-conv, x ``[.., b, n, h, p]``
+    post-conv, dt ``[.., b, n, h]`` raw, B ``[.., b, n, g, s]``: the verify pass's per-node
+    activations; A and dt_bias ``[(layers,) h]``. accepted ``[b, L]`` and num_accepted ``[b]`` as
+    in the module docstring. The inputs are not modified, unless ``out=(ssm_out, conv_out)``
+    names them: the results are written there (the states themselves for an in-place commit) and
+    returned. ``validate=False`` skips the index check, a device-to-host sync.
     """
-    check_layout("x", x, "batch, n, nheads, headdim")
-    if resolve_backend(backend, x.device) == "torch":
+    if resolve_backend(backend, getattr(x, "device", torch.device("cpu"))) == "torch":
         return replay_ref(ssm_state, conv_state, xBC, x, dt, B, A, accepted, num_accepted, dt_bias=dt_bias,
-                          dt_softplus=dt_softplus, dt_limit=dt_limit, validate=validate)
-    dt_limit = _check_args(ssm_state, conv_state, xBC, x, dt, B, A, accepted, num_accepted, dt_bias, dt_limit,
-                           validate)
-    new_ssm = launch_ssm_recurrence(ssm_state, x, dt, A, B, None, None, dt_bias, dt_softplus, dt_limit, None,
-                                    index=accepted, lengths=num_accepted)
-    batch, dim, d_conv = conv_state.shape
-    new_conv = torch.empty_like(conv_state)
-    block_d = 256
-    _replay_conv_kernel[(batch, triton.cdiv(dim, block_d))](
-        xBC, conv_state, accepted, num_accepted, new_conv, dim,
-        *xBC.stride(), *conv_state.stride(), *accepted.stride(), *new_conv.stride(),
-        K=d_conv, BLOCK_D=block_d,
+                          dt_softplus=dt_softplus, dt_limit=dt_limit, validate=validate, out=out)
+    stacked, outs, (lo, hi), single = _check_args(ssm_state, conv_state, xBC, x, dt, B, A, accepted, num_accepted,
+                                                  dt_bias, dt_limit, validate, out)
+    ssm_state, conv_state, xBC, x, dt, B, A, dt_bias = stacked
+    layers, batch, _, nheads, headdim = x.shape
+    dstate, dim, d_conv = B.shape[-1], xBC.shape[-1], conv_state.shape[-1]
+    new_ssm, new_conv = outs if outs is not None else (torch.empty_like(ssm_state), torch.empty_like(conv_state))
+    block_p, block_d = recurrence_block_p(headdim), 256
+    p_blocks, d_blocks = triton.cdiv(headdim, block_p), triton.cdiv(dim, block_d)
+    ssm_programs = layers * batch * nheads * p_blocks
+    bias = dt_bias if dt_bias is not None else A
+    _replay_kernel[(ssm_programs + layers * batch * d_blocks,)](
+        ssm_state, x, dt, A, B, bias, new_ssm, accepted, num_accepted, xBC, conv_state, new_conv,
+        batch, nheads, headdim, dstate, nheads // B.shape[-2], dim, lo, hi, ssm_programs, p_blocks, d_blocks,
+        *ssm_state.stride(), *x.stride(), *dt.stride(), *B.stride(), A.stride(0), bias.stride(0),
+        *new_ssm.stride(), *accepted.stride(), *xBC.stride(), *conv_state.stride(), *new_conv.stride(),
+        HAS_DT_BIAS=dt_bias is not None, DT_SOFTPLUS=bool(dt_softplus), K=d_conv,
+        BLOCK_P=block_p, BLOCK_S=pow2_block(dstate), BLOCK_D=block_d,
     )
-    return new_ssm, new_conv
+    return (new_ssm[0], new_conv[0]) if single else (new_ssm, new_conv)

@@ -8,8 +8,7 @@ import torch
 from torch import nn
 
 from ..kernels import tree_attention
-from ..tree import TreeIndex
-from .cache import AttnScratch
+from .cache import AttnLayerState, AttnScratch
 
 ROPE_TYPES = ("default", "llama3")
 
@@ -38,6 +37,8 @@ def _rotate_half(x):
 
 
 class LlamaAttention(nn.Module):
+    kind = "attn"
+
     def __init__(self, d_model, num_heads, num_kv_heads, head_dim, rope_theta, rope_scaling, device=None, dtype=None):
         super().__init__()
         if num_heads % num_kv_heads:
@@ -61,33 +62,38 @@ class LlamaAttention(nn.Module):
         k = self._rope(self.k_proj(h).unflatten(-1, (self.num_kv_heads, self.head_dim)), positions)
         return q, k, self.v_proj(h).unflatten(-1, (self.num_kv_heads, self.head_dim))
 
-    def forward_tree(self, h, positions, index: TreeIndex, k_cache, v_cache, seqlens, kernel_backend: str):
-        """Outputs for every tree node; node i sees the committed prefix and its ancestors-or-self.
-        The model checked ``seqlens`` against the cache once for all layers."""
-        q, k, v = self._qkv(h, positions)
-        out = tree_attention(q, k_cache, v_cache, seqlens, k, v, index, validate=False, backend=kernel_backend)
-        return self.o_proj(out.flatten(-2)), AttnScratch(k, v)
+    def tree(self, h, ctx, state: AttnLayerState):
+        """Outputs for every tree node (node i sees the committed prefix and its ancestors-or-self)
+        and the nodes' K/V for commit. The model checked ``seqlens`` against the cache once."""
+        q, k, v = self._qkv(h, ctx.positions)
+        out = tree_attention(q, state.k, state.v, ctx.seqlens, k, v, ctx.index, validate=False,
+                             backend=ctx.kernel_backend)
+        return self.o_proj(out.flatten(-2)), (k, v)
 
-    def step(self, h, k_cache, v_cache, seqlens, root: TreeIndex, kernel_backend: str):
+    def step(self, h, state: AttnLayerState, ctx):
         """One token per row ``h [b, d]`` at position ``seqlens``: attends to the prefix and itself
-        (``root``: the one-node tree), then writes its K/V into slot ``seqlens`` of each row
-        (``seqlens`` is advanced by the model)."""
+        (the one-node tree), then writes its K/V into slot ``seqlens`` of each row (``seqlens`` is
+        advanced by the model)."""
+        seqlens = ctx.seqlens
         q, k, v = self._qkv(h[:, None], seqlens[:, None])
-        out = tree_attention(q, k_cache, v_cache, seqlens, k, v, root, validate=False, backend=kernel_backend)
+        out = tree_attention(q, state.k, state.v, seqlens, k, v, ctx.root, validate=False,
+                             backend=ctx.kernel_backend)
         rows = torch.arange(h.shape[0], device=h.device)
-        k_cache[rows, seqlens] = k[:, 0]
-        v_cache[rows, seqlens] = v[:, 0]
+        state.k[rows, seqlens] = k[:, 0]
+        state.v[rows, seqlens] = v[:, 0]
         return self.o_proj(out[:, 0].flatten(-2))
 
     @staticmethod
-    def commit(scratch: AttnScratch, k_cache, v_cache, seqlens, accepted, num_accepted):
-        """Write the accepted nodes' K/V into the slots after each row's prefix; path node t sat at
-        position prefix + t in the verify pass, so its RoPE is already right."""
-        L = accepted.shape[1]
-        t = torch.arange(L, device=accepted.device)
-        keep = t < num_accepted[:, None]
-        rows = torch.arange(accepted.shape[0], device=accepted.device)[:, None].expand(-1, L)[keep]
-        slots = (seqlens[:, None] + t)[keep]
-        nodes = accepted[keep]
-        k_cache[rows, slots] = scratch.k[rows, nodes]
-        v_cache[rows, slots] = scratch.v[rows, nodes]
+    def stack_scratch(per_layer) -> AttnScratch:
+        return AttnScratch(*(torch.stack(parts) for parts in zip(*per_layer)))
+
+    @staticmethod
+    def commit_layers(model, cache, scratch: AttnScratch, accepted, num_accepted, kernel_backend: str):
+        """Every attention layer at once: path node t's K/V into slot ``seqlens + t``, where it sat
+        in the verify pass, so its RoPE is already right. Entries past ``num_accepted`` land in
+        slots past the new length, which hold nothing committed, so no mask (and no host sync)."""
+        batch, L = accepted.shape
+        rows = torch.arange(batch, device=accepted.device)[:, None]
+        slots = cache.seqlens[:, None] + torch.arange(L, device=accepted.device)
+        cache.k[:, rows, slots] = scratch.k[:, rows, accepted]
+        cache.v[:, rows, slots] = scratch.v[:, rows, accepted]

@@ -1,22 +1,68 @@
-"""What every target model shares: input checks, chunked prefill through the tree path, the
-training forward, and the checks around the single-token step."""
+"""What every target model shares: the block loop, the cache layout, the tree pass and its commit,
+the single-token step, chunked prefill, the training forward, and the input checks.
+
+A model is an embedding, a list of :class:`Block` (pre-norm token mixer, optional pre-norm MLP,
+residual stream in fp32 or the model dtype), a final norm and a head. Mixers of one ``kind``
+("ssm", "attn") share an interface: ``tree(h, ctx, state)`` (outputs for every tree node and the
+per-node activations commit needs), ``step(h, state, kernel_backend)`` (one token, state advanced
+in place), and the static ``stack_scratch`` / ``commit_layers`` that commit every layer of the
+kind in one call. Families differ only in their block list and config reader.
+"""
 
 from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from ..kernels import MAX_TREE_NODES, check_accepted
-from ..tree import TokenTree, TreeShape
-from .cache import ModelCache
+from ..kernels import MAX_TREE_NODES
+from ..tree import TokenTree, TreeIndex, TreeShape
+from .cache import AttnLayerState, ModelCache, SSMLayerState, TreePass
 
 TREE_BACKENDS = ("tree", "chain", "unrolled")
 
 
+def derived(owner, name: str, fn, key=None):
+    """``fn()`` computed once per value of ``owner`` (a tensor: its version counter and storage)
+    or of ``key``, and cached on ``owner``; recomputed every call while autograd records, so
+    training keeps its graph. For parameters-derived constants (fp32 copies, A = -exp(A_log))."""
+    if torch.is_grad_enabled():
+        return fn()
+    if key is None:
+        key = (owner._version, owner.data_ptr(), owner.device)
+    store = owner.__dict__.setdefault("_stree_derived", {})
+    hit = store.get(name)
+    if hit is None or hit[0] != key:
+        hit = store[name] = (key, fn())
+    return hit[1]
+
+
+@dataclass(eq=False)
+class Block:
+    """One layer: ``x += mixer(norm(x))``, then ``x += mlp(mlp_norm(x))`` when there is an MLP."""
+
+    norm: nn.Module
+    mixer: nn.Module
+    mlp_norm: nn.Module | None = None
+    mlp: nn.Module | None = None
+
+
+@dataclass
+class TreeContext:
+    """What every layer of one tree pass shares."""
+
+    index: TreeIndex
+    positions: torch.Tensor  # [b, n] RoPE positions: committed length + depth
+    seqlens: torch.Tensor
+    backend: str
+    kernel_backend: str
+
+
 class TreeLM(nn.Module):
-    """Subclasses implement ``allocate_cache``, ``tree_pass`` (the layers over a validated tree,
-    storing each layer's scratch in the cache), ``step_pass`` (one token per row, states advanced
-    in place, ``seqlens`` left to the caller) and ``commit``."""
+    """Subclasses set ``cfg``, ``lm_head``, ``residual_fp32``, ``blocks`` (a list of :class:`Block`,
+    not registered as modules) and the ``embed`` / ``final_norm`` properties."""
 
     kernel_backend = "auto"  # "triton" forces the Triton kernels (tests: under the interpreter)
 
@@ -32,6 +78,45 @@ class TreeLM(nn.Module):
     def device(self) -> torch.device:
         return self.lm_head.weight.device
 
+    def kinds(self) -> list[str]:
+        return [blk.mixer.kind for blk in self.blocks]
+
+    # ---- the block loop -------------------------------------------------------------------
+    def _run(self, tokens: torch.Tensor, mix) -> torch.Tensor:
+        """Embedding, blocks and head; ``mix(i, block, h)`` is block i's token mixer on ``h``."""
+        x = self.embed(tokens)
+        if self.residual_fp32:
+            x = x.float()
+        dtype = self.dtype
+        for i, blk in enumerate(self.blocks):
+            x = x + mix(i, blk, blk.norm(x, dtype))
+            if blk.mlp is not None:
+                x = x + blk.mlp(blk.mlp_norm(x, dtype))
+        return self.lm_head(self.final_norm(x, dtype))
+
+    # ---- cache ----------------------------------------------------------------------------
+    def allocate_cache(self, batch_size: int, max_length: int) -> ModelCache:
+        """Zero state for ``batch_size`` rows of up to ``max_length`` tokens."""
+        if not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
+        if not isinstance(max_length, int) or max_length < 1:
+            raise ValueError(f"max_length must be an int >= 1, got {max_length!r}")
+        kinds = self.kinds()
+        f = dict(device=self.device)
+        ssm = [blk.mixer for blk in self.blocks if blk.mixer.kind == "ssm"]
+        attn = [blk.mixer for blk in self.blocks if blk.mixer.kind == "attn"]
+        conv = state = k = v = None
+        if ssm:
+            c = ssm[0].cfg
+            conv = torch.zeros(len(ssm), batch_size, c.conv_dim, c.d_conv, dtype=self.dtype, **f)
+            state = torch.zeros(len(ssm), batch_size, c.nheads, c.headdim, c.d_state, dtype=torch.float32, **f)
+        if attn:
+            a = attn[0]
+            k = torch.zeros(len(attn), batch_size, max_length, a.num_kv_heads, a.head_dim, dtype=self.dtype, **f)
+            v = torch.zeros_like(k)
+        return ModelCache(conv, state, k, v, torch.zeros(batch_size, dtype=torch.long, **f), max_length, kinds=kinds)
+
+    # ---- checks ---------------------------------------------------------------------------
     def check_tokens(self, name, tokens, values: bool = True):
         """dtype and device; with ``values`` also the vocabulary range (a device-to-host sync)."""
         if not isinstance(tokens, torch.Tensor) or tokens.dtype.is_floating_point or tokens.dtype == torch.bool:
@@ -47,6 +132,8 @@ class TreeLM(nn.Module):
 
     def check_cache(self, cache: ModelCache, batch: int, new_tokens: int, lengths: bool = True):
         """Batch size; with ``lengths`` also the room left (a device-to-host sync)."""
+        if not isinstance(cache, ModelCache) or cache.kinds != self.kinds():
+            raise TypeError("cache must be a ModelCache this model allocated (allocate_cache)")
         if cache.batch_size != batch:
             raise ValueError(f"the cache holds {cache.batch_size} rows but the input has batch {batch}")
         if not lengths:
@@ -55,43 +142,62 @@ class TreeLM(nn.Module):
         if longest > cache.max_length:
             raise ValueError(f"sequence would reach {longest} tokens, past the cache's max_length {cache.max_length}")
 
-    def check_tree(self, tree: TokenTree, cache: ModelCache, backend: str):
+    def check_tree(self, tree: TokenTree, cache: ModelCache, backend: str) -> tuple[TreeIndex, int]:
+        """The tree's index and deepest level, after the checks (one host sync for all)."""
         if backend not in TREE_BACKENDS:
             raise ValueError(f"backend must be one of {TREE_BACKENDS}, got {backend!r}")
+        if not isinstance(tree, TokenTree):
+            raise TypeError(f"tree must be a TokenTree, got {type(tree).__name__}")
         self.check_tokens("tree.tokens", tree.tokens)
         index = tree.index
-        self.check_cache(cache, tree.batch_size, int(index.depth.max()) + 1)
-        if backend == "chain" and not bool((index.depth == torch.arange(tree.n, device=index.device)).all()):
+        max_depth = int(index.depth.max())
+        self.check_cache(cache, tree.batch_size, max_depth + 1)
+        if backend == "chain" and max_depth != tree.n - 1:
             raise ValueError("backend='chain' needs a chain tree (parents[i] == i - 1)")
-        return index
+        return index, max_depth
 
-    def check_commit(self, cache: ModelCache, tree: TokenTree, accepted, num_accepted):
-        """Once per commit, so the per-layer kernels can skip their own index checks."""
-        if cache.tree_n != tree.n or any(s is None for s in cache.scratch):
-            raise ValueError("commit needs the forward_tree pass of this same tree just before it")
-        check_accepted(accepted, num_accepted, tree.n)
+    # ---- the protocol ---------------------------------------------------------------------
+    @torch.no_grad()
+    def forward_tree(self, tree: TokenTree, cache: ModelCache, backend: str = "tree"):
+        """Logits ``[b, n, V]`` at every tree node and the :class:`TreePass` ``commit`` takes; the
+        committed state is not changed. ``backend`` ("tree", "chain", "unrolled") chooses the SSM
+        layers' algorithm."""
+        index, max_depth = self.check_tree(tree, cache, backend)
+        return self.tree_pass(tree, index, cache, backend, self.kernel_backend, max_depth)
 
-    def finish_commit(self, cache: ModelCache, num_accepted: torch.Tensor):
-        cache.seqlens += num_accepted.to(cache.seqlens.device)
-        cache.drop_scratch()
+    def tree_pass(self, tree: TokenTree, index: TreeIndex, cache: ModelCache, backend: str, kernel_backend: str,
+                  max_depth: int):
+        """The layers over a checked tree (no host sync of its own)."""
+        ctx = TreeContext(index, cache.seqlens[:, None] + index.depth, cache.seqlens, backend, kernel_backend)
+        per_kind: dict[str, list] = {}
+
+        def mix(i, blk, h):
+            out, scratch = blk.mixer.tree(h, ctx, cache.layers[i])
+            per_kind.setdefault(blk.mixer.kind, []).append(scratch)
+            return out
+
+        logits = self._run(tree.tokens, mix)
+        mixers = {blk.mixer.kind: type(blk.mixer) for blk in self.blocks}
+        stacked = {kind: mixers[kind].stack_scratch(parts) for kind, parts in per_kind.items()}
+        return logits, TreePass(tree, index, max_depth, stacked.get("ssm"), stacked.get("attn"), weakref.ref(cache),
+                                cache.version)
 
     @torch.no_grad()
-    def forward_tree(self, tree: TokenTree, cache: ModelCache, backend: str = "tree") -> torch.Tensor:
-        """Logits ``[b, n, V]`` at every tree node; the committed state is not changed.
-        ``backend`` ("tree", "chain", "unrolled") chooses the SSM layers' algorithm."""
-        index = self.check_tree(tree, cache, backend)
-        return self.tree_pass(tree, index, cache, backend, self.kernel_backend)
-
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Differentiable logits ``[b, T, V]`` at every position of ``input_ids [b, T]`` from an
-        empty state (training): one chain through the PyTorch reference kernels, since the Triton
-        kernels have no backward."""
-        self.check_tokens("input_ids", input_ids)
-        if input_ids.dim() != 2 or not 1 <= input_ids.shape[1] <= MAX_TREE_NODES:
-            raise ValueError(f"input_ids must be [batch, T] with 1 <= T <= {MAX_TREE_NODES}, got {tuple(input_ids.shape)}")
-        batch, T = input_ids.shape
-        tree = TokenTree.from_shape(TreeShape.chain(T - 1), input_ids)
-        return self.tree_pass(tree, tree.index, self.allocate_cache(batch, T), "tree", "torch")
+    def commit(self, cache: ModelCache, tree_pass: TreePass, accepted: torch.Tensor, num_accepted: torch.Tensor,
+               validate: bool = True):
+        """Advance each row by its accepted path: ``accepted [b, L]`` node indices root first, the
+        first ``num_accepted[b] >= 1`` of them real, each the parent of the next. ``validate=False``
+        skips the path check (the one device-to-host sync); the caller answers for the path."""
+        if not isinstance(tree_pass, TreePass):
+            raise TypeError(f"tree_pass must be the TreePass forward_tree returned, got {type(tree_pass).__name__}")
+        tree_pass.check_against(cache)
+        check_path(tree_pass, accepted, num_accepted, validate)
+        by_kind = {blk.mixer.kind: type(blk.mixer) for blk in self.blocks}
+        for kind, scratch in (("ssm", tree_pass.ssm), ("attn", tree_pass.attn)):
+            if scratch is not None:
+                by_kind[kind].commit_layers(self, cache, scratch, accepted, num_accepted, self.kernel_backend)
+        cache.seqlens += num_accepted
+        cache.moved()
 
     @torch.no_grad()
     def step(self, tokens: torch.Tensor, cache: ModelCache, validate: bool = True) -> torch.Tensor:
@@ -107,8 +213,13 @@ class TreeLM(nn.Module):
         self.check_cache(cache, tokens.shape[0], 1, lengths=validate)
         logits = self.step_pass(tokens, cache)
         cache.seqlens += 1
-        cache.drop_scratch()
+        cache.moved()
         return logits
+
+    def step_pass(self, tokens: torch.Tensor, cache: ModelCache) -> torch.Tensor:
+        """One token per row through every layer (states advanced in place, ``seqlens`` not)."""
+        ctx = StepContext(cache.seqlens, self.kernel_backend)
+        return self._run(tokens, lambda i, blk, h: blk.mixer.step(h, cache.layers[i], ctx))
 
     @torch.no_grad()
     def prefill(self, input_ids: torch.Tensor, cache: ModelCache, lengths: torch.Tensor | None = None,
@@ -130,11 +241,82 @@ class TreeLM(nn.Module):
             rows = torch.nonzero(counts > 0).flatten().to(self.device)
             sub = cache if len(rows) == batch else cache.select(rows)
             tree = TokenTree.from_shape(TreeShape.chain(end - start - 1), input_ids[rows, start:end])
-            logits = self.forward_tree(tree, sub)
+            logits, tree_pass = self.forward_tree(tree, sub)
             n = counts[counts > 0].to(self.device)
-            self.commit(sub, tree, torch.arange(end - start, device=self.device).expand(len(rows), -1), n)
+            self.commit(sub, tree_pass, torch.arange(end - start, device=self.device).expand(len(rows), -1), n,
+                        validate=False)
             if sub is not cache:
                 cache.assign(rows, sub)
             pick = torch.nonzero((lengths[counts > 0] <= end).to(self.device)).flatten()
             last[rows[pick]] = logits[pick, n[pick] - 1]
         return last
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Differentiable logits ``[b, T, V]`` at every position of ``input_ids [b, T]`` from an
+        empty state (training): one chain through the PyTorch reference kernels, since the Triton
+        kernels have no backward."""
+        self.check_tokens("input_ids", input_ids)
+        if input_ids.dim() != 2 or not 1 <= input_ids.shape[1] <= MAX_TREE_NODES:
+            raise ValueError(f"input_ids must be [batch, T] with 1 <= T <= {MAX_TREE_NODES}, got {tuple(input_ids.shape)}")
+        batch, T = input_ids.shape
+        tree = TokenTree.from_shape(TreeShape.chain(T - 1), input_ids)
+        return self.tree_pass(tree, tree.index, self.allocate_cache(batch, T), "tree", "torch", T - 1)[0]
+
+
+class StepContext:
+    """What every layer of one step shares; the one-node tree index is made on first use."""
+
+    def __init__(self, seqlens: torch.Tensor, kernel_backend: str):
+        self.seqlens, self.kernel_backend, self._root = seqlens, kernel_backend, None
+
+    @property
+    def root(self) -> TreeIndex:
+        if self._root is None:
+            self._root = TreeIndex.root_only(self.seqlens.device)
+        return self._root
+
+
+def check_path(tree_pass: TreePass, accepted, num_accepted, validate: bool) -> None:
+    """Shapes always; with ``validate`` also that every row's first ``num_accepted`` entries walk
+    down from the root of the tree (one device-to-host sync for everything)."""
+    index = tree_pass.index
+    batch = tree_pass.tree.batch_size
+    if not isinstance(accepted, torch.Tensor) or accepted.dim() != 2 or accepted.shape[0] != batch:
+        raise ValueError(f"accepted must have shape [{batch}, L], got {getattr(accepted, 'shape', type(accepted))}")
+    if accepted.shape[1] > tree_pass.max_depth + 1:
+        raise ValueError(f"accepted has {accepted.shape[1]} columns but the tree is only {tree_pass.max_depth + 1} "
+                         "levels deep")
+    if not isinstance(num_accepted, torch.Tensor) or tuple(num_accepted.shape) != (batch,):
+        raise ValueError(f"num_accepted must have shape [{batch}], got {getattr(num_accepted, 'shape', type(num_accepted))}")
+    for name, t in (("accepted", accepted), ("num_accepted", num_accepted)):
+        if t.dtype.is_floating_point or t.dtype == torch.bool:
+            raise TypeError(f"{name} must have an integer dtype, got {t.dtype}")
+        if t.device != index.device:
+            raise ValueError(f"{name} is on {t.device} but the tree pass is on {index.device}")
+    if not validate:
+        return
+    n, L = tree_pass.tree.n, accepted.shape[1]
+    acc = accepted.long()
+    used = torch.arange(L, device=acc.device) < num_accepted[:, None]
+    bad_num = (num_accepted < 1) | (num_accepted > L)
+    bad_node = used & ((acc < 0) | (acc >= n))
+    up = index.parents.long().expand(batch, -1).gather(1, acc[:, 1:].clamp(0, n - 1))
+    broken = used[:, 1:] & ~bad_node[:, 1:] & (up != acc[:, :-1])
+    not_root = acc[:, 0] != 0
+    if not bool(bad_num.any() | bad_node.any() | broken.any() | not_root.any()):  # the one sync
+        return
+    if bool(bad_num.any()):
+        row = int(torch.nonzero(bad_num)[0])
+        raise ValueError(f"num_accepted[{row}] = {int(num_accepted[row])} must be in [1, {L}] (the root always counts)")
+    if bool(bad_node.any()):
+        row, t = (int(v) for v in torch.nonzero(bad_node)[0])
+        raise ValueError(f"accepted[{row}, {t}] = {int(accepted[row, t])} is not a node index in [0, {n})")
+    if bool(not_root.any()):
+        row = int(torch.nonzero(not_root)[0])
+        raise ValueError(f"accepted[{row}, 0] = {int(accepted[row, 0])}: a path starts at the root, node 0")
+    row, t = (int(v) for v in torch.nonzero(broken)[0])
+    raise ValueError(f"accepted[{row}] is not a root path: node {int(accepted[row, t + 1])} is not a child of "
+                     f"node {int(accepted[row, t])}")
+
+
+__all__ = ["Block", "TreeLM", "TreeContext", "StepContext", "derived", "check_path", "AttnLayerState", "SSMLayerState"]

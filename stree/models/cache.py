@@ -1,27 +1,33 @@
-"""Committed decoding state of a model, plus the scratch one tree verify pass leaves for commit."""
+"""Committed decoding state of a model, and the handle of one tree verify pass.
+
+The cache holds committed state only. ``forward_tree`` returns a :class:`TreePass` carrying the
+per-node activations that ``commit`` replays; it remembers which cache and which state version it
+was computed against, so committing it anywhere else, or after the state moved on, is an error.
+"""
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 
 import torch
 
-
-@dataclass
-class SSMScratch:
-    """Per-node activations of one Mamba2 layer's last ``forward_tree``: what replay needs."""
-
-    xBC: torch.Tensor  # [b, n, conv_dim] raw, before the conv
-    x: torch.Tensor  # [b, n, h, p] after conv and SiLU (repeated to heads)
-    dt: torch.Tensor  # [b, n, h] raw, before bias
-    B: torch.Tensor  # [b, n, g, s] after conv and SiLU
+from ..tree import TokenTree, TreeIndex
 
 
 @dataclass
-class AttnScratch:
-    """The tree nodes' keys (after RoPE) and values of one attention layer's last ``forward_tree``."""
+class SSMLayerState:
+    """One Mamba2 layer's view of the cache (writes go to the stacked tensors)."""
 
-    k: torch.Tensor  # [b, n, hkv, d]
+    conv: torch.Tensor  # [b, conv_dim, d_conv], raw inputs, newest last
+    ssm: torch.Tensor  # [b, h, p, s] fp32
+
+
+@dataclass
+class AttnLayerState:
+    """One attention layer's view of the cache."""
+
+    k: torch.Tensor  # [b, max_length, hkv, d]
     v: torch.Tensor
 
 
@@ -29,7 +35,10 @@ class AttnScratch:
 class ModelCache:
     """Per-row committed state. SSM layers: ``conv`` ``[ssm_layers, b, conv_dim, d_conv]`` (model
     dtype, raw inputs, newest last) and ``ssm`` ``[ssm_layers, b, h, p, s]`` fp32. Attention layers:
-    ``k``, ``v`` ``[attn_layers, b, max_length, hkv, d]``. ``seqlens`` ``[b]``: tokens committed."""
+    ``k``, ``v`` ``[attn_layers, b, max_length, hkv, d]``. ``seqlens`` ``[b]``: tokens committed.
+    ``kinds`` names each layer's mixer kind ("ssm" / "attn") in order; ``layers[i]`` is layer i's
+    view of its kind's stacked tensors. ``version`` counts the changes of the committed state (a
+    :class:`TreePass` records it)."""
 
     conv: torch.Tensor | None
     ssm: torch.Tensor | None
@@ -37,23 +46,33 @@ class ModelCache:
     v: torch.Tensor | None
     seqlens: torch.Tensor
     max_length: int
-    scratch: list = field(default_factory=list)
-    tree_n: int | None = None  # nodes of the tree the scratch belongs to
+    kinds: list
+    version: int = 0
+    layers: list = field(init=False, repr=False)
 
-    def drop_scratch(self) -> None:
-        """Forget the last tree pass: once the state moves on, a commit of it would be wrong."""
-        self.scratch = [None] * len(self.scratch)
-        self.tree_n = None
+    def __post_init__(self):
+        # Per-layer views made once: a step indexes no stacked tensor.
+        slot = {"ssm": 0, "attn": 0}
+        self.layers = []
+        for kind in self.kinds:
+            i = slot[kind]
+            slot[kind] += 1
+            self.layers.append(SSMLayerState(self.conv[i], self.ssm[i]) if kind == "ssm"
+                               else AttnLayerState(self.k[i], self.v[i]))
 
     @property
     def batch_size(self) -> int:
         return self.seqlens.shape[0]
 
+    def moved(self) -> None:
+        """Record a change of the committed state: earlier tree passes can no longer be committed."""
+        self.version += 1
+
     def select(self, rows: torch.Tensor) -> "ModelCache":
-        """A copy of the committed state of ``rows`` (a LongTensor of row indices); no scratch."""
+        """A copy of the committed state of ``rows`` (a LongTensor of row indices)."""
         take = lambda t: t[:, rows] if t is not None else None
         return ModelCache(take(self.conv), take(self.ssm), take(self.k), take(self.v), self.seqlens[rows],
-                          self.max_length, [None] * len(self.scratch))
+                          self.max_length, self.kinds)
 
     def assign(self, rows: torch.Tensor, other: "ModelCache") -> None:
         """Write ``other``'s committed state (from :meth:`select`) back into ``rows``."""
@@ -62,6 +81,47 @@ class ModelCache:
             if mine is not None:
                 mine[:, rows] = getattr(other, name)
         self.seqlens[rows] = other.seqlens
+        self.moved()
 
     def clone(self) -> "ModelCache":
         return self.select(torch.arange(self.batch_size, device=self.seqlens.device))
+
+
+@dataclass
+class SSMScratch:
+    """Per-node activations of every Mamba2 layer of one tree pass, stacked over those layers:
+    what activation replay needs."""
+
+    xBC: torch.Tensor  # [L, b, n, conv_dim] raw, before the conv
+    x: torch.Tensor  # [L, b, n, h, p] after conv and SiLU (repeated to heads)
+    dt: torch.Tensor  # [L, b, n, h] raw, before bias
+    B: torch.Tensor  # [L, b, n, g, s] after conv and SiLU
+
+
+@dataclass
+class AttnScratch:
+    """The tree nodes' keys (after RoPE) and values of every attention layer, stacked."""
+
+    k: torch.Tensor  # [L, b, n, hkv, d]
+    v: torch.Tensor
+
+
+@dataclass
+class TreePass:
+    """What ``forward_tree`` leaves for ``commit``: the tree, its deepest level, the stacked
+    per-node activations, and the cache state it was computed against."""
+
+    tree: TokenTree
+    index: TreeIndex
+    max_depth: int
+    ssm: SSMScratch | None
+    attn: AttnScratch | None
+    cache_ref: weakref.ref
+    version: int
+
+    def check_against(self, cache: ModelCache) -> None:
+        if self.cache_ref() is not cache:
+            raise ValueError("tree_pass was computed on another cache: commit it to the cache forward_tree read")
+        if self.version != cache.version:
+            raise ValueError("tree_pass is stale: the cache's committed state changed after forward_tree "
+                             "(a step, commit or prefill in between); run forward_tree again")

@@ -10,6 +10,9 @@ them off with ``validate=False``.
 
 from __future__ import annotations
 
+import dataclasses
+import weakref
+
 import torch
 
 from ..tree import TokenTree, TreeShape
@@ -32,6 +35,7 @@ def _capture(model: TreeLM, cache: ModelCache, fn, warmup: int):
     if warmup < 1:
         raise ValueError(f"warmup must be >= 1 (the capture must not see a first launch), got {warmup}")
     saved = [t.clone() for t in _recurrent_state(cache)]
+    version = cache.version
     stream = torch.cuda.Stream(model.device)
     stream.wait_stream(torch.cuda.current_stream(model.device))
     with torch.cuda.stream(stream):
@@ -43,6 +47,7 @@ def _capture(model: TreeLM, cache: ModelCache, fn, warmup: int):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = fn()
+    cache.version = version  # nothing was committed for real
     return graph, out
 
 
@@ -64,34 +69,33 @@ class GraphedStep:
         self.model.check_cache(self.cache, self.cache.batch_size, 1, lengths=validate)
         self.tokens.copy_(tokens)
         self.graph.replay()
-        self.cache.drop_scratch()  # host-side bookkeeping the captured step cannot replay
+        self.cache.moved()  # host-side bookkeeping the captured step cannot replay
         return self.logits
 
 
 class GraphedTreePass:
     """``model.forward_tree(tree, cache)`` for trees of one ``shape``, replayed from a CUDA graph.
-    It leaves the per-node scratch in the cache like the eager pass, so ``model.commit(cache,
-    graphed.tree, accepted, num_accepted)`` follows it as usual."""
+    Returns the logits and a TreePass like the eager call, so ``model.commit(cache, tree_pass,
+    accepted, num_accepted)`` follows it as usual (the pass's scratch lives in the graph's pool
+    and is overwritten by the next replay)."""
 
     def __init__(self, model: TreeLM, cache: ModelCache, shape: TreeShape, warmup: int = 2):
         self.model, self.cache = model, cache
         self.new_tokens = shape.max_depth + 1  # the most a commit can add
         self.tree = TokenTree.from_shape(shape, torch.zeros(cache.batch_size, shape.n, dtype=torch.long,
                                                             device=model.device))
-        index = model.check_tree(self.tree, cache, "tree")
+        index, max_depth = model.check_tree(self.tree, cache, "tree")
         kernels = model.kernel_backend
-        self.graph, self.logits = _capture(model, cache, lambda: model.tree_pass(self.tree, index, cache, "tree", kernels),
-                                           warmup)
-        self.scratch = list(cache.scratch)
-        cache.drop_scratch()  # the capture ran nothing: no commit may take its scratch for real
+        self.graph, (self.logits, self.tree_pass) = _capture(
+            model, cache, lambda: model.tree_pass(self.tree, index, cache, "tree", kernels, max_depth), warmup)
 
-    def __call__(self, tokens: torch.Tensor, validate: bool = True) -> torch.Tensor:
-        """Logits ``[b, n, V]`` for the tree of this shape carrying ``tokens [b, n]``."""
+    def __call__(self, tokens: torch.Tensor, validate: bool = True):
+        """Logits ``[b, n, V]`` and the TreePass for the tree of this shape carrying ``tokens [b, n]``."""
         self.model.check_tokens("tokens", tokens, values=validate)
         if tokens.shape != self.tree.tokens.shape:
             raise ValueError(f"tokens must have shape {tuple(self.tree.tokens.shape)} (captured), got {tuple(tokens.shape)}")
         self.model.check_cache(self.cache, self.cache.batch_size, self.new_tokens, lengths=validate)
         self.tree.tokens.copy_(tokens)
         self.graph.replay()
-        self.cache.scratch, self.cache.tree_n = list(self.scratch), self.tree.n
-        return self.logits
+        return self.logits, dataclasses.replace(self.tree_pass, cache_ref=weakref.ref(self.cache),
+                                                version=self.cache.version)

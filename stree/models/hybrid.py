@@ -5,14 +5,11 @@ Residual stream in model dtype. HF Llama parameter names (``model.layers.i.self_
 
 from __future__ import annotations
 
-import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..tree import TokenTree, TreeIndex
 from .attention import LlamaAttention
-from .base import TreeLM
-from .cache import ModelCache
+from .base import Block, TreeLM
 from .config import HybridConfig
 from .mamba2 import Mamba2Mixer, RMSNorm
 
@@ -41,6 +38,10 @@ class HybridLayer(nn.Module):
         else:
             self.mamba = Mamba2Mixer(cfg.mamba, device, dtype)
 
+    @property
+    def mixer(self) -> nn.Module:
+        return self.self_attn if hasattr(self, "self_attn") else self.mamba
+
 
 class HybridBody(nn.Module):
     def __init__(self, cfg: HybridConfig, device=None, dtype=None):
@@ -58,71 +59,14 @@ class HybridLM(TreeLM):
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False, device=device, dtype=dtype)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        # Position of each layer's state in the cache's stacked SSM / attention tensors.
-        self._slot = {i: cfg.ssm_layers.index(i) if i in cfg.ssm_layers else cfg.attn_layers.index(i)
-                      for i in range(cfg.n_layer)}
+        self.residual_fp32 = False
+        self.blocks = [Block(layer.input_layernorm, layer.mixer, layer.post_attention_layernorm, layer.mlp)
+                       for layer in self.model.layers]
 
-    def allocate_cache(self, batch_size: int, max_length: int) -> ModelCache:
-        cfg, m = self.cfg, self.cfg.mamba
-        ns, na = len(cfg.ssm_layers), len(cfg.attn_layers)
-        kv = (na, batch_size, max_length, cfg.num_key_value_heads, cfg.head_dim)
-        return ModelCache(
-            conv=torch.zeros(ns, batch_size, m.conv_dim, m.d_conv, device=self.device, dtype=self.dtype),
-            ssm=torch.zeros(ns, batch_size, m.nheads, m.headdim, m.d_state, device=self.device),
-            k=torch.zeros(kv, device=self.device, dtype=self.dtype),
-            v=torch.zeros(kv, device=self.device, dtype=self.dtype),
-            seqlens=torch.zeros(batch_size, dtype=torch.long, device=self.device),
-            max_length=max_length,
-            scratch=[None] * cfg.n_layer,
-        )
+    @property
+    def embed(self):
+        return self.model.embed_tokens
 
-    def _run(self, tokens, mix):
-        """Embedding, pre-norm blocks and head; ``mix(i, layer, x)`` is layer i's token mixer."""
-        hidden = self.model.embed_tokens(tokens)
-        for i, layer in enumerate(self.model.layers):
-            hidden = hidden + mix(i, layer, layer.input_layernorm(hidden, hidden.dtype))
-            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden, hidden.dtype))
-        return self.lm_head(self.model.norm(hidden, hidden.dtype))
-
-    def tree_pass(self, tree: TokenTree, index, cache: ModelCache, backend: str, kernel_backend: str) -> torch.Tensor:
-        positions = cache.seqlens[:, None] + tree.depth
-
-        def mix(i, layer, x):
-            s = self._slot[i]
-            if i in self.cfg.attn_layers:
-                x, cache.scratch[i] = layer.self_attn.forward_tree(x, positions, index, cache.k[s], cache.v[s],
-                                                                   cache.seqlens, kernel_backend)
-            else:
-                x, cache.scratch[i] = layer.mamba.forward_tree(x, index, cache.conv[s], cache.ssm[s], backend,
-                                                               kernel_backend)
-            return x
-
-        logits = self._run(tree.tokens, mix)
-        cache.tree_n = tree.n
-        return logits
-
-    def step_pass(self, tokens: torch.Tensor, cache: ModelCache) -> torch.Tensor:
-        """Attention layers: decode attention, K/V appended; Mamba2 layers: conv shift and one
-        recurrence step."""
-        root = TreeIndex.root_only(self.device)  # once per step, shared by the attention layers
-
-        def mix(i, layer, x):
-            s = self._slot[i]
-            if i in self.cfg.attn_layers:
-                return layer.self_attn.step(x, cache.k[s], cache.v[s], cache.seqlens, root, self.kernel_backend)
-            return layer.mamba.step(x, cache.conv[s], cache.ssm[s], self.kernel_backend)
-
-        return self._run(tokens, mix)
-
-    @torch.no_grad()
-    def commit(self, cache: ModelCache, tree: TokenTree, accepted: torch.Tensor, num_accepted: torch.Tensor):
-        """SSM layers: activation replay; attention layers: accepted K/V into consecutive slots."""
-        self.check_commit(cache, tree, accepted, num_accepted)
-        for i, layer in enumerate(self.model.layers):
-            s = self._slot[i]
-            if i in self.cfg.attn_layers:
-                layer.self_attn.commit(cache.scratch[i], cache.k[s], cache.v[s], cache.seqlens, accepted, num_accepted)
-            else:
-                layer.mamba.replay(cache.scratch[i], cache.conv[s], cache.ssm[s], accepted, num_accepted,
-                                   self.kernel_backend)
-        self.finish_commit(cache, num_accepted)
+    @property
+    def final_norm(self):
+        return self.model.norm

@@ -17,10 +17,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..kernels import multistep_update, replay, tree_conv1d, tree_scan
-from ..tree import TokenTree, TreeIndex, leaf_paths
-from .base import TreeLM
-from .cache import ModelCache, SSMScratch
+from ..tree import TreeIndex, leaf_paths
+from .base import Block, TreeLM, derived
+from .cache import SSMLayerState, SSMScratch
 from .config import Mamba2Config
+
+
+def fp32(param: torch.Tensor) -> torch.Tensor:
+    """``param`` in fp32, converted once per value of the parameter (not once per call)."""
+    if param.dtype == torch.float32:
+        return param
+    return derived(param, "fp32", lambda: param.float())
 
 
 class RMSNorm(nn.Module):
@@ -34,11 +41,11 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim, device=device, dtype=dtype))
 
     def forward(self, x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-        xf = x.float()
-        normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        if self.round_before_weight:
-            return self.weight * normed.to(out_dtype)
-        return (normed * self.weight.float()).to(out_dtype)
+        xf = x if x.dtype == torch.float32 else x.float()
+        if self.round_before_weight and out_dtype != torch.float32:
+            return self.weight * F.rms_norm(xf, xf.shape[-1:], None, self.eps).to(out_dtype)
+        y = F.rms_norm(xf, xf.shape[-1:], fp32(self.weight), self.eps)
+        return y if out_dtype == torch.float32 else y.to(out_dtype)
 
 
 class GatedRMSNorm(RMSNorm):
@@ -49,13 +56,18 @@ class GatedRMSNorm(RMSNorm):
         self.group_size = group_size
 
     def forward(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        v = y.float() * F.silu(z.float())
-        groups = v.unflatten(-1, (-1, self.group_size))
-        v = (groups * torch.rsqrt(groups.pow(2).mean(-1, keepdim=True) + self.eps)).flatten(-2)
-        return (v * self.weight.float()).to(y.dtype)
+        v = y.float() * F.silu(z.float()) if y.dtype != torch.float32 else y * F.silu(z)
+        w = fp32(self.weight)
+        if self.group_size == v.shape[-1]:
+            v = F.rms_norm(v, v.shape[-1:], w, self.eps)
+        else:
+            v = F.rms_norm(v.unflatten(-1, (-1, self.group_size)), (self.group_size,), None, self.eps).flatten(-2) * w
+        return v if y.dtype == torch.float32 else v.to(y.dtype)
 
 
 class Mamba2Mixer(nn.Module):
+    kind = "ssm"
+
     def __init__(self, cfg: Mamba2Config, device=None, dtype=None):
         super().__init__()
         self.cfg = cfg
@@ -101,46 +113,57 @@ class Mamba2Mixer(nn.Module):
         return self.out_proj(self.norm(y.flatten(-2), z))
 
     def A(self):
-        return -torch.exp(self.A_log.float())
+        """-exp(A_log) in fp32, computed once per value of A_log."""
+        return derived(self.A_log, "A", lambda: -torch.exp(self.A_log.float()))
 
     def ssm_kwargs(self):
         return dict(dt_bias=self.dt_bias, dt_limit=self.cfg.dt_limit)
 
-    def forward_tree(self, u, index: TreeIndex, conv_state, ssm_state, backend: str, kernel_backend: str):
-        """Outputs for every node of the tree; the states are only read."""
+    def tree(self, u, ctx, state: SSMLayerState):
+        """Outputs for every node of the tree and the activations replay needs; state only read."""
         z, xBC, dt = self._split(u)
-        conv_out = tree_conv1d(xBC, index, conv_state, self.conv1d.weight, self.conv1d.bias, backend=kernel_backend)
+        conv_out = tree_conv1d(xBC, ctx.index, state.conv, self.conv1d.weight, self.conv1d.bias,
+                               backend=ctx.kernel_backend)
         x, B, C = self._ssm_inputs(conv_out)
-        kw = dict(D=self.D, **self.ssm_kwargs(), backend=kernel_backend)
-        if backend == "tree":
-            y = tree_scan(x, dt, self.A(), B, C, index, initial_state=ssm_state, **kw)
-        elif backend == "chain":
-            y, _ = multistep_update(ssm_state, x, dt, self.A(), B, C, **kw)
+        kw = dict(D=self.D, **self.ssm_kwargs(), backend=ctx.kernel_backend)
+        if ctx.backend == "tree":
+            y = tree_scan(x, dt, self.A(), B, C, ctx.index, initial_state=state.ssm, **kw)
+        elif ctx.backend == "chain":
+            y, _ = multistep_update(state.ssm, x, dt, self.A(), B, C, **kw)
         else:
-            y = _unrolled_ssm(x, dt, self.A(), B, C, index, ssm_state, kw)
-        return self._output(y, z), SSMScratch(xBC, x, dt, B)
+            y = _unrolled_ssm(x, dt, self.A(), B, C, ctx.index, state.ssm, kw)
+        return self._output(y, z), (xBC, x, dt, B)
 
-    def step(self, u, conv_state, ssm_state, kernel_backend: str):
-        """One token ``u [b, d]``; advances ``conv_state`` and ``ssm_state`` in place."""
+    def step(self, u, state: SSMLayerState, ctx):
+        """One token ``u [b, d]``; advances the layer's conv and SSM state in place."""
+        kernel_backend = ctx.kernel_backend
         z, xBC, dt = self._split(u)
+        conv_state = state.conv
         conv_state.copy_(torch.cat([conv_state[..., 1:], xBC[..., None].to(conv_state.dtype)], dim=-1))
-        w = self.conv1d.weight[:, 0].float()
-        conv = (conv_state.float() * w).sum(-1)
+        conv = (conv_state.float() * fp32(self.conv1d.weight)[:, 0]).sum(-1)
         if self.conv1d.bias is not None:
-            conv = conv + self.conv1d.bias.float()
+            conv = conv + fp32(self.conv1d.bias)
         x, B, C = self._ssm_inputs(F.silu(conv).to(xBC.dtype)[:, None])
-        y, new_state = multistep_update(ssm_state, x, dt[:, None], self.A(), B, C, D=self.D, **self.ssm_kwargs(),
+        y, new_state = multistep_update(state.ssm, x, dt[:, None], self.A(), B, C, D=self.D, **self.ssm_kwargs(),
                                         backend=kernel_backend)
-        ssm_state.copy_(new_state)
+        state.ssm.copy_(new_state)
         return self._output(y[:, 0], z)
 
-    def replay(self, scratch: SSMScratch, conv_state, ssm_state, accepted, num_accepted, kernel_backend: str):
-        # The model checked accepted / num_accepted once for all layers (TreeLM.check_commit).
-        new_ssm, new_conv = replay(ssm_state, conv_state, scratch.xBC, scratch.x, scratch.dt, scratch.B, self.A(),
-                                   accepted, num_accepted, **self.ssm_kwargs(), validate=False,
-                                   backend=kernel_backend)
-        ssm_state.copy_(new_ssm)
-        conv_state.copy_(new_conv)
+    @staticmethod
+    def stack_scratch(per_layer) -> SSMScratch:
+        return SSMScratch(*(torch.stack(parts) for parts in zip(*per_layer)))
+
+    @staticmethod
+    def commit_layers(model, cache, scratch: SSMScratch, accepted, num_accepted, kernel_backend: str):
+        """Activation replay of every Mamba2 layer in one call (the model checked the path)."""
+        mixers = [blk.mixer for blk in model.blocks if blk.mixer.kind == "ssm"]
+        A = derived(model, "ssm_A", lambda: torch.stack([m.A() for m in mixers]),
+                    key=tuple(m.A_log._version for m in mixers))
+        dt_bias = derived(model, "ssm_dt_bias", lambda: torch.stack([m.dt_bias for m in mixers]),
+                          key=tuple(m.dt_bias._version for m in mixers))
+        replay(cache.ssm, cache.conv, scratch.xBC, scratch.x, scratch.dt, scratch.B, A, accepted, num_accepted,
+               dt_bias=dt_bias, dt_limit=mixers[0].cfg.dt_limit, validate=False, out=(cache.ssm, cache.conv),
+               backend=kernel_backend)
 
 
 def _unrolled_ssm(x, dt, A, B, C, index: TreeIndex, ssm_state, kw):
@@ -175,7 +198,8 @@ class Mamba2Backbone(nn.Module):
 
 
 class Mamba2LM(TreeLM):
-    """Parameter names are mamba_ssm's (``backbone.embedding``, ``backbone.layers.i.mixer.*``)."""
+    """Parameter names are mamba_ssm's (``backbone.embedding``, ``backbone.layers.i.mixer.*``).
+    The fused add+norm blocks are pre-norm residual blocks with the stream kept in fp32."""
 
     def __init__(self, cfg: Mamba2Config, device=None, dtype=None):
         super().__init__()
@@ -184,47 +208,13 @@ class Mamba2LM(TreeLM):
         self.lm_head = nn.Linear(cfg.d_model, cfg.padded_vocab_size, bias=False, device=device, dtype=dtype)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.backbone.embedding.weight
+        self.residual_fp32 = cfg.residual_in_fp32
+        self.blocks = [Block(layer.norm, layer.mixer) for layer in self.backbone.layers]
 
-    def _run(self, tokens, mixer_fn):
-        """Embedding, blocks (fused add+norm semantics), final norm and head; ``mixer_fn(i, mixer, h)``."""
-        hidden = self.backbone.embedding(tokens)
-        residual = None
-        for i, layer in enumerate(self.backbone.layers):
-            residual = hidden if residual is None else hidden + residual
-            if self.cfg.residual_in_fp32:
-                residual = residual.float()
-            hidden = mixer_fn(i, layer.mixer, layer.norm(residual, self.dtype))
-        return self.lm_head(self.backbone.norm_f(hidden + residual, self.dtype))
+    @property
+    def embed(self):
+        return self.backbone.embedding
 
-    def allocate_cache(self, batch_size: int, max_length: int) -> ModelCache:
-        cfg = self.cfg
-        return ModelCache(
-            conv=torch.zeros(cfg.n_layer, batch_size, cfg.conv_dim, cfg.d_conv, device=self.device, dtype=self.dtype),
-            ssm=torch.zeros(cfg.n_layer, batch_size, cfg.nheads, cfg.headdim, cfg.d_state, device=self.device),
-            k=None, v=None,
-            seqlens=torch.zeros(batch_size, dtype=torch.long, device=self.device),
-            max_length=max_length,
-            scratch=[None] * cfg.n_layer,
-        )
-
-    def tree_pass(self, tree: TokenTree, index, cache: ModelCache, backend: str, kernel_backend: str) -> torch.Tensor:
-        def mixer_fn(i, mixer, h):
-            out, cache.scratch[i] = mixer.forward_tree(h, index, cache.conv[i], cache.ssm[i], backend, kernel_backend)
-            return out
-
-        logits = self._run(tree.tokens, mixer_fn)
-        cache.tree_n = tree.n
-        return logits
-
-    @torch.no_grad()
-    def commit(self, cache: ModelCache, tree: TokenTree, accepted: torch.Tensor, num_accepted: torch.Tensor):
-        """Advance each row by its accepted path (root first) by activation replay."""
-        self.check_commit(cache, tree, accepted, num_accepted)
-        for i, layer in enumerate(self.backbone.layers):
-            layer.mixer.replay(cache.scratch[i], cache.conv[i], cache.ssm[i], accepted, num_accepted,
-                               self.kernel_backend)
-        self.finish_commit(cache, num_accepted)
-
-    def step_pass(self, tokens: torch.Tensor, cache: ModelCache) -> torch.Tensor:
-        """Conv shift and one fused recurrence step per layer."""
-        return self._run(tokens, lambda i, mixer, h: mixer.step(h, cache.conv[i], cache.ssm[i], self.kernel_backend))
+    @property
+    def final_norm(self):
+        return self.backbone.norm_f

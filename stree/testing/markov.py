@@ -85,7 +85,8 @@ class MarkovLM:
         cols = lengths[:, None] - self.order + torch.arange(self.order)
         return self._logits(cache.history.gather(1, cols))
 
-    def forward_tree(self, tree: TokenTree, cache: MarkovCache, backend: str = "tree") -> torch.Tensor:
+    def forward_tree(self, tree: TokenTree, cache: MarkovCache, backend: str = "tree"):
+        """Logits at every node and the pass handle commit takes (here the tree itself)."""
         b, n = tree.tokens.shape
         self._check(tree.tokens, cache, int(tree.index.depth.max()) + 1)
         parents = tree.parents.expand(b, n)
@@ -97,9 +98,10 @@ class MarkovLM:
             back = (cache.seqlens[:, None] - (m - depth)).clamp(0, cache.max_length - 1)
             last.append(torch.where(depth >= m, from_tree, cache.history.gather(1, back)))
             cur = torch.where(cur > 0, parents.gather(1, cur), 0)
-        return self._logits(torch.stack(last[::-1], -1))
+        return self._logits(torch.stack(last[::-1], -1)), tree
 
-    def commit(self, cache: MarkovCache, tree: TokenTree, accepted: torch.Tensor, num_accepted: torch.Tensor) -> None:
+    def commit(self, cache: MarkovCache, tree: TokenTree, accepted: torch.Tensor, num_accepted: torch.Tensor,
+               validate: bool = True) -> None:
         L = accepted.shape[1]
         keep = torch.arange(L) < num_accepted[:, None]
         rows = torch.arange(len(accepted))[:, None].expand(-1, L)[keep]
@@ -108,7 +110,7 @@ class MarkovLM:
 
     def step(self, tokens: torch.Tensor, cache: MarkovCache) -> torch.Tensor:
         tree = TokenTree.from_shape(TreeShape.chain(0), tokens[:, None])
-        logits = self.forward_tree(tree, cache)
+        logits, _ = self.forward_tree(tree, cache)
         self.commit(cache, tree, torch.zeros(len(tokens), 1, dtype=torch.long), torch.ones(len(tokens), dtype=torch.long))
         return logits[:, 0]
 

@@ -5,6 +5,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 from strategies import dt_options, ssm_inputs, ssm_shapes, trees
+from host_sync import count_kernel_launches
 
 from stree.kernels import replay, tree_conv1d, tree_scan
 from stree.testing import max_rel_error, replay_def
@@ -127,3 +128,32 @@ def test_bad_inputs_raise_clear_errors(backend):
         call(conv_state=inp["conv_state"][:1])
     with pytest.raises(ValueError, match=r"num_accepted is on meta"):
         call(num=num.to("meta"))
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("in_place", [False, True])
+def test_every_layer_in_one_call(backend, in_place, device):
+    """A stack of layers, each with its own A and dt_bias, replayed in one call (one Triton
+    launch), written in place when out= names the states: each layer equals its definition."""
+    opts = dict(dt_softplus=True, dt_limit=(0.0, math.inf), use_bias=True)
+    dims = dict(ngroups=2, nheads=4, headdim=40, dstate=8)  # two channel blocks per head
+    shape = TreeShape.paper13()
+    accepted, num = torch.tensor([[0, 2, 6, 10], [0, 0, 0, 0], [0, 1, 4, 7]]), torch.tensor([4, 1, 3])
+    layers = [_replay_inputs(20 + l, 3, shape.n, dims, opts, dim=300, d_conv=4) for l in range(3)]  # 2 conv blocks
+    stack = {k: torch.stack([inp[k] for inp in layers]) for k in ("initial_state", "conv_state", "xBC", "x", "dt", "B",
+                                                                 "A", "dt_bias")}
+    dev = device if backend == "triton" else torch.device("cpu")
+    stack = {k: v.to(dev) for k, v in stack.items()}
+    out = (stack["initial_state"], stack["conv_state"]) if in_place else None
+    with count_kernel_launches() as launches:
+        new_ssm, new_conv = replay(stack["initial_state"], stack["conv_state"], stack["xBC"], stack["x"], stack["dt"],
+                                   stack["B"], stack["A"], accepted.to(dev), num.to(dev), dt_bias=stack["dt_bias"],
+                                   out=out, backend=backend)
+    assert launches["count"] == (1 if backend == "triton" else 0)
+    if in_place:
+        assert new_ssm is stack["initial_state"] and new_conv is stack["conv_state"]
+    for l, inp in enumerate(layers):
+        ssm_def, conv_def = replay_def(inp["initial_state"], inp["conv_state"], inp["xBC"], inp["x"], inp["dt"],
+                                       inp["B"], inp["A"], accepted, num, dt_bias=inp["dt_bias"])
+        assert max_rel_error(new_ssm[l], ssm_def) <= FP32_TOL, l
+        assert torch.equal(new_conv[l].cpu(), conv_def.float()), l

@@ -2,6 +2,8 @@ import pytest
 import torch
 
 from stree.models import HybridConfig, HybridLM, Mamba2Config
+from stree.models.base import TreeContext
+from stree.models.cache import SSMLayerState
 from stree.models.mamba2 import Mamba2Mixer
 from stree.tree import TokenTree, TreeShape
 
@@ -43,7 +45,7 @@ def test_all_attention_hybrid_equals_transformers_llama(rope_scaling):
     with torch.no_grad():
         ref = llama(ids).logits
     cache = model.allocate_cache(2, 40)
-    every = model.forward_tree(TokenTree.from_shape(TreeShape.chain(19), ids[:, :20]), cache)
+    every, _ = model.forward_tree(TokenTree.from_shape(TreeShape.chain(19), ids[:, :20]), cache)
     assert (every - ref[:, :20]).abs().max() <= 1e-4
     model.prefill(ids[:, :20], cache)
     for t in range(20, 30):  # steps past original_max_position_embeddings
@@ -79,8 +81,9 @@ def test_d_xb_mixer_equals_standard_mamba2_with_tiled_weights():
     conv_std = torch.cat([tile(conv[:, :dx].transpose(0, 1)).transpose(0, 1),
                           tile(conv[:, dx:2 * dx].transpose(0, 1)).transpose(0, 1), conv[:, 2 * dx:]], dim=1)
     ssm = torch.randn(2, 4, 8, 8)
-    out_mil, _ = mil.forward_tree(u, index, conv, ssm, "tree", "auto")
-    out_std, _ = std.forward_tree(u, index, conv_std, ssm, "tree", "auto")
+    ctx = TreeContext(index, None, None, "tree", "auto")
+    out_mil, _ = mil.tree(u, ctx, SSMLayerState(conv, ssm))
+    out_std, _ = std.tree(u, ctx, SSMLayerState(conv_std, ssm))
     assert (out_mil - out_std).abs().max() <= 1e-5
 
 

@@ -15,7 +15,7 @@ def _model(tie=True, ngroups=2):
 
 def _logits(model):
     ids = torch.randint(0, 100, (2, 9), generator=torch.Generator().manual_seed(1))
-    return model.forward_tree(TokenTree.from_shape(TreeShape.chain(8), ids), model.allocate_cache(2, 16))
+    return model.forward_tree(TokenTree.from_shape(TreeShape.chain(8), ids), model.allocate_cache(2, 16))[0]
 
 
 @pytest.mark.parametrize("fmt", ["mamba_ssm", "hf"])
@@ -113,7 +113,7 @@ def _hybrid(tie=False):
 
 def _hybrid_logits(model):
     ids = torch.randint(0, 90, (2, 20), generator=torch.Generator().manual_seed(1))
-    return model.forward_tree(TokenTree.from_shape(TreeShape.chain(19), ids), model.allocate_cache(2, 24))
+    return model.forward_tree(TokenTree.from_shape(TreeShape.chain(19), ids), model.allocate_cache(2, 24))[0]
 
 
 @pytest.mark.parametrize("tie", [True, False])

@@ -41,7 +41,7 @@ def test_matches_transformers_prefill_and_steps(ngroups, n_layer):
     with torch.no_grad():
         out = hf(ids, use_cache=True)
     cache = model.allocate_cache(2, 64)
-    every = model.forward_tree(TokenTree.from_shape(TreeShape.chain(10), ids), cache)
+    every, _ = model.forward_tree(TokenTree.from_shape(TreeShape.chain(10), ids), cache)
     assert every.shape == (2, 11, 112)  # vocabulary padded to a multiple of 16
     assert (every - out.logits).abs().max() <= 1e-4
     last = model.prefill(ids, cache)
@@ -70,13 +70,26 @@ def test_bad_inputs_raise_clear_errors():
         model.step(torch.ones(3, dtype=torch.long), cache)
     model.prefill(torch.ones(2, 4, dtype=torch.long), cache, lengths=torch.tensor([4, 2]))
     tree = TokenTree.from_shape(TreeShape.chain(3), torch.ones(2, 4, dtype=torch.long))
-    with pytest.raises(ValueError, match="commit needs the forward_tree pass"):
+    with pytest.raises(TypeError, match="tree_pass must be the TreePass forward_tree returned, got TokenTree"):
         model.commit(cache, tree, torch.zeros(2, 1, dtype=torch.long), torch.ones(2, dtype=torch.long))
-    model.forward_tree(tree, cache)
+    _, tree_pass = model.forward_tree(tree, cache)
     with pytest.raises(ValueError, match=r"accepted\[1, 1\] = 7 is not a node index in \[0, 4\)"):
-        model.commit(cache, tree, torch.tensor([[0, 1], [0, 7]]), torch.tensor([2, 2]))
+        model.commit(cache, tree_pass, torch.tensor([[0, 1], [0, 7]]), torch.tensor([2, 2]))
     with pytest.raises(ValueError, match=r"num_accepted\[0\] = 0 must be in \[1, 2\]"):
-        model.commit(cache, tree, torch.tensor([[0, 1], [0, 1]]), torch.tensor([0, 2]))
+        model.commit(cache, tree_pass, torch.tensor([[0, 1], [0, 1]]), torch.tensor([0, 2]))
+    with pytest.raises(ValueError, match=r"accepted\[0, 0\] = 1: a path starts at the root"):
+        model.commit(cache, tree_pass, torch.tensor([[1, 2], [0, 1]]), torch.tensor([2, 2]))
+    with pytest.raises(ValueError, match=r"accepted\[1\] is not a root path: node 2 is not a child of node 0"):
+        model.commit(cache, tree_pass, torch.tensor([[0, 1], [0, 2]]), torch.tensor([2, 2]))
+    with pytest.raises(ValueError, match="accepted has 5 columns but the tree is only 4 levels deep"):
+        model.commit(cache, tree_pass, torch.zeros(2, 5, dtype=torch.long), torch.ones(2, dtype=torch.long))
+    other = model.allocate_cache(2, 10)
+    with pytest.raises(ValueError, match="tree_pass was computed on another cache"):
+        model.commit(other, tree_pass, torch.zeros(2, 1, dtype=torch.long), torch.ones(2, dtype=torch.long))
+    model.commit(cache, tree_pass, torch.tensor([[0, 1], [0, 0]]), torch.tensor([2, 1]))  # the path may end early
+    assert cache.seqlens.tolist() == [6, 3]
+    with pytest.raises(ValueError, match="tree_pass is stale"):
+        model.commit(cache, tree_pass, torch.zeros(2, 1, dtype=torch.long), torch.ones(2, dtype=torch.long))
     with pytest.raises(ValueError, match="backend must be one of"):
         model.forward_tree(tree, cache, backend="fast")
     with pytest.raises(ValueError, match=r"lengths must be \[batch\] with 1 <= lengths <= 3"):

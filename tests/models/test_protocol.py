@@ -43,7 +43,7 @@ def test_forward_tree_equals_feeding_each_root_path(family, n, data, per_row):
     tree = TokenTree(torch.tensor(rows) if per_row else torch.tensor(rows[0]),
                      torch.randint(0, VOCAB, (3, n), generator=g))
     before = [t.clone() for t in _state_tensors(cache)]
-    logits = model.forward_tree(tree, cache)
+    logits, _ = model.forward_tree(tree, cache)
     assert all(torch.equal(a, b) for a, b in zip(before, _state_tensors(cache)))  # committed state untouched
     for b in range(3):
         for i in range(n):
@@ -60,13 +60,13 @@ def test_commit_leaves_the_sequential_state(family, kernel_backend):
     cache = _prefilled(model, [7, 3, 5], g)
     start = cache.clone()
     tree = TokenTree.from_shape(TreeShape.paper13(), torch.randint(0, VOCAB, (3, 13), generator=g))
-    model.forward_tree(tree, cache)
+    _, tree_pass = model.forward_tree(tree, cache)
     paths = [[0, 2, 6], [0, 1, 4, 7, 12], [0]]
-    model.commit(cache, tree, torch.tensor([p + [0] * (5 - len(p)) for p in paths]),
+    model.commit(cache, tree_pass, torch.tensor([p + [0] * (5 - len(p)) for p in paths]),
                  torch.tensor([len(p) for p in paths]))
     assert cache.seqlens.tolist() == [10, 8, 6]
     tree2 = TokenTree.from_shape(TreeShape.full(2, 2), torch.randint(0, VOCAB, (3, 7), generator=g))
-    logits = model.forward_tree(tree2, cache)
+    logits, _ = model.forward_tree(tree2, cache)
     model.kernel_backend = "auto"  # the sequential reference need not run under the interpreter
     for b in range(3):
         committed = tree.tokens[b, paths[b]].tolist()
@@ -87,9 +87,10 @@ def test_chain_and_unrolled_backends_agree_with_tree(family):
     shape = TreeShape.paper13()
     tree = TokenTree(torch.tensor([list(shape.parents), [-1, 0, 1, 1, 0, 4, 5, 2, 3, 3, 9, 6, 11]]),
                      torch.randint(0, VOCAB, (2, 13), generator=g))
-    assert (model.forward_tree(tree, cache, backend="unrolled") - model.forward_tree(tree, cache)).abs().max() <= 1e-5
+    logits = lambda t, backend="tree": model.forward_tree(t, cache, backend=backend)[0]
+    assert (logits(tree, "unrolled") - logits(tree)).abs().max() <= 1e-5
     chain = TokenTree.from_shape(TreeShape.chain(5), torch.randint(0, VOCAB, (2, 6), generator=g))
-    assert (model.forward_tree(chain, cache, backend="chain") - model.forward_tree(chain, cache)).abs().max() <= 1e-5
+    assert (logits(chain, "chain") - logits(chain)).abs().max() <= 1e-5
     with pytest.raises(ValueError, match="backend='chain' needs a chain tree"):
         model.forward_tree(tree, cache, backend="chain")
 

@@ -33,8 +33,9 @@ def test_step_equals_a_one_node_tree_and_its_commit(family, kernel_backend):
     for _ in range(3):  # rows at different lengths, several steps
         got = model.step(tok, cache)
         tree = TokenTree.from_shape(TreeShape.chain(0), tok[:, None])
-        want = model.forward_tree(tree, other)[:, 0]
-        model.commit(other, tree, torch.zeros(3, 1, dtype=torch.long), torch.ones(3, dtype=torch.long))
+        want, tree_pass = model.forward_tree(tree, other)
+        model.commit(other, tree_pass, torch.zeros(3, 1, dtype=torch.long), torch.ones(3, dtype=torch.long))
+        want = want[:, 0]
         assert (got - want).abs().max() <= 1e-5
         assert torch.equal(cache.seqlens, other.seqlens)
         for b in range(3):
@@ -59,10 +60,12 @@ def test_unvalidated_step_and_tree_pass_never_wait_on_the_host(family, kernel_ba
     assert torch.equal(got, want) and torch.equal(cache.seqlens, reference.seqlens)
     tree = TokenTree.from_shape(TreeShape.paper13(), torch.randint(0, VOCAB, (2, 13)))
     index = tree.index
-    want = model.forward_tree(tree, cache)
+    want, _ = model.forward_tree(tree, cache)
     with no_host_sync():
-        got = model.tree_pass(tree, index, cache, "tree", kernel_backend)
+        got, tree_pass = model.tree_pass(tree, index, cache, "tree", kernel_backend, 3)
+        model.commit(cache, tree_pass, torch.tensor([[0, 1, 4], [0, 2, 6]]), torch.tensor([3, 2]), validate=False)
     assert torch.equal(got, want)
+    assert cache.seqlens.tolist() == [9, 6]  # prefilled 5 and 3, one step, then 3 and 2 committed
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -81,11 +84,11 @@ def test_unvalidated_step_still_checks_what_costs_no_sync(family):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_a_step_after_a_tree_pass_makes_its_commit_an_error(family):
-    """The step moved the state on, so the tree pass's scratch no longer belongs to it."""
+    """The step moved the state on, so the tree pass no longer belongs to it."""
     model = FAMILIES[family]()
     cache, tok = _prefilled(model, [4, 4], seed=5)
     tree = TokenTree.from_shape(TreeShape.chain(2), torch.randint(0, VOCAB, (2, 3)))
-    model.forward_tree(tree, cache)
+    _, tree_pass = model.forward_tree(tree, cache)
     model.step(tok, cache)
-    with pytest.raises(ValueError, match="commit needs the forward_tree pass of this same tree"):
-        model.commit(cache, tree, torch.zeros(2, 1, dtype=torch.long), torch.ones(2, dtype=torch.long))
+    with pytest.raises(ValueError, match="tree_pass is stale"):
+        model.commit(cache, tree_pass, torch.zeros(2, 1, dtype=torch.long), torch.ones(2, dtype=torch.long))
