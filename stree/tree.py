@@ -8,6 +8,7 @@ two comparisons ``pre[j] <= pre[i] <= last[j]``.
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -95,6 +96,13 @@ class TreeIndex:
     depth: torch.Tensor
     pre: torch.Tensor
     last: torch.Tensor
+    _memo: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def memo(self, key, fn):
+        """``fn()`` computed once per tree: the tensors every layer of a pass derives alike."""
+        if key not in self._memo:
+            self._memo[key] = fn()
+        return self._memo[key]
 
     @property
     def rows(self) -> int:
@@ -110,8 +118,10 @@ class TreeIndex:
 
     def ancestor_mask(self) -> torch.Tensor:
         """``[rows, n, n]`` bool, from the intervals (what the kernels compute in registers)."""
-        pre_i = self.pre[:, :, None]
-        return (self.pre[:, None, :] <= pre_i) & (pre_i <= self.last[:, None, :])
+        def build():
+            pre_i = self.pre[:, :, None]
+            return (self.pre[:, None, :] <= pre_i) & (pre_i <= self.last[:, None, :])
+        return self.memo("ancestor_mask", build)
 
     def for_batch(self, batch: int, name: str = "parents") -> "TreeIndex":
         if self.rows not in (1, batch):
@@ -165,6 +175,14 @@ def leaf_paths(parents: Sequence[int]) -> list[list[int]]:
     return paths
 
 
+@functools.lru_cache(maxsize=64)
+def _shape_index(shape: "TreeShape", device: torch.device) -> TreeIndex:
+    index = tree_index(torch.tensor(shape.parents, device=device))
+    index.memo("max_depth", lambda: shape.max_depth)
+    index.memo("parents_long", lambda: torch.tensor(shape.parents, dtype=torch.long, device=device))
+    return index
+
+
 @dataclass(frozen=True)
 class TreeShape:
     """A static tree topology (no tokens), shared by all rows of a batch."""
@@ -200,6 +218,11 @@ class TreeShape:
 
     def parents_tensor(self, device=None) -> torch.Tensor:
         return torch.tensor(self.parents, dtype=torch.long, device=device)
+
+    def index(self, device=None) -> TreeIndex:
+        """The shape's TreeIndex on ``device``, built once per shape and device (a decode loop
+        drafts the same shape every step); its deepest level is known without a device sync."""
+        return _shape_index(self, torch.device(device) if device is not None else torch.device("cpu"))
 
     @classmethod
     def chain(cls, depth: int) -> "TreeShape":
@@ -294,7 +317,8 @@ class TokenTree:
     _index: TreeIndex | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self):
-        self.parents = check_parents(self.parents)
+        if self._index is None:
+            self.parents = check_parents(self.parents)
         if not isinstance(self.tokens, torch.Tensor) or self.tokens.dtype.is_floating_point or self.tokens.dtype == torch.bool:
             raise TypeError(f"tokens must be an integer tensor [B, N], got {getattr(self.tokens, 'dtype', type(self.tokens))}")
         if self.tokens.dim() != 2 or self.tokens.shape[1] != self.n:
@@ -353,4 +377,10 @@ class TokenTree:
 
     @classmethod
     def from_shape(cls, shape: TreeShape, tokens: torch.Tensor, **kwargs) -> "TokenTree":
-        return cls(shape.parents_tensor(tokens.device), tokens, **kwargs)
+        """A tree of a static shape: its parents and index come from the shape's cache (validated
+        when the shape was made), so a decode loop pays for neither each step."""
+        index = shape.index(tokens.device)
+        tree = cls.__new__(cls)
+        tree._index = index
+        cls.__init__(tree, index.memo("parents_long", lambda: index.parents.long()), tokens, **kwargs)
+        return tree

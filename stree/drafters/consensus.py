@@ -212,4 +212,4 @@ class ConsensusDrafter(Drafter):
                     toks[child], ok[child] = tok, True
                     node[child] = (node[v][0] + 1, tok)
             tokens[i], valid[i] = torch.tensor(toks), torch.tensor(ok)
-        return TokenTree(shape.parents_tensor(), tokens, valid)
+        return TokenTree.from_shape(shape, tokens, valid=valid)

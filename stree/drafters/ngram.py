@@ -86,4 +86,4 @@ class NGramDrafter(Drafter):
                     toks[child], ok[child] = tok, True
                     suffix[child] = (suffix[v] + (tok,))[-self.max_n:]
             tokens[i], valid[i] = torch.tensor(toks), torch.tensor(ok)
-        return TokenTree(shape.parents_tensor(), tokens, valid)
+        return TokenTree.from_shape(shape, tokens, valid=valid)

@@ -125,8 +125,8 @@ class SSMDrafter(Drafter):
                     order = torch.arange(c).expand(b, c)
                 tokens[:, kids[v]] = ids.gather(1, order)
         if not self.stochastic:
-            return TokenTree(shape.parents_tensor(), tokens)
-        return TokenTree(shape.parents_tensor(), tokens, child_ids=child_ids, child_probs=child_probs)
+            return TokenTree.from_shape(shape, tokens)
+        return TokenTree.from_shape(shape, tokens, child_ids=child_ids, child_probs=child_probs)
 
     def _beam(self, roots: torch.Tensor) -> TokenTree:
         b, M = len(roots), self.beams

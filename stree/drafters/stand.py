@@ -236,8 +236,8 @@ class STANDDrafter(Drafter):
                         paths[i, c] = (paths[i, v] + (drawn_ids[j][r],))[-store.max_n:]
         tokens, valid = torch.from_numpy(tokens), torch.from_numpy(valid)
         if not self.stochastic:
-            return TokenTree(shape.parents_tensor(), tokens, valid)
-        return TokenTree(shape.parents_tensor(), tokens, valid, child_ids=torch.from_numpy(child_ids),
+            return TokenTree.from_shape(shape, tokens, valid=valid)
+        return TokenTree.from_shape(shape, tokens, valid=valid, child_ids=torch.from_numpy(child_ids),
                          child_probs=torch.from_numpy(child_probs))
 
     def observe(self, context: DraftContext, tokens, target) -> None:

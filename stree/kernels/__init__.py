@@ -4,7 +4,8 @@
 on CPU tensors needs ``TRITON_INTERPRET=1`` set before this package is imported.
 """
 
-from .multistep import multistep_update, multistep_update_ref
+from .conv_step import conv_step, conv_step_ref
+from .multistep import multistep_update, multistep_update_ref, selective_state_update, selective_state_update_ref
 from .replay import check_accepted, replay, replay_ref
 from .tree_attention import tree_attention, tree_attention_ref
 from .tree_conv1d import tree_conv1d, tree_conv1d_ref
@@ -17,6 +18,10 @@ __all__ = [
     "tree_conv1d_ref",
     "multistep_update",
     "multistep_update_ref",
+    "selective_state_update",
+    "selective_state_update_ref",
+    "conv_step",
+    "conv_step_ref",
     "replay",
     "replay_ref",
     "check_accepted",

@@ -109,12 +109,16 @@ def check_tree(parents, batch, n, device) -> TreeIndex:
 
 
 def process_dt(dt, dt_bias, dt_softplus, dt_limit):
-    """dt -> clamp(softplus(dt + bias)) in fp32, softplus linear above 20 as in mamba_ssm."""
-    dt = dt.float()
+    """dt -> clamp(softplus(dt + bias)) in fp32, softplus linear above 20 as in mamba_ssm. The
+    clamp is skipped when it cannot bite (softplus is >= 0, so (0, inf) after it is a no-op)."""
+    f32 = lambda t: t if t.dtype == torch.float32 else t.float()
+    dt = f32(dt)
     if dt_bias is not None:
-        dt = dt + dt_bias.float()
+        dt = dt + f32(dt_bias)
     if dt_softplus:
         dt = F.softplus(dt, threshold=20.0)
+    if dt_softplus and dt_limit[0] <= 0 and dt_limit[1] == INF:
+        return dt
     return dt.clamp(dt_limit[0], dt_limit[1])
 
 

@@ -29,7 +29,7 @@ from ._common import (
     resolve_backend,
 )
 
-__all__ = ["multistep_update", "multistep_update_ref"]
+__all__ = ["multistep_update", "multistep_update_ref", "selective_state_update", "selective_state_update_ref"]
 
 
 @triton.jit
@@ -120,11 +120,13 @@ def recurrence_block_p(headdim: int) -> int:
     return min(pow2_block(headdim), 32)
 
 
-def launch_ssm_recurrence(state, x, dt, A, B, C, D, dt_bias, dt_softplus, dt_limit, y):
-    """Launch :func:`ssm_recurrence_kernel`; returns the new fp32 state (``state`` is not written)."""
+def launch_ssm_recurrence(state, x, dt, A, B, C, D, dt_bias, dt_softplus, dt_limit, y, out=None):
+    """Launch :func:`ssm_recurrence_kernel`; returns the new fp32 state, written to ``out`` (which
+    may be ``state`` itself: every program reads its block of the state before writing it)."""
     batch, nheads, headdim, dstate = state.shape
     ngroups = B.shape[2]
-    out = torch.empty(batch, nheads, headdim, dstate, dtype=torch.float32, device=state.device)
+    if out is None:
+        out = torch.empty(batch, nheads, headdim, dstate, dtype=torch.float32, device=state.device)
     block_p = recurrence_block_p(headdim)
     grid = (batch * nheads, triton.cdiv(headdim, block_p))
     dummy = state
@@ -197,3 +199,55 @@ def multistep_update(state, x, dt, A, B, C, *, D=None, dt_bias=None, dt_softplus
     y = torch.empty_like(x)
     final = launch_ssm_recurrence(state, x, dt, A, B, C, D, dt_bias, dt_softplus, dt_limit, y)
     return y, final
+
+
+def _check_step_args(state, x, dt, A, B, C, D, dt_bias, dt_limit):
+    batch, nheads, headdim = check_layout("x", x, "batch, nheads, headdim")
+    device = x.device
+    ngroups, dstate = check_layout("B", B, "batch, ngroups, dstate")[1:]
+    check_tensor("state", state, (batch, nheads, headdim, dstate), device, dtype=torch.float32)
+    if not state.is_contiguous():
+        raise ValueError("state must be contiguous: it is updated in place")
+    check_tensor("dt", dt, (batch, nheads), device)
+    check_tensor("B", B, (batch, ngroups, dstate), device, dtype=x.dtype)
+    check_tensor("C", C, (batch, ngroups, dstate), device, dtype=x.dtype)
+    check_groups(nheads, ngroups)
+    D = check_ssm_params(nheads, headdim, device, A, D, dt_bias)
+    return D, check_dt_limit(dt_limit)
+
+
+def selective_state_update_ref(state, x, dt, A, B, C, *, D=None, dt_bias=None, dt_softplus=True,
+                               dt_limit=(0.0, INF)):
+    """One step for all heads at once, the state updated in place: heads are grouped as
+    ``[g, h / g]`` so B and C broadcast over their group's heads instead of being repeated."""
+    D, dt_limit = _check_step_args(state, x, dt, A, B, C, D, dt_bias, dt_limit)
+    batch, nheads, headdim, dstate = state.shape
+    g = B.shape[1]
+    f32 = lambda t: t if t.dtype == torch.float32 else t.float()
+    dt = process_dt(dt, dt_bias, dt_softplus, dt_limit).view(batch, g, nheads // g)
+    xg = f32(x).view(batch, g, nheads // g, headdim)
+    st = state.view(batch, g, nheads // g, headdim, dstate)
+    st.mul_(torch.exp(dt * f32(A).view(g, -1))[..., None, None])
+    st.add_(torch.einsum("bgr,bgrp,bgs->bgrps", dt, xg, f32(B)))
+    y = torch.einsum("bgrps,bgs->bgrp", st, f32(C)).view(batch, nheads, headdim)
+    if D is not None:
+        y = torch.addcmul(y, f32(x), f32(D))
+    return y if y.dtype == x.dtype else y.to(x.dtype)
+
+
+def selective_state_update(state, x, dt, A, B, C, *, D=None, dt_bias=None, dt_softplus=True, dt_limit=(0.0, INF),
+                           backend="auto"):
+    """One recurrence step (the autoregressive decode step), ``state`` advanced in place; returns y.
+
+    state ``[b, h, p, s]`` fp32; x ``[b, h, p]``; dt ``[b, h]`` raw; A ``[h]``; B, C ``[b, g, s]`` in
+    x's dtype; D ``[h]`` or ``[h, p]``; dt_bias ``[h]``. y ``[b, h, p]`` in x's dtype.
+    """
+    check_layout("x", x, "batch, nheads, headdim")
+    if resolve_backend(backend, x.device) == "torch":
+        return selective_state_update_ref(state, x, dt, A, B, C, D=D, dt_bias=dt_bias, dt_softplus=dt_softplus,
+                                          dt_limit=dt_limit)
+    D, dt_limit = _check_step_args(state, x, dt, A, B, C, D, dt_bias, dt_limit)
+    y = torch.empty_like(x)
+    launch_ssm_recurrence(state, x[:, None], dt[:, None], A, B[:, None], C[:, None], D, dt_bias, dt_softplus, dt_limit,
+                          y[:, None], out=state)
+    return y

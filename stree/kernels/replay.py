@@ -17,8 +17,17 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import INF, check_dt_limit, check_groups, check_layout, check_tensor, pow2_block, resolve_backend
-from .multistep import recurrence_block_p, ssm_recurrence_program, ssm_recurrence_ref
+from ._common import (
+    INF,
+    check_dt_limit,
+    check_groups,
+    check_layout,
+    check_tensor,
+    pow2_block,
+    process_dt,
+    resolve_backend,
+)
+from .multistep import recurrence_block_p, ssm_recurrence_program
 
 __all__ = ["replay", "replay_ref", "check_accepted"]
 
@@ -151,24 +160,33 @@ def _finish(new_ssm, new_conv, outs, single):
 
 def replay_ref(ssm_state, conv_state, xBC, x, dt, B, A, accepted, num_accepted, *, dt_bias=None,
                dt_softplus=True, dt_limit=(0.0, INF), validate=True, out=None):
+    """All layers and path steps at once, in closed form: with the path's dA_t = dt_t A,
+    ``state' = exp(sum_t dA_t) state + sum_t exp(sum_{t' > t} dA_t') dt_t x_t B_t^T``. Steps past
+    ``num_accepted`` read the root (always on the path) and get dt = 0, which makes them no-ops."""
     stacked, outs, dt_limit, single = _check_args(ssm_state, conv_state, xBC, x, dt, B, A, accepted, num_accepted,
                                                   dt_bias, dt_limit, validate, out)
     ssm_state, conv_state, xBC, x, dt, B, A, dt_bias = stacked
-    layers, batch = x.shape[:2]
+    layers, batch, _, nheads, headdim = x.shape
+    g, dstate = B.shape[-2:]
     L = accepted.shape[1]
     used = torch.arange(L, device=x.device) < num_accepted[:, None]
     path = torch.where(used, accepted, 0).long()
     rows = torch.arange(batch, device=x.device)[:, None]
-    flat = lambda t: t[:, rows, path].flatten(0, 1)  # [layers * b, L, ...]: one recurrence row per (layer, row)
-    per_row = lambda p: None if p is None else p[:, None].expand(layers, batch, p.shape[-1]).flatten(0, 1)[:, None]
-    _, new_ssm = ssm_recurrence_ref(ssm_state.flatten(0, 1), flat(x), flat(dt), per_row(A), flat(B), None, None,
-                                    per_row(dt_bias), dt_softplus, dt_limit, lengths=num_accepted.repeat(layers))
+    f32 = lambda t: t if t is None or t.dtype == torch.float32 else t.float()
+    bias = None if dt_bias is None else dt_bias[:, None, None]
+    dtp = process_dt(dt[:, rows, path], bias, dt_softplus, dt_limit) * used[..., None]  # [layers, b, L, h]
+    dA = dtp * f32(A)[:, None, None]
+    total = dA.sum(2)
+    weight = (total[:, :, None] - dA.cumsum(2)).exp_().mul_(dtp)  # exp(dA after step t) dt_t
+    upd = torch.einsum("lbtgr,lbtgrp,lbtgs->lbgrps", weight.view(layers, batch, L, g, nheads // g),
+                       f32(x[:, rows, path]).view(layers, batch, L, g, nheads // g, headdim), f32(B[:, rows, path]))
+    new_ssm = upd.view_as(ssm_state).addcmul_(ssm_state, total.exp_()[..., None, None])
     d_conv = conv_state.shape[-1]
     seq = torch.cat([conv_state.transpose(-1, -2), xBC.to(conv_state.dtype)], dim=-2)  # [layers, b, K + n, dim]
     q = num_accepted[:, None] - d_conv + torch.arange(d_conv, device=x.device)  # oldest slot first
     pos = d_conv + torch.where(q >= 0, torch.gather(path, 1, q.clamp(min=0)), q)
     new_conv = seq[:, rows, pos].transpose(-1, -2)
-    return _finish(new_ssm.view_as(ssm_state), new_conv, outs, single)
+    return _finish(new_ssm, new_conv, outs, single)
 
 
 def replay(ssm_state, conv_state, xBC, x, dt, B, A, accepted, num_accepted, *, dt_bias=None,

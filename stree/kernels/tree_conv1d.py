@@ -100,15 +100,20 @@ def tree_conv1d_ref(xBC, parents, conv_state, weight, bias=None, activation="sil
     index, weight = _check_args(xBC, parents, conv_state, weight, bias, activation)
     batch, n, dim = xBC.shape
     d_conv = weight.shape[-1]
-    seq = torch.cat([conv_state.transpose(1, 2).float(), xBC.float()], dim=1)  # [b, K + n, dim]
-    pos = (window_positions(index.parents.long(), d_conv) + d_conv).expand(batch, n, d_conv)
-    windows = torch.gather(seq, 1, pos.reshape(batch, n * d_conv, 1).expand(-1, -1, dim)).view(batch, n, d_conv, dim)
-    out = torch.einsum("bnkd,dk->bnd", windows, weight.float())
+    # Window rows of [conv_state; xBC], the same for every layer of a pass: made once per tree.
+    pos = index.memo(("conv_window", d_conv), lambda: window_positions(index.parents.long(), d_conv) + d_conv)
+    f32 = lambda t: t if t.dtype == torch.float32 else t.float()
+    seq = torch.cat([f32(conv_state).transpose(1, 2), f32(xBC)], dim=1)  # [b, K + n, dim]
+    if pos.shape[0] == 1:
+        windows = seq.index_select(1, pos.view(-1)).view(batch, n, d_conv, dim)
+    else:
+        windows = seq[torch.arange(batch, device=seq.device)[:, None, None], pos]
+    out = (windows * f32(weight).t()).sum(2)  # a product and a sum: several times faster than einsum on CPU
     if bias is not None:
-        out = out + bias.float()
+        out = out + f32(bias)
     if activation == "silu":
         out = torch.nn.functional.silu(out)
-    return out.to(xBC.dtype)
+    return out if out.dtype == xBC.dtype else out.to(xBC.dtype)
 
 
 def tree_conv1d(xBC, parents, conv_state, weight, bias=None, activation="silu", backend="auto"):

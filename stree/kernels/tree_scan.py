@@ -25,7 +25,6 @@ from ._common import (
     check_tensor,
     check_tree,
     dot_precision,
-    heads_view,
     pow2_block,
     process_dt,
     process_dt_tl,
@@ -161,25 +160,34 @@ def _check_args(x, dt, A, B, C, parents, D, dt_bias, dt_limit, initial_state):
 
 def tree_scan_ref(x, dt, A, B, C, parents, *, D=None, dt_bias=None, dt_softplus=True,
                   dt_limit=(0.0, INF), initial_state=None):
-    """Vectorised PyTorch version of the formula above (fp32, explicit ``n x n`` ancestor mask)."""
+    """Vectorised PyTorch version of the formula above (fp32, explicit ``n x n`` ancestor mask).
+    Heads are grouped as ``[g, h / g]`` so B and C broadcast over their group instead of being
+    repeated; the tree's masks are made once per tree (every layer of a pass shares them)."""
     index, D, dt_limit = _check_args(x, dt, A, B, C, parents, D, dt_bias, dt_limit, initial_state)
-    nheads = x.shape[2]
-    L = index.ancestor_mask().expand(x.shape[0], -1, -1)  # [b, n, n]
+    batch, n, nheads, headdim = x.shape
+    g = B.shape[2]
+    r = nheads // g
+    L = index.memo("ancestor_mask_f32", lambda: index.ancestor_mask().float())  # [rows, n, n]
+    off = index.memo("not_ancestor", lambda: ~index.ancestor_mask()[:, None])  # [rows, 1, n, n]
+    f32 = lambda t: t if t.dtype == torch.float32 else t.float()
+    # Batched matmuls throughout: on the CPU einsum costs several times as much at these sizes.
     dt = process_dt(dt, dt_bias, dt_softplus, dt_limit)  # [b, n, h]
-    dA = dt * A.float()
-    atree = torch.einsum("bij,bjh->bhi", L.float(), dA)  # [b, h, n]
-    seg = atree[..., :, None] - atree[..., None, :]  # [b, h, i, j]
-    decay = torch.exp(seg.masked_fill(~L[:, None], -INF))
-    Bh, Ch = heads_view(B.float(), nheads), heads_view(C.float(), nheads)
-    cb = torch.einsum("bihs,bjhs->bhij", Ch, Bh)
-    w = cb * decay * dt.transpose(1, 2)[:, :, None, :]
-    xf = x.float()
-    y = torch.einsum("bhij,bjhp->bihp", w, xf)
+    # In-place where autograd does not record (decoding); the training forward needs the graph.
+    inplace = not torch.is_grad_enabled()
+    mul = (lambda a, b: a.mul_(b)) if inplace else torch.mul
+    atree = (L @ (dt * f32(A))).transpose(1, 2)  # [b, h, n]
+    decay = (atree[..., :, None] - atree[..., None, :]).masked_fill(off, -INF).exp()  # [b, h, i, j]
+    Cg = f32(C).transpose(1, 2)  # [b, g, n, s]
+    w = mul(decay.view(batch, g, r, n, n), (Cg @ f32(B).permute(0, 2, 3, 1))[:, :, None])  # * (C_i . B_j)
+    w = mul(w, dt.transpose(1, 2).reshape(batch, g, r, 1, n))  # * dt_j
+    y = w @ f32(x).transpose(1, 2).reshape(batch, g, r, n, headdim)  # [b, g, r, n, p]
     if initial_state is not None:
-        y = y + torch.einsum("bihs,bhps->bihp", Ch, initial_state) * torch.exp(atree).transpose(1, 2)[..., None]
+        state = initial_state.view(batch, g, r, headdim, initial_state.shape[-1]).transpose(-1, -2)
+        y = torch.addcmul(y, Cg[:, :, None] @ state, atree.exp().view(batch, g, r, n, 1))
+    y = y.view(batch, nheads, n, headdim).transpose(1, 2)
     if D is not None:
-        y = y + xf * D.float()
-    return y.to(x.dtype)
+        y = torch.addcmul(y, f32(x), f32(D))
+    return y.to(x.dtype).contiguous() if y.dtype != x.dtype else y.contiguous()
 
 
 def launch_config(n, headdim, dstate):

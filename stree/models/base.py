@@ -150,7 +150,7 @@ class TreeLM(nn.Module):
             raise TypeError(f"tree must be a TokenTree, got {type(tree).__name__}")
         self.check_tokens("tree.tokens", tree.tokens)
         index = tree.index
-        max_depth = int(index.depth.max())
+        max_depth = index.memo("max_depth", lambda: int(index.depth.max()))
         self.check_cache(cache, tree.batch_size, max_depth + 1)
         if backend == "chain" and max_depth != tree.n - 1:
             raise ValueError("backend='chain' needs a chain tree (parents[i] == i - 1)")

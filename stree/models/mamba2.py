@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..kernels import multistep_update, replay, tree_conv1d, tree_scan
+from ..kernels import conv_step, multistep_update, replay, selective_state_update, tree_conv1d, tree_scan
 from ..tree import TreeIndex, leaf_paths
 from .base import Block, TreeLM, derived
 from .cache import SSMLayerState, SSMScratch
@@ -136,18 +136,12 @@ class Mamba2Mixer(nn.Module):
 
     def step(self, u, state: SSMLayerState, ctx):
         """One token ``u [b, d]``; advances the layer's conv and SSM state in place."""
-        kernel_backend = ctx.kernel_backend
         z, xBC, dt = self._split(u)
-        conv_state = state.conv
-        conv_state.copy_(torch.cat([conv_state[..., 1:], xBC[..., None].to(conv_state.dtype)], dim=-1))
-        conv = (conv_state.float() * fp32(self.conv1d.weight)[:, 0]).sum(-1)
-        if self.conv1d.bias is not None:
-            conv = conv + fp32(self.conv1d.bias)
-        x, B, C = self._ssm_inputs(F.silu(conv).to(xBC.dtype)[:, None])
-        y, new_state = multistep_update(state.ssm, x, dt[:, None], self.A(), B, C, D=self.D, **self.ssm_kwargs(),
-                                        backend=kernel_backend)
-        state.ssm.copy_(new_state)
-        return self._output(y[:, 0], z)
+        conv = conv_step(xBC, state.conv, self.conv1d.weight, self.conv1d.bias, backend=ctx.kernel_backend)
+        x, B, C = self._ssm_inputs(conv)
+        y = selective_state_update(state.ssm, x, dt, self.A(), B, C, D=self.D, **self.ssm_kwargs(),
+                                   backend=ctx.kernel_backend)
+        return self._output(y, z)
 
     @staticmethod
     def stack_scratch(per_layer) -> SSMScratch:

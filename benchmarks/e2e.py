@@ -1,0 +1,194 @@
+"""End-to-end decoding speed: stree (autoregressive, chain and STree under each drafter) against
+transformers' own ``generate`` on the same weights, and, on CUDA when importable, mamba_ssm's
+``MambaLMHeadModel.generate(cg=True)``. One process, greedy, batch 1; the configurations take
+turns on every prompt (round-robin, the order rotating per prompt and round), so drift hits all
+alike; speed is reported as a ratio to transformers. Every output is checked token for token
+against transformers'. Also: per-iteration time split (draft / verify / commit / other), target
+forwards, tau, and the op counts of one step, tree pass, commit and verify.
+
+    python benchmarks/e2e.py                  # shipped pair, 8 held-out prompts x 128 tokens
+    python benchmarks/e2e.py --smoke          # 2 prompts x 12 tokens (CI)
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from stree.demo import DRAFTER, TARGET, read_prompts
+from stree.drafters.registry import NEEDS_MODEL, make_drafter
+from stree.generate import generate, pooled_tau
+from stree.models import load, load_tokenizer, save
+from stree.opcount import count_ops
+from stree.timing import run_info, save_result
+from stree.tree import TokenTree, TreeShape
+from stree.verify import verify
+
+# (name, method, drafter): chain drafts a 4-token chain, STree the drafter's own tree.
+CONFIGS = (("stree-autoregressive", "autoregressive", None), ("chain-ngram", "chain", "ngram"),
+           ("chain-ssm-static", "chain", "ssm-static"), ("stree-ngram", "stree", "ngram"),
+           ("stree-stand-det", "stree", "stand-det"), ("stree-ssm-static", "stree", "ssm-static"),
+           ("stree-ssm-beam", "stree", "ssm-beam"))
+
+
+def hf_twin(model, device):
+    """transformers' Mamba2ForCausalLM with ``model``'s weights (saved and loaded in its format)."""
+    from transformers import Mamba2ForCausalLM
+
+    with tempfile.TemporaryDirectory() as tmp:
+        save(model, tmp, format="hf")
+        return Mamba2ForCausalLM.from_pretrained(tmp, local_files_only=True, dtype=model.dtype).to(device).eval()
+
+
+def mamba_ssm_twin(model, device):
+    """mamba_ssm's MambaLMHeadModel with the same weights, or None where it cannot be imported."""
+    if device.type != "cuda":
+        return None
+    try:
+        from mamba_ssm.models.config_mamba import MambaConfig
+        from mamba_ssm.models.mixer_seq_simple import MambaLMHeadModel
+    except ImportError:
+        return None
+    cfg = model.cfg
+    ssm = dict(layer="Mamba2", d_state=cfg.d_state, d_conv=cfg.d_conv, expand=cfg.expand, headdim=cfg.headdim,
+               ngroups=cfg.ngroups, chunk_size=cfg.chunk_size)
+    twin = MambaLMHeadModel(MambaConfig(d_model=cfg.d_model, n_layer=cfg.n_layer, vocab_size=cfg.vocab_size,
+                                        ssm_cfg=ssm, pad_vocab_size_multiple=cfg.pad_vocab_size_multiple,
+                                        tie_embeddings=cfg.tie_embeddings), device=device, dtype=model.dtype)
+    twin.load_state_dict(model.state_dict(), strict=False)
+    return twin.eval()
+
+
+def op_counts(model) -> dict:
+    """Ops of one step, one paper13 tree pass, its commit and its verification (batch 1)."""
+    cache = model.allocate_cache(1, 256)
+    model.prefill(torch.arange(1, 33, device=model.device)[None], cache)
+    tok = torch.tensor([5], device=model.device)
+    shape = TreeShape.paper13()
+    tree = TokenTree.from_shape(shape, torch.randint(0, model.vocab_size, (1, shape.n)).to(model.device))
+    logits, _ = model.forward_tree(tree, cache)
+    path, num = torch.tensor([[0, 1, 4]], device=model.device), torch.tensor([3], device=model.device)
+    counts = dict(step=count_ops(lambda: model.step(tok, cache)), forward_tree=count_ops(lambda: model.forward_tree(tree, cache)),
+                  commit=count_ops(lambda tree_pass: model.commit(cache, tree_pass, path, num, validate=False),
+                                   setup=lambda: model.forward_tree(tree, cache)[1:]),
+                  verify=count_ops(lambda: verify(tree, logits)))
+    return {k: dict(total=v.total, compute=v.compute, triton_launches=v.triton_launches) for k, v in counts.items()}
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default=str(TARGET))
+    p.add_argument("--drafter-model", default=str(DRAFTER))
+    p.add_argument("--prompts", type=int, default=8)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--rounds", type=int, default=2, help="times every (prompt, configuration) runs")
+    p.add_argument("--smoke", action="store_true")
+    p.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    args = p.parse_args(argv)
+    if args.smoke:
+        args.prompts, args.max_new_tokens, args.rounds = 2, 12, 1
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    target = load(args.model, dtype=dtype, device=device)
+    draft_model = load(args.drafter_model, dtype=dtype, device=device)
+    tokenizer = load_tokenizer(args.model, vocab_size=target.vocab_size)
+    prompts = [tokenizer.encode(t, add_special_tokens=False)
+               for t in read_prompts(Path(args.model) / "prompts.jsonl", args.prompts)]
+    hf = hf_twin(target, device)
+    ms = mamba_ssm_twin(target, device)
+    N = args.max_new_tokens
+    sync = (lambda: torch.cuda.synchronize()) if device.type == "cuda" else (lambda: None)
+
+    def run_hf(model, prompt):
+        ids = torch.tensor([prompt], device=device)
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=N, min_new_tokens=N,
+                             do_sample=False, pad_token_id=0)
+        return out[0, len(prompt):].tolist(), None
+
+    def run_mamba_ssm(prompt):
+        ids = torch.tensor([prompt], device=device)
+        out = ms.generate(ids, max_length=len(prompt) + N, cg=True, top_k=1)
+        return out[0, len(prompt):].tolist(), None
+
+    def run_stree(method, drafter_name):
+        def run(prompt):
+            drafter = None if drafter_name is None else make_drafter(
+                drafter_name, drafter_model=draft_model if drafter_name in NEEDS_MODEL else None,
+                vocab_size=target.vocab_size)
+            tree = TreeShape.chain(4) if method == "chain" else None
+            res = generate(target, [prompt], method=method, drafter=drafter, tree=tree, max_new_tokens=N)
+            return res.new_tokens[0], res.stats
+        return run
+
+    runners = {"transformers": lambda prompt: run_hf(hf, prompt)}
+    if ms is not None:
+        runners["mamba_ssm-cg"] = run_mamba_ssm
+    runners.update({name: run_stree(method, d) for name, method, d in CONFIGS})
+    names = list(runners)
+    for name in names:  # warm-up: first calls allocate, compile and fill caches
+        runners[name](prompts[0][:8])
+    seconds = {name: 0.0 for name in names}
+    outputs = {name: [] for name in names}
+    stats = {name: [] for name in names}
+    turns = [(r, i) for r in range(args.rounds) for i in range(len(prompts))]
+    for turn, (r, i) in enumerate(tqdm(turns, desc="rounds x prompts", file=sys.stderr)):
+        order = names[turn % len(names):] + names[: turn % len(names)]
+        for name in order:
+            sync()
+            t0 = time.perf_counter()
+            tokens, st = runners[name](prompts[i])
+            sync()
+            seconds[name] += time.perf_counter() - t0
+            if r == 0:
+                outputs[name].append(tokens)
+                if st is not None:
+                    stats[name].append(st)
+    base = seconds["transformers"]
+    rows = []
+    for name in names:
+        st = stats[name]
+        iters = sum(len(a) for s in st for a in s.accepted)
+        split = {k: sum(getattr(s, f"time_{k}") for s in st) / iters * 1e3 if iters else None
+                 for k in ("draft", "verify", "commit", "other")}
+        rows.append(dict(
+            name=name, seconds=seconds[name], tokens=args.rounds * len(prompts) * N,
+            tokens_per_s=args.rounds * len(prompts) * N / seconds[name], speedup_vs_transformers=base / seconds[name],
+            identical_to_transformers=outputs[name] == outputs["transformers"],
+            tau=pooled_tau(st) if st else None, target_forwards=sum(s.target_forwards for s in st) if st else None,
+            ms_per_iteration=split))
+    result = dict(benchmark="e2e", **run_info(device, argv), dtype=str(dtype).replace("torch.", ""), batch=1,
+                  greedy=True, prompts=len(prompts), max_new_tokens=N, rounds=args.rounds,
+                  target=str(args.model), drafter_model=str(args.drafter_model),
+                  note="speedup_vs_transformers: transformers' total seconds over this configuration's, same "
+                       "prompts and rounds, runs interleaved; ms_per_iteration from GenerationStats (first round)",
+                  op_counts=op_counts(target), results=rows)
+    save_result(result, args.out, f"e2e_{'smoke' if args.smoke else device.type}", plot)
+    for r in rows:
+        tau = f"{r['tau']:.2f}" if r["tau"] is not None else "  - "
+        print(f"{r['name']:<22}{r['tokens_per_s']:>9.1f} tok/s  x{r['speedup_vs_transformers']:.2f}  tau {tau}  "
+              f"identical {'yes' if r['identical_to_transformers'] else 'NO'}")
+    print("ops:", {k: v["total"] for k, v in result["op_counts"].items()})
+    return result
+
+
+def plot(result):
+    import matplotlib.pyplot as plt
+
+    rows = result["results"]
+    fig, ax = plt.subplots(figsize=(8, 4))
+    colors = ["tab:gray" if not r["name"].startswith(("stree", "chain")) else "tab:blue" for r in rows]
+    ax.barh([r["name"] for r in rows], [r["speedup_vs_transformers"] for r in rows], color=colors)
+    ax.axvline(1.0, color="black", lw=0.8)
+    ax.set(xlabel="tokens/s relative to transformers' generate",
+           title=f"{result['device']}, {result['prompts']} prompts x {result['max_new_tokens']} tokens, greedy")
+    return fig
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,94 @@
+"""The depthwise causal conv of one new token per row (the decode step), conv state advanced in
+place: the state's columns shift left by one, the new raw input enters as the newest column, and
+the output is the taps applied to that window (plus bias, then the activation)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from ._common import check_layout, check_tensor, resolve_backend
+
+__all__ = ["conv_step", "conv_step_ref"]
+
+ACTIVATIONS = (None, "silu")
+
+
+@triton.jit
+def _conv_step_kernel(
+    x_ptr, conv_ptr, w_ptr, bias_ptr, out_ptr, dim,
+    s_x_b, s_x_d, s_c_b, s_c_d, s_c_k, s_w_d, s_w_k, s_o_b, s_o_d,
+    K: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    b = tl.program_id(0)
+    offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    d_ok = offs_d < dim
+    state = conv_ptr + b * s_c_b + offs_d * s_c_d
+    x = tl.load(x_ptr + b * s_x_b + offs_d * s_x_d, mask=d_ok, other=0.0)
+    acc = x.to(tl.float32) * tl.load(w_ptr + offs_d * s_w_d + (K - 1) * s_w_k, mask=d_ok, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_d, mask=d_ok, other=0.0).to(tl.float32)
+    # Column k + 1 moves to column k after it is read; this program owns its channels, so the
+    # in-place shift races with nobody.
+    for k in tl.static_range(K - 1):
+        v = tl.load(state + (k + 1) * s_c_k, mask=d_ok, other=0.0)
+        acc += v.to(tl.float32) * tl.load(w_ptr + offs_d * s_w_d + k * s_w_k, mask=d_ok, other=0.0).to(tl.float32)
+        tl.store(state + k * s_c_k, v, mask=d_ok)
+    tl.store(state + (K - 1) * s_c_k, x.to(conv_ptr.dtype.element_ty), mask=d_ok)
+    if SILU:
+        acc = acc * tl.sigmoid(acc)
+    tl.store(out_ptr + b * s_o_b + offs_d * s_o_d, acc.to(out_ptr.dtype.element_ty), mask=d_ok)
+
+
+def _check_args(x, conv_state, weight, bias, activation):
+    batch, dim = check_layout("x", x, "batch, dim")
+    device = x.device
+    if not isinstance(weight, torch.Tensor) or weight.dim() not in (2, 3):
+        raise ValueError(f"weight must have shape [dim, d_conv] or [dim, 1, d_conv], got {getattr(weight, 'shape', type(weight))}")
+    d_conv = weight.shape[-1]
+    check_tensor("weight", weight, (dim, 1, d_conv) if weight.dim() == 3 else (dim, d_conv), device)
+    check_tensor("conv_state", conv_state, (batch, dim, d_conv), device)
+    if bias is not None:
+        check_tensor("bias", bias, (dim,), device)
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+    return weight.view(dim, d_conv)
+
+
+def conv_step_ref(x, conv_state, weight, bias=None, activation="silu"):
+    """The window as one tensor, the taps and bias as one batched product over the channels (in
+    fp32). (A grouped conv1d would be one op too, but on the CPU it costs ten times as much.)"""
+    weight = _check_args(x, conv_state, weight, bias, activation)
+    window = torch.cat([conv_state[..., 1:], x[..., None].to(conv_state.dtype)], dim=-1)
+    conv_state.copy_(window)
+    f32 = lambda t: t if t is None or t.dtype == torch.float32 else t.float()
+    taps = f32(weight)[:, :, None]  # [dim, K, 1]: channel d's taps as one matrix of the batch
+    if bias is None:
+        out = torch.bmm(f32(window).transpose(0, 1), taps)
+    else:
+        out = torch.baddbmm(f32(bias)[:, None, None], f32(window).transpose(0, 1), taps)
+    out = out[..., 0].t()  # [dim, b, 1] -> [b, dim]
+    if activation == "silu":
+        out = F.silu(out)
+    return out if out.dtype == x.dtype else out.to(x.dtype)
+
+
+def conv_step(x, conv_state, weight, bias=None, activation="silu", backend="auto"):
+    """Conv output ``[b, dim]`` for the new raw inputs ``x [b, dim]``; ``conv_state [b, dim, d_conv]``
+    (newest last) is advanced in place. weight ``[dim, d_conv]`` or ``[dim, 1, d_conv]``, bias
+    ``[dim]``, activation ``"silu"`` or None; fp32 arithmetic, output in x's dtype."""
+    check_layout("x", x, "batch, dim")
+    if resolve_backend(backend, x.device) == "torch":
+        return conv_step_ref(x, conv_state, weight, bias, activation)
+    weight = _check_args(x, conv_state, weight, bias, activation)
+    batch, dim = x.shape
+    out = torch.empty_like(x)
+    block_d = 256
+    _conv_step_kernel[(batch, triton.cdiv(dim, block_d))](
+        x, conv_state, weight, bias if bias is not None else weight, out, dim,
+        *x.stride(), *conv_state.stride(), *weight.stride(), *out.stride(),
+        K=weight.shape[-1], HAS_BIAS=bias is not None, SILU=activation == "silu", BLOCK_D=block_d,
+    )
+    return out

@@ -1,0 +1,78 @@
+"""Work per decode call, counted deterministically (stree.opcount): on the PyTorch path the
+compute ops one more layer adds (metadata-only views left out: they launch nothing on a GPU),
+and on the Triton path the kernel launches. The budgets are the fast decode step's (issue 14):
+a step at most 20 ops per layer, a tree pass at most 30, a commit of every Mamba2 layer in one
+replay whatever the depth."""
+
+import pytest
+import torch
+from tiny_models import VOCAB, hybrid, mamba2
+
+from stree.opcount import count_ops
+from stree.tree import TokenTree, TreeShape
+
+SHAPE = TreeShape.paper13()
+PATH, NUM = torch.tensor([[0, 1, 4]]), torch.tensor([3])
+
+
+def _setup(model):
+    cache = model.allocate_cache(1, 64)
+    model.prefill(torch.randint(0, VOCAB, (1, 8), generator=torch.Generator().manual_seed(0)), cache)
+    tree = TokenTree.from_shape(SHAPE, torch.randint(0, VOCAB, (1, SHAPE.n), generator=torch.Generator().manual_seed(1)))
+    return cache, tree
+
+
+def _costs(model):
+    cache, tree = _setup(model)
+    tok = torch.tensor([3])
+    return dict(
+        step=count_ops(lambda: model.step(tok, cache)),
+        tree=count_ops(lambda: model.forward_tree(tree, cache)),
+        commit=count_ops(lambda tree_pass: model.commit(cache, tree_pass, PATH, NUM, validate=False),
+                         setup=lambda: model.forward_tree(tree, cache)[1:]),
+    )
+
+
+def _per_layer(make, key):
+    """Compute ops one more layer adds: the 4-layer count minus the 2-layer count, halved."""
+    two, four = _costs(make(2))[key], _costs(make(4))[key]
+    return (four.compute - two.compute) / 2
+
+
+# The shipped target's layout (one group): where the issue measured ~99 ops per layer.
+mamba2_layers = lambda n: mamba2(n_layer=n, ngroups=1)
+
+
+def test_a_step_costs_at_most_20_ops_per_layer():
+    assert _per_layer(mamba2_layers, "step") <= 20
+
+
+def test_a_tree_pass_costs_at_most_30_ops_per_layer():
+    assert _per_layer(mamba2_layers, "tree") <= 30
+
+
+def test_a_commit_replays_every_mamba_layer_at_once():
+    two, four = _costs(mamba2_layers(2))["commit"], _costs(mamba2_layers(4))["commit"]
+    assert four.total == two.total and four.compute == two.compute  # not one op more per layer
+    assert four.compute <= 32
+
+
+def test_a_commit_gathers_every_attention_layer_at_once():
+    one = _costs(hybrid(n_layer=4, attn_layers=[1]))["commit"]
+    two = _costs(hybrid(n_layer=4, attn_layers=[1, 3]))["commit"]
+    assert one.compute == two.compute
+
+
+@pytest.mark.parametrize("family", ["mamba2", "hybrid"])
+def test_triton_launches_per_call(family):
+    """Step: conv step + state update per Mamba2 layer, one attention per attention layer; tree
+    pass: tree conv + tree scan per Mamba2 layer, one tree attention per attention layer;
+    commit: one replay for every Mamba2 layer together."""
+    model = mamba2(n_layer=3) if family == "mamba2" else hybrid(n_layer=3, attn_layers=[1])
+    model.kernel_backend = "triton"
+    n_ssm = sum(blk.mixer.kind == "ssm" for blk in model.blocks)
+    n_attn = len(model.blocks) - n_ssm
+    costs = _costs(model)
+    assert costs["step"].triton_launches == 2 * n_ssm + n_attn
+    assert costs["tree"].triton_launches == 2 * n_ssm + n_attn
+    assert costs["commit"].triton_launches == 1
