@@ -19,19 +19,19 @@ __all__ = ["SSMDrafter"]
 class SSMDrafter(Drafter):
     """Drafts from ``model``'s own next-token distributions q = softmax(logits / temperature).
 
-    ``mode="static"``: fills ``shape`` level by level, one tree forward per level over the nodes
-    drafted so far; node v's c children are c draws without replacement from q's top ``top_k``
-    (Gumbel-top-k, the law attached for lossless verification), or with ``stochastic=False`` the
-    c most likely tokens (one-hot verification).
+    ``mode="static"``: fills ``shape`` level by level, one ``step`` per level over that level's
+    parents only (each a row of a copy of the drafter's cache); node v's c children are c draws
+    without replacement from q's top ``top_k`` (Gumbel-top-k, the law attached for lossless
+    verification), or with ``stochastic=False`` the c most likely tokens (one-hot verification).
 
     ``mode="beam"``: ``beams`` beams for ``steps`` steps; each step every beam proposes its
     ``beams`` most likely tokens and the best ``beams`` by total log-probability survive. Every
     surviving token becomes a node under its beam's node (1 + beams * steps nodes, parents per
-    row). Deterministic: one-hot verification.
+    row), one ``step`` per beam step. Deterministic: one-hot verification.
 
     ``vocab_size``: draft only ids below it (the target's vocabulary when the drafter's embedding
-    is padded past it). The cache holds every context token but the last (the root, fed with the drafted tree); new
-    tokens are fed as one chain forward plus commit per step."""
+    is padded past it). The cache holds every context token but the last (the root, fed while
+    drafting); new tokens are fed by one step when each row has one, else one chain pass and commit."""
 
     def __init__(self, model, shape: TreeShape | None = None, *, mode: str = "static", stochastic: bool = True,
                  temperature: float = 1.0, top_k: int = 10, beams: int = 4, steps: int = 4, seed: int = 0,
@@ -51,71 +51,83 @@ class SSMDrafter(Drafter):
         self.reset()
 
     def reset(self) -> None:
-        self._cache, self._rows, self._fed = None, [], torch.zeros(0, dtype=torch.long)
+        self._cache, self._rows, self._fed, self._last = None, [], torch.zeros(0, dtype=torch.long), None
 
-    def _advance(self, context: DraftContext) -> None:
-        """Bring the cache to each row's context minus its last token."""
+    def _advance(self, context: DraftContext) -> torch.Tensor:
+        """Bring the cache to each row's whole context (the root included) and return the
+        drafter's law after it, ``[rows, V]``: the root's children are drawn from the same pass
+        that fed the new tokens."""
         rows = context.rows
-        want = context.lengths[torch.tensor(rows)] - 1
+        want = context.lengths[torch.tensor(rows)]
         known = {r: i for i, r in enumerate(self._rows)}
         if self._cache is not None and all(r in known for r in rows):
             pos = torch.tensor([known[r] for r in rows])
             if pos.tolist() != list(range(len(self._rows))):
                 self._cache, self._fed = self._cache.select(pos.to(self.model.device)), self._fed[pos]
+                self._last = self._last[pos.to(self._last.device)]
             self._rows = list(rows)
             new = want - self._fed
             if bool((new == 0).all()):
-                return
+                return self._law(self._last)
             if bool((new > 0).all()):
                 m = int(new.max())
                 at = (self._fed[:, None] + torch.arange(m)).clamp(max=(want - 1)[:, None])
-                chain = TokenTree.from_shape(TreeShape.chain(m - 1), context.tokens[torch.tensor(rows)[:, None], at]
-                                             .to(self.model.device))
-                _, tree_pass = self.model.forward_tree(chain, self._cache, backend="chain")
-                dev = self.model.device
-                self.model.commit(self._cache, tree_pass, torch.arange(m, device=dev).expand(len(rows), m).contiguous(),
-                                  new.to(dev))
+                fresh = context.tokens[torch.tensor(rows)[:, None], at].to(self.model.device)
+                if m == 1:  # one token per row: the fast step
+                    self._last = self.model.step(fresh[:, 0], self._cache)
+                else:  # a chain pass over the new tokens, each row committing its own count
+                    logits, tree_pass = self.model.forward_tree(TokenTree.from_shape(TreeShape.chain(m - 1), fresh),
+                                                                self._cache)
+                    num = new.to(self.model.device)
+                    self.model.commit(self._cache, tree_pass,
+                                      torch.arange(m, device=num.device).expand(len(rows), m).contiguous(), num)
+                    self._last = logits[torch.arange(len(rows), device=num.device), num - 1]
                 self._fed = want.clone()
-                return
+                return self._law(self._last)
         # new rows, or rows advancing unevenly: start again from the contexts
-        if bool((want < 1).any()):
-            raise ValueError("every row needs at least two context tokens (a prefix and the root)")
         self._cache = self.model.allocate_cache(len(rows), self.max_length)
-        prefix = context.tokens[torch.tensor(rows), : int(want.max())]
-        self.model.prefill(prefix.to(self.model.device), self._cache, lengths=want)
+        self._last = self.model.prefill(context.tokens[torch.tensor(rows), : int(want.max())].to(self.model.device),
+                                        self._cache, lengths=want)
         self._rows, self._fed = list(rows), want.clone()
+        return self._law(self._last)
 
-    def _q(self, tree: TokenTree) -> torch.Tensor:
-        logits = self.model.forward_tree(tree, self._cache)[0][..., : self.vocab_size]  # only the target's ids
-        return torch.softmax(logits.float().cpu() / self.temperature, -1)
+    def _law(self, logits: torch.Tensor) -> torch.Tensor:
+        """The drafting law over the target's ids: softmax(logits / temperature), on the CPU."""
+        return torch.softmax(logits[..., : self.vocab_size].float().cpu() / self.temperature, -1)
+
+    def _q(self, tokens: torch.Tensor, work) -> torch.Tensor:
+        """Feed one token per work row (each row a path of the tree); its next-token law."""
+        return self._law(self.model.step(tokens.to(self.model.device), work))
+
+    def _fork(self, work, rows: torch.Tensor):
+        """The work cache's rows ``rows`` (repeats allowed): paths that branch get a copy each."""
+        return work.select(rows.to(self.model.device))
 
     def propose(self, context: DraftContext, shape: TreeShape | None = None) -> TokenTree:
-        self._advance(context)
+        root_q = self._advance(context)
         roots = context.last_tokens()
         if self.mode == "beam":
-            return self._beam(roots)
+            return self._beam(roots, root_q)
         shape = self.tree_shape(shape)
-        return self._static(roots, shape)
+        return self._static(roots, root_q, shape)
 
-    def _static(self, roots: torch.Tensor, shape: TreeShape) -> TokenTree:
+    def _static(self, roots: torch.Tensor, root_q: torch.Tensor, shape: TreeShape) -> TokenTree:
+        """Level by level: the root's children come from the law the cache advance ended on;
+        below, a work cache holds one row per (frontier node, batch row), copies of their
+        parents' rows, advanced by the frontier's own tokens with one step. Each level costs one
+        step over its new nodes."""
         b, n, kids = len(roots), shape.n, shape.children()
         K = max(self.top_k, max(map(len, kids)))
         tokens = torch.zeros(b, n, dtype=torch.long)
         tokens[:, 0] = roots
         child_ids = torch.zeros(b, n, K, dtype=torch.long)
         child_probs = torch.zeros(b, n, K)
-        depth = shape.depth
-        for d in range(shape.max_depth):
-            # the nodes drafted so far (depth <= d) as a tree of their own; parents precede children
-            keep = [v for v in range(n) if depth[v] <= d]
-            where = {v: j for j, v in enumerate(keep)}
-            sub = TokenTree(torch.tensor([-1] + [where[shape.parents[v]] for v in keep[1:]]),
-                            tokens[:, keep].to(self.model.device))
-            q = self._q(sub)
-            for v in keep:
-                if depth[v] != d or not kids[v]:
-                    continue
-                probs, ids = torch.topk(q[:, where[v]], min(K, q.shape[-1]), dim=-1)
+        frontier = [0] if kids[0] else []  # nodes whose children are drawn next; rows node-major
+        q = root_q[None]
+        work = self._cache
+        while frontier:
+            for j, v in enumerate(frontier):
+                probs, ids = torch.topk(q[j], min(K, q.shape[-1]), dim=-1)
                 child_ids[:, v, : probs.shape[1]], child_probs[:, v, : probs.shape[1]] = ids, probs
                 c = len(kids[v])
                 if self.stochastic:
@@ -124,19 +136,31 @@ class SSMDrafter(Drafter):
                 else:
                     order = torch.arange(c).expand(b, c)
                 tokens[:, kids[v]] = ids.gather(1, order)
+            nxt = [(j, c) for j, v in enumerate(frontier) for c in kids[v] if kids[c]]
+            if not nxt:
+                break
+            work = self._fork(work, torch.tensor([j * b + r for j, _ in nxt for r in range(b)]))
+            frontier = [c for _, c in nxt]
+            q = self._q(tokens[:, frontier].t().reshape(-1), work).view(len(frontier), b, -1)
         if not self.stochastic:
             return TokenTree.from_shape(shape, tokens)
         return TokenTree.from_shape(shape, tokens, child_ids=child_ids, child_probs=child_probs)
 
-    def _beam(self, roots: torch.Tensor) -> TokenTree:
+    def _beam(self, roots: torch.Tensor, root_q: torch.Tensor) -> TokenTree:
+        """The first step draws from the law the cache advance ended on; then one work row per
+        (batch row, beam), copies of the beams they grew from, advanced by each beam's newest
+        token with one step."""
         b, M = len(roots), self.beams
         parents = torch.full((b, 1), -1, dtype=torch.long)
         tokens = roots[:, None].clone()
         beam_nodes = torch.zeros(b, 1, dtype=torch.long)  # node index of each live beam
         beam_score = torch.zeros(b, 1)
-        for _ in range(self.steps):
-            q = self._q(TokenTree(parents.to(self.model.device), tokens.to(self.model.device)))
-            logq = q.gather(1, beam_nodes[:, :, None].expand(-1, -1, q.shape[-1])).clamp_min(1e-30).log()
+        work, q = self._cache, root_q[:, None]
+        for step in range(self.steps):
+            width_in = beam_nodes.shape[1]
+            if step > 0:
+                q = self._q(tokens.gather(1, beam_nodes).reshape(-1), work).view(b, width_in, -1)
+            logq = q.clamp_min(1e-30).log()
             top_lp, top_id = torch.topk(logq, min(M, q.shape[-1]), dim=-1)  # [b, beams, M]
             score = (beam_score[:, :, None] + top_lp).flatten(1)
             best = torch.topk(score, min(M, score.shape[1]), dim=1).indices  # ties: lower beam, then rank
@@ -149,4 +173,6 @@ class SSMDrafter(Drafter):
             tokens = torch.cat([tokens, new_tokens], 1)
             beam_score = score.gather(1, best)
             beam_nodes = first + torch.arange(best.shape[1]).expand(b, -1)
+            if step + 1 < self.steps:
+                work = self._fork(work, (torch.arange(b)[:, None] * width_in + from_beam).reshape(-1))
         return TokenTree(parents, tokens)

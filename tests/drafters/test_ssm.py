@@ -60,12 +60,12 @@ def test_the_drafter_cache_follows_the_rows():
     later = DraftContext(tokens, torch.tensor([11, 9, 8]), [2, 0])  # row 1 left; rows advanced by 4 and 5
     fresh = SSMDrafter(model, shape, seed=0).propose(later)
     advanced = drafter.propose(later)
-    assert drafter._fed.tolist() == [7, 10]
+    assert drafter._fed.tolist() == [8, 11]  # the whole context, root included
     # the root's children law (node 0) comes from the cache alone
     assert torch.allclose(advanced.child_probs[:, 0], fresh.child_probs[:, 0], atol=1e-5)
     assert torch.equal(advanced.child_ids[:, 0], fresh.child_ids[:, 0])
-    with pytest.raises(ValueError, match="two context tokens"):
-        SSMDrafter(model, shape).propose(DraftContext(tokens, torch.tensor([1]), [0]))
+    alone = SSMDrafter(model, shape, seed=0).propose(DraftContext(tokens, torch.tensor([1]), [0]))  # the root alone
+    assert alone.tokens[0, 0] == tokens[0, 0]
 
 
 def test_beam_trees_deeper_than_the_shape_fit_in_the_cache():
@@ -82,3 +82,22 @@ def test_beam_trees_deeper_than_the_shape_fit_in_the_cache():
     ref = generate(target, [[1, 2, 1]], method="autoregressive", max_new_tokens=18)
     out = generate(target, [[1, 2, 1]], drafter=drafter, max_new_tokens=18)
     assert out.sequences == ref.sequences and out.stats.accepted[0][:2] == [7, 7]
+
+
+@pytest.mark.parametrize("mode", ["static", "beam"])
+def test_each_level_costs_one_step_over_its_new_nodes(mode, monkeypatch):
+    """Drafting feeds each level's parents below the root once (a step over that many rows per
+    batch row) and never re-runs the tree drafted so far; the context's new tokens, root
+    included, go in as one chain."""
+    model = mamba2(seed=3)
+    shape = TreeShape.paper13()  # parents per level: [0], [1, 2], [4, 5], [7]
+    drafter = SSMDrafter(model, shape, mode=mode, beams=2, steps=3, seed=0)
+    tokens = torch.randint(0, 90, (2, 30), generator=torch.Generator().manual_seed(2))
+    drafter.propose(DraftContext(tokens, torch.tensor([6, 9]), [0, 1]))
+    rows, trees = [], []
+    monkeypatch.setattr(model, "step", lambda t, cache, _real=model.step: rows.append(len(t)) or _real(t, cache))
+    monkeypatch.setattr(model, "forward_tree", lambda tree, cache, backend="tree", _real=model.forward_tree:
+                        trees.append(tree.n) or _real(tree, cache, backend))
+    drafter.propose(DraftContext(tokens, torch.tensor([9, 12]), [0, 1]))
+    assert trees == [3]  # three new context tokens per row, as one chain whose last logits draft the root's children
+    assert rows == ([2 * 2, 2 * 2, 2 * 1] if mode == "static" else [2 * 2, 2 * 2])
