@@ -4,6 +4,12 @@ One iteration of ``stree`` / ``chain``: the drafter proposes a tree rooted at ea
 token, the target scores every node in one ``forward_tree``, :func:`stree.verify.verify` picks the
 accepted path and the bonus token, ``commit`` replays the accepted path into the cache, and the
 accepted drafts plus the bonus are emitted. The bonus becomes the next root.
+
+The loop is thin: :func:`prefill_rows`, :func:`autoregressive_step` and :func:`speculative_step`
+do the device work, each ending in ONE device-to-host transfer of everything the host needs (the
+emitted tokens, their counts, and what the drafter learns from); :class:`Rows` keeps the host-side
+bookkeeping. The batch keeps its size: a finished row leaves through the ``active`` mask (it rides
+along with a root-only tree, its cache never copied), so shapes stay fixed.
 """
 
 from __future__ import annotations
@@ -16,9 +22,10 @@ import torch
 from .drafters.base import DraftContext, Drafter, TargetTop
 from .drafters.ngram import NGramDrafter
 from .tree import TokenTree, TreeShape
-from .verify import check_sampling, process_logits, sample_tokens, verify
+from .verify import SamplingParams, verify
 
-__all__ = ["METHODS", "GenerationOutput", "GenerationStats", "generate"]
+__all__ = ["METHODS", "GenerationOutput", "GenerationStats", "HostStep", "Rows", "autoregressive_step", "generate",
+           "prefill_rows", "speculative_step"]
 
 METHODS = ("stree", "chain", "autoregressive")
 
@@ -29,7 +36,8 @@ class GenerationStats:
     row, the drafts the verifier accepted at each of its steps. ``tau``: tokens emitted per row per
     decoding step, bonus included (1 for autoregressive), after the cuts at EOS and
     ``max_new_tokens``; the first token, which comes from the prefill, counts in ``new_tokens`` but
-    not in ``tau``. Times in seconds; ``time_verify`` holds the target's tree forward."""
+    not in ``tau``. Times in seconds; ``time_verify`` holds the target's tree forward and the
+    verification, ``time_commit`` the commit and the step's transfer to the host."""
 
     target_forwards: int = 0
     new_tokens: list[int] = field(default_factory=list)
@@ -83,6 +91,141 @@ class GenerationOutput:
         return [s[n:] for s, n in zip(self.sequences, self.prompt_lengths)]
 
 
+@dataclass
+class HostStep:
+    """What one decoding step hands the host, from one device-to-host transfer: per row the
+    ``tokens [B, L]`` emitted (the first ``counts[b]``) and, when ``top_k`` was asked for, the
+    target distributions they came from (``TargetTop`` parts ``[B, L, k]`` and ``[B, L]``)."""
+
+    tokens: torch.Tensor
+    counts: torch.Tensor
+    top_ids: torch.Tensor | None = None
+    top_probs: torch.Tensor | None = None
+    token_probs: torch.Tensor | None = None
+
+
+def _to_host(tokens: torch.Tensor, counts: torch.Tensor, probs: torch.Tensor | None, top_k: int) -> HostStep:
+    """Pack everything into one fp32 tensor (cat promotes the ids; vocabularies stay below 2^24,
+    where fp32 holds integers exactly), move it once, unpack on the host. ``probs [B, L, V]``: the
+    law each emitted token was drawn from (None: no drafter learns)."""
+    B, L = tokens.shape
+    parts = [tokens, counts[:, None]]
+    k = 0
+    if probs is not None:
+        k = min(top_k, probs.shape[-1])
+        top_p, top_i = torch.topk(probs, k, dim=-1)
+        parts += [top_i.flatten(1), top_p.flatten(1), probs.gather(-1, tokens[..., None])[..., 0]]
+    host = torch.cat(parts, 1).float().cpu()  # the step's one device-to-host sync
+    out = HostStep(host[:, :L].long(), host[:, L].long())
+    if probs is not None:
+        at = L + 1
+        out.top_ids = host[:, at: at + L * k].long().view(B, L, k)
+        out.top_probs = host[:, at + L * k: at + 2 * L * k].view(B, L, k)
+        out.token_probs = host[:, at + 2 * L * k:]
+    return out
+
+
+def _top_k(drafter: Drafter | None) -> int | None:
+    """How many target entries the drafter learns from per token (None: it learns nothing)."""
+    return None if drafter is None else drafter.target_top_k
+
+
+class Rows:
+    """Host-side state of a batch: every row's tokens so far (prompt, then generated), its length,
+    the tokens produced, and whether it still decodes; rows finish at an EOS or ``max_new_tokens``."""
+
+    def __init__(self, prompts: list[list[int]], max_new_tokens: int, eos: list[int]):
+        B, longest = len(prompts), max(map(len, prompts))
+        self.seq = torch.zeros(B, longest + max_new_tokens, dtype=torch.long)
+        self.lengths = torch.tensor([len(p) for p in prompts])
+        for i, p in enumerate(prompts):
+            self.seq[i, : len(p)] = torch.tensor(p)
+        self.produced = torch.zeros(B, dtype=torch.long)
+        self.active = torch.ones(B, dtype=torch.bool)
+        self.eos = torch.tensor(eos, dtype=torch.long)
+        self.max_new_tokens = max_new_tokens
+        self.accepted: list[list[int]] = [[] for _ in range(B)]
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.lengths)
+
+    def active_ids(self) -> list[int]:
+        return torch.nonzero(self.active).flatten().tolist()
+
+    def context(self) -> DraftContext:
+        return DraftContext(self.seq, self.lengths, self.active_ids())
+
+    def roots(self) -> torch.Tensor:
+        """Every row's last token (a finished row's too: it rides along)."""
+        return self.seq[torch.arange(self.batch_size), self.lengths - 1]
+
+    def emit(self, step: HostStep, drafter: Drafter | None) -> None:
+        """Append ``step.tokens[b, :counts[b]]`` to each active row, cut after its first EOS and at
+        ``max_new_tokens``; show the drafter what was appended; retire the finished rows."""
+        ids = torch.nonzero(self.active).flatten()
+        tokens, counts = step.tokens[ids], step.counts[ids]
+        j = torch.arange(tokens.shape[1])
+        is_eos = torch.isin(tokens, self.eos) & (j < counts[:, None])
+        hit = is_eos.any(1)
+        upto = torch.where(hit, is_eos.float().argmax(1) + 1, counts)  # through the first EOS
+        room = self.max_new_tokens - self.produced[ids]
+        n = torch.minimum(upto, room)
+        if drafter is not None:
+            n_list = n.tolist()
+            target = None
+            if step.top_ids is not None:
+                target = [TargetTop(step.top_ids[i, :m], step.top_probs[i, :m], step.token_probs[i, :m])
+                          for i, m in zip(ids.tolist(), n_list)]
+            drafter.observe(DraftContext(self.seq, self.lengths, ids.tolist()),
+                            [row[:m].tolist() for row, m in zip(tokens, n_list)], target)
+        keep = j < n[:, None]
+        self.seq[ids[:, None].expand_as(tokens)[keep], (self.lengths[ids][:, None] + j)[keep]] = tokens[keep]
+        self.lengths[ids] += n
+        self.produced[ids] += n
+        self.active[ids[(hit & (upto <= n)) | (n == room)]] = False
+
+
+def prefill_rows(model, rows: Rows, params: SamplingParams, generator, max_length: int, top_k: int | None):
+    """Allocate the cache, feed the prompts, draw each row's first token. Returns ``(cache, host)``."""
+    cache = model.allocate_cache(rows.batch_size, max_length)
+    longest = int(rows.lengths.max())
+    logits = model.prefill(rows.seq[:, :longest].to(model.device), cache, lengths=rows.lengths)
+    first = params.sample(logits, generator)[:, None]
+    probs = None if top_k is None else params.observed(logits)[:, None]
+    return cache, _to_host(first, torch.ones_like(first[:, 0]), probs, top_k or 0)
+
+
+def autoregressive_step(model, cache, roots: torch.Tensor, params: SamplingParams, generator) -> HostStep:
+    """One token for every row: the target's step on the roots, then one sampled token each."""
+    nxt = params.sample(model.step(roots, cache, validate=False), generator)
+    return _to_host(nxt[:, None], torch.ones_like(nxt), None, 0)
+
+
+def speculative_step(model, cache, draft: TokenTree, params: SamplingParams, generator, backend: str = "tree",
+                     top_k: int | None = None, lap=None):
+    """Score ``draft`` (on the model's device, checked on the host) in one tree pass, verify it,
+    commit the accepted paths, and hand the host the emitted tokens (accepted drafts, then the
+    bonus) with their target laws when ``top_k`` is set. Returns ``(host, result)``. ``lap(phase)``,
+    if given, is called after "verify" (tree pass and verification) and "commit"."""
+    logits, tree_pass = model.forward_tree(draft, cache, backend=backend, validate=False)
+    result = verify(draft, logits, params, generator=generator, validate=False)
+    if lap is not None:
+        lap("verify")
+    model.commit(cache, tree_pass, result.accepted, result.num_accepted, validate=False)
+    path_tokens = draft.tokens.gather(1, result.accepted)
+    out = torch.cat([path_tokens[:, 1:], path_tokens[:, :1]], 1)
+    out.scatter_(1, (result.num_accepted - 1)[:, None], result.bonus[:, None])
+    probs = None
+    if top_k is not None:
+        at_path = result.accepted[:, :, None].expand(-1, -1, logits.shape[-1])
+        probs = result.probs.gather(1, at_path) if result.probs is not None else params.observed(logits.gather(1, at_path))
+    host = _to_host(out, result.num_accepted, probs, top_k or 0)
+    if lap is not None:
+        lap("commit")
+    return host, result
+
+
 def _prompts(input_ids) -> list[list[int]]:
     if isinstance(input_ids, torch.Tensor):
         if input_ids.dim() != 2 or input_ids.dtype.is_floating_point or input_ids.dtype == torch.bool:
@@ -111,15 +254,54 @@ def _resolve_shape(method: str, tree) -> TreeShape | None:
     return tree
 
 
-class _Clock:
-    """Wall time per phase; waits for the device first so GPU work lands in its own phase."""
+def _check_draft(draft: TokenTree, roots: torch.Tensor, vocab_size: int) -> None:
+    """The drafter's tree, on the host (no device is waited on): one row per drafted row, the
+    rows' roots, every id in the vocabulary."""
+    if not isinstance(draft, TokenTree) or draft.batch_size != len(roots):
+        raise ValueError(f"the drafter must return a TokenTree with one row per active row ({len(roots)})")
+    if not bool((draft.tokens[:, 0].cpu() == roots).all()):
+        raise ValueError("the drafter returned a tree whose root token is not the row's last token")
+    bad = (draft.tokens < 0) | (draft.tokens >= vocab_size)
+    if bool(bad.any()):
+        pos = tuple(int(v) for v in torch.nonzero(bad)[0])
+        raise ValueError(f"tree.tokens{list(pos)} = {int(draft.tokens[pos])} is outside the vocabulary [0, {vocab_size})")
+    if draft.child_ids is not None and bool(((draft.child_ids < 0) | (draft.child_ids >= vocab_size)).any()):
+        raise ValueError(f"tree.child_ids holds ids outside the vocabulary [0, {vocab_size})")
 
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
+
+def _full_batch(draft: TokenTree, active: torch.Tensor, roots: torch.Tensor) -> TokenTree:
+    """The drafted rows in their batch positions; a finished row gets its root alone (its other
+    nodes invalid, so nothing of it is accepted)."""
+    B, n = len(active), draft.n
+    ids = torch.nonzero(active).flatten()
+    tokens = roots[:, None].repeat(1, n)
+    tokens[ids] = draft.tokens
+    valid = torch.zeros(B, n, dtype=torch.bool)
+    valid[:, 0] = True
+    valid[ids] = True if draft.valid is None else draft.valid
+    parents = draft.parents
+    if parents.dim() == 2:
+        parents = parents[:1].repeat(B, 1)
+        parents[ids] = draft.parents
+    extra = {}
+    if draft.child_ids is not None:
+        K = draft.child_ids.shape[-1]
+        extra = dict(child_ids=torch.zeros(B, n, K, dtype=draft.child_ids.dtype),
+                     child_probs=torch.zeros(B, n, K, dtype=draft.child_probs.dtype))
+        extra["child_ids"][ids], extra["child_probs"][ids] = draft.child_ids, draft.child_probs
+    return TokenTree(parents, tokens, valid, with_replacement=draft.with_replacement, **extra)
+
+
+class _Clock:
+    """Wall time per phase. On CUDA the phases are timed only with ``detailed`` (a device sync
+    per lap: it would cost the loop its single sync per step); the total always is."""
+
+    def __init__(self, device: torch.device, detailed: bool):
+        self.sync = device.type == "cuda" and detailed
         self.t = time.perf_counter()
 
     def lap(self) -> float:
-        if self.cuda:
+        if self.sync:
             torch.cuda.synchronize()
         now = time.perf_counter()
         dt, self.t = now - self.t, now
@@ -130,168 +312,104 @@ class _Clock:
 def generate(model, input_ids, *, drafter: Drafter | None = None, tree: TreeShape | None = None,
              method: str = "stree", max_new_tokens: int, temperature: float = 0.0, top_k: int = 0,
              top_p: float = 1.0, eos_token_id: int | list[int] | None = None, seed: int | None = None,
-             mode: str = "auto", max_length: int | None = None, on_step=None) -> GenerationOutput:
+             mode: str = "auto", max_length: int | None = None, on_step=None,
+             sampling: SamplingParams | None = None, time_phases: bool = False) -> GenerationOutput:
     """Decode up to ``max_new_tokens`` per row; a row stops after emitting an EOS.
 
     ``input_ids``: a ``[B, T]`` tensor or a list of token lists (ragged prompts allowed).
     ``method``: ``stree`` (tree drafts, one tree forward; default tree ``paper13``), ``chain``
     (chain drafts through the chain backend; default ``chain(4)``) or ``autoregressive``.
-    ``drafter`` defaults to :class:`NGramDrafter`. ``mode="naive"`` verifies by exact-match
-    sampling. ``max_length``: the cache size; by default the longest prompt plus
-    ``max_new_tokens`` plus the tree depth (the drafter's ``draft_depth`` when deeper). The same
-    ``seed`` gives the same output.
+    ``drafter`` defaults to :class:`NGramDrafter`. ``sampling`` (a :class:`SamplingParams`), or
+    ``temperature`` / ``top_k`` / ``top_p`` / ``mode``, say how tokens are chosen; ``mode="naive"``
+    verifies by exact-match sampling. ``max_length``: the cache size; by default the longest
+    prompt plus ``max_new_tokens`` plus the tree depth (the drafter's ``draft_depth`` when deeper).
+    The same ``seed`` gives the same output. ``time_phases``: on CUDA, time draft / verify /
+    commit apart (a device sync per phase; off, only the total is timed there).
     ``on_step(rows, tree, result)``, if given, sees every verify step (row ids, the drafted
     :class:`TokenTree`, the :class:`~stree.verify.VerifyResult`), e.g. to count accepted nodes."""
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
-    check_sampling(temperature, top_k, top_p)
+    params = sampling if sampling is not None else SamplingParams(temperature, top_k, top_p, mode)
+    if not isinstance(params, SamplingParams):
+        raise TypeError(f"sampling must be a SamplingParams, got {type(params).__name__}")
     prompts = _prompts(input_ids)
     if tree is None and method == "stree":
         tree = getattr(drafter, "shape", None)  # a drafter built for a tree shape (e.g. STAND's)
     shape = _resolve_shape(method, tree)
     depth = 0 if shape is None else max(shape.max_depth, getattr(drafter, "draft_depth", None) or 0)
-    B, longest = len(prompts), max(map(len, prompts))
+    longest = max(map(len, prompts))
     need = longest + max_new_tokens + depth
     if max_length is None:
         max_length = need
     elif need > max_length:
         raise ValueError(f"max_length {max_length} is too small: the longest prompt ({longest} tokens) plus "
                          f"max_new_tokens ({max_new_tokens}) plus the tree depth ({depth}) needs {need}")
-    eos = torch.tensor([] if eos_token_id is None else [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id),
-                       dtype=torch.long)
+    eos = [] if eos_token_id is None else [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
     if method == "autoregressive":
         drafter = None
     elif drafter is None:
         drafter = NGramDrafter()
     device = model.device
-    generator = None
-    if seed is not None:
-        generator = torch.Generator(device=device).manual_seed(seed)
+    generator = None if seed is None else torch.Generator(device=device).manual_seed(seed)
+    backend = "chain" if method == "chain" else "tree"
+    top_k = _top_k(drafter)
 
-    stats = GenerationStats(new_tokens=[0] * B, accepted=[[] for _ in range(B)])
-    clock = _Clock(device)
+    rows = Rows(prompts, max_new_tokens, eos)
+    stats = GenerationStats(new_tokens=[0] * rows.batch_size)
+    clock = _Clock(device, detailed=time_phases)
     start = clock.t
-    seq = torch.zeros(B, longest + max_new_tokens, dtype=torch.long)
-    lengths = torch.tensor([len(p) for p in prompts])
-    for i, p in enumerate(prompts):
-        seq[i, : len(p)] = torch.tensor(p)
-    cache = model.allocate_cache(B, max_length)
-    logits = model.prefill(seq[:, :longest].to(device), cache, lengths=lengths)
-    first = sample_tokens(logits, temperature, top_k, top_p, generator).cpu()
+
+    def lap(phase: str) -> None:
+        setattr(stats, f"time_{phase}", getattr(stats, f"time_{phase}") + clock.lap())
+
+    cache, first = prefill_rows(model, rows, params, generator, max_length, top_k)
     stats.time_prefill += clock.lap()
-
-    active = torch.arange(B)
-    produced = torch.zeros(B, dtype=torch.long)
-
-    def emit(tokens: torch.Tensor, counts: torch.Tensor, probs: torch.Tensor | None) -> torch.Tensor:
-        """Append ``tokens[i, :counts[i]]`` (drawn from ``probs[i]``) to active row i, cut at EOS and
-        max_new_tokens, and show the drafter what was appended; returns the mask of active rows that
-        are now finished."""
-        j = torch.arange(tokens.shape[1])
-        is_eos = torch.isin(tokens, eos) & (j < counts[:, None])
-        hit = is_eos.any(1)
-        upto = torch.where(hit, is_eos.float().argmax(1) + 1, counts)  # through the first EOS
-        room = max_new_tokens - produced[active]
-        n = torch.minimum(upto, room)
-        keep = j < n[:, None]
-        if drafter is not None:
-            _feed(drafter, DraftContext(seq, lengths, active.tolist()), tokens, n, probs)
-        rows = active[:, None].expand_as(tokens)[keep]
-        seq[rows, (lengths[active][:, None] + j)[keep]] = tokens[keep]
-        lengths[active] += n
-        produced[active] += n
-        return (hit & (upto <= n)) | (n == room)
-
     if drafter is not None:
         drafter.reset()
-    done = emit(first[:, None], torch.ones(B, dtype=torch.long),
-                None if drafter is None else _distribution(logits, temperature, top_k, top_p)[:, None])
+    rows.emit(first, drafter)
     stats.time_draft += clock.lap()
-    while True:
-        if bool(done.any()):
-            keep = torch.nonzero(~done).flatten()
-            active = active[keep]
-            if len(active) == 0:
-                break
-            cache = cache.select(keep.to(device))
-        roots = seq[active, lengths[active] - 1]
-        clock.lap()  # bookkeeping: counted in time_other
-        if method == "autoregressive":
-            logits = model.step(roots.to(device), cache)
-            nxt = sample_tokens(logits, temperature, top_k, top_p, generator).cpu()
+    while bool(rows.active.any()):
+        roots = rows.roots()
+        live = rows.active_ids()
+        if drafter is None:
+            host = autoregressive_step(model, cache, roots.to(device, non_blocking=True), params, generator)
+            for r in live:
+                rows.accepted[r].append(0)
             stats.time_verify += clock.lap()
-            stats.target_forwards += 1
-            for r in active.tolist():
-                stats.accepted[r].append(0)
-            done = emit(nxt[:, None], torch.ones(len(active), dtype=torch.long), None)
-            continue
-        context = DraftContext(seq, lengths, active.tolist())
-        draft = drafter.propose(context, shape)
-        _check_draft(draft, roots)
-        if draft.valid is not None and not bool(draft.valid[:, 1:].any()):
-            draft = TokenTree.from_shape(TreeShape.chain(0), draft.tokens[:, :1])  # nothing drafted: one node
-        draft = _to(draft, device)
-        stats.time_draft += clock.lap()
-        logits, tree_pass = model.forward_tree(draft, cache, backend="chain" if method == "chain" else "tree")
-        result = verify(draft, logits, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator,
-                        mode=mode)
-        accepted, num, bonus = result.accepted.cpu(), result.num_accepted.cpu(), result.bonus.cpu()
-        stats.time_verify += clock.lap()
-        stats.target_forwards += 1
-        model.commit(cache, tree_pass, result.accepted, result.num_accepted)
-        stats.time_commit += clock.lap()
-        if on_step is not None:
-            on_step(active.tolist(), draft, result)
-        # Emitted: the accepted drafts (path nodes after the root), then the bonus.
-        path_tokens = draft.tokens.cpu().gather(1, accepted)
-        out = torch.cat([path_tokens[:, 1:], torch.zeros(len(active), 1, dtype=torch.long)], 1)
-        out.scatter_(1, (num - 1)[:, None], bonus[:, None])
-        for r, a in zip(active.tolist(), (num - 1).tolist()):
-            stats.accepted[r].append(a)
-        at_path = result.accepted[:, :, None].expand(-1, -1, logits.shape[-1])
-        if result.probs is not None:
-            seen = result.probs.gather(1, at_path)
         else:
-            seen = _distribution(logits.gather(1, at_path), temperature, top_k, top_p)
-        done = emit(out, num, seen)
+            context = rows.context()
+            draft = drafter.propose(context, shape)
+            _check_draft(draft, roots[live], model.vocab_size)
+            if draft.valid is not None and not bool(draft.valid[:, 1:].any()):
+                draft = TokenTree.from_shape(TreeShape.chain(0), draft.tokens[:, :1])  # nothing drafted: one node
+            full = draft if len(live) == rows.batch_size else _full_batch(draft, rows.active, roots)
+            full = full.to(device)
+            stats.time_draft += clock.lap()
+            host, result = speculative_step(model, cache, full, params, generator, backend, top_k, lap=lap)
+            for r in live:
+                rows.accepted[r].append(int(host.counts[r]) - 1)
+            if on_step is not None:
+                on_step(live, draft, _rows_of(result, live) if len(live) < rows.batch_size else result)
+        stats.target_forwards += 1
+        rows.emit(host, drafter)
+        if not bool(rows.active.all()):
+            # Finished rows ride along, one token a step: parked at length 0 they never run out of room.
+            cache.seqlens.masked_fill_((~rows.active).to(device, non_blocking=True), 0)
         stats.time_draft += clock.lap()  # feeding the drafter is drafting work
     clock.lap()
     stats.time_total = clock.t - start
-    stats.new_tokens = produced.tolist()
-    sequences = [seq[i, : int(lengths[i])].tolist() for i in range(B)]
+    stats.new_tokens = rows.produced.tolist()
+    stats.accepted = rows.accepted
+    sequences = [rows.seq[i, : int(rows.lengths[i])].tolist() for i in range(rows.batch_size)]
     return GenerationOutput(sequences, [len(p) for p in prompts], stats)
 
 
-def _distribution(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
-    """What emitted tokens were drawn from (at temperature 0: the softmax, for drafters to learn)."""
-    if temperature == 0:
-        return torch.softmax(logits.float(), -1)
-    return process_logits(logits, temperature, top_k, top_p)
+def _rows_of(result, rows: list[int]):
+    """A VerifyResult restricted to ``rows``."""
+    from .verify import VerifyResult
 
-
-def _feed(drafter: Drafter, context: DraftContext, tokens: torch.Tensor, counts: torch.Tensor,
-          probs: torch.Tensor) -> None:
-    """``drafter.observe`` the emission of ``tokens[i, :counts[i]]``, token t drawn from ``probs[i, t]``."""
-    k = min(drafter.target_top_k, probs.shape[-1])
-    top_p, top_i = (t.cpu() for t in torch.topk(probs, k, dim=-1))
-    token_p = probs.gather(-1, tokens.to(probs.device)[:, :, None])[..., 0].cpu()
-    n = counts.tolist()
-    drafter.observe(context, [row[:m].tolist() for row, m in zip(tokens, n)],
-                    [TargetTop(i[:m], p[:m], q[:m]) for i, p, q, m in zip(top_i, top_p, token_p, n)])
-
-
-def _check_draft(draft: TokenTree, roots: torch.Tensor) -> None:
-    if not isinstance(draft, TokenTree) or draft.batch_size != len(roots):
-        raise ValueError(f"the drafter must return a TokenTree with one row per active row ({len(roots)})")
-    if not bool((draft.tokens[:, 0].cpu() == roots).all()):
-        raise ValueError("the drafter returned a tree whose root token is not the row's last token")
-
-
-def _to(tree: TokenTree, device: torch.device) -> TokenTree:
-    if tree.tokens.device == device:
-        return tree
-    move = lambda t: None if t is None else t.to(device)
-    return TokenTree(tree.parents.to(device), tree.tokens.to(device), move(tree.valid), move(tree.child_ids),
-                     move(tree.child_probs), tree.with_replacement)
+    idx = torch.tensor(rows, device=result.accepted.device)
+    return VerifyResult(result.accepted[idx], result.num_accepted[idx], result.bonus[idx],
+                        None if result.probs is None else result.probs[idx])

@@ -135,6 +135,18 @@ class TreeIndex:
         zero = torch.zeros(1, 1, dtype=torch.int32, device=device)
         return cls(zero - 1, zero, zero, zero)
 
+    def to(self, device) -> "TreeIndex":
+        """The same index on ``device``; what is known on the host (the deepest level, the largest
+        sibling rank) comes along."""
+        device = torch.device(device)
+        if self.device == device:
+            return self
+        moved = TreeIndex(*(t.to(device, non_blocking=True) for t in (self.parents, self.depth, self.pre, self.last)))
+        for key in ("max_depth", "max_sibling_rank"):
+            if key in self._memo:
+                moved._memo[key] = self._memo[key]
+        return moved
+
     def row_stride(self) -> int:
         """Stride between batch rows for kernels: 0 when one tree is shared by the whole batch."""
         return 0 if self.rows == 1 else self.parents.stride(0)
@@ -177,9 +189,10 @@ def leaf_paths(parents: Sequence[int]) -> list[list[int]]:
 
 @functools.lru_cache(maxsize=64)
 def _shape_index(shape: "TreeShape", device: torch.device) -> TreeIndex:
-    index = tree_index(torch.tensor(shape.parents, device=device))
+    if device.type != "cpu":  # built on the host (no device sync), then copied once
+        return _shape_index(shape, torch.device("cpu")).to(device)
+    index = tree_index(torch.tensor(shape.parents))
     index.memo("max_depth", lambda: shape.max_depth)
-    index.memo("parents_long", lambda: torch.tensor(shape.parents, dtype=torch.long, device=device))
     return index
 
 
@@ -315,6 +328,7 @@ class TokenTree:
     child_probs: torch.Tensor | None = None
     with_replacement: bool = False
     _index: TreeIndex | None = field(default=None, init=False, repr=False, compare=False)
+    _shape: TreeShape | None = field(default=None, init=False, repr=False, compare=False)  # from_shape's
 
     def __post_init__(self):
         if self._index is None:
@@ -375,12 +389,25 @@ class TokenTree:
         p = self.parents if self.parents.dim() == 1 else self.parents[row]
         return leaf_paths(p.tolist())
 
+    def to(self, device) -> "TokenTree":
+        """The tree on ``device``, not validated again; a static shape's cached index is reused."""
+        device = torch.device(device)
+        if self.tokens.device == device:
+            return self
+        move = lambda t: None if t is None else t.to(device, non_blocking=True)
+        tree = TokenTree.__new__(TokenTree)  # fields set directly: this tree was validated already
+        tree.parents, tree.tokens, tree.valid = move(self.parents), move(self.tokens), move(self.valid)
+        tree.child_ids, tree.child_probs, tree.with_replacement = move(self.child_ids), move(self.child_probs), self.with_replacement
+        tree._shape = self._shape
+        tree._index = self._shape.index(device) if self._shape is not None else self.index.to(device)
+        return tree
+
     @classmethod
     def from_shape(cls, shape: TreeShape, tokens: torch.Tensor, **kwargs) -> "TokenTree":
         """A tree of a static shape: its parents and index come from the shape's cache (validated
         when the shape was made), so a decode loop pays for neither each step."""
         index = shape.index(tokens.device)
         tree = cls.__new__(cls)
-        tree._index = index
-        cls.__init__(tree, index.memo("parents_long", lambda: index.parents.long()), tokens, **kwargs)
+        tree._index, tree._shape = index, shape
+        cls.__init__(tree, index.memo("parents_long", lambda: index.parents[0].long()), tokens, **kwargs)
         return tree

@@ -30,9 +30,11 @@ import torch
 
 from .tree import TokenTree
 
-__all__ = ["RULES", "VerifyResult", "acceptance_tables", "choose_rule", "follow_choices", "process_logits", "sample_tokens", "verify"]
+__all__ = ["RULES", "SamplingParams", "VerifyResult", "acceptance_tables", "choose_rule", "follow_choices",
+           "process_logits", "sample_tokens", "verify"]
 
 RULES = ("greedy", "one_hot", "iid", "without_replacement", "naive")
+MODES = ("auto", "naive")
 
 
 @dataclass
@@ -54,6 +56,42 @@ def check_sampling(temperature: float, top_k: int, top_p: float) -> None:
         raise ValueError(f"top_k must be an int >= 0 (0 disables it), got {top_k!r}")
     if not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
         raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How tokens are chosen, validated once: ``temperature`` 0 is greedy decoding (argmax), else
+    draws from softmax(logits / temperature) restricted to the ``top_k`` most likely tokens (0:
+    all) and then to the smallest set reaching mass ``top_p``. ``mode`` "naive" verifies drafts by
+    exact-match sampling instead of the lossless rejection rules. Sampling, verification and the
+    distributions drafters learn from all read it, so "temperature 0" means one thing."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    mode: str = "auto"
+
+    def __post_init__(self):
+        check_sampling(self.temperature, self.top_k, self.top_p)
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """The sampling distribution (a ValueError at temperature 0: greedy has none)."""
+        return process_logits(logits, self.temperature, self.top_k, self.top_p)
+
+    def sample(self, logits: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+        """One token per row of ``logits [B, V]``."""
+        return sample_tokens(logits, self.temperature, self.top_k, self.top_p, generator)
+
+    def observed(self, logits: torch.Tensor) -> torch.Tensor:
+        """What emitted tokens were drawn from, for drafters to learn: at temperature 0 the plain
+        softmax (the argmax law would teach them nothing about the runners-up)."""
+        return torch.softmax(logits.float(), -1) if self.greedy else self.probs(logits)
 
 
 def process_logits(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
@@ -87,7 +125,7 @@ def sample_tokens(logits: torch.Tensor, temperature: float = 0.0, top_k: int = 0
 
 
 def choose_rule(tree: TokenTree, temperature: float, mode: str = "auto") -> str:
-    if mode not in ("auto", "naive"):
+    if mode not in MODES:
         raise ValueError(f"mode must be 'auto' or 'naive', got {mode!r}")
     if temperature == 0:
         return "greedy"
@@ -112,17 +150,17 @@ def _sibling_rank(parents: torch.Tensor) -> torch.Tensor:
     return ((parents[:, :, None] == parents[:, None, :]) & earlier).sum(-1)
 
 
-def _draft_law(tree: TokenTree, V: int, dtype: torch.dtype) -> torch.Tensor:
+def _draft_law(tree: TokenTree, V: int, dtype: torch.dtype, validate: bool = True) -> torch.Tensor:
     """Dense ``[B, N, V]`` law each node's children were drawn from, renormalised over the stored
     entries (a truncated top-K store is sampled from its renormalised entries)."""
     ids, pr = tree.child_ids.long(), tree.child_probs.to(dtype).clamp_min(0)
-    if bool(((ids < 0) | (ids >= V)).any()):
+    if validate and bool(((ids < 0) | (ids >= V)).any()):
         raise ValueError(f"tree.child_ids holds ids outside the vocabulary [0, {V})")
     q = torch.zeros(*ids.shape[:2], V, dtype=dtype, device=pr.device).scatter_add_(2, ids, pr)
     return _normalize(q, torch.zeros_like(q))
 
 
-def acceptance_tables(tree: TokenTree, probs: torch.Tensor, rule: str):
+def acceptance_tables(tree: TokenTree, probs: torch.Tensor, rule: str, validate: bool = True):
     """For the stochastic rules ``one_hot`` / ``iid`` / ``without_replacement``: ``accept`` ``[B, N]``
     (node c's acceptance probability given its parent was reached and c's earlier siblings were
     rejected; 0 for the root and invalid nodes) and ``residual`` ``[B, N, V]`` (the law emitted at a
@@ -138,11 +176,12 @@ def acceptance_tables(tree: TokenTree, probs: torch.Tensor, rule: str):
     rank = _sibling_rank(parents)
     slot = torch.where(valid, parents, N)  # a child's parent, or a dummy column N for non-candidates
     tokens = tree.tokens.long()
-    q = _draft_law(tree, V, probs.dtype) if rule != "one_hot" else None
+    q = _draft_law(tree, V, probs.dtype, validate) if rule != "one_hot" else None
     p = probs.clone()
     accept = torch.zeros(B, N + 1, dtype=probs.dtype, device=probs.device)
     node = torch.arange(N, device=probs.device).expand(B, N)
-    for r in range(int(rank.max()) + 1):
+    index = tree.index
+    for r in range(index.memo("max_sibling_rank", lambda: int(rank.max())) + 1):
         # child_at[b, v]: v's child of draw rank r, or N; each parent has at most one per rank.
         at_r = rank == r
         child_at = torch.full((B, N + 1), N, dtype=torch.long, device=probs.device)
@@ -168,26 +207,28 @@ def acceptance_tables(tree: TokenTree, probs: torch.Tensor, rule: str):
 
 def _walk(parents: torch.Tensor, accepted_edge: torch.Tensor, max_depth: int):
     """Follow, from the root, the lowest-indexed child whose edge is accepted; returns the path
-    ``[B, max_depth + 1]``, its length and its last node."""
+    ``[B, max_depth + 1]`` (entries past its length 0), its length and its last node."""
     B, N = accepted_edge.shape
     node = torch.arange(N, device=parents.device).expand(B, N)
+    # first[b, v]: v's lowest accepted child, or N; column N (no node) points to itself, so a
+    # walk that ran out of accepted children stays there.
     first = torch.full((B, N + 1), N, dtype=torch.long, device=parents.device)
     first.scatter_reduce_(1, torch.where(accepted_edge, parents, N), torch.where(accepted_edge, node, N), "amin")
-    cur = torch.zeros(B, dtype=torch.long, device=parents.device)
-    alive = torch.ones(B, dtype=torch.bool, device=parents.device)
-    path = [cur]
+    cur = torch.zeros(B, 1, dtype=torch.long, device=parents.device)
+    steps = [cur]
     for _ in range(max_depth):
-        nxt = first.gather(1, cur[:, None])[:, 0]
-        alive = alive & (nxt < N)
-        cur = torch.where(alive, nxt, cur)
-        path.append(torch.where(alive, nxt, 0))
-    accepted = torch.stack(path, 1)
-    num = 1 + (accepted[:, 1:] > 0).sum(1)
-    return accepted, num, cur
+        cur = first.gather(1, cur)
+        steps.append(cur)
+    path = torch.cat(steps, 1)
+    real = path < N
+    num = real.sum(1)
+    accepted = path.masked_fill_(~real, 0)
+    return accepted, num, accepted.gather(1, (num - 1)[:, None])[:, 0]
 
 
 def _max_depth(tree: TokenTree) -> int:
-    return int(tree.index.depth.max())
+    index = tree.index
+    return index.memo("max_depth", lambda: int(index.depth.max()))
 
 
 def follow_choices(tree: TokenTree, choice: torch.Tensor):
@@ -204,36 +245,42 @@ def follow_choices(tree: TokenTree, choice: torch.Tensor):
     return accepted, num, choice.gather(1, end[:, None])[:, 0]
 
 
-def verify(tree: TokenTree, logits: torch.Tensor, *, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
-           generator: torch.Generator | None = None, mode: str = "auto") -> VerifyResult:
+def verify(tree: TokenTree, logits: torch.Tensor, params: SamplingParams | None = None, *,
+           temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, generator: torch.Generator | None = None,
+           mode: str = "auto", validate: bool = True) -> VerifyResult:
     """Accept the longest valid path of ``tree`` under the target ``logits`` ``[B, N, V]``.
 
+    ``params`` (a :class:`SamplingParams`) or the keyword arguments say how the target samples.
     The emitted tokens (accepted drafts then ``bonus``) are distributed exactly as sampling from the
     processed target distribution token by token, provided the tree's drafts were drawn from the
     law it declares (``child_probs``, draw order = index order) independently of this call's
-    randomness; at temperature 0 they are exactly greedy decoding."""
-    check_sampling(temperature, top_k, top_p)
+    randomness; at temperature 0 they are exactly greedy decoding. ``validate=False`` skips the
+    vocabulary checks of the drafted ids (device-to-host syncs), for callers that checked them."""
+    if params is None:
+        params = SamplingParams(temperature, top_k, top_p, mode)
+    elif not isinstance(params, SamplingParams):
+        raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
     if logits.dim() != 3 or tuple(logits.shape[:2]) != (tree.batch_size, tree.n):
         raise ValueError(f"logits must have shape [{tree.batch_size}, {tree.n}, V], got {tuple(logits.shape)}")
     B, N, V = logits.shape
     if tree.tokens.device != logits.device:
         raise ValueError(f"tree is on {tree.tokens.device} but logits are on {logits.device}")
-    tokens = tree.tokens.long()
-    if bool(((tokens < 0) | (tokens >= V)).any()):
+    tokens = tree.tokens
+    if validate and bool(((tokens < 0) | (tokens >= V)).any()):
         pos = tuple(int(v) for v in torch.nonzero((tokens < 0) | (tokens >= V))[0])
         raise ValueError(f"tree.tokens{list(pos)} = {int(tokens[pos])} is outside the vocabulary [0, {V})")
-    rule = choose_rule(tree, temperature, mode)
+    rule = choose_rule(tree, params.temperature, params.mode)
     probs = None
     if rule in ("greedy", "naive"):
         if rule == "greedy":
-            choice = logits.float().argmax(-1)
+            choice = logits.argmax(-1)
         else:
-            probs = process_logits(logits, temperature, top_k, top_p)
+            probs = params.probs(logits)
             choice = torch.multinomial(probs.reshape(B * N, V), 1, generator=generator).reshape(B, N)
         accepted, num, bonus = follow_choices(tree, choice)
     else:
-        probs = process_logits(logits, temperature, top_k, top_p)
-        accept, residual = acceptance_tables(tree, probs, rule)
+        probs = params.probs(logits)
+        accept, residual = acceptance_tables(tree, probs, rule, validate)
         coins = torch.rand(B, N, generator=generator, device=logits.device)
         accepted, num, end = _walk(tree.parents.to(logits.device).expand(B, N), coins < accept, _max_depth(tree))
         last = residual.gather(1, end[:, None, None].expand(B, 1, V))[:, 0]

@@ -55,7 +55,9 @@ def _fail(name):
 
 
 @contextlib.contextmanager
-def no_host_sync():
+def _watch_host_reads(on_read):
+    """Call ``on_read(name)`` for every tensor operation meanwhile that would make a CUDA device
+    wait for the host (the Triton interpreter's own copies left out)."""
     T = torch.Tensor
     with contextlib.ExitStack() as stack:
         launch = stack.enter_context(flag_kernel_launches())
@@ -64,7 +66,7 @@ def no_host_sync():
         def guard(name, original):
             def call(*args, **kwargs):
                 if armed():
-                    _fail(name)
+                    on_read(name)
                 return original(*args, **kwargs)
             return call
 
@@ -73,7 +75,7 @@ def no_host_sync():
             def call(self, index, *rest):
                 parts = index if isinstance(index, tuple) else (index,)
                 if armed() and any(isinstance(p, torch.Tensor) and p.dtype == torch.bool for p in parts):
-                    _fail(f"{name} with a bool mask")
+                    on_read(f"{name} with a bool mask")
                 return original(self, index, *rest)
             return call
 
@@ -84,3 +86,18 @@ def no_host_sync():
         for name in ("__getitem__", "__setitem__"):
             stack.enter_context(mock.patch.object(T, name, guard_bool_index(f"Tensor.{name}", getattr(T, name))))
         yield
+
+
+@contextlib.contextmanager
+def no_host_sync():
+    """Raise :class:`HostSync` at the first host read of a device value."""
+    with _watch_host_reads(_fail):
+        yield
+
+
+@contextlib.contextmanager
+def count_host_syncs():
+    """Yields the list of host reads made meanwhile (their names), for budgets of "one per step"."""
+    reads: list[str] = []
+    with _watch_host_reads(reads.append):
+        yield reads

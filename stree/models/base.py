@@ -142,27 +142,31 @@ class TreeLM(nn.Module):
         if longest > cache.max_length:
             raise ValueError(f"sequence would reach {longest} tokens, past the cache's max_length {cache.max_length}")
 
-    def check_tree(self, tree: TokenTree, cache: ModelCache, backend: str) -> tuple[TreeIndex, int]:
-        """The tree's index and deepest level, after the checks (one host sync for all)."""
+    def check_tree(self, tree: TokenTree, cache: ModelCache, backend: str,
+                   validate: bool = True) -> tuple[TreeIndex, int]:
+        """The tree's index and deepest level, after the checks; ``validate=False`` skips the
+        token range and cache room (device-to-host syncs). The deepest level of a tree that is
+        not a static shape's costs one sync, once per tree."""
         if backend not in TREE_BACKENDS:
             raise ValueError(f"backend must be one of {TREE_BACKENDS}, got {backend!r}")
         if not isinstance(tree, TokenTree):
             raise TypeError(f"tree must be a TokenTree, got {type(tree).__name__}")
-        self.check_tokens("tree.tokens", tree.tokens)
+        self.check_tokens("tree.tokens", tree.tokens, values=validate)
         index = tree.index
         max_depth = index.memo("max_depth", lambda: int(index.depth.max()))
-        self.check_cache(cache, tree.batch_size, max_depth + 1)
+        self.check_cache(cache, tree.batch_size, max_depth + 1, lengths=validate)
         if backend == "chain" and max_depth != tree.n - 1:
             raise ValueError("backend='chain' needs a chain tree (parents[i] == i - 1)")
         return index, max_depth
 
     # ---- the protocol ---------------------------------------------------------------------
     @torch.no_grad()
-    def forward_tree(self, tree: TokenTree, cache: ModelCache, backend: str = "tree"):
+    def forward_tree(self, tree: TokenTree, cache: ModelCache, backend: str = "tree", validate: bool = True):
         """Logits ``[b, n, V]`` at every tree node and the :class:`TreePass` ``commit`` takes; the
         committed state is not changed. ``backend`` ("tree", "chain", "unrolled") chooses the SSM
-        layers' algorithm."""
-        index, max_depth = self.check_tree(tree, cache, backend)
+        layers' algorithm. ``validate=False`` skips the checks that read device values (token
+        range, room in the cache); the caller answers for both."""
+        index, max_depth = self.check_tree(tree, cache, backend, validate)
         return self.tree_pass(tree, index, cache, backend, self.kernel_backend, max_depth)
 
     def tree_pass(self, tree: TokenTree, index: TreeIndex, cache: ModelCache, backend: str, kernel_backend: str,

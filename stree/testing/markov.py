@@ -85,7 +85,7 @@ class MarkovLM:
         cols = lengths[:, None] - self.order + torch.arange(self.order)
         return self._logits(cache.history.gather(1, cols))
 
-    def forward_tree(self, tree: TokenTree, cache: MarkovCache, backend: str = "tree"):
+    def forward_tree(self, tree: TokenTree, cache: MarkovCache, backend: str = "tree", validate: bool = True):
         """Logits at every node and the pass handle commit takes (here the tree itself)."""
         b, n = tree.tokens.shape
         self._check(tree.tokens, cache, int(tree.index.depth.max()) + 1)
@@ -108,7 +108,7 @@ class MarkovLM:
         cache.history[rows, (cache.seqlens[:, None] + torch.arange(L))[keep]] = tree.tokens.gather(1, accepted)[keep]
         cache.seqlens += num_accepted
 
-    def step(self, tokens: torch.Tensor, cache: MarkovCache) -> torch.Tensor:
+    def step(self, tokens: torch.Tensor, cache: MarkovCache, validate: bool = True) -> torch.Tensor:
         tree = TokenTree.from_shape(TreeShape.chain(0), tokens[:, None])
         logits, _ = self.forward_tree(tree, cache)
         self.commit(cache, tree, torch.zeros(len(tokens), 1, dtype=torch.long), torch.ones(len(tokens), dtype=torch.long))

@@ -1,0 +1,115 @@
+"""The decoding loop's parts, one at a time: one device-to-host read per step, the op budget of
+verification plus bookkeeping, finished rows leaving through the mask, SamplingParams."""
+
+import pytest
+import torch
+from host_sync import count_host_syncs
+from tiny_models import FAMILIES, VOCAB
+
+from stree.generate import autoregressive_step, generate, speculative_step
+from stree.models import ModelCache
+from stree.opcount import count_ops
+from stree.tree import TokenTree, TreeShape
+from stree.verify import SamplingParams
+
+SHAPE = TreeShape.paper13()
+
+
+def _ready(family, seed=0):
+    model = FAMILIES[family]()
+    cache = model.allocate_cache(2, 64)
+    model.prefill(torch.randint(0, VOCAB, (2, 6), generator=torch.Generator().manual_seed(seed)), cache)
+    return model, cache
+
+
+def _draft(seed, stochastic):
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, VOCAB, (2, SHAPE.n), generator=g)
+    if not stochastic:
+        return TokenTree.from_shape(SHAPE, tokens)
+    ids = torch.randint(0, VOCAB, (2, SHAPE.n, 4), generator=g)
+    return TokenTree.from_shape(SHAPE, tokens, child_ids=ids, child_probs=torch.rand(2, SHAPE.n, 4, generator=g))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("temperature, top_k", [(0.0, None), (0.0, 10), (1.0, 10)])
+def test_a_speculative_step_reads_the_device_once(family, temperature, top_k):
+    """Tree pass, verification, commit and the emitted tokens (with the drafter's target laws):
+    one transfer to the host, whatever the sampling rule (after a first step of the shape)."""
+    model, cache = _ready(family)
+    params = SamplingParams(temperature=temperature)
+    gen = torch.Generator().manual_seed(0)
+    speculative_step(model, cache, _draft(1, temperature > 0), params, gen, top_k=top_k)
+    draft = _draft(2, temperature > 0)
+    with count_host_syncs() as reads:
+        host, result = speculative_step(model, cache, draft, params, gen, top_k=top_k)
+    assert reads == ["Tensor.cpu"]
+    assert torch.equal(host.counts, result.num_accepted)
+    assert (host.top_ids is None) == (top_k is None)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_an_autoregressive_step_reads_the_device_once(family):
+    model, cache = _ready(family)
+    with count_host_syncs() as reads:
+        host = autoregressive_step(model, cache, torch.tensor([1, 2]), SamplingParams(), None)
+    assert reads == ["Tensor.cpu"] and host.tokens.shape == (2, 1)
+
+
+class _ScoredTree:
+    """A model stand-in that returns fixed logits: what is left to count is verification and the
+    step's bookkeeping."""
+
+    def __init__(self, logits):
+        self.logits = logits
+
+    def forward_tree(self, tree, cache, backend="tree", validate=True):
+        return self.logits, None
+
+    def commit(self, cache, tree_pass, accepted, num_accepted, validate=True):
+        pass
+
+
+@pytest.mark.parametrize("top_k", [None, 10])
+def test_greedy_verification_and_bookkeeping_cost_at_most_40_ops(top_k):
+    tree = _draft(3, False)
+    stub = _ScoredTree(torch.randn(2, SHAPE.n, VOCAB, generator=torch.Generator().manual_seed(4)))
+    ops = count_ops(lambda: speculative_step(stub, None, tree, SamplingParams(), None, top_k=top_k))
+    assert ops.compute <= 40, ops
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_finished_rows_leave_through_the_mask_not_a_cache_copy(family, monkeypatch):
+    """Rows reaching EOS at different steps: the cache is never row-selected (a copy, and a new
+    tensor a captured graph would not see), and every row still decodes exactly."""
+    model = FAMILIES[family]()
+    prompts = [[1, 2, 3, 1, 2], [4, 5], [6, 7, 8, 6]]
+    ref = generate(model, prompts, method="autoregressive", max_new_tokens=12)
+    eos = ref.new_tokens[1][2]
+    ref = generate(model, prompts, method="autoregressive", max_new_tokens=12, eos_token_id=eos)
+    assert len({len(r) for r in ref.new_tokens}) > 1  # rows do finish apart
+    monkeypatch.setattr(ModelCache, "select", lambda *a: pytest.fail("the decode loop copied the cache"))
+    for method in ("autoregressive", "stree"):
+        out = generate(model, prompts, method=method, max_new_tokens=12, eos_token_id=eos)
+        assert out.sequences == ref.sequences, method
+
+
+def test_sampling_params_are_checked_once_and_shared():
+    with pytest.raises(ValueError, match="temperature must be a number >= 0"):
+        SamplingParams(temperature=-1)
+    with pytest.raises(ValueError, match="top_p must be in"):
+        SamplingParams(temperature=1.0, top_p=0.0)
+    with pytest.raises(ValueError, match="mode must be one of"):
+        SamplingParams(mode="fast")
+    assert SamplingParams().greedy and not SamplingParams(temperature=0.5).greedy
+    with pytest.raises(ValueError, match="greedy decoding"):
+        SamplingParams().probs(torch.zeros(1, 3))
+    logits = torch.tensor([[0.0, 1.0, 3.0]])
+    assert torch.allclose(SamplingParams().observed(logits), torch.softmax(logits, -1))  # drafters learn the softmax
+    model = FAMILIES["mamba2"]()
+    kw = dict(max_new_tokens=6, seed=3)
+    a = generate(model, [[1, 2, 3]], sampling=SamplingParams(temperature=0.8, top_k=5), **kw)
+    b = generate(model, [[1, 2, 3]], temperature=0.8, top_k=5, **kw)
+    assert a.sequences == b.sequences
+    with pytest.raises(TypeError, match="sampling must be a SamplingParams"):
+        generate(model, [[1]], sampling={"temperature": 1.0}, max_new_tokens=2)
