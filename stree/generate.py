@@ -21,6 +21,8 @@ import torch
 
 from .drafters.base import DraftContext, Drafter, TargetTop
 from .drafters.ngram import NGramDrafter
+from .models.base import TreeLM
+from .models.graphs import DecodeGraphs
 from .tree import TokenTree, TreeShape
 from .verify import SamplingParams, verify
 
@@ -186,33 +188,44 @@ class Rows:
         self.active[ids[(hit & (upto <= n)) | (n == room)]] = False
 
 
-def prefill_rows(model, rows: Rows, params: SamplingParams, generator, max_length: int, top_k: int | None):
-    """Allocate the cache, feed the prompts, draw each row's first token. Returns ``(cache, host)``."""
-    cache = model.allocate_cache(rows.batch_size, max_length)
+def prefill_rows(model, rows: Rows, cache, params: SamplingParams, generator, top_k: int | None) -> HostStep:
+    """Feed the prompts into the (empty) cache and draw each row's first token."""
     longest = int(rows.lengths.max())
     logits = model.prefill(rows.seq[:, :longest].to(model.device), cache, lengths=rows.lengths)
     first = params.sample(logits, generator)[:, None]
     probs = None if top_k is None else params.observed(logits)[:, None]
-    return cache, _to_host(first, torch.ones_like(first[:, 0]), probs, top_k or 0)
+    return _to_host(first, torch.ones_like(first[:, 0]), probs, top_k or 0)
 
 
-def autoregressive_step(model, cache, roots: torch.Tensor, params: SamplingParams, generator) -> HostStep:
-    """One token for every row: the target's step on the roots, then one sampled token each."""
-    nxt = params.sample(model.step(roots, cache, validate=False), generator)
+def autoregressive_step(model, cache, roots: torch.Tensor, params: SamplingParams, generator,
+                        graphs: DecodeGraphs | None = None) -> HostStep:
+    """One token for every row: the target's step on the roots (replayed from the step graph when
+    ``graphs`` are given), then one sampled token each."""
+    logits = graphs.step()(roots, validate=False) if graphs is not None else model.step(roots, cache, validate=False)
+    nxt = params.sample(logits, generator)
     return _to_host(nxt[:, None], torch.ones_like(nxt), None, 0)
 
 
 def speculative_step(model, cache, draft: TokenTree, params: SamplingParams, generator, backend: str = "tree",
-                     top_k: int | None = None, lap=None):
+                     top_k: int | None = None, lap=None, graphs: DecodeGraphs | None = None):
     """Score ``draft`` (on the model's device, checked on the host) in one tree pass, verify it,
     commit the accepted paths, and hand the host the emitted tokens (accepted drafts, then the
-    bonus) with their target laws when ``top_k`` is set. Returns ``(host, result)``. ``lap(phase)``,
-    if given, is called after "verify" (tree pass and verification) and "commit"."""
-    logits, tree_pass = model.forward_tree(draft, cache, backend=backend, validate=False)
+    bonus) with their target laws when ``top_k`` is set. Returns ``(host, result)``. With
+    ``graphs``, a draft of a static shape goes through that shape's tree-pass and commit graphs.
+    ``lap(phase)``, if given, is called after "verify" (tree pass and verification) and "commit"."""
+    graphed = graphs is not None and backend == "tree" and draft._shape is not None
+    if graphed:
+        tree_graph, commit_graph = graphs.tree(draft._shape)
+        logits, tree_pass = tree_graph(draft.tokens, validate=False)
+    else:
+        logits, tree_pass = model.forward_tree(draft, cache, backend=backend, validate=False)
     result = verify(draft, logits, params, generator=generator, validate=False)
     if lap is not None:
         lap("verify")
-    model.commit(cache, tree_pass, result.accepted, result.num_accepted, validate=False)
+    if graphed:
+        commit_graph(tree_pass, result.accepted, result.num_accepted)
+    else:
+        model.commit(cache, tree_pass, result.accepted, result.num_accepted, validate=False)
     path_tokens = draft.tokens.gather(1, result.accepted)
     out = torch.cat([path_tokens[:, 1:], path_tokens[:, :1]], 1)
     out.scatter_(1, (result.num_accepted - 1)[:, None], result.bonus[:, None])
@@ -279,17 +292,19 @@ def _full_batch(draft: TokenTree, active: torch.Tensor, roots: torch.Tensor) -> 
     valid = torch.zeros(B, n, dtype=torch.bool)
     valid[:, 0] = True
     valid[ids] = True if draft.valid is None else draft.valid
+    extra = dict(valid=valid, with_replacement=draft.with_replacement)
+    if draft.child_ids is not None:
+        K = draft.child_ids.shape[-1]
+        extra.update(child_ids=torch.zeros(B, n, K, dtype=draft.child_ids.dtype),
+                     child_probs=torch.zeros(B, n, K, dtype=draft.child_probs.dtype))
+        extra["child_ids"][ids], extra["child_probs"][ids] = draft.child_ids, draft.child_probs
+    if draft._shape is not None:  # keep the static shape (and its cached index, and its graphs)
+        return TokenTree.from_shape(draft._shape, tokens, **extra)
     parents = draft.parents
     if parents.dim() == 2:
         parents = parents[:1].repeat(B, 1)
         parents[ids] = draft.parents
-    extra = {}
-    if draft.child_ids is not None:
-        K = draft.child_ids.shape[-1]
-        extra = dict(child_ids=torch.zeros(B, n, K, dtype=draft.child_ids.dtype),
-                     child_probs=torch.zeros(B, n, K, dtype=draft.child_probs.dtype))
-        extra["child_ids"][ids], extra["child_probs"][ids] = draft.child_ids, draft.child_probs
-    return TokenTree(parents, tokens, valid, with_replacement=draft.with_replacement, **extra)
+    return TokenTree(parents, tokens, **extra)
 
 
 class _Clock:
@@ -313,7 +328,8 @@ def generate(model, input_ids, *, drafter: Drafter | None = None, tree: TreeShap
              method: str = "stree", max_new_tokens: int, temperature: float = 0.0, top_k: int = 0,
              top_p: float = 1.0, eos_token_id: int | list[int] | None = None, seed: int | None = None,
              mode: str = "auto", max_length: int | None = None, on_step=None,
-             sampling: SamplingParams | None = None, time_phases: bool = False) -> GenerationOutput:
+             sampling: SamplingParams | None = None, time_phases: bool = False,
+             cuda_graph: bool | None = None) -> GenerationOutput:
     """Decode up to ``max_new_tokens`` per row; a row stops after emitting an EOS.
 
     ``input_ids``: a ``[B, T]`` tensor or a list of token lists (ragged prompts allowed).
@@ -324,7 +340,10 @@ def generate(model, input_ids, *, drafter: Drafter | None = None, tree: TreeShap
     verifies by exact-match sampling. ``max_length``: the cache size; by default the longest
     prompt plus ``max_new_tokens`` plus the tree depth (the drafter's ``draft_depth`` when deeper).
     The same ``seed`` gives the same output. ``time_phases``: on CUDA, time draft / verify /
-    commit apart (a device sync per phase; off, only the total is timed there).
+    commit apart (a device sync per phase; off, only the total is timed there). ``cuda_graph``:
+    replay the step, and the tree pass and commit of static tree shapes, from CUDA graphs (by
+    default on for a model on CUDA; the graphs and their cache are kept per model, batch size and
+    cache size, and reused by later calls).
     ``on_step(rows, tree, result)``, if given, sees every verify step (row ids, the drafted
     :class:`TokenTree`, the :class:`~stree.verify.VerifyResult`), e.g. to count accepted nodes."""
     if method not in METHODS:
@@ -352,6 +371,10 @@ def generate(model, input_ids, *, drafter: Drafter | None = None, tree: TreeShap
     elif drafter is None:
         drafter = NGramDrafter()
     device = model.device
+    if cuda_graph is None:
+        cuda_graph = device.type == "cuda" and isinstance(model, TreeLM)
+    if cuda_graph and (device.type != "cuda" or not isinstance(model, TreeLM)):
+        raise ValueError(f"cuda_graph=True needs a stree model on a CUDA device, got {type(model).__name__} on {device}")
     generator = None if seed is None else torch.Generator(device=device).manual_seed(seed)
     backend = "chain" if method == "chain" else "tree"
     top_k = _top_k(drafter)
@@ -364,7 +387,9 @@ def generate(model, input_ids, *, drafter: Drafter | None = None, tree: TreeShap
     def lap(phase: str) -> None:
         setattr(stats, f"time_{phase}", getattr(stats, f"time_{phase}") + clock.lap())
 
-    cache, first = prefill_rows(model, rows, params, generator, max_length, top_k)
+    graphs = DecodeGraphs.for_model(model, rows.batch_size, max_length) if cuda_graph else None
+    cache = graphs.cache if graphs is not None else model.allocate_cache(rows.batch_size, max_length)
+    first = prefill_rows(model, rows, cache, params, generator, top_k)
     stats.time_prefill += clock.lap()
     if drafter is not None:
         drafter.reset()
@@ -374,7 +399,7 @@ def generate(model, input_ids, *, drafter: Drafter | None = None, tree: TreeShap
         roots = rows.roots()
         live = rows.active_ids()
         if drafter is None:
-            host = autoregressive_step(model, cache, roots.to(device, non_blocking=True), params, generator)
+            host = autoregressive_step(model, cache, roots.to(device, non_blocking=True), params, generator, graphs)
             for r in live:
                 rows.accepted[r].append(0)
             stats.time_verify += clock.lap()
@@ -382,12 +407,13 @@ def generate(model, input_ids, *, drafter: Drafter | None = None, tree: TreeShap
             context = rows.context()
             draft = drafter.propose(context, shape)
             _check_draft(draft, roots[live], model.vocab_size)
-            if draft.valid is not None and not bool(draft.valid[:, 1:].any()):
+            if graphs is None and draft.valid is not None and not bool(draft.valid[:, 1:].any()):
                 draft = TokenTree.from_shape(TreeShape.chain(0), draft.tokens[:, :1])  # nothing drafted: one node
             full = draft if len(live) == rows.batch_size else _full_batch(draft, rows.active, roots)
             full = full.to(device)
             stats.time_draft += clock.lap()
-            host, result = speculative_step(model, cache, full, params, generator, backend, top_k, lap=lap)
+            host, result = speculative_step(model, cache, full, params, generator, backend, top_k, lap=lap,
+                                            graphs=graphs)
             for r in live:
                 rows.accepted[r].append(int(host.counts[r]) - 1)
             if on_step is not None:

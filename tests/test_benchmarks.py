@@ -68,3 +68,17 @@ def test_acceptance_smoke_writes_json_table_and_png(tmp_path):
     assert greedy_stand[2] > greedy_stand[1]  # the second greedy trajectory drafts from the first's store
     table = (tmp_path / "acceptance_smoke.md").read_text()
     assert "| stand | 0.6 |" in table and table.count("\n|") == 2 + len(names) * 3
+
+
+def test_e2e_smoke_compares_every_configuration_with_transformers(tmp_path):
+    result = smoke("e2e", tmp_path)
+    rows = {r["name"]: r for r in result["results"]}
+    assert {"transformers", "stree-autoregressive", "stree-ngram", "stree-ssm-static", "chain-ngram"} <= set(rows)
+    assert rows["transformers"]["speedup_vs_transformers"] == 1.0
+    for r in rows.values():
+        assert r["identical_to_transformers"], r["name"]  # greedy: token for token
+        assert r["tokens_per_s"] > 0
+        if r["name"] != "transformers":
+            assert r["tau"] >= 1.0 and r["ms_per_iteration"]["verify"] > 0
+    ops = result["op_counts"]
+    assert ops["step"]["compute"] < ops["forward_tree"]["compute"] and ops["commit"]["total"] > 0

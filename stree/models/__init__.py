@@ -1,10 +1,10 @@
 """Target models implementing the tree-decoding protocol (see ARCHITECTURE.md)."""
 
-from .cache import AttnScratch, ModelCache, SSMScratch
+from .cache import AttnScratch, ModelCache, SSMScratch, TreePass
 from .config import HybridConfig, Mamba2Config
-from .graphs import GraphedStep, GraphedTreePass
+from .graphs import DecodeGraphs, GraphedCommit, GraphedStep, GraphedTreePass
 from .hybrid import HybridLM
 from .loading import DTYPES, detect_format, load, load_tokenizer, save
 from .mamba2 import Mamba2LM
 
-__all__ = ["DTYPES", "AttnScratch", "GraphedStep", "GraphedTreePass", "HybridConfig", "HybridLM", "ModelCache", "Mamba2Config", "Mamba2LM", "SSMScratch", "detect_format", "load", "load_tokenizer", "save"]
+__all__ = ["DTYPES", "AttnScratch", "DecodeGraphs", "GraphedCommit", "GraphedStep", "GraphedTreePass", "HybridConfig", "HybridLM", "ModelCache", "Mamba2Config", "Mamba2LM", "SSMScratch", "TreePass", "detect_format", "load", "load_tokenizer", "save"]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import weakref
+from collections.abc import Callable
 
 import torch
 
@@ -19,7 +20,7 @@ from ..tree import TokenTree, TreeShape
 from .base import TreeLM
 from .cache import ModelCache
 
-__all__ = ["GraphedStep", "GraphedTreePass"]
+__all__ = ["DecodeGraphs", "GraphedCommit", "GraphedStep", "GraphedTreePass"]
 
 
 def _recurrent_state(cache: ModelCache) -> list[torch.Tensor]:
@@ -99,3 +100,75 @@ class GraphedTreePass:
         self.graph.replay()
         return self.logits, dataclasses.replace(self.tree_pass, cache_ref=weakref.ref(self.cache),
                                                 version=self.cache.version)
+
+
+class GraphedCommit:
+    """``model.commit(cache, tree_pass, accepted, num_accepted)`` for the passes of one
+    :class:`GraphedTreePass`, replayed from a CUDA graph: the accepted paths go through static
+    buffers, the scratch is the tree graph's own output. The path is not validated (the caller's
+    verifier produced it)."""
+
+    def __init__(self, model: TreeLM, tree_graph: GraphedTreePass, warmup: int = 2):
+        self.model, self.cache, self.tree_graph = model, tree_graph.cache, tree_graph
+        batch, depth = self.cache.batch_size, tree_graph.new_tokens
+        self.accepted = torch.zeros(batch, depth, dtype=torch.long, device=model.device)
+        self.num = torch.ones(batch, dtype=torch.long, device=model.device)
+        static = dataclasses.replace(tree_graph.tree_pass, cache_ref=weakref.ref(self.cache),
+                                     version=self.cache.version)
+
+        def commit():
+            static.version = self.cache.version  # the state each run starts from is the current one
+            model.commit(self.cache, static, self.accepted, self.num, validate=False)
+
+        self.graph, _ = _capture(model, self.cache, commit, warmup)
+
+    def __call__(self, tree_pass, accepted: torch.Tensor, num_accepted: torch.Tensor) -> None:
+        tree_pass.check_against(self.cache)
+        if accepted.shape != self.accepted.shape:
+            raise ValueError(f"accepted must have shape {tuple(self.accepted.shape)} (captured), got {tuple(accepted.shape)}")
+        self.accepted.copy_(accepted)
+        self.num.copy_(num_accepted)
+        self.graph.replay()
+        self.cache.moved()
+
+
+class DecodeGraphs:
+    """The graphs a decode loop replays, for one model, batch size and cache size: a cache they
+    all point at (reused across ``generate`` calls, zeroed at each start), the step graph, and a
+    tree-pass + commit pair per tree shape, each captured the first time it is needed."""
+
+    _pools: "weakref.WeakKeyDictionary[TreeLM, dict]" = weakref.WeakKeyDictionary()
+
+    def __init__(self, model: TreeLM, batch_size: int, max_length: int):
+        self.model = model
+        self.cache = model.allocate_cache(batch_size, max_length)
+        self._step: GraphedStep | None = None
+        self._trees: dict[TreeShape, tuple[GraphedTreePass, GraphedCommit]] = {}
+
+    @classmethod
+    def for_model(cls, model: TreeLM, batch_size: int, max_length: int) -> "DecodeGraphs":
+        """The pool for this batch size and a cache of at least ``max_length`` (rounded up to a
+        multiple of 256, so that nearby lengths share graphs), its state zeroed."""
+        size = -(-max_length // 256) * 256
+        pools = cls._pools.setdefault(model, {})
+        key = (batch_size, size)
+        if key not in pools:
+            pools[key] = cls(model, batch_size, size)
+        graphs = pools[key]
+        for t in (graphs.cache.conv, graphs.cache.ssm, graphs.cache.seqlens):
+            if t is not None:
+                t.zero_()
+        graphs.cache.moved()
+        return graphs
+
+    def step(self) -> GraphedStep:
+        if self._step is None:
+            self._step = GraphedStep(self.model, self.cache)
+        return self._step
+
+    def tree(self, shape: TreeShape) -> tuple[GraphedTreePass, Callable]:
+        """The tree-pass graph of ``shape`` and its commit."""
+        if shape not in self._trees:
+            tree_graph = GraphedTreePass(self.model, self.cache, shape)
+            self._trees[shape] = (tree_graph, GraphedCommit(self.model, tree_graph))
+        return self._trees[shape]

@@ -5,7 +5,8 @@ import pytest
 import torch
 from tiny_models import FAMILIES, VOCAB
 
-from stree.models import GraphedStep, GraphedTreePass
+from stree.generate import generate
+from stree.models import GraphedCommit, GraphedStep, GraphedTreePass
 from stree.tree import TokenTree, TreeShape
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU (run benchmarks/gpu_check.sh)")
@@ -78,3 +79,46 @@ def test_graphs_refuse_a_model_off_cuda(cls, extra):
     model = FAMILIES["mamba2"]()
     with pytest.raises(ValueError, match="CUDA graphs need a model on a CUDA device, got cpu"):
         cls(model, model.allocate_cache(1, 8), *extra)
+
+
+@cuda
+@pytest.mark.parametrize("family", FAMILIES)
+def test_graphed_commit_equals_eager(family):
+    model, cache, eager = _pair(family)
+    shape = TreeShape.paper13()
+    tree_graph = GraphedTreePass(model, cache, shape)
+    commit_graph = GraphedCommit(model, tree_graph)
+    accepted = torch.tensor([[0, 2, 6, 0, 0], [0, 1, 4, 7, 10]], device="cuda")
+    num = torch.tensor([3, 5], device="cuda")
+    for seed in range(2):
+        tokens = torch.randint(0, VOCAB, (2, shape.n), generator=torch.Generator().manual_seed(seed)).cuda()
+        _, eager_pass = model.forward_tree(TokenTree.from_shape(shape, tokens), eager)
+        model.commit(eager, eager_pass, accepted, num)
+        _, tree_pass = tree_graph(tokens)
+        commit_graph(tree_pass, accepted, num)
+        assert torch.equal(cache.seqlens, eager.seqlens)
+        assert all((a.float() - c.float()).abs().max() <= 1e-5 for a, c in zip(_states(cache)[:2], _states(eager)[:2]))
+
+
+@cuda
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("method", ["autoregressive", "stree"])
+def test_generate_from_graphs_is_token_identical(family, method):
+    """The loop with graphs (the default on CUDA) and without, rows finishing at different steps,
+    twice (the second call reuses the graphs and their cache)."""
+    model = FAMILIES[family]().cuda()
+    prompts = [[1, 2, 3, 1, 2], [4, 5], [6, 7, 8, 6]]
+    ref = generate(model, prompts, method="autoregressive", max_new_tokens=12, cuda_graph=False)
+    eos = ref.new_tokens[1][2]
+    want = generate(model, prompts, method=method, max_new_tokens=12, eos_token_id=eos, cuda_graph=False)
+    for _ in range(2):
+        got = generate(model, prompts, method=method, max_new_tokens=12, eos_token_id=eos)
+        assert got.sequences == want.sequences
+
+
+def test_generate_refuses_graphs_off_cuda():
+    model = FAMILIES["mamba2"]()
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: the refusal is for models elsewhere")
+    with pytest.raises(ValueError, match="cuda_graph=True needs a stree model on a CUDA device"):
+        generate(model, [[1, 2]], max_new_tokens=2, cuda_graph=True)
