@@ -11,3 +11,11 @@ def test_ci_runs_the_readme_test_command():
     assert main_job.endswith("python -m stree demo")
     assert tests.endswith("python -m pytest -q")
     assert tests in (ROOT / ".ci" / "run").read_text()
+
+
+def test_the_readme_python_example_runs(capsys):
+    readme = (ROOT / "README.md").read_text()
+    code = readme.split("```python\n", 1)[1].split("```", 1)[0]
+    exec(compile(code, "README.md", "exec"), {})
+    printed = capsys.readouterr().out
+    assert "tau" in printed and "tok/s" in printed

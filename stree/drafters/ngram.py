@@ -10,19 +10,24 @@ from .base import DraftContext, Drafter
 
 class _RowIndex:
     """For one row: every n-gram (n = 1..max_n) of its context mapped to the tokens that followed
-    it, with their counts and last positions; extended only by the tokens added since last time."""
+    it, with their counts and last positions; extended only by the tokens added since last time.
+    Each n-gram's continuations, ranked, are kept until a new token changes them: a step adds a
+    few tokens, so a draft re-ranks a few n-grams, not every one it visits."""
 
     def __init__(self, max_n: int):
         self.max_n = max_n
         self.tokens: list[int] = []
         self.next: dict[tuple[int, ...], dict[int, list[int]]] = {}
+        self.ranked: dict[tuple[int, ...], list[int]] = {}
 
     def extend(self, new: list[int]) -> None:
         toks = self.tokens
         for tok in new:
             j = len(toks)
             for n in range(1, min(self.max_n, j) + 1):
-                seen = self.next.setdefault(tuple(toks[j - n: j]), {})
+                key = tuple(toks[j - n: j])
+                self.ranked.pop(key, None)
+                seen = self.next.setdefault(key, {})
                 entry = seen.get(tok)
                 if entry is None:
                     seen[tok] = [1, j]
@@ -36,10 +41,14 @@ class _RowIndex:
         frequent, then most recent), then shorter suffixes' to fill the remaining slots."""
         out: list[int] = []
         for n in range(min(len(suffix), self.max_n), min_n - 1, -1):
-            seen = self.next.get(suffix[len(suffix) - n:])
-            if not seen:
-                continue
-            for tok, _ in sorted(seen.items(), key=lambda kv: (-kv[1][0], -kv[1][1])):
+            key = suffix[len(suffix) - n:]
+            ranked = self.ranked.get(key)
+            if ranked is None:
+                seen = self.next.get(key)
+                if not seen:
+                    continue
+                ranked = self.ranked[key] = [tok for tok, _ in sorted(seen.items(), key=lambda kv: (-kv[1][0], -kv[1][1]))]
+            for tok in ranked:
                 if tok not in out:
                     out.append(tok)
                     if len(out) == k:
