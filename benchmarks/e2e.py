@@ -4,7 +4,9 @@ transformers' own ``generate`` on the same weights, and, on CUDA when importable
 turns on every prompt (round-robin, the order rotating per prompt and round), so drift hits all
 alike; speed is reported as a ratio to transformers. Every output is checked token for token
 against transformers'. Also: per-iteration time split (draft / verify / commit / other), target
-forwards, tau, and the op counts of one step, tree pass, commit and verify.
+forwards, tau, and the op counts of one step, tree pass, commit and verify. On the CPU the main
+configurations run a second time with ``torch_compile=True`` (target, and the drafter model's
+steps): rows named ``...-compiled``.
 
     python benchmarks/e2e.py                  # shipped pair, 8 held-out prompts x 128 tokens
     python benchmarks/e2e.py --smoke          # 2 prompts x 12 tokens (CI)
@@ -24,7 +26,7 @@ from tqdm import tqdm
 from stree.demo import DRAFTER, TARGET, read_prompts
 from stree.drafters.registry import NEEDS_MODEL, make_drafter
 from stree.generate import generate, pooled_tau
-from stree.models import load, load_tokenizer, save
+from stree.models import compiled_step, load, load_tokenizer, save
 from stree.opcount import count_ops
 from stree.timing import run_info, save_result
 from stree.tree import TokenTree, TreeShape
@@ -35,6 +37,8 @@ CONFIGS = (("stree-autoregressive", "autoregressive", None), ("chain-ngram", "ch
            ("chain-ssm-static", "chain", "ssm-static"), ("stree-ngram", "stree", "ngram"),
            ("stree-stand-det", "stree", "stand-det"), ("stree-ssm-static", "stree", "ssm-static"),
            ("stree-ssm-beam", "stree", "ssm-beam"))
+# On the CPU, these also run with torch_compile=True (target and drafter model): "...-compiled".
+COMPILED = ("stree-autoregressive", "stree-ngram", "stree-stand-det", "stree-ssm-static", "stree-ssm-beam")
 
 
 def hf_twin(model, device):
@@ -116,13 +120,16 @@ def main(argv=None):
         out = ms.generate(ids, max_length=len(prompt) + N, cg=True, top_k=1)
         return out[0, len(prompt):].tolist(), None
 
-    def run_stree(method, drafter_name):
+    draft_step = compiled_step(draft_model) if device.type == "cpu" else None
+
+    def run_stree(method, drafter_name, compiled=False):
         def run(prompt):
+            model_kw = dict(drafter_model=draft_model, step=draft_step if compiled else None)
             drafter = None if drafter_name is None else make_drafter(
-                drafter_name, drafter_model=draft_model if drafter_name in NEEDS_MODEL else None,
-                vocab_size=target.vocab_size)
+                drafter_name, **(model_kw if drafter_name in NEEDS_MODEL else {}), vocab_size=target.vocab_size)
             tree = TreeShape.chain(4) if method == "chain" else None
-            res = generate(target, [prompt], method=method, drafter=drafter, tree=tree, max_new_tokens=N)
+            res = generate(target, [prompt], method=method, drafter=drafter, tree=tree, max_new_tokens=N,
+                           torch_compile=compiled)
             return res.new_tokens[0], res.stats
         return run
 
@@ -130,8 +137,12 @@ def main(argv=None):
     if ms is not None:
         runners["mamba_ssm-cg"] = run_mamba_ssm
     runners.update({name: run_stree(method, d) for name, method, d in CONFIGS})
+    if device.type == "cpu":  # the smoke run compiles one configuration (compiling takes seconds per shape)
+        compiled = ("stree-ngram",) if args.smoke else COMPILED
+        runners.update({f"{name}-compiled": run_stree(method, d, compiled=True)
+                        for name, method, d in CONFIGS if name in compiled})
     names = list(runners)
-    for name in names:  # warm-up: first calls allocate, compile and fill caches
+    for name in tqdm(names, desc="warm-up", file=sys.stderr):  # first calls allocate, compile, fill caches
         runners[name](prompts[0][:8])
     seconds = {name: 0.0 for name in names}
     outputs = {name: [] for name in names}

@@ -34,6 +34,9 @@ def _generate_parser(sub) -> None:
     p.add_argument("--device", default=None, help="default: cuda when available, else cpu")
     p.add_argument("--compare", action="store_true", help="also decode autoregressively; print the speedup and "
                                                              "whether greedy outputs are identical")
+    p.add_argument("--compile", action="store_true", help="CPU: torch.compile the step, tree pass and commit (and "
+                                                          "the drafter model's steps): seconds of compiling, then "
+                                                          "faster decoding")
 
 
 def _optimize_parser(sub) -> None:
@@ -168,8 +171,8 @@ def _run_generate(args) -> int:
         raise ValueError(f"--prompt {args.prompt!r} encodes to no tokens")
     tree = TreeShape.from_spec(args.tree) if args.tree else None
     kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-              eos_token_id=tokenizer.eos_token_id, seed=args.seed)
-    drafter_model = None
+              eos_token_id=tokenizer.eos_token_id, seed=args.seed, torch_compile=args.compile)
+    drafter_model = step = None
     if args.drafter_model is not None and args.drafter not in NEEDS_MODEL:
         raise ValueError(f"--drafter-model is only for --drafter {' / '.join(NEEDS_MODEL)}, not {args.drafter}")
     if args.drafter in NEEDS_MODEL:
@@ -178,8 +181,12 @@ def _run_generate(args) -> int:
         from .models import load
 
         drafter_model = load(args.drafter_model, dtype=model.dtype, device=model.device)
+        if args.compile:
+            from .models import compiled_step
+
+            step = compiled_step(drafter_model)
     drafter = make_drafter(args.drafter, drafter_model=drafter_model, vocab_size=model.vocab_size,
-                           temperature=args.temperature, include_self=True)
+                           temperature=args.temperature, include_self=True, step=step)
     out = generate(model, [ids], drafter=drafter, tree=tree, method=args.method, **kw)
     print(tokenizer.decode(out.sequences[0]))
     print(f"[{args.method}] {out.stats.summary()}")

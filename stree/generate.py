@@ -22,7 +22,9 @@ import torch
 from .drafters.base import DraftContext, Drafter, TargetTop
 from .drafters.ngram import NGramDrafter
 from .models.base import TreeLM
+from .models.compiled import CompiledDecode
 from .models.graphs import DecodeGraphs
+from .models.runners import DecodeRunner
 from .tree import TokenTree, TreeShape
 from .verify import SamplingParams, verify
 
@@ -198,32 +200,33 @@ def prefill_rows(model, rows: Rows, cache, params: SamplingParams, generator, to
 
 
 def autoregressive_step(model, cache, roots: torch.Tensor, params: SamplingParams, generator,
-                        graphs: DecodeGraphs | None = None) -> HostStep:
-    """One token for every row: the target's step on the roots (replayed from the step graph when
-    ``graphs`` are given), then one sampled token each."""
-    logits = graphs.step()(roots, validate=False) if graphs is not None else model.step(roots, cache, validate=False)
+                        runner: DecodeRunner | None = None) -> HostStep:
+    """One token for every row: the target's step on the roots (the ``runner``'s step, a CUDA graph
+    or a compiled one, when given), then one sampled token each."""
+    logits = runner.step()(roots, validate=False) if runner is not None else model.step(roots, cache, validate=False)
     nxt = params.sample(logits, generator)
     return _to_host(nxt[:, None], torch.ones_like(nxt), None, 0)
 
 
 def speculative_step(model, cache, draft: TokenTree, params: SamplingParams, generator, backend: str = "tree",
-                     top_k: int | None = None, lap=None, graphs: DecodeGraphs | None = None):
+                     top_k: int | None = None, lap=None, runner: DecodeRunner | None = None):
     """Score ``draft`` (on the model's device, checked on the host) in one tree pass, verify it,
     commit the accepted paths, and hand the host the emitted tokens (accepted drafts, then the
-    bonus) with their target laws when ``top_k`` is set. Returns ``(host, result)``. With
-    ``graphs``, a draft of a static shape goes through that shape's tree-pass and commit graphs.
+    bonus) with their target laws when ``top_k`` is set. Returns ``(host, result)``. With a
+    ``runner``, a draft of a static shape goes through that shape's tree pass and commit (CUDA
+    graphs or compiled).
     ``lap(phase)``, if given, is called after "verify" (tree pass and verification) and "commit"."""
-    graphed = graphs is not None and backend == "tree" and draft._shape is not None
-    if graphed:
-        tree_graph, commit_graph = graphs.tree(draft._shape)
-        logits, tree_pass = tree_graph(draft.tokens, validate=False)
+    fast = runner is not None and backend == "tree" and draft._shape is not None
+    if fast:
+        fast_tree, fast_commit = runner.tree(draft._shape)
+        logits, tree_pass = fast_tree(draft.tokens, validate=False)
     else:
         logits, tree_pass = model.forward_tree(draft, cache, backend=backend, validate=False)
     result = verify(draft, logits, params, generator=generator, validate=False)
     if lap is not None:
         lap("verify")
-    if graphed:
-        commit_graph(tree_pass, result.accepted, result.num_accepted)
+    if fast:
+        fast_commit(tree_pass, result.accepted, result.num_accepted)
     else:
         model.commit(cache, tree_pass, result.accepted, result.num_accepted, validate=False)
     path_tokens = draft.tokens.gather(1, result.accepted)
@@ -329,7 +332,7 @@ def generate(model, input_ids, *, drafter: Drafter | None = None, tree: TreeShap
              top_p: float = 1.0, eos_token_id: int | list[int] | None = None, seed: int | None = None,
              mode: str = "auto", max_length: int | None = None, on_step=None,
              sampling: SamplingParams | None = None, time_phases: bool = False,
-             cuda_graph: bool | None = None) -> GenerationOutput:
+             cuda_graph: bool | None = None, torch_compile: bool = False) -> GenerationOutput:
     """Decode up to ``max_new_tokens`` per row; a row stops after emitting an EOS.
 
     ``input_ids``: a ``[B, T]`` tensor or a list of token lists (ragged prompts allowed).
@@ -343,7 +346,9 @@ def generate(model, input_ids, *, drafter: Drafter | None = None, tree: TreeShap
     commit apart (a device sync per phase; off, only the total is timed there). ``cuda_graph``:
     replay the step, and the tree pass and commit of static tree shapes, from CUDA graphs (by
     default on for a model on CUDA; the graphs and their cache are kept per model, batch size and
-    cache size, and reused by later calls).
+    cache size, and reused by later calls). ``torch_compile``: on the CPU, run the step, and the
+    tree pass and commit of static tree shapes, through ``torch.compile`` (seconds of compiling
+    per shape, once per process: for long runs; outputs as the eager path's).
     ``on_step(rows, tree, result)``, if given, sees every verify step (row ids, the drafted
     :class:`TokenTree`, the :class:`~stree.verify.VerifyResult`), e.g. to count accepted nodes."""
     if method not in METHODS:
@@ -375,6 +380,11 @@ def generate(model, input_ids, *, drafter: Drafter | None = None, tree: TreeShap
         cuda_graph = device.type == "cuda" and isinstance(model, TreeLM)
     if cuda_graph and (device.type != "cuda" or not isinstance(model, TreeLM)):
         raise ValueError(f"cuda_graph=True needs a stree model on a CUDA device, got {type(model).__name__} on {device}")
+    if not isinstance(torch_compile, bool):
+        raise TypeError(f"torch_compile must be a bool, got {torch_compile!r}")
+    if torch_compile and (device.type != "cpu" or not isinstance(model, TreeLM)):
+        raise ValueError(f"torch_compile=True is for stree models on the CPU (on CUDA: cuda_graph), got "
+                         f"{type(model).__name__} on {device}")
     generator = None if seed is None else torch.Generator(device=device).manual_seed(seed)
     backend = "chain" if method == "chain" else "tree"
     top_k = _top_k(drafter)
@@ -387,8 +397,9 @@ def generate(model, input_ids, *, drafter: Drafter | None = None, tree: TreeShap
     def lap(phase: str) -> None:
         setattr(stats, f"time_{phase}", getattr(stats, f"time_{phase}") + clock.lap())
 
-    graphs = DecodeGraphs.for_model(model, rows.batch_size, max_length) if cuda_graph else None
-    cache = graphs.cache if graphs is not None else model.allocate_cache(rows.batch_size, max_length)
+    kind = DecodeGraphs if cuda_graph else CompiledDecode if torch_compile else None
+    runner = kind.for_model(model, rows.batch_size, max_length) if kind is not None else None
+    cache = runner.cache if runner is not None else model.allocate_cache(rows.batch_size, max_length)
     first = prefill_rows(model, rows, cache, params, generator, top_k)
     stats.time_prefill += clock.lap()
     if drafter is not None:
@@ -399,7 +410,7 @@ def generate(model, input_ids, *, drafter: Drafter | None = None, tree: TreeShap
         roots = rows.roots()
         live = rows.active_ids()
         if drafter is None:
-            host = autoregressive_step(model, cache, roots.to(device, non_blocking=True), params, generator, graphs)
+            host = autoregressive_step(model, cache, roots.to(device, non_blocking=True), params, generator, runner)
             for r in live:
                 rows.accepted[r].append(0)
             stats.time_verify += clock.lap()
@@ -407,13 +418,13 @@ def generate(model, input_ids, *, drafter: Drafter | None = None, tree: TreeShap
             context = rows.context()
             draft = drafter.propose(context, shape)
             _check_draft(draft, roots[live], model.vocab_size)
-            if graphs is None and draft.valid is not None and not bool(draft.valid[:, 1:].any()):
+            if runner is None and draft.valid is not None and not bool(draft.valid[:, 1:].any()):
                 draft = TokenTree.from_shape(TreeShape.chain(0), draft.tokens[:, :1])  # nothing drafted: one node
             full = draft if len(live) == rows.batch_size else _full_batch(draft, rows.active, roots)
             full = full.to(device)
             stats.time_draft += clock.lap()
             host, result = speculative_step(model, cache, full, params, generator, backend, top_k, lap=lap,
-                                            graphs=graphs)
+                                            runner=runner)
             for r in live:
                 rows.accepted[r].append(int(host.counts[r]) - 1)
             if on_step is not None:

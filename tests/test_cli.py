@@ -46,6 +46,18 @@ def test_generate_prints_text_stats_and_comparison(checkpoint, capsys):
     assert out[-1].startswith("speedup x") and out[-1].endswith("greedy outputs identical: yes")
 
 
+def test_generate_compiled_equals_eager_with_an_ssm_drafter(checkpoint, tmp_path, capsys):
+    """--compile: the target's and the drafter model's calls compiled, the same greedy text."""
+    drafter = tmp_path / "drafter"
+    save(mamba2(vocab_size=load(checkpoint).vocab_size, seed=1, n_layer=1), drafter, format="mamba_ssm")
+    argv = ["generate", "--model", str(checkpoint), "--prompt", "def f(x):", "--drafter", "ssm-static",
+            "--drafter-model", str(drafter), "--max-new-tokens", "8"]
+    assert main(argv) == 0
+    eager = capsys.readouterr().out.splitlines()[0]
+    assert main(argv + ["--compile"]) == 0
+    assert capsys.readouterr().out.splitlines()[0] == eager
+
+
 def test_generate_sampling_and_tree_file(checkpoint, tmp_path, capsys):
     shape = tmp_path / "tree.json"
     TreeShape.from_children([2, 1, 1]).save(shape)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from ..tree import TokenTree, TreeShape
@@ -36,18 +37,27 @@ class _RowIndex:
                     entry[1] = j
             toks.append(tok)
 
+    def _ranked(self, key: tuple[int, ...]) -> list[int] | None:
+        ranked = self.ranked.get(key)
+        if ranked is None:
+            seen = self.next.get(key)
+            if not seen:
+                return None
+            ranked = self.ranked[key] = [tok for tok, _ in sorted(seen.items(), key=lambda kv: (-kv[1][0], -kv[1][1]))]
+        return ranked
+
     def candidates(self, suffix: tuple[int, ...], k: int, min_n: int) -> list[int]:
         """Up to ``k`` distinct continuations: those of the longest matching suffix first (most
         frequent, then most recent), then shorter suffixes' to fill the remaining slots."""
+        if min_n <= len(suffix) <= self.max_n:  # the common case: the longest suffix alone fills the slots
+            ranked = self._ranked(suffix)
+            if ranked is not None and len(ranked) >= k:
+                return ranked[:k]
         out: list[int] = []
         for n in range(min(len(suffix), self.max_n), min_n - 1, -1):
-            key = suffix[len(suffix) - n:]
-            ranked = self.ranked.get(key)
+            ranked = self._ranked(suffix[len(suffix) - n:])
             if ranked is None:
-                seen = self.next.get(key)
-                if not seen:
-                    continue
-                ranked = self.ranked[key] = [tok for tok, _ in sorted(seen.items(), key=lambda kv: (-kv[1][0], -kv[1][1]))]
+                continue
             for tok in ranked:
                 if tok not in out:
                     out.append(tok)
@@ -66,6 +76,7 @@ class NGramDrafter(Drafter):
             raise ValueError(f"need 1 <= min_n <= max_n, got min_n={min_n}, max_n={max_n}")
         self.max_n, self.min_n = max_n, min_n
         self._rows: dict[int, _RowIndex] = {}
+        self._planned = None
 
     def reset(self) -> None:
         self._rows = {}
@@ -79,20 +90,30 @@ class NGramDrafter(Drafter):
         index.extend(context.row(i, start=len(index.tokens)))
         return index
 
+    def _plan(self, shape: TreeShape):
+        """The shape's nodes with children, parents first, each with its children and which of
+        those have children of their own (cached: the same shape comes every step)."""
+        if self._planned is None or self._planned[0] != shape:
+            kids = shape.children()
+            self._planned = (shape, [(v, kids[v], [bool(kids[c]) for c in kids[v]]) for v in range(shape.n) if kids[v]])
+        return self._planned[1]
+
     def propose(self, context: DraftContext, shape: TreeShape) -> TokenTree:
-        kids = shape.children()
-        tokens = torch.zeros(len(context), shape.n, dtype=torch.long)
-        valid = torch.zeros(len(context), shape.n, dtype=torch.bool)
+        plan, n, max_n, min_n = self._plan(shape), shape.n, self.max_n, self.min_n
+        tokens, valid = [], []
         for i in range(len(context)):
             index = self._index(context, i)
-            toks, ok = tokens[i].tolist(), valid[i].tolist()
-            toks[0], ok[0] = index.tokens[-1], True
-            suffix = {0: tuple(index.tokens[-self.max_n:])}
-            for v in range(shape.n):  # parents come first: BFS / topological order
-                if not ok[v] or not kids[v]:
+            toks, ok, suffix = [0] * n, [False] * n, [()] * n
+            toks[0], ok[0], suffix[0] = index.tokens[-1], True, tuple(index.tokens[-max_n:])
+            for v, kids, inner in plan:  # parents come first: BFS / topological order
+                if not ok[v]:
                     continue
-                for child, tok in zip(kids[v], index.candidates(suffix[v], len(kids[v]), self.min_n)):
+                for child, tok, has_kids in zip(kids, index.candidates(suffix[v], len(kids), min_n), inner):
                     toks[child], ok[child] = tok, True
-                    suffix[child] = (suffix[v] + (tok,))[-self.max_n:]
-            tokens[i], valid[i] = torch.tensor(toks), torch.tensor(ok)
-        return TokenTree.from_shape(shape, tokens, valid=valid)
+                    if has_kids:
+                        suffix[child] = (suffix[v] + (tok,))[-max_n:]
+            tokens.append(toks)
+            valid.append(ok)
+        # via NumPy: torch.tensor of nested lists costs ~5x more
+        return TokenTree.from_shape(shape, torch.from_numpy(np.array(tokens, dtype=np.int64)),
+                                    valid=torch.from_numpy(np.array(valid, dtype=bool)))

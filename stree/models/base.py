@@ -28,8 +28,8 @@ def derived(owner, name: str, fn, key=None):
     """``fn()`` computed once per value of ``owner`` (a tensor: its version counter and storage)
     or of ``key``, and cached on ``owner``; recomputed every call while autograd records, so
     training keeps its graph. For parameters-derived constants (fp32 copies, A = -exp(A_log))."""
-    if torch.is_grad_enabled():
-        return fn()
+    if torch.is_grad_enabled() or torch.compiler.is_compiling():
+        return fn()  # a compiled graph computes it in place (fused), and may not write to owner
     if key is None:
         key = (owner._version, owner.data_ptr(), owner.device)
     store = owner.__dict__.setdefault("_stree_derived", {})
@@ -172,6 +172,13 @@ class TreeLM(nn.Module):
     def tree_pass(self, tree: TokenTree, index: TreeIndex, cache: ModelCache, backend: str, kernel_backend: str,
                   max_depth: int):
         """The layers over a checked tree (no host sync of its own)."""
+        logits, ssm, attn = self.tree_layers(tree.tokens, index, cache, backend, kernel_backend)
+        return logits, TreePass(tree, index, max_depth, ssm, attn, weakref.ref(cache), cache.version)
+
+    def tree_layers(self, tokens: torch.Tensor, index: TreeIndex, cache: ModelCache, backend: str,
+                    kernel_backend: str):
+        """Logits of a checked tree's nodes and the stacked scratch of its SSM and attention layers
+        (None where the model has none): tensors only, so that it can be compiled."""
         ctx = TreeContext(index, cache.seqlens[:, None] + index.depth, cache.seqlens, backend, kernel_backend)
         per_kind: dict[str, list] = {}
 
@@ -180,11 +187,10 @@ class TreeLM(nn.Module):
             per_kind.setdefault(blk.mixer.kind, []).append(scratch)
             return out
 
-        logits = self._run(tree.tokens, mix)
+        logits = self._run(tokens, mix)
         mixers = {blk.mixer.kind: type(blk.mixer) for blk in self.blocks}
         stacked = {kind: mixers[kind].stack_scratch(parts) for kind, parts in per_kind.items()}
-        return logits, TreePass(tree, index, max_depth, stacked.get("ssm"), stacked.get("attn"), weakref.ref(cache),
-                                cache.version)
+        return logits, stacked.get("ssm"), stacked.get("attn")
 
     @torch.no_grad()
     def commit(self, cache: ModelCache, tree_pass: TreePass, accepted: torch.Tensor, num_accepted: torch.Tensor,
@@ -196,12 +202,18 @@ class TreeLM(nn.Module):
             raise TypeError(f"tree_pass must be the TreePass forward_tree returned, got {type(tree_pass).__name__}")
         tree_pass.check_against(cache)
         check_path(tree_pass, accepted, num_accepted, validate)
-        by_kind = {blk.mixer.kind: type(blk.mixer) for blk in self.blocks}
-        for kind, scratch in (("ssm", tree_pass.ssm), ("attn", tree_pass.attn)):
-            if scratch is not None:
-                by_kind[kind].commit_layers(self, cache, scratch, accepted, num_accepted, self.kernel_backend)
-        cache.seqlens += num_accepted
+        self.commit_state(cache, tree_pass.ssm, tree_pass.attn, accepted, num_accepted, self.kernel_backend)
         cache.moved()
+
+    def commit_state(self, cache: ModelCache, ssm, attn, accepted: torch.Tensor, num_accepted: torch.Tensor,
+                     kernel_backend: str) -> None:
+        """Every layer's state and ``seqlens`` advanced along checked paths, from a pass's
+        scratch: tensors only, no bookkeeping, so that it can be compiled."""
+        by_kind = {blk.mixer.kind: type(blk.mixer) for blk in self.blocks}
+        for kind, scratch in (("ssm", ssm), ("attn", attn)):
+            if scratch is not None:
+                by_kind[kind].commit_layers(self, cache, scratch, accepted, num_accepted, kernel_backend)
+        cache.seqlens += num_accepted
 
     @torch.no_grad()
     def step(self, tokens: torch.Tensor, cache: ModelCache, validate: bool = True) -> torch.Tensor:
@@ -211,14 +223,18 @@ class TreeLM(nn.Module):
         ``validate=False`` skips the vocabulary-range and cache-room checks, the only
         device-to-host syncs of a step, so that it can be captured in a CUDA graph; the caller
         then answers for both (see :class:`stree.models.graphs.GraphedStep`)."""
-        self.check_tokens("tokens", tokens, values=validate)
-        if tokens.dim() != 1:
-            raise ValueError(f"tokens must have shape [batch], got {tuple(tokens.shape)}")
-        self.check_cache(cache, tokens.shape[0], 1, lengths=validate)
+        self.check_step(tokens, cache, validate)
         logits = self.step_pass(tokens, cache)
         cache.seqlens += 1
         cache.moved()
         return logits
+
+    def check_step(self, tokens, cache: ModelCache, validate: bool = True) -> None:
+        """The checks of :meth:`step` (``validate``: also the token range and the room left)."""
+        self.check_tokens("tokens", tokens, values=validate)
+        if tokens.dim() != 1:
+            raise ValueError(f"tokens must have shape [batch], got {tuple(tokens.shape)}")
+        self.check_cache(cache, tokens.shape[0], 1, lengths=validate)
 
     def step_pass(self, tokens: torch.Tensor, cache: ModelCache) -> torch.Tensor:
         """One token per row through every layer (states advanced in place, ``seqlens`` not)."""

@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import dataclasses
 import weakref
-from collections.abc import Callable
 
 import torch
 
 from ..tree import TokenTree, TreeShape
 from .base import TreeLM
 from .cache import ModelCache
+from .runners import DecodeRunner, check_tree_tokens
 
 __all__ = ["DecodeGraphs", "GraphedCommit", "GraphedStep", "GraphedTreePass"]
 
@@ -92,10 +92,7 @@ class GraphedTreePass:
 
     def __call__(self, tokens: torch.Tensor, validate: bool = True):
         """Logits ``[b, n, V]`` and the TreePass for the tree of this shape carrying ``tokens [b, n]``."""
-        self.model.check_tokens("tokens", tokens, values=validate)
-        if tokens.shape != self.tree.tokens.shape:
-            raise ValueError(f"tokens must have shape {tuple(self.tree.tokens.shape)} (captured), got {tuple(tokens.shape)}")
-        self.model.check_cache(self.cache, self.cache.batch_size, self.new_tokens, lengths=validate)
+        check_tree_tokens(self.model, self.cache, tokens, self.tree.tokens.shape, self.new_tokens, validate)
         self.tree.tokens.copy_(tokens)
         self.graph.replay()
         return self.logits, dataclasses.replace(self.tree_pass, cache_ref=weakref.ref(self.cache),
@@ -132,43 +129,13 @@ class GraphedCommit:
         self.cache.moved()
 
 
-class DecodeGraphs:
-    """The graphs a decode loop replays, for one model, batch size and cache size: a cache they
-    all point at (reused across ``generate`` calls, zeroed at each start), the step graph, and a
-    tree-pass + commit pair per tree shape, each captured the first time it is needed."""
+class DecodeGraphs(DecodeRunner):
+    """The graphs a decode loop replays, for one model, batch size and cache size: the step graph
+    and a tree-pass + commit pair per tree shape, all pointing at the pool's cache."""
 
-    _pools: "weakref.WeakKeyDictionary[TreeLM, dict]" = weakref.WeakKeyDictionary()
+    def make_step(self) -> GraphedStep:
+        return GraphedStep(self.model, self.cache)
 
-    def __init__(self, model: TreeLM, batch_size: int, max_length: int):
-        self.model = model
-        self.cache = model.allocate_cache(batch_size, max_length)
-        self._step: GraphedStep | None = None
-        self._trees: dict[TreeShape, tuple[GraphedTreePass, GraphedCommit]] = {}
-
-    @classmethod
-    def for_model(cls, model: TreeLM, batch_size: int, max_length: int) -> "DecodeGraphs":
-        """The pool for this batch size and a cache of at least ``max_length`` (rounded up to a
-        multiple of 256, so that nearby lengths share graphs), its state zeroed."""
-        size = -(-max_length // 256) * 256
-        pools = cls._pools.setdefault(model, {})
-        key = (batch_size, size)
-        if key not in pools:
-            pools[key] = cls(model, batch_size, size)
-        graphs = pools[key]
-        for t in (graphs.cache.conv, graphs.cache.ssm, graphs.cache.seqlens):
-            if t is not None:
-                t.zero_()
-        graphs.cache.moved()
-        return graphs
-
-    def step(self) -> GraphedStep:
-        if self._step is None:
-            self._step = GraphedStep(self.model, self.cache)
-        return self._step
-
-    def tree(self, shape: TreeShape) -> tuple[GraphedTreePass, Callable]:
-        """The tree-pass graph of ``shape`` and its commit."""
-        if shape not in self._trees:
-            tree_graph = GraphedTreePass(self.model, self.cache, shape)
-            self._trees[shape] = (tree_graph, GraphedCommit(self.model, tree_graph))
-        return self._trees[shape]
+    def make_tree(self, shape: TreeShape) -> tuple[GraphedTreePass, GraphedCommit]:
+        tree_graph = GraphedTreePass(self.model, self.cache, shape)
+        return tree_graph, GraphedCommit(self.model, tree_graph)

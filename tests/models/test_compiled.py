@@ -1,0 +1,125 @@
+"""The compiled decode path (torch.compile of step, tree pass and commit, for the CPU) must equal
+the eager calls, state included, and compile each function once per shape."""
+
+import pytest
+import torch
+from tiny_models import FAMILIES, VOCAB
+from torch._dynamo.utils import counters
+
+from stree.drafters.registry import make_drafter
+from stree.generate import generate
+from stree.models import CompiledCommit, CompiledStep, CompiledTreePass, compiled_step
+from stree.testing import MarkovLM
+from stree.tree import TokenTree, TreeShape
+
+MAX_LENGTH = 256  # what generate's pool allocates for these prompts: the same shapes, no new compile
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def model(request):
+    return FAMILIES[request.param]()
+
+
+def _pair(model, lengths=(6, 3)):
+    """Two identical prefilled caches."""
+    g = torch.Generator().manual_seed(4)
+    cache = model.allocate_cache(len(lengths), MAX_LENGTH)
+    model.prefill(torch.randint(0, VOCAB, (len(lengths), max(lengths)), generator=g), cache, lengths=torch.tensor(lengths))
+    return cache, cache.clone()
+
+
+def _assert_same_state(cache, eager):
+    assert torch.equal(cache.seqlens, eager.seqlens)
+    for name in ("conv", "ssm"):
+        a, b = getattr(cache, name), getattr(eager, name)
+        assert (a - b).abs().max() <= 1e-5, name
+    if cache.k is not None:
+        for b in range(cache.batch_size):
+            n = int(cache.seqlens[b])
+            assert (cache.k[:, b, :n] - eager.k[:, b, :n]).abs().max() <= 1e-5
+            assert (cache.v[:, b, :n] - eager.v[:, b, :n]).abs().max() <= 1e-5
+
+
+def test_compiled_step_equals_eager_steps(model):
+    cache, eager = _pair(model)
+    step = CompiledStep(model, cache)
+    tok = torch.tensor([5, 7])
+    for _ in range(4):
+        want = model.step(tok, eager)
+        got = step(tok)
+        assert (got - want).abs().max() <= 1e-5
+        _assert_same_state(cache, eager)
+        tok = want.argmax(-1)
+
+
+def test_compiled_tree_pass_then_commit_equals_eager(model):
+    cache, eager = _pair(model)
+    shape = TreeShape.paper13()
+    tree_pass, commit = CompiledTreePass(model, cache, shape), CompiledCommit(model, cache)
+    accepted = torch.tensor([[0, 2, 6, 0, 0], [0, 1, 4, 7, 10]])
+    num = torch.tensor([3, 5])
+    for seed in range(3):
+        tokens = torch.randint(0, VOCAB, (2, shape.n), generator=torch.Generator().manual_seed(seed))
+        want, eager_pass = model.forward_tree(TokenTree.from_shape(shape, tokens), eager)
+        got, handle = tree_pass(tokens)
+        assert (got - want).abs().max() <= 1e-5
+        _assert_same_state(cache, eager)  # the pass changed no committed state
+        model.commit(eager, eager_pass, accepted, num)
+        commit(handle, accepted, num)
+        _assert_same_state(cache, eager)
+        with pytest.raises(ValueError, match="tree_pass is stale"):
+            commit(handle, accepted, num)
+
+
+@pytest.mark.parametrize("method", ["autoregressive", "stree"])
+def test_generate_compiled_is_token_identical_and_compiles_once(model, method):
+    """Rows finishing at different steps; the second call compiles nothing new."""
+    prompts = [[1, 2, 3, 1, 2], [4, 5]]
+    ref = generate(model, prompts, method="autoregressive", max_new_tokens=12)
+    eos = ref.new_tokens[1][2]
+    graphs = counters["stats"]["unique_graphs"]
+    first = generate(model, prompts, method=method, max_new_tokens=12, eos_token_id=eos, torch_compile=True)
+    # at most one graph per compiled function it uses (step; or tree pass and commit), none twice
+    assert counters["stats"]["unique_graphs"] - graphs <= (1 if method == "autoregressive" else 2)
+    want = generate(model, prompts, method=method, max_new_tokens=12, eos_token_id=eos)
+    assert first.sequences == want.sequences
+    graphs = counters["stats"]["unique_graphs"]
+    got = generate(model, prompts, method=method, max_new_tokens=12, eos_token_id=eos, torch_compile=True)
+    assert got.sequences == want.sequences
+    assert counters["stats"]["unique_graphs"] == graphs
+
+
+def test_compiled_tree_pass_checks_its_tokens(model):
+    cache, _ = _pair(model)
+    tree_pass = CompiledTreePass(model, cache, TreeShape.chain(2))
+    with pytest.raises(ValueError, match=r"tokens must have shape \(2, 3\) \(this pass's tree\), got \(2, 4\)"):
+        tree_pass(torch.zeros(2, 4, dtype=torch.long))
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        tree_pass(torch.full((2, 3), model.vocab_size))
+
+
+def test_generate_refuses_compile_where_it_does_not_apply():
+    with pytest.raises(TypeError, match="torch_compile must be a bool, got 'yes'"):
+        generate(FAMILIES["mamba2"](), [[1, 2]], max_new_tokens=2, torch_compile="yes")
+    markov = MarkovLM(torch.softmax(torch.randn(VOCAB, VOCAB, dtype=torch.float64), -1))
+    with pytest.raises(ValueError, match="torch_compile=True is for stree models on the CPU"):
+        generate(markov, [[1, 2]], max_new_tokens=2, torch_compile=True)
+
+
+def test_ssm_drafter_with_a_compiled_step_drafts_as_with_the_eager_one(model):
+    """Same drafts (deterministic mode), so the same accepted counts at every step."""
+    drafter_model = FAMILIES["mamba2"](seed=1)
+    prompts = [[1, 2, 3, 1, 2], [4, 5]]
+    runs = [generate(model, prompts, max_new_tokens=10,
+                     drafter=make_drafter("ssm-static", drafter_model=drafter_model, step=step,
+                                          vocab_size=model.vocab_size))
+            for step in (None, compiled_step(drafter_model))]
+    assert runs[0].sequences == runs[1].sequences
+    assert runs[0].stats.accepted == runs[1].stats.accepted
+
+
+def test_a_step_goes_to_ssm_drafters_only():
+    with pytest.raises(ValueError, match="drafter 'ngram' takes no step"):
+        make_drafter("ngram", step=lambda tokens, cache: None)
+    with pytest.raises(TypeError, match="step must be a callable"):
+        make_drafter("ssm-static", drafter_model=FAMILIES["mamba2"](), step=5)
