@@ -26,7 +26,7 @@ from tqdm import tqdm
 from stree.demo import DRAFTER, TARGET, read_prompts
 from stree.drafters.registry import NEEDS_MODEL, make_drafter
 from stree.generate import generate, pooled_tau
-from stree.models import compiled_step, load, load_tokenizer, save
+from stree.models import CompiledModel, load, load_tokenizer, save
 from stree.opcount import count_ops
 from stree.timing import run_info, save_result
 from stree.tree import TokenTree, TreeShape
@@ -120,11 +120,11 @@ def main(argv=None):
         out = ms.generate(ids, max_length=len(prompt) + N, cg=True, top_k=1)
         return out[0, len(prompt):].tolist(), None
 
-    draft_step = compiled_step(draft_model) if device.type == "cpu" else None
+    compiled_drafter = CompiledModel(draft_model) if device.type == "cpu" else None
 
     def run_stree(method, drafter_name, compiled=False):
         def run(prompt):
-            model_kw = dict(drafter_model=draft_model, step=draft_step if compiled else None)
+            model_kw = dict(drafter_model=compiled_drafter if compiled else draft_model)
             drafter = None if drafter_name is None else make_drafter(
                 drafter_name, **(model_kw if drafter_name in NEEDS_MODEL else {}), vocab_size=target.vocab_size)
             tree = TreeShape.chain(4) if method == "chain" else None

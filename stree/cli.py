@@ -172,7 +172,7 @@ def _run_generate(args) -> int:
     tree = TreeShape.from_spec(args.tree) if args.tree else None
     kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
               eos_token_id=tokenizer.eos_token_id, seed=args.seed, torch_compile=args.compile)
-    drafter_model = step = None
+    drafter_model = None
     if args.drafter_model is not None and args.drafter not in NEEDS_MODEL:
         raise ValueError(f"--drafter-model is only for --drafter {' / '.join(NEEDS_MODEL)}, not {args.drafter}")
     if args.drafter in NEEDS_MODEL:
@@ -182,11 +182,11 @@ def _run_generate(args) -> int:
 
         drafter_model = load(args.drafter_model, dtype=model.dtype, device=model.device)
         if args.compile:
-            from .models import compiled_step
+            from .models import CompiledModel
 
-            step = compiled_step(drafter_model)
+            drafter_model = CompiledModel(drafter_model)
     drafter = make_drafter(args.drafter, drafter_model=drafter_model, vocab_size=model.vocab_size,
-                           temperature=args.temperature, include_self=True, step=step)
+                           temperature=args.temperature, include_self=True)
     out = generate(model, [ids], drafter=drafter, tree=tree, method=args.method, **kw)
     print(tokenizer.decode(out.sequences[0]))
     print(f"[{args.method}] {out.stats.summary()}")

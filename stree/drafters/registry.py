@@ -14,13 +14,12 @@ NEEDS_MODEL = ("ssm-static", "ssm-beam")
 
 
 def make_drafter(name: str, *, drafter_model=None, vocab_size: int | None = None, temperature: float = 0.0,
-                 store=None, include_self: bool = False, seed: int = 0, step=None) -> Drafter:
+                 store=None, include_self: bool = False, seed: int = 0) -> Drafter:
     """``stand`` / ``stand-det``: STAND with Gumbel-top-k stochastic or top-k trees (``store``: a
     shared :class:`STANDStore`); ``consensus``: a :class:`ConsensusDrafter` (``store``: a shared
     :class:`PathStore`); ``ssm-static``: ``drafter_model`` filling the paper's 13-node tree, by
     draws without replacement at ``temperature`` when it is > 0, else top-k; ``ssm-beam``: 3 beams
-    x 4 steps (13 nodes, paper 001 App. C). ``vocab_size``: the target's, for a padded drafter.
-    ``step``: what runs the SSM drafters' steps (default ``drafter_model.step``)."""
+    x 4 steps (13 nodes, paper 001 App. C). ``vocab_size``: the target's, for a padded drafter."""
     if name not in DRAFTER_NAMES:
         raise ValueError(f"drafter must be one of {DRAFTER_NAMES}, got {name!r}")
     if (drafter_model is None) == (name in NEEDS_MODEL):
@@ -28,8 +27,6 @@ def make_drafter(name: str, *, drafter_model=None, vocab_size: int | None = None
         raise ValueError(f"drafter {name!r} {need} a drafter model")
     if store is not None and name not in ("stand", "stand-det", "consensus"):
         raise ValueError(f"drafter {name!r} takes no store")
-    if step is not None and name not in NEEDS_MODEL:
-        raise ValueError(f"drafter {name!r} takes no step (it runs no model)")
     if name == "ngram":
         return NGramDrafter()
     if name in ("stand", "stand-det"):
@@ -37,6 +34,6 @@ def make_drafter(name: str, *, drafter_model=None, vocab_size: int | None = None
     if name == "consensus":
         return ConsensusDrafter(PathStore() if store is None else store, include_self=include_self)
     if name == "ssm-beam":
-        return SSMDrafter(drafter_model, mode="beam", beams=3, steps=4, vocab_size=vocab_size, seed=seed, step=step)
+        return SSMDrafter(drafter_model, mode="beam", beams=3, steps=4, vocab_size=vocab_size, seed=seed)
     return SSMDrafter(drafter_model, TreeShape.paper13(), stochastic=temperature > 0,
-                      temperature=temperature if temperature > 0 else 1.0, vocab_size=vocab_size, seed=seed, step=step)
+                      temperature=temperature if temperature > 0 else 1.0, vocab_size=vocab_size, seed=seed)

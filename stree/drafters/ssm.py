@@ -32,22 +32,17 @@ class SSMDrafter(Drafter):
     ``vocab_size``: draft only ids below it (the target's vocabulary when the drafter's embedding
     is padded past it). The cache holds every context token but the last (the root, fed while
     drafting); new tokens are fed by one step when each row has one, else one chain pass and commit.
-
-    ``step``: what runs those steps, ``(tokens, cache) -> logits`` like ``model.step`` (the
-    default), e.g. ``stree.models.compiled_step(model)`` on the CPU."""
+    On the CPU, ``stree.models.CompiledModel(model)`` in place of ``model`` runs those compiled."""
 
     def __init__(self, model, shape: TreeShape | None = None, *, mode: str = "static", stochastic: bool = True,
                  temperature: float = 1.0, top_k: int = 10, beams: int = 4, steps: int = 4, seed: int = 0,
-                 max_length: int = 4096, vocab_size: int | None = None, step=None):
+                 max_length: int = 4096, vocab_size: int | None = None):
         if mode not in ("static", "beam"):
             raise ValueError(f"mode must be 'static' or 'beam', got {mode!r}")
         if temperature <= 0 or top_k < 1 or beams < 1 or steps < 1:
             raise ValueError(f"need temperature > 0 and top_k, beams, steps >= 1, got {temperature}, {top_k}, "
                              f"{beams}, {steps}")
-        if step is not None and not callable(step):
-            raise TypeError(f"step must be a callable (tokens, cache) -> logits, got {type(step).__name__}")
         self.model, self.shape, self.mode, self.stochastic = model, shape, mode, stochastic
-        self._step = step
         self.temperature, self.top_k, self.beams, self.steps, self.max_length = temperature, top_k, beams, steps, max_length
         self.draft_depth = steps if mode == "beam" else None
         self.vocab_size = model.vocab_size if vocab_size is None else vocab_size
@@ -80,7 +75,7 @@ class SSMDrafter(Drafter):
                 at = (self._fed[:, None] + torch.arange(m)).clamp(max=(want - 1)[:, None])
                 fresh = context.tokens[torch.tensor(rows)[:, None], at].to(self.model.device)
                 if m == 1:  # one token per row: the fast step
-                    self._last = self._model_step(fresh[:, 0], self._cache)
+                    self._last = self.model.step(fresh[:, 0], self._cache)
                 else:  # a chain pass over the new tokens, each row committing its own count
                     logits, tree_pass = self.model.forward_tree(TokenTree.from_shape(TreeShape.chain(m - 1), fresh),
                                                                 self._cache)
@@ -97,16 +92,13 @@ class SSMDrafter(Drafter):
         self._rows, self._fed = list(rows), want.clone()
         return self._law(self._last)
 
-    def _model_step(self, tokens: torch.Tensor, cache) -> torch.Tensor:
-        return (self._step or self.model.step)(tokens, cache)
-
     def _law(self, logits: torch.Tensor) -> torch.Tensor:
         """The drafting law over the target's ids: softmax(logits / temperature), on the CPU."""
         return torch.softmax(logits[..., : self.vocab_size].float().cpu() / self.temperature, -1)
 
     def _q(self, tokens: torch.Tensor, work) -> torch.Tensor:
         """Feed one token per work row (each row a path of the tree); its next-token law."""
-        return self._law(self._model_step(tokens.to(self.model.device), work))
+        return self._law(self.model.step(tokens.to(self.model.device), work))
 
     def _fork(self, work, rows: torch.Tensor):
         """The work cache's rows ``rows`` (repeats allowed): paths that branch get a copy each."""
@@ -135,16 +127,19 @@ class SSMDrafter(Drafter):
         q = root_q[None]
         work = self._cache
         while frontier:
+            # the whole level at once: node v's c children are the first c of its draws in order
+            F, width = len(frontier), max(len(kids[v]) for v in frontier)
+            probs, ids = torch.topk(q, min(K, q.shape[-1]), dim=-1)  # [F, b, k]
+            k = probs.shape[-1]
+            child_ids[:, frontier, :k], child_probs[:, frontier, :k] = ids.transpose(0, 1), probs.transpose(0, 1)
+            if self.stochastic:
+                u = torch.rand(probs.shape, generator=self.generator, dtype=torch.float64).clamp(1e-12, 1 - 1e-12)
+                order = gumbel_top_k(probs.reshape(F * b, k), width, -(-u.log()).log().float().reshape(F * b, k))
+                drawn = ids.reshape(F * b, k).gather(1, order).view(F, b, width)
+            else:
+                drawn = ids[..., :width]
             for j, v in enumerate(frontier):
-                probs, ids = torch.topk(q[j], min(K, q.shape[-1]), dim=-1)
-                child_ids[:, v, : probs.shape[1]], child_probs[:, v, : probs.shape[1]] = ids, probs
-                c = len(kids[v])
-                if self.stochastic:
-                    u = torch.rand(probs.shape, generator=self.generator, dtype=torch.float64).clamp(1e-12, 1 - 1e-12)
-                    order = gumbel_top_k(probs, c, -(-u.log()).log().float())
-                else:
-                    order = torch.arange(c).expand(b, c)
-                tokens[:, kids[v]] = ids.gather(1, order)
+                tokens[:, kids[v]] = drawn[j, :, : len(kids[v])]
             nxt = [(j, c) for j, v in enumerate(frontier) for c in kids[v] if kids[c]]
             if not nxt:
                 break

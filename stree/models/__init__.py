@@ -2,11 +2,11 @@
 
 from .cache import AttnScratch, ModelCache, SSMScratch, TreePass
 from .config import HybridConfig, Mamba2Config
-from .compiled import CompiledCommit, CompiledDecode, CompiledStep, CompiledTreePass, compiled_step
+from .compiled import CompiledDecode, CompiledModel
 from .graphs import DecodeGraphs, GraphedCommit, GraphedStep, GraphedTreePass
 from .runners import DecodeRunner
 from .hybrid import HybridLM
 from .loading import DTYPES, detect_format, load, load_tokenizer, save
 from .mamba2 import Mamba2LM
 
-__all__ = ["DTYPES", "AttnScratch", "CompiledCommit", "CompiledDecode", "CompiledStep", "CompiledTreePass", "DecodeGraphs", "DecodeRunner", "GraphedCommit", "GraphedStep", "GraphedTreePass", "HybridConfig", "HybridLM", "ModelCache", "Mamba2Config", "Mamba2LM", "SSMScratch", "TreePass", "detect_format", "load", "load_tokenizer", "compiled_step", "save"]
+__all__ = ["DTYPES", "AttnScratch", "CompiledDecode", "CompiledModel", "DecodeGraphs", "DecodeRunner", "GraphedCommit", "GraphedStep", "GraphedTreePass", "HybridConfig", "HybridLM", "ModelCache", "Mamba2Config", "Mamba2LM", "SSMScratch", "TreePass", "detect_format", "load", "load_tokenizer", "save"]

@@ -198,10 +198,7 @@ class TreeLM(nn.Module):
         """Advance each row by its accepted path: ``accepted [b, L]`` node indices root first, the
         first ``num_accepted[b] >= 1`` of them real, each the parent of the next. ``validate=False``
         skips the path check (the one device-to-host sync); the caller answers for the path."""
-        if not isinstance(tree_pass, TreePass):
-            raise TypeError(f"tree_pass must be the TreePass forward_tree returned, got {type(tree_pass).__name__}")
-        tree_pass.check_against(cache)
-        check_path(tree_pass, accepted, num_accepted, validate)
+        check_commit(cache, tree_pass, accepted, num_accepted, validate)
         self.commit_state(cache, tree_pass.ssm, tree_pass.attn, accepted, num_accepted, self.kernel_backend)
         cache.moved()
 
@@ -296,6 +293,14 @@ class StepContext:
         return self._root
 
 
+def check_commit(cache: ModelCache, tree_pass: TreePass, accepted, num_accepted, validate: bool) -> None:
+    """The checks of ``commit``: a handle of this cache's current state, and (see :func:`check_path`) the paths."""
+    if not isinstance(tree_pass, TreePass):
+        raise TypeError(f"tree_pass must be the TreePass forward_tree returned, got {type(tree_pass).__name__}")
+    tree_pass.check_against(cache)
+    check_path(tree_pass, accepted, num_accepted, validate)
+
+
 def check_path(tree_pass: TreePass, accepted, num_accepted, validate: bool) -> None:
     """Shapes always; with ``validate`` also that every row's first ``num_accepted`` entries walk
     down from the root of the tree (one device-to-host sync for everything)."""
@@ -339,4 +344,4 @@ def check_path(tree_pass: TreePass, accepted, num_accepted, validate: bool) -> N
                      f"node {int(accepted[row, t])}")
 
 
-__all__ = ["Block", "TreeLM", "TreeContext", "StepContext", "derived", "check_path", "AttnLayerState", "SSMLayerState"]
+__all__ = ["Block", "TreeLM", "TreeContext", "StepContext", "derived", "check_commit", "check_path", "AttnLayerState", "SSMLayerState"]

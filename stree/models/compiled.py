@@ -1,26 +1,27 @@
-"""``torch.compile`` for the calls a decode loop repeats, on the CPU: the step, the tree pass of a
-static shape and its commit. At the sizes where speculation pays on a CPU the loop is bound by
-per-op overhead (a step is ~20 small ops per layer); Inductor fuses the elementwise work into a
-few C++ loops. On CUDA the loop replays CUDA graphs instead (:mod:`.graphs`).
+"""``torch.compile`` for the calls a decode loop repeats, on the CPU: ``step``, ``forward_tree``
+of static tree shapes and ``commit``. At the sizes where speculation pays on a CPU the loop is
+bound by per-op overhead (a step is ~20 small ops per layer); Inductor fuses the elementwise work
+into a few C++ loops. On CUDA the loop replays CUDA graphs instead (:mod:`.graphs`).
 
 The compiled functions are the eager ones (``step_pass``, ``tree_layers``, ``commit_state``),
 which stay the reference: tests compare the two. Compiling costs seconds per function and shape,
-once per process; shapes are static (``dynamic=False``) and each new shape or batch size is a new
-compilation (after torch's recompile limit, 8 per function, dynamo runs the eager code)."""
+once per process and model; shapes are static (``dynamic=False``) and each new shape or batch
+size is a new compilation (past torch's recompile limit, 8 per function and model, dynamo runs the
+eager code)."""
 
 from __future__ import annotations
 
-import functools
+import types
 import weakref
 
 import torch
 
 from ..tree import TokenTree, TreeShape
-from .base import TreeLM
+from .base import TreeLM, check_commit
 from .cache import ModelCache, TreePass
 from .runners import DecodeRunner, check_tree_tokens
 
-__all__ = ["CompiledDecode", "CompiledStep", "CompiledTreePass", "CompiledCommit", "compiled_step"]
+__all__ = ["CompiledModel", "CompiledDecode"]
 
 KERNELS = "torch"  # the PyTorch path is what Inductor fuses; Triton kernels are for CUDA
 
@@ -39,82 +40,83 @@ def _commit(model: TreeLM, cache: ModelCache, ssm, attn, accepted, num_accepted)
     model.commit_state(cache, ssm, attn, accepted, num_accepted, KERNELS)
 
 
-@functools.cache
-def _compiled(fn):
-    """One compiled wrapper per function, made on first use (compiling happens at its first call)."""
-    return torch.compile(fn, dynamic=False)
+# Guards on the attributes of torch's own modules (Linear, Conv1d, ...) cost ~0.2 ms a call, as
+# much as a 1-layer step computes; they are skipped. That is safe here because every
+# CompiledModel compiles its own copies of the functions (so guards never have to tell models
+# apart) and refuses a model whose dtype or device changed; parameters are read afresh each call.
+_OPTIONS = ({"guard_filter_fn": torch.compiler.skip_guard_on_inbuilt_nn_modules_unsafe}
+            if hasattr(torch.compiler, "skip_guard_on_inbuilt_nn_modules_unsafe") else {})
 
 
-@torch.no_grad()  # what is traced is inference: no autograd graph around the parameters
-def _call(fn, *args):
-    return _compiled(fn)(*args)
+def _own_compiled(fn):
+    """``fn`` compiled from its own copy of the code: dynamo keeps graphs per code object, so the
+    copy has its own graphs and its own recompile limit."""
+    copy = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__)
+    return torch.compile(copy, dynamic=False, options=_OPTIONS)
 
 
-def _check_model(model: TreeLM) -> None:
-    if not isinstance(model, TreeLM) or model.device.type != "cpu":
-        raise ValueError(f"the compiled decode path is for stree models on the CPU (CUDA replays graphs), got "
-                         f"{type(model).__name__} on {getattr(model, 'device', None)}")
+class CompiledModel:
+    """``model`` with ``step``, ``forward_tree`` and ``commit`` compiled, same signatures and
+    checks; everything else (``prefill``, ``allocate_cache``, ...) is the model's own. A tree
+    without a static shape (or another backend than "tree") takes the eager pass: its index is
+    new every call, and each would compile anew. Works with any cache of the model, so a drafter
+    model can be handed over in its place. ``CompiledModel.of(model)`` shares one per model.
 
+    The model's parameters may change in value, not in dtype, device or shape (a changed dtype or
+    device is refused: wrap the model again)."""
 
-def compiled_step(model: TreeLM):
-    """``model.step`` compiled, as a callable ``(tokens, cache, validate=True) -> logits`` for any
-    cache of the model (each batch size compiles once), e.g. for a drafter model's steps."""
-    _check_model(model)
+    _shared: "weakref.WeakKeyDictionary[TreeLM, CompiledModel]" = weakref.WeakKeyDictionary()
 
-    def step(tokens: torch.Tensor, cache: ModelCache, validate: bool = True) -> torch.Tensor:
-        model.check_step(tokens, cache, validate)
-        logits = _call(_step, model, tokens, cache)
+    def __init__(self, model: TreeLM):
+        if not isinstance(model, TreeLM) or model.device.type != "cpu":
+            raise ValueError(f"the compiled decode path is for stree models on the CPU (CUDA replays graphs), got "
+                             f"{type(model).__name__} on {getattr(model, 'device', None)}")
+        self.model = model
+        self._made_for = (model.dtype, model.device)
+        self._fns = {fn: _own_compiled(fn) for fn in (_step, _tree, _commit)}
+        self._warm: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictionary()
+
+    @classmethod
+    def of(cls, model: TreeLM) -> "CompiledModel":
+        if model not in cls._shared:
+            cls._shared[model] = cls(model)
+        return cls._shared[model]
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+    @torch.no_grad()  # what is traced is inference: no autograd graph around the parameters
+    def _call(self, fn, *args):
+        if (self.model.dtype, self.model.device) != self._made_for:
+            raise ValueError(f"the model is now {self.model.dtype} on {self.model.device} but was compiled for "
+                             f"{self._made_for[0]} on {self._made_for[1]}: make a new CompiledModel")
+        return self._fns[fn](self.model, *args)
+
+    def step(self, tokens: torch.Tensor, cache: ModelCache, validate: bool = True) -> torch.Tensor:
+        self.model.check_step(tokens, cache, validate)
+        logits = self._call(_step, tokens, cache)
         cache.moved()
         return logits
 
-    return step
+    def forward_tree(self, tree: TokenTree, cache: ModelCache, backend: str = "tree", validate: bool = True):
+        index, max_depth = self.model.check_tree(tree, cache, backend, validate)
+        if backend != "tree" or tree._shape is None:
+            return self.model.tree_pass(tree, index, cache, backend, KERNELS, max_depth)
+        if self._warm.get(id(index)) is not index:
+            # One eager pass first (it changes no state): it fills the masks the index memoises,
+            # which the compiled graph then reads as constants; filling them while tracing would
+            # fail the graph's own guards on the next call and compile it twice.
+            with torch.no_grad():
+                self.model.tree_layers(tree.tokens, index, cache, "tree", KERNELS)
+            self._warm[id(index)] = index
+        logits, ssm, attn = self._call(_tree, tree.tokens, index, cache)
+        return logits, TreePass(tree, index, max_depth, ssm, attn, weakref.ref(cache), cache.version)
 
-
-class CompiledStep:
-    """``model.step(tokens, cache)``, compiled, for one cache."""
-
-    def __init__(self, model: TreeLM, cache: ModelCache):
-        self.cache, self._step = cache, compiled_step(model)
-
-    def __call__(self, tokens: torch.Tensor, validate: bool = True) -> torch.Tensor:
-        return self._step(tokens, self.cache, validate)
-
-
-class CompiledTreePass:
-    """``model.forward_tree(tree, cache)`` for trees of one ``shape``, compiled; returns the logits
-    and a :class:`TreePass` like the eager call."""
-
-    def __init__(self, model: TreeLM, cache: ModelCache, shape: TreeShape):
-        _check_model(model)
-        self.model, self.cache, self.shape = model, cache, shape
-        self.index = shape.index(model.device)
-        self.new_tokens = shape.max_depth + 1  # the most a commit can add
-        # One eager pass first (it changes no state): it fills the masks the index memoises, which
-        # the compiled graph then reads as constants; filling them while tracing would fail the
-        # graph's own guards on the next call and compile it twice.
-        with torch.no_grad():
-            model.tree_layers(torch.zeros(cache.batch_size, shape.n, dtype=torch.long), self.index, cache, "tree", KERNELS)
-
-    def __call__(self, tokens: torch.Tensor, validate: bool = True):
-        check_tree_tokens(self.model, self.cache, tokens, (self.cache.batch_size, self.shape.n), self.new_tokens,
-                          validate)
-        logits, ssm, attn = _call(_tree, self.model, tokens, self.index, self.cache)
-        tree = TokenTree.from_shape(self.shape, tokens)
-        return logits, TreePass(tree, self.index, self.shape.max_depth, ssm, attn, weakref.ref(self.cache),
-                                self.cache.version)
-
-
-class CompiledCommit:
-    """``model.commit(cache, tree_pass, accepted, num_accepted, validate=False)``, compiled."""
-
-    def __init__(self, model: TreeLM, cache: ModelCache):
-        _check_model(model)
-        self.model, self.cache = model, cache
-
-    def __call__(self, tree_pass: TreePass, accepted: torch.Tensor, num_accepted: torch.Tensor) -> None:
-        tree_pass.check_against(self.cache)
-        _call(_commit, self.model, self.cache, tree_pass.ssm, tree_pass.attn, accepted, num_accepted)
-        self.cache.moved()
+    def commit(self, cache: ModelCache, tree_pass: TreePass, accepted: torch.Tensor, num_accepted: torch.Tensor,
+               validate: bool = True) -> None:
+        check_commit(cache, tree_pass, accepted, num_accepted, validate)
+        self._call(_commit, cache, tree_pass.ssm, tree_pass.attn, accepted, num_accepted)
+        cache.moved()
 
 
 class CompiledDecode(DecodeRunner):
@@ -122,11 +124,20 @@ class CompiledDecode(DecodeRunner):
     cache size, all on the pool's cache."""
 
     def __init__(self, model: TreeLM, batch_size: int, max_length: int):
-        _check_model(model)
+        self.compiled = CompiledModel.of(model)
         super().__init__(model, batch_size, max_length)
 
-    def make_step(self) -> CompiledStep:
-        return CompiledStep(self.model, self.cache)
+    def make_step(self):
+        return lambda tokens, validate=True: self.compiled.step(tokens, self.cache, validate)
 
-    def make_tree(self, shape: TreeShape) -> tuple[CompiledTreePass, CompiledCommit]:
-        return CompiledTreePass(self.model, self.cache, shape), CompiledCommit(self.model, self.cache)
+    def make_tree(self, shape: TreeShape):
+        new_tokens = shape.max_depth + 1  # the most a commit can add
+
+        def tree_pass(tokens: torch.Tensor, validate: bool = True):
+            check_tree_tokens(self.model, self.cache, tokens, (self.cache.batch_size, shape.n), new_tokens, validate)
+            return self.compiled.forward_tree(TokenTree.from_shape(shape, tokens), self.cache, validate=False)
+
+        def commit(tree_pass: TreePass, accepted: torch.Tensor, num_accepted: torch.Tensor) -> None:
+            self.compiled.commit(self.cache, tree_pass, accepted, num_accepted, validate=False)
+
+        return tree_pass, commit

@@ -8,7 +8,7 @@ from torch._dynamo.utils import counters
 
 from stree.drafters.registry import make_drafter
 from stree.generate import generate
-from stree.models import CompiledCommit, CompiledStep, CompiledTreePass, compiled_step
+from stree.models import CompiledDecode, CompiledModel
 from stree.testing import MarkovLM
 from stree.tree import TokenTree, TreeShape
 
@@ -42,33 +42,40 @@ def _assert_same_state(cache, eager):
 
 def test_compiled_step_equals_eager_steps(model):
     cache, eager = _pair(model)
-    step = CompiledStep(model, cache)
+    compiled = CompiledModel(model)
     tok = torch.tensor([5, 7])
     for _ in range(4):
         want = model.step(tok, eager)
-        got = step(tok)
+        got = compiled.step(tok, cache)
         assert (got - want).abs().max() <= 1e-5
         _assert_same_state(cache, eager)
         tok = want.argmax(-1)
 
 
-def test_compiled_tree_pass_then_commit_equals_eager(model):
+@pytest.mark.parametrize("tree_kind", ["static", "parents"])
+def test_compiled_tree_pass_then_commit_equals_eager(model, tree_kind):
+    """A static shape's pass is compiled; a tree given by its parents takes the eager pass."""
     cache, eager = _pair(model)
+    compiled = CompiledModel(model)
     shape = TreeShape.paper13()
-    tree_pass, commit = CompiledTreePass(model, cache, shape), CompiledCommit(model, cache)
     accepted = torch.tensor([[0, 2, 6, 0, 0], [0, 1, 4, 7, 10]])
     num = torch.tensor([3, 5])
     for seed in range(3):
         tokens = torch.randint(0, VOCAB, (2, shape.n), generator=torch.Generator().manual_seed(seed))
         want, eager_pass = model.forward_tree(TokenTree.from_shape(shape, tokens), eager)
-        got, handle = tree_pass(tokens)
+        tree = (TokenTree.from_shape(shape, tokens) if tree_kind == "static"
+                else TokenTree(torch.tensor(shape.parents), tokens))
+        got, handle = compiled.forward_tree(tree, cache)
         assert (got - want).abs().max() <= 1e-5
         _assert_same_state(cache, eager)  # the pass changed no committed state
         model.commit(eager, eager_pass, accepted, num)
-        commit(handle, accepted, num)
+        compiled.commit(cache, handle, accepted, num)
         _assert_same_state(cache, eager)
         with pytest.raises(ValueError, match="tree_pass is stale"):
-            commit(handle, accepted, num)
+            compiled.commit(cache, handle, accepted, num)
+    with pytest.raises(ValueError, match="is not a root path"):
+        _, handle = compiled.forward_tree(TokenTree.from_shape(shape, tokens), cache)
+        compiled.commit(cache, handle, torch.tensor([[0, 2, 4], [0, 1, 4]]), torch.tensor([3, 3]))
 
 
 @pytest.mark.parametrize("method", ["autoregressive", "stree"])
@@ -90,8 +97,7 @@ def test_generate_compiled_is_token_identical_and_compiles_once(model, method):
 
 
 def test_compiled_tree_pass_checks_its_tokens(model):
-    cache, _ = _pair(model)
-    tree_pass = CompiledTreePass(model, cache, TreeShape.chain(2))
+    tree_pass, _ = CompiledDecode(model, 2, MAX_LENGTH).tree(TreeShape.chain(2))
     with pytest.raises(ValueError, match=r"tokens must have shape \(2, 3\) \(this pass's tree\), got \(2, 4\)"):
         tree_pass(torch.zeros(2, 4, dtype=torch.long))
     with pytest.raises(ValueError, match="outside the vocabulary"):
@@ -106,20 +112,36 @@ def test_generate_refuses_compile_where_it_does_not_apply():
         generate(markov, [[1, 2]], max_new_tokens=2, torch_compile=True)
 
 
-def test_ssm_drafter_with_a_compiled_step_drafts_as_with_the_eager_one(model):
-    """Same drafts (deterministic mode), so the same accepted counts at every step."""
+def test_ssm_drafter_on_the_compiled_model_drafts_as_on_the_eager_one(model):
+    """Its steps and chain passes compiled: the same drafts (deterministic mode), so the same
+    accepted counts at every step."""
     drafter_model = FAMILIES["mamba2"](seed=1)
     prompts = [[1, 2, 3, 1, 2], [4, 5]]
     runs = [generate(model, prompts, max_new_tokens=10,
-                     drafter=make_drafter("ssm-static", drafter_model=drafter_model, step=step,
-                                          vocab_size=model.vocab_size))
-            for step in (None, compiled_step(drafter_model))]
+                     drafter=make_drafter("ssm-static", drafter_model=m, vocab_size=model.vocab_size))
+            for m in (drafter_model, CompiledModel(drafter_model))]
     assert runs[0].sequences == runs[1].sequences
     assert runs[0].stats.accepted == runs[1].stats.accepted
 
 
-def test_a_step_goes_to_ssm_drafters_only():
-    with pytest.raises(ValueError, match="drafter 'ngram' takes no step"):
-        make_drafter("ngram", step=lambda tokens, cache: None)
-    with pytest.raises(TypeError, match="step must be a callable"):
-        make_drafter("ssm-static", drafter_model=FAMILIES["mamba2"](), step=5)
+def test_compiled_model_refuses_what_it_cannot_compile():
+    with pytest.raises(ValueError, match="the compiled decode path is for stree models on the CPU"):
+        CompiledModel(MarkovLM(torch.softmax(torch.randn(VOCAB, VOCAB, dtype=torch.float64), -1)))
+    model = FAMILIES["mamba2"]()
+    compiled = CompiledModel(model)
+    cache = model.allocate_cache(1, 8)
+    model.double()  # its graphs (guards on torch's own modules skipped) would not know
+    with pytest.raises(ValueError, match="the model is now torch.float64 on cpu but was compiled for torch.float32"):
+        compiled.step(torch.tensor([1]), cache)
+
+
+def test_each_compiled_model_has_its_own_graphs():
+    """Two models of one config: each compiles its own step (no guard has to tell them apart),
+    and each gives its own model's logits."""
+    models = [FAMILIES["mamba2"](seed=s) for s in (5, 6)]
+    tok = torch.tensor([3])
+    for m in models:
+        graphs = counters["stats"]["unique_graphs"]
+        cache, eager = _pair(m, lengths=(4,))
+        assert (CompiledModel.of(m).step(tok, cache) - m.step(tok, eager)).abs().max() <= 1e-5
+        assert counters["stats"]["unique_graphs"] == graphs + 1
