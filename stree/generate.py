@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .args import integer
 from .drafters.base import DraftContext, Drafter, TargetTop
 from .drafters.ngram import NGramDrafter
 from .models.base import TreeLM
@@ -353,8 +354,9 @@ def generate(model, input_ids, *, drafter: Drafter | None = None, tree: TreeShap
     :class:`TokenTree`, the :class:`~stree.verify.VerifyResult`), e.g. to count accepted nodes."""
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+    max_new_tokens = integer("max_new_tokens", max_new_tokens, low=1)
+    seed = None if seed is None else integer("seed", seed, low=0, high=2**63 - 1)
+    max_length = None if max_length is None else integer("max_length", max_length, low=1)
     params = sampling if sampling is not None else SamplingParams(temperature, top_k, top_p, mode)
     if not isinstance(params, SamplingParams):
         raise TypeError(f"sampling must be a SamplingParams, got {type(params).__name__}")
@@ -370,7 +372,12 @@ def generate(model, input_ids, *, drafter: Drafter | None = None, tree: TreeShap
     elif need > max_length:
         raise ValueError(f"max_length {max_length} is too small: the longest prompt ({longest} tokens) plus "
                          f"max_new_tokens ({max_new_tokens}) plus the tree depth ({depth}) needs {need}")
-    eos = [] if eos_token_id is None else [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
+    if eos_token_id is None:
+        eos = []
+    elif isinstance(eos_token_id, (list, tuple)):
+        eos = [integer("eos_token_id", e, low=0, high=model.vocab_size - 1) for e in eos_token_id]
+    else:
+        eos = [integer("eos_token_id", eos_token_id, low=0, high=model.vocab_size - 1)]
     if method == "autoregressive":
         drafter = None
     elif drafter is None:

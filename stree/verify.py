@@ -24,6 +24,8 @@ the same rule for one child). Invalid (padding) nodes are never accepted and cha
 
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -50,9 +52,11 @@ class VerifyResult:
 
 
 def check_sampling(temperature: float, top_k: int, top_p: float) -> None:
-    if not isinstance(temperature, (int, float)) or temperature < 0:
+    if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real) or not temperature >= 0:
         raise ValueError(f"temperature must be a number >= 0, got {temperature!r}")
-    if not isinstance(top_k, int) or top_k < 0:
+    if not math.isfinite(temperature):  # inf would sample uniformly, silently
+        raise ValueError(f"temperature must be finite, got {temperature!r}")
+    if isinstance(top_k, bool) or not isinstance(top_k, numbers.Integral) or top_k < 0:
         raise ValueError(f"top_k must be an int >= 0 (0 disables it), got {top_k!r}")
     if not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
         raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
