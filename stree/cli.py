@@ -17,7 +17,9 @@ from .tree import TreeShape
 
 def _generate_parser(sub) -> None:
     p = sub.add_parser("generate", help="decode a prompt with speculative tree decoding")
-    p.add_argument("--model", required=True, help="local checkpoint directory (mamba_ssm, HF Mamba2 or MambaInLlama)")
+    p.add_argument("--model", required=True, help="local checkpoint directory (mamba_ssm, transformers Mamba2, "
+                                                   "Bamba or Nemotron-H, MambaInLlama)")
+    p.add_argument("--tokenizer", default=None, help="tokenizer directory, for a checkpoint without one (default: --model)")
     p.add_argument("--prompt", required=True)
     p.add_argument("--method", choices=METHODS, default="stree")
     p.add_argument("--drafter", choices=DRAFTER_NAMES, default="ngram",
@@ -42,6 +44,7 @@ def _generate_parser(sub) -> None:
 def _optimize_parser(sub) -> None:
     p = sub.add_parser("optimize-tree", help="calibrate a static STAND tree on prompts (STAND appendix A)")
     p.add_argument("--model", required=True)
+    p.add_argument("--tokenizer", default=None, help="tokenizer directory (default: --model)")
     p.add_argument("--prompts", required=True, help="a text file, one prompt per line (.jsonl: a 'prompt' field per line)")
     p.add_argument("--out", required=True, help="where to write the tree JSON (for --tree PATH.json)")
     p.add_argument("--nodes", type=int, default=80, help="draft nodes kept besides the root")
@@ -133,7 +136,7 @@ def _load(args):
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     model = load(args.model, dtype=DTYPES.get(args.dtype), device=device)
-    return model, load_tokenizer(args.model, vocab_size=model.vocab_size)
+    return model, load_tokenizer(args.tokenizer or args.model, vocab_size=model.vocab_size)
 
 
 def _read_prompts(path: str) -> list[str]:

@@ -120,3 +120,21 @@ def test_generate_with_a_drafter_model(checkpoint, tmp_path, capsys, drafter):
     assert f"--drafter {drafter} needs --drafter-model DIR" in capsys.readouterr().err
     assert main(["generate", "--model", str(checkpoint), "--prompt", "x", "--drafter-model", str(small)]) == 2
     assert "--drafter-model is only for" in capsys.readouterr().err
+
+
+def test_transformers_checkpoint_without_a_tokenizer_takes_tokenizer(tmp_path, capsys):
+    """A transformers-saved Bamba directory holds no tokenizer (as state-spaces ships mamba_ssm
+    checkpoints): --tokenizer names one; without it the error is one line, exit 2."""
+    from hf_families import save_tiny
+
+    tok = tmp_path / "tok"
+    n = tokenizer_files(tok)
+    save_tiny("bamba", tmp_path / "model", vocab_size=n)
+    capsys.readouterr()  # transformers' own progress output
+    argv = ["generate", "--model", str(tmp_path / "model"), "--prompt", "def f(x):", "--max-new-tokens", "6",
+            "--compare"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "holds no tokenizer" in err
+    assert main(argv + ["--tokenizer", str(tok)]) == 0
+    assert capsys.readouterr().out.splitlines()[-1].endswith("greedy outputs identical: yes")

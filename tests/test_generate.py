@@ -7,7 +7,7 @@ from tiny_models import FAMILIES, mamba2
 
 from stree.drafters import Drafter, NGramDrafter
 from stree.generate import generate
-from stree.testing import MarkovDrafter, MarkovLM, cell_counts, chi_square
+from stree.testing import MarkovDrafter, MarkovLM, cell_counts, chi_square, two_token_law
 from stree.tree import TokenTree, TreeShape
 
 SEEDED_P = 1e-3  # fixed seeds, so each chi-square test is deterministic; correct code passes this
@@ -140,17 +140,13 @@ def test_markov_chi_square_detects_the_base_q_bug():
 def test_tiny_mamba2_sampling_matches_the_enumerated_law():
     """Temperature 0.9, top-p 0.95, stochastic paper13 drafts: the first 2 generated tokens of 12k
     rows against the exact law from the model's own prefill/step distributions."""
-    from stree.verify import process_logits
-
     model = mamba2(vocab_size=6, pad_vocab_size_multiple=1, seed=2)
     with torch.no_grad():  # flatter logits: a tiny random model is otherwise near-deterministic
         model.backbone.norm_f.weight.mul_(0.1)
     V = model.vocab_size
     prompt = [1, 4, 2, 5, 3]
     kw = dict(temperature=0.9, top_p=0.95)
-    cache = model.allocate_cache(1, 16)
-    p1 = process_logits(model.prefill(torch.tensor([prompt]), cache), **kw)[0].double()
-    p2 = torch.stack([process_logits(model.step(torch.tensor([t]), cache.clone()), **kw)[0].double() for t in range(V)])
+    p1, p2 = two_token_law(model, prompt, **kw)
     joint = p1[:, None] * p2
     # drafts close to (not equal to) the target, so most second tokens are accepted drafts
     torch.manual_seed(0)

@@ -1,12 +1,15 @@
 """Target models implementing the tree-decoding protocol (see ARCHITECTURE.md)."""
 
 from .cache import AttnScratch, ModelCache, SSMScratch, TreePass
+from .attention import AttentionConfig
+from .bamba import BambaConfig, BambaLM
 from .config import HybridConfig, Mamba2Config
 from .compiled import CompiledDecode, CompiledModel
 from .graphs import DecodeGraphs, GraphedCommit, GraphedStep, GraphedTreePass
 from .runners import DecodeRunner
 from .hybrid import HybridLM
-from .loading import DTYPES, detect_format, load, load_tokenizer, save
+from .loading import DTYPES, detect_format, from_transformers, load, load_tokenizer, save
 from .mamba2 import Mamba2LM
+from .nemotron_h import NemotronHConfig, NemotronHLM
 
-__all__ = ["DTYPES", "AttnScratch", "CompiledDecode", "CompiledModel", "DecodeGraphs", "DecodeRunner", "GraphedCommit", "GraphedStep", "GraphedTreePass", "HybridConfig", "HybridLM", "ModelCache", "Mamba2Config", "Mamba2LM", "SSMScratch", "TreePass", "detect_format", "load", "load_tokenizer", "save"]
+__all__ = ["DTYPES", "AttentionConfig", "BambaConfig", "BambaLM", "NemotronHConfig", "NemotronHLM", "AttnScratch", "CompiledDecode", "CompiledModel", "DecodeGraphs", "DecodeRunner", "GraphedCommit", "GraphedStep", "GraphedTreePass", "HybridConfig", "HybridLM", "ModelCache", "Mamba2Config", "Mamba2LM", "SSMScratch", "TreePass", "detect_format", "from_transformers", "load", "load_tokenizer", "save"]

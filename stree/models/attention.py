@@ -1,8 +1,11 @@
-"""Llama attention (GQA, RoPE) over a committed KV cache plus a token tree, and its commit."""
+"""Llama attention (GQA, RoPE) over a committed KV cache plus a token tree, and its commit; with
+the variants the hybrid families use: RoPE on part of each head (Bamba), none at all (Nemotron-H),
+biased projections."""
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -31,6 +34,29 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Te
     return torch.where(medium, (1 - smooth) * scaled / factor + smooth * scaled, scaled).float()
 
 
+@dataclass(frozen=True)
+class AttentionConfig:
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None  # {"rope_type": "llama3", ...}; None is plain RoPE
+    rotary_dim: int | None = None  # RoPE on the first rotary_dim channels of a head; None: all, 0: no RoPE
+    qkv_bias: bool = False
+    o_bias: bool = False
+
+    def __post_init__(self):
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_attention_heads ({self.num_heads}) must be a multiple of num_key_value_heads "
+                             f"({self.num_kv_heads})")
+        if self.rotary_dim is not None and (self.rotary_dim % 2 or not 0 <= self.rotary_dim <= self.head_dim):
+            raise ValueError(f"rotary_dim must be even and in [0, head_dim = {self.head_dim}], got {self.rotary_dim}")
+
+    @property
+    def rope_dim(self) -> int:
+        return self.head_dim if self.rotary_dim is None else self.rotary_dim
+
+
 def _rotate_half(x):
     a, b = x.chunk(2, dim=-1)
     return torch.cat([-b, a], dim=-1)
@@ -39,23 +65,32 @@ def _rotate_half(x):
 class LlamaAttention(nn.Module):
     kind = "attn"
 
-    def __init__(self, d_model, num_heads, num_kv_heads, head_dim, rope_theta, rope_scaling, device=None, dtype=None):
+    def __init__(self, d_model, cfg: AttentionConfig, device=None, dtype=None):
         super().__init__()
-        if num_heads % num_kv_heads:
-            raise ValueError(f"num_attention_heads ({num_heads}) must be a multiple of num_key_value_heads ({num_kv_heads})")
-        f = dict(bias=False, device=device, dtype=dtype)
-        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
-        self.q_proj = nn.Linear(d_model, num_heads * head_dim, **f)
-        self.k_proj = nn.Linear(d_model, num_kv_heads * head_dim, **f)
-        self.v_proj = nn.Linear(d_model, num_kv_heads * head_dim, **f)
-        self.o_proj = nn.Linear(num_heads * head_dim, d_model, **f)
-        self.register_buffer("inv_freq", rope_inv_freq(head_dim, rope_theta, rope_scaling).to(device), persistent=False)
+        f = dict(device=device, dtype=dtype)
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.cfg, self.rope_dim = cfg, cfg.rope_dim
+        self.q_proj = nn.Linear(d_model, cfg.num_heads * cfg.head_dim, bias=cfg.qkv_bias, **f)
+        self.k_proj = nn.Linear(d_model, cfg.num_kv_heads * cfg.head_dim, bias=cfg.qkv_bias, **f)
+        self.v_proj = nn.Linear(d_model, cfg.num_kv_heads * cfg.head_dim, bias=cfg.qkv_bias, **f)
+        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, d_model, bias=cfg.o_bias, **f)
+        if self.rope_dim:
+            self.register_buffer("inv_freq", self.rope_frequencies(device), persistent=False)
+
+    def rope_frequencies(self, device) -> torch.Tensor:
+        """RoPE's inverse frequencies (a buffer no checkpoint holds: rebuilt after loading on "meta")."""
+        return rope_inv_freq(self.rope_dim, self.cfg.rope_theta, self.cfg.rope_scaling).to(device)
 
     def _rope(self, t, positions):
-        freqs = positions[..., None].float() * self.inv_freq  # [b, n, d/2]
+        if not self.rope_dim:
+            return t
+        freqs = positions[..., None].float() * self.inv_freq  # [b, n, rope_dim/2]
         emb = torch.cat([freqs, freqs], dim=-1)[:, :, None]
         cos, sin = emb.cos().to(t.dtype), emb.sin().to(t.dtype)
-        return t * cos + _rotate_half(t) * sin
+        if self.rope_dim == self.head_dim:
+            return t * cos + _rotate_half(t) * sin
+        rot, rest = t[..., :self.rope_dim], t[..., self.rope_dim:]
+        return torch.cat([rot * cos + _rotate_half(rot) * sin, rest], dim=-1)
 
     def _qkv(self, h, positions):
         q = self._rope(self.q_proj(h).unflatten(-1, (self.num_heads, self.head_dim)), positions)
@@ -88,7 +123,7 @@ class LlamaAttention(nn.Module):
         return AttnScratch(*(torch.stack(parts) for parts in zip(*per_layer)))
 
     @staticmethod
-    def commit_layers(model, cache, scratch: AttnScratch, accepted, num_accepted, kernel_backend: str):
+    def commit_layers(model, cache, scratch: AttnScratch, accepted, num_accepted, kernel_backend: str, prefill: bool):
         """Every attention layer at once: path node t's K/V into slot ``seqlens + t``, where it sat
         in the verify pass, so its RoPE is already right. Entries past ``num_accepted`` land in
         slots past the new length, which hold nothing committed, so no mask (and no host sync)."""

@@ -41,10 +41,11 @@ def derived(owner, name: str, fn, key=None):
 
 @dataclass(eq=False)
 class Block:
-    """One layer: ``x += mixer(norm(x))``, then ``x += mlp(mlp_norm(x))`` when there is an MLP."""
+    """One layer: ``x += mixer(norm(x))`` when there is a token mixer, then ``x += mlp(mlp_norm(x))``
+    when there is an MLP (Nemotron-H has MLP-only layers, kind "mlp", holding no state)."""
 
-    norm: nn.Module
-    mixer: nn.Module
+    norm: nn.Module | None
+    mixer: nn.Module | None
     mlp_norm: nn.Module | None = None
     mlp: nn.Module | None = None
 
@@ -58,6 +59,7 @@ class TreeContext:
     seqlens: torch.Tensor
     backend: str
     kernel_backend: str
+    prefill: bool = False  # the prompt, not a draft: families whose dt clamp is prefill-only apply it
 
 
 class TreeLM(nn.Module):
@@ -79,7 +81,17 @@ class TreeLM(nn.Module):
         return self.lm_head.weight.device
 
     def kinds(self) -> list[str]:
-        return [blk.mixer.kind for blk in self.blocks]
+        return [blk.mixer.kind if blk.mixer is not None else "mlp" for blk in self.blocks]
+
+    def mixer_types(self) -> dict:
+        """The mixer class of each stateful kind ("ssm", "attn") the model has."""
+        return {blk.mixer.kind: type(blk.mixer) for blk in self.blocks if blk.mixer is not None}
+
+    def make_head(self, d_model: int, vocab_size: int, tie: bool, device=None, dtype=None) -> None:
+        """``lm_head``, sharing the embedding's weight when ``tie`` (set ``embed`` first)."""
+        self.lm_head = nn.Linear(d_model, vocab_size, bias=False, device=device, dtype=dtype)
+        if tie:
+            self.lm_head.weight = self.embed.weight
 
     # ---- the block loop -------------------------------------------------------------------
     def _run(self, tokens: torch.Tensor, mix) -> torch.Tensor:
@@ -89,7 +101,8 @@ class TreeLM(nn.Module):
             x = x.float()
         dtype = self.dtype
         for i, blk in enumerate(self.blocks):
-            x = x + mix(i, blk, blk.norm(x, dtype))
+            if blk.mixer is not None:
+                x = x + mix(i, blk, blk.norm(x, dtype))
             if blk.mlp is not None:
                 x = x + blk.mlp(blk.mlp_norm(x, dtype))
         return self.lm_head(self.final_norm(x, dtype))
@@ -103,8 +116,8 @@ class TreeLM(nn.Module):
             raise ValueError(f"max_length must be an int >= 1, got {max_length!r}")
         kinds = self.kinds()
         f = dict(device=self.device)
-        ssm = [blk.mixer for blk in self.blocks if blk.mixer.kind == "ssm"]
-        attn = [blk.mixer for blk in self.blocks if blk.mixer.kind == "attn"]
+        ssm = [blk.mixer for blk, kind in zip(self.blocks, kinds) if kind == "ssm"]
+        attn = [blk.mixer for blk, kind in zip(self.blocks, kinds) if kind == "attn"]
         conv = state = k = v = None
         if ssm:
             c = ssm[0].cfg
@@ -170,16 +183,18 @@ class TreeLM(nn.Module):
         return self.tree_pass(tree, index, cache, backend, self.kernel_backend, max_depth)
 
     def tree_pass(self, tree: TokenTree, index: TreeIndex, cache: ModelCache, backend: str, kernel_backend: str,
-                  max_depth: int):
-        """The layers over a checked tree (no host sync of its own)."""
-        logits, ssm, attn = self.tree_layers(tree.tokens, index, cache, backend, kernel_backend)
-        return logits, TreePass(tree, index, max_depth, ssm, attn, weakref.ref(cache), cache.version)
+                  max_depth: int, prefill: bool = False):
+        """The layers over a checked tree (no host sync of its own); ``prefill``: the tree is a
+        chain of prompt tokens (see :class:`TreeContext`)."""
+        logits, ssm, attn = self.tree_layers(tree.tokens, index, cache, backend, kernel_backend, prefill)
+        return logits, TreePass(tree, index, max_depth, ssm, attn, weakref.ref(cache), cache.version, prefill)
 
     def tree_layers(self, tokens: torch.Tensor, index: TreeIndex, cache: ModelCache, backend: str,
-                    kernel_backend: str):
+                    kernel_backend: str, prefill: bool = False):
         """Logits of a checked tree's nodes and the stacked scratch of its SSM and attention layers
         (None where the model has none): tensors only, so that it can be compiled."""
-        ctx = TreeContext(index, cache.seqlens[:, None] + index.depth, cache.seqlens, backend, kernel_backend)
+        ctx = TreeContext(index, cache.seqlens[:, None] + index.depth, cache.seqlens, backend, kernel_backend,
+                          prefill)
         per_kind: dict[str, list] = {}
 
         def mix(i, blk, h):
@@ -188,7 +203,7 @@ class TreeLM(nn.Module):
             return out
 
         logits = self._run(tokens, mix)
-        mixers = {blk.mixer.kind: type(blk.mixer) for blk in self.blocks}
+        mixers = self.mixer_types()
         stacked = {kind: mixers[kind].stack_scratch(parts) for kind, parts in per_kind.items()}
         return logits, stacked.get("ssm"), stacked.get("attn")
 
@@ -199,17 +214,19 @@ class TreeLM(nn.Module):
         first ``num_accepted[b] >= 1`` of them real, each the parent of the next. ``validate=False``
         skips the path check (the one device-to-host sync); the caller answers for the path."""
         check_commit(cache, tree_pass, accepted, num_accepted, validate)
-        self.commit_state(cache, tree_pass.ssm, tree_pass.attn, accepted, num_accepted, self.kernel_backend)
+        self.commit_state(cache, tree_pass.ssm, tree_pass.attn, accepted, num_accepted, self.kernel_backend,
+                          tree_pass.prefill)
         cache.moved()
 
     def commit_state(self, cache: ModelCache, ssm, attn, accepted: torch.Tensor, num_accepted: torch.Tensor,
-                     kernel_backend: str) -> None:
+                     kernel_backend: str, prefill: bool = False) -> None:
         """Every layer's state and ``seqlens`` advanced along checked paths, from a pass's
-        scratch: tensors only, no bookkeeping, so that it can be compiled."""
-        by_kind = {blk.mixer.kind: type(blk.mixer) for blk in self.blocks}
+        scratch (``prefill``: the pass's own flag): tensors only, no bookkeeping, so that it can
+        be compiled."""
+        by_kind = self.mixer_types()
         for kind, scratch in (("ssm", ssm), ("attn", attn)):
             if scratch is not None:
-                by_kind[kind].commit_layers(self, cache, scratch, accepted, num_accepted, kernel_backend)
+                by_kind[kind].commit_layers(self, cache, scratch, accepted, num_accepted, kernel_backend, prefill)
         cache.seqlens += num_accepted
 
     @torch.no_grad()
@@ -258,7 +275,8 @@ class TreeLM(nn.Module):
             rows = torch.nonzero(counts > 0).flatten().to(self.device)
             sub = cache if len(rows) == batch else cache.select(rows)
             tree = TokenTree.from_shape(TreeShape.chain(end - start - 1), input_ids[rows, start:end])
-            logits, tree_pass = self.forward_tree(tree, sub)
+            logits, tree_pass = self.tree_pass(tree, tree.index, sub, "tree", self.kernel_backend, end - start - 1,
+                                               prefill=True)
             n = counts[counts > 0].to(self.device)
             self.commit(sub, tree_pass, torch.arange(end - start, device=self.device).expand(len(rows), -1), n,
                         validate=False)
@@ -277,7 +295,7 @@ class TreeLM(nn.Module):
             raise ValueError(f"input_ids must be [batch, T] with 1 <= T <= {MAX_TREE_NODES}, got {tuple(input_ids.shape)}")
         batch, T = input_ids.shape
         tree = TokenTree.from_shape(TreeShape.chain(T - 1), input_ids)
-        return self.tree_pass(tree, tree.index, self.allocate_cache(batch, T), "tree", "torch", T - 1)[0]
+        return self.tree_pass(tree, tree.index, self.allocate_cache(batch, T), "tree", "torch", T - 1, prefill=True)[0]
 
 
 class StepContext:

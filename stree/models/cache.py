@@ -52,13 +52,13 @@ class ModelCache:
 
     def __post_init__(self):
         # Per-layer views made once: a step indexes no stacked tensor.
-        slot = {"ssm": 0, "attn": 0}
+        slot = {"ssm": 0, "attn": 0, "mlp": 0}
         self.layers = []
         for kind in self.kinds:
             i = slot[kind]
             slot[kind] += 1
             self.layers.append(SSMLayerState(self.conv[i], self.ssm[i]) if kind == "ssm"
-                               else AttnLayerState(self.k[i], self.v[i]))
+                               else AttnLayerState(self.k[i], self.v[i]) if kind == "attn" else None)
 
     @property
     def batch_size(self) -> int:
@@ -118,6 +118,7 @@ class TreePass:
     attn: AttnScratch | None
     cache_ref: weakref.ref
     version: int
+    prefill: bool = False  # computed by prefill: commit replays with prefill's dt clamp
 
     def check_against(self, cache: ModelCache) -> None:
         if self.cache_ref() is not cache:

@@ -36,8 +36,8 @@ def _tree(model: TreeLM, tokens, index, cache: ModelCache):
     return model.tree_layers(tokens, index, cache, "tree", KERNELS)
 
 
-def _commit(model: TreeLM, cache: ModelCache, ssm, attn, accepted, num_accepted):
-    model.commit_state(cache, ssm, attn, accepted, num_accepted, KERNELS)
+def _commit(model: TreeLM, cache: ModelCache, ssm, attn, accepted, num_accepted, prefill: bool):
+    model.commit_state(cache, ssm, attn, accepted, num_accepted, KERNELS, prefill)
 
 
 # Guards on the attributes of torch's own modules (Linear, Conv1d, ...) cost ~0.2 ms a call, as
@@ -115,7 +115,7 @@ class CompiledModel:
     def commit(self, cache: ModelCache, tree_pass: TreePass, accepted: torch.Tensor, num_accepted: torch.Tensor,
                validate: bool = True) -> None:
         check_commit(cache, tree_pass, accepted, num_accepted, validate)
-        self._call(_commit, cache, tree_pass.ssm, tree_pass.attn, accepted, num_accepted)
+        self._call(_commit, cache, tree_pass.ssm, tree_pass.attn, accepted, num_accepted, tree_pass.prefill)
         cache.moved()
 
 

@@ -5,6 +5,35 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from .attention import AttentionConfig
+
+
+def require(config: dict, key: str, file):
+    """``config[key]``, or a ValueError naming the file and the key."""
+    if key not in config:
+        raise ValueError(f"{file}: missing key {key!r}")
+    return config[key]
+
+
+def dt_limit_of(value, file, key: str = "time_step_limit") -> tuple[float, float]:
+    """A (min, max) dt clamp as the configs write it (None: no clamp)."""
+    if value is None:
+        return (0.0, math.inf)
+    try:
+        lo, hi = (float(v) for v in value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{file}: {key} must be a pair of numbers, got {value!r}") from None
+    return lo, hi
+
+
+def layer_indices(name: str, indices, n_layer: int) -> tuple[int, ...]:
+    """Sorted layer indices, each in [0, n_layer)."""
+    indices = tuple(sorted(int(i) for i in indices))
+    bad = [i for i in indices if not 0 <= i < n_layer]
+    if bad:
+        raise ValueError(f"{name} {bad} outside [0, n_layer = {n_layer})")
+    return indices
+
 
 @dataclass(frozen=True)
 class Mamba2Config:
@@ -33,14 +62,23 @@ class Mamba2Config:
     # MambaInLlama's variant: x and B are d_xb wide (one group per KV head), convolved un-repeated
     # and repeated to the heads afterwards; None is standard Mamba2.
     d_xb: int | None = None
+    # The SSM width when it is not expand * d_model (Nemotron Nano 2: heads * head_dim).
+    d_ssm: int | None = None
+    # transformers' hybrids round the gated norm's output to the model dtype before the weight
+    # multiply; mamba_ssm multiplies in fp32 and rounds once.
+    norm_round_before_weight: bool = False
+    # True: dt_limit clamps dt in prefill only, as mamba_ssm's and transformers' chunked scans do
+    # and their one-token steps do not (Nemotron-H's (time_step_min, inf) matters); decoding
+    # (step, tree pass, commit) then leaves dt unclamped. False: every path clamps.
+    dt_limit_prefill_only: bool = False
 
     def __post_init__(self):
-        for name in ("d_model", "n_layer", "vocab_size", "d_state", "d_conv", "expand", "headdim", "ngroups"):
+        for name in ("d_model", "n_layer", "vocab_size", "d_state", "d_conv", "expand", "headdim", "ngroups", "d_ssm"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
+            if (value is not None or name != "d_ssm") and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"Mamba2Config.{name} must be a positive integer, got {value!r}")
         if self.d_inner % self.headdim:
-            raise ValueError(f"d_inner = expand * d_model = {self.d_inner} must be a multiple of headdim = {self.headdim}")
+            raise ValueError(f"d_inner = {self.d_inner} must be a multiple of headdim = {self.headdim}")
         if self.nheads % self.ngroups:
             raise ValueError(f"nheads = {self.nheads} must be a multiple of ngroups = {self.ngroups}")
         if self.d_xb is not None:
@@ -51,7 +89,7 @@ class Mamba2Config:
 
     @property
     def d_inner(self) -> int:
-        return self.expand * self.d_model
+        return self.d_ssm if self.d_ssm is not None else self.expand * self.d_model
 
     @property
     def nheads(self) -> int:
@@ -110,13 +148,15 @@ class HybridConfig:
     tie_word_embeddings: bool = False
 
     def __post_init__(self):
-        object.__setattr__(self, "attn_layers", tuple(sorted(int(i) for i in self.attn_layers)))
-        bad = [i for i in self.attn_layers if not 0 <= i < self.n_layer]
-        if bad:
-            raise ValueError(f"attn_layers {bad} outside [0, n_layer = {self.n_layer})")
+        object.__setattr__(self, "attn_layers", layer_indices("attn_layers", self.attn_layers, self.n_layer))
         if self.d_inner % self.d_model:
             raise ValueError(f"d_inner = {self.d_inner} must be a multiple of d_model = {self.d_model}")
         self.mamba  # validates the Mamba2 side
+
+    @property
+    def attention(self) -> AttentionConfig:
+        return AttentionConfig(self.num_attention_heads, self.num_key_value_heads, self.head_dim, self.rope_theta,
+                               self.rope_scaling)
 
     @property
     def ssm_layers(self) -> tuple[int, ...]:

@@ -5,25 +5,13 @@ Residual stream in model dtype. HF Llama parameter names (``model.layers.i.self_
 
 from __future__ import annotations
 
-import torch.nn.functional as F
 from torch import nn
 
 from .attention import LlamaAttention
 from .base import Block, TreeLM
 from .config import HybridConfig
 from .mamba2 import Mamba2Mixer, RMSNorm
-
-
-class SwiGLU(nn.Module):
-    def __init__(self, d_model, intermediate_size, device=None, dtype=None):
-        super().__init__()
-        f = dict(bias=False, device=device, dtype=dtype)
-        self.gate_proj = nn.Linear(d_model, intermediate_size, **f)
-        self.up_proj = nn.Linear(d_model, intermediate_size, **f)
-        self.down_proj = nn.Linear(intermediate_size, d_model, **f)
-
-    def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+from .mlp import SwiGLU
 
 
 class HybridLayer(nn.Module):
@@ -31,10 +19,9 @@ class HybridLayer(nn.Module):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.d_model, cfg.rms_norm_eps, device, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.d_model, cfg.rms_norm_eps, device, dtype)
-        self.mlp = SwiGLU(cfg.d_model, cfg.intermediate_size, device, dtype)
+        self.mlp = SwiGLU(cfg.d_model, cfg.intermediate_size, device=device, dtype=dtype)
         if attention:
-            self.self_attn = LlamaAttention(cfg.d_model, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
-                                            cfg.rope_theta, cfg.rope_scaling, device, dtype)
+            self.self_attn = LlamaAttention(cfg.d_model, cfg.attention, device, dtype)
         else:
             self.mamba = Mamba2Mixer(cfg.mamba, device, dtype)
 
@@ -56,9 +43,7 @@ class HybridLM(TreeLM):
         super().__init__()
         self.cfg = cfg
         self.model = HybridBody(cfg, device, dtype)
-        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False, device=device, dtype=dtype)
-        if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+        self.make_head(cfg.d_model, cfg.vocab_size, cfg.tie_word_embeddings, device, dtype)
         self.residual_fp32 = False
         self.blocks = [Block(layer.input_layernorm, layer.mixer, layer.post_attention_layernorm, layer.mlp)
                        for layer in self.model.layers]

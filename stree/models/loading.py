@@ -3,34 +3,57 @@ load the weights with shape checks; and write checkpoints in each format (test f
 
 Formats: ``mamba_ssm`` (config.json with ``ssm_cfg``; pytorch_model.bin or model.safetensors,
 ``backbone.embedding``), ``hf`` (transformers Mamba2: ``model_type`` "mamba2",
-``backbone.embeddings``) and ``mil`` (MambaInLlama: the Llama config.json plus mamba_config.json,
-HF Llama parameter names, lm_head tied when the file has none).
+``backbone.embeddings``), ``mil`` (MambaInLlama: the Llama config.json plus mamba_config.json,
+HF Llama parameter names, lm_head tied when the file has none), and the transformers hybrids by
+their ``model_type``: ``bamba``, ``nemotron_h``.
+
+Weights: model.safetensors, or shards listed in model.safetensors.index.json; pytorch_model.bin
+(or its index) when there are no safetensors. Configs as transformers 4.x and 5.x write them,
+infinity included (``Infinity`` literals, 5.x's ``{"__float__": "Infinity"}``).
 """
 
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 
-from .config import HybridConfig, Mamba2Config
+from .bamba import BambaLM
+from .config import HybridConfig, Mamba2Config, dt_limit_of, require
 from .hybrid import HybridLM
+from .attention import LlamaAttention
 from .mamba2 import Mamba2LM
+from .nemotron_h import NemotronHLM
 
-FORMATS = ("mamba_ssm", "hf", "mil")
+# transformers families, by model_type: the class reads its config (config_class.from_hf) and
+# its parameter names are the files' own.
+FAMILIES = {cls.model_type: cls for cls in (BambaLM, NemotronHLM)}
+FORMATS = ("mamba_ssm", "hf", "mil", *FAMILIES)
+# Families a user may have in mind, refused by name (the message says what is supported).
+_KNOWN_UNSUPPORTED = ("zamba2", "jamba", "qwen3_next", "falcon_h1", "granitemoehybrid", "mamba")
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
 
 # mamba_ssm Mamba2 options this implementation does not compute; a checkpoint that sets them is refused.
 _UNSUPPORTED_SSM = {"D_has_hdim": False, "rmsnorm": True, "norm_before_gate": False}
 
 
+def _json_object(pairs):
+    """transformers 5 writes non-finite floats as ``{"__float__": "Infinity"}``."""
+    obj = dict(pairs)
+    if obj.keys() == {"__float__"} and isinstance(obj["__float__"], str):
+        try:
+            return float(obj["__float__"])
+        except ValueError:
+            pass  # left as a dict: the key that reads it names the file
+    return obj
+
+
 def _read_json(path: Path) -> dict:
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(path.read_text(), object_pairs_hook=_json_object)
     except FileNotFoundError:
         raise FileNotFoundError(f"{path} is missing") from None
     except json.JSONDecodeError as exc:
@@ -47,17 +70,19 @@ def detect_format(path) -> str:
     config = _read_json(path / "config.json")
     if (path / "mamba_config.json").exists():
         return "mil"
-    if config.get("model_type") == "mamba2":
+    model_type = config.get("model_type")
+    if model_type == "mamba2":
         return "hf"
+    if model_type in FAMILIES:
+        return model_type
     if isinstance(config.get("ssm_cfg"), dict):
         return "mamba_ssm"
-    raise ValueError(f"{path / 'config.json'}: unknown checkpoint format (neither model_type 'mamba2' nor ssm_cfg)")
-
-
-def _require(config: dict, key: str, file: Path):
-    if key not in config:
-        raise ValueError(f"{file}: missing key {key!r}")
-    return config[key]
+    supported = ", ".join(repr(t) for t in ("mamba2", *FAMILIES))
+    if model_type in _KNOWN_UNSUPPORTED:
+        raise ValueError(f"{path / 'config.json'}: model_type {model_type!r} is not supported (supported: {supported}, "
+                         "mamba_ssm's ssm_cfg, MambaInLlama)")
+    raise ValueError(f"{path / 'config.json'}: unknown checkpoint format (model_type {model_type!r}; supported: "
+                     f"{supported}, mamba_ssm's ssm_cfg, MambaInLlama)")
 
 
 def _config_mamba_ssm(config: dict, file: Path) -> Mamba2Config:
@@ -71,15 +96,15 @@ def _config_mamba_ssm(config: dict, file: Path) -> Mamba2Config:
         raise ValueError(f"{file}: d_intermediate / attn_layer_idx (mamba_ssm MLP or attention layers) are not supported")
     if not config.get("rms_norm", True):
         raise ValueError(f"{file}: rms_norm = false (LayerNorm blocks) is not supported")
-    d_model = _require(config, "d_model", file)
+    d_model = require(config, "d_model", file)
     expand = ssm.get("expand", 2)
     if ssm.get("d_ssm") not in (None, expand * d_model):
         raise ValueError(f"{file}: ssm_cfg.d_ssm different from d_inner is not supported")
     return Mamba2Config(
-        d_model=d_model, n_layer=_require(config, "n_layer", file), vocab_size=_require(config, "vocab_size", file),
+        d_model=d_model, n_layer=require(config, "n_layer", file), vocab_size=require(config, "vocab_size", file),
         d_state=ssm.get("d_state", 128), d_conv=ssm.get("d_conv", 4), expand=expand, headdim=ssm.get("headdim", 64),
         ngroups=ssm.get("ngroups", 1), chunk_size=ssm.get("chunk_size", 256),
-        dt_limit=tuple(float(v) for v in ssm.get("dt_limit", (0.0, math.inf))),
+        dt_limit=dt_limit_of(ssm.get("dt_limit"), file, "ssm_cfg.dt_limit"),
         conv_bias=ssm.get("conv_bias", True), bias=ssm.get("bias", False),
         pad_vocab_size_multiple=config.get("pad_vocab_size_multiple", 8),
         tie_embeddings=config.get("tie_embeddings", True), residual_in_fp32=config.get("residual_in_fp32", True),
@@ -87,16 +112,16 @@ def _config_mamba_ssm(config: dict, file: Path) -> Mamba2Config:
 
 
 def _config_hf(config: dict, file: Path) -> Mamba2Config:
-    hidden, expand, head_dim = (_require(config, k, file) for k in ("hidden_size", "expand", "head_dim"))
-    num_heads = _require(config, "num_heads", file)
+    hidden, expand, head_dim = (require(config, k, file) for k in ("hidden_size", "expand", "head_dim"))
+    num_heads = require(config, "num_heads", file)
     if num_heads * head_dim != hidden * expand:
         raise ValueError(f"{file}: num_heads * head_dim = {num_heads * head_dim} != hidden_size * expand = {hidden * expand}")
     return Mamba2Config(
-        d_model=hidden, n_layer=_require(config, "num_hidden_layers", file),
-        vocab_size=_require(config, "vocab_size", file), d_state=_require(config, "state_size", file),
+        d_model=hidden, n_layer=require(config, "num_hidden_layers", file),
+        vocab_size=require(config, "vocab_size", file), d_state=require(config, "state_size", file),
         d_conv=config.get("conv_kernel", 4), expand=expand, headdim=head_dim,
-        ngroups=_require(config, "n_groups", file), chunk_size=config.get("chunk_size", 256),
-        dt_limit=tuple(float(v) for v in config.get("time_step_limit", (0.0, math.inf))),
+        ngroups=require(config, "n_groups", file), chunk_size=config.get("chunk_size", 256),
+        dt_limit=dt_limit_of(config.get("time_step_limit"), file),
         conv_bias=config.get("use_conv_bias", True), bias=config.get("use_bias", False),
         pad_vocab_size_multiple=1,  # transformers stores the padded size as vocab_size
         tie_embeddings=config.get("tie_word_embeddings", False), residual_in_fp32=config.get("residual_in_fp32", True),
@@ -107,38 +132,54 @@ def _config_hf(config: dict, file: Path) -> Mamba2Config:
 def _config_mil(config: dict, config_file: Path, mamba: dict, mamba_file: Path, plain_rope: bool) -> HybridConfig:
     if mamba.get("hidden_act", "silu") != "silu":
         raise ValueError(f"{mamba_file}: hidden_act {mamba['hidden_act']!r} is not supported (only 'silu')")
-    ssm = _require(mamba, "ssm_cfg", mamba_file)
-    heads = _require(config, "num_attention_heads", config_file)
-    hidden = _require(mamba, "d_model", mamba_file)
+    ssm = require(mamba, "ssm_cfg", mamba_file)
+    heads = require(config, "num_attention_heads", config_file)
+    hidden = require(mamba, "d_model", mamba_file)
     scaling = config.get("rope_scaling")
     if scaling is not None:
         scaling = dict(scaling, rope_type=scaling.get("rope_type", scaling.get("type", "default")))
         if scaling["rope_type"] == "default":
             scaling = None
     return HybridConfig(
-        d_model=hidden, n_layer=_require(mamba, "n_layer", mamba_file),
-        vocab_size=mamba.get("vocab_size") or _require(config, "vocab_size", config_file),
-        attn_layers=tuple(_require(mamba, "attn_layers", mamba_file)),
-        intermediate_size=_require(mamba, "intermediate_size", mamba_file), num_attention_heads=heads,
+        d_model=hidden, n_layer=require(mamba, "n_layer", mamba_file),
+        vocab_size=mamba.get("vocab_size") or require(config, "vocab_size", config_file),
+        attn_layers=tuple(require(mamba, "attn_layers", mamba_file)),
+        intermediate_size=require(mamba, "intermediate_size", mamba_file), num_attention_heads=heads,
         num_key_value_heads=config.get("num_key_value_heads", heads),
-        head_dim=config.get("head_dim") or hidden // heads, d_inner=_require(mamba, "d_inner", mamba_file),
-        d_xb=_require(mamba, "d_xb", mamba_file), d_state=ssm.get("d_state", 128), ngroups=ssm.get("ngroups", 1),
+        head_dim=config.get("head_dim") or hidden // heads, d_inner=require(mamba, "d_inner", mamba_file),
+        d_xb=require(mamba, "d_xb", mamba_file), d_state=ssm.get("d_state", 128), ngroups=ssm.get("ngroups", 1),
         d_conv=ssm.get("d_conv", 4), rms_norm_eps=mamba.get("rms_norm_eps", config.get("rms_norm_eps", 1e-5)),
         rope_theta=config.get("rope_theta", 10000.0), rope_scaling=None if plain_rope else scaling,
         tie_word_embeddings=config.get("tie_word_embeddings", False),
     )
 
 
+def _read_weight_file(file: Path) -> dict:
+    try:
+        if file.name.endswith(".safetensors"):
+            return load_file(str(file))
+        return torch.load(file, map_location="cpu", weights_only=True)
+    except Exception as exc:
+        raise ValueError(f"{file} could not be read: {exc}") from exc
+
+
 def _read_weights(path: Path) -> tuple[dict, Path]:
+    """The state dict and the file that holds it (the index of a sharded checkpoint)."""
     for name in WEIGHT_FILES:
         file = path / name
-        if file.exists():
-            try:
-                state = load_file(str(file)) if name.endswith(".safetensors") else torch.load(
-                    file, map_location="cpu", weights_only=True)
-            except Exception as exc:
-                raise ValueError(f"{file} could not be read: {exc}") from exc
-            return state, file
+        if not file.exists():
+            continue
+        if not name.endswith(".index.json"):
+            return _read_weight_file(file), file
+        weight_map = _read_json(file).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ValueError(f"{file}: missing or empty 'weight_map'")
+        state = {}
+        for shard in sorted(set(weight_map.values())):
+            if not (path / shard).exists():
+                raise FileNotFoundError(f"{path / shard} is missing (listed in {file})")
+            state.update(_read_weight_file(path / shard))
+        return state, file
     raise FileNotFoundError(f"{path} holds no weights ({' or '.join(WEIGHT_FILES)})")
 
 
@@ -159,6 +200,10 @@ def load(path, dtype: torch.dtype | None = None, device=None, plain_rope: bool =
         if "lm_head.weight" not in state:  # MIL 3B ships no lm_head: tied to the embedding
             cfg = HybridConfig(**{**cfg.__dict__, "tie_word_embeddings": True})
         build, tied, embed_key = HybridLM, cfg.tie_word_embeddings, "model.embed_tokens.weight"
+    elif fmt in FAMILIES:
+        build = FAMILIES[fmt]
+        cfg = build.config_class.from_hf(raw, config_file)
+        tied, embed_key = cfg.tie_word_embeddings, build.embed_key
     else:
         cfg = _config_hf(raw, config_file) if fmt == "hf" else _config_mamba_ssm(raw, config_file)
         if fmt == "hf":
@@ -169,31 +214,75 @@ def load(path, dtype: torch.dtype | None = None, device=None, plain_rope: bool =
         file_key = "backbone.embeddings.weight" if fmt == "hf" else embed_key
         raise ValueError(f"{weights_file}: missing key {file_key!r}")
     model = build(cfg, device=device, dtype=dtype or embedding.dtype)
+    _fill(model, state, tied, weights_file, config_file)
+    return model.eval()
+
+
+def _fill(model, state: dict, tied: bool, where, config_where, share: bool = False) -> None:
+    """Load ``state`` into ``model`` after checking every key and shape (``where`` names the
+    source of the weights, ``config_where`` of the config); ``share``: take the tensors
+    themselves (a model built on "meta"), then rebuild the buffers no checkpoint holds."""
     expected = model.state_dict()
     if tied:
         state.pop("lm_head.weight", None)  # the same tensor as the embedding when present
         expected.pop("lm_head.weight")
     for key, tensor in expected.items():
         if key not in state:
-            raise ValueError(f"{weights_file}: missing key {key!r}")
+            raise ValueError(f"{where}: missing key {key!r}")
         if tuple(state[key].shape) != tuple(tensor.shape):
-            raise ValueError(f"{weights_file}: {key!r} has shape {tuple(state[key].shape)}, "
-                             f"the config in {config_file} implies {tuple(tensor.shape)}")
+            raise ValueError(f"{where}: {key!r} has shape {tuple(state[key].shape)}, "
+                             f"the config in {config_where} implies {tuple(tensor.shape)}")
     unexpected = sorted(set(state) - set(expected))
     if unexpected:
-        raise ValueError(f"{weights_file}: unexpected keys {unexpected[:5]}")
-    model.load_state_dict(state, strict=not tied)
+        raise ValueError(f"{where}: unexpected keys {unexpected[:5]}")
+    model.load_state_dict(state, strict=not tied, assign=share)
+    if share:
+        if tied:
+            model.lm_head.weight = model.embed.weight
+        for module in model.modules():
+            if isinstance(module, LlamaAttention) and module.rope_dim:
+                module.inv_freq = module.rope_frequencies(model.device)
+
+
+def from_transformers(hf_model):
+    """The stree model of a loaded transformers ``Mamba2ForCausalLM``, ``BambaForCausalLM`` or
+    ``NemotronHForCausalLM``, sharing its parameter tensors (no copy: a change to one is a
+    change to the other). Its config is read as ``load`` reads config.json."""
+    config = getattr(hf_model, "config", None)
+    model_type = getattr(config, "model_type", None)
+    where = f"{type(hf_model).__name__}.config"
+    if model_type != "mamba2" and model_type not in FAMILIES:
+        raise ValueError(f"{where}: model_type {model_type!r} is not supported (supported: "
+                         f"{', '.join(repr(t) for t in ('mamba2', *FAMILIES))})")
+    raw = json.loads(json.dumps(config.to_dict(), default=str), object_pairs_hook=_json_object)
+    state = dict(hf_model.state_dict())
+    if model_type == "mamba2":
+        build, cfg = Mamba2LM, _config_hf(raw, where)
+        tied = cfg.tie_embeddings
+        state = {k.replace("backbone.embeddings.", "backbone.embedding.", 1): v for k, v in state.items()}
+    else:
+        build = FAMILIES[model_type]
+        cfg = build.config_class.from_hf(raw, where)
+        tied = cfg.tie_word_embeddings
+        prefix = build.embed_key.split(".")[0] + "."  # transformers keeps the modules under "model."
+        state = {prefix + k[len("model."):] if k.startswith("model.") else k: v for k, v in state.items()}
+    weights = next(iter(state.values()))
+    model = build(cfg, device="meta", dtype=weights.dtype)
+    _fill(model, state, tied, f"{type(hf_model).__name__}.state_dict()", where, share=True)
     return model.eval()
 
 
 def save(model, path, format: str | None = None) -> None:
     """Write ``model`` as a checkpoint directory (config file(s) + model.safetensors): a Mamba2LM
-    as ``mamba_ssm`` (default) or ``hf``, a HybridLM as ``mil``."""
+    as ``mamba_ssm`` (default) or ``hf``, a HybridLM as ``mil``, a transformers family as
+    transformers saves it (its model_type)."""
+    family = getattr(model, "model_type", None)
     if format is None:
-        format = "mil" if isinstance(model, HybridLM) else "mamba_ssm"
+        format = family or ("mil" if isinstance(model, HybridLM) else "mamba_ssm")
     if format not in FORMATS:
         raise ValueError(f"format must be one of {FORMATS}, got {format!r}")
-    if (format == "mil") != isinstance(model, HybridLM):
+    fits = format == family if family else (format == "mil") == isinstance(model, HybridLM) and format not in FAMILIES
+    if not fits:
         raise ValueError(f"format {format!r} does not fit a {type(model).__name__}")
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
@@ -201,7 +290,9 @@ def save(model, path, format: str | None = None) -> None:
     state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
     if getattr(cfg, "tie_embeddings", getattr(cfg, "tie_word_embeddings", False)):
         state.pop("lm_head.weight")  # safetensors stores each tensor once; loading re-ties
-    if format == "mil":
+    if family:
+        config = model.cfg.to_hf()
+    elif format == "mil":
         (path / "mamba_config.json").write_text(json.dumps(dict(
             d_model=cfg.d_model, ssm_cfg=dict(expand=cfg.d_inner // cfg.d_model, ngroups=cfg.ngroups,
                                               d_state=cfg.d_state, d_conv=cfg.d_conv),

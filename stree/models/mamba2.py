@@ -5,7 +5,8 @@ committed state untouched) and ``commit`` (activation replay of the accepted pat
 Residual stream in fp32 (``residual_in_fp32``), fused add+norm semantics (the fp32 sum is
 normalised and multiplied by the weight in fp32, rounded once), gated RMSNorm norm(y * silu(z))
 over ``d_inner / ngroups`` channels, SSM state stored in fp32, ``dt_limit`` applied on every path
-so that step, chain and tree verify compute the same function.
+so that step, chain and tree verify compute the same function (families whose reference clamps in
+prefill only set ``dt_limit_prefill_only``: then decoding never clamps, prefill always does).
 """
 
 from __future__ import annotations
@@ -51,17 +52,22 @@ class RMSNorm(nn.Module):
 class GatedRMSNorm(RMSNorm):
     """norm(y * silu(z)) per group of ``group_size`` channels (mamba_ssm, norm_before_gate=False)."""
 
-    def __init__(self, dim: int, group_size: int, eps: float, device=None, dtype=None):
-        super().__init__(dim, eps, device, dtype)
+    def __init__(self, dim: int, group_size: int, eps: float, device=None, dtype=None,
+                 round_before_weight: bool = False):
+        super().__init__(dim, eps, device, dtype, round_before_weight)
         self.group_size = group_size
 
     def forward(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         v = y.float() * F.silu(z.float()) if y.dtype != torch.float32 else y * F.silu(z)
-        w = fp32(self.weight)
+        rounded = self.round_before_weight and y.dtype != torch.float32
+        w = None if rounded else fp32(self.weight)
         if self.group_size == v.shape[-1]:
             v = F.rms_norm(v, v.shape[-1:], w, self.eps)
         else:
-            v = F.rms_norm(v.unflatten(-1, (-1, self.group_size)), (self.group_size,), None, self.eps).flatten(-2) * w
+            v = F.rms_norm(v.unflatten(-1, (-1, self.group_size)), (self.group_size,), None, self.eps).flatten(-2)
+            v = v if w is None else v * w
+        if rounded:
+            return self.weight * v.to(y.dtype)
         return v if y.dtype == torch.float32 else v.to(y.dtype)
 
 
@@ -78,7 +84,8 @@ class Mamba2Mixer(nn.Module):
         self.dt_bias = nn.Parameter(torch.empty(cfg.nheads, **f))
         self.A_log = nn.Parameter(torch.empty(cfg.nheads, **f))
         self.D = nn.Parameter(torch.ones(cfg.nheads, device=device))  # fp32, as mamba_ssm leaves it
-        self.norm = GatedRMSNorm(cfg.d_inner, cfg.d_inner // cfg.ngroups, cfg.norm_eps, **f)
+        self.norm = GatedRMSNorm(cfg.d_inner, cfg.d_inner // cfg.ngroups, cfg.norm_eps, **f,
+                                 round_before_weight=cfg.norm_round_before_weight)
         self.out_proj = nn.Linear(cfg.d_inner, cfg.d_model, bias=cfg.bias, **f)
         self.reset_ssm_parameters()
 
@@ -116,8 +123,12 @@ class Mamba2Mixer(nn.Module):
         """-exp(A_log) in fp32, computed once per value of A_log."""
         return derived(self.A_log, "A", lambda: -torch.exp(self.A_log.float()))
 
-    def ssm_kwargs(self):
-        return dict(dt_bias=self.dt_bias, dt_limit=self.cfg.dt_limit)
+    def dt_limit(self, prefill: bool) -> tuple[float, float]:
+        """The dt clamp of a prefill or a decoding pass (see Mamba2Config.dt_limit_prefill_only)."""
+        return self.cfg.dt_limit if prefill or not self.cfg.dt_limit_prefill_only else (0.0, math.inf)
+
+    def ssm_kwargs(self, prefill: bool = False):
+        return dict(dt_bias=self.dt_bias, dt_limit=self.dt_limit(prefill))
 
     def tree(self, u, ctx, state: SSMLayerState):
         """Outputs for every node of the tree and the activations replay needs; state only read."""
@@ -125,7 +136,7 @@ class Mamba2Mixer(nn.Module):
         conv_out = tree_conv1d(xBC, ctx.index, state.conv, self.conv1d.weight, self.conv1d.bias,
                                backend=ctx.kernel_backend)
         x, B, C = self._ssm_inputs(conv_out)
-        kw = dict(D=self.D, **self.ssm_kwargs(), backend=ctx.kernel_backend)
+        kw = dict(D=self.D, **self.ssm_kwargs(ctx.prefill), backend=ctx.kernel_backend)
         if ctx.backend == "tree":
             y = tree_scan(x, dt, self.A(), B, C, ctx.index, initial_state=state.ssm, **kw)
         elif ctx.backend == "chain":
@@ -148,15 +159,16 @@ class Mamba2Mixer(nn.Module):
         return SSMScratch(*(torch.stack(parts) for parts in zip(*per_layer)))
 
     @staticmethod
-    def commit_layers(model, cache, scratch: SSMScratch, accepted, num_accepted, kernel_backend: str):
-        """Activation replay of every Mamba2 layer in one call (the model checked the path)."""
-        mixers = [blk.mixer for blk in model.blocks if blk.mixer.kind == "ssm"]
+    def commit_layers(model, cache, scratch: SSMScratch, accepted, num_accepted, kernel_backend: str, prefill: bool):
+        """Activation replay of every Mamba2 layer in one call (the model checked the path), with
+        the dt clamp the pass used."""
+        mixers = [blk.mixer for blk, kind in zip(model.blocks, model.kinds()) if kind == "ssm"]
         A = derived(model, "ssm_A", lambda: torch.stack([m.A() for m in mixers]),
                     key=tuple(m.A_log._version for m in mixers))
         dt_bias = derived(model, "ssm_dt_bias", lambda: torch.stack([m.dt_bias for m in mixers]),
                           key=tuple(m.dt_bias._version for m in mixers))
         replay(cache.ssm, cache.conv, scratch.xBC, scratch.x, scratch.dt, scratch.B, A, accepted, num_accepted,
-               dt_bias=dt_bias, dt_limit=mixers[0].cfg.dt_limit, validate=False, out=(cache.ssm, cache.conv),
+               dt_bias=dt_bias, dt_limit=mixers[0].dt_limit(prefill), validate=False, out=(cache.ssm, cache.conv),
                backend=kernel_backend)
 
 
@@ -199,9 +211,7 @@ class Mamba2LM(TreeLM):
         super().__init__()
         self.cfg = cfg
         self.backbone = Mamba2Backbone(cfg, device, dtype)
-        self.lm_head = nn.Linear(cfg.d_model, cfg.padded_vocab_size, bias=False, device=device, dtype=dtype)
-        if cfg.tie_embeddings:
-            self.lm_head.weight = self.backbone.embedding.weight
+        self.make_head(cfg.d_model, cfg.padded_vocab_size, cfg.tie_embeddings, device, dtype)
         self.residual_fp32 = cfg.residual_in_fp32
         self.blocks = [Block(layer.norm, layer.mixer) for layer in self.backbone.layers]
 

@@ -6,11 +6,17 @@ same sizes, and the vocabulary only sizes the embedding and the head (plain matm
 
 from __future__ import annotations
 
+import math
+
+from .attention import AttentionConfig
+from .bamba import BambaConfig, BambaLM
 from .config import HybridConfig, Mamba2Config
 from .hybrid import HybridLM
 from .mamba2 import Mamba2LM
+from .nemotron_h import NemotronHConfig, NemotronHLM
 
-__all__ = ["LLAMA3_8B_ROPE", "PRESETS", "TINY", "mamba2_2p7b", "mil_8b", "tiny_hybrid", "tiny_mamba2"]
+__all__ = ["LLAMA3_8B_ROPE", "PRESETS", "TINY", "bamba_9b", "mamba2_2p7b", "mil_8b", "nemotron_h_8b", "tiny_hybrid",
+           "tiny_mamba2"]
 
 LLAMA3_8B_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                   "original_max_position_embeddings": 8192}
@@ -29,7 +35,35 @@ def mil_8b(n_layer: int = 32, vocab_size: int = 128256) -> HybridConfig:
         d_xb=1024, d_state=128, ngroups=32, rope_theta=500000.0, rope_scaling=LLAMA3_8B_ROPE)
 
 
-PRESETS = {"mamba2-2.7b": (Mamba2LM, mamba2_2p7b), "mil-8b": (HybridLM, mil_8b)}
+def bamba_9b(n_layer: int = 32, vocab_size: int = 128256) -> BambaConfig:
+    """ibm-ai-platform/Bamba-9B (FORMATS.md section 5): attention at layers 9, 18, 27 (here: every
+    ninth from 9, or layer 1 of a cut model), 32 / 8 heads of 128 with RoPE on half of each,
+    Mamba2 128 heads x 64, one group, d_state 128."""
+    attn = [i for i in (9, 18, 27) if i < n_layer] or [min(1, n_layer - 1)]
+    mamba = Mamba2Config(d_model=4096, n_layer=n_layer, vocab_size=vocab_size, headdim=64, ngroups=1,
+                         pad_vocab_size_multiple=1, tie_embeddings=False, residual_in_fp32=False,
+                         norm_round_before_weight=True)
+    return BambaConfig(4096, n_layer, vocab_size, attn, 14336, AttentionConfig(32, 8, 128, rotary_dim=64), mamba)
+
+
+NEMOTRON_H_8B_PATTERN = "M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-"
+
+
+def nemotron_h_8b(n_layer: int = 52, vocab_size: int = 131072) -> NemotronHConfig:
+    """nvidia/Nemotron-H-8B-Base-8K: 52 single-op layers (24 Mamba2, 4 attention, 24 squared-ReLU
+    MLP; a cut model keeps one of each kind first), hidden 4096, MLP 21504, attention 32 / 8
+    heads of 128 without RoPE, Mamba2 128 heads x 64 in 8 groups, d_state 128."""
+    pattern = NEMOTRON_H_8B_PATTERN if n_layer == 52 else ("M*-" * n_layer)[:n_layer]
+    kinds = {"M": "mamba", "*": "attention", "-": "mlp"}
+    mamba = Mamba2Config(d_model=4096, n_layer=n_layer, vocab_size=vocab_size, headdim=64, ngroups=8,
+                         dt_limit=(0.001, math.inf), pad_vocab_size_multiple=1, tie_embeddings=False,
+                         residual_in_fp32=False, norm_round_before_weight=True, dt_limit_prefill_only=True)
+    return NemotronHConfig(4096, vocab_size, tuple(kinds[c] for c in pattern), 21504,
+                           AttentionConfig(32, 8, 128, rotary_dim=0), mamba)
+
+
+PRESETS = {"mamba2-2.7b": (Mamba2LM, mamba2_2p7b), "mil-8b": (HybridLM, mil_8b), "bamba-9b": (BambaLM, bamba_9b),
+           "nemotron-h-8b": (NemotronHLM, nemotron_h_8b)}
 
 
 def tiny_mamba2(**overrides) -> Mamba2Config:

@@ -11,7 +11,7 @@ from .definitions import (
     tree_scan_def,
 )
 from .markov import MarkovCache, MarkovDrafter, MarkovLM
-from .sequential import sequential_logits
+from .sequential import sequential_logits, two_token_law
 from .stats import cell_counts, chi_square
 
 __all__ = [
@@ -27,6 +27,7 @@ __all__ = [
     "root_path",
     "sequential_logits",
     "tree_attention_def",
+    "two_token_law",
     "tree_conv1d_def",
     "tree_scan_def",
 ]

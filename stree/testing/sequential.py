@@ -13,3 +13,16 @@ def sequential_logits(model, cache, row: int, tokens):
     for t in tokens:
         logits = model.step(torch.tensor([t], device=sub.seqlens.device), sub)
     return logits[0], sub
+
+
+def two_token_law(model, prompt: list[int], **sampling) -> tuple[torch.Tensor, torch.Tensor]:
+    """The exact laws (float64) of the first token sampled after ``prompt`` ``[V]`` and of the
+    second given the first ``[V, V]``, under ``sampling`` (temperature, top_k, top_p), from the
+    model's own prefill and step; their joint is ``first[:, None] * second``."""
+    from ..verify import process_logits
+
+    cache = model.allocate_cache(1, len(prompt) + 2)
+    first = process_logits(model.prefill(torch.tensor([prompt]), cache), **sampling)[0].double()
+    second = torch.stack([process_logits(model.step(torch.tensor([t]), cache.clone()), **sampling)[0].double()
+                          for t in range(model.vocab_size)])
+    return first, second

@@ -168,3 +168,57 @@ def test_load_tokenizer_offline(tmp_path):
     loaded = load_tokenizer(tmp_path)
     text = "def f(x):\n    return x + 1\n"
     assert loaded.decode(loaded.encode(text)) == text
+
+
+def test_transformers5_mamba2_with_its_default_config(tmp_path):
+    """transformers 5 writes the default time_step_limit as [0.0, {"__float__": "Infinity"}]."""
+    from transformers import Mamba2Config as HFConfig, Mamba2ForCausalLM
+
+    torch.manual_seed(0)
+    hf = Mamba2ForCausalLM(HFConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_heads=8, head_dim=8,
+                                    state_size=8, n_groups=2, expand=2)).eval()
+    hf.save_pretrained(str(tmp_path))
+    assert '"__float__": "Infinity"' in (tmp_path / "config.json").read_text()
+    model = load(tmp_path)
+    assert model.cfg.dt_limit == (0.0, float("inf"))
+    ids = torch.randint(0, 100, (2, 9), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert (hf(ids).logits - model(ids)).abs().max() <= 1e-4
+
+
+def test_infinity_literal_configs_load(tmp_path):
+    model = _model()
+    save(model, tmp_path, format="hf")
+    text = (tmp_path / "config.json").read_text()
+    assert "Infinity" in text  # Python's json writes the literal, as transformers 4.x did
+    assert load(tmp_path).cfg.dt_limit == (0.0, float("inf"))
+    cfg = json.loads(text)
+    for bad in ([0.0], "inf", [0.0, {"__float__": "lots"}]):
+        (tmp_path / "config.json").write_text(json.dumps({**cfg, "time_step_limit": bad}))
+        with pytest.raises(ValueError, match="config.json"):
+            load(tmp_path)
+
+
+@pytest.mark.parametrize("kind", ["safetensors", "bin"])
+def test_sharded_checkpoints_load_and_name_a_missing_shard(kind, tmp_path):
+    from safetensors.torch import save_file
+
+    model = _model(tie=False)
+    save(model, tmp_path, format="hf")
+    (tmp_path / "model.safetensors").unlink()
+    state = {k.replace("backbone.embedding.", "backbone.embeddings.", 1): v.contiguous()
+             for k, v in model.state_dict().items()}
+    keys = sorted(state)
+    shards = {f"model-0000{i + 1}-of-00003.{kind}": keys[i::3] for i in range(3)}
+    for name, part in shards.items():
+        tensors = {k: state[k] for k in part}
+        save_file(tensors, str(tmp_path / name)) if kind == "safetensors" else torch.save(tensors, tmp_path / name)
+    index = "model.safetensors.index.json" if kind == "safetensors" else "pytorch_model.bin.index.json"
+    (tmp_path / index).write_text(json.dumps({"weight_map": {k: name for name, part in shards.items() for k in part}}))
+    assert torch.equal(_logits(load(tmp_path)), _logits(model))
+    (tmp_path / f"model-00002-of-00003.{kind}").unlink()
+    with pytest.raises(FileNotFoundError, match=rf"model-00002-of-00003.{kind} is missing \(listed in .*{index}\)"):
+        load(tmp_path)
+    (tmp_path / index).write_text(json.dumps({"metadata": {}}))
+    with pytest.raises(ValueError, match=rf"{index}: missing or empty 'weight_map'"):
+        load(tmp_path)

@@ -1,0 +1,144 @@
+"""Nemotron-H (transformers ``NemotronHForCausalLM``: Nemotron-H, Nemotron Nano 2): every layer is
+one pre-norm residual op, Mamba2 ("M"), attention without positional encoding ("*") or a
+squared-ReLU MLP ("-"); residual stream in the model dtype. The Mamba2 mixer is heads x head_dim
+wide with grouped gated norm (n_groups groups), and clamps dt >= time_step_min in prefill only,
+as transformers' chunked scan does and its step does not. Parameter names are the checkpoints'
+(``backbone.layers.i.mixer.*``, ``backbone.embeddings``, ``backbone.norm_f``)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from torch import nn
+
+from .attention import AttentionConfig, LlamaAttention
+from .base import Block, TreeLM
+from .config import Mamba2Config, require
+from .mamba2 import Mamba2Mixer, RMSNorm
+from .mlp import ReluSquaredMLP
+
+LAYER_TYPES = {"M": "mamba", "*": "attention", "-": "mlp", "E": "moe",
+               "linear_attention": "mamba", "mamba": "mamba", "full_attention": "attention", "attention": "attention",
+               "mlp": "mlp", "moe": "moe"}
+
+
+@dataclass(frozen=True)
+class NemotronHConfig:
+    d_model: int
+    vocab_size: int
+    layer_types: tuple[str, ...]  # "mamba" | "attention" | "mlp", one per layer
+    intermediate_size: int
+    attention: AttentionConfig
+    mamba: Mamba2Config
+    norm_eps: float = 1e-5
+    mlp_bias: bool = False
+    tie_word_embeddings: bool = False
+
+    def __post_init__(self):
+        bad = sorted(set(self.layer_types) - {"mamba", "attention", "mlp"})
+        if bad:
+            raise ValueError(f"layer types {bad} are not supported (mamba, attention, mlp)")
+
+    @property
+    def n_layer(self) -> int:
+        return len(self.layer_types)
+
+    @classmethod
+    def from_hf(cls, config: dict, file) -> "NemotronHConfig":
+        """From a transformers ``config.json`` of model_type "nemotron_h" (``layers_block_type`` as
+        transformers 5 writes it, or the checkpoints' ``hybrid_override_pattern``)."""
+        pattern = config.get("layers_block_type") or config.get("hybrid_override_pattern")
+        if pattern is None:
+            raise ValueError(f"{file}: missing key 'hybrid_override_pattern' (or 'layers_block_type')")
+        unknown = sorted({str(t) for t in pattern} - set(LAYER_TYPES))
+        if unknown:
+            raise ValueError(f"{file}: unknown layer types {unknown} in the layer pattern")
+        types = tuple(LAYER_TYPES[t] for t in pattern)
+        if "moe" in types:
+            raise ValueError(f"{file}: mixture-of-experts layers ('E' / 'moe') are not supported")
+        for key in ("mamba_hidden_act",):
+            if config.get(key, "silu") != "silu":
+                raise ValueError(f"{file}: {key} {config[key]!r} is not supported (only 'silu')")
+        if config.get("mlp_hidden_act", "relu2") != "relu2":
+            raise ValueError(f"{file}: mlp_hidden_act {config['mlp_hidden_act']!r} is not supported (only 'relu2')")
+        hidden, heads = require(config, "hidden_size", file), require(config, "num_attention_heads", file)
+        head_dim = config.get("head_dim") or config.get("attention_head_dim") or hidden // heads
+        attention = AttentionConfig(heads, config.get("num_key_value_heads") or heads, head_dim, rotary_dim=0)
+        mamba_heads, mamba_head_dim = require(config, "mamba_num_heads", file), config.get("mamba_head_dim", 64)
+        d_inner = mamba_heads * mamba_head_dim
+        tie = bool(config.get("tie_word_embeddings", False))
+        eps = float(config.get("layer_norm_epsilon", 1e-5))
+        mamba = Mamba2Config(
+            d_model=hidden, n_layer=len(types), vocab_size=require(config, "vocab_size", file),
+            d_state=require(config, "ssm_state_size", file), d_conv=config.get("conv_kernel", 4),
+            expand=max(1, d_inner // hidden), headdim=mamba_head_dim, ngroups=config.get("n_groups", 8),
+            chunk_size=config.get("chunk_size", 128),
+            dt_limit=(float(config.get("time_step_min", 0.001)), math.inf),  # transformers ignores time_step_limit
+            conv_bias=config.get("use_conv_bias", True), bias=config.get("use_bias", False),
+            pad_vocab_size_multiple=1, tie_embeddings=tie, residual_in_fp32=False, norm_eps=eps, d_ssm=d_inner,
+            norm_round_before_weight=True, dt_limit_prefill_only=True)
+        return cls(hidden, mamba.vocab_size, types, config.get("intermediate_size", 4 * hidden), attention, mamba,
+                   eps, bool(config.get("mlp_bias", False)), tie)
+
+    def to_hf(self) -> dict:
+        a, m = self.attention, self.mamba
+        pattern = "".join({"mamba": "M", "attention": "*", "mlp": "-"}[t] for t in self.layer_types)
+        return dict(
+            model_type="nemotron_h", architectures=["NemotronHForCausalLM"], vocab_size=self.vocab_size,
+            hidden_size=self.d_model, num_hidden_layers=self.n_layer, hybrid_override_pattern=pattern,
+            intermediate_size=self.intermediate_size, num_attention_heads=a.num_heads,
+            num_key_value_heads=a.num_kv_heads, head_dim=a.head_dim, mamba_num_heads=m.nheads,
+            mamba_head_dim=m.headdim, n_groups=m.ngroups, ssm_state_size=m.d_state, conv_kernel=m.d_conv,
+            expand=m.expand, chunk_size=m.chunk_size, time_step_min=m.dt_limit[0], use_conv_bias=m.conv_bias,
+            use_bias=m.bias, mlp_bias=self.mlp_bias, layer_norm_epsilon=self.norm_eps, mamba_hidden_act="silu",
+            mlp_hidden_act="relu2", tie_word_embeddings=self.tie_word_embeddings)
+
+
+class NemotronHLayer(nn.Module):
+    def __init__(self, cfg: NemotronHConfig, kind: str, device=None, dtype=None):
+        super().__init__()
+        f = dict(device=device, dtype=dtype)
+        self.kind = kind
+        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps, **f)
+        if kind == "mamba":
+            self.mixer = Mamba2Mixer(cfg.mamba, **f)
+        elif kind == "attention":
+            self.mixer = LlamaAttention(cfg.d_model, cfg.attention, **f)
+        else:
+            self.mixer = ReluSquaredMLP(cfg.d_model, cfg.intermediate_size, bias=cfg.mlp_bias, **f)
+
+    def block(self) -> Block:
+        if self.kind == "mlp":  # stateless: the block loop's MLP slot, no token mixer
+            return Block(None, None, self.norm, self.mixer)
+        return Block(self.norm, self.mixer)
+
+
+class NemotronHBody(nn.Module):
+    def __init__(self, cfg: NemotronHConfig, device=None, dtype=None):
+        super().__init__()
+        self.embeddings = nn.Embedding(cfg.vocab_size, cfg.d_model, device=device, dtype=dtype)
+        self.layers = nn.ModuleList(NemotronHLayer(cfg, kind, device, dtype) for kind in cfg.layer_types)
+        self.norm_f = RMSNorm(cfg.d_model, cfg.norm_eps, device, dtype)
+
+
+class NemotronHLM(TreeLM):
+    model_type = "nemotron_h"
+    embed_key = "backbone.embeddings.weight"
+    config_class = NemotronHConfig
+
+    def __init__(self, cfg: NemotronHConfig, device=None, dtype=None):
+        super().__init__()
+        self.cfg = cfg
+        self.backbone = NemotronHBody(cfg, device, dtype)
+        self.make_head(cfg.d_model, cfg.vocab_size, cfg.tie_word_embeddings, device, dtype)
+        self.residual_fp32 = False
+        self.blocks = [layer.block() for layer in self.backbone.layers]
+
+    @property
+    def embed(self):
+        return self.backbone.embeddings
+
+    @property
+    def final_norm(self):
+        return self.backbone.norm_f
