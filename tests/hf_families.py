@@ -17,6 +17,14 @@ CONFIGS = {
         vocab_size=VOCAB, hidden_size=32, intermediate_size=48, hybrid_override_pattern="M*M-M",
         num_attention_heads=4, num_key_value_heads=2, head_dim=8, mamba_num_heads=6, mamba_head_dim=8,
         n_groups=2, ssm_state_size=8, chunk_size=16, pad_token_id=0, eos_token_id=2, bos_token_id=1)),
+    "llama": lambda: ("LlamaConfig", "LlamaForCausalLM", dict(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, pad_token_id=0, eos_token_id=2, bos_token_id=1,
+        rope_parameters=dict(rope_type="llama3", rope_theta=10000.0, factor=8.0, low_freq_factor=1.0,
+                             high_freq_factor=4.0, original_max_position_embeddings=8))),
+    "qwen2": lambda: ("Qwen2Config", "Qwen2ForCausalLM", dict(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, pad_token_id=0, eos_token_id=2, bos_token_id=1)),
 }
 
 

@@ -9,7 +9,8 @@ from .graphs import DecodeGraphs, GraphedCommit, GraphedStep, GraphedTreePass
 from .runners import DecodeRunner
 from .hybrid import HybridLM
 from .loading import DTYPES, detect_format, from_transformers, load, load_tokenizer, save
+from .llama import LlamaLM, Qwen2LM, TransformerConfig
 from .mamba2 import Mamba2LM
 from .nemotron_h import NemotronHConfig, NemotronHLM
 
-__all__ = ["DTYPES", "AttentionConfig", "BambaConfig", "BambaLM", "NemotronHConfig", "NemotronHLM", "AttnScratch", "CompiledDecode", "CompiledModel", "DecodeGraphs", "DecodeRunner", "GraphedCommit", "GraphedStep", "GraphedTreePass", "HybridConfig", "HybridLM", "ModelCache", "Mamba2Config", "Mamba2LM", "SSMScratch", "TreePass", "detect_format", "from_transformers", "load", "load_tokenizer", "save"]
+__all__ = ["DTYPES", "AttentionConfig", "BambaConfig", "BambaLM", "NemotronHConfig", "NemotronHLM", "AttnScratch", "CompiledDecode", "CompiledModel", "DecodeGraphs", "DecodeRunner", "GraphedCommit", "GraphedStep", "GraphedTreePass", "HybridConfig", "HybridLM", "LlamaLM", "Qwen2LM", "TransformerConfig", "ModelCache", "Mamba2Config", "Mamba2LM", "SSMScratch", "TreePass", "detect_format", "from_transformers", "load", "load_tokenizer", "save"]

@@ -111,6 +111,7 @@ class BambaBody(nn.Module):
 class BambaLM(TreeLM):
     model_type = "bamba"
     embed_key = "model.embed_tokens.weight"
+    final_norm_name = "model.final_layernorm"
     config_class = BambaConfig
 
     def __init__(self, cfg: BambaConfig, device=None, dtype=None):
@@ -121,11 +122,3 @@ class BambaLM(TreeLM):
         self.residual_fp32 = False
         self.blocks = [Block(layer.input_layernorm, layer.mixer, layer.pre_ff_layernorm, layer.feed_forward)
                        for layer in self.model.layers]
-
-    @property
-    def embed(self):
-        return self.model.embed_tokens
-
-    @property
-    def final_norm(self):
-        return self.model.final_layernorm

@@ -63,10 +63,21 @@ class TreeContext:
 
 
 class TreeLM(nn.Module):
-    """Subclasses set ``cfg``, ``lm_head``, ``residual_fp32``, ``blocks`` (a list of :class:`Block`,
-    not registered as modules) and the ``embed`` / ``final_norm`` properties."""
+    """Subclasses set ``cfg``, ``lm_head`` (``make_head``), ``residual_fp32``, ``blocks`` (a list of
+    :class:`Block`, not registered as modules), and name their embedding's weight (``embed_key``,
+    as in the state dict) and final norm (``final_norm_name``)."""
 
     kernel_backend = "auto"  # "triton" forces the Triton kernels (tests: under the interpreter)
+    embed_key: str
+    final_norm_name: str
+
+    @property
+    def embed(self) -> nn.Embedding:
+        return self.get_submodule(self.embed_key.rsplit(".", 1)[0])
+
+    @property
+    def final_norm(self) -> nn.Module:
+        return self.get_submodule(self.final_norm_name)
 
     @property
     def vocab_size(self) -> int:

@@ -39,6 +39,9 @@ class HybridBody(nn.Module):
 
 
 class HybridLM(TreeLM):
+    embed_key = "model.embed_tokens.weight"
+    final_norm_name = "model.norm"
+
     def __init__(self, cfg: HybridConfig, device=None, dtype=None):
         super().__init__()
         self.cfg = cfg
@@ -47,11 +50,3 @@ class HybridLM(TreeLM):
         self.residual_fp32 = False
         self.blocks = [Block(layer.input_layernorm, layer.mixer, layer.post_attention_layernorm, layer.mlp)
                        for layer in self.model.layers]
-
-    @property
-    def embed(self):
-        return self.model.embed_tokens
-
-    @property
-    def final_norm(self):
-        return self.model.norm

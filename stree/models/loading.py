@@ -5,7 +5,7 @@ Formats: ``mamba_ssm`` (config.json with ``ssm_cfg``; pytorch_model.bin or model
 ``backbone.embedding``), ``hf`` (transformers Mamba2: ``model_type`` "mamba2",
 ``backbone.embeddings``), ``mil`` (MambaInLlama: the Llama config.json plus mamba_config.json,
 HF Llama parameter names, lm_head tied when the file has none), and the transformers hybrids by
-their ``model_type``: ``bamba``, ``nemotron_h``.
+their ``model_type``: ``bamba``, ``nemotron_h``, and the attention-only ``llama`` and ``qwen2``.
 
 Weights: model.safetensors, or shards listed in model.safetensors.index.json; pytorch_model.bin
 (or its index) when there are no safetensors. Configs as transformers 4.x and 5.x write them,
@@ -25,11 +25,12 @@ from .config import HybridConfig, Mamba2Config, dt_limit_of, require
 from .hybrid import HybridLM
 from .attention import LlamaAttention
 from .mamba2 import Mamba2LM
+from .llama import LlamaLM, Qwen2LM
 from .nemotron_h import NemotronHLM
 
 # transformers families, by model_type: the class reads its config (config_class.from_hf) and
 # its parameter names are the files' own.
-FAMILIES = {cls.model_type: cls for cls in (BambaLM, NemotronHLM)}
+FAMILIES = {cls.model_type: cls for cls in (BambaLM, NemotronHLM, LlamaLM, Qwen2LM)}
 FORMATS = ("mamba_ssm", "hf", "mil", *FAMILIES)
 # Families a user may have in mind, refused by name (the message says what is supported).
 _KNOWN_UNSUPPORTED = ("zamba2", "jamba", "qwen3_next", "falcon_h1", "granitemoehybrid", "mamba")
@@ -199,16 +200,17 @@ def load(path, dtype: torch.dtype | None = None, device=None, plain_rope: bool =
         cfg = _config_mil(raw, config_file, _read_json(mamba_file), mamba_file, plain_rope)
         if "lm_head.weight" not in state:  # MIL 3B ships no lm_head: tied to the embedding
             cfg = HybridConfig(**{**cfg.__dict__, "tie_word_embeddings": True})
-        build, tied, embed_key = HybridLM, cfg.tie_word_embeddings, "model.embed_tokens.weight"
+        build, tied = HybridLM, cfg.tie_word_embeddings
     elif fmt in FAMILIES:
         build = FAMILIES[fmt]
         cfg = build.config_class.from_hf(raw, config_file)
-        tied, embed_key = cfg.tie_word_embeddings, build.embed_key
+        tied = cfg.tie_word_embeddings
     else:
         cfg = _config_hf(raw, config_file) if fmt == "hf" else _config_mamba_ssm(raw, config_file)
         if fmt == "hf":
             state = {k.replace("backbone.embeddings.", "backbone.embedding.", 1): v for k, v in state.items()}
-        build, tied, embed_key = Mamba2LM, cfg.tie_embeddings, "backbone.embedding.weight"
+        build, tied = Mamba2LM, cfg.tie_embeddings
+    embed_key = build.embed_key
     embedding = state.get(embed_key)
     if embedding is None:
         file_key = "backbone.embeddings.weight" if fmt == "hf" else embed_key
@@ -245,8 +247,8 @@ def _fill(model, state: dict, tied: bool, where, config_where, share: bool = Fal
 
 
 def from_transformers(hf_model):
-    """The stree model of a loaded transformers ``Mamba2ForCausalLM``, ``BambaForCausalLM`` or
-    ``NemotronHForCausalLM``, sharing its parameter tensors (no copy: a change to one is a
+    """The stree model of a loaded transformers ``Mamba2ForCausalLM``, ``BambaForCausalLM``,
+    ``NemotronHForCausalLM``, ``LlamaForCausalLM`` or ``Qwen2ForCausalLM``, sharing its parameter tensors (no copy: a change to one is a
     change to the other). Its config is read as ``load`` reads config.json."""
     config = getattr(hf_model, "config", None)
     model_type = getattr(config, "model_type", None)

@@ -207,6 +207,9 @@ class Mamba2LM(TreeLM):
     """Parameter names are mamba_ssm's (``backbone.embedding``, ``backbone.layers.i.mixer.*``).
     The fused add+norm blocks are pre-norm residual blocks with the stream kept in fp32."""
 
+    embed_key = "backbone.embedding.weight"
+    final_norm_name = "backbone.norm_f"
+
     def __init__(self, cfg: Mamba2Config, device=None, dtype=None):
         super().__init__()
         self.cfg = cfg
@@ -214,11 +217,3 @@ class Mamba2LM(TreeLM):
         self.make_head(cfg.d_model, cfg.padded_vocab_size, cfg.tie_embeddings, device, dtype)
         self.residual_fp32 = cfg.residual_in_fp32
         self.blocks = [Block(layer.norm, layer.mixer) for layer in self.backbone.layers]
-
-    @property
-    def embed(self):
-        return self.backbone.embedding
-
-    @property
-    def final_norm(self):
-        return self.backbone.norm_f

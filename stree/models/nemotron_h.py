@@ -125,6 +125,7 @@ class NemotronHBody(nn.Module):
 class NemotronHLM(TreeLM):
     model_type = "nemotron_h"
     embed_key = "backbone.embeddings.weight"
+    final_norm_name = "backbone.norm_f"
     config_class = NemotronHConfig
 
     def __init__(self, cfg: NemotronHConfig, device=None, dtype=None):
@@ -134,11 +135,3 @@ class NemotronHLM(TreeLM):
         self.make_head(cfg.d_model, cfg.vocab_size, cfg.tie_word_embeddings, device, dtype)
         self.residual_fp32 = False
         self.blocks = [layer.block() for layer in self.backbone.layers]
-
-    @property
-    def embed(self):
-        return self.backbone.embeddings
-
-    @property
-    def final_norm(self):
-        return self.backbone.norm_f

@@ -1,4 +1,4 @@
-"""The transformers hybrid families (Bamba, Nemotron-H) against transformers' own classes on tiny
+"""The transformers families (hybrids Bamba and Nemotron-H, attention-only Llama and Qwen2) against transformers' own classes on tiny
 random checkpoints that transformers saved: loading, prefill and steps, tree passes against every
 root path fed to transformers, commit then continue, greedy decoding, round trips, bad configs."""
 
@@ -10,10 +10,10 @@ from hf_families import VOCAB, reference_greedy, reference_logits, save_tiny
 
 from stree.drafters import NGramDrafter
 from stree.generate import generate
-from stree.models import BambaLM, NemotronHLM, load, save
+from stree.models import BambaLM, LlamaLM, NemotronHLM, Qwen2LM, load, save
 from stree.tree import TokenTree, TreeShape
 
-FAMILIES = {"bamba": BambaLM, "nemotron_h": NemotronHLM}
+FAMILIES = {"bamba": BambaLM, "nemotron_h": NemotronHLM, "llama": LlamaLM, "qwen2": Qwen2LM}
 TOL = 2e-4  # fp32; logits are O(1) with these weights
 
 
@@ -31,7 +31,8 @@ def _prompt(seed, n=7):
 def test_load_picks_the_family_from_model_type(pair):
     family, hf, model, _ = pair
     assert type(model) is FAMILIES[family]
-    assert model.kinds() == {"bamba": ["ssm", "attn", "ssm", "ssm"], "nemotron_h": ["ssm", "attn", "ssm", "mlp", "ssm"]}[family]
+    assert model.kinds() == {"bamba": ["ssm", "attn", "ssm", "ssm"], "nemotron_h": ["ssm", "attn", "ssm", "mlp", "ssm"],
+                             "llama": ["attn", "attn"], "qwen2": ["attn", "attn"]}[family]
 
 
 def test_prefill_and_steps_equal_transformers(pair):
@@ -219,7 +220,7 @@ def test_from_transformers_shares_the_weights(pair):
 
 
 def test_from_transformers_mamba2_and_refusals():
-    from transformers import LlamaConfig, LlamaForCausalLM, Mamba2Config, Mamba2ForCausalLM
+    from transformers import GPT2Config, GPT2LMHeadModel, Mamba2Config, Mamba2ForCausalLM
 
     from stree.models import from_transformers
 
@@ -229,7 +230,21 @@ def test_from_transformers_mamba2_and_refusals():
     ids = torch.tensor([_prompt(51, 9)])
     with torch.no_grad():
         assert (from_transformers(hf)(ids) - hf(ids).logits).abs().max() < 1e-5
-    llama = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                                         num_attention_heads=2))
-    with pytest.raises(ValueError, match=r"LlamaForCausalLM.config: model_type 'llama' is not supported"):
-        from_transformers(llama)
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_embd=16, n_layer=1, n_head=2))
+    with pytest.raises(ValueError, match=r"GPT2LMHeadModel.config: model_type 'gpt2' is not supported"):
+        from_transformers(gpt2)
+
+
+@pytest.mark.parametrize("drafter", ["stand-det", "consensus"])
+def test_stand_and_consensus_serve_transformer_targets(tmp_path, drafter):
+    """The drafters of papers 000 and 003, which were built for transformers, on a Llama target:
+    greedy output token-identical to transformers', with drafts accepted."""
+    from stree.drafters.registry import make_drafter
+
+    hf = save_tiny("llama", tmp_path)
+    model = load(tmp_path)
+    prompts = [_prompt(60 + i, 4) * 3 for i in range(2)]
+    out = generate(model, prompts, drafter=make_drafter(drafter, vocab_size=model.vocab_size), tree=None,
+                   max_new_tokens=16)
+    assert out.new_tokens == [reference_greedy(hf, p, 16) for p in prompts]
+    assert sum(map(sum, out.stats.accepted)) > 0

@@ -68,7 +68,7 @@ def test_malformed_checkpoints_name_the_file_and_key(tmp_path):
     (tmp_path / "config.json").write_text("{broken")
     with pytest.raises(ValueError, match="config.json is not valid JSON"):
         load(tmp_path)
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
     with pytest.raises(ValueError, match="unknown checkpoint format"):
         load(tmp_path)
 

@@ -1,0 +1,107 @@
+"""Attention-only targets (transformers ``LlamaForCausalLM``, ``Qwen2ForCausalLM``) on the same
+block loop, so that the drafters built for any model (n-gram, STAND, consensus) serve transformer
+models too, as in their papers. Llama blocks: RMSNorm (rounded before the weight, as
+transformers computes it), GQA attention with RoPE (plain or Llama 3's scaling), SwiGLU MLP.
+Qwen2 differs in its q/k/v biases; its sliding window is refused."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+
+from .attention import ROPE_TYPES, AttentionConfig, LlamaAttention
+from .base import Block, TreeLM
+from .config import require
+from .mamba2 import RMSNorm
+from .mlp import SwiGLU
+
+
+@dataclass(frozen=True)
+class TransformerConfig:
+    model_type: str  # "llama" | "qwen2"
+    d_model: int
+    n_layer: int
+    vocab_size: int
+    intermediate_size: int
+    attention: AttentionConfig
+    rms_norm_eps: float = 1e-6
+    mlp_bias: bool = False
+    tie_word_embeddings: bool = False
+
+    @classmethod
+    def from_hf(cls, config: dict, file) -> "TransformerConfig":
+        """From a transformers ``config.json`` (4.x ``rope_theta`` / ``rope_scaling`` or 5.x
+        ``rope_parameters``) of model_type "llama" or "qwen2"."""
+        model_type = config.get("model_type")
+        if config.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"{file}: hidden_act {config['hidden_act']!r} is not supported (only 'silu')")
+        if model_type == "qwen2" and config.get("use_sliding_window"):
+            raise ValueError(f"{file}: use_sliding_window = true is not supported")
+        hidden, heads = require(config, "hidden_size", file), require(config, "num_attention_heads", file)
+        rope = dict(config.get("rope_parameters") or {**(config.get("rope_scaling") or {}),
+                                                       "rope_theta": config.get("rope_theta", 10000.0)})
+        rope["rope_type"] = rope.get("rope_type", rope.get("type", "default"))
+        if rope["rope_type"] not in ROPE_TYPES:
+            raise ValueError(f"{file}: rope_type {rope['rope_type']!r} is not supported (supported: {ROPE_TYPES})")
+        bias = bool(config.get("attention_bias", False))
+        attention = AttentionConfig(
+            heads, config.get("num_key_value_heads") or heads, config.get("head_dim") or hidden // heads,
+            rope_theta=float(rope["rope_theta"]), rope_scaling=None if rope["rope_type"] == "default" else rope,
+            qkv_bias=True if model_type == "qwen2" else bias, o_bias=False if model_type == "qwen2" else bias)
+        return cls(model_type, hidden, require(config, "num_hidden_layers", file), require(config, "vocab_size", file),
+                   require(config, "intermediate_size", file), attention, float(config.get("rms_norm_eps", 1e-6)),
+                   bool(config.get("mlp_bias", False)), bool(config.get("tie_word_embeddings", False)))
+
+    def to_hf(self) -> dict:
+        a = self.attention
+        rope = dict(a.rope_scaling or {"rope_type": "default"}, rope_theta=a.rope_theta)
+        out = dict(model_type=self.model_type, architectures=[("Llama" if self.model_type == "llama" else "Qwen2")
+                                                              + "ForCausalLM"],
+                   vocab_size=self.vocab_size, hidden_size=self.d_model, num_hidden_layers=self.n_layer,
+                   intermediate_size=self.intermediate_size, num_attention_heads=a.num_heads,
+                   num_key_value_heads=a.num_kv_heads, head_dim=a.head_dim, rope_parameters=rope,
+                   rms_norm_eps=self.rms_norm_eps, hidden_act="silu", tie_word_embeddings=self.tie_word_embeddings)
+        if self.model_type == "llama":
+            out.update(attention_bias=a.qkv_bias, mlp_bias=self.mlp_bias)
+        return out
+
+
+class TransformerLayer(nn.Module):
+    def __init__(self, cfg: TransformerConfig, device=None, dtype=None):
+        super().__init__()
+        f = dict(device=device, dtype=dtype)
+        self.input_layernorm = RMSNorm(cfg.d_model, cfg.rms_norm_eps, **f, round_before_weight=True)
+        self.self_attn = LlamaAttention(cfg.d_model, cfg.attention, **f)
+        self.post_attention_layernorm = RMSNorm(cfg.d_model, cfg.rms_norm_eps, **f, round_before_weight=True)
+        self.mlp = SwiGLU(cfg.d_model, cfg.intermediate_size, bias=cfg.mlp_bias, **f)
+
+
+class TransformerBody(nn.Module):
+    def __init__(self, cfg: TransformerConfig, device=None, dtype=None):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.d_model, device=device, dtype=dtype)
+        self.layers = nn.ModuleList(TransformerLayer(cfg, device, dtype) for _ in range(cfg.n_layer))
+        self.norm = RMSNorm(cfg.d_model, cfg.rms_norm_eps, device, dtype, round_before_weight=True)
+
+
+class LlamaLM(TreeLM):
+    model_type = "llama"
+    embed_key = "model.embed_tokens.weight"
+    final_norm_name = "model.norm"
+    config_class = TransformerConfig
+
+    def __init__(self, cfg: TransformerConfig, device=None, dtype=None):
+        super().__init__()
+        if cfg.model_type != self.model_type:
+            raise ValueError(f"{type(self).__name__} needs a {self.model_type!r} config, got {cfg.model_type!r}")
+        self.cfg = cfg
+        self.model = TransformerBody(cfg, device, dtype)
+        self.make_head(cfg.d_model, cfg.vocab_size, cfg.tie_word_embeddings, device, dtype)
+        self.residual_fp32 = False
+        self.blocks = [Block(layer.input_layernorm, layer.self_attn, layer.post_attention_layernorm, layer.mlp)
+                       for layer in self.model.layers]
+
+
+class Qwen2LM(LlamaLM):
+    model_type = "qwen2"
