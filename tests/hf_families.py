@@ -17,6 +17,21 @@ CONFIGS = {
         vocab_size=VOCAB, hidden_size=32, intermediate_size=48, hybrid_override_pattern="M*M-M",
         num_attention_heads=4, num_key_value_heads=2, head_dim=8, mamba_num_heads=6, mamba_head_dim=8,
         n_groups=2, ssm_state_size=8, chunk_size=16, pad_token_id=0, eos_token_id=2, bos_token_id=1)),
+    # NoPE attention, a top-2 of 4 experts beside the shared MLP, every µP scalar away from 1
+    "granitemoehybrid": lambda: ("GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM", dict(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=16, shared_intermediate_size=40, num_hidden_layers=4,
+        layer_types=["mamba", "attention", "mamba", "mamba"], num_attention_heads=4, num_key_value_heads=2,
+        mamba_n_heads=4, mamba_d_head=16, mamba_n_groups=2, mamba_d_state=8, mamba_expand=2, mamba_chunk_size=16,
+        num_local_experts=4, num_experts_per_tok=2, embedding_multiplier=3.0, residual_multiplier=0.6,
+        attention_multiplier=0.2, logits_scaling=1.7, pad_token_id=0, eos_token_id=2, bos_token_id=1)),
+    # mamba_d_ssm apart from expand * hidden, no norm in the Mamba2 gate, every µP multiplier away from 1
+    "falcon_h1": lambda: ("FalconH1Config", "FalconH1ForCausalLM", dict(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, mamba_d_ssm=48, mamba_n_heads=6, mamba_n_groups=2, mamba_d_state=8,
+        mamba_chunk_size=16, rope_parameters=dict(rope_type="default", rope_theta=1000.0),
+        embedding_multiplier=1.5, lm_head_multiplier=0.7, mlp_multipliers=[0.8, 1.2], key_multiplier=0.9,
+        attention_in_multiplier=1.3, attention_out_multiplier=0.6, ssm_multipliers=[0.9, 1.1, 0.8, 1.2, 0.7],
+        ssm_in_multiplier=1.2, ssm_out_multiplier=0.8, pad_token_id=0, eos_token_id=2, bos_token_id=1)),
     "llama": lambda: ("LlamaConfig", "LlamaForCausalLM", dict(
         vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, pad_token_id=0, eos_token_id=2, bos_token_id=1,
@@ -43,8 +58,8 @@ def randomize(hf, seed: int):
                 p.copy_(1 + 0.3 * rand)
             elif "norm" in name:
                 p.copy_(1 + 0.1 * rand)
-            elif p.dim() == 2 and "embed" not in name:
-                p.copy_(rand / math.sqrt(p.shape[1]))
+            elif (p.dim() == 2 and "embed" not in name) or "experts" in name:
+                p.copy_(rand / math.sqrt(p.shape[-1]))
             else:
                 p.copy_(rand * (0.5 if p.dim() == 3 else 1.0))
     return hf

@@ -12,6 +12,7 @@ from torch import nn
 
 from ..kernels import tree_attention
 from .cache import AttnLayerState, AttnScratch
+from .base import scaled
 
 ROPE_TYPES = ("default", "llama3")
 
@@ -44,6 +45,8 @@ class AttentionConfig:
     rotary_dim: int | None = None  # RoPE on the first rotary_dim channels of a head; None: all, 0: no RoPE
     qkv_bias: bool = False
     o_bias: bool = False
+    softmax_scale: float | None = None  # None: 1 / sqrt(head_dim); Granite 4.0: attention_multiplier
+    key_scale: float = 1.0  # Falcon-H1's key_multiplier on k before RoPE
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
@@ -78,8 +81,12 @@ class LlamaAttention(nn.Module):
             self.register_buffer("inv_freq", self.rope_frequencies(device), persistent=False)
 
     def rope_frequencies(self, device) -> torch.Tensor:
-        """RoPE's inverse frequencies (a buffer no checkpoint holds: rebuilt after loading on "meta")."""
         return rope_inv_freq(self.rope_dim, self.cfg.rope_theta, self.cfg.rope_scaling).to(device)
+
+    def make_buffers(self, device) -> None:
+        """The buffers no checkpoint holds (RoPE's inverse frequencies), after loading on "meta"."""
+        if self.rope_dim:
+            self.inv_freq = self.rope_frequencies(device)
 
     def _rope(self, t, positions):
         if not self.rope_dim:
@@ -94,7 +101,8 @@ class LlamaAttention(nn.Module):
 
     def _qkv(self, h, positions):
         q = self._rope(self.q_proj(h).unflatten(-1, (self.num_heads, self.head_dim)), positions)
-        k = self._rope(self.k_proj(h).unflatten(-1, (self.num_kv_heads, self.head_dim)), positions)
+        k = self._rope(scaled(self.k_proj(h), self.cfg.key_scale).unflatten(-1, (self.num_kv_heads, self.head_dim)),
+                       positions)
         return q, k, self.v_proj(h).unflatten(-1, (self.num_kv_heads, self.head_dim))
 
     def tree(self, h, ctx, state: AttnLayerState):
@@ -102,7 +110,7 @@ class LlamaAttention(nn.Module):
         and the nodes' K/V for commit. The model checked ``seqlens`` against the cache once."""
         q, k, v = self._qkv(h, ctx.positions)
         out = tree_attention(q, state.k, state.v, ctx.seqlens, k, v, ctx.index, validate=False,
-                             backend=ctx.kernel_backend)
+                             softmax_scale=self.cfg.softmax_scale, backend=ctx.kernel_backend)
         return self.o_proj(out.flatten(-2)), (k, v)
 
     def step(self, h, state: AttnLayerState, ctx):
@@ -112,7 +120,7 @@ class LlamaAttention(nn.Module):
         seqlens = ctx.seqlens
         q, k, v = self._qkv(h[:, None], seqlens[:, None])
         out = tree_attention(q, state.k, state.v, seqlens, k, v, ctx.root, validate=False,
-                             backend=ctx.kernel_backend)
+                             softmax_scale=self.cfg.softmax_scale, backend=ctx.kernel_backend)
         rows = torch.arange(h.shape[0], device=h.device)
         state.k[rows, seqlens] = k[:, 0]
         state.v[rows, seqlens] = v[:, 0]

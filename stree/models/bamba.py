@@ -6,13 +6,13 @@ names are transformers' (``model.layers.i.mamba.*``, ``.self_attn.*``, ``.feed_f
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from torch import nn
 
 from .attention import AttentionConfig, LlamaAttention
 from .base import Block, TreeLM
-from .config import Mamba2Config, dt_limit_of, layer_indices, require
+from .config import Mamba2Config, attention_of, dt_limit_of, layer_indices, require, rope_parameters
 from .mamba2 import Mamba2Mixer, RMSNorm
 from .mlp import SwiGLU
 
@@ -38,32 +38,13 @@ class BambaConfig:
         """From a transformers ``config.json`` (4.x or 5.x) of model_type "bamba"."""
         if config.get("hidden_act", "silu") != "silu":
             raise ValueError(f"{file}: hidden_act {config['hidden_act']!r} is not supported (only 'silu')")
-        hidden, layers, heads = (require(config, k, file) for k in ("hidden_size", "num_hidden_layers",
-                                                                    "num_attention_heads"))
-        rope = config.get("rope_parameters") or {}
-        if rope.get("rope_type", "default") != "default":
-            raise ValueError(f"{file}: rope_type {rope['rope_type']!r} is not supported for bamba (only 'default')")
-        head_dim = config.get("head_dim") or hidden // heads
-        attention = AttentionConfig(
-            heads, config.get("num_key_value_heads") or heads, head_dim,
-            rope_theta=float(rope.get("rope_theta", config.get("rope_theta", 10000.0))),
-            rotary_dim=int(head_dim * 0.5),  # transformers hard-codes partial_rotary_factor 0.5 for Bamba
-            qkv_bias=bool(config.get("attention_bias", False)), o_bias=bool(config.get("attention_bias", False)))
-        mamba_heads, mamba_head_dim = require(config, "mamba_n_heads", file), require(config, "mamba_d_head", file)
-        d_inner = int(config.get("mamba_expand", 2) * hidden)
-        if mamba_heads * mamba_head_dim != d_inner:
-            raise ValueError(f"{file}: mamba_n_heads * mamba_d_head = {mamba_heads * mamba_head_dim} != "
-                             f"mamba_expand * hidden_size = {d_inner}")
+        hidden, layers = require(config, "hidden_size", file), require(config, "num_hidden_layers", file)
+        attention = attention_of(config, file, rope_types=("default",))
+        # transformers hard-codes partial_rotary_factor 0.5 for Bamba
+        attention = replace(attention, rotary_dim=int(attention.head_dim * 0.5))
         tie = bool(config.get("tie_word_embeddings", False))
         eps = float(config.get("rms_norm_eps", 1e-5))
-        mamba = Mamba2Config(
-            d_model=hidden, n_layer=layers, vocab_size=require(config, "vocab_size", file),
-            d_state=require(config, "mamba_d_state", file), d_conv=config.get("mamba_d_conv", 4),
-            expand=max(1, d_inner // hidden), headdim=mamba_head_dim, ngroups=config.get("mamba_n_groups", 1),
-            chunk_size=config.get("mamba_chunk_size", 256), dt_limit=dt_limit_of(config.get("time_step_limit"), file),
-            conv_bias=config.get("mamba_conv_bias", True), bias=config.get("mamba_proj_bias", False),
-            pad_vocab_size_multiple=1, tie_embeddings=tie, residual_in_fp32=False, norm_eps=eps, d_ssm=d_inner,
-            norm_round_before_weight=True)
+        mamba = bamba_mixer_config(config, file, layers, eps, tie)
         return cls(hidden, layers, mamba.vocab_size, tuple(config.get("attn_layer_indices") or ()),
                    require(config, "intermediate_size", file), attention, mamba, eps,
                    bool(config.get("mlp_bias", False)), tie)
@@ -75,12 +56,39 @@ class BambaConfig:
             hidden_size=self.d_model, num_hidden_layers=self.n_layer, intermediate_size=self.intermediate_size,
             attn_layer_indices=list(self.attn_layers), num_attention_heads=a.num_heads,
             num_key_value_heads=a.num_kv_heads, head_dim=a.head_dim, attention_bias=a.qkv_bias,
-            rope_parameters=dict(rope_type="default", rope_theta=a.rope_theta, partial_rotary_factor=0.5),
-            mamba_n_heads=m.nheads, mamba_d_head=m.headdim, mamba_n_groups=m.ngroups, mamba_d_state=m.d_state,
-            mamba_d_conv=m.d_conv, mamba_expand=m.d_inner // self.d_model if m.d_inner % self.d_model == 0 else m.d_inner / self.d_model, mamba_chunk_size=m.chunk_size,
-            mamba_conv_bias=m.conv_bias, mamba_proj_bias=m.bias, time_step_limit=list(m.dt_limit),
+            rope_parameters=rope_parameters(a, partial_rotary_factor=0.5),
+            **bamba_mixer_hf(m, self.d_model),
             rms_norm_eps=self.rms_norm_eps, mlp_bias=self.mlp_bias, hidden_act="silu",
             tie_word_embeddings=self.tie_word_embeddings)
+
+
+def bamba_mixer_config(config: dict, file, n_layer: int, eps: float, tie: bool) -> Mamba2Config:
+    """transformers' BambaMixer (Bamba, Granite 4.0-H) from its ``mamba_*`` keys: heads x head_dim
+    = mamba_expand * hidden_size ("auto" head_dim: the quotient), rounded gated norm, dt clamped in
+    the chunked prefill only."""
+    hidden = require(config, "hidden_size", file)
+    d_inner = int(config.get("mamba_expand", 2) * hidden)
+    heads, head_dim = require(config, "mamba_n_heads", file), config.get("mamba_d_head", "auto")
+    head_dim = d_inner // heads if head_dim in (None, "auto") else head_dim
+    if heads * head_dim != d_inner:
+        raise ValueError(f"{file}: mamba_n_heads * mamba_d_head = {heads * head_dim} != "
+                         f"mamba_expand * hidden_size = {d_inner}")
+    return Mamba2Config(
+        d_model=hidden, n_layer=n_layer, vocab_size=require(config, "vocab_size", file),
+        d_state=require(config, "mamba_d_state", file), d_conv=config.get("mamba_d_conv", 4),
+        expand=max(1, d_inner // hidden), headdim=head_dim, ngroups=config.get("mamba_n_groups", 1),
+        chunk_size=config.get("mamba_chunk_size", 256), dt_limit=dt_limit_of(config.get("time_step_limit"), file),
+        conv_bias=config.get("mamba_conv_bias", True), bias=config.get("mamba_proj_bias", False),
+        pad_vocab_size_multiple=1, tie_embeddings=tie, residual_in_fp32=False, norm_eps=eps, d_ssm=d_inner,
+        norm_round_before_weight=True, dt_limit_prefill_only=True)
+
+
+def bamba_mixer_hf(m: Mamba2Config, d_model: int) -> dict:
+    """The ``mamba_*`` keys of :func:`bamba_mixer_config`'s config."""
+    expand = m.d_inner // d_model if m.d_inner % d_model == 0 else m.d_inner / d_model
+    return dict(mamba_n_heads=m.nheads, mamba_d_head=m.headdim, mamba_n_groups=m.ngroups, mamba_d_state=m.d_state,
+                mamba_d_conv=m.d_conv, mamba_expand=expand, mamba_chunk_size=m.chunk_size,
+                mamba_conv_bias=m.conv_bias, mamba_proj_bias=m.bias, time_step_limit=list(m.dt_limit))
 
 
 class BambaLayer(nn.Module):

@@ -41,13 +41,25 @@ def derived(owner, name: str, fn, key=None):
 
 @dataclass(eq=False)
 class Block:
-    """One layer: ``x += mixer(norm(x))`` when there is a token mixer, then ``x += mlp(mlp_norm(x))``
-    when there is an MLP (Nemotron-H has MLP-only layers, kind "mlp", holding no state)."""
+    """One layer: ``x += out_scale * mixer(in_scale * norm(x))`` when there is a token mixer, then
+    ``x += mlp_scale * mlp(mlp_norm(x))`` when there is an MLP (Nemotron-H has MLP-only layers,
+    kind "mlp", holding no state). A ``parallel`` block (Falcon-H1's attention beside its Mamba2)
+    has no norm of its own: its mixer reads the previous block's normed input and the two outputs
+    are summed before the one residual add; the previous block then has no MLP. The scales are
+    the µP multipliers of Granite 4.0 and Falcon-H1 (1.0: no op)."""
 
     norm: nn.Module | None
     mixer: nn.Module | None
     mlp_norm: nn.Module | None = None
     mlp: nn.Module | None = None
+    in_scale: float = 1.0
+    out_scale: float = 1.0
+    mlp_scale: float = 1.0
+    parallel: bool = False
+
+
+def scaled(x: torch.Tensor, scale: float) -> torch.Tensor:
+    return x if scale == 1.0 else x * scale
 
 
 @dataclass
@@ -68,6 +80,8 @@ class TreeLM(nn.Module):
     as in the state dict) and final norm (``final_norm_name``)."""
 
     kernel_backend = "auto"  # "triton" forces the Triton kernels (tests: under the interpreter)
+    embed_scale = 1.0  # µP multipliers of the embedding output and the logits (Granite, Falcon-H1)
+    logits_scale = 1.0
     embed_key: str
     final_norm_name: str
 
@@ -107,16 +121,21 @@ class TreeLM(nn.Module):
     # ---- the block loop -------------------------------------------------------------------
     def _run(self, tokens: torch.Tensor, mix) -> torch.Tensor:
         """Embedding, blocks and head; ``mix(i, block, h)`` is block i's token mixer on ``h``."""
-        x = self.embed(tokens)
+        x = scaled(self.embed(tokens), self.embed_scale)
         if self.residual_fp32:
             x = x.float()
-        dtype = self.dtype
-        for i, blk in enumerate(self.blocks):
+        dtype, blocks = self.dtype, self.blocks
+        for i, blk in enumerate(blocks):
             if blk.mixer is not None:
-                x = x + mix(i, blk, blk.norm(x, dtype))
+                if not blk.parallel:
+                    h, branch = blk.norm(x, dtype), None
+                out = scaled(mix(i, blk, scaled(h, blk.in_scale)), blk.out_scale)
+                branch = out if branch is None else branch + out
+                if i + 1 == len(blocks) or not blocks[i + 1].parallel:
+                    x = x + branch
             if blk.mlp is not None:
-                x = x + blk.mlp(blk.mlp_norm(x, dtype))
-        return self.lm_head(self.final_norm(x, dtype))
+                x = x + scaled(blk.mlp(blk.mlp_norm(x, dtype)), blk.mlp_scale)
+        return scaled(self.lm_head(self.final_norm(x, dtype)), self.logits_scale)
 
     # ---- cache ----------------------------------------------------------------------------
     def allocate_cache(self, batch_size: int, max_length: int) -> ModelCache:
@@ -373,4 +392,4 @@ def check_path(tree_pass: TreePass, accepted, num_accepted, validate: bool) -> N
                      f"node {int(accepted[row, t])}")
 
 
-__all__ = ["Block", "TreeLM", "TreeContext", "StepContext", "derived", "check_commit", "check_path", "AttnLayerState", "SSMLayerState"]
+__all__ = ["Block", "scaled", "TreeLM", "TreeContext", "StepContext", "derived", "check_commit", "check_path", "AttnLayerState", "SSMLayerState"]

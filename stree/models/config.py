@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from .attention import AttentionConfig
+from .attention import ROPE_TYPES, AttentionConfig
 
 
 def require(config: dict, key: str, file):
@@ -33,6 +33,32 @@ def layer_indices(name: str, indices, n_layer: int) -> tuple[int, ...]:
     if bad:
         raise ValueError(f"{name} {bad} outside [0, n_layer = {n_layer})")
     return indices
+
+
+GATE_NORMS = ("gate_first", "gate_last", "none")
+
+
+def attention_of(config: dict, file, rope_types: tuple[str, ...] = ROPE_TYPES, **fields) -> AttentionConfig:
+    """A transformers attention layer's config: heads, KV heads, head_dim (default hidden / heads),
+    RoPE from 4.x ``rope_theta`` / ``rope_scaling`` or 5.x ``rope_parameters`` (types in
+    ``rope_types``), ``attention_bias`` on all four projections; ``fields`` override."""
+    hidden, heads = require(config, "hidden_size", file), require(config, "num_attention_heads", file)
+    rope = dict(config.get("rope_parameters") or {**(config.get("rope_scaling") or {}),
+                                                   "rope_theta": config.get("rope_theta", 10000.0)})
+    rope["rope_type"] = rope.get("rope_type", rope.get("type", "default"))
+    if rope["rope_type"] not in rope_types:
+        raise ValueError(f"{file}: rope_type {rope['rope_type']!r} is not supported (supported: {rope_types})")
+    bias = bool(config.get("attention_bias", False))
+    return AttentionConfig(**{
+        **dict(num_heads=heads, num_kv_heads=config.get("num_key_value_heads") or heads,
+               head_dim=config.get("head_dim") or hidden // heads, rope_theta=float(rope.get("rope_theta", 10000.0)),
+               rope_scaling=None if rope["rope_type"] == "default" else rope, qkv_bias=bias, o_bias=bias),
+        **fields})
+
+
+def rope_parameters(a: AttentionConfig, **extra) -> dict:
+    """The 5.x ``rope_parameters`` of ``a`` (the inverse of :func:`attention_of`)."""
+    return dict(a.rope_scaling or {"rope_type": "default"}, rope_theta=a.rope_theta, **extra)
 
 
 @dataclass(frozen=True)
@@ -71,8 +97,20 @@ class Mamba2Config:
     # and their one-token steps do not (Nemotron-H's (time_step_min, inf) matters); decoding
     # (step, tree pass, commit) then leaves dt unclamped. False: every path clamps.
     dt_limit_prefill_only: bool = False
+    # The gate around the SSM output y: "gate_first" norm(y * silu(z)) (mamba_ssm), "gate_last"
+    # norm(y) * silu(z), "none" y * silu(z) without a norm (Falcon-H1's mamba_rms_norm=False).
+    gate_norm: str = "gate_first"
+    # Falcon-H1's µP multipliers of the in_proj output's z, x, B, C and dt segments; None: all 1.
+    proj_scales: tuple[float, float, float, float, float] | None = None
+    out_proj_bias: bool | None = None  # None: ``bias``, as for in_proj
 
     def __post_init__(self):
+        if self.gate_norm not in GATE_NORMS:
+            raise ValueError(f"Mamba2Config.gate_norm must be one of {GATE_NORMS}, got {self.gate_norm!r}")
+        if self.proj_scales is not None:
+            object.__setattr__(self, "proj_scales", tuple(float(v) for v in self.proj_scales))
+            if len(self.proj_scales) != 5:
+                raise ValueError(f"Mamba2Config.proj_scales must be 5 numbers (z, x, B, C, dt), got {self.proj_scales}")
         for name in ("d_model", "n_layer", "vocab_size", "d_state", "d_conv", "expand", "headdim", "ngroups", "d_ssm"):
             value = getattr(self, name)
             if (value is not None or name != "d_ssm") and (not isinstance(value, int) or value < 1):
@@ -114,6 +152,10 @@ class Mamba2Config:
     @property
     def d_in_proj(self) -> int:
         return self.d_inner + self.conv_dim + self.nheads
+
+    @property
+    def out_bias(self) -> bool:
+        return self.bias if self.out_proj_bias is None else self.out_proj_bias
 
     @property
     def padded_vocab_size(self) -> int:

@@ -10,9 +10,9 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from .attention import ROPE_TYPES, AttentionConfig, LlamaAttention
+from .attention import AttentionConfig, LlamaAttention
 from .base import Block, TreeLM
-from .config import require
+from .config import attention_of, require, rope_parameters
 from .mamba2 import RMSNorm
 from .mlp import SwiGLU
 
@@ -38,29 +38,19 @@ class TransformerConfig:
             raise ValueError(f"{file}: hidden_act {config['hidden_act']!r} is not supported (only 'silu')")
         if model_type == "qwen2" and config.get("use_sliding_window"):
             raise ValueError(f"{file}: use_sliding_window = true is not supported")
-        hidden, heads = require(config, "hidden_size", file), require(config, "num_attention_heads", file)
-        rope = dict(config.get("rope_parameters") or {**(config.get("rope_scaling") or {}),
-                                                       "rope_theta": config.get("rope_theta", 10000.0)})
-        rope["rope_type"] = rope.get("rope_type", rope.get("type", "default"))
-        if rope["rope_type"] not in ROPE_TYPES:
-            raise ValueError(f"{file}: rope_type {rope['rope_type']!r} is not supported (supported: {ROPE_TYPES})")
-        bias = bool(config.get("attention_bias", False))
-        attention = AttentionConfig(
-            heads, config.get("num_key_value_heads") or heads, config.get("head_dim") or hidden // heads,
-            rope_theta=float(rope["rope_theta"]), rope_scaling=None if rope["rope_type"] == "default" else rope,
-            qkv_bias=True if model_type == "qwen2" else bias, o_bias=False if model_type == "qwen2" else bias)
+        attention = attention_of(config, file, **(dict(qkv_bias=True, o_bias=False) if model_type == "qwen2" else {}))
+        hidden = require(config, "hidden_size", file)
         return cls(model_type, hidden, require(config, "num_hidden_layers", file), require(config, "vocab_size", file),
                    require(config, "intermediate_size", file), attention, float(config.get("rms_norm_eps", 1e-6)),
                    bool(config.get("mlp_bias", False)), bool(config.get("tie_word_embeddings", False)))
 
     def to_hf(self) -> dict:
         a = self.attention
-        rope = dict(a.rope_scaling or {"rope_type": "default"}, rope_theta=a.rope_theta)
         out = dict(model_type=self.model_type, architectures=[("Llama" if self.model_type == "llama" else "Qwen2")
                                                               + "ForCausalLM"],
                    vocab_size=self.vocab_size, hidden_size=self.d_model, num_hidden_layers=self.n_layer,
                    intermediate_size=self.intermediate_size, num_attention_heads=a.num_heads,
-                   num_key_value_heads=a.num_kv_heads, head_dim=a.head_dim, rope_parameters=rope,
+                   num_key_value_heads=a.num_kv_heads, head_dim=a.head_dim, rope_parameters=rope_parameters(a),
                    rms_norm_eps=self.rms_norm_eps, hidden_act="silu", tie_word_embeddings=self.tie_word_embeddings)
         if self.model_type == "llama":
             out.update(attention_bias=a.qkv_bias, mlp_bias=self.mlp_bias)

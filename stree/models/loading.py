@@ -5,7 +5,8 @@ Formats: ``mamba_ssm`` (config.json with ``ssm_cfg``; pytorch_model.bin or model
 ``backbone.embedding``), ``hf`` (transformers Mamba2: ``model_type`` "mamba2",
 ``backbone.embeddings``), ``mil`` (MambaInLlama: the Llama config.json plus mamba_config.json,
 HF Llama parameter names, lm_head tied when the file has none), and the transformers hybrids by
-their ``model_type``: ``bamba``, ``nemotron_h``, and the attention-only ``llama`` and ``qwen2``.
+their ``model_type``: ``bamba``, ``nemotron_h``, ``granitemoehybrid``, ``falcon_h1``, and the
+attention-only ``llama`` and ``qwen2``.
 
 Weights: model.safetensors, or shards listed in model.safetensors.index.json; pytorch_model.bin
 (or its index) when there are no safetensors. Configs as transformers 4.x and 5.x write them,
@@ -23,17 +24,18 @@ from safetensors.torch import load_file, save_file
 from .bamba import BambaLM
 from .config import HybridConfig, Mamba2Config, dt_limit_of, require
 from .hybrid import HybridLM
-from .attention import LlamaAttention
 from .mamba2 import Mamba2LM
 from .llama import LlamaLM, Qwen2LM
+from .falcon_h1 import FalconH1LM
+from .granite import GraniteLM
 from .nemotron_h import NemotronHLM
 
 # transformers families, by model_type: the class reads its config (config_class.from_hf) and
 # its parameter names are the files' own.
-FAMILIES = {cls.model_type: cls for cls in (BambaLM, NemotronHLM, LlamaLM, Qwen2LM)}
+FAMILIES = {cls.model_type: cls for cls in (BambaLM, NemotronHLM, GraniteLM, FalconH1LM, LlamaLM, Qwen2LM)}
 FORMATS = ("mamba_ssm", "hf", "mil", *FAMILIES)
 # Families a user may have in mind, refused by name (the message says what is supported).
-_KNOWN_UNSUPPORTED = ("zamba2", "jamba", "qwen3_next", "falcon_h1", "granitemoehybrid", "mamba")
+_KNOWN_UNSUPPORTED = ("zamba2", "jamba", "qwen3_next", "mamba", "falcon_mamba", "lfm2")
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
 
@@ -242,13 +244,22 @@ def _fill(model, state: dict, tied: bool, where, config_where, share: bool = Fal
         if tied:
             model.lm_head.weight = model.embed.weight
         for module in model.modules():
-            if isinstance(module, LlamaAttention) and module.rope_dim:
-                module.inv_freq = module.rope_frequencies(model.device)
+            if hasattr(module, "make_buffers"):
+                module.make_buffers(model.device)
+
+
+def _file_name(key: str, memory_names: dict) -> str:
+    """A transformers in-memory parameter name as checkpoints (and the stree class) name it."""
+    for memory, file in memory_names.items():
+        if key.endswith(memory):
+            return key[:-len(memory)] + file
+    return key
 
 
 def from_transformers(hf_model):
     """The stree model of a loaded transformers ``Mamba2ForCausalLM``, ``BambaForCausalLM``,
-    ``NemotronHForCausalLM``, ``LlamaForCausalLM`` or ``Qwen2ForCausalLM``, sharing its parameter tensors (no copy: a change to one is a
+    ``NemotronHForCausalLM``, ``GraniteMoeHybridForCausalLM``, ``FalconH1ForCausalLM``, ``LlamaForCausalLM``
+    or ``Qwen2ForCausalLM``, sharing its parameter tensors (no copy: a change to one is a
     change to the other). Its config is read as ``load`` reads config.json."""
     config = getattr(hf_model, "config", None)
     model_type = getattr(config, "model_type", None)
@@ -267,7 +278,8 @@ def from_transformers(hf_model):
         cfg = build.config_class.from_hf(raw, where)
         tied = cfg.tie_word_embeddings
         prefix = build.embed_key.split(".")[0] + "."  # transformers keeps the modules under "model."
-        state = {prefix + k[len("model."):] if k.startswith("model.") else k: v for k, v in state.items()}
+        state = {_file_name(prefix + k[len("model."):] if k.startswith("model.") else k,
+                            getattr(build, "memory_names", {})): v for k, v in state.items()}
     weights = next(iter(state.values()))
     model = build(cfg, device="meta", dtype=weights.dtype)
     _fill(model, state, tied, f"{type(hf_model).__name__}.state_dict()", where, share=True)

@@ -50,15 +50,19 @@ class RMSNorm(nn.Module):
 
 
 class GatedRMSNorm(RMSNorm):
-    """norm(y * silu(z)) per group of ``group_size`` channels (mamba_ssm, norm_before_gate=False)."""
+    """norm(y * silu(z)) per group of ``group_size`` channels (mamba_ssm, norm_before_gate=False);
+    ``gate_first=False``: norm(y) * silu(z) (Falcon-H1's mamba_norm_before_gate)."""
 
     def __init__(self, dim: int, group_size: int, eps: float, device=None, dtype=None,
-                 round_before_weight: bool = False):
+                 round_before_weight: bool = False, gate_first: bool = True):
         super().__init__(dim, eps, device, dtype, round_before_weight)
-        self.group_size = group_size
+        self.group_size, self.gate_first = group_size, gate_first
 
     def forward(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        v = y.float() * F.silu(z.float()) if y.dtype != torch.float32 else y * F.silu(z)
+        gate = F.silu(z.float()) if z.dtype != torch.float32 else F.silu(z)
+        v = y.float() if y.dtype != torch.float32 else y
+        if self.gate_first:
+            v = v * gate
         rounded = self.round_before_weight and y.dtype != torch.float32
         w = None if rounded else fp32(self.weight)
         if self.group_size == v.shape[-1]:
@@ -66,9 +70,20 @@ class GatedRMSNorm(RMSNorm):
         else:
             v = F.rms_norm(v.unflatten(-1, (-1, self.group_size)), (self.group_size,), None, self.eps).flatten(-2)
             v = v if w is None else v * w
+        if not self.gate_first:
+            v = v * gate
         if rounded:
             return self.weight * v.to(y.dtype)
         return v if y.dtype == torch.float32 else v.to(y.dtype)
+
+
+class SiluGate(nn.Module):
+    """y * silu(z) without a norm (Falcon-H1's mamba_rms_norm=False), in fp32, rounded once."""
+
+    def forward(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        if y.dtype == torch.float32:
+            return y * F.silu(z.float())
+        return (y.float() * F.silu(z.float())).to(y.dtype)
 
 
 class Mamba2Mixer(nn.Module):
@@ -84,10 +99,27 @@ class Mamba2Mixer(nn.Module):
         self.dt_bias = nn.Parameter(torch.empty(cfg.nheads, **f))
         self.A_log = nn.Parameter(torch.empty(cfg.nheads, **f))
         self.D = nn.Parameter(torch.ones(cfg.nheads, device=device))  # fp32, as mamba_ssm leaves it
-        self.norm = GatedRMSNorm(cfg.d_inner, cfg.d_inner // cfg.ngroups, cfg.norm_eps, **f,
-                                 round_before_weight=cfg.norm_round_before_weight)
-        self.out_proj = nn.Linear(cfg.d_inner, cfg.d_model, bias=cfg.bias, **f)
+        if cfg.gate_norm == "none":
+            self.norm = SiluGate()
+        else:
+            self.norm = GatedRMSNorm(cfg.d_inner, cfg.d_inner // cfg.ngroups, cfg.norm_eps, **f,
+                                     round_before_weight=cfg.norm_round_before_weight,
+                                     gate_first=cfg.gate_norm == "gate_first")
+        self.out_proj = nn.Linear(cfg.d_inner, cfg.d_model, bias=cfg.out_bias, **f)
         self.reset_ssm_parameters()
+        if cfg.proj_scales is not None:
+            self.register_buffer("mup_vector", self.proj_multipliers(device, dtype), persistent=False)
+
+    def proj_multipliers(self, device=None, dtype=None) -> torch.Tensor:
+        """Falcon-H1's ``mup_vector``: each in_proj output segment's multiplier, per channel."""
+        cfg = self.cfg
+        sizes = (cfg.d_inner, cfg.x_dim, cfg.B_dim, cfg.C_dim, cfg.nheads)
+        return torch.cat([torch.full((n,), v) for n, v in zip(sizes, cfg.proj_scales)]).to(device, dtype)
+
+    def make_buffers(self, device) -> None:
+        """The buffers no checkpoint holds (``mup_vector``), after loading on "meta"."""
+        if self.cfg.proj_scales is not None:
+            self.mup_vector = self.proj_multipliers(device, self.in_proj.weight.dtype)
 
     @torch.no_grad()
     def reset_ssm_parameters(self, generator=None):
@@ -101,7 +133,10 @@ class Mamba2Mixer(nn.Module):
 
     def _split(self, u):
         cfg = self.cfg
-        z, xBC, dt = torch.split(self.in_proj(u), [cfg.d_inner, cfg.conv_dim, cfg.nheads], dim=-1)
+        proj = self.in_proj(u)
+        if cfg.proj_scales is not None:
+            proj = proj * self.mup_vector
+        z, xBC, dt = torch.split(proj, [cfg.d_inner, cfg.conv_dim, cfg.nheads], dim=-1)
         return z, xBC, dt
 
     def _ssm_inputs(self, conv_out):

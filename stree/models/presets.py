@@ -13,10 +13,12 @@ from .bamba import BambaConfig, BambaLM
 from .config import HybridConfig, Mamba2Config
 from .hybrid import HybridLM
 from .mamba2 import Mamba2LM
+from .falcon_h1 import FalconH1Config, FalconH1LM
+from .granite import GraniteConfig, GraniteLM
 from .nemotron_h import NemotronHConfig, NemotronHLM
 
-__all__ = ["LLAMA3_8B_ROPE", "PRESETS", "TINY", "bamba_9b", "mamba2_2p7b", "mil_8b", "nemotron_h_8b", "tiny_hybrid",
-           "tiny_mamba2"]
+__all__ = ["LLAMA3_8B_ROPE", "PRESETS", "TINY", "bamba_9b", "falcon_h1_7b", "granite_4_h_small", "mamba2_2p7b",
+           "mil_8b", "nemotron_h_8b", "tiny_hybrid", "tiny_mamba2"]
 
 LLAMA3_8B_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                   "original_max_position_embeddings": 8192}
@@ -62,8 +64,35 @@ def nemotron_h_8b(n_layer: int = 52, vocab_size: int = 131072) -> NemotronHConfi
                            AttentionConfig(32, 8, 128, rotary_dim=0), mamba)
 
 
+def granite_4_h_small(n_layer: int = 40, vocab_size: int = 100352) -> GraniteConfig:
+    """ibm-granite/granite-4.0-h-small (32B, 9B active): 40 layers with NoPE attention at 5, 15,
+    25, 35 (a cut model: layer 1), 72 experts of intermediate 768 with 10 per token beside the
+    shared MLP (published). Hidden 4096, attention 32 / 8 heads of 128, Mamba2 128 heads x 64 in
+    one group with d_state 128, shared MLP 8192 are assumed (Bamba-9B's sizes; not checked
+    against the checkpoint's config). The µP scalars cost nothing to time and stay at 1."""
+    attn = [i for i in (5, 15, 25, 35) if i < n_layer] or [min(1, n_layer - 1)]
+    mamba = Mamba2Config(d_model=4096, n_layer=n_layer, vocab_size=vocab_size, headdim=64, ngroups=1,
+                         pad_vocab_size_multiple=1, tie_embeddings=False, residual_in_fp32=False, norm_eps=1e-6,
+                         norm_round_before_weight=True, dt_limit_prefill_only=True)
+    kinds = tuple("attention" if i in attn else "mamba" for i in range(n_layer))
+    return GraniteConfig(4096, vocab_size, kinds, 8192, AttentionConfig(32, 8, 128, rotary_dim=0,
+                                                                         softmax_scale=1 / 128), mamba,
+                         num_experts=72, experts_per_token=10, expert_intermediate_size=768)
+
+
+def falcon_h1_7b(n_layer: int = 44, vocab_size: int = 130049) -> FalconH1Config:
+    """tiiuae/Falcon-H1-7B (transformers' FalconH1 table): 44 layers of parallel attention and
+    Mamba2, hidden 3072, attention 12 / 2 heads of 128, Mamba2 24 heads of 128 (d_ssm 3072) with
+    d_state 256; the MLP width 12288, one group and the ~130k vocabulary are assumed."""
+    mamba = Mamba2Config(d_model=3072, n_layer=n_layer, vocab_size=vocab_size, d_state=256, headdim=128, ngroups=1,
+                         chunk_size=128, pad_vocab_size_multiple=1, tie_embeddings=False, residual_in_fp32=False,
+                         d_ssm=3072, dt_limit_prefill_only=True, gate_norm="none")
+    return FalconH1Config(3072, n_layer, vocab_size, 12288, AttentionConfig(12, 2, 128, rope_theta=1e11), mamba)
+
+
 PRESETS = {"mamba2-2.7b": (Mamba2LM, mamba2_2p7b), "mil-8b": (HybridLM, mil_8b), "bamba-9b": (BambaLM, bamba_9b),
-           "nemotron-h-8b": (NemotronHLM, nemotron_h_8b)}
+           "nemotron-h-8b": (NemotronHLM, nemotron_h_8b), "granite-4.0-h-small": (GraniteLM, granite_4_h_small),
+           "falcon-h1-7b": (FalconH1LM, falcon_h1_7b)}
 
 
 def tiny_mamba2(**overrides) -> Mamba2Config:

@@ -1,4 +1,5 @@
-"""The transformers families (hybrids Bamba and Nemotron-H, attention-only Llama and Qwen2) against transformers' own classes on tiny
+"""The transformers families (hybrids Bamba, Nemotron-H, Granite 4.0-H, Falcon-H1, attention-only
+Llama and Qwen2) against transformers' own classes on tiny
 random checkpoints that transformers saved: loading, prefill and steps, tree passes against every
 root path fed to transformers, commit then continue, greedy decoding, round trips, bad configs."""
 
@@ -10,10 +11,11 @@ from hf_families import VOCAB, reference_greedy, reference_logits, save_tiny
 
 from stree.drafters import NGramDrafter
 from stree.generate import generate
-from stree.models import BambaLM, LlamaLM, NemotronHLM, Qwen2LM, load, save
+from stree.models import BambaLM, FalconH1LM, GraniteLM, LlamaLM, NemotronHLM, Qwen2LM, load, save
 from stree.tree import TokenTree, TreeShape
 
-FAMILIES = {"bamba": BambaLM, "nemotron_h": NemotronHLM, "llama": LlamaLM, "qwen2": Qwen2LM}
+FAMILIES = {"bamba": BambaLM, "nemotron_h": NemotronHLM, "granitemoehybrid": GraniteLM, "falcon_h1": FalconH1LM,
+            "llama": LlamaLM, "qwen2": Qwen2LM}
 TOL = 2e-4  # fp32; logits are O(1) with these weights
 
 
@@ -32,6 +34,7 @@ def test_load_picks_the_family_from_model_type(pair):
     family, hf, model, _ = pair
     assert type(model) is FAMILIES[family]
     assert model.kinds() == {"bamba": ["ssm", "attn", "ssm", "ssm"], "nemotron_h": ["ssm", "attn", "ssm", "mlp", "ssm"],
+                             "granitemoehybrid": ["ssm", "attn", "ssm", "ssm"], "falcon_h1": ["ssm", "attn"] * 3,
                              "llama": ["attn", "attn"], "qwen2": ["attn", "attn"]}[family]
 
 
@@ -44,6 +47,30 @@ def test_prefill_and_steps_equal_transformers(pair):
     ours += [model.step(torch.tensor([t]), cache)[0] for t in cont]
     assert ref.abs().max() > 1  # the comparison is not between near-zero logits
     assert (torch.stack(ours) - ref).abs().max() < TOL
+
+
+VARIANTS = {
+    "falcon_h1 norm after gate": ("falcon_h1", dict(mamba_rms_norm=True, mamba_norm_before_gate=False)),
+    "falcon_h1 norm before gate": ("falcon_h1", dict(mamba_rms_norm=True, mamba_norm_before_gate=True,
+                                                     projectors_bias=True, attention_bias=True)),
+    "granite rope dense": ("granitemoehybrid", dict(position_embedding_type="rope", num_local_experts=0)),
+}
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_family_variants_equal_transformers(tmp_path, variant):
+    """The options the fixtures leave at one setting: Falcon-H1's normed Mamba2 gate (either
+    order) with biased projections, Granite's RoPE attention without experts."""
+    family, overrides = VARIANTS[variant]
+    hf = save_tiny(family, tmp_path, **overrides)
+    model = load(tmp_path)
+    prompt, cont = _prompt(70), _prompt(71, 5)
+    ref = reference_logits(hf, prompt, cont)
+    cache = model.allocate_cache(1, 32)
+    ours = [model.prefill(torch.tensor([prompt]), cache)[0]] + [model.step(torch.tensor([t]), cache)[0] for t in cont]
+    assert (torch.stack(ours) - ref).abs().max() < TOL
+    out = generate(model, [prompt * 2], tree=TreeShape.paper13(), max_new_tokens=12)
+    assert out.new_tokens == [reference_greedy(hf, prompt * 2, 12)]
 
 
 def test_nemotron_h_clamps_dt_in_prefill_only(tmp_path):
