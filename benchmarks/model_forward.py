@@ -1,6 +1,7 @@
 """Target-model cost of verifying a token tree: ``forward_tree`` (packed STree) and the unrolled
 baseline against one autoregressive ``step``, on random-weight models at real configurations
-(Mamba2-2.7B; MambaInLlama-8B per FORMATS.md). On CUDA both are also timed replayed from CUDA
+(``stree.models.presets.PRESETS``: Mamba2-2.7B, MambaInLlama-8B, Bamba-9B, Nemotron-H-8B,
+Granite-4.0-H-Small, Falcon-H1-7B). On CUDA both are also timed replayed from CUDA
 graphs (``GraphedStep``, ``GraphedTreePass``), where the ratio is to the graphed step. Writes JSON
 and a PNG to benchmarks/results/.
 

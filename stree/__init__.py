@@ -4,4 +4,14 @@ from .tree import TokenTree, TreeIndex, TreeShape, ancestor_mask, check_parents,
 
 __version__ = "0.1.0"
 
-__all__ = ["TokenTree", "TreeIndex", "TreeShape", "ancestor_mask", "check_parents", "tree_index", "__version__"]
+
+
+def __getattr__(name):  # stree.LM without importing torch models at ``import stree``
+    if name == "LM":
+        from .lm import LM
+
+        return LM
+    raise AttributeError(f"module 'stree' has no attribute {name!r}")
+
+
+__all__ = ["LM", "TokenTree", "TreeIndex", "TreeShape", "ancestor_mask", "check_parents", "tree_index", "__version__"]

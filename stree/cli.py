@@ -8,23 +8,28 @@ import sys
 import torch
 
 from .drafters import STANDDrafter, STANDStore
-from .drafters.registry import DRAFTER_NAMES, NEEDS_MODEL, make_drafter
-from .generate import METHODS, generate
+from .drafters.registry import DRAFTER_NAMES, NEEDS_MODEL
+from .generate import METHODS
 from .models.loading import DTYPES
 from .tree import TreeShape
 
 
 
 def _generate_parser(sub) -> None:
-    p = sub.add_parser("generate", help="decode a prompt with speculative tree decoding")
+    p = sub.add_parser("generate", help="complete prompts with speculative tree decoding")
     p.add_argument("--model", required=True, help="local checkpoint directory (mamba_ssm, transformers Mamba2, "
-                                                   "Bamba or Nemotron-H, MambaInLlama)")
+                                                   "Bamba, Nemotron-H, Granite 4.0-H, Falcon-H1, Llama, Qwen2, "
+                                                   "MambaInLlama)")
     p.add_argument("--tokenizer", default=None, help="tokenizer directory, for a checkpoint without one (default: --model)")
-    p.add_argument("--prompt", required=True)
+    p.add_argument("--prompt", default=None, help="one prompt (default: --prompt-file, else stdin)")
+    p.add_argument("--prompt-file", default=None, help="prompts decoded as one batch: one per line, or JSONL (a .jsonl "
+                                                       "file) with a 'prompt' field per line; stdin when neither "
+                                                       "option is given (JSONL when its first line is a JSON object)")
+    p.add_argument("--stop", action="append", default=None, help="a string that ends a row (repeatable)")
+    p.add_argument("--json", action="store_true", help="print one JSON object: texts, finish reasons, token ids, stats")
     p.add_argument("--method", choices=METHODS, default="stree")
     p.add_argument("--drafter", choices=DRAFTER_NAMES, default="ngram",
-                   help="consensus drafts from its own earlier text here (one prompt, no other trajectories); "
-                        "ssm-static / ssm-beam need --drafter-model")
+                   help="consensus drafts from the batch's own earlier text; ssm-static / ssm-beam need --drafter-model")
     p.add_argument("--drafter-model", default=None, help="checkpoint directory of a small drafter LM (stree distill)")
     p.add_argument("--tree", default=None, help="paper13 | chain:D | full:WxD | PATH.json (default: paper13; chain:4 for --method chain)")
     p.add_argument("--temperature", type=float, default=0.0)
@@ -139,15 +144,48 @@ def _load(args):
     return model, load_tokenizer(args.tokenizer or args.model, vocab_size=model.vocab_size)
 
 
-def _read_prompts(path: str) -> list[str]:
+def _parse_prompts(text: str, jsonl: bool, where: str) -> list[str]:
     import json
+
+    lines = [line for line in text.splitlines() if line.strip()]
+    if not jsonl:
+        prompts = lines
+    else:
+        prompts = []
+        for n, line in enumerate(lines, 1):
+            try:
+                prompt = json.loads(line)["prompt"]
+            except (ValueError, TypeError, KeyError):
+                raise ValueError(f"{where} line {n}: not a JSON object with a 'prompt' field") from None
+            if not isinstance(prompt, str):
+                raise ValueError(f"{where} line {n}: 'prompt' must be a string, got {type(prompt).__name__}")
+            prompts.append(prompt)
+    if not prompts:
+        raise ValueError(f"{where} holds no prompts")
+    return prompts
+
+
+def _read_prompts(path: str, option: str = "--prompts") -> list[str]:
     from pathlib import Path
 
-    lines = [line for line in Path(path).read_text().splitlines() if line.strip()]
-    prompts = [json.loads(line)["prompt"] for line in lines] if path.endswith(".jsonl") else lines
-    if not prompts:
-        raise ValueError(f"--prompts {path} holds no prompts")
-    return prompts
+    file = Path(path)
+    if not file.is_file():
+        raise FileNotFoundError(f"{option} {path}: no such file")
+    return _parse_prompts(file.read_text(), path.endswith(".jsonl"), f"{option} {path}")
+
+
+def _generate_prompts(args) -> list[str]:
+    """--prompt, --prompt-file or stdin."""
+    if args.prompt is not None and args.prompt_file is not None:
+        raise ValueError("give --prompt or --prompt-file, not both")
+    if args.prompt is not None:
+        return [args.prompt]
+    if args.prompt_file is not None:
+        return _read_prompts(args.prompt_file, "--prompt-file")
+    if sys.stdin is None or sys.stdin.isatty():
+        raise ValueError("no prompt: give --prompt, --prompt-file, or prompts on stdin")
+    text = sys.stdin.read()
+    return _parse_prompts(text, text.lstrip().startswith("{"), "stdin")
 
 
 def _run_optimize(args) -> int:
@@ -167,38 +205,54 @@ def _run_optimize(args) -> int:
     return 0
 
 
+def _stats(stats) -> dict:
+    from dataclasses import asdict
+
+    return dict(asdict(stats), tau=stats.tau, tokens_per_s=stats.tokens_per_s)
+
+
 def _run_generate(args) -> int:
-    model, tokenizer = _load(args)
-    ids = tokenizer.encode(args.prompt, add_special_tokens=False)
-    if not ids:
-        raise ValueError(f"--prompt {args.prompt!r} encodes to no tokens")
-    tree = TreeShape.from_spec(args.tree) if args.tree else None
-    kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-              eos_token_id=tokenizer.eos_token_id, seed=args.seed, torch_compile=args.compile)
-    drafter_model = None
+    from .lm import LM
+    from .models import load
+
+    prompts = _generate_prompts(args)
     if args.drafter_model is not None and args.drafter not in NEEDS_MODEL:
         raise ValueError(f"--drafter-model is only for --drafter {' / '.join(NEEDS_MODEL)}, not {args.drafter}")
-    if args.drafter in NEEDS_MODEL:
-        if args.drafter_model is None:
-            raise ValueError(f"--drafter {args.drafter} needs --drafter-model DIR")
-        from .models import load
-
-        drafter_model = load(args.drafter_model, dtype=model.dtype, device=model.device)
+    if args.drafter in NEEDS_MODEL and args.drafter_model is None:
+        raise ValueError(f"--drafter {args.drafter} needs --drafter-model DIR")
+    lm = LM.from_pretrained(args.model, device=args.device, dtype=args.dtype, tokenizer=args.tokenizer)
+    if args.drafter_model is not None:
+        lm.drafter_model = load(args.drafter_model, dtype=lm.model.dtype, device=lm.model.device)
         if args.compile:
             from .models import CompiledModel
 
-            drafter_model = CompiledModel(drafter_model)
-    drafter = make_drafter(args.drafter, drafter_model=drafter_model, vocab_size=model.vocab_size,
-                           temperature=args.temperature, include_self=True)
-    out = generate(model, [ids], drafter=drafter, tree=tree, method=args.method, **kw)
-    print(tokenizer.decode(out.sequences[0]))
+            lm.drafter_model = CompiledModel(lm.drafter_model)
+    kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+              seed=args.seed, torch_compile=args.compile, stop=args.stop)
+    tree = TreeShape.from_spec(args.tree) if args.tree else None
+    out = lm.generate(prompts, drafter=args.drafter, tree=tree, method=args.method, **kw)
+    ref = lm.generate(prompts, method="autoregressive", **kw) if args.compare else None
+    same = ref is not None and out.token_ids == ref.token_ids
+    if args.json:
+        import json
+
+        report = dict(texts=out.texts, finish_reasons=out.finish_reasons, token_ids=out.token_ids,
+                      method=args.method, stats=_stats(out.stats))
+        if ref is not None:
+            report.update(autoregressive_stats=_stats(ref.stats), identical=same,
+                          speedup=out.stats.tokens_per_s / ref.stats.tokens_per_s)
+        print(json.dumps(report))
+        return 0
+    for i, (prompt, text) in enumerate(zip(prompts, out.texts)):
+        if len(prompts) > 1:
+            print(f"=== prompt {i} ({out.finish_reasons[i]}) ===")
+        print(prompt + text)
     print(f"[{args.method}] {out.stats.summary()}")
-    if args.compare:
-        ref = generate(model, [ids], method="autoregressive", **kw)
+    if ref is not None:
         print(f"[autoregressive] {ref.stats.summary()}")
         speedup = out.stats.tokens_per_s / ref.stats.tokens_per_s
-        same = "yes" if out.sequences == ref.sequences else "NO"
-        identical = same if args.temperature == 0 else f"n/a at temperature {args.temperature} (same tokens: {same})"
+        yes = "yes" if same else "NO"
+        identical = yes if args.temperature == 0 else f"n/a at temperature {args.temperature} (same tokens: {yes})"
         print(f"speedup x{speedup:.2f} | greedy outputs identical: {identical}")
     return 0
 

@@ -14,6 +14,7 @@ along with a root-only tree, its cache never copied), so shapes stay fixed.
 
 from __future__ import annotations
 
+import inspect
 import time
 from dataclasses import dataclass, field
 
@@ -29,7 +30,8 @@ from .models.runners import DecodeRunner
 from .tree import TokenTree, TreeShape
 from .verify import SamplingParams, verify
 
-__all__ = ["METHODS", "GenerationOutput", "GenerationStats", "HostStep", "Rows", "autoregressive_step", "generate",
+__all__ = ["METHODS", "GenerationOutput", "GenerationStats", "HostStep", "Rows", "autoregressive_step", "decode",
+           "generate",
            "prefill_rows", "speculative_step"]
 
 METHODS = ("stree", "chain", "autoregressive")
@@ -145,6 +147,7 @@ class Rows:
         self.lengths = torch.tensor([len(p) for p in prompts])
         for i, p in enumerate(prompts):
             self.seq[i, : len(p)] = torch.tensor(p)
+        self.prompt_lengths = self.lengths.clone()
         self.produced = torch.zeros(B, dtype=torch.long)
         self.active = torch.ones(B, dtype=torch.bool)
         self.eos = torch.tensor(eos, dtype=torch.long)
@@ -189,6 +192,19 @@ class Rows:
         self.lengths[ids] += n
         self.produced[ids] += n
         self.active[ids[(hit & (upto <= n)) | (n == room)]] = False
+
+
+    def generated(self, row: int) -> list[int]:
+        """The tokens row ``row`` generated so far."""
+        return self.seq[row, int(self.prompt_lengths[row]): int(self.lengths[row])].tolist()
+
+    def finish(self, row: int, keep: int) -> None:
+        """End row ``row`` after its first ``keep`` generated tokens (the later ones are dropped)."""
+        if not 0 <= keep <= int(self.produced[row]):
+            raise ValueError(f"keep must be in [0, {int(self.produced[row])}], got {keep}")
+        self.lengths[row] = self.prompt_lengths[row] + keep
+        self.produced[row] = keep
+        self.active[row] = False
 
 
 def prefill_rows(model, rows: Rows, cache, params: SamplingParams, generator, top_k: int | None) -> HostStep:
@@ -328,13 +344,28 @@ class _Clock:
 
 
 @torch.no_grad()
-def generate(model, input_ids, *, drafter: Drafter | None = None, tree: TreeShape | None = None,
-             method: str = "stree", max_new_tokens: int, temperature: float = 0.0, top_k: int = 0,
-             top_p: float = 1.0, eos_token_id: int | list[int] | None = None, seed: int | None = None,
-             mode: str = "auto", max_length: int | None = None, on_step=None,
-             sampling: SamplingParams | None = None, time_phases: bool = False,
-             cuda_graph: bool | None = None, torch_compile: bool = False) -> GenerationOutput:
-    """Decode up to ``max_new_tokens`` per row; a row stops after emitting an EOS.
+def generate(model, input_ids, **kwargs) -> GenerationOutput:
+    """Decode to the end (every argument as :func:`decode` takes it) and return the output."""
+    steps = decode(model, input_ids, **kwargs)
+    while True:
+        try:
+            next(steps)
+        except StopIteration as end:
+            return end.value
+
+
+def decode(model, input_ids, *, drafter: Drafter | None = None, tree: TreeShape | None = None,
+           method: str = "stree", max_new_tokens: int, temperature: float = 0.0, top_k: int = 0,
+           top_p: float = 1.0, eos_token_id: int | list[int] | None = None, seed: int | None = None,
+           mode: str = "auto", max_length: int | None = None, on_step=None,
+           sampling: SamplingParams | None = None, time_phases: bool = False,
+           cuda_graph: bool | None = None, torch_compile: bool = False):
+    """:func:`generate` step by step: a generator that yields the batch's :class:`Rows` after the
+    prefill and after every decoding step (a consumer may end rows there, :meth:`Rows.finish`:
+    stop strings, streaming) and returns the :class:`GenerationOutput`. The arguments are checked
+    when the first step is asked for.
+
+    Decodes up to ``max_new_tokens`` per row; a row stops after emitting an EOS.
 
     ``input_ids``: a ``[B, T]`` tensor or a list of token lists (ragged prompts allowed).
     ``method``: ``stree`` (tree drafts, one tree forward; default tree ``paper13``), ``chain``
@@ -413,6 +444,7 @@ def generate(model, input_ids, *, drafter: Drafter | None = None, tree: TreeShap
         drafter.reset()
     rows.emit(first, drafter)
     stats.time_draft += clock.lap()
+    yield rows
     while bool(rows.active.any()):
         roots = rows.roots()
         live = rows.active_ids()
@@ -438,10 +470,11 @@ def generate(model, input_ids, *, drafter: Drafter | None = None, tree: TreeShap
                 on_step(live, draft, _rows_of(result, live) if len(live) < rows.batch_size else result)
         stats.target_forwards += 1
         rows.emit(host, drafter)
+        stats.time_draft += clock.lap()  # feeding the drafter is drafting work
+        yield rows
         if not bool(rows.active.all()):
             # Finished rows ride along, one token a step: parked at length 0 they never run out of room.
             cache.seqlens.masked_fill_((~rows.active).to(device, non_blocking=True), 0)
-        stats.time_draft += clock.lap()  # feeding the drafter is drafting work
     clock.lap()
     stats.time_total = clock.t - start
     stats.new_tokens = rows.produced.tolist()
@@ -457,3 +490,6 @@ def _rows_of(result, rows: list[int]):
     idx = torch.tensor(rows, device=result.accepted.device)
     return VerifyResult(result.accepted[idx], result.num_accepted[idx], result.bonus[idx],
                         None if result.probs is None else result.probs[idx])
+
+
+generate.__signature__ = inspect.signature(decode).replace(return_annotation="GenerationOutput")  # help(generate)

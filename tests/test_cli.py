@@ -73,7 +73,7 @@ def test_errors_exit_2_with_the_reason(checkpoint, tmp_path, capsys):
     assert main(["generate", "--model", str(checkpoint), "--prompt", "x", "--tree", "full:2"]) == 2
     assert "bad tree spec 'full:2'" in capsys.readouterr().err
     assert main(["generate", "--model", str(checkpoint), "--prompt", "", "--max-new-tokens", "3"]) == 2
-    assert "--prompt '' encodes to no tokens" in capsys.readouterr().err
+    assert "prompt 0 ('') encodes to no tokens" in capsys.readouterr().err
     small = tmp_path / "small"
     small.mkdir()
     n = tokenizer_files(small)
@@ -138,3 +138,52 @@ def test_transformers_checkpoint_without_a_tokenizer_takes_tokenizer(tmp_path, c
     assert "\n" not in err and "holds no tokenizer" in err
     assert main(argv + ["--tokenizer", str(tok)]) == 0
     assert capsys.readouterr().out.splitlines()[-1].endswith("greedy outputs identical: yes")
+
+
+def test_prompt_file_stdin_stop_and_json(checkpoint, tmp_path, capsys, monkeypatch):
+    """Several prompts as one batch from a file (lines or JSONL) or stdin; --json output; --stop."""
+    import io
+    import json
+
+    lines = tmp_path / "prompts.txt"
+    lines.write_text("def f(x):\n\nclass A:\n")
+    jsonl = tmp_path / "prompts.jsonl"
+    jsonl.write_text(json.dumps({"prompt": "def f(x):"}) + "\n" + json.dumps({"prompt": "class A:"}) + "\n")
+    base = ["generate", "--model", str(checkpoint), "--max-new-tokens", "10", "--json"]
+    reports = []
+    for source in (["--prompt-file", str(lines)], ["--prompt-file", str(jsonl)], []):
+        if not source:
+            monkeypatch.setattr("sys.stdin", io.StringIO(jsonl.read_text()))
+        assert main(base + source) == 0
+        reports.append(json.loads(capsys.readouterr().out))
+    assert reports[0] == {**reports[1], "stats": reports[0]["stats"]} == {**reports[2], "stats": reports[0]["stats"]}
+    report = reports[0]
+    assert len(report["texts"]) == 2 and report["finish_reasons"] == ["length", "length"]
+    assert report["stats"]["new_tokens"] == [10, 10] and report["stats"]["tau"] >= 1
+    stop = report["texts"][0][2:4]
+    assert main(base + ["--prompt-file", str(lines), "--stop", stop, "--compare"]) == 0
+    stopped = json.loads(capsys.readouterr().out)
+    assert stopped["texts"][0] == report["texts"][0][: report["texts"][0].index(stop)]
+    assert stopped["finish_reasons"][0] == "stop" and stopped["identical"] is True
+    assert main(["generate", "--model", str(checkpoint), "--prompt-file", str(lines), "--max-new-tokens", "4"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "=== prompt 0 (length) ===" and out[1].startswith("def f(x):")
+
+
+def test_prompt_source_errors_exit_2(checkpoint, tmp_path, capsys, monkeypatch):
+    import io
+
+    base = ["generate", "--model", str(checkpoint)]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "x"}\n{"text": "y"}\n')
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n\n")
+    for argv, message in ((["--prompt", "x", "--prompt-file", str(bad)], "give --prompt or --prompt-file, not both"),
+                          (["--prompt-file", str(bad)], f"--prompt-file {bad} line 2: not a JSON object with a 'prompt'"),
+                          (["--prompt-file", str(empty)], f"--prompt-file {empty} holds no prompts"),
+                          (["--prompt-file", str(tmp_path / "none.txt")], "none.txt: no such file")):
+        assert main(base + argv) == 2
+        err = capsys.readouterr().err.strip()
+        assert "\n" not in err and message in err, err
+    monkeypatch.setattr("sys.stdin", io.StringIO(""))
+    assert main(base) == 2 and "stdin holds no prompts" in capsys.readouterr().err

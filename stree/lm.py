@@ -1,0 +1,255 @@
+"""Text in, text out: a target model with its tokenizer and end-of-sequence ids.
+
+    lm = LM.from_pretrained("path/to/checkpoint")
+    out = lm.generate(["def f(x):", "class A:"], max_new_tokens=64, drafter="stand", stop=["\\n\\n"])
+    out.texts, out.finish_reasons, out.stats
+
+``generate`` batches the prompts through :func:`stree.generate.decode`; stop strings are checked
+on each row's decoded text after every decoding step, and a row that shows one ends there (the
+drafted tokens accepted past it are dropped, the row leaves the batch). ``stream`` yields the text
+of one prompt as its tokens are accepted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .drafters.base import Drafter
+from .drafters.registry import DRAFTER_NAMES, NEEDS_MODEL, make_drafter
+from .generate import GenerationStats, decode
+
+# Short names for the registry's: "ssm" is the distilled drafter filling a static tree.
+DRAFTER_ALIASES = {"ssm": "ssm-static"}
+FINISH_REASONS = ("eos", "stop", "length")
+
+
+@dataclass
+class TextOutput:
+    """Per prompt: the generated ``texts`` (special tokens skipped; a stop string and what follows
+    it cut off), ``token_ids`` (the generated tokens, through the one that completed a stop
+    string) and ``finish_reasons`` ("eos", "stop" or "length"); the decoding ``stats``."""
+
+    texts: list[str]
+    token_ids: list[list[int]]
+    finish_reasons: list[str]
+    stats: GenerationStats
+
+    @property
+    def text(self) -> str:
+        """The one prompt's text (a ValueError for a batch)."""
+        if len(self.texts) != 1:
+            raise ValueError(f"text is for one prompt; this output holds {len(self.texts)}: use texts")
+        return self.texts[0]
+
+
+def checkpoint_eos(path) -> list[int] | None:
+    """The end-of-sequence ids a checkpoint directory declares: generation_config.json's
+    ``eos_token_id``, else config.json's (an int or a list); None when neither has one."""
+    import json
+
+    for name in ("generation_config.json", "config.json"):
+        file = Path(path) / name
+        if file.exists():
+            value = json.loads(file.read_text()).get("eos_token_id")
+            if value is not None:
+                return [int(v) for v in (value if isinstance(value, list) else [value])]
+    return None
+
+
+def _stop_strings(stop) -> list[str]:
+    if stop is None:
+        return []
+    stop = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop):
+        raise TypeError(f"stop must be a non-empty string or a list of them, got {stop!r}")
+    return list(stop)
+
+
+def _held_back(text: str, stops: list[str]) -> int:
+    """How many trailing characters of ``text`` could still begin a stop string, or are an
+    incomplete UTF-8 character: a stream holds them back."""
+    hold = 1 if text.endswith("\ufffd") else 0
+    for s in stops:
+        for n in range(min(len(s) - 1, len(text)), hold, -1):
+            if text.endswith(s[:n]):
+                hold = n
+                break
+    return hold
+
+
+class _Row:
+    """One prompt's decoded text, kept up to date step by step, and where a stop string ended it."""
+
+    def __init__(self, tokenizer, stops: list[str]):
+        self.tokenizer, self.stops = tokenizer, stops
+        self.text, self.seen, self.cut = "", 0, None
+
+    def decode(self, tokens: list[int]) -> str:
+        return self.tokenizer.decode(tokens, skip_special_tokens=True)
+
+    def update(self, tokens: list[int]) -> int | None:
+        """Read the row's generated ``tokens``; when a stop string shows, the number of tokens to
+        keep (the fewest whose text holds it) and ``cut`` = where the text ends."""
+        if len(tokens) == self.seen:
+            return None
+        text = self.decode(tokens)
+        hits = [(i, s) for s in self.stops if (i := text.find(s)) >= 0]
+        if not hits:
+            self.text, self.seen = text, len(tokens)
+            return None
+        start, stop = min(hits)
+        keep = next(k for k in range(self.seen + 1, len(tokens) + 1) if stop in self.decode(tokens[:k]))
+        self.text, self.seen, self.cut = text[:start], keep, start
+        return keep
+
+
+class LM:
+    """``model`` (a loaded stree model) with its ``tokenizer`` (a transformers tokenizer) and the
+    ids that end a row (``eos_token_id``: default the tokenizer's). ``drafter_model``: the small
+    model the "ssm" / "ssm-beam" drafters run."""
+
+    def __init__(self, model, tokenizer, eos_token_id: int | list[int] | None = None, drafter_model=None):
+        self.model, self.tokenizer, self.drafter_model = model, tokenizer, drafter_model
+        if eos_token_id is None:
+            eos_token_id = tokenizer.eos_token_id
+        self.eos_token_id = eos_token_id
+
+    @classmethod
+    def from_pretrained(cls, path, *, device=None, dtype=None, tokenizer=None, drafter_model=None) -> "LM":
+        """Load the checkpoint directory ``path`` (every format :func:`stree.models.load` reads),
+        its tokenizer (or ``tokenizer``: a directory, for checkpoints without one) and the EOS ids
+        it declares (generation_config.json, config.json, else the tokenizer's). ``device``:
+        default CUDA when available; ``dtype`` (a torch dtype or its name): default the
+        checkpoint's. ``drafter_model``: a checkpoint directory (loaded like the target) or a
+        loaded model, for the "ssm" drafters."""
+        from .models import DTYPES, load, load_tokenizer
+
+        if isinstance(dtype, str):
+            if dtype not in DTYPES:
+                raise ValueError(f"dtype must be a torch dtype or one of {sorted(DTYPES)}, got {dtype!r}")
+            dtype = DTYPES[dtype]
+        device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        model = load(path, dtype=dtype, device=device)
+        tok = load_tokenizer(tokenizer or path, vocab_size=model.vocab_size)
+        if isinstance(drafter_model, (str, Path)):
+            drafter_model = load(drafter_model, dtype=model.dtype, device=device)
+        return cls(model, tok, checkpoint_eos(path), drafter_model)
+
+    def encode(self, prompts) -> list[list[int]]:
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        if not isinstance(prompts, (list, tuple)) or not prompts or not all(isinstance(p, str) for p in prompts):
+            raise TypeError(f"prompts must be a string or a non-empty list of strings, got {prompts!r}")
+        ids = [self.tokenizer.encode(p) for p in prompts]
+        empty = [i for i, p in enumerate(ids) if not p]
+        if empty:
+            raise ValueError(f"prompt {empty[0]} ({prompts[empty[0]]!r}) encodes to no tokens")
+        return ids
+
+    def drafter(self, name, temperature: float = 0.0) -> Drafter | None:
+        """A drafter by name ("ngram", "stand", "stand-det", "consensus", "ssm", "ssm-beam"), or
+        ``name`` itself when it is a Drafter."""
+        if name is None or isinstance(name, Drafter):
+            return name
+        if not isinstance(name, str):
+            raise TypeError(f"drafter must be a name or a Drafter, got {type(name).__name__}")
+        name = DRAFTER_ALIASES.get(name, name)
+        if name not in DRAFTER_NAMES:
+            raise ValueError(f"drafter must be one of {sorted({*DRAFTER_NAMES, *DRAFTER_ALIASES})} or a Drafter, "
+                             f"got {name!r}")
+        if name in NEEDS_MODEL and self.drafter_model is None:
+            raise ValueError(f"drafter {name!r} needs a drafter model (LM.from_pretrained(..., drafter_model=DIR))")
+        return make_drafter(name, drafter_model=self.drafter_model if name in NEEDS_MODEL else None,
+                            vocab_size=self.model.vocab_size, temperature=temperature, include_self=True)
+
+    def _steps(self, prompts, *, max_new_tokens: int = 128, drafter="ngram", stop=None, temperature: float = 0.0,
+               eos_token_id="checkpoint", **kwargs):
+        stops = _stop_strings(stop)
+        ids = self.encode(prompts)
+        eos = self.eos_token_id if eos_token_id == "checkpoint" else eos_token_id
+        rows = [_Row(self.tokenizer, stops) for _ in ids]
+        steps = decode(self.model, ids, max_new_tokens=max_new_tokens, temperature=temperature, eos_token_id=eos,
+                       drafter=self.drafter(drafter, temperature), **kwargs)
+        return ids, rows, steps
+
+    def _output(self, out, rows: list[_Row], eos) -> TextOutput:
+        eos = set([] if eos is None else [eos] if isinstance(eos, int) else eos)
+        reasons = []
+        for row, tokens in zip(rows, out.new_tokens):
+            if row.cut is not None:
+                reasons.append("stop")
+            else:
+                reasons.append("eos" if tokens and tokens[-1] in eos else "length")
+                row.text = row.decode(tokens)
+        return TextOutput([r.text for r in rows], out.new_tokens, reasons, out.stats)
+
+    def generate(self, prompts, **kwargs) -> TextOutput:
+        """Complete ``prompts`` (a string or a list, decoded as one batch). ``max_new_tokens``
+        (default 128); ``drafter``: "ngram" (default), "stand", "stand-det", "consensus", "ssm",
+        "ssm-beam" or a Drafter; ``stop``: a string or strings that end a row; ``eos_token_id``:
+        default the checkpoint's (None: no EOS). Every other argument is
+        :func:`stree.generate.decode`'s: ``method``, ``tree``, ``temperature``, ``top_k``,
+        ``top_p``, ``seed``, ``torch_compile``, ..."""
+        _, rows, steps = self._steps(prompts, **kwargs)
+        while True:
+            try:
+                batch = next(steps)
+            except StopIteration as end:
+                return self._output(end.value, rows, self._eos(kwargs))
+            self._check_stops(batch, rows)
+
+    def stream(self, prompt: str, **kwargs) -> "TextStream":
+        """Yield the completion of one ``prompt`` as its tokens are accepted (the arguments of
+        :meth:`generate`); after the last piece, the stream's ``output`` is the
+        :class:`TextOutput`. Text that could still begin a stop string is held back until it
+        cannot."""
+        if not isinstance(prompt, str):
+            raise TypeError(f"stream takes one prompt string, got {type(prompt).__name__}")
+        return TextStream(self, prompt, kwargs)
+
+    def _eos(self, kwargs):
+        eos = kwargs.get("eos_token_id", "checkpoint")
+        return self.eos_token_id if eos == "checkpoint" else eos
+
+    @staticmethod
+    def _check_stops(batch, rows: list[_Row]) -> None:
+        """Every row that grew in the last step and has not met a stop string yet (one that just
+        ended at an EOS or its length included: its last tokens may hold one)."""
+        if not rows[0].stops:
+            return
+        for r, row in enumerate(rows):
+            if row.cut is None and int(batch.produced[r]) != row.seen:
+                keep = row.update(batch.generated(r))
+                if keep is not None:
+                    batch.finish(r, keep)
+
+
+class TextStream:
+    """The pieces of one prompt's completion (see :meth:`LM.stream`); ``output`` once exhausted."""
+
+    def __init__(self, lm: LM, prompt: str, kwargs: dict):
+        self.lm, self.prompt, self.kwargs = lm, prompt, kwargs
+        self.output: TextOutput | None = None
+
+    def __iter__(self):
+        lm = self.lm
+        _, rows, steps = lm._steps(self.prompt, **self.kwargs)
+        row, sent = rows[0], 0
+        while True:
+            try:
+                batch = next(steps)
+            except StopIteration as end:
+                self.output = lm._output(end.value, rows, lm._eos(self.kwargs))
+                break
+            lm._check_stops(batch, rows)
+            if row.cut is None:
+                row.update(batch.generated(0))
+                ready = len(row.text) - _held_back(row.text, row.stops)
+                if ready > sent:
+                    yield row.text[sent:ready]
+                    sent = ready
+        if len(self.output.text) > sent:
+            yield self.output.text[sent:]

@@ -1,0 +1,123 @@
+"""The text API (`stree.LM`) on the shipped tiny target: texts equal to the token-level loop's,
+batches equal to single prompts, EOS from the checkpoint, stop strings that end a row exactly
+there, streaming, and the argument checks."""
+
+import json
+import shutil
+
+import pytest
+import torch
+
+import stree
+from stree.demo import TARGET
+from stree.drafters import NGramDrafter
+from stree.generate import generate
+from stree.lm import LM, _held_back, checkpoint_eos
+
+PROMPTS = ["def fibonacci(n):", "class Stack:\n    def push(self, item):"]
+
+
+@pytest.fixture(scope="module")
+def lm():
+    return stree.LM.from_pretrained(TARGET, dtype="float32")
+
+
+def test_texts_are_the_decoded_tokens_of_generate(lm):
+    out = lm.generate(PROMPTS, max_new_tokens=24)
+    ids = [lm.tokenizer.encode(p) for p in PROMPTS]
+    ref = generate(lm.model, ids, max_new_tokens=24, eos_token_id=lm.eos_token_id)
+    assert out.token_ids == ref.new_tokens
+    assert out.texts == [lm.tokenizer.decode(t, skip_special_tokens=True) for t in ref.new_tokens]
+    assert out.finish_reasons == ["length", "length"] and out.stats.tau > 1
+    assert [lm.generate(p, max_new_tokens=24).text for p in PROMPTS] == out.texts  # a batch = its rows alone
+    with pytest.raises(ValueError, match="text is for one prompt; this output holds 2"):
+        out.text
+
+
+@pytest.mark.parametrize("drafter", ["stand", "stand-det", "consensus", "ngram"])
+def test_every_named_drafter_gives_the_autoregressive_text(lm, drafter):
+    ref = lm.generate(PROMPTS, max_new_tokens=20, method="autoregressive")
+    assert lm.generate(PROMPTS, max_new_tokens=20, drafter=drafter).texts == ref.texts
+
+
+def test_eos_comes_from_the_checkpoint(lm, tmp_path):
+    """generation_config.json first, then config.json, then the tokenizer; a row ends at its EOS."""
+    free = lm.generate(PROMPTS[0], max_new_tokens=16, eos_token_id=None)
+    eos = free.token_ids[0][5]  # a token greedy decoding emits: make it the EOS
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(TARGET, ckpt)
+    assert checkpoint_eos(ckpt) is None and LM.from_pretrained(ckpt).eos_token_id == lm.tokenizer.eos_token_id
+    config = json.loads((ckpt / "config.json").read_text())
+    (ckpt / "config.json").write_text(json.dumps({**config, "eos_token_id": 7}))
+    assert checkpoint_eos(ckpt) == [7]
+    (ckpt / "generation_config.json").write_text(json.dumps({"eos_token_id": [eos, 7]}))
+    ended = LM.from_pretrained(ckpt)
+    assert ended.eos_token_id == [eos, 7]
+    out = ended.generate(PROMPTS[0], max_new_tokens=16)
+    first = free.token_ids[0].index(eos)
+    assert out.token_ids == [free.token_ids[0][: first + 1]] and out.finish_reasons == ["eos"]
+
+
+def test_a_stop_string_ends_its_row_exactly_there(lm):
+    free = lm.generate(PROMPTS, max_new_tokens=40)
+    stop = "\n\n"
+    assert stop in free.texts[0]
+    out = lm.generate(PROMPTS, max_new_tokens=40, stop=[stop, "never seen"])
+    ids = out.token_ids[0]
+    assert out.texts[0] == free.texts[0][: free.texts[0].index(stop)]
+    assert out.finish_reasons[0] == "stop"
+    # the fewest tokens whose text holds the stop string: the accepted drafts past it are dropped
+    assert ids == free.token_ids[0][: len(ids)]
+    assert stop in lm.tokenizer.decode(ids) and stop not in lm.tokenizer.decode(ids[:-1])
+    other = lm.generate(PROMPTS[1], max_new_tokens=40, stop=[stop, "never seen"])
+    assert (out.texts[1], out.token_ids[1], out.finish_reasons[1]) == (other.text, other.token_ids[0],
+                                                                        other.finish_reasons[0])
+
+
+def test_a_stop_string_in_the_last_tokens_of_a_finished_row_still_cuts(lm):
+    free = lm.generate(PROMPTS[0], max_new_tokens=40)
+    # the shortest suffix found nowhere earlier: completed by the very last token, when the length limit ends the row
+    k = next(k for k in range(3, len(free.text)) if free.text.find(free.text[-k:]) == len(free.text) - k)
+    out = lm.generate(PROMPTS[0], max_new_tokens=40, stop=free.text[-k:])
+    assert out.text == free.text[:-k] and out.finish_reasons == ["stop"]
+
+
+def test_stream_yields_the_text_piece_by_piece(lm):
+    for stop in (None, "\n\n"):
+        stream = lm.stream(PROMPTS[0], max_new_tokens=40, stop=stop)
+        pieces = list(stream)
+        assert len(pieces) > 3 and "".join(pieces) == stream.output.text
+        assert stream.output.text == lm.generate(PROMPTS[0], max_new_tokens=40, stop=stop).text
+
+
+def test_held_back_text_is_what_could_begin_a_stop_string():
+    assert _held_back("abc\n", ["\n\n"]) == 1
+    assert _held_back("abcab", ["abcabd"]) == 5
+    assert _held_back("x\ufffd", []) == 1
+    assert _held_back("abc", ["\n\n", "zz"]) == 0
+
+
+def test_bad_arguments_are_named(lm):
+    with pytest.raises(TypeError, match="prompts must be a string or a non-empty list of strings"):
+        lm.generate([], max_new_tokens=4)
+    with pytest.raises(ValueError, match=r"prompt 1 \(''\) encodes to no tokens"):
+        lm.generate(["x", ""], max_new_tokens=4)
+    with pytest.raises(TypeError, match="stop must be a non-empty string or a list of them"):
+        lm.generate("x", max_new_tokens=4, stop=[""])
+    with pytest.raises(ValueError, match="drafter must be one of"):
+        lm.generate("x", max_new_tokens=4, drafter="medusa")
+    with pytest.raises(ValueError, match=r"drafter 'ssm-static' needs a drafter model"):
+        lm.generate("x", max_new_tokens=4, drafter="ssm")
+    with pytest.raises(TypeError, match="stream takes one prompt string"):
+        lm.stream(PROMPTS)
+    with pytest.raises(ValueError, match="dtype must be a torch dtype or one of"):
+        LM.from_pretrained(TARGET, dtype="fp8")
+
+
+def test_a_drafter_model_and_a_drafter_object(lm):
+    from stree.demo import DRAFTER
+
+    with_ssm = LM.from_pretrained(TARGET, dtype=torch.float32, drafter_model=DRAFTER)
+    ref = lm.generate(PROMPTS, max_new_tokens=16, method="autoregressive").texts
+    assert with_ssm.generate(PROMPTS, max_new_tokens=16, drafter="ssm").texts == ref
+    assert lm.generate(PROMPTS, max_new_tokens=16, drafter=NGramDrafter(max_n=2)).texts == ref
