@@ -12,13 +12,14 @@ from .attention import AttentionConfig
 from .bamba import BambaConfig, BambaLM
 from .config import HybridConfig, Mamba2Config
 from .hybrid import HybridLM
+from .llama import LlamaLM, Qwen2LM, TransformerConfig
 from .mamba2 import Mamba2LM
 from .falcon_h1 import FalconH1Config, FalconH1LM
 from .granite import GraniteConfig, GraniteLM
 from .nemotron_h import NemotronHConfig, NemotronHLM
 
-__all__ = ["LLAMA3_8B_ROPE", "PRESETS", "TINY", "bamba_9b", "falcon_h1_7b", "granite_4_h_small", "mamba2_2p7b",
-           "mil_8b", "nemotron_h_8b", "tiny_hybrid", "tiny_mamba2"]
+__all__ = ["LLAMA3_8B_ROPE", "PRESETS", "TINY", "bamba_9b", "falcon_h1_7b", "granite_4_h_small", "llama_3p1_8b",
+           "mamba2_2p7b", "mil_8b", "nemotron_h_8b", "qwen2p5_7b", "tiny_hybrid", "tiny_mamba2"]
 
 LLAMA3_8B_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                   "original_max_position_embeddings": 8192}
@@ -90,9 +91,22 @@ def falcon_h1_7b(n_layer: int = 44, vocab_size: int = 130049) -> FalconH1Config:
     return FalconH1Config(3072, n_layer, vocab_size, 12288, AttentionConfig(12, 2, 128, rope_theta=1e11), mamba)
 
 
+def llama_3p1_8b(n_layer: int = 32, vocab_size: int = 128256) -> TransformerConfig:
+    """meta-llama/Llama-3.1-8B: hidden 4096, MLP 14336, 32 / 8 heads of 128, Llama 3 RoPE scaling."""
+    return TransformerConfig("llama", 4096, n_layer, vocab_size, 14336,
+                             AttentionConfig(32, 8, 128, rope_theta=500000.0, rope_scaling=LLAMA3_8B_ROPE), 1e-5)
+
+
+def qwen2p5_7b(n_layer: int = 28, vocab_size: int = 152064) -> TransformerConfig:
+    """Qwen/Qwen2.5-7B: hidden 3584, MLP 18944, 28 / 4 heads of 128 with q/k/v biases, theta 1e6."""
+    return TransformerConfig("qwen2", 3584, n_layer, vocab_size, 18944,
+                             AttentionConfig(28, 4, 128, rope_theta=1e6, qkv_bias=True), 1e-6)
+
+
 PRESETS = {"mamba2-2.7b": (Mamba2LM, mamba2_2p7b), "mil-8b": (HybridLM, mil_8b), "bamba-9b": (BambaLM, bamba_9b),
            "nemotron-h-8b": (NemotronHLM, nemotron_h_8b), "granite-4.0-h-small": (GraniteLM, granite_4_h_small),
-           "falcon-h1-7b": (FalconH1LM, falcon_h1_7b)}
+           "falcon-h1-7b": (FalconH1LM, falcon_h1_7b), "llama-3.1-8b": (LlamaLM, llama_3p1_8b),
+           "qwen2.5-7b": (Qwen2LM, qwen2p5_7b)}
 
 
 def tiny_mamba2(**overrides) -> Mamba2Config:
