@@ -69,7 +69,8 @@ def _loop_args(p, steps: int, batch_size: int, seq_len: int, lr: float) -> None:
     p.add_argument("--warmup", type=int, default=30)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--save-every", type=int, default=100, help="steps between resumable states (out/train_state.pt)")
-    p.add_argument("--resume", action="store_true", help="continue from out/train_state.pt")
+    p.add_argument("--resume", action="store_true", help="continue from out/train_state.pt (--steps may grow)")
+    p.add_argument("--overwrite", action="store_true", help="replace the checkpoint or training state in --out")
     p.add_argument("--corpus", default=None, help="directory of .py files (default: this Python's standard library)")
     p.add_argument("--held-out", default=None, help="comma-separated paths relative to the corpus (default: a fixed "
                                                     "list of stdlib modules)")
@@ -102,7 +103,7 @@ def _run_distill(args) -> int:
 
     report = distill(args.target, args.out, n_layer=args.n_layer, corpus=args.corpus, held_out=_held_out(args),
                      loop=_loop_config(args), eval_tokens=args.eval_tokens, save_dtype=args.save_dtype,
-                     resume=args.resume, device=args.device)
+                     resume=args.resume, overwrite=args.overwrite, device=args.device)
     init = report["at_init"]
     print(f"held-out KL {init['held_out_kl_nats']:.3f} -> {report['held_out_kl_nats']:.3f} nats/token, top-1 agreement "
           f"{init['held_out_top1_agreement']:.3f} -> {report['held_out_top1_agreement']:.3f}; {report['seconds']} s "
@@ -130,7 +131,7 @@ def _run_train_lm(args) -> int:
                       vocab_size=args.vocab_size, loop=_loop_config(args), tokenizer_bytes=args.tokenizer_bytes,
                       size=ModelSize(args.d_model, args.n_layer, args.d_state, args.headdim),
                       eval_tokens=args.eval_tokens, save_dtype=args.save_dtype, resume=args.resume,
-                      device=args.device)
+                      overwrite=args.overwrite, device=args.device)
     print(f"held-out bits/byte: model {report['model_bits_per_byte']:.3f}, unigram "
           f"{report['unigram_bits_per_byte']:.3f} ({report['held_out_bytes']} bytes); {report['seconds']} s -> {args.out}")
     return 0
@@ -138,8 +139,9 @@ def _run_train_lm(args) -> int:
 
 def _load(args):
     from .models import load, load_tokenizer
+    from .models.loading import check_device
 
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = check_device(args.device) or torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model = load(args.model, dtype=DTYPES.get(args.dtype), device=device)
     return model, load_tokenizer(args.tokenizer or args.model, vocab_size=model.vocab_size)
 
@@ -274,9 +276,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     run = {"generate": _run_generate, "optimize-tree": _run_optimize, "train-lm": _run_train_lm,
            "distill": _run_distill}[args.command]
+    from .training.loop import TrainingInterrupted
+
     try:
         return run(args)
-    except (ValueError, FileNotFoundError) as exc:
+    except TrainingInterrupted as stop:
+        print(f"stree {args.command}: {stop}", file=sys.stderr)
+        return stop.exit_code
+    except (ValueError, TypeError, OSError) as exc:
         print(f"stree {args.command}: error: {exc}", file=sys.stderr)
         return 2
 

@@ -106,26 +106,39 @@ class HostStep:
 
     tokens: torch.Tensor
     counts: torch.Tensor
+    finite: torch.Tensor  # [B] bool: every logit of the row was finite
     top_ids: torch.Tensor | None = None
     top_probs: torch.Tensor | None = None
     token_probs: torch.Tensor | None = None
 
 
-def _to_host(tokens: torch.Tensor, counts: torch.Tensor, probs: torch.Tensor | None, top_k: int) -> HostStep:
+def _finite(logits: torch.Tensor, params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
+    """Whether each position's logits are all finite (one sum: NaN and inf survive it; the models
+    emit no -inf), and the logits with the bad positions zeroed when sampling, so that no NaN
+    reaches a draw (a crash on the CPU, a device assert on CUDA) before the host sees the flag."""
+    finite = logits.sum(-1).isfinite()
+    return finite, logits if params.greedy else logits.where(finite[..., None], 0.0)
+
+
+def _to_host(tokens: torch.Tensor, counts: torch.Tensor, probs: torch.Tensor | None, top_k: int,
+             finite: torch.Tensor) -> HostStep:
     """Pack everything into one fp32 tensor (cat promotes the ids; vocabularies stay below 2^24,
     where fp32 holds integers exactly), move it once, unpack on the host. ``probs [B, L, V]``: the
-    law each emitted token was drawn from (None: no drafter learns)."""
+    law each emitted token was drawn from (None: no drafter learns); ``finite [B, ...]``: see
+    :func:`_finite`."""
     B, L = tokens.shape
-    parts = [tokens, counts[:, None]]
+    finite = finite.reshape(B, -1)
+    parts = [tokens, counts[:, None], finite]
     k = 0
     if probs is not None:
         k = min(top_k, probs.shape[-1])
         top_p, top_i = torch.topk(probs, k, dim=-1)
         parts += [top_i.flatten(1), top_p.flatten(1), probs.gather(-1, tokens[..., None])[..., 0]]
     host = torch.cat(parts, 1).float().cpu()  # the step's one device-to-host sync
-    out = HostStep(host[:, :L].long(), host[:, L].long())
+    m = finite.shape[1]
+    out = HostStep(host[:, :L].long(), host[:, L].long(), host[:, L + 1: L + 1 + m].bool().all(1))
     if probs is not None:
-        at = L + 1
+        at = L + 1 + m
         out.top_ids = host[:, at: at + L * k].long().view(B, L, k)
         out.top_probs = host[:, at + L * k: at + 2 * L * k].view(B, L, k)
         out.token_probs = host[:, at + 2 * L * k:]
@@ -211,9 +224,10 @@ def prefill_rows(model, rows: Rows, cache, params: SamplingParams, generator, to
     """Feed the prompts into the (empty) cache and draw each row's first token."""
     longest = int(rows.lengths.max())
     logits = model.prefill(rows.seq[:, :longest].to(model.device), cache, lengths=rows.lengths)
+    finite, logits = _finite(logits, params)
     first = params.sample(logits, generator)[:, None]
     probs = None if top_k is None else params.observed(logits)[:, None]
-    return _to_host(first, torch.ones_like(first[:, 0]), probs, top_k or 0)
+    return _to_host(first, torch.ones_like(first[:, 0]), probs, top_k or 0, finite)
 
 
 def autoregressive_step(model, cache, roots: torch.Tensor, params: SamplingParams, generator,
@@ -221,8 +235,9 @@ def autoregressive_step(model, cache, roots: torch.Tensor, params: SamplingParam
     """One token for every row: the target's step on the roots (the ``runner``'s step, a CUDA graph
     or a compiled one, when given), then one sampled token each."""
     logits = runner.step()(roots, validate=False) if runner is not None else model.step(roots, cache, validate=False)
+    finite, logits = _finite(logits, params)
     nxt = params.sample(logits, generator)
-    return _to_host(nxt[:, None], torch.ones_like(nxt), None, 0)
+    return _to_host(nxt[:, None], torch.ones_like(nxt), None, 0, finite)
 
 
 def speculative_step(model, cache, draft: TokenTree, params: SamplingParams, generator, backend: str = "tree",
@@ -239,6 +254,7 @@ def speculative_step(model, cache, draft: TokenTree, params: SamplingParams, gen
         logits, tree_pass = fast_tree(draft.tokens, validate=False)
     else:
         logits, tree_pass = model.forward_tree(draft, cache, backend=backend, validate=False)
+    finite, logits = _finite(logits, params)
     result = verify(draft, logits, params, generator=generator, validate=False)
     if lap is not None:
         lap("verify")
@@ -253,7 +269,7 @@ def speculative_step(model, cache, draft: TokenTree, params: SamplingParams, gen
     if top_k is not None:
         at_path = result.accepted[:, :, None].expand(-1, -1, logits.shape[-1])
         probs = result.probs.gather(1, at_path) if result.probs is not None else params.observed(logits.gather(1, at_path))
-    host = _to_host(out, result.num_accepted, probs, top_k or 0)
+    host = _to_host(out, result.num_accepted, probs, top_k or 0, finite)
     if lap is not None:
         lap("commit")
     return host, result
@@ -439,6 +455,7 @@ def decode(model, input_ids, *, drafter: Drafter | None = None, tree: TreeShape 
     runner = kind.for_model(model, rows.batch_size, max_length) if kind is not None else None
     cache = runner.cache if runner is not None else model.allocate_cache(rows.batch_size, max_length)
     first = prefill_rows(model, rows, cache, params, generator, top_k)
+    _check_finite(first, rows, "the prefill")
     stats.time_prefill += clock.lap()
     if drafter is not None:
         drafter.reset()
@@ -469,6 +486,7 @@ def decode(model, input_ids, *, drafter: Drafter | None = None, tree: TreeShape 
             if on_step is not None:
                 on_step(live, draft, _rows_of(result, live) if len(live) < rows.batch_size else result)
         stats.target_forwards += 1
+        _check_finite(host, rows, f"decoding step {stats.target_forwards}")
         rows.emit(host, drafter)
         stats.time_draft += clock.lap()  # feeding the drafter is drafting work
         yield rows
@@ -481,6 +499,14 @@ def decode(model, input_ids, *, drafter: Drafter | None = None, tree: TreeShape 
     stats.accepted = rows.accepted
     sequences = [rows.seq[i, : int(rows.lengths[i])].tolist() for i in range(rows.batch_size)]
     return GenerationOutput(sequences, [len(p) for p in prompts], stats)
+
+
+def _check_finite(host: HostStep, rows: Rows, where: str) -> None:
+    bad = torch.nonzero(~host.finite & rows.active).flatten().tolist()
+    if bad:
+        raise ValueError(f"the target's logits hold NaN or inf at {where} (rows {bad}): its weights or activations "
+                         "are not finite (stree.models.load checks the weights; fp16 may overflow where bf16 or "
+                         "fp32 does not)")
 
 
 def _rows_of(result, rows: list[int]):

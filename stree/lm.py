@@ -126,12 +126,13 @@ class LM:
         checkpoint's. ``drafter_model``: a checkpoint directory (loaded like the target) or a
         loaded model, for the "ssm" drafters."""
         from .models import DTYPES, load, load_tokenizer
+        from .models.loading import check_device
 
         if isinstance(dtype, str):
             if dtype not in DTYPES:
                 raise ValueError(f"dtype must be a torch dtype or one of {sorted(DTYPES)}, got {dtype!r}")
             dtype = DTYPES[dtype]
-        device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        device = check_device(device) or torch.device("cuda" if torch.cuda.is_available() else "cpu")
         model = load(path, dtype=dtype, device=device)
         tok = load_tokenizer(tokenizer or path, vocab_size=model.vocab_size)
         if isinstance(drafter_model, (str, Path)):
@@ -143,6 +144,12 @@ class LM:
             prompts = [prompts]
         if not isinstance(prompts, (list, tuple)) or not prompts or not all(isinstance(p, str) for p in prompts):
             raise TypeError(f"prompts must be a string or a non-empty list of strings, got {prompts!r}")
+        for i, p in enumerate(prompts):
+            try:
+                p.encode("utf-8")
+            except UnicodeEncodeError as exc:  # e.g. undecodable bytes on a command line
+                raise ValueError(f"prompt {i} is not valid UTF-8 text (character {exc.start}: "
+                                 f"{p[exc.start:exc.end]!r})") from None
         ids = [self.tokenizer.encode(p) for p in prompts]
         empty = [i for i, p in enumerate(ids) if not p]
         if empty:

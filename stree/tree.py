@@ -23,13 +23,26 @@ __all__ = [
     "TreeIndex",
     "tree_index",
     "leaf_paths",
+    "MAX_TREE_NODES",
+    "check_size",
     "TreeShape",
     "TokenTree",
 ]
 
 
+# The most nodes a tree (or a prefill chunk) may have: the kernels' limit, and what keeps the n x n
+# ancestor masks small. Checked before anything of size n x n exists.
+MAX_TREE_NODES = 1024
+
+
+def check_size(n: int, what: str = "tree") -> None:
+    if n > MAX_TREE_NODES:
+        raise ValueError(f"a {what} of {n} nodes is larger than the {MAX_TREE_NODES} nodes the kernels handle")
+
+
 def check_parents(parents, name: str = "parents") -> torch.Tensor:
-    """Validate a parent array (``[n]`` or ``[rows, n]``) and return it as int64.
+    """Validate a parent array (``[n]`` or ``[rows, n]``, n <= MAX_TREE_NODES) and return it as
+    int64.
 
     Raises ``TypeError`` for a non-integer array and ``ValueError`` naming the first bad index.
     """
@@ -45,6 +58,7 @@ def check_parents(parents, name: str = "parents") -> torch.Tensor:
     n = parents.shape[-1]
     if n == 0:
         raise ValueError(f"{name} must hold at least the root node, got an empty array")
+    check_size(n)
     p = parents.reshape(-1, n).long()
     idx = torch.arange(n, device=p.device)
     bad = (p < 0) | (p >= idx)
@@ -242,6 +256,7 @@ class TreeShape:
         """The root followed by ``depth`` nodes in a line (vanilla speculative decoding)."""
         if depth < 0:
             raise ValueError(f"depth must be >= 0, got {depth}")
+        check_size(depth + 1)
         return cls(tuple(range(-1, depth)))
 
     @classmethod
@@ -249,7 +264,13 @@ class TreeShape:
         """Complete ``width``-ary tree with ``depth`` levels below the root, in BFS order."""
         if width < 1 or depth < 0:
             raise ValueError(f"full tree needs width >= 1 and depth >= 0, got width={width}, depth={depth}")
-        n = sum(width**level for level in range(depth + 1))
+        n, level = 0, 1
+        for _ in range(depth + 1):  # summed level by level: full:1000x1000 never computes 1000**1000
+            n += level
+            if n > MAX_TREE_NODES:
+                raise ValueError(f"a full:{width}x{depth} tree has more than the {MAX_TREE_NODES} nodes the kernels "
+                                 "handle")
+            level *= width
         return cls((-1,) + tuple((i - 1) // width for i in range(1, n)))
 
     @classmethod
@@ -261,6 +282,7 @@ class TreeShape:
                 raise ValueError(f"counts[{i}] must be >= 0, got {c}")
             if c and i >= len(parents):
                 raise ValueError(f"counts[{i}] = {c} but the tree has only {len(parents)} nodes before it")
+            check_size(len(parents) + c)
             parents.extend([i] * c)
         return cls(tuple(parents))
 

@@ -30,8 +30,7 @@ from ._common import (
     process_dt_tl,
     resolve_backend,
 )
-
-MAX_TREE_NODES = 1024
+from ..tree import MAX_TREE_NODES
 
 __all__ = ["tree_scan", "tree_scan_ref", "MAX_TREE_NODES"]
 

@@ -12,7 +12,7 @@ from torch import nn
 
 from .attention import AttentionConfig, LlamaAttention
 from .base import Block, TreeLM
-from .config import Mamba2Config, attention_of, dt_limit_of, layer_indices, require, rope_parameters
+from .config import Mamba2Config, attention_of, dt_limit_of, flag, layer_indices, require, rope_parameters
 from .mamba2 import Mamba2Mixer, RMSNorm
 from .mlp import SwiGLU
 
@@ -42,12 +42,12 @@ class BambaConfig:
         attention = attention_of(config, file, rope_types=("default",))
         # transformers hard-codes partial_rotary_factor 0.5 for Bamba
         attention = replace(attention, rotary_dim=int(attention.head_dim * 0.5))
-        tie = bool(config.get("tie_word_embeddings", False))
+        tie = flag(config, "tie_word_embeddings", False, file)
         eps = float(config.get("rms_norm_eps", 1e-5))
         mamba = bamba_mixer_config(config, file, layers, eps, tie)
         return cls(hidden, layers, mamba.vocab_size, tuple(config.get("attn_layer_indices") or ()),
                    require(config, "intermediate_size", file), attention, mamba, eps,
-                   bool(config.get("mlp_bias", False)), tie)
+                   flag(config, "mlp_bias", False, file), tie)
 
     def to_hf(self) -> dict:
         a, m = self.attention, self.mamba
@@ -78,7 +78,7 @@ def bamba_mixer_config(config: dict, file, n_layer: int, eps: float, tie: bool) 
         d_state=require(config, "mamba_d_state", file), d_conv=config.get("mamba_d_conv", 4),
         expand=max(1, d_inner // hidden), headdim=head_dim, ngroups=config.get("mamba_n_groups", 1),
         chunk_size=config.get("mamba_chunk_size", 256), dt_limit=dt_limit_of(config.get("time_step_limit"), file),
-        conv_bias=config.get("mamba_conv_bias", True), bias=config.get("mamba_proj_bias", False),
+        conv_bias=flag(config, "mamba_conv_bias", True, file), bias=flag(config, "mamba_proj_bias", False, file),
         pad_vocab_size_multiple=1, tie_embeddings=tie, residual_in_fp32=False, norm_eps=eps, d_ssm=d_inner,
         norm_round_before_weight=True, dt_limit_prefill_only=True)
 

@@ -15,6 +15,16 @@ def require(config: dict, key: str, file):
     return config[key]
 
 
+def flag(config: dict, key: str, default: bool, file) -> bool:
+    """``config[key]`` (``default`` when absent or null), which must be a JSON boolean."""
+    value = config.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise ValueError(f"{file}: {key} must be true or false, got {value!r}")
+    return value
+
+
 def dt_limit_of(value, file, key: str = "time_step_limit") -> tuple[float, float]:
     """A (min, max) dt clamp as the configs write it (None: no clamp)."""
     if value is None:
@@ -48,7 +58,7 @@ def attention_of(config: dict, file, rope_types: tuple[str, ...] = ROPE_TYPES, *
     rope["rope_type"] = rope.get("rope_type", rope.get("type", "default"))
     if rope["rope_type"] not in rope_types:
         raise ValueError(f"{file}: rope_type {rope['rope_type']!r} is not supported (supported: {rope_types})")
-    bias = bool(config.get("attention_bias", False))
+    bias = flag(config, "attention_bias", False, file)
     return AttentionConfig(**{
         **dict(num_heads=heads, num_kv_heads=config.get("num_key_value_heads") or heads,
                head_dim=config.get("head_dim") or hidden // heads, rope_theta=float(rope.get("rope_theta", 10000.0)),
@@ -111,7 +121,17 @@ class Mamba2Config:
             object.__setattr__(self, "proj_scales", tuple(float(v) for v in self.proj_scales))
             if len(self.proj_scales) != 5:
                 raise ValueError(f"Mamba2Config.proj_scales must be 5 numbers (z, x, B, C, dt), got {self.proj_scales}")
-        for name in ("d_model", "n_layer", "vocab_size", "d_state", "d_conv", "expand", "headdim", "ngroups", "d_ssm"):
+        for name in ("conv_bias", "bias", "tie_embeddings", "residual_in_fp32", "norm_round_before_weight",
+                     "dt_limit_prefill_only"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"Mamba2Config.{name} must be a bool, got {getattr(self, name)!r}")
+        if not (isinstance(self.norm_eps, (int, float)) and self.norm_eps > 0):
+            raise ValueError(f"Mamba2Config.norm_eps must be a positive number, got {self.norm_eps!r}")
+        lo, hi = self.dt_limit
+        if not 0 <= lo <= hi:
+            raise ValueError(f"Mamba2Config.dt_limit must satisfy 0 <= min <= max, got {self.dt_limit}")
+        for name in ("d_model", "n_layer", "vocab_size", "d_state", "d_conv", "expand", "headdim", "ngroups", "d_ssm",
+                     "chunk_size", "pad_vocab_size_multiple"):
             value = getattr(self, name)
             if (value is not None or name != "d_ssm") and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"Mamba2Config.{name} must be a positive integer, got {value!r}")

@@ -16,7 +16,7 @@ from torch import nn
 from .attention import AttentionConfig, LlamaAttention
 from .bamba import bamba_mixer_config, bamba_mixer_hf
 from .base import Block, TreeLM
-from .config import Mamba2Config, attention_of, require, rope_parameters
+from .config import Mamba2Config, attention_of, flag, require, rope_parameters
 from .mamba2 import Mamba2Mixer, RMSNorm
 from .mlp import FusedSwiGLU
 from .moe import TopKMoE
@@ -62,7 +62,7 @@ class GraniteConfig:
         attention = attention_of(config, file, rope_types=("default",), rotary_dim=None if position else 0,
                                  softmax_scale=float(config.get("attention_multiplier", 1.0)))
         eps = float(config.get("rms_norm_eps", 1e-6))
-        tie = bool(config.get("tie_word_embeddings", False))
+        tie = flag(config, "tie_word_embeddings", False, file)
         experts = int(config.get("num_local_experts", 8) or 0)
         return cls(
             require(config, "hidden_size", file), require(config, "vocab_size", file),

@@ -12,7 +12,7 @@ from torch import nn
 
 from .attention import AttentionConfig, LlamaAttention
 from .base import Block, TreeLM
-from .config import attention_of, require, rope_parameters
+from .config import attention_of, flag, require, rope_parameters
 from .mamba2 import RMSNorm
 from .mlp import SwiGLU
 
@@ -42,7 +42,7 @@ class TransformerConfig:
         hidden = require(config, "hidden_size", file)
         return cls(model_type, hidden, require(config, "num_hidden_layers", file), require(config, "vocab_size", file),
                    require(config, "intermediate_size", file), attention, float(config.get("rms_norm_eps", 1e-6)),
-                   bool(config.get("mlp_bias", False)), bool(config.get("tie_word_embeddings", False)))
+                   flag(config, "mlp_bias", False, file), flag(config, "tie_word_embeddings", False, file))
 
     def to_hf(self) -> dict:
         a = self.attention

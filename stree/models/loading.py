@@ -21,8 +21,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from ..atomic import write_text, write_with
+
 from .bamba import BambaLM
-from .config import HybridConfig, Mamba2Config, dt_limit_of, require
+from .config import HybridConfig, Mamba2Config, dt_limit_of, flag, require
 from .hybrid import HybridLM
 from .mamba2 import Mamba2LM
 from .llama import LlamaLM, Qwen2LM
@@ -68,6 +70,8 @@ def _read_json(path: Path) -> dict:
 
 def detect_format(path) -> str:
     path = Path(path)
+    if path.is_file():
+        raise ValueError(f"{path} is a file: give the checkpoint directory that holds it")
     if not path.is_dir():
         raise FileNotFoundError(f"checkpoint directory {path} does not exist")
     config = _read_json(path / "config.json")
@@ -108,9 +112,9 @@ def _config_mamba_ssm(config: dict, file: Path) -> Mamba2Config:
         d_state=ssm.get("d_state", 128), d_conv=ssm.get("d_conv", 4), expand=expand, headdim=ssm.get("headdim", 64),
         ngroups=ssm.get("ngroups", 1), chunk_size=ssm.get("chunk_size", 256),
         dt_limit=dt_limit_of(ssm.get("dt_limit"), file, "ssm_cfg.dt_limit"),
-        conv_bias=ssm.get("conv_bias", True), bias=ssm.get("bias", False),
+        conv_bias=flag(ssm, "conv_bias", True, file), bias=flag(ssm, "bias", False, file),
         pad_vocab_size_multiple=config.get("pad_vocab_size_multiple", 8),
-        tie_embeddings=config.get("tie_embeddings", True), residual_in_fp32=config.get("residual_in_fp32", True),
+        tie_embeddings=flag(config, "tie_embeddings", True, file), residual_in_fp32=flag(config, "residual_in_fp32", True, file),
     )
 
 
@@ -125,9 +129,9 @@ def _config_hf(config: dict, file: Path) -> Mamba2Config:
         d_conv=config.get("conv_kernel", 4), expand=expand, headdim=head_dim,
         ngroups=require(config, "n_groups", file), chunk_size=config.get("chunk_size", 256),
         dt_limit=dt_limit_of(config.get("time_step_limit"), file),
-        conv_bias=config.get("use_conv_bias", True), bias=config.get("use_bias", False),
+        conv_bias=flag(config, "use_conv_bias", True, file), bias=flag(config, "use_bias", False, file),
         pad_vocab_size_multiple=1,  # transformers stores the padded size as vocab_size
-        tie_embeddings=config.get("tie_word_embeddings", False), residual_in_fp32=config.get("residual_in_fp32", True),
+        tie_embeddings=flag(config, "tie_word_embeddings", False, file), residual_in_fp32=flag(config, "residual_in_fp32", True, file),
         norm_eps=config.get("layer_norm_epsilon", 1e-5),
     )
 
@@ -153,7 +157,7 @@ def _config_mil(config: dict, config_file: Path, mamba: dict, mamba_file: Path, 
         d_xb=require(mamba, "d_xb", mamba_file), d_state=ssm.get("d_state", 128), ngroups=ssm.get("ngroups", 1),
         d_conv=ssm.get("d_conv", 4), rms_norm_eps=mamba.get("rms_norm_eps", config.get("rms_norm_eps", 1e-5)),
         rope_theta=config.get("rope_theta", 10000.0), rope_scaling=None if plain_rope else scaling,
-        tie_word_embeddings=config.get("tie_word_embeddings", False),
+        tie_word_embeddings=flag(config, "tie_word_embeddings", False, config_file),
     )
 
 
@@ -186,36 +190,75 @@ def _read_weights(path: Path) -> tuple[dict, Path]:
     raise FileNotFoundError(f"{path} holds no weights ({' or '.join(WEIGHT_FILES)})")
 
 
-def load(path, dtype: torch.dtype | None = None, device=None, plain_rope: bool = False):
+def check_finite_weights(state: dict, where) -> None:
+    """A ValueError naming the first tensor of ``state`` holding NaN or inf."""
+    for key, tensor in state.items():
+        if tensor.dtype.is_floating_point and not bool(torch.isfinite(tensor).all()):
+            bad = int((~torch.isfinite(tensor)).sum())
+            raise ValueError(f"{where}: {key!r} holds {bad} NaN or inf values (load(..., check_finite=False) skips "
+                             "this check)")
+
+
+def check_device(device) -> torch.device | None:
+    """``device`` as a torch.device that exists here (None stays None), else a ValueError."""
+    if device is None:
+        return None
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device {device!r} is not a device (cpu, cuda, cuda:N, ...)") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {str(device)!r}: CUDA is not available here")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ValueError(f"device {str(device)!r}: only {torch.cuda.device_count()} CUDA device(s) here")
+    elif device.type not in ("cpu", "meta"):
+        raise ValueError(f"device {str(device)!r} is not supported (cpu or cuda)")
+    return device
+
+
+def _config(fmt: str, raw: dict, path: Path, plain_rope: bool):
+    """The model class and config of a checkpoint directory; errors name the config file."""
+    config_file = path / "config.json"
+    try:
+        if fmt == "mil":
+            mamba_file = path / "mamba_config.json"
+            return HybridLM, _config_mil(raw, config_file, _read_json(mamba_file), mamba_file, plain_rope)
+        if fmt in FAMILIES:
+            return FAMILIES[fmt], FAMILIES[fmt].config_class.from_hf(raw, config_file)
+        return Mamba2LM, _config_hf(raw, config_file) if fmt == "hf" else _config_mamba_ssm(raw, config_file)
+    except ValueError as exc:  # a config class's own check names no file
+        if str(path) in str(exc):
+            raise
+        raise ValueError(f"{config_file}: {exc}") from None
+
+
+def load(path, dtype: torch.dtype | None = None, device=None, plain_rope: bool = False, check_finite: bool = True):
     """Build and load the model in checkpoint directory ``path`` (format auto-detected).
 
     ``dtype`` defaults to the checkpoint's embedding dtype; Mamba2's D stays fp32 as in mamba_ssm.
     ``plain_rope`` drops a hybrid's llama3 RoPE scaling (what MIL's own inference code runs).
+    ``check_finite``: refuse weights holding NaN or inf (one pass over every tensor; off for speed).
+    Everything is checked (config, device, dtype) before the weights are read.
     """
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise TypeError(f"dtype must be a floating torch.dtype, got {dtype!r}")
+    device = check_device(device)
     path = Path(path)
     fmt = detect_format(path)
     config_file = path / "config.json"
-    raw = _read_json(config_file)
+    build, cfg = _config(fmt, _read_json(config_file), path, plain_rope)
     state, weights_file = _read_weights(path)
-    if fmt == "mil":
-        mamba_file = path / "mamba_config.json"
-        cfg = _config_mil(raw, config_file, _read_json(mamba_file), mamba_file, plain_rope)
-        if "lm_head.weight" not in state:  # MIL 3B ships no lm_head: tied to the embedding
-            cfg = HybridConfig(**{**cfg.__dict__, "tie_word_embeddings": True})
-        build, tied = HybridLM, cfg.tie_word_embeddings
-    elif fmt in FAMILIES:
-        build = FAMILIES[fmt]
-        cfg = build.config_class.from_hf(raw, config_file)
-        tied = cfg.tie_word_embeddings
-    else:
-        cfg = _config_hf(raw, config_file) if fmt == "hf" else _config_mamba_ssm(raw, config_file)
-        if fmt == "hf":
-            state = {k.replace("backbone.embeddings.", "backbone.embedding.", 1): v for k, v in state.items()}
-        build, tied = Mamba2LM, cfg.tie_embeddings
-    embed_key = build.embed_key
-    embedding = state.get(embed_key)
+    if check_finite:
+        check_finite_weights(state, weights_file)
+    if fmt == "mil" and "lm_head.weight" not in state:  # MIL 3B ships no lm_head: tied to the embedding
+        cfg = HybridConfig(**{**cfg.__dict__, "tie_word_embeddings": True})
+    if fmt == "hf":
+        state = {k.replace("backbone.embeddings.", "backbone.embedding.", 1): v for k, v in state.items()}
+    tied = cfg.tie_embeddings if build is Mamba2LM else cfg.tie_word_embeddings
+    embedding = state.get(build.embed_key)
     if embedding is None:
-        file_key = "backbone.embeddings.weight" if fmt == "hf" else embed_key
+        file_key = "backbone.embeddings.weight" if fmt == "hf" else build.embed_key
         raise ValueError(f"{weights_file}: missing key {file_key!r}")
     model = build(cfg, device=device, dtype=dtype or embedding.dtype)
     _fill(model, state, tied, weights_file, config_file)
@@ -307,7 +350,7 @@ def save(model, path, format: str | None = None) -> None:
     if family:
         config = model.cfg.to_hf()
     elif format == "mil":
-        (path / "mamba_config.json").write_text(json.dumps(dict(
+        write_text(path / "mamba_config.json", json.dumps(dict(
             d_model=cfg.d_model, ssm_cfg=dict(expand=cfg.d_inner // cfg.d_model, ngroups=cfg.ngroups,
                                               d_state=cfg.d_state, d_conv=cfg.d_conv),
             rms_norm_eps=cfg.rms_norm_eps, vocab_size=None, d_inner=cfg.d_inner, d_xb=cfg.d_xb,
@@ -334,8 +377,8 @@ def save(model, path, format: str | None = None) -> None:
                       ssm_cfg=ssm, attn_layer_idx=[], attn_cfg={}, rms_norm=True,
                       residual_in_fp32=cfg.residual_in_fp32, fused_add_norm=True,
                       pad_vocab_size_multiple=cfg.pad_vocab_size_multiple, tie_embeddings=cfg.tie_embeddings)
-    (path / "config.json").write_text(json.dumps(config, indent=2))
-    save_file(state, str(path / "model.safetensors"))
+    write_with(path / "model.safetensors", lambda tmp: save_file(state, str(tmp)))
+    write_text(path / "config.json", json.dumps(config, indent=2))
 
 
 def load_tokenizer(path, vocab_size: int | None = None):

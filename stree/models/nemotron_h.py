@@ -14,7 +14,7 @@ from torch import nn
 
 from .attention import AttentionConfig, LlamaAttention
 from .base import Block, TreeLM
-from .config import Mamba2Config, require
+from .config import Mamba2Config, flag, require
 from .mamba2 import Mamba2Mixer, RMSNorm
 from .mlp import ReluSquaredMLP
 
@@ -67,7 +67,7 @@ class NemotronHConfig:
         attention = AttentionConfig(heads, config.get("num_key_value_heads") or heads, head_dim, rotary_dim=0)
         mamba_heads, mamba_head_dim = require(config, "mamba_num_heads", file), config.get("mamba_head_dim", 64)
         d_inner = mamba_heads * mamba_head_dim
-        tie = bool(config.get("tie_word_embeddings", False))
+        tie = flag(config, "tie_word_embeddings", False, file)
         eps = float(config.get("layer_norm_epsilon", 1e-5))
         mamba = Mamba2Config(
             d_model=hidden, n_layer=len(types), vocab_size=require(config, "vocab_size", file),
@@ -75,11 +75,11 @@ class NemotronHConfig:
             expand=max(1, d_inner // hidden), headdim=mamba_head_dim, ngroups=config.get("n_groups", 8),
             chunk_size=config.get("chunk_size", 128),
             dt_limit=(float(config.get("time_step_min", 0.001)), math.inf),  # transformers ignores time_step_limit
-            conv_bias=config.get("use_conv_bias", True), bias=config.get("use_bias", False),
+            conv_bias=flag(config, "use_conv_bias", True, file), bias=flag(config, "use_bias", False, file),
             pad_vocab_size_multiple=1, tie_embeddings=tie, residual_in_fp32=False, norm_eps=eps, d_ssm=d_inner,
             norm_round_before_weight=True, dt_limit_prefill_only=True)
         return cls(hidden, mamba.vocab_size, types, config.get("intermediate_size", 4 * hidden), attention, mamba,
-                   eps, bool(config.get("mlp_bias", False)), tie)
+                   eps, flag(config, "mlp_bias", False, file), tie)
 
     def to_hf(self) -> dict:
         a, m = self.attention, self.mamba

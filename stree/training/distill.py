@@ -14,9 +14,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..models import DTYPES, Mamba2Config, Mamba2LM, load, save
+from ..atomic import write_text
+from ..models import DTYPES, Mamba2Config, Mamba2LM, load, load_tokenizer, save
 from .corpus import HELD_OUT, TokenCorpus, find_sources
-from .loop import LoopConfig, masked_mean, train
+from .loop import LoopConfig, masked_mean, prepare_out, train
 from .train_lm import init_weights
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
@@ -91,17 +92,17 @@ def held_out_agreement(student, teacher, corpus: TokenCorpus, seq_len: int, max_
 
 def distill(target, out, *, n_layer: int = 1, corpus=None, held_out=HELD_OUT,
             loop: LoopConfig = LoopConfig(steps=300, batch_size=16, seq_len=128, lr=3e-3, warmup=30, seed=0),
-            eval_tokens: int = 40_000, save_dtype: str = "float32", resume: bool = False, device: str = "cpu",
-            progress: bool = True) -> dict:
-    """Distil and save (with the target's tokenizer); returns the metrics in ``out/distill.json``."""
-    from transformers import AutoTokenizer
-
+            eval_tokens: int = 40_000, save_dtype: str = "float32", resume: bool = False, overwrite: bool = False,
+            device: str = "cpu", progress: bool = True) -> dict:
+    """Distil and save (with the target's tokenizer); returns the metrics in ``out/distill.json``
+    (``seconds``: every part of a resumed run). ``out`` is refused as train-lm's is."""
     if save_dtype not in DTYPES:
         raise ValueError(f"save_dtype must be one of {sorted(DTYPES)}, got {save_dtype!r}")
     target, out = Path(target), Path(out)
+    prepare_out(out, resume, overwrite)
     t0 = time.time()
     teacher = load(target, dtype=torch.float32, device=device).requires_grad_(False)
-    tokenizer = AutoTokenizer.from_pretrained(str(target), local_files_only=True)
+    tokenizer = load_tokenizer(target, vocab_size=teacher.vocab_size)
     split = find_sources(corpus, tuple(held_out))
     train_corpus = TokenCorpus.encode(tokenizer, split.train)
     test_corpus = TokenCorpus.encode(tokenizer, split.held_out)
@@ -116,8 +117,8 @@ def distill(target, out, *, n_layer: int = 1, corpus=None, held_out=HELD_OUT,
 
     before = held_out_agreement(student, teacher, test_corpus, loop.seq_len, eval_tokens, device)
     identity = dict(target=str(target.resolve()), n_layer=n_layer, corpus=split.fingerprint())
-    losses = train(student, loss_fn, train_corpus, loop, out, identity=identity, resume=resume, desc="distill",
-                   progress=progress)
+    losses, earlier = train(student, loss_fn, train_corpus, loop, out, identity=identity, resume=resume,
+                            desc="distill", progress=progress, started=t0)
     after = held_out_agreement(student, teacher, test_corpus, loop.seq_len, eval_tokens, device)
     save(student.to(DTYPES[save_dtype]), out)
     for name in TOKENIZER_FILES:
@@ -125,6 +126,6 @@ def distill(target, out, *, n_layer: int = 1, corpus=None, held_out=HELD_OUT,
             shutil.copy(target / name, out / name)
     report = dict(command="distill", **identity, initialised_from=copied, loop=asdict(loop), save_dtype=save_dtype,
                   teacher_format=type(teacher).__name__, final_train_kl=losses[-1],
-                  seconds=round(time.time() - t0, 1), at_init=before, **after)
-    (out / "distill.json").write_text(json.dumps(report, indent=2))
+                  seconds=round(earlier + time.time() - t0, 1), at_init=before, **after)
+    write_text(out / "distill.json", json.dumps(report, indent=2))
     return report

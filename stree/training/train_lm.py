@@ -18,7 +18,8 @@ from transformers import AutoTokenizer
 
 from ..models import DTYPES, HybridConfig, HybridLM, Mamba2Config, Mamba2LM, save
 from .corpus import HELD_OUT, TokenCorpus, code_prompts, find_sources, train_tokenizer
-from .loop import STATE_FILE, LoopConfig, masked_mean, train
+from ..atomic import write_text
+from .loop import STATE_FILE, LoopConfig, masked_mean, prepare_out, train
 
 ARCHS = ("mamba2", "hybrid")
 
@@ -109,11 +110,14 @@ def lm_loss(model, device):
 def train_lm(out, *, corpus=None, held_out=HELD_OUT, arch="mamba2", vocab_size=4096, size=ModelSize(),
              loop: LoopConfig = LoopConfig(steps=600, batch_size=16, seq_len=128, lr=3e-3, warmup=30, seed=0),
              tokenizer_bytes: int | None = 4_000_000, eval_tokens: int = 40_000, save_dtype: str = "float32",
-             resume: bool = False, device: str = "cpu", progress: bool = True) -> dict:
-    """Train and save; returns the metrics also written to ``out/training.json``."""
+             resume: bool = False, overwrite: bool = False, device: str = "cpu", progress: bool = True) -> dict:
+    """Train and save; returns the metrics also written to ``out/training.json`` (``seconds``:
+    every part of a resumed run). A directory holding a checkpoint or a training state is
+    refused unless ``resume`` (continue it) or ``overwrite``."""
     if save_dtype not in DTYPES:
         raise ValueError(f"save_dtype must be one of {sorted(DTYPES)}, got {save_dtype!r}")
     out = Path(out)
+    prepare_out(out, resume, overwrite)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
     split = find_sources(corpus, tuple(held_out))
@@ -131,16 +135,16 @@ def train_lm(out, *, corpus=None, held_out=HELD_OUT, arch="mamba2", vocab_size=4
     init_weights(model, size.n_layer)
     identity = dict(arch=arch, vocab_size=vocab_size, size=asdict(size), corpus=split.fingerprint(),
                     tokenizer_bytes=tokenizer_bytes)
-    losses = train(model, lm_loss(model, device), train_corpus, loop, out, identity=identity, resume=resume,
-                   desc="train-lm", progress=progress)
+    losses, earlier = train(model, lm_loss(model, device), train_corpus, loop, out, identity=identity, resume=resume,
+                            desc="train-lm", progress=progress, started=t0)
     metrics = bits_per_byte(model, tokenizer, train_corpus, test_corpus, loop.seq_len, eval_tokens, device)
     save(model.to(DTYPES[save_dtype]), out)
     report = dict(command="train-lm", **identity, corpus_root=str(split.root), train_files=len(split.train),
                   held_out_files=[p.relative_to(split.root).as_posix() for p in split.held_out],
                   train_tokens=train_corpus.n_tokens, python=platform.python_version(), torch=torch.__version__,
-                  save_dtype=save_dtype, seconds=round(time.time() - t0, 1), final_train_loss=losses[-1],
+                  save_dtype=save_dtype, seconds=round(earlier + time.time() - t0, 1), final_train_loss=losses[-1],
                   **metrics)
-    (out / "training.json").write_text(json.dumps(report, indent=2))
+    write_text(out / "training.json", json.dumps(report, indent=2))
     # Held-out completion prompts travel with the model that never saw them (the demo reads them).
-    (out / "prompts.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in code_prompts(split.held_out)))
+    write_text(out / "prompts.jsonl", "".join(json.dumps({"prompt": p}) + "\n" for p in code_prompts(split.held_out)))
     return report

@@ -95,3 +95,23 @@ def test_cli_distill(corpus, target, tmp_path, capsys):
     assert "top-1 agreement" in capsys.readouterr().out
     assert cli_main(["distill", "--target", str(tmp_path / "missing"), "--out", str(tmp_path / "x")]) == 2
     assert "missing" in capsys.readouterr().err
+
+
+def test_distill_refuses_a_finished_run_and_a_target_without_a_tokenizer(corpus, target, tmp_path, capsys):
+    import shutil
+
+    args = ["distill", "--target", str(target), "--out", str(tmp_path / "d"), "--corpus", str(corpus), "--held-out",
+            "mod0.py", "--steps", "2", "--batch-size", "2", "--seq-len", "16", "--eval-tokens", "100"]
+    assert cli_main(args) == 0
+    capsys.readouterr()
+    assert cli_main(args) == 2  # the finished drafter stays
+    assert "already holds" in capsys.readouterr().err
+    assert cli_main(args + ["--steps", "3", "--resume"]) == 0
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for file in target.iterdir():  # everything but the tokenizer
+        if file.is_file() and not file.name.startswith(("tokenizer", "special_tokens")):
+            shutil.copy(file, bare / file.name)
+    assert cli_main(["distill", "--target", str(bare), "--out", str(tmp_path / "e"), "--corpus", str(corpus)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err.splitlines()[-1] and "holds no tokenizer" in err

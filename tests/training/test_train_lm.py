@@ -128,15 +128,15 @@ def test_resume_continues_bit_identically(corpus, tmp_path):
         return loss_fn
 
     whole = fresh()
-    losses = train(whole, loss_for(whole), data, loop, tmp_path / "whole", identity={}, resume=False, desc="",
-                   progress=False)
+    losses, _ = train(whole, loss_for(whole), data, loop, tmp_path / "whole", identity={}, resume=False, desc="",
+                      progress=False)
     cut = fresh()
     with pytest.raises(Interrupt):
         train(cut, loss_for(cut, stop_at=3), data, loop, tmp_path / "cut", identity={}, resume=False, desc="",
               progress=False)
     resumed = fresh()
-    again = train(resumed, loss_for(resumed), data, loop, tmp_path / "cut", identity={}, resume=True, desc="",
-                  progress=False)
+    again, _ = train(resumed, loss_for(resumed), data, loop, tmp_path / "cut", identity={}, resume=True, desc="",
+                     progress=False)
     assert again == losses
     assert all(torch.equal(v, resumed.state_dict()[k]) for k, v in whole.state_dict().items())
     with pytest.raises(ValueError, match="different settings"):
@@ -161,3 +161,97 @@ def test_default_corpus_is_the_stdlib_with_every_held_out_module():
     held = {p.relative_to(split.root).as_posix() for p in split.held_out}
     assert held == set(HELD_OUT) and not held & {p.relative_to(split.root).as_posix() for p in split.train}
     assert len(split.train) > 100 and not any({"test", "site-packages"} & set(p.parts) for p in split.train)
+
+
+def test_a_finished_run_is_never_overwritten_unless_asked(corpus, tmp_path, capsys):
+    out = tmp_path / "m"
+    run(corpus, out, steps=2)
+    before = (out / "model.safetensors").read_bytes()
+    with pytest.raises(ValueError, match=r"already holds config.json, model.safetensors, train_state.pt: --resume"):
+        run(corpus, out, steps=2, seed=1)
+    assert (out / "model.safetensors").read_bytes() == before
+    with pytest.raises(ValueError, match="give one"):
+        run(corpus, out, steps=2, resume=True, overwrite=True)
+    run(corpus, out, steps=2, seed=1, overwrite=True)
+    assert (out / "model.safetensors").read_bytes() != before
+    args = ["train-lm", "--out", str(out), "--corpus", str(corpus), "--held-out", "mod0.py", "--steps", "2"]
+    assert cli_main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "already holds" in err
+
+
+def test_resume_extends_steps_accumulates_seconds_and_reads_no_pickles(corpus, tmp_path):
+    out = tmp_path / "m"
+    run(corpus, out, steps=2)
+    first = torch.load(out / "train_state.pt", weights_only=True)["seconds"]  # the first part's, to its last save
+    longer = run(corpus, out, steps=4, resume=True)
+    state = torch.load(out / "train_state.pt", weights_only=True)
+    assert state["step"] == 4 and len(state["losses"]) == 4
+    assert first > 0 and state["seconds"] > first and longer["seconds"] >= round(first, 1)
+    with pytest.raises(ValueError, match="is at step 4, past --steps 3"):
+        run(corpus, out, steps=3, resume=True)
+    torch.save({**state, "extra": Interrupt()}, out / "train_state.pt")  # an arbitrary object: never unpickled
+    with pytest.raises(ValueError, match="train_state.pt is not a readable training state"):
+        run(corpus, out, steps=5, resume=True)
+    (out / "train_state.pt").write_bytes(b"truncated")
+    with pytest.raises(ValueError, match="not a readable training state"):
+        run(corpus, out, steps=5, resume=True)
+
+
+def test_state_files_are_replaced_whole(corpus, tmp_path, monkeypatch):
+    """A save that dies half-way leaves the previous state file intact (and no temporary file)."""
+    out = tmp_path / "m"
+    run(corpus, out, steps=2)
+    before = (out / "train_state.pt").read_bytes()
+    real_save = torch.save
+
+    def dying_save(obj, f, *a, **kw):
+        real_save(obj, f, *a, **kw)
+        raise OSError("disk full")
+
+    monkeypatch.setattr(torch, "save", dying_save)
+    with pytest.raises(OSError, match="disk full"):
+        run(corpus, out, steps=4, resume=True)
+    assert (out / "train_state.pt").read_bytes() == before
+    assert not list(out.glob("*.tmp"))
+
+
+@pytest.mark.parametrize("signum", ["SIGINT", "SIGTERM"])
+def test_a_signal_saves_the_step_and_exits_cleanly(corpus, tmp_path, monkeypatch, capsys, signum):
+    """SIGINT / SIGTERM during a step: the step completes, the state is saved there, the CLI says
+    where in one line and exits 130 / 143; --resume ends where an uninterrupted run ends."""
+    import os
+    import signal
+
+    import importlib
+
+    module = importlib.import_module("stree.training.train_lm")
+
+    sig = getattr(signal, signum)
+    real = module.lm_loss
+
+    def signalling_loss(model, device):
+        inner, calls = real(model, device), []
+
+        def loss_fn(ids, mask):
+            calls.append(1)
+            if len(calls) == 2:
+                os.kill(os.getpid(), sig)  # arrives mid-step
+            return inner(ids, mask)
+        return loss_fn
+
+    args = ["train-lm", "--corpus", str(corpus), "--held-out", "mod0.py", "--steps", "4", "--batch-size", "2",
+            "--seq-len", "16", "--vocab-size", "280", "--d-model", "32", "--n-layer", "1", "--d-state", "8",
+            "--headdim", "16", "--eval-tokens", "200", "--save-every", "10"]
+    assert cli_main(args + ["--out", str(tmp_path / "whole")]) == 0
+    monkeypatch.setattr(module, "lm_loss", signalling_loss)
+    assert cli_main(args + ["--out", str(tmp_path / "cut")]) == 128 + sig
+    err = capsys.readouterr().err.strip()  # tqdm's bar, then the one line
+    last = err.splitlines()[-1]
+    assert "Traceback" not in err and last.startswith("stree train-lm: interrupted by") and "--resume" in last
+    assert f"interrupted by {signum} after step 2" in last
+    assert torch.load(tmp_path / "cut" / "train_state.pt", weights_only=True)["step"] == 2
+    monkeypatch.setattr(module, "lm_loss", real)
+    assert cli_main(args + ["--out", str(tmp_path / "cut"), "--resume"]) == 0
+    whole, cut = load(tmp_path / "whole").state_dict(), load(tmp_path / "cut").state_dict()
+    assert all(torch.equal(whole[k], cut[k]) for k in whole)
