@@ -12,6 +12,7 @@ top-b successors (the tree variant). Drafts are deterministic: verification is o
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -42,17 +43,26 @@ class PathStore:
 
     A path starts with the ``k`` context tokens before its first generated token (so that first
     token can be matched) and only generated tokens are ever returned as continuations: windows
-    of n = 1..k tokens are indexed when a generated token follows them."""
+    of n = 1..k tokens are indexed when a generated token follows them.
 
-    def __init__(self, k: int = 3, fuzzy: bool = True):
+    Memory is bounded: past ``capacity`` stored tokens (about 4 KB each with the index), the
+    oldest tokens go, oldest paths first, until ``evict_fraction`` of the capacity is free; every
+    path keeps its last ``k`` tokens, so it can still be extended and matched."""
+
+    def __init__(self, k: int = 3, fuzzy: bool = True, capacity: int = 1 << 18, evict_fraction: float = 0.25):
         if k < 1:
             raise ValueError(f"k must be >= 1, got {k}")
-        self.k, self.fuzzy = k, fuzzy
+        if not isinstance(capacity, int) or capacity < 1 or not 0 < evict_fraction <= 1:
+            raise ValueError(f"need an int capacity >= 1 and 0 < evict_fraction <= 1, got {capacity!r}, {evict_fraction!r}")
+        self.k, self.fuzzy, self.capacity, self.evict_fraction = k, fuzzy, capacity, evict_fraction
         self.clear()
 
     def clear(self) -> None:
-        self.tokens: list[list[int]] = []
+        self.tokens: list[list[int]] = []  # each path's kept tokens; tokens[pid][0] is at position start[pid]
         self.probs: list[list[float]] = []
+        self.start: list[int] = []
+        self.first_generated: list[int] = []  # the position of each path's first generated token
+        self.size = 0
         self._index: dict[tuple[int, ...], list[tuple[int, int]]] = defaultdict(list)
 
     def __len__(self) -> int:
@@ -62,7 +72,20 @@ class PathStore:
         """A new path after ``context`` (only its last ``k`` tokens are kept); returns its id."""
         self.tokens.append([int(t) for t in context[-self.k:]])
         self.probs.append([float("nan")] * len(self.tokens[-1]))
+        self.start.append(0)
+        self.first_generated.append(len(self.tokens[-1]))
+        self.size += len(self.tokens[-1])
         return len(self.tokens) - 1
+
+    def _index_position(self, pid: int, e: int) -> None:
+        """Index the windows that end before position ``e`` of path ``pid`` (a generated token)."""
+        toks, at = self.tokens[pid], e - self.start[pid]
+        for n in range(1, min(self.k, at) + 1):
+            key = tuple(toks[at - n: at])
+            self._index[key].append((pid, e))
+            if self.fuzzy and n == self.k and n >= 2:
+                for j in range(n):
+                    self._index[key[:j] + (_MASK,) + key[j + 1:]].append((pid, e))
 
     def extend(self, pid: int, tokens: list[int], probs: list[float]) -> None:
         """Append generated tokens with the probabilities they were drawn with."""
@@ -71,15 +94,30 @@ class PathStore:
         toks = self.tokens[pid]
         for tok, p in zip(tokens, probs):
             # windows are indexed once a token follows them, so every hit has a continuation
-            e = len(toks)
-            for n in range(1, min(self.k, e) + 1):
-                key = tuple(toks[e - n: e])
-                self._index[key].append((pid, e))
-                if self.fuzzy and n == self.k and n >= 2:
-                    for j in range(n):
-                        self._index[key[:j] + (_MASK,) + key[j + 1:]].append((pid, e))
+            self._index_position(pid, self.start[pid] + len(toks))
             toks.append(int(tok))
             self.probs[pid].append(float(p))
+        self.size += len(tokens)
+        if self.size > self.capacity:
+            self._evict()
+
+    def _evict(self) -> None:
+        """Drop the oldest tokens (oldest paths first, each keeping its last ``k``) until the store
+        is ``evict_fraction`` below capacity, then rebuild the index over what is left."""
+        target = self.capacity - max(1, math.ceil(self.evict_fraction * self.capacity))
+        for pid in range(len(self.tokens)):
+            if self.size <= target:
+                break
+            drop = min(len(self.tokens[pid]) - self.k, self.size - target)
+            if drop > 0:
+                del self.tokens[pid][:drop], self.probs[pid][:drop]
+                self.start[pid] += drop
+                self.size -= drop
+        self._index = defaultdict(list)
+        for pid, toks in enumerate(self.tokens):
+            first = max(self.first_generated[pid], self.start[pid] + 1)
+            for e in range(first, self.start[pid] + len(toks)):
+                self._index_position(pid, e)
 
     def candidates(self, suffix: list[int], length: int, *, exclude: int | None = None, min_k: int = 1,
                    fuzzy_weight: float = 0.5, limit: int = 64) -> list[Candidate]:
@@ -99,7 +137,9 @@ class PathStore:
                     if pid == exclude or (pid, e) in seen:
                         continue
                     seen.add((pid, e))
-                    found.append(Candidate(self.tokens[pid][e: e + length], self.probs[pid][e: e + length], weight, pid))
+                    at = e - self.start[pid]
+                    found.append(Candidate(self.tokens[pid][at: at + length], self.probs[pid][at: at + length], weight,
+                                           pid))
                     if len(found) == limit:
                         return found
             if found:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import itertools
+import math
+
 import numpy as np
 import torch
 
@@ -13,10 +16,14 @@ class _RowIndex:
     """For one row: every n-gram (n = 1..max_n) of its context mapped to the tokens that followed
     it, with their counts and last positions; extended only by the tokens added since last time.
     Each n-gram's continuations, ranked, are kept until a new token changes them: a step adds a
-    few tokens, so a draft re-ranks a few n-grams, not every one it visits."""
+    few tokens, so a draft re-ranks a few n-grams, not every one it visits.
 
-    def __init__(self, max_n: int):
-        self.max_n = max_n
+    At most ``capacity`` n-grams are kept: past it, the ``evict_fraction`` updated least recently
+    go (the dict keeps update order: an updated n-gram moves to the end)."""
+
+    def __init__(self, max_n: int, capacity: int, evict_fraction: float):
+        self.max_n, self.capacity = max_n, capacity
+        self.evict = max(1, math.ceil(evict_fraction * capacity))
         self.tokens: list[int] = []
         self.next: dict[tuple[int, ...], dict[int, list[int]]] = {}
         self.ranked: dict[tuple[int, ...], list[int]] = {}
@@ -28,7 +35,10 @@ class _RowIndex:
             for n in range(1, min(self.max_n, j) + 1):
                 key = tuple(toks[j - n: j])
                 self.ranked.pop(key, None)
-                seen = self.next.setdefault(key, {})
+                seen = self.next.pop(key, None)
+                if seen is None:
+                    seen = {}
+                self.next[key] = seen  # now the most recently updated
                 entry = seen.get(tok)
                 if entry is None:
                     seen[tok] = [1, j]
@@ -36,6 +46,10 @@ class _RowIndex:
                     entry[0] += 1
                     entry[1] = j
             toks.append(tok)
+            if len(self.next) > self.capacity:
+                for key in list(itertools.islice(self.next, self.evict)):
+                    del self.next[key]
+                    self.ranked.pop(key, None)
 
     def _ranked(self, key: tuple[int, ...]) -> list[int] | None:
         ranked = self.ranked.get(key)
@@ -69,12 +83,19 @@ class _RowIndex:
 class NGramDrafter(Drafter):
     """Deterministic drafts from the row's own context (prompt + generated): each node's children
     are the distinct continuations of the longest suffix (n = ``max_n``..``min_n``) of the path
-    context that occurred before, most frequent first; slots with no candidate are invalid."""
+    context that occurred before, most frequent first; slots with no candidate are invalid.
 
-    def __init__(self, max_n: int = 4, min_n: int = 1):
+    Memory is bounded per row: at most ``capacity`` n-grams (about 250 bytes each; the default
+    65536 covers 16k tokens of context at ``max_n`` 4), the ``evict_fraction`` least recently
+    updated dropped when it is reached."""
+
+    def __init__(self, max_n: int = 4, min_n: int = 1, capacity: int = 1 << 16, evict_fraction: float = 0.1):
         if not 1 <= min_n <= max_n:
             raise ValueError(f"need 1 <= min_n <= max_n, got min_n={min_n}, max_n={max_n}")
+        if not isinstance(capacity, int) or capacity < 1 or not 0 < evict_fraction <= 1:
+            raise ValueError(f"need an int capacity >= 1 and 0 < evict_fraction <= 1, got {capacity!r}, {evict_fraction!r}")
         self.max_n, self.min_n = max_n, min_n
+        self.capacity, self.evict_fraction = capacity, evict_fraction
         self._rows: dict[int, _RowIndex] = {}
         self._planned = None
 
@@ -82,7 +103,9 @@ class NGramDrafter(Drafter):
         self._rows = {}
 
     def _index(self, context: DraftContext, i: int) -> _RowIndex:
-        index = self._rows.setdefault(context.rows[i], _RowIndex(self.max_n))
+        index = self._rows.get(context.rows[i])
+        if index is None:
+            index = self._rows[context.rows[i]] = _RowIndex(self.max_n, self.capacity, self.evict_fraction)
         length = int(context.lengths[context.rows[i]])
         if length < len(index.tokens):
             raise ValueError(f"row {context.rows[i]}'s context shrank from {len(index.tokens)} to {length} tokens; "

@@ -144,3 +144,22 @@ def test_generate_records_the_probability_each_emitted_token_had():
         assert toks == seq[len(prompt) - 3:]  # the k context tokens, then everything emitted
         law = [float(model.table[seq[t - 2], seq[t - 1], seq[t]]) for t in range(len(prompt), len(seq))]
         assert probs[3:] == pytest.approx(law, abs=1e-6)
+
+
+def test_capacity_drops_the_oldest_tokens_and_keeps_paths_extendable():
+    """Past ``capacity`` tokens the oldest go (oldest paths first, each keeping its last k); what
+    is left is found exactly as a store that only ever held it would find it."""
+    store = PathStore(k=2, capacity=20, evict_fraction=0.5)
+    old = path(store, [0, 1], [2, 3, 4, 5, 6, 7, 8, 9], [0.5] * 8)  # 10 tokens
+    new = path(store, [20, 21], [22, 23, 24, 25, 26, 27, 28], [0.4] * 7)  # 9 tokens: 19 stored
+    assert store.size == 19 and found(store.candidates([3, 4], 2)) == [([5, 6], [0.5, 0.5], 1.0, old)]
+    store.extend(new, [29, 30], [0.4, 0.4])  # 21 > 20: down to 10
+    assert store.size == 10 and store.tokens[old] == [8, 9] and store.candidates([3, 4], 2) == []
+    assert found(store.candidates([24, 25], 2)) == [([26, 27], [0.4, 0.4], 1.0, new)]
+    store.extend(old, [40], [0.9])  # the trimmed path goes on: its last k tokens were kept
+    assert found(store.candidates([8, 9], 1)) == [([40], [0.9], 1.0, old)]
+    for i in range(200):
+        store.extend(new, [100 + i], [0.1])
+        assert store.size <= 20
+    with pytest.raises(ValueError, match="capacity"):
+        PathStore(capacity=0)

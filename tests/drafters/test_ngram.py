@@ -114,3 +114,21 @@ def test_rows_are_keyed_by_stable_id_and_shrinking_is_an_error():
         drafter.propose(DraftContext(tokens, torch.tensor([5, 3]), [1]), TreeShape.chain(2))
     with pytest.raises(ValueError, match="min_n"):
         NGramDrafter(max_n=2, min_n=3)
+
+
+def test_capacity_bounds_each_rows_index_and_drops_the_stalest_ngrams():
+    drafter = NGramDrafter(max_n=1, capacity=6, evict_fraction=0.5)
+    seq = [1, 2, 1, 3, 4, 5, 6, 7, 8]
+    context = DraftContext(torch.tensor([seq]), torch.tensor([len(seq)]), [0])
+    draft = drafter.propose(context, TreeShape.chain(1))
+    index = drafter._rows[0]
+    # 7 distinct one-grams were followed by a token; the 7th found 6 (update order (2,) (1,) (3,) (4,)
+    # (5,) (6,): (1,) moved behind (2,) when it recurred) and the 3 least recently updated went
+    assert sorted(index.next) == [(4,), (5,), (6,), (7,)]
+    assert not bool(draft.valid[0, 1])  # 8 ends the context: nothing followed it
+    long = list(range(10, 3000))
+    big = NGramDrafter(capacity=100)
+    big.propose(DraftContext(torch.tensor([long]), torch.tensor([len(long)]), [0]), TreeShape.chain(2))
+    assert len(big._rows[0].next) <= 100
+    with pytest.raises(ValueError, match="capacity"):
+        NGramDrafter(capacity=0)
