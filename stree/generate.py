@@ -18,6 +18,7 @@ import inspect
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from .args import integer
@@ -113,10 +114,11 @@ class HostStep:
 
 
 def _finite(logits: torch.Tensor, params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
-    """Whether each position's logits are all finite (one sum: NaN and inf survive it; the models
-    emit no -inf), and the logits with the bad positions zeroed when sampling, so that no NaN
-    reaches a draw (a crash on the CPU, a device assert on CUDA) before the host sees the flag."""
-    finite = logits.sum(-1).isfinite()
+    """Whether each position's logits are free of NaN and +inf (one sum, one compare: both survive
+    the sum; -inf, a token ruled out, is allowed), and the logits with the bad positions zeroed
+    when sampling, so that no NaN reaches a draw (a crash on the CPU, a device assert on CUDA)
+    before the host sees the flag."""
+    finite = logits.sum(-1) < float("inf")
     return finite, logits if params.greedy else logits.where(finite[..., None], 0.0)
 
 
@@ -439,7 +441,13 @@ def decode(model, input_ids, *, drafter: Drafter | None = None, tree: TreeShape 
     if torch_compile and (device.type != "cpu" or not isinstance(model, TreeLM)):
         raise ValueError(f"torch_compile=True is for stree models on the CPU (on CUDA: cuda_graph), got "
                          f"{type(model).__name__} on {device}")
-    generator = None if seed is None else torch.Generator(device=device).manual_seed(seed)
+    generator = None
+    if seed is not None:  # two independent streams from one seed: the verifier's and the drafter's
+        verify_seed, draft_seed = (int(s.generate_state(1, np.uint64)[0] >> 1)
+                                   for s in np.random.SeedSequence(seed).spawn(2))
+        generator = torch.Generator(device=device).manual_seed(verify_seed)
+        if drafter is not None:
+            drafter.reseed(draft_seed)
     backend = "chain" if method == "chain" else "tree"
     top_k = _top_k(drafter)
 
@@ -504,7 +512,7 @@ def decode(model, input_ids, *, drafter: Drafter | None = None, tree: TreeShape 
 def _check_finite(host: HostStep, rows: Rows, where: str) -> None:
     bad = torch.nonzero(~host.finite & rows.active).flatten().tolist()
     if bad:
-        raise ValueError(f"the target's logits hold NaN or inf at {where} (rows {bad}): its weights or activations "
+        raise ValueError(f"the target's logits hold NaN or +inf at {where} (rows {bad}): its weights or activations "
                          "are not finite (stree.models.load checks the weights; fp16 may overflow where bf16 or "
                          "fp32 does not)")
 

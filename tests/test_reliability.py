@@ -33,11 +33,11 @@ def test_non_finite_logits_stop_generate_with_the_step_named(model, kw):
     broken.lm_head.weight = torch.nn.Parameter(broken.lm_head.weight.clone())  # untied: the head stays finite
     with torch.no_grad():
         broken.backbone.embedding.weight[token, 0] = float("nan")
-    with pytest.raises(ValueError, match=r"logits hold NaN or inf at decoding step \d+ \(rows \[0\]\)"):
+    with pytest.raises(ValueError, match=r"logits hold NaN or \+inf at decoding step \d+ \(rows \[0\]\)"):
         generate(broken, [prompt], max_new_tokens=8, **kw, seed=0)
     with torch.no_grad():
         broken.backbone.embedding.weight[prompt[0], 0] = float("inf")
-    with pytest.raises(ValueError, match=r"logits hold NaN or inf at the prefill"):
+    with pytest.raises(ValueError, match=r"logits hold NaN or \+inf at the prefill"):
         generate(broken, [prompt], max_new_tokens=8, **kw, seed=0)
 
 
@@ -113,3 +113,26 @@ def test_config_is_read_before_the_weights(tmp_path, monkeypatch):
     monkeypatch.setattr(loading, "_read_weights", lambda path: pytest.fail("weights read before the config check"))
     with pytest.raises(ValueError, match="n_layer must be a positive integer"):
         load(tmp_path / "m")
+
+
+def test_one_seed_gives_the_drafter_and_the_verifier_independent_streams(model):
+    """generate(seed=s) reseeds the drafter from s, apart from the verifier's stream (before, both
+    were torch generators seeded 0 by default: the same numbers): drafters built with different
+    seeds of their own give the same output under one generate seed."""
+    from stree.drafters import STANDDrafter, STANDStore
+
+    seeds = []
+
+    class Recording(STANDDrafter):
+        def reseed(self, seed):
+            seeds.append(seed)
+            super().reseed(seed)
+
+    kw = dict(max_new_tokens=24, temperature=0.9, seed=0)
+    a = generate(model, [[5, 6, 7]], drafter=Recording(STANDStore(), seed=0), **kw)
+    b = generate(model, [[5, 6, 7]], drafter=Recording(STANDStore(), seed=123), **kw)
+    assert a.sequences == b.sequences and seeds[0] == seeds[1] != 0
+    c = generate(model, [[5, 6, 7]], drafter=Recording(STANDStore(), seed=0), **{**kw, "seed": 1})
+    assert seeds[2] != seeds[0] and c.sequences != a.sequences
+    draws = torch.rand(8, generator=torch.Generator().manual_seed(seeds[0]))
+    assert not torch.equal(draws, torch.rand(8, generator=torch.Generator().manual_seed(0)))

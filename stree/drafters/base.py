@@ -57,8 +57,17 @@ class Drafter:
     #: the depth of the trees it proposes when that is not the shape's (e.g. beam search)
     draft_depth: int | None = None
 
+    #: the drafter's own random stream (None: it draws nothing)
+    generator: torch.Generator | None = None
+
     def reset(self) -> None:
         """Forget per-row state: the next ``propose`` starts new rows."""
+
+    def reseed(self, seed: int) -> None:
+        """Restart the drafter's random stream from ``seed`` (``generate(seed=...)`` derives it,
+        independent of the verifier's stream)."""
+        if self.generator is not None:
+            self.generator.manual_seed(seed)
 
     def tree_shape(self, shape: TreeShape | None) -> TreeShape:
         """``shape``, else the drafter's own; a ValueError when neither is set."""

@@ -190,6 +190,10 @@ class STANDDrafter(Drafter):
             self._planned = (shape, shape.children(), levels)
         return self._planned[1:]
 
+    def reseed(self, seed: int) -> None:
+        super().reseed(seed)
+        self._noise, self._pos = np.empty(0, dtype=np.float32), 0  # drawn from the old stream
+
     def _take_noise(self, n: int) -> np.ndarray:
         if self._pos + n > len(self._noise):
             size = max(self._noise_size, n)
