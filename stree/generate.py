@@ -158,7 +158,9 @@ class Rows:
 
     def __init__(self, prompts: list[list[int]], max_new_tokens: int, eos: list[int]):
         B, longest = len(prompts), max(map(len, prompts))
-        self.seq = torch.zeros(B, longest + max_new_tokens, dtype=torch.long)
+        # grown as tokens come (doubling): max_new_tokens is a limit, not an allocation
+        self.seq = torch.zeros(B, longest + min(max_new_tokens, 256), dtype=torch.long)
+        self.limit = longest + max_new_tokens
         self.lengths = torch.tensor([len(p) for p in prompts])
         for i, p in enumerate(prompts):
             self.seq[i, : len(p)] = torch.tensor(p)
@@ -203,11 +205,19 @@ class Rows:
             drafter.observe(DraftContext(self.seq, self.lengths, ids.tolist()),
                             [row[:m].tolist() for row, m in zip(tokens, n_list)], target)
         keep = j < n[:, None]
+        self._reserve(int((self.lengths[ids] + n).max()) if len(ids) else 0)
         self.seq[ids[:, None].expand_as(tokens)[keep], (self.lengths[ids][:, None] + j)[keep]] = tokens[keep]
         self.lengths[ids] += n
         self.produced[ids] += n
         self.active[ids[(hit & (upto <= n)) | (n == room)]] = False
 
+
+    def _reserve(self, length: int) -> None:
+        if length > self.seq.shape[1]:
+            grown = torch.zeros(self.seq.shape[0], min(self.limit, max(length, 2 * self.seq.shape[1])),
+                                dtype=torch.long)
+            grown[:, : self.seq.shape[1]] = self.seq
+            self.seq = grown
 
     def generated(self, row: int) -> list[int]:
         """The tokens row ``row`` generated so far."""
@@ -284,7 +294,16 @@ def _prompts(input_ids) -> list[list[int]]:
                              f"got {input_ids.dtype} {tuple(input_ids.shape)}")
         prompts = input_ids.tolist()
     else:
-        prompts = [list(map(int, p)) for p in input_ids]
+        try:
+            prompts = [list(p) for p in input_ids]
+        except TypeError:
+            raise TypeError(f"input_ids must be an integer tensor [batch, T] or a list of token lists, got "
+                            f"{type(input_ids).__name__}") from None
+        for i, p in enumerate(prompts):
+            for j, t in enumerate(p):
+                if isinstance(t, bool) or not isinstance(t, (int, np.integer)):
+                    raise TypeError(f"input_ids[{i}][{j}] must be an integer token id, got {t!r}")
+        prompts = [[int(t) for t in p] for p in prompts]
     if not prompts:
         raise ValueError("input_ids holds no rows")
     for i, p in enumerate(prompts):
