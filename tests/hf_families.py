@@ -62,6 +62,9 @@ def randomize(hf, seed: int):
                 p.copy_(rand / math.sqrt(p.shape[-1]))
             else:
                 p.copy_(rand * (0.5 if p.dim() == 3 else 1.0))
+        for name, b in hf.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # Nemotron-H's router bias: a checkpoint value
+                b.copy_(0.3 * torch.randn(b.shape, generator=g))
     return hf
 
 

@@ -323,6 +323,8 @@ def from_transformers(hf_model):
         prefix = build.embed_key.split(".")[0] + "."  # transformers keeps the modules under "model."
         state = {_file_name(prefix + k[len("model."):] if k.startswith("model.") else k,
                             getattr(build, "memory_names", {})): v for k, v in state.items()}
+        if hasattr(build, "file_state"):
+            state = build.file_state(state)
     weights = next(iter(state.values()))
     model = build(cfg, device="meta", dtype=weights.dtype)
     _fill(model, state, tied, f"{type(hf_model).__name__}.state_dict()", where, share=True)

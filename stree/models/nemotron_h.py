@@ -1,6 +1,7 @@
 """Nemotron-H (transformers ``NemotronHForCausalLM``: Nemotron-H, Nemotron Nano 2): every layer is
-one pre-norm residual op, Mamba2 ("M"), attention without positional encoding ("*") or a
-squared-ReLU MLP ("-"); residual stream in the model dtype. The Mamba2 mixer is heads x head_dim
+one pre-norm residual op, Mamba2 ("M"), attention without positional encoding ("*"), a
+squared-ReLU MLP ("-") or a mixture of squared-ReLU experts with a shared expert ("E", Nemotron
+3 Nano; see :class:`stree.models.moe.GroupedMoE`); residual stream in the model dtype. The Mamba2 mixer is heads x head_dim
 wide with grouped gated norm (n_groups groups), and clamps dt >= time_step_min in prefill only,
 as transformers' chunked scan does and its step does not. Parameter names are the checkpoints'
 (``backbone.layers.i.mixer.*``, ``backbone.embeddings``, ``backbone.norm_f``)."""
@@ -17,6 +18,7 @@ from .base import Block, TreeLM
 from .config import Mamba2Config, flag, require
 from .mamba2 import Mamba2Mixer, RMSNorm
 from .mlp import ReluSquaredMLP
+from .moe import GroupedMoE, check_group_routing
 
 LAYER_TYPES = {"M": "mamba", "*": "attention", "-": "mlp", "E": "moe",
                "linear_attention": "mamba", "mamba": "mamba", "full_attention": "attention", "attention": "attention",
@@ -34,11 +36,23 @@ class NemotronHConfig:
     norm_eps: float = 1e-5
     mlp_bias: bool = False
     tie_word_embeddings: bool = False
+    # the "moe" layers' experts (0: the model has none)
+    n_experts: int = 0
+    experts_per_token: int = 0
+    moe_intermediate_size: int = 0
+    moe_shared_intermediate_size: int = 0
+    n_group: int = 1
+    topk_group: int = 1
+    norm_topk_prob: bool = True
+    routed_scaling_factor: float = 1.0
+    moe_latent_size: int | None = None
 
     def __post_init__(self):
-        bad = sorted(set(self.layer_types) - {"mamba", "attention", "mlp"})
+        bad = sorted(set(self.layer_types) - {"mamba", "attention", "mlp", "moe"})
         if bad:
-            raise ValueError(f"layer types {bad} are not supported (mamba, attention, mlp)")
+            raise ValueError(f"layer types {bad} are not supported (mamba, attention, mlp, moe)")
+        if "moe" in self.layer_types:
+            check_group_routing(self.n_experts, self.experts_per_token, self.n_group, self.topk_group)
 
     @property
     def n_layer(self) -> int:
@@ -55,8 +69,6 @@ class NemotronHConfig:
         if unknown:
             raise ValueError(f"{file}: unknown layer types {unknown} in the layer pattern")
         types = tuple(LAYER_TYPES[t] for t in pattern)
-        if "moe" in types:
-            raise ValueError(f"{file}: mixture-of-experts layers ('E' / 'moe') are not supported")
         for key in ("mamba_hidden_act",):
             if config.get(key, "silu") != "silu":
                 raise ValueError(f"{file}: {key} {config[key]!r} is not supported (only 'silu')")
@@ -78,13 +90,30 @@ class NemotronHConfig:
             conv_bias=flag(config, "use_conv_bias", True, file), bias=flag(config, "use_bias", False, file),
             pad_vocab_size_multiple=1, tie_embeddings=tie, residual_in_fp32=False, norm_eps=eps, d_ssm=d_inner,
             norm_round_before_weight=True, dt_limit_prefill_only=True)
+        moe = {}
+        if "moe" in types:
+            experts = config.get("n_routed_experts") or config.get("num_local_experts") or 8
+            moe = dict(n_experts=int(experts), experts_per_token=int(config.get("num_experts_per_tok", 2)),
+                       moe_intermediate_size=int(config.get("moe_intermediate_size", 7688)),
+                       moe_shared_intermediate_size=int(config.get("moe_shared_expert_intermediate_size", 7688)),
+                       n_group=int(config.get("n_group", 1)), topk_group=int(config.get("topk_group", 1)),
+                       norm_topk_prob=flag(config, "norm_topk_prob", True, file),
+                       routed_scaling_factor=float(config.get("routed_scaling_factor", 1.0)),
+                       moe_latent_size=config.get("moe_latent_size"))
         return cls(hidden, mamba.vocab_size, types, config.get("intermediate_size", 4 * hidden), attention, mamba,
-                   eps, flag(config, "mlp_bias", False, file), tie)
+                   eps, flag(config, "mlp_bias", False, file), tie, **moe)
 
     def to_hf(self) -> dict:
         a, m = self.attention, self.mamba
-        pattern = "".join({"mamba": "M", "attention": "*", "mlp": "-"}[t] for t in self.layer_types)
-        return dict(
+        pattern = "".join({"mamba": "M", "attention": "*", "mlp": "-", "moe": "E"}[t] for t in self.layer_types)
+        moe = {}
+        if self.n_experts:
+            moe = dict(n_routed_experts=self.n_experts, num_experts_per_tok=self.experts_per_token,
+                       moe_intermediate_size=self.moe_intermediate_size,
+                       moe_shared_expert_intermediate_size=self.moe_shared_intermediate_size, n_group=self.n_group,
+                       topk_group=self.topk_group, norm_topk_prob=self.norm_topk_prob,
+                       routed_scaling_factor=self.routed_scaling_factor, moe_latent_size=self.moe_latent_size)
+        return dict(**moe,
             model_type="nemotron_h", architectures=["NemotronHForCausalLM"], vocab_size=self.vocab_size,
             hidden_size=self.d_model, num_hidden_layers=self.n_layer, hybrid_override_pattern=pattern,
             intermediate_size=self.intermediate_size, num_attention_heads=a.num_heads,
@@ -105,11 +134,16 @@ class NemotronHLayer(nn.Module):
             self.mixer = Mamba2Mixer(cfg.mamba, **f)
         elif kind == "attention":
             self.mixer = LlamaAttention(cfg.d_model, cfg.attention, **f)
+        elif kind == "moe":
+            self.mixer = GroupedMoE(cfg.d_model, cfg.n_experts, cfg.experts_per_token, cfg.moe_intermediate_size,
+                                    cfg.moe_shared_intermediate_size, n_group=cfg.n_group, topk_group=cfg.topk_group,
+                                    normalize=cfg.norm_topk_prob, scale=cfg.routed_scaling_factor,
+                                    latent=cfg.moe_latent_size, bias=cfg.mlp_bias, **f)
         else:
             self.mixer = ReluSquaredMLP(cfg.d_model, cfg.intermediate_size, bias=cfg.mlp_bias, **f)
 
     def block(self) -> Block:
-        if self.kind == "mlp":  # stateless: the block loop's MLP slot, no token mixer
+        if self.kind in ("mlp", "moe"):  # stateless: the block loop's MLP slot, no token mixer
             return Block(None, None, self.norm, self.mixer)
         return Block(self.norm, self.mixer)
 
@@ -135,3 +169,16 @@ class NemotronHLM(TreeLM):
         self.make_head(cfg.d_model, cfg.vocab_size, cfg.tie_word_embeddings, device, dtype)
         self.residual_fp32 = False
         self.blocks = [layer.block() for layer in self.backbone.layers]
+
+    @staticmethod
+    def file_state(state: dict) -> dict:
+        """transformers' in-memory state dict as the checkpoints lay it out: its stacked experts
+        (``experts.up_proj [E, I, d]``) as per-expert rows, views that share the storage."""
+        out = {}
+        for key, value in state.items():
+            head, _, name = key.rpartition("experts.")
+            if head and name in ("up_proj", "down_proj") and value.dim() == 3:
+                out.update({f"{head}experts.{e}.{name}.weight": value[e] for e in range(value.shape[0])})
+            else:
+                out[key] = value
+        return out

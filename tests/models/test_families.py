@@ -54,6 +54,13 @@ VARIANTS = {
     "falcon_h1 norm before gate": ("falcon_h1", dict(mamba_rms_norm=True, mamba_norm_before_gate=True,
                                                      projectors_bias=True, attention_bias=True)),
     "granite rope dense": ("granitemoehybrid", dict(position_embedding_type="rope", num_local_experts=0)),
+    "nemotron_h moe": ("nemotron_h", dict(hybrid_override_pattern="ME*E-M", n_routed_experts=8, num_experts_per_tok=3,
+                                          moe_intermediate_size=16, moe_shared_expert_intermediate_size=24,
+                                          n_group=4, topk_group=2, routed_scaling_factor=2.5)),
+    "nemotron_h moe latent": ("nemotron_h", dict(hybrid_override_pattern="MEM*E", n_routed_experts=6,
+                                                 num_experts_per_tok=2, moe_intermediate_size=16,
+                                                 moe_shared_expert_intermediate_size=24, moe_latent_size=16,
+                                                 norm_topk_prob=False)),
 }
 
 
@@ -175,8 +182,8 @@ def test_unsupported_configs_are_named(tmp_path):
     hf = save_tiny("nemotron_h", tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())
     write = lambda **kw: (tmp_path / "config.json").write_text(json.dumps({**config, **kw}))
-    write(layers_block_type=None, hybrid_override_pattern="M*E-M")
-    with pytest.raises(ValueError, match=r"config.json: mixture-of-experts layers"):
+    write(layers_block_type=None, hybrid_override_pattern="M*E-M", n_routed_experts=6, n_group=4)
+    with pytest.raises(ValueError, match=r"config.json: n_group 4 must divide 6 experts"):
         load(tmp_path)
     write(layers_block_type=None, hybrid_override_pattern="M*X-M")
     with pytest.raises(ValueError, match=r"unknown layer types \['X'\]"):
@@ -275,3 +282,26 @@ def test_stand_and_consensus_serve_transformer_targets(tmp_path, drafter):
                    max_new_tokens=16)
     assert out.new_tokens == [reference_greedy(hf, p, 16) for p in prompts]
     assert sum(map(sum, out.stats.accepted)) > 0
+
+
+def test_nemotron_h_experts_round_trip_and_share_transformers_weights(tmp_path):
+    """The checkpoints keep one up / down matrix per expert; stree stacks them for the grouped
+    matmuls, writes them back per expert (transformers reads it), and wraps transformers' own
+    stacked experts without a copy."""
+    from transformers import AutoModelForCausalLM
+
+    from stree.models import from_transformers
+
+    family, overrides = VARIANTS["nemotron_h moe"]
+    hf = save_tiny(family, tmp_path / "hf", **overrides)
+    model = load(tmp_path / "hf")
+    save(model, tmp_path / "stree")
+    again = load(tmp_path / "stree")
+    ids = torch.tensor([_prompt(80, 9)])
+    assert again.cfg == model.cfg and torch.equal(again(ids), model(ids))
+    hf2 = AutoModelForCausalLM.from_pretrained(str(tmp_path / "stree"), local_files_only=True).eval()
+    assert (reference_logits(hf2, ids[0].tolist(), []) - reference_logits(hf, ids[0].tolist(), [])).abs().max() < 1e-6
+    wrapped = from_transformers(hf)
+    assert torch.equal(wrapped(ids), model(ids))
+    shared = {p.data_ptr() for p in hf.parameters()}
+    assert all(p.data_ptr() in shared for p in wrapped.parameters())

@@ -6,7 +6,16 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from stree.models.moe import TopKMoE, grouped_mm_fits, moe_grouped, moe_reference
+from stree.models.moe import (GroupedMoE, TopKMoE, experts_grouped, experts_reference, grouped_mm_fits,
+                              route_grouped_sigmoid, route_softmax)
+
+
+def moe_grouped(x, router, gate_up, down, top_k):
+    return experts_grouped(x, *route_softmax(x, router, top_k), gate_up, down, "silu_gated")
+
+
+def moe_reference(x, router, gate_up, down, top_k):
+    return experts_reference(x, *route_softmax(x, router, top_k), gate_up, down, "silu_gated")
 
 
 def definition(x, router, gate_up, down, top_k):
@@ -57,5 +66,45 @@ def test_module_uses_the_reference_where_rows_are_not_16_byte_multiples():
 
 
 def test_top_k_is_checked():
-    with pytest.raises(ValueError, match=r"num_experts_per_tok must be in \[1, num_local_experts = 4\], got 5"):
+    with pytest.raises(ValueError, match=r"num_experts_per_tok must be in \[1, 4 experts\], got 5"):
         TopKMoE(16, 4, 5, 8)
+    with pytest.raises(ValueError, match="topk_group 1 groups"):
+        GroupedMoE(16, 8, 3, 8, 8, n_group=4, topk_group=1)
+
+
+def grouped_sigmoid_definition(x, router, bias, top_k, n_group, topk_group, normalize, scale):
+    """float64, one token at a time: groups ranked by their two best biased scores, experts by
+    biased score within the kept groups, weights from the unbiased scores."""
+    x, router, bias = x.double(), router.double(), bias.double()
+    E = router.shape[0]
+    size = E // n_group
+    out_w, out_e = [], []
+    for t in range(x.shape[0]):
+        scores = torch.sigmoid(router @ x[t])
+        biased = scores + bias
+        group_score = [sorted(biased[g * size:(g + 1) * size].tolist())[-2:] for g in range(n_group)]
+        kept = sorted(range(n_group), key=lambda g: -sum(group_score[g]))[:topk_group]
+        allowed = [e for e in range(E) if e // size in kept]
+        chosen = sorted(allowed, key=lambda e: -float(biased[e]))[:top_k]
+        w = scores[chosen]
+        if normalize:
+            w = w / w.sum()
+        out_w.append(sorted(zip(chosen, (w * scale).tolist())))
+    return out_w
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 2**16), tokens=st.integers(1, 20), groups=st.sampled_from([(1, 1), (2, 1), (4, 2), (4, 4)]),
+       top_k=st.integers(1, 3), normalize=st.booleans())
+def test_grouped_sigmoid_routing_equals_the_definition(seed, tokens, groups, top_k, normalize):
+    n_group, topk_group = groups
+    g = torch.Generator().manual_seed(seed)
+    E, d = 8, 16
+    x, router, bias = torch.randn(tokens, d, generator=g), torch.randn(E, d, generator=g), torch.randn(E, generator=g)
+    top_k = min(top_k, topk_group * E // n_group)
+    weights, experts = route_grouped_sigmoid(x, router, bias, top_k, n_group, topk_group, normalize, 2.5)
+    got = [sorted(zip(e.tolist(), w.tolist())) for e, w in zip(experts, weights)]
+    want = grouped_sigmoid_definition(x, router, bias, top_k, n_group, topk_group, normalize, 2.5)
+    for a, b in zip(got, want):
+        assert [e for e, _ in a] == [e for e, _ in b]
+        assert max(abs(u - v) for (_, u), (_, v) in zip(a, b)) < 1e-5
