@@ -8,7 +8,7 @@ The fast path groups the (token, expert) pairs by expert and runs each projectio
 matmul (``torch._grouped_mm``) with offsets computed on the device: every expert's weights are
 read once, whatever the number of tokens (a tree verify routes dozens), and nothing syncs with
 the host. :func:`experts_reference`, each token through its own k experts, is what it is tested
-against and what runs where the grouped matmul cannot (rows not a multiple of 16 bytes).
+against and what runs where the grouped matmul cannot (see :func:`grouped_mm_fits`).
 """
 
 from __future__ import annotations
@@ -77,14 +77,20 @@ def experts_grouped(x, weights, experts, up, down, act: str) -> torch.Tensor:
     return torch.zeros(x.shape, dtype=weights.dtype, device=x.device).index_add_(0, token, out).to(x.dtype)
 
 
-def grouped_mm_fits(d_model: int, intermediate: int, dtype: torch.dtype) -> bool:
-    """``torch._grouped_mm`` needs every row of its operands to be a multiple of 16 bytes."""
+def grouped_mm_fits(d_model: int, intermediate: int, dtype: torch.dtype, device=None) -> bool:
+    """``torch._grouped_mm`` needs every row of its operands to be a multiple of 16 bytes, and on
+    CUDA bf16 operands on a Hopper-or-newer GPU (elsewhere it runs on the CPU, any float dtype)."""
     size = torch.empty((), dtype=dtype).element_size()
-    return (d_model * size) % 16 == 0 and (intermediate * size) % 16 == 0
+    if (d_model * size) % 16 or (intermediate * size) % 16:
+        return False
+    device = torch.device(device or "cpu")
+    if device.type == "cuda":
+        return dtype == torch.bfloat16 and torch.cuda.get_device_capability(device) >= (9, 0)
+    return device.type == "cpu"
 
 
 def run_experts(x, weights, experts, up, down, act: str, intermediate: int) -> torch.Tensor:
-    fits = grouped_mm_fits(x.shape[-1], intermediate, x.dtype)
+    fits = grouped_mm_fits(x.shape[-1], intermediate, x.dtype, x.device)
     return (experts_grouped if fits else experts_reference)(x, weights, experts, up, down, act)
 
 

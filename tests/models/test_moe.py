@@ -57,6 +57,7 @@ def test_bf16_grouped_path_equals_the_reference_path():
 
 def test_module_uses_the_reference_where_rows_are_not_16_byte_multiples():
     assert grouped_mm_fits(32, 8, torch.float32) and not grouped_mm_fits(30, 8, torch.float32)
+    assert not grouped_mm_fits(32, 8, torch.float32, "meta")
     assert not grouped_mm_fits(32, 12, torch.bfloat16)
     torch.manual_seed(0)
     moe = TopKMoE(30, 5, 2, 6)
@@ -108,3 +109,18 @@ def test_grouped_sigmoid_routing_equals_the_definition(seed, tokens, groups, top
     for a, b in zip(got, want):
         assert [e for e, _ in a] == [e for e, _ in b]
         assert max(abs(u - v) for (_, u), (_, v) in zip(a, b)) < 1e-5
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the grouped matmul on CUDA needs a GPU (benchmarks/gpu_check.sh)")
+def test_grouped_path_on_cuda_equals_the_reference():
+    args = [t.cuda().bfloat16() for t in _weights(2, 64, 8, 64, 32)]
+    weights, experts = route_softmax(args[0], args[1], 3)
+    want = experts_reference(args[0], weights, experts, args[2], args[3], "silu_gated").float()
+    if grouped_mm_fits(64, 32, torch.bfloat16, "cuda"):
+        got = experts_grouped(args[0], weights, experts, args[2], args[3], "silu_gated").float()
+        assert (got - want).abs().max() < 2e-2 * (1 + want.abs().max())
+    moe = TopKMoE(64, 8, 3, 32, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(2, 13, 64, device="cuda", dtype=torch.bfloat16)
+    w, e = route_softmax(x.reshape(-1, 64), moe.router.layer.weight, 3)
+    ref = experts_reference(x.reshape(-1, 64), w, e, moe.input_linear.weight, moe.output_linear.weight, "silu_gated")
+    assert (moe(x).reshape(-1, 64).float() - ref.float()).abs().max() < 2e-2 * (1 + ref.float().abs().max())
