@@ -28,7 +28,7 @@ from stree.demo import DRAFTER, TARGET, read_prompts
 from stree.drafters.registry import DRAFTER_NAMES, NEEDS_MODEL, make_drafter
 from stree.generate import pooled_tau
 from stree.models import load, load_tokenizer
-from stree.timing import run_info, save_result
+from stree.timing import add_device_args, device_and_dtype, run_info, save_result
 from stree.tts import sample_trajectories
 
 
@@ -43,16 +43,17 @@ def main(argv=None):
     p.add_argument("--drafters", default=",".join(DRAFTER_NAMES))
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    add_device_args(p)
     args = p.parse_args(argv)
     if args.smoke:
         args.prompts, args.max_new_tokens, args.trajectories = 1, 8, "1,2"
     temperatures = [float(t) for t in args.temperatures.split(",")]
     counts = sorted(int(n) for n in args.trajectories.split(","))
     drafters = args.drafters.split(",")
-    device = "cpu"
-    target = load(args.model, dtype=torch.float32, device=device)
+    device, dtype = device_and_dtype(args)
+    target = load(args.model, dtype=dtype, device=device)
     tokenizer = load_tokenizer(args.model, vocab_size=target.vocab_size)
-    draft_model = load(args.drafter_model, dtype=torch.float32, device=device)
+    draft_model = load(args.drafter_model, dtype=dtype, device=device)
     prompts = [tokenizer.encode(t, add_special_tokens=False) for t in read_prompts(Path(args.model) / "prompts.jsonl",
                                                                                   args.prompts)]
     rows = []
@@ -72,10 +73,11 @@ def main(argv=None):
             rows.append(dict(drafter=name, temperature=temperature, trajectories=n, tau=pooled_tau(first_n),
                              config_tokens_per_s=tokens / seconds))
 
-    result = dict(benchmark="acceptance", **run_info(device, argv), model=args.model, drafter_model=args.drafter_model,
+    result = dict(benchmark="acceptance", **run_info(device, argv), dtype=str(dtype).replace("torch.", ""),
+                  model=args.model, drafter_model=args.drafter_model,
                   prompts=len(prompts), max_new_tokens=args.max_new_tokens, threads=torch.get_num_threads(),
                   results=rows)
-    stem = "acceptance_smoke" if args.smoke else "acceptance_cpu"
+    stem = "acceptance_smoke" if args.smoke else f"acceptance_{device.type}"
     save_result(result, args.out, stem, plot)
     table = markdown(result, counts)
     (Path(args.out) / f"{stem}.md").write_text(table)

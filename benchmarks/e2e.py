@@ -28,7 +28,7 @@ from stree.drafters.registry import NEEDS_MODEL, make_drafter
 from stree.generate import generate, pooled_tau
 from stree.models import CompiledModel, load, load_tokenizer, save
 from stree.opcount import count_ops
-from stree.timing import run_info, save_result
+from stree.timing import add_device_args, device_and_dtype, run_info, save_result
 from stree.tree import TokenTree, TreeShape
 from stree.verify import verify
 
@@ -94,11 +94,11 @@ def main(argv=None):
     p.add_argument("--rounds", type=int, default=2, help="times every (prompt, configuration) runs")
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    add_device_args(p)
     args = p.parse_args(argv)
     if args.smoke:
         args.prompts, args.max_new_tokens, args.rounds = 2, 12, 1
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    device, dtype = device_and_dtype(args)
     target = load(args.model, dtype=dtype, device=device)
     draft_model = load(args.drafter_model, dtype=dtype, device=device)
     tokenizer = load_tokenizer(args.model, vocab_size=target.vocab_size)

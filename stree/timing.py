@@ -49,6 +49,23 @@ def peak_bytes(fn, device) -> int | None:
     return torch.cuda.max_memory_allocated(device) - base
 
 
+def add_device_args(parser) -> None:
+    """``--device`` (default: cuda when available, else cpu) and ``--dtype`` (default: bfloat16 on
+    CUDA, float32 on the CPU) for a benchmark."""
+    parser.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: cuda when available)")
+    parser.add_argument("--dtype", default=None, choices=("float32", "float16", "bfloat16"),
+                        help="default: bfloat16 on CUDA, float32 on the CPU")
+
+
+def device_and_dtype(args) -> tuple[torch.device, torch.dtype]:
+    """The benchmark's device and dtype from :func:`add_device_args`' options (checked)."""
+    from .models.loading import DTYPES, check_device
+
+    device = check_device(args.device) or torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = DTYPES[args.dtype] if args.dtype else torch.bfloat16 if device.type == "cuda" else torch.float32
+    return device, dtype
+
+
 def run_info(device, argv=None) -> dict:
     """What a committed result must carry: device name, UTC date, the exact command, torch version."""
     device = torch.device(device)
