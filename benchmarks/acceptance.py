@@ -6,8 +6,10 @@ from the prompt (seeds 0, 1, ...), all drafting through ONE drafter (STAND's sto
 consensus drafter's paths are shared, as in test-time scaling); a fresh drafter per prompt. The
 entry for n trajectories is tau over the first n of them, pooled over prompts: emitted tokens
 after the prefill's / verify steps. Drafters that keep no cross-trajectory state (n-gram, SSM)
-vary with n only through sampling. Trees: STAND its 625-node initial tree, n-gram and SSM static
-the paper's 13 nodes, SSM beam 3 beams x 4 steps, consensus the 13-node tree filled from its DAG.
+vary with n only through sampling. Trees: STAND its optimised trees (stree/assets/stand-trees,
+calibrated on training-split prompts; ``stand@paper13`` rows: the same drafter over the paper's 13
+nodes, side by side), n-gram and SSM static the paper's 13 nodes, SSM beam 3 beams x 4 steps,
+consensus the 13-node tree filled from its DAG.
 Writes JSON, a markdown table and a PNG.
 
     python benchmarks/acceptance.py            # 4 prompts x 96 new tokens, the committed table
@@ -29,6 +31,7 @@ from stree.drafters.registry import DRAFTER_NAMES, NEEDS_MODEL, make_drafter
 from stree.generate import pooled_tau
 from stree.models import load, load_tokenizer
 from stree.timing import add_device_args, device_and_dtype, run_info, save_result
+from stree.tree import TreeShape
 from stree.tts import sample_trajectories
 
 
@@ -40,7 +43,8 @@ def main(argv=None):
     p.add_argument("--max-new-tokens", type=int, default=96)
     p.add_argument("--temperatures", default="0,0.6,1.0")
     p.add_argument("--trajectories", default="1,4,8,16")
-    p.add_argument("--drafters", default=",".join(DRAFTER_NAMES))
+    p.add_argument("--drafters", default=",".join(DRAFTER_NAMES + ("stand@paper13", "stand-det@paper13")),
+                   help="drafter names; NAME@TREE drafts over another tree (the STAND drafters' own are optimised)")
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--out", default=str(Path(__file__).parent / "results"))
     add_device_args(p)
@@ -58,19 +62,21 @@ def main(argv=None):
                                                                                   args.prompts)]
     rows = []
     configs = [(d, t) for d in drafters for t in temperatures]
-    for name, temperature in tqdm(configs, desc="drafter x temperature", file=sys.stderr):
+    for label, temperature in tqdm(configs, desc="drafter x temperature", file=sys.stderr):
+        name, _, spec = label.partition("@")
+        tree = TreeShape.from_spec(spec) if spec else None
         stats, t0 = [], time.perf_counter()
         for prompt in prompts:
             drafter = make_drafter(name, drafter_model=draft_model if name in NEEDS_MODEL else None,
                                    vocab_size=target.vocab_size, temperature=temperature)
-            out = sample_trajectories(target, prompt, counts[-1], drafter=drafter, temperature=temperature,
+            out = sample_trajectories(target, prompt, counts[-1], drafter=drafter, tree=tree, temperature=temperature,
                                       max_new_tokens=args.max_new_tokens, eos_token_id=tokenizer.eos_token_id, seed=0)
             stats.append(out.stats)
         seconds = time.perf_counter() - t0
         tokens = sum(s.new_tokens[0] for per in stats for s in per)
         for n in counts:  # tokens/s: the whole configuration (every prompt and trajectory), drafting included
             first_n = [s for per_prompt in stats for s in per_prompt[:n]]
-            rows.append(dict(drafter=name, temperature=temperature, trajectories=n, tau=pooled_tau(first_n),
+            rows.append(dict(drafter=label, temperature=temperature, trajectories=n, tau=pooled_tau(first_n),
                              config_tokens_per_s=tokens / seconds))
 
     result = dict(benchmark="acceptance", **run_info(device, argv), dtype=str(dtype).replace("torch.", ""),

@@ -1,5 +1,7 @@
-"""Target-model cost of verifying a token tree: ``forward_tree`` (packed STree) and the unrolled
-baseline against one autoregressive ``step``, on random-weight models at real configurations
+"""Target-model cost of verifying a token tree: ``forward_tree`` (packed STree), the SSM-only
+unrolled backend (``unrolled``: only the scan per path) and the paper's full unrolled baseline
+(``unrolled-full``: every root-to-leaf path through the whole model from its own state copy, with
+its memory; paper 001 Table 2) against one autoregressive ``step``, on random-weight models at real configurations
 (``stree.models.presets.PRESETS``: Mamba2-2.7B, MambaInLlama-8B, Bamba-9B, Nemotron-H-8B,
 Granite-4.0-H-Small, Falcon-H1-7B). On CUDA both are also timed replayed from CUDA
 graphs (``GraphedStep``, ``GraphedTreePass``), where the ratio is to the graphed step. Writes JSON
@@ -27,6 +29,7 @@ from stree.models import GraphedStep, GraphedTreePass  # noqa: E402
 from stree.models.presets import PRESETS, TINY  # noqa: E402
 from stree.timing import median_ms, peak_bytes, run_info, save_result  # noqa: E402
 from stree.tree import TokenTree, TreeShape  # noqa: E402
+from stree.unrolled import UnrolledTarget  # noqa: E402
 
 
 def models(smoke):
@@ -56,6 +59,7 @@ def main(argv=None):
     for name, cls, cfg in models(args.smoke):
         torch.manual_seed(0)
         model = cls(cfg, device=device, dtype=dtype).eval()
+        unrolled = UnrolledTarget(model)  # the paper's baseline: each root-to-leaf path its own sequence
         vocab = model.vocab_size
         graphs = device.type == "cuda"
         cache = model.allocate_cache(args.batch, prompt + 64 + (warmup + reps + 4) * (4 if graphs else 2))
@@ -72,11 +76,13 @@ def main(argv=None):
                              ratio_to_step=1.0, peak_mem_bytes=None))
         for tree_name, shape in tqdm(TREES, desc=name, file=sys.stderr):
             tree = TokenTree.from_shape(shape, torch.randint(0, vocab, (args.batch, shape.n), generator=gen).to(device))
-            for backend in ("tree", "unrolled"):
-                run = lambda: model.forward_tree(tree, cache, backend=backend)
+            for backend in ("tree", "unrolled", "unrolled-full"):
+                target = unrolled if backend == "unrolled-full" else model
+                run = lambda: target.forward_tree(tree, cache, backend="tree" if backend == "unrolled-full" else backend)
                 ms = median_ms(run, device, warmup=warmup, reps=reps)
                 rows.append(dict(model=name, tree=tree_name, nodes=shape.n, backend=backend, time_ms_median=ms,
-                                 ratio_to_step=ms / step_ms, peak_mem_bytes=peak_bytes(run, device)))
+                                 ratio_to_step=ms / step_ms, peak_mem_bytes=peak_bytes(run, device),
+                                 tokens=sum(map(len, shape.leaf_paths())) if backend == "unrolled-full" else shape.n))
             if graphs:
                 graphed_tree = GraphedTreePass(model, cache, shape)
                 ms = median_ms(lambda: graphed_tree(tree.tokens, validate=False), device, warmup=warmup, reps=reps)
@@ -107,7 +113,7 @@ def plot(result):
     names = list(dict.fromkeys(r["model"] for r in result["results"]))
     fig, axes = plt.subplots(1, len(names), figsize=(5.5 * len(names), 4), squeeze=False)
     for ax, name in zip(axes[0], names):
-        for backend in ("tree", "unrolled", "tree-graph"):
+        for backend in ("tree", "unrolled", "unrolled-full", "tree-graph"):
             rs = sorted((r for r in result["results"] if r["model"] == name and r["backend"] == backend),
                         key=lambda r: r["nodes"])
             if not rs:

@@ -8,6 +8,7 @@ Regenerate the pair (fixed seeds; numbers in each directory's training.json / di
     stree train-lm --out build/tiny-target --save-dtype float16
     stree distill --target build/tiny-target --out build/tiny-drafter --save-dtype float16
     python -m stree.demo --install build/tiny-target build/tiny-drafter
+    python -m stree.demo --calibrate-stand 32     # STAND's optimised trees for the shipped target
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ TARGET, DRAFTER = ASSETS / "tiny-target", ASSETS / "tiny-drafter"
 SHIPPED = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "training.json",
            "distill.json", "prompts.jsonl")
 # (method, drafter): chain decoding drafts a 4-token chain, STree the drafter's own tree
-# (STAND's 625-node initial tree; n-gram and SSM static the paper's 13 nodes; beam 3 x 4).
+# (STAND's optimised tree, stree/assets/stand-trees; n-gram and SSM static the paper's 13 nodes;
+# beam 3 x 4).
 RUNS = (("autoregressive", None), ("chain", "ngram"), ("chain", "stand-det"), ("chain", "ssm-static"),
         ("stree", "ngram"), ("stree", "stand-det"), ("stree", "ssm-static"), ("stree", "ssm-beam"))
 
@@ -90,6 +92,39 @@ def run_demo(target_dir=TARGET, drafter_dir=DRAFTER, *, prompts: int = 4, max_ne
     return rows
 
 
+def calibrate_stand(target_dir=TARGET, prompts: int = 32, *, nodes: int = 80, max_new_tokens: int = 128,
+                    temperature: float = 0.6, out_dir=None, progress: bool = True) -> dict:
+    """STAND's trees for the target (paper 000, appendix A and Table 5): decode ``prompts``
+    training-split code prompts (the standard library's sources, never the held-out modules) over
+    the 625-node initial tree, separately for the deterministic drafter (greedy) and the
+    stochastic one (at ``temperature``), and keep each one's ``nodes`` most accepted nodes.
+    Writes ``{stand,stand-det}.json`` and ``calibration.json`` to ``out_dir`` (default: the
+    package's)."""
+    from .drafters.registry import STAND_TREES
+    from .drafters.stand import STANDDrafter, STANDStore
+    from .training.corpus import HELD_OUT, code_prompts, find_sources
+    from .tree_optimize import optimize_static_tree
+
+    out_dir = Path(out_dir or STAND_TREES)
+    target = load(target_dir, dtype=torch.float32)
+    tokenizer = load_tokenizer(target_dir, vocab_size=target.vocab_size)
+    texts = code_prompts(find_sources(None, HELD_OUT).train)[:prompts]
+    ids = [tokenizer.encode(t, add_special_tokens=False) for t in texts]
+    report = dict(target=str(target_dir), prompts=len(ids), nodes=nodes, max_new_tokens=max_new_tokens,
+                  command=f"python -m stree.demo --calibrate-stand {prompts}", trees={})
+    for name, temp in (("stand-det", 0.0), ("stand", temperature)):
+        drafter = STANDDrafter(STANDStore(), stochastic=name == "stand")
+        shape, counts = optimize_static_tree(target, ids, drafter, nodes=nodes, temperature=temp,
+                                             max_new_tokens=max_new_tokens, progress=progress)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        shape.save(out_dir / f"{name}.json")
+        steps = int(counts[0])
+        report["trees"][name] = dict(temperature=temp, verify_steps=steps, nodes=shape.n, depth=shape.max_depth,
+                                     initial_tree_tau=float(counts.sum()) / max(steps, 1))
+    (out_dir / "calibration.json").write_text(json.dumps(report, indent=2))
+    return report
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="stree demo", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=str(TARGET), help="target checkpoint directory (default: the shipped one)")
@@ -99,7 +134,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--install", nargs=2, metavar=("TARGET_DIR", "DRAFTER_DIR"),
                    help="copy a trained pair into the package (see the module docstring) and exit")
+    p.add_argument("--calibrate-stand", type=int, metavar="PROMPTS",
+                   help="optimise STAND's trees for the target on this many training-split prompts and exit")
     args = p.parse_args(argv)
+    if args.calibrate_stand:
+        report = calibrate_stand(args.model, args.calibrate_stand)
+        print(json.dumps(report["trees"], indent=2))
+        return 0
     if args.install:
         install(Path(args.install[0]), Path(args.install[1]))
         return 0

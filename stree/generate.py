@@ -29,13 +29,14 @@ from .models.compiled import CompiledDecode
 from .models.graphs import DecodeGraphs
 from .models.runners import DecodeRunner
 from .tree import TokenTree, TreeShape
+from .unrolled import UnrolledTarget
 from .verify import SamplingParams, verify
 
 __all__ = ["METHODS", "GenerationOutput", "GenerationStats", "HostStep", "Rows", "autoregressive_step", "decode",
            "generate",
            "prefill_rows", "speculative_step"]
 
-METHODS = ("stree", "chain", "autoregressive")
+METHODS = ("stree", "chain", "autoregressive", "unrolled")
 
 
 @dataclass
@@ -406,7 +407,9 @@ def decode(model, input_ids, *, drafter: Drafter | None = None, tree: TreeShape 
 
     ``input_ids``: a ``[B, T]`` tensor or a list of token lists (ragged prompts allowed).
     ``method``: ``stree`` (tree drafts, one tree forward; default tree ``paper13``), ``chain``
-    (chain drafts through the chain backend; default ``chain(4)``) or ``autoregressive``.
+    (chain drafts through the chain backend; default ``chain(4)``), ``autoregressive``, or
+    ``unrolled`` (the paper's baseline: every root-to-leaf path its own sequence through the whole
+    model, see :mod:`stree.unrolled`; same outputs as ``stree``, slower).
     ``drafter`` defaults to :class:`NGramDrafter`. ``sampling`` (a :class:`SamplingParams`), or
     ``temperature`` / ``top_k`` / ``top_p`` / ``mode``, say how tokens are chosen; ``mode="naive"``
     verifies by exact-match sampling. ``max_length``: the cache size; by default the longest
@@ -452,7 +455,9 @@ def decode(model, input_ids, *, drafter: Drafter | None = None, tree: TreeShape 
         drafter = NGramDrafter()
     device = model.device
     if cuda_graph is None:
-        cuda_graph = device.type == "cuda" and isinstance(model, TreeLM)
+        cuda_graph = device.type == "cuda" and isinstance(model, TreeLM) and method != "unrolled"
+    if method == "unrolled" and (cuda_graph or torch_compile):
+        raise ValueError("method='unrolled' (the paper's baseline) runs eager: cuda_graph and torch_compile are off")
     if cuda_graph and (device.type != "cuda" or not isinstance(model, TreeLM)):
         raise ValueError(f"cuda_graph=True needs a stree model on a CUDA device, got {type(model).__name__} on {device}")
     if not isinstance(torch_compile, bool):
@@ -468,6 +473,7 @@ def decode(model, input_ids, *, drafter: Drafter | None = None, tree: TreeShape 
         if drafter is not None:
             drafter.reseed(draft_seed)
     backend = "chain" if method == "chain" else "tree"
+    target = UnrolledTarget(model) if method == "unrolled" else model
     top_k = _top_k(drafter)
 
     rows = Rows(prompts, max_new_tokens, eos)
@@ -506,7 +512,7 @@ def decode(model, input_ids, *, drafter: Drafter | None = None, tree: TreeShape 
             full = draft if len(live) == rows.batch_size else _full_batch(draft, rows.active, roots)
             full = full.to(device)
             stats.time_draft += clock.lap()
-            host, result = speculative_step(model, cache, full, params, generator, backend, top_k, lap=lap,
+            host, result = speculative_step(target, cache, full, params, generator, backend, top_k, lap=lap,
                                             runner=runner)
             for r in live:
                 rows.accepted[r].append(int(host.counts[r]) - 1)

@@ -40,10 +40,12 @@ def test_model_forward_smoke_writes_json_and_png(tmp_path):
         step = [r for r in ours if r["backend"] == "step"]
         assert len(step) == 1 and step[0]["ratio_to_step"] == 1.0
         for tree in ("chain5", "paper13", "binary15", "binary31", "binary63"):
-            for backend in ("tree", "unrolled"):
+            for backend in ("tree", "unrolled", "unrolled-full"):
                 (r,) = [r for r in ours if r["tree"] == tree and r["backend"] == backend]
-                assert r["time_ms_median"] > 0
+                assert r["time_ms_median"] > 0 and r["peak_mem_bytes"] is not None
                 assert abs(r["ratio_to_step"] - r["time_ms_median"] / step[0]["time_ms_median"]) < 1e-9
+        full = {r["tree"]: r["tokens"] for r in ours if r["backend"] == "unrolled-full"}
+        assert full["binary15"] == 32 and full["binary63"] == 192  # 8 paths of 4, 32 paths of 6 (paper 001 Table 2)
 
 
 def test_drafting_smoke_writes_json_and_png(tmp_path):
@@ -60,7 +62,8 @@ def test_drafting_smoke_writes_json_and_png(tmp_path):
 def test_acceptance_smoke_writes_json_table_and_png(tmp_path):
     result = smoke("acceptance", tmp_path)
     rows = result["results"]
-    names = ("ngram", "stand", "stand-det", "consensus", "ssm-static", "ssm-beam")
+    names = ("ngram", "stand", "stand-det", "consensus", "ssm-static", "ssm-beam", "stand@paper13",
+             "stand-det@paper13")
     assert [(r["drafter"], r["temperature"], r["trajectories"]) for r in rows] == [
         (d, t, n) for d in names for t in (0.0, 0.6, 1.0) for n in (1, 2)]
     assert all(r["tau"] >= 1.0 and r["config_tokens_per_s"] > 0 for r in rows)
