@@ -110,8 +110,12 @@ def calibrate_stand(target_dir=TARGET, prompts: int = 32, *, nodes: int = 80, ma
     tokenizer = load_tokenizer(target_dir, vocab_size=target.vocab_size)
     texts = code_prompts(find_sources(None, HELD_OUT).train)[:prompts]
     ids = [tokenizer.encode(t, add_special_tokens=False) for t in texts]
-    report = dict(target=str(target_dir), prompts=len(ids), nodes=nodes, max_new_tokens=max_new_tokens,
-                  command=f"python -m stree.demo --calibrate-stand {prompts}", trees={})
+    from .timing import run_info
+
+    shown = "stree/assets/tiny-target" if Path(target_dir).resolve() == TARGET.resolve() else str(target_dir)
+    report = dict(**run_info("cpu", ["--calibrate-stand", str(prompts)]), target=shown, prompts=len(ids),
+                  nodes=nodes, max_new_tokens=max_new_tokens, trees={})
+    report["command"] = f"python -m stree.demo --calibrate-stand {prompts}"
     for name, temp in (("stand-det", 0.0), ("stand", temperature)):
         drafter = STANDDrafter(STANDStore(), stochastic=name == "stand")
         shape, counts = optimize_static_tree(target, ids, drafter, nodes=nodes, temperature=temp,
