@@ -28,6 +28,7 @@ import triton
 from .drafters.tree_search import stand_initial_tree
 from .kernels import MAX_TREE_NODES, _common
 from .kernels.aot import SHARED_LIMIT, TARGETS, capture, compile_launch, jit_kernels
+from .models.llama import TransformerConfig
 from .models.presets import PRESETS, TINY
 from .timing import run_info, save_result
 from .tree import TokenTree, TreeShape
@@ -54,13 +55,20 @@ class Case:
         return f"{self.model} {self.dtype} {self.call}" + (f" n={self.nodes}" if self.call != "step" else "")
 
 
+def _commits_by_kernel(model: str) -> bool:
+    """Whether the preset has Mamba2 layers (the replay kernel); an attention-only model's commit
+    is a gather, no kernel."""
+    return not isinstance(PRESETS[model][1](n_layer=2, vocab_size=256), TransformerConfig)
+
+
 def full_cases() -> list[Case]:
     cases = []
     for model in PRESETS:
+        calls = ("tree", "commit") if _commits_by_kernel(model) else ("tree",)
         for dtype in ("fp16", "bf16"):
             cases += [Case(model, dtype, "step"), Case(model, dtype, "prefill", MAX_TREE_NODES),
                       Case(model, dtype, "chain", 5)]
-            cases += [Case(model, dtype, call, n) for n in TREES for call in ("tree", "commit")]
+            cases += [Case(model, dtype, call, n) for n in TREES for call in calls]
     return cases
 
 
@@ -69,7 +77,7 @@ def ci_cases() -> list[Case]:
     cases = [Case(model, "fp32", call, n) for model in TINY
              for call, n in (("step", 1), ("prefill", 24), ("chain", 5), ("tree", 13), ("commit", 13))]
     cases += [Case(model, "bf16", call, n) for model in PRESETS
-              for call, n in (("step", 1), ("tree", 63), ("commit", 63))]
+              for call, n in (("step", 1), ("tree", 63), ("commit", 63)) if call != "commit" or _commits_by_kernel(model)]
     return cases
 
 

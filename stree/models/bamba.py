@@ -62,25 +62,26 @@ class BambaConfig:
             tie_word_embeddings=self.tie_word_embeddings)
 
 
-def bamba_mixer_config(config: dict, file, n_layer: int, eps: float, tie: bool) -> Mamba2Config:
-    """transformers' BambaMixer (Bamba, Granite 4.0-H) from its ``mamba_*`` keys: heads x head_dim
-    = mamba_expand * hidden_size ("auto" head_dim: the quotient), rounded gated norm, dt clamped in
-    the chunked prefill only."""
+def bamba_mixer_config(config: dict, file, n_layer: int, eps: float, tie: bool, **fields) -> Mamba2Config:
+    """transformers' BambaMixer and its descendants (Bamba, Granite 4.0-H, Falcon-H1) from their
+    ``mamba_*`` keys: heads x head_dim = ``mamba_d_ssm`` or else mamba_expand * hidden_size ("auto"
+    head_dim: the quotient), rounded gated norm, dt clamped in the chunked prefill only; ``fields``
+    override (Falcon-H1's gate and multipliers)."""
     hidden = require(config, "hidden_size", file)
-    d_inner = int(config.get("mamba_expand", 2) * hidden)
+    d_inner = config.get("mamba_d_ssm") or int(config.get("mamba_expand", 2) * hidden)
     heads, head_dim = require(config, "mamba_n_heads", file), config.get("mamba_d_head", "auto")
     head_dim = d_inner // heads if head_dim in (None, "auto") else head_dim
     if heads * head_dim != d_inner:
-        raise ValueError(f"{file}: mamba_n_heads * mamba_d_head = {heads * head_dim} != "
-                         f"mamba_expand * hidden_size = {d_inner}")
-    return Mamba2Config(
+        raise ValueError(f"{file}: mamba_n_heads * mamba_d_head = {heads * head_dim} != the Mamba2 width "
+                         f"(mamba_d_ssm, else mamba_expand * hidden_size) = {d_inner}")
+    return Mamba2Config(**{**dict(
         d_model=hidden, n_layer=n_layer, vocab_size=require(config, "vocab_size", file),
         d_state=require(config, "mamba_d_state", file), d_conv=config.get("mamba_d_conv", 4),
         expand=max(1, d_inner // hidden), headdim=head_dim, ngroups=config.get("mamba_n_groups", 1),
         chunk_size=config.get("mamba_chunk_size", 256), dt_limit=dt_limit_of(config.get("time_step_limit"), file),
         conv_bias=flag(config, "mamba_conv_bias", True, file), bias=flag(config, "mamba_proj_bias", False, file),
         pad_vocab_size_multiple=1, tie_embeddings=tie, residual_in_fp32=False, norm_eps=eps, d_ssm=d_inner,
-        norm_round_before_weight=True, dt_limit_prefill_only=True)
+        norm_round_before_weight=True, dt_limit_prefill_only=True), **fields})
 
 
 def bamba_mixer_hf(m: Mamba2Config, d_model: int) -> dict:

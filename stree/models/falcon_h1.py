@@ -18,8 +18,9 @@ from dataclasses import dataclass
 from torch import nn
 
 from .attention import AttentionConfig, LlamaAttention
+from .bamba import bamba_mixer_config
 from .base import Block, TreeLM
-from .config import Mamba2Config, attention_of, dt_limit_of, flag, require, rope_parameters
+from .config import Mamba2Config, attention_of, flag, require, rope_parameters
 from .mamba2 import Mamba2Mixer, RMSNorm
 from .mlp import SwiGLU
 
@@ -60,25 +61,14 @@ class FalconH1Config:
             raise ValueError(f"{file}: hidden_act {config['hidden_act']!r} is not supported (only 'silu')")
         hidden, layers = require(config, "hidden_size", file), require(config, "num_hidden_layers", file)
         attention = attention_of(config, file, key_scale=float(config.get("key_multiplier", 1.0)))
-        d_ssm = config.get("mamba_d_ssm") or int(config.get("mamba_expand", 2) * hidden)
-        heads, head_dim = require(config, "mamba_n_heads", file), config.get("mamba_d_head", "auto")
-        head_dim = d_ssm // heads if head_dim in (None, "auto") else head_dim
-        if heads * head_dim != d_ssm:
-            raise ValueError(f"{file}: mamba_n_heads * mamba_d_head = {heads * head_dim} != mamba_d_ssm = {d_ssm}")
         eps = float(config.get("rms_norm_eps", 1e-5))
         tie = flag(config, "tie_word_embeddings", False, file)
         scales = _numbers(config.get("ssm_multipliers") or [1.0] * 5, 5, "ssm_multipliers", file)
         gate_norm = "none" if not flag(config, "mamba_rms_norm", False, file) else (
             "gate_last" if flag(config, "mamba_norm_before_gate", True, file) else "gate_first")
-        mamba = Mamba2Config(
-            d_model=hidden, n_layer=layers, vocab_size=require(config, "vocab_size", file),
-            d_state=require(config, "mamba_d_state", file), d_conv=config.get("mamba_d_conv", 4),
-            expand=max(1, d_ssm // hidden), headdim=head_dim, ngroups=config.get("mamba_n_groups", 1),
-            chunk_size=config.get("mamba_chunk_size", 256), dt_limit=dt_limit_of(config.get("time_step_limit"), file),
-            conv_bias=flag(config, "mamba_conv_bias", True, file), bias=flag(config, "mamba_proj_bias", False, file),
-            pad_vocab_size_multiple=1, tie_embeddings=tie, residual_in_fp32=False, norm_eps=eps, d_ssm=d_ssm,
-            dt_limit_prefill_only=True, gate_norm=gate_norm, proj_scales=None if scales == (1.0,) * 5 else scales,
-            out_proj_bias=flag(config, "projectors_bias", False, file))
+        mamba = bamba_mixer_config(config, file, layers, eps, tie, norm_round_before_weight=False, gate_norm=gate_norm,
+                                   proj_scales=None if scales == (1.0,) * 5 else scales,
+                                   out_proj_bias=flag(config, "projectors_bias", False, file))
         f = lambda key: float(config.get(key, 1.0))
         return cls(hidden, layers, mamba.vocab_size, require(config, "intermediate_size", file), attention, mamba,
                    flag(config, "mlp_bias", False, file), eps, tie, f("embedding_multiplier"),
