@@ -174,13 +174,14 @@ class LM:
 
     def _steps(self, prompts, *, max_new_tokens: int = 128, drafter="ngram", stop=None, temperature: float = 0.0,
                eos_token_id="checkpoint", **kwargs):
+        """The rows' text trackers, the decoding steps, and the EOS ids in force."""
         stops = _stop_strings(stop)
         ids = self.encode(prompts)
         eos = self.eos_token_id if eos_token_id == "checkpoint" else eos_token_id
         rows = [_Row(self.tokenizer, stops) for _ in ids]
         steps = decode(self.model, ids, max_new_tokens=max_new_tokens, temperature=temperature, eos_token_id=eos,
                        drafter=self.drafter(drafter, temperature), **kwargs)
-        return ids, rows, steps
+        return rows, steps, eos
 
     def _output(self, out, rows: list[_Row], eos) -> TextOutput:
         eos = set([] if eos is None else [eos] if isinstance(eos, int) else eos)
@@ -200,12 +201,12 @@ class LM:
         default the checkpoint's (None: no EOS). Every other argument is
         :func:`stree.generate.decode`'s: ``method``, ``tree``, ``temperature``, ``top_k``,
         ``top_p``, ``seed``, ``torch_compile``, ..."""
-        _, rows, steps = self._steps(prompts, **kwargs)
+        rows, steps, eos = self._steps(prompts, **kwargs)
         while True:
             try:
                 batch = next(steps)
             except StopIteration as end:
-                return self._output(end.value, rows, self._eos(kwargs))
+                return self._output(end.value, rows, eos)
             self._check_stops(batch, rows)
 
     def stream(self, prompt: str, **kwargs) -> "TextStream":
@@ -216,10 +217,6 @@ class LM:
         if not isinstance(prompt, str):
             raise TypeError(f"stream takes one prompt string, got {type(prompt).__name__}")
         return TextStream(self, prompt, kwargs)
-
-    def _eos(self, kwargs):
-        eos = kwargs.get("eos_token_id", "checkpoint")
-        return self.eos_token_id if eos == "checkpoint" else eos
 
     @staticmethod
     def _check_stops(batch, rows: list[_Row]) -> None:
@@ -243,13 +240,13 @@ class TextStream:
 
     def __iter__(self):
         lm = self.lm
-        _, rows, steps = lm._steps(self.prompt, **self.kwargs)
+        rows, steps, eos = lm._steps(self.prompt, **self.kwargs)
         row, sent = rows[0], 0
         while True:
             try:
                 batch = next(steps)
             except StopIteration as end:
-                self.output = lm._output(end.value, rows, lm._eos(self.kwargs))
+                self.output = lm._output(end.value, rows, eos)
                 break
             lm._check_stops(batch, rows)
             if row.cut is None:
