@@ -121,3 +121,16 @@ def test_a_drafter_model_and_a_drafter_object(lm):
     ref = lm.generate(PROMPTS, max_new_tokens=16, method="autoregressive").texts
     assert with_ssm.generate(PROMPTS, max_new_tokens=16, drafter="ssm").texts == ref
     assert lm.generate(PROMPTS, max_new_tokens=16, drafter=NGramDrafter(max_n=2)).texts == ref
+
+
+def test_a_checkpoint_without_a_tokenizer_takes_one_by_argument(tmp_path):
+    """tokenizer=DIR for a checkpoint directory that holds none (the API twin of --tokenizer)."""
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(TARGET / name, bare / name)
+    with pytest.raises(FileNotFoundError, match="holds no tokenizer"):
+        LM.from_pretrained(bare)
+    lm = LM.from_pretrained(bare, tokenizer=TARGET, dtype=torch.float32)
+    assert lm.generate(PROMPTS[0], max_new_tokens=8).text == LM.from_pretrained(TARGET, dtype=torch.float32).generate(
+        PROMPTS[0], max_new_tokens=8).text

@@ -115,3 +115,30 @@ def test_distill_refuses_a_finished_run_and_a_target_without_a_tokenizer(corpus,
     assert cli_main(["distill", "--target", str(bare), "--out", str(tmp_path / "e"), "--corpus", str(corpus)]) == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err.splitlines()[-1] and "holds no tokenizer" in err
+
+
+def test_distill_saves_and_exits_cleanly_on_sigterm(corpus, target, tmp_path, monkeypatch, capsys):
+    """stree distill shares the training loop's signal handling: the step finishes, the state is
+    saved, one line, exit 143; --resume then completes the run."""
+    import importlib
+    import os
+    import signal
+
+    module = importlib.import_module("stree.training.distill")
+    real, calls = module.distill_loss, []
+
+    def signalling(*args):
+        calls.append(1)
+        if len(calls) == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real(*args)
+
+    monkeypatch.setattr(module, "distill_loss", signalling)
+    args = ["distill", "--target", str(target), "--out", str(tmp_path / "d"), "--corpus", str(corpus), "--held-out",
+            "mod0.py", "--steps", "4", "--batch-size", "2", "--seq-len", "16", "--eval-tokens", "100"]
+    assert cli_main(args) == 143
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith("stree distill: interrupted by SIGTERM after step 2") and "--resume" in last
+    assert torch.load(tmp_path / "d" / "train_state.pt", weights_only=True)["step"] == 2
+    monkeypatch.setattr(module, "distill_loss", real)
+    assert cli_main(args + ["--resume"]) == 0
