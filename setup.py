@@ -16,6 +16,7 @@ setup(
         "transformers>=5.0",
         "safetensors",
         "numpy",
+        "numba",  # the n-gram drafter's compiled index (stree/drafters/ngram_jit.py)
         "tqdm",
         "tokenizers",
         "sympy",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import math
 
@@ -12,11 +13,13 @@ from ..tree import TokenTree, TreeShape
 from .base import DraftContext, Drafter
 
 
-class _RowIndex:
-    """For one row: every n-gram (n = 1..max_n) of its context mapped to the tokens that followed
-    it, with their counts and last positions; extended only by the tokens added since last time.
-    Each n-gram's continuations, ranked, are kept until a new token changes them: a step adds a
-    few tokens, so a draft re-ranks a few n-grams, not every one it visits.
+class RowIndex:
+    """The reference index (pure Python; ``ngram_jit.CompiledRowIndex`` is the fast one, tested
+    equal to it). For one row: every n-gram (n = 1..max_n) of its context mapped to the tokens
+    that followed it, ranked (most frequent first, then most recent), extended only by the tokens added since
+    last time. The ranking is kept up to date as tokens arrive: a token's count only grows, and
+    its occurrence is the newest, so it moves in front of every token with no higher count -- one
+    binary search, no sort when drafting reads it.
 
     At most ``capacity`` n-grams are kept: past it, the ``evict_fraction`` updated least recently
     go (the dict keeps update order: an updated n-gram moves to the end)."""
@@ -25,59 +28,91 @@ class _RowIndex:
         self.max_n, self.capacity = max_n, capacity
         self.evict = max(1, math.ceil(evict_fraction * capacity))
         self.tokens: list[int] = []
-        self.next: dict[tuple[int, ...], dict[int, list[int]]] = {}
-        self.ranked: dict[tuple[int, ...], list[int]] = {}
+        # n-gram -> (token -> minus its count, tokens ranked); minus, so that the ranked list is
+        # ascending in it and bisect can place a token with the dict's own __getitem__
+        self.next: dict[tuple[int, ...], tuple[dict[int, int], list[int]]] = {}
 
-    def extend(self, new: list[int]) -> None:
+    @property
+    def ntoks(self) -> int:
+        return len(self.tokens)
+
+    def extend(self, new: np.ndarray) -> None:
         toks = self.tokens
-        for tok in new:
+        for tok in new.tolist():
             j = len(toks)
             for n in range(1, min(self.max_n, j) + 1):
                 key = tuple(toks[j - n: j])
-                self.ranked.pop(key, None)
-                seen = self.next.pop(key, None)
-                if seen is None:
-                    seen = {}
-                self.next[key] = seen  # now the most recently updated
-                entry = seen.get(tok)
+                entry = self.next.pop(key, None)
                 if entry is None:
-                    seen[tok] = [1, j]
-                else:
-                    entry[0] += 1
-                    entry[1] = j
+                    entry = ({}, [])
+                self.next[key] = entry  # now the most recently updated
+                minus, ranked = entry
+                count = minus.get(tok, 0) - 1
+                if count < -1:
+                    ranked.remove(tok)
+                minus[tok] = count
+                ranked.insert(bisect.bisect_left(ranked, count, key=minus.__getitem__), tok)
             toks.append(tok)
             if len(self.next) > self.capacity:
                 for key in list(itertools.islice(self.next, self.evict)):
                     del self.next[key]
-                    self.ranked.pop(key, None)
 
-    def _ranked(self, key: tuple[int, ...]) -> list[int] | None:
-        ranked = self.ranked.get(key)
-        if ranked is None:
-            seen = self.next.get(key)
-            if not seen:
-                return None
-            ranked = self.ranked[key] = [tok for tok, _ in sorted(seen.items(), key=lambda kv: (-kv[1][0], -kv[1][1]))]
-        return ranked
+    def __len__(self) -> int:
+        return len(self.next)
+
+    def keys(self) -> list[tuple[int, ...]]:
+        return list(self.next)
+
+    def ranked(self, key: tuple[int, ...]) -> list[int]:
+        entry = self.next.get(key)
+        return [] if entry is None else list(entry[1])
 
     def candidates(self, suffix: tuple[int, ...], k: int, min_n: int) -> list[int]:
         """Up to ``k`` distinct continuations: those of the longest matching suffix first (most
         frequent, then most recent), then shorter suffixes' to fill the remaining slots."""
-        if min_n <= len(suffix) <= self.max_n:  # the common case: the longest suffix alone fills the slots
-            ranked = self._ranked(suffix)
-            if ranked is not None and len(ranked) >= k:
-                return ranked[:k]
+        if len(suffix) < min_n:
+            return []
+        entry = self.next.get(suffix)
+        if entry is not None and len(entry[1]) >= k:  # the common case: the longest suffix alone fills the slots
+            return entry[1][:k]
         out: list[int] = []
-        for n in range(min(len(suffix), self.max_n), min_n - 1, -1):
-            ranked = self._ranked(suffix[len(suffix) - n:])
-            if ranked is None:
+        for n in range(len(suffix), min_n - 1, -1):
+            entry = self.next.get(suffix[len(suffix) - n:])
+            if entry is None:
                 continue
-            for tok in ranked:
+            for tok in entry[1]:
                 if tok not in out:
                     out.append(tok)
                     if len(out) == k:
                         return out
         return out
+
+    def propose(self, min_n: int, plan: "_Plan", n_nodes: int) -> tuple[np.ndarray, np.ndarray]:
+        """One row's draft on the plan's shape: tokens and which nodes were filled."""
+        toks, ok, suffix = [0] * n_nodes, [False] * n_nodes, [()] * n_nodes
+        toks[0], ok[0], suffix[0] = self.tokens[-1], True, tuple(self.tokens[-self.max_n:])
+        for v, kids, inner in plan.lists:  # parents come first: BFS / topological order
+            if not ok[v]:
+                continue
+            for child, tok, has_kids in zip(kids, self.candidates(suffix[v], len(kids), min_n), inner):
+                toks[child], ok[child] = tok, True
+                if has_kids:
+                    suffix[child] = (suffix[v] + (tok,))[-self.max_n:]
+        return np.array(toks, dtype=np.int64), np.array(ok, dtype=bool)
+
+
+class _Plan:
+    """A shape's nodes with children, parents first, each with its children and which of those
+    have children of their own: as lists for the reference and as arrays for the compiled index."""
+
+    def __init__(self, shape: TreeShape):
+        kids = shape.children()
+        self.shape = shape
+        self.lists = [(v, kids[v], [bool(kids[c]) for c in kids[v]]) for v in range(shape.n) if kids[v]]
+        flat = [c for _, ks, _ in self.lists for c in ks]
+        self.arrays = (np.array([v for v, _, _ in self.lists], dtype=np.int64),
+                       np.cumsum([0] + [len(ks) for _, ks, _ in self.lists]).astype(np.int64),
+                       np.array(flat, dtype=np.int64), np.array([bool(kids[c]) for c in flat], dtype=np.bool_))
 
 
 class NGramDrafter(Drafter):
@@ -89,54 +124,44 @@ class NGramDrafter(Drafter):
     65536 covers 16k tokens of context at ``max_n`` 4), the ``evict_fraction`` least recently
     updated dropped when it is reached."""
 
-    def __init__(self, max_n: int = 4, min_n: int = 1, capacity: int = 1 << 16, evict_fraction: float = 0.1):
+    def __init__(self, max_n: int = 4, min_n: int = 1, capacity: int = 1 << 16, evict_fraction: float = 0.1,
+                 compiled: bool = True):
         if not 1 <= min_n <= max_n:
             raise ValueError(f"need 1 <= min_n <= max_n, got min_n={min_n}, max_n={max_n}")
         if not isinstance(capacity, int) or capacity < 1 or not 0 < evict_fraction <= 1:
-            raise ValueError(f"need an int capacity >= 1 and 0 < evict_fraction <= 1, got {capacity!r}, {evict_fraction!r}")
+            raise ValueError(f"need an int capacity >= 1 and 0 < evict_fraction <= 1, got {capacity!r}, "
+                             f"{evict_fraction!r}")
         self.max_n, self.min_n = max_n, min_n
         self.capacity, self.evict_fraction = capacity, evict_fraction
-        self._rows: dict[int, _RowIndex] = {}
-        self._planned = None
+        self.compiled = compiled
+        self._rows: dict = {}
+        self._plan: _Plan | None = None
 
     def reset(self) -> None:
         self._rows = {}
 
-    def _index(self, context: DraftContext, i: int) -> _RowIndex:
-        index = self._rows.get(context.rows[i])
+    def _index(self, row: int, tokens: np.ndarray, length: int):
+        index = self._rows.get(row)
         if index is None:
-            index = self._rows[context.rows[i]] = _RowIndex(self.max_n, self.capacity, self.evict_fraction)
-        length = int(context.lengths[context.rows[i]])
-        if length < len(index.tokens):
-            raise ValueError(f"row {context.rows[i]}'s context shrank from {len(index.tokens)} to {length} tokens; "
+            if self.compiled:
+                from .ngram_jit import CompiledRowIndex  # numba compiles (or loads) on first use only
+
+                index = CompiledRowIndex(self.max_n, self.capacity, self.evict_fraction)
+            else:
+                index = RowIndex(self.max_n, self.capacity, self.evict_fraction)
+            self._rows[row] = index
+        if length < index.ntoks:
+            raise ValueError(f"row {row}'s context shrank from {index.ntoks} to {length} tokens; "
                              "call reset() before drafting for new rows")
-        index.extend(context.row(i, start=len(index.tokens)))
+        index.extend(tokens[row, index.ntoks: length])
         return index
 
-    def _plan(self, shape: TreeShape):
-        """The shape's nodes with children, parents first, each with its children and which of
-        those have children of their own (cached: the same shape comes every step)."""
-        if self._planned is None or self._planned[0] != shape:
-            kids = shape.children()
-            self._planned = (shape, [(v, kids[v], [bool(kids[c]) for c in kids[v]]) for v in range(shape.n) if kids[v]])
-        return self._planned[1]
-
     def propose(self, context: DraftContext, shape: TreeShape) -> TokenTree:
-        plan, n, max_n, min_n = self._plan(shape), shape.n, self.max_n, self.min_n
-        tokens, valid = [], []
-        for i in range(len(context)):
-            index = self._index(context, i)
-            toks, ok, suffix = [0] * n, [False] * n, [()] * n
-            toks[0], ok[0], suffix[0] = index.tokens[-1], True, tuple(index.tokens[-max_n:])
-            for v, kids, inner in plan:  # parents come first: BFS / topological order
-                if not ok[v]:
-                    continue
-                for child, tok, has_kids in zip(kids, index.candidates(suffix[v], len(kids), min_n), inner):
-                    toks[child], ok[child] = tok, True
-                    if has_kids:
-                        suffix[child] = (suffix[v] + (tok,))[-max_n:]
-            tokens.append(toks)
-            valid.append(ok)
-        # via NumPy: torch.tensor of nested lists costs ~5x more
-        return TokenTree.from_shape(shape, torch.from_numpy(np.array(tokens, dtype=np.int64)),
-                                    valid=torch.from_numpy(np.array(valid, dtype=bool)))
+        if self._plan is None or self._plan.shape != shape:
+            self._plan = _Plan(shape)  # cached: the same shape comes every step
+        tokens, lengths = context.tokens.numpy(), context.lengths.numpy()  # NumPy: a torch index costs ~5 us
+        out_tok = np.empty((len(context), shape.n), dtype=np.int64)
+        out_ok = np.empty((len(context), shape.n), dtype=bool)
+        for i, row in enumerate(context.rows):
+            out_tok[i], out_ok[i] = self._index(row, tokens, int(lengths[row])).propose(self.min_n, self._plan, shape.n)
+        return TokenTree.from_shape(shape, torch.from_numpy(out_tok), valid=torch.from_numpy(out_ok))

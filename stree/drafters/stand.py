@@ -1,5 +1,5 @@
 """STAND (paper 000): a logit n-gram store of the target's own next-token distributions, and
-stochastic tree drafts drawn from it by Gumbel-top-k without replacement.
+stochastic tree drafts drawn from it without replacement (the exponential race, i.e. Gumbel-top-k).
 
 The store maps every 1..4-gram of committed context to the running mean of the target's processed
 distributions that followed it, truncated to its top-K entries (K = 10). Drafting looks up the
@@ -18,7 +18,7 @@ import torch
 from ..tree import TokenTree, TreeShape
 from .base import DraftContext, Drafter
 
-__all__ = ["STANDStore", "STANDDrafter", "gumbel_top_k"]
+__all__ = ["STANDStore", "STANDDrafter", "gumbel_top_k", "race_top_k"]
 
 
 class STANDStore:
@@ -31,14 +31,19 @@ class STANDStore:
     ``k/(k+1) * old + 1/(k+1) * new``, then re-truncated to the top-K.
 
     Eviction: when a new n-gram finds no free slot, the ``evict_fraction`` of slots updated least
-    recently are freed at once (least-recently-updated first, in batches so a full store costs one
-    sort per batch rather than one per insert)."""
+    recently are freed at once (least-recently-updated first, then in slot order, in batches so a
+    full store costs one sort per batch rather than one per insert).
 
-    def __init__(self, capacity: int = 1 << 20, top_k: int = 10, max_n: int = 4, evict_fraction: float = 0.1):
+    ``compiled=True`` (the default) keeps the n-gram -> slot map in arrays and runs updates and
+    drafts compiled (``stand_jit``); ``False`` is the pure-Python/NumPy reference, tested equal."""
+
+    def __init__(self, capacity: int = 1 << 20, top_k: int = 10, max_n: int = 4, evict_fraction: float = 0.1,
+                 compiled: bool = True):
         if capacity < 1 or top_k < 1 or max_n < 1 or not 0 < evict_fraction <= 1:
             raise ValueError(f"need capacity, top_k, max_n >= 1 and 0 < evict_fraction <= 1, got {capacity}, {top_k}, "
                              f"{max_n}, {evict_fraction}")
         self.capacity, self.top_k, self.max_n, self.evict_fraction = capacity, top_k, max_n, evict_fraction
+        self.compiled = compiled
         self.ids = torch.zeros(capacity, top_k, dtype=torch.int32)
         self.probs = torch.zeros(capacity, top_k, dtype=torch.float32)
         self.count = torch.zeros(capacity, dtype=torch.int32)
@@ -46,31 +51,54 @@ class STANDStore:
         # NumPy views of the same memory: the per-step work is many tiny ops, cheaper in NumPy
         self._np_ids, self._np_probs = self.ids.numpy(), self.probs.numpy()
         self._np_count, self._np_stamp = self.count.numpy(), self.stamp.numpy()
-        self._earlier = np.tril(np.ones((2 * top_k, 2 * top_k), dtype=bool), -1)  # [i, j]: j < i
-        self._slot: dict[tuple[int, ...], int] = {}
-        self._key: list[tuple[int, ...] | None] = [None] * capacity
-        self._free = list(range(capacity - 1, -1, -1))
-        self._clock = 0
+        if compiled:
+            from . import stand_jit  # numba compiles (or loads) on first use only
+
+            self._jit = stand_jit
+            self._table = np.full(1 << (4 * capacity - 1).bit_length(), stand_jit.EMPTY, dtype=np.int32)
+            self._key_tok = np.zeros((capacity, max_n), dtype=np.int32)
+            self._key_len = np.zeros(capacity, dtype=np.int64)
+            self._key_slot = np.zeros(capacity, dtype=np.int64)
+            self._free_stack = np.arange(capacity - 1, -1, -1, dtype=np.int64)
+            self._meta = np.zeros(4, dtype=np.int64)
+            self._meta[stand_jit.M_FREE] = capacity
+        else:
+            self._earlier = np.tril(np.ones((2 * top_k, 2 * top_k), dtype=bool), -1)  # [i, j]: j < i
+            self._slot: dict[tuple[int, ...], int] = {}
+            self._key: list[tuple[int, ...] | None] = [None] * capacity
+            self._free = list(range(capacity - 1, -1, -1))
+            self._clock = 0
 
     def __len__(self) -> int:
-        return len(self._slot)
+        return int(self._meta[self._jit.M_LIVE]) if self.compiled else len(self._slot)
+
+    def keys(self) -> list[tuple[int, ...]]:
+        """Every n-gram held."""
+        if not self.compiled:
+            return list(self._slot)
+        return [tuple(self._key_tok[s, :n].tolist()) for s, n in enumerate(self._key_len.tolist()) if n]
 
     def clear(self) -> None:
         """Forget every entry (a new problem)."""
-        self.__init__(self.capacity, self.top_k, self.max_n, self.evict_fraction)
+        self.__init__(self.capacity, self.top_k, self.max_n, self.evict_fraction, self.compiled)
 
     def slot(self, key: tuple[int, ...]) -> int | None:
-        return self._slot.get(key)
+        if not self.compiled:
+            return self._slot.get(key)
+        if not 1 <= len(key) <= self.max_n:
+            return None
+        s, _ = self._jit.find(self._table, self._key_tok, self._key_len, np.array(key, dtype=np.int64), 0, len(key))
+        return None if s < 0 else int(s)
 
     def entry(self, key: tuple[int, ...]):
         """``(ids, probs, count)`` of an n-gram, or None."""
-        s = self._slot.get(tuple(key))
+        s = self.slot(tuple(key))
         return None if s is None else (self.ids[s].clone(), self.probs[s].clone(), int(self.count[s]))
 
     def longest_match(self, context: tuple[int, ...]) -> int | None:
         """Slot of the longest suffix of ``context`` (``max_n`` tokens down to 1) in the store."""
         for n in range(min(self.max_n, len(context)), 0, -1):
-            s = self._slot.get(context[len(context) - n:])
+            s = self.slot(context[len(context) - n:])
             if s is not None:
                 return s
         return None
@@ -79,7 +107,7 @@ class STANDStore:
         n = max(1, math.ceil(self.evict_fraction * self.capacity))
         stamp = self.stamp.clone()
         stamp[list(keep)] = torch.iinfo(torch.int64).max
-        for s in torch.argsort(stamp)[:n].tolist():
+        for s in torch.argsort(stamp, stable=True)[:n].tolist():
             if s in keep or self._key[s] is None:
                 continue
             del self._slot[self._key[s]]
@@ -107,16 +135,50 @@ class STANDStore:
         if len(keys) != len(ids) or ids.shape != probs.shape:
             raise ValueError(f"update needs one (ids, probs) row per key, got {len(keys)} keys, {tuple(ids.shape)}, "
                              f"{tuple(probs.shape)}")
-        if not keys:
+        lens = np.array([len(k) for k in keys], dtype=np.int64)
+        key_arr = np.zeros((len(keys), max(self.max_n, int(lens.max(initial=0)))), dtype=np.int64)
+        for i, k in enumerate(keys):
+            key_arr[i, : len(k)] = k
+        self.update_arrays(key_arr, lens, ids, probs)
+
+    def observe(self, seq: np.ndarray, start: int, ids: np.ndarray, probs: np.ndarray) -> None:
+        """Merge the distribution at each position ``end >= start`` of ``seq`` (row ``end - start``
+        of ``ids``/``probs``) under the 1..max_n tokens before it."""
+        if len(ids) != len(seq) - start or ids.shape != probs.shape:
+            raise ValueError(f"observe needs one (ids, probs) row per position from {start} of {len(seq)}, "
+                             f"got {tuple(ids.shape)}, {tuple(probs.shape)}")
+        if not self.compiled:
+            keys, lens, which = ngram_windows(seq.tolist(), start, self.max_n)
+            return self.update_arrays(keys, lens, ids[which], probs[which])
+        self._jit.observe(seq, start, self.max_n, ids, probs, *self._compiled_state())
+
+    def _piece(self) -> int:
+        """A piece of one update small enough that one eviction batch always frees room for it."""
+        return max(1, self.capacity - math.ceil(self.evict_fraction * self.capacity))
+
+    def _compiled_state(self) -> tuple:
+        """The compiled update's arguments after the occurrences: eviction sizes, then the arrays."""
+        return (self._piece(), math.ceil(self.evict_fraction * self.capacity), self._np_ids, self._np_probs,
+                self._np_count, self._np_stamp, self._key_tok, self._key_len, self._key_slot, self._table,
+                self._free_stack, self._meta)
+
+    def update_arrays(self, keys: np.ndarray, lens: np.ndarray, ids, probs) -> None:
+        """:meth:`update` with n-gram i given as ``keys[i, :lens[i]]``."""
+        if not len(lens):
             return
+        if lens.min() < 1 or lens.max() > self.max_n:
+            raise ValueError(f"keys must have 1..{self.max_n} tokens, got lengths {sorted(set(lens.tolist()))}")
         K = self.top_k
         new_ids = np.asarray(ids)[:, :K].astype(np.int32)
         new_p = np.asarray(probs)[:, :K].astype(np.float32)
         if new_ids.shape[1] < K:
             pad = ((0, 0), (0, K - new_ids.shape[1]))
             new_ids, new_p = np.pad(new_ids, pad), np.pad(new_p, pad)
+        if self.compiled:
+            return self._jit.update(keys, lens, new_ids, new_p, *self._compiled_state())
+        piece = self._piece()
         # Rounds of distinct keys: the r-th occurrence of a key goes in round r.
-        keys = [tuple(map(int, k)) for k in keys]
+        keys = [tuple(keys[i, :n].tolist()) for i, n in enumerate(lens.tolist())]
         seen: dict[tuple[int, ...], int] = {}
         rounds: list[list[int]] = []
         for i, k in enumerate(keys):
@@ -125,8 +187,6 @@ class STANDStore:
             if r == len(rounds):
                 rounds.append([])
             rounds[r].append(i)
-        # A piece small enough that one eviction batch always frees room for it.
-        piece = max(1, self.capacity - math.ceil(self.evict_fraction * self.capacity))
         for members in (r[j: j + piece] for r in rounds for j in range(0, len(r), piece)):
             self._clock += 1
             slots = np.array(self._slots_for([keys[i] for i in members]))
@@ -145,6 +205,94 @@ class STANDStore:
             self._np_stamp[slots] = self._clock
 
 
+    def draft(self, tails: list[list[int]], plan: "_Plan", stochastic: bool, noise: np.ndarray):
+        """Trees for rows whose contexts end with ``tails`` (their last ``max_n`` tokens or fewer):
+        each internal node's children are drawn from the entry of the longest n-gram matching its
+        path, depth by depth -- ``stochastic``: without replacement, the race of ``probs / noise``
+        (``noise`` i.i.d. Exp(1), K values per matched node, in order); else the top entries.
+        Returns tokens, valid, child_ids, child_probs and the noise values used."""
+        b, n, K = len(tails), plan.shape.n, self.top_k
+        tokens, valid = np.zeros((b, n), dtype=np.int64), np.zeros((b, n), dtype=bool)
+        child_ids, child_probs = np.zeros((b, n, K), dtype=np.int64), np.zeros((b, n, K), dtype=np.float32)
+        if self.compiled:
+            tail_arr = np.zeros((b, self.max_n), dtype=np.int64)
+            for i, t in enumerate(tails):
+                tail_arr[i, : len(t)] = t
+            used = self._jit.draft(tail_arr, np.array([len(t) for t in tails], dtype=np.int64), *plan.arrays,
+                                   stochastic, noise, self.max_n, self._np_ids, self._np_probs, self._table,
+                                   self._key_tok, self._key_len, tokens, valid, child_ids, child_probs)
+            return tokens, valid, child_ids, child_probs, used
+        paths: dict[tuple[int, int], tuple[int, ...]] = {}
+        for i, tail in enumerate(tails):
+            paths[i, 0] = tuple(tail)
+            tokens[i, 0], valid[i, 0] = tail[-1], True
+        used = 0
+        for level in plan.levels:
+            # every (row, node) of this depth that can have children, with its store slot
+            todo = [(i, v, self.longest_match(paths[i, v])) for v in level for i in range(b) if (i, v) in paths]
+            todo = [t for t in todo if t[2] is not None]
+            if not todo:
+                continue
+            rows, nodes, slots = zip(*todo)
+            ids, probs = self._np_ids[list(slots)], self._np_probs[list(slots)]
+            child_ids[rows, nodes], child_probs[rows, nodes] = ids, probs
+            width = min(K, max(len(plan.kids[v]) for v in nodes))  # children past K stay invalid
+            if stochastic:
+                order = race_top_k(probs, width, noise[used: used + probs.size].reshape(probs.shape))
+                used += probs.size
+            else:
+                order = np.argsort(-probs, axis=1, kind="stable")[:, :width]
+            at = np.arange(len(todo))[:, None]
+            drawn_ids, drawn_p = ids[at, order].tolist(), probs[at, order].tolist()
+            for j, (i, v, _) in enumerate(todo):
+                for r, c in enumerate(plan.kids[v][:width]):
+                    if drawn_p[j][r] > 0:
+                        tokens[i, c], valid[i, c] = drawn_ids[j][r], True
+                        paths[i, c] = (paths[i, v] + (drawn_ids[j][r],))[-self.max_n:]
+        return tokens, valid, child_ids, child_probs, used
+
+
+def ngram_windows(seq: list[int], start: int, max_n: int):
+    """For each position ``end >= start`` of ``seq`` and n = 1..min(max_n, end), in that order: the
+    n-gram ``seq[end - n: end]`` that the distribution at ``end`` followed (``keys [m, max_n]``,
+    left-aligned, and ``lens [m]``) and ``end - start`` (``which [m]``)."""
+    keys, lens, which = [], [], []
+    for end in range(start, len(seq)):
+        for n in range(1, min(max_n, end) + 1):
+            keys.append(seq[end - n: end] + [0] * (max_n - n))
+            lens.append(n)
+            which.append(end - start)
+    return (np.array(keys, dtype=np.int64).reshape(-1, max_n), np.array(lens, dtype=np.int64),
+            np.array(which, dtype=np.int64))
+
+
+class _Plan:
+    """A shape's internal nodes depth by depth with their children: as lists for the reference
+    and as arrays (nodes, depth offsets, child offsets, children, whether each child has
+    children) for the compiled draft."""
+
+    def __init__(self, shape: TreeShape):
+        self.shape, self.kids = shape, shape.children()
+        self.levels: list[list[int]] = [[] for _ in range(shape.max_depth + 1)]
+        for v, d in enumerate(shape.depth):
+            if self.kids[v]:
+                self.levels[d].append(v)
+        nodes = [v for level in self.levels for v in level]
+        flat = [c for v in nodes for c in self.kids[v]]
+        self.arrays = (np.array(nodes, dtype=np.int64), np.cumsum([0] + [len(lv) for lv in self.levels]),
+                       np.cumsum([0] + [len(self.kids[v]) for v in nodes]), np.array(flat, dtype=np.int64),
+                       np.array([bool(self.kids[c]) for c in flat], dtype=np.bool_))
+
+
+def race_top_k(probs: np.ndarray, k: int, noise: np.ndarray) -> np.ndarray:
+    """Indices ``[m, k]`` of k draws without replacement from the renormalised rows of ``probs``
+    ``[m, K]``, in draw order: the k largest ``probs / noise`` with ``noise`` i.i.d. Exp(1) (the
+    exponential race; the same as Gumbel-top-k, ``log p - log E`` being ``log p`` plus Gumbel
+    noise, but a division rounds the same everywhere, so compiled and reference drafts agree
+    bit for bit). Entries with probability 0 are never drawn before the positive ones."""
+    return np.argsort(-(probs / noise), axis=1, kind="stable")[:, :k]
+
+
 def gumbel_top_k(probs, k: int, noise):
     """Indices ``[m, k]`` of k draws without replacement from the renormalised rows of ``probs``
     ``[m, K]``, in draw order: the top-k of ``log probs + noise`` with ``noise`` i.i.d. Gumbel(0, 1).
@@ -161,8 +309,8 @@ class STANDDrafter(Drafter):
     """Tree drafts from a :class:`STANDStore`, which it also feeds from the verify passes.
 
     Each node's children: the entry of the longest n-gram (``max_n`` down to 1) matching the
-    node's path context; ``stochastic=True`` draws them by Gumbel-top-k without replacement (noise
-    from a buffer of ``noise_size`` fresh Gumbel values, regenerated when used up, no value used
+    node's path context; ``stochastic=True`` draws them without replacement by the exponential race
+    (noise from a buffer of ``noise_size`` fresh Exp(1) values, regenerated when used up, no value used
     twice) and attaches the entry as the children's law; ``stochastic=False`` takes the top-k by
     stored probability (deterministic drafts, one-hot verification). Slots beyond the entry's
     nonzero candidates, and subtrees of nodes without a match, are invalid.
@@ -176,90 +324,47 @@ class STANDDrafter(Drafter):
         self.store, self.shape, self.stochastic, self.learn = store, shape, stochastic, learn
         self.target_top_k = store.top_k if learn else 0
         self.generator = torch.Generator().manual_seed(seed)
-        self._noise = np.empty(0, dtype=np.float32)
+        self._noise = np.empty(0)
         self._noise_size = noise_size
         self._pos = 0
-        self._planned = None
-
-    def _plan(self, shape: TreeShape):
-        """The shape's children and its nodes by depth (cached: the same shape comes every step)."""
-        if self._planned is None or self._planned[0] != shape:
-            levels: list[list[int]] = [[] for _ in range(shape.max_depth + 1)]
-            for v, d in enumerate(shape.depth):
-                levels[d].append(v)
-            self._planned = (shape, shape.children(), levels)
-        return self._planned[1:]
+        self._plan: _Plan | None = None
 
     def reseed(self, seed: int) -> None:
         super().reseed(seed)
-        self._noise, self._pos = np.empty(0, dtype=np.float32), 0  # drawn from the old stream
+        self._noise, self._pos = np.empty(0), 0  # drawn from the old stream
 
-    def _take_noise(self, n: int) -> np.ndarray:
+    def _noise_window(self, n: int) -> np.ndarray:
+        """The next ``n`` unused Exp(1) values (a fresh buffer when fewer are left); the caller
+        marks how many it used (``_pos``), so no value serves twice."""
         if self._pos + n > len(self._noise):
             size = max(self._noise_size, n)
             u = torch.rand(size, generator=self.generator, dtype=torch.float64).clamp(1e-12, 1 - 1e-12)
-            self._noise, self._pos = (-(-u.log()).log()).float().numpy(), 0
-        out = self._noise[self._pos: self._pos + n]
-        self._pos += n
-        return out
+            self._noise, self._pos = (-u.log()).numpy(), 0
+        return self._noise[self._pos: self._pos + n]
 
     def propose(self, context: DraftContext, shape: TreeShape | None = None) -> TokenTree:
         shape = self.tree_shape(shape)
-        b, n, K, store = len(context), shape.n, self.store.top_k, self.store
-        kids, levels = self._plan(shape)
-        # NumPy while filling (many tiny writes), handed to torch without a copy
-        tokens = np.zeros((b, n), dtype=np.int64)
-        valid = np.zeros((b, n), dtype=bool)
-        child_ids = np.zeros((b, n, K), dtype=np.int64)
-        child_probs = np.zeros((b, n, K), dtype=np.float32)
-        paths: dict[tuple[int, int], tuple[int, ...]] = {}
-        for i in range(b):
-            tail = tuple(context.row(i, start=max(0, int(context.lengths[context.rows[i]]) - store.max_n)))
-            paths[i, 0] = tail
-            tokens[i, 0], valid[i, 0] = tail[-1], True
-        for level in levels:
-            # every (row, node) of this depth that can have children, with its store slot
-            todo = [(i, v, store.longest_match(paths[i, v])) for v in level if kids[v] for i in range(b) if (i, v) in paths]
-            todo = [t for t in todo if t[2] is not None]
-            if not todo:
-                continue
-            rows, nodes, slots = zip(*todo)
-            ids, probs = store._np_ids[list(slots)], store._np_probs[list(slots)]
-            child_ids[rows, nodes], child_probs[rows, nodes] = ids, probs
-            width = min(K, max(len(kids[v]) for v in nodes))  # children past K stay invalid
-            if self.stochastic:
-                order = gumbel_top_k(probs, width, self._take_noise(probs.size).reshape(probs.shape))
-            else:
-                order = np.argsort(-probs, axis=1, kind="stable")[:, :width]
-            at = np.arange(len(todo))[:, None]
-            drawn_ids, drawn_p = ids[at, order].tolist(), probs[at, order].tolist()
-            for j, (i, v, _) in enumerate(todo):
-                for r, c in enumerate(kids[v][:width]):
-                    if drawn_p[j][r] > 0:
-                        tokens[i, c], valid[i, c] = drawn_ids[j][r], True
-                        paths[i, c] = (paths[i, v] + (drawn_ids[j][r],))[-store.max_n:]
+        if self._plan is None or self._plan.shape != shape:
+            self._plan = _Plan(shape)  # cached: the same shape comes every step
+        tokens, lengths = context.tokens.numpy(), context.lengths.numpy()  # NumPy: a torch index costs ~5 us
+        max_n = self.store.max_n
+        tails = [tokens[r, max(0, int(lengths[r]) - max_n): int(lengths[r])].tolist() for r in context.rows]
+        bound = len(tails) * len(self._plan.arrays[0]) * self.store.top_k  # K values per matched node at most
+        noise = self._noise_window(bound) if self.stochastic else np.empty(0)
+        tokens, valid, child_ids, child_probs, used = self.store.draft(tails, self._plan, self.stochastic, noise)
+        self._pos += used
         tokens, valid = torch.from_numpy(tokens), torch.from_numpy(valid)
         if not self.stochastic:
             return TokenTree.from_shape(shape, tokens, valid=valid)
         return TokenTree.from_shape(shape, tokens, valid=valid, child_ids=torch.from_numpy(child_ids),
-                         child_probs=torch.from_numpy(child_probs))
+                                    child_probs=torch.from_numpy(child_probs))
 
     def observe(self, context: DraftContext, tokens, target) -> None:
         if not self.learn:
             return
-        keys, ids, probs = [], [], []
         max_n = self.store.max_n
-        for i, (emitted, top) in enumerate(zip(tokens, target)):
-            length = int(context.lengths[context.rows[i]])
-            seq = tuple(context.row(i, start=max(0, length - max_n))) + tuple(emitted)
-            start = len(seq) - len(emitted)
-            which = []  # the emitted position whose distribution each key gets
-            for t in range(len(emitted)):
-                end = start + t  # the distribution at position t followed seq[:end]
-                for n in range(1, min(max_n, end) + 1):
-                    keys.append(seq[end - n: end])
-                    which.append(t)
-            ids.append(top.ids.numpy()[which])
-            probs.append(top.probs.numpy()[which])
-        if keys:
-            self.store.update(keys, np.concatenate(ids), np.concatenate(probs))
+        tokens_np, lengths = context.tokens.numpy(), context.lengths.numpy()
+        for r, emitted, top in zip(context.rows, tokens, target):  # row by row, in batch order
+            length = int(lengths[r])
+            seq = np.concatenate([tokens_np[r, max(0, length - max_n): length], np.asarray(emitted, dtype=np.int64)])
+            self.store.observe(seq, len(seq) - len(emitted), top.ids.numpy(), top.probs.numpy())

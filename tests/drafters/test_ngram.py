@@ -1,11 +1,15 @@
 """NGramDrafter: longest-suffix continuations, frequency order, back-off, tree filling, and an
 index that only ever reads the new tokens of a row."""
 
+import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from stree.drafters import DraftContext, NGramDrafter
 from stree.drafters import ngram as ngram_module
+from stree.drafters.ngram_jit import CompiledRowIndex
 from stree.tree import TreeShape
 
 
@@ -36,18 +40,23 @@ def expected_children(ctx, k, max_n=4):
     return out
 
 
-def test_children_are_the_longest_matches_continuations_then_backoff():
+both = pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "reference"])
+
+
+@both
+def test_children_are_the_longest_matches_continuations_then_backoff(compiled):
     ctx = [5, 1, 2, 3, 9, 1, 2, 3, 7, 4, 2, 3, 8, 1, 2, 3, 7, 0, 1, 2, 3]
-    tree = NGramDrafter().propose(context([ctx]), TreeShape.full(4, 1))
+    tree = NGramDrafter(compiled=compiled).propose(context([ctx]), TreeShape.full(4, 1))
     # 4-gram (1,2,3)->... : "x 1 2 3" keys; 3-gram (1,2,3) -> 9, 7, 7 ; 2-gram (2,3) adds 8
     assert tree.tokens[0, 0] == 3
     assert tree.tokens[0, 1:4].tolist() == [7, 9, 8] == expected_children(ctx, 4)
     assert tree.valid[0].tolist() == [True] * 4 + [False]  # only 3 distinct continuations exist
 
 
-def test_random_contexts_match_the_definition_at_every_depth():
+@both
+def test_random_contexts_match_the_definition_at_every_depth(compiled):
     g = torch.Generator().manual_seed(0)
-    drafter = NGramDrafter()
+    drafter = NGramDrafter(compiled=compiled)
     shape = TreeShape.full(2, 3)
     for trial in range(30):
         ctx = torch.randint(0, 4, (int(torch.randint(1, 40, (1,), generator=g)),), generator=g).tolist()
@@ -79,33 +88,37 @@ def want_from_committed(ctx, path, k, max_n=4):
     return out
 
 
-def test_no_match_leaves_invalid_slots_and_prunes_their_subtrees():
-    tree = NGramDrafter().propose(context([[1, 2, 3]]), TreeShape.full(2, 2))
+@both
+def test_no_match_leaves_invalid_slots_and_prunes_their_subtrees(compiled):
+    tree = NGramDrafter(compiled=compiled).propose(context([[1, 2, 3]]), TreeShape.full(2, 2))
     # 3 never occurred before, and no shorter suffix of "3" has a continuation
     assert tree.tokens[0, 0] == 3 and tree.valid[0].tolist() == [True] + [False] * 6
-    tree = NGramDrafter().propose(context([[1, 2, 1]]), TreeShape.full(2, 1))
+    tree = NGramDrafter(compiled=compiled).propose(context([[1, 2, 1]]), TreeShape.full(2, 1))
     assert tree.tokens[0, :2].tolist() == [1, 2] and tree.valid[0].tolist() == [True, True, False]
 
 
-def test_index_reads_each_token_once(monkeypatch):
+@both
+def test_index_reads_each_token_once(monkeypatch, compiled):
     seen = []
-    real = ngram_module._RowIndex.extend
-    monkeypatch.setattr(ngram_module._RowIndex, "extend", lambda self, new: (seen.extend(new), real(self, new)))
-    drafter = NGramDrafter()
+    cls = CompiledRowIndex if compiled else ngram_module.RowIndex
+    real = cls.extend
+    monkeypatch.setattr(cls, "extend", lambda self, new: (seen.extend(new), real(self, new)))
+    drafter = NGramDrafter(compiled=compiled)
     tokens = torch.randint(0, 5, (2, 60))
     lengths = torch.tensor([10, 12])
     for _ in range(5):
         drafter.propose(DraftContext(tokens, lengths, [0, 1]), TreeShape.paper13())
         lengths += torch.tensor([3, 1])
     assert len(seen) == int(lengths.sum()) - 4  # every token indexed once (the last step's growth not yet seen)
-    fresh = NGramDrafter()
+    fresh = NGramDrafter(compiled=compiled)
     a = drafter.propose(DraftContext(tokens, lengths, [0, 1]), TreeShape.paper13())
     b = fresh.propose(DraftContext(tokens, lengths, [0, 1]), TreeShape.paper13())
     assert torch.equal(a.tokens, b.tokens) and torch.equal(a.valid, b.valid)
 
 
-def test_rows_are_keyed_by_stable_id_and_shrinking_is_an_error():
-    drafter = NGramDrafter()
+@both
+def test_rows_are_keyed_by_stable_id_and_shrinking_is_an_error(compiled):
+    drafter = NGramDrafter(compiled=compiled)
     tokens = torch.tensor([[1, 2, 1, 2, 1], [3, 4, 3, 4, 3]])
     drafter.propose(DraftContext(tokens, torch.tensor([5, 5]), [0, 1]), TreeShape.chain(2))
     only_second = drafter.propose(DraftContext(tokens, torch.tensor([5, 5]), [1]), TreeShape.chain(2))
@@ -116,19 +129,60 @@ def test_rows_are_keyed_by_stable_id_and_shrinking_is_an_error():
         NGramDrafter(max_n=2, min_n=3)
 
 
-def test_capacity_bounds_each_rows_index_and_drops_the_stalest_ngrams():
-    drafter = NGramDrafter(max_n=1, capacity=6, evict_fraction=0.5)
+@both
+def test_capacity_bounds_each_rows_index_and_drops_the_stalest_ngrams(compiled):
+    drafter = NGramDrafter(max_n=1, capacity=6, evict_fraction=0.5, compiled=compiled)
     seq = [1, 2, 1, 3, 4, 5, 6, 7, 8]
     context = DraftContext(torch.tensor([seq]), torch.tensor([len(seq)]), [0])
     draft = drafter.propose(context, TreeShape.chain(1))
     index = drafter._rows[0]
     # 7 distinct one-grams were followed by a token; the 7th found 6 (update order (2,) (1,) (3,) (4,)
     # (5,) (6,): (1,) moved behind (2,) when it recurred) and the 3 least recently updated went
-    assert sorted(index.next) == [(4,), (5,), (6,), (7,)]
+    assert sorted(index.keys()) == [(4,), (5,), (6,), (7,)]
     assert not bool(draft.valid[0, 1])  # 8 ends the context: nothing followed it
     long = list(range(10, 3000))
-    big = NGramDrafter(capacity=100)
+    big = NGramDrafter(capacity=100, compiled=compiled)
     big.propose(DraftContext(torch.tensor([long]), torch.tensor([len(long)]), [0]), TreeShape.chain(2))
-    assert len(big._rows[0].next) <= 100
+    assert len(big._rows[0]) <= 100
     with pytest.raises(ValueError, match="capacity"):
         NGramDrafter(capacity=0)
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), vocab=st.integers(2, 12), max_n=st.integers(1, 5),
+       capacity=st.integers(1, 80), evict_fraction=st.floats(0.01, 1.0))
+def test_compiled_index_equals_the_reference(seed, vocab, max_n, capacity, evict_fraction):
+    """Same n-grams (eviction included), same rankings, same drafts, step after step."""
+    rng = np.random.default_rng(seed)
+    ref, fast = (cls(max_n, capacity, evict_fraction) for cls in (ngram_module.RowIndex, CompiledRowIndex))
+    plan = ngram_module._Plan(TreeShape.full(3, 3))
+    for _ in range(int(rng.integers(1, 30))):
+        new = rng.integers(0, vocab, int(rng.integers(1, 8)))
+        ref.extend(new)
+        fast.extend(new)
+        assert sorted(ref.keys()) == sorted(fast.keys())
+        assert all(ref.ranked(k) == fast.ranked(k) for k in ref.keys())
+        min_n = int(rng.integers(1, max_n + 1))
+        for a, b in zip(ref.propose(min_n, plan, plan.shape.n), fast.propose(min_n, plan, plan.shape.n)):
+            assert np.array_equal(a, b)
+
+
+def test_compiled_index_grows_and_compacts_like_the_reference(monkeypatch):
+    """A long context: the arrays grow (ids, hash slots) and the continuation pool is compacted,
+    and the index still equals the reference's."""
+    grown = []
+    for name in ("_grow_ids", "_rehash", "_compact"):
+        real = getattr(CompiledRowIndex, name)
+        monkeypatch.setattr(CompiledRowIndex, name, lambda self, *a, _r=real, _n=name: (grown.append(_n), _r(self, *a)))
+    rng = np.random.default_rng(0)
+    ref, fast = ngram_module.RowIndex(4, 3000, 0.2), CompiledRowIndex(4, 3000, 0.2)
+    plan = ngram_module._Plan(TreeShape.paper13())
+    for _ in range(40):
+        new = rng.integers(0, 30, 100) if rng.random() < 0.5 else np.repeat(rng.integers(0, 30, 20), 5)
+        ref.extend(new)
+        fast.extend(new)
+        for a, b in zip(ref.propose(1, plan, plan.shape.n), fast.propose(1, plan, plan.shape.n)):
+            assert np.array_equal(a, b)
+    assert {"_grow_ids", "_rehash", "_compact"} <= set(grown)
+    assert sorted(ref.keys()) == sorted(fast.keys())
+    assert all(ref.ranked(k) == fast.ranked(k) for k in ref.keys())

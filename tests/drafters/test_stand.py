@@ -3,11 +3,16 @@ losslessness of its drafts on an exact Markov target (chi-square), including a s
 
 import itertools
 
+import numpy as np
+
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from tiny_models import FAMILIES
 
-from stree.drafters import DraftContext, STANDDrafter, STANDStore, TargetTop, gumbel_top_k
+from stree.drafters import DraftContext, STANDDrafter, STANDStore, TargetTop
+from stree.drafters.stand import _Plan, race_top_k
 from stree.generate import generate
 from stree.testing import MarkovLM, cell_counts, chi_square
 from stree.tree import TreeShape
@@ -64,14 +69,13 @@ def test_capacity_is_bounded_and_least_recently_updated_entries_go_first():
     assert len(store) <= 10 and store.entry((339,)) is not None and store.entry((300,)) is None
 
 
-def test_gumbel_top_k_is_sequential_sampling_without_replacement():
+def test_the_race_is_sequential_sampling_without_replacement():
     """Ordered triples from 5 candidates (stored unnormalised): chi-square against the exact law of
     three sequential draws without replacement from the renormalised entry (60 cells)."""
     drafter = STANDDrafter(STANDStore(top_k=5), seed=1)
-    stored = torch.tensor([0.32, 0.2, 0.16, 0.08, 0.04])  # mass 0.8: a truncated entry
+    stored = np.array([0.32, 0.2, 0.16, 0.08, 0.04], dtype=np.float32)  # mass 0.8: a truncated entry
     m = 120_000
-    noise = torch.from_numpy(drafter._take_noise(m * 5)).view(m, 5)
-    order = gumbel_top_k(stored.expand(m, 5), 3, noise)
+    order = race_top_k(np.broadcast_to(stored, (m, 5)), 3, drafter._noise_window(m * 5).reshape(m, 5))
     p = stored / stored.sum()
     triples = list(itertools.permutations(range(5), 3))
     exact = torch.tensor([float(p[a] * p[b] / (1 - p[a]) * p[c] / (1 - p[a] - p[b])) for a, b, c in triples])
@@ -79,7 +83,7 @@ def test_gumbel_top_k_is_sequential_sampling_without_replacement():
     counts = torch.bincount(torch.tensor([index[tuple(r)] for r in order.tolist()]), minlength=len(triples))
     assert chi_square(counts, exact)[2] > 1e-3
     # and a zero-probability candidate is never drawn ahead of a positive one
-    order = gumbel_top_k(torch.tensor([[0.0, 0.5, 0.0, 0.5]]).expand(1000, 4), 2, torch.from_numpy(drafter._take_noise(4000)).view(1000, 4))
+    order = race_top_k(np.broadcast_to(np.array([0.0, 0.5, 0.0, 0.5]), (1000, 4)), 2, np.random.default_rng(0).exponential(size=(1000, 4)))
     assert set(order.flatten().tolist()) == {1, 3}
 
 
@@ -88,15 +92,20 @@ def test_noise_is_never_reused(monkeypatch):
     for k in range(6):
         store.update([(k,)], t(k, (k + 1) % 6, (k + 2) % 6, (k + 3) % 6, dtype=torch.long), t(0.4, 0.3, 0.2, 0.1))
     drafter = STANDDrafter(store, TreeShape.full(2, 3), noise_size=50)
-    taken = []
-    real = STANDDrafter._take_noise
-    monkeypatch.setattr(STANDDrafter, "_take_noise", lambda self, n: taken.append(torch.from_numpy(real(self, n).copy())) or taken[-1].numpy())
+    used = []
+    real = STANDStore.draft
+
+    def spy(self, tails, plan, stochastic, noise):
+        out = real(self, tails, plan, stochastic, noise)
+        used.append(noise[: out[-1]].copy())  # the values this draft consumed
+        return out
+    monkeypatch.setattr(STANDStore, "draft", spy)
     tokens = torch.randint(0, 6, (3, 12))
     for step in range(10):
         drafter.propose(DraftContext(tokens, torch.tensor([4 + step, 5, 12]), [0, 1, 2]), TreeShape.full(2, 3))
-    values = torch.cat(taken)
+    values = np.concatenate(used)
     assert len(values) > 3 * 50  # the buffer was refreshed several times
-    assert len(torch.unique(values)) == len(values)  # no value used twice
+    assert len(np.unique(values)) == len(values)  # no value used twice
 
 
 def hand_store():
@@ -134,7 +143,7 @@ def test_observe_inserts_each_emitted_position_under_its_1_to_4_gram_keys():
     assert len(store) == before == 0  # drafting reads a snapshot, never writes
     dists = TargetTop(torch.tensor([[6, 0], [7, 1]]), torch.tensor([[0.9, 0.1], [0.8, 0.2]]), torch.tensor([0.9, 0.8]))
     drafter.observe(ctx, [[6, 7]], [dists])
-    assert {k for k in store._slot} == {(5,), (4, 5), (3, 4, 5), (2, 3, 4, 5), (6,), (5, 6), (4, 5, 6), (3, 4, 5, 6)}
+    assert set(store.keys()) == {(5,), (4, 5), (3, 4, 5), (2, 3, 4, 5), (6,), (5, 6), (4, 5, 6), (3, 4, 5, 6)}
     assert store.entry((2, 3, 4, 5))[0].tolist() == [6, 0] and store.entry((5, 6))[0].tolist() == [7, 1]
     frozen = STANDDrafter(store, TreeShape.chain(1), learn=False)
     assert frozen.target_top_k == 0
@@ -150,7 +159,7 @@ def test_generate_feeds_the_first_token_and_every_verify_step():
                    temperature=1.0, seed=0)
     seq = out.sequences[0]
     expected = {tuple(seq[e - n: e]) for e in range(4, len(seq)) for n in range(1, 5)}
-    assert set(store._slot) == expected
+    assert set(store.keys()) == expected
     # the entry under the whole prompt is the target's law after it (the prefill's distribution)
     ids, probs, _ = store.entry((1, 2, 3, 4))
     law = model.table[3, 4].float()
@@ -227,3 +236,42 @@ def test_the_named_stand_drafters_verify_their_optimised_trees():
         assert max(seen) == drafter.shape.n and set(seen) <= {1, drafter.shape.n}  # 1: nothing drafted yet
     with pytest.raises(ValueError, match="STAND trees are 'stand' or 'stand-det'"):
         stand_tree("ngram")
+
+
+@settings(max_examples=80, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), vocab=st.integers(2, 10), top_k=st.integers(1, 5), max_n=st.integers(1, 4),
+       capacity=st.integers(1, 40), evict_fraction=st.floats(0.01, 1.0), arity=st.integers(1, 3))
+def test_compiled_store_equals_the_reference(seed, vocab, top_k, max_n, capacity, evict_fraction, arity):
+    """Random updates and observed sequences (repeated keys, short distributions, evictions): the same n-grams, entries,
+    counts and stamps, and the same trees, stochastic (same noise) and deterministic."""
+    rng = np.random.default_rng(seed)
+    ref, fast = (STANDStore(capacity, top_k, max_n, evict_fraction, compiled=c) for c in (False, True))
+    plan = _Plan(TreeShape.full(3, arity))
+    for _ in range(int(rng.integers(1, 12))):
+        m, width = int(rng.integers(1, 20)), min(int(rng.integers(1, top_k + 2)), vocab + 3)
+        keys = [tuple(rng.integers(0, vocab, int(rng.integers(1, max_n + 1))).tolist()) for _ in range(m)]
+        ids = np.stack([rng.permutation(vocab + 3)[:width] for _ in range(m)])
+        probs = rng.dirichlet(np.ones(width), m).astype(np.float32)
+        ref.update(keys, ids, probs)
+        fast.update(keys, ids, probs)
+        seq = rng.integers(0, vocab, int(rng.integers(1, 9)))  # and a drafter's observe: windows of a sequence
+        start = int(rng.integers(0, len(seq) + 1))
+        ids, probs = ids[: len(seq) - start], probs[: len(seq) - start]
+        if len(ids) == len(seq) - start:
+            ref.observe(seq, start, ids, probs)
+            fast.observe(seq, start, ids, probs)
+        assert sorted(ref.keys()) == sorted(fast.keys())
+        for key in ref.keys():
+            a, b = ref.entry(key), fast.entry(key)
+            assert a[0].tolist() == b[0].tolist() and torch.equal(a[1], b[1]) and a[2] == b[2]
+            assert ref.stamp[ref.slot(key)] == fast.stamp[fast.slot(key)]
+        tails = [rng.integers(0, vocab, int(rng.integers(1, max_n + 1))).tolist() for _ in range(int(rng.integers(1, 4)))]
+        noise = rng.exponential(size=len(tails) * len(plan.arrays[0]) * top_k)
+        for stochastic in (True, False):
+            for x, y in zip(ref.draft(tails, plan, stochastic, noise), fast.draft(tails, plan, stochastic, noise)):
+                assert np.array_equal(x, y)
+
+
+def test_store_keys_longer_than_max_n_are_an_error():
+    with pytest.raises(ValueError, match="keys must have 1..2 tokens"):
+        STANDStore(top_k=2, max_n=2).update([(1, 2, 3)], t(1, 2, dtype=torch.long), t(0.5, 0.5))
