@@ -2,6 +2,10 @@
 two long, linear probing) holds ``EMPTY``, ``DELETED`` or an id; id ``k``'s n-gram is
 ``key_tok[k, :key_len[k]]`` (``key_len`` 0: no n-gram). The callers own the arrays and keep the
 table at most half full, tombstones included, so that probing always ends.
+
+numba's on-disk cache (``cache=True``) keys a function on its own file only: after editing this
+file, delete the ``__pycache__`` entries of ``ngram_jit`` and ``stand_jit`` (or touch those files)
+so that their callers are compiled again against it.
 """
 
 from __future__ import annotations
