@@ -60,6 +60,62 @@ def _optimize_parser(sub) -> None:
     p.add_argument("--device", default=None)
 
 
+def _reason_parser(sub) -> None:
+    p = sub.add_parser("reason", help="SpecReason: a small model writes reasoning steps, the model judges them "
+                                      "and rewrites the rejected ones (paper 002)")
+    p.add_argument("--model", required=True, help="the base model's checkpoint directory")
+    p.add_argument("--small-model", required=True, help="the small model's checkpoint directory (same vocabulary)")
+    p.add_argument("--tokenizer", default=None, help="tokenizer directory (default: --model)")
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--judge", choices=("prompt", "logprob"), default="prompt",
+                   help="prompt: the model scores the step 0-9; logprob: its mean log-probability (nats)")
+    p.add_argument("--score", choices=("greedy", "expected"), default="greedy", help="how the prompt judge's digit is read")
+    p.add_argument("--threshold", type=float, default=None, help="keep a step scoring at least this (default: 7 for "
+                                                                  "the prompt judge, -1.5 for logprob)")
+    p.add_argument("--step-delimiter", default="\\n\\n", help="the text ending a step (backslash escapes read)")
+    p.add_argument("--max-step-tokens", type=int, default=128)
+    p.add_argument("--max-new-tokens", type=int, default=512)
+    p.add_argument("--token-spec", choices=("stand", "stand-det", "ngram", "small", "off"), default="stand",
+                   help="how the model writes rejected steps: STree with this drafter, or off (autoregressive)")
+    p.add_argument("--base-steps", type=int, default=0, help="the first steps are the model's own, unjudged")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--dtype", choices=sorted(DTYPES), default=None)
+    p.add_argument("--device", default=None)
+    p.add_argument("--json", action="store_true", help="print one JSON object: text, steps, stats")
+
+
+def _run_reason(args) -> int:
+    import codecs
+    import json
+    from dataclasses import asdict
+
+    from .lm import LM
+    from .models import load
+    from .reasoning import spec_reason
+
+    delimiter = codecs.decode(args.step_delimiter, "unicode_escape")
+    lm = LM.from_pretrained(args.model, device=args.device, dtype=args.dtype, tokenizer=args.tokenizer)
+    small = load(args.small_model, dtype=lm.model.dtype, device=lm.model.device)
+    out = spec_reason(lm.model, small, lm.tokenizer, args.prompt, judge=args.judge, threshold=args.threshold,
+                      score=args.score, step_delimiter=delimiter, max_step_tokens=args.max_step_tokens,
+                      max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                      token_spec=False if args.token_spec == "off" else args.token_spec, seed=args.seed,
+                      eos_token_id=lm.eos_token_id, base_steps=args.base_steps)
+    st = out.stats
+    if args.json:
+        print(json.dumps(dict(text=out.text, token_ids=out.token_ids, steps=[asdict(s) for s in out.steps],
+                              stats=dict(asdict(st), share_accepted=st.share_accepted))))
+        return 0
+    print(args.prompt + out.text)
+    print(f"[reason] steps {st.steps} | small's kept {st.accepted}/{st.judged} ({st.share_accepted:.0%}) | tokens: "
+          f"small {st.small_tokens}, model {st.base_tokens} in {st.base_forwards} forwards | judge forwards "
+          f"{st.judge_forwards} | time small {st.time_small:.2f}s judge {st.time_judge:.2f}s model {st.time_base:.2f}s "
+          f"sync {st.time_sync:.2f}s total {st.time_total:.2f}s")
+    return 0
+
+
 def _loop_args(p, steps: int, batch_size: int, seq_len: int, lr: float) -> None:
     p.add_argument("--out", required=True, help="checkpoint directory to write")
     p.add_argument("--steps", type=int, default=steps)
@@ -270,11 +326,12 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("demo", add_help=False, help="the shipped tiny model pair: every decoding method and drafter, "
                                                 "greedy identity, tau and tokens/s (stree demo --help)")
     _generate_parser(sub)
+    _reason_parser(sub)
     _optimize_parser(sub)
     _train_lm_parser(sub)
     _distill_parser(sub)
     args = parser.parse_args(argv)
-    run = {"generate": _run_generate, "optimize-tree": _run_optimize, "train-lm": _run_train_lm,
+    run = {"generate": _run_generate, "reason": _run_reason, "optimize-tree": _run_optimize, "train-lm": _run_train_lm,
            "distill": _run_distill}[args.command]
     from .training.loop import TrainingInterrupted
 

@@ -28,6 +28,7 @@ from .models.base import TreeLM
 from .models.compiled import CompiledDecode
 from .models.graphs import DecodeGraphs
 from .models.runners import DecodeRunner
+from .stops import check_stop_sequences, token_stop
 from .tree import TokenTree, TreeShape
 from .unrolled import UnrolledTarget
 from .verify import SamplingParams, verify
@@ -56,6 +57,7 @@ class GenerationStats:
     time_verify: float = 0.0
     time_commit: float = 0.0
     time_total: float = 0.0
+    prefilled: bool = True  # the first token of each row came from a prefill (not from a decoding step)
 
     @property
     def tau(self) -> float:
@@ -64,7 +66,7 @@ class GenerationStats:
     def row_tau(self, row: int) -> float:
         """``tau`` of one row."""
         steps = len(self.accepted[row])
-        return (self.new_tokens[row] - 1) / steps if steps else float("nan")
+        return (self.new_tokens[row] - self.prefilled) / steps if steps else float("nan")
 
     @property
     def time_other(self) -> float:
@@ -83,17 +85,21 @@ class GenerationStats:
 def pooled_tau(stats: list[GenerationStats]) -> float:
     """``tau`` over the rows of several runs together."""
     steps = sum(len(a) for s in stats for a in s.accepted)
-    from_steps = sum(n - 1 for s in stats for n in s.new_tokens if n > 0)  # the first token came from the prefill
+    from_steps = sum(n - s.prefilled for s in stats for n in s.new_tokens if n > 0)
     return from_steps / steps if steps else float("nan")
 
 
 @dataclass
 class GenerationOutput:
-    """``sequences``: per row, prompt then generated tokens; ``prompt_lengths`` to split them."""
+    """``sequences``: per row, prompt then generated tokens; ``prompt_lengths`` to split them.
+    ``exact``: per row, whether the cache holds the row's state after all its tokens but the last
+    (False where the row was cut inside a step's accepted path, by an EOS, its budget or a stop,
+    or rode along after it finished): what continuing from that cache needs."""
 
     sequences: list[list[int]]
     prompt_lengths: list[int]
     stats: GenerationStats
+    exact: list[bool] = field(default_factory=list)
 
     @property
     def new_tokens(self) -> list[list[int]]:
@@ -155,13 +161,14 @@ def _top_k(drafter: Drafter | None) -> int | None:
 
 class Rows:
     """Host-side state of a batch: every row's tokens so far (prompt, then generated), its length,
-    the tokens produced, and whether it still decodes; rows finish at an EOS or ``max_new_tokens``."""
+    the tokens produced, and whether it still decodes; rows finish at an EOS or their
+    ``max_new_tokens`` (an int, or one per row). ``exact``: see :class:`GenerationOutput`."""
 
-    def __init__(self, prompts: list[list[int]], max_new_tokens: int, eos: list[int]):
+    def __init__(self, prompts: list[list[int]], max_new_tokens: list[int], eos: list[int]):
         B, longest = len(prompts), max(map(len, prompts))
         # grown as tokens come (doubling): max_new_tokens is a limit, not an allocation
-        self.seq = torch.zeros(B, longest + min(max_new_tokens, 256), dtype=torch.long)
-        self.limit = longest + max_new_tokens
+        self.seq = torch.zeros(B, longest + min(max(max_new_tokens), 256), dtype=torch.long)
+        self.limit = max(len(p) + m for p, m in zip(prompts, max_new_tokens))
         self.lengths = torch.tensor([len(p) for p in prompts])
         for i, p in enumerate(prompts):
             self.seq[i, : len(p)] = torch.tensor(p)
@@ -169,7 +176,8 @@ class Rows:
         self.produced = torch.zeros(B, dtype=torch.long)
         self.active = torch.ones(B, dtype=torch.bool)
         self.eos = torch.tensor(eos, dtype=torch.long)
-        self.max_new_tokens = max_new_tokens
+        self.max_new_tokens = torch.tensor(max_new_tokens, dtype=torch.long)
+        self.exact = torch.ones(B, dtype=torch.bool)
         self.accepted: list[list[int]] = [[] for _ in range(B)]
 
     @property
@@ -195,7 +203,7 @@ class Rows:
         is_eos = torch.isin(tokens, self.eos) & (j < counts[:, None])
         hit = is_eos.any(1)
         upto = torch.where(hit, is_eos.float().argmax(1) + 1, counts)  # through the first EOS
-        room = self.max_new_tokens - self.produced[ids]
+        room = self.max_new_tokens[ids] - self.produced[ids]
         n = torch.minimum(upto, room)
         if drafter is not None:
             n_list = n.tolist()
@@ -211,6 +219,7 @@ class Rows:
         self.lengths[ids] += n
         self.produced[ids] += n
         self.active[ids[(hit & (upto <= n)) | (n == room)]] = False
+        self.exact[ids[n < counts]] = False  # the cache took tokens the row drops
 
 
     def _reserve(self, length: int) -> None:
@@ -228,6 +237,8 @@ class Rows:
         """End row ``row`` after its first ``keep`` generated tokens (the later ones are dropped)."""
         if not 0 <= keep <= int(self.produced[row]):
             raise ValueError(f"keep must be in [0, {int(self.produced[row])}], got {keep}")
+        if keep < int(self.produced[row]):
+            self.exact[row] = False
         self.lengths[row] = self.prompt_lengths[row] + keep
         self.produced[row] = keep
         self.active[row] = False
@@ -397,13 +408,19 @@ def decode(model, input_ids, *, drafter: Drafter | None = None, tree: TreeShape 
            top_p: float = 1.0, eos_token_id: int | list[int] | None = None, seed: int | None = None,
            mode: str = "auto", max_length: int | None = None, on_step=None,
            sampling: SamplingParams | None = None, time_phases: bool = False,
-           cuda_graph: bool | None = None, torch_compile: bool = False):
+           cuda_graph: bool | None = None, torch_compile: bool = False, cache=None, stop_sequences=None):
     """:func:`generate` step by step: a generator that yields the batch's :class:`Rows` after the
     prefill and after every decoding step (a consumer may end rows there, :meth:`Rows.finish`:
     stop strings, streaming) and returns the :class:`GenerationOutput`. The arguments are checked
     when the first step is asked for.
 
-    Decodes up to ``max_new_tokens`` per row; a row stops after emitting an EOS.
+    Decodes up to ``max_new_tokens`` per row (an int, or a list with one per row); a row stops
+    after emitting an EOS, or after the first occurrence of one of ``stop_sequences`` (token-id
+    lists; the row keeps the sequence, drops the drafts accepted past it).
+
+    ``cache``: continue from it instead of prefilling: it holds, for every row of ``input_ids``
+    (then the rows' whole contexts), the state after all but the last token, which the first step
+    feeds. It is advanced in place; the output's ``exact`` says which rows it holds exactly.
 
     ``input_ids``: a ``[B, T]`` tensor or a list of token lists (ragged prompts allowed).
     ``method``: ``stree`` (tree drafts, one tree forward; default tree ``paper13``), ``chain``
@@ -425,24 +442,35 @@ def decode(model, input_ids, *, drafter: Drafter | None = None, tree: TreeShape 
     :class:`TokenTree`, the :class:`~stree.verify.VerifyResult`), e.g. to count accepted nodes."""
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
-    max_new_tokens = integer("max_new_tokens", max_new_tokens, low=1)
+    prompts = _prompts(input_ids)
+    if isinstance(max_new_tokens, (list, tuple)):
+        if len(max_new_tokens) != len(prompts):
+            raise ValueError(f"max_new_tokens holds {len(max_new_tokens)} values for {len(prompts)} rows")
+        budgets = [integer(f"max_new_tokens[{i}]", m, low=1) for i, m in enumerate(max_new_tokens)]
+    else:
+        budgets = [integer("max_new_tokens", max_new_tokens, low=1)] * len(prompts)
     seed = None if seed is None else integer("seed", seed, low=0, high=2**63 - 1)
     max_length = None if max_length is None else integer("max_length", max_length, low=1)
     params = sampling if sampling is not None else SamplingParams(temperature, top_k, top_p, mode)
     if not isinstance(params, SamplingParams):
         raise TypeError(f"sampling must be a SamplingParams, got {type(params).__name__}")
-    prompts = _prompts(input_ids)
+    stops = check_stop_sequences(stop_sequences, model.vocab_size)
     if tree is None and method == "stree":
         tree = getattr(drafter, "shape", None)  # a drafter built for a tree shape (e.g. STAND's)
     shape = _resolve_shape(method, tree)
     depth = 0 if shape is None else max(shape.max_depth, getattr(drafter, "draft_depth", None) or 0)
-    longest = max(map(len, prompts))
-    need = longest + max_new_tokens + depth
+    longest = max(len(p) + m for p, m in zip(prompts, budgets)) - 1  # the longest prompt and budget, bar one
+    need = longest + 1 + depth
+    if cache is not None:
+        if max_length is not None:
+            raise ValueError("max_length is the size of a new cache: leave it out when passing a cache")
+        max_length = cache.max_length
+        _check_continued(model, cache, prompts)
     if max_length is None:
         max_length = need
     elif need > max_length:
-        raise ValueError(f"max_length {max_length} is too small: the longest prompt ({longest} tokens) plus "
-                         f"max_new_tokens ({max_new_tokens}) plus the tree depth ({depth}) needs {need}")
+        raise ValueError(f"max_length {max_length} is too small: the longest prompt plus its max_new_tokens "
+                         f"({longest + 1} tokens) plus the tree depth ({depth}) needs {need}")
     if eos_token_id is None:
         eos = []
     elif isinstance(eos_token_id, (list, tuple)):
@@ -455,7 +483,9 @@ def decode(model, input_ids, *, drafter: Drafter | None = None, tree: TreeShape 
         drafter = NGramDrafter()
     device = model.device
     if cuda_graph is None:
-        cuda_graph = device.type == "cuda" and isinstance(model, TreeLM) and method != "unrolled"
+        cuda_graph = device.type == "cuda" and isinstance(model, TreeLM) and method != "unrolled" and cache is None
+    if cache is not None and (cuda_graph or torch_compile):
+        raise ValueError("decoding from a given cache runs eager: cuda_graph and torch_compile own their cache")
     if method == "unrolled" and (cuda_graph or torch_compile):
         raise ValueError("method='unrolled' (the paper's baseline) runs eager: cuda_graph and torch_compile are off")
     if cuda_graph and (device.type != "cuda" or not isinstance(model, TreeLM)):
@@ -476,8 +506,8 @@ def decode(model, input_ids, *, drafter: Drafter | None = None, tree: TreeShape 
     target = UnrolledTarget(model) if method == "unrolled" else model
     top_k = _top_k(drafter)
 
-    rows = Rows(prompts, max_new_tokens, eos)
-    stats = GenerationStats(new_tokens=[0] * rows.batch_size)
+    rows = Rows(prompts, budgets, eos)
+    stats = GenerationStats(new_tokens=[0] * rows.batch_size, prefilled=cache is None)
     clock = _Clock(device, detailed=time_phases)
     start = clock.t
 
@@ -486,16 +516,23 @@ def decode(model, input_ids, *, drafter: Drafter | None = None, tree: TreeShape 
 
     kind = DecodeGraphs if cuda_graph else CompiledDecode if torch_compile else None
     runner = kind.for_model(model, rows.batch_size, max_length) if kind is not None else None
-    cache = runner.cache if runner is not None else model.allocate_cache(rows.batch_size, max_length)
-    first = prefill_rows(model, rows, cache, params, generator, top_k)
-    _check_finite(first, rows, "the prefill")
-    stats.time_prefill += clock.lap()
     if drafter is not None:
         drafter.reset()
-    rows.emit(first, drafter)
-    stats.time_draft += clock.lap()
+    if cache is None:
+        cache = runner.cache if runner is not None else model.allocate_cache(rows.batch_size, max_length)
+        first = prefill_rows(model, rows, cache, params, generator, top_k)
+        _check_finite(first, rows, "the prefill")
+        stats.time_prefill += clock.lap()
+        rows.emit(first, drafter)
+        stats.time_draft += clock.lap()
+    seen = [0] * rows.batch_size
+    _stop_at_sequences(rows, stops, seen)
     yield rows
     while bool(rows.active.any()):
+        if not bool(rows.active.all()):
+            # Finished rows ride along, one token a step: parked at length 0 they never run out of room.
+            rows.exact &= rows.active
+            cache.seqlens.masked_fill_((~rows.active).to(device, non_blocking=True), 0)
         roots = rows.roots()
         live = rows.active_ids()
         if drafter is None:
@@ -521,17 +558,45 @@ def decode(model, input_ids, *, drafter: Drafter | None = None, tree: TreeShape 
         stats.target_forwards += 1
         _check_finite(host, rows, f"decoding step {stats.target_forwards}")
         rows.emit(host, drafter)
+        _stop_at_sequences(rows, stops, seen)
         stats.time_draft += clock.lap()  # feeding the drafter is drafting work
         yield rows
-        if not bool(rows.active.all()):
-            # Finished rows ride along, one token a step: parked at length 0 they never run out of room.
-            cache.seqlens.masked_fill_((~rows.active).to(device, non_blocking=True), 0)
     clock.lap()
     stats.time_total = clock.t - start
     stats.new_tokens = rows.produced.tolist()
     stats.accepted = rows.accepted
     sequences = [rows.seq[i, : int(rows.lengths[i])].tolist() for i in range(rows.batch_size)]
-    return GenerationOutput(sequences, [len(p) for p in prompts], stats)
+    return GenerationOutput(sequences, [len(p) for p in prompts], stats, rows.exact.tolist())
+
+
+def _check_continued(model, cache, prompts: list[list[int]]) -> None:
+    """A cache to continue from: one row per context, each holding all of it but the last token."""
+    if isinstance(model, TreeLM):
+        model.check_cache(cache, len(prompts), 0)
+    elif cache.batch_size != len(prompts):
+        raise ValueError(f"the cache holds {cache.batch_size} rows but the input has batch {len(prompts)}")
+    held = cache.seqlens.tolist()
+    for i, (p, n) in enumerate(zip(prompts, held)):
+        if n != len(p) - 1:
+            raise ValueError(f"cache row {i} holds {n} tokens; continuing a context of {len(p)} tokens needs "
+                             f"{len(p) - 1} (all but the last)")
+
+
+def _stop_at_sequences(rows: Rows, stops: list[tuple[int, ...]], seen: list[int]) -> None:
+    """End every row whose new tokens complete a stop sequence, through its end (``seen[r]``: how
+    many of row r's generated tokens were checked before)."""
+    if not stops:
+        return
+    for r in range(rows.batch_size):
+        produced = int(rows.produced[r])
+        if seen[r] < 0 or produced == seen[r]:
+            continue
+        keep = token_stop(rows.generated(r), stops, seen[r])
+        if keep is None:
+            seen[r] = produced
+        else:
+            rows.finish(r, keep)
+            seen[r] = -1  # done
 
 
 def _check_finite(host: HostStep, rows: Rows, where: str) -> None:

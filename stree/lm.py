@@ -20,6 +20,7 @@ import torch
 from .drafters.base import Drafter
 from .drafters.registry import DRAFTER_NAMES, NEEDS_MODEL, make_drafter
 from .generate import GenerationStats, decode
+from .stops import TextStops, apply_text_stops, held_back, stop_strings
 
 # Short names for the registry's: "ssm" is the distilled drafter filling a static tree.
 DRAFTER_ALIASES = {"ssm": "ssm-static"}
@@ -57,53 +58,6 @@ def checkpoint_eos(path) -> list[int] | None:
             if value is not None:
                 return [int(v) for v in (value if isinstance(value, list) else [value])]
     return None
-
-
-def _stop_strings(stop) -> list[str]:
-    if stop is None:
-        return []
-    stop = [stop] if isinstance(stop, str) else stop
-    if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop):
-        raise TypeError(f"stop must be a non-empty string or a list of them, got {stop!r}")
-    return list(stop)
-
-
-def _held_back(text: str, stops: list[str]) -> int:
-    """How many trailing characters of ``text`` could still begin a stop string, or are an
-    incomplete UTF-8 character: a stream holds them back."""
-    hold = 1 if text.endswith("\ufffd") else 0
-    for s in stops:
-        for n in range(min(len(s) - 1, len(text)), hold, -1):
-            if text.endswith(s[:n]):
-                hold = n
-                break
-    return hold
-
-
-class _Row:
-    """One prompt's decoded text, kept up to date step by step, and where a stop string ended it."""
-
-    def __init__(self, tokenizer, stops: list[str]):
-        self.tokenizer, self.stops = tokenizer, stops
-        self.text, self.seen, self.cut = "", 0, None
-
-    def decode(self, tokens: list[int]) -> str:
-        return self.tokenizer.decode(tokens, skip_special_tokens=True)
-
-    def update(self, tokens: list[int]) -> int | None:
-        """Read the row's generated ``tokens``; when a stop string shows, the number of tokens to
-        keep (the fewest whose text holds it) and ``cut`` = where the text ends."""
-        if len(tokens) == self.seen:
-            return None
-        text = self.decode(tokens)
-        hits = [(i, s) for s in self.stops if (i := text.find(s)) >= 0]
-        if not hits:
-            self.text, self.seen = text, len(tokens)
-            return None
-        start, stop = min(hits)
-        keep = next(k for k in range(self.seen + 1, len(tokens) + 1) if stop in self.decode(tokens[:k]))
-        self.text, self.seen, self.cut = text[:start], keep, start
-        return keep
 
 
 class LM:
@@ -175,15 +129,15 @@ class LM:
     def _steps(self, prompts, *, max_new_tokens: int = 128, drafter="ngram", stop=None, temperature: float = 0.0,
                eos_token_id="checkpoint", **kwargs):
         """The rows' text trackers, the decoding steps, and the EOS ids in force."""
-        stops = _stop_strings(stop)
+        stops = stop_strings(stop)
         ids = self.encode(prompts)
         eos = self.eos_token_id if eos_token_id == "checkpoint" else eos_token_id
-        rows = [_Row(self.tokenizer, stops) for _ in ids]
+        rows = [TextStops(self.tokenizer, stops) for _ in ids]
         steps = decode(self.model, ids, max_new_tokens=max_new_tokens, temperature=temperature, eos_token_id=eos,
                        drafter=self.drafter(drafter, temperature), **kwargs)
         return rows, steps, eos
 
-    def _output(self, out, rows: list[_Row], eos) -> TextOutput:
+    def _output(self, out, rows: list[TextStops], eos) -> TextOutput:
         eos = set([] if eos is None else [eos] if isinstance(eos, int) else eos)
         reasons = []
         for row, tokens in zip(rows, out.new_tokens):
@@ -207,7 +161,7 @@ class LM:
                 batch = next(steps)
             except StopIteration as end:
                 return self._output(end.value, rows, eos)
-            self._check_stops(batch, rows)
+            apply_text_stops(batch, rows)
 
     def stream(self, prompt: str, **kwargs) -> "TextStream":
         """Yield the completion of one ``prompt`` as its tokens are accepted (the arguments of
@@ -217,18 +171,6 @@ class LM:
         if not isinstance(prompt, str):
             raise TypeError(f"stream takes one prompt string, got {type(prompt).__name__}")
         return TextStream(self, prompt, kwargs)
-
-    @staticmethod
-    def _check_stops(batch, rows: list[_Row]) -> None:
-        """Every row that grew in the last step and has not met a stop string yet (one that just
-        ended at an EOS or its length included: its last tokens may hold one)."""
-        if not rows[0].stops:
-            return
-        for r, row in enumerate(rows):
-            if row.cut is None and int(batch.produced[r]) != row.seen:
-                keep = row.update(batch.generated(r))
-                if keep is not None:
-                    batch.finish(r, keep)
 
 
 class TextStream:
@@ -248,10 +190,10 @@ class TextStream:
             except StopIteration as end:
                 self.output = lm._output(end.value, rows, eos)
                 break
-            lm._check_stops(batch, rows)
+            apply_text_stops(batch, rows)
             if row.cut is None:
                 row.update(batch.generated(0))
-                ready = len(row.text) - _held_back(row.text, row.stops)
+                ready = len(row.text) - held_back(row.text, row.stops)
                 if ready > sent:
                     yield row.text[sent:ready]
                     sent = ready

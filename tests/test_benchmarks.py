@@ -85,3 +85,16 @@ def test_e2e_smoke_compares_every_configuration_with_transformers(tmp_path):
             assert r["tau"] >= 1.0 and r["ms_per_iteration"]["verify"] > 0
     ops = result["op_counts"]
     assert ops["step"]["compute"] < ops["forward_tree"]["compute"] and ops["commit"]["total"] > 0
+
+
+def test_reasoning_smoke_compares_specreason_with_the_base_model(tmp_path):
+    result = smoke("reasoning", tmp_path)
+    assert "tiny code models" in result["note"] and "not reasoning accuracy" in result["note"]
+    rows = {r["name"]: r for r in result["results"]}
+    assert rows["base"]["speedup_vs_base"] == 1.0 and "base+stree" in rows
+    for judge, thresholds in (("prompt", (3, 5, 7)), ("logprob", (-3, -2, -1))):
+        for t in thresholds:
+            r = rows[f"specreason-{judge}@{t}"]
+            assert r["judged"] >= 1 and 0 <= r["accepted"] <= r["judged"] and r["judge_forwards"] == r["judged"]
+            assert r["small_tokens"] >= 1 and r["tokens"] == rows["base"]["tokens"]  # the same budget, spent
+    assert {r["shared_store"] for r in result["search"]["rows"]} == {True, False}

@@ -187,3 +187,27 @@ def test_prompt_source_errors_exit_2(checkpoint, tmp_path, capsys, monkeypatch):
         assert "\n" not in err and message in err, err
     monkeypatch.setattr("sys.stdin", io.StringIO(""))
     assert main(base) == 2 and "stdin holds no prompts" in capsys.readouterr().err
+
+
+def test_reason_prints_text_and_stats_and_json(capsys):
+    """`stree reason` on the shipped pair: the text, the accepted share and the time split; --json
+    the steps and stats; a bad value one line, exit 2."""
+    import json
+
+    from stree.demo import DRAFTER, TARGET
+    from stree.models import load_tokenizer
+
+    args = ["reason", "--model", str(TARGET), "--small-model", str(DRAFTER), "--prompt", "def add(a, b):",
+            "--max-new-tokens", "24", "--dtype", "float32"]
+    assert main(args + ["--judge", "logprob", "--threshold", "-2.5"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("def add(a, b):") and "[reason] steps" in out and "small's kept" in out
+    assert main(args + ["--json", "--token-spec", "off", "--step-delimiter", "\\n"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert len(report["token_ids"]) == 24 and report["stats"]["judged"] == len(report["steps"]) >= 2
+    tok = load_tokenizer(TARGET)
+    for step in report["steps"][:-1]:  # each step ends with the token that completes its first newline
+        assert "\n" in step["text"] and "\n" not in tok.decode(step["tokens"][:-1])
+    assert main(args + ["--max-step-tokens", "0"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "max_step_tokens must be" in err

@@ -129,7 +129,7 @@ def test_generate_on_random_prompts_gives_documented_output(family, sampling, pr
 
 
 def test_the_token_buffer_grows_as_tokens_come():
-    rows = Rows([[1, 2], [3]], 10**12, [])
+    rows = Rows([[1, 2], [3]], [10**12, 10**12], [])
     assert rows.seq.numel() < 10_000  # a limit, not an allocation
     model = MODELS["mamba2"]
     ref = generate(model, [[1, 2, 3], [4]], max_new_tokens=300, method="autoregressive")

@@ -12,7 +12,8 @@ import stree
 from stree.demo import TARGET
 from stree.drafters import NGramDrafter
 from stree.generate import generate
-from stree.lm import LM, _held_back, checkpoint_eos
+from stree.lm import LM, checkpoint_eos
+from stree.stops import held_back
 
 PROMPTS = ["def fibonacci(n):", "class Stack:\n    def push(self, item):"]
 
@@ -91,10 +92,10 @@ def test_stream_yields_the_text_piece_by_piece(lm):
 
 
 def test_held_back_text_is_what_could_begin_a_stop_string():
-    assert _held_back("abc\n", ["\n\n"]) == 1
-    assert _held_back("abcab", ["abcabd"]) == 5
-    assert _held_back("x\ufffd", []) == 1
-    assert _held_back("abc", ["\n\n", "zz"]) == 0
+    assert held_back("abc\n", ["\n\n"]) == 1
+    assert held_back("abcab", ["abcabd"]) == 5
+    assert held_back("x\ufffd", []) == 1
+    assert held_back("abc", ["\n\n", "zz"]) == 0
 
 
 def test_bad_arguments_are_named(lm):

@@ -25,6 +25,13 @@ class MarkovCache:
     def select(self, rows: torch.Tensor) -> "MarkovCache":
         return MarkovCache(self.history[rows].clone(), self.seqlens[rows].clone(), self.max_length)
 
+    def clone(self) -> "MarkovCache":
+        return self.select(torch.arange(self.batch_size))
+
+    def assign(self, rows: torch.Tensor, other: "MarkovCache") -> None:
+        self.history[rows] = other.history
+        self.seqlens[rows] = other.seqlens
+
 
 class MarkovLM:
     """Next-token law ``table[t_{-k}, ..., t_{-1}]`` (``table`` ``[V] * k + [V]``, rows summing to
