@@ -28,6 +28,7 @@ import math
 import numbers
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from .tree import TokenTree
@@ -37,6 +38,9 @@ __all__ = ["RULES", "SamplingParams", "VerifyResult", "acceptance_tables", "choo
 
 RULES = ("greedy", "one_hot", "iid", "without_replacement", "naive")
 MODES = ("auto", "naive")
+# On the CPU the stochastic rules walk compiled (stree.verify_jit); the tables below are the
+# reference, and what runs on other devices.
+COMPILED_ON_CPU = True
 
 
 @dataclass
@@ -249,6 +253,46 @@ def follow_choices(tree: TokenTree, choice: torch.Tensor):
     return accepted, num, choice.gather(1, end[:, None])[:, 0]
 
 
+def _children_by_rank(index) -> np.ndarray:
+    """``[rows, N, R]``: each node's children in draw (index) order, -1 past the last."""
+    parents = index.parents.cpu().numpy()
+    rows, n = parents.shape
+    counts = np.zeros((rows, n), dtype=np.int64)
+    for r in range(rows):
+        np.add.at(counts[r], parents[r, 1:], 1)
+    kids = np.full((rows, n, max(1, int(counts.max()))), -1, dtype=np.int64)
+    fill = np.zeros((rows, n), dtype=np.int64)
+    for r in range(rows):
+        for c in range(1, n):
+            v = parents[r, c]
+            kids[r, v, fill[r, v]] = c
+            fill[r, v] += 1
+    return kids
+
+
+def _walk_compiled(tree: TokenTree, probs: torch.Tensor, rule: str, coins: torch.Tensor):
+    """The compiled CPU walk (stree.verify_jit): the accepted path, its length, the last node's
+    residual; what the tables and :func:`_walk` give."""
+    from .verify_jit import RULE_CODES, walk
+
+    B, N, V = probs.shape
+    index = tree.index
+    kids = index.memo("children_by_rank", lambda: _children_by_rank(index))
+    if tree.child_ids is not None and rule != "one_hot":
+        ids, law = tree.child_ids.long(), tree.child_probs
+        if bool(((ids < 0) | (ids >= V)).any()):  # always checked: the compiled walk indexes with them
+            raise ValueError(f"tree.child_ids holds ids outside the vocabulary [0, {V})")
+    else:
+        ids, law = torch.zeros(B, N, 1, dtype=torch.long), torch.zeros(B, N, 1)
+    valid = tree.valid if tree.valid is not None else torch.ones(B, N, dtype=torch.bool)
+    path = np.zeros((B, _max_depth(tree) + 1), dtype=np.int64)
+    num = np.zeros(B, dtype=np.int64)
+    residual = np.empty((B, V), dtype=np.float32)
+    walk(probs.detach().numpy(), tree.tokens.long().numpy(), valid.numpy(), kids, ids.numpy(),
+         law.float().numpy(), RULE_CODES[rule], coins.double().numpy(), path, num, residual)
+    return torch.from_numpy(path), torch.from_numpy(num), torch.from_numpy(residual)
+
+
 def verify(tree: TokenTree, logits: torch.Tensor, params: SamplingParams | None = None, *,
            temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, generator: torch.Generator | None = None,
            mode: str = "auto", validate: bool = True) -> VerifyResult:
@@ -284,9 +328,13 @@ def verify(tree: TokenTree, logits: torch.Tensor, params: SamplingParams | None 
         accepted, num, bonus = follow_choices(tree, choice)
     else:
         probs = params.probs(logits)
-        accept, residual = acceptance_tables(tree, probs, rule, validate)
-        coins = torch.rand(B, N, generator=generator, device=logits.device)
-        accepted, num, end = _walk(tree.parents.to(logits.device).expand(B, N), coins < accept, _max_depth(tree))
-        last = residual.gather(1, end[:, None, None].expand(B, 1, V))[:, 0]
+        if COMPILED_ON_CPU and probs.device.type == "cpu":
+            coins = torch.rand(B, N, generator=generator, device=logits.device)
+            accepted, num, last = _walk_compiled(tree, probs, rule, coins)
+        else:
+            accept, residual = acceptance_tables(tree, probs, rule, validate)
+            coins = torch.rand(B, N, generator=generator, device=logits.device)
+            accepted, num, end = _walk(tree.parents.to(logits.device).expand(B, N), coins < accept, _max_depth(tree))
+            last = residual.gather(1, end[:, None, None].expand(B, 1, V))[:, 0]
         bonus = torch.multinomial(last, 1, generator=generator)[:, 0]
     return VerifyResult(accepted, num, bonus, probs)

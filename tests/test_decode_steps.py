@@ -1,6 +1,8 @@
 """The decoding loop's parts, one at a time: one device-to-host read per step, the op budget of
 verification plus bookkeeping, finished rows leaving through the mask, SamplingParams."""
 
+import sys
+
 import pytest
 import torch
 from host_sync import count_host_syncs
@@ -11,6 +13,8 @@ from stree.models import ModelCache
 from stree.opcount import count_ops
 from stree.tree import TokenTree, TreeShape
 from stree.verify import SamplingParams
+
+verify_module = sys.modules["stree.verify"]
 
 SHAPE = TreeShape.paper13()
 
@@ -33,9 +37,11 @@ def _draft(seed, stochastic):
 
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("temperature, top_k", [(0.0, None), (0.0, 10), (1.0, 10)])
-def test_a_speculative_step_reads_the_device_once(family, temperature, top_k):
+def test_a_speculative_step_reads_the_device_once(family, temperature, top_k, monkeypatch):
     """Tree pass, verification, commit and the emitted tokens (with the drafter's target laws):
-    one transfer to the host, whatever the sampling rule (after a first step of the shape)."""
+    one transfer to the host, whatever the sampling rule (after a first step of the shape). The
+    verification of a device (the tables: the CPU's compiled walk reads host memory by design)."""
+    monkeypatch.setattr(verify_module, "COMPILED_ON_CPU", False)
     model, cache = _ready(family)
     params = SamplingParams(temperature=temperature)
     gen = torch.Generator().manual_seed(0)
@@ -71,10 +77,15 @@ class _ScoredTree:
 
 
 @pytest.mark.parametrize("top_k", [None, 10])
-def test_greedy_verification_and_bookkeeping_cost_at_most_40_ops(top_k):
-    tree = _draft(3, False)
+@pytest.mark.parametrize("temperature, stochastic", [(0.0, False), (1.0, False), (1.0, True)],
+                         ids=["greedy", "sampled-deterministic-drafts", "sampled-stochastic-drafts"])
+def test_verification_and_bookkeeping_cost_at_most_40_ops(top_k, temperature, stochastic):
+    """On the CPU: greedy verification, and sampled verification by the compiled walk."""
+    tree = _draft(3, stochastic)
     stub = _ScoredTree(torch.randn(2, SHAPE.n, VOCAB, generator=torch.Generator().manual_seed(4)))
-    ops = count_ops(lambda: speculative_step(stub, None, tree, SamplingParams(), None, top_k=top_k))
+    gen = torch.Generator().manual_seed(0)
+    ops = count_ops(lambda: speculative_step(stub, None, tree, SamplingParams(temperature=temperature), gen,
+                                             top_k=top_k))
     assert ops.compute <= 40, ops
 
 

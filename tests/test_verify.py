@@ -2,13 +2,19 @@
 against a plain walk, and the known-wrong variants caught by the same checks."""
 
 import itertools
+import sys
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from strategies import trees
 
 from stree.testing import chi_square
 from stree.tree import TokenTree, TreeShape
 from stree.verify import acceptance_tables, choose_rule, follow_choices, process_logits, sample_tokens, verify
+
+verify_module = sys.modules["stree.verify"]
 
 EXACT = 1e-9
 
@@ -278,10 +284,13 @@ def test_two_level_naive_sampling_emits_the_exact_joint_law():
 # ---------------------------------------------------------------- verify() itself
 
 
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled-walk", "tables"])
 @pytest.mark.parametrize("rule", ["without_replacement", "iid", "one_hot", "naive"])
-def test_verify_samples_the_target_law_chi_square(rule):
+def test_verify_samples_the_target_law_chi_square(rule, compiled, monkeypatch):
     """200k rows verified at once: the first emitted token's counts fit p (threshold p-value > 1e-3,
-    fixed seed), and for the without-replacement rule the base-q variant is rejected (< 1e-6)."""
+    fixed seed), and for the without-replacement rule the base-q variant is rejected (< 1e-6).
+    Both the compiled CPU walk and the tables every other device uses."""
+    monkeypatch.setattr(verify_module, "COMPILED_ON_CPU", compiled)
     V, m, B = 6, 3, 200_000
     g = torch.Generator().manual_seed(7)
     p, q = dirichlet(V, g, zeros=1), dirichlet(V, g)
@@ -400,3 +409,35 @@ def test_a_draft_its_declared_law_cannot_produce_is_never_accepted(with_replacem
     assert accept[0, 1] == 0
     if not with_replacement:
         assert accept[0, 3] == 0  # without replacement a repeated token has conditional q = 0
+
+
+@settings(max_examples=60, deadline=None)
+@given(trees(max_n=24), st.sampled_from(["one_hot", "iid", "without_replacement"]), st.integers(0, 2**31 - 1))
+def test_the_compiled_walk_is_the_tables_walk(tree_and_batch, rule, seed):
+    """Random trees (per-row parents too), invalid nodes, repeated drafts and ids outside a
+    node's law: with the same coins the compiled CPU walk accepts the same path, and the residual
+    it hands the bonus draw is the tables' at the last node."""
+    from stree.verify import _walk, _walk_compiled
+
+    parents, B = tree_and_batch
+    n, V = parents.shape[-1], 5
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, V, (B, n), generator=g)
+    valid = torch.rand(B, n, generator=g) > 0.25
+    valid[:, 0] = True
+    kw = {}
+    if rule != "one_hot":
+        kw = dict(child_ids=torch.randint(0, V, (B, n, 3), generator=g), child_probs=torch.rand(B, n, 3, generator=g),
+                  with_replacement=rule == "iid")
+    tree = TokenTree(parents, tokens, valid=valid, **kw)
+    probs = torch.softmax(3 * torch.randn(B, n, V, generator=g, dtype=torch.float64), -1)
+    probs[torch.rand(B, n, V, generator=g) < 0.2] = 0.0  # zero entries: rejections with no mass left
+    probs[..., 0] += 1e-3
+    probs = (probs / probs.sum(-1, keepdim=True)).float()
+    coins = torch.rand(B, n, generator=g)
+    accept, residual = acceptance_tables(tree, probs, rule)
+    depth = int(tree.index.depth.max())
+    path, num, end = _walk(tree.parents.expand(B, n), coins < accept, depth)
+    c_path, c_num, c_last = _walk_compiled(tree, probs, rule, coins)
+    assert torch.equal(c_path, path) and torch.equal(c_num, num)
+    torch.testing.assert_close(c_last, residual[torch.arange(B), end], atol=1e-5, rtol=1e-4)
