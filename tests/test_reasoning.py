@@ -152,3 +152,10 @@ def test_bad_input(pair):
 class _OtherVocabulary:
     def __init__(self, vocab_size):
         self.vocab_size = vocab_size
+
+
+def test_sampled_steps_repeat_with_the_seed(pair):
+    kw = dict(judge="logprob", threshold=-2.0, temperature=0.8, top_p=0.95, max_new_tokens=32)
+    a, b, c = (_reason(pair, seed=s, **kw) for s in (5, 5, 6))
+    assert a.token_ids == b.token_ids and [s.by for s in a.steps] == [s.by for s in b.steps]
+    assert a.token_ids != c.token_ids
