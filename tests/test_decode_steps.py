@@ -40,9 +40,11 @@ def _draft(seed, stochastic):
 def test_a_speculative_step_reads_the_device_once(family, temperature, top_k, monkeypatch):
     """Tree pass, verification, commit and the emitted tokens (with the drafter's target laws):
     one transfer to the host, whatever the sampling rule (after a first step of the shape). The
-    verification of a device (the tables: the CPU's compiled walk reads host memory by design)."""
+    verification and replay of a device (the CPU's compiled walk and replay read host memory by
+    design)."""
     monkeypatch.setattr(verify_module, "COMPILED_ON_CPU", False)
     model, cache = _ready(family)
+    model.kernel_backend = "torch"  # the PyTorch replay, not the CPU's compiled one
     params = SamplingParams(temperature=temperature)
     gen = torch.Generator().manual_seed(0)
     speculative_step(model, cache, _draft(1, temperature > 0), params, gen, top_k=top_k)

@@ -189,6 +189,30 @@ def replay_ref(ssm_state, conv_state, xBC, x, dt, B, A, accepted, num_accepted, 
     return _finish(new_ssm, new_conv, outs, single)
 
 
+def _compiled_fits(*tensors) -> bool:
+    """CPU float32 tensors: what the compiled CPU replay (stree.kernels.replay_jit) takes."""
+    return all(t is None or (isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.dtype == torch.float32)
+               for t in tensors)
+
+
+def _replay_compiled(ssm_state, conv_state, xBC, x, dt, B, A, accepted, num_accepted, dt_bias, dt_softplus,
+                     dt_limit, validate, out):
+    from .replay_jit import replay_layers
+
+    stacked, outs, (lo, hi), single = _check_args(ssm_state, conv_state, xBC, x, dt, B, A, accepted, num_accepted,
+                                                  dt_bias, dt_limit, validate, out)
+    ssm_state, conv_state, xBC, x, dt, B, A, dt_bias = stacked
+    new_ssm, new_conv = outs if outs is not None else (torch.empty_like(ssm_state), torch.empty_like(conv_state))
+    arrays = [t.detach().numpy() for t in (ssm_state, conv_state, xBC, x, dt, B, A)]
+    bias = (dt_bias if dt_bias is not None else A).detach().numpy()
+    replay_layers(*arrays, bias, dt_bias is not None, bool(dt_softplus), float(lo), float(hi),
+                  accepted.long().numpy(), num_accepted.long().numpy(), new_ssm.detach().numpy(),
+                  new_conv.detach().numpy())
+    if out is not None:
+        return tuple(out)
+    return (new_ssm[0], new_conv[0]) if single else (new_ssm, new_conv)
+
+
 def replay(ssm_state, conv_state, xBC, x, dt, B, A, accepted, num_accepted, *, dt_bias=None,
            dt_softplus=True, dt_limit=(0.0, INF), validate=True, out=None, backend="auto"):
     """New ``(ssm_state, conv_state)`` after the accepted path, for one layer or a stack of them.
@@ -199,8 +223,12 @@ def replay(ssm_state, conv_state, xBC, x, dt, B, A, accepted, num_accepted, *, d
     activations; A and dt_bias ``[(layers,) h]``. accepted ``[b, L]`` and num_accepted ``[b]`` as
     in the module docstring. The inputs are not modified, unless ``out=(ssm_out, conv_out)``
     names them: the results are written there (the states themselves for an in-place commit) and
-    returned. ``validate=False`` skips the index check, a device-to-host sync.
+    returned. ``validate=False`` skips the index check, a device-to-host sync. ``backend="auto"``
+    runs CPU float32 tensors compiled (stree.kernels.replay_jit), ``"torch"`` the PyTorch path.
     """
+    if backend == "auto" and _compiled_fits(ssm_state, conv_state, xBC, x, dt, B, A, dt_bias):
+        return _replay_compiled(ssm_state, conv_state, xBC, x, dt, B, A, accepted, num_accepted, dt_bias,
+                                dt_softplus, dt_limit, validate, out)
     if resolve_backend(backend, getattr(x, "device", torch.device("cpu"))) == "torch":
         return replay_ref(ssm_state, conv_state, xBC, x, dt, B, A, accepted, num_accepted, dt_bias=dt_bias,
                           dt_softplus=dt_softplus, dt_limit=dt_limit, validate=validate, out=out)

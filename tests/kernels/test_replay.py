@@ -63,7 +63,7 @@ def test_matches_definition_and_reads_only_the_accepted_path(data, tree, shape, 
     for key in ("x", "dt", "B", "xBC"):
         inp[key] = inp[key].masked_fill(~on_path.view(batch, n, *([1] * (inp[key].dim() - 2))), float("nan"))
     before = {k: v.clone() for k, v in inp.items() if v is not None}
-    for backend, dev in (("torch", torch.device("cpu")), ("triton", device)):
+    for backend, dev in (("torch", torch.device("cpu")), ("auto", torch.device("cpu")), ("triton", device)):
         new_ssm, new_conv = _call(inp, accepted, num, dt_opts, backend, dev)
         assert new_ssm.dtype == torch.float32 and new_conv.dtype == inp["conv_state"].dtype
         assert max_rel_error(new_ssm, ssm_def) <= FP32_TOL, backend
@@ -130,11 +130,12 @@ def test_bad_inputs_raise_clear_errors(backend):
         call(num=num.to("meta"))
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("backend", ["torch", "auto-cpu", "triton"])
 @pytest.mark.parametrize("in_place", [False, True])
 def test_every_layer_in_one_call(backend, in_place, device):
     """A stack of layers, each with its own A and dt_bias, replayed in one call (one Triton
-    launch), written in place when out= names the states: each layer equals its definition."""
+    launch; on the CPU by default one compiled call), written in place when out= names the states:
+    each layer equals its definition."""
     opts = dict(dt_softplus=True, dt_limit=(0.0, math.inf), use_bias=True)
     dims = dict(ngroups=2, nheads=4, headdim=40, dstate=8)  # two channel blocks per head
     shape = TreeShape.paper13()
@@ -143,6 +144,7 @@ def test_every_layer_in_one_call(backend, in_place, device):
     stack = {k: torch.stack([inp[k] for inp in layers]) for k in ("initial_state", "conv_state", "xBC", "x", "dt", "B",
                                                                  "A", "dt_bias")}
     dev = device if backend == "triton" else torch.device("cpu")
+    backend = "auto" if backend == "auto-cpu" else backend
     stack = {k: v.to(dev) for k, v in stack.items()}
     out = (stack["initial_state"], stack["conv_state"]) if in_place else None
     with count_kernel_launches() as launches:
