@@ -27,6 +27,7 @@ import torch
 from tqdm import tqdm
 
 from stree.demo import DRAFTER, TARGET, read_prompts
+from stree.drafters import ConsensusDrafter
 from stree.drafters.registry import DRAFTER_NAMES, NEEDS_MODEL, make_drafter
 from stree.generate import pooled_tau
 from stree.models import load, load_tokenizer
@@ -44,7 +45,8 @@ def main(argv=None):
     p.add_argument("--temperatures", default="0,0.6,1.0")
     p.add_argument("--trajectories", default="1,4,8,16")
     p.add_argument("--drafters", default=",".join(DRAFTER_NAMES + ("stand@paper13", "stand-det@paper13")),
-                   help="drafter names; NAME@TREE drafts over another tree (the STAND drafters' own are optimised)")
+                   help="drafter names (and consensus-paper: the paper's extraction); NAME@TREE drafts over another "
+                        "tree (the STAND drafters' own are optimised)")
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--out", default=str(Path(__file__).parent / "results"))
     add_device_args(p)
@@ -67,8 +69,11 @@ def main(argv=None):
         tree = TreeShape.from_spec(spec) if spec else None
         stats, t0 = [], time.perf_counter()
         for prompt in prompts:
-            drafter = make_drafter(name, drafter_model=draft_model if name in NEEDS_MODEL else None,
-                                   vocab_size=target.vocab_size, temperature=temperature)
+            if name == "consensus-paper":  # the DAG read out by the paper's Algorithm 1
+                drafter = ConsensusDrafter(extraction="paper")
+            else:
+                drafter = make_drafter(name, drafter_model=draft_model if name in NEEDS_MODEL else None,
+                                       vocab_size=target.vocab_size, temperature=temperature)
             out = sample_trajectories(target, prompt, counts[-1], drafter=drafter, tree=tree, temperature=temperature,
                                       max_new_tokens=args.max_new_tokens, eos_token_id=tokenizer.eos_token_id, seed=0)
             stats.append(out.stats)

@@ -26,6 +26,9 @@ def _generate_parser(sub) -> None:
                                                        "file) with a 'prompt' field per line; stdin when neither "
                                                        "option is given (JSONL when its first line is a JSON object)")
     p.add_argument("--stop", action="append", default=None, help="a string that ends a row (repeatable)")
+    p.add_argument("--num-samples", type=int, default=1, help="decode every prompt this many times in the one batch "
+                                                              "(sampled trajectories that draft from each other with "
+                                                              "--drafter consensus or stand)")
     p.add_argument("--json", action="store_true", help="print one JSON object: texts, finish reasons, token ids, stats")
     p.add_argument("--method", choices=METHODS, default="stree")
     p.add_argument("--drafter", choices=DRAFTER_NAMES, default="ngram",
@@ -127,9 +130,13 @@ def _loop_args(p, steps: int, batch_size: int, seq_len: int, lr: float) -> None:
     p.add_argument("--save-every", type=int, default=100, help="steps between resumable states (out/train_state.pt)")
     p.add_argument("--resume", action="store_true", help="continue from out/train_state.pt (--steps may grow)")
     p.add_argument("--overwrite", action="store_true", help="replace the checkpoint or training state in --out")
-    p.add_argument("--corpus", default=None, help="directory of .py files (default: this Python's standard library)")
-    p.add_argument("--held-out", default=None, help="comma-separated paths relative to the corpus (default: a fixed "
-                                                    "list of stdlib modules)")
+    p.add_argument("--corpus", default=None, help="a directory (its --corpus-glob files), a .jsonl file (a 'text' per "
+                                                  "line: e.g. the target's own generations) or a text file (documents "
+                                                  "cut at <|endoftext|>); default: this Python's standard library")
+    p.add_argument("--corpus-glob", default="*.py", help="which files of a directory corpus (default *.py)")
+    p.add_argument("--held-out", default=None, help="comma-separated paths relative to a directory corpus "
+                                                    "(default: a fixed list of stdlib modules; a file corpus holds "
+                                                    "out its last 5%% of documents)")
     p.add_argument("--eval-tokens", type=int, default=40_000, help="held-out tokens evaluated at the end")
     p.add_argument("--save-dtype", choices=sorted(DTYPES), default="float32")
     p.add_argument("--device", default="cpu")
@@ -158,6 +165,7 @@ def _run_distill(args) -> int:
     from .training import distill
 
     report = distill(args.target, args.out, n_layer=args.n_layer, corpus=args.corpus, held_out=_held_out(args),
+                     corpus_glob=args.corpus_glob,
                      loop=_loop_config(args), eval_tokens=args.eval_tokens, save_dtype=args.save_dtype,
                      resume=args.resume, overwrite=args.overwrite, device=args.device)
     init = report["at_init"]
@@ -175,15 +183,14 @@ def _loop_config(args):
 
 
 def _held_out(args):
-    from .training import HELD_OUT
-
-    return HELD_OUT if args.held_out is None else tuple(s.strip() for s in args.held_out.split(",") if s.strip())
+    return None if args.held_out is None else tuple(s.strip() for s in args.held_out.split(",") if s.strip())
 
 
 def _run_train_lm(args) -> int:
     from .training import ModelSize, train_lm
 
-    report = train_lm(args.out, corpus=args.corpus, held_out=_held_out(args), arch=args.arch,
+    report = train_lm(args.out, corpus=args.corpus, held_out=_held_out(args), corpus_glob=args.corpus_glob,
+                      arch=args.arch,
                       vocab_size=args.vocab_size, loop=_loop_config(args), tokenizer_bytes=args.tokenizer_bytes,
                       size=ModelSize(args.d_model, args.n_layer, args.d_state, args.headdim),
                       eval_tokens=args.eval_tokens, save_dtype=args.save_dtype, resume=args.resume,
@@ -274,6 +281,9 @@ def _run_generate(args) -> int:
     from .models import load
 
     prompts = _generate_prompts(args)
+    if isinstance(args.num_samples, bool) or args.num_samples < 1:
+        raise ValueError(f"--num-samples must be >= 1, got {args.num_samples}")
+    prompts = [p for p in prompts for _ in range(args.num_samples)]
     if args.drafter_model is not None and args.drafter not in NEEDS_MODEL:
         raise ValueError(f"--drafter-model is only for --drafter {' / '.join(NEEDS_MODEL)}, not {args.drafter}")
     if args.drafter in NEEDS_MODEL and args.drafter_model is None:
@@ -303,7 +313,8 @@ def _run_generate(args) -> int:
         return 0
     for i, (prompt, text) in enumerate(zip(prompts, out.texts)):
         if len(prompts) > 1:
-            print(f"=== prompt {i} ({out.finish_reasons[i]}) ===")
+            sample = f" sample {i % args.num_samples}" if args.num_samples > 1 else ""
+            print(f"=== prompt {i // args.num_samples}{sample} ({out.finish_reasons[i]}) ===")
         print(prompt + text)
     print(f"[{args.method}] {out.stats.summary()}")
     if ref is not None:

@@ -211,3 +211,24 @@ def test_reason_prints_text_and_stats_and_json(capsys):
     assert main(args + ["--max-step-tokens", "0"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "max_step_tokens must be" in err
+
+
+def test_samples_of_one_prompt_draft_from_each_other(capsys):
+    """--num-samples: one prompt's sampled trajectories in one batch; with the consensus drafter
+    each drafts from the others (not only from itself)."""
+    import json
+
+    from stree.demo import TARGET
+
+    args = ["generate", "--model", str(TARGET), "--prompt", "def add(a, b):", "--num-samples", "4", "--max-new-tokens",
+            "24", "--drafter", "consensus", "--temperature", "0.3", "--seed", "0", "--dtype", "float32"]
+    assert main(args + ["--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert len(report["texts"]) == 4 and len(set(report["texts"])) > 1
+    assert main(args[:5] + ["--num-samples", "1"] + args[7:] + ["--json"]) == 0
+    alone = json.loads(capsys.readouterr().out)
+    assert report["stats"]["tau"] > alone["stats"]["tau"]  # the samples' drafts come from one another
+    assert main(args) == 0
+    assert "=== prompt 0 sample 3 (length) ===" in capsys.readouterr().out
+    assert main(args[:5] + ["--num-samples", "0"]) == 2
+    assert "--num-samples must be >= 1" in capsys.readouterr().err

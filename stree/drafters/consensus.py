@@ -2,12 +2,16 @@
 the same problem wrote after the current suffix, merged into a DAG and read out greedily.
 
 A :class:`PathStore` keeps every trajectory's tokens with the probability each had when it was
-generated, and indexes every k-gram under its exact key and k wildcard keys (one position masked),
-so a query finds exact and substitution-tolerant (Hamming distance 1) matches with k + 1 hash
-probes. :class:`ConsensusDrafter` turns the matches into a DAG with one node per (layer, token),
-edge weights ``alpha * sum p + (1 - alpha) * freq``, and fills the requested tree shape along the
-DAG's edges: a chain is the paper's path-constrained greedy extraction, wider nodes keep their
-top-b successors (the tree variant). Drafts are deterministic: verification is one-hot.
+generated, and indexes every k-gram under its exact key, k wildcard keys (one position masked)
+and the k - 1 keys of the (k+1)-gram before it with an inner token left out, so that a query
+finds the windows within edit distance 1 of its k-token suffix (the paper's fuzzy matching: one
+substitution, one token more, one token fewer; insertions and deletions keep the last token
+aligned, since the continuation follows it) with 3k hash probes. :class:`ConsensusDrafter`
+turns the matches into a DAG with one node per (layer, token), edge weights
+``alpha * sum p + (1 - alpha) * freq``, and fills the requested tree shape: ``extraction="path"``
+along the DAG's edges (a chain is a path-constrained greedy extraction, wider nodes keep their
+top-b successors), ``"paper"`` by the paper's Algorithm 1, each layer's tokens ranked by their
+total in-weight whatever the edge. Drafts are deterministic: verification is one-hot.
 """
 
 from __future__ import annotations
@@ -21,15 +25,18 @@ import torch
 from ..tree import TokenTree, TreeShape
 from .base import DraftContext, Drafter
 
-__all__ = ["Candidate", "PathStore", "ConsensusDAG", "ConsensusDrafter"]
+__all__ = ["Candidate", "PathStore", "ConsensusDAG", "ConsensusDrafter", "EXTRACTIONS"]
+
+EXTRACTIONS = ("path", "paper")
 
 _MASK = -1  # the wildcard in an index key (token ids are >= 0)
+_LONGER = -2  # first entry of the keys of (k+1)-grams with one token left out
 
 
 @dataclass
 class Candidate:
     """A continuation found for a query: ``tokens`` and the probabilities their trajectory gave them,
-    ``weight`` 1 for an exact match, ``fuzzy_weight`` for a match with one substitution."""
+    ``weight`` 1 for an exact match, ``fuzzy_weight`` for a match within edit distance 1."""
 
     tokens: list[int]
     probs: list[float]
@@ -86,6 +93,12 @@ class PathStore:
             if self.fuzzy and n == self.k and n >= 2:
                 for j in range(n):
                     self._index[key[:j] + (_MASK,) + key[j + 1:]].append((pid, e))
+        if self.fuzzy and self.k >= 2 and at >= self.k + 1:  # a query one token shorter than this window
+            longer = tuple(toks[at - self.k - 1: at])
+            # Left out: not the first token (that gives the exact key), nor the last (the
+            # continuation follows the window's last token, which must be the query's).
+            for j in range(1, self.k):
+                self._index[(_LONGER,) + longer[:j] + longer[j + 1:]].append((pid, e))
 
     def extend(self, pid: int, tokens: list[int], probs: list[float]) -> None:
         """Append generated tokens with the probabilities they were drawn with."""
@@ -123,13 +136,15 @@ class PathStore:
                    fuzzy_weight: float = 0.5, limit: int = 64) -> list[Candidate]:
         """Continuations (up to ``length`` tokens) of the longest suffix of ``suffix`` (``k`` down to
         ``min_k`` tokens) that occurs in a path other than ``exclude``: at the full ``k``, exact
-        occurrences and, if ``fuzzy``, those differing in one position; at most ``limit``, exact
-        before fuzzy, most recent first."""
+        occurrences and, if ``fuzzy``, the windows within edit distance 1 (one token substituted,
+        one left out, one inserted); at most ``limit``, exact before fuzzy, most recent first."""
         for n in range(min(self.k, len(suffix)), min_k - 1, -1):
             key = tuple(int(t) for t in suffix[len(suffix) - n:])
             probes = [(key, 1.0)]
             if self.fuzzy and n == self.k and n >= 2:
-                probes += [(key[:j] + (_MASK,) + key[j + 1:], fuzzy_weight) for j in range(n)]
+                probes += [(key[:j] + (_MASK,) + key[j + 1:], fuzzy_weight) for j in range(n)]  # substituted
+                probes += [(key[:j] + key[j + 1:], fuzzy_weight) for j in range(n - 1)]  # one fewer in the path
+                probes.append(((_LONGER,) + key, fuzzy_weight))  # one more in the path
             found: list[Candidate] = []
             seen: set[tuple[int, int]] = set()
             for probe, weight in probes:
@@ -183,6 +198,12 @@ class ConsensusDAG:
         d = node[0] + 1
         return sorted(out, key=lambda v: (-out[v], -self.in_weight[d, v], v))[:limit]
 
+    def layer_best(self, layer: int, limit: int) -> list[int]:
+        """The paper's extraction (Algorithm 1): the ``limit`` tokens of ``layer`` with the highest
+        total in-weight, whatever edge leads to them (ties: the token id)."""
+        at = [(w, v) for (d, v), w in self.in_weight.items() if d == layer]
+        return [v for _, v in sorted(at, key=lambda x: (-x[0], x[1]))[:limit]]
+
     def greedy_path(self, length: int) -> list[int]:
         """Path-constrained greedy extraction: from the root, the best successor, up to ``length``."""
         path, node = [], self.ROOT
@@ -200,11 +221,15 @@ class ConsensusDrafter(Drafter):
     earlier trajectories; the row's own path too with ``include_self``): the last ``k`` tokens are
     the query, backing off to ``min_k``; the matches' continuations (up to the tree depth) form a
     :class:`ConsensusDAG`; node v's children are the best successors of v's DAG node, in rank
-    order. Slots with no successor are invalid. Deterministic drafts (one-hot verification)."""
+    order (``extraction="paper"``: the best tokens of the child's layer, see :meth:`ConsensusDAG.layer_best`).
+    Slots with no successor are invalid. Deterministic drafts (one-hot verification)."""
 
     def __init__(self, store: PathStore | None = None, *, min_k: int = 1, alpha: float = 1.0,
                  fuzzy_weight: float = 0.5, max_candidates: int = 64, include_self: bool = False,
-                 shape: TreeShape | None = None):
+                 shape: TreeShape | None = None, extraction: str = "path"):
+        if extraction not in EXTRACTIONS:
+            raise ValueError(f"extraction must be one of {EXTRACTIONS}, got {extraction!r}")
+        self.extraction = extraction
         self.store = store if store is not None else PathStore()
         if not 1 <= min_k <= self.store.k:
             raise ValueError(f"need 1 <= min_k <= k = {self.store.k}, got min_k={min_k}")
@@ -248,7 +273,9 @@ class ConsensusDrafter(Drafter):
             for v in range(shape.n):  # parents come first
                 if not ok[v] or not kids[v]:
                     continue
-                for child, tok in zip(kids[v], dag.successors(node[v], len(kids[v]))):
+                nxt = (dag.successors(node[v], len(kids[v])) if self.extraction == "path"
+                       else dag.layer_best(node[v][0] + 1, len(kids[v])))
+                for child, tok in zip(kids[v], nxt):
                     toks[child], ok[child] = tok, True
                     node[child] = (node[v][0] + 1, tok)
             tokens[i], valid[i] = torch.tensor(toks), torch.tensor(ok)

@@ -1,10 +1,14 @@
-"""Local training text: Python source files (default: the standard library found through
-``sysconfig``) split into train / held-out by a fixed module list, a byte-level BPE tokenizer
-trained on the train split, and token batches of whole-document windows with a padding mask."""
+"""Local training text, split into train / held-out documents: a directory's files (default: the
+standard library's Python sources found through ``sysconfig``, held out by a fixed module list), a
+JSONL file (one document per record's ``text``) or a text file (documents separated by
+``<|endoftext|>``), the last 5% of a file's documents held out; a byte-level BPE tokenizer trained
+on the train split, and token batches of whole-document windows with a padding mask."""
 
 from __future__ import annotations
 
 import hashlib
+import json
+import math
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +22,15 @@ HELD_OUT = ("bisect.py", "calendar.py", "colorsys.py", "csv.py", "fractions.py",
             "statistics.py", "textwrap.py")
 SKIP_DIRS = {"site-packages", "test", "tests", "idle_test", "__pycache__"}
 EOS = "<|endoftext|>"
+HELD_OUT_SHARE = 0.05  # of a file corpus's documents (of one document's lines): the last ones
+
+
+@dataclass(frozen=True)
+class TextDoc:
+    """A document that is no file of its own: a JSONL record, a piece of a text file."""
+
+    name: str
+    text: str
 
 
 def stdlib_root() -> Path:
@@ -26,27 +39,43 @@ def stdlib_root() -> Path:
 
 @dataclass
 class SourceSplit:
+    """Documents: files (``Path``) of a directory corpus, or :class:`TextDoc` of a file corpus."""
+
     root: Path
-    train: list[Path]
-    held_out: list[Path]
+    train: list
+    held_out: list
+
+    def name(self, doc) -> str:
+        """A document's name: its path relative to the corpus, or its file and record."""
+        return doc.name if isinstance(doc, TextDoc) else doc.relative_to(self.root).as_posix()
 
     def fingerprint(self) -> str:
-        """Hash of both splits' relative paths and bytes (records which corpus a run saw)."""
+        """Hash of both splits' document names and bytes (records which corpus a run saw)."""
         h = hashlib.sha256()
         for part in (self.train, self.held_out):
-            for path in part:
-                h.update(str(path.relative_to(self.root)).encode() + b"\0" + path.read_bytes())
+            for doc in part:
+                h.update(self.name(doc).encode() + b"\0" + (doc.text.encode() if isinstance(doc, TextDoc) else doc.read_bytes()))
         return h.hexdigest()[:16]
 
 
-def find_sources(root: Path | str | None = None, held_out: tuple[str, ...] = HELD_OUT) -> SourceSplit:
-    """Every ``*.py`` under ``root`` (default: the stdlib) outside test and site-packages
-    directories, sorted; files whose path relative to ``root`` is in ``held_out`` form the held-out
-    split. ValueError when either split is empty."""
+def find_sources(root: Path | str | None = None, held_out: tuple[str, ...] | None = None,
+                 pattern: str = "*.py") -> SourceSplit:
+    """The corpus at ``root``. A directory (default: the stdlib): every file matching ``pattern``
+    under it outside test and site-packages directories, sorted; those whose path relative to
+    ``root`` is in ``held_out`` (default :data:`HELD_OUT`) form the held-out split. A file: see
+    :func:`file_documents`; its last :data:`HELD_OUT_SHARE` of documents are held out (of lines,
+    when it holds one document). ValueError when either split is empty."""
     root = stdlib_root() if root is None else Path(root)
+    if root.is_file():
+        if held_out is not None:
+            raise ValueError("held-out file names are for a directory corpus: a file corpus holds out its last "
+                             f"{HELD_OUT_SHARE:.0%} of documents")
+        return _split_file(root)
     if not root.is_dir():
-        raise ValueError(f"corpus directory {root} does not exist")
-    files = sorted(p for p in root.rglob("*.py") if not SKIP_DIRS & set(p.relative_to(root).parts[:-1]))
+        raise ValueError(f"corpus {root} does not exist (a directory, a .jsonl file or a text file)")
+    held_out = HELD_OUT if held_out is None else held_out
+    files = sorted(p for p in root.rglob(pattern)
+                   if p.is_file() and not SKIP_DIRS & set(p.relative_to(root).parts[:-1]))
     names = set(held_out)
     test = [p for p in files if p.relative_to(root).as_posix() in names]
     train = [p for p in files if p.relative_to(root).as_posix() not in names]
@@ -56,8 +85,47 @@ def find_sources(root: Path | str | None = None, held_out: tuple[str, ...] = HEL
     return SourceSplit(root, train, test)
 
 
-def read_text(path: Path) -> str:
-    return path.read_text(encoding="utf-8", errors="replace")
+def file_documents(path: Path) -> list[TextDoc]:
+    """The documents of a corpus file: a ``.jsonl`` file's records (each a JSON object with a string
+    ``text``), or a text file cut at every ``<|endoftext|>``; empty ones dropped."""
+    text = read_text(path)
+    if path.suffix == ".jsonl":
+        docs = []
+        for i, line in enumerate(text.splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"corpus {path} line {i}: not JSON ({exc.msg})") from None
+            if not isinstance(record, dict) or not isinstance(record.get("text"), str):
+                raise ValueError(f"corpus {path} line {i}: expected an object with a string 'text' field")
+            docs.append(TextDoc(f"{path.name}:{i}", record["text"]))
+    else:
+        docs = [TextDoc(f"{path.name}#{i}", piece) for i, piece in enumerate(text.split(EOS))]
+    return [d for d in docs if d.text.strip()]
+
+
+def _split_file(path: Path) -> SourceSplit:
+    docs = file_documents(path)
+    if len(docs) == 1:  # one document: its last lines are held out
+        lines = docs[0].text.splitlines(keepends=True)
+        if len(lines) < 2:
+            raise ValueError(f"corpus {path} holds one line of text: nothing to hold out")
+        cut = min(len(lines) - 1, max(1, math.floor(len(lines) * (1 - HELD_OUT_SHARE))))
+        docs = [TextDoc(f"{docs[0].name}:train", "".join(lines[:cut])), TextDoc(f"{docs[0].name}:held-out",
+                                                                                "".join(lines[cut:]))]
+    if len(docs) < 2:
+        raise ValueError(f"corpus {path} holds {len(docs)} non-empty documents: at least 2 needed")
+    n_test = max(1, math.ceil(len(docs) * HELD_OUT_SHARE))
+    return SourceSplit(path.parent, docs[:-n_test], docs[-n_test:])
+
+
+def read_text(doc) -> str:
+    """A document's text: a :class:`TextDoc`'s, or a file's (UTF-8, bad bytes replaced)."""
+    if isinstance(doc, TextDoc):
+        return doc.text
+    return doc.read_text(encoding="utf-8", errors="replace")
 
 
 def train_tokenizer(files: list[Path], vocab_size: int, max_bytes: int | None = None):

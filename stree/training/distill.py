@@ -1,6 +1,8 @@
 """``stree distill``: a 1-2 layer Mamba2 drafter trained to match a target's next-token
-distributions (forward KL(target || drafter) at temperature 1, padding masked) on the corpus the
-target was trained on, initialised from the target's embeddings."""
+distributions (forward KL(target || drafter) at temperature 1, padding masked), initialised from
+the target's embeddings, on a corpus: by default the one the target was trained on; the papers'
+setting, the target's own text, is a JSONL corpus of its generations (one ``{"text": ...}`` per
+line, e.g. from ``stree generate --json``)."""
 
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ import torch.nn.functional as F
 
 from ..atomic import write_text
 from ..models import DTYPES, Mamba2Config, Mamba2LM, load, load_tokenizer, save
-from .corpus import HELD_OUT, TokenCorpus, find_sources
+from .corpus import TokenCorpus, find_sources
 from .loop import LoopConfig, masked_mean, prepare_out, train
 from .train_lm import init_weights
 
@@ -90,7 +92,7 @@ def held_out_agreement(student, teacher, corpus: TokenCorpus, seq_len: int, max_
     return dict(held_out_positions=count, held_out_kl_nats=kl_sum / count, held_out_top1_agreement=agree / count)
 
 
-def distill(target, out, *, n_layer: int = 1, corpus=None, held_out=HELD_OUT,
+def distill(target, out, *, n_layer: int = 1, corpus=None, held_out=None, corpus_glob: str = "*.py",
             loop: LoopConfig = LoopConfig(steps=300, batch_size=16, seq_len=128, lr=3e-3, warmup=30, seed=0),
             eval_tokens: int = 40_000, save_dtype: str = "float32", resume: bool = False, overwrite: bool = False,
             device: str = "cpu", progress: bool = True) -> dict:
@@ -99,11 +101,11 @@ def distill(target, out, *, n_layer: int = 1, corpus=None, held_out=HELD_OUT,
     if save_dtype not in DTYPES:
         raise ValueError(f"save_dtype must be one of {sorted(DTYPES)}, got {save_dtype!r}")
     target, out = Path(target), Path(out)
+    split = find_sources(corpus, None if held_out is None else tuple(held_out), corpus_glob)  # checked first
     prepare_out(out, resume, overwrite)
     t0 = time.time()
     teacher = load(target, dtype=torch.float32, device=device).requires_grad_(False)
     tokenizer = load_tokenizer(target, vocab_size=teacher.vocab_size)
-    split = find_sources(corpus, tuple(held_out))
     train_corpus = TokenCorpus.encode(tokenizer, split.train)
     test_corpus = TokenCorpus.encode(tokenizer, split.held_out)
     out.mkdir(parents=True, exist_ok=True)

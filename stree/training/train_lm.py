@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from transformers import AutoTokenizer
 
 from ..models import DTYPES, HybridConfig, HybridLM, Mamba2Config, Mamba2LM, save
-from .corpus import HELD_OUT, TokenCorpus, code_prompts, find_sources, train_tokenizer
+from .corpus import TokenCorpus, code_prompts, find_sources, train_tokenizer
 from ..atomic import write_text
 from .loop import STATE_FILE, LoopConfig, masked_mean, prepare_out, train
 
@@ -107,7 +107,8 @@ def lm_loss(model, device):
     return loss_fn
 
 
-def train_lm(out, *, corpus=None, held_out=HELD_OUT, arch="mamba2", vocab_size=4096, size=ModelSize(),
+def train_lm(out, *, corpus=None, held_out=None, corpus_glob: str = "*.py", arch="mamba2", vocab_size=4096,
+             size=ModelSize(),
              loop: LoopConfig = LoopConfig(steps=600, batch_size=16, seq_len=128, lr=3e-3, warmup=30, seed=0),
              tokenizer_bytes: int | None = 4_000_000, eval_tokens: int = 40_000, save_dtype: str = "float32",
              resume: bool = False, overwrite: bool = False, device: str = "cpu", progress: bool = True) -> dict:
@@ -117,10 +118,10 @@ def train_lm(out, *, corpus=None, held_out=HELD_OUT, arch="mamba2", vocab_size=4
     if save_dtype not in DTYPES:
         raise ValueError(f"save_dtype must be one of {sorted(DTYPES)}, got {save_dtype!r}")
     out = Path(out)
+    split = find_sources(corpus, None if held_out is None else tuple(held_out), corpus_glob)  # checked first
     prepare_out(out, resume, overwrite)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
-    split = find_sources(corpus, tuple(held_out))
     if resume:
         if not (out / STATE_FILE).exists():
             raise FileNotFoundError(f"--resume: {out / STATE_FILE} does not exist")
@@ -140,7 +141,7 @@ def train_lm(out, *, corpus=None, held_out=HELD_OUT, arch="mamba2", vocab_size=4
     metrics = bits_per_byte(model, tokenizer, train_corpus, test_corpus, loop.seq_len, eval_tokens, device)
     save(model.to(DTYPES[save_dtype]), out)
     report = dict(command="train-lm", **identity, corpus_root=str(split.root), train_files=len(split.train),
-                  held_out_files=[p.relative_to(split.root).as_posix() for p in split.held_out],
+                  held_out_files=[split.name(d) for d in split.held_out],
                   train_tokens=train_corpus.n_tokens, python=platform.python_version(), torch=torch.__version__,
                   save_dtype=save_dtype, seconds=round(earlier + time.time() - t0, 1), final_train_loss=losses[-1],
                   **metrics)

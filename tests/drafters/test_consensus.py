@@ -38,6 +38,24 @@ def test_exact_fuzzy_and_backed_off_matches():
     assert PathStore(k=3, fuzzy=False).candidates([8, 4, 5], 4) == []
 
 
+def test_fuzzy_matches_are_within_edit_distance_one_with_the_last_token_aligned():
+    """The paper's fuzzy matching: a path holding one token more, or one fewer, inside the query's
+    window matches; leaving out the window's last token does not (the continuation would not
+    follow the query's last token)."""
+    store = PathStore(k=3)
+    longer = path(store, [0], [1, 2, 9, 3, 4, 5], [0.5] * 6)  # 9 inserted between 2 and 3
+    # (1, 2, 9) is one substitution away too: substitutions are probed first
+    assert found(store.candidates([1, 2, 3], 2, fuzzy_weight=0.25)) == [([3, 4], [0.5, 0.5], 0.25, longer),
+                                                                        ([4, 5], [0.5, 0.5], 0.25, longer)]
+    store = PathStore(k=3)
+    shorter = path(store, [0], [1, 3, 4, 5], [0.5] * 4)  # the query's 2 missing
+    assert found(store.candidates([1, 2, 3], 2, fuzzy_weight=0.25)) == [([4, 5], [0.5, 0.5], 0.25, shorter)]
+    store = PathStore(k=3)
+    path(store, [0], [1, 2, 7], [0.5] * 3)
+    assert store.candidates([1, 2, 3], 2) == []  # (1, 2) + 7 is not the query with its last 3 left out
+    assert PathStore(k=3, fuzzy=False).candidates([1, 2, 3], 2) == []
+
+
 def test_exact_before_fuzzy_most_recent_first_and_the_limit():
     store = PathStore(k=3)
     a = path(store, [1, 2, 3], [9, 1, 2, 3, 8], [0.5] * 5)  # (1,2,3) -> 9 and later -> 8
@@ -84,6 +102,24 @@ def consensus_store():
     return store
 
 
+def test_the_papers_extraction_takes_each_layers_heaviest_token():
+    """Algorithm 1: per layer the token with the most in-weight, whatever edge leads to it; the
+    path extraction follows edges from the chosen token."""
+    cands = [Candidate([1, 2, 3], [0.7, 0.1, 0.1], 1.0, 0), Candidate([4, 5, 6], [0.5, 0.9, 0.9], 1.0, 1)]
+    dag = ConsensusDAG(cands, alpha=1.0)
+    assert [dag.layer_best(d, 1)[0] for d in (1, 2, 3)] == [1, 5, 6]
+    assert dag.greedy_path(3) == [1, 2, 3] and dag.layer_best(2, 2) == [5, 2] and dag.layer_best(4, 1) == []
+    store = PathStore(k=1)
+    for c in cands:
+        path(store, [8], c.tokens, c.probs)
+    ctx = DraftContext(torch.tensor([[8]]), torch.tensor([1]), [0])
+    paper = ConsensusDrafter(store, extraction="paper").propose(ctx, TreeShape.chain(3))
+    assert paper.tokens[0].tolist() == [8, 1, 5, 6]
+    assert ConsensusDrafter(store).propose(ctx, TreeShape.chain(3)).tokens[0].tolist() == [8, 1, 2, 3]
+    with pytest.raises(ValueError, match="extraction must be one of"):
+        ConsensusDrafter(extraction="best")
+
+
 def test_drafts_fill_the_shape_along_dag_edges():
     ctx = DraftContext(torch.tensor([[1, 7, 8, 9], [5, 5, 5, 5]]), torch.tensor([4, 4]), [0, 1])
     drafter = ConsensusDrafter(consensus_store())
@@ -116,14 +152,15 @@ def test_rows_draft_from_each_other_not_from_themselves():
     assert drafter.propose(ctx, shape).tokens[0].tolist() == [3, 4, 5]
 
 
-def test_consensus_drafts_are_lossless_on_a_markov_target():
+@pytest.mark.parametrize("extraction", ["path", "paper"])
+def test_consensus_drafts_are_lossless_on_a_markov_target(extraction):
     """Rows sharing one prompt draft from earlier trajectories and from each other at T = 1: the
     joint of the first 3 tokens of 6k rows against the exact law (chi-square, p > 1e-3), with
     drafts actually accepted."""
     torch.manual_seed(5)
     model = MarkovLM(torch.distributions.Dirichlet(torch.full((5,), 0.5, dtype=torch.float64)).sample((5, 5)))
     prompt = [1, 2, 1, 2, 0, 1, 2, 1]
-    drafter = ConsensusDrafter(min_k=2)
+    drafter = ConsensusDrafter(min_k=2, extraction=extraction)
     shape = TreeShape.full(2, 2)
     generate(model, [prompt] * 100, drafter=drafter, tree=shape, max_new_tokens=30, temperature=1.0, seed=1)
     out = generate(model, [prompt] * 6000, drafter=drafter, tree=shape, max_new_tokens=3, temperature=1.0, seed=3)
