@@ -159,3 +159,12 @@ def test_sampled_steps_repeat_with_the_seed(pair):
     a, b, c = (_reason(pair, seed=s, **kw) for s in (5, 5, 6))
     assert a.token_ids == b.token_ids and [s.by for s in a.steps] == [s.by for s in b.steps]
     assert a.token_ids != c.token_ids
+
+
+def test_every_speculation_setting_has_room(pair):
+    """The states are sized for the deepest tree either model drafts (STAND's optimised trees reach
+    depth 20), whatever the judge's template length."""
+    for token_spec, small_spec in ((False, True), ("ngram", "stand-det"), (True, False)):
+        out = _reason(pair, judge="logprob", threshold=-2.0, token_spec=token_spec, small_spec=small_spec,
+                      max_new_tokens=40, max_step_tokens=40)
+        assert len(out.token_ids) == 40

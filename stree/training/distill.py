@@ -101,11 +101,11 @@ def distill(target, out, *, n_layer: int = 1, corpus=None, held_out=None, corpus
     if save_dtype not in DTYPES:
         raise ValueError(f"save_dtype must be one of {sorted(DTYPES)}, got {save_dtype!r}")
     target, out = Path(target), Path(out)
-    split = find_sources(corpus, None if held_out is None else tuple(held_out), corpus_glob)  # checked first
-    prepare_out(out, resume, overwrite)
     t0 = time.time()
     teacher = load(target, dtype=torch.float32, device=device).requires_grad_(False)
     tokenizer = load_tokenizer(target, vocab_size=teacher.vocab_size)
+    split = find_sources(corpus, None if held_out is None else tuple(held_out), corpus_glob)
+    prepare_out(out, resume, overwrite)  # the inputs are checked before the output is touched
     train_corpus = TokenCorpus.encode(tokenizer, split.train)
     test_corpus = TokenCorpus.encode(tokenizer, split.held_out)
     out.mkdir(parents=True, exist_ok=True)
