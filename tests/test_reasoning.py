@@ -55,6 +55,9 @@ def test_rejecting_every_step_gives_the_base_models_text(pair, token_spec):
     assert out.token_ids == _greedy(base, tok)
     assert all(s.by == "base" and s.score == 0.0 for s in out.steps)
     assert out.stats.accepted == 0 and out.stats.base_tokens == N and out.stats.judged == len(out.steps)
+    st = out.stats  # the wall-time split: every part measured, together within the total
+    assert min(st.time_small, st.time_judge, st.time_base, st.time_sync) > 0
+    assert st.time_small + st.time_judge + st.time_base + st.time_sync <= st.time_total
     if token_spec:
         assert out.stats.base_forwards < N  # speculative: fewer forwards than tokens
 
