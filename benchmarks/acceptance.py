@@ -5,11 +5,12 @@ For each held-out prompt, ``max(--trajectories)`` trajectories are sampled one a
 from the prompt (seeds 0, 1, ...), all drafting through ONE drafter (STAND's store and the
 consensus drafter's paths are shared, as in test-time scaling); a fresh drafter per prompt. The
 entry for n trajectories is tau over the first n of them, pooled over prompts: emitted tokens
-after the prefill's / verify steps. Drafters that keep no cross-trajectory state (n-gram, SSM)
-vary with n only through sampling. Trees: STAND its optimised trees (stree/assets/stand-trees,
+after the prefill's / verify steps. Drafters that keep no cross-trajectory state (n-gram, SSM
+static) vary with n only through sampling; dynamic trees carry their learned acceptance rates. Trees: STAND its optimised trees (stree/assets/stand-trees,
 calibrated on training-split prompts; ``stand@paper13`` rows: the same drafter over the paper's 13
 nodes, side by side), n-gram and SSM static the paper's 13 nodes, SSM beam 3 beams x 4 steps,
-consensus the 13-node tree filled from its DAG.
+consensus the 13-node tree filled from its DAG (``consensus-paper``: by the paper's per-layer
+readout). ``NAME@dynamic:...`` rows grow a tree per step under that budget (stree.tree.TreeBudget).
 Writes JSON, a markdown table and a PNG.
 
     python benchmarks/acceptance.py            # 4 prompts x 96 new tokens, the committed table
@@ -32,8 +33,15 @@ from stree.drafters.registry import DRAFTER_NAMES, NEEDS_MODEL, make_drafter
 from stree.generate import pooled_tau
 from stree.models import load, load_tokenizer
 from stree.timing import add_device_args, device_and_dtype, run_info, save_result
-from stree.tree import TreeShape
+from stree.tree import tree_spec
 from stree.tts import sample_trajectories
+
+
+# beside the named drafters: STAND over the paper's 13 nodes, dynamic trees against the static ones
+# (STAND's budget its optimised trees' 81 nodes; the SSM drafter's 20 nodes, 5 levels, 3 expansions
+# per level, against the paper's 13 nodes at 4 levels), the consensus DAG read out as in its paper
+EXTRA = ("stand@paper13", "stand-det@paper13", "stand@dynamic:81", "stand-det@dynamic:81", "ssm-static@dynamic:20x5w3",
+         "consensus-paper")
 
 
 def main(argv=None):
@@ -44,9 +52,9 @@ def main(argv=None):
     p.add_argument("--max-new-tokens", type=int, default=96)
     p.add_argument("--temperatures", default="0,0.6,1.0")
     p.add_argument("--trajectories", default="1,4,8,16")
-    p.add_argument("--drafters", default=",".join(DRAFTER_NAMES + ("stand@paper13", "stand-det@paper13")),
+    p.add_argument("--drafters", default=",".join(DRAFTER_NAMES + EXTRA),
                    help="drafter names (and consensus-paper: the paper's extraction); NAME@TREE drafts over another "
-                        "tree (the STAND drafters' own are optimised)")
+                        "tree (the STAND drafters' own are optimised), e.g. stand@dynamic:32 (grown per step)")
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--out", default=str(Path(__file__).parent / "results"))
     add_device_args(p)
@@ -66,7 +74,7 @@ def main(argv=None):
     configs = [(d, t) for d in drafters for t in temperatures]
     for label, temperature in tqdm(configs, desc="drafter x temperature", file=sys.stderr):
         name, _, spec = label.partition("@")
-        tree = TreeShape.from_spec(spec) if spec else None
+        tree = tree_spec(spec) if spec else None
         stats, t0 = [], time.perf_counter()
         for prompt in prompts:
             if name == "consensus-paper":  # the DAG read out by the paper's Algorithm 1

@@ -10,6 +10,7 @@ steps): rows named ``...-compiled``.
 
     python benchmarks/e2e.py                  # shipped pair, 8 held-out prompts x 128 tokens
     python benchmarks/e2e.py --smoke          # 2 prompts x 12 tokens (CI)
+    python benchmarks/e2e.py --configs A,B    # some configurations only: results/e2e_<device>_selected
 """
 
 from __future__ import annotations
@@ -29,16 +30,22 @@ from stree.generate import generate, pooled_tau
 from stree.models import CompiledModel, load, load_tokenizer, save
 from stree.opcount import count_ops
 from stree.timing import add_device_args, device_and_dtype, run_info, save_result
-from stree.tree import TokenTree, TreeShape
+from stree.tree import TokenTree, TreeShape, tree_spec
 from stree.verify import verify
 
-# (name, method, drafter): chain drafts a 4-token chain, STree the drafter's own tree.
-CONFIGS = (("stree-autoregressive", "autoregressive", None), ("chain-ngram", "chain", "ngram"),
-           ("chain-ssm-static", "chain", "ssm-static"), ("stree-ngram", "stree", "ngram"),
-           ("stree-stand-det", "stree", "stand-det"), ("stree-ssm-static", "stree", "ssm-static"),
-           ("stree-ssm-beam", "stree", "ssm-beam"))
+# (name, method, drafter, tree): chain drafts a 4-token chain, STree the drafter's own tree unless
+# one is named (dynamic: grown per step under that budget, against the same drafter's static tree).
+CONFIGS = (("stree-autoregressive", "autoregressive", None, None), ("chain-ngram", "chain", "ngram", None),
+           ("chain-ssm-static", "chain", "ssm-static", None), ("stree-ngram", "stree", "ngram", None),
+           ("stree-stand-det", "stree", "stand-det", None),
+           ("stree-stand-det-dynamic", "stree", "stand-det", "dynamic:81"),
+           ("stree-ssm-static", "stree", "ssm-static", None),
+           ("stree-ssm-static-dynamic", "stree", "ssm-static", "dynamic:20x5w3"),
+           ("stree-ssm-beam", "stree", "ssm-beam", None))
 # On the CPU, these also run with torch_compile=True (target and drafter model): "...-compiled".
-COMPILED = ("stree-autoregressive", "stree-ngram", "stree-stand-det", "stree-ssm-static", "stree-ssm-beam")
+# (Dynamic trees change shape every step: their tree pass runs eager, the drafter model compiled.)
+COMPILED = ("stree-autoregressive", "stree-ngram", "stree-stand-det", "stree-ssm-static", "stree-ssm-static-dynamic",
+            "stree-ssm-beam")
 
 
 def hf_twin(model, device):
@@ -92,6 +99,8 @@ def main(argv=None):
     p.add_argument("--prompts", type=int, default=8)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--rounds", type=int, default=2, help="times every (prompt, configuration) runs")
+    p.add_argument("--configs", default=None, help="comma-separated configuration names to run (default: all; "
+                   "transformers' generate always runs, as the reference)")
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--out", default=str(Path(__file__).parent / "results"))
     add_device_args(p)
@@ -122,12 +131,12 @@ def main(argv=None):
 
     compiled_drafter = CompiledModel(draft_model) if device.type == "cpu" else None
 
-    def run_stree(method, drafter_name, compiled=False):
+    def run_stree(method, drafter_name, spec=None, compiled=False):
         def run(prompt):
             model_kw = dict(drafter_model=compiled_drafter if compiled else draft_model)
             drafter = None if drafter_name is None else make_drafter(
                 drafter_name, **(model_kw if drafter_name in NEEDS_MODEL else {}), vocab_size=target.vocab_size)
-            tree = TreeShape.chain(4) if method == "chain" else None
+            tree = TreeShape.chain(4) if method == "chain" else tree_spec(spec) if spec else None
             res = generate(target, [prompt], method=method, drafter=drafter, tree=tree, max_new_tokens=N,
                            torch_compile=compiled)
             return res.new_tokens[0], res.stats
@@ -136,11 +145,17 @@ def main(argv=None):
     runners = {"transformers": lambda prompt: run_hf(hf, prompt)}
     if ms is not None:
         runners["mamba_ssm-cg"] = run_mamba_ssm
-    runners.update({name: run_stree(method, d) for name, method, d in CONFIGS})
+    chosen = None if args.configs is None else args.configs.split(",")
+    known = [c[0] for c in CONFIGS] + [f"{c}-compiled" for c in COMPILED]
+    if chosen is not None and not set(chosen) <= set(known):
+        p.error(f"--configs: unknown {sorted(set(chosen) - set(known))}; choose from {known}")
+    runners.update({name: run_stree(method, d, spec) for name, method, d, spec in CONFIGS
+                    if chosen is None or name in chosen})
     if device.type == "cpu":  # the smoke run compiles one configuration (compiling takes seconds per shape)
         compiled = ("stree-ngram",) if args.smoke else COMPILED
-        runners.update({f"{name}-compiled": run_stree(method, d, compiled=True)
-                        for name, method, d in CONFIGS if name in compiled})
+        runners.update({f"{name}-compiled": run_stree(method, d, spec, compiled=True)
+                        for name, method, d, spec in CONFIGS
+                        if name in compiled and (chosen is None or f"{name}-compiled" in chosen)})
     names = list(runners)
     for name in tqdm(names, desc="warm-up", file=sys.stderr):  # first calls allocate, compile, fill caches
         runners[name](prompts[0][:8])
@@ -179,7 +194,8 @@ def main(argv=None):
                   note="speedup_vs_transformers: transformers' total seconds over this configuration's, same "
                        "prompts and rounds, runs interleaved; ms_per_iteration from GenerationStats (first round)",
                   op_counts=op_counts(target), results=rows)
-    save_result(result, args.out, f"e2e_{'smoke' if args.smoke else device.type}", plot)
+    name = f"e2e_{'smoke' if args.smoke else device.type}{'' if chosen is None else '_selected'}"
+    save_result(result, args.out, name, plot)
     for r in rows:
         tau = f"{r['tau']:.2f}" if r["tau"] is not None else "  - "
         print(f"{r['name']:<22}{r['tokens_per_s']:>9.1f} tok/s  x{r['speedup_vs_transformers']:.2f}  tau {tau}  "

@@ -11,7 +11,7 @@ from .drafters import STANDDrafter, STANDStore
 from .drafters.registry import DRAFTER_NAMES, NEEDS_MODEL
 from .generate import METHODS
 from .models.loading import DTYPES
-from .tree import TreeShape
+from .tree import tree_spec
 
 
 
@@ -34,7 +34,9 @@ def _generate_parser(sub) -> None:
     p.add_argument("--drafter", choices=DRAFTER_NAMES, default="ngram",
                    help="consensus drafts from the batch's own earlier text; ssm-static / ssm-beam need --drafter-model")
     p.add_argument("--drafter-model", default=None, help="checkpoint directory of a small drafter LM (stree distill)")
-    p.add_argument("--tree", default=None, help="paper13 | chain:D | full:WxD | PATH.json (default: paper13; chain:4 for --method chain)")
+    p.add_argument("--tree", default=None, help="paper13 | chain:D | full:WxD | PATH.json | dynamic:N[xD] (a tree of N nodes, at most D deep, "
+                   "grown each step by the stand, stand-det or ssm drafter; default: the drafter's tree, "
+                   "paper13; chain:4 for --method chain)")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--top-p", type=float, default=1.0)
@@ -297,7 +299,7 @@ def _run_generate(args) -> int:
             lm.drafter_model = CompiledModel(lm.drafter_model)
     kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
               seed=args.seed, torch_compile=args.compile, stop=args.stop)
-    tree = TreeShape.from_spec(args.tree) if args.tree else None
+    tree = tree_spec(args.tree) if args.tree else None
     out = lm.generate(prompts, drafter=args.drafter, tree=tree, method=args.method, **kw)
     ref = lm.generate(prompts, method="autoregressive", **kw) if args.compare else None
     same = ref is not None and out.token_ids == ref.token_ids

@@ -22,14 +22,14 @@ import numpy as np
 import torch
 
 from .args import integer
-from .drafters.base import DraftContext, Drafter, TargetTop
+from .drafters.base import DraftContext, Drafter, TargetTop, check_budget
 from .drafters.ngram import NGramDrafter
 from .models.base import TreeLM
 from .models.compiled import CompiledDecode
 from .models.graphs import DecodeGraphs
 from .models.runners import DecodeRunner
 from .stops import check_stop_sequences, token_stop
-from .tree import TokenTree, TreeShape
+from .tree import TokenTree, TreeBudget, TreeShape
 from .unrolled import UnrolledTarget
 from .verify import SamplingParams, verify
 
@@ -324,13 +324,17 @@ def _prompts(input_ids) -> list[list[int]]:
     return prompts
 
 
-def _resolve_shape(method: str, tree) -> TreeShape | None:
+def _resolve_shape(method: str, tree) -> TreeShape | TreeBudget | None:
     if method == "autoregressive":
         return None
     if tree is None:
         tree = TreeShape.chain(4) if method == "chain" else TreeShape.paper13()
+    if isinstance(tree, TreeBudget):
+        if method != "stree":
+            raise ValueError(f"a TreeBudget (a tree grown per step) is for method='stree', got method={method!r}")
+        return tree
     if not isinstance(tree, TreeShape):
-        raise TypeError(f"tree must be a TreeShape, got {type(tree).__name__}")
+        raise TypeError(f"tree must be a TreeShape or a TreeBudget, got {type(tree).__name__}")
     if method == "chain" and tree.parents != TreeShape.chain(tree.n - 1).parents:
         raise ValueError(f"method='chain' needs a chain tree, got parents {list(tree.parents)}")
     return tree
@@ -403,7 +407,7 @@ def generate(model, input_ids, **kwargs) -> GenerationOutput:
             return end.value
 
 
-def decode(model, input_ids, *, drafter: Drafter | None = None, tree: TreeShape | None = None,
+def decode(model, input_ids, *, drafter: Drafter | None = None, tree: TreeShape | TreeBudget | None = None,
            method: str = "stree", max_new_tokens: int, temperature: float = 0.0, top_k: int = 0,
            top_p: float = 1.0, eos_token_id: int | list[int] | None = None, seed: int | None = None,
            mode: str = "auto", max_length: int | None = None, on_step=None,
@@ -423,7 +427,8 @@ def decode(model, input_ids, *, drafter: Drafter | None = None, tree: TreeShape 
     feeds. It is advanced in place; the output's ``exact`` says which rows it holds exactly.
 
     ``input_ids``: a ``[B, T]`` tensor or a list of token lists (ragged prompts allowed).
-    ``method``: ``stree`` (tree drafts, one tree forward; default tree ``paper13``), ``chain``
+    ``method``: ``stree`` (tree drafts, one tree forward; default tree ``paper13``; a
+    :class:`~stree.tree.TreeBudget` lets a drafter that can grow each step's tree per row), ``chain``
     (chain drafts through the chain backend; default ``chain(4)``), ``autoregressive``, or
     ``unrolled`` (the paper's baseline: every root-to-leaf path its own sequence through the whole
     model, see :mod:`stree.unrolled`; same outputs as ``stree``, slower).
@@ -481,6 +486,8 @@ def decode(model, input_ids, *, drafter: Drafter | None = None, tree: TreeShape 
         drafter = None
     elif drafter is None:
         drafter = NGramDrafter()
+    if drafter is not None:
+        check_budget(drafter, shape)
     device = model.device
     if cuda_graph is None:
         cuda_graph = device.type == "cuda" and isinstance(model, TreeLM) and method != "unrolled" and cache is None

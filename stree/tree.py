@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -26,6 +27,8 @@ __all__ = [
     "MAX_TREE_NODES",
     "check_size",
     "TreeShape",
+    "TreeBudget",
+    "tree_spec",
     "TokenTree",
 ]
 
@@ -311,7 +314,8 @@ class TreeShape:
             if not Path(spec).is_file():
                 raise ValueError(f"tree spec {spec!r}: no such file")
             return cls.load(spec)
-        raise ValueError(f"bad tree spec {spec!r}: use paper13, chain:D, full:WxD or a .json file")
+        raise ValueError(f"bad tree spec {spec!r}: use paper13, chain:D, full:WxD or a .json file (or dynamic:N "
+                         "where a drafter grows its own trees)")
 
     def to_json(self) -> str:
         return json.dumps({"format": "stree.tree_shape", "version": 1, "parents": list(self.parents)})
@@ -332,6 +336,66 @@ class TreeShape:
     @classmethod
     def load(cls, path) -> "TreeShape":
         return cls.from_json(Path(path).read_text())
+
+
+@dataclass(frozen=True)
+class TreeBudget:
+    """A tree the drafter grows anew each step, for each row, under a budget of ``nodes`` nodes
+    (the root included) and at most ``depth`` levels below the root (default ``nodes - 1``): the
+    drafter expands its most probable frontier first (EAGLE-2's idea; see
+    :mod:`stree.drafters.dynamic`). ``width``: expand at most this many nodes per level and row
+    (each expansion costs a model drafter a row of its step; EAGLE-2's top-k; default: every node
+    that may still get children, the exact best-first tree). ``calibrate``: weigh each drafted
+    child by its learned chance of acceptance given its rank and the drafter's confidence,
+    instead of the drafter's probability alone (EAGLE-2's). Only drafters with
+    ``dynamic = True`` take one."""
+
+    nodes: int
+    depth: int | None = None
+    width: int | None = None
+    calibrate: bool = True
+
+    def __post_init__(self):
+        if not isinstance(self.calibrate, bool):
+            raise TypeError(f"TreeBudget calibrate must be a bool, got {type(self.calibrate).__name__}")
+        for name in ("nodes", "depth", "width"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int)):
+                raise TypeError(f"TreeBudget {name} must be an int, got {type(v).__name__}")
+        if not 2 <= self.nodes <= MAX_TREE_NODES:
+            raise ValueError(f"TreeBudget nodes must be in [2, {MAX_TREE_NODES}] (the root and at least one draft), "
+                             f"got {self.nodes}")
+        if self.depth is None:
+            object.__setattr__(self, "depth", self.nodes - 1)
+        if not 1 <= self.depth <= self.nodes - 1:
+            raise ValueError(f"TreeBudget depth must be in [1, nodes - 1 = {self.nodes - 1}], got {self.depth}")
+        if self.width is not None and self.width < 1:
+            raise ValueError(f"TreeBudget width must be >= 1 (or None: no limit), got {self.width}")
+
+    @property
+    def n(self) -> int:
+        """The nodes of every drafted tree (rows that grow fewer are padded with invalid nodes)."""
+        return self.nodes
+
+    @property
+    def max_depth(self) -> int:
+        return self.depth
+
+
+def tree_spec(spec: str) -> "TreeShape | TreeBudget":
+    """:meth:`TreeShape.from_spec`, or ``dynamic:N[xD][wE][:raw]`` for a :class:`TreeBudget` of N
+    nodes, at most D levels deep, at most E expansions per level, ``:raw`` weighed by the
+    drafter's probabilities alone (``calibrate=False``)."""
+    if isinstance(spec, str) and spec.startswith("dynamic:"):
+        m = re.fullmatch(r"dynamic:(\d+)(?:x(\d+))?(?:w(\d+))?(:raw)?", spec.lower())
+        if m is None:
+            raise ValueError(f"bad tree spec {spec!r}: use dynamic:N, dynamic:NxD, dynamic:NxDwE, ...:raw")
+        nodes, depth, width, raw = m.groups()
+        try:
+            return TreeBudget(int(nodes), depth and int(depth), width and int(width), calibrate=raw is None)
+        except ValueError as exc:
+            raise ValueError(f"bad tree spec {spec!r}: {exc}") from exc
+    return TreeShape.from_spec(spec)
 
 
 @dataclass
@@ -429,7 +493,15 @@ class TokenTree:
         """A tree of a static shape: its parents and index come from the shape's cache (validated
         when the shape was made), so a decode loop pays for neither each step."""
         index = shape.index(tokens.device)
+        tree = cls.from_index(index, index.memo("parents_long", lambda: index.parents[0].long()), tokens, **kwargs)
+        tree._shape = shape
+        return tree
+
+    @classmethod
+    def from_index(cls, index: TreeIndex, parents: torch.Tensor, tokens: torch.Tensor, **kwargs) -> "TokenTree":
+        """A tree whose builder computed its index (and guarantees it describes ``parents``, a
+        valid parent array): neither is validated or derived again."""
         tree = cls.__new__(cls)
-        tree._index, tree._shape = index, shape
-        cls.__init__(tree, index.memo("parents_long", lambda: index.parents[0].long()), tokens, **kwargs)
+        tree._index, tree._shape = index, None
+        cls.__init__(tree, parents, tokens, **kwargs)
         return tree

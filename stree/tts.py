@@ -12,7 +12,7 @@ from .drafters.consensus import PathStore
 from .drafters.registry import make_drafter
 from .drafters.stand import STANDStore
 from .generate import GenerationStats, generate
-from .tree import TreeShape
+from .tree import TreeBudget, TreeShape
 
 __all__ = ["Trajectories", "sample_trajectories", "majority_vote", "extract_answer", "extract_boxed", "canonical_answer",
            "best_of_n"]
@@ -51,14 +51,14 @@ def _drafter(drafter, store):
 
 
 def sample_trajectories(model, prompt_ids, n: int, *, drafter="stand", batch_size: int = 1,
-                        tree: TreeShape | None = None, temperature: float = 1.0, top_k: int = 0,
+                        tree: TreeShape | TreeBudget | None = None, temperature: float = 1.0, top_k: int = 0,
                         top_p: float = 1.0, max_new_tokens: int = 256, eos_token_id=None, seed: int | None = 0,
                         store=None, tokenizer=None) -> Trajectories:
     """``n`` trajectories after one prompt, ``batch_size`` at a time (the last batch may be
     smaller), every batch drafting from one store that persists across batches and, when passed
     in as ``store``, across calls. ``drafter``: ``"stand"`` (the default), ``"ngram"``,
     ``"consensus"``, a :class:`Drafter`, or None (autoregressive). Batch b decodes with seed
-    ``seed + b``. ``tree``: the draft tree shape (default: :func:`generate`'s)."""
+    ``seed + b``. ``tree``: the draft tree shape or budget (default: :func:`generate`'s)."""
     if not isinstance(n, int) or n < 1:
         raise ValueError(f"n must be an int >= 1, got {n!r}")
     if not isinstance(batch_size, int) or batch_size < 1:

@@ -63,7 +63,8 @@ def test_acceptance_smoke_writes_json_table_and_png(tmp_path):
     result = smoke("acceptance", tmp_path)
     rows = result["results"]
     names = ("ngram", "stand", "stand-det", "consensus", "ssm-static", "ssm-beam", "stand@paper13",
-             "stand-det@paper13")
+             "stand-det@paper13", "stand@dynamic:81", "stand-det@dynamic:81", "ssm-static@dynamic:20x5w3",
+             "consensus-paper")
     assert [(r["drafter"], r["temperature"], r["trajectories"]) for r in rows] == [
         (d, t, n) for d in names for t in (0.0, 0.6, 1.0) for n in (1, 2)]
     assert all(r["tau"] >= 1.0 and r["config_tokens_per_s"] > 0 for r in rows)
@@ -76,7 +77,8 @@ def test_acceptance_smoke_writes_json_table_and_png(tmp_path):
 def test_e2e_smoke_compares_every_configuration_with_transformers(tmp_path):
     result = smoke("e2e", tmp_path)
     rows = {r["name"]: r for r in result["results"]}
-    assert {"transformers", "stree-autoregressive", "stree-ngram", "stree-ssm-static", "chain-ngram"} <= set(rows)
+    assert {"transformers", "stree-autoregressive", "stree-ngram", "stree-ssm-static", "chain-ngram",
+            "stree-ssm-static-dynamic", "stree-stand-det-dynamic"} <= set(rows)
     assert rows["transformers"]["speedup_vs_transformers"] == 1.0
     for r in rows.values():
         assert r["identical_to_transformers"], r["name"]  # greedy: token for token

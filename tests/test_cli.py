@@ -69,9 +69,20 @@ def test_generate_sampling_and_tree_file(checkpoint, tmp_path, capsys):
     assert capsys.readouterr().out.splitlines()[0] == first  # same seed, same text
 
 
+def test_generate_over_a_dynamic_tree(checkpoint, capsys):
+    """--tree dynamic:N with STAND: the greedy text of the autoregressive run (--compare)."""
+    rc = main(["generate", "--model", str(checkpoint), "--prompt", "def f(x):\n    return", "--tree", "dynamic:12x4",
+               "--drafter", "stand", "--max-new-tokens", "12", "--compare"])
+    assert rc == 0
+    assert capsys.readouterr().out.splitlines()[-1].endswith("greedy outputs identical: yes")
+
+
 def test_errors_exit_2_with_the_reason(checkpoint, tmp_path, capsys):
     assert main(["generate", "--model", str(checkpoint), "--prompt", "x", "--tree", "full:2"]) == 2
     assert "bad tree spec 'full:2'" in capsys.readouterr().err
+    assert main(["generate", "--model", str(checkpoint), "--prompt", "x", "--tree", "dynamic:16"]) == 2
+    err = capsys.readouterr().err
+    assert "NGramDrafter drafts static tree shapes" in err and len(err.splitlines()) == 1
     assert main(["generate", "--model", str(checkpoint), "--prompt", "", "--max-new-tokens", "3"]) == 2
     assert "prompt 0 ('') encodes to no tokens" in capsys.readouterr().err
     small = tmp_path / "small"

@@ -7,7 +7,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..tree import TokenTree, TreeShape
+from ..tree import TokenTree, TreeBudget, TreeShape
 
 
 @dataclass
@@ -53,7 +53,9 @@ class Drafter:
     target_top_k = 0
 
     #: the tree shape ``propose`` fills when the call passes none (None: every call must pass one)
-    shape: TreeShape | None = None
+    shape: TreeShape | TreeBudget | None = None
+    #: whether ``propose`` also takes a :class:`TreeBudget` (a tree grown per step and row)
+    dynamic = False
     #: the depth of the trees it proposes when that is not the shape's (e.g. beam search)
     draft_depth: int | None = None
 
@@ -69,14 +71,16 @@ class Drafter:
         if self.generator is not None:
             self.generator.manual_seed(seed)
 
-    def tree_shape(self, shape: TreeShape | None) -> TreeShape:
-        """``shape``, else the drafter's own; a ValueError when neither is set."""
+    def tree_shape(self, shape: TreeShape | TreeBudget | None) -> TreeShape | TreeBudget:
+        """``shape``, else the drafter's own; a ValueError when neither is set, or for a budget
+        the drafter cannot grow."""
         shape = shape or self.shape
         if shape is None:
             raise ValueError(f"{type(self).__name__} needs a tree shape (at construction or per call)")
+        check_budget(self, shape)
         return shape
 
-    def propose(self, context: DraftContext, shape: TreeShape) -> TokenTree:
+    def propose(self, context: DraftContext, shape: TreeShape | TreeBudget) -> TokenTree:
         raise NotImplementedError
 
     def observe(self, context: DraftContext, tokens: list[list[int]], target: list[TargetTop]) -> None:
@@ -84,3 +88,10 @@ class Drafter:
         ``context`` holds the rows *before* the emission, ``tokens`` each row's emitted tokens (in
         ``context.rows`` order) and ``target`` their :class:`TargetTop` (at temperature 0: from the
         softmax of the logits). Emitted token i follows the row's context plus tokens 0..i-1."""
+
+
+def check_budget(drafter, shape) -> None:
+    """A ValueError when ``shape`` is a :class:`TreeBudget` that ``drafter`` cannot grow."""
+    if isinstance(shape, TreeBudget) and not getattr(drafter, "dynamic", False):
+        raise ValueError(f"{type(drafter).__name__} drafts static tree shapes; a TreeBudget (dynamic:N) needs a drafter "
+                         "that grows its own trees: STAND or the SSM drafter in static mode")

@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import torch
 
-from ..tree import TokenTree, TreeShape
+import numpy as np
+
+from ..tree import TokenTree, TreeBudget, TreeShape
 from .base import DraftContext, Drafter
+from .dynamic import Level, SlotRates, grow
 from .stand import gumbel_top_k
 
 __all__ = ["SSMDrafter"]
@@ -45,14 +48,20 @@ class SSMDrafter(Drafter):
         self.model, self.shape, self.mode, self.stochastic = model, shape, mode, stochastic
         self.temperature, self.top_k, self.beams, self.steps, self.max_length = temperature, top_k, beams, steps, max_length
         self.draft_depth = steps if mode == "beam" else None
+        self.dynamic = mode == "static"
         self.vocab_size = model.vocab_size if vocab_size is None else vocab_size
         if not 1 <= self.vocab_size <= model.vocab_size:
             raise ValueError(f"vocab_size must be in [1, {model.vocab_size}] (the drafter's logits), got {vocab_size}")
         self.generator = torch.Generator().manual_seed(seed)
+        self.rates = SlotRates()  # learned acceptance for calibrated TreeBudgets, kept across calls
         self.reset()
 
     def reset(self) -> None:
         self._cache, self._rows, self._fed, self._last = None, [], torch.zeros(0, dtype=torch.long), None
+        self.rates.forget()
+
+    def observe(self, context: DraftContext, tokens, target) -> None:
+        self.rates.record(context.rows, tokens)
 
     def _advance(self, context: DraftContext) -> torch.Tensor:
         """Bring the cache to each row's whole context (the root included) and return the
@@ -104,13 +113,39 @@ class SSMDrafter(Drafter):
         """The work cache's rows ``rows`` (repeats allowed): paths that branch get a copy each."""
         return work.select(rows.to(self.model.device))
 
-    def propose(self, context: DraftContext, shape: TreeShape | None = None) -> TokenTree:
+    def propose(self, context: DraftContext, shape: TreeShape | TreeBudget | None = None) -> TokenTree:
+        if self.mode == "static":
+            shape = self.tree_shape(shape)  # checked before the cache advances
         root_q = self._advance(context)
         roots = context.last_tokens()
         if self.mode == "beam":
             return self._beam(roots, root_q)
-        shape = self.tree_shape(shape)
+        if isinstance(shape, TreeBudget):
+            return self._grow(roots, root_q, shape, context.rows)
         return self._static(roots, root_q, shape)
+
+    def _grow(self, roots: torch.Tensor, root_q: torch.Tensor, budget: TreeBudget, rows: list[int]) -> TokenTree:
+        """A dynamic tree: the roots' laws are the cache advance's; each deeper level forks its
+        kept nodes' parents' rows of a work cache and advances them by one step."""
+        work = [self._cache]
+
+        def expand(level: Level):
+            if level.parent_pos is None:
+                q = root_q
+            else:
+                work[0] = self._fork(work[0], torch.from_numpy(level.parent_pos))
+                q = self._q(torch.from_numpy(level.tokens), work[0])
+            probs, ids = torch.topk(q, min(self.top_k, q.shape[-1]), dim=-1)
+            return ids.numpy(), probs.numpy()
+
+        return grow(budget, roots.numpy(), expand, self._draw_order, self.stochastic, self.rates, rows)
+
+    def _draw_order(self, probs: np.ndarray) -> np.ndarray:
+        """Each row's top-k entries in draw order: Gumbel-top-k draws, or as ranked."""
+        if not self.stochastic:
+            return np.broadcast_to(np.arange(probs.shape[1]), probs.shape)
+        u = torch.rand(probs.shape, generator=self.generator, dtype=torch.float64).clamp(1e-12, 1 - 1e-12)
+        return gumbel_top_k(probs.astype(np.float32), probs.shape[1], (-(-u.log()).log()).float().numpy())
 
     def _static(self, roots: torch.Tensor, root_q: torch.Tensor, shape: TreeShape) -> TokenTree:
         """Level by level: the root's children come from the law the cache advance ended on;

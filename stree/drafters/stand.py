@@ -15,8 +15,9 @@ import math
 import numpy as np
 import torch
 
-from ..tree import TokenTree, TreeShape
+from ..tree import TokenTree, TreeBudget, TreeShape
 from .base import DraftContext, Drafter
+from .dynamic import Level, SlotRates, grow
 
 __all__ = ["STANDStore", "STANDDrafter", "gumbel_top_k", "race_top_k"]
 
@@ -102,6 +103,14 @@ class STANDStore:
             if s is not None:
                 return s
         return None
+
+    def lookup(self, paths: np.ndarray, plens: np.ndarray) -> np.ndarray:
+        """:meth:`longest_match` of each ``paths[i, :plens[i]]`` (int64 ``[m, max_n]``, ``[m]``), as
+        slots (-1: no match)."""
+        if self.compiled:
+            return self._jit.longest_many(self._table, self._key_tok, self._key_len, paths, plens, self.max_n)
+        found = (self.longest_match(tuple(p[:n].tolist())) for p, n in zip(paths, plens.tolist()))
+        return np.array([-1 if s is None else s for s in found], dtype=np.int64)
 
     def _evict(self, keep: set[int]) -> None:
         n = max(1, math.ceil(self.evict_fraction * self.capacity))
@@ -317,7 +326,12 @@ class STANDDrafter(Drafter):
 
     ``learn=False`` leaves the store unchanged (a fixed or deliberately stale store). Every emitted
     token's distribution is inserted (the prefill's first token included); prompt positions are
-    not, as no distribution was computed for them."""
+    not, as no distribution was computed for them.
+
+    A :class:`TreeBudget` in place of ``shape`` grows each row's tree from the store's path
+    probabilities (:mod:`stree.drafters.dynamic`); children are drawn as in a static shape."""
+
+    dynamic = True
 
     def __init__(self, store: STANDStore, shape: TreeShape | None = None, stochastic: bool = True, seed: int = 0,
                  noise_size: int = 1 << 16, learn: bool = True):
@@ -328,6 +342,10 @@ class STANDDrafter(Drafter):
         self._noise_size = noise_size
         self._pos = 0
         self._plan: _Plan | None = None
+        self.rates = SlotRates()  # learned acceptance for calibrated TreeBudgets, kept across calls
+
+    def reset(self) -> None:
+        self.rates.forget()
 
     def reseed(self, seed: int) -> None:
         super().reseed(seed)
@@ -342,8 +360,10 @@ class STANDDrafter(Drafter):
             self._noise, self._pos = (-u.log()).numpy(), 0
         return self._noise[self._pos: self._pos + n]
 
-    def propose(self, context: DraftContext, shape: TreeShape | None = None) -> TokenTree:
+    def propose(self, context: DraftContext, shape: TreeShape | TreeBudget | None = None) -> TokenTree:
         shape = self.tree_shape(shape)
+        if isinstance(shape, TreeBudget):
+            return self._grow(context, shape)
         if self._plan is None or self._plan.shape != shape:
             self._plan = _Plan(shape)  # cached: the same shape comes every step
         tokens, lengths = context.tokens.numpy(), context.lengths.numpy()  # NumPy: a torch index costs ~5 us
@@ -359,7 +379,45 @@ class STANDDrafter(Drafter):
         return TokenTree.from_shape(shape, tokens, valid=valid, child_ids=torch.from_numpy(child_ids),
                                     child_probs=torch.from_numpy(child_probs))
 
+    def _grow(self, context: DraftContext, budget: TreeBudget) -> TokenTree:
+        """A dynamic tree: each kept node's law is the entry of the longest n-gram matching its
+        path (none: no children), its children drawn by the race as in a static shape."""
+        max_n = self.store.max_n
+        tokens, lengths = context.tokens.numpy(), context.lengths.numpy()
+        paths = np.zeros((len(context), max_n), dtype=np.int64)  # each node's last max_n tokens, left-aligned
+        plens = np.zeros(len(context), dtype=np.int64)
+        for i, r in enumerate(context.rows):
+            tail = tokens[r, max(0, int(lengths[r]) - max_n): int(lengths[r])]
+            paths[i, : len(tail)], plens[i] = tail, len(tail)
+        roots = paths[np.arange(len(context)), plens - 1]
+
+        def expand(level: Level):
+            nonlocal paths, plens
+            if level.parent_pos is not None:  # a child's path: its parent's, shifted, then its token
+                p, n = paths[level.parent_pos], plens[level.parent_pos]
+                full = n == max_n
+                p[full] = np.roll(p[full], -1, axis=1)
+                n = np.minimum(n + 1, max_n)
+                p[np.arange(len(n)), n - 1] = level.tokens
+                paths, plens = p, n
+            slots = self.store.lookup(paths, plens)
+            found = slots >= 0
+            ids = np.where(found[:, None], self.store._np_ids[slots], 0).astype(np.int64)
+            probs = np.where(found[:, None], self.store._np_probs[slots], 0.0)
+            return ids, probs
+
+        return grow(budget, roots, expand, self._draw_order, self.stochastic, self.rates, context.rows)
+
+    def _draw_order(self, probs: np.ndarray) -> np.ndarray:
+        """Each entry's K candidates in draw order: the race over fresh noise, or by probability."""
+        if not self.stochastic:
+            return np.argsort(-probs, axis=1, kind="stable")
+        order = race_top_k(probs, probs.shape[1], self._noise_window(probs.size).reshape(probs.shape))
+        self._pos += probs.size
+        return order
+
     def observe(self, context: DraftContext, tokens, target) -> None:
+        self.rates.record(context.rows, tokens)
         if not self.learn:
             return
         max_n = self.store.max_n

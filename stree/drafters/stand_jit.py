@@ -149,6 +149,15 @@ def _longest(table, key_tok, key_len, path, plen, max_n):
 
 
 @njit(cache=True)
+def longest_many(table, key_tok, key_len, paths, plens, max_n):
+    """The slot of the longest stored suffix of each ``paths[i, :plens[i]]`` (-1: none)."""
+    out = np.empty(len(plens), dtype=np.int64)
+    for i in range(len(plens)):
+        out[i] = _longest(table, key_tok, key_len, paths[i], plens[i], max_n)
+    return out
+
+
+@njit(cache=True)
 def draft(tails, tail_len, nodes, level_start, kid_start, kids, has_kids, stochastic, noise, max_n, ids, probs,
           table, key_tok, key_len, out_tok, out_ok, child_ids, child_probs):
     """Fills the trees of every row (see ``STANDStore.draft``); returns the noise values used."""

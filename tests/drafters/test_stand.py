@@ -15,7 +15,7 @@ from stree.drafters import DraftContext, STANDDrafter, STANDStore, TargetTop
 from stree.drafters.stand import _Plan, race_top_k
 from stree.generate import generate
 from stree.testing import MarkovLM, cell_counts, chi_square
-from stree.tree import TreeShape
+from stree.tree import TreeBudget, TreeShape
 
 
 def t(*v, dtype=torch.float32):
@@ -183,12 +183,20 @@ def stale_store(V, seed):
     return store
 
 
-@pytest.mark.parametrize("case", ["stale-store", "stale-deterministic", "learning"])
-def test_stand_drafts_are_lossless_on_a_markov_target(case):
-    """20k rows, T = 1, full(3,2) trees: the joint of the first 3 tokens against the exact law."""
+FULL = TreeShape.full(3, 2)
+
+
+@pytest.mark.parametrize("case, shape", [
+    ("stale-store", FULL), ("stale-deterministic", FULL), ("learning", FULL),
+    # dynamic trees (tests/drafters/test_dynamic.py); TreeBudget(3, 2) keeps fewer children than the
+    # store offers: a slot's priority must look past the kept slots
+    ("stale-store", TreeBudget(9, 3)), ("stale-store", TreeBudget(3, 2)), ("stale-store", TreeBudget(3, 2, calibrate=False)),
+    ("stale-deterministic", TreeBudget(9, 3)), ("learning", TreeBudget(9, 3))])
+def test_stand_drafts_are_lossless_on_a_markov_target(case, shape):
+    """20k rows, T = 1, full(3,2) trees or tree budgets: the joint of the first 3 tokens against
+    the exact law."""
     model = markov()
     prompt = [1, 2, 1, 2, 0, 1, 2, 1]
-    shape = TreeShape.full(3, 2)
     if case == "learning":  # warm the store on earlier trajectories, keep learning during the test
         drafter = STANDDrafter(STANDStore(top_k=4), shape, seed=2)
         generate(model, [prompt] * 50, drafter=drafter, max_new_tokens=40, temperature=1.0, seed=1)
