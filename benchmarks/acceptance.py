@@ -126,7 +126,8 @@ def plot(result):
     for ax, temperature in zip(axes[0], temperatures):
         for k, name in enumerate(dict.fromkeys(r["drafter"] for r in rows)):
             rs = [r for r in rows if r["drafter"] == name and r["temperature"] == temperature]
-            ax.plot([r["trajectories"] for r in rs], [r["tau"] for r in rs], marker="o", color=f"C{k}", label=name)
+            ax.plot([r["trajectories"] for r in rs], [r["tau"] for r in rs], marker="os^D"[k // 10 % 4],
+                    color=f"C{k % 10}", linestyle="-" if k < 10 else "--", label=name)  # distinct past 10 rows
         ax.set(title=f"T = {temperature:g}", xlabel="trajectories sharing the drafter", ylabel="tau", xscale="log")
         ax.set_xticks(sorted({r["trajectories"] for r in rows}), labels=sorted({r["trajectories"] for r in rows}))
         ax.grid(alpha=0.3)
