@@ -76,3 +76,27 @@ def test_triton_launches_per_call(family):
     assert costs["step"].triton_launches == 2 * n_ssm + n_attn
     assert costs["tree"].triton_launches == 2 * n_ssm + n_attn
     assert costs["commit"].triton_launches == 1
+
+
+def _grown_tree_pass(model, seed=0):
+    """Compute ops of the pass over a dynamic tree (stree.drafters.dynamic) made fresh for the
+    call, as a decode loop meets one every step."""
+    import numpy as np
+
+    from stree.drafters.dynamic import grow
+    from stree.tree import TreeBudget
+
+    cache, _ = _setup(model)
+    g = np.random.default_rng(seed)
+    expand = lambda level: (g.integers(0, VOCAB, (len(level.tokens), 4)), g.random((len(level.tokens), 4)))  # noqa: E731
+    fresh = lambda: (grow(TreeBudget(13, 4), np.array([3]), expand, lambda p: np.argsort(-p, 1), False),)  # noqa: E731
+    return count_ops(lambda tree: model.forward_tree(tree, cache), setup=fresh).compute
+
+
+def test_a_grown_tree_pays_for_its_masks_but_not_for_an_index_rebuild():
+    """A tree grown per step comes with the index its construction knows: its pass costs the
+    static shape's ops per layer plus the masks of a new tree (~24 ops), not the parent-array
+    validation and pointer doubling of a tree built from parents alone (~85 more)."""
+    two, four = _grown_tree_pass(mamba2_layers(2)), _grown_tree_pass(mamba2_layers(4))
+    assert (four - two) / 2 <= 30
+    assert two - _costs(mamba2_layers(2))["tree"].compute <= 30
