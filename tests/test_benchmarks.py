@@ -3,6 +3,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+import torch
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -14,6 +17,23 @@ def smoke(name, tmp_path):
     assert result["device"] and result["date"] and "--smoke" in result["command"]
     assert (tmp_path / f"{name}_smoke.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     return result
+
+
+def test_device_and_dtype_options():
+    """--device / --dtype of the GPU-ready benchmarks (acceptance, e2e): checked, with defaults by
+    device; the smoke runs record the dtype they ran in."""
+    import argparse
+
+    from stree.timing import add_device_args, device_and_dtype
+
+    parser = argparse.ArgumentParser()
+    add_device_args(parser)
+    assert device_and_dtype(parser.parse_args(["--device", "cpu", "--dtype", "bfloat16"])) == (torch.device("cpu"),
+                                                                                             torch.bfloat16)
+    assert device_and_dtype(parser.parse_args(["--device", "cpu"]))[1] == torch.float32
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="CUDA is not available"):
+            device_and_dtype(parser.parse_args(["--device", "cuda"]))
 
 
 def test_tree_scan_sweep_smoke_writes_consistent_json_and_png(tmp_path):
@@ -68,6 +88,7 @@ def test_acceptance_smoke_writes_json_table_and_png(tmp_path):
     assert [(r["drafter"], r["temperature"], r["trajectories"]) for r in rows] == [
         (d, t, n) for d in names for t in (0.0, 0.6, 1.0) for n in (1, 2)]
     assert all(r["tau"] >= 1.0 and r["config_tokens_per_s"] > 0 for r in rows)
+    assert result["dtype"] == "float32"
     greedy_stand = {r["trajectories"]: r["tau"] for r in rows if r["drafter"] == "stand-det" and r["temperature"] == 0}
     assert greedy_stand[2] > greedy_stand[1]  # the second greedy trajectory drafts from the first's store
     table = (tmp_path / "acceptance_smoke.md").read_text()
@@ -80,6 +101,7 @@ def test_e2e_smoke_compares_every_configuration_with_transformers(tmp_path):
     assert {"transformers", "stree-autoregressive", "stree-ngram", "stree-ssm-static", "chain-ngram",
             "stree-ssm-static-dynamic", "stree-stand-det-dynamic"} <= set(rows)
     assert rows["transformers"]["speedup_vs_transformers"] == 1.0
+    assert result["dtype"] == "float32"
     for r in rows.values():
         assert r["identical_to_transformers"], r["name"]  # greedy: token for token
         assert r["tokens_per_s"] > 0

@@ -42,11 +42,10 @@ __all__ = ["Level", "SlotRates", "grow"]
 
 
 class Level(NamedTuple):
-    """The kept nodes of one depth, in creation order: ``rows`` (batch position), ``tokens`` and
-    ``parent_pos`` (each node's parent's position in the previous level's arrays; None for the
-    roots, one per row in batch order)."""
+    """The kept nodes of one depth, in creation order: ``tokens`` and ``parent_pos`` (each node's
+    parent's position in the previous level's arrays; None for the roots, one per row in batch
+    order)."""
 
-    rows: np.ndarray
     tokens: np.ndarray
     parent_pos: np.ndarray | None
 
@@ -74,7 +73,7 @@ def grow(budget: TreeBudget, roots: np.ndarray, expand: Expand, draw_order: Draw
     laws: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # (pool ids, ids, probs) per level
     frontier, parent_pos = np.arange(B), None
     for d in range(budget.max_depth):
-        ids, probs = expand(Level(pool.row[frontier], pool.token[frontier], parent_pos))
+        ids, probs = expand(Level(pool.token[frontier], parent_pos))
         ids, probs = np.ascontiguousarray(ids, dtype=np.int64), np.ascontiguousarray(probs, dtype=np.float64)
         laws.append((frontier, ids, probs))
         order = np.ascontiguousarray(draw_order(probs), dtype=np.int64)

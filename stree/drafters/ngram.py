@@ -157,6 +157,7 @@ class NGramDrafter(Drafter):
         return index
 
     def propose(self, context: DraftContext, shape: TreeShape) -> TokenTree:
+        shape = self.tree_shape(shape)  # a clear error for a missing shape or a budget
         if self._plan is None or self._plan.shape != shape:
             self._plan = _Plan(shape)  # cached: the same shape comes every step
         tokens, lengths = context.tokens.numpy(), context.lengths.numpy()  # NumPy: a torch index costs ~5 us

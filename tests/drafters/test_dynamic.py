@@ -12,7 +12,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from tiny_models import FAMILIES, mamba2
 
-from stree.drafters import dynamic
+from stree.drafters import DraftContext, dynamic
 from stree.drafters.dynamic import Level, SlotRates, grow
 from stree.drafters.ngram import NGramDrafter
 from stree.drafters.ssm import SSMDrafter
@@ -352,5 +352,7 @@ def test_a_budget_needs_a_drafter_that_grows_trees(monkeypatch):
         generate(target, [[1, 2, 3]], drafter=NGramDrafter(), tree=TreeBudget(8), max_new_tokens=4)
     with pytest.raises(ValueError, match="SSMDrafter drafts static tree shapes"):
         generate(target, [[1, 2, 3]], drafter=SSMDrafter(mamba2(), mode="beam"), tree=TreeBudget(8), max_new_tokens=4)
+    with pytest.raises(ValueError, match="NGramDrafter drafts static tree shapes"):  # called directly, too
+        NGramDrafter().propose(DraftContext(torch.tensor([[1, 2, 3]]), torch.tensor([3]), [0]), TreeBudget(8))
     with pytest.raises(ValueError, match="for method='stree'"):
         generate(target, [[1, 2, 3]], method="chain", tree=TreeBudget(8), max_new_tokens=4)
