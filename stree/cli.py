@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 import torch
@@ -16,7 +17,9 @@ from .tree import tree_spec
 
 
 def _generate_parser(sub) -> None:
-    p = sub.add_parser("generate", help="complete prompts with speculative tree decoding")
+    p = sub.add_parser("generate", help="complete prompts with speculative tree decoding",
+                       description="Under torchrun --nproc-per-node N, the model is split over the N ranks "
+                                   "(tensor parallelism: NCCL on CUDA, gloo on the CPU) and rank 0 prints.")
     p.add_argument("--model", required=True, help="local checkpoint directory (mamba_ssm, transformers Mamba2, "
                                                    "Bamba, Nemotron-H, Granite 4.0-H, Falcon-H1, Llama, Qwen2, "
                                                    "MambaInLlama)")
@@ -278,6 +281,13 @@ def _stats(stats) -> dict:
     return dict(asdict(stats), tau=stats.tau, tokens_per_s=stats.tokens_per_s)
 
 
+def _launched_world() -> int | None:
+    """The number of ranks of a ``torchrun`` launch of more than one process (None otherwise):
+    ``stree generate`` then splits the model over them (tensor parallelism)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    return world if world > 1 else None
+
+
 def _run_generate(args) -> int:
     from .lm import LM
     from .models import load
@@ -290,7 +300,11 @@ def _run_generate(args) -> int:
         raise ValueError(f"--drafter-model is only for --drafter {' / '.join(NEEDS_MODEL)}, not {args.drafter}")
     if args.drafter in NEEDS_MODEL and args.drafter_model is None:
         raise ValueError(f"--drafter {args.drafter} needs --drafter-model DIR")
-    lm = LM.from_pretrained(args.model, device=args.device, dtype=args.dtype, tokenizer=args.tokenizer)
+    world = _launched_world()
+    lm = LM.from_pretrained(args.model, device=args.device, dtype=args.dtype, tokenizer=args.tokenizer,
+                            tensor_parallel=world)
+    if world is not None and lm.model.tp.rank != 0:
+        sys.stdout = open(os.devnull, "w")  # every rank decodes the same; rank 0 reports
     if args.drafter_model is not None:
         lm.drafter_model = load(args.drafter_model, dtype=lm.model.dtype, device=lm.model.device)
         if args.compile:

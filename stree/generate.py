@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from .args import integer
+from .distributed import agree, drafts_here, share_tree, tensor_parallel
 from .drafters.base import DraftContext, Drafter, TargetTop, check_budget
 from .drafters.ngram import NGramDrafter
 from .models.base import TreeLM
@@ -249,7 +250,7 @@ def prefill_rows(model, rows: Rows, cache, params: SamplingParams, generator, to
     longest = int(rows.lengths.max())
     logits = model.prefill(rows.seq[:, :longest].to(model.device), cache, lengths=rows.lengths)
     finite, logits = _finite(logits, params)
-    first = params.sample(logits, generator)[:, None]
+    first, = agree(model, params.sample(logits, generator)[:, None])
     probs = None if top_k is None else params.observed(logits)[:, None]
     return _to_host(first, torch.ones_like(first[:, 0]), probs, top_k or 0, finite)
 
@@ -260,7 +261,7 @@ def autoregressive_step(model, cache, roots: torch.Tensor, params: SamplingParam
     or a compiled one, when given), then one sampled token each."""
     logits = runner.step()(roots, validate=False) if runner is not None else model.step(roots, cache, validate=False)
     finite, logits = _finite(logits, params)
-    nxt = params.sample(logits, generator)
+    nxt, = agree(model, params.sample(logits, generator))
     return _to_host(nxt[:, None], torch.ones_like(nxt), None, 0, finite)
 
 
@@ -280,6 +281,8 @@ def speculative_step(model, cache, draft: TokenTree, params: SamplingParams, gen
         logits, tree_pass = model.forward_tree(draft, cache, backend=backend, validate=False)
     finite, logits = _finite(logits, params)
     result = verify(draft, logits, params, generator=generator, validate=False)
+    result.accepted, result.num_accepted, result.bonus = agree(model, result.accepted, result.num_accepted,
+                                                               result.bonus)  # rank 0's, under tensor parallelism
     if lap is not None:
         lap("verify")
     if fast:
@@ -444,7 +447,12 @@ def decode(model, input_ids, *, drafter: Drafter | None = None, tree: TreeShape 
     tree pass and commit of static tree shapes, through ``torch.compile`` (seconds of compiling
     per shape, once per process: for long runs; outputs as the eager path's).
     ``on_step(rows, tree, result)``, if given, sees every verify step (row ids, the drafted
-    :class:`TokenTree`, the :class:`~stree.verify.VerifyResult`), e.g. to count accepted nodes."""
+    :class:`TokenTree`, the :class:`~stree.verify.VerifyResult`), e.g. to count accepted nodes.
+
+    A tensor-parallel ``model`` (``stree.models.load(..., tensor_parallel=...)``; every rank
+    calls ``decode`` with the same arguments): rank 0 drafts (the other ranks' ``drafter`` is
+    not used), verifies and samples, and the ranks follow it (:mod:`stree.distributed`);
+    ``on_step`` is called on rank 0; eager only."""
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     prompts = _prompts(input_ids)
@@ -489,8 +497,13 @@ def decode(model, input_ids, *, drafter: Drafter | None = None, tree: TreeShape 
     if drafter is not None:
         check_budget(drafter, shape)
     device = model.device
+    tp = tensor_parallel(model)
+    if tp is not None and (cuda_graph or torch_compile or method == "unrolled"):
+        raise ValueError("a tensor-parallel model decodes eager: cuda_graph, torch_compile and method='unrolled' "
+                         "are not supported with it")
     if cuda_graph is None:
-        cuda_graph = device.type == "cuda" and isinstance(model, TreeLM) and method != "unrolled" and cache is None
+        cuda_graph = (device.type == "cuda" and isinstance(model, TreeLM) and method != "unrolled" and cache is None
+                      and tp is None)
     if cache is not None and (cuda_graph or torch_compile):
         raise ValueError("decoding from a given cache runs eager: cuda_graph and torch_compile own their cache")
     if method == "unrolled" and (cuda_graph or torch_compile):
@@ -511,7 +524,11 @@ def decode(model, input_ids, *, drafter: Drafter | None = None, tree: TreeShape 
             drafter.reseed(draft_seed)
     backend = "chain" if method == "chain" else "tree"
     target = UnrolledTarget(model) if method == "unrolled" else model
+    speculative = drafter is not None
+    if not drafts_here(model):
+        drafter = None  # rank 0 drafts and learns; this rank receives its trees
     top_k = _top_k(drafter)
+    shapes: dict = {}  # the static shapes of received trees (tensor parallelism)
 
     rows = Rows(prompts, budgets, eos)
     stats = GenerationStats(new_tokens=[0] * rows.batch_size, prefilled=cache is None)
@@ -542,25 +559,27 @@ def decode(model, input_ids, *, drafter: Drafter | None = None, tree: TreeShape 
             cache.seqlens.masked_fill_((~rows.active).to(device, non_blocking=True), 0)
         roots = rows.roots()
         live = rows.active_ids()
-        if drafter is None:
+        if not speculative:
             host = autoregressive_step(model, cache, roots.to(device, non_blocking=True), params, generator, runner)
             for r in live:
                 rows.accepted[r].append(0)
             stats.time_verify += clock.lap()
         else:
-            context = rows.context()
-            draft = drafter.propose(context, shape)
-            _check_draft(draft, roots[live], model.vocab_size)
-            if runner is None and draft.valid is not None and not bool(draft.valid[:, 1:].any()):
-                draft = TokenTree.from_shape(TreeShape.chain(0), draft.tokens[:, :1])  # nothing drafted: one node
-            full = draft if len(live) == rows.batch_size else _full_batch(draft, rows.active, roots)
-            full = full.to(device)
+            full = None
+            if drafter is not None:
+                draft = drafter.propose(rows.context(), shape)
+                _check_draft(draft, roots[live], model.vocab_size)
+                if runner is None and draft.valid is not None and not bool(draft.valid[:, 1:].any()):
+                    draft = TokenTree.from_shape(TreeShape.chain(0), draft.tokens[:, :1])  # nothing drafted: one node
+                full = draft if len(live) == rows.batch_size else _full_batch(draft, rows.active, roots)
+                full = full.to(device)
+            full = share_tree(model, full, device, shapes)
             stats.time_draft += clock.lap()
             host, result = speculative_step(target, cache, full, params, generator, backend, top_k, lap=lap,
                                             runner=runner)
             for r in live:
                 rows.accepted[r].append(int(host.counts[r]) - 1)
-            if on_step is not None:
+            if on_step is not None and drafter is not None:  # tensor parallelism: on rank 0, which drafts
                 on_step(live, draft, _rows_of(result, live) if len(live) < rows.batch_size else result)
         stats.target_forwards += 1
         _check_finite(host, rows, f"decoding step {stats.target_forwards}")

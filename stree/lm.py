@@ -72,22 +72,29 @@ class LM:
         self.eos_token_id = eos_token_id
 
     @classmethod
-    def from_pretrained(cls, path, *, device=None, dtype=None, tokenizer=None, drafter_model=None) -> "LM":
+    def from_pretrained(cls, path, *, device=None, dtype=None, tokenizer=None, drafter_model=None,
+                        tensor_parallel: int | None = None) -> "LM":
         """Load the checkpoint directory ``path`` (every format :func:`stree.models.load` reads),
         its tokenizer (or ``tokenizer``: a directory, for checkpoints without one) and the EOS ids
         it declares (generation_config.json, config.json, else the tokenizer's). ``device``:
-        default CUDA when available; ``dtype`` (a torch dtype or its name): default the
-        checkpoint's. ``drafter_model``: a checkpoint directory (loaded like the target) or a
-        loaded model, for the "ssm" drafters."""
-        from .models import DTYPES, load, load_tokenizer
+        default CUDA when available (under torchrun, the process's local GPU); ``dtype`` (a torch
+        dtype or its name): default the checkpoint's. ``drafter_model``: a checkpoint directory
+        (loaded like the target, whole, on every rank) or a loaded model, for the "ssm" drafters.
+        ``tensor_parallel=N``: launched by ``torchrun --nproc-per-node N``, each rank loads its
+        slice of the model (:mod:`stree.models.parallel`); every rank then calls ``generate``
+        with the same arguments and gets the same output."""
+        from .models import DTYPES, join, load, load_tokenizer
         from .models.loading import check_device
+        from .models.parallel import local_rank
 
         if isinstance(dtype, str):
             if dtype not in DTYPES:
                 raise ValueError(f"dtype must be a torch dtype or one of {sorted(DTYPES)}, got {dtype!r}")
             dtype = DTYPES[dtype]
-        device = check_device(device) or torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        model = load(path, dtype=dtype, device=device)
+        rank = local_rank() if tensor_parallel is not None else 0
+        device = check_device(device) or torch.device(f"cuda:{rank}" if torch.cuda.is_available() else "cpu")
+        tp = None if tensor_parallel is None else join(tensor_parallel, device)
+        model = load(path, dtype=dtype, device=device, tensor_parallel=tp)
         tok = load_tokenizer(tokenizer or path, vocab_size=model.vocab_size)
         if isinstance(drafter_model, (str, Path)):
             drafter_model = load(drafter_model, dtype=model.dtype, device=device)

@@ -122,3 +122,17 @@ def test_reasoning_smoke_compares_specreason_with_the_base_model(tmp_path):
             assert r["judged"] >= 1 and 0 <= r["accepted"] <= r["judged"] and r["judge_forwards"] == r["judged"]
             assert r["small_tokens"] >= 1 and r["tokens"] == rows["base"]["tokens"]  # the same budget, spent
     assert {r["shared_store"] for r in result["search"]["rows"]} == {True, False}
+
+
+def test_tensor_parallel_smoke_times_every_op_at_every_world_size(tmp_path):
+    result = smoke("tensor_parallel", tmp_path)
+    rows = result["results"]
+    assert result["backend"] == "gloo" and result["dtype"] == "float32"
+    for model in ("mamba2-tiny", "mil-tiny"):
+        for op in ("step", "tree paper13", "tree binary63"):
+            got = {r["world"]: r for r in rows if r["model"] == model and r["op"] == op}
+            assert set(got) == {1, 2} and all(r["time_ms_median"] > 0 for r in got.values())
+            assert got[1]["speedup_vs_world_1"] == 1.0
+            assert got[2]["weight_bytes_per_rank"] < 0.7 * got[1]["weight_bytes_per_rank"]  # each rank a slice
+            assert got[2]["cache_bytes_per_rank"] < 0.7 * got[1]["cache_bytes_per_rank"]
+            assert abs(got[2]["speedup_vs_world_1"] - got[1]["time_ms_median"] / got[2]["time_ms_median"]) < 1e-9

@@ -84,6 +84,11 @@ class TreeLM(nn.Module):
     logits_scale = 1.0
     embed_key: str
     final_norm_name: str
+    # Set by stree.models.parallel.plan on a rank's slice of a model: the ranks' TensorParallel
+    # (the block loop all-reduces each block's partial sums, the head gathers the vocabulary)
+    # and the full vocabulary size.
+    tp = None
+    full_vocab: int
 
     @property
     def embed(self) -> nn.Embedding:
@@ -95,7 +100,7 @@ class TreeLM(nn.Module):
 
     @property
     def vocab_size(self) -> int:
-        return self.lm_head.weight.shape[0]
+        return self.lm_head.weight.shape[0] if self.tp is None else self.full_vocab
 
     @property
     def dtype(self) -> torch.dtype:
@@ -121,7 +126,8 @@ class TreeLM(nn.Module):
     # ---- the block loop -------------------------------------------------------------------
     def _run(self, tokens: torch.Tensor, mix) -> torch.Tensor:
         """Embedding, blocks and head; ``mix(i, block, h)`` is block i's token mixer on ``h``."""
-        x = scaled(self.embed(tokens), self.embed_scale)
+        tp = self.tp
+        x = scaled(self.embed(tokens) if tp is None else tp.embed(self.embed.weight, tokens), self.embed_scale)
         if self.residual_fp32:
             x = x.float()
         dtype, blocks = self.dtype, self.blocks
@@ -132,10 +138,12 @@ class TreeLM(nn.Module):
                 out = scaled(mix(i, blk, scaled(h, blk.in_scale)), blk.out_scale)
                 branch = out if branch is None else branch + out
                 if i + 1 == len(blocks) or not blocks[i + 1].parallel:
-                    x = x + branch
+                    x = x + (branch if tp is None else tp.all_reduce(branch))
             if blk.mlp is not None:
-                x = x + scaled(blk.mlp(blk.mlp_norm(x, dtype)), blk.mlp_scale)
-        return scaled(self.lm_head(self.final_norm(x, dtype)), self.logits_scale)
+                out = scaled(blk.mlp(blk.mlp_norm(x, dtype)), blk.mlp_scale)
+                x = x + (out if tp is None else tp.all_reduce(out))
+        logits = self.lm_head(self.final_norm(x, dtype))
+        return scaled(logits if tp is None else tp.gather_vocab(logits, self.full_vocab), self.logits_scale)
 
     # ---- cache ----------------------------------------------------------------------------
     def allocate_cache(self, batch_size: int, max_length: int) -> ModelCache:

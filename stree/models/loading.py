@@ -19,6 +19,7 @@ import json
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from ..atomic import write_text, write_with
@@ -31,6 +32,7 @@ from .llama import LlamaLM, Qwen2LM
 from .falcon_h1 import FalconH1LM
 from .granite import GraniteLM
 from .nemotron_h import NemotronHLM
+from .parallel import TensorParallel, plan
 
 # transformers families, by model_type: the class reads its config (config_class.from_hf) and
 # its parameter names are the files' own.
@@ -190,6 +192,139 @@ def _read_weights(path: Path) -> tuple[dict, Path]:
     raise FileNotFoundError(f"{path} holds no weights ({' or '.join(WEIGHT_FILES)})")
 
 
+SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+
+
+class _SlicedWeights:
+    """A checkpoint's tensors by key, read on demand: from safetensors files (one, or the shards
+    of an index) only the slices asked for; a pytorch_model.bin is read whole (pickles cannot be
+    sliced) and sliced in memory."""
+
+    def __init__(self, path: Path):
+        self.handles, self.tensors, self.file = {}, None, None
+        for name in WEIGHT_FILES:
+            file = path / name
+            if not file.exists():
+                continue
+            self.file = file
+            if "safetensors" not in name:
+                self.tensors, _ = _read_weights(path)
+                return
+            shards = [name]
+            if name.endswith(".index.json"):
+                weight_map = _read_json(file).get("weight_map")
+                if not isinstance(weight_map, dict) or not weight_map:
+                    raise ValueError(f"{file}: missing or empty 'weight_map'")
+                shards = sorted(set(weight_map.values()))
+            for shard in shards:
+                if not (path / shard).exists():
+                    raise FileNotFoundError(f"{path / shard} is missing (listed in {file})")
+                try:
+                    handle = safe_open(str(path / shard), "pt", device="cpu")
+                except Exception as exc:
+                    raise ValueError(f"{path / shard} could not be read: {exc}") from exc
+                self.handles.update((key, handle) for key in handle.keys())
+            return
+        raise FileNotFoundError(f"{path} holds no weights ({' or '.join(WEIGHT_FILES)})")
+
+    def keys(self) -> list[str]:
+        return list(self.handles if self.tensors is None else self.tensors)
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        if self.tensors is not None:
+            return tuple(self.tensors[key].shape)
+        return tuple(self.handles[key].get_slice(key).get_shape())
+
+    def dtype(self, key: str) -> torch.dtype:
+        if self.tensors is not None:
+            return self.tensors[key].dtype
+        name = self.handles[key].get_slice(key).get_dtype()
+        if name not in SAFETENSORS_DTYPES:
+            raise ValueError(f"{self.file}: {key!r} has dtype {name}, not a float type stree loads")
+        return SAFETENSORS_DTYPES[name]
+
+    def read(self, key: str, idx: tuple | None) -> torch.Tensor:
+        """``key``'s tensor, or the part ``idx`` (a tuple of slices) of it."""
+        if self.tensors is not None:
+            t = self.tensors[key]
+            return t if idx is None else t[idx]
+        part = self.handles[key].get_slice(key)
+        return part[:] if idx is None else part[idx]
+
+
+def _slices(shapes: dict, rules: dict, read, tp: TensorParallel, like: dict, device) -> dict:
+    """Rank ``tp.rank``'s part of every tensor in ``shapes`` (key: full shape): ``read(key, idx)``
+    reads a part; ``rules`` (from :func:`~stree.models.parallel.plan`) say which; the results
+    take the dtype of ``like[key]`` (the local model's tensor) and land on ``device``."""
+    out = {}
+    for key, shape in shapes.items():
+        take = lambda idx, key=key: read(key, idx)
+        t = rules[key].take(take, shape, tp) if key in rules else take(None)
+        out[key] = t.to(device=device, dtype=like[key].dtype).contiguous()
+    return out
+
+
+def _check_shapes(expected: dict, found: dict, where, config_where) -> None:
+    """Every key of ``expected`` (key: shape) present in ``found`` with that shape, and nothing else."""
+    for key, shape in expected.items():
+        if key not in found:
+            raise ValueError(f"{where}: missing key {key!r}")
+        if tuple(found[key]) != tuple(shape):
+            raise ValueError(f"{where}: {key!r} has shape {tuple(found[key])}, the config in {config_where} implies "
+                             f"{tuple(shape)}")
+    unexpected = sorted(set(found) - set(expected))
+    if unexpected:
+        raise ValueError(f"{where}: unexpected keys {unexpected[:5]}")
+
+
+def _load_shard(build, cfg, fmt: str, path: Path, dtype, device, check_finite: bool, tp: TensorParallel):
+    """:func:`load` of rank ``tp.rank``'s slice: the model is built on "meta" at full size, its
+    checkpoint shapes checked against the files, resized by ``plan`` (the divisibility checks),
+    and only then are the rank's slices read."""
+    source = _SlicedWeights(path)
+    rename = ("backbone.embeddings.", "backbone.embedding.") if fmt == "hf" else None
+    to_file = {(k.replace(*rename, 1) if rename else k): k for k in source.keys()}
+    if fmt == "mil" and "lm_head.weight" not in to_file:  # as load: MIL 3B ships no lm_head
+        cfg = HybridConfig(**{**cfg.__dict__, "tie_word_embeddings": True})
+    if build.embed_key not in to_file:
+        raise ValueError(f"{source.file}: missing key {build.embed_key!r}")
+    model = build(cfg, device="meta", dtype=dtype or source.dtype(to_file[build.embed_key]))
+    tied = model.lm_head.weight is model.embed.weight
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    if tied:
+        expected.pop("lm_head.weight")
+        to_file.pop("lm_head.weight", None)
+    _check_shapes(expected, {k: source.shape(f) for k, f in to_file.items()}, source.file, path / "config.json")
+    rules = plan(model, tp)
+    local = model.state_dict()
+    state = _slices(expected, rules, lambda key, idx: source.read(to_file[key], idx), tp, local,
+                    device or torch.device("cpu"))
+    if check_finite:
+        check_finite_weights(state, source.file)
+    _fill(model, state, tied, source.file, path / "config.json", share=True)
+    return model.eval()
+
+
+def shard(model, tp: TensorParallel):
+    """Rank ``tp.rank``'s slice of an in-memory stree model (``model`` is left whole; the
+    replicated tensors are shared with it, the split ones are copies): what ``load(...,
+    tensor_parallel=tp)`` makes of the model's checkpoint."""
+    if not isinstance(tp, TensorParallel):
+        raise TypeError(f"tp must be a TensorParallel, got {type(tp).__name__}")
+    if getattr(model, "tp", None) is not None:
+        raise ValueError(f"the model is already a slice ({model.tp})")
+    local = type(model)(model.cfg, device="meta", dtype=model.dtype)
+    tied = model.lm_head.weight is model.embed.weight
+    full = model.state_dict()
+    if tied:
+        full.pop("lm_head.weight")
+    rules = plan(local, tp)
+    state = _slices({k: tuple(t.shape) for k, t in full.items()}, rules,
+                    lambda key, idx: full[key] if idx is None else full[key][idx], tp, local.state_dict(), model.device)
+    _fill(local, state, tied, f"{type(model).__name__}.state_dict()", "its config", share=True)
+    return local.eval()
+
+
 def check_finite_weights(state: dict, where) -> None:
     """A ValueError naming the first tensor of ``state`` holding NaN or inf."""
     for key, tensor in state.items():
@@ -233,21 +368,30 @@ def _config(fmt: str, raw: dict, path: Path, plain_rope: bool):
         raise ValueError(f"{config_file}: {exc}") from None
 
 
-def load(path, dtype: torch.dtype | None = None, device=None, plain_rope: bool = False, check_finite: bool = True):
+def load(path, dtype: torch.dtype | None = None, device=None, plain_rope: bool = False, check_finite: bool = True,
+         tensor_parallel: TensorParallel | None = None):
     """Build and load the model in checkpoint directory ``path`` (format auto-detected).
 
     ``dtype`` defaults to the checkpoint's embedding dtype; Mamba2's D stays fp32 as in mamba_ssm.
     ``plain_rope`` drops a hybrid's llama3 RoPE scaling (what MIL's own inference code runs).
     ``check_finite``: refuse weights holding NaN or inf (one pass over every tensor; off for speed).
-    Everything is checked (config, device, dtype) before the weights are read.
+    ``tensor_parallel``: load this rank's slice of every layer (see :mod:`stree.models.parallel`),
+    reading only those slices of safetensors files.
+    Everything is checked (config, device, dtype, the world size's divisibility) before the
+    weights are read.
     """
     if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise TypeError(f"dtype must be a floating torch.dtype, got {dtype!r}")
+    if tensor_parallel is not None and not isinstance(tensor_parallel, TensorParallel):
+        raise TypeError(f"tensor_parallel must be a TensorParallel (stree.models.parallel.join), got "
+                        f"{type(tensor_parallel).__name__}")
     device = check_device(device)
     path = Path(path)
     fmt = detect_format(path)
     config_file = path / "config.json"
     build, cfg = _config(fmt, _read_json(config_file), path, plain_rope)
+    if tensor_parallel is not None:
+        return _load_shard(build, cfg, fmt, path, dtype, device, check_finite, tensor_parallel)
     state, weights_file = _read_weights(path)
     if check_finite:
         check_finite_weights(state, weights_file)
@@ -273,15 +417,8 @@ def _fill(model, state: dict, tied: bool, where, config_where, share: bool = Fal
     if tied:
         state.pop("lm_head.weight", None)  # the same tensor as the embedding when present
         expected.pop("lm_head.weight")
-    for key, tensor in expected.items():
-        if key not in state:
-            raise ValueError(f"{where}: missing key {key!r}")
-        if tuple(state[key].shape) != tuple(tensor.shape):
-            raise ValueError(f"{where}: {key!r} has shape {tuple(state[key].shape)}, "
-                             f"the config in {config_where} implies {tuple(tensor.shape)}")
-    unexpected = sorted(set(state) - set(expected))
-    if unexpected:
-        raise ValueError(f"{where}: unexpected keys {unexpected[:5]}")
+    _check_shapes({k: t.shape for k, t in expected.items()}, {k: t.shape for k, t in state.items()}, where,
+                  config_where)
     model.load_state_dict(state, strict=not tied, assign=share)
     if share:
         if tied:

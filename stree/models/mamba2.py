@@ -51,7 +51,11 @@ class RMSNorm(nn.Module):
 
 class GatedRMSNorm(RMSNorm):
     """norm(y * silu(z)) per group of ``group_size`` channels (mamba_ssm, norm_before_gate=False);
-    ``gate_first=False``: norm(y) * silu(z) (Falcon-H1's mamba_norm_before_gate)."""
+    ``gate_first=False``: norm(y) * silu(z) (Falcon-H1's mamba_norm_before_gate). ``tp``: the
+    ranks one group spans (a tensor-parallel model of one group; set by its plan), over which the
+    mean square is summed."""
+
+    tp = None
 
     def __init__(self, dim: int, group_size: int, eps: float, device=None, dtype=None,
                  round_before_weight: bool = False, gate_first: bool = True):
@@ -65,7 +69,11 @@ class GatedRMSNorm(RMSNorm):
             v = v * gate
         rounded = self.round_before_weight and y.dtype != torch.float32
         w = None if rounded else fp32(self.weight)
-        if self.group_size == v.shape[-1]:
+        if self.tp is not None:
+            mean_square = self.tp.all_reduce(v.square().sum(-1, keepdim=True)) / (v.shape[-1] * self.tp.world)
+            v = v * torch.rsqrt(mean_square + self.eps)
+            v = v if w is None else v * w
+        elif self.group_size == v.shape[-1]:
             v = F.rms_norm(v, v.shape[-1:], w, self.eps)
         else:
             v = F.rms_norm(v.unflatten(-1, (-1, self.group_size)), (self.group_size,), None, self.eps).flatten(-2)
