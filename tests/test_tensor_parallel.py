@@ -40,7 +40,32 @@ CHECKPOINTS = {
     "falcon_h1 biased": lambda path: save_tiny("falcon_h1", path, mamba_rms_norm=True, mamba_norm_before_gate=True,
                                                projectors_bias=True, attention_bias=True, mamba_n_groups=1),
     "llama": lambda path: save_tiny("llama", path),
+    # the other weight layouts: transformers' Mamba2 names, a sharded index, a pickle
+    "mamba2 hf": lambda path: save(mamba2(), path, format="hf"),
+    "bamba sharded": lambda path: _reshard(save_tiny("bamba", path), path),
+    "mil bin": lambda path: _to_bin(save(hybrid(), path), path),
 }
+
+
+def _reshard(_, path):
+    """The checkpoint's one safetensors file as two shards and their index."""
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(f"{path}/model.safetensors")
+    keys = sorted(state)
+    halves = {"model-00001-of-00002.safetensors": keys[::2], "model-00002-of-00002.safetensors": keys[1::2]}
+    for name, part in halves.items():
+        save_file({k: state[k] for k in part}, f"{path}/{name}")
+    weight_map = {k: name for name, part in halves.items() for k in part}
+    Path(path, "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    os.remove(f"{path}/model.safetensors")
+
+
+def _to_bin(_, path):
+    from safetensors.torch import load_file
+
+    torch.save(load_file(f"{path}/model.safetensors"), f"{path}/pytorch_model.bin")
+    os.remove(f"{path}/model.safetensors")
 
 
 @pytest.fixture(scope="module")

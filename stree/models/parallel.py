@@ -89,6 +89,8 @@ def join(size: int, device=None) -> TensorParallel:
         if "WORLD_SIZE" not in os.environ:
             raise ValueError(f"tensor_parallel={size} needs a distributed launch: torchrun --nproc-per-node {size} ...")
         cuda = device is not None and torch.device(device).type == "cuda"
+        if cuda:
+            torch.cuda.set_device(device)  # NCCL binds each rank to the current device
         dist.init_process_group("nccl" if cuda else "gloo")
     tp = TensorParallel()
     if tp.world != size:
