@@ -92,7 +92,9 @@ class LM:
                 raise ValueError(f"dtype must be a torch dtype or one of {sorted(DTYPES)}, got {dtype!r}")
             dtype = DTYPES[dtype]
         rank = local_rank() if tensor_parallel is not None else 0
-        device = check_device(device) or torch.device(f"cuda:{rank}" if torch.cuda.is_available() else "cpu")
+        device = check_device(device) or torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", rank)  # under torchrun, each rank its own GPU
         tp = None if tensor_parallel is None else join(tensor_parallel, device)
         model = load(path, dtype=dtype, device=device, tensor_parallel=tp)
         tok = load_tokenizer(tokenizer or path, vocab_size=model.vocab_size)
