@@ -5,6 +5,7 @@ on CPU tensors needs ``TRITON_INTERPRET=1`` set before this package is imported.
 """
 
 from .conv_step import conv_step, conv_step_ref
+from .gated_norm import gated_rms_norm, gated_rms_norm_ref
 from .multistep import multistep_update, multistep_update_ref, selective_state_update, selective_state_update_ref
 from .replay import check_accepted, replay, replay_ref
 from .tree_attention import tree_attention, tree_attention_ref
@@ -22,6 +23,8 @@ __all__ = [
     "selective_state_update_ref",
     "conv_step",
     "conv_step_ref",
+    "gated_rms_norm",
+    "gated_rms_norm_ref",
     "replay",
     "replay_ref",
     "check_accepted",

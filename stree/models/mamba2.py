@@ -17,7 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..kernels import conv_step, multistep_update, replay, selective_state_update, tree_conv1d, tree_scan
+from ..kernels import (conv_step, gated_rms_norm, gated_rms_norm_ref, multistep_update, replay, selective_state_update,
+                       tree_conv1d, tree_scan)
 from ..tree import TreeIndex, leaf_paths
 from .base import Block, TreeLM, derived
 from .cache import SSMLayerState, SSMScratch
@@ -51,9 +52,9 @@ class RMSNorm(nn.Module):
 
 class GatedRMSNorm(RMSNorm):
     """norm(y * silu(z)) per group of ``group_size`` channels (mamba_ssm, norm_before_gate=False);
-    ``gate_first=False``: norm(y) * silu(z) (Falcon-H1's mamba_norm_before_gate). ``tp``: the
-    ranks one group spans (a tensor-parallel model of one group; set by its plan), over which the
-    mean square is summed."""
+    ``gate_first=False``: norm(y) * silu(z) (Falcon-H1's mamba_norm_before_gate). One Triton launch
+    on CUDA (:func:`~stree.kernels.gated_rms_norm`). ``tp``: the ranks one group spans (a
+    tensor-parallel model of one group; set by its plan), over which the mean square is summed."""
 
     tp = None
 
@@ -62,33 +63,19 @@ class GatedRMSNorm(RMSNorm):
         super().__init__(dim, eps, device, dtype, round_before_weight)
         self.group_size, self.gate_first = group_size, gate_first
 
-    def forward(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        gate = F.silu(z.float()) if z.dtype != torch.float32 else F.silu(z)
-        v = y.float() if y.dtype != torch.float32 else y
-        if self.gate_first:
-            v = v * gate
-        rounded = self.round_before_weight and y.dtype != torch.float32
-        w = None if rounded else fp32(self.weight)
+    def forward(self, y: torch.Tensor, z: torch.Tensor, backend: str = "auto") -> torch.Tensor:
+        weight = self.weight if self.round_before_weight and y.dtype != torch.float32 else fp32(self.weight)
         if self.tp is not None:
-            mean_square = self.tp.all_reduce(v.square().sum(-1, keepdim=True)) / (v.shape[-1] * self.tp.world)
-            v = v * torch.rsqrt(mean_square + self.eps)
-            v = v if w is None else v * w
-        elif self.group_size == v.shape[-1]:
-            v = F.rms_norm(v, v.shape[-1:], w, self.eps)
-        else:
-            v = F.rms_norm(v.unflatten(-1, (-1, self.group_size)), (self.group_size,), None, self.eps).flatten(-2)
-            v = v if w is None else v * w
-        if not self.gate_first:
-            v = v * gate
-        if rounded:
-            return self.weight * v.to(y.dtype)
-        return v if y.dtype == torch.float32 else v.to(y.dtype)
+            return gated_rms_norm_ref(y, z, weight, self.group_size, self.eps, self.gate_first,
+                                      self.round_before_weight, sum_squares=self.tp.all_reduce)
+        return gated_rms_norm(y, z, weight, self.group_size, self.eps, self.gate_first, self.round_before_weight,
+                              backend=backend)
 
 
 class SiluGate(nn.Module):
     """y * silu(z) without a norm (Falcon-H1's mamba_rms_norm=False), in fp32, rounded once."""
 
-    def forward(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+    def forward(self, y: torch.Tensor, z: torch.Tensor, backend: str = "auto") -> torch.Tensor:
         if y.dtype == torch.float32:
             return y * F.silu(z.float())
         return (y.float() * F.silu(z.float())).to(y.dtype)
@@ -159,8 +146,8 @@ class Mamba2Mixer(nn.Module):
             B = B.repeat_interleave(cfg.ngroups // B.shape[-2], dim=-2)
         return x, B, C.unflatten(-1, (cfg.ngroups, cfg.d_state))
 
-    def _output(self, y, z):
-        return self.out_proj(self.norm(y.flatten(-2), z))
+    def _output(self, y, z, backend: str):
+        return self.out_proj(self.norm(y.flatten(-2), z, backend))
 
     def A(self):
         """-exp(A_log) in fp32, computed once per value of A_log."""
@@ -186,7 +173,7 @@ class Mamba2Mixer(nn.Module):
             y, _ = multistep_update(state.ssm, x, dt, self.A(), B, C, **kw)
         else:
             y = _unrolled_ssm(x, dt, self.A(), B, C, ctx.index, state.ssm, kw)
-        return self._output(y, z), (xBC, x, dt, B)
+        return self._output(y, z, ctx.kernel_backend), (xBC, x, dt, B)
 
     def step(self, u, state: SSMLayerState, ctx):
         """One token ``u [b, d]``; advances the layer's conv and SSM state in place."""
@@ -195,7 +182,7 @@ class Mamba2Mixer(nn.Module):
         x, B, C = self._ssm_inputs(conv)
         y = selective_state_update(state.ssm, x, dt, self.A(), B, C, D=self.D, **self.ssm_kwargs(),
                                    backend=ctx.kernel_backend)
-        return self._output(y, z)
+        return self._output(y, z, ctx.kernel_backend)
 
     @staticmethod
     def stack_scratch(per_layer) -> SSMScratch:

@@ -180,8 +180,8 @@ def _mamba2(m: Mamba2Mixer, tp) -> tuple[dict, dict]:
              "dt_bias": Split(0, (dt,)), "A_log": Split(0, (dt,)), "D": Split(0, (dt,))}
     if isinstance(m.norm, GatedRMSNorm):
         rules["norm.weight"] = Split(0, (z,))
-        if one_group:
-            m.norm.tp, m.norm.group_size = tp, z // world
+        if one_group:  # the group (group_size channels, all of d_inner) spans the ranks
+            m.norm.tp = tp
     m.cfg = replace(c, d_ssm=z // world, ngroups=1 if one_group else c.ngroups // world,
                     d_xb=None if c.d_xb is None else c.d_xb // world)
     m.conv1d.in_channels = m.conv1d.out_channels = m.conv1d.groups = m.cfg.conv_dim

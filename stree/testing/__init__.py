@@ -1,6 +1,7 @@
 """Helpers for checking stree against obviously-correct definitions (used by tests and selfcheck)."""
 
 from .definitions import (
+    gated_rms_norm_def,
     max_rel_error,
     multistep_def,
     random_ssm_inputs,
@@ -20,6 +21,7 @@ __all__ = [
     "MarkovLM",
     "cell_counts",
     "chi_square",
+    "gated_rms_norm_def",
     "max_rel_error",
     "multistep_def",
     "random_ssm_inputs",

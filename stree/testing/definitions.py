@@ -146,6 +146,16 @@ def tree_attention_def(q, k_cache, v_cache, cache_seqlens, k_tree, v_tree, paren
     return out
 
 
+def gated_rms_norm_def(y, z, weight, group_size, eps, gate_first=True):
+    """norm(y * silu(z)) * weight (``gate_first=False``: norm(y) * weight * silu(z)), the norm over
+    each group of ``group_size`` channels: v / sqrt(mean(v^2) + eps), in float64."""
+    y, z, w = y.double(), z.double(), weight.double()
+    gate = z * torch.sigmoid(z)
+    v = (y * gate if gate_first else y).unflatten(-1, (-1, group_size))
+    v = (v / torch.sqrt(v.square().mean(-1, keepdim=True) + eps)).flatten(-2) * w
+    return v if gate_first else v * gate
+
+
 def max_rel_error(out, ref) -> float:
     """max |out - ref| / max |ref| (the whole tensor's scale, so tiny entries cannot blow it up)."""
     out, ref = out.double().cpu(), ref.double().cpu()
