@@ -13,3 +13,18 @@ python -m pytest -q -p no:cacheprovider tests 2>&1 | tail -n 30 | tee "$out/test
 python benchmarks/tree_scan_sweep.py --out "$out" 2>&1 | tail -n 40
 python benchmarks/model_forward.py --out "$out" 2>&1 | tail -n 40
 python benchmarks/e2e.py --out "$out" 2>&1 | tail -n 15
+# Tensor parallelism over NCCL needs two GPUs (the tests cover gloo on the CPU): the tiny target
+# split over every GPU, its completion compared with one process's.
+gpus=$(nvidia-smi -L | wc -l)
+if [ "$gpus" -ge 2 ]; then
+  args=(-m stree generate --model stree/assets/tiny-target --prompt "def f(x):" --max-new-tokens 32
+        --drafter stand-det --dtype float32 --json)
+  python "${args[@]}" > "$out/tensor_parallel_one.json"
+  python -m torch.distributed.run --standalone --nproc-per-node "$gpus" "${args[@]}" \
+    | grep '^{' > "$out/tensor_parallel_nccl.json"
+  python - "$out" <<'PY'
+import json, sys
+one, split = (json.load(open(f"{sys.argv[1]}/tensor_parallel_{n}.json")) for n in ("one", "nccl"))
+print("tensor parallel over NCCL, token ids identical:", one["token_ids"] == split["token_ids"])
+PY
+fi
