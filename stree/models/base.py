@@ -124,8 +124,10 @@ class TreeLM(nn.Module):
             self.lm_head.weight = self.embed.weight
 
     # ---- the block loop -------------------------------------------------------------------
-    def _run(self, tokens: torch.Tensor, mix) -> torch.Tensor:
-        """Embedding, blocks and head; ``mix(i, block, h)`` is block i's token mixer on ``h``."""
+    def _run(self, tokens: torch.Tensor, mix, at: torch.Tensor | None = None) -> torch.Tensor:
+        """Embedding, blocks and head; ``mix(i, block, h)`` is block i's token mixer on ``h``.
+        ``at [b]``: the head only at node ``at[b]`` of each row (logits ``[b, V]``: a prompt needs
+        its last position's alone, and the head is most of a small model's work)."""
         tp = self.tp
         x = scaled(self.embed(tokens) if tp is None else tp.embed(self.embed.weight, tokens), self.embed_scale)
         if self.residual_fp32:
@@ -142,6 +144,8 @@ class TreeLM(nn.Module):
             if blk.mlp is not None:
                 out = scaled(blk.mlp(blk.mlp_norm(x, dtype)), blk.mlp_scale)
                 x = x + (out if tp is None else tp.all_reduce(out))
+        if at is not None:
+            x = x[torch.arange(x.shape[0], device=x.device), at]
         logits = self.lm_head(self.final_norm(x, dtype))
         return scaled(logits if tp is None else tp.gather_vocab(logits, self.full_vocab), self.logits_scale)
 
@@ -221,14 +225,15 @@ class TreeLM(nn.Module):
         return self.tree_pass(tree, index, cache, backend, self.kernel_backend, max_depth)
 
     def tree_pass(self, tree: TokenTree, index: TreeIndex, cache: ModelCache, backend: str, kernel_backend: str,
-                  max_depth: int, prefill: bool = False):
+                  max_depth: int, prefill: bool = False, at: torch.Tensor | None = None):
         """The layers over a checked tree (no host sync of its own); ``prefill``: the tree is a
-        chain of prompt tokens (see :class:`TreeContext`)."""
-        logits, ssm, attn = self.tree_layers(tree.tokens, index, cache, backend, kernel_backend, prefill)
+        chain of prompt tokens (see :class:`TreeContext`); ``at``: logits at those nodes only
+        (see :meth:`_run`)."""
+        logits, ssm, attn = self.tree_layers(tree.tokens, index, cache, backend, kernel_backend, prefill, at)
         return logits, TreePass(tree, index, max_depth, ssm, attn, weakref.ref(cache), cache.version, prefill)
 
     def tree_layers(self, tokens: torch.Tensor, index: TreeIndex, cache: ModelCache, backend: str,
-                    kernel_backend: str, prefill: bool = False):
+                    kernel_backend: str, prefill: bool = False, at: torch.Tensor | None = None):
         """Logits of a checked tree's nodes and the stacked scratch of its SSM and attention layers
         (None where the model has none): tensors only, so that it can be compiled."""
         ctx = TreeContext(index, cache.seqlens[:, None] + index.depth, cache.seqlens, backend, kernel_backend,
@@ -240,7 +245,7 @@ class TreeLM(nn.Module):
             per_kind.setdefault(blk.mixer.kind, []).append(scratch)
             return out
 
-        logits = self._run(tokens, mix)
+        logits = self._run(tokens, mix, at)
         mixers = self.mixer_types()
         stacked = {kind: mixers[kind].stack_scratch(parts) for kind, parts in per_kind.items()}
         return logits, stacked.get("ssm"), stacked.get("attn")
@@ -313,15 +318,15 @@ class TreeLM(nn.Module):
             rows = torch.nonzero(counts > 0).flatten().to(self.device)
             sub = cache if len(rows) == batch else cache.select(rows)
             tree = TokenTree.from_shape(TreeShape.chain(end - start - 1), input_ids[rows, start:end])
-            logits, tree_pass = self.tree_pass(tree, tree.index, sub, "tree", self.kernel_backend, end - start - 1,
-                                               prefill=True)
             n = counts[counts > 0].to(self.device)
+            logits, tree_pass = self.tree_pass(tree, tree.index, sub, "tree", self.kernel_backend, end - start - 1,
+                                               prefill=True, at=n - 1)  # each row's last fed token only
             self.commit(sub, tree_pass, torch.arange(end - start, device=self.device).expand(len(rows), -1), n,
                         validate=False)
             if sub is not cache:
                 cache.assign(rows, sub)
             pick = torch.nonzero((lengths[counts > 0] <= end).to(self.device)).flatten()
-            last[rows[pick]] = logits[pick, n[pick] - 1]
+            last[rows[pick]] = logits[pick]
         return last
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:

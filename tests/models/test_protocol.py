@@ -146,3 +146,15 @@ def test_forward_tree_never_materialises_a_per_node_ssm_state(family, kernel_bac
     with flag_kernel_launches() as launch, _LargestOutput(launch) as seen:
         model.forward_tree(tree, cache)
     assert 0 < seen.largest < per_node_states / 2, (seen.largest, per_node_states)
+
+
+def test_prefill_runs_the_head_on_each_rows_last_fed_token_only():
+    """The head is most of a small model's prefill: a chunk computes logits at one node per row."""
+    model = FAMILIES["mamba2"]()
+    seen = []
+    model.lm_head.register_forward_hook(lambda module, args, out: seen.append(tuple(args[0].shape)))
+    cache = model.allocate_cache(2, 64)
+    logits = model.prefill(torch.randint(0, model.vocab_size, (2, 40)), cache, lengths=torch.tensor([40, 17]),
+                           chunk=16)
+    assert seen == [(2, 32), (2, 32), (1, 32)]  # chunks 0-15 and 16-31 hold both rows, 32-39 row 0 alone
+    assert logits.shape == (2, model.vocab_size)
