@@ -143,24 +143,18 @@ CONFIGS = {
 PROMPTS = [[5, 6, 7, 5, 6, 7, 5, 6], [9, 3, 9, 3, 9], [40, 41, 42, 43, 40, 41]]
 
 
-def _greedy(model, config: dict):
+def _greedy(model, config: dict, wrap=lambda drafter: drafter):
     kw = dict(config)
     if "drafter" in kw:
-        kw["drafter"] = kw["drafter"]()
+        kw["drafter"] = wrap(kw["drafter"]())
     return generate(model, PROMPTS, max_new_tokens=[24, 9, 16], eos_token_id=2, **kw).sequences
 
 
 def _greedy_ranks(tp, paths: list[str]) -> dict:
-    results = {}
-    for path in paths:
-        model = load(path, tensor_parallel=tp)
-        for name, config in CONFIGS.items():
-            kw = dict(config)
-            if "drafter" in kw:  # only rank 0's drafter is used: the others get one that would fail
-                kw["drafter"] = kw["drafter"]() if tp.rank == 0 else _Refusing(kw["drafter"]())
-            results[path, name] = generate(model, PROMPTS, max_new_tokens=[24, 9, 16], eos_token_id=2,
-                                           **kw).sequences
-    return results
+    # only rank 0's drafter is used: the others get one that would fail
+    wrap = (lambda drafter: drafter) if tp.rank == 0 else _Refusing
+    return {(path, name): _greedy(model, config, wrap)
+            for path in paths for model in [load(path, tensor_parallel=tp)] for name, config in CONFIGS.items()}
 
 
 class _Refusing:

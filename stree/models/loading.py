@@ -172,24 +172,33 @@ def _read_weight_file(file: Path) -> dict:
         raise ValueError(f"{file} could not be read: {exc}") from exc
 
 
-def _read_weights(path: Path) -> tuple[dict, Path]:
-    """The state dict and the file that holds it (the index of a sharded checkpoint)."""
+def _weight_files(path: Path) -> tuple[Path, list[Path]]:
+    """The file that names a checkpoint's weights (the index of a sharded one) and the files
+    holding them, each checked to exist."""
     for name in WEIGHT_FILES:
         file = path / name
         if not file.exists():
             continue
         if not name.endswith(".index.json"):
-            return _read_weight_file(file), file
+            return file, [file]
         weight_map = _read_json(file).get("weight_map")
         if not isinstance(weight_map, dict) or not weight_map:
             raise ValueError(f"{file}: missing or empty 'weight_map'")
-        state = {}
-        for shard in sorted(set(weight_map.values())):
-            if not (path / shard).exists():
-                raise FileNotFoundError(f"{path / shard} is missing (listed in {file})")
-            state.update(_read_weight_file(path / shard))
-        return state, file
+        shards = [path / shard for shard in sorted(set(weight_map.values()))]
+        for shard in shards:
+            if not shard.exists():
+                raise FileNotFoundError(f"{shard} is missing (listed in {file})")
+        return file, shards
     raise FileNotFoundError(f"{path} holds no weights ({' or '.join(WEIGHT_FILES)})")
+
+
+def _read_weights(path: Path) -> tuple[dict, Path]:
+    """The state dict and the file that holds it (the index of a sharded checkpoint)."""
+    file, shards = _weight_files(path)
+    state = {}
+    for shard in shards:
+        state.update(_read_weight_file(shard))
+    return state, file
 
 
 SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
@@ -201,31 +210,17 @@ class _SlicedWeights:
     sliced) and sliced in memory."""
 
     def __init__(self, path: Path):
-        self.handles, self.tensors, self.file = {}, None, None
-        for name in WEIGHT_FILES:
-            file = path / name
-            if not file.exists():
-                continue
-            self.file = file
-            if "safetensors" not in name:
-                self.tensors, _ = _read_weights(path)
-                return
-            shards = [name]
-            if name.endswith(".index.json"):
-                weight_map = _read_json(file).get("weight_map")
-                if not isinstance(weight_map, dict) or not weight_map:
-                    raise ValueError(f"{file}: missing or empty 'weight_map'")
-                shards = sorted(set(weight_map.values()))
-            for shard in shards:
-                if not (path / shard).exists():
-                    raise FileNotFoundError(f"{path / shard} is missing (listed in {file})")
-                try:
-                    handle = safe_open(str(path / shard), "pt", device="cpu")
-                except Exception as exc:
-                    raise ValueError(f"{path / shard} could not be read: {exc}") from exc
-                self.handles.update((key, handle) for key in handle.keys())
+        self.handles, self.tensors = {}, None
+        self.file, shards = _weight_files(path)
+        if not shards[0].name.endswith(".safetensors"):
+            self.tensors, _ = _read_weights(path)
             return
-        raise FileNotFoundError(f"{path} holds no weights ({' or '.join(WEIGHT_FILES)})")
+        for shard in shards:
+            try:
+                handle = safe_open(str(shard), "pt", device="cpu")
+            except Exception as exc:
+                raise ValueError(f"{shard} could not be read: {exc}") from exc
+            self.handles.update((key, handle) for key in handle.keys())
 
     def keys(self) -> list[str]:
         return list(self.handles if self.tensors is None else self.tensors)
