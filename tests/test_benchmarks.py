@@ -11,8 +11,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def smoke(name, tmp_path):
     """Run ``benchmarks/{name}.py --smoke``; its JSON, after the checks every result must pass."""
-    subprocess.run([sys.executable, str(ROOT / "benchmarks" / f"{name}.py"), "--smoke", "--out", str(tmp_path)],
-                   check=True, capture_output=True, text=True)
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / f"{name}.py"), "--smoke", "--out", str(tmp_path)],
+                         capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-3000:]
     result = json.loads((tmp_path / f"{name}_smoke.json").read_text())
     assert result["device"] and result["date"] and "--smoke" in result["command"]
     assert (tmp_path / f"{name}_smoke.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -4,7 +4,6 @@ and the tensor-parallel benchmark)."""
 from __future__ import annotations
 
 import os
-import socket
 import tempfile
 
 import torch
@@ -16,25 +15,24 @@ def run_ranks(fn, world: int, *args, threads: int = 1) -> list:
     every rank's result (picklable, rank order). An exception on a rank is raised here."""
     import torch.multiprocessing as mp
 
-    with socket.socket() as s:  # a free port for the rendezvous
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     with tempfile.TemporaryDirectory() as out:
-        mp.spawn(_rank, args=(world, port, out, threads, fn, args), nprocs=world, join=True)
+        mp.spawn(_rank, args=(world, out, threads, fn, args), nprocs=world, join=True)
         return [torch.load(os.path.join(out, f"{r}.pt"), weights_only=False) for r in range(world)]
 
 
-def _rank(rank: int, world: int, port: int, out: str, threads: int, fn, args) -> None:
+def _rank(rank: int, world: int, out: str, threads: int, fn, args) -> None:
     import torch.distributed as dist
 
     from ..models.parallel import TensorParallel
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world), RANK=str(rank),
-                      LOCAL_RANK=str(rank))
+    os.environ.update(WORLD_SIZE=str(world), RANK=str(rank), LOCAL_RANK=str(rank))
     torch.set_num_threads(threads)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    # A file rendezvous: no port to pick, so none that another socket can take in between.
+    dist.init_process_group("gloo", init_method="file://" + os.path.join(out, "rendezvous"), rank=rank,
+                            world_size=world)
     try:
         result = fn(TensorParallel(), *args)
         torch.save(result, os.path.join(out, f"{rank}.pt"))
+        dist.barrier()  # no rank leaves while another still talks to it
     finally:
         dist.destroy_process_group()
