@@ -49,7 +49,7 @@ def _generate_parser(sub) -> None:
     p.add_argument("--device", default=None, help="default: cuda when available, else cpu")
     p.add_argument("--compare", action="store_true", help="also decode autoregressively; print the speedup and "
                                                              "whether greedy outputs are identical")
-    p.add_argument("--compile", action="store_true", help="CPU: torch.compile the step, tree pass and commit (and "
+    p.add_argument("--compile", action="store_true", help="CPU: torch.compile the step and tree pass (and "
                                                           "the drafter model's steps): seconds of compiling, then "
                                                           "faster decoding")
 

@@ -443,9 +443,9 @@ def decode(model, input_ids, *, drafter: Drafter | None = None, tree: TreeShape 
     commit apart (a device sync per phase; off, only the total is timed there). ``cuda_graph``:
     replay the step, and the tree pass and commit of static tree shapes, from CUDA graphs (by
     default on for a model on CUDA; the graphs and their cache are kept per model, batch size and
-    cache size, and reused by later calls). ``torch_compile``: on the CPU, run the step, and the
-    tree pass and commit of static tree shapes, through ``torch.compile`` (seconds of compiling
-    per shape, once per process: for long runs; outputs as the eager path's).
+    cache size, and reused by later calls). ``torch_compile``: on the CPU, run the step and the
+    tree pass of static tree shapes through ``torch.compile`` (the commit is the model's own;
+    seconds of compiling per shape, once per process: for long runs; outputs as the eager path's).
     ``on_step(rows, tree, result)``, if given, sees every verify step (row ids, the drafted
     :class:`TokenTree`, the :class:`~stree.verify.VerifyResult`), e.g. to count accepted nodes.
 

@@ -1,7 +1,9 @@
 """Tree kernels for Mamba2 and the hybrids' attention layers: each has a Triton kernel and a ``*_ref`` PyTorch reference.
 
-``backend="auto"`` runs Triton on CUDA tensors and the reference on CPU tensors; ``"triton"``
-on CPU tensors needs ``TRITON_INTERPRET=1`` set before this package is imported.
+``backend="auto"`` runs Triton on CUDA tensors and the reference on CPU tensors, except the
+decode step's two kernels and replay, which run numba-compiled on CPU float32 tensors
+(:mod:`.step_jit`, :mod:`.replay_jit`); ``"torch"`` is the reference anywhere; ``"triton"`` on
+CPU tensors needs ``TRITON_INTERPRET=1`` set before this package is imported.
 """
 
 from .conv_step import conv_step, conv_step_ref

@@ -25,6 +25,18 @@ TRITON_INTERPRETED = (bool(_knobs.runtime.interpret) if _knobs is not None
 CAPTURING = False
 
 
+def jit_fits(*tensors) -> bool:
+    """CPU float32 tensors (None allowed): what the numba-compiled CPU paths take under "auto"."""
+    return all(t is None or (isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.dtype == torch.float32)
+               for t in tensors)
+
+
+def as_numpy(t: torch.Tensor):
+    """The tensor's memory as a numpy array, for the numba kernels (a parameter detached first;
+    a plain tensor costs no op)."""
+    return (t.detach() if t.requires_grad else t).numpy()
+
+
 def resolve_backend(backend: str, device: torch.device) -> str:
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ._common import check_layout, check_tensor, resolve_backend
+from ._common import as_numpy, check_layout, check_tensor, jit_fits, resolve_backend
 
 __all__ = ["conv_step", "conv_step_ref"]
 
@@ -78,8 +78,18 @@ def conv_step_ref(x, conv_state, weight, bias=None, activation="silu"):
 def conv_step(x, conv_state, weight, bias=None, activation="silu", backend="auto"):
     """Conv output ``[b, dim]`` for the new raw inputs ``x [b, dim]``; ``conv_state [b, dim, d_conv]``
     (newest last) is advanced in place. weight ``[dim, d_conv]`` or ``[dim, 1, d_conv]``, bias
-    ``[dim]``, activation ``"silu"`` or None; fp32 arithmetic, output in x's dtype."""
+    ``[dim]``, activation ``"silu"`` or None; fp32 arithmetic, output in x's dtype. ``"auto"`` on
+    CPU float32 tensors runs numba-compiled (:mod:`.step_jit`)."""
     check_layout("x", x, "batch, dim")
+    if backend == "auto" and jit_fits(x, conv_state, weight, bias):
+        from .step_jit import conv_step_rows
+
+        weight = _check_args(x, conv_state, weight, bias, activation)
+        out = torch.empty_like(x)
+        conv_step_rows(as_numpy(x), as_numpy(conv_state), as_numpy(weight),
+                       as_numpy(bias if bias is not None else weight[:, 0]), bias is not None, activation == "silu",
+                       as_numpy(out))
+        return out
     if resolve_backend(backend, x.device) == "torch":
         return conv_step_ref(x, conv_state, weight, bias, activation)
     weight = _check_args(x, conv_state, weight, bias, activation)

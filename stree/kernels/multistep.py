@@ -23,6 +23,8 @@ from ._common import (
     check_ssm_params,
     check_tensor,
     heads_view,
+    as_numpy,
+    jit_fits,
     pow2_block,
     process_dt,
     process_dt_tl,
@@ -240,9 +242,19 @@ def selective_state_update(state, x, dt, A, B, C, *, D=None, dt_bias=None, dt_so
     """One recurrence step (the autoregressive decode step), ``state`` advanced in place; returns y.
 
     state ``[b, h, p, s]`` fp32; x ``[b, h, p]``; dt ``[b, h]`` raw; A ``[h]``; B, C ``[b, g, s]`` in
-    x's dtype; D ``[h]`` or ``[h, p]``; dt_bias ``[h]``. y ``[b, h, p]`` in x's dtype.
+    x's dtype; D ``[h]`` or ``[h, p]``; dt_bias ``[h]``. y ``[b, h, p]`` in x's dtype. ``"auto"``
+    on CPU float32 tensors runs numba-compiled (:mod:`.step_jit`).
     """
     check_layout("x", x, "batch, nheads, headdim")
+    if backend == "auto" and jit_fits(state, x, dt, A, B, C, D, dt_bias):
+        from .step_jit import state_update_rows
+
+        D, (lo, hi) = _check_step_args(state, x, dt, A, B, C, D, dt_bias, dt_limit)
+        y = torch.empty_like(x)
+        state_update_rows(*map(as_numpy, (state, x, dt, A, B, C, D if D is not None else A[:, None])), D is not None,
+                          as_numpy(dt_bias if dt_bias is not None else A), dt_bias is not None, bool(dt_softplus),
+                          float(lo), float(hi), as_numpy(y))
+        return y
     if resolve_backend(backend, x.device) == "torch":
         return selective_state_update_ref(state, x, dt, A, B, C, D=D, dt_bias=dt_bias, dt_softplus=dt_softplus,
                                           dt_limit=dt_limit)

@@ -22,7 +22,9 @@ from ._common import (
     check_dt_limit,
     check_groups,
     check_layout,
+    as_numpy,
     check_tensor,
+    jit_fits,
     pow2_block,
     process_dt,
     resolve_backend,
@@ -189,12 +191,6 @@ def replay_ref(ssm_state, conv_state, xBC, x, dt, B, A, accepted, num_accepted, 
     return _finish(new_ssm, new_conv, outs, single)
 
 
-def _compiled_fits(*tensors) -> bool:
-    """CPU float32 tensors: what the compiled CPU replay (stree.kernels.replay_jit) takes."""
-    return all(t is None or (isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.dtype == torch.float32)
-               for t in tensors)
-
-
 def _replay_compiled(ssm_state, conv_state, xBC, x, dt, B, A, accepted, num_accepted, dt_bias, dt_softplus,
                      dt_limit, validate, out):
     from .replay_jit import replay_layers
@@ -203,11 +199,10 @@ def _replay_compiled(ssm_state, conv_state, xBC, x, dt, B, A, accepted, num_acce
                                                   dt_bias, dt_limit, validate, out)
     ssm_state, conv_state, xBC, x, dt, B, A, dt_bias = stacked
     new_ssm, new_conv = outs if outs is not None else (torch.empty_like(ssm_state), torch.empty_like(conv_state))
-    arrays = [t.detach().numpy() for t in (ssm_state, conv_state, xBC, x, dt, B, A)]
-    bias = (dt_bias if dt_bias is not None else A).detach().numpy()
+    arrays = [as_numpy(t) for t in (ssm_state, conv_state, xBC, x, dt, B, A)]
+    bias = as_numpy(dt_bias if dt_bias is not None else A)
     replay_layers(*arrays, bias, dt_bias is not None, bool(dt_softplus), float(lo), float(hi),
-                  accepted.long().numpy(), num_accepted.long().numpy(), new_ssm.detach().numpy(),
-                  new_conv.detach().numpy())
+                  as_numpy(accepted.long()), as_numpy(num_accepted.long()), as_numpy(new_ssm), as_numpy(new_conv))
     if out is not None:
         return tuple(out)
     return (new_ssm[0], new_conv[0]) if single else (new_ssm, new_conv)
@@ -226,7 +221,7 @@ def replay(ssm_state, conv_state, xBC, x, dt, B, A, accepted, num_accepted, *, d
     returned. ``validate=False`` skips the index check, a device-to-host sync. ``backend="auto"``
     runs CPU float32 tensors compiled (stree.kernels.replay_jit), ``"torch"`` the PyTorch path.
     """
-    if backend == "auto" and _compiled_fits(ssm_state, conv_state, xBC, x, dt, B, A, dt_bias):
+    if backend == "auto" and jit_fits(ssm_state, conv_state, xBC, x, dt, B, A, dt_bias):
         return _replay_compiled(ssm_state, conv_state, xBC, x, dt, B, A, accepted, num_accepted, dt_bias,
                                 dt_softplus, dt_limit, validate, out)
     if resolve_backend(backend, getattr(x, "device", torch.device("cpu"))) == "torch":

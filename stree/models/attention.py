@@ -13,6 +13,7 @@ from torch import nn
 from ..kernels import tree_attention
 from .cache import AttnLayerState, AttnScratch
 from .base import scaled
+from .linear import Linear
 
 ROPE_TYPES = ("default", "llama3")
 
@@ -73,10 +74,10 @@ class LlamaAttention(nn.Module):
         f = dict(device=device, dtype=dtype)
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.cfg, self.rope_dim = cfg, cfg.rope_dim
-        self.q_proj = nn.Linear(d_model, cfg.num_heads * cfg.head_dim, bias=cfg.qkv_bias, **f)
-        self.k_proj = nn.Linear(d_model, cfg.num_kv_heads * cfg.head_dim, bias=cfg.qkv_bias, **f)
-        self.v_proj = nn.Linear(d_model, cfg.num_kv_heads * cfg.head_dim, bias=cfg.qkv_bias, **f)
-        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, d_model, bias=cfg.o_bias, **f)
+        self.q_proj = Linear(d_model, cfg.num_heads * cfg.head_dim, bias=cfg.qkv_bias, **f)
+        self.k_proj = Linear(d_model, cfg.num_kv_heads * cfg.head_dim, bias=cfg.qkv_bias, **f)
+        self.v_proj = Linear(d_model, cfg.num_kv_heads * cfg.head_dim, bias=cfg.qkv_bias, **f)
+        self.o_proj = Linear(cfg.num_heads * cfg.head_dim, d_model, bias=cfg.o_bias, **f)
         if self.rope_dim:
             self.register_buffer("inv_freq", self.rope_frequencies(device), persistent=False)
 

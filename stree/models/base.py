@@ -20,6 +20,7 @@ from torch import nn
 from ..kernels import MAX_TREE_NODES
 from ..tree import TokenTree, TreeIndex, TreeShape
 from .cache import AttnLayerState, ModelCache, SSMLayerState, TreePass
+from .linear import Linear
 
 TREE_BACKENDS = ("tree", "chain", "unrolled")
 
@@ -119,7 +120,7 @@ class TreeLM(nn.Module):
 
     def make_head(self, d_model: int, vocab_size: int, tie: bool, device=None, dtype=None) -> None:
         """``lm_head``, sharing the embedding's weight when ``tie`` (set ``embed`` first)."""
-        self.lm_head = nn.Linear(d_model, vocab_size, bias=False, device=device, dtype=dtype)
+        self.lm_head = Linear(d_model, vocab_size, bias=False, device=device, dtype=dtype)
         if tie:
             self.lm_head.weight = self.embed.weight
 
@@ -293,9 +294,10 @@ class TreeLM(nn.Module):
             raise ValueError(f"tokens must have shape [batch], got {tuple(tokens.shape)}")
         self.check_cache(cache, tokens.shape[0], 1, lengths=validate)
 
-    def step_pass(self, tokens: torch.Tensor, cache: ModelCache) -> torch.Tensor:
-        """One token per row through every layer (states advanced in place, ``seqlens`` not)."""
-        ctx = StepContext(cache.seqlens, self.kernel_backend)
+    def step_pass(self, tokens: torch.Tensor, cache: ModelCache, kernel_backend: str | None = None) -> torch.Tensor:
+        """One token per row through every layer (states advanced in place, ``seqlens`` not), with
+        the model's kernels unless ``kernel_backend`` names others."""
+        ctx = StepContext(cache.seqlens, kernel_backend or self.kernel_backend)
         return self._run(tokens, lambda i, blk, h: blk.mixer.step(h, cache.layers[i], ctx))
 
     @torch.no_grad()

@@ -23,6 +23,7 @@ from ..tree import TreeIndex, leaf_paths
 from .base import Block, TreeLM, derived
 from .cache import SSMLayerState, SSMScratch
 from .config import Mamba2Config
+from .linear import Linear
 
 
 def fp32(param: torch.Tensor) -> torch.Tensor:
@@ -88,7 +89,7 @@ class Mamba2Mixer(nn.Module):
         super().__init__()
         self.cfg = cfg
         f = dict(device=device, dtype=dtype)
-        self.in_proj = nn.Linear(cfg.d_model, cfg.d_in_proj, bias=cfg.bias, **f)
+        self.in_proj = Linear(cfg.d_model, cfg.d_in_proj, bias=cfg.bias, **f)
         self.conv1d = nn.Conv1d(cfg.conv_dim, cfg.conv_dim, cfg.d_conv, groups=cfg.conv_dim, bias=cfg.conv_bias,
                                 padding=cfg.d_conv - 1, **f)
         self.dt_bias = nn.Parameter(torch.empty(cfg.nheads, **f))
@@ -100,7 +101,7 @@ class Mamba2Mixer(nn.Module):
             self.norm = GatedRMSNorm(cfg.d_inner, cfg.d_inner // cfg.ngroups, cfg.norm_eps, **f,
                                      round_before_weight=cfg.norm_round_before_weight,
                                      gate_first=cfg.gate_norm == "gate_first")
-        self.out_proj = nn.Linear(cfg.d_inner, cfg.d_model, bias=cfg.out_bias, **f)
+        self.out_proj = Linear(cfg.d_inner, cfg.d_model, bias=cfg.out_bias, **f)
         self.reset_ssm_parameters()
         if cfg.proj_scales is not None:
             self.register_buffer("mup_vector", self.proj_multipliers(device, dtype), persistent=False)

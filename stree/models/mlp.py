@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .base import scaled
+from .linear import Linear
 
 
 class SwiGLU(nn.Module):
@@ -15,9 +16,9 @@ class SwiGLU(nn.Module):
                  gate_scale: float = 1.0, down_scale: float = 1.0):
         super().__init__()
         f = dict(bias=bias, device=device, dtype=dtype)
-        self.gate_proj = nn.Linear(d_model, intermediate_size, **f)
-        self.up_proj = nn.Linear(d_model, intermediate_size, **f)
-        self.down_proj = nn.Linear(intermediate_size, d_model, **f)
+        self.gate_proj = Linear(d_model, intermediate_size, **f)
+        self.up_proj = Linear(d_model, intermediate_size, **f)
+        self.down_proj = Linear(intermediate_size, d_model, **f)
         self.gate_scale, self.down_scale = gate_scale, down_scale
 
     def forward(self, x):
@@ -31,8 +32,8 @@ class FusedSwiGLU(nn.Module):
     def __init__(self, d_model, intermediate_size, device=None, dtype=None):
         super().__init__()
         f = dict(bias=False, device=device, dtype=dtype)
-        self.input_linear = nn.Linear(d_model, 2 * intermediate_size, **f)
-        self.output_linear = nn.Linear(intermediate_size, d_model, **f)
+        self.input_linear = Linear(d_model, 2 * intermediate_size, **f)
+        self.output_linear = Linear(intermediate_size, d_model, **f)
 
     def forward(self, x):
         gate, up = self.input_linear(x).chunk(2, dim=-1)
@@ -43,8 +44,8 @@ class ReluSquaredMLP(nn.Module):
     def __init__(self, d_model, intermediate_size, bias: bool = False, device=None, dtype=None):
         super().__init__()
         f = dict(bias=bias, device=device, dtype=dtype)
-        self.up_proj = nn.Linear(d_model, intermediate_size, **f)
-        self.down_proj = nn.Linear(intermediate_size, d_model, **f)
+        self.up_proj = Linear(d_model, intermediate_size, **f)
+        self.down_proj = Linear(intermediate_size, d_model, **f)
 
     def forward(self, x):
         return self.down_proj(F.relu(self.up_proj(x)).square())

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .mlp import ReluSquaredMLP
+from .linear import Linear
 
 ACTIVATIONS = {"silu_gated": None, "relu2": lambda h: F.relu(h).square()}
 
@@ -106,7 +107,7 @@ class ExpertLinear(nn.Module):
 class Router(nn.Module):
     def __init__(self, d_model: int, n_experts: int, device=None, dtype=None):
         super().__init__()
-        self.layer = nn.Linear(d_model, n_experts, bias=False, device=device, dtype=dtype)
+        self.layer = Linear(d_model, n_experts, bias=False, device=device, dtype=dtype)
 
 
 def check_top_k(top_k: int, n_experts: int) -> None:
@@ -209,8 +210,8 @@ class GroupedMoE(nn.Module):
         self.experts = StackedExperts(n_experts, latent or d_model, intermediate, **f)
         self.shared_experts = ReluSquaredMLP(d_model, shared_intermediate, bias=bias, **f)
         if latent is not None:
-            self.fc1_latent_proj = nn.Linear(d_model, latent, bias=bias, **f)
-            self.fc2_latent_proj = nn.Linear(latent, d_model, bias=bias, **f)
+            self.fc1_latent_proj = Linear(d_model, latent, bias=bias, **f)
+            self.fc2_latent_proj = Linear(latent, d_model, bias=bias, **f)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])

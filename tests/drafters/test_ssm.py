@@ -86,11 +86,11 @@ def test_beam_trees_deeper_than_the_shape_fit_in_the_cache():
 
 @pytest.mark.parametrize("mode", ["static", "beam"])
 def test_each_level_costs_one_step_over_its_new_nodes(mode, monkeypatch):
-    """Drafting feeds each level's parents below the root once (a step over that many rows per
-    batch row) and never re-runs the tree drafted so far; the context's new tokens, root
-    included, go in as one chain."""
+    """Drafting feeds each level with children below once (a step over its nodes, leaves
+    included, per batch row) and never re-runs the tree drafted so far; new context tokens off
+    the drafted tree, root included, go in as one chain."""
     model = mamba2(seed=3)
-    shape = TreeShape.paper13()  # parents per level: [0], [1, 2], [4, 5], [7]
+    shape = TreeShape.paper13()  # levels [1, 2, 3], [4, 5, 6], [7, 8, 9], [10, 11, 12]; leaves 3, 6, 8, 9, 10-12
     drafter = SSMDrafter(model, shape, mode=mode, beams=2, steps=3, seed=0)
     tokens = torch.randint(0, 90, (2, 30), generator=torch.Generator().manual_seed(2))
     drafter.propose(DraftContext(tokens, torch.tensor([6, 9]), [0, 1]))
@@ -100,4 +100,72 @@ def test_each_level_costs_one_step_over_its_new_nodes(mode, monkeypatch):
                         trees.append(tree.n) or _real(tree, cache, backend))
     drafter.propose(DraftContext(tokens, torch.tensor([9, 12]), [0, 1]))
     assert trees == [3]  # three new context tokens per row, as one chain whose last logits draft the root's children
-    assert rows == ([2 * 2, 2 * 2, 2 * 1] if mode == "static" else [2 * 2, 2 * 2])
+    assert rows == ([2 * 3, 2 * 3, 2 * 3] if mode == "static" else [2 * 2, 2 * 2])
+
+
+def _path(tree, row, nodes):
+    return tree.tokens[row, nodes].tolist()
+
+
+@pytest.mark.parametrize("mode", ["static", "beam"])
+def test_an_accepted_path_is_not_fed_again(mode, monkeypatch):
+    """When the new tokens follow the drafted tree, each row resumes from the state drafting
+    left at the deepest fed node on them: the target's last token alone is left (one step),
+    or two steps past a leaf drafting never fed; rows off the tree chain-feed their tokens.
+    The laws drafted next equal a fresh drafter's on the same contexts."""
+    model = mamba2(seed=3)
+    shape = TreeShape.paper13()
+    tokens = torch.randint(0, 90, (3, 40), generator=torch.Generator().manual_seed(4))
+    lengths = torch.tensor([6, 9, 7])
+    make = lambda: SSMDrafter(model, shape, mode=mode, stochastic=False, beams=2, steps=3)
+    drafter = make()
+    tree = drafter.propose(DraftContext(tokens, lengths, [0, 1, 2]))
+    # row 0 accepts root-1 (a node with children), row 2 the path to the last node (a leaf of the
+    # deepest level), row 1 nothing; then each row's bonus token
+    paths = {0: [0, 1], 2: tree.leaf_paths(2)[-1]}
+    assert paths[2][-1] == tree.n - 1
+    for r, nodes in paths.items():
+        tokens[r, lengths[r]: lengths[r] + len(nodes) - 1] = torch.tensor(_path(tree, r, nodes[1:]))
+    grown = lengths + torch.tensor([len(paths[0]), 1, len(paths[2])])
+    context = DraftContext(tokens, grown, [0, 1, 2])
+    rows, trees = [], []
+    monkeypatch.setattr(model, "step", lambda t, cache, _real=model.step: rows.append(len(t)) or _real(t, cache))
+    monkeypatch.setattr(model, "forward_tree", lambda tree, cache, backend="tree", _real=model.forward_tree:
+                        trees.append(tree.n) or _real(tree, cache, backend))
+    # rows with 1, 1 and 2 tokens left: one chain of 2 over all rows, each committing its own
+    drafter.propose(context)
+    assert trees == [2] and drafter._fed.tolist() == grown.tolist()
+    # the same contexts, each row alone: row 0 one step, row 2 (past a leaf) two steps
+    for r, steps in ((0, [1]), (2, [1, 1])):
+        alone = make()
+        first = alone.propose(DraftContext(tokens, lengths, [r]))
+        assert torch.equal(first.tokens[0], tree.tokens[r])
+        rows.clear(), trees.clear()
+        resumed = alone.propose(DraftContext(tokens, grown, [r]))
+        assert trees == [] and rows[: len(steps)] == steps
+        fresh = make()
+        assert torch.equal(resumed.tokens, fresh.propose(DraftContext(tokens, grown, [r])).tokens)
+        assert torch.allclose(alone._last, fresh._last, atol=1e-5)  # the drafter's logits after the context
+
+
+@pytest.mark.parametrize("parents", [(-1, 0, 0, 2, 2, 4), (-1, 0, 0, 0, 2, 3, 3, 5, 6)])
+def test_static_drafts_follow_each_nodes_own_path(parents):
+    """Drafts against their definition: the law node v's children are drawn from (its top 10,
+    attached to the tree) is the drafter's after the context and v's root path, here each path
+    prefilled anew. The shapes put leaves before inner nodes within a level (the work cache's
+    rows follow the level's nodes)."""
+    model = mamba2(seed=5)
+    shape, kids = TreeShape(parents), TreeShape(parents).children()
+    tokens = torch.randint(0, 90, (2, 12), generator=torch.Generator().manual_seed(6))
+    lengths = torch.tensor([7, 10])
+    tree = SSMDrafter(model, shape, seed=1).propose(DraftContext(tokens, lengths, [0, 1]))
+    for row in range(2):
+        for v in (v for v in range(shape.n) if kids[v]):
+            path, u = [], v
+            while u:
+                path.insert(0, int(tree.tokens[row, u]))
+                u = shape.parents[u]
+            seq = torch.tensor([tokens[row, : lengths[row]].tolist() + path])
+            law = torch.softmax(model.prefill(seq, model.allocate_cache(1, 64))[0], -1).topk(10)
+            assert torch.allclose(tree.child_probs[row, v], law.values, atol=1e-5), (row, v)
+            assert tree.child_ids[row, v].tolist() == law.indices.tolist(), (row, v)

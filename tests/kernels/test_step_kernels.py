@@ -1,6 +1,7 @@
 """The two kernels of a Mamba2 decode step, each advancing its state in place: ``conv_step`` (the
 conv of one new token) and ``selective_state_update`` (one recurrence step). Checked against
-the float64 definitions (a one-node tree's conv; one step of the multistep recurrence)."""
+the float64 definitions (a one-node tree's conv; one step of the multistep recurrence) on every
+path: the PyTorch reference, numba on the CPU ("auto" there) and Triton."""
 
 import pytest
 import torch
@@ -24,7 +25,7 @@ def test_conv_step_matches_a_one_node_tree_and_shifts_the_state(batch, dim, d_co
     weight, bias = torch.randn(dim, 1, d_conv, generator=g), torch.randn(dim, generator=g) if with_bias else None
     expected = tree_conv1d_def(x[:, None], torch.tensor([-1]), state, weight, bias, activation)[:, 0]
     shifted = torch.cat([state[..., 1:], x[..., None]], -1)
-    for backend, dev in (("torch", torch.device("cpu")), ("triton", device)):
+    for backend, dev in (("torch", torch.device("cpu")), ("auto", torch.device("cpu")), ("triton", device)):
         s = state.clone().to(dev)
         out = conv_step(x.to(dev), s, weight.to(dev), None if bias is None else bias.to(dev), activation,
                         backend=backend)
@@ -39,7 +40,7 @@ def test_selective_state_update_is_one_step_of_the_recurrence(batch, shape, dt_o
     inp = ssm_inputs(torch.Generator().manual_seed(seed), batch, 1, shape, dt_opts, D_kind=D_kind)
     kw = dict(D=inp["D"], dt_bias=inp["dt_bias"], dt_softplus=dt_opts["dt_softplus"], dt_limit=dt_opts["dt_limit"])
     y_def, state_def = multistep_def(inp["initial_state"], inp["x"], inp["dt"], inp["A"], inp["B"], inp["C"], **kw)
-    for backend, dev in (("torch", torch.device("cpu")), ("triton", device)):
+    for backend, dev in (("torch", torch.device("cpu")), ("auto", torch.device("cpu")), ("triton", device)):
         to = lambda t: t.to(dev) if t is not None else None
         state = inp["initial_state"].clone().to(dev)
         y = selective_state_update(state, to(inp["x"][:, 0]), to(inp["dt"][:, 0]), to(inp["A"]), to(inp["B"][:, 0]),
@@ -50,7 +51,7 @@ def test_selective_state_update_is_one_step_of_the_recurrence(batch, shape, dt_o
         assert max_rel_error(state, state_def) <= FP32_TOL, backend
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("backend", ["torch", "auto", "triton"])
 def test_bad_inputs_raise_clear_errors(backend):
     x, state, w = torch.randn(2, 6), torch.randn(2, 6, 4), torch.randn(6, 4)
     with pytest.raises(ValueError, match=r"conv_state must have shape \(2, 6, 4\)"):
