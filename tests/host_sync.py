@@ -1,11 +1,13 @@
 """A CPU stand-in for ``torch.cuda.set_sync_debug_mode("error")``: inside :func:`no_host_sync`,
 every tensor operation that would make a CUDA device wait for the host (reading a value back,
 data-dependent shapes) raises. Kernel launches under the Triton interpreter are let through:
-the interpreter copies to numpy by design, a GPU launch does not."""
+the interpreter copies to numpy by design, a GPU launch does not; so are the numpy views the
+numba CPU kernels take (``as_numpy``: CPU tensors only, a CUDA tensor never goes there)."""
 
 from __future__ import annotations
 
 import contextlib
+import sys
 from unittest import mock
 
 import torch
@@ -18,19 +20,26 @@ class HostSync(RuntimeError):
 
 @contextlib.contextmanager
 def flag_kernel_launches():
-    """Yields a dict whose ``"active"`` is True while the Triton interpreter runs a kernel launch,
-    so that checks on the library's own torch operations can leave the interpreter's out."""
+    """Yields a dict whose ``"active"`` is True while the Triton interpreter runs a kernel launch
+    or a numba CPU kernel takes its numpy views, so that checks on the library's own torch
+    operations can leave those out."""
     flag = {"active": False}
-    launch = interpreter.GridExecutor.__call__
 
-    def call(*args, **kwargs):
-        outer, flag["active"] = flag["active"], True
-        try:
-            return launch(*args, **kwargs)
-        finally:
-            flag["active"] = outer
+    def flagged(launch):
+        def call(*args, **kwargs):
+            outer, flag["active"] = flag["active"], True
+            try:
+                return launch(*args, **kwargs)
+            finally:
+                flag["active"] = outer
+        return call
 
-    with mock.patch.object(interpreter.GridExecutor, "__call__", call):
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(mock.patch.object(interpreter.GridExecutor, "__call__",
+                                              flagged(interpreter.GridExecutor.__call__)))
+        for module in [m for name, m in sys.modules.items() if name.startswith("stree.kernels.")]:
+            if hasattr(module, "as_numpy"):
+                stack.enter_context(mock.patch.object(module, "as_numpy", flagged(module.as_numpy)))
         yield flag
 
 
