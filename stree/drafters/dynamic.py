@@ -58,14 +58,15 @@ DrawOrder = Callable[[np.ndarray], np.ndarray]
 
 
 def grow(budget: TreeBudget, roots: np.ndarray, expand: Expand, draw_order: DrawOrder, stochastic: bool,
-         rates: "SlotRates | None" = None, row_ids: list[int] | None = None) -> TokenTree:
+         rates: "SlotRates | None" = None, row_ids: list[int] | None = None, placed=None) -> TokenTree:
     """Grow one tree per root under ``budget`` (see the module docstring). Rows that are offered
     fewer than ``budget.nodes - 1`` nodes are padded with invalid nodes under the root. With
     ``stochastic``, every expanded node carries its law as ``child_ids``/``child_probs``. With
     ``rates`` (and a calibrated budget), a slot's factor is its learned chance of acceptance
     instead of ``r_j``; the tree is remembered under ``row_ids`` for :meth:`SlotRates.record`.
     Each level's bookkeeping runs compiled (:func:`_level`); ``expand`` and ``draw_order`` are
-    the drafter's."""
+    the drafter's. ``placed(call, rows, nodes)``, if given, learns where the entries of each
+    ``expand`` call (numbered from 0) ended up: their batch rows and node numbers (-1: dropped)."""
     B, N = len(roots), budget.nodes
     rates = rates if budget.calibrate else None
     pool = _Pool(B, N)
@@ -89,6 +90,9 @@ def grow(budget: TreeBudget, roots: np.ndarray, expand: Expand, draw_order: Draw
     c = pool.count
     row, parent = pool.row[:c], pool.parent[:c]
     tree, node = _tree(kept, row, parent, pool.token[:c], laws, B, N, stochastic)
+    if placed is not None:
+        for call, (pool_ids, _, _) in enumerate(laws):
+            placed(call, row[pool_ids], node[pool_ids])
     if rates is not None and row_ids is not None:
         at = np.nonzero(kept & (parent >= 0))[0]
         slot = np.full((B, N, 2), -1.0)

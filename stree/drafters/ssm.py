@@ -39,10 +39,13 @@ class _Drafted:
     at: torch.Tensor  # [b, n]
     caches: list = field(default_factory=list)
 
-    def add(self, cache, nodes: torch.Tensor, at: torch.Tensor) -> None:
-        """``cache`` row ``at[i, k]`` holds row i's state after node ``nodes[i, k]``."""
-        self.level.scatter_(1, nodes, len(self.caches))
-        self.at.scatter_(1, nodes, at)
+    def add(self, cache, nodes: torch.Tensor, at: torch.Tensor, rows: torch.Tensor | None = None) -> None:
+        """``cache`` row ``at[i, k]`` holds row i's state after node ``nodes[i, k]``; or, with
+        ``rows`` (all three flat), row ``at[k]`` holds row ``rows[k]``'s after ``nodes[k]``."""
+        if rows is None:
+            rows = torch.arange(nodes.shape[0])[:, None].expand_as(nodes)
+        self.level[rows, nodes] = len(self.caches)
+        self.at[rows, nodes] = at
         self.caches.append(cache)
 
 
@@ -100,7 +103,8 @@ class SSMDrafter(Drafter):
     ``vocab_size``: draft only ids below it (the target's vocabulary when the drafter's embedding
     is padded past it). The cache holds every context token but the last (the root, fed while
     drafting). Drafting fed most nodes of the tree to work caches (in static mode every level
-    with children below, leaves included; in beam mode every beam but the last step's): when the
+    with children below, leaves included; in beam mode every beam but the last step's; in a
+    grown tree every node it expanded): when the
     new tokens follow the tree (the accepted path), each row takes the state of the deepest fed
     node on it instead of feeding those tokens again, so mostly the target's own last token is left;
     what is left is fed by steps when each row has as many (up to ``STEPS_UP_TO``), else one chain
@@ -238,19 +242,31 @@ class SSMDrafter(Drafter):
 
     def _grow(self, roots: torch.Tensor, root_q: torch.Tensor, budget: TreeBudget, rows: list[int]) -> TokenTree:
         """A dynamic tree: the roots' laws are the cache advance's; each deeper level forks its
-        kept nodes' parents' rows of a work cache and advances them by one step."""
-        work = [self._cache]
+        kept nodes' parents' rows of a work cache and advances them by one step. The nodes that
+        stay in the tree leave their states for the next advance."""
+        work = [self._cache]  # the cache each expand call stepped (the roots': the drafter's own)
 
         def expand(level: Level):
             if level.parent_pos is None:
                 q = root_q
             else:
-                work[0] = self._fork(work[0], torch.from_numpy(level.parent_pos))
-                q = self._q(torch.from_numpy(level.tokens), work[0])
+                work.append(self._fork(work[-1], torch.from_numpy(level.parent_pos)))
+                q = self._q(torch.from_numpy(level.tokens), work[-1])
             probs, ids = torch.topk(q, min(self.top_k, q.shape[-1]), dim=-1)
             return ids.numpy(), probs.numpy()
 
-        return grow(budget, roots.numpy(), expand, self._draw_order, self.stochastic, self.rates, rows)
+        states = []
+
+        def placed(call: int, at_rows: np.ndarray, nodes: np.ndarray):
+            at = np.nonzero(nodes >= 0)[0]  # the work rows of the entries kept in the tree
+            if call and len(at):  # call 0 fed nothing: the roots' states are the cache itself
+                states.append((work[call], *(torch.from_numpy(a) for a in (nodes[at], at, at_rows[at]))))
+
+        tree = grow(budget, roots.numpy(), expand, self._draw_order, self.stochastic, self.rates, rows, placed)
+        fed = self._feeding(len(roots), tree.n, tree.parents, tree.tokens)
+        for cache, nodes, at, at_rows in states:
+            fed.add(cache, nodes, at, at_rows)
+        return tree
 
     def _draw_order(self, probs: np.ndarray) -> np.ndarray:
         """Each row's top-k entries in draw order: Gumbel-top-k draws, or as ranked."""

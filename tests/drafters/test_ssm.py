@@ -9,7 +9,7 @@ from stree.drafters import DraftContext
 from stree.drafters.ssm import SSMDrafter
 from stree.generate import generate
 from stree.testing import MarkovLM, cell_counts, chi_square
-from stree.tree import TreeShape
+from stree.tree import TreeBudget, TreeShape
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -169,3 +169,33 @@ def test_static_drafts_follow_each_nodes_own_path(parents):
             law = torch.softmax(model.prefill(seq, model.allocate_cache(1, 64))[0], -1).topk(10)
             assert torch.allclose(tree.child_probs[row, v], law.values, atol=1e-5), (row, v)
             assert tree.child_ids[row, v].tolist() == law.indices.tolist(), (row, v)
+
+
+def test_a_grown_tree_resumes_from_its_deepest_fed_node(monkeypatch):
+    """Dynamic trees too: after the tokens of the path to the deepest node drafting fed, plus a
+    bonus token, one step (the bonus) brings the cache to the context, with a fresh drafter's
+    logits."""
+    model = mamba2(seed=3)
+    budget = TreeBudget(12, 4, 3)
+    tokens = torch.randint(0, 90, (1, 40), generator=torch.Generator().manual_seed(8))
+    make = lambda: SSMDrafter(model, budget, stochastic=False)
+    drafter = make()
+    tree = drafter.propose(DraftContext(tokens, torch.tensor([6]), [0]))
+    fed = (drafter._drafted.level[0] >= 0).nonzero().flatten().tolist()
+    deepest = max(fed, key=lambda v: int(tree.depth[0, v]))
+    path, u = [], deepest
+    while u:
+        path.insert(0, int(tree.tokens[0, u]))
+        u = int(tree.parents[0, u])
+    assert len(path) >= 2  # a fed node below the first level
+    tokens[0, 6: 6 + len(path)] = torch.tensor(path)
+    grown = torch.tensor([6 + len(path) + 1])
+    rows, trees = [], []
+    monkeypatch.setattr(model, "step", lambda t, cache, _real=model.step: rows.append(len(t)) or _real(t, cache))
+    monkeypatch.setattr(model, "forward_tree", lambda tree, cache, backend="tree", _real=model.forward_tree:
+                        trees.append(tree.n) or _real(tree, cache, backend))
+    drafter.propose(DraftContext(tokens, grown, [0]))
+    assert trees == [] and rows[0] == 1
+    fresh = make()
+    fresh.propose(DraftContext(tokens, grown, [0]))
+    assert torch.allclose(drafter._last, fresh._last, atol=1e-5)
