@@ -104,11 +104,10 @@ class SSMDrafter(Drafter):
     is padded past it). The cache holds every context token but the last (the root, fed while
     drafting). Drafting fed most nodes of the tree to work caches (in static mode every level
     with children below, leaves included; in beam mode every beam but the last step's; in a
-    grown tree every node it expanded): when the
-    new tokens follow the tree (the accepted path), each row takes the state of the deepest fed
-    node on it instead of feeding those tokens again, so mostly the target's own last token is left;
-    what is left is fed by steps when each row has as many (up to ``STEPS_UP_TO``), else one chain
-    pass and commit.
+    grown tree every node it expanded): when the new tokens follow the tree (the accepted path),
+    each row takes the state of the deepest fed node on it instead of feeding those tokens
+    again, so mostly the target's own last token is left; what is left is fed by steps when each
+    row has as many (up to ``STEPS_UP_TO``), else one chain pass and commit.
     On the CPU, ``stree.models.CompiledModel(model)`` in place of ``model`` runs those compiled."""
 
     def __init__(self, model, shape: TreeShape | None = None, *, mode: str = "static", stochastic: bool = True,

@@ -17,13 +17,13 @@ import triton.language as tl
 
 from ._common import (
     INF,
+    as_numpy,
     check_dt_limit,
     check_groups,
     check_layout,
     check_ssm_params,
     check_tensor,
     heads_view,
-    as_numpy,
     jit_fits,
     pow2_block,
     process_dt,

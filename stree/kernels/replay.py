@@ -19,10 +19,10 @@ import triton.language as tl
 
 from ._common import (
     INF,
+    as_numpy,
     check_dt_limit,
     check_groups,
     check_layout,
-    as_numpy,
     check_tensor,
     jit_fits,
     pow2_block,
