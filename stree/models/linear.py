@@ -1,20 +1,28 @@
-"""``nn.Linear`` whose float32 CPU inference on several rows runs on a weight prepacked for oneDNN.
+"""``nn.Linear`` whose float32 CPU inference takes the faster of two products, measured once per
+shape on the machine it runs on.
 
-A tree pass, a batched step and a drafter's level step multiply a handful of rows by each weight.
-For 2-5 rows the BLAS path PyTorch takes costs about one matrix-vector product per row (the
-shipped 4096 x 256 head: 0.11 ms for 1 row, 0.31 ms for 3, 0.37 ms for 13 on this project's CPU),
-where oneDNN with the weight packed once in its own layout takes 0.09 ms for 3 rows and 0.22 ms
-for 13. One row stays on ``F.linear`` (there oneDNN is no faster, and slower for small weights).
+A step, a tree pass and a drafter's level step multiply 1 to ~100 rows by each weight. Which
+product is fastest for so few rows depends on the CPU far more than on the sizes: on an AMD EPYC
+(AVX2) the BLAS path PyTorch takes cost about one matrix-vector product per row (the shipped
+4096 x 256 head: 0.31 ms for 3 rows) where oneDNN on the weight packed once in its own layout took
+0.09 ms; on an Intel Xeon (AVX-512) BLAS took 0.05 ms for those 3 rows and the packed product
+0.09 ms, and only from ~8 rows on is the packed one faster (0.8x at 16-32 rows). So neither is
+hard-wired: the first product of each (rows, weight shape, bias) times both on its own inputs
+(alternating, best of 5 each) and keeps the packed path only where it is clearly faster
+(``PACKED_MARGIN``). ``STREE_LINEAR=blas`` or ``=packed`` in the environment pins one (the two
+agree to float32 rounding, so a pinned path makes results bit-reproducible across processes).
 
 The packed copy is made on first use and again whenever the weight changes (its version counter
 or storage), so parameters may be trained or reloaded between calls; it costs one more copy of
 each weight so used. Only where autograd is off (inference), on a build with oneDNN. Under
-``torch.compile`` the product is one opaque op (``stree::packed_linear``), as Inductor does not
-take packed weights as graph inputs.
+``torch.compile`` the product is one opaque op (``stree::cpu_linear``) that chooses when it runs,
+as Inductor does not take packed weights as graph inputs.
 """
 
 from __future__ import annotations
 
+import os
+import time
 import weakref
 
 import torch
@@ -23,9 +31,19 @@ from torch import nn
 
 __all__ = ["Linear", "linear"]
 
+PATHS = ("auto", "blas", "packed")
+PATH = os.environ.get("STREE_LINEAR", "auto")
+if PATH not in PATHS:
+    raise ValueError(f"STREE_LINEAR must be one of {PATHS}, got {PATH!r}")
+# The packed product is kept only when it takes less than this fraction of the BLAS one's time:
+# near a tie the plain path is kept, so that noise does not flip the choice between processes.
+PACKED_MARGIN = 0.85
+
+_ONEDNN = torch.backends.mkldnn.is_available()
 # id(weight) -> ((version, storage address), packed copy); the entry goes with the weight
 _PACKED: dict[int, tuple] = {}
-_ONEDNN = torch.backends.mkldnn.is_available()
+# (rows, out features, in features, has bias) -> the packed product is the faster here
+_FASTER: dict[tuple, bool] = {}
 
 
 def _packed(weight: torch.Tensor) -> torch.Tensor:
@@ -38,34 +56,59 @@ def _packed(weight: torch.Tensor) -> torch.Tensor:
     return hit[1]
 
 
-def _run_packed(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def _packed_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(x, _packed(weight), bias, "none", [], "")
+
+
+def _seconds(fn) -> float:
+    """One call's wall time (a function of its own so that tests can stand in for the clock)."""
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def _packed_is_faster(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    blas, packed = (lambda: F.linear(x, weight, bias)), (lambda: _packed_product(x, weight, bias))
+    blas(), packed()  # first calls allocate and pack
+    times = [(_seconds(blas), _seconds(packed)) for _ in range(5)]
+    return min(t[1] for t in times) < PACKED_MARGIN * min(t[0] for t in times)
+
+
+def _product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x [rows, in] @ weight.T + bias`` on the path chosen for this shape (see the docstring)."""
+    if PATH == "auto":
+        key = (x.shape[0], *weight.shape, bias is not None)
+        packed = _FASTER.get(key)
+        if packed is None:
+            packed = _FASTER[key] = _packed_is_faster(x, weight, bias)
+    else:
+        packed = PATH == "packed"
+    return _packed_product(x, weight, bias) if packed else F.linear(x, weight, bias)
 
 
 # Declared on the low-level library API: the dispatcher calls the CPU kernel directly, without
 # custom_op's Python wrapper (~50 us a call, a third of a small product).
 _LIB = torch.library.Library("stree", "DEF")
-_LIB.define("packed_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
-_LIB.impl("packed_linear", _run_packed, "CPU")
+_LIB.define("cpu_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
+_LIB.impl("cpu_linear", _product, "CPU")
 
 
-@torch.library.register_fake("stree::packed_linear", lib=_LIB)
+@torch.library.register_fake("stree::cpu_linear", lib=_LIB)
 def _(x, weight, bias):
     return x.new_empty(x.shape[0], weight.shape[0])
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear``, on the packed weight where that is faster (see the module docstring)."""
-    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    """``F.linear``, on the faster product for these sizes (see the module docstring)."""
     grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias))
-    if rows < 2 or grad or not _ONEDNN or x.device.type != "cpu" or x.dtype != torch.float32 \
-            or weight.dtype != torch.float32:
+    if grad or not _ONEDNN or x.device.type != "cpu" or x.dtype != torch.float32 or weight.dtype != torch.float32 \
+            or not x.shape[-1] or PATH == "blas":
         return F.linear(x, weight, bias)
-    flat = x.reshape(rows, x.shape[-1]).contiguous()
-    if torch.compiler.is_compiling():
-        out = torch.ops.stree.packed_linear(flat, weight, bias)
-    else:
-        out = _run_packed(flat, weight, bias)
+    flat = x.reshape(-1, x.shape[-1]).contiguous()
+    if not flat.shape[0]:
+        return F.linear(x, weight, bias)
+    out = torch.ops.stree.cpu_linear(flat, weight, bias) if torch.compiler.is_compiling() else \
+        _product(flat, weight, bias)
     return out.view(*x.shape[:-1], weight.shape[0])
 
 

@@ -1,5 +1,8 @@
-"""stree.models.linear: the packed CPU path against the float64 definition, following weight
-changes, staying out of autograd, and as one opaque op under torch.compile."""
+"""stree.models.linear: both CPU products against the float64 definition, the measured choice
+between them (and a pinned one), the packed weight following weight changes, staying out of
+autograd, and one opaque op under torch.compile."""
+
+import os
 
 import pytest
 import torch
@@ -7,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.profiler import profile
 
+import stree.models.linear as lin
 from stree.models.linear import Linear, linear
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch build has no oneDNN")
@@ -25,28 +29,71 @@ def _ops(fn):
 
 @settings(max_examples=20, deadline=None)
 @given(rows=st.integers(1, 20), d_in=st.integers(1, 80), d_out=st.integers(1, 300), bias=st.booleans(),
-       lead=st.sampled_from([(), (2,), (1, 3)]), seed=st.integers(0, 2**16))
-def test_equals_the_definition(rows, d_in, d_out, bias, lead, seed):
+       lead=st.sampled_from([(), (2,), (1, 3)]), seed=st.integers(0, 2**16), path=st.sampled_from(lin.PATHS))
+def test_equals_the_definition(rows, d_in, d_out, bias, lead, seed, path):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(*lead, rows, d_in, generator=g)
     w, b = torch.randn(d_out, d_in, generator=g), torch.randn(d_out, generator=g) if bias else None
     out = torch.full((*lead, rows, d_out), float("nan"))  # poisoned: every entry must be written
-    with torch.no_grad():
-        out.copy_(linear(x, w, b))
+    pinned, lin.PATH = lin.PATH, path
+    try:
+        with torch.no_grad():
+            out.copy_(linear(x, w, b))
+    finally:
+        lin.PATH = pinned
     assert out.shape == (*lead, rows, d_out)
     assert torch.allclose(out.double(), _definition(x, w, b), rtol=1e-4, atol=1e-4 * d_in ** 0.5)
 
 
-def test_several_rows_run_on_the_packed_weight_and_one_row_does_not():
+def _fake_clock(monkeypatch, blas: float, packed: float):
+    """Each timed BLAS product takes ``blas`` seconds, each packed one ``packed``."""
+    def seconds(fn):
+        with profile() as prof:
+            fn()
+        return packed if "mkldnn::_linear_pointwise" in {e.name for e in prof.events()} else blas
+    monkeypatch.setattr(lin, "_seconds", seconds)
+    monkeypatch.setattr(lin, "_FASTER", {})
+    monkeypatch.setattr(lin, "PATH", "auto")
+
+
+@pytest.mark.parametrize("blas, packed, chosen", [(1.0, 0.5, True), (1.0, 0.9, False), (1.0, 2.0, False)])
+def test_the_packed_product_runs_where_it_measured_clearly_faster(monkeypatch, blas, packed, chosen):
+    _fake_clock(monkeypatch, blas, packed)
+    layer = Linear(64, 512)
+    x = torch.randn(3, 64)
+    with torch.no_grad():
+        first = layer(x)  # measures
+        assert lin._FASTER == {(3, 512, 64, True): chosen}
+        assert ("mkldnn::_linear_pointwise" in _ops(lambda: layer(x))) == chosen
+        assert torch.allclose(first.double(), _definition(x, layer.weight, layer.bias), atol=1e-4)
+        layer(torch.randn(5, 64))  # another row count is measured on its own
+        assert set(lin._FASTER) == {(3, 512, 64, True), (5, 512, 64, True)}
+
+
+@pytest.mark.parametrize("path", ["blas", "packed"])
+def test_a_pinned_path_is_taken_without_measuring(monkeypatch, path):
+    monkeypatch.setattr(lin, "PATH", path)
+    monkeypatch.setattr(lin, "_FASTER", {})
     layer = Linear(64, 512)
     with torch.no_grad():
-        assert "mkldnn::_linear_pointwise" in _ops(lambda: layer(torch.randn(3, 64)))
-        assert "mkldnn::_linear_pointwise" not in _ops(lambda: layer(torch.randn(1, 64)))
-        wide = Linear(64, 512, dtype=torch.float64)  # float32 only
+        for rows in (1, 3):
+            assert ("mkldnn::_linear_pointwise" in _ops(lambda: layer(torch.randn(rows, 64)))) == (path == "packed")
+    assert lin._FASTER == {}
+    wide = Linear(64, 512, dtype=torch.float64)  # float32 only
+    with torch.no_grad():
         assert "mkldnn::_linear_pointwise" not in _ops(lambda: wide(torch.randn(3, 64, dtype=torch.float64)))
 
 
-def test_a_changed_weight_is_packed_again():
+def test_an_unknown_pinned_path_is_refused_on_import():
+    import subprocess
+    import sys
+    run = subprocess.run([sys.executable, "-c", "import stree.models.linear"], capture_output=True, text=True,
+                         env={**os.environ, "STREE_LINEAR": "fast"})
+    assert run.returncode != 0 and "STREE_LINEAR must be one of" in run.stderr and "'fast'" in run.stderr
+
+
+def test_a_changed_weight_is_packed_again(monkeypatch):
+    monkeypatch.setattr(lin, "PATH", "packed")
     layer = Linear(32, 48)
     x = torch.randn(4, 32)
     with torch.no_grad():
@@ -77,6 +124,6 @@ def test_compiled_is_one_opaque_op_with_the_eager_result():
     with torch.no_grad():
         eager = layer(x.relu()) * 2
         assert torch.allclose(fn(x), eager, atol=1e-5)
-        assert "stree::packed_linear" in _ops(lambda: fn(x))
+        assert "stree::cpu_linear" in _ops(lambda: fn(x))
         layer.weight.mul_(0.5)  # the compiled graph reads the weight afresh
         assert torch.allclose(fn(x), layer(x.relu()) * 2, atol=1e-5)
