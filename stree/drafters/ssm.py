@@ -33,17 +33,19 @@ class _Drafted:
     the tree which of them (``level``, -1: none) holds the state after that node, at row ``at``."""
 
     rows: list[int]
-    parents: torch.Tensor  # [b, n]
-    tokens: torch.Tensor  # [b, n]
-    level: torch.Tensor  # [b, n]
-    at: torch.Tensor  # [b, n]
+    parents: np.ndarray  # [b, n]
+    tokens: torch.Tensor  # [b, n] (filled while drafting)
+    level: np.ndarray  # [b, n]
+    at: np.ndarray  # [b, n]
     caches: list = field(default_factory=list)
 
-    def add(self, cache, nodes: torch.Tensor, at: torch.Tensor, rows: torch.Tensor | None = None) -> None:
-        """``cache`` row ``at[i, k]`` holds row i's state after node ``nodes[i, k]``; or, with
-        ``rows`` (all three flat), row ``at[k]`` holds row ``rows[k]``'s after ``nodes[k]``."""
+    def add(self, cache, nodes: np.ndarray, at: np.ndarray, rows: np.ndarray | None = None) -> None:
+        """``cache`` row ``at[i, k]`` holds row i's state after node ``nodes[i, k]`` (``nodes``
+        may be one row for all); or, with ``rows`` (all three flat), row ``at[k]`` holds row
+        ``rows[k]``'s after ``nodes[k]``. (numpy: a few small index writes per level, which
+        cost several times more as torch ops.)"""
         if rows is None:
-            rows = torch.arange(nodes.shape[0])[:, None].expand_as(nodes)
+            rows = np.arange(self.level.shape[0])[:, None]
         self.level[rows, nodes] = len(self.caches)
         self.at[rows, nodes] = at
         self.caches.append(cache)
@@ -64,7 +66,7 @@ class _Level(NamedTuple):
     nodes: torch.Tensor
     draw: torch.Tensor
     fork: torch.Tensor | None
-    rows: torch.Tensor
+    rows: np.ndarray
     inner: torch.Tensor
 
 
@@ -81,8 +83,9 @@ def _static_plan(shape: TreeShape, b: int, device: str) -> tuple[_Level, ...]:
         inner = [i for i, c in enumerate(nodes) if kids[c]]
         fork = torch.tensor([at[j] * b + i for j, _, _ in new for i in range(b)]) if inner else None
         draw = torch.tensor([j * width + r for j, r, _ in new])
+        fork = None if fork is None else fork.to(device)
         plan.append(_Level(torch.tensor(frontier), width, torch.tensor(nodes), draw, fork,
-                           torch.arange(len(nodes) * b).view(-1, b).t(), torch.tensor(inner, device=device)))
+                           np.arange(len(nodes) * b).reshape(-1, b).T, torch.tensor(inner, device=device)))
         frontier, at = [nodes[i] for i in inner], inner
     return tuple(plan)
 
@@ -137,12 +140,16 @@ class SSMDrafter(Drafter):
     def observe(self, context: DraftContext, tokens, target) -> None:
         self.rates.record(context.rows, tokens)
 
-    def _advance(self, context: DraftContext) -> torch.Tensor:
+    def _advance(self, context: DraftContext, depth: int) -> torch.Tensor:
         """Bring the cache to each row's whole context (the root included) and return the
-        drafter's law after it, ``[rows, V]``: the root's children are drawn from the same pass
-        that fed the new tokens."""
+        drafter's logits after it, ``[rows, V]``: the root's children are drawn from the same pass
+        that fed the new tokens. ``depth``: the levels drafting will add below the root (checked
+        here against ``max_length``, so that the level steps need no checks of their own)."""
         rows = context.rows
         want = context.lengths[torch.tensor(rows)]
+        if int(want.max()) + depth > self.max_length:
+            raise ValueError(f"a context of {int(want.max())} tokens and a draft {depth} deep would pass the drafter's "
+                             f"max_length {self.max_length}")
         known = {r: i for i, r in enumerate(self._rows)}
         if self._cache is not None and all(r in known for r in rows):
             pos = torch.tensor([known[r] for r in rows])
@@ -153,7 +160,7 @@ class SSMDrafter(Drafter):
             self._reuse(context, want)
             new = want - self._fed
             if bool((new == 0).all()):
-                return self._law(self._last)
+                return self._last
             if bool((new > 0).all()):
                 m = int(new.max())
                 at = (self._fed[:, None] + torch.arange(m)).clamp(max=(want - 1)[:, None])
@@ -169,14 +176,14 @@ class SSMDrafter(Drafter):
                                       torch.arange(m, device=num.device).expand(len(rows), m).contiguous(), num)
                     self._last = logits[torch.arange(len(rows), device=num.device), num - 1]
                 self._fed = want.clone()
-                return self._law(self._last)
+                return self._last
         # new rows, or rows advancing unevenly: start again from the contexts
         self._drafted = None
         self._cache = self.model.allocate_cache(len(rows), self.max_length)
         self._last = self.model.prefill(context.tokens[torch.tensor(rows), : int(want.max())].to(self.model.device),
                                         self._cache, lengths=want)
         self._rows, self._fed = list(rows), want.clone()
-        return self._law(self._last)
+        return self._last
 
     def _reuse(self, context: DraftContext, want: torch.Tensor) -> None:
         """Move each row of the cache (already in ``context.rows`` order) to the deepest node of
@@ -185,7 +192,7 @@ class SSMDrafter(Drafter):
         drafted, self._drafted = self._drafted, None
         if drafted is None:
             return
-        parents, tokens, level, at = (t.numpy() for t in (drafted.parents, drafted.tokens, drafted.level, drafted.at))
+        parents, tokens, level, at = drafted.parents, drafted.tokens.numpy(), drafted.level, drafted.at
         before = {r: i for i, r in enumerate(drafted.rows)}
         moves: dict[int, tuple[list[int], list[int]]] = {}  # level -> (rows here, rows of its cache)
         for i, r in enumerate(context.rows):
@@ -210,19 +217,25 @@ class SSMDrafter(Drafter):
             self._cache.assign(torch.tensor(dst, device=device),
                                drafted.caches[level].select(torch.tensor(src, device=device)))
 
-    def _feeding(self, b: int, n: int, parents: torch.Tensor, tokens: torch.Tensor) -> _Drafted:
+    def _feeding(self, b: int, n: int, parents: np.ndarray, tokens: torch.Tensor) -> _Drafted:
         """A record of the states the tree drafted now leaves (``tokens`` may still be filled)."""
-        self._drafted = _Drafted(list(self._rows), parents, tokens, torch.full((b, n), -1, dtype=torch.long),
-                                 torch.zeros(b, n, dtype=torch.long))
+        self._drafted = _Drafted(list(self._rows), np.broadcast_to(parents, (b, n)), tokens,
+                                 np.full((b, n), -1), np.zeros((b, n), dtype=np.int64))
         return self._drafted
 
     def _law(self, logits: torch.Tensor) -> torch.Tensor:
         """The drafting law over the target's ids: softmax(logits / temperature), on the CPU."""
         return torch.softmax(logits[..., : self.vocab_size].float().cpu() / self.temperature, -1)
 
-    def _q(self, tokens: torch.Tensor, work) -> torch.Tensor:
-        """Feed one token per work row (each row a path of the tree); its next-token law."""
-        return self._law(self.model.step(tokens.to(self.model.device), work))
+    def _ranked(self, logits: torch.Tensor) -> torch.Tensor:
+        """What a static level's children are taken from: q when they are drawn; else the
+        logits themselves, whose top entries are q's (softmax keeps the order)."""
+        return self._law(logits) if self.stochastic else logits[..., : self.vocab_size].cpu()
+
+    def _step(self, tokens: torch.Tensor, work) -> torch.Tensor:
+        """Feed one token per work row (each row a path of the tree); its next-token logits. No
+        checks: the tokens are the drafter's own top ids, and the room was checked on advance."""
+        return self.model.step(tokens.to(self.model.device), work, validate=False)
 
     def _fork(self, work, rows: torch.Tensor):
         """The work cache's rows ``rows`` (repeats allowed): paths that branch get a copy each."""
@@ -231,13 +244,13 @@ class SSMDrafter(Drafter):
     def propose(self, context: DraftContext, shape: TreeShape | TreeBudget | None = None) -> TokenTree:
         if self.mode == "static":
             shape = self.tree_shape(shape)  # checked before the cache advances
-        root_q = self._advance(context)
+        last = self._advance(context, self.steps if self.mode == "beam" else shape.max_depth)
         roots = context.last_tokens()
         if self.mode == "beam":
-            return self._beam(roots, root_q)
+            return self._beam(roots, self._law(last))
         if isinstance(shape, TreeBudget):
-            return self._grow(roots, root_q, shape, context.rows)
-        return self._static(roots, root_q, shape)
+            return self._grow(roots, self._law(last), shape, context.rows)
+        return self._static(roots, self._ranked(last), shape)
 
     def _grow(self, roots: torch.Tensor, root_q: torch.Tensor, budget: TreeBudget, rows: list[int]) -> TokenTree:
         """A dynamic tree: the roots' laws are the cache advance's; each deeper level forks its
@@ -250,7 +263,7 @@ class SSMDrafter(Drafter):
                 q = root_q
             else:
                 work.append(self._fork(work[-1], torch.from_numpy(level.parent_pos)))
-                q = self._q(torch.from_numpy(level.tokens), work[-1])
+                q = self._law(self._step(torch.from_numpy(level.tokens), work[-1]))
             probs, ids = torch.topk(q, min(self.top_k, q.shape[-1]), dim=-1)
             return ids.numpy(), probs.numpy()
 
@@ -259,10 +272,10 @@ class SSMDrafter(Drafter):
         def placed(call: int, at_rows: np.ndarray, nodes: np.ndarray):
             at = np.nonzero(nodes >= 0)[0]  # the work rows of the entries kept in the tree
             if call and len(at):  # call 0 fed nothing: the roots' states are the cache itself
-                states.append((work[call], *(torch.from_numpy(a) for a in (nodes[at], at, at_rows[at]))))
+                states.append((work[call], nodes[at], at, at_rows[at]))
 
         tree = grow(budget, roots.numpy(), expand, self._draw_order, self.stochastic, self.rates, rows, placed)
-        fed = self._feeding(len(roots), tree.n, tree.parents, tree.tokens)
+        fed = self._feeding(len(roots), tree.n, tree.parents.numpy(), tree.tokens)
         for cache, nodes, at, at_rows in states:
             fed.add(cache, nodes, at, at_rows)
         return tree
@@ -274,9 +287,9 @@ class SSMDrafter(Drafter):
         u = torch.rand(probs.shape, generator=self.generator, dtype=torch.float64).clamp(1e-12, 1 - 1e-12)
         return gumbel_top_k(probs.astype(np.float32), probs.shape[1], (-(-u.log()).log()).float().numpy())
 
-    def _static(self, roots: torch.Tensor, root_q: torch.Tensor, shape: TreeShape) -> TokenTree:
-        """Level by level (:func:`_static_plan`): the root's children come from the law the cache
-        advance ended on; below, a work cache holds one row per (node of the level, batch row),
+    def _static(self, roots: torch.Tensor, root: torch.Tensor, shape: TreeShape) -> TokenTree:
+        """Level by level (:func:`_static_plan`): the root's children come from ``root`` (what
+        :meth:`_ranked` made of the logits the cache advance ended on); below, a work cache holds one row per (node of the level, batch row),
         copies of their parents' rows, advanced by the level's own tokens with one step. Each
         level with children below costs one step over its new nodes."""
         b, n = len(roots), shape.n
@@ -285,12 +298,12 @@ class SSMDrafter(Drafter):
         tokens[:, 0] = roots
         child_ids = torch.zeros(b, n, K, dtype=torch.long) if self.stochastic else None
         child_probs = torch.zeros(b, n, K) if self.stochastic else None
-        q = root_q[None]  # [F, b, V]: the laws of the level's frontier, node-major
+        q = root[None]  # [F, b, V]: the frontier's laws (or logits, see _ranked), node-major
         work = self._cache
-        fed = self._feeding(b, n, torch.tensor(shape.parents).expand(b, n), tokens)
+        fed = self._feeding(b, n, np.asarray(shape.parents), tokens)
         for level in _static_plan(shape, b, str(self.model.device)):
             # the whole level at once: node v's c children are the first c of its draws in order
-            probs, ids = torch.topk(q, min(K, q.shape[-1]), dim=-1)  # [F, b, k]
+            probs, ids = torch.topk(q, min(K if self.stochastic else level.width, q.shape[-1]), dim=-1)  # [F, b, k]
             F, k, width = probs.shape[0], probs.shape[-1], level.width
             if self.stochastic:
                 child_ids[:, level.frontier, :k] = ids.transpose(0, 1)
@@ -304,9 +317,9 @@ class SSMDrafter(Drafter):
             if level.fork is None:
                 break
             work = self._fork(work, level.fork)
-            logits = self.model.step(tokens[:, level.nodes].t().reshape(-1).to(self.model.device), work)
-            fed.add(work, level.nodes.expand(b, -1), level.rows)
-            q = self._law(logits.view(len(level.nodes), b, -1)[level.inner])
+            logits = self._step(tokens[:, level.nodes].t().reshape(-1), work)
+            fed.add(work, level.nodes.numpy()[None], level.rows)
+            q = self._ranked(logits.view(len(level.nodes), b, -1)[level.inner])
         if not self.stochastic:
             return TokenTree.from_shape(shape, tokens)
         return TokenTree.from_shape(shape, tokens, child_ids=child_ids, child_probs=child_probs)
@@ -325,7 +338,7 @@ class SSMDrafter(Drafter):
         for step in range(self.steps):
             width_in = beam_nodes.shape[1]
             if step > 0:
-                q = self._q(tokens.gather(1, beam_nodes).reshape(-1), work).view(b, width_in, -1)
+                q = self._law(self._step(tokens.gather(1, beam_nodes).reshape(-1), work)).view(b, width_in, -1)
                 levels.append((work, beam_nodes))
             logq = q.clamp_min(1e-30).log()
             top_lp, top_id = torch.topk(logq, min(M, q.shape[-1]), dim=-1)  # [b, beams, M]
@@ -342,7 +355,7 @@ class SSMDrafter(Drafter):
             beam_nodes = first + torch.arange(best.shape[1]).expand(b, -1)
             if step + 1 < self.steps:
                 work = self._fork(work, (torch.arange(b)[:, None] * width_in + from_beam).reshape(-1))
-        fed = self._feeding(b, tokens.shape[1], parents, tokens)
+        fed = self._feeding(b, tokens.shape[1], parents.numpy(), tokens)
         for work, nodes in levels:
-            fed.add(work, nodes, torch.arange(nodes.numel()).view(b, -1))
+            fed.add(work, nodes.numpy(), np.arange(nodes.numel()).reshape(b, -1))
         return TokenTree(parents, tokens)

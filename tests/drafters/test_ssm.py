@@ -1,6 +1,7 @@
 """SSMDrafter: a model drafting for a model. Greedy identity with tiny Mamba2/hybrid targets and a
 tiny Mamba2 drafter; exact laws on Markov targets drafted by a mismatched Markov model."""
 
+import numpy as np
 import pytest
 import torch
 from tiny_models import FAMILIES, mamba2
@@ -84,6 +85,22 @@ def test_beam_trees_deeper_than_the_shape_fit_in_the_cache():
     assert out.sequences == ref.sequences and out.stats.accepted[0][:2] == [7, 7]
 
 
+@pytest.mark.parametrize("mode, depth", [("static", 2), ("beam", 3)])
+def test_a_draft_past_max_length_is_refused_before_any_step(mode, depth, monkeypatch):
+    """Levels step without checks of their own: the room for the whole draft (context plus the
+    tree's depth) is checked once, up front, and a draft that would not fit is a ValueError."""
+    model = mamba2(seed=3)
+    tokens = torch.randint(0, 90, (1, 40), generator=torch.Generator().manual_seed(2))
+    make = lambda: SSMDrafter(model, TreeShape.full(2, 2), mode=mode, beams=2, steps=3, max_length=20)
+    make().propose(DraftContext(tokens, torch.tensor([20 - depth]), [0]))  # just fits
+    steps = []
+    monkeypatch.setattr(model, "step", lambda *a, **kw: steps.append(1))
+    with pytest.raises(ValueError, match=f"{21 - depth} tokens and a draft {depth} deep would pass the drafter's "
+                                         "max_length 20"):
+        make().propose(DraftContext(tokens, torch.tensor([21 - depth]), [0]))
+    assert steps == []
+
+
 @pytest.mark.parametrize("mode", ["static", "beam"])
 def test_each_level_costs_one_step_over_its_new_nodes(mode, monkeypatch):
     """Drafting feeds each level with children below once (a step over its nodes, leaves
@@ -95,7 +112,7 @@ def test_each_level_costs_one_step_over_its_new_nodes(mode, monkeypatch):
     tokens = torch.randint(0, 90, (2, 30), generator=torch.Generator().manual_seed(2))
     drafter.propose(DraftContext(tokens, torch.tensor([6, 9]), [0, 1]))
     rows, trees = [], []
-    monkeypatch.setattr(model, "step", lambda t, cache, _real=model.step: rows.append(len(t)) or _real(t, cache))
+    monkeypatch.setattr(model, "step", lambda t, cache, _real=model.step, **kw: rows.append(len(t)) or _real(t, cache, **kw))
     monkeypatch.setattr(model, "forward_tree", lambda tree, cache, backend="tree", _real=model.forward_tree:
                         trees.append(tree.n) or _real(tree, cache, backend))
     drafter.propose(DraftContext(tokens, torch.tensor([9, 12]), [0, 1]))
@@ -129,7 +146,7 @@ def test_an_accepted_path_is_not_fed_again(mode, monkeypatch):
     grown = lengths + torch.tensor([len(paths[0]), 1, len(paths[2])])
     context = DraftContext(tokens, grown, [0, 1, 2])
     rows, trees = [], []
-    monkeypatch.setattr(model, "step", lambda t, cache, _real=model.step: rows.append(len(t)) or _real(t, cache))
+    monkeypatch.setattr(model, "step", lambda t, cache, _real=model.step, **kw: rows.append(len(t)) or _real(t, cache, **kw))
     monkeypatch.setattr(model, "forward_tree", lambda tree, cache, backend="tree", _real=model.forward_tree:
                         trees.append(tree.n) or _real(tree, cache, backend))
     # rows with 1, 1 and 2 tokens left: one chain of 2 over all rows, each committing its own
@@ -181,7 +198,7 @@ def test_a_grown_tree_resumes_from_its_deepest_fed_node(monkeypatch):
     make = lambda: SSMDrafter(model, budget, stochastic=False)
     drafter = make()
     tree = drafter.propose(DraftContext(tokens, torch.tensor([6]), [0]))
-    fed = (drafter._drafted.level[0] >= 0).nonzero().flatten().tolist()
+    fed = np.flatnonzero(drafter._drafted.level[0] >= 0).tolist()
     deepest = max(fed, key=lambda v: int(tree.depth[0, v]))
     path, u = [], deepest
     while u:
@@ -191,7 +208,7 @@ def test_a_grown_tree_resumes_from_its_deepest_fed_node(monkeypatch):
     tokens[0, 6: 6 + len(path)] = torch.tensor(path)
     grown = torch.tensor([6 + len(path) + 1])
     rows, trees = [], []
-    monkeypatch.setattr(model, "step", lambda t, cache, _real=model.step: rows.append(len(t)) or _real(t, cache))
+    monkeypatch.setattr(model, "step", lambda t, cache, _real=model.step, **kw: rows.append(len(t)) or _real(t, cache, **kw))
     monkeypatch.setattr(model, "forward_tree", lambda tree, cache, backend="tree", _real=model.forward_tree:
                         trees.append(tree.n) or _real(tree, cache, backend))
     drafter.propose(DraftContext(tokens, grown, [0]))
