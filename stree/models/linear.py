@@ -9,7 +9,8 @@ product is fastest for so few rows depends on the CPU far more than on the sizes
 0.09 ms, and only from ~8 rows on is the packed one faster (0.8x at 16-32 rows). So neither is
 hard-wired: the first product of each (rows, weight shape, bias) times both on its own inputs
 (alternating, best of 5 each) and keeps the packed path only where it is clearly faster
-(``PACKED_MARGIN``). ``STREE_LINEAR=blas`` or ``=packed`` in the environment pins one (the two
+(``PACKED_MARGIN``); past 16 rows the row counts share power-of-two buckets, so that prompts
+of every length do not each pay for a measurement. ``STREE_LINEAR=blas`` or ``=packed`` in the environment pins one (the two
 agree to float32 rounding, so a pinned path makes results bit-reproducible across processes).
 
 The packed copy is made on first use and again whenever the weight changes (its version counter
@@ -42,8 +43,13 @@ PACKED_MARGIN = 0.85
 _ONEDNN = torch.backends.mkldnn.is_available()
 # id(weight) -> ((version, storage address), packed copy); the entry goes with the weight
 _PACKED: dict[int, tuple] = {}
-# (rows, out features, in features, has bias) -> the packed product is the faster here
+# (row bucket, out features, in features, has bias) -> the packed product is the faster here
 _FASTER: dict[tuple, bool] = {}
+
+
+def _bucket(rows: int) -> int:
+    """Row counts that share one measurement: each up to 16 (where the choice flips), then powers of two."""
+    return rows if rows <= 16 else 1 << (rows - 1).bit_length()
 
 
 def _packed(weight: torch.Tensor) -> torch.Tensor:
@@ -71,13 +77,16 @@ def _packed_is_faster(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     blas, packed = (lambda: F.linear(x, weight, bias)), (lambda: _packed_product(x, weight, bias))
     blas(), packed()  # first calls allocate and pack
     times = [(_seconds(blas), _seconds(packed)) for _ in range(5)]
-    return min(t[1] for t in times) < PACKED_MARGIN * min(t[0] for t in times)
+    faster = min(t[1] for t in times) < PACKED_MARGIN * min(t[0] for t in times)
+    if not faster:  # no second copy of a weight that stays on BLAS (a bucket that chose packing packs it again)
+        _PACKED.pop(id(weight), None)
+    return faster
 
 
 def _product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """``x [rows, in] @ weight.T + bias`` on the path chosen for this shape (see the docstring)."""
     if PATH == "auto":
-        key = (x.shape[0], *weight.shape, bias is not None)
+        key = (_bucket(x.shape[0]), *weight.shape, bias is not None)
         packed = _FASTER.get(key)
         if packed is None:
             packed = _FASTER[key] = _packed_is_faster(x, weight, bias)
