@@ -81,9 +81,8 @@ def _static_plan(shape: TreeShape, b: int, device: str) -> tuple[_Level, ...]:
         new = [(j, r, c) for j, v in enumerate(frontier) for r, c in enumerate(kids[v])]
         nodes = [c for _, _, c in new]
         inner = [i for i, c in enumerate(nodes) if kids[c]]
-        fork = torch.tensor([at[j] * b + i for j, _, _ in new for i in range(b)]) if inner else None
+        fork = torch.tensor([at[j] * b + i for j, _, _ in new for i in range(b)], device=device) if inner else None
         draw = torch.tensor([j * width + r for j, r, _ in new])
-        fork = None if fork is None else fork.to(device)
         plan.append(_Level(torch.tensor(frontier), width, torch.tensor(nodes), draw, fork,
                            np.arange(len(nodes) * b).reshape(-1, b).T, torch.tensor(inner, device=device)))
         frontier, at = [nodes[i] for i in inner], inner
@@ -289,9 +288,10 @@ class SSMDrafter(Drafter):
 
     def _static(self, roots: torch.Tensor, root: torch.Tensor, shape: TreeShape) -> TokenTree:
         """Level by level (:func:`_static_plan`): the root's children come from ``root`` (what
-        :meth:`_ranked` made of the logits the cache advance ended on); below, a work cache holds one row per (node of the level, batch row),
-        copies of their parents' rows, advanced by the level's own tokens with one step. Each
-        level with children below costs one step over its new nodes."""
+        :meth:`_ranked` made of the logits the cache advance ended on); below, a work cache holds
+        one row per (node of the level, batch row), copies of their parents' rows, advanced by
+        the level's own tokens with one step. Each level with children below costs one step over
+        its new nodes."""
         b, n = len(roots), shape.n
         K = max(self.top_k, max(map(len, shape.children())))
         tokens = torch.zeros(b, n, dtype=torch.long)

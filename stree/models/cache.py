@@ -70,9 +70,9 @@ class ModelCache:
 
     def select(self, rows: torch.Tensor) -> "ModelCache":
         """A copy of the committed state of ``rows`` (a LongTensor of row indices)."""
-        take = lambda t: t.index_select(1, rows) if t is not None else None  # a copy; 4x faster than t[:, rows]
-        return ModelCache(take(self.conv), take(self.ssm), take(self.k), take(self.v), self.seqlens.index_select(0, rows),
-                          self.max_length, self.kinds)
+        take = lambda t: t.index_select(1, rows) if t is not None else None  # a copy, 4x cheaper than t[:, rows]
+        return ModelCache(take(self.conv), take(self.ssm), take(self.k), take(self.v),
+                          self.seqlens.index_select(0, rows), self.max_length, self.kinds)
 
     def assign(self, rows: torch.Tensor, other: "ModelCache") -> None:
         """Write ``other``'s committed state (from :meth:`select`) back into ``rows``."""

@@ -9,9 +9,10 @@ product is fastest for so few rows depends on the CPU far more than on the sizes
 0.09 ms, and only from ~8 rows on is the packed one faster (0.8x at 16-32 rows). So neither is
 hard-wired: the first product of each (rows, weight shape, bias) times both on its own inputs
 (alternating, best of 5 each) and keeps the packed path only where it is clearly faster
-(``PACKED_MARGIN``); past 16 rows the row counts share power-of-two buckets, so that prompts
-of every length do not each pay for a measurement. ``STREE_LINEAR=blas`` or ``=packed`` in the environment pins one (the two
-agree to float32 rounding, so a pinned path makes results bit-reproducible across processes).
+(``PACKED_MARGIN``); past 16 rows the row counts share power-of-two buckets, so that
+prompts of every length do not each pay for a measurement. ``STREE_LINEAR=blas`` or
+``=packed`` in the environment pins one (the two agree to float32 rounding, so a pinned path
+makes results bit-reproducible across processes).
 
 The packed copy is made on first use and again whenever the weight changes (its version counter
 or storage), so parameters may be trained or reloaded between calls; it costs one more copy of
@@ -111,11 +112,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """``F.linear``, on the faster product for these sizes (see the module docstring)."""
     grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias))
     if grad or not _ONEDNN or x.device.type != "cpu" or x.dtype != torch.float32 or weight.dtype != torch.float32 \
-            or not x.shape[-1] or PATH == "blas":
+            or not x.numel() or PATH == "blas":
         return F.linear(x, weight, bias)
     flat = x.reshape(-1, x.shape[-1]).contiguous()
-    if not flat.shape[0]:
-        return F.linear(x, weight, bias)
     out = torch.ops.stree.cpu_linear(flat, weight, bias) if torch.compiler.is_compiling() else \
         _product(flat, weight, bias)
     return out.view(*x.shape[:-1], weight.shape[0])
