@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from stree.autotree import tree_room
 from stree.branch import Branch
 from stree.demo import DRAFTER, TARGET, read_prompts
 from stree.drafters.registry import make_drafter
@@ -66,7 +67,7 @@ def run_one(kind, options, base, small, tokenizer, prompt: str, n: int, step_tok
                     split=dict(small=st.time_small, judge=st.time_judge, base=st.time_base, sync=st.time_sync))
     ids = tokenizer.encode(prompt)
     drafter = make_drafter("stand-det") if kind == "stree" else None  # SpecReason's own choice for greedy steps
-    branch = Branch.start(base, [ids], len(ids) + n + (drafter.shape.max_depth if drafter else 0))
+    branch = Branch.start(base, [ids], len(ids) + n + tree_room(drafter))
     out = branch.generate(n, drafter=drafter)
     return dict(tokens=len(out.new_tokens[0]), seconds=time.perf_counter() - t0, base_tokens=len(out.new_tokens[0]),
                 base_forwards=out.stats.target_forwards)

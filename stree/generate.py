@@ -22,17 +22,18 @@ import numpy as np
 import torch
 
 from .args import integer
-from .distributed import agree, drafts_here, share_tree, tensor_parallel
+from .autotree import AutoTree, PathRates, auto_tree
+from .distributed import drafts_here, share_tree, tensor_parallel
 from .drafters.base import DraftContext, Drafter, TargetTop, check_budget
 from .drafters.ngram import NGramDrafter
 from .models.base import TreeLM
 from .models.compiled import CompiledDecode
 from .models.graphs import DecodeGraphs
-from .models.runners import DecodeRunner
+from .steps import HostStep, autoregressive_step, check_draft, prefill_rows, speculative_step
 from .stops import check_stop_sequences, token_stop
 from .tree import TokenTree, TreeBudget, TreeShape
 from .unrolled import UnrolledTarget
-from .verify import SamplingParams, verify
+from .verify import SamplingParams
 
 __all__ = ["METHODS", "GenerationOutput", "GenerationStats", "HostStep", "Rows", "autoregressive_step", "decode",
            "generate",
@@ -59,6 +60,8 @@ class GenerationStats:
     time_commit: float = 0.0
     time_total: float = 0.0
     prefilled: bool = True  # the first token of each row came from a prefill (not from a decoding step)
+    trees: dict[int, int] = field(default_factory=dict)  # tree nodes -> decoding steps (1: a plain step)
+    time_setup: float = 0.0  # measuring this machine's costs for tree="auto" (once per process), not in time_total
 
     @property
     def tau(self) -> float:
@@ -105,54 +108,6 @@ class GenerationOutput:
     @property
     def new_tokens(self) -> list[list[int]]:
         return [s[n:] for s, n in zip(self.sequences, self.prompt_lengths)]
-
-
-@dataclass
-class HostStep:
-    """What one decoding step hands the host, from one device-to-host transfer: per row the
-    ``tokens [B, L]`` emitted (the first ``counts[b]``) and, when ``top_k`` was asked for, the
-    target distributions they came from (``TargetTop`` parts ``[B, L, k]`` and ``[B, L]``)."""
-
-    tokens: torch.Tensor
-    counts: torch.Tensor
-    finite: torch.Tensor  # [B] bool: every logit of the row was finite
-    top_ids: torch.Tensor | None = None
-    top_probs: torch.Tensor | None = None
-    token_probs: torch.Tensor | None = None
-
-
-def _finite(logits: torch.Tensor, params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
-    """Whether each position's logits are free of NaN and +inf (one sum, one compare: both survive
-    the sum; -inf, a token ruled out, is allowed), and the logits with the bad positions zeroed
-    when sampling, so that no NaN reaches a draw (a crash on the CPU, a device assert on CUDA)
-    before the host sees the flag."""
-    finite = logits.sum(-1) < float("inf")
-    return finite, logits if params.greedy else logits.where(finite[..., None], 0.0)
-
-
-def _to_host(tokens: torch.Tensor, counts: torch.Tensor, probs: torch.Tensor | None, top_k: int,
-             finite: torch.Tensor) -> HostStep:
-    """Pack everything into one fp32 tensor (cat promotes the ids; vocabularies stay below 2^24,
-    where fp32 holds integers exactly), move it once, unpack on the host. ``probs [B, L, V]``: the
-    law each emitted token was drawn from (None: no drafter learns); ``finite [B, ...]``: see
-    :func:`_finite`."""
-    B, L = tokens.shape
-    finite = finite.reshape(B, -1)
-    parts = [tokens, counts[:, None], finite]
-    k = 0
-    if probs is not None:
-        k = min(top_k, probs.shape[-1])
-        top_p, top_i = torch.topk(probs, k, dim=-1)
-        parts += [top_i.flatten(1), top_p.flatten(1), probs.gather(-1, tokens[..., None])[..., 0]]
-    host = torch.cat(parts, 1).float().cpu()  # the step's one device-to-host sync
-    m = finite.shape[1]
-    out = HostStep(host[:, :L].long(), host[:, L].long(), host[:, L + 1: L + 1 + m].bool().all(1))
-    if probs is not None:
-        at = L + 1 + m
-        out.top_ids = host[:, at: at + L * k].long().view(B, L, k)
-        out.top_probs = host[:, at + L * k: at + 2 * L * k].view(B, L, k)
-        out.token_probs = host[:, at + 2 * L * k:]
-    return out
 
 
 def _top_k(drafter: Drafter | None) -> int | None:
@@ -245,63 +200,6 @@ class Rows:
         self.active[row] = False
 
 
-def prefill_rows(model, rows: Rows, cache, params: SamplingParams, generator, top_k: int | None) -> HostStep:
-    """Feed the prompts into the (empty) cache and draw each row's first token."""
-    longest = int(rows.lengths.max())
-    logits = model.prefill(rows.seq[:, :longest].to(model.device), cache, lengths=rows.lengths)
-    finite, logits = _finite(logits, params)
-    first, = agree(model, params.sample(logits, generator)[:, None])
-    probs = None if top_k is None else params.observed(logits)[:, None]
-    return _to_host(first, torch.ones_like(first[:, 0]), probs, top_k or 0, finite)
-
-
-def autoregressive_step(model, cache, roots: torch.Tensor, params: SamplingParams, generator,
-                        runner: DecodeRunner | None = None) -> HostStep:
-    """One token for every row: the target's step on the roots (the ``runner``'s step, a CUDA graph
-    or a compiled one, when given), then one sampled token each."""
-    logits = runner.step()(roots, validate=False) if runner is not None else model.step(roots, cache, validate=False)
-    finite, logits = _finite(logits, params)
-    nxt, = agree(model, params.sample(logits, generator))
-    return _to_host(nxt[:, None], torch.ones_like(nxt), None, 0, finite)
-
-
-def speculative_step(model, cache, draft: TokenTree, params: SamplingParams, generator, backend: str = "tree",
-                     top_k: int | None = None, lap=None, runner: DecodeRunner | None = None):
-    """Score ``draft`` (on the model's device, checked on the host) in one tree pass, verify it,
-    commit the accepted paths, and hand the host the emitted tokens (accepted drafts, then the
-    bonus) with their target laws when ``top_k`` is set. Returns ``(host, result)``. With a
-    ``runner``, a draft of a static shape goes through that shape's tree pass and commit (CUDA
-    graphs or compiled).
-    ``lap(phase)``, if given, is called after "verify" (tree pass and verification) and "commit"."""
-    fast = runner is not None and backend == "tree" and draft._shape is not None
-    if fast:
-        fast_tree, fast_commit = runner.tree(draft._shape)
-        logits, tree_pass = fast_tree(draft.tokens, validate=False)
-    else:
-        logits, tree_pass = model.forward_tree(draft, cache, backend=backend, validate=False)
-    finite, logits = _finite(logits, params)
-    result = verify(draft, logits, params, generator=generator, validate=False)
-    result.accepted, result.num_accepted, result.bonus = agree(model, result.accepted, result.num_accepted,
-                                                               result.bonus)  # rank 0's, under tensor parallelism
-    if lap is not None:
-        lap("verify")
-    if fast:
-        fast_commit(tree_pass, result.accepted, result.num_accepted)
-    else:
-        model.commit(cache, tree_pass, result.accepted, result.num_accepted, validate=False)
-    path_tokens = draft.tokens.gather(1, result.accepted)
-    out = torch.cat([path_tokens[:, 1:], path_tokens[:, :1]], 1)
-    out.scatter_(1, (result.num_accepted - 1)[:, None], result.bonus[:, None])
-    probs = None
-    if top_k is not None:
-        at_path = result.accepted[:, :, None].expand(-1, -1, logits.shape[-1])
-        probs = result.probs.gather(1, at_path) if result.probs is not None else params.observed(logits.gather(1, at_path))
-    host = _to_host(out, result.num_accepted, probs, top_k or 0, finite)
-    if lap is not None:
-        lap("commit")
-    return host, result
-
-
 def _prompts(input_ids) -> list[list[int]]:
     if isinstance(input_ids, torch.Tensor):
         if input_ids.dim() != 2 or input_ids.dtype.is_floating_point or input_ids.dtype == torch.bool:
@@ -336,26 +234,14 @@ def _resolve_shape(method: str, tree) -> TreeShape | TreeBudget | None:
         if method != "stree":
             raise ValueError(f"a TreeBudget (a tree grown per step) is for method='stree', got method={method!r}")
         return tree
+    if isinstance(tree, str):
+        raise ValueError(f"tree must be 'auto', a TreeShape or a TreeBudget, got {tree!r} (a spec such as "
+                         "'paper13' or 'dynamic:20': stree.tree.tree_spec)")
     if not isinstance(tree, TreeShape):
-        raise TypeError(f"tree must be a TreeShape or a TreeBudget, got {type(tree).__name__}")
+        raise TypeError(f"tree must be 'auto', a TreeShape or a TreeBudget, got {type(tree).__name__}")
     if method == "chain" and tree.parents != TreeShape.chain(tree.n - 1).parents:
         raise ValueError(f"method='chain' needs a chain tree, got parents {list(tree.parents)}")
     return tree
-
-
-def _check_draft(draft: TokenTree, roots: torch.Tensor, vocab_size: int) -> None:
-    """The drafter's tree, on the host (no device is waited on): one row per drafted row, the
-    rows' roots, every id in the vocabulary."""
-    if not isinstance(draft, TokenTree) or draft.batch_size != len(roots):
-        raise ValueError(f"the drafter must return a TokenTree with one row per active row ({len(roots)})")
-    if not bool((draft.tokens[:, 0].cpu() == roots).all()):
-        raise ValueError("the drafter returned a tree whose root token is not the row's last token")
-    bad = (draft.tokens < 0) | (draft.tokens >= vocab_size)
-    if bool(bad.any()):
-        pos = tuple(int(v) for v in torch.nonzero(bad)[0])
-        raise ValueError(f"tree.tokens{list(pos)} = {int(draft.tokens[pos])} is outside the vocabulary [0, {vocab_size})")
-    if draft.child_ids is not None and bool(((draft.child_ids < 0) | (draft.child_ids >= vocab_size)).any()):
-        raise ValueError(f"tree.child_ids holds ids outside the vocabulary [0, {vocab_size})")
 
 
 def _full_batch(draft: TokenTree, active: torch.Tensor, roots: torch.Tensor) -> TokenTree:
@@ -410,7 +296,7 @@ def generate(model, input_ids, **kwargs) -> GenerationOutput:
             return end.value
 
 
-def decode(model, input_ids, *, drafter: Drafter | None = None, tree: TreeShape | TreeBudget | None = None,
+def decode(model, input_ids, *, drafter: Drafter | None = None, tree: TreeShape | TreeBudget | str | None = "auto",
            method: str = "stree", max_new_tokens: int, temperature: float = 0.0, top_k: int = 0,
            top_p: float = 1.0, eos_token_id: int | list[int] | None = None, seed: int | None = None,
            mode: str = "auto", max_length: int | None = None, on_step=None,
@@ -430,16 +316,26 @@ def decode(model, input_ids, *, drafter: Drafter | None = None, tree: TreeShape 
     feeds. It is advanced in place; the output's ``exact`` says which rows it holds exactly.
 
     ``input_ids``: a ``[B, T]`` tensor or a list of token lists (ragged prompts allowed).
-    ``method``: ``stree`` (tree drafts, one tree forward; default tree ``paper13``; a
-    :class:`~stree.tree.TreeBudget` lets a drafter that can grow each step's tree per row), ``chain``
-    (chain drafts through the chain backend; default ``chain(4)``), ``autoregressive``, or
-    ``unrolled`` (the paper's baseline: every root-to-leaf path its own sequence through the whole
-    model, see :mod:`stree.unrolled`; same outputs as ``stree``, slower).
+    ``method``: ``stree`` (tree drafts, one tree forward), ``chain`` (chain drafts through the
+    chain backend), ``autoregressive``, or ``unrolled`` (the paper's baseline: every root-to-leaf
+    path its own sequence through the whole model, see :mod:`stree.unrolled`; same outputs as
+    ``stree``, slower). ``tree``: ``"auto"`` (the default; None means the same) chooses every
+    step's tree, or a plain autoregressive step, by expected tokens per second from this
+    machine's measured costs and the acceptance learned so far (:mod:`stree.autotree`; chains
+    only under ``method="chain"``; an :class:`~stree.autotree.AutoTree` passed here makes the
+    choice with its own costs and rates, and keeps what it learns); a
+    :class:`~stree.tree.TreeShape` is drafted as given every step, and a :class:`~stree.tree.TreeBudget` lets a drafter that can grow each step's tree
+    per row. A drafter built for a shape of its own (its ``shape``, e.g. ``STANDDrafter(store,
+    shape)``) drafts that shape where ``tree`` is left "auto" (the named drafters of
+    :func:`~stree.drafters.registry.make_drafter` have none). Tensor-parallel
+    models and ``method="unrolled"`` take ``paper13`` (``chain(4)`` for chains) for "auto";
+    ``method="autoregressive"`` ignores ``tree``.
     ``drafter`` defaults to :class:`NGramDrafter`. ``sampling`` (a :class:`SamplingParams`), or
     ``temperature`` / ``top_k`` / ``top_p`` / ``mode``, say how tokens are chosen; ``mode="naive"``
     verifies by exact-match sampling. ``max_length``: the cache size; by default the longest
     prompt plus ``max_new_tokens`` plus the tree depth (the drafter's ``draft_depth`` when deeper).
-    The same ``seed`` gives the same output. ``time_phases``: on CUDA, time draft / verify /
+    The same ``seed`` gives the same output (under ``tree="auto"``, on a machine with the same
+    cost profile, :mod:`stree.cost`: the trees chosen follow it). ``time_phases``: on CUDA, time draft / verify /
     commit apart (a device sync per phase; off, only the total is timed there). ``cuda_graph``:
     replay the step, and the tree pass and commit of static tree shapes, from CUDA graphs (by
     default on for a model on CUDA; the graphs and their cache are kept per model, batch size and
@@ -468,17 +364,31 @@ def decode(model, input_ids, *, drafter: Drafter | None = None, tree: TreeShape 
     if not isinstance(params, SamplingParams):
         raise TypeError(f"sampling must be a SamplingParams, got {type(params).__name__}")
     stops = check_stop_sequences(stop_sequences, model.vocab_size)
-    if tree is None and method == "stree":
-        tree = getattr(drafter, "shape", None)  # a drafter built for a tree shape (e.g. STAND's)
-    shape = _resolve_shape(method, tree)
-    depth = 0 if shape is None else max(shape.max_depth, getattr(drafter, "draft_depth", None) or 0)
+    tp = tensor_parallel(model)
+    if (tree is None or tree == "auto") and method in ("stree", "unrolled") and getattr(drafter, "shape", None) is not None:
+        tree = drafter.shape  # a drafter built for a tree of its own drafts it: an explicit choice
+    chooser = tree if isinstance(tree, AutoTree) else None
+    auto = method in ("stree", "chain") and (tree is None or tree == "auto" or chooser is not None)
+    if auto and tp is not None:
+        auto, chooser, tree = False, None, None
+    elif not auto and (tree is None or tree == "auto" or chooser is not None):
+        tree, chooser = None, None
+    if chooser is not None and chooser.chain != (method == "chain"):
+        raise ValueError(f"this AutoTree drafts {'chains' if chooser.chain else 'trees'}, but method={method!r}")
+    shape = None if auto else _resolve_shape(method, tree)
     longest = max(len(p) + m for p, m in zip(prompts, budgets)) - 1  # the longest prompt and budget, bar one
-    need = longest + 1 + depth
     if cache is not None:
         if max_length is not None:
             raise ValueError("max_length is the size of a new cache: leave it out when passing a cache")
         max_length = cache.max_length
         _check_continued(model, cache, prompts)
+    own = getattr(drafter, "draft_depth", None) or 0  # a drafter drafting trees of its own depth
+    if auto and not own:  # the choice plans trees within the room the cache leaves (a given one, its own)
+        room = PathRates.DEPTH if max_length is None else max_length - longest - 1
+        depth = chooser.depth if chooser is not None else max(0, min(PathRates.DEPTH, room))
+    else:
+        depth = own if auto else 0 if shape is None else max(shape.max_depth, own)
+    need = longest + 1 + depth
     if max_length is None:
         max_length = need
     elif need > max_length:
@@ -490,14 +400,13 @@ def decode(model, input_ids, *, drafter: Drafter | None = None, tree: TreeShape 
         eos = [integer("eos_token_id", e, low=0, high=model.vocab_size - 1) for e in eos_token_id]
     else:
         eos = [integer("eos_token_id", eos_token_id, low=0, high=model.vocab_size - 1)]
-    if method == "autoregressive":
+    if method == "autoregressive" or auto and depth == 0:  # no room for a tree: plain steps
         drafter = None
     elif drafter is None:
         drafter = NGramDrafter()
-    if drafter is not None:
+    if drafter is not None and not auto:
         check_budget(drafter, shape)
     device = model.device
-    tp = tensor_parallel(model)
     if tp is not None and (cuda_graph or torch_compile or method == "unrolled"):
         raise ValueError("a tensor-parallel model decodes eager: cuda_graph, torch_compile and method='unrolled' "
                          "are not supported with it")
@@ -532,6 +441,12 @@ def decode(model, input_ids, *, drafter: Drafter | None = None, tree: TreeShape 
 
     rows = Rows(prompts, budgets, eos)
     stats = GenerationStats(new_tokens=[0] * rows.batch_size, prefilled=cache is None)
+    if auto and drafter is not None and chooser is None:
+        t0 = time.perf_counter()
+        chooser = auto_tree(model, drafter, rows.batch_size, chain=method == "chain", depth=depth,
+                            mode="cuda_graph" if cuda_graph else "compiled" if torch_compile else "eager",
+                            adaptive=params.greedy or seed is None)  # where the trees cannot change the output
+        stats.time_setup = time.perf_counter() - t0
     clock = _Clock(device, detailed=time_phases)
     start = clock.t
 
@@ -557,34 +472,41 @@ def decode(model, input_ids, *, drafter: Drafter | None = None, tree: TreeShape 
             # Finished rows ride along, one token a step: parked at length 0 they never run out of room.
             rows.exact &= rows.active
             cache.seqlens.masked_fill_((~rows.active).to(device, non_blocking=True), 0)
+        began = time.perf_counter()
         roots = rows.roots()
         live = rows.active_ids()
-        if not speculative:
-            host = autoregressive_step(model, cache, roots.to(device, non_blocking=True), params, generator, runner)
+        draft = full = None
+        if speculative:
+            if drafter is not None:
+                draft = _draft(drafter, chooser, rows, shape, roots, live, model.vocab_size, runner is None)
+                if draft is not None:
+                    full = draft if len(live) == rows.batch_size else _full_batch(draft, rows.active, roots)
+                    full = full.to(device)
+            full = share_tree(model, full, device, shapes)
+            stats.time_draft += clock.lap()
+        if full is None:  # autoregressive, or a plain step chosen over the tree
+            host = autoregressive_step(model, cache, roots.to(device, non_blocking=True), params, generator, runner,
+                                       top_k)
             for r in live:
                 rows.accepted[r].append(0)
             stats.time_verify += clock.lap()
         else:
-            full = None
-            if drafter is not None:
-                draft = drafter.propose(rows.context(), shape)
-                _check_draft(draft, roots[live], model.vocab_size)
-                if runner is None and draft.valid is not None and not bool(draft.valid[:, 1:].any()):
-                    draft = TokenTree.from_shape(TreeShape.chain(0), draft.tokens[:, :1])  # nothing drafted: one node
-                full = draft if len(live) == rows.batch_size else _full_batch(draft, rows.active, roots)
-                full = full.to(device)
-            full = share_tree(model, full, device, shapes)
-            stats.time_draft += clock.lap()
             host, result = speculative_step(target, cache, full, params, generator, backend, top_k, lap=lap,
                                             runner=runner)
             for r in live:
                 rows.accepted[r].append(int(host.counts[r]) - 1)
             if on_step is not None and drafter is not None:  # tensor parallelism: on rank 0, which drafts
                 on_step(live, draft, _rows_of(result, live) if len(live) < rows.batch_size else result)
+        n = 1 if full is None else full.n
+        stats.trees[n] = stats.trees.get(n, 0) + 1
         stats.target_forwards += 1
         _check_finite(host, rows, f"decoding step {stats.target_forwards}")
         rows.emit(host, drafter)
         _stop_at_sequences(rows, stops, seen)
+        if chooser is not None:
+            at = np.asarray(live)
+            chooser.record(None if full is None else draft, host.tokens.numpy()[at], host.counts.numpy()[at],
+                           np.arange(len(live)), (time.perf_counter() - began) * 1e3)
         stats.time_draft += clock.lap()  # feeding the drafter is drafting work
         yield rows
     clock.lap()
@@ -593,6 +515,23 @@ def decode(model, input_ids, *, drafter: Drafter | None = None, tree: TreeShape 
     stats.accepted = rows.accepted
     sequences = [rows.seq[i, : int(rows.lengths[i])].tolist() for i in range(rows.batch_size)]
     return GenerationOutput(sequences, [len(p) for p in prompts], stats, rows.exact.tolist())
+
+
+def _draft(drafter: Drafter, chooser: AutoTree | None, rows: Rows, shape, roots: torch.Tensor, live: list[int],
+           vocab_size: int, eager: bool) -> TokenTree | None:
+    """This step's checked draft for the live rows, or None for a plain step: ``shape`` drafted
+    as given (a draft with nothing in it is one node where the loop runs eager), or the
+    ``chooser``'s plan, cut to its best prefix (:mod:`stree.autotree`)."""
+    plan = shape if chooser is None else chooser.plan()
+    if plan is None:
+        return None
+    draft = drafter.propose(rows.context(), None if plan == "own" else plan)
+    check_draft(draft, roots[live], vocab_size)
+    if chooser is not None:
+        return chooser.choose(draft, np.ones(len(live), dtype=np.bool_))
+    if eager and draft.valid is not None and not bool(draft.valid[:, 1:].any()):
+        return TokenTree.from_shape(TreeShape.chain(0), draft.tokens[:, :1])  # nothing drafted: one node
+    return draft
 
 
 def _check_continued(model, cache, prompts: list[list[int]]) -> None:

@@ -11,7 +11,6 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
-import torch
 from torch.profiler import ProfilerActivity, profile
 
 __all__ = ["OpCount", "count_ops", "METADATA_OPS"]

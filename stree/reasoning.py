@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .args import integer
+from .autotree import tree_room
 from .branch import Branch
 from .drafters.base import Drafter
 from .drafters.registry import make_drafter
@@ -98,13 +99,6 @@ def _drafter(token_spec, small, temperature: float, name: str = "token_spec") ->
                      f"got {token_spec!r}")
 
 
-def _draft_depth(drafter: Drafter | None) -> int:
-    """How deep ``drafter``'s trees reach (generate's default tree, paper13, when it has no shape)."""
-    if drafter is None:
-        return 0
-    return drafter.draft_depth or (drafter.shape.max_depth if drafter.shape is not None else 3)
-
-
 def check_threshold(judge, threshold) -> float:
     """The threshold in force: ``threshold``, else the judge's default."""
     if threshold is None:
@@ -154,7 +148,7 @@ def spec_reason(base, small, tokenizer, prompt: str, *, judge="prompt", threshol
     drafter = _drafter(token_spec, small, temperature)
     small_drafter = _drafter(small_spec, None, temperature, "small_spec")
     eos = tokenizer.eos_token_id if eos_token_id is None else eos_token_id
-    depth = max(_draft_depth(d) for d in (drafter, small_drafter))
+    depth = max(tree_room(d) for d in (drafter, small_drafter))
     room = len(prompt_ids) + max_new_tokens + max_step_tokens + len(getattr(scorer, "template", [])) + depth + 2
     base_br, small_br = Branch.start(base, [prompt_ids], room), Branch.start(small, [prompt_ids], room)
     stats, steps, kept = ReasonStats(), [], []

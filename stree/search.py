@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 
 from .args import integer
+from .autotree import tree_room
 from .branch import Branch
 from .drafters.base import Drafter
 from .drafters.per_row import PerRowDrafter
@@ -133,7 +134,7 @@ def _search(model, prompt, groups: int, keep: int, *, expand: int, steps: int, s
     drafter, store = _drafter(drafter, store, share_store)
     eos = getattr(tokenizer, "eos_token_id", None) if eos_token_id is None else eos_token_id
     eos = [] if eos is None else list(eos) if isinstance(eos, (list, tuple)) else [eos]
-    depth = 0 if drafter is None else (drafter.draft_depth or getattr(drafter.shape, "max_depth", 0) or 8)
+    depth = tree_room(drafter)
     room = len(prompt) + max_new_tokens + max_step_tokens + len(getattr(judge, "template", [])) + depth + 2
     root = Branch.start(model, [list(prompt)], room)
     stats, cands = SearchStats(), []

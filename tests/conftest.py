@@ -1,6 +1,10 @@
 import os
+import tempfile
 
 import torch
+
+# tree="auto" measures each model's costs once and caches them in a file: here, one per test session
+os.environ["STREE_CACHE_DIR"] = tempfile.mkdtemp(prefix="stree-costs-")
 
 HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:

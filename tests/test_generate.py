@@ -202,7 +202,9 @@ def test_bad_inputs_name_the_argument():
     with pytest.raises(ValueError, match="input_ids row 1 is empty"):
         generate(model, [[1, 2], []], max_new_tokens=3)
     with pytest.raises(ValueError, match=r"max_length 10 is too small.*needs 13"):
-        generate(model, [[1] * 6], max_new_tokens=3, max_length=10)  # 6 + 3 + depth 4 of paper13
+        generate(model, [[1] * 6], max_new_tokens=3, max_length=10, tree=TreeShape.paper13())  # 6 + 3 + depth 4
+    # tree="auto" plans within the room left (none here: plain steps), never past it
+    assert generate(model, [[1] * 6], max_new_tokens=4, max_length=10).stats.trees.keys() == {1}
     with pytest.raises(ValueError, match=rf"tree.tokens\[0, 1\] = {V} is outside the vocabulary"):
         generate(model, [[1, 2, 3]], drafter=OutOfVocab(V), max_new_tokens=5)
     with pytest.raises(ValueError, match="root token"):

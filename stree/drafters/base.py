@@ -58,6 +58,11 @@ class Drafter:
     dynamic = False
     #: the depth of the trees it proposes when that is not the shape's (e.g. beam search)
     draft_depth: int | None = None
+    #: whether ``propose`` drafts the static shape it is given (else trees of its own making)
+    fills_shapes = True
+    #: a model the drafter runs one step per tree level on (what drafting a shape costs, for
+    #: ``tree="auto"``); None: drafting costs little next to the target
+    level_model = None
 
     #: the drafter's own random stream (None: it draws nothing)
     generator: torch.Generator | None = None

@@ -27,11 +27,13 @@ def stand_tree(name: str) -> TreeShape:
 
 def make_drafter(name: str, *, drafter_model=None, vocab_size: int | None = None, temperature: float = 0.0,
                  store=None, include_self: bool = False, seed: int = 0) -> Drafter:
-    """``stand`` / ``stand-det``: STAND with Gumbel-top-k stochastic or top-k trees over their
-    optimised static trees (:func:`stand_tree`; ``store``: a shared :class:`STANDStore`); ``consensus``: a :class:`ConsensusDrafter` (``store``: a shared
-    :class:`PathStore`); ``ssm-static``: ``drafter_model`` filling the paper's 13-node tree, by
+    """``stand`` / ``stand-det``: STAND with Gumbel-top-k stochastic or top-k trees (``store``: a
+    shared :class:`STANDStore`); ``consensus``: a :class:`ConsensusDrafter` (``store``: a shared
+    :class:`PathStore`); ``ssm-static``: ``drafter_model`` filling a static tree level by level, by
     draws without replacement at ``temperature`` when it is > 0, else top-k; ``ssm-beam``: 3 beams
-    x 4 steps (13 nodes, paper 001 App. C). ``vocab_size``: the target's, for a padded drafter."""
+    x 4 steps (13 nodes, paper 001 App. C). ``vocab_size``: the target's, for a padded drafter.
+    None of them carries a tree of its own: decoding's ``tree="auto"`` plans each step's (pass
+    ``tree=stand_tree(name)`` for STAND's calibrated trees, or any shape)."""
     if name not in DRAFTER_NAMES:
         raise ValueError(f"drafter must be one of {DRAFTER_NAMES}, got {name!r}")
     if (drafter_model is None) == (name in NEEDS_MODEL):
@@ -42,11 +44,10 @@ def make_drafter(name: str, *, drafter_model=None, vocab_size: int | None = None
     if name == "ngram":
         return NGramDrafter()
     if name in ("stand", "stand-det"):
-        return STANDDrafter(STANDStore() if store is None else store, stand_tree(name), stochastic=name == "stand",
-                            seed=seed)
+        return STANDDrafter(STANDStore() if store is None else store, stochastic=name == "stand", seed=seed)
     if name == "consensus":
         return ConsensusDrafter(PathStore() if store is None else store, include_self=include_self)
     if name == "ssm-beam":
         return SSMDrafter(drafter_model, mode="beam", beams=3, steps=4, vocab_size=vocab_size, seed=seed)
-    return SSMDrafter(drafter_model, TreeShape.paper13(), stochastic=temperature > 0,
+    return SSMDrafter(drafter_model, stochastic=temperature > 0,
                       temperature=temperature if temperature > 0 else 1.0, vocab_size=vocab_size, seed=seed)

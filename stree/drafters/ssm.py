@@ -123,7 +123,8 @@ class SSMDrafter(Drafter):
         self.model, self.shape, self.mode, self.stochastic = model, shape, mode, stochastic
         self.temperature, self.top_k, self.beams, self.steps, self.max_length = temperature, top_k, beams, steps, max_length
         self.draft_depth = steps if mode == "beam" else None
-        self.dynamic = mode == "static"
+        self.dynamic = self.fills_shapes = mode == "static"
+        self.level_model = model if mode == "static" else None
         self.vocab_size = model.vocab_size if vocab_size is None else vocab_size
         if not 1 <= self.vocab_size <= model.vocab_size:
             raise ValueError(f"vocab_size must be in [1, {model.vocab_size}] (the drafter's logits), got {vocab_size}")

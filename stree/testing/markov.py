@@ -125,7 +125,8 @@ class MarkovLM:
 class MarkovDrafter(Drafter):
     """Draws each node's children from ``q[node token]`` (``q`` ``[V, V]``), i.i.d. or without
     replacement (Gumbel-top-k, siblings in draw order), and attaches ``q`` as the declared law.
-    Children past the support of ``q`` (without replacement) are invalid."""
+    Children past the support of ``q`` (without replacement) are invalid, and so are those past
+    the ``V``-th."""
 
     def __init__(self, q: torch.Tensor, with_replacement: bool = False, seed: int = 0):
         self.q = q.float()
@@ -144,6 +145,7 @@ class MarkovDrafter(Drafter):
             if self.with_replacement:
                 draws, ok = torch.multinomial(q, len(kids), replacement=True, generator=self.generator), True
             else:
+                kids = kids[:V]  # past V draws without replacement nothing is left: those children stay invalid
                 u = torch.rand(b, V, generator=self.generator).clamp(1e-12, 1 - 1e-12)
                 draws = gumbel_top_k(q, len(kids), -(-u.log()).log())
                 ok = q.gather(1, draws) > 0

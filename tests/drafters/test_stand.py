@@ -225,8 +225,8 @@ def test_greedy_identity_with_a_shared_store(family):
 
 
 def test_the_named_stand_drafters_verify_their_optimised_trees():
-    """make_drafter("stand" / "stand-det") drafts over the trees calibrated for the shipped target
-    (stree/assets/stand-trees), and those are what the verifier sees, not the 13-node default."""
+    """The trees calibrated for the shipped target (stree/assets/stand-trees), passed as the tree,
+    are what the verifier sees; the named drafters carry none of their own (tree="auto" plans)."""
     import json
 
     from stree.demo import TARGET
@@ -237,11 +237,13 @@ def test_the_named_stand_drafters_verify_their_optimised_trees():
     report = json.loads((STAND_TREES / "calibration.json").read_text())
     for name in ("stand", "stand-det"):
         drafter = make_drafter(name)
-        assert drafter.shape == stand_tree(name) and drafter.shape.n == report["trees"][name]["nodes"] > 13
+        shape = stand_tree(name)
+        assert drafter.shape is None and shape.n == report["trees"][name]["nodes"] > 13
         seen = []
-        generate(model, [[5, 6, 7, 5, 6]], drafter=drafter, max_new_tokens=12, temperature=0.6 if name == "stand" else 0,
-                 seed=0, on_step=lambda rows, tree, result: seen.append(tree.n))
-        assert max(seen) == drafter.shape.n and set(seen) <= {1, drafter.shape.n}  # 1: nothing drafted yet
+        generate(model, [[5, 6, 7, 5, 6]], drafter=drafter, tree=shape, max_new_tokens=12,
+                 temperature=0.6 if name == "stand" else 0, seed=0,
+                 on_step=lambda rows, tree, result: seen.append(tree.n))
+        assert max(seen) == shape.n and set(seen) <= {1, shape.n}  # 1: nothing drafted yet
     with pytest.raises(ValueError, match="STAND trees are 'stand' or 'stand-det'"):
         stand_tree("ngram")
 

@@ -1,0 +1,407 @@
+"""``tree="auto"``: each step's tree chosen for expected tokens per second on the machine at hand,
+or no tree at all (a plain autoregressive step) where none pays.
+
+Acceptance (:class:`PathRates`), learned from verified steps only: the hazard h(d, j) that a
+drafted child of sibling rank j at depth d is accepted, given that its parent was and that its
+earlier siblings were not (invalid nodes, which a drafter could not fill, are not counted: the
+draft itself says which nodes exist). Counts fade by ``decay`` per step, start from a prior, and a
+depth that has seen little leans on its rank's rate over all depths. A node is accepted with
+chance prod over its path of h(d, j) prod_{i<j} (1 - h(d, i)) (Sequoia's positional acceptance,
+per depth); a tree's expected tokens per iteration is 1 (the bonus) plus its nodes' chances.
+The best tree of n nodes is then the n likeliest, grown best first (:func:`_best_first`).
+
+Cost: :func:`stree.cost.cost_profile`, measured with the drafter: drafting a tree of n nodes,
+then the target's pass, verification and commit of it, against a plain step.
+
+The choice (:class:`AutoTree`), every step:
+
+1. Before drafting, the size n maximising E(n) / (D(n) + C(n)) over the ladder of best-first
+   trees, against 1 / C(1) for a plain step. Where the plain step wins it is taken without
+   drafting; every ``probe`` such steps one draft is verified anyway (the interval doubling
+   while speculation keeps losing), so that the rates follow the text.
+2. After drafting, the draft's own chances (its invalid nodes worth nothing) give every prefix m
+   of it its E(m); the best prefix by E(m) / C(m) is verified (drafting is paid by then), or a
+   plain step taken where that is better (not on a probe) or where nothing was drafted.
+
+Everything the choice reads is the past (verified steps, measured costs) and the draft itself,
+never the target's output at this step, so every drafter stays lossless. A seed repeats its
+output as long as the cost profile is the same one (it is cached: :mod:`stree.cost`).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections import Counter
+
+import numpy as np
+from numba import njit
+
+from .cost import CostProfile, cost_profile, default_sizes
+from .tree import TokenTree, TreeShape
+
+__all__ = ["AutoTree", "PathRates", "auto_tree", "plan_shape", "tree_room"]
+
+# Sizes an eager loop weighs before drafting (any prefix of a draft may be verified after it).
+LADDER = (2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16, 20, 24, 28, 32, 40, 48, 56, 64, 80, 96, 112, 128, 160, 192, 224, 256)
+# Sizes a compiled or graphed loop uses: each is one compilation or capture, made while measuring.
+FIXED = (2, 4, 8, 16)
+FIXED_CUDA = (2, 4, 8, 16, 32, 64, 128)
+
+
+class PathRates:
+    """Hazards h(d, j) by depth d (1..``DEPTH``, deeper levels share the last) and sibling rank j
+    (0..``RANKS - 1``, later ranks share the last), learned from verified steps (see the module
+    docstring). ``prior[j]`` is worth ``weight`` observations of rank j over all depths, and the
+    rank's rate ``weight`` observations at each depth."""
+
+    DEPTH, RANKS = 16, 8
+    PRIOR = (0.6, 0.3, 0.2, 0.15, 0.12, 0.1, 0.08, 0.07)
+
+    def __init__(self, decay: float = 0.97, weight: float = 2.0, prior=PRIOR):
+        if not 0 < decay <= 1 or weight <= 0 or len(prior) != self.RANKS or not all(0 < p < 1 for p in prior):
+            raise ValueError(f"need 0 < decay <= 1, weight > 0 and {self.RANKS} prior rates in (0, 1), got "
+                             f"{decay!r}, {weight!r}, {prior!r}")
+        self.decay, self.weight, self.prior = decay, weight, np.asarray(prior, dtype=np.float64)
+        self.accepted = np.zeros((self.DEPTH + 1, self.RANKS))
+        self.reached = np.zeros((self.DEPTH + 1, self.RANKS))
+
+    def hazard(self) -> np.ndarray:
+        """``[DEPTH + 1, RANKS]`` (row 0 unused)."""
+        w = self.weight
+        by_rank = (self.accepted.sum(0) + w * self.prior) / (self.reached.sum(0) + w)
+        return (self.accepted + w * by_rank) / (self.reached + w)
+
+    def positional(self) -> np.ndarray:
+        """The chance that rank j's child is the accepted one, given its parent was: h(d, j)
+        prod_{i<j} (1 - h(d, i)), made non-increasing in j (best-first growth needs it)."""
+        h = self.hazard()
+        alive = np.cumprod(np.concatenate([np.ones((h.shape[0], 1)), 1 - h[:, :-1]], 1), 1)
+        return np.minimum.accumulate(h * alive, axis=1)
+
+    def record(self, tree: TokenTree, tokens: np.ndarray, counts: np.ndarray, rows: np.ndarray) -> None:
+        """Learn from one verified step: ``tree`` (CPU, the batch's), and for each batch row in
+        ``rows`` the emitted ``tokens[b, :counts[b]]`` (the accepted drafts, then the bonus)."""
+        self.accepted *= self.decay
+        self.reached *= self.decay
+        parents, rank, depth = _structure(tree)
+        valid = _valid(tree)
+        _record(parents, rank, depth, tree.tokens.numpy(), valid, tokens, counts, rows, self.accepted, self.reached)
+
+
+def _valid(tree: TokenTree) -> np.ndarray:
+    if tree.valid is None:
+        return np.ones(tuple(tree.tokens.shape), dtype=np.bool_)
+    return tree.valid.numpy()
+
+
+@functools.lru_cache(maxsize=256)
+def _shape_structure(shape: TreeShape) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    parents = np.asarray(shape.parents, dtype=np.int64)[None]
+    return (parents, *_rank_depth(parents))
+
+
+def _structure(tree: TokenTree) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Parents, sibling rank and depth of every node, ``[B or 1, n]`` each (a static shape's
+    once per shape)."""
+    if tree._shape is not None:
+        return _shape_structure(tree._shape)
+    parents = np.ascontiguousarray(tree.parents.cpu().numpy().reshape(-1, tree.n), dtype=np.int64)
+    return (parents, *_rank_depth(parents))
+
+
+@functools.lru_cache(maxsize=256)
+def _prefix(shape: TreeShape, m: int) -> TreeShape:
+    return TreeShape(shape.parents[:m])
+
+
+@njit(cache=True)
+def _rank_depth(parents):
+    R, n = parents.shape
+    rank = np.zeros((R, n), dtype=np.int64)
+    depth = np.zeros((R, n), dtype=np.int64)
+    kids = np.zeros(n, dtype=np.int64)
+    for r in range(R):
+        kids[:] = 0
+        for c in range(1, n):
+            p = parents[r, c]
+            rank[r, c] = kids[p]
+            kids[p] += 1
+            depth[r, c] = depth[r, p] + 1
+    return rank, depth
+
+
+@njit(cache=True)
+def _record(parents, rank, depth, tokens, valid, emitted, counts, rows, accepted, reached):
+    """Walk each row's accepted path down its tree by the emitted tokens: at every accepted node,
+    its valid children up to the accepted one were reached (all of them below the last)."""
+    D, K = accepted.shape[0] - 1, accepted.shape[1]
+    n = tokens.shape[1]
+    for b in rows:
+        s = b if parents.shape[0] > 1 else 0
+        u = 0
+        for t in range(counts[b]):
+            hit = -1
+            for c in range(u + 1, n):
+                if parents[s, c] != u or not valid[b, c]:
+                    continue
+                d, j = min(depth[s, c], D), min(rank[s, c], K - 1)
+                reached[d, j] += 1.0
+                if t < counts[b] - 1 and tokens[b, c] == emitted[b, t]:
+                    accepted[d, j] += 1.0
+                    hit = c
+                    break
+            if hit < 0:
+                break
+            u = hit
+
+
+@njit(cache=True)
+def _chances(parents, rank, depth, valid, h):
+    """Each node's chance to be accepted (0 for invalid nodes and their subtrees), ``[B, n]``."""
+    B, n = valid.shape
+    D, K = h.shape[0] - 1, h.shape[1]
+    v = np.zeros((B, n))
+    alive = np.ones(n)
+    for b in range(B):
+        s = b if parents.shape[0] > 1 else 0
+        v[b, 0] = 1.0
+        alive[:] = 1.0
+        for c in range(1, n):
+            p = parents[s, c]
+            if not valid[b, c] or v[b, p] == 0.0:
+                continue
+            x = h[min(depth[s, c], D), min(rank[s, c], K - 1)]
+            v[b, c] = v[b, p] * alive[p] * x
+            alive[p] *= 1.0 - x
+    return v
+
+
+@njit(cache=True)
+def _best_prefix(v, active, cost, allow_plain):
+    """The prefix size m (1: a plain step) maximising the active rows' expected tokens per
+    millisecond, ``cost[m]`` being an iteration of m nodes (inf: not allowed)."""
+    rows = 0.0
+    for b in range(v.shape[0]):
+        if active[b]:
+            rows += 1.0
+    best, best_rate = 1, (rows / cost[1] if allow_plain else -1.0)
+    gain = rows
+    for m in range(2, v.shape[1] + 1):
+        for b in range(v.shape[0]):
+            if active[b]:
+                gain += v[b, m - 1]
+        rate = gain / cost[m]
+        if rate > best_rate * (1.0 + 1e-9):
+            best, best_rate = m, rate
+    return best
+
+
+@njit(cache=True)
+def _best_first(a, nodes):
+    """The ``nodes`` likeliest nodes under positional chances ``a[d, j]``, best first (ties: the
+    shallower, then the one offered first): parents, ranks, depths. A node's children and later
+    siblings are offered only once it is taken, which is exact because a chance never exceeds
+    the parent's or an earlier sibling's."""
+    D, K = a.shape[0] - 1, a.shape[1]
+    parents = np.full(nodes, -1, dtype=np.int64)
+    value = np.zeros(nodes)
+    value[0] = 1.0
+    cap = 2 * nodes + 2
+    cv = np.zeros(cap)  # each candidate's chance, parent, depth and rank
+    cp, cd, cj = np.zeros(cap, dtype=np.int64), np.zeros(cap, dtype=np.int64), np.zeros(cap, dtype=np.int64)
+    live = np.zeros(cap, dtype=np.bool_)
+    m = 0
+    if D >= 1:
+        cv[0], cp[0], cd[0], cj[0], live[0], m = a[1, 0], 0, 1, 0, True, 1
+    count = 1
+    while count < nodes:
+        best = -1
+        for i in range(m):
+            if live[i] and (best < 0 or cv[i] > cv[best] or (cv[i] == cv[best] and cd[i] < cd[best])):
+                best = i
+        if best < 0 or cv[best] <= 0.0:
+            break
+        live[best] = False
+        k = count
+        parents[k], value[k] = cp[best], cv[best]
+        count += 1
+        d, j = cd[best], cj[best]
+        if d + 1 <= D:
+            cv[m], cp[m], cd[m], cj[m], live[m] = value[k] * a[d + 1, 0], k, d + 1, 0, True
+            m += 1
+        if j + 1 < K:
+            cv[m], cp[m], cd[m], cj[m], live[m] = value[cp[best]] * a[d, j + 1], cp[best], d, j + 1, True
+            m += 1
+    return parents[:count]
+
+
+class AutoTree:
+    """The per-step choice of one decoding call (see the module docstring): :meth:`plan` before
+    drafting (a shape, or None for a plain step), :meth:`choose` after it (the draft cut to its
+    best prefix, or None for a plain step), :meth:`record` after the step.
+
+    ``profile``: the measured costs of the target (and drafter) at the loop's batch size;
+    ``sizes``: the tree sizes allowed (None: any prefix up to the profile's largest size, shapes
+    re-planned from the rates as they change; else those sizes only, prefixes of one fixed plan,
+    as compiled passes and CUDA graphs need); ``chain``: chains only (``method="chain"``);
+    ``fills_shapes``: whether the drafter drafts the shape it is given (else its own, and only
+    the choice after drafting applies); ``depth``: the deepest tree the cache has room for;
+    ``adaptive``: scale the profile's plain and speculative
+    costs by what the loop's iterations take (:meth:`record`'s ``elapsed_ms``): a drafter model
+    catching up after plain steps, caches the drafter evicts, the loop's own bookkeeping. The
+    choice then follows the clock: outputs stay lossless but a seed no longer fixes the trees,
+    so decoding turns it on only where the output does not depend on them (greedy, or no seed).
+    ``chosen`` counts the steps per tree size (1: a plain step)."""
+
+    REPLAN = 8  # steps between re-plans (of an eager loop's shapes, and of the size to draft)
+    PROBE, PROBE_MAX = 4, 64
+    ADAPT = 0.15  # weight of the newest iteration in the cost scales
+
+    def __init__(self, profile: CostProfile, *, sizes=None, chain: bool = False, fills_shapes: bool = True,
+                 depth: int = PathRates.DEPTH, adaptive: bool = False, rates: PathRates | None = None):
+        self.profile, self.chain, self.fills_shapes, self.adaptive = profile, chain, fills_shapes, adaptive
+        self.rates = rates if rates is not None else PathRates()
+        self.depth = min(depth, PathRates.DEPTH)
+        top = max(profile.nodes) if profile.nodes else 2
+        self.fixed = sizes is not None
+        self._order = plan_shape(self.rates, top if sizes is None else max(sizes), chain, self.depth)
+        self.sizes = tuple(sorted(s for s in (sizes or LADDER) if s <= min(top, self._order.n)))
+        if not fills_shapes:
+            self._order = None
+        self.max_nodes = max(self.sizes, default=1)
+        self.cost = np.full(self.max_nodes + 1, np.inf)  # the target's part of an iteration of m nodes
+        for m in range(1, self.max_nodes + 1):
+            if not self.fixed or m == 1 or m in self.sizes:
+                self.cost[m] = profile.iteration_ms(m)
+        self.draft_cost = np.array([profile.drafting_ms(m) for m in range(self.max_nodes + 1)])
+        self.scale = {"plain": 1.0, "tree": 1.0}  # realised / predicted iteration time
+        self.chosen: Counter = Counter()
+        self._since_plan, self._plain_run, self._probe_every, self._probing = 0, 0, self.PROBE, False
+        self._predicted = ("plain", self.cost[1])  # this step's kind and predicted milliseconds
+        self._drafted = 0  # nodes drafted this step (0: none)
+        self._pick, self._probe_size = self._pick_sizes()
+
+    # -- before drafting ----------------------------------------------------------------------
+    def prefix(self, m: int) -> TreeShape:
+        """The first ``m`` nodes of the current plan."""
+        return _prefix(self._order, m)
+
+    def _pick_sizes(self) -> tuple[int, int]:
+        """The best size to draft under the current rates and costs (1: a plain step), and the
+        best size of a draft whatever a plain step is worth (what a probe drafts)."""
+        order = self._order
+        if order is None or not self.sizes:  # no tree fits: plain steps only
+            return 1, 1
+        v = _chances(*_shape_structure(order), np.ones((1, order.n), dtype=np.bool_), self.rates.hazard())[0]
+        gain = 1.0 + np.cumsum(v[1:])  # gain[m - 2]: a prefix of m nodes
+        best, best_rate = self.sizes[0], 0.0
+        for m in self.sizes:
+            rate = gain[m - 2] / ((self.cost[m] + self.draft_cost[m]) * self.scale["tree"])
+            if rate > best_rate * (1.0 + 1e-9):
+                best, best_rate = m, rate
+        return (best if best_rate > 1.0 / (self.cost[1] * self.scale["plain"]) else 1), best
+
+    def plan(self):
+        """The shape to draft this step, None for a plain step without drafting, or "own" (a
+        drafter that drafts its own trees: draft, then :meth:`choose`). After ``probe`` plain
+        steps in a row (chosen before or after drafting; the interval doubling while they keep
+        winning) the step is a probe: drafted, and verified whatever its worth."""
+        self._probing = self._plain_run >= self._probe_every
+        if self._probing:
+            self._plain_run = 0
+            self._probe_every = min(2 * self._probe_every, self.PROBE_MAX)
+        self._predicted, self._drafted = ("plain", self.cost[1]), 0
+        if not self.fills_shapes:
+            return "own"
+        if self._pick == 1 and (not self._probing or not self.sizes):
+            self._plain_run += 1
+            return None
+        self._drafted = self._pick if self._pick > 1 else self._probe_size
+        return self.prefix(self._drafted)
+
+    # -- after drafting -------------------------------------------------------------------------
+    def choose(self, draft: TokenTree, active: np.ndarray) -> TokenTree | None:
+        """``draft`` (CPU, one row per batch row; ``active`` marks the rows that count) cut to its
+        best prefix, or None where a plain step is better or nothing was drafted."""
+        self._drafted = self._drafted or draft.n
+        drafting = self.draft_cost[min(self._drafted, self.max_nodes)]
+        self._predicted = ("plain", drafting + self.cost[1])
+        valid = _valid(draft)
+        n = min(draft.n, self.max_nodes)
+        if not valid[active, 1:n].any():
+            return None
+        parents, rank, depth = _structure(draft)
+        v = _chances(parents[:, :n], rank[:, :n], depth[:, :n], np.ascontiguousarray(valid[:, :n]),
+                     self.rates.hazard())
+        cost = self.cost[: n + 1] * self.scale["tree"]
+        cost[1] = self.cost[1] * self.scale["plain"]
+        m = _best_prefix(v, active, cost, not self._probing)
+        if m == 1:
+            self._plain_run += 1
+            return None
+        self._predicted = ("tree", drafting + self.cost[m])
+        return draft if m == draft.n else _cut(draft, m)
+
+    # -- after the step -------------------------------------------------------------------------
+    def record(self, tree: TokenTree | None, tokens: np.ndarray | None = None, counts: np.ndarray | None = None,
+               rows: np.ndarray | None = None, elapsed_ms: float | None = None) -> None:
+        """After a step: ``tree`` the verified draft (None: a plain step) and, for the rows
+        ``rows`` of it, the emitted ``tokens``/``counts``; ``elapsed_ms``: the whole iteration."""
+        self.chosen[1 if tree is None else tree.n] += 1
+        kind, predicted = self._predicted
+        if self.adaptive and elapsed_ms is not None and elapsed_ms > 0:
+            self.scale[kind] += self.ADAPT * (elapsed_ms / predicted - self.scale[kind])
+        self._since_plan += 1
+        if tree is not None:
+            self.rates.record(tree, tokens, counts, rows)
+            if not self._probing:  # speculation won this step: probes start again from the shortest interval
+                self._plain_run, self._probe_every = 0, self.PROBE
+        if (tree is not None and self._probing) or self._since_plan >= self.REPLAN:
+            self._since_plan = 0
+            if tree is not None and not self.fixed and self.fills_shapes:
+                self._order = plan_shape(self.rates, self.max_nodes, self.chain, self.depth)
+            self._pick, self._probe_size = self._pick_sizes()
+
+
+def tree_room(drafter) -> int:
+    """How deep ``drafter``'s trees may reach, for sizing a cache: its own trees' depth, or its
+    own shape's, else the deepest tree ``tree="auto"`` plans."""
+    if drafter is None:
+        return 0
+    shape = getattr(drafter, "shape", None)
+    return getattr(drafter, "draft_depth", None) or (shape.max_depth if shape is not None else PathRates.DEPTH)
+
+
+def plan_shape(rates: PathRates, nodes: int, chain: bool = False, depth: int = PathRates.DEPTH) -> TreeShape:
+    """The best-first tree of at most ``nodes`` nodes and ``depth`` levels under ``rates``
+    (``chain``: one child per node)."""
+    a = rates.positional()
+    a[depth + 1:] = 0.0
+    if chain:
+        a[:, 1:] = 0.0
+    return TreeShape(tuple(int(p) for p in _best_first(a, nodes)))
+
+
+def _cut(draft: TokenTree, m: int) -> TokenTree:
+    """The first ``m`` nodes of ``draft`` (parents come first, so they are a tree)."""
+    cut = lambda t: None if t is None else t[:, :m]  # noqa: E731
+    extra = dict(valid=cut(draft.valid), child_ids=cut(draft.child_ids), child_probs=cut(draft.child_probs),
+                 with_replacement=draft.with_replacement)
+    if draft._shape is not None:
+        return TokenTree.from_shape(_prefix(draft._shape, m), draft.tokens[:, :m], **extra)
+    return TokenTree(draft.parents[..., :m], draft.tokens[:, :m], **extra)
+
+
+def auto_tree(model, drafter, batch: int, *, mode: str, chain: bool = False, depth: int = PathRates.DEPTH,
+              adaptive: bool = False) -> AutoTree:
+    """The :class:`AutoTree` of a decoding call: the costs of ``model`` with ``drafter`` at
+    ``batch`` rows in ``mode`` (measured on first use, then cached: :func:`stree.cost.cost_profile`)
+    over the shapes the rates' prior plans (at most ``depth`` deep)."""
+    device = model.device
+    fixed = None if mode == "eager" else (FIXED_CUDA if device.type == "cuda" else FIXED)
+    prior = plan_shape(PathRates(), max(fixed or default_sizes(device)), chain, depth)  # the plan before any step
+    sizes = tuple(n for n in fixed or default_sizes(device) if n <= prior.n) or (prior.n,)
+    fills = getattr(drafter, "fills_shapes", True)
+    profile = cost_profile(model, batch, drafter=drafter if fills else None, mode=mode,
+                           shapes=[_prefix(prior, n) for n in sizes if n >= 2])
+    return AutoTree(profile, sizes=fixed and sizes, chain=chain, fills_shapes=fills, depth=depth, adaptive=adaptive)

@@ -1,0 +1,141 @@
+"""One decoding step's device work, each ending in ONE device-to-host transfer of everything the
+host needs (the emitted tokens, their counts, and what the drafter learns from): the prefill's
+first token (:func:`prefill_rows`), an autoregressive step (:func:`autoregressive_step`) and a
+speculative step (:func:`speculative_step`: tree pass, verification, commit). The decoding loop
+(:mod:`stree.generate`) and the cost model (:mod:`stree.cost`) both run them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .distributed import agree
+from .models.runners import DecodeRunner
+from .tree import TokenTree
+from .verify import SamplingParams, verify
+
+__all__ = ["HostStep", "autoregressive_step", "check_draft", "prefill_rows", "speculative_step"]
+
+
+@dataclass
+class HostStep:
+    """What one decoding step hands the host, from one device-to-host transfer: per row the
+    ``tokens [B, L]`` emitted (the first ``counts[b]``) and, when ``top_k`` was asked for, the
+    target distributions they came from (``TargetTop`` parts ``[B, L, k]`` and ``[B, L]``)."""
+
+    tokens: torch.Tensor
+    counts: torch.Tensor
+    finite: torch.Tensor  # [B] bool: every logit of the row was finite
+    top_ids: torch.Tensor | None = None
+    top_probs: torch.Tensor | None = None
+    token_probs: torch.Tensor | None = None
+
+
+def _finite(logits: torch.Tensor, params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
+    """Whether each position's logits are free of NaN and +inf (one sum, one compare: both survive
+    the sum; -inf, a token ruled out, is allowed), and the logits with the bad positions zeroed
+    when sampling, so that no NaN reaches a draw (a crash on the CPU, a device assert on CUDA)
+    before the host sees the flag."""
+    finite = logits.sum(-1) < float("inf")
+    return finite, logits if params.greedy else logits.where(finite[..., None], 0.0)
+
+
+def _to_host(tokens: torch.Tensor, counts: torch.Tensor, probs: torch.Tensor | None, top_k: int,
+             finite: torch.Tensor) -> HostStep:
+    """Pack everything into one fp32 tensor (cat promotes the ids; vocabularies stay below 2^24,
+    where fp32 holds integers exactly), move it once, unpack on the host. ``probs [B, L, V]``: the
+    law each emitted token was drawn from (None: no drafter learns); ``finite [B, ...]``: see
+    :func:`_finite`."""
+    B, L = tokens.shape
+    finite = finite.reshape(B, -1)
+    parts = [tokens, counts[:, None], finite]
+    k = 0
+    if probs is not None:
+        k = min(top_k, probs.shape[-1])
+        top_p, top_i = torch.topk(probs, k, dim=-1)
+        parts += [top_i.flatten(1), top_p.flatten(1), probs.gather(-1, tokens[..., None])[..., 0]]
+    host = torch.cat(parts, 1).float().cpu()  # the step's one device-to-host sync
+    m = finite.shape[1]
+    out = HostStep(host[:, :L].long(), host[:, L].long(), host[:, L + 1: L + 1 + m].bool().all(1))
+    if probs is not None:
+        at = L + 1 + m
+        out.top_ids = host[:, at: at + L * k].long().view(B, L, k)
+        out.top_probs = host[:, at + L * k: at + 2 * L * k].view(B, L, k)
+        out.token_probs = host[:, at + 2 * L * k:]
+    return out
+
+
+def prefill_rows(model, rows, cache, params: SamplingParams, generator, top_k: int | None) -> HostStep:
+    """Feed the prompts of ``rows`` (the loop's :class:`~stree.generate.Rows`) into the (empty)
+    cache and draw each row's first token."""
+    longest = int(rows.lengths.max())
+    logits = model.prefill(rows.seq[:, :longest].to(model.device), cache, lengths=rows.lengths)
+    finite, logits = _finite(logits, params)
+    first, = agree(model, params.sample(logits, generator)[:, None])
+    probs = None if top_k is None else params.observed(logits)[:, None]
+    return _to_host(first, torch.ones_like(first[:, 0]), probs, top_k or 0, finite)
+
+
+def autoregressive_step(model, cache, roots: torch.Tensor, params: SamplingParams, generator,
+                        runner: DecodeRunner | None = None, top_k: int | None = None) -> HostStep:
+    """One token for every row: the target's step on the roots (the ``runner``'s step, a CUDA graph
+    or a compiled one, when given), then one sampled token each, with the law it was drawn from
+    when ``top_k`` is set (a drafter learning from the target's distributions)."""
+    logits = runner.step()(roots, validate=False) if runner is not None else model.step(roots, cache, validate=False)
+    finite, logits = _finite(logits, params)
+    nxt, = agree(model, params.sample(logits, generator))
+    probs = None if top_k is None else params.observed(logits)[:, None]
+    return _to_host(nxt[:, None], torch.ones_like(nxt), probs, top_k or 0, finite)
+
+
+def speculative_step(model, cache, draft: TokenTree, params: SamplingParams, generator, backend: str = "tree",
+                     top_k: int | None = None, lap=None, runner: DecodeRunner | None = None):
+    """Score ``draft`` (on the model's device, checked on the host) in one tree pass, verify it,
+    commit the accepted paths, and hand the host the emitted tokens (accepted drafts, then the
+    bonus) with their target laws when ``top_k`` is set. Returns ``(host, result)``. With a
+    ``runner``, a draft of a static shape goes through that shape's tree pass and commit (CUDA
+    graphs or compiled).
+    ``lap(phase)``, if given, is called after "verify" (tree pass and verification) and "commit"."""
+    fast = runner is not None and backend == "tree" and draft._shape is not None
+    if fast:
+        fast_tree, fast_commit = runner.tree(draft._shape)
+        logits, tree_pass = fast_tree(draft.tokens, validate=False)
+    else:
+        logits, tree_pass = model.forward_tree(draft, cache, backend=backend, validate=False)
+    finite, logits = _finite(logits, params)
+    result = verify(draft, logits, params, generator=generator, validate=False)
+    result.accepted, result.num_accepted, result.bonus = agree(model, result.accepted, result.num_accepted,
+                                                               result.bonus)  # rank 0's, under tensor parallelism
+    if lap is not None:
+        lap("verify")
+    if fast:
+        fast_commit(tree_pass, result.accepted, result.num_accepted)
+    else:
+        model.commit(cache, tree_pass, result.accepted, result.num_accepted, validate=False)
+    path_tokens = draft.tokens.gather(1, result.accepted)
+    out = torch.cat([path_tokens[:, 1:], path_tokens[:, :1]], 1)
+    out.scatter_(1, (result.num_accepted - 1)[:, None], result.bonus[:, None])
+    probs = None
+    if top_k is not None:
+        at_path = result.accepted[:, :, None].expand(-1, -1, logits.shape[-1])
+        probs = result.probs.gather(1, at_path) if result.probs is not None else params.observed(logits.gather(1, at_path))
+    host = _to_host(out, result.num_accepted, probs, top_k or 0, finite)
+    if lap is not None:
+        lap("commit")
+    return host, result
+
+
+def check_draft(draft: TokenTree, roots: torch.Tensor, vocab_size: int) -> None:
+    """The drafter's tree, on the host (no device is waited on): one row per drafted row, the
+    rows' roots, every id in the vocabulary."""
+    if not isinstance(draft, TokenTree) or draft.batch_size != len(roots):
+        raise ValueError(f"the drafter must return a TokenTree with one row per active row ({len(roots)})")
+    if not bool((draft.tokens[:, 0].cpu() == roots).all()):
+        raise ValueError("the drafter returned a tree whose root token is not the row's last token")
+    bad = (draft.tokens < 0) | (draft.tokens >= vocab_size)
+    if bool(bad.any()):
+        pos = tuple(int(v) for v in torch.nonzero(bad)[0])
+        raise ValueError(f"tree.tokens{list(pos)} = {int(draft.tokens[pos])} is outside the vocabulary [0, {vocab_size})")
+    if draft.child_ids is not None and bool(((draft.child_ids < 0) | (draft.child_ids >= vocab_size)).any()):
+        raise ValueError(f"tree.child_ids holds ids outside the vocabulary [0, {vocab_size})")

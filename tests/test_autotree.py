@@ -1,0 +1,311 @@
+"""tree="auto": the acceptance counts, each node's chance, the best-first plan and the best prefix
+against their definitions; the choice between trees and plain steps under made-up costs; and in
+the decoding loop, greedy identity for every drafter, the exact sampling law while the choice
+switches sizes and falls back to plain steps, explicit trees honoured exactly."""
+
+import itertools
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from tiny_models import FAMILIES, mamba2
+
+from stree.autotree import AutoTree, PathRates, _best_first, _best_prefix, _chances, _rank_depth, plan_shape
+from stree.cost import CostProfile
+from stree.drafters.registry import DRAFTER_NAMES, NEEDS_MODEL, make_drafter
+from stree.generate import generate
+from stree.testing import MarkovDrafter, MarkovLM, cell_counts, chi_square
+from stree.tree import TokenTree, TreeShape
+
+SEEDED_P = 1e-3
+
+
+def tree_of(parents, tokens, valid=None):
+    t = torch.tensor
+    return TokenTree(t(parents), t(tokens), None if valid is None else t(valid))
+
+
+def test_rates_count_what_the_verifier_did():
+    """Root -> 1 (rank 0), 2 (rank 1), 4 (rank 2, invalid); 1 -> 3. Row 0 accepted node 2, row 1
+    nodes 1 and 3, row 2 nothing."""
+    parents = [-1, 0, 0, 1, 0]
+    tokens = [[9, 10, 11, 12, 13]] * 3
+    valid = [[True, True, True, True, False]] * 3
+    tree = tree_of(parents, tokens, valid)
+    rates = PathRates(decay=1.0)
+    emitted = np.array([[11, 7, 0], [10, 12, 5], [4, 0, 0]])
+    rates.record(tree, emitted, np.array([2, 3, 1]), np.arange(3))
+    acc, reached = rates.accepted, rates.reached
+    assert (reached[1, 0], acc[1, 0]) == (3, 1)  # node 1: reached by every row, accepted by row 1
+    assert (reached[1, 1], acc[1, 1]) == (2, 1)  # node 2: rows 0 and 2 got there, row 0 took it
+    assert (reached[2, 0], acc[2, 0]) == (1, 1)  # node 3 below row 1's accepted node 1
+    assert reached[1, 2] == 0 and reached.sum() == 6  # the invalid node is never counted
+    rates.record(tree, emitted, np.array([2, 3, 1]), np.array([2]))  # one row only; the others ride along
+    assert reached.sum() == 8 and acc.sum() == 3
+
+
+def test_rates_fade_and_lean_on_the_prior():
+    rates = PathRates(decay=0.5)
+    h0 = rates.hazard()
+    assert h0[1, 0] == pytest.approx(PathRates.PRIOR[0]) and h0[5, 3] == pytest.approx(PathRates.PRIOR[3])
+    tree = tree_of([-1, 0], [[3, 4]])
+    for _ in range(30):  # the child is rejected every step
+        rates.record(tree, np.array([[5]]), np.array([1]), np.arange(1))
+    assert rates.reached[1, 0] == pytest.approx(2.0, rel=1e-6)  # 1 + 1/2 + 1/4 + ...
+    assert rates.hazard()[1, 0] < 0.25 < rates.hazard()[1, 1]
+    pos = rates.positional()
+    assert np.all(np.diff(pos, axis=1) <= 1e-12)  # non-increasing in rank
+
+
+def path_chance(parents, valid, h, c):
+    """A node's chance by the definition: along its path, each node's hazard times the misses of
+    its valid earlier siblings."""
+    p = 1.0
+    while c > 0:
+        if not valid[c]:
+            return 0.0
+        par = parents[c]
+        sibs = [s for s in range(1, len(parents)) if parents[s] == par]
+        rank = sibs.index(c)
+        depth = 0
+        v = c
+        while v > 0:
+            v, depth = parents[v], depth + 1
+        D, K = h.shape[0] - 1, h.shape[1]
+        hz = lambda r: h[min(depth, D), min(r, K - 1)]  # noqa: E731
+        p *= hz(rank) * np.prod([1 - hz(sibs.index(s)) for s in sibs[:rank] if valid[s]])
+        c = par
+    return p
+
+
+@st.composite
+def trees_with_hazards(draw):
+    n = draw(st.integers(1, 12))
+    parents = [-1] + [draw(st.integers(0, i - 1)) for i in range(1, n)]
+    valid = [True] + [draw(st.booleans()) for _ in range(n - 1)]
+    h = np.array(draw(st.lists(st.floats(0.01, 0.99), min_size=4 * 3, max_size=4 * 3))).reshape(4, 3)
+    return parents, valid, h
+
+
+@given(trees_with_hazards())
+def test_chances_follow_the_definition(case):
+    parents, valid, h = case
+    p = np.array([parents], dtype=np.int64)
+    rank, depth = _rank_depth(p)
+    got = _chances(p, rank, depth, np.array([valid]), h)[0]
+    want = [1.0] + [path_chance(parents, valid, h, c) for c in range(1, len(parents))]
+    np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-15)
+
+
+@given(st.lists(st.floats(0.05, 0.95), min_size=9, max_size=9), st.integers(2, 30))
+def test_best_first_takes_the_likeliest_nodes(hazards, nodes):
+    """Against enumeration of every node of the 3-deep, 3-wide tree: the plan's chances sum to
+    the largest sum any closed set of that many nodes has (the top values)."""
+    rates = PathRates()
+    h = np.zeros((rates.DEPTH + 1, rates.RANKS))
+    h[1:4, :3] = np.array(hazards).reshape(3, 3)
+    alive = np.cumprod(np.concatenate([np.ones((h.shape[0], 1)), 1 - h[:, :-1]], 1), 1)
+    a = np.minimum.accumulate(h * alive, axis=1)
+    a[4:] = 0.0  # nothing deeper than 3
+    values = []
+    for depth in (1, 2, 3):
+        for ranks in itertools.product(range(3), repeat=depth):
+            values.append(np.prod([a[d + 1, j] for d, j in enumerate(ranks)]))
+    top = sorted(values, reverse=True)[: nodes - 1]
+    parents = _best_first(a, nodes)
+    p = parents[None].astype(np.int64)
+    rank, depth = _rank_depth(p)
+    got = [np.prod([a[depth[0, v], rank[0, v]] for v in path]) for path in _paths(parents[:len(top) + 1])]
+    assert len(parents) == len(top) + 1
+    assert sum(got) == pytest.approx(sum(top), rel=1e-9)
+    assert all(parents[i] < i for i in range(1, len(parents)))
+
+
+def _paths(parents):
+    out = []
+    for c in range(1, len(parents)):
+        path, v = [], c
+        while v > 0:
+            path.append(v)
+            v = parents[v]
+        out.append(path)
+    return out
+
+
+@given(st.lists(st.lists(st.floats(0, 1), min_size=6, max_size=6), min_size=1, max_size=3),
+       st.lists(st.floats(0.5, 20), min_size=6, max_size=6), st.booleans())
+def test_best_prefix_maximises_tokens_per_millisecond(chances, costs, allow_plain):
+    v = np.array(chances)
+    v[:, 0] = 1.0
+    cost = np.array([np.inf] + costs)
+    active = np.ones(len(v), dtype=np.bool_)
+    m = _best_prefix(v, active, cost, allow_plain)
+    rate = lambda k: (len(v) + v[:, 1:k].sum()) / cost[k] if k > 1 else len(v) / cost[1]  # noqa: E731
+    candidates = range(1 if allow_plain else 2, 7)
+    assert rate(m) == pytest.approx(max(rate(k) for k in candidates), rel=1e-9)
+
+
+# ---- the choice ---------------------------------------------------------------------------
+def expensive():
+    return CostProfile(1.0, (2, 4, 8, 16), (6.0, 6.5, 7.0, 8.0))
+
+
+def cheap():
+    return CostProfile(1.0, (2, 4, 8, 16), (1.05, 1.1, 1.2, 1.4))
+
+
+def full_draft(shape, fill=None):
+    tokens = torch.arange(shape.n)[None] + 100
+    valid = None if fill is None else (torch.arange(shape.n) < fill)[None]
+    return TokenTree.from_shape(shape, tokens, valid=valid)
+
+
+def test_plain_steps_win_where_trees_cost_too_much_and_probes_follow_the_text():
+    auto = AutoTree(expensive())
+    plans = []
+    for _ in range(40):
+        plan = auto.plan()
+        plans.append(plan)
+        if plan is None:
+            auto.record(None)
+            continue
+        draft = auto.choose(full_draft(plan), np.ones(1, dtype=np.bool_))
+        assert draft is not None  # a probe is verified whatever its worth
+        auto.record(draft, np.array([[999, 0]]), np.array([1]), np.arange(1))  # nothing accepted
+    probes = [i for i, p in enumerate(plans) if p is not None]
+    assert probes[:3] == [4, 13, 30]  # after 4 plain steps, then 8, then 16
+    assert auto.chosen[1] == 40 - len(probes)
+
+
+def test_cheap_trees_are_drafted_and_cut_to_what_was_filled():
+    auto = AutoTree(cheap())
+    plan = auto.plan()
+    assert plan is not None and plan.n >= 4
+    cut = auto.choose(full_draft(plan, fill=2), np.ones(1, dtype=np.bool_))
+    assert cut.n == 2 and cut._shape.parents == plan.parents[:2]  # the filled prefix only
+    assert auto.choose(full_draft(plan, fill=1), np.ones(1, dtype=np.bool_)) is None  # nothing drafted
+
+
+def test_learned_rates_grow_the_tree_and_poor_ones_shrink_it():
+    good, bad = AutoTree(cheap()), AutoTree(cheap())
+    for auto, accept in ((good, True), (bad, False)):
+        for _ in range(3 * AutoTree.REPLAN):
+            plan = auto.plan()
+            if plan is None:
+                auto.record(None)
+                continue
+            draft = auto.choose(full_draft(plan), np.ones(1, dtype=np.bool_))
+            if draft is None:
+                auto.record(None)
+                continue
+            path, v = [], 0  # the first child all the way down
+            kids = draft._shape.children()
+            while kids[v]:
+                v = kids[v][0]
+                path.append(int(draft.tokens[0, v]))
+            emitted = path + [0] if accept else [999]
+            auto.record(draft, np.array([emitted]), np.array([len(emitted)]), np.arange(1))
+    assert good._pick > 4 and good._order.max_depth > 4
+    assert bad._pick == 1 and bad.chosen[1] > 0
+
+
+def test_fixed_sizes_only():
+    auto = AutoTree(cheap(), sizes=(2, 4, 8))
+    order = auto._order
+    for fill in (2, 3, 5, 8):
+        plan = auto.plan()
+        got = auto.choose(full_draft(plan, fill=fill), np.ones(1, dtype=np.bool_))
+        assert got is None or got.n in (2, 4, 8)
+        auto.record(None)
+    assert auto._order is order  # never re-planned: compiled passes and graphs keep their shapes
+
+
+def test_chains_under_method_chain():
+    shape = plan_shape(PathRates(), 9, chain=True)
+    assert shape.parents == TreeShape.chain(8).parents
+
+
+def test_adaptive_costs_follow_the_clock():
+    auto = AutoTree(cheap(), adaptive=True)
+    for _ in range(4 * AutoTree.REPLAN):  # every tree takes 10x what the profile says
+        plan = auto.plan()
+        draft = None if plan is None else auto.choose(full_draft(plan), np.ones(1, dtype=np.bool_))
+        if draft is None:
+            auto.record(None, elapsed_ms=1.0)
+        else:
+            auto.record(draft, np.array([[int(draft.tokens[0, 1]), 0]]), np.array([2]), np.arange(1),
+                        elapsed_ms=10 * auto.cost[draft.n])
+    assert auto.scale["tree"] > 5 and auto._pick == 1
+    fixed = AutoTree(cheap())  # not adaptive: the clock is ignored
+    fixed.record(None, elapsed_ms=100.0)
+    assert fixed.scale == {"plain": 1.0, "tree": 1.0}
+
+
+# ---- in the loop ------------------------------------------------------------------------------
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_auto_is_token_identical_for_every_drafter(family):
+    model = FAMILIES[family]()
+    small = mamba2(n_layer=1, seed=3)
+    g = torch.Generator().manual_seed(0)
+    motif = torch.randint(0, model.vocab_size, (5,), generator=g).tolist()
+    prompts = [motif * 3, motif[:3] * 2 + [1]]
+    ref = generate(model, prompts, method="autoregressive", max_new_tokens=24)
+    kinds = set()
+    for name in DRAFTER_NAMES:
+        for method in ("stree", "chain"):
+            drafter = make_drafter(name, drafter_model=small if name in NEEDS_MODEL else None,
+                                   vocab_size=model.vocab_size)
+            if method == "chain" and name == "ssm-beam":
+                continue
+            out = generate(model, prompts, drafter=drafter, method=method, max_new_tokens=24)
+            assert out.sequences == ref.sequences, (name, method)
+            kinds |= {1 if n == 1 else 2 for n in out.stats.trees}
+    assert kinds == {1, 2}  # both plain steps and trees were taken
+
+
+def test_explicit_trees_are_honoured_exactly():
+    model = mamba2()
+    prompts = [[1, 2, 3, 1, 2, 3, 1, 2]]
+    shape = TreeShape.paper13()
+    out = generate(model, prompts, tree=shape, max_new_tokens=12)
+    assert set(out.stats.trees) == {13} and out.stats.time_setup == 0.0
+    ar = generate(model, prompts, method="autoregressive", tree="auto", max_new_tokens=12)  # a no-op there
+    assert set(ar.stats.trees) == {1}
+    with pytest.raises(ValueError, match="tree must be 'auto'"):
+        generate(model, prompts, tree="paper13", max_new_tokens=4)
+    with pytest.raises(ValueError, match="drafts trees, but method='chain'"):
+        generate(model, prompts, tree=AutoTree(cheap()), method="chain", max_new_tokens=4)
+
+
+def test_the_same_seed_repeats_the_output_under_auto():
+    model = mamba2()
+    prompts = [[1, 2, 3, 1, 2, 3, 1, 2], [4, 5]]
+    a = generate(model, prompts, max_new_tokens=20, temperature=1.0, seed=3)
+    b = generate(model, prompts, max_new_tokens=20, temperature=1.0, seed=3)
+    assert a.sequences == b.sequences and a.stats.trees == b.stats.trees
+
+
+def test_sampling_law_holds_while_the_choice_switches_and_falls_back():
+    """An order-1 Markov table (V = 4), a mismatched random drafter, costs that make the choice
+    move between plain steps and trees of several sizes: tokens 3-5 of 40k rows fit the exact
+    law (marginal of the first 5) by chi-square."""
+    V = 4
+    torch.manual_seed(1)
+    table = torch.distributions.Dirichlet(torch.full((V,), 0.6, dtype=torch.float64)).sample((V,))
+    q = torch.distributions.Dirichlet(torch.ones(V)).sample((V,))
+    model = MarkovLM(table)
+    prompt = [1, 2, 0]
+
+    class Quick(AutoTree):
+        PROBE = 1  # a probe after one plain step: the choice moves within the first tokens
+
+    auto = Quick(CostProfile(1.0, (2, 3, 4, 6), (1.56, 1.8, 1.92, 2.64)), sizes=(2, 3, 4, 6))
+    out = generate(model, [prompt] * 40_000, drafter=MarkovDrafter(q, seed=2), tree=auto, max_new_tokens=5,
+                   temperature=1.0, seed=11)
+    assert out.stats.trees == {4: 1, 1: 2, 2: 1}  # a tree, plain steps, a probe of another size
+    law = model.joint_law(prompt, 5).sum((0, 1))
+    tokens = torch.tensor(out.new_tokens)[:, 2:]
+    _, _, pvalue = chi_square(cell_counts(tokens, V), law)
+    assert pvalue > SEEDED_P, pvalue
