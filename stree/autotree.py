@@ -31,6 +31,8 @@ output as long as the cost profile is the same one (it is cached: :mod:`stree.co
 from __future__ import annotations
 
 import functools
+import math
+import weakref
 from collections import Counter
 
 import numpy as np
@@ -157,21 +159,26 @@ def _record(parents, rank, depth, tokens, valid, emitted, counts, rows, accepted
 
 @njit(cache=True)
 def _chances(parents, rank, depth, valid, h):
-    """Each node's chance to be accepted (0 for invalid nodes and their subtrees), ``[B, n]``."""
+    """Each node's chance to be accepted (0 for invalid nodes and their subtrees), ``[B, n]``,
+    never above an earlier sibling's (as :meth:`PathRates.positional`: a rank the verified steps
+    have not reached yet keeps its prior, which must not outbid a rank they have judged)."""
     B, n = valid.shape
     D, K = h.shape[0] - 1, h.shape[1]
     v = np.zeros((B, n))
     alive = np.ones(n)
+    last = np.zeros(n)  # the chance of each node's latest valid child
     for b in range(B):
         s = b if parents.shape[0] > 1 else 0
         v[b, 0] = 1.0
         alive[:] = 1.0
+        last[:] = np.inf
         for c in range(1, n):
             p = parents[s, c]
             if not valid[b, c] or v[b, p] == 0.0:
                 continue
             x = h[min(depth[s, c], D), min(rank[s, c], K - 1)]
-            v[b, c] = v[b, p] * alive[p] * x
+            v[b, c] = min(v[b, p] * alive[p] * x, last[p])
+            last[p] = v[b, c]
             alive[p] *= 1.0 - x
     return v
 
@@ -251,16 +258,21 @@ class AutoTree:
     catching up after plain steps, caches the drafter evicts, the loop's own bookkeeping. The
     choice then follows the clock: outputs stay lossless but a seed no longer fixes the trees,
     so decoding turns it on only where the output does not depend on them (greedy, or no seed).
-    ``chosen`` counts the steps per tree size (1: a plain step)."""
+    ``rates`` and ``scale`` (``{"plain": x, "tree": y}``) may be shared with earlier choosers,
+    which then hand over what they learned. ``chosen`` counts the steps per tree size (1: a plain
+    step)."""
 
     REPLAN = 8  # steps between re-plans (of an eager loop's shapes, and of the size to draft)
     PROBE, PROBE_MAX = 4, 64
+    PROBE_SHARE = 0.05  # what probes may cost, at most, of the plain steps' time they interrupt
     ADAPT = 0.15  # weight of the newest iteration in the cost scales
 
     def __init__(self, profile: CostProfile, *, sizes=None, chain: bool = False, fills_shapes: bool = True,
-                 depth: int = PathRates.DEPTH, adaptive: bool = False, rates: PathRates | None = None):
+                 depth: int = PathRates.DEPTH, adaptive: bool = False, rates: PathRates | None = None,
+                 scale: dict | None = None):
         self.profile, self.chain, self.fills_shapes, self.adaptive = profile, chain, fills_shapes, adaptive
         self.rates = rates if rates is not None else PathRates()
+        self.scale = scale if scale is not None else {"plain": 1.0, "tree": 1.0}  # realised / predicted time
         self.depth = min(depth, PathRates.DEPTH)
         top = max(profile.nodes) if profile.nodes else 2
         self.fixed = sizes is not None
@@ -274,9 +286,9 @@ class AutoTree:
             if not self.fixed or m == 1 or m in self.sizes:
                 self.cost[m] = profile.iteration_ms(m)
         self.draft_cost = np.array([profile.drafting_ms(m) for m in range(self.max_nodes + 1)])
-        self.scale = {"plain": 1.0, "tree": 1.0}  # realised / predicted iteration time
         self.chosen: Counter = Counter()
         self._since_plan, self._plain_run, self._probe_every, self._probing = 0, 0, self.PROBE, False
+        self._probe_min = self.PROBE
         self._predicted = ("plain", self.cost[1])  # this step's kind and predicted milliseconds
         self._drafted = 0  # nodes drafted this step (0: none)
         self._pick, self._probe_size = self._pick_sizes()
@@ -288,7 +300,9 @@ class AutoTree:
 
     def _pick_sizes(self) -> tuple[int, int]:
         """The best size to draft under the current rates and costs (1: a plain step), and the
-        best size of a draft whatever a plain step is worth (what a probe drafts)."""
+        best size of a draft whatever a plain step is worth (what a probe drafts). Also spaces
+        probes so that what one loses against plain steps is at most ``PROBE_SHARE`` of the
+        plain steps between two (a drafter model catching up makes a probe dear)."""
         order = self._order
         if order is None or not self.sizes:  # no tree fits: plain steps only
             return 1, 1
@@ -299,17 +313,20 @@ class AutoTree:
             rate = gain[m - 2] / ((self.cost[m] + self.draft_cost[m]) * self.scale["tree"])
             if rate > best_rate * (1.0 + 1e-9):
                 best, best_rate = m, rate
-        return (best if best_rate > 1.0 / (self.cost[1] * self.scale["plain"]) else 1), best
+        plain = self.cost[1] * self.scale["plain"]
+        loss = gain[best - 2] / best_rate - gain[best - 2] * plain  # a probe's time beyond the plain steps' for its tokens
+        self._probe_min = max(self.PROBE, int(math.ceil(loss / (self.PROBE_SHARE * plain))))
+        return (best if best_rate > 1.0 / plain else 1), best
 
     def plan(self):
         """The shape to draft this step, None for a plain step without drafting, or "own" (a
         drafter that drafts its own trees: draft, then :meth:`choose`). After ``probe`` plain
         steps in a row (chosen before or after drafting; the interval doubling while they keep
         winning) the step is a probe: drafted, and verified whatever its worth."""
-        self._probing = self._plain_run >= self._probe_every
+        self._probing = self._plain_run >= max(self._probe_every, self._probe_min)
         if self._probing:
             self._plain_run = 0
-            self._probe_every = min(2 * self._probe_every, self.PROBE_MAX)
+            self._probe_every = min(2 * max(self._probe_every, self._probe_min), max(self.PROBE_MAX, self._probe_min))
         self._predicted, self._drafted = ("plain", self.cost[1]), 0
         if not self.fills_shapes:
             return "own"
@@ -393,15 +410,25 @@ def _cut(draft: TokenTree, m: int) -> TokenTree:
 
 
 def auto_tree(model, drafter, batch: int, *, mode: str, chain: bool = False, depth: int = PathRates.DEPTH,
-              adaptive: bool = False) -> AutoTree:
+              adaptive: bool = False, refresh: bool = False) -> AutoTree:
     """The :class:`AutoTree` of a decoding call: the costs of ``model`` with ``drafter`` at
-    ``batch`` rows in ``mode`` (measured on first use, then cached: :func:`stree.cost.cost_profile`)
-    over the shapes the rates' prior plans (at most ``depth`` deep)."""
+    ``batch`` rows in ``mode`` (measured on first use, then cached: :func:`stree.cost.cost_profile`;
+    ``refresh``: measured again) over the shapes the rates' prior plans (at most ``depth`` deep).
+    An ``adaptive`` one continues the cost scales and rates of the last adaptive chooser of the
+    same profile in this process (where the output cannot depend on the trees, what earlier
+    calls learned about this machine and drafter is worth keeping)."""
     device = model.device
     fixed = None if mode == "eager" else (FIXED_CUDA if device.type == "cuda" else FIXED)
     prior = plan_shape(PathRates(), max(fixed or default_sizes(device)), chain, depth)  # the plan before any step
     sizes = tuple(n for n in fixed or default_sizes(device) if n <= prior.n) or (prior.n,)
     fills = getattr(drafter, "fills_shapes", True)
     profile = cost_profile(model, batch, drafter=drafter if fills else None, mode=mode,
-                           shapes=[_prefix(prior, n) for n in sizes if n >= 2])
-    return AutoTree(profile, sizes=fixed and sizes, chain=chain, fills_shapes=fills, depth=depth, adaptive=adaptive)
+                           shapes=[_prefix(prior, n) for n in sizes if n >= 2], refresh=refresh)
+    # adaptive choosers of one profile hand on what they learned: a later call starts from it
+    scale, rates = _LEARNED.setdefault(profile, ({"plain": 1.0, "tree": 1.0}, PathRates())) if adaptive else (None, None)
+    return AutoTree(profile, sizes=fixed and sizes, chain=chain, fills_shapes=fills, depth=depth, adaptive=adaptive,
+                    rates=rates, scale=scale)
+
+
+# what adaptive choosers learned, per cost profile (the same model, drafter kind, batch size and mode)
+_LEARNED: "weakref.WeakKeyDictionary[CostProfile, tuple[dict, PathRates]]" = weakref.WeakKeyDictionary()

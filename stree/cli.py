@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 
 import torch
 
@@ -37,9 +38,10 @@ def _generate_parser(sub) -> None:
     p.add_argument("--drafter", choices=DRAFTER_NAMES, default="ngram",
                    help="consensus drafts from the batch's own earlier text; ssm-static / ssm-beam need --drafter-model")
     p.add_argument("--drafter-model", default=None, help="checkpoint directory of a small drafter LM (stree distill)")
-    p.add_argument("--tree", default=None, help="paper13 | chain:D | full:WxD | PATH.json | dynamic:N[xD] (a tree of N nodes, at most D deep, "
-                   "grown each step by the stand, stand-det or ssm drafter; default: the drafter's tree, "
-                   "paper13; chain:4 for --method chain)")
+    p.add_argument("--tree", default="auto", help="auto (default: each step's tree, or a plain step, chosen from "
+                   "this machine's measured costs and the acceptance so far) | paper13 | chain:D | full:WxD | "
+                   "PATH.json | dynamic:N[xD] (a tree of N nodes, at most D deep, grown each step by the stand, "
+                   "stand-det or ssm drafter)")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--top-p", type=float, default=1.0)
@@ -66,6 +68,75 @@ def _optimize_parser(sub) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None)
     p.add_argument("--device", default=None)
+
+
+def _profile_parser(sub) -> None:
+    p = sub.add_parser("profile", help="measure what decoding costs on this machine: a plain step and a speculative "
+                                       "iteration (drafting included) per tree size; the table tree=auto decides by")
+    p.add_argument("--model", required=True)
+    p.add_argument("--drafter", choices=DRAFTER_NAMES, default="ngram")
+    p.add_argument("--drafter-model", default=None, help="checkpoint directory of a small drafter LM (ssm-static)")
+    p.add_argument("--batch-size", type=int, default=1)
+    p.add_argument("--compile", action="store_true", help="CPU: the compiled decode path (compiles each size)")
+    p.add_argument("--refresh", action="store_true", help="measure again whatever is cached")
+    p.add_argument("--png", default="stree_profile.png", help="where to write the plot of cost against nodes")
+    p.add_argument("--json", action="store_true", help="print the table as JSON")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default=None)
+    p.add_argument("--device", default=None)
+
+
+def _run_profile(args) -> int:
+    import json
+
+    from .autotree import auto_tree
+    from .cost import cache_file, describe
+    from .cost import device_name as name_of
+    from .drafters.registry import make_drafter
+    from .models import CompiledModel, load
+
+    if (args.drafter_model is None) == (args.drafter in NEEDS_MODEL):
+        raise ValueError(f"--drafter {args.drafter} {'needs' if args.drafter in NEEDS_MODEL else 'takes no'} "
+                         "--drafter-model")
+    if isinstance(args.batch_size, bool) or args.batch_size < 1:
+        raise ValueError(f"--batch-size must be >= 1, got {args.batch_size}")
+    model = load(args.model, dtype=args.dtype, device=args.device)
+    small = None
+    if args.drafter_model is not None:
+        small = load(args.drafter_model, dtype=model.dtype, device=model.device)
+        small = CompiledModel(small) if args.compile else small
+    drafter = make_drafter(args.drafter, drafter_model=small, vocab_size=model.vocab_size)
+    mode = "compiled" if args.compile else "cuda_graph" if model.device.type == "cuda" else "eager"
+    profile = auto_tree(model, drafter, args.batch_size, mode=mode, refresh=args.refresh).profile
+    rows = describe(profile)
+    if args.json:
+        print(json.dumps(dict(device=name_of(model.device), mode=mode, batch_size=args.batch_size, rows=rows)))
+    else:
+        print(f"{name_of(model.device)}, {mode}, batch {args.batch_size}, drafter {args.drafter} "
+              f"(cached in {cache_file()})")
+        print(f"{'nodes':>6}{'target ms':>11}{'draft ms':>10}{'in steps':>10}")
+        for r in rows:
+            print(f"{r['nodes']:>6}{r['target_ms']:>11.3f}{r['draft_ms']:>10.3f}{r['steps']:>10.2f}")
+    _plot_profile(rows, f"{args.drafter}, batch {args.batch_size}, {mode}, {name_of(model.device)}", args.png)
+    return 0
+
+
+def _plot_profile(rows: list[dict], title: str, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    nodes = [r["nodes"] for r in rows]
+    ax.plot(nodes, [r["steps"] for r in rows], "o-", label="iteration, drafting included")
+    ax.plot(nodes, [r["target_ms"] / rows[0]["target_ms"] for r in rows], "s--", label="target's part")
+    ax.axhline(1.0, color="grey", lw=0.8)
+    ax.set(xscale="log", xlabel="tree nodes (1: a plain step)", ylabel="cost in autoregressive steps", title=title)
+    ax.title.set_fontsize(8)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
 
 
 def _reason_parser(sub) -> None:
@@ -313,7 +384,13 @@ def _run_generate(args) -> int:
             lm.drafter_model = CompiledModel(lm.drafter_model)
     kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
               seed=args.seed, torch_compile=args.compile, stop=args.stop)
-    tree = tree_spec(args.tree) if args.tree else None
+    tree = "auto" if args.tree == "auto" else tree_spec(args.tree)
+    warmup = 0.0
+    if args.compare:  # compiling and measuring this machine's costs happen here, not in the timed runs
+        t0 = time.perf_counter()
+        for method in (args.method, "autoregressive"):
+            lm.generate(prompts, drafter=args.drafter, tree=tree, method=method, **dict(kw, max_new_tokens=2))
+        warmup = time.perf_counter() - t0
     out = lm.generate(prompts, drafter=args.drafter, tree=tree, method=args.method, **kw)
     ref = lm.generate(prompts, method="autoregressive", **kw) if args.compare else None
     same = ref is not None and out.token_ids == ref.token_ids
@@ -324,7 +401,7 @@ def _run_generate(args) -> int:
                       method=args.method, stats=_stats(out.stats))
         if ref is not None:
             report.update(autoregressive_stats=_stats(ref.stats), identical=same,
-                          speedup=out.stats.tokens_per_s / ref.stats.tokens_per_s)
+                          speedup=out.stats.tokens_per_s / ref.stats.tokens_per_s, warmup_s=warmup)
         print(json.dumps(report))
         return 0
     for i, (prompt, text) in enumerate(zip(prompts, out.texts)):
@@ -338,7 +415,8 @@ def _run_generate(args) -> int:
         speedup = out.stats.tokens_per_s / ref.stats.tokens_per_s
         yes = "yes" if same else "NO"
         identical = yes if args.temperature == 0 else f"n/a at temperature {args.temperature} (same tokens: {yes})"
-        print(f"speedup x{speedup:.2f} | greedy outputs identical: {identical}")
+        print(f"speedup x{speedup:.2f} | greedy outputs identical: {identical} | warm-up {warmup:.1f}s before "
+              "timing (compiling, measuring this machine's costs)")
     return 0
 
 
@@ -354,12 +432,13 @@ def main(argv: list[str] | None = None) -> int:
                                                 "greedy identity, tau and tokens/s (stree demo --help)")
     _generate_parser(sub)
     _reason_parser(sub)
+    _profile_parser(sub)
     _optimize_parser(sub)
     _train_lm_parser(sub)
     _distill_parser(sub)
     args = parser.parse_args(argv)
     run = {"generate": _run_generate, "reason": _run_reason, "optimize-tree": _run_optimize, "train-lm": _run_train_lm,
-           "distill": _run_distill}[args.command]
+           "distill": _run_distill, "profile": _run_profile}[args.command]
     from .training.loop import TrainingInterrupted
 
     try:

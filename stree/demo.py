@@ -1,7 +1,10 @@
 """``stree demo``: the shipped tiny target + drafter pair (trained here on the standard library's
 sources by ``stree train-lm`` and ``stree distill``) completes held-out code prompts greedily by
-autoregressive, chain and STree decoding under each drafter; checks every output equals the
-autoregressive one and prints tau and tokens/s per method.
+autoregressive, chain and STree decoding under each drafter, at default settings (``tree="auto"``:
+each step's tree, or a plain step, chosen from this machine's measured costs); checks every output
+equals the autoregressive one and prints tau, tokens/s, the gain and the trees chosen per method.
+Every method is warmed up first (numba compiling, measuring the machine's costs): that time is
+reported apart, never inside tokens/s.
 
 Regenerate the pair (fixed seeds; numbers in each directory's training.json / distill.json)::
 
@@ -17,6 +20,7 @@ import argparse
 import json
 import shutil
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -24,17 +28,14 @@ import torch
 from .drafters.registry import NEEDS_MODEL, make_drafter
 from .generate import generate, pooled_tau
 from .models import load, load_tokenizer
-from .tree import TreeShape
 
 ASSETS = Path(__file__).parent / "assets"
 TARGET, DRAFTER = ASSETS / "tiny-target", ASSETS / "tiny-drafter"
 SHIPPED = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "training.json",
            "distill.json", "prompts.jsonl")
-# (method, drafter): chain decoding drafts a 4-token chain, STree the drafter's own tree
-# (STAND's optimised tree, stree/assets/stand-trees; n-gram and SSM static the paper's 13 nodes;
-# beam 3 x 4).
-RUNS = (("autoregressive", None), ("chain", "ngram"), ("chain", "stand-det"), ("chain", "ssm-static"),
-        ("stree", "ngram"), ("stree", "stand-det"), ("stree", "ssm-static"), ("stree", "ssm-beam"))
+# (method, drafter), each with tree="auto": chains under method="chain", trees under "stree".
+RUNS = (("autoregressive", None), ("chain", "ngram"), ("stree", "ngram"), ("stree", "stand-det"),
+        ("stree", "ssm-static"))
 
 
 def install(target: Path, drafter: Path) -> None:
@@ -53,11 +54,22 @@ def read_prompts(path: Path, n: int) -> list[str]:
     return lines[:n]
 
 
+def trees_chosen(trees: dict[int, int]) -> str:
+    """``stats.trees`` in a few words: the share of plain steps and the tree sizes taken."""
+    steps = sum(trees.values())
+    sizes = sorted(n for n in trees if n > 1)
+    plain = f"{trees.get(1, 0) / steps:.0%} plain" if steps else "-"
+    return plain if not sizes else f"{plain}, trees {sizes[0]}-{sizes[-1]}"
+
+
 @torch.no_grad()
 def run_demo(target_dir=TARGET, drafter_dir=DRAFTER, *, prompts: int = 4, max_new_tokens: int = 64,
              device: str = "cpu", runs=RUNS, out=print) -> list[dict]:
     """Decode the first ``prompts`` held-out prompts with every (method, drafter) of ``runs``, one
-    prompt at a time; returns one row per run (identical: every output equals autoregressive's)."""
+    prompt at a time, the runs taking turns on each prompt; returns one row per run (identical:
+    every output equals autoregressive's)."""
+    from .timing import run_info
+
     target_dir, drafter_dir = Path(target_dir), Path(drafter_dir)
     target = load(target_dir, dtype=torch.float32, device=device)
     tokenizer = load_tokenizer(target_dir, vocab_size=target.vocab_size)
@@ -65,29 +77,35 @@ def run_demo(target_dir=TARGET, drafter_dir=DRAFTER, *, prompts: int = 4, max_ne
     texts = read_prompts(target_dir / "prompts.jsonl", prompts)
     ids = [tokenizer.encode(t, add_special_tokens=False) for t in texts]
     kw = dict(max_new_tokens=max_new_tokens, eos_token_id=tokenizer.eos_token_id)
-    generate(target, ids[:1], method="autoregressive", max_new_tokens=2)  # warm-up (allocations, first calls)
-    rows, reference = [], None
-    out(f"{len(ids)} held-out prompts, {max_new_tokens} new tokens each, greedy, {device}")
-    out(f"{'method':<15}{'drafter':<12}{'tau':>6}{'tok/s':>9}{'speedup':>9}  identical")
-    for method, name in runs:
-        drafter = None if name is None else make_drafter(
-            name, drafter_model=draft_model if name in NEEDS_MODEL else None, vocab_size=target.vocab_size)
-        tree = TreeShape.chain(4) if method == "chain" else None
-        outputs, stats, tokens, seconds = [], [], 0, 0.0
-        for prompt in ids:
-            res = generate(target, [prompt], method=method, drafter=drafter, tree=tree, **kw)
-            outputs.append(res.new_tokens[0])
-            stats.append(res.stats)
-            tokens += res.stats.new_tokens[0]
-            seconds += res.stats.time_total
-        if reference is None:
-            reference = dict(outputs=outputs, tok_s=tokens / seconds)
-        row = dict(method=method, drafter=name or "-", tau=pooled_tau(stats),
-                   tokens_per_s=tokens / seconds, identical=outputs == reference["outputs"], tokens=tokens)
-        row["speedup"] = row["tokens_per_s"] / reference["tok_s"]
+    drafters = [None if name is None else make_drafter(name, drafter_model=draft_model if name in NEEDS_MODEL else None,
+                                                       vocab_size=target.vocab_size) for _, name in runs]
+    t0 = time.perf_counter()
+    for (method, _), drafter in zip(runs, drafters):  # compiling and measuring costs, before any timing
+        generate(target, ids[:1], method=method, drafter=drafter, **dict(kw, max_new_tokens=8))
+    warmup = time.perf_counter() - t0
+    results = [dict(outputs=[], stats=[]) for _ in runs]
+    for prompt in ids:
+        for (method, _), drafter, res in zip(runs, drafters, results):
+            run = generate(target, [prompt], method=method, drafter=drafter, **kw)
+            res["outputs"].append(run.new_tokens[0])
+            res["stats"].append(run.stats)
+    out(f"{len(ids)} held-out prompts, {max_new_tokens} new tokens each, greedy, {run_info(device)['device']}; "
+        f"warm-up {warmup:.1f}s (compiling, measuring this machine's costs), not timed")
+    out(f"{'method':<15}{'drafter':<12}{'tau':>6}{'tok/s':>9}{'speedup':>9}  {'identical':<11}trees chosen")
+    rows, reference = [], results[0]
+    for (method, name), res in zip(runs, results):
+        stats = res["stats"]
+        tokens, seconds = sum(sum(s.new_tokens) for s in stats), sum(s.time_total for s in stats)
+        trees: dict[int, int] = {}
+        for s in stats:
+            for n, k in s.trees.items():
+                trees[n] = trees.get(n, 0) + k
+        row = dict(method=method, drafter=name or "-", tau=pooled_tau(stats), tokens_per_s=tokens / seconds,
+                   identical=res["outputs"] == reference["outputs"], tokens=tokens, trees=trees)
+        row["speedup"] = row["tokens_per_s"] / rows[0]["tokens_per_s"] if rows else 1.0
         rows.append(row)
         out(f"{method:<15}{row['drafter']:<12}{row['tau']:>6.2f}{row['tokens_per_s']:>9.1f}{row['speedup']:>9.2f}  "
-            f"{'yes' if row['identical'] else 'NO'}")
+            f"{'yes' if row['identical'] else 'NO':<11}{trees_chosen(trees)}")
     out(f"\n{tokenizer.decode(ids[0])}" + "\u2588" + tokenizer.decode(reference["outputs"][0]))
     return rows
 

@@ -141,42 +141,44 @@ class Rows:
         return len(self.lengths)
 
     def active_ids(self) -> list[int]:
-        return torch.nonzero(self.active).flatten().tolist()
+        return np.flatnonzero(self.active.numpy()).tolist()
 
     def context(self) -> DraftContext:
         return DraftContext(self.seq, self.lengths, self.active_ids())
 
     def roots(self) -> torch.Tensor:
         """Every row's last token (a finished row's too: it rides along)."""
-        return self.seq[torch.arange(self.batch_size), self.lengths - 1]
+        return torch.from_numpy(self.seq.numpy()[np.arange(self.batch_size), self.lengths.numpy() - 1])
 
     def emit(self, step: HostStep, drafter: Drafter | None) -> None:
         """Append ``step.tokens[b, :counts[b]]`` to each active row, cut after its first EOS and at
-        ``max_new_tokens``; show the drafter what was appended; retire the finished rows."""
-        ids = torch.nonzero(self.active).flatten()
-        tokens, counts = step.tokens[ids], step.counts[ids]
-        j = torch.arange(tokens.shape[1])
-        is_eos = torch.isin(tokens, self.eos) & (j < counts[:, None])
+        ``max_new_tokens``; show the drafter what was appended; retire the finished rows. (In
+        numpy, on views of the rows' tensors: a dozen small torch ops cost ~10x more here.)"""
+        lengths, produced, active = self.lengths.numpy(), self.produced.numpy(), self.active.numpy()
+        ids = np.flatnonzero(active)
+        tokens, counts = step.tokens.numpy()[ids], step.counts.numpy()[ids]
+        j = np.arange(tokens.shape[1])
+        is_eos = np.isin(tokens, self.eos.numpy()) & (j < counts[:, None])
         hit = is_eos.any(1)
-        upto = torch.where(hit, is_eos.float().argmax(1) + 1, counts)  # through the first EOS
-        room = self.max_new_tokens[ids] - self.produced[ids]
-        n = torch.minimum(upto, room)
+        upto = np.where(hit, is_eos.argmax(1) + 1, counts)  # through the first EOS
+        room = self.max_new_tokens.numpy()[ids] - produced[ids]
+        n = np.minimum(upto, room)
         if drafter is not None:
-            n_list = n.tolist()
+            n_list, id_list = n.tolist(), ids.tolist()
             target = None
             if step.top_ids is not None:
                 target = [TargetTop(step.top_ids[i, :m], step.top_probs[i, :m], step.token_probs[i, :m])
-                          for i, m in zip(ids.tolist(), n_list)]
-            drafter.observe(DraftContext(self.seq, self.lengths, ids.tolist()),
+                          for i, m in zip(id_list, n_list)]
+            drafter.observe(DraftContext(self.seq, self.lengths, id_list),
                             [row[:m].tolist() for row, m in zip(tokens, n_list)], target)
         keep = j < n[:, None]
-        self._reserve(int((self.lengths[ids] + n).max()) if len(ids) else 0)
-        self.seq[ids[:, None].expand_as(tokens)[keep], (self.lengths[ids][:, None] + j)[keep]] = tokens[keep]
-        self.lengths[ids] += n
-        self.produced[ids] += n
-        self.active[ids[(hit & (upto <= n)) | (n == room)]] = False
-        self.exact[ids[n < counts]] = False  # the cache took tokens the row drops
-
+        self._reserve(int((lengths[ids] + n).max()) if len(ids) else 0)
+        self.seq.numpy()[np.broadcast_to(ids[:, None], tokens.shape)[keep], (lengths[ids][:, None] + j)[keep]] = \
+            tokens[keep]
+        lengths[ids] += n
+        produced[ids] += n
+        active[ids[(hit & (upto <= n)) | (n == room)]] = False
+        self.exact.numpy()[ids[n < counts]] = False  # the cache took tokens the row drops
 
     def _reserve(self, length: int) -> None:
         if length > self.seq.shape[1]:
@@ -504,9 +506,12 @@ def decode(model, input_ids, *, drafter: Drafter | None = None, tree: TreeShape 
         rows.emit(host, drafter)
         _stop_at_sequences(rows, stops, seen)
         if chooser is not None:
-            at = np.asarray(live)
-            chooser.record(None if full is None else draft, host.tokens.numpy()[at], host.counts.numpy()[at],
-                           np.arange(len(live)), (time.perf_counter() - began) * 1e3)
+            elapsed = (time.perf_counter() - began) * 1e3
+            if full is None:
+                chooser.record(None, elapsed_ms=elapsed)
+            else:
+                at = np.asarray(live)
+                chooser.record(draft, host.tokens.numpy()[at], host.counts.numpy()[at], np.arange(len(live)), elapsed)
         stats.time_draft += clock.lap()  # feeding the drafter is drafting work
         yield rows
     clock.lap()

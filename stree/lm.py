@@ -127,6 +127,8 @@ class LM:
         if not isinstance(name, str):
             raise TypeError(f"drafter must be a name or a Drafter, got {type(name).__name__}")
         name = DRAFTER_ALIASES.get(name, name)
+        if name == "stand" and temperature == 0:  # greedy verification takes the target's top token: STAND's
+            name = "stand-det"  # random drafts only waste slots there, so it drafts its most likely ones
         if name not in DRAFTER_NAMES:
             raise ValueError(f"drafter must be one of {sorted({*DRAFTER_NAMES, *DRAFTER_ALIASES})} or a Drafter, "
                              f"got {name!r}")

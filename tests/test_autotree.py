@@ -60,24 +60,23 @@ def test_rates_fade_and_lean_on_the_prior():
 
 
 def path_chance(parents, valid, h, c):
-    """A node's chance by the definition: along its path, each node's hazard times the misses of
-    its valid earlier siblings."""
-    p = 1.0
-    while c > 0:
-        if not valid[c]:
-            return 0.0
-        par = parents[c]
-        sibs = [s for s in range(1, len(parents)) if parents[s] == par]
-        rank = sibs.index(c)
-        depth = 0
-        v = c
+    """A node's chance by the definition: its parent's, times the misses of its valid earlier
+    siblings, times its own hazard, never above its latest valid earlier sibling's chance."""
+    if c == 0:
+        return 1.0
+    p = parents[c]
+    if not valid[c] or path_chance(parents, valid, h, p) == 0.0:
+        return 0.0
+    sibs = [s for s in range(1, len(parents)) if parents[s] == p]
+
+    def hz(s):
+        depth, v = 0, s
         while v > 0:
             v, depth = parents[v], depth + 1
-        D, K = h.shape[0] - 1, h.shape[1]
-        hz = lambda r: h[min(depth, D), min(r, K - 1)]  # noqa: E731
-        p *= hz(rank) * np.prod([1 - hz(sibs.index(s)) for s in sibs[:rank] if valid[s]])
-        c = par
-    return p
+        return h[min(depth, h.shape[0] - 1), min(sibs.index(s), h.shape[1] - 1)]
+    before = [s for s in sibs[: sibs.index(c)] if valid[s]]
+    raw = path_chance(parents, valid, h, p) * np.prod([1 - hz(s) for s in before]) * hz(c)
+    return min(raw, path_chance(parents, valid, h, before[-1])) if before else raw
 
 
 @st.composite
@@ -162,21 +161,43 @@ def full_draft(shape, fill=None):
     return TokenTree.from_shape(shape, tokens, valid=valid)
 
 
-def test_plain_steps_win_where_trees_cost_too_much_and_probes_follow_the_text():
-    auto = AutoTree(expensive())
-    plans = []
-    for _ in range(40):
+def run_rejecting(auto, steps):
+    """``steps`` steps in which the target never accepts a draft; the steps that verified one."""
+    drafted = []
+    for i in range(steps):
         plan = auto.plan()
-        plans.append(plan)
         if plan is None:
             auto.record(None)
             continue
+        probing = auto._probing
         draft = auto.choose(full_draft(plan), np.ones(1, dtype=np.bool_))
-        assert draft is not None  # a probe is verified whatever its worth
-        auto.record(draft, np.array([[999, 0]]), np.array([1]), np.arange(1))  # nothing accepted
-    probes = [i for i, p in enumerate(plans) if p is not None]
-    assert probes[:3] == [4, 13, 30]  # after 4 plain steps, then 8, then 16
-    assert auto.chosen[1] == 40 - len(probes)
+        assert draft is not None or not probing  # a probe is verified whatever its worth
+        if draft is None:
+            auto.record(None)
+            continue
+        drafted.append(i)
+        auto.record(draft, np.array([[999, 0]]), np.array([1]), np.arange(1))
+    return drafted
+
+
+def test_plain_steps_win_where_trees_cost_too_much_and_probes_follow_the_text():
+    """Trees a fifth dearer than a step: once the verified steps show nothing is accepted, plain
+    steps, with a probe after 4, then 8, then 16 of them."""
+    auto = AutoTree(CostProfile(1.0, (2, 4, 8, 16), (1.2, 1.3, 1.5, 1.9)))
+    drafted = run_rejecting(auto, 120)
+    gaps = np.diff(drafted).tolist()
+    assert gaps[-3:] == [9, 17, 33] and 5 in gaps[:-3]  # probes after 4 plain steps, ..., 8, 16, 32
+    assert auto.chosen[1] == 120 - len(drafted)
+
+
+def test_dear_probes_are_spaced_so_they_cost_a_small_share():
+    """Trees at 6 steps: a probe loses ~5 steps against plain ones, so at most one in about
+    5 / PROBE_SHARE = 100 steps."""
+    auto = AutoTree(expensive())
+    drafted = run_rejecting(auto, 400)
+    assert len(drafted) <= 4 and all(b - a > 90 for a, b in zip(drafted, drafted[1:]))
+    loss = sum(auto.cost[2] for _ in drafted)  # each probe's time, all of it beyond the plain steps
+    assert loss <= 1.1 * AutoTree.PROBE_SHARE * auto.chosen[1] * auto.cost[1] + auto.cost[2]
 
 
 def test_cheap_trees_are_drafted_and_cut_to_what_was_filled():
@@ -237,7 +258,7 @@ def test_adaptive_costs_follow_the_clock():
         else:
             auto.record(draft, np.array([[int(draft.tokens[0, 1]), 0]]), np.array([2]), np.arange(1),
                         elapsed_ms=10 * auto.cost[draft.n])
-    assert auto.scale["tree"] > 5 and auto._pick == 1
+    assert auto.scale["tree"] > 2 and auto._pick == 1  # trees priced up until plain steps win
     fixed = AutoTree(cheap())  # not adaptive: the clock is ignored
     fixed.record(None, elapsed_ms=100.0)
     assert fixed.scale == {"plain": 1.0, "tree": 1.0}

@@ -50,7 +50,9 @@ class Drafter:
     drafter could not fill, and ``child_ids``/``child_probs`` when its drafts are random."""
 
     #: how many of the target's most likely next tokens ``observe`` receives per emitted position
-    target_top_k = 0
+    #: (0: only the emitted tokens' probabilities; None: no target distributions at all, which
+    #: spares each step computing them)
+    target_top_k: int | None = None
 
     #: the tree shape ``propose`` fills when the call passes none (None: every call must pass one)
     shape: TreeShape | TreeBudget | None = None

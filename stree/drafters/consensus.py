@@ -224,6 +224,8 @@ class ConsensusDrafter(Drafter):
     order (``extraction="paper"``: the best tokens of the child's layer, see :meth:`ConsensusDAG.layer_best`).
     Slots with no successor are invalid. Deterministic drafts (one-hot verification)."""
 
+    target_top_k = 0  # it weighs paths by the probability the target gave each emitted token
+
     def __init__(self, store: PathStore | None = None, *, min_k: int = 1, alpha: float = 1.0,
                  fuzzy_weight: float = 0.5, max_candidates: int = 64, include_self: bool = False,
                  shape: TreeShape | None = None, extraction: str = "path"):

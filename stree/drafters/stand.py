@@ -336,7 +336,7 @@ class STANDDrafter(Drafter):
     def __init__(self, store: STANDStore, shape: TreeShape | None = None, stochastic: bool = True, seed: int = 0,
                  noise_size: int = 1 << 16, learn: bool = True):
         self.store, self.shape, self.stochastic, self.learn = store, shape, stochastic, learn
-        self.target_top_k = store.top_k if learn else 0
+        self.target_top_k = store.top_k if learn else None
         self.generator = torch.Generator().manual_seed(seed)
         self._noise = np.empty(0)
         self._noise_size = noise_size

@@ -9,8 +9,8 @@ product is fastest for so few rows depends on the CPU far more than on the sizes
 0.09 ms, and only from ~8 rows on is the packed one faster (0.8x at 16-32 rows). So neither is
 hard-wired: the first product of each (rows, weight shape, bias) times both on its own inputs
 (alternating, best of 5 each) and keeps the packed path only where it is clearly faster
-(``PACKED_MARGIN``); past 16 rows the row counts share power-of-two buckets, so that
-prompts of every length do not each pay for a measurement. ``STREE_LINEAR=blas`` or
+(``PACKED_MARGIN``); row counts share power-of-two buckets (:func:`_bucket`), so that trees and
+prompts of every size do not each pay for a measurement. ``STREE_LINEAR=blas`` or
 ``=packed`` in the environment pins one (the two agree to float32 rounding, so a pinned path
 makes results bit-reproducible across processes).
 
@@ -49,8 +49,12 @@ _FASTER: dict[tuple, bool] = {}
 
 
 def _bucket(rows: int) -> int:
-    """Row counts that share one measurement: each up to 16 (where the choice flips), then powers of two."""
-    return rows if rows <= 16 else 1 << (rows - 1).bit_length()
+    """Row counts that share one measurement: 1, 2, then up to each power of two (3-4, 5-8, ...).
+    Few enough that a decode loop whose tree sizes vary from step to step (trees cut to what was
+    drafted, a drafter catching up on a few tokens or many) measures each within its first
+    steps, not once per size inside the timing; fine enough to follow the CPUs seen so far, whose
+    choice flips between ~5 and ~8 rows."""
+    return rows if rows <= 2 else 1 << (rows - 1).bit_length()
 
 
 def _packed(weight: torch.Tensor) -> torch.Tensor:

@@ -146,7 +146,7 @@ def test_observe_inserts_each_emitted_position_under_its_1_to_4_gram_keys():
     assert set(store.keys()) == {(5,), (4, 5), (3, 4, 5), (2, 3, 4, 5), (6,), (5, 6), (4, 5, 6), (3, 4, 5, 6)}
     assert store.entry((2, 3, 4, 5))[0].tolist() == [6, 0] and store.entry((5, 6))[0].tolist() == [7, 1]
     frozen = STANDDrafter(store, TreeShape.chain(1), learn=False)
-    assert frozen.target_top_k == 0
+    assert frozen.target_top_k is None
     frozen.observe(ctx, [[6, 7]], [dists])
     assert store.entry((5,))[2] == 1
 

@@ -63,14 +63,16 @@ def test_the_packed_product_runs_where_it_measured_clearly_faster(monkeypatch, b
     x = torch.randn(3, 64)
     with torch.no_grad():
         first = layer(x)  # measures
-        assert lin._FASTER == {(3, 512, 64, True): chosen}
+        assert lin._FASTER == {(4, 512, 64, True): chosen}  # 3 rows: the bucket up to 4
         assert ("mkldnn::_linear_pointwise" in _ops(lambda: layer(x))) == chosen
         assert (id(layer.weight) in lin._PACKED) == chosen  # a weight left on BLAS keeps no packed copy
         assert torch.allclose(first.double(), _definition(x, layer.weight, layer.bias), atol=1e-4)
-        layer(torch.randn(5, 64))  # another row count is measured on its own
-        for rows in (40, 50, 64):  # past 16 rows, by power-of-two buckets
+        layer(torch.randn(4, 64))  # the same bucket: not measured again
+        layer(torch.randn(5, 64))  # another bucket is measured on its own
+        for rows in (40, 50, 64):  # power-of-two buckets
             layer(torch.randn(rows, 64))
-        assert set(lin._FASTER) == {(3, 512, 64, True), (5, 512, 64, True), (64, 512, 64, True)}
+        layer(torch.randn(2, 64))
+        assert set(lin._FASTER) == {(4, 512, 64, True), (8, 512, 64, True), (64, 512, 64, True), (2, 512, 64, True)}
 
 
 @pytest.mark.parametrize("path", ["blas", "packed"])
