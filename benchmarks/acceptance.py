@@ -29,11 +29,11 @@ from tqdm import tqdm
 
 from stree.demo import DRAFTER, TARGET, read_prompts
 from stree.drafters import ConsensusDrafter
-from stree.drafters.registry import DRAFTER_NAMES, NEEDS_MODEL, make_drafter
+from stree.drafters.registry import DRAFTER_NAMES, NEEDS_MODEL, make_drafter, stand_tree
 from stree.generate import pooled_tau
 from stree.models import load, load_tokenizer
 from stree.timing import add_device_args, device_and_dtype, run_info, save_result
-from stree.tree import tree_spec
+from stree.tree import TreeShape, tree_spec
 from stree.tts import sample_trajectories
 
 
@@ -74,7 +74,10 @@ def main(argv=None):
     configs = [(d, t) for d in drafters for t in temperatures]
     for label, temperature in tqdm(configs, desc="drafter x temperature", file=sys.stderr):
         name, _, spec = label.partition("@")
-        tree = tree_spec(spec) if spec else None
+        # the tree each drafter is known by: acceptance is measured over fixed trees, not tree="auto"'s
+        # cost-driven choice; ssm-beam drafts its own
+        tree = tree_spec(spec) if spec else stand_tree(name) if name.startswith("stand") else \
+            None if name == "ssm-beam" else TreeShape.paper13()
         stats, t0 = [], time.perf_counter()
         for prompt in prompts:
             if name == "consensus-paper":  # the DAG read out by the paper's Algorithm 1

@@ -25,7 +25,7 @@ import torch
 from tqdm import tqdm
 
 from stree.demo import DRAFTER, TARGET, read_prompts
-from stree.drafters.registry import NEEDS_MODEL, make_drafter
+from stree.drafters.registry import NEEDS_MODEL, make_drafter, stand_tree
 from stree.generate import generate, pooled_tau
 from stree.models import CompiledModel, load, load_tokenizer, save
 from stree.opcount import count_ops
@@ -33,19 +33,33 @@ from stree.timing import add_device_args, device_and_dtype, run_info, save_resul
 from stree.tree import TokenTree, TreeShape, tree_spec
 from stree.verify import verify
 
-# (name, method, drafter, tree): chain drafts a 4-token chain, STree the drafter's own tree unless
-# one is named (dynamic: grown per step under that budget, against the same drafter's static tree).
+# (name, method, drafter, tree): "auto" is the default (each step's tree, or a plain step, chosen from
+# this machine's costs); the others fix the tree: chain drafts a 4-token chain, STree the drafter's
+# known tree (STAND's calibrated one, else paper13) unless one is named (dynamic: grown per step).
 CONFIGS = (("stree-autoregressive", "autoregressive", None, None), ("chain-ngram", "chain", "ngram", None),
            ("chain-ssm-static", "chain", "ssm-static", None), ("stree-ngram", "stree", "ngram", None),
-           ("stree-stand-det", "stree", "stand-det", None),
+           ("stree-ngram-auto", "stree", "ngram", "auto"),
+           ("stree-stand-det", "stree", "stand-det", None), ("stree-stand-det-auto", "stree", "stand-det", "auto"),
            ("stree-stand-det-dynamic", "stree", "stand-det", "dynamic:81"),
-           ("stree-ssm-static", "stree", "ssm-static", None),
+           ("stree-ssm-static", "stree", "ssm-static", None), ("stree-ssm-static-auto", "stree", "ssm-static", "auto"),
            ("stree-ssm-static-dynamic", "stree", "ssm-static", "dynamic:20x5w3"),
            ("stree-ssm-beam", "stree", "ssm-beam", None))
 # On the CPU, these also run with torch_compile=True (target and drafter model): "...-compiled".
 # (Dynamic trees change shape every step: their tree pass runs eager, the drafter model compiled.)
-COMPILED = ("stree-autoregressive", "stree-ngram", "stree-stand-det", "stree-ssm-static", "stree-ssm-static-dynamic",
-            "stree-ssm-beam")
+COMPILED = ("stree-autoregressive", "stree-ngram", "stree-ngram-auto", "stree-stand-det", "stree-stand-det-auto",
+            "stree-ssm-static", "stree-ssm-static-auto", "stree-ssm-static-dynamic", "stree-ssm-beam")
+
+
+def fixed_tree(method: str, drafter: str | None, spec: str | None):
+    """The tree a configuration drafts: its spec ("auto": chosen per step), else a 4-token chain for
+    chains, STAND's calibrated tree, paper13 (ssm-beam: its own)."""
+    if spec is not None:
+        return spec if spec == "auto" else tree_spec(spec)
+    if method == "chain":
+        return TreeShape.chain(4)
+    if drafter is None or drafter == "ssm-beam":
+        return None
+    return stand_tree(drafter) if drafter.startswith("stand") else TreeShape.paper13()
 
 
 def hf_twin(model, device):
@@ -136,7 +150,7 @@ def main(argv=None):
             model_kw = dict(drafter_model=compiled_drafter if compiled else draft_model)
             drafter = None if drafter_name is None else make_drafter(
                 drafter_name, **(model_kw if drafter_name in NEEDS_MODEL else {}), vocab_size=target.vocab_size)
-            tree = TreeShape.chain(4) if method == "chain" else tree_spec(spec) if spec else None
+            tree = fixed_tree(method, drafter_name, spec)
             res = generate(target, [prompt], method=method, drafter=drafter, tree=tree, max_new_tokens=N,
                            torch_compile=compiled)
             return res.new_tokens[0], res.stats
@@ -176,8 +190,12 @@ def main(argv=None):
                 if st is not None:
                     stats[name].append(st)
     base = seconds["transformers"]
+    ar_iters = {name: sum(len(a) for s in stats[name] for a in s.accepted) * args.rounds for name in names
+                if name.startswith("stree-autoregressive")}
     rows = []
     for name in names:
+        # stree's own autoregressive decoding in the same mode: the gain speculation buys
+        own = "stree-autoregressive-compiled" if name.endswith("-compiled") else "stree-autoregressive"
         st = stats[name]
         iters = sum(len(a) for s in st for a in s.accepted)
         split = {k: sum(getattr(s, f"time_{k}") for s in st) / iters * 1e3 if iters else None
@@ -186,22 +204,38 @@ def main(argv=None):
             name=name, seconds=seconds[name], tokens=args.rounds * len(prompts) * N,
             tokens_per_s=args.rounds * len(prompts) * N / seconds[name], speedup_vs_transformers=base / seconds[name],
             identical_to_transformers=outputs[name] == outputs["transformers"],
+            gain_over_autoregressive=seconds[own] / seconds[name] if own in seconds and st else None,
+            iteration_in_steps=(seconds[name] / iters) / (seconds[own] / ar_iters[own]) if own in seconds and st else None,
+            trees=_merged_trees(st) if st else None,
             tau=pooled_tau(st) if st else None, target_forwards=sum(s.target_forwards for s in st) if st else None,
             ms_per_iteration=split))
     result = dict(benchmark="e2e", **run_info(device, argv), dtype=str(dtype).replace("torch.", ""), batch=1,
                   greedy=True, prompts=len(prompts), max_new_tokens=N, rounds=args.rounds,
                   target=str(args.model), drafter_model=str(args.drafter_model),
                   note="speedup_vs_transformers: transformers' total seconds over this configuration's, same "
-                       "prompts and rounds, runs interleaved; ms_per_iteration from GenerationStats (first round)",
+                       "prompts and rounds, runs interleaved; gain_over_autoregressive: the same against stree's own "
+                       "autoregressive decoding in the same mode (eager or compiled); iteration_in_steps: seconds per "
+                       "decoding step over the autoregressive one's; trees: steps per tree size (1: a plain step); "
+                       "ms_per_iteration from GenerationStats (first round)",
                   op_counts=op_counts(target), results=rows)
     name = f"e2e_{'smoke' if args.smoke else device.type}{'' if chosen is None else '_selected'}"
     save_result(result, args.out, name, plot)
     for r in rows:
         tau = f"{r['tau']:.2f}" if r["tau"] is not None else "  - "
-        print(f"{r['name']:<22}{r['tokens_per_s']:>9.1f} tok/s  x{r['speedup_vs_transformers']:.2f}  tau {tau}  "
-              f"identical {'yes' if r['identical_to_transformers'] else 'NO'}")
+        gain = f"{r['gain_over_autoregressive']:.2f}" if r["gain_over_autoregressive"] is not None else "  - "
+        print(f"{r['name']:<32}{r['tokens_per_s']:>9.1f} tok/s  x{r['speedup_vs_transformers']:.2f}  over own AR {gain}  "
+              f"tau {tau}  identical {'yes' if r['identical_to_transformers'] else 'NO'}")
     print("ops:", {k: v["total"] for k, v in result["op_counts"].items()})
     return result
+
+
+def _merged_trees(stats) -> dict:
+    """Steps per tree size over runs (1: a plain step)."""
+    out: dict[int, int] = {}
+    for s in stats:
+        for n, k in s.trees.items():
+            out[n] = out.get(n, 0) + k
+    return dict(sorted(out.items()))
 
 
 def plot(result):

@@ -265,7 +265,11 @@ class AutoTree:
     REPLAN = 8  # steps between re-plans (of an eager loop's shapes, and of the size to draft)
     PROBE, PROBE_MAX = 4, 64
     PROBE_SHARE = 0.05  # what probes may cost, at most, of the plain steps' time they interrupt
-    ADAPT = 0.15  # weight of the newest iteration in the cost scales
+    ADAPT = 0.15  # weight of the newest iteration in the cost scales and the share of drafts verified
+    # Where the choice cannot follow the clock (a seed must repeat the output), what the profile
+    # misses (the loop's bookkeeping, caches a drafter evicts) is covered by asking a tree to beat
+    # a plain step by this much.
+    MARGIN = 1.2
 
     def __init__(self, profile: CostProfile, *, sizes=None, chain: bool = False, fills_shapes: bool = True,
                  depth: int = PathRates.DEPTH, adaptive: bool = False, rates: PathRates | None = None,
@@ -291,6 +295,8 @@ class AutoTree:
         self._probe_min = self.PROBE
         self._predicted = ("plain", self.cost[1])  # this step's kind and predicted milliseconds
         self._drafted = 0  # nodes drafted this step (0: none)
+        self.margin = 1.0 if adaptive else self.MARGIN
+        self.verified = 1.0  # the share of drafts (probes aside) verified rather than found wanting
         self._pick, self._probe_size = self._pick_sizes()
 
     # -- before drafting ----------------------------------------------------------------------
@@ -299,10 +305,11 @@ class AutoTree:
         return _prefix(self._order, m)
 
     def _pick_sizes(self) -> tuple[int, int]:
-        """The best size to draft under the current rates and costs (1: a plain step), and the
-        best size of a draft whatever a plain step is worth (what a probe drafts). Also spaces
-        probes so that what one loses against plain steps is at most ``PROBE_SHARE`` of the
-        plain steps between two (a drafter model catching up makes a probe dear)."""
+        """The size to draft before drafting (1: a plain step), and the best size of a draft
+        whatever a plain step is worth (what a probe drafts): by expected tokens per millisecond
+        under the current rates and costs (see :meth:`_worth_drafting`). Also spaces probes so
+        that what one loses against plain steps is at most ``PROBE_SHARE`` of the plain steps
+        between two (a drafter model catching up makes a probe dear)."""
         order = self._order
         if order is None or not self.sizes:  # no tree fits: plain steps only
             return 1, 1
@@ -313,10 +320,20 @@ class AutoTree:
             rate = gain[m - 2] / ((self.cost[m] + self.draft_cost[m]) * self.scale["tree"])
             if rate > best_rate * (1.0 + 1e-9):
                 best, best_rate = m, rate
+        self._gain = gain[best - 2]
+        self._tree_ms, self._draft_ms = self.cost[best] * self.scale["tree"], self.draft_cost[best] * self.scale["tree"]
         plain = self.cost[1] * self.scale["plain"]
-        loss = gain[best - 2] / best_rate - gain[best - 2] * plain  # a probe's time beyond the plain steps' for its tokens
+        loss = self._tree_ms + self._draft_ms - self._gain * plain  # a probe's time beyond plain steps' for its tokens
         self._probe_min = max(self.PROBE, int(math.ceil(loss / (self.PROBE_SHARE * plain))))
-        return (best if best_rate > 1.0 / plain else 1), best
+        return (best if self._worth_drafting() else 1), best
+
+    def _worth_drafting(self) -> bool:
+        """Whether drafting the best size beats a plain step, counting that only a share ``s`` of
+        drafts is verified (the others, found wanting after drafting, cost their drafting and a
+        plain step): (s E + 1 - s) / (D + s C + (1 - s) P) against ``margin`` / P."""
+        s, plain = self.verified, self.cost[1] * self.scale["plain"]
+        rate = (s * self._gain + 1.0 - s) / (self._draft_ms + s * self._tree_ms + (1.0 - s) * plain)
+        return rate > self.margin / plain
 
     def plan(self):
         """The shape to draft this step, None for a plain step without drafting, or "own" (a
@@ -330,7 +347,7 @@ class AutoTree:
         self._predicted, self._drafted = ("plain", self.cost[1]), 0
         if not self.fills_shapes:
             return "own"
-        if self._pick == 1 and (not self._probing or not self.sizes):
+        if (self._pick == 1 or not self._worth_drafting()) and (not self._probing or not self.sizes):
             self._plain_run += 1
             return None
         self._drafted = self._pick if self._pick > 1 else self._probe_size
@@ -346,18 +363,24 @@ class AutoTree:
         valid = _valid(draft)
         n = min(draft.n, self.max_nodes)
         if not valid[active, 1:n].any():
+            self._verified(False)
             return None
         parents, rank, depth = _structure(draft)
         v = _chances(parents[:, :n], rank[:, :n], depth[:, :n], np.ascontiguousarray(valid[:, :n]),
                      self.rates.hazard())
         cost = self.cost[: n + 1] * self.scale["tree"]
-        cost[1] = self.cost[1] * self.scale["plain"]
+        cost[1] = self.cost[1] * self.scale["plain"] / self.margin
         m = _best_prefix(v, active, cost, not self._probing)
+        self._verified(m > 1)
         if m == 1:
             self._plain_run += 1
             return None
         self._predicted = ("tree", drafting + self.cost[m])
         return draft if m == draft.n else _cut(draft, m)
+
+    def _verified(self, kept: bool) -> None:
+        if not self._probing:
+            self.verified += self.ADAPT * (kept - self.verified)
 
     # -- after the step -------------------------------------------------------------------------
     def record(self, tree: TokenTree | None, tokens: np.ndarray | None = None, counts: np.ndarray | None = None,
@@ -409,10 +432,10 @@ def _cut(draft: TokenTree, m: int) -> TokenTree:
     return TokenTree(draft.parents[..., :m], draft.tokens[:, :m], **extra)
 
 
-def auto_tree(model, drafter, batch: int, *, mode: str, chain: bool = False, depth: int = PathRates.DEPTH,
-              adaptive: bool = False, refresh: bool = False) -> AutoTree:
+def auto_tree(model, drafter, batch: int, *, mode: str, sampled: bool = False, chain: bool = False,
+              depth: int = PathRates.DEPTH, adaptive: bool = False, refresh: bool = False) -> AutoTree:
     """The :class:`AutoTree` of a decoding call: the costs of ``model`` with ``drafter`` at
-    ``batch`` rows in ``mode`` (measured on first use, then cached: :func:`stree.cost.cost_profile`;
+    ``batch`` rows in ``mode``, greedy or ``sampled`` (measured on first use, then cached: :func:`stree.cost.cost_profile`;
     ``refresh``: measured again) over the shapes the rates' prior plans (at most ``depth`` deep).
     An ``adaptive`` one continues the cost scales and rates of the last adaptive chooser of the
     same profile in this process (where the output cannot depend on the trees, what earlier
@@ -422,10 +445,11 @@ def auto_tree(model, drafter, batch: int, *, mode: str, chain: bool = False, dep
     prior = plan_shape(PathRates(), max(fixed or default_sizes(device)), chain, depth)  # the plan before any step
     sizes = tuple(n for n in fixed or default_sizes(device) if n <= prior.n) or (prior.n,)
     fills = getattr(drafter, "fills_shapes", True)
-    profile = cost_profile(model, batch, drafter=drafter if fills else None, mode=mode,
+    profile = cost_profile(model, batch, drafter=drafter if fills else None, mode=mode, sampled=sampled,
                            shapes=[_prefix(prior, n) for n in sizes if n >= 2], refresh=refresh)
     # adaptive choosers of one profile hand on what they learned: a later call starts from it
-    scale, rates = _LEARNED.setdefault(profile, ({"plain": 1.0, "tree": 1.0}, PathRates())) if adaptive else (None, None)
+    scale, rates = (None, None) if not adaptive else _LEARNED.setdefault(profile, ({"plain": 1.0, "tree": 1.0},
+                                                                                   PathRates()))
     return AutoTree(profile, sizes=fixed and sizes, chain=chain, fills_shapes=fills, depth=depth, adaptive=adaptive,
                     rates=rates, scale=scale)
 

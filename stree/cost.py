@@ -178,10 +178,11 @@ def _cached(kind: str, model, parse, measure, fields: dict, refresh: bool):
 
 
 # ---- measuring ------------------------------------------------------------------------------
-def cost_profile(model, batch_size: int, *, drafter=None, mode: str = "eager", shapes=None, budget_s: float = 2.0,
-                 refresh: bool = False) -> CostProfile:
+def cost_profile(model, batch_size: int, *, drafter=None, mode: str = "eager", sampled: bool = False, shapes=None,
+                 budget_s: float = 2.0, refresh: bool = False) -> CostProfile:
     """The :class:`CostProfile` of ``model`` with ``drafter`` (None: the target's work alone) at
-    ``batch_size`` rows in ``mode``, cached (see the module docstring). ``shapes``: the tree
+    ``batch_size`` rows in ``mode``, greedy or ``sampled`` (drawing and the lossless rejection
+    rules cost more than argmax), cached (see the module docstring). ``shapes``: the tree
     shapes to time, one per size (default: full binary trees cut to :func:`default_sizes`);
     compiled and graphed modes build (and keep) each shape's pass. The drafter is left reset,
     its random stream as it was. ``refresh``: measure again whatever is cached."""
@@ -192,9 +193,10 @@ def cost_profile(model, batch_size: int, *, drafter=None, mode: str = "eager", s
     if shapes is None:
         shapes = [_binary(n) for n in default_sizes(model.device)]
     shapes = sorted(shapes, key=lambda s: s.n)
-    fields = dict(batch=batch_size, mode=mode, sizes=[s.n for s in shapes], drafter=drafter_kind(drafter))
+    fields = dict(batch=batch_size, mode=mode, sizes=[s.n for s in shapes], drafter=drafter_kind(drafter),
+                  sampled=bool(sampled))
     return _cached("profile", model, CostProfile.from_dict,
-                   lambda: _measure(model, drafter, batch_size, mode, shapes, budget_s), fields, refresh)
+                   lambda: _measure(model, drafter, batch_size, mode, sampled, shapes, budget_s), fields, refresh)
 
 
 def drafter_kind(drafter) -> str | None:
@@ -242,7 +244,7 @@ def _sync(device: torch.device):
 
 
 @torch.no_grad()
-def _measure(model, drafter, batch: int, mode: str, shapes, budget_s: float) -> CostProfile:
+def _measure(model, drafter, batch: int, mode: str, sampled: bool, shapes, budget_s: float) -> CostProfile:
     from .drafters.base import DraftContext
     from .steps import autoregressive_step, check_draft, speculative_step
     from .tree import TokenTree
@@ -265,14 +267,15 @@ def _measure(model, drafter, batch: int, mode: str, shapes, budget_s: float) -> 
     seq = torch.randint(0, vocab, (batch, context + 2 * calls_max + 1), generator=gen)
     lengths = torch.full((batch,), context)
     model.prefill(seq[:, :context].to(device), cache)
-    params = SamplingParams()
+    params = SamplingParams(1.0 if sampled else 0.0)
+    draws = torch.Generator(device=device).manual_seed(0) if sampled else None
     top_k = None if drafter is None else drafter.target_top_k
     state = None if getattr(drafter, "generator", None) is None else drafter.generator.get_state()
     if drafter is not None:
         drafter.reset()
 
     def ar():
-        autoregressive_step(model, cache, seq[:, 0].to(device), params, None, runner, top_k)
+        autoregressive_step(model, cache, seq[:, 0].to(device), params, draws, runner, top_k)
         cache.seqlens -= 1
 
     drafting: list[list[float]] = [[] for _ in shapes]  # each call's drafting, of the call's time
@@ -292,7 +295,7 @@ def _measure(model, drafter, batch: int, mode: str, shapes, budget_s: float) -> 
                 lengths.add_(2)
             tree = tree.to(device)
             drafted.append((time.perf_counter() - t0) * 1e3)
-            _, result = speculative_step(model, cache, tree, params, None, top_k=top_k, runner=runner)
+            _, result = speculative_step(model, cache, tree, params, draws, top_k=top_k, runner=runner)
             cache.seqlens -= result.num_accepted.to(cache.seqlens.dtype)
         return run
 

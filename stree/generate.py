@@ -447,6 +447,7 @@ def decode(model, input_ids, *, drafter: Drafter | None = None, tree: TreeShape 
         t0 = time.perf_counter()
         chooser = auto_tree(model, drafter, rows.batch_size, chain=method == "chain", depth=depth,
                             mode="cuda_graph" if cuda_graph else "compiled" if torch_compile else "eager",
+                            sampled=not params.greedy,
                             adaptive=params.greedy or seed is None)  # where the trees cannot change the output
         stats.time_setup = time.perf_counter() - t0
     clock = _Clock(device, detailed=time_phases)

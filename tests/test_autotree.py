@@ -322,7 +322,7 @@ def test_sampling_law_holds_while_the_choice_switches_and_falls_back():
     class Quick(AutoTree):
         PROBE = 1  # a probe after one plain step: the choice moves within the first tokens
 
-    auto = Quick(CostProfile(1.0, (2, 3, 4, 6), (1.56, 1.8, 1.92, 2.64)), sizes=(2, 3, 4, 6))
+    auto = Quick(CostProfile(1.0, (2, 3, 4, 6), (1.3, 1.5, 1.6, 2.2)), sizes=(2, 3, 4, 6))
     out = generate(model, [prompt] * 40_000, drafter=MarkovDrafter(q, seed=2), tree=auto, max_new_tokens=5,
                    temperature=1.0, seed=11)
     assert out.stats.trees == {4: 1, 1: 2, 2: 1}  # a tree, plain steps, a probe of another size

@@ -137,3 +137,14 @@ def test_tensor_parallel_smoke_times_every_op_at_every_world_size(tmp_path):
             assert got[2]["weight_bytes_per_rank"] < 0.7 * got[1]["weight_bytes_per_rank"]  # each rank a slice
             assert got[2]["cache_bytes_per_rank"] < 0.7 * got[1]["cache_bytes_per_rank"]
             assert abs(got[2]["speedup_vs_world_1"] - got[1]["time_ms_median"] / got[2]["time_ms_median"]) < 1e-9
+
+
+def test_speculation_smoke_reports_gains_over_autoregressive(tmp_path):
+    result = smoke("speculation", tmp_path)
+    rows = result["results"]
+    assert {r["drafter"] for r in rows} == {"autoregressive", "ngram", "ssm"}
+    ar = next(r for r in rows if r["drafter"] == "autoregressive")
+    assert ar["gain"] == 1.0 and ar["trees"] == {"1": ar["trees"]["1"]} and ar["tau"] == 1.0
+    for r in rows:
+        assert r["identical"] is True and r["tokens"] == 2 * 8
+        assert sum(r["trees"].values()) > 0 and r["gain"] > 0 and r["step_in_ar_steps"] > 0

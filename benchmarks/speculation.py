@@ -1,0 +1,137 @@
+"""Speculation at default settings, as a user meets it: the README's text API (``LM.generate``,
+``tree="auto"``) with each drafter against stree's own autoregressive decoding in the same mode
+(eager against eager, compiled against compiled), at batch 1 and 2 (and more with
+``--batches``), greedy and sampled, on the shipped pair's held-out code prompts.
+
+Every configuration runs once on a short prompt first (numba compiling, torch.compile, measuring
+the machine's costs), then the configurations of one (mode, batch size, temperature) take turns
+on every batch of prompts, the order rotating, so that drift hits all alike. Reported per
+configuration: tokens/s, the gain over autoregressive decoding, tau (tokens per decoding step),
+the decoding step's cost in autoregressive steps, the share of plain steps and the tree sizes the
+choice took, and for greedy runs whether every output equals the autoregressive one.
+
+    python benchmarks/speculation.py                       # batch 1, 2; greedy, 0.6, 1.0; eager, compiled
+    python benchmarks/speculation.py --modes eager --temperatures 0 --batches 8,16
+    python benchmarks/speculation.py --smoke               # CI: 2 prompts x 8 tokens
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import sys
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+import stree
+from stree.demo import DRAFTER, TARGET, read_prompts, trees_chosen
+from stree.models import CompiledModel, load
+from stree.timing import run_info, save_result
+
+DRAFTERS = ("ngram", "stand", "stand-det", "ssm")
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--prompts", type=int, default=8)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--batches", default="1,2")
+    p.add_argument("--temperatures", default="0,0.6,1.0")
+    p.add_argument("--modes", default="eager,compiled")
+    p.add_argument("--drafters", default=",".join(DRAFTERS))
+    p.add_argument("--smoke", action="store_true")
+    p.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    p.add_argument("--stem", default=None, help="result file name (default: speculation_cpu, or _smoke)")
+    args = p.parse_args(argv)
+    if args.smoke:
+        args.prompts, args.max_new_tokens, args.batches, args.temperatures = 2, 8, "1", "0"
+        args.modes, args.drafters = "eager", "ngram,ssm"
+    batches = [int(b) for b in args.batches.split(",")]
+    temperatures = [float(t) for t in args.temperatures.split(",")]
+    modes, drafters = args.modes.split(","), args.drafters.split(",")
+    torch.manual_seed(0)
+    small = load(DRAFTER, dtype=torch.float32)
+    lms = {mode: stree.LM.from_pretrained(TARGET, dtype=torch.float32,
+                                          drafter_model=CompiledModel(small) if mode == "compiled" else small)
+           for mode in modes}
+    texts = read_prompts(TARGET / "prompts.jsonl", max(args.prompts, max(batches)))
+    rows = []
+    groups = list(itertools.product(modes, batches, temperatures))
+    for mode, batch, temperature in tqdm(groups, desc="mode x batch x temperature", file=sys.stderr):
+        lm = lms[mode]
+        names = ["autoregressive"] + drafters
+        kw = dict(max_new_tokens=args.max_new_tokens, temperature=temperature, torch_compile=mode == "compiled")
+
+        def run(name, prompts, seed, **extra):
+            spec = dict(method="autoregressive") if name == "autoregressive" else dict(drafter=name)
+            return lm.generate(prompts, seed=seed if temperature > 0 else None, **spec, **dict(kw, **extra))
+
+        t0 = time.perf_counter()
+        for name in names:  # compiling and measuring the machine's costs: before any timing
+            run(name, texts[:batch], 0, max_new_tokens=8)
+        warmup = time.perf_counter() - t0
+        runs = {name: [] for name in names}
+        prompts = texts[: max(args.prompts, batch)]
+        for turn, start in enumerate(range(0, len(prompts) - batch + 1, batch)):
+            order = names[turn % len(names):] + names[: turn % len(names)]
+            for name in order:
+                runs[name].append(run(name, prompts[start: start + batch], turn))
+        ar = runs["autoregressive"]
+        ar_seconds = sum(o.stats.time_total for o in ar)
+        ar_steps = sum(len(a) for o in ar for a in o.stats.accepted)
+        for name in names:
+            outs = runs[name]
+            seconds = sum(o.stats.time_total for o in outs)
+            tokens = sum(sum(o.stats.new_tokens) for o in outs)
+            steps = sum(len(a) for o in outs for a in o.stats.accepted)
+            trees: dict[int, int] = {}
+            for o in outs:
+                for n, k in o.stats.trees.items():
+                    trees[n] = trees.get(n, 0) + k
+            rows.append(dict(
+                mode=mode, batch=batch, temperature=temperature, drafter=name, tokens=tokens, seconds=seconds,
+                tokens_per_s=tokens / seconds,
+                gain=(tokens / seconds) / (sum(sum(o.stats.new_tokens) for o in ar) / ar_seconds),
+                tau=stree.generate.pooled_tau([o.stats for o in outs]),
+                step_in_ar_steps=(seconds / steps) / (ar_seconds / ar_steps),
+                trees=dict(sorted(trees.items())), trees_chosen=trees_chosen(trees),
+                identical=None if temperature > 0 else [o.token_ids for o in outs] == [o.token_ids for o in ar],
+                warmup_s=warmup if name == names[0] else None))
+            r = rows[-1]
+            print(f"{mode:<9}b{batch:<3}T{temperature:<4}{name:<15}{r['tokens_per_s']:>8.1f} tok/s  "
+                  f"x{r['gain']:.2f}  tau {r['tau']:.2f}  step {r['step_in_ar_steps']:.2f} AR  {r['trees_chosen']}"
+                  + ("" if r["identical"] is None else f"  identical {'yes' if r['identical'] else 'NO'}"),
+                  file=sys.stderr)
+    result = dict(benchmark="speculation", **run_info("cpu", argv), threads=torch.get_num_threads(),
+                  prompts=args.prompts, max_new_tokens=args.max_new_tokens,
+                  note="LM.generate at default settings (tree='auto'); gain: tokens/s over stree's own autoregressive "
+                       "decoding in the same mode, batch size and temperature, runs interleaved per batch of "
+                       "prompts; step_in_ar_steps: seconds per decoding step over the autoregressive one's; "
+                       "trees: steps per tree size (1: a plain step); warm-up (compiling, measuring costs) not timed",
+                  results=rows)
+    stem = args.stem or ("speculation_smoke" if args.smoke else "speculation_cpu")
+    save_result(result, args.out, stem, plot)
+    return result
+
+
+def plot(result):
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in result["results"] if r["drafter"] != "autoregressive"]
+    labels = [f"{r['mode'][:5]} b{r['batch']} T{r['temperature']:g} {r['drafter']}" for r in rows]
+    fig, ax = plt.subplots(figsize=(8, max(3, 0.22 * len(rows))))
+    ax.barh(labels, [r["gain"] for r in rows], color=["tab:green" if r["gain"] >= 1 else "tab:red" for r in rows])
+    ax.axvline(1.0, color="black", lw=0.8)
+    ax.invert_yaxis()
+    ax.tick_params(axis="y", labelsize=7)
+    ax.set(xlabel="tokens/s over stree's own autoregressive decoding (same mode, batch, temperature)",
+           title=f"LM.generate defaults (tree='auto'), {result['device']}")
+    ax.title.set_fontsize(8)
+    return fig
+
+
+if __name__ == "__main__":
+    main()
