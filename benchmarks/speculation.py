@@ -5,7 +5,8 @@
 
 Every configuration runs once on a short prompt first (numba compiling, torch.compile, measuring
 the machine's costs), then the configurations of one (mode, batch size, temperature) take turns
-on every batch of prompts, the order rotating, so that drift hits all alike. Reported per
+on every batch of prompts, the order rotating, so that drift hits all alike (``--rounds`` times;
+the same seed per batch of prompts in every round). Reported per
 configuration: tokens/s, the gain over autoregressive decoding, tau (tokens per decoding step),
 the decoding step's cost in autoregressive steps, the share of plain steps and the tree sizes the
 choice took, and for greedy runs whether every output equals the autoregressive one.
@@ -27,7 +28,8 @@ import torch
 from tqdm import tqdm
 
 import stree
-from stree.demo import DRAFTER, TARGET, read_prompts, trees_chosen
+from stree.demo import DRAFTER, TARGET, read_prompts
+from stree.generate import pooled_tau, trees_chosen
 from stree.models import CompiledModel, load
 from stree.timing import run_info, save_result
 
@@ -42,13 +44,14 @@ def main(argv=None):
     p.add_argument("--temperatures", default="0,0.6,1.0")
     p.add_argument("--modes", default="eager,compiled")
     p.add_argument("--drafters", default=",".join(DRAFTERS))
+    p.add_argument("--rounds", type=int, default=2, help="times each configuration decodes every batch of prompts")
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--out", default=str(Path(__file__).parent / "results"))
     p.add_argument("--stem", default=None, help="result file name (default: speculation_cpu, or _smoke)")
     args = p.parse_args(argv)
     if args.smoke:
         args.prompts, args.max_new_tokens, args.batches, args.temperatures = 2, 8, "1", "0"
-        args.modes, args.drafters = "eager", "ngram,ssm"
+        args.modes, args.drafters, args.rounds = "eager", "ngram,ssm", 1
     batches = [int(b) for b in args.batches.split(",")]
     temperatures = [float(t) for t in args.temperatures.split(",")]
     modes, drafters = args.modes.split(","), args.drafters.split(",")
@@ -75,10 +78,11 @@ def main(argv=None):
         warmup = time.perf_counter() - t0
         runs = {name: [] for name in names}
         prompts = texts[: max(args.prompts, batch)]
-        for turn, start in enumerate(range(0, len(prompts) - batch + 1, batch)):
+        starts = range(0, len(prompts) - batch + 1, batch)
+        for turn, (_, start) in enumerate(itertools.product(range(args.rounds), starts)):
             order = names[turn % len(names):] + names[: turn % len(names)]
             for name in order:
-                runs[name].append(run(name, prompts[start: start + batch], turn))
+                runs[name].append(run(name, prompts[start: start + batch], start))
         ar = runs["autoregressive"]
         ar_seconds = sum(o.stats.time_total for o in ar)
         ar_steps = sum(len(a) for o in ar for a in o.stats.accepted)
@@ -95,10 +99,11 @@ def main(argv=None):
                 mode=mode, batch=batch, temperature=temperature, drafter=name, tokens=tokens, seconds=seconds,
                 tokens_per_s=tokens / seconds,
                 gain=(tokens / seconds) / (sum(sum(o.stats.new_tokens) for o in ar) / ar_seconds),
-                tau=stree.generate.pooled_tau([o.stats for o in outs]),
+                tau=pooled_tau([o.stats for o in outs]),
                 step_in_ar_steps=(seconds / steps) / (ar_seconds / ar_steps),
                 trees=dict(sorted(trees.items())), trees_chosen=trees_chosen(trees),
                 identical=None if temperature > 0 else [o.token_ids for o in outs] == [o.token_ids for o in ar],
+                rounds=args.rounds,
                 warmup_s=warmup if name == names[0] else None))
             r = rows[-1]
             print(f"{mode:<9}b{batch:<3}T{temperature:<4}{name:<15}{r['tokens_per_s']:>8.1f} tok/s  "

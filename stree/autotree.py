@@ -323,7 +323,8 @@ class AutoTree:
         self._gain = gain[best - 2]
         self._tree_ms, self._draft_ms = self.cost[best] * self.scale["tree"], self.draft_cost[best] * self.scale["tree"]
         plain = self.cost[1] * self.scale["plain"]
-        loss = self._tree_ms + self._draft_ms - self._gain * plain  # a probe's time beyond plain steps' for its tokens
+        # a probe's time beyond plain steps' for its tokens (with the margin where the clock is not followed)
+        loss = (self._tree_ms + self._draft_ms) * self.margin - self._gain * plain
         self._probe_min = max(self.PROBE, int(math.ceil(loss / (self.PROBE_SHARE * plain))))
         return (best if self._worth_drafting() else 1), best
 

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from .drafters.registry import NEEDS_MODEL, make_drafter
-from .generate import generate, pooled_tau
+from .generate import generate, pooled_tau, trees_chosen
 from .models import load, load_tokenizer
 
 ASSETS = Path(__file__).parent / "assets"
@@ -52,14 +52,6 @@ def read_prompts(path: Path, n: int) -> list[str]:
     if not lines:
         raise ValueError(f"{path} holds no prompts")
     return lines[:n]
-
-
-def trees_chosen(trees: dict[int, int]) -> str:
-    """``stats.trees`` in a few words: the share of plain steps and the tree sizes taken."""
-    steps = sum(trees.values())
-    sizes = sorted(n for n in trees if n > 1)
-    plain = f"{trees.get(1, 0) / steps:.0%} plain" if steps else "-"
-    return plain if not sizes else f"{plain}, trees {sizes[0]}-{sizes[-1]}"
 
 
 @torch.no_grad()

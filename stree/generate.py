@@ -80,10 +80,24 @@ class GenerationStats:
     def tokens_per_s(self) -> float:
         return sum(self.new_tokens) / self.time_total if self.time_total > 0 else float("nan")
 
+    def trees_chosen(self) -> str:
+        """``trees`` in a few words: the share of plain steps and the tree sizes taken."""
+        return trees_chosen(self.trees)
+
     def summary(self) -> str:
         return (f"tokens {sum(self.new_tokens)} | forwards {self.target_forwards} | tau {self.tau:.2f} | "
-                f"{self.tokens_per_s:.1f} tok/s | draft {self.time_draft:.3f}s verify {self.time_verify:.3f}s "
-                f"commit {self.time_commit:.3f}s other {self.time_other:.3f}s (prefill {self.time_prefill:.3f}s)")
+                f"{self.tokens_per_s:.1f} tok/s | steps: {self.trees_chosen()} | draft {self.time_draft:.3f}s "
+                f"verify {self.time_verify:.3f}s commit {self.time_commit:.3f}s other {self.time_other:.3f}s "
+                f"(prefill {self.time_prefill:.3f}s)")
+
+
+def trees_chosen(trees: dict[int, int]) -> str:
+    """Steps per tree size (1: a plain step) in a few words: the share of plain steps and the
+    tree sizes taken."""
+    steps = sum(trees.values())
+    sizes = sorted(n for n in trees if n > 1)
+    plain = f"{trees.get(1, 0) / steps:.0%} plain" if steps else "-"
+    return plain if not sizes else f"{plain}, trees {sizes[0]}-{sizes[-1]}"
 
 
 def pooled_tau(stats: list[GenerationStats]) -> float:
@@ -326,18 +340,21 @@ def decode(model, input_ids, *, drafter: Drafter | None = None, tree: TreeShape 
     machine's measured costs and the acceptance learned so far (:mod:`stree.autotree`; chains
     only under ``method="chain"``; an :class:`~stree.autotree.AutoTree` passed here makes the
     choice with its own costs and rates, and keeps what it learns); a
-    :class:`~stree.tree.TreeShape` is drafted as given every step, and a :class:`~stree.tree.TreeBudget` lets a drafter that can grow each step's tree
-    per row. A drafter built for a shape of its own (its ``shape``, e.g. ``STANDDrafter(store,
-    shape)``) drafts that shape where ``tree`` is left "auto" (the named drafters of
-    :func:`~stree.drafters.registry.make_drafter` have none). Tensor-parallel
-    models and ``method="unrolled"`` take ``paper13`` (``chain(4)`` for chains) for "auto";
+    :class:`~stree.tree.TreeShape` is drafted as given every step, and a
+    :class:`~stree.tree.TreeBudget` lets a drafter that can grow each step's tree per row. A
+    drafter built for a shape of its own (its ``shape``, e.g. ``STANDDrafter(store, shape)``)
+    drafts that shape where ``tree`` is left "auto" (the named drafters of
+    :func:`~stree.drafters.registry.make_drafter` have none). Tensor-parallel models and
+    ``method="unrolled"`` take ``paper13`` (``chain(4)`` for chains) for "auto";
     ``method="autoregressive"`` ignores ``tree``.
     ``drafter`` defaults to :class:`NGramDrafter`. ``sampling`` (a :class:`SamplingParams`), or
     ``temperature`` / ``top_k`` / ``top_p`` / ``mode``, say how tokens are chosen; ``mode="naive"``
     verifies by exact-match sampling. ``max_length``: the cache size; by default the longest
     prompt plus ``max_new_tokens`` plus the tree depth (the drafter's ``draft_depth`` when deeper).
     The same ``seed`` gives the same output (under ``tree="auto"``, on a machine with the same
-    cost profile, :mod:`stree.cost`: the trees chosen follow it). ``time_phases``: on CUDA, time draft / verify /
+    cached cost profile, :mod:`stree.cost`: the trees chosen follow it; without a seed, and in
+    greedy decoding, where the trees cannot change the output, they also follow the clock).
+    ``time_phases``: on CUDA, time draft / verify /
     commit apart (a device sync per phase; off, only the total is timed there). ``cuda_graph``:
     replay the step, and the tree pass and commit of static tree shapes, from CUDA graphs (by
     default on for a model on CUDA; the graphs and their cache are kept per model, batch size and
@@ -367,8 +384,9 @@ def decode(model, input_ids, *, drafter: Drafter | None = None, tree: TreeShape 
         raise TypeError(f"sampling must be a SamplingParams, got {type(params).__name__}")
     stops = check_stop_sequences(stop_sequences, model.vocab_size)
     tp = tensor_parallel(model)
-    if (tree is None or tree == "auto") and method in ("stree", "unrolled") and getattr(drafter, "shape", None) is not None:
-        tree = drafter.shape  # a drafter built for a tree of its own drafts it: an explicit choice
+    own_shape = getattr(drafter, "shape", None)
+    if (tree is None or tree == "auto") and method in ("stree", "unrolled") and own_shape is not None:
+        tree = own_shape  # a drafter built for a tree of its own drafts it: an explicit choice
     chooser = tree if isinstance(tree, AutoTree) else None
     auto = method in ("stree", "chain") and (tree is None or tree == "auto" or chooser is not None)
     if auto and tp is not None:

@@ -232,7 +232,8 @@ def test_samples_of_one_prompt_draft_from_each_other(capsys):
     from stree.demo import TARGET
 
     args = ["generate", "--model", str(TARGET), "--prompt", "def add(a, b):", "--num-samples", "4", "--max-new-tokens",
-            "24", "--drafter", "consensus", "--temperature", "0.3", "--seed", "0", "--dtype", "float32"]
+            "24", "--drafter", "consensus", "--temperature", "0.3", "--seed", "0", "--dtype", "float32",
+            "--tree", "paper13"]  # a fixed tree: the comparison is of acceptance, not of tree="auto"'s choice
     assert main(args + ["--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert len(report["texts"]) == 4 and len(set(report["texts"])) > 1
@@ -243,3 +244,22 @@ def test_samples_of_one_prompt_draft_from_each_other(capsys):
     assert "=== prompt 0 sample 3 (length) ===" in capsys.readouterr().out
     assert main(args[:5] + ["--num-samples", "0"]) == 2
     assert "--num-samples must be >= 1" in capsys.readouterr().err
+
+
+def test_profile_prints_the_cost_table_and_plots_it(checkpoint, tmp_path, capsys):
+    import json
+
+    png = tmp_path / "cost.png"
+    assert main(["profile", "--model", str(checkpoint), "--drafter", "stand-det", "--png", str(png), "--json"]) == 0
+    table = json.loads(capsys.readouterr().out)
+    nodes = [r["nodes"] for r in table["rows"]]
+    assert nodes[0] == 1 and nodes == sorted(nodes) and len(nodes) > 3 and table["mode"] == "eager"
+    assert table["rows"][0]["steps"] == 1.0 and all(r["target_ms"] > 0 and r["steps"] > 0 for r in table["rows"])
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert main(["profile", "--model", str(checkpoint), "--png", str(png)]) == 0  # cached: the table again
+    out = capsys.readouterr().out
+    assert "nodes" in out and "in steps" in out and "costs.json" in out
+    for bad in (["--batch-size", "0"], ["--drafter", "ssm-static"]):
+        assert main(["profile", "--model", str(checkpoint), "--png", str(png), *bad]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("stree profile: error:")

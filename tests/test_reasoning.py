@@ -58,8 +58,10 @@ def test_rejecting_every_step_gives_the_base_models_text(pair, token_spec):
     st = out.stats  # the wall-time split: every part measured, together within the total
     assert min(st.time_small, st.time_judge, st.time_base, st.time_sync) > 0
     assert st.time_small + st.time_judge + st.time_base + st.time_sync <= st.time_total
-    if token_spec:
-        assert out.stats.base_forwards < N  # speculative: fewer forwards than tokens
+    if token_spec in (True, "ngram"):  # repetitive text: drafting pays, fewer forwards than tokens
+        assert out.stats.base_forwards < N
+    elif token_spec == "small":  # tree="auto" may find the small model's drafts not worth their cost here
+        assert out.stats.base_forwards <= N
 
 
 def test_the_threshold_is_inclusive(pair):

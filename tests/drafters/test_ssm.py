@@ -81,8 +81,11 @@ def test_beam_trees_deeper_than_the_shape_fit_in_the_cache():
     target = MarkovLM(table)
     drafter = SSMDrafter(MarkovLM(table), mode="beam", beams=2, steps=7)
     ref = generate(target, [[1, 2, 1]], method="autoregressive", max_new_tokens=18)
-    out = generate(target, [[1, 2, 1]], drafter=drafter, max_new_tokens=18)
+    # an explicit tree: every step verified (beam mode drafts its own 7-deep trees whatever the shape)
+    out = generate(target, [[1, 2, 1]], drafter=drafter, tree=TreeShape.chain(1), max_new_tokens=18)
     assert out.sequences == ref.sequences and out.stats.accepted[0][:2] == [7, 7]
+    auto = generate(target, [[1, 2, 1]], drafter=drafter, max_new_tokens=18)  # tree="auto": the same room
+    assert auto.sequences == ref.sequences
 
 
 @pytest.mark.parametrize("mode, depth", [("static", 2), ("beam", 3)])

@@ -117,7 +117,7 @@ def test_ssm_drafter_on_the_compiled_model_drafts_as_on_the_eager_one(model):
     accepted counts at every step."""
     drafter_model = FAMILIES["mamba2"](seed=1)
     prompts = [[1, 2, 3, 1, 2], [4, 5]]
-    runs = [generate(model, prompts, max_new_tokens=10,
+    runs = [generate(model, prompts, max_new_tokens=10, tree=TreeShape.paper13(),
                      drafter=make_drafter("ssm-static", drafter_model=m, vocab_size=model.vocab_size))
             for m in (drafter_model, CompiledModel(drafter_model))]
     assert runs[0].sequences == runs[1].sequences
