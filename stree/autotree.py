@@ -253,11 +253,12 @@ class AutoTree:
     as compiled passes and CUDA graphs need); ``chain``: chains only (``method="chain"``);
     ``fills_shapes``: whether the drafter drafts the shape it is given (else its own, and only
     the choice after drafting applies); ``depth``: the deepest tree the cache has room for;
-    ``adaptive``: scale the profile's plain and speculative
-    costs by what the loop's iterations take (:meth:`record`'s ``elapsed_ms``): a drafter model
-    catching up after plain steps, caches the drafter evicts, the loop's own bookkeeping. The
-    choice then follows the clock: outputs stay lossless but a seed no longer fixes the trees,
-    so decoding turns it on only where the output does not depend on them (greedy, or no seed).
+    ``adaptive``: scale the profile's plain and speculative costs by what the loop's iterations
+    take (:meth:`record`'s ``elapsed_ms``): a drafter model catching up after plain steps, caches
+    the drafter evicts, the loop's own bookkeeping. The choice then follows the clock: outputs
+    stay lossless but a seed no longer fixes the trees, so decoding turns it on only where the
+    output does not depend on them (greedy, or no seed); otherwise trees must beat plain steps
+    by ``MARGIN``.
     ``rates`` and ``scale`` (``{"plain": x, "tree": y}``) may be shared with earlier choosers,
     which then hand over what they learned. ``chosen`` counts the steps per tree size (1: a plain
     step)."""
@@ -265,7 +266,9 @@ class AutoTree:
     REPLAN = 8  # steps between re-plans (of an eager loop's shapes, and of the size to draft)
     PROBE, PROBE_MAX = 4, 64
     PROBE_SHARE = 0.05  # what probes may cost, at most, of the plain steps' time they interrupt
+    PROBE_LONGEST = 256  # plain steps between probes, at most
     ADAPT = 0.15  # weight of the newest iteration in the cost scales and the share of drafts verified
+    CLIP = 3.0  # the most one iteration's realised / predicted time may say
     # Where the choice cannot follow the clock (a seed must repeat the output), what the profile
     # misses (the loop's bookkeeping, caches a drafter evicts) is covered by asking a tree to beat
     # a plain step by this much.
@@ -325,7 +328,7 @@ class AutoTree:
         plain = self.cost[1] * self.scale["plain"]
         # a probe's time beyond plain steps' for its tokens (with the margin where the clock is not followed)
         loss = (self._tree_ms + self._draft_ms) * self.margin - self._gain * plain
-        self._probe_min = max(self.PROBE, int(math.ceil(loss / (self.PROBE_SHARE * plain))))
+        self._probe_min = min(max(self.PROBE, int(math.ceil(loss / (self.PROBE_SHARE * plain)))), self.PROBE_LONGEST)
         return (best if self._worth_drafting() else 1), best
 
     def _worth_drafting(self) -> bool:
@@ -391,7 +394,9 @@ class AutoTree:
         self.chosen[1 if tree is None else tree.n] += 1
         kind, predicted = self._predicted
         if self.adaptive and elapsed_ms is not None and elapsed_ms > 0:
-            self.scale[kind] += self.ADAPT * (elapsed_ms / predicted - self.scale[kind])
+            # clipped: one iteration that compiled or measured something must not price trees out for good
+            ratio = min(max(elapsed_ms / predicted, 1.0 / self.CLIP), self.CLIP)
+            self.scale[kind] += self.ADAPT * (ratio - self.scale[kind])
         self._since_plan += 1
         if tree is not None:
             self.rates.record(tree, tokens, counts, rows)
@@ -434,7 +439,8 @@ def _cut(draft: TokenTree, m: int) -> TokenTree:
 
 
 def auto_tree(model, drafter, batch: int, *, mode: str, sampled: bool = False, chain: bool = False,
-              depth: int = PathRates.DEPTH, adaptive: bool = False, refresh: bool = False) -> AutoTree:
+              depth: int = PathRates.DEPTH, adaptive: bool = False,
+              refresh: bool = False) -> AutoTree:
     """The :class:`AutoTree` of a decoding call: the costs of ``model`` with ``drafter`` at
     ``batch`` rows in ``mode``, greedy or ``sampled`` (measured on first use, then cached: :func:`stree.cost.cost_profile`;
     ``refresh``: measured again) over the shapes the rates' prior plans (at most ``depth`` deep).
