@@ -442,8 +442,9 @@ def auto_tree(model, drafter, batch: int, *, mode: str, sampled: bool = False, c
               depth: int = PathRates.DEPTH, adaptive: bool = False,
               refresh: bool = False) -> AutoTree:
     """The :class:`AutoTree` of a decoding call: the costs of ``model`` with ``drafter`` at
-    ``batch`` rows in ``mode``, greedy or ``sampled`` (measured on first use, then cached: :func:`stree.cost.cost_profile`;
-    ``refresh``: measured again) over the shapes the rates' prior plans (at most ``depth`` deep).
+    ``batch`` rows in ``mode``, greedy or ``sampled`` (measured on first use, then cached:
+    :func:`stree.cost.cost_profile`; ``refresh``: measured again) over the shapes the rates'
+    prior plans (at most ``depth`` deep).
     An ``adaptive`` one continues the cost scales and rates of the last adaptive chooser of the
     same profile in this process (where the output cannot depend on the trees, what earlier
     calls learned about this machine and drafter is worth keeping)."""
