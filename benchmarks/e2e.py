@@ -26,7 +26,7 @@ from tqdm import tqdm
 
 from stree.demo import DRAFTER, TARGET, read_prompts
 from stree.drafters.registry import NEEDS_MODEL, make_drafter, stand_tree
-from stree.generate import generate, pooled_tau
+from stree.generate import generate, merged_trees, pooled_tau
 from stree.models import CompiledModel, load, load_tokenizer, save
 from stree.opcount import count_ops
 from stree.timing import add_device_args, device_and_dtype, run_info, save_result
@@ -206,7 +206,7 @@ def main(argv=None):
             identical_to_transformers=outputs[name] == outputs["transformers"],
             gain_over_autoregressive=seconds[own] / seconds[name] if own in seconds and st else None,
             iteration_in_steps=(seconds[name] / iters) / (seconds[own] / ar_iters[own]) if own in seconds and st else None,
-            trees=_merged_trees(st) if st else None,
+            trees=merged_trees(st) if st else None,
             tau=pooled_tau(st) if st else None, target_forwards=sum(s.target_forwards for s in st) if st else None,
             ms_per_iteration=split))
     result = dict(benchmark="e2e", **run_info(device, argv), dtype=str(dtype).replace("torch.", ""), batch=1,
@@ -227,15 +227,6 @@ def main(argv=None):
               f"tau {tau}  identical {'yes' if r['identical_to_transformers'] else 'NO'}")
     print("ops:", {k: v["total"] for k, v in result["op_counts"].items()})
     return result
-
-
-def _merged_trees(stats) -> dict:
-    """Steps per tree size over runs (1: a plain step)."""
-    out: dict[int, int] = {}
-    for s in stats:
-        for n, k in s.trees.items():
-            out[n] = out.get(n, 0) + k
-    return dict(sorted(out.items()))
 
 
 def plot(result):

@@ -29,7 +29,7 @@ from tqdm import tqdm
 
 import stree
 from stree.demo import DRAFTER, TARGET, read_prompts
-from stree.generate import pooled_tau, trees_chosen
+from stree.generate import merged_trees, pooled_tau, trees_chosen
 from stree.models import CompiledModel, load
 from stree.timing import run_info, save_result
 
@@ -91,17 +91,14 @@ def main(argv=None):
             seconds = sum(o.stats.time_total for o in outs)
             tokens = sum(sum(o.stats.new_tokens) for o in outs)
             steps = sum(len(a) for o in outs for a in o.stats.accepted)
-            trees: dict[int, int] = {}
-            for o in outs:
-                for n, k in o.stats.trees.items():
-                    trees[n] = trees.get(n, 0) + k
+            trees = merged_trees([o.stats for o in outs])
             rows.append(dict(
                 mode=mode, batch=batch, temperature=temperature, drafter=name, tokens=tokens, seconds=seconds,
                 tokens_per_s=tokens / seconds,
                 gain=(tokens / seconds) / (sum(sum(o.stats.new_tokens) for o in ar) / ar_seconds),
                 tau=pooled_tau([o.stats for o in outs]),
                 step_in_ar_steps=(seconds / steps) / (ar_seconds / ar_steps),
-                trees=dict(sorted(trees.items())), trees_chosen=trees_chosen(trees),
+                trees=trees, trees_chosen=trees_chosen(trees),
                 identical=None if temperature > 0 else [o.token_ids for o in outs] == [o.token_ids for o in ar],
                 rounds=args.rounds,
                 warmup_s=warmup if name == names[0] else None))

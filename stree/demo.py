@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from .drafters.registry import NEEDS_MODEL, make_drafter
-from .generate import generate, pooled_tau, trees_chosen
+from .generate import generate, merged_trees, pooled_tau, trees_chosen
 from .models import load, load_tokenizer
 
 ASSETS = Path(__file__).parent / "assets"
@@ -88,10 +88,7 @@ def run_demo(target_dir=TARGET, drafter_dir=DRAFTER, *, prompts: int = 4, max_ne
     for (method, name), res in zip(runs, results):
         stats = res["stats"]
         tokens, seconds = sum(sum(s.new_tokens) for s in stats), sum(s.time_total for s in stats)
-        trees: dict[int, int] = {}
-        for s in stats:
-            for n, k in s.trees.items():
-                trees[n] = trees.get(n, 0) + k
+        trees = merged_trees(stats)
         row = dict(method=method, drafter=name or "-", tau=pooled_tau(stats), tokens_per_s=tokens / seconds,
                    identical=res["outputs"] == reference["outputs"], tokens=tokens, trees=trees)
         row["speedup"] = row["tokens_per_s"] / rows[0]["tokens_per_s"] if rows else 1.0

@@ -91,6 +91,15 @@ class GenerationStats:
                 f"(prefill {self.time_prefill:.3f}s)")
 
 
+def merged_trees(stats: list[GenerationStats]) -> dict[int, int]:
+    """The ``trees`` of several runs together, by size."""
+    out: dict[int, int] = {}
+    for s in stats:
+        for n, k in s.trees.items():
+            out[n] = out.get(n, 0) + k
+    return dict(sorted(out.items()))
+
+
 def trees_chosen(trees: dict[int, int]) -> str:
     """Steps per tree size (1: a plain step) in a few words: the share of plain steps and the
     tree sizes taken."""
