@@ -13,6 +13,9 @@ python -m pytest -q -p no:cacheprovider tests 2>&1 | tail -n 30 | tee "$out/test
 python benchmarks/tree_scan_sweep.py --out "$out" 2>&1 | tail -n 40
 python benchmarks/model_forward.py --out "$out" 2>&1 | tail -n 40
 python benchmarks/e2e.py --out "$out" 2>&1 | tail -n 15
+# what a tree costs on this GPU (tree="auto" decides by it): the shipped target with the n-gram drafter
+python -m stree profile --model stree/assets/tiny-target --png "$out/profile_cuda.png" --json \
+  > "$out/profile_cuda.json" 2>&1
 # Tensor parallelism over NCCL needs two GPUs (the tests cover gloo on the CPU): the tiny target
 # split over every GPU, its completion compared with one process's.
 gpus=$(nvidia-smi -L | wc -l)
