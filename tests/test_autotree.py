@@ -282,8 +282,14 @@ def test_greedy_auto_is_token_identical_for_every_drafter(family):
                 continue
             out = generate(model, prompts, drafter=drafter, method=method, max_new_tokens=24)
             assert out.sequences == ref.sequences, (name, method)
+            # with made-up costs under which trees pay (not the clock's): trees certainly taken
+            drafter = make_drafter(name, drafter_model=small if name in NEEDS_MODEL else None,
+                                   vocab_size=model.vocab_size)
+            out = generate(model, prompts, drafter=drafter, method=method, max_new_tokens=24,
+                           tree=AutoTree(cheap(), chain=method == "chain"))
+            assert out.sequences == ref.sequences, (name, method, "cheap trees")
             kinds |= {1 if n == 1 else 2 for n in out.stats.trees}
-    assert kinds == {1, 2}  # both plain steps and trees were taken
+    assert 2 in kinds
 
 
 def test_explicit_trees_are_honoured_exactly():

@@ -60,11 +60,11 @@ SHAPES = [TreeShape.chain(1), TreeShape.full(2, 2)]
 def test_measured_once_then_cached_in_the_process_and_the_file(fresh_cache, monkeypatch):
     model = mamba2()
     calls = counting(monkeypatch)
-    p = cost_profile(model, 1, shapes=SHAPES, budget_s=0.2)
+    p = cost_profile(model, 1, shapes=SHAPES, budget_s=2.0)
     assert p.nodes == (2, 7) and p.step_ms > 0 and all(t > 0 for t in p.tree_ms)
-    assert cost_profile(model, 1, shapes=SHAPES, budget_s=0.2) is p and len(calls) == 1
+    assert cost_profile(model, 1, shapes=SHAPES, budget_s=2.0) is p and len(calls) == 1
     monkeypatch.setattr(cost, "_MEMO", {})  # a new process: the file answers
-    assert cost_profile(model, 1, shapes=SHAPES, budget_s=0.2) == p and len(calls) == 1
+    assert cost_profile(model, 1, shapes=SHAPES, budget_s=2.0) == p and len(calls) == 1
     # another batch size, mode-independent key parts changed, a drafter: each measured on its own
     cost_profile(model, 2, shapes=SHAPES, budget_s=0.2)
     cost_profile(model, 1, shapes=SHAPES, drafter=NGramDrafter(), budget_s=0.2)
@@ -76,7 +76,7 @@ def test_measured_once_then_cached_in_the_process_and_the_file(fresh_cache, monk
 @pytest.mark.parametrize("damage", ["garbage", "wrong-format", "foreign-key", "bad-value"])
 def test_a_corrupt_or_foreign_cache_is_measured_again(fresh_cache, monkeypatch, damage):
     model = mamba2()
-    p = cost_profile(model, 1, shapes=SHAPES, budget_s=0.2)
+    p = cost_profile(model, 1, shapes=SHAPES, budget_s=2.0)
     data = json.loads(fresh_cache.read_text())
     key = next(iter(data["entries"]))
     if damage == "garbage":
@@ -91,7 +91,7 @@ def test_a_corrupt_or_foreign_cache_is_measured_again(fresh_cache, monkeypatch, 
         fresh_cache.write_text(json.dumps(data))
     monkeypatch.setattr(cost, "_MEMO", {})
     calls = counting(monkeypatch)
-    again = cost_profile(model, 1, shapes=SHAPES, budget_s=0.2)
+    again = cost_profile(model, 1, shapes=SHAPES, budget_s=2.0)
     assert len(calls) == 1 and again.nodes == p.nodes
     assert json.loads(fresh_cache.read_text())["entries"][key]["value"]["step_ms"] > 0  # rewritten whole
 

@@ -14,6 +14,7 @@ from stree.drafters import NGramDrafter
 from stree.generate import generate
 from stree.lm import LM, checkpoint_eos
 from stree.stops import held_back
+from stree.tree import TreeShape
 
 PROMPTS = ["def fibonacci(n):", "class Stack:\n    def push(self, item):"]
 
@@ -29,7 +30,9 @@ def test_texts_are_the_decoded_tokens_of_generate(lm):
     ref = generate(lm.model, ids, max_new_tokens=24, eos_token_id=lm.eos_token_id)
     assert out.token_ids == ref.new_tokens
     assert out.texts == [lm.tokenizer.decode(t, skip_special_tokens=True) for t in ref.new_tokens]
-    assert out.finish_reasons == ["length", "length"] and out.stats.tau > 1
+    assert out.finish_reasons == ["length", "length"]
+    fixed = lm.generate(PROMPTS, max_new_tokens=24, tree=TreeShape.paper13())  # drafted every step
+    assert fixed.token_ids == out.token_ids and fixed.stats.tau > 1
     assert [lm.generate(p, max_new_tokens=24).text for p in PROMPTS] == out.texts  # a batch = its rows alone
     with pytest.raises(ValueError, match="text is for one prompt; this output holds 2"):
         out.text

@@ -10,11 +10,13 @@ import torch
 
 from stree.branch import Branch
 from stree.demo import DRAFTER, TARGET
+from stree.drafters import STANDDrafter, STANDStore
 from stree.generate import generate
 from stree.judge import JUDGE_TEMPLATE, Judge, digit_ids, read_score
 from stree.lm import LM
 from stree.models import load
 from stree.reasoning import spec_reason
+from stree.tree import TreeShape
 
 PROMPT = "def fibonacci(n):"
 N = 48
@@ -37,30 +39,41 @@ def _reason(pair, **kw):
     return spec_reason(base, small, tok, PROMPT, **kw)
 
 
-@pytest.mark.parametrize("small_spec", [True, False])
+def shaped():
+    """A deterministic STAND drafter built for a tree of its own: drafted every step, whatever
+    tree="auto" would choose (so the speculative path is certain to run)."""
+    return STANDDrafter(STANDStore(), TreeShape.paper13(), stochastic=False)
+
+
+@pytest.mark.parametrize("small_spec", [True, False, "shaped"])
 def test_accepting_every_step_gives_the_small_models_text(pair, small_spec):
     base, small, tok = pair
-    out = _reason(pair, judge=lambda context, step: 9.0, max_step_tokens=16, small_spec=small_spec)
+    spec = shaped() if small_spec == "shaped" else small_spec
+    out = _reason(pair, judge=lambda context, step: 9.0, max_step_tokens=16, small_spec=spec)
     assert out.token_ids == _greedy(small, tok)
     assert out.text == tok.decode(out.token_ids)
     assert len(out.steps) > 2 and all(s.by == "small" for s in out.steps)
     assert out.stats.share_accepted == 1.0 and out.stats.base_tokens == 0
-    assert (out.stats.small_forwards < N) == small_spec
+    if small_spec == "shaped":
+        assert out.stats.small_forwards < N  # speculative: fewer forwards than tokens
+    else:  # tree="auto" steps plainly where trees do not pay: never more forwards than tokens
+        assert (out.stats.small_forwards <= N) and (small_spec or out.stats.small_forwards == N)
 
 
-@pytest.mark.parametrize("token_spec", [False, True, "small", "ngram"])
+@pytest.mark.parametrize("token_spec", [False, True, "small", "ngram", "shaped"])
 def test_rejecting_every_step_gives_the_base_models_text(pair, token_spec):
     base, small, tok = pair
-    out = _reason(pair, judge=lambda context, step: 0.0, threshold=1, token_spec=token_spec)
+    spec = shaped() if token_spec == "shaped" else token_spec
+    out = _reason(pair, judge=lambda context, step: 0.0, threshold=1, token_spec=spec)
     assert out.token_ids == _greedy(base, tok)
     assert all(s.by == "base" and s.score == 0.0 for s in out.steps)
     assert out.stats.accepted == 0 and out.stats.base_tokens == N and out.stats.judged == len(out.steps)
     st = out.stats  # the wall-time split: every part measured, together within the total
     assert min(st.time_small, st.time_judge, st.time_base, st.time_sync) > 0
     assert st.time_small + st.time_judge + st.time_base + st.time_sync <= st.time_total
-    if token_spec in (True, "ngram"):  # repetitive text: drafting pays, fewer forwards than tokens
-        assert out.stats.base_forwards < N
-    elif token_spec == "small":  # tree="auto" may find the small model's drafts not worth their cost here
+    if token_spec == "shaped":
+        assert out.stats.base_forwards < N  # speculative: fewer forwards than tokens
+    elif token_spec:  # tree="auto" steps plainly where trees do not pay here: never more forwards
         assert out.stats.base_forwards <= N
 
 

@@ -8,6 +8,7 @@ from tiny_models import FAMILIES
 from stree.drafters import NGramDrafter, PathStore, STANDStore
 from stree.generate import generate
 from stree.testing import MarkovLM
+from stree.tree import TreeShape
 from stree.tts import best_of_n, extract_boxed, majority_vote, sample_trajectories
 
 
@@ -16,29 +17,38 @@ def peaked_markov():
     return MarkovLM(torch.distributions.Dirichlet(torch.full((12,), 0.2, dtype=torch.float64)).sample((12, 12)))
 
 
+# these tests compare acceptance across trajectories: a fixed tree, not tree="auto"'s choice
+TREE = TreeShape.paper13()
+
+
 @pytest.mark.parametrize("drafter", ["stand", "consensus"])
 def test_later_trajectories_draft_from_earlier_ones(drafter):
     model = peaked_markov()
-    out = sample_trajectories(model, [1, 2, 3, 1], 8, drafter=drafter, max_new_tokens=120, temperature=1.0, seed=0)
+    out = sample_trajectories(model, [1, 2, 3, 1], 8, drafter=drafter, max_new_tokens=120, temperature=1.0, seed=0,
+                              tree=TREE)
     assert len(out.tokens) == 8 and all(len(t) == 120 for t in out.tokens)
     later = sum(out.tau[4:8]) / 4
     assert later > out.tau[0] + 0.5, out.tau
     assert len(out.store) > 0
     # the returned store carries over: a new call starts where this one ended
     again = sample_trajectories(model, [1, 2, 3, 1], 1, drafter=drafter, max_new_tokens=120, temperature=1.0,
-                                seed=9, store=out.store)
-    fresh = sample_trajectories(model, [1, 2, 3, 1], 1, drafter=drafter, max_new_tokens=120, temperature=1.0, seed=9)
+                                seed=9, store=out.store, tree=TREE)
+    fresh = sample_trajectories(model, [1, 2, 3, 1], 1, drafter=drafter, max_new_tokens=120, temperature=1.0, seed=9,
+                                tree=TREE)
     assert again.tau[0] > fresh.tau[0] + 0.5
 
 
 def test_batches_share_the_store_and_seed_per_batch():
     model = peaked_markov()
-    out = sample_trajectories(model, [1, 2, 3, 1], 8, drafter="stand", batch_size=4, max_new_tokens=60, seed=0)
+    out = sample_trajectories(model, [1, 2, 3, 1], 8, drafter="stand", batch_size=4, max_new_tokens=60, seed=0,
+                              tree=TREE)
     assert len(out.stats) == 2 and len(out.tau) == 8
     assert sum(out.tau[4:]) > sum(out.tau[:4])
-    same = sample_trajectories(model, [1, 2, 3, 1], 8, drafter="stand", batch_size=4, max_new_tokens=60, seed=0)
+    same = sample_trajectories(model, [1, 2, 3, 1], 8, drafter="stand", batch_size=4, max_new_tokens=60, seed=0,
+                               tree=TREE)
     assert same.tokens == out.tokens
-    other = sample_trajectories(model, [1, 2, 3, 1], 8, drafter="stand", batch_size=4, max_new_tokens=60, seed=1)
+    other = sample_trajectories(model, [1, 2, 3, 1], 8, drafter="stand", batch_size=4, max_new_tokens=60, seed=1,
+                                tree=TREE)
     assert other.tokens != out.tokens
 
 
@@ -48,7 +58,8 @@ def test_greedy_identity_with_every_drafter(family):
     prompt = torch.randint(0, model.vocab_size, (6,), generator=torch.Generator().manual_seed(1)).tolist()
     ref = generate(model, [prompt], method="autoregressive", max_new_tokens=14).new_tokens[0]
     for drafter in ["stand", "ngram", "consensus", NGramDrafter(max_n=2), None]:
-        out = sample_trajectories(model, prompt, 3, drafter=drafter, batch_size=2, temperature=0.0, max_new_tokens=14)
+        out = sample_trajectories(model, prompt, 3, drafter=drafter, batch_size=2, temperature=0.0, max_new_tokens=14,
+                                  tree=TREE if drafter is not None else None)
         assert out.tokens == [ref] * 3, drafter
         if drafter == "consensus":
             assert out.tau[2] > 1  # the second batch copies the first

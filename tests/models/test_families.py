@@ -11,7 +11,16 @@ from hf_families import VOCAB, reference_greedy, reference_logits, save_tiny
 
 from stree.drafters import NGramDrafter
 from stree.generate import generate
-from stree.models import BambaLM, FalconH1LM, GraniteLM, LlamaLM, NemotronHLM, Qwen2LM, load, save
+from stree.models import (
+    BambaLM,
+    FalconH1LM,
+    GraniteLM,
+    LlamaLM,
+    NemotronHLM,
+    Qwen2LM,
+    load,
+    save,
+)
 from stree.tree import TokenTree, TreeShape
 
 FAMILIES = {"bamba": BambaLM, "nemotron_h": NemotronHLM, "granitemoehybrid": GraniteLM, "falcon_h1": FalconH1LM,
@@ -254,7 +263,12 @@ def test_from_transformers_shares_the_weights(pair):
 
 
 def test_from_transformers_mamba2_and_refusals():
-    from transformers import GPT2Config, GPT2LMHeadModel, Mamba2Config, Mamba2ForCausalLM
+    from transformers import (
+        GPT2Config,
+        GPT2LMHeadModel,
+        Mamba2Config,
+        Mamba2ForCausalLM,
+    )
 
     from stree.models import from_transformers
 
@@ -278,8 +292,8 @@ def test_stand_and_consensus_serve_transformer_targets(tmp_path, drafter):
     hf = save_tiny("llama", tmp_path)
     model = load(tmp_path)
     prompts = [_prompt(60 + i, 4) * 3 for i in range(2)]
-    out = generate(model, prompts, drafter=make_drafter(drafter, vocab_size=model.vocab_size), tree=None,
-                   max_new_tokens=16)
+    out = generate(model, prompts, drafter=make_drafter(drafter, vocab_size=model.vocab_size),
+                   tree=TreeShape.paper13(), max_new_tokens=16)
     assert out.new_tokens == [reference_greedy(hf, p, 16) for p in prompts]
     assert sum(map(sum, out.stats.accepted)) > 0
 
