@@ -19,7 +19,6 @@ import math
 import time
 from dataclasses import dataclass
 
-
 from .args import integer
 from .autotree import tree_room
 from .branch import Branch
@@ -118,7 +117,7 @@ def _drafter(drafter, store, shared: bool):
 def _search(model, prompt, groups: int, keep: int, *, expand: int, steps: int, scorer, tokenizer, stop,
             stop_sequences, max_step_tokens: int, max_new_tokens: int, drafter, store, temperature: float,
             top_p: float, seed: int | None, eos_token_id, aggregate: str, score: str,
-            judge_template: str, share_store: bool) -> SearchResult:
+            judge_template: str, share_store: bool, tree) -> SearchResult:
     start = time.perf_counter()
     expand = integer("expand", expand, low=1)
     steps = integer("steps", steps, low=1)
@@ -141,7 +140,7 @@ def _search(model, prompt, groups: int, keep: int, *, expand: int, steps: int, s
     # live[g]: group g's beams, as (row of `beams`, candidate index, step scores, tokens so far)
     beams, live = root, [[(0, -1, [], 0)] for _ in range(groups)]
     done: list[int] = []
-    gen_kw = dict(temperature=temperature, top_p=top_p, eos_token_id=eos or None)
+    gen_kw = dict(temperature=temperature, top_p=top_p, eos_token_id=eos or None, tree=tree)
     if stop is not None:
         gen_kw.update(stop=stop, tokenizer=tokenizer)
     for it in range(steps):
@@ -220,7 +219,7 @@ def beam_search(model, prompt, *, width: int = 2, expand: int = 4, steps: int = 
                 max_new_tokens: int = 512, drafter="stand", store: STANDStore | None = None,
                 temperature: float = 0.8, top_p: float = 1.0, seed: int | None = 0, eos_token_id=None,
                 aggregate: str = "last", score: str = "greedy", judge_template: str = JUDGE_TEMPLATE,
-                share_store: bool = True) -> SearchResult:
+                share_store: bool = True, tree="auto") -> SearchResult:
     """Beam search over steps: ``width`` beams, each expanding ``expand`` sampled candidates per
     iteration, the ``width`` best trajectories over all of them kept, for at most ``steps``
     iterations.
@@ -233,8 +232,9 @@ def beam_search(model, prompt, *, width: int = 2, expand: int = 4, steps: int = 
     process reward model). ``aggregate``: a trajectory's value from its steps' scores ("last",
     "min", "mean", "sum"). ``drafter``: "stand" (default; one store shared by every branch, pass
     ``store`` to share it across calls too; ``share_store=False``: a fresh store per branch and
-    step instead, the baseline), "stand-det", "ngram", a Drafter or None (autoregressive). ``temperature``/``top_p``: the candidates' sampling; ``seed`` makes the
-    search repeatable."""
+    step instead, the baseline), "stand-det", "ngram", a Drafter or None (autoregressive); ``tree``:
+    what the candidates are drafted over (:func:`stree.generate.decode`'s, default "auto").
+    ``temperature``/``top_p``: the candidates' sampling; ``seed`` makes the search repeatable."""
     return _search(model, prompt, 1, integer("width", width, low=1), **_options(locals()))
 
 

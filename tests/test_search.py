@@ -13,6 +13,7 @@ from stree.drafters.stand import STANDStore
 from stree.lm import LM
 from stree.search import beam_search, dvts
 from stree.testing.markov import MarkovLM
+from stree.tree import TreeShape
 
 V, PROMPT = 3, [0, 1]
 
@@ -93,7 +94,8 @@ def test_branches_drafting_from_one_store_accept_more(lm):
     taus = {}
     for shared in (True, False):
         res = dvts(lm.model, "def fibonacci(n):", tokenizer=lm.tokenizer, width=2, expand=2, steps=3,
-                   max_step_tokens=16, scorer="logprob", share_store=shared, temperature=0.8, seed=0)
+                   max_step_tokens=16, scorer="logprob", share_store=shared, temperature=0.8, seed=0,
+                   tree=TreeShape.paper13())  # acceptance is compared: a fixed tree, not tree="auto"'s choice
         later = [c for c in res.candidates if c.iteration > 0]
         taus[shared] = sum(len(c.tokens) for c in later) / sum(len(c.tokens) / c.tau for c in later)
         assert (res.store is not None) == shared
