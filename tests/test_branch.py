@@ -10,6 +10,7 @@ from stree.branch import Branch
 from stree.drafters.registry import make_drafter
 from stree.generate import generate
 from stree.testing.markov import MarkovLM
+from stree.tree import TreeShape
 
 PROMPTS = [[1, 2, 3, 4, 5, 1, 2, 3], [7, 8, 9]]
 
@@ -119,14 +120,15 @@ def test_stop_sequences_cut_exactly_where_drafts_run_past(method):
     ref = _reference(model)[0]
     n = len(PROMPTS[0])
     gen = ref[n:]
-    run = generate(model, [PROMPTS[0]], drafter=make_drafter("ngram"), max_new_tokens=40)
+    # a fixed tree, drafted every step: the stop must fall inside an accepted path (tree="auto" may step plainly)
+    run = generate(model, [PROMPTS[0]], drafter=make_drafter("ngram"), tree=TreeShape.paper13(), max_new_tokens=40)
     assert run.new_tokens[0] == gen
     stop = _first_occurrence_inside_a_step(gen, run.stats.accepted[0])
     end = next(e for e in range(len(gen)) if gen[e - len(stop) + 1: e + 1] == stop)
     assert len(stop) > 1
     branch = Branch.start(model, [PROMPTS[0]], 100)
-    out = branch.generate(40, stop_sequences=[stop, [VOCAB - 1] * 5], method=method,
-                          drafter=make_drafter("ngram") if method == "stree" else None)
+    drafting = dict(drafter=make_drafter("ngram"), tree=TreeShape.paper13()) if method == "stree" else {}
+    out = branch.generate(40, stop_sequences=[stop, [VOCAB - 1] * 5], method=method, **drafting)
     assert out.new_tokens[0] == gen[: end + 1] and out.finish_reasons == ["stop"]
     branch.generate(8)
     assert branch.contexts[0] == ref[: len(branch.contexts[0])]
