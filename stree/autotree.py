@@ -259,14 +259,19 @@ class AutoTree:
     stay lossless but a seed no longer fixes the trees, so decoding turns it on only where the
     output does not depend on them (greedy, or no seed); otherwise trees must beat plain steps
     by ``MARGIN``.
-    ``rates`` and ``scale`` (``{"plain": x, "tree": y}``) may be shared with earlier choosers,
-    which then hand over what they learned. ``chosen`` counts the steps per tree size (1: a plain
+    An adaptive choice also spaces probes by what they took (a drafter model catching up on the
+    tokens of the plain steps before, its prefill of a new context: costs the profile's steady
+    state does not see), and keeps the interval it reached.
+    ``rates`` and ``scale`` (``{"plain": x, "tree": y}``, and what probes cost and the interval)
+    may be shared with earlier choosers, which then hand over what they learned. ``chosen`` counts the steps per tree size (1: a plain
     step)."""
 
     REPLAN = 8  # steps between re-plans (of an eager loop's shapes, and of the size to draft)
     PROBE, PROBE_MAX = 4, 64
-    PROBE_SHARE = 0.05  # what probes may cost, at most, of the plain steps' time they interrupt
-    PROBE_LONGEST = 256  # plain steps between probes, at most
+    # What probes may cost, at most, of the plain steps' time they interrupt: the most that turning
+    # speculation on loses where it never pays.
+    PROBE_SHARE = 0.02
+    PROBE_LONGEST = 512  # plain steps between probes, at most
     ADAPT = 0.15  # weight of the newest iteration in the cost scales and the share of drafts verified
     CLIP = 3.0  # the most one iteration's realised / predicted time may say
     # Where the choice cannot follow the clock (a seed must repeat the output), what the profile
@@ -280,6 +285,9 @@ class AutoTree:
         self.profile, self.chain, self.fills_shapes, self.adaptive = profile, chain, fills_shapes, adaptive
         self.rates = rates if rates is not None else PathRates()
         self.scale = scale if scale is not None else {"plain": 1.0, "tree": 1.0}  # realised / predicted time
+        self.scale.setdefault("probe_loss", 0.0)  # ms a probe took beyond plain steps for its tokens (adaptive)
+        self.scale.setdefault("probe_every", self.PROBE)
+        self.scale.setdefault("plain_run", 0)
         self.depth = min(depth, PathRates.DEPTH)
         top = max(profile.nodes) if profile.nodes else 2
         self.fixed = sizes is not None
@@ -294,7 +302,10 @@ class AutoTree:
                 self.cost[m] = profile.iteration_ms(m)
         self.draft_cost = np.array([profile.drafting_ms(m) for m in range(self.max_nodes + 1)])
         self.chosen: Counter = Counter()
-        self._since_plan, self._plain_run, self._probe_every, self._probing = 0, 0, self.PROBE, False
+        self._since_plan, self._probing = 0, False
+        # an adaptive choice goes on where the last call of its profile left off: probes stay spaced
+        self._plain_run = self.scale["plain_run"] if adaptive else 0
+        self._probe_every = self.scale["probe_every"] if adaptive else self.PROBE
         self._probe_min = self.PROBE
         self._predicted = ("plain", self.cost[1])  # this step's kind and predicted milliseconds
         self._drafted = 0  # nodes drafted this step (0: none)
@@ -328,6 +339,8 @@ class AutoTree:
         plain = self.cost[1] * self.scale["plain"]
         # a probe's time beyond plain steps' for its tokens (with the margin where the clock is not followed)
         loss = (self._tree_ms + self._draft_ms) * self.margin - self._gain * plain
+        if self.adaptive:
+            loss = max(loss, self.scale["probe_loss"])
         self._probe_min = min(max(self.PROBE, int(math.ceil(loss / (self.PROBE_SHARE * plain)))), self.PROBE_LONGEST)
         return (best if self._worth_drafting() else 1), best
 
@@ -402,6 +415,10 @@ class AutoTree:
             self.rates.record(tree, tokens, counts, rows)
             if not self._probing:  # speculation won this step: probes start again from the shortest interval
                 self._plain_run, self._probe_every = 0, self.PROBE
+            elif self.adaptive and elapsed_ms is not None:
+                beyond = elapsed_ms - float(np.mean(counts[rows])) * self.cost[1] * self.scale["plain"]
+                self.scale["probe_loss"] += 0.5 * (beyond - self.scale["probe_loss"])
+        self.scale["probe_every"], self.scale["plain_run"] = self._probe_every, self._plain_run
         if (tree is not None and self._probing) or self._since_plan >= self.REPLAN:
             self._since_plan = 0
             if tree is not None and not self.fixed and self.fills_shapes:

@@ -182,17 +182,20 @@ def run_rejecting(auto, steps):
 
 def test_plain_steps_win_where_trees_cost_too_much_and_probes_follow_the_text():
     """Trees a fifth dearer than a step: once the verified steps show nothing is accepted, plain
-    steps, with a probe after 4, then 8, then 16 of them."""
+    steps, with a probe after 4 of them, the interval doubling (or more, as far as a probe's loss
+    needs: at least its floor) up to PROBE_MAX."""
     auto = AutoTree(CostProfile(1.0, (2, 4, 8, 16), (1.2, 1.3, 1.5, 1.9)))
-    drafted = run_rejecting(auto, 120)
+    drafted = run_rejecting(auto, 300)
     gaps = np.diff(drafted).tolist()
-    assert gaps[-3:] == [9, 17, 33] and 5 in gaps[:-3]  # probes after 4 plain steps, ..., 8, 16, 32
-    assert auto.chosen[1] == 120 - len(drafted)
+    assert 5 in gaps[:2] and gaps[-2:] == [AutoTree.PROBE_MAX + 1] * 2
+    grow = gaps[gaps.index(5):]
+    assert all(a <= b <= 2 * a + 1 or b - 1 >= auto._probe_min for a, b in zip(grow, grow[1:]))
+    assert auto.chosen[1] == 300 - len(drafted)
 
 
 def test_dear_probes_are_spaced_so_they_cost_a_small_share():
     """Trees at 6 steps: a probe loses ~5 steps against plain ones, so at most one in about
-    5 / PROBE_SHARE = 100 steps."""
+    5 / PROBE_SHARE steps."""
     auto = AutoTree(expensive())
     drafted = run_rejecting(auto, 400)
     assert len(drafted) <= 4 and all(b - a > 90 for a, b in zip(drafted, drafted[1:]))
@@ -261,7 +264,42 @@ def test_adaptive_costs_follow_the_clock():
     assert auto.scale["tree"] > 2 and auto._pick == 1  # trees priced up until plain steps win
     fixed = AutoTree(cheap())  # not adaptive: the clock is ignored
     fixed.record(None, elapsed_ms=100.0)
-    assert fixed.scale == {"plain": 1.0, "tree": 1.0}
+    assert (fixed.scale["plain"], fixed.scale["tree"], fixed.scale["probe_loss"]) == (1.0, 1.0, 0.0)
+
+
+def run_probes(auto, steps, probe_ms):
+    """``steps`` plain steps of 1 ms where the target accepts nothing, each probe taking
+    ``probe_ms``; the steps that verified a draft."""
+    drafted = []
+    for i in range(steps):
+        plan = auto.plan()
+        draft = None if plan is None else auto.choose(full_draft(plan), np.ones(1, dtype=np.bool_))
+        if draft is None:
+            auto.record(None, elapsed_ms=1.0)
+            continue
+        drafted.append(i)
+        auto.record(draft, np.array([[999, 0]]), np.array([1]), np.arange(1), elapsed_ms=probe_ms)
+    return drafted
+
+
+def test_adaptive_probes_are_spaced_by_what_they_took_and_the_next_call_goes_on():
+    """A profile that says probes are cheap, probes that take 8 ms (a drafter model catching up):
+    an adaptive choice spaces them by the 7 ms they lose, so that they cost at most
+    PROBE_SHARE of the plain steps, and a later chooser sharing its scale goes on from there
+    (no burst of probes at the start of every call); a seeded (non-adaptive) one cannot know."""
+    profile = CostProfile(1.0, (2, 4, 8, 16), (1.5, 1.6, 1.8, 2.2))
+    auto = AutoTree(profile, adaptive=True)
+    drafted = run_probes(auto, 3000, 8.0)
+    assert auto.scale["probe_loss"] == pytest.approx(7.0, rel=0.05)
+    late = [b - a for a, b in zip(drafted, drafted[1:])][5:]  # once the loss is learned
+    assert late and min(late) >= 0.95 * 7.0 / (AutoTree.PROBE_SHARE * 1.0)  # ~350 plain steps
+    assert len(drafted) * 7.0 <= 1.2 * AutoTree.PROBE_SHARE * 3000 + 3 * 7.0  # the first few learn it
+    after = AutoTree(profile, adaptive=True, rates=auto.rates, scale=auto.scale)
+    wait = max(after._probe_every, after._probe_min) - auto.scale["plain_run"]
+    assert wait < 351 and run_probes(after, wait, 8.0) == []
+    assert run_probes(after, 1, 8.0) == [0]  # the interval begun in the last call ends here
+    seeded = AutoTree(profile)
+    assert len(run_probes(seeded, 3000, 8.0)) > 3 * len(drafted)
 
 
 # ---- in the loop ------------------------------------------------------------------------------
