@@ -306,7 +306,7 @@ class AutoTree:
         # an adaptive choice goes on where the last call of its profile left off: probes stay spaced
         self._plain_run = self.scale["plain_run"] if adaptive else 0
         self._probe_every = self.scale["probe_every"] if adaptive else self.PROBE
-        self._probe_min = self.PROBE
+        self._probe_min, self._probe_loss, self._catch_wait = self.PROBE, 0.0, 0
         self._predicted = ("plain", self.cost[1])  # this step's kind and predicted milliseconds
         self._drafted = 0  # nodes drafted this step (0: none)
         self.margin = 1.0 if adaptive else self.MARGIN
@@ -342,6 +342,7 @@ class AutoTree:
         if self.adaptive:
             loss = max(loss, self.scale["probe_loss"])
         self._probe_min = min(max(self.PROBE, int(math.ceil(loss / (self.PROBE_SHARE * plain)))), self.PROBE_LONGEST)
+        self._probe_loss = loss
         return (best if self._worth_drafting() else 1), best
 
     def _worth_drafting(self) -> bool:
@@ -352,14 +353,18 @@ class AutoTree:
         rate = (s * self._gain + 1.0 - s) / (self._draft_ms + s * self._tree_ms + (1.0 - s) * plain)
         return rate > self.margin / plain
 
-    def plan(self):
+    def plan(self, behind=None):
         """The shape to draft this step, None for a plain step without drafting, or "own" (a
         drafter that drafts its own trees: draft, then :meth:`choose`). After ``probe`` plain
         steps in a row (chosen before or after drafting; the interval doubling while they keep
-        winning) the step is a probe: drafted, and verified whatever its worth."""
-        self._probing = self._plain_run >= max(self._probe_every, self._probe_min)
+        winning) the step is a probe: drafted, and verified whatever its worth. ``behind``: a
+        callable saying how many tokens the drafter must read before it drafts (asked only when
+        a probe is due): a probe waits until its catch-up, at the profile's ``catch_ms`` a token,
+        is within the probes' share too (at most ``PROBE_LONGEST`` steps; an adaptive choice
+        has measured what its probes took instead)."""
+        self._probing = self._plain_run >= max(self._probe_every, self._probe_min) and self._catch_up_paid(behind)
         if self._probing:
-            self._plain_run = 0
+            self._plain_run = self._catch_wait = 0
             self._probe_every = min(2 * max(self._probe_every, self._probe_min), max(self.PROBE_MAX, self._probe_min))
         self._predicted, self._drafted = ("plain", self.cost[1]), 0
         if not self.fills_shapes:
@@ -369,6 +374,17 @@ class AutoTree:
             return None
         self._drafted = self._pick if self._pick > 1 else self._probe_size
         return self.prefix(self._drafted)
+
+    def _catch_up_paid(self, behind) -> bool:
+        catch = self.profile.catch_ms
+        if behind is None or catch == 0.0 or self.adaptive or self._plain_run >= self.PROBE_LONGEST:
+            return True
+        if self._plain_run < self._catch_wait:
+            return False
+        loss = self._probe_loss + catch * behind()
+        # the run that pays for it (asked again then: the drafter falls further behind meanwhile)
+        self._catch_wait = math.ceil(loss / (self.PROBE_SHARE * self.cost[1] * self.scale["plain"]))
+        return self._plain_run >= self._catch_wait
 
     # -- after drafting -------------------------------------------------------------------------
     def choose(self, draft: TokenTree, active: np.ndarray) -> TokenTree | None:
@@ -414,7 +430,7 @@ class AutoTree:
         if tree is not None:
             self.rates.record(tree, tokens, counts, rows)
             if not self._probing:  # speculation won this step: probes start again from the shortest interval
-                self._plain_run, self._probe_every = 0, self.PROBE
+                self._plain_run, self._probe_every, self._catch_wait = 0, self.PROBE, 0
             elif self.adaptive and elapsed_ms is not None:
                 beyond = elapsed_ms - float(np.mean(counts[rows])) * self.cost[1] * self.scale["plain"]
                 self.scale["probe_loss"] += 0.5 * (beyond - self.scale["probe_loss"])

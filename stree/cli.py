@@ -109,13 +109,16 @@ def _run_profile(args) -> int:
     profile = auto_tree(model, drafter, args.batch_size, mode=mode, refresh=args.refresh).profile
     rows = describe(profile)
     if args.json:
-        print(json.dumps(dict(device=name_of(model.device), mode=mode, batch_size=args.batch_size, rows=rows)))
+        print(json.dumps(dict(device=name_of(model.device), mode=mode, batch_size=args.batch_size, rows=rows,
+                              catch_up_ms_per_token=profile.catch_ms)))
     else:
         print(f"{name_of(model.device)}, {mode}, batch {args.batch_size}, drafter {args.drafter} "
               f"(cached in {cache_file()})")
         print(f"{'nodes':>6}{'target ms':>11}{'draft ms':>10}{'in steps':>10}")
         for r in rows:
             print(f"{r['nodes']:>6}{r['target_ms']:>11.3f}{r['draft_ms']:>10.3f}{r['steps']:>10.2f}")
+        if profile.catch_ms:
+            print(f"drafter catch-up: {profile.catch_ms:.4f} ms a token")
     _plot_profile(rows, f"{args.drafter}, batch {args.batch_size}, {mode}, {name_of(model.device)}", args.png)
     return 0
 
@@ -359,19 +362,35 @@ def _launched_world() -> int | None:
     return world if world > 1 else None
 
 
-def _run_generate(args) -> int:
-    from .lm import LM
-    from .models import load
-
+def _checked_generate_inputs(args) -> list[str]:
+    """The prompts (each ``--num-samples`` times), after the checks that need no model."""
     prompts = _generate_prompts(args)
     if isinstance(args.num_samples, bool) or args.num_samples < 1:
         raise ValueError(f"--num-samples must be >= 1, got {args.num_samples}")
-    prompts = [p for p in prompts for _ in range(args.num_samples)]
     if args.drafter_model is not None and args.drafter not in NEEDS_MODEL:
         raise ValueError(f"--drafter-model is only for --drafter {' / '.join(NEEDS_MODEL)}, not {args.drafter}")
     if args.drafter in NEEDS_MODEL and args.drafter_model is None:
         raise ValueError(f"--drafter {args.drafter} needs --drafter-model DIR")
+    return [p for p in prompts for _ in range(args.num_samples)]
+
+
+def _run_generate(args) -> int:
+    from .lm import LM
+    from .models import load
+
     world = _launched_world()
+    error = None
+    try:
+        prompts = _checked_generate_inputs(args)
+    except (ValueError, TypeError, OSError) as exc:
+        if world is None:
+            raise
+        error = exc
+    if world is not None:  # every rank checked its own inputs: all go on, or all stop with the first error
+        from .lm import rank_device
+        from .models.parallel import agree_on_error, join
+
+        agree_on_error(join(world, rank_device(args.device, world)), error)
     lm = LM.from_pretrained(args.model, device=args.device, dtype=args.dtype, tokenizer=args.tokenizer,
                             tensor_parallel=world)
     if world is not None and lm.model.tp.rank != 0:
@@ -441,6 +460,9 @@ def main(argv: list[str] | None = None) -> int:
            "distill": _run_distill, "profile": _run_profile}[args.command]
     from .training.loop import TrainingInterrupted
 
+    from .models.parallel import leave
+
+    agreed = True  # whether every rank (under torchrun) ends here together
     try:
         return run(args)
     except TrainingInterrupted as stop:
@@ -449,6 +471,11 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, TypeError, OSError) as exc:
         print(f"stree {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    except BaseException:
+        agreed = False
+        raise
+    finally:
+        leave(meet=agreed)  # tensor parallelism: the ranks meet, then end their process group
 
 
 if __name__ == "__main__":

@@ -36,7 +36,8 @@ from .timing import cpu_model
 __all__ = ["CostProfile", "cache_file", "cost_profile", "MODES"]
 
 MODES = ("eager", "compiled", "cuda_graph")
-FORMAT = 1  # of the cache file; another is re-measured
+CATCH = 64  # tokens of context a drafter model's catch-up is timed on
+FORMAT = 2  # of the cache file; another is re-measured
 
 
 @dataclass(frozen=True)
@@ -44,12 +45,15 @@ class CostProfile:
     """Milliseconds of one decoding iteration for a model (and drafter), batch size and mode:
     ``step_ms`` for an autoregressive one (step, sampling, the host transfer), and for a
     speculative one over a tree of ``nodes[i]`` nodes ``tree_ms[i]`` (tree pass, verification,
-    commit, the host transfer) after ``draft_ms[i]`` of drafting."""
+    commit, the host transfer) after ``draft_ms[i]`` of drafting. ``catch_ms``: what a drafter
+    model takes per token it has to read before drafting (after plain steps, or a new context's
+    prefill); 0 for drafters without a model."""
 
     step_ms: float
     nodes: tuple[int, ...]
     tree_ms: tuple[float, ...]
     draft_ms: tuple[float, ...] = ()
+    catch_ms: float = 0.0
 
     def __post_init__(self):
         if not self.draft_ms:
@@ -57,10 +61,11 @@ class CostProfile:
         ok = (math.isfinite(self.step_ms) and self.step_ms > 0 and len(self.nodes) == len(self.tree_ms)
               == len(self.draft_ms) and all(a < b for a, b in zip(self.nodes, self.nodes[1:]))
               and all(n >= 2 for n in self.nodes) and all(math.isfinite(t) and t > 0 for t in self.tree_ms)
-              and all(math.isfinite(t) and t >= 0 for t in self.draft_ms))
+              and all(math.isfinite(t) and t >= 0 for t in self.draft_ms)
+              and math.isfinite(self.catch_ms) and self.catch_ms >= 0)
         if not ok:
             raise ValueError(f"not a cost profile: step_ms={self.step_ms!r}, nodes={self.nodes!r}, "
-                             f"tree_ms={self.tree_ms!r}, draft_ms={self.draft_ms!r}")
+                             f"tree_ms={self.tree_ms!r}, draft_ms={self.draft_ms!r}, catch_ms={self.catch_ms!r}")
 
     def iteration_ms(self, n: int) -> float:
         """The target's part of an iteration over a tree of ``n`` nodes (1: an autoregressive
@@ -80,12 +85,12 @@ class CostProfile:
 
     def to_dict(self) -> dict:
         return dict(step_ms=self.step_ms, nodes=list(self.nodes), tree_ms=list(self.tree_ms),
-                    draft_ms=list(self.draft_ms))
+                    draft_ms=list(self.draft_ms), catch_ms=self.catch_ms)
 
     @classmethod
     def from_dict(cls, d: dict) -> "CostProfile":
         return cls(float(d["step_ms"]), tuple(int(n) for n in d["nodes"]), tuple(float(t) for t in d["tree_ms"]),
-                   tuple(float(t) for t in d["draft_ms"]))
+                   tuple(float(t) for t in d["draft_ms"]), float(d["catch_ms"]))
 
 
 def _interpolate(xs, ys, x: float) -> float:
@@ -299,9 +304,16 @@ def _measure(model, drafter, batch: int, mode: str, sampled: bool, shapes, budge
             cache.seqlens -= result.num_accepted.to(cache.seqlens.dtype)
         return run
 
+    inner = getattr(drafter, "level_model", None)
+    catch_ms = 0.0
     try:
         ms = _timed_rounds([ar] + [spec(s, d) for s, d in zip(shapes, drafting)], budget_s, _sync(device))
         shapes = shapes[: len(ms) - 1]  # the sizes measured within the budget
+        if inner is not None:  # the drafter model reading a context of CATCH tokens (a probe's catch-up)
+            own = inner.allocate_cache(batch, CATCH)
+            ids = (seq[:, :CATCH] % inner.vocab_size).to(inner.device)
+            catch_ms = _timed_rounds([lambda: (own.seqlens.zero_(), inner.prefill(ids, own))], budget_s / 8,
+                                     _sync(device))[0] / CATCH
     finally:
         if drafter is not None:
             drafter.reset()
@@ -310,7 +322,7 @@ def _measure(model, drafter, batch: int, mode: str, sampled: bool, shapes, budge
     cache.seqlens.zero_()
     draft = [statistics.median(d[2:] if len(d) > 3 else d) for d in drafting[: len(shapes)]]  # warm-up left out
     return CostProfile(ms[0], tuple(s.n for s in shapes), tuple(max(t - d, 1e-3) for t, d in zip(ms[1:], draft)),
-                       tuple(draft))
+                       tuple(draft), catch_ms)
 
 
 def describe(profile: CostProfile) -> list[dict]:

@@ -60,6 +60,18 @@ def checkpoint_eos(path) -> list[int] | None:
     return None
 
 
+def rank_device(device, tensor_parallel: int | None) -> torch.device:
+    """The device a process loads on: ``device`` (checked), else CUDA when available, else the
+    CPU; under tensor parallelism (torchrun) an unnumbered CUDA device is this rank's own GPU."""
+    from .models.loading import check_device
+    from .models.parallel import local_rank
+
+    device = check_device(device) or torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", local_rank() if tensor_parallel is not None else 0)
+    return device
+
+
 class LM:
     """``model`` (a loaded stree model) with its ``tokenizer`` (a transformers tokenizer) and the
     ids that end a row (``eos_token_id``: default the tokenizer's). ``drafter_model``: the small
@@ -84,23 +96,36 @@ class LM:
         slice of the model (:mod:`stree.models.parallel`); every rank then calls ``generate``
         with the same arguments and gets the same output."""
         from .models import DTYPES, join, load, load_tokenizer
-        from .models.loading import check_device
-        from .models.parallel import local_rank
 
         if isinstance(dtype, str):
             if dtype not in DTYPES:
                 raise ValueError(f"dtype must be a torch dtype or one of {sorted(DTYPES)}, got {dtype!r}")
             dtype = DTYPES[dtype]
-        rank = local_rank() if tensor_parallel is not None else 0
-        device = check_device(device) or torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        if device.type == "cuda" and device.index is None:
-            device = torch.device("cuda", rank)  # under torchrun, each rank its own GPU
+        device = rank_device(device, tensor_parallel)
         tp = None if tensor_parallel is None else join(tensor_parallel, device)
         model = load(path, dtype=dtype, device=device, tensor_parallel=tp)
         tok = load_tokenizer(tokenizer or path, vocab_size=model.vocab_size)
         if isinstance(drafter_model, (str, Path)):
             drafter_model = load(drafter_model, dtype=model.dtype, device=device)
         return cls(model, tok, checkpoint_eos(path), drafter_model)
+
+    def close(self) -> None:
+        """Tensor parallelism: meet the other ranks and end the process group that
+        ``from_pretrained`` started (``with LM.from_pretrained(...) as lm:`` does it on leaving
+        the block; at exit it happens anyway). Nothing to do for one process; idempotent."""
+        from .models import leave
+
+        if getattr(self.model, "tp", None) is not None:
+            leave()
+
+    def __enter__(self) -> "LM":
+        return self
+
+    def __exit__(self, kind, error, trace) -> None:
+        if getattr(self.model, "tp", None) is not None:
+            from .models import leave
+
+            leave(meet=error is None)  # a rank failing alone must not wait for the others
 
     def encode(self, prompts) -> list[list[int]]:
         if isinstance(prompts, str):

@@ -302,6 +302,34 @@ def test_adaptive_probes_are_spaced_by_what_they_took_and_the_next_call_goes_on(
     assert len(run_probes(seeded, 3000, 8.0)) > 3 * len(drafted)
 
 
+def test_a_probe_waits_until_its_drafters_catch_up_is_paid_for():
+    """A drafter model 300 tokens behind at 0.05 ms a token (a probe costs 15 ms more than the
+    profile's steady state): a seeded choice, which cannot learn that from the clock, spaces its
+    probes by it (at most PROBE_LONGEST apart) and asks the drafter rarely; one that is not behind
+    probes as usual."""
+    profile = CostProfile(1.0, (2, 4, 8, 16), (1.5, 1.6, 1.8, 2.2), catch_ms=0.05)
+    asked = []
+
+    def run(behind_by, steps):
+        auto, drafted = AutoTree(profile), []
+        for i in range(steps):
+            plan = auto.plan(lambda: asked.append(i) or behind_by)
+            draft = None if plan is None else auto.choose(full_draft(plan), np.ones(1, dtype=np.bool_))
+            if draft is None:
+                auto.record(None)
+                continue
+            drafted.append(i)
+            auto.record(draft, np.array([[999, 0]]), np.array([1]), np.arange(1))
+        return drafted
+
+    far = run(300, 1200)  # (the first step drafts: the prior's rates say trees pay, until verified steps say not)
+    assert len(far) >= 2 and all(b - a >= min(750, AutoTree.PROBE_LONGEST) for a, b in zip(far, far[1:]))
+    assert len(asked) <= 4 * len(far) + 4  # asked when a probe is due and when its wait is over, not every step
+    asked.clear()
+    near = run(0, 1200)
+    assert near[0] < 10 and len(near) > 3 * len(far)
+
+
 # ---- in the loop ------------------------------------------------------------------------------
 @pytest.mark.parametrize("family", FAMILIES)
 def test_greedy_auto_is_token_identical_for_every_drafter(family):

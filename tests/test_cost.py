@@ -31,11 +31,13 @@ def test_profile_interpolates_between_and_past_the_measured_sizes():
     assert p.in_steps(8) == pytest.approx((8.0 + 1.0) / 2.0)
     assert [r["nodes"] for r in describe(p)] == [1, 2, 4, 8]
     assert CostProfile.from_dict(p.to_dict()) == p
+    caught = CostProfile(2.0, (2,), (3.0,), catch_ms=0.25)
+    assert CostProfile.from_dict(caught.to_dict()) == caught and p.catch_ms == 0.0
 
 
 @pytest.mark.parametrize("bad", [dict(step_ms=0.0), dict(step_ms=float("nan")), dict(nodes=(4, 2)),
                                  dict(tree_ms=(1.0,)), dict(nodes=(1, 4)), dict(tree_ms=(1.0, -1.0)),
-                                 dict(draft_ms=(0.0, float("inf")))])
+                                 dict(draft_ms=(0.0, float("inf"))), dict(catch_ms=-1.0), dict(catch_ms=float("nan"))])
 def test_malformed_profiles_are_refused(bad):
     fields = dict(step_ms=1.0, nodes=(2, 4), tree_ms=(1.5, 2.0), draft_ms=(0.0, 0.0), **{})
     fields.update(bad)
@@ -143,3 +145,14 @@ def test_bad_arguments():
         cost_profile(mamba2(), 1, mode="fast")
     with pytest.raises(ValueError, match="batch_size"):
         cost_profile(mamba2(), 0)
+
+
+def test_a_drafter_models_catch_up_is_timed_per_token(fresh_cache):
+    """What a probe after plain steps pays before drafting: the drafter model reading the tokens it
+    missed. Measured for a drafter with a model (about its prefill's time per token), 0 without."""
+    from stree.drafters import SSMDrafter
+
+    model, small = mamba2(), mamba2(n_layer=1, seed=3)
+    ssm = cost_profile(model, 1, drafter=SSMDrafter(small), shapes=SHAPES, budget_s=0.3)
+    assert ssm.catch_ms > 0
+    assert cost_profile(model, 1, drafter=NGramDrafter(), shapes=SHAPES, budget_s=0.2).catch_ms == 0.0

@@ -72,6 +72,12 @@ class Drafter:
     def reset(self) -> None:
         """Forget per-row state: the next ``propose`` starts new rows."""
 
+    def behind(self, context: DraftContext) -> int:
+        """How many of the rows' tokens the drafter has yet to read before it can draft (the
+        most over ``context.rows``): a drafter model's catch-up after plain steps, or its whole
+        context for rows it has not seen. 0 for drafters that read the context as they draft."""
+        return 0
+
     def reseed(self, seed: int) -> None:
         """Restart the drafter's random stream from ``seed`` (``generate(seed=...)`` derives it,
         independent of the verifier's stream)."""

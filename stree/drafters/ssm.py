@@ -140,6 +140,13 @@ class SSMDrafter(Drafter):
     def observe(self, context: DraftContext, tokens, target) -> None:
         self.rates.record(context.rows, tokens)
 
+    def behind(self, context: DraftContext) -> int:
+        want = context.lengths[torch.tensor(context.rows)]
+        known = {r: i for i, r in enumerate(self._rows)}
+        if self._cache is None or not all(r in known for r in context.rows):
+            return int(want.max())  # a prefill of the contexts
+        return int((want - self._fed[torch.tensor([known[r] for r in context.rows])]).max())
+
     def _advance(self, context: DraftContext, depth: int) -> torch.Tensor:
         """Bring the cache to each row's whole context (the root included) and return the
         drafter's logits after it, ``[rows, V]``: the root's children are drawn from the same pass

@@ -23,8 +23,11 @@ only those slices (``stree.models.load(..., tensor_parallel=...)``).
 
 from __future__ import annotations
 
+import atexit
 import os
+import sys
 from dataclasses import dataclass, replace
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -92,10 +95,59 @@ def join(size: int, device=None) -> TensorParallel:
         if cuda:
             torch.cuda.set_device(device)  # NCCL binds each rank to the current device
         dist.init_process_group("nccl" if cuda else "gloo")
+        global _JOINED
+        if not _JOINED:
+            atexit.register(_leave_at_exit)  # the backstop: a script that never calls leave() still exits cleanly
+        _JOINED = True
     tp = TensorParallel()
     if tp.world != size:
         raise ValueError(f"tensor_parallel={size} but the launch has {tp.world} ranks")
     return tp
+
+
+_JOINED = False  # whether join() started the default process group (then leave() ends it)
+MEET_TIMEOUT_S = 60.0
+
+
+def leave(meet: bool = True) -> None:
+    """End the process group :func:`join` started (nothing where it did not, or has ended). With
+    ``meet``, every rank first waits for the others at a barrier, so that none tears down its
+    connections while another still talks to it: gloo's threads then abort the process at exit
+    ("terminate called without an active exception"), and the launch fails although the work was
+    done. Leave ``meet`` off where this rank fails alone (the others may be inside a collective
+    that would never match); on gloo the barrier gives up after ``MEET_TIMEOUT_S``."""
+    global _JOINED
+    if not _JOINED or not dist.is_initialized():
+        _JOINED = False
+        return
+    _JOINED = False
+    try:
+        if meet and dist.get_backend() == "gloo":
+            dist.monitored_barrier(timeout=timedelta(seconds=MEET_TIMEOUT_S))
+        elif meet:
+            dist.barrier()
+    except RuntimeError as exc:  # another rank failed on its own and never came: leave all the same
+        print(f"stree: rank {dist.get_rank()} left without the other ranks ({str(exc).splitlines()[0]})",
+              file=sys.stderr)
+    finally:
+        dist.destroy_process_group()
+
+
+def _leave_at_exit() -> None:
+    # an uncaught exception is ending this rank (sys.last_value is set before atexit runs): do not wait
+    leave(meet=getattr(sys, "last_value", None) is None)
+
+
+def agree_on_error(tp: TensorParallel, error: BaseException | None) -> None:
+    """After every rank checked its own inputs (``error``: what its check raised, None if it
+    passed): a ValueError on every rank naming the first rank that failed and its message, or
+    none anywhere. A rank that fails alone must not exit while the others wait for it in a
+    collective: they would hang, or be killed with a report that hides the message."""
+    messages = [None] * tp.world
+    dist.all_gather_object(messages, None if error is None else str(error), group=tp.group)
+    for rank, message in enumerate(messages):
+        if message is not None:
+            raise ValueError(f"rank {rank}: {message}") from error
 
 
 def local_rank() -> int:

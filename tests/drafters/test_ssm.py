@@ -57,8 +57,12 @@ def test_the_drafter_cache_follows_the_rows():
     g = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, 90, (3, 20), generator=g)
     drafter = SSMDrafter(model, shape, seed=0)
-    drafter.propose(DraftContext(tokens, torch.tensor([6, 9, 4]), [0, 1, 2]))
+    first = DraftContext(tokens, torch.tensor([6, 9, 4]), [0, 1, 2])
+    assert drafter.behind(first) == 9  # nothing read yet: the longest context
+    drafter.propose(first)
+    assert drafter.behind(first) == 0
     later = DraftContext(tokens, torch.tensor([11, 9, 8]), [2, 0])  # row 1 left; rows advanced by 4 and 5
+    assert drafter.behind(later) == 5  # what tree="auto" charges a probe for
     fresh = SSMDrafter(model, shape, seed=0).propose(later)
     advanced = drafter.propose(later)
     assert drafter._fed.tolist() == [8, 11]  # the whole context, root included
