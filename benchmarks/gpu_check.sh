@@ -16,6 +16,8 @@ python benchmarks/e2e.py --out "$out" 2>&1 | tail -n 15
 # what a tree costs on this GPU (tree="auto" decides by it): the shipped target with the n-gram drafter
 python -m stree profile --model stree/assets/tiny-target --png "$out/profile_cuda.png" --json \
   > "$out/profile_cuda.json" 2>&1
+# the same table without a drafter for the shipped target and a Mamba2-2.7B-width model (bf16, CUDA graphs)
+python benchmarks/cost.py --out "$out" 2>&1 | tail -n 40
 # Tensor parallelism over NCCL needs two GPUs (the tests cover gloo on the CPU): the tiny target
 # split over every GPU, its completion compared with one process's.
 gpus=$(nvidia-smi -L | wc -l)

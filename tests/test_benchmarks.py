@@ -148,3 +148,13 @@ def test_speculation_smoke_reports_gains_over_autoregressive(tmp_path):
     for r in rows:
         assert r["identical"] is True and r["tokens"] == 2 * 8
         assert sum(r["trees"].values()) > 0 and r["gain"] > 0 and r["step_in_ar_steps"] > 0
+
+
+def test_cost_smoke_tables_every_size_in_steps_and_the_drafters_step(tmp_path):
+    result = smoke("cost", tmp_path)
+    rows = result["results"]
+    assert [r["nodes"] for r in rows] == [1, 2, 4, 8] and rows[0]["in_steps"] == 1.0
+    assert all(r["target_ms"] > 0 and r["in_steps"] > 0 for r in rows)
+    (d,) = result["drafter_steps"]
+    assert (d["target_layers"], d["drafter_layers"]) == (2, 1)
+    assert d["ratio"] == pytest.approx(d["drafter_step_ms"] / d["target_step_ms"]) and d["ratio"] > 0
