@@ -1,8 +1,9 @@
 """A small language model as the drafter (paper 001 §5.2): its own committed cache follows the
 rows, and it drafts a tree with its own tree forwards, so it never rolls back.
 
-Any model with the decoding protocol works (``allocate_cache``, ``prefill``, ``forward_tree``
-returning logits and a pass handle, ``commit`` of that handle): a distilled 1-2 layer Mamba2 in practice, an exact Markov table in the tests.
+Any model with the decoding protocol works (``allocate_cache``, ``prefill`` continuing from what
+the cache holds, ``step``, ``forward_tree`` returning logits and a pass handle, ``commit`` of that
+handle): a distilled 1-2 layer Mamba2 in practice, an exact Markov table in the tests.
 """
 
 from __future__ import annotations
@@ -175,13 +176,8 @@ class SSMDrafter(Drafter):
                 if m <= STEPS_UP_TO and bool((new == m).all()):  # as many tokens in every row: fast steps
                     for k in range(m):
                         self._last = self.model.step(fresh[:, k], self._cache)
-                else:  # a chain pass over the new tokens, each row committing its own count
-                    logits, tree_pass = self.model.forward_tree(TokenTree.from_shape(TreeShape.chain(m - 1), fresh),
-                                                                self._cache)
-                    num = new.to(self.model.device)
-                    self.model.commit(self._cache, tree_pass,
-                                      torch.arange(m, device=num.device).expand(len(rows), m).contiguous(), num)
-                    self._last = logits[torch.arange(len(rows), device=num.device), num - 1]
+                else:  # the new tokens fed as a prefill continuing the cache: logits at each row's last only
+                    self._last = self.model.prefill(fresh, self._cache, lengths=new)
                 self._fed = want.clone()
                 return self._last
         # new rows, or rows advancing unevenly: start again from the contexts

@@ -304,7 +304,9 @@ class TreeLM(nn.Module):
     def prefill(self, input_ids: torch.Tensor, cache: ModelCache, lengths: torch.Tensor | None = None,
                 chunk: int = MAX_TREE_NODES) -> torch.Tensor:
         """Feed right-padded prompts ``[b, T]`` (row b's first ``lengths[b] >= 1`` tokens) as chains
-        of at most ``chunk`` tokens; returns the logits after each row's last token ``[b, V]``."""
+        of at most ``chunk`` tokens, continuing from what the cache holds (empty: a prompt's
+        prefill; else new tokens appended, as a drafter catching up does); returns the logits
+        after each row's last token ``[b, V]``."""
         self.check_tokens("input_ids", input_ids)
         batch, T = input_ids.shape
         lengths = torch.full((batch,), T) if lengths is None else lengths.cpu()

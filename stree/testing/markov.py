@@ -82,14 +82,17 @@ class MarkovLM:
             raise ValueError(f"sequence would pass the cache's max_length {cache.max_length}")
 
     def prefill(self, input_ids: torch.Tensor, cache: MarkovCache, lengths: torch.Tensor | None = None) -> torch.Tensor:
+        """Append row b's first ``lengths[b]`` tokens to what the cache holds; the logits after each."""
         b, T = input_ids.shape
         lengths = torch.full((b,), T) if lengths is None else lengths.cpu().long()
-        if bool((lengths < self.order).any()):
+        start = cache.seqlens.clone()
+        if bool((start + lengths < self.order).any()):
             raise ValueError(f"prompts need at least {self.order} tokens for an order-{self.order} table")
         self._check(input_ids, cache, T)
-        cache.history[:, :T] = input_ids
-        cache.seqlens[:] = lengths
-        cols = lengths[:, None] - self.order + torch.arange(self.order)
+        for row in range(b):
+            cache.history[row, int(start[row]): int(start[row] + lengths[row])] = input_ids[row, : int(lengths[row])]
+        cache.seqlens += lengths
+        cols = cache.seqlens[:, None] - self.order + torch.arange(self.order)
         return self._logits(cache.history.gather(1, cols))
 
     def forward_tree(self, tree: TokenTree, cache: MarkovCache, backend: str = "tree", validate: bool = True):

@@ -120,10 +120,10 @@ def test_each_level_costs_one_step_over_its_new_nodes(mode, monkeypatch):
     drafter.propose(DraftContext(tokens, torch.tensor([6, 9]), [0, 1]))
     rows, trees = [], []
     monkeypatch.setattr(model, "step", lambda t, cache, _real=model.step, **kw: rows.append(len(t)) or _real(t, cache, **kw))
-    monkeypatch.setattr(model, "forward_tree", lambda tree, cache, backend="tree", _real=model.forward_tree:
-                        trees.append(tree.n) or _real(tree, cache, backend))
+    monkeypatch.setattr(model, "prefill", lambda ids, cache, _real=model.prefill, **kw:  # a catch-up's chain
+                        trees.append(ids.shape[1]) or _real(ids, cache, **kw))
     drafter.propose(DraftContext(tokens, torch.tensor([9, 12]), [0, 1]))
-    assert trees == [3]  # three new context tokens per row, as one chain whose last logits draft the root's children
+    assert trees == [3]  # three new context tokens per row, one prefill whose last logits draft the root's children
     assert rows == ([2 * 3, 2 * 3, 2 * 3] if mode == "static" else [2 * 2, 2 * 2])
 
 
@@ -154,9 +154,9 @@ def test_an_accepted_path_is_not_fed_again(mode, monkeypatch):
     context = DraftContext(tokens, grown, [0, 1, 2])
     rows, trees = [], []
     monkeypatch.setattr(model, "step", lambda t, cache, _real=model.step, **kw: rows.append(len(t)) or _real(t, cache, **kw))
-    monkeypatch.setattr(model, "forward_tree", lambda tree, cache, backend="tree", _real=model.forward_tree:
-                        trees.append(tree.n) or _real(tree, cache, backend))
-    # rows with 1, 1 and 2 tokens left: one chain of 2 over all rows, each committing its own
+    monkeypatch.setattr(model, "prefill", lambda ids, cache, _real=model.prefill, **kw:  # a catch-up's chain
+                        trees.append(ids.shape[1]) or _real(ids, cache, **kw))
+    # rows with 1, 1 and 2 tokens left: one prefill of 2 over all rows, each feeding its own
     drafter.propose(context)
     assert trees == [2] and drafter._fed.tolist() == grown.tolist()
     # the same contexts, each row alone: row 0 one step, row 2 (past a leaf) two steps
@@ -216,8 +216,8 @@ def test_a_grown_tree_resumes_from_its_deepest_fed_node(monkeypatch):
     grown = torch.tensor([6 + len(path) + 1])
     rows, trees = [], []
     monkeypatch.setattr(model, "step", lambda t, cache, _real=model.step, **kw: rows.append(len(t)) or _real(t, cache, **kw))
-    monkeypatch.setattr(model, "forward_tree", lambda tree, cache, backend="tree", _real=model.forward_tree:
-                        trees.append(tree.n) or _real(tree, cache, backend))
+    monkeypatch.setattr(model, "prefill", lambda ids, cache, _real=model.prefill, **kw:  # a catch-up's chain
+                        trees.append(ids.shape[1]) or _real(ids, cache, **kw))
     drafter.propose(DraftContext(tokens, grown, [0]))
     assert trees == [] and rows[0] == 1
     fresh = make()

@@ -158,3 +158,25 @@ def test_prefill_runs_the_head_on_each_rows_last_fed_token_only():
                            chunk=16)
     assert seen == [(2, 32), (2, 32), (1, 32)]  # chunks 0-15 and 16-31 hold both rows, 32-39 row 0 alone
     assert logits.shape == (2, model.vocab_size)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_prefill_continues_from_what_the_cache_holds(family):
+    """Rows of 9 and 6 tokens fed as 5 + 4 and 3 + 3 (the second call appends to the cache, as a
+    drafter model catching up does): the logits after each row's last token and the state they
+    leave are those of one prefill of the whole rows (the poisoned way: a prefill that restarted
+    from an empty cache, or wrote at position 0, differs)."""
+    model = FAMILIES[family]()
+    g = torch.Generator().manual_seed(4)
+    ids = torch.randint(0, VOCAB, (2, 9), generator=g)
+    whole = model.allocate_cache(2, 32)
+    want = model.prefill(ids, whole, lengths=torch.tensor([9, 6]))
+    parts = model.allocate_cache(2, 32)
+    model.prefill(ids[:, :5], parts, lengths=torch.tensor([5, 3]))
+    rest = torch.stack([ids[0, 5:9], torch.cat([ids[1, 3:6], ids[1, :1]])])  # row 1 right-padded
+    got = model.prefill(rest, parts, lengths=torch.tensor([4, 3]))
+    assert parts.seqlens.tolist() == [9, 6]
+    assert torch.allclose(got, want, atol=1e-5)
+    for row in range(2):
+        for a, b in zip(_committed_state(parts, row), _committed_state(whole, row)):
+            assert torch.allclose(a, b, atol=1e-5)
