@@ -469,7 +469,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"stree {args.command}: {stop}", file=sys.stderr)
         return stop.exit_code
     except (ValueError, TypeError, OSError) as exc:
-        print(f"stree {args.command}: error: {exc}", file=sys.stderr)
+        # one write: under torchrun every rank prints it to the same stream, and print's two writes interleave
+        sys.stderr.write(f"stree {args.command}: error: {exc}\n")
         return 2
     except BaseException:
         agreed = False

@@ -161,22 +161,25 @@ def full_draft(shape, fill=None):
     return TokenTree.from_shape(shape, tokens, valid=valid)
 
 
-def run_rejecting(auto, steps):
-    """``steps`` steps in which the target never accepts a draft; the steps that verified one."""
+def run_rejecting(auto, steps, probe_ms=None, behind=None):
+    """``steps`` steps in which the target never accepts a draft; the steps that verified one.
+    With ``probe_ms``, plain steps take 1 ms by the clock and drafted ones ``probe_ms``;
+    ``behind(i)``: what the drafter has yet to read at step i."""
     drafted = []
+    plain_ms = None if probe_ms is None else 1.0
     for i in range(steps):
-        plan = auto.plan()
+        plan = auto.plan(None if behind is None else lambda: behind(i))
         if plan is None:
-            auto.record(None)
+            auto.record(None, elapsed_ms=plain_ms)
             continue
         probing = auto._probing
         draft = auto.choose(full_draft(plan), np.ones(1, dtype=np.bool_))
         assert draft is not None or not probing  # a probe is verified whatever its worth
         if draft is None:
-            auto.record(None)
+            auto.record(None, elapsed_ms=plain_ms)
             continue
         drafted.append(i)
-        auto.record(draft, np.array([[999, 0]]), np.array([1]), np.arange(1))
+        auto.record(draft, np.array([[999, 0]]), np.array([1]), np.arange(1), elapsed_ms=probe_ms)
     return drafted
 
 
@@ -267,21 +270,6 @@ def test_adaptive_costs_follow_the_clock():
     assert (fixed.scale["plain"], fixed.scale["tree"], fixed.scale["probe_loss"]) == (1.0, 1.0, 0.0)
 
 
-def run_probes(auto, steps, probe_ms):
-    """``steps`` plain steps of 1 ms where the target accepts nothing, each probe taking
-    ``probe_ms``; the steps that verified a draft."""
-    drafted = []
-    for i in range(steps):
-        plan = auto.plan()
-        draft = None if plan is None else auto.choose(full_draft(plan), np.ones(1, dtype=np.bool_))
-        if draft is None:
-            auto.record(None, elapsed_ms=1.0)
-            continue
-        drafted.append(i)
-        auto.record(draft, np.array([[999, 0]]), np.array([1]), np.arange(1), elapsed_ms=probe_ms)
-    return drafted
-
-
 def test_adaptive_probes_are_spaced_by_what_they_took_and_the_next_call_goes_on():
     """A profile that says probes are cheap, probes that take 8 ms (a drafter model catching up):
     an adaptive choice spaces them by the 7 ms they lose, so that they cost at most
@@ -289,17 +277,17 @@ def test_adaptive_probes_are_spaced_by_what_they_took_and_the_next_call_goes_on(
     (no burst of probes at the start of every call); a seeded (non-adaptive) one cannot know."""
     profile = CostProfile(1.0, (2, 4, 8, 16), (1.5, 1.6, 1.8, 2.2))
     auto = AutoTree(profile, adaptive=True)
-    drafted = run_probes(auto, 3000, 8.0)
+    drafted = run_rejecting(auto, 3000, 8.0)
     assert auto.scale["probe_loss"] == pytest.approx(7.0, rel=0.05)
     late = [b - a for a, b in zip(drafted, drafted[1:])][5:]  # once the loss is learned
     assert late and min(late) >= 0.95 * 7.0 / (AutoTree.PROBE_SHARE * 1.0)  # ~350 plain steps
     assert len(drafted) * 7.0 <= 1.2 * AutoTree.PROBE_SHARE * 3000 + 3 * 7.0  # the first few learn it
     after = AutoTree(profile, adaptive=True, rates=auto.rates, scale=auto.scale)
     wait = max(after._probe_every, after._probe_min) - auto.scale["plain_run"]
-    assert wait < 351 and run_probes(after, wait, 8.0) == []
-    assert run_probes(after, 1, 8.0) == [0]  # the interval begun in the last call ends here
+    assert wait < 351 and run_rejecting(after, wait, 8.0) == []
+    assert run_rejecting(after, 1, 8.0) == [0]  # the interval begun in the last call ends here
     seeded = AutoTree(profile)
-    assert len(run_probes(seeded, 3000, 8.0)) > 3 * len(drafted)
+    assert len(run_rejecting(seeded, 3000, 8.0)) > 3 * len(drafted)
 
 
 def test_a_probe_waits_until_its_drafters_catch_up_is_paid_for():
@@ -311,16 +299,7 @@ def test_a_probe_waits_until_its_drafters_catch_up_is_paid_for():
     asked = []
 
     def run(behind_by, steps):
-        auto, drafted = AutoTree(profile), []
-        for i in range(steps):
-            plan = auto.plan(lambda: asked.append(i) or behind_by)
-            draft = None if plan is None else auto.choose(full_draft(plan), np.ones(1, dtype=np.bool_))
-            if draft is None:
-                auto.record(None)
-                continue
-            drafted.append(i)
-            auto.record(draft, np.array([[999, 0]]), np.array([1]), np.arange(1))
-        return drafted
+        return run_rejecting(AutoTree(profile), steps, behind=lambda i: asked.append(i) or behind_by)
 
     far = run(300, 1200)  # (the first step drafts: the prior's rates say trees pay, until verified steps say not)
     assert len(far) >= 2 and all(b - a >= min(750, AutoTree.PROBE_LONGEST) for a, b in zip(far, far[1:]))

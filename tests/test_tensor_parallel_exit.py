@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from stree.testing.ranks import run_ranks
@@ -54,7 +55,9 @@ def test_a_rank_whose_own_input_fails_stops_every_rank_with_its_message(tmp_path
     good = tmp_path / "prompts.txt"
     good.write_text("def f(x):\n")
     argv = ["generate", "--model", TARGET, "--max-new-tokens", "2", "--dtype", "float32", "--prompt-file"]
-    ranks = run_ranks(_cli_rank, 2, [argv + [str(good)], argv + [str(tmp_path / "missing.txt")]])
+    with ThreadPoolExecutor(1) as pool:  # a rank left waiting would hang here: fail after 120 s instead
+        ranks = pool.submit(run_ranks, _cli_rank, 2, [argv + [str(good)], argv + [str(tmp_path / "missing.txt")]]
+                            ).result(timeout=120)
     (code0, err0), (code1, err1) = ranks
     assert code0 == code1 == 2
     assert err0 == err1 and err0.count("\n") == 1 and "rank 1:" in err0 and "missing.txt: no such file" in err0
@@ -93,3 +96,27 @@ def test_python_users_end_the_group_with_a_with_block(tmp_path):
     run = torchrun(str(script), TARGET)
     assert run.returncode == 0, run.stderr[-3000:]
     assert sum(line.startswith("TEXT") for line in run.stdout.splitlines()) == 1
+
+
+BACKSTOP = """
+import sys
+import stree.models.parallel as parallel
+from stree import LM
+real = parallel.leave
+def leave(meet=True):
+    print("LEAVE", meet, parallel._JOINED, flush=True)
+    real(meet)
+parallel.leave = leave
+lm = LM.from_pretrained(sys.argv[1], dtype="float32", tensor_parallel=2)
+lm.generate(["def f(x):"], max_new_tokens=2)  # and never closed
+"""
+
+
+def test_a_script_that_never_closes_still_meets_at_exit(tmp_path):
+    """The atexit backstop: a rank whose script ends without close() meets the others and ends
+    the process group the load started."""
+    script = tmp_path / "run.py"
+    script.write_text(textwrap.dedent(BACKSTOP))
+    run = torchrun(str(script), TARGET)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.splitlines().count("LEAVE True True") == 2, run.stdout
