@@ -13,7 +13,7 @@ setup(
         "torch>=2.4",
         "triton>=3.2",
         "einops",
-        "transformers>=5.0",
+        "transformers>=5.23",  # 5.23 normalises Mamba2's gated RMSNorm per group (ngroups > 1), as mamba_ssm does
         "safetensors",
         "numpy",
         "numba",  # the n-gram drafter's compiled index (stree/drafters/ngram_jit.py)

@@ -1,35 +1,86 @@
 #!/usr/bin/env bash
-# Everything a lent GPU should run, in one call of the device tool (its image has torch, triton,
-# transformers, pytest and hypothesis but no network, so no install step):
-#   bash benchmarks/gpu_check.sh      # writes selfcheck.txt, tests.txt, the sweeps and e2e under $OUT
+# Everything a lent GPU should run, in two calls of the device tool of at most 10 minutes each (its
+# image has torch, triton, transformers, pytest, pytest-xdist and hypothesis but no network: a newer
+# package travels as a wheel, below). Every part runs under its own time limit, so a hang costs that
+# part alone:
+#   bash benchmarks/gpu_check.sh tests   # device, selfcheck, the whole test suite on CUDA, the scan sweep
+#   bash benchmarks/gpu_check.sh bench   # model forward, e2e, the cost tables, profile, speculation
+# Logs and results go to $OUT/gpu_check/ (benchmarks/results/ without $OUT) and are packed into one
+# file, $OUT/gpu_check_<part>.tar.gz, since the device tool brings back at most 8 files.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-out="${OUT:-benchmarks/results}"
+part="${1:?which part: tests or bench}"
+base="${OUT:-benchmarks/results}"
+out="$base/gpu_check"
 mkdir -p "$out"
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$out/device.txt"
-python -m stree.selfcheck 2>&1 | tee "$out/selfcheck.txt"
-python -m pytest -q -p no:cacheprovider tests 2>&1 | tail -n 30 | tee "$out/tests.txt"
-python benchmarks/tree_scan_sweep.py --out "$out" 2>&1 | tail -n 40
-python benchmarks/model_forward.py --out "$out" 2>&1 | tail -n 40
-python benchmarks/e2e.py --out "$out" 2>&1 | tail -n 15
-# what a tree costs on this GPU (tree="auto" decides by it): the shipped target with the n-gram drafter
-python -m stree profile --model stree/assets/tiny-target --png "$out/profile_cuda.png" --json \
-  > "$out/profile_cuda.json" 2>&1
-# the same table without a drafter for the shipped target and a Mamba2-2.7B-width model (bf16, CUDA graphs)
-python benchmarks/cost.py --out "$out" 2>&1 | tail -n 40
-# Tensor parallelism over NCCL needs two GPUs (the tests cover gloo on the CPU): the tiny target
-# split over every GPU, its completion compared with one process's.
-gpus=$(nvidia-smi -L | wc -l)
-if [ "$gpus" -ge 2 ]; then
-  args=(-m stree generate --model stree/assets/tiny-target --prompt "def f(x):" --max-new-tokens 32
-        --drafter stand-det --dtype float32 --json)
-  python "${args[@]}" > "$out/tensor_parallel_one.json"
-  python -m torch.distributed.run --standalone --nproc-per-node "$gpus" "${args[@]}" \
-    | grep '^{' > "$out/tensor_parallel_nccl.json"
-  python - "$out" <<'PY'
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+# pytest-xdist workers share 16 cores: one BLAS/OpenMP/numba thread pool each would oversubscribe them
+export OMP_NUM_THREADS=2 MKL_NUM_THREADS=2 NUMBA_NUM_THREADS=2
+# The image's transformers may be older than setup.py's floor (5.17 there on 2026-11-25; the tests
+# compare against transformers' own models, whose grouped gated norm is right from 5.23 on). Carry
+# a wheel: pip download --no-deps -d .whl transformers==5.24.0, then run with carry=[".whl"].
+if compgen -G ".whl/*.whl" > /dev/null; then
+  python -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH="$PYTHONPATH:/tmp/site"
+fi
+
+# step NAME SECONDS CMD...: run CMD under a time limit, its output in $out/NAME.log; print its status
+# and last lines (the device tool returns the end of the output)
+step() {
+  local name=$1 limit=$2
+  shift 2
+  local t0=$SECONDS
+  timeout -k 10 "$limit" "$@" > "$out/$name.log" 2>&1
+  local rc=$?
+  echo "== $name: exit $rc after $((SECONDS - t0)) s$([ $rc -eq 124 ] && echo " (time limit $limit s)")"
+  tail -n "${TAIL:-6}" "$out/$name.log"
+}
+
+case "$part" in
+tests)
+  step device 30 bash -c 'nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv;
+    python -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)"'
+  step selfcheck 120 python -m stree.selfcheck
+  # every test: the kernel tests run their Triton kernels on CUDA tensors (conftest sets no
+  # interpreter when CUDA is there), and the library's defaults put models on the GPU. -v names each
+  # failure as it happens, so a run cut off at its limit still says which. Left out: the torchrun
+  # exit tests (gloo on the CPU whatever the machine, minutes of process starts; CI runs them).
+  TAIL=3 step tests 400 python -m pytest -v -n 12 -p no:cacheprovider --timeout 280 --tb=short -rfE tests \
+    --ignore tests/test_tensor_parallel_exit.py
+  grep -E "(FAILED|ERROR) tests" "$out/tests.log" | sed 's/.*\(FAILED\|ERROR\) /\1 /' | sort -u | cut -c1-200 | head -n 40
+  step tree_scan_sweep 100 python benchmarks/tree_scan_sweep.py --out "$out"
+  ;;
+bench)
+  step model_forward 90 python benchmarks/model_forward.py --out "$out"
+  # float32: every configuration's tokens are compared with transformers' (bfloat16 flips near-ties)
+  step e2e 150 python benchmarks/e2e.py --dtype float32 --out "$out"
+  # what a tree costs on this GPU (tree="auto" decides by it): the shipped target with the n-gram drafter
+  step profile 60 bash -c "python -m stree profile --model stree/assets/tiny-target --png $out/profile_cuda.png \
+    --json > $out/profile_cuda.json"
+  # the same table without a drafter for the shipped target and a Mamba2-2.7B-width model (bf16, CUDA graphs)
+  step cost 90 python benchmarks/cost.py --out "$out"
+  # the README's text API at default settings against stree's own autoregressive decoding
+  TAIL=30 step speculation 170 python benchmarks/speculation.py --device cuda --modes eager \
+    --temperatures 0,1.0 --batches 1,2 --out "$out"
+  # Tensor parallelism over NCCL needs two GPUs (the tests cover gloo on the CPU): the tiny target
+  # split over every GPU, its completion compared with one process's.
+  gpus=$(nvidia-smi -L | wc -l)
+  if [ "$gpus" -ge 2 ]; then
+    args=(-m stree generate --model stree/assets/tiny-target --prompt "def f(x):" --max-new-tokens 32
+          --drafter stand-det --dtype float32 --json)
+    python "${args[@]}" > "$out/tensor_parallel_one.json"
+    python -m torch.distributed.run --standalone --nproc-per-node "$gpus" "${args[@]}" \
+      | grep '^{' > "$out/tensor_parallel_nccl.json"
+    python - "$out" <<'PY'
 import json, sys
 one, split = (json.load(open(f"{sys.argv[1]}/tensor_parallel_{n}.json")) for n in ("one", "nccl"))
 print("tensor parallel over NCCL, token ids identical:", one["token_ids"] == split["token_ids"])
 PY
-fi
+  fi
+  ;;
+*)
+  echo "gpu_check.sh: part must be tests or bench, not '$part'" >&2
+  exit 2
+  ;;
+esac
+tar -czf "$base/gpu_check_$part.tar.gz" -C "$out" . && rm -rf "$out"

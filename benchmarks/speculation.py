@@ -14,6 +14,7 @@ choice took, and for greedy runs whether every output equals the autoregressive 
     python benchmarks/speculation.py                       # batch 1, 2; greedy, 0.6, 1.0; eager, compiled
     python benchmarks/speculation.py --modes eager --temperatures 0 --batches 8,16
     python benchmarks/speculation.py --smoke               # CI: 2 prompts x 8 tokens
+    python benchmarks/speculation.py --device cuda --modes eager   # on a GPU (float32 unless --dtype)
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import stree
 from stree.demo import DRAFTER, TARGET, read_prompts
 from stree.generate import merged_trees, pooled_tau, trees_chosen
 from stree.models import CompiledModel, load
-from stree.timing import run_info, save_result
+from stree.timing import add_device_args, device_and_dtype, run_info, save_result
 
 DRAFTERS = ("ngram", "stand", "stand-det", "ssm")
 
@@ -47,8 +48,13 @@ def main(argv=None):
     p.add_argument("--rounds", type=int, default=2, help="times each configuration decodes every batch of prompts")
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--out", default=str(Path(__file__).parent / "results"))
-    p.add_argument("--stem", default=None, help="result file name (default: speculation_cpu, or _smoke)")
+    p.add_argument("--stem", default=None, help="result file name (default: speculation_<device>, or _smoke)")
+    add_device_args(p)
     args = p.parse_args(argv)
+    # float32 everywhere unless asked: the greedy identity check compares the tree pass with plain
+    # steps, and in bfloat16 their different summation orders may flip a near-tie
+    args.dtype = args.dtype or "float32"
+    device, dtype = device_and_dtype(args)
     if args.smoke:
         args.prompts, args.max_new_tokens, args.batches, args.temperatures = 2, 8, "1", "0"
         args.modes, args.drafters, args.rounds = "eager", "ngram,ssm", 1
@@ -56,8 +62,8 @@ def main(argv=None):
     temperatures = [float(t) for t in args.temperatures.split(",")]
     modes, drafters = args.modes.split(","), args.drafters.split(",")
     torch.manual_seed(0)
-    small = load(DRAFTER, dtype=torch.float32)
-    lms = {mode: stree.LM.from_pretrained(TARGET, dtype=torch.float32,
+    small = load(DRAFTER, dtype=dtype, device=device)
+    lms = {mode: stree.LM.from_pretrained(TARGET, dtype=dtype, device=device,
                                           drafter_model=CompiledModel(small) if mode == "compiled" else small)
            for mode in modes}
     texts = read_prompts(TARGET / "prompts.jsonl", max(args.prompts, max(batches)))
@@ -107,14 +113,14 @@ def main(argv=None):
                   f"x{r['gain']:.2f}  tau {r['tau']:.2f}  step {r['step_in_ar_steps']:.2f} AR  {r['trees_chosen']}"
                   + ("" if r["identical"] is None else f"  identical {'yes' if r['identical'] else 'NO'}"),
                   file=sys.stderr)
-    result = dict(benchmark="speculation", **run_info("cpu", argv), threads=torch.get_num_threads(),
+    result = dict(benchmark="speculation", **run_info(device, argv), dtype=str(dtype).removeprefix("torch."), threads=torch.get_num_threads(),
                   prompts=args.prompts, max_new_tokens=args.max_new_tokens,
                   note="LM.generate at default settings (tree='auto'); gain: tokens/s over stree's own autoregressive "
                        "decoding in the same mode, batch size and temperature, runs interleaved per batch of "
                        "prompts; step_in_ar_steps: seconds per decoding step over the autoregressive one's; "
                        "trees: steps per tree size (1: a plain step); warm-up (compiling, measuring costs) not timed",
                   results=rows)
-    stem = args.stem or ("speculation_smoke" if args.smoke else "speculation_cpu")
+    stem = args.stem or ("speculation_smoke" if args.smoke else f"speculation_{device.type}")
     save_result(result, args.out, stem, plot)
     return result
 

@@ -105,7 +105,7 @@ def feed_chains(model, cache, chains: list[list[int]], commit: bool = True):
 
 def log_probs(scored: Scored) -> list[torch.Tensor]:
     """Each row's log-probability of each token of its scored suffix."""
-    return [torch.log_softmax(lg[:-1], -1).gather(1, torch.tensor(c, dtype=torch.long)[:, None])[:, 0]
+    return [torch.log_softmax(lg[:-1], -1).gather(1, torch.tensor(c, dtype=torch.long, device=lg.device)[:, None])[:, 0]
             for lg, c in zip(scored.logits, scored.suffixes)]
 
 

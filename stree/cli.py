@@ -82,7 +82,7 @@ def _profile_parser(sub) -> None:
     p.add_argument("--png", default="stree_profile.png", help="where to write the plot of cost against nodes")
     p.add_argument("--json", action="store_true", help="print the table as JSON")
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None)
-    p.add_argument("--device", default=None)
+    p.add_argument("--device", default=None, help="default: cuda when available, else cpu")
 
 
 def _run_profile(args) -> int:
@@ -92,6 +92,7 @@ def _run_profile(args) -> int:
     from .cost import cache_file, describe
     from .cost import device_name as name_of
     from .drafters.registry import make_drafter
+    from .lm import rank_device
     from .models import CompiledModel, load
 
     if (args.drafter_model is None) == (args.drafter in NEEDS_MODEL):
@@ -99,7 +100,7 @@ def _run_profile(args) -> int:
                          "--drafter-model")
     if isinstance(args.batch_size, bool) or args.batch_size < 1:
         raise ValueError(f"--batch-size must be >= 1, got {args.batch_size}")
-    model = load(args.model, dtype=args.dtype, device=args.device)
+    model = load(args.model, dtype=args.dtype, device=rank_device(args.device, None))
     small = None
     if args.drafter_model is not None:
         small = load(args.drafter_model, dtype=model.dtype, device=model.device)
@@ -280,11 +281,10 @@ def _run_train_lm(args) -> int:
 
 
 def _load(args):
+    from .lm import rank_device
     from .models import load, load_tokenizer
-    from .models.loading import check_device
 
-    device = check_device(args.device) or torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    model = load(args.model, dtype=DTYPES.get(args.dtype), device=device)
+    model = load(args.model, dtype=DTYPES.get(args.dtype), device=rank_device(args.device, None))
     return model, load_tokenizer(args.tokenizer or args.model, vocab_size=model.vocab_size)
 
 

@@ -310,7 +310,6 @@ class _Clock:
         return dt
 
 
-@torch.no_grad()
 def generate(model, input_ids, **kwargs) -> GenerationOutput:
     """Decode to the end (every argument as :func:`decode` takes it) and return the output."""
     steps = decode(model, input_ids, **kwargs)
@@ -321,6 +320,7 @@ def generate(model, input_ids, **kwargs) -> GenerationOutput:
             return end.value
 
 
+@torch.no_grad()  # a generator: torch enters the mode at every resumption, so callers need none
 def decode(model, input_ids, *, drafter: Drafter | None = None, tree: TreeShape | TreeBudget | str | None = "auto",
            method: str = "stree", max_new_tokens: int, temperature: float = 0.0, top_k: int = 0,
            top_p: float = 1.0, eos_token_id: int | list[int] | None = None, seed: int | None = None,

@@ -59,7 +59,7 @@ def read_score(logits: torch.Tensor, digits: list[int], method: str = "greedy") 
         return float(digits.index(top)) if top in digits else 0.0, mass
     if mass == 0:
         return 0.0, 0.0
-    return float((at / mass * torch.arange(10, dtype=at.dtype)).sum()), mass
+    return float((at / mass * torch.arange(10, dtype=at.dtype, device=at.device)).sum()), mass
 
 
 class Judge:

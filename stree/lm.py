@@ -62,13 +62,21 @@ def checkpoint_eos(path) -> list[int] | None:
 
 def rank_device(device, tensor_parallel: int | None) -> torch.device:
     """The device a process loads on: ``device`` (checked), else CUDA when available, else the
-    CPU; under tensor parallelism (torchrun) an unnumbered CUDA device is this rank's own GPU."""
+    CPU; under tensor parallelism (torchrun) an unnumbered CUDA device is this rank's own GPU, and
+    by default the ranks go to the CPU (gloo) when the machine has fewer GPUs than ranks."""
     from .models.loading import check_device
-    from .models.parallel import local_rank
+    from .models.parallel import local_rank, local_world_size
 
-    device = check_device(device) or torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    ranks = local_world_size() if tensor_parallel is not None else 1
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    explicit = check_device(device)
+    device = explicit or torch.device("cuda" if 0 < ranks <= gpus else "cpu")
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", local_rank() if tensor_parallel is not None else 0)
+    if device.type == "cuda" and tensor_parallel is not None and ranks > gpus:
+        # every rank reaches the same verdict, so all of them stop here (none waits in the group's start)
+        raise ValueError(f"device {explicit} for {ranks} ranks on this machine, which has {gpus} GPUs: "
+                         "one GPU a rank, or device='cpu'")
     return device
 
 

@@ -35,6 +35,16 @@ def device():
 
 
 @pytest.fixture
+def backend_device(request, device):
+    """For a test parametrised by ``backend`` or ``kernel_backend``: the device its tensors go on,
+    the kernel device for "triton" (where there is a GPU, Triton kernels take CUDA tensors only),
+    else the CPU. As a context manager it makes that device the default for tensors built inside."""
+    params = request.node.callspec.params
+    backend = params.get("backend", params.get("kernel_backend"))
+    return device if backend == "triton" else torch.device("cpu")
+
+
+@pytest.fixture
 def poison(monkeypatch):
     """Make every torch.empty/empty_like during the test return NaN (or -1 for integers), so an
     output element a kernel forgot to write cannot pass as a plausible value."""

@@ -9,10 +9,10 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def smoke(name, tmp_path):
-    """Run ``benchmarks/{name}.py --smoke``; its JSON, after the checks every result must pass."""
-    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / f"{name}.py"), "--smoke", "--out", str(tmp_path)],
-                         capture_output=True, text=True)
+def smoke(name, tmp_path, *args):
+    """Run ``benchmarks/{name}.py --smoke`` (and ``args``); its JSON, after the checks every result must pass."""
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / f"{name}.py"), "--smoke", "--out", str(tmp_path),
+                          *args], capture_output=True, text=True)
     assert run.returncode == 0, run.stderr[-3000:]
     result = json.loads((tmp_path / f"{name}_smoke.json").read_text())
     assert result["device"] and result["date"] and "--smoke" in result["command"]
@@ -81,7 +81,7 @@ def test_drafting_smoke_writes_json_and_png(tmp_path):
 
 
 def test_acceptance_smoke_writes_json_table_and_png(tmp_path):
-    result = smoke("acceptance", tmp_path)
+    result = smoke("acceptance", tmp_path, "--dtype", "float32")  # on CUDA too: identity is checked
     rows = result["results"]
     names = ("ngram", "stand", "stand-det", "consensus", "ssm-static", "ssm-beam", "stand@paper13",
              "stand-det@paper13", "stand@dynamic:81", "stand-det@dynamic:81", "ssm-static@dynamic:20x5w3",
@@ -97,7 +97,7 @@ def test_acceptance_smoke_writes_json_table_and_png(tmp_path):
 
 
 def test_e2e_smoke_compares_every_configuration_with_transformers(tmp_path):
-    result = smoke("e2e", tmp_path)
+    result = smoke("e2e", tmp_path, "--dtype", "float32")
     rows = {r["name"]: r for r in result["results"]}
     assert {"transformers", "stree-autoregressive", "stree-ngram", "stree-ssm-static", "chain-ngram",
             "stree-ssm-static-dynamic", "stree-stand-det-dynamic"} <= set(rows)

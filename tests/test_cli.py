@@ -4,6 +4,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from tiny_models import mamba2
 
 from stree.cli import main
@@ -51,7 +52,7 @@ def test_generate_compiled_equals_eager_with_an_ssm_drafter(checkpoint, tmp_path
     drafter = tmp_path / "drafter"
     save(mamba2(vocab_size=load(checkpoint).vocab_size, seed=1, n_layer=1), drafter, format="mamba_ssm")
     argv = ["generate", "--model", str(checkpoint), "--prompt", "def f(x):", "--drafter", "ssm-static",
-            "--drafter-model", str(drafter), "--max-new-tokens", "8"]
+            "--drafter-model", str(drafter), "--max-new-tokens", "8", "--device", "cpu"]  # --compile: the CPU's path
     assert main(argv) == 0
     eager = capsys.readouterr().out.splitlines()[0]
     assert main(argv + ["--compile"]) == 0
@@ -253,7 +254,8 @@ def test_profile_prints_the_cost_table_and_plots_it(checkpoint, tmp_path, capsys
     assert main(["profile", "--model", str(checkpoint), "--drafter", "stand-det", "--png", str(png), "--json"]) == 0
     table = json.loads(capsys.readouterr().out)
     nodes = [r["nodes"] for r in table["rows"]]
-    assert nodes[0] == 1 and nodes == sorted(nodes) and len(nodes) > 3 and table["mode"] == "eager"
+    assert nodes[0] == 1 and nodes == sorted(nodes) and len(nodes) > 3
+    assert table["mode"] == ("cuda_graph" if torch.cuda.is_available() else "eager")  # the default device's
     assert table["rows"][0]["steps"] == 1.0 and all(r["target_ms"] > 0 and r["steps"] > 0 for r in table["rows"])
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert main(["profile", "--model", str(checkpoint), "--png", str(png)]) == 0  # cached: the table again

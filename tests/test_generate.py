@@ -46,12 +46,12 @@ def test_greedy_speculative_decoding_is_token_identical_to_autoregressive(family
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_greedy_identity_through_the_triton_kernels(family):
+def test_greedy_identity_through_the_triton_kernels(family, device):
     """The same loop with every kernel forced to Triton (the interpreter here, CUDA on a GPU)."""
     model = FAMILIES[family]()
     prompts = looping_prompts(2, model.vocab_size, seed=3)
     ref = generate(model, prompts, method="autoregressive", max_new_tokens=8)
-    model.kernel_backend = "triton"
+    model.to(device).kernel_backend = "triton"
     out = generate(model, prompts, tree=TreeShape.paper13(), max_new_tokens=8)
     assert out.sequences == ref.sequences
 

@@ -138,3 +138,48 @@ def test_a_checkpoint_without_a_tokenizer_takes_one_by_argument(tmp_path):
     lm = LM.from_pretrained(bare, tokenizer=TARGET, dtype=torch.float32)
     assert lm.generate(PROMPTS[0], max_new_tokens=8).text == LM.from_pretrained(TARGET, dtype=torch.float32).generate(
         PROMPTS[0], max_new_tokens=8).text
+
+
+def test_decoding_builds_no_autograd_graph(lm):
+    """The text API drives the decode generator from code that has no torch.no_grad around it: every
+    step (the drafter's calls included) must still run without autograd, or tensors handed to the
+    drafter require grad (on CUDA the graph-captured step's outputs did: STAND's observe failed)."""
+    seen = []
+
+    class Spy(NGramDrafter):
+        target_top_k = 4  # asks for the target's distributions, as STAND does
+
+        def propose(self, context, shape):
+            seen.append(torch.is_grad_enabled())
+            return super().propose(context, shape)
+
+        def observe(self, context, tokens, target):
+            seen.append(torch.is_grad_enabled() or any(t.probs.requires_grad for t in target))
+            return super().observe(context, tokens, target)
+
+    assert torch.is_grad_enabled()
+    lm.generate(PROMPTS, max_new_tokens=12, drafter=Spy(), tree=TreeShape.paper13())
+    list(lm.stream(PROMPTS[0], max_new_tokens=6, drafter=Spy(), tree=TreeShape.paper13()))
+    assert seen and not any(seen)
+    assert torch.is_grad_enabled()  # and the mode ends with the call
+
+
+@pytest.mark.parametrize("gpus", [0, 1, 2])
+def test_each_rank_loads_on_its_own_gpu_or_all_on_the_cpu(monkeypatch, gpus):
+    """rank_device under torchrun (LOCAL_WORLD_SIZE ranks on this machine): by default every rank
+    its own GPU when there is one a rank, else every rank on the CPU (a rank without a GPU used to
+    die on an invalid device ordinal); an explicit "cuda" with too few GPUs fails on every rank."""
+    from stree.lm import rank_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpus > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert rank_device(None, 2) == (torch.device("cuda", 1) if gpus == 2 else torch.device("cpu"))
+    assert rank_device(None, None) == (torch.device("cuda", 0) if gpus else torch.device("cpu"))  # one process
+    assert rank_device("cpu", 2) == torch.device("cpu")
+    if gpus == 1:
+        with pytest.raises(ValueError, match="device cuda for 2 ranks on this machine, which has 1 GPUs"):
+            rank_device("cuda", 2)
+    if gpus == 2:
+        assert rank_device("cuda", 2) == torch.device("cuda", 1)

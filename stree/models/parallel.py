@@ -155,6 +155,11 @@ def local_rank() -> int:
     return int(os.environ.get("LOCAL_RANK", 0))
 
 
+def local_world_size() -> int:
+    """How many processes share this machine (torchrun's LOCAL_WORLD_SIZE; 1 without one)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+
+
 # ---- how a checkpoint tensor is sliced ------------------------------------------------------
 @dataclass(frozen=True)
 class Split:

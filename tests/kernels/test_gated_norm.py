@@ -46,8 +46,8 @@ def test_a_strided_input_is_read_as_its_values(device):
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_bad_inputs_raise_clear_errors(backend):
-    y, z, w = torch.randn(2, 12), torch.randn(2, 12), torch.ones(12)
+def test_bad_inputs_raise_clear_errors(backend, backend_device):
+    y, z, w = (t.to(backend_device) for t in (torch.randn(2, 12), torch.randn(2, 12), torch.ones(12)))
     with pytest.raises(ValueError, match="group_size must be a positive int dividing dim = 12, got 5"):
         gated_rms_norm(y, z, w, 5, 1e-5, backend=backend)
     with pytest.raises(ValueError, match=r"z must have shape \(2, 12\)"):

@@ -87,9 +87,10 @@ def test_half_precision_activations(dtype, backend, device):
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_bad_inputs_raise_clear_errors(backend):
+def test_bad_inputs_raise_clear_errors(backend, backend_device):
     opts = dict(dt_softplus=True, dt_limit=(0.0, math.inf), use_bias=True)
     inp = ssm_inputs(torch.Generator().manual_seed(0), 1, 3, dict(ngroups=1, nheads=2, headdim=4, dstate=4), opts)
+    inp = {k: v.to(backend_device) for k, v in inp.items()}
 
     def call(**kw):
         a = {**inp, **kw}

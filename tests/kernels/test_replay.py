@@ -98,36 +98,38 @@ def test_replayed_state_reproduces_the_tree_outputs_at_the_accepted_node(backend
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_bad_inputs_raise_clear_errors(backend):
+def test_bad_inputs_raise_clear_errors(backend, backend_device):
     opts = dict(dt_softplus=True, dt_limit=(0.0, math.inf), use_bias=False)
     inp = _replay_inputs(0, 2, 5, dict(ngroups=1, nheads=2, headdim=4, dstate=4), opts)
-    accepted = torch.tensor([[0, 1, 2], [0, 3, -1]])
-    num = torch.tensor([3, 2])
+    inp = {k: v if v is None else v.to(backend_device) for k, v in inp.items()}
+    with backend_device:  # the tensors built below: on the kernel's device
+        accepted = torch.tensor([[0, 1, 2], [0, 3, -1]])
+        num = torch.tensor([3, 2])
 
-    def call(accepted=accepted, num=num, **kw):
-        a = {**inp, **kw}
-        return replay(a["initial_state"], a["conv_state"], a["xBC"], a["x"], a["dt"], a["B"], a["A"], accepted, num,
-                      backend=backend)
+        def call(accepted=accepted, num=num, **kw):
+            a = {**inp, **kw}
+            return replay(a["initial_state"], a["conv_state"], a["xBC"], a["x"], a["dt"], a["B"], a["A"], accepted, num,
+                          backend=backend)
 
-    call()
-    with pytest.raises(ValueError, match=r"num_accepted\[1\] = 0 must be in \[1, 3\]"):
-        call(num=torch.tensor([3, 0]))
-    with pytest.raises(ValueError, match=r"num_accepted\[0\] = 4 must be in \[1, 3\]"):
-        call(num=torch.tensor([4, 2]))
-    with pytest.raises(ValueError, match=r"accepted\[1, 2\] = -1 is not a node index in \[0, 5\)"):
-        call(num=torch.tensor([3, 3]))
-    with pytest.raises(TypeError, match="accepted must have an integer dtype"):
-        call(accepted=accepted.float())
-    with pytest.raises(ValueError, match=r"accepted must have shape \[batch, L\]"):
-        call(accepted=accepted[0])
-    with pytest.raises(TypeError, match="ssm_state must have dtype torch.float32"):
-        call(initial_state=inp["initial_state"].half())
-    with pytest.raises(ValueError, match=r"xBC must have shape \(2, 5, 12\)"):
-        call(xBC=inp["xBC"][:, :4])
-    with pytest.raises(ValueError, match=r"conv_state must have shape \(2, 12, 4\)"):
-        call(conv_state=inp["conv_state"][:1])
-    with pytest.raises(ValueError, match=r"num_accepted is on meta"):
-        call(num=num.to("meta"))
+        call()
+        with pytest.raises(ValueError, match=r"num_accepted\[1\] = 0 must be in \[1, 3\]"):
+            call(num=torch.tensor([3, 0]))
+        with pytest.raises(ValueError, match=r"num_accepted\[0\] = 4 must be in \[1, 3\]"):
+            call(num=torch.tensor([4, 2]))
+        with pytest.raises(ValueError, match=r"accepted\[1, 2\] = -1 is not a node index in \[0, 5\)"):
+            call(num=torch.tensor([3, 3]))
+        with pytest.raises(TypeError, match="accepted must have an integer dtype"):
+            call(accepted=accepted.float())
+        with pytest.raises(ValueError, match=r"accepted must have shape \[batch, L\]"):
+            call(accepted=accepted[0])
+        with pytest.raises(TypeError, match="ssm_state must have dtype torch.float32"):
+            call(initial_state=inp["initial_state"].half())
+        with pytest.raises(ValueError, match=r"xBC must have shape \(2, 5, 12\)"):
+            call(xBC=inp["xBC"][:, :4])
+        with pytest.raises(ValueError, match=r"conv_state must have shape \(2, 12, 4\)"):
+            call(conv_state=inp["conv_state"][:1])
+        with pytest.raises(ValueError, match=r"num_accepted is on meta"):
+            call(num=num.to("meta"))
 
 
 @pytest.mark.parametrize("backend", ["torch", "auto-cpu", "triton"])

@@ -52,17 +52,19 @@ def test_selective_state_update_is_one_step_of_the_recurrence(batch, shape, dt_o
 
 
 @pytest.mark.parametrize("backend", ["torch", "auto", "triton"])
-def test_bad_inputs_raise_clear_errors(backend):
-    x, state, w = torch.randn(2, 6), torch.randn(2, 6, 4), torch.randn(6, 4)
-    with pytest.raises(ValueError, match=r"conv_state must have shape \(2, 6, 4\)"):
-        conv_step(x, state[:1], w, backend=backend)
-    with pytest.raises(ValueError, match="activation must be one of"):
-        conv_step(x, state, w, activation="relu", backend=backend)
-    ssm = torch.randn(2, 4, 8, 3)
-    args = (torch.randn(2, 4, 8), torch.randn(2, 4), -torch.rand(4), torch.randn(2, 2, 3), torch.randn(2, 2, 3))
-    with pytest.raises(ValueError, match="state must be contiguous"):
-        selective_state_update(ssm.transpose(2, 3).contiguous().transpose(2, 3), *args, backend=backend)
-    with pytest.raises(TypeError, match="state must have dtype torch.float32"):
-        selective_state_update(ssm.half(), *args, backend=backend)
-    with pytest.raises(ValueError, match=r"dt must have shape \(2, 4\)"):
-        selective_state_update(ssm, args[0], args[1][:, :3], *args[2:], backend=backend)
+def test_bad_inputs_raise_clear_errors(backend, backend_device):
+    torch.manual_seed(0)
+    with backend_device:  # the tensors built below: on the kernel's device
+        x, state, w = torch.randn(2, 6), torch.randn(2, 6, 4), torch.randn(6, 4)
+        with pytest.raises(ValueError, match=r"conv_state must have shape \(2, 6, 4\)"):
+            conv_step(x, state[:1], w, backend=backend)
+        with pytest.raises(ValueError, match="activation must be one of"):
+            conv_step(x, state, w, activation="relu", backend=backend)
+        ssm = torch.randn(2, 4, 8, 3)
+        args = (torch.randn(2, 4, 8), torch.randn(2, 4), -torch.rand(4), torch.randn(2, 2, 3), torch.randn(2, 2, 3))
+        with pytest.raises(ValueError, match="state must be contiguous"):
+            selective_state_update(ssm.transpose(2, 3).contiguous().transpose(2, 3), *args, backend=backend)
+        with pytest.raises(TypeError, match="state must have dtype torch.float32"):
+            selective_state_update(ssm.half(), *args, backend=backend)
+        with pytest.raises(ValueError, match=r"dt must have shape \(2, 4\)"):
+            selective_state_update(ssm, args[0], args[1][:, :3], *args[2:], backend=backend)

@@ -84,23 +84,24 @@ def test_half_precision(dtype, backend, device):
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_bad_inputs_raise_clear_errors(backend):
-    inp = _inputs(0, 2, 4, 4, 2, 8, 10)
-    parents = torch.tensor([-1, 0, 0, 1])
-    call = lambda parents=parents, **kw: tree_attention(**{**inp, **kw}, parents=parents, backend=backend)
-    with pytest.raises(ValueError, match=r"cache_seqlens\[1\] = 11 must be in \[0, t_max = 10\]"):
-        call(cache_seqlens=torch.tensor([3, 11]))
-    with pytest.raises(ValueError, match=r"cache_seqlens\[0\] = -1"):
-        call(cache_seqlens=torch.tensor([-1, 2]))
-    with pytest.raises(TypeError, match="cache_seqlens must have an integer dtype"):
-        call(cache_seqlens=torch.tensor([1.0, 2.0]))
-    with pytest.raises(ValueError, match=r"q_heads \(4\) must be a multiple of kv_heads \(3\)"):
-        call(k_cache=torch.randn(2, 10, 3, 8))
-    with pytest.raises(ValueError, match=r"k_tree must have shape \(2, 4, 2, 8\)"):
-        call(k_tree=inp["k_tree"][:, :3])
-    with pytest.raises(TypeError, match="v_cache must have dtype torch.float32"):
-        call(v_cache=inp["v_cache"].half())
-    with pytest.raises(ValueError, match="first bad index 3"):
-        call(parents=torch.tensor([-1, 0, 0, 3]))
-    with pytest.raises(ValueError, match="v_tree is on meta"):
-        call(v_tree=inp["v_tree"].to("meta"))
+def test_bad_inputs_raise_clear_errors(backend, backend_device):
+    inp = {k: v.to(backend_device) for k, v in _inputs(0, 2, 4, 4, 2, 8, 10).items()}
+    with backend_device:  # the tensors built below: on the kernel's device
+        parents = torch.tensor([-1, 0, 0, 1])
+        call = lambda parents=parents, **kw: tree_attention(**{**inp, **kw}, parents=parents, backend=backend)
+        with pytest.raises(ValueError, match=r"cache_seqlens\[1\] = 11 must be in \[0, t_max = 10\]"):
+            call(cache_seqlens=torch.tensor([3, 11]))
+        with pytest.raises(ValueError, match=r"cache_seqlens\[0\] = -1"):
+            call(cache_seqlens=torch.tensor([-1, 2]))
+        with pytest.raises(TypeError, match="cache_seqlens must have an integer dtype"):
+            call(cache_seqlens=torch.tensor([1.0, 2.0]))
+        with pytest.raises(ValueError, match=r"q_heads \(4\) must be a multiple of kv_heads \(3\)"):
+            call(k_cache=torch.randn(2, 10, 3, 8))
+        with pytest.raises(ValueError, match=r"k_tree must have shape \(2, 4, 2, 8\)"):
+            call(k_tree=inp["k_tree"][:, :3])
+        with pytest.raises(TypeError, match="v_cache must have dtype torch.float32"):
+            call(v_cache=inp["v_cache"].half())
+        with pytest.raises(ValueError, match="first bad index 3"):
+            call(parents=torch.tensor([-1, 0, 0, 3]))
+        with pytest.raises(ValueError, match="v_tree is on meta"):
+            call(v_tree=inp["v_tree"].to("meta"))

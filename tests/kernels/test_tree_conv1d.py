@@ -67,22 +67,23 @@ def test_half_precision(dtype, backend, device):
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_bad_inputs_raise_clear_errors(backend):
-    xbc, conv_state, weight, bias = _inputs(0, 1, 4, 8, 4)
-    parents = torch.tensor([-1, 0, 0, 1])
-    call = lambda **kw: tree_conv1d(**{**dict(xBC=xbc, parents=parents, conv_state=conv_state, weight=weight,
-                                              bias=bias), **kw}, backend=backend)
-    with pytest.raises(ValueError, match="first bad index 2"):
-        call(parents=torch.tensor([-1, 0, 5, 1]))
-    with pytest.raises(ValueError, match=r"conv_state must have shape \(1, 8, 4\)"):
-        call(conv_state=conv_state[:, :, :3])
-    with pytest.raises(ValueError, match=r"weight must have shape"):
-        call(weight=weight[0])
-    with pytest.raises(ValueError, match=r"bias must have shape \(8,\)"):
-        call(bias=bias[:5])
-    with pytest.raises(ValueError, match="activation must be one of"):
-        call(activation="gelu")
-    with pytest.raises(TypeError, match="xBC must be float32"):
-        call(xBC=xbc.long())
-    with pytest.raises(ValueError, match="conv_state is on meta"):
-        call(conv_state=conv_state.to("meta"))
+def test_bad_inputs_raise_clear_errors(backend, backend_device):
+    xbc, conv_state, weight, bias = (t.to(backend_device) for t in _inputs(0, 1, 4, 8, 4))
+    with backend_device:  # the tensors built below: on the kernel's device
+        parents = torch.tensor([-1, 0, 0, 1])
+        call = lambda **kw: tree_conv1d(**{**dict(xBC=xbc, parents=parents, conv_state=conv_state, weight=weight,
+                                                  bias=bias), **kw}, backend=backend)
+        with pytest.raises(ValueError, match="first bad index 2"):
+            call(parents=torch.tensor([-1, 0, 5, 1]))
+        with pytest.raises(ValueError, match=r"conv_state must have shape \(1, 8, 4\)"):
+            call(conv_state=conv_state[:, :, :3])
+        with pytest.raises(ValueError, match=r"weight must have shape"):
+            call(weight=weight[0])
+        with pytest.raises(ValueError, match=r"bias must have shape \(8,\)"):
+            call(bias=bias[:5])
+        with pytest.raises(ValueError, match="activation must be one of"):
+            call(activation="gelu")
+        with pytest.raises(TypeError, match="xBC must be float32"):
+            call(xBC=xbc.long())
+        with pytest.raises(ValueError, match="conv_state is on meta"):
+            call(conv_state=conv_state.to("meta"))

@@ -149,9 +149,11 @@ def test_inputs_are_not_modified(device):
         assert torch.equal(inp[k], before[k]), k
 
 
-def _args(n=5, batch=1, nheads=2, headdim=4, dstate=4, ngroups=1, device="cpu"):
+def _args(n=5, batch=1, nheads=2, headdim=4, dstate=4, ngroups=1, device=None):
+    """Inputs drawn on the CPU, then on ``device`` (default: torch's default device)."""
+    device = torch.get_default_device() if device is None else device
     g = torch.Generator().manual_seed(0)
-    r = lambda *s: torch.randn(*s, generator=g).to(device)
+    r = lambda *s: torch.randn(*s, generator=g, device="cpu").to(device)
     return dict(x=r(batch, n, nheads, headdim), dt=r(batch, n, nheads), A=-r(nheads).abs(),
                 B=r(batch, n, ngroups, dstate), C=r(batch, n, ngroups, dstate), parents=torch.arange(-1, n - 1).to(device))
 
@@ -163,36 +165,38 @@ def _call(backend, **kw):
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_bad_inputs_raise_clear_errors(backend):
-    a = _args()
-    with pytest.raises(ValueError, match=r"first bad index 3"):
-        _call(backend, parents=torch.tensor([-1, 0, 1, 3, 2]))
-    with pytest.raises(ValueError, match=r"root must have parent -1"):
-        _call(backend, parents=torch.tensor([0, 0, 1, 2, 3]))
-    with pytest.raises(TypeError, match="parents must have an integer dtype"):
-        _call(backend, parents=torch.tensor([-1.0, 0, 1, 2, 3]))
-    with pytest.raises(ValueError, match="parents describes 4 nodes"):
-        _call(backend, parents=torch.tensor([-1, 0, 1, 2]))
-    with pytest.raises(ValueError, match=r"dt must have shape \(1, 5, 2\)"):
-        _call(backend, dt=a["dt"][:, :4])
-    with pytest.raises(TypeError, match="B must have dtype torch.float32"):
-        _call(backend, B=a["B"].half())
-    with pytest.raises(ValueError, match=r"nheads \(2\) must be a multiple of ngroups \(3\)"):
-        _call(backend, B=torch.randn(1, 5, 3, 4), C=torch.randn(1, 5, 3, 4))
-    with pytest.raises(TypeError, match="initial_state must have dtype torch.float32"):
-        _call(backend, initial_state=torch.zeros(1, 2, 4, 4, dtype=torch.bfloat16))
-    with pytest.raises(ValueError, match=r"D must have shape"):
-        _call(backend, D=torch.ones(3))
-    with pytest.raises(TypeError, match="x must be float32, float16 or bfloat16"):
-        _call(backend, x=a["x"].double())
-    with pytest.raises(ValueError, match="dt_limit must satisfy lo <= hi"):
-        _call(backend, dt_limit=(1.0, 0.5))
-    with pytest.raises(ValueError, match=r"dt is on meta but x is on cpu"):
-        _call(backend, dt=a["dt"].to("meta"))
-    with pytest.raises(ValueError, match=r"parents is on meta but x is on cpu"):
-        _call(backend, parents=a["parents"].to("meta"))
-    with pytest.raises(ValueError, match="backend must be one of"):
-        tree_scan(*[a[k] for k in ("x", "dt", "A", "B", "C", "parents")], backend="cuda")
+def test_bad_inputs_raise_clear_errors(backend, backend_device):
+    torch.manual_seed(0)
+    with backend_device:  # the tensors built below: on the kernel's device
+        a = _args()
+        with pytest.raises(ValueError, match=r"first bad index 3"):
+            _call(backend, parents=torch.tensor([-1, 0, 1, 3, 2]))
+        with pytest.raises(ValueError, match=r"root must have parent -1"):
+            _call(backend, parents=torch.tensor([0, 0, 1, 2, 3]))
+        with pytest.raises(TypeError, match="parents must have an integer dtype"):
+            _call(backend, parents=torch.tensor([-1.0, 0, 1, 2, 3]))
+        with pytest.raises(ValueError, match="parents describes 4 nodes"):
+            _call(backend, parents=torch.tensor([-1, 0, 1, 2]))
+        with pytest.raises(ValueError, match=r"dt must have shape \(1, 5, 2\)"):
+            _call(backend, dt=a["dt"][:, :4])
+        with pytest.raises(TypeError, match="B must have dtype torch.float32"):
+            _call(backend, B=a["B"].half())
+        with pytest.raises(ValueError, match=r"nheads \(2\) must be a multiple of ngroups \(3\)"):
+            _call(backend, B=torch.randn(1, 5, 3, 4), C=torch.randn(1, 5, 3, 4))
+        with pytest.raises(TypeError, match="initial_state must have dtype torch.float32"):
+            _call(backend, initial_state=torch.zeros(1, 2, 4, 4, dtype=torch.bfloat16))
+        with pytest.raises(ValueError, match=r"D must have shape"):
+            _call(backend, D=torch.ones(3))
+        with pytest.raises(TypeError, match="x must be float32, float16 or bfloat16"):
+            _call(backend, x=a["x"].double())
+        with pytest.raises(ValueError, match="dt_limit must satisfy lo <= hi"):
+            _call(backend, dt_limit=(1.0, 0.5))
+        with pytest.raises(ValueError, match=r"dt is on meta but x is on (cpu|cuda)"):
+            _call(backend, dt=a["dt"].to("meta"))
+        with pytest.raises(ValueError, match=r"parents is on meta but x is on (cpu|cuda)"):
+            _call(backend, parents=a["parents"].to("meta"))
+        with pytest.raises(ValueError, match="backend must be one of"):
+            tree_scan(*[a[k] for k in ("x", "dt", "A", "B", "C", "parents")], backend="cuda")
 
 
 def test_more_than_max_tree_nodes_is_refused():

@@ -207,13 +207,13 @@ def test_unsupported_configs_are_named(tmp_path):
     del hf
 
 
-def test_greedy_identity_through_the_triton_kernels(pair):
+def test_greedy_identity_through_the_triton_kernels(pair, device):
     """The families' kernels forced to Triton (the interpreter here, CUDA on a GPU): partial
     rotary and NoPE attention, grouped Mamba2 of heads x head_dim width, the prefill-only clamp."""
     _, _, model, path = pair
     prompts = [_prompt(40, 5) * 2]
     ref = generate(model, prompts, method="autoregressive", max_new_tokens=6)
-    triton = load(path)  # its own copy: the module-wide one stays on the default backend
+    triton = load(path, device=device)  # its own copy: the module-wide one stays on the CPU's backend
     triton.kernel_backend = "triton"
     assert generate(triton, prompts, tree=TreeShape.paper13(), max_new_tokens=6).sequences == ref.sequences
 

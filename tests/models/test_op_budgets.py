@@ -16,19 +16,19 @@ PATH, NUM = torch.tensor([[0, 1, 4]]), torch.tensor([3])
 
 
 def _setup(model):
+    draw = lambda n, seed: torch.randint(0, VOCAB, (1, n), generator=torch.Generator().manual_seed(seed)).to(model.device)  # noqa: E731
     cache = model.allocate_cache(1, 64)
-    model.prefill(torch.randint(0, VOCAB, (1, 8), generator=torch.Generator().manual_seed(0)), cache)
-    tree = TokenTree.from_shape(SHAPE, torch.randint(0, VOCAB, (1, SHAPE.n), generator=torch.Generator().manual_seed(1)))
-    return cache, tree
+    model.prefill(draw(8, 0), cache)
+    return cache, TokenTree.from_shape(SHAPE, draw(SHAPE.n, 1))
 
 
 def _costs(model):
     cache, tree = _setup(model)
-    tok = torch.tensor([3])
+    tok, path, num = (t.to(model.device) for t in (torch.tensor([3]), PATH, NUM))
     return dict(
         step=count_ops(lambda: model.step(tok, cache)),
         tree=count_ops(lambda: model.forward_tree(tree, cache)),
-        commit=count_ops(lambda tree_pass: model.commit(cache, tree_pass, PATH, NUM, validate=False),
+        commit=count_ops(lambda tree_pass: model.commit(cache, tree_pass, path, num, validate=False),
                          setup=lambda: model.forward_tree(tree, cache)[1:]),
     )
 
@@ -64,11 +64,11 @@ def test_a_commit_gathers_every_attention_layer_at_once():
 
 
 @pytest.mark.parametrize("family", ["mamba2", "hybrid"])
-def test_triton_launches_per_call(family):
+def test_triton_launches_per_call(family, device):
     """Step: conv step + state update + gated norm per Mamba2 layer, one attention per attention
     layer; tree pass: tree conv + tree scan + gated norm per Mamba2 layer, one tree attention per
     attention layer; commit: one replay for every Mamba2 layer together."""
-    model = mamba2(n_layer=3) if family == "mamba2" else hybrid(n_layer=3, attn_layers=[1])
+    model = (mamba2(n_layer=3) if family == "mamba2" else hybrid(n_layer=3, attn_layers=[1])).to(device)
     model.kernel_backend = "triton"
     n_ssm = sum(blk.mixer.kind == "ssm" for blk in model.blocks)
     n_attn = len(model.blocks) - n_ssm

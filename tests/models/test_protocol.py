@@ -16,8 +16,8 @@ from stree.tree import TokenTree, TreeShape
 
 def _prefilled(model, lengths, g):
     cache = model.allocate_cache(len(lengths), 48)
-    ids = torch.randint(0, VOCAB, (len(lengths), max(lengths)), generator=g)
-    model.prefill(ids, cache, lengths=torch.tensor(lengths), chunk=4)  # several chunks, rows ending apart
+    ids = torch.randint(0, VOCAB, (len(lengths), max(lengths)), generator=g, device="cpu").to(model.device)
+    model.prefill(ids, cache, lengths=torch.tensor(lengths, device=model.device), chunk=4)  # several chunks, rows ending apart
     assert cache.seqlens.tolist() == lengths
     return cache
 
@@ -53,19 +53,20 @@ def test_forward_tree_equals_feeding_each_root_path(family, n, data, per_row):
 
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("kernel_backend", ["auto", "triton"])
-def test_commit_leaves_the_sequential_state(family, kernel_backend):
-    model = FAMILIES[family]()
+def test_commit_leaves_the_sequential_state(family, kernel_backend, backend_device):
+    model = FAMILIES[family]().to(backend_device)
     model.kernel_backend = kernel_backend
     g = torch.Generator().manual_seed(5)
+    draw = lambda *shape: torch.randint(0, VOCAB, shape, generator=g, device="cpu").to(backend_device)  # noqa: E731
     cache = _prefilled(model, [7, 3, 5], g)
     start = cache.clone()
-    tree = TokenTree.from_shape(TreeShape.paper13(), torch.randint(0, VOCAB, (3, 13), generator=g))
+    tree = TokenTree.from_shape(TreeShape.paper13(), draw(3, 13))
     _, tree_pass = model.forward_tree(tree, cache)
     paths = [[0, 2, 6], [0, 1, 4, 7, 12], [0]]
-    model.commit(cache, tree_pass, torch.tensor([p + [0] * (5 - len(p)) for p in paths]),
-                 torch.tensor([len(p) for p in paths]))
+    model.commit(cache, tree_pass, torch.tensor([p + [0] * (5 - len(p)) for p in paths], device=backend_device),
+                 torch.tensor([len(p) for p in paths], device=backend_device))
     assert cache.seqlens.tolist() == [10, 8, 6]
-    tree2 = TokenTree.from_shape(TreeShape.full(2, 2), torch.randint(0, VOCAB, (3, 7), generator=g))
+    tree2 = TokenTree.from_shape(TreeShape.full(2, 2), draw(3, 7))
     logits, _ = model.forward_tree(tree2, cache)
     model.kernel_backend = "auto"  # the sequential reference need not run under the interpreter
     for b in range(3):
@@ -135,13 +136,13 @@ WIDE_STATE = {"mamba2": dict(d_state=64), "hybrid": dict(d_inner=128, d_xb=64, d
 
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("kernel_backend", ["auto", "triton"])
-def test_forward_tree_never_materialises_a_per_node_ssm_state(family, kernel_backend):
-    model = FAMILIES[family](**WIDE_STATE[family])
+def test_forward_tree_never_materialises_a_per_node_ssm_state(family, kernel_backend, backend_device):
+    model = FAMILIES[family](**WIDE_STATE[family]).to(backend_device)
     model.kernel_backend = kernel_backend
     cache = model.allocate_cache(2, 20)
-    model.prefill(torch.randint(0, VOCAB, (2, 4)), cache)
+    model.prefill(torch.randint(0, VOCAB, (2, 4), device=backend_device), cache)
     shape = TreeShape.paper13()
-    tree = TokenTree.from_shape(shape, torch.randint(0, VOCAB, (2, shape.n)))
+    tree = TokenTree.from_shape(shape, torch.randint(0, VOCAB, (2, shape.n), device=backend_device))
     per_node_states = 2 * shape.n * cache.ssm[0, 0].numel()
     with flag_kernel_launches() as launch, _LargestOutput(launch) as seen:
         model.forward_tree(tree, cache)

@@ -12,10 +12,10 @@ from stree.tree import TokenTree, TreeShape
 
 def _prefilled(model, lengths, seed):
     g = torch.Generator().manual_seed(seed)
+    draw = lambda *shape: torch.randint(0, VOCAB, shape, generator=g, device="cpu").to(model.device)  # noqa: E731
     cache = model.allocate_cache(len(lengths), 24)
-    ids = torch.randint(0, VOCAB, (len(lengths), max(lengths)), generator=g)
-    model.prefill(ids, cache, lengths=torch.tensor(lengths))
-    return cache, torch.randint(0, VOCAB, (len(lengths),), generator=g)
+    model.prefill(draw(len(lengths), max(lengths)), cache, lengths=torch.tensor(lengths, device=model.device))
+    return cache, draw(len(lengths))
 
 
 def _committed(cache, row):
@@ -25,8 +25,8 @@ def _committed(cache, row):
 
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("kernel_backend", ["auto", "triton"])
-def test_step_equals_a_one_node_tree_and_its_commit(family, kernel_backend):
-    model = FAMILIES[family]()
+def test_step_equals_a_one_node_tree_and_its_commit(family, kernel_backend, backend_device):
+    model = FAMILIES[family]().to(backend_device)
     model.kernel_backend = kernel_backend
     cache, tok = _prefilled(model, [6, 2, 9], seed=1)
     other = cache.clone()
@@ -34,7 +34,8 @@ def test_step_equals_a_one_node_tree_and_its_commit(family, kernel_backend):
         got = model.step(tok, cache)
         tree = TokenTree.from_shape(TreeShape.chain(0), tok[:, None])
         want, tree_pass = model.forward_tree(tree, other)
-        model.commit(other, tree_pass, torch.zeros(3, 1, dtype=torch.long), torch.ones(3, dtype=torch.long))
+        model.commit(other, tree_pass, torch.zeros(3, 1, dtype=torch.long, device=backend_device),
+                     torch.ones(3, dtype=torch.long, device=backend_device))
         want = want[:, 0]
         assert (got - want).abs().max() <= 1e-5
         assert torch.equal(cache.seqlens, other.seqlens)
@@ -46,27 +47,29 @@ def test_step_equals_a_one_node_tree_and_its_commit(family, kernel_backend):
 
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("kernel_backend", ["torch", "triton"])
-def test_unvalidated_step_and_tree_pass_never_wait_on_the_host(family, kernel_backend):
+def test_unvalidated_step_and_tree_pass_never_wait_on_the_host(family, kernel_backend, backend_device):
     """The paths a device runs ("auto" on the CPU replays compiled, reading host memory by design)."""
-    model = FAMILIES[family]()
-    model.kernel_backend = kernel_backend
-    cache, tok = _prefilled(model, [5, 3], seed=2)
-    reference = cache.clone()
-    want = model.step(tok, reference)
-    with pytest.raises(HostSync):  # the guard sees the checks a validated step makes
+    model = FAMILIES[family]().to(backend_device)
+    with backend_device:  # the tensors built below: on the kernel's device
+        model.kernel_backend = kernel_backend
+        cache, tok = _prefilled(model, [5, 3], seed=2)
+        reference = cache.clone()
+        want = model.step(tok, reference)
+        with pytest.raises(HostSync):  # the guard sees the checks a validated step makes
+            with no_host_sync():
+                model.step(tok, cache.clone())
         with no_host_sync():
-            model.step(tok, cache.clone())
-    with no_host_sync():
-        got = model.step(tok, cache, validate=False)
-    assert torch.equal(got, want) and torch.equal(cache.seqlens, reference.seqlens)
-    tree = TokenTree.from_shape(TreeShape.paper13(), torch.randint(0, VOCAB, (2, 13)))
-    index = tree.index
-    want, _ = model.forward_tree(tree, cache)
-    with no_host_sync():
-        got, tree_pass = model.tree_pass(tree, index, cache, "tree", kernel_backend, 3)
-        model.commit(cache, tree_pass, torch.tensor([[0, 1, 4], [0, 2, 6]]), torch.tensor([3, 2]), validate=False)
-    assert torch.equal(got, want)
-    assert cache.seqlens.tolist() == [9, 6]  # prefilled 5 and 3, one step, then 3 and 2 committed
+            got = model.step(tok, cache, validate=False)
+        assert torch.equal(got, want) and torch.equal(cache.seqlens, reference.seqlens)
+        tree = TokenTree.from_shape(TreeShape.paper13(), torch.randint(0, VOCAB, (2, 13)))
+        index = tree.index
+        want, _ = model.forward_tree(tree, cache)
+        path, num = torch.tensor([[0, 1, 4], [0, 2, 6]]), torch.tensor([3, 2])
+        with no_host_sync():
+            got, tree_pass = model.tree_pass(tree, index, cache, "tree", kernel_backend, 3)
+            model.commit(cache, tree_pass, path, num, validate=False)
+        assert torch.equal(got, want)
+        assert cache.seqlens.tolist() == [9, 6]  # prefilled 5 and 3, one step, then 3 and 2 committed
 
 
 @pytest.mark.parametrize("family", FAMILIES)
