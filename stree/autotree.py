@@ -337,8 +337,12 @@ class AutoTree:
         self._gain = gain[best - 2]
         self._tree_ms, self._draft_ms = self.cost[best] * self.scale["tree"], self.draft_cost[best] * self.scale["tree"]
         plain = self.cost[1] * self.scale["plain"]
-        # a probe's time beyond plain steps' for its tokens (with the margin where the clock is not followed)
-        loss = (self._tree_ms + self._draft_ms) * self.margin - self._gain * plain
+        # What a probe loses against plain steps: its time beyond theirs for the tokens it is expected
+        # to emit; an adaptive choice also knows what its probes took. A seeded one knows neither
+        # (its rates start from the prior each call, which may promise what this text never gives):
+        # it spaces probes by the worst case, one token from a probe (with the margin).
+        expected = self._gain if self.adaptive else 1.0
+        loss = (self._tree_ms + self._draft_ms) * self.margin - expected * plain
         if self.adaptive:
             loss = max(loss, self.scale["probe_loss"])
         self._probe_min = min(max(self.PROBE, int(math.ceil(loss / (self.PROBE_SHARE * plain)))), self.PROBE_LONGEST)
@@ -374,6 +378,22 @@ class AutoTree:
             return None
         self._drafted = self._pick if self._pick > 1 else self._probe_size
         return self.prefix(self._drafted)
+
+    def plain_ahead(self) -> int:
+        """After a plain step's :meth:`record`: how many of the next steps are plain whatever they
+        take (no probe falls due and nothing is re-planned before they end). The loop may run them
+        without asking (:meth:`plain_steps` then records them)."""
+        if not self.fills_shapes or (self._pick > 1 and self._worth_drafting()):
+            return 0
+        return max(0, min(max(self._probe_every, self._probe_min) - self._plain_run, self.REPLAN - self._since_plan))
+
+    def plain_steps(self, steps: int, elapsed_ms: float | None = None) -> None:
+        """:meth:`plan` and :meth:`record` of ``steps`` plain steps that :meth:`plain_ahead`
+        promised, ``elapsed_ms`` their time together."""
+        self._probing, self._predicted, self._drafted = False, ("plain", self.cost[1]), 0
+        self._plain_run += steps
+        for _ in range(steps):
+            self.record(None, elapsed_ms=None if elapsed_ms is None else elapsed_ms / steps)
 
     def _catch_up_paid(self, behind) -> bool:
         catch = self.profile.catch_ms

@@ -37,7 +37,7 @@ __all__ = ["CostProfile", "cache_file", "cost_profile", "MODES"]
 
 MODES = ("eager", "compiled", "cuda_graph")
 CATCH = 64  # tokens of context a drafter model's catch-up is timed on
-FORMAT = 2  # of the cache file; another is re-measured
+FORMAT = 3  # of the cache file; another is re-measured
 
 
 @dataclass(frozen=True)
@@ -275,12 +275,13 @@ def _measure(model, drafter, batch: int, mode: str, sampled: bool, shapes, budge
     params = SamplingParams(1.0 if sampled else 0.0)
     draws = torch.Generator(device=device).manual_seed(0) if sampled else None
     top_k = None if drafter is None else drafter.target_top_k
+    plain_top_k = None if drafter is None else drafter.plain_top_k  # what the loop's plain steps compute
     state = None if getattr(drafter, "generator", None) is None else drafter.generator.get_state()
     if drafter is not None:
         drafter.reset()
 
     def ar():
-        autoregressive_step(model, cache, seq[:, 0].to(device), params, draws, runner, top_k)
+        autoregressive_step(model, cache, seq[:, 0].to(device), params, draws, runner, plain_top_k)
         cache.seqlens -= 1
 
     drafting: list[list[float]] = [[] for _ in shapes]  # each call's drafting, of the call's time

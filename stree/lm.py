@@ -152,9 +152,10 @@ class LM:
             raise ValueError(f"prompt {empty[0]} ({prompts[empty[0]]!r}) encodes to no tokens")
         return ids
 
-    def drafter(self, name, temperature: float = 0.0) -> Drafter | None:
+    def drafter(self, name, temperature: float = 0.0, tokens: int | None = None) -> Drafter | None:
         """A drafter by name ("ngram", "stand", "stand-det", "consensus", "ssm", "ssm-beam"), or
-        ``name`` itself when it is a Drafter."""
+        ``name`` itself when it is a Drafter. ``tokens``: the most it will see emitted (one call's),
+        which sizes a fresh STAND store."""
         if name is None or isinstance(name, Drafter):
             return name
         if not isinstance(name, str):
@@ -168,7 +169,7 @@ class LM:
         if name in NEEDS_MODEL and self.drafter_model is None:
             raise ValueError(f"drafter {name!r} needs a drafter model (LM.from_pretrained(..., drafter_model=DIR))")
         return make_drafter(name, drafter_model=self.drafter_model if name in NEEDS_MODEL else None,
-                            vocab_size=self.model.vocab_size, temperature=temperature, include_self=True)
+                            vocab_size=self.model.vocab_size, temperature=temperature, include_self=True, tokens=tokens)
 
     def _steps(self, prompts, *, max_new_tokens: int = 128, drafter="ngram", stop=None, temperature: float = 0.0,
                eos_token_id="checkpoint", **kwargs):
@@ -177,8 +178,10 @@ class LM:
         ids = self.encode(prompts)
         eos = self.eos_token_id if eos_token_id == "checkpoint" else eos_token_id
         rows = [TextStops(self.tokenizer, stops) for _ in ids]
+        budget = max_new_tokens if isinstance(max_new_tokens, int) and max_new_tokens > 0 else None  # decode checks it
         steps = decode(self.model, ids, max_new_tokens=max_new_tokens, temperature=temperature, eos_token_id=eos,
-                       drafter=self.drafter(drafter, temperature), **kwargs)
+                       drafter=self.drafter(drafter, temperature, None if budget is None else len(ids) * (budget + 1)),
+                       **kwargs)
         return rows, steps, eos
 
     def _output(self, out, rows: list[TextStops], eos) -> TextOutput:

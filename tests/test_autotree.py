@@ -4,6 +4,7 @@ the decoding loop, greedy identity for every drafter, the exact sampling law whi
 switches sizes and falls back to plain steps, explicit trees honoured exactly."""
 
 import itertools
+import math
 
 import numpy as np
 import pytest
@@ -185,14 +186,15 @@ def run_rejecting(auto, steps, probe_ms=None, behind=None):
 
 def test_plain_steps_win_where_trees_cost_too_much_and_probes_follow_the_text():
     """Trees a fifth dearer than a step: once the verified steps show nothing is accepted, plain
-    steps, with a probe after 4 of them, the interval doubling (or more, as far as a probe's loss
-    needs: at least its floor) up to PROBE_MAX."""
+    steps, with probes spaced so that one, were nothing accepted, loses at most PROBE_SHARE of the
+    plain steps before it (whatever the rates promise: a fresh call's are the prior's), the
+    interval doubling up to PROBE_MAX."""
     auto = AutoTree(CostProfile(1.0, (2, 4, 8, 16), (1.2, 1.3, 1.5, 1.9)))
     drafted = run_rejecting(auto, 300)
     gaps = np.diff(drafted).tolist()
-    assert 5 in gaps[:2] and gaps[-2:] == [AutoTree.PROBE_MAX + 1] * 2
-    grow = gaps[gaps.index(5):]
-    assert all(a <= b <= 2 * a + 1 or b - 1 >= auto._probe_min for a, b in zip(grow, grow[1:]))
+    floor = math.ceil((1.2 * AutoTree.MARGIN - 1.0) / AutoTree.PROBE_SHARE - 1e-9)  # the cheapest probe's
+    assert all(g - 1 >= floor for g in gaps) and gaps[-2:] == [AutoTree.PROBE_MAX + 1] * 2
+    assert all(b <= 2 * a + 1 or b == AutoTree.PROBE_MAX + 1 for a, b in zip(gaps, gaps[1:]))
     assert auto.chosen[1] == 300 - len(drafted)
 
 
@@ -256,7 +258,7 @@ def test_chains_under_method_chain():
 
 def test_adaptive_costs_follow_the_clock():
     auto = AutoTree(cheap(), adaptive=True)
-    for _ in range(4 * AutoTree.REPLAN):  # every tree takes 10x what the profile says
+    for _ in range(8 * AutoTree.REPLAN):  # every tree takes 10x what the profile says
         plan = auto.plan()
         draft = None if plan is None else auto.choose(full_draft(plan), np.ones(1, dtype=np.bool_))
         if draft is None:
@@ -372,6 +374,7 @@ def test_sampling_law_holds_while_the_choice_switches_and_falls_back():
 
     class Quick(AutoTree):
         PROBE = 1  # a probe after one plain step: the choice moves within the first tokens
+        PROBE_SHARE = 1.0  # (probes may cost what they like)
 
     auto = Quick(CostProfile(1.0, (2, 3, 4, 6), (1.3, 1.5, 1.6, 2.2)), sizes=(2, 3, 4, 6))
     out = generate(model, [prompt] * 40_000, drafter=MarkovDrafter(q, seed=2), tree=auto, max_new_tokens=5,
@@ -381,3 +384,54 @@ def test_sampling_law_holds_while_the_choice_switches_and_falls_back():
     tokens = torch.tensor(out.new_tokens)[:, 2:]
     _, _, pvalue = chi_square(cell_counts(tokens, V), law)
     assert pvalue > SEEDED_P, pvalue
+
+
+@pytest.mark.parametrize("needs_laws", [False, True])
+def test_plain_steps_compute_no_target_laws_for_a_drafter_that_learns_from_tokens(needs_laws):
+    """A plain step chosen over drafting hands STAND (plain_target False) the emitted tokens alone:
+    no target softmax, top-K or larger transfer that autoregressive decoding does not pay. Steps
+    with a tree, and every step of a drafter that needs the laws, still get them."""
+    class NeverProbe(AutoTree):
+        PROBE_MAX = PROBE_LONGEST = PROBE = 10**9
+
+    model = mamba2()
+    for auto, plain in ((NeverProbe(expensive()), True), (AutoTree(cheap()), False)):
+        drafter = make_drafter("stand", vocab_size=model.vocab_size)
+        drafter.plain_target = needs_laws
+        seen, observe = [], drafter.observe
+        drafter.observe = lambda context, tokens, target: (seen.append(target is None), observe(context, tokens, target))
+        out = generate(model, [[1, 2, 3, 1, 2, 3, 1, 2]], drafter=drafter, tree=auto, max_new_tokens=12)
+        assert set(out.stats.trees) == ({1} if plain else set(out.stats.trees) - {1}) and len(seen) > 1
+        assert seen == [False] + [plain and not needs_laws] * (len(seen) - 1)  # the prefill's token: its law
+
+
+@pytest.mark.parametrize("name", ["ngram", "stand", "ssm-static"])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_plain_runs_decided_ahead_change_nothing_but_the_work(name, temperature):
+    """Plain steps the chooser decides ahead (no probe due, nothing re-planned) run without
+    planning or drafting, the drafter shown their tokens at the run's end in one call: the same
+    tokens (greedy, and seeded sampling), the same steps and trees as asking every step."""
+    class Quick(AutoTree):
+        PROBE_SHARE = 0.5  # probes a dozen steps apart: several within the call
+
+    class StepByStep(Quick):
+        def plain_ahead(self):
+            return 0
+
+    model, small = mamba2(), mamba2(n_layer=1, seed=3)
+    prompts = [[1, 2, 3, 1, 2, 3, 1, 2], [4, 5, 6]]
+    outs, calls = [], []
+    for kind in (Quick, StepByStep):
+        drafter = make_drafter(name, drafter_model=small if name in NEEDS_MODEL else None, vocab_size=model.vocab_size,
+                               temperature=temperature)
+        seen, observe = [], drafter.observe
+        drafter.observe = lambda context, tokens, target: (seen.append(tokens), observe(context, tokens, target))
+        out = generate(model, prompts, drafter=drafter, tree=kind(expensive()), max_new_tokens=60,
+                       temperature=temperature, seed=5 if temperature else None)
+        outs.append(out)
+        calls.append(seen)
+    assert outs[0].sequences == outs[1].sequences and outs[0].stats.trees == outs[1].stats.trees
+    assert outs[0].stats.accepted == outs[1].stats.accepted and len(outs[0].stats.trees) > 1  # plain and probes
+    assert len(calls[0]) < len(calls[1]) and max(len(t) for c in calls[0] for t in c) > 2  # runs shown at once
+    joined = lambda c: [sum((step[i] for step in c), []) for i in range(2)]  # noqa: E731
+    assert joined(calls[0]) == joined(calls[1])  # every token shown, in order

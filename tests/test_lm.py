@@ -183,3 +183,20 @@ def test_each_rank_loads_on_its_own_gpu_or_all_on_the_cpu(monkeypatch, gpus):
             rank_device("cuda", 2)
     if gpus == 2:
         assert rank_device("cuda", 2) == torch.device("cuda", 1)
+
+
+def test_a_calls_stand_store_is_sized_to_the_call(lm, monkeypatch):
+    """A STAND drafter made for one call gets a store with room for what the call can teach it
+    (4 n-grams a token, a power of two >= 1024) instead of 2^20 entries (~150 MB) allocated anew
+    for every call; a long-lived one (no token count) keeps the default."""
+    from stree.drafters import registry
+    from stree.drafters.registry import stand_capacity
+
+    assert [stand_capacity(t) for t in (1, 256, 257, 300_000, 10**9)] == [1024, 1024, 2048, 1 << 20, 1 << 20]
+    assert lm.drafter("stand", 1.0, tokens=600).store.capacity == 4096
+    assert lm.drafter("stand-det").store.capacity == 1 << 20
+    made = []
+    real = registry.STANDStore
+    monkeypatch.setattr(registry, "STANDStore", lambda **kw: made.append(kw) or real(**kw))
+    out = lm.generate(PROMPTS, max_new_tokens=20, drafter="stand", temperature=1.0, seed=0)
+    assert made == [dict(capacity=1024)] and len(out.token_ids) == 2  # 2 rows x 21 tokens x 4 n-grams

@@ -53,6 +53,15 @@ class Drafter:
     #: (0: only the emitted tokens' probabilities; None: no target distributions at all, which
     #: spares each step computing them)
     target_top_k: int | None = None
+    #: whether ``observe`` needs those distributions after a plain step too (one the decoding loop
+    #: chose over drafting: ``tree="auto"`` found speculation not paying). False spares every such
+    #: step computing and moving them, and ``observe`` gets ``target=None`` for it
+    plain_target = True
+
+    @property
+    def plain_top_k(self) -> int | None:
+        """The target entries ``observe`` receives after a plain step (None: no distributions)."""
+        return self.target_top_k if self.plain_target else None
 
     #: the tree shape ``propose`` fills when the call passes none (None: every call must pass one)
     shape: TreeShape | TreeBudget | None = None
@@ -100,7 +109,8 @@ class Drafter:
         """Called each time tokens are emitted (the prefill's first token, then every verify step):
         ``context`` holds the rows *before* the emission, ``tokens`` each row's emitted tokens (in
         ``context.rows`` order) and ``target`` their :class:`TargetTop` (at temperature 0: from the
-        softmax of the logits). Emitted token i follows the row's context plus tokens 0..i-1."""
+        softmax of the logits; None after a plain step where ``plain_target`` is False). Emitted
+        token i follows the row's context plus tokens 0..i-1."""
 
 
 def check_budget(drafter, shape) -> None:

@@ -20,7 +20,7 @@ class PerRowDrafter(Drafter):
         if not isinstance(probe, Drafter):
             raise TypeError(f"factory must return a Drafter, got {type(probe).__name__}")
         self.factory, self.shape, self.draft_depth = factory, probe.shape, probe.draft_depth
-        self.target_top_k = probe.target_top_k
+        self.target_top_k, self.plain_target = probe.target_top_k, probe.plain_target
         self._rows: dict[int, Drafter] = {}
         self._seed = 0
 

@@ -25,10 +25,19 @@ def stand_tree(name: str) -> TreeShape:
     return TreeShape.load(STAND_TREES / f"{name}.json")
 
 
+def stand_capacity(tokens: int) -> int:
+    """Room for everything ``tokens`` emitted tokens teach a fresh STAND store (at most 4 n-grams,
+    its max_n, each): a power of two from 1024 up to the default 2^20 entries (past it, the store
+    evicts its oldest). Those 2^20 are ~150 MB to allocate and fault in, which a call of a few
+    hundred tokens paid for again every time."""
+    return min(1 << 20, max(1024, 1 << (4 * max(1, tokens) - 1).bit_length()))
+
+
 def make_drafter(name: str, *, drafter_model=None, vocab_size: int | None = None, temperature: float = 0.0,
-                 store=None, include_self: bool = False, seed: int = 0) -> Drafter:
+                 store=None, include_self: bool = False, seed: int = 0, tokens: int | None = None) -> Drafter:
     """``stand`` / ``stand-det``: STAND with Gumbel-top-k stochastic or top-k trees (``store``: a
-    shared :class:`STANDStore`); ``consensus``: a :class:`ConsensusDrafter` (``store``: a shared
+    shared :class:`STANDStore`; else a fresh one, sized for ``tokens`` emitted tokens when the
+    drafter serves one call that emits at most that many); ``consensus``: a :class:`ConsensusDrafter` (``store``: a shared
     :class:`PathStore`); ``ssm-static``: ``drafter_model`` filling a static tree level by level, by
     draws without replacement at ``temperature`` when it is > 0, else top-k; ``ssm-beam``: 3 beams
     x 4 steps (13 nodes, paper 001 App. C). ``vocab_size``: the target's, for a padded drafter.
@@ -44,7 +53,9 @@ def make_drafter(name: str, *, drafter_model=None, vocab_size: int | None = None
     if name == "ngram":
         return NGramDrafter()
     if name in ("stand", "stand-det"):
-        return STANDDrafter(STANDStore() if store is None else store, stochastic=name == "stand", seed=seed)
+        if store is None:
+            store = STANDStore() if tokens is None else STANDStore(capacity=stand_capacity(tokens))
+        return STANDDrafter(store, stochastic=name == "stand", seed=seed)
     if name == "consensus":
         return ConsensusDrafter(PathStore() if store is None else store, include_self=include_self)
     if name == "ssm-beam":

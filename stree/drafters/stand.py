@@ -332,6 +332,11 @@ class STANDDrafter(Drafter):
     probabilities (:mod:`stree.drafters.dynamic`); children are drawn as in a static shape."""
 
     dynamic = True
+    # After a plain step the store learns the emitted token alone (a one-hot law, which the running
+    # mean of an entry turns into the tokens' frequencies): plain steps, chosen where speculation
+    # does not pay, must cost what autoregressive steps cost, and the target's top-K is most of the
+    # difference (its softmax, top-K and a larger transfer each step).
+    plain_target = False
 
     def __init__(self, store: STANDStore, shape: TreeShape | None = None, stochastic: bool = True, seed: int = 0,
                  noise_size: int = 1 << 16, learn: bool = True):
@@ -422,7 +427,11 @@ class STANDDrafter(Drafter):
             return
         max_n = self.store.max_n
         tokens_np, lengths = context.tokens.numpy(), context.lengths.numpy()
-        for r, emitted, top in zip(context.rows, tokens, target):  # row by row, in batch order
+        for i, (r, emitted) in enumerate(zip(context.rows, tokens)):  # row by row, in batch order
             length = int(lengths[r])
             seq = np.concatenate([tokens_np[r, max(0, length - max_n): length], np.asarray(emitted, dtype=np.int64)])
-            self.store.observe(seq, len(seq) - len(emitted), top.ids.numpy(), top.probs.numpy())
+            if target is None:  # a plain step: the emitted tokens alone
+                ids, probs = np.asarray(emitted, dtype=np.int64)[:, None], np.ones((len(emitted), 1), np.float32)
+            else:
+                ids, probs = target[i].ids.numpy(), target[i].probs.numpy()
+            self.store.observe(seq, len(seq) - len(emitted), ids, probs)

@@ -285,3 +285,19 @@ def test_compiled_store_equals_the_reference(seed, vocab, top_k, max_n, capacity
 def test_store_keys_longer_than_max_n_are_an_error():
     with pytest.raises(ValueError, match="keys must have 1..2 tokens"):
         STANDStore(top_k=2, max_n=2).update([(1, 2, 3)], t(1, 2, dtype=torch.long), t(0.5, 0.5))
+
+
+def test_a_plain_step_teaches_the_emitted_tokens_alone():
+    """observe with target=None (a plain step, where the loop computes no target laws for STAND):
+    each emitted token becomes a one-hot law under the n-grams before it, so that the running
+    mean of an entry is the tokens' frequencies; the deterministic drafter then drafts it."""
+    drafter = STANDDrafter(STANDStore(top_k=3), TreeShape.chain(2), stochastic=False)
+    tokens = torch.tensor([[1, 2, 3, 0, 0]])
+    drafter.observe(DraftContext(tokens, torch.tensor([3]), [0]), [[4, 5]], None)
+    tree = drafter.propose(DraftContext(tokens, torch.tensor([3]), [0]))
+    assert tree.tokens.tolist() == [[3, 4, 5]] and bool(tree.valid.all())
+    for token in (7, 7, 4):  # frequencies: 7 twice, 4 once (and once before)
+        drafter.observe(DraftContext(tokens, torch.tensor([3]), [0]), [[token]], None)
+    slot = drafter.store.lookup(np.array([[1, 2, 3, 0]]), np.array([3]))[0]
+    ids, probs = drafter.store._np_ids[slot], drafter.store._np_probs[slot]
+    assert {int(i): round(float(p), 6) for i, p in zip(ids, probs) if p > 0} == {4: 0.5, 7: 0.5}
