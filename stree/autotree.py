@@ -291,7 +291,11 @@ class AutoTree:
         self.depth = min(depth, PathRates.DEPTH)
         top = max(profile.nodes) if profile.nodes else 2
         self.fixed = sizes is not None
-        self._order = plan_shape(self.rates, top if sizes is None else max(sizes), chain, self.depth)
+        # Fixed sizes (compiled passes, CUDA graphs) keep one plan for good: the prior's, which the
+        # cost profile compiled and captured, whatever rates an earlier call of the process learned
+        # (a plan from those would be new shapes, compiled again inside decoding).
+        self._order = plan_shape(self.rates if sizes is None else PathRates(), top if sizes is None else max(sizes),
+                                 chain, self.depth)
         self.sizes = tuple(sorted(s for s in (sizes or LADDER) if s <= min(top, self._order.n)))
         if not fills_shapes:
             self._order = None
@@ -303,6 +307,7 @@ class AutoTree:
         self.draft_cost = np.array([profile.drafting_ms(m) for m in range(self.max_nodes + 1)])
         self.chosen: Counter = Counter()
         self._since_plan, self._probing = 0, False
+        self._stale = False  # whether the rates or cost scales moved since the last re-plan
         # an adaptive choice goes on where the last call of its profile left off: probes stay spaced
         self._plain_run = self.scale["plain_run"] if adaptive else 0
         self._probe_every = self.scale["probe_every"] if adaptive else self.PROBE
@@ -385,15 +390,19 @@ class AutoTree:
         without asking (:meth:`plain_steps` then records them)."""
         if not self.fills_shapes or (self._pick > 1 and self._worth_drafting()):
             return 0
-        return max(0, min(max(self._probe_every, self._probe_min) - self._plain_run, self.REPLAN - self._since_plan))
+        due = max(self._probe_every, self._probe_min) - self._plain_run
+        return max(0, min(due, self.REPLAN - self._since_plan) if self._stale else due)
 
-    def plain_steps(self, steps: int, elapsed_ms: float | None = None) -> None:
+    def plain_steps(self, steps: int) -> None:
         """:meth:`plan` and :meth:`record` of ``steps`` plain steps that :meth:`plain_ahead`
-        promised, ``elapsed_ms`` their time together."""
+        promised. Their time does not teach an adaptive choice what a plain step costs: they skip
+        the planning and drafting that a step the choice weighs pays for, and learning from them
+        made plain steps look so cheap that probes stopped (greedy text where trees paid 1.45x ran
+        plain)."""
         self._probing, self._predicted, self._drafted = False, ("plain", self.cost[1]), 0
         self._plain_run += steps
         for _ in range(steps):
-            self.record(None, elapsed_ms=None if elapsed_ms is None else elapsed_ms / steps)
+            self.record(None)
 
     def _catch_up_paid(self, behind) -> bool:
         catch = self.profile.catch_ms
@@ -446,8 +455,10 @@ class AutoTree:
             # clipped: one iteration that compiled or measured something must not price trees out for good
             ratio = min(max(elapsed_ms / predicted, 1.0 / self.CLIP), self.CLIP)
             self.scale[kind] += self.ADAPT * (ratio - self.scale[kind])
+            self._stale = True
         self._since_plan += 1
         if tree is not None:
+            self._stale = True
             self.rates.record(tree, tokens, counts, rows)
             if not self._probing:  # speculation won this step: probes start again from the shortest interval
                 self._plain_run, self._probe_every, self._catch_wait = 0, self.PROBE, 0
@@ -459,7 +470,9 @@ class AutoTree:
             self._since_plan = 0
             if tree is not None and not self.fixed and self.fills_shapes:
                 self._order = plan_shape(self.rates, self.max_nodes, self.chain, self.depth)
-            self._pick, self._probe_size = self._pick_sizes()
+            if self._stale:  # (a run of plain steps of a seeded choice changes nothing to re-plan)
+                self._pick, self._probe_size = self._pick_sizes()
+                self._stale = False
 
 
 def tree_room(drafter) -> int:

@@ -541,7 +541,7 @@ def decode(model, input_ids, *, drafter: Drafter | None = None, tree: TreeShape 
         if chooser is not None:
             elapsed = (time.perf_counter() - began) * 1e3
             if run is not None:
-                run.steps, run.ms = run.steps + 1, run.ms + elapsed
+                run.steps += 1
                 if run.left == 0:
                     run = run.end(rows, drafter, chooser)
             elif full is None:
@@ -566,10 +566,10 @@ def decode(model, input_ids, *, drafter: Drafter | None = None, tree: TreeShape 
 
 class _PlainRun:
     """``left`` more plain steps decided ahead (:meth:`AutoTree.plain_ahead`) from the rows as
-    they stood before them; ``steps`` taken so far, in ``ms``."""
+    they stood before them; ``steps`` taken so far."""
 
     def __init__(self, left: int, rows: Rows):
-        self.left, self.steps, self.ms = left, 0, 0.0
+        self.left, self.steps = left, 0
         self.lengths, self.rows = rows.lengths.clone(), rows.active_ids()
 
     def end(self, rows: Rows, drafter: Drafter, chooser: AutoTree) -> None:
@@ -579,7 +579,7 @@ class _PlainRun:
             ends = rows.lengths.tolist()
             drafter.observe(DraftContext(rows.seq, self.lengths, self.rows),
                             [rows.seq[r, int(self.lengths[r]): ends[r]].tolist() for r in self.rows], None)
-            chooser.plain_steps(self.steps, self.ms)
+            chooser.plain_steps(self.steps)
         return None
 
 

@@ -217,27 +217,38 @@ def test_cheap_trees_are_drafted_and_cut_to_what_was_filled():
     assert auto.choose(full_draft(plan, fill=1), np.ones(1, dtype=np.bool_)) is None  # nothing drafted
 
 
+def train(auto, accept: bool, steps: int = 3 * AutoTree.REPLAN) -> AutoTree:
+    """``steps`` steps in which the target accepts every draft's first-child path (or nothing)."""
+    for _ in range(steps):
+        plan = auto.plan()
+        draft = None if plan is None else auto.choose(full_draft(plan), np.ones(1, dtype=np.bool_))
+        if draft is None:
+            auto.record(None)
+            continue
+        path, v = [], 0  # the first child all the way down
+        kids = draft._shape.children()
+        while kids[v]:
+            v = kids[v][0]
+            path.append(int(draft.tokens[0, v]))
+        emitted = path + [0] if accept else [999]
+        auto.record(draft, np.array([emitted]), np.array([len(emitted)]), np.arange(1))
+    return auto
+
+
 def test_learned_rates_grow_the_tree_and_poor_ones_shrink_it():
-    good, bad = AutoTree(cheap()), AutoTree(cheap())
-    for auto, accept in ((good, True), (bad, False)):
-        for _ in range(3 * AutoTree.REPLAN):
-            plan = auto.plan()
-            if plan is None:
-                auto.record(None)
-                continue
-            draft = auto.choose(full_draft(plan), np.ones(1, dtype=np.bool_))
-            if draft is None:
-                auto.record(None)
-                continue
-            path, v = [], 0  # the first child all the way down
-            kids = draft._shape.children()
-            while kids[v]:
-                v = kids[v][0]
-                path.append(int(draft.tokens[0, v]))
-            emitted = path + [0] if accept else [999]
-            auto.record(draft, np.array([emitted]), np.array([len(emitted)]), np.arange(1))
+    good, bad = train(AutoTree(cheap()), True), train(AutoTree(cheap()), False)
     assert good._pick > 4 and good._order.max_depth > 4
     assert bad._pick == 1 and bad.chosen[1] > 0
+
+
+def test_fixed_sizes_keep_the_priors_plan_whatever_an_earlier_call_learned():
+    """Compiled passes and CUDA graphs are built for the profile's shapes (prefixes of the prior's
+    plan): a later call handed learned rates must not plan new shapes (compiled again inside
+    decoding); an eager one re-plans from them."""
+    learned = train(AutoTree(cheap()), True).rates
+    prior = AutoTree(cheap(), sizes=(2, 4, 8))._order
+    assert AutoTree(cheap(), sizes=(2, 4, 8), rates=learned)._order == prior
+    assert AutoTree(cheap(), rates=learned)._order.parents[:8] != prior.parents
 
 
 def test_fixed_sizes_only():
