@@ -37,7 +37,7 @@ __all__ = ["CostProfile", "cache_file", "cost_profile", "MODES"]
 
 MODES = ("eager", "compiled", "cuda_graph")
 CATCH = 64  # tokens of context a drafter model's catch-up is timed on
-FORMAT = 3  # of the cache file; another is re-measured
+FORMAT = 4  # of the cache file; another is re-measured
 
 
 @dataclass(frozen=True)
@@ -219,15 +219,16 @@ def _binary(n: int):
     return TreeShape(tuple([-1] + [(i - 1) // 2 for i in range(1, n)]))
 
 
-def _timed_rounds(calls: list, budget_s: float, sync) -> list[float]:
+def _timed_rounds(calls: list, budget_s: float, sync, keep_all: bool = False) -> list[float]:
     """Median milliseconds of the first calls of ``calls`` (the cheapest first): one warm-up
     call each (compiling, capturing, first-use work) until half the budget is spent (at least
-    two calls are kept), a second one timed and kept only where no third comes, then rounds
-    with the kept calls taking turns until ``budget_s`` is spent (at most 15)."""
+    two calls are kept; ``keep_all``: every call, whatever its warm-up took), a second one timed
+    and kept only where no third comes, then rounds with the kept calls taking turns until
+    ``budget_s`` is spent (at most 15)."""
     start = time.perf_counter()
     kept = []
     for fn in calls:
-        if len(kept) >= 2 and time.perf_counter() - start > budget_s / 2:
+        if not keep_all and len(kept) >= 2 and time.perf_counter() - start > budget_s / 2:
             break
         fn()
         kept.append(fn)
@@ -308,7 +309,10 @@ def _measure(model, drafter, batch: int, mode: str, sampled: bool, shapes, budge
     inner = getattr(drafter, "level_model", None)
     catch_ms = 0.0
     try:
-        ms = _timed_rounds([ar] + [spec(s, d) for s, d in zip(shapes, drafting)], budget_s, _sync(device))
+        # compiled passes and CUDA graphs: a few fixed sizes, each compiled (seconds on the CPU) before
+        # it is timed; cut by the budget, the choice would know the smallest size alone
+        ms = _timed_rounds([ar] + [spec(s, d) for s, d in zip(shapes, drafting)], budget_s, _sync(device),
+                           keep_all=mode != "eager")
         shapes = shapes[: len(ms) - 1]  # the sizes measured within the budget
         if inner is not None:  # the drafter model reading a context of CATCH tokens (a probe's catch-up)
             own = inner.allocate_cache(batch, CATCH)

@@ -124,7 +124,7 @@ def test_the_budget_cuts_the_sizes_measured(fresh_cache, monkeypatch):
     slow = {"n": 0}
     real_sleepless = cost._timed_rounds
 
-    def rounds(calls, budget_s, sync):
+    def rounds(calls, budget_s, sync, **kw):
         def slowed(fn):
             def run():
                 import time
@@ -132,7 +132,7 @@ def test_the_budget_cuts_the_sizes_measured(fresh_cache, monkeypatch):
                 slow["n"] += 1
                 fn()
             return run
-        return real_sleepless([slowed(fn) for fn in calls], budget_s, sync)
+        return real_sleepless([slowed(fn) for fn in calls], budget_s, sync, **kw)
     monkeypatch.setattr(cost, "_timed_rounds", rounds)
     shapes = [TreeShape.chain(k) for k in (1, 2, 3, 4, 5)]
     p = cost_profile(mamba2(), 1, shapes=shapes, budget_s=0.1)
@@ -156,3 +156,23 @@ def test_a_drafter_models_catch_up_is_timed_per_token(fresh_cache):
     ssm = cost_profile(model, 1, drafter=SSMDrafter(small), shapes=SHAPES, budget_s=0.3)
     assert ssm.catch_ms > 0
     assert cost_profile(model, 1, drafter=NGramDrafter(), shapes=SHAPES, budget_s=0.2).catch_ms == 0.0
+
+
+def test_compiled_sizes_are_all_timed_whatever_their_compiling_takes():
+    """Each size's first call compiles (seconds on the CPU) or captures a graph: cut by the budget,
+    a compiled choice knew one tree size alone. With keep_all every call is warmed up and timed."""
+    import time
+
+    from stree.cost import _timed_rounds
+
+    def slow_first():
+        first = [True]
+
+        def call():
+            if first[0]:
+                first[0] = False
+                time.sleep(0.05)
+        return call
+
+    assert len(_timed_rounds([slow_first() for _ in range(4)], 0.01, lambda: None)) == 2
+    assert len(_timed_rounds([slow_first() for _ in range(4)], 0.01, lambda: None, keep_all=True)) == 4

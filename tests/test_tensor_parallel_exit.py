@@ -104,7 +104,8 @@ import stree.models.parallel as parallel
 from stree import LM
 real = parallel.leave
 def leave(meet=True):
-    print("LEAVE", meet, parallel._JOINED, flush=True)
+    sys.stdout.write(f"LEAVE {meet} {parallel._JOINED}\\n")  # one write: the ranks share the pipe
+    sys.stdout.flush()
     real(meet)
 parallel.leave = leave
 lm = LM.from_pretrained(sys.argv[1], dtype="float32", tensor_parallel=2)
