@@ -148,8 +148,10 @@ def main(argv=None):
     def run_stree(method, drafter_name, spec=None, compiled=False):
         def run(prompt):
             model_kw = dict(drafter_model=compiled_drafter if compiled else draft_model)
+            # a drafter for the call, as LM.generate makes one (a STAND store sized to the call's tokens)
             drafter = None if drafter_name is None else make_drafter(
-                drafter_name, **(model_kw if drafter_name in NEEDS_MODEL else {}), vocab_size=target.vocab_size)
+                drafter_name, **(model_kw if drafter_name in NEEDS_MODEL else {}), vocab_size=target.vocab_size,
+                tokens=N + 1)
             tree = fixed_tree(method, drafter_name, spec)
             res = generate(target, [prompt], method=method, drafter=drafter, tree=tree, max_new_tokens=N,
                            torch_compile=compiled)

@@ -543,7 +543,8 @@ def decode(model, input_ids, *, drafter: Drafter | None = None, tree: TreeShape 
             if run is not None:
                 run.steps += 1
                 if run.left == 0:
-                    run = run.end(rows, drafter, chooser)
+                    run.end(rows, drafter, chooser)
+                    run = None
             elif full is None:
                 chooser.record(None, elapsed_ms=elapsed)
                 ahead = chooser.plain_ahead() if drafter is not None and drafter.plain_top_k is None else 0
@@ -574,13 +575,12 @@ class _PlainRun:
 
     def end(self, rows: Rows, drafter: Drafter, chooser: AutoTree) -> None:
         """Show the drafter the run's tokens (as one emission per row: no target laws) and let the
-        chooser record its steps; returns None, the loop's next ``run``."""
+        chooser record its steps."""
         if self.steps:
             ends = rows.lengths.tolist()
             drafter.observe(DraftContext(rows.seq, self.lengths, self.rows),
                             [rows.seq[r, int(self.lengths[r]): ends[r]].tolist() for r in self.rows], None)
             chooser.plain_steps(self.steps)
-        return None
 
 
 def _draft(drafter: Drafter, chooser: AutoTree | None, rows: Rows, shape, roots: torch.Tensor, live: list[int],
