@@ -386,23 +386,28 @@ class AutoTree:
 
     def plain_ahead(self) -> int:
         """After a plain step's :meth:`record`: how many of the next steps are plain whatever they
-        take (no probe falls due and nothing is re-planned before they end). The loop may run them
-        without asking (:meth:`plain_steps` then records them)."""
-        if not self.fills_shapes or (self._pick > 1 and self._worth_drafting()):
+        take (no probe falls due before they end; what the step taught is re-planned first, and
+        nothing else moves the choice meanwhile). The loop may run them without asking
+        (:meth:`plain_steps` then records them)."""
+        if not self.fills_shapes:
             return 0
-        due = max(self._probe_every, self._probe_min) - self._plain_run
-        return max(0, min(due, self.REPLAN - self._since_plan) if self._stale else due)
+        if self._stale:
+            self._replan(None)
+        if self._pick > 1 and self._worth_drafting():
+            return 0
+        return max(0, max(self._probe_every, self._probe_min) - self._plain_run)
 
     def plain_steps(self, steps: int) -> None:
         """:meth:`plan` and :meth:`record` of ``steps`` plain steps that :meth:`plain_ahead`
-        promised. Their time does not teach an adaptive choice what a plain step costs: they skip
-        the planning and drafting that a step the choice weighs pays for, and learning from them
-        made plain steps look so cheap that probes stopped (greedy text where trees paid 1.45x ran
-        plain)."""
+        promised, at once. Their time does not teach an adaptive choice what a plain step costs:
+        they skip the planning and drafting that a step the choice weighs pays for, and learning
+        from them made plain steps look so cheap that probes stopped (greedy text where trees paid
+        1.45x ran plain)."""
         self._probing, self._predicted, self._drafted = False, ("plain", self.cost[1]), 0
         self._plain_run += steps
-        for _ in range(steps):
-            self.record(None)
+        self.chosen[1] += steps
+        self._since_plan = (self._since_plan + steps) % self.REPLAN  # (nothing is stale: re-plans would do nothing)
+        self.scale["probe_every"], self.scale["plain_run"] = self._probe_every, self._plain_run
 
     def _catch_up_paid(self, behind) -> bool:
         catch = self.profile.catch_ms
@@ -467,12 +472,16 @@ class AutoTree:
                 self.scale["probe_loss"] += 0.5 * (beyond - self.scale["probe_loss"])
         self.scale["probe_every"], self.scale["plain_run"] = self._probe_every, self._plain_run
         if (tree is not None and self._probing) or self._since_plan >= self.REPLAN:
-            self._since_plan = 0
-            if tree is not None and not self.fixed and self.fills_shapes:
-                self._order = plan_shape(self.rates, self.max_nodes, self.chain, self.depth)
-            if self._stale:  # (a run of plain steps of a seeded choice changes nothing to re-plan)
-                self._pick, self._probe_size = self._pick_sizes()
-                self._stale = False
+            self._replan(tree)
+
+    def _replan(self, tree: TokenTree | None) -> None:
+        """The shape (after a verified ``tree``), and the sizes to draft where anything moved."""
+        self._since_plan = 0
+        if tree is not None and not self.fixed and self.fills_shapes:
+            self._order = plan_shape(self.rates, self.max_nodes, self.chain, self.depth)
+        if self._stale:  # (a run of plain steps of a seeded choice changes nothing to re-plan)
+            self._pick, self._probe_size = self._pick_sizes()
+            self._stale = False
 
 
 def tree_room(drafter) -> int:

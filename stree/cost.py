@@ -37,7 +37,7 @@ __all__ = ["CostProfile", "cache_file", "cost_profile", "MODES"]
 
 MODES = ("eager", "compiled", "cuda_graph")
 CATCH = 64  # tokens of context a drafter model's catch-up is timed on
-FORMAT = 4  # of the cache file; another is re-measured
+FORMAT = 5  # of the cache file; another is re-measured (5: compiled passes measured as compiled)
 
 
 @dataclass(frozen=True)

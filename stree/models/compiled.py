@@ -8,10 +8,14 @@ batch 4), its guards alone ~0.15 ms. On CUDA the loop replays CUDA graphs instea
 the commit included.
 
 The compiled functions are the eager ones (``step_pass``, ``tree_layers``), which stay the
-reference: tests compare the two. Compiling costs seconds per function and shape,
-once per process and model; shapes are static (``dynamic=False``) and each new shape or batch
-size is a new compilation (past torch's recompile limit, 8 per function and model, dynamo runs the
-eager code)."""
+reference: tests compare the two. Compiling costs seconds per function and shape, once per process
+and model; shapes are static (``dynamic=False``). Each batch size and tree shape gets its own copy
+of the function to compile: dynamo counts recompilations per code object, and past its limit (8)
+runs the eager code, which one shared copy reached as soon as a process decoded two batch sizes
+(tree passes then ran eager inside a compiled loop). A copy recompiles only for another size of the
+cache's tensors (the attention layers' keys and values; an SSM's state has one size). Tokens are
+passed as dense copies: guards check strides too, and a draft cut to a prefix, or the roots read
+from the context, are views whose strides would compile the function again inside decoding."""
 
 from __future__ import annotations
 
@@ -49,9 +53,15 @@ _OPTIONS = ({"guard_filter_fn": torch.compiler.skip_guard_on_inbuilt_nn_modules_
             if hasattr(torch.compiler, "skip_guard_on_inbuilt_nn_modules_unsafe") else {})
 
 
+def _dense(tokens: torch.Tensor) -> torch.Tensor:
+    """A copy with row-major strides (``contiguous`` keeps a view's stride along a dimension of
+    size 1, which the guards would still see)."""
+    return tokens.clone(memory_format=torch.contiguous_format)
+
+
 def _own_compiled(fn):
     """``fn`` compiled from its own copy of the code: dynamo keeps graphs per code object, so the
-    copy has its own graphs and its own recompile limit."""
+    copy has its own graphs and its own recompile count."""
     copy = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__)
     return torch.compile(copy, dynamic=False, options=_OPTIONS)
 
@@ -74,7 +84,7 @@ class CompiledModel:
                              f"{type(model).__name__} on {getattr(model, 'device', None)}")
         self.model = model
         self._made_for = (model.dtype, model.device)
-        self._fns = {fn: _own_compiled(fn) for fn in (_step, _tree)}
+        self._fns: dict = {}  # (function, batch size, tree shape) -> its own compiled copy
         self._warm: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictionary()
 
     @classmethod
@@ -87,15 +97,18 @@ class CompiledModel:
         return getattr(self.model, name)
 
     @torch.no_grad()  # what is traced is inference: no autograd graph around the parameters
-    def _call(self, fn, *args):
+    def _call(self, fn, key, *args):
         if (self.model.dtype, self.model.device) != self._made_for:
             raise ValueError(f"the model is now {self.model.dtype} on {self.model.device} but was compiled for "
                              f"{self._made_for[0]} on {self._made_for[1]}: make a new CompiledModel")
-        return self._fns[fn](self.model, *args)
+        compiled = self._fns.get((fn, key))
+        if compiled is None:
+            compiled = self._fns[(fn, key)] = _own_compiled(fn)
+        return compiled(self.model, *args)
 
     def step(self, tokens: torch.Tensor, cache: ModelCache, validate: bool = True) -> torch.Tensor:
         self.model.check_step(tokens, cache, validate)
-        logits = self._call(_step, tokens, cache)
+        logits = self._call(_step, (cache.batch_size,), _dense(tokens), cache)
         cache.moved()
         return logits
 
@@ -110,7 +123,7 @@ class CompiledModel:
             with torch.no_grad():
                 self.model.tree_layers(tree.tokens, index, cache, "tree", KERNELS)
             self._warm[id(index)] = index
-        logits, ssm, attn = self._call(_tree, tree.tokens, index, cache)
+        logits, ssm, attn = self._call(_tree, (cache.batch_size, tree._shape), _dense(tree.tokens), index, cache)
         return logits, TreePass(tree, index, max_depth, ssm, attn, weakref.ref(cache), cache.version)
 
     def commit(self, cache: ModelCache, tree_pass: TreePass, accepted: torch.Tensor, num_accepted: torch.Tensor,

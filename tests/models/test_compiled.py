@@ -147,3 +147,25 @@ def test_each_compiled_model_has_its_own_graphs():
         cache, eager = _pair(m, lengths=(4,))
         assert (CompiledModel.of(m).step(tok, cache) - m.step(tok, eager)).abs().max() <= 1e-5
         assert counters["stats"]["unique_graphs"] == graphs + 1
+
+
+def test_every_batch_and_shape_is_compiled_once_past_dynamos_recompile_limit():
+    """One process decoding several batch sizes with several tree sizes each: every pass gets a
+    graph of its own (one shared copy of the function reached dynamo's limit of 8 at the ninth
+    and ran the rest eager), and tokens given as a view (a draft cut to a prefix) compile nothing
+    again."""
+    model = FAMILIES["mamba2"](seed=7)
+    compiled = CompiledModel(model)
+    for batch in (1, 2, 3):
+        cache = model.allocate_cache(batch, 16)
+        for n in (1, 2, 3):
+            tree = TokenTree.from_shape(TreeShape.chain(n), torch.randint(0, VOCAB, (batch, n + 1)))
+            graphs = counters["stats"]["unique_graphs"]
+            got, _ = compiled.forward_tree(tree, cache)
+            assert counters["stats"]["unique_graphs"] == graphs + 1, (batch, n)
+            assert (got - model.forward_tree(tree, cache)[0]).abs().max() <= 1e-5
+            wide = torch.randint(0, VOCAB, (batch, n + 4))
+            view = TokenTree.from_shape(TreeShape.chain(n), wide[:, : n + 1])
+            got, _ = compiled.forward_tree(view, cache)
+            assert counters["stats"]["unique_graphs"] == graphs + 1, (batch, n)
+            assert (got - model.forward_tree(view, cache)[0]).abs().max() <= 1e-5
