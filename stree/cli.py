@@ -12,19 +12,28 @@ import torch
 from .drafters import STANDDrafter, STANDStore
 from .drafters.registry import DRAFTER_NAMES, NEEDS_MODEL
 from .generate import METHODS
+from .models.hub import resolve
 from .models.loading import DTYPES
 from .tree import tree_spec
 
+
+
+MODEL_HELP = "a checkpoint directory or Hub id (org/name: from the Hub cache, else downloaded)"
+
+
+def _add_revision(p) -> None:
+    p.add_argument("--revision", default=None, help="the branch, tag or commit of a Hub id --model (default: main)")
 
 
 def _generate_parser(sub) -> None:
     p = sub.add_parser("generate", help="complete prompts with speculative tree decoding",
                        description="Under torchrun --nproc-per-node N, the model is split over the N ranks "
                                    "(tensor parallelism: NCCL on CUDA, gloo on the CPU) and rank 0 prints.")
-    p.add_argument("--model", required=True, help="local checkpoint directory (mamba_ssm, transformers Mamba2, "
-                                                   "Bamba, Nemotron-H, Granite 4.0-H, Falcon-H1, Llama, Qwen2, "
-                                                   "MambaInLlama)")
-    p.add_argument("--tokenizer", default=None, help="tokenizer directory, for a checkpoint without one (default: --model)")
+    p.add_argument("--model", required=True, help=MODEL_HELP + " (mamba_ssm, transformers Mamba2, Bamba, Nemotron-H, "
+                                                              "Granite 4.0-H, Falcon-H1, Llama, Qwen2, MambaInLlama)")
+    _add_revision(p)
+    p.add_argument("--tokenizer", default=None, help="tokenizer directory or Hub id, for a checkpoint without one "
+                                                     "(default: --model)")
     p.add_argument("--prompt", default=None, help="one prompt (default: --prompt-file, else stdin)")
     p.add_argument("--prompt-file", default=None, help="prompts decoded as one batch: one per line, or JSONL (a .jsonl "
                                                        "file) with a 'prompt' field per line; stdin when neither "
@@ -37,7 +46,8 @@ def _generate_parser(sub) -> None:
     p.add_argument("--method", choices=METHODS, default="stree")
     p.add_argument("--drafter", choices=DRAFTER_NAMES, default="ngram",
                    help="consensus drafts from the batch's own earlier text; ssm-static / ssm-beam need --drafter-model")
-    p.add_argument("--drafter-model", default=None, help="checkpoint directory of a small drafter LM (stree distill)")
+    p.add_argument("--drafter-model", default=None, help="checkpoint directory or Hub id of a small drafter LM "
+                                                         "(stree distill)")
     p.add_argument("--tree", default="auto", help="auto (default: each step's tree, or a plain step, chosen from "
                    "this machine's measured costs and the acceptance so far) | paper13 | chain:D | full:WxD | "
                    "PATH.json | dynamic:N[xD] (a tree of N nodes, at most D deep, grown each step by the stand, "
@@ -58,8 +68,9 @@ def _generate_parser(sub) -> None:
 
 def _optimize_parser(sub) -> None:
     p = sub.add_parser("optimize-tree", help="calibrate a static STAND tree on prompts (STAND appendix A)")
-    p.add_argument("--model", required=True)
-    p.add_argument("--tokenizer", default=None, help="tokenizer directory (default: --model)")
+    p.add_argument("--model", required=True, help=MODEL_HELP)
+    _add_revision(p)
+    p.add_argument("--tokenizer", default=None, help="tokenizer directory or Hub id (default: --model)")
     p.add_argument("--prompts", required=True, help="a text file, one prompt per line (.jsonl: a 'prompt' field per line)")
     p.add_argument("--out", required=True, help="where to write the tree JSON (for --tree PATH.json)")
     p.add_argument("--nodes", type=int, default=80, help="draft nodes kept besides the root")
@@ -73,9 +84,11 @@ def _optimize_parser(sub) -> None:
 def _profile_parser(sub) -> None:
     p = sub.add_parser("profile", help="measure what decoding costs on this machine: a plain step and a speculative "
                                        "iteration (drafting included) per tree size; the table tree=auto decides by")
-    p.add_argument("--model", required=True)
+    p.add_argument("--model", required=True, help=MODEL_HELP)
+    _add_revision(p)
     p.add_argument("--drafter", choices=DRAFTER_NAMES, default="ngram")
-    p.add_argument("--drafter-model", default=None, help="checkpoint directory of a small drafter LM (ssm-static)")
+    p.add_argument("--drafter-model", default=None, help="checkpoint directory or Hub id of a small drafter LM "
+                                                         "(ssm-static)")
     p.add_argument("--batch-size", type=int, default=1)
     p.add_argument("--compile", action="store_true", help="CPU: the compiled decode path (compiles each size)")
     p.add_argument("--refresh", action="store_true", help="measure again whatever is cached")
@@ -100,7 +113,7 @@ def _run_profile(args) -> int:
                          "--drafter-model")
     if isinstance(args.batch_size, bool) or args.batch_size < 1:
         raise ValueError(f"--batch-size must be >= 1, got {args.batch_size}")
-    model = load(args.model, dtype=args.dtype, device=rank_device(args.device, None))
+    model = load(args.model, dtype=args.dtype, device=rank_device(args.device, None), revision=args.revision)
     small = None
     if args.drafter_model is not None:
         small = load(args.drafter_model, dtype=model.dtype, device=model.device)
@@ -146,8 +159,10 @@ def _plot_profile(rows: list[dict], title: str, path: str) -> None:
 def _reason_parser(sub) -> None:
     p = sub.add_parser("reason", help="SpecReason: a small model writes reasoning steps, the model judges them "
                                       "and rewrites the rejected ones (paper 002)")
-    p.add_argument("--model", required=True, help="the base model's checkpoint directory")
-    p.add_argument("--small-model", required=True, help="the small model's checkpoint directory (same vocabulary)")
+    p.add_argument("--model", required=True, help="the base model: " + MODEL_HELP)
+    _add_revision(p)
+    p.add_argument("--small-model", required=True, help="the small model's checkpoint directory or Hub id (same "
+                                                        "vocabulary)")
     p.add_argument("--tokenizer", default=None, help="tokenizer directory (default: --model)")
     p.add_argument("--prompt", required=True)
     p.add_argument("--judge", choices=("prompt", "logprob"), default="prompt",
@@ -179,7 +194,8 @@ def _run_reason(args) -> int:
     from .reasoning import spec_reason
 
     delimiter = codecs.decode(args.step_delimiter, "unicode_escape")
-    lm = LM.from_pretrained(args.model, device=args.device, dtype=args.dtype, tokenizer=args.tokenizer)
+    lm = LM.from_pretrained(args.model, device=args.device, dtype=args.dtype, tokenizer=args.tokenizer,
+                            revision=args.revision)
     small = load(args.small_model, dtype=lm.model.dtype, device=lm.model.device)
     out = spec_reason(lm.model, small, lm.tokenizer, args.prompt, judge=args.judge, threshold=args.threshold,
                       score=args.score, step_delimiter=delimiter, max_step_tokens=args.max_step_tokens,
@@ -236,7 +252,7 @@ def _train_lm_parser(sub) -> None:
 
 def _distill_parser(sub) -> None:
     p = sub.add_parser("distill", help="distil a 1-2 layer Mamba2 drafter from a target checkpoint")
-    p.add_argument("--target", required=True, help="the target's checkpoint directory (with its tokenizer)")
+    p.add_argument("--target", required=True, help="the target's checkpoint directory or Hub id (with its tokenizer)")
     _loop_args(p, steps=300, batch_size=16, seq_len=128, lr=3e-3)
     p.add_argument("--n-layer", type=int, default=1)
 
@@ -244,7 +260,7 @@ def _distill_parser(sub) -> None:
 def _run_distill(args) -> int:
     from .training import distill
 
-    report = distill(args.target, args.out, n_layer=args.n_layer, corpus=args.corpus, held_out=_held_out(args),
+    report = distill(resolve(args.target), args.out, n_layer=args.n_layer, corpus=args.corpus, held_out=_held_out(args),
                      corpus_glob=args.corpus_glob,
                      loop=_loop_config(args), eval_tokens=args.eval_tokens, save_dtype=args.save_dtype,
                      resume=args.resume, overwrite=args.overwrite, device=args.device)
@@ -284,8 +300,9 @@ def _load(args):
     from .lm import rank_device
     from .models import load, load_tokenizer
 
-    model = load(args.model, dtype=DTYPES.get(args.dtype), device=rank_device(args.device, None))
-    return model, load_tokenizer(args.tokenizer or args.model, vocab_size=model.vocab_size)
+    path = resolve(args.model, args.revision)
+    model = load(path, dtype=DTYPES.get(args.dtype), device=rank_device(args.device, None))
+    return model, load_tokenizer(args.tokenizer or path, vocab_size=model.vocab_size)
 
 
 def _parse_prompts(text: str, jsonl: bool, where: str) -> list[str]:
@@ -392,7 +409,7 @@ def _run_generate(args) -> int:
 
         agree_on_error(join(world, rank_device(args.device, world)), error)
     lm = LM.from_pretrained(args.model, device=args.device, dtype=args.dtype, tokenizer=args.tokenizer,
-                            tensor_parallel=world)
+                            tensor_parallel=world, revision=args.revision)
     if world is not None and lm.model.tp.rank != 0:
         sys.stdout = open(os.devnull, "w")  # every rank decodes the same; rank 0 reports
     if args.drafter_model is not None:

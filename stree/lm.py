@@ -93,22 +93,25 @@ class LM:
 
     @classmethod
     def from_pretrained(cls, path, *, device=None, dtype=None, tokenizer=None, drafter_model=None,
-                        tensor_parallel: int | None = None) -> "LM":
-        """Load the checkpoint directory ``path`` (every format :func:`stree.models.load` reads),
-        its tokenizer (or ``tokenizer``: a directory, for checkpoints without one) and the EOS ids
-        it declares (generation_config.json, config.json, else the tokenizer's). ``device``:
+                        tensor_parallel: int | None = None, revision: str | None = None) -> "LM":
+        """Load the checkpoint directory or Hub id ``path`` (every format :func:`stree.models.load`
+        reads; an id, at ``revision``, comes from the Hub cache or is downloaded into it), its
+        tokenizer (or ``tokenizer``: a directory or id, for checkpoints without one) and the EOS
+        ids it declares (generation_config.json, config.json, else the tokenizer's). ``device``:
         default CUDA when available (under torchrun, the process's local GPU); ``dtype`` (a torch
-        dtype or its name): default the checkpoint's. ``drafter_model``: a checkpoint directory
-        (loaded like the target, whole, on every rank) or a loaded model, for the "ssm" drafters.
-        ``tensor_parallel=N``: launched by ``torchrun --nproc-per-node N``, each rank loads its
-        slice of the model (:mod:`stree.models.parallel`); every rank then calls ``generate``
-        with the same arguments and gets the same output."""
+        dtype or its name): default the checkpoint's. ``drafter_model``: a checkpoint directory or
+        Hub id (loaded like the target, whole, on every rank) or a loaded model, for the "ssm"
+        drafters. ``tensor_parallel=N``: launched by ``torchrun --nproc-per-node N``, each rank
+        loads its slice of the model (:mod:`stree.models.parallel`); every rank then calls
+        ``generate`` with the same arguments and gets the same output."""
         from .models import DTYPES, join, load, load_tokenizer
+        from .models.hub import resolve
 
         if isinstance(dtype, str):
             if dtype not in DTYPES:
                 raise ValueError(f"dtype must be a torch dtype or one of {sorted(DTYPES)}, got {dtype!r}")
             dtype = DTYPES[dtype]
+        path = resolve(path, revision)
         device = rank_device(device, tensor_parallel)
         tp = None if tensor_parallel is None else join(tensor_parallel, device)
         model = load(path, dtype=dtype, device=device, tensor_parallel=tp)

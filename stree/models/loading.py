@@ -1,5 +1,6 @@
-"""Local checkpoint directories: detect the format, build the model from the files' own sizes,
-load the weights with shape checks; and write checkpoints in each format (test fixtures, exports).
+"""Checkpoint directories (a Hub id is resolved to one by :mod:`.hub`): detect the format, build
+the model from the files' own sizes, load the weights with shape checks; and write checkpoints in
+each format (test fixtures, exports).
 
 Formats: ``mamba_ssm`` (config.json with ``ssm_cfg``; pytorch_model.bin or model.safetensors,
 ``backbone.embedding``), ``hf`` (transformers Mamba2: ``model_type`` "mamba2",
@@ -31,6 +32,7 @@ from .mamba2 import Mamba2LM
 from .llama import LlamaLM, Qwen2LM
 from .falcon_h1 import FalconH1LM
 from .granite import GraniteLM
+from .hub import resolve
 from .nemotron_h import NemotronHLM
 from .parallel import TensorParallel, plan
 
@@ -364,8 +366,10 @@ def _config(fmt: str, raw: dict, path: Path, plain_rope: bool):
 
 
 def load(path, dtype: torch.dtype | None = None, device=None, plain_rope: bool = False, check_finite: bool = True,
-         tensor_parallel: TensorParallel | None = None):
-    """Build and load the model in checkpoint directory ``path`` (format auto-detected).
+         tensor_parallel: TensorParallel | None = None, revision: str | None = None):
+    """Build and load the model in checkpoint directory ``path`` (format auto-detected), or of
+    the Hub id ``path`` (``org/name``; ``revision``: its branch, tag or commit), fetched into or
+    found in the Hub cache (:mod:`stree.models.hub`).
 
     ``dtype`` defaults to the checkpoint's embedding dtype; Mamba2's D stays fp32 as in mamba_ssm.
     ``plain_rope`` drops a hybrid's llama3 RoPE scaling (what MIL's own inference code runs).
@@ -381,7 +385,7 @@ def load(path, dtype: torch.dtype | None = None, device=None, plain_rope: bool =
         raise TypeError(f"tensor_parallel must be a TensorParallel (stree.models.parallel.join), got "
                         f"{type(tensor_parallel).__name__}")
     device = check_device(device)
-    path = Path(path)
+    path = resolve(path, revision)
     fmt = detect_format(path)
     config_file = path / "config.json"
     build, cfg = _config(fmt, _read_json(config_file), path, plain_rope)
@@ -515,12 +519,13 @@ def save(model, path, format: str | None = None) -> None:
     write_text(path / "config.json", json.dumps(config, indent=2))
 
 
-def load_tokenizer(path, vocab_size: int | None = None):
-    """The tokenizer saved in checkpoint directory ``path``, loaded offline. With ``vocab_size``
-    (the model's), a tokenizer that can produce ids the model has no row for is a ValueError."""
+def load_tokenizer(path, vocab_size: int | None = None, revision: str | None = None):
+    """The tokenizer saved in checkpoint directory ``path`` (or of that Hub id, as :func:`load`),
+    loaded offline. With ``vocab_size`` (the model's), a tokenizer that can produce ids the model
+    has no row for is a ValueError."""
     from transformers import AutoTokenizer
 
-    path = Path(path)
+    path = resolve(path, revision)
     if not any((path / name).exists() for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
         raise FileNotFoundError(f"{path} holds no tokenizer (tokenizer.json / tokenizer_config.json)")
     tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
