@@ -8,10 +8,12 @@ draft itself says which nodes exist). Counts fade by ``decay`` per step, start f
 depth that has seen little leans on its rank's rate over all depths. A node is accepted with
 chance prod over its path of h(d, j) prod_{i<j} (1 - h(d, i)) (Sequoia's positional acceptance,
 per depth); a tree's expected tokens per iteration is 1 (the bonus) plus its nodes' chances.
-The best tree of n nodes is then the n likeliest, grown best first (:func:`_best_first`).
+The best tree of n nodes is then the n likeliest, grown best first (:func:`_best_first`); for a
+drafter model, which steps once per level, the best of those grown within several depths.
 
-Cost: :func:`stree.cost.cost_profile`, measured with the drafter: drafting a tree of n nodes,
-then the target's pass, verification and commit of it, against a plain step.
+Cost: :func:`stree.cost.cost_profile`, measured with the drafter: drafting a tree of n nodes
+(for a drafter model, of n nodes and d levels), then the target's pass, verification and commit
+of it, against a plain step.
 
 The choice (:class:`AutoTree`), every step:
 
@@ -48,6 +50,8 @@ LADDER = (2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16, 20, 24, 28, 32, 40, 48, 56, 64, 8
 # Sizes a compiled or graphed loop uses: each is one compilation or capture, made while measuring.
 FIXED = (2, 4, 8, 16)
 FIXED_CUDA = (2, 4, 8, 16, 32, 64, 128)
+# Depths a drafter model's plans are cut at, to weigh against the uncut one (its drafting costs a step a level).
+DEPTH_CAPS = (1, 2, 3, 4, 6, 8, 12)
 
 
 class PathRates:
@@ -304,7 +308,10 @@ class AutoTree:
         for m in range(1, self.max_nodes + 1):
             if not self.fixed or m == 1 or m in self.sizes:
                 self.cost[m] = profile.iteration_ms(m)
-        self.draft_cost = np.array([profile.drafting_ms(m) for m in range(self.max_nodes + 1)])
+        self.margin = 1.0 if adaptive else self.MARGIN
+        self.draft_cost = self._drafting(self._order)
+        if self._order is not None and profile.depths and not self.fixed:
+            self._set_plan(self._plan_for(self.rates))
         self.chosen: Counter = Counter()
         self._since_plan, self._probing = 0, False
         self._stale = False  # whether the rates or cost scales moved since the last re-plan
@@ -314,7 +321,6 @@ class AutoTree:
         self._probe_min, self._probe_loss, self._catch_wait = self.PROBE, 0.0, 0
         self._predicted = ("plain", self.cost[1])  # this step's kind and predicted milliseconds
         self._drafted = 0  # nodes drafted this step (0: none)
-        self.margin = 1.0 if adaptive else self.MARGIN
         self.verified = 1.0  # the share of drafts (probes aside) verified rather than found wanting
         self._pick, self._probe_size = self._pick_sizes()
 
@@ -322,6 +328,52 @@ class AutoTree:
     def prefix(self, m: int) -> TreeShape:
         """The first ``m`` nodes of the current plan."""
         return _prefix(self._order, m)
+
+    def _best_size(self, order: TreeShape, draft_cost: np.ndarray, hazard: np.ndarray) -> tuple[int, float, float]:
+        """The prefix of ``order`` with the most expected tokens per millisecond: its size, that
+        rate and its expected tokens."""
+        v = _chances(*_shape_structure(order), np.ones((1, order.n), dtype=np.bool_), hazard)[0]
+        gain = 1.0 + np.cumsum(v[1:])  # gain[m - 2]: a prefix of m nodes
+        best, best_rate = self.sizes[0], 0.0
+        for m in self.sizes:
+            if m > order.n:
+                break
+            rate = gain[m - 2] / ((self.cost[m] + draft_cost[m]) * self.scale["tree"])
+            if rate > best_rate * (1.0 + 1e-9):
+                best, best_rate = m, rate
+        return best, best_rate, gain[min(best, order.n) - 2]
+
+    def _drafting(self, order: TreeShape | None) -> np.ndarray:
+        """Milliseconds of drafting every prefix m of ``order`` (by its nodes, and for a drafter
+        model by its depth too: :meth:`~stree.cost.CostProfile.drafting_ms`)."""
+        if order is None or not self.profile.depths:
+            return np.array([self.profile.drafting_ms(m) for m in range(self.max_nodes + 1)])
+        depth = np.maximum.accumulate(_shape_structure(order)[2][0])  # depth[m - 1]: the prefix of m nodes
+        m = np.arange(self.max_nodes + 1)
+        a, b, c = self.profile.draft_fit
+        out = a + b * depth[np.clip(m, 1, order.n) - 1] + c * m
+        out[:2] = 0.0  # (no drafting for a plain step)
+        return out
+
+    def _plan_for(self, rates: PathRates) -> TreeShape:
+        """The plan under ``rates``: the likeliest nodes, best first; for a drafter model, whose
+        drafting costs a step per level, the best of such plans cut at several depths (a deep
+        chain of likely nodes can cost more to draft than a bushier tree of fewer levels)."""
+        top = self.max_nodes
+        if not self.profile.depths or self.fixed:
+            return plan_shape(rates, top, self.chain, self.depth)
+        hazard, best = rates.hazard(), None
+        for cap in sorted({c for c in DEPTH_CAPS if c < self.depth} | {self.depth}):
+            order = plan_shape(rates, top, self.chain, cap)
+            if order.n < 2:
+                continue
+            rate = self._best_size(order, self._drafting(order), hazard)[1]
+            if best is None or rate > best[0] * (1.0 + 1e-9):
+                best = (rate, order)
+        return best[1] if best is not None else plan_shape(rates, top, self.chain, self.depth)
+
+    def _set_plan(self, order: TreeShape) -> None:
+        self._order, self.draft_cost = order, self._drafting(order)
 
     def _pick_sizes(self) -> tuple[int, int]:
         """The size to draft before drafting (1: a plain step), and the best size of a draft
@@ -332,14 +384,7 @@ class AutoTree:
         order = self._order
         if order is None or not self.sizes:  # no tree fits: plain steps only
             return 1, 1
-        v = _chances(*_shape_structure(order), np.ones((1, order.n), dtype=np.bool_), self.rates.hazard())[0]
-        gain = 1.0 + np.cumsum(v[1:])  # gain[m - 2]: a prefix of m nodes
-        best, best_rate = self.sizes[0], 0.0
-        for m in self.sizes:
-            rate = gain[m - 2] / ((self.cost[m] + self.draft_cost[m]) * self.scale["tree"])
-            if rate > best_rate * (1.0 + 1e-9):
-                best, best_rate = m, rate
-        self._gain = gain[best - 2]
+        best, _, self._gain = self._best_size(order, self.draft_cost, self.rates.hazard())
         self._tree_ms, self._draft_ms = self.cost[best] * self.scale["tree"], self.draft_cost[best] * self.scale["tree"]
         plain = self.cost[1] * self.scale["plain"]
         # What a probe loses against plain steps: its time beyond theirs for the tokens it is expected
@@ -478,7 +523,7 @@ class AutoTree:
         """The shape (after a verified ``tree``), and the sizes to draft where anything moved."""
         self._since_plan = 0
         if tree is not None and not self.fixed and self.fills_shapes:
-            self._order = plan_shape(self.rates, self.max_nodes, self.chain, self.depth)
+            self._set_plan(self._plan_for(self.rates))
         if self._stale:  # (a run of plain steps of a seeded choice changes nothing to re-plan)
             self._pick, self._probe_size = self._pick_sizes()
             self._stale = False

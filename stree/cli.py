@@ -113,7 +113,7 @@ def _run_profile(args) -> int:
                          "--drafter-model")
     if isinstance(args.batch_size, bool) or args.batch_size < 1:
         raise ValueError(f"--batch-size must be >= 1, got {args.batch_size}")
-    model = load(args.model, dtype=args.dtype, device=rank_device(args.device, None), revision=args.revision)
+    model = load(args.model, dtype=DTYPES.get(args.dtype), device=rank_device(args.device, None), revision=args.revision)
     small = None
     if args.drafter_model is not None:
         small = load(args.drafter_model, dtype=model.dtype, device=model.device)

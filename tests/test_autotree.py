@@ -156,6 +156,25 @@ def cheap():
     return CostProfile(1.0, (2, 4, 8, 16), (1.05, 1.1, 1.2, 1.4))
 
 
+def test_a_drafter_models_plan_is_cut_where_its_levels_cost_more_than_they_bring():
+    """Likely nodes best first make a deep chain; a drafter model paying a step per level is
+    better served by a bushier tree of fewer levels, which the plan then is, and each prefix's
+    drafting is priced by its depth."""
+    nodes, depths = (2, 4, 8, 16, 32, 64), (1, 3, 5, 6, 8, 10)
+    profile = CostProfile(1.0, nodes, (1.1, 1.2, 1.3, 1.5, 2.0, 3.0), tuple(0.2 + 0.5 * d for d in depths), 0.01,
+                          depths)
+    rates = PathRates(prior=(0.85, 0.5, 0.4, 0.3, 0.2, 0.1, 0.08, 0.07))
+    auto = AutoTree(profile, rates=rates)
+    deep = plan_shape(rates, auto.max_nodes)
+    assert auto._order.max_depth < deep.max_depth
+    hazard = rates.hazard()
+    assert auto._best_size(auto._order, auto._drafting(auto._order), hazard)[1] > \
+        auto._best_size(deep, auto._drafting(deep), hazard)[1]
+    assert auto.draft_cost[8] == pytest.approx(profile.drafting_ms(8, auto.prefix(8).max_depth))
+    flat = AutoTree(CostProfile(1.0, nodes, profile.tree_ms, profile.draft_ms), rates=rates)  # drafting by nodes
+    assert flat._order.parents == deep.parents
+
+
 def full_draft(shape, fill=None):
     tokens = torch.arange(shape.n)[None] + 100
     valid = None if fill is None else (torch.arange(shape.n) < fill)[None]

@@ -261,6 +261,8 @@ def test_profile_prints_the_cost_table_and_plots_it(checkpoint, tmp_path, capsys
     assert main(["profile", "--model", str(checkpoint), "--png", str(png)]) == 0  # cached: the table again
     out = capsys.readouterr().out
     assert "nodes" in out and "in steps" in out and "costs.json" in out
+    assert main(["profile", "--model", str(checkpoint), "--png", str(png), "--dtype", "float32", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["rows"][0]["nodes"] == 1
     for bad in (["--batch-size", "0"], ["--drafter", "ssm-static"]):
         assert main(["profile", "--model", str(checkpoint), "--png", str(png), *bad]) == 2
         err = capsys.readouterr().err.strip().splitlines()

@@ -35,9 +35,25 @@ def test_profile_interpolates_between_and_past_the_measured_sizes():
     assert CostProfile.from_dict(caught.to_dict()) == caught and p.catch_ms == 0.0
 
 
+def test_a_drafter_models_drafting_is_fitted_by_depth_and_nodes():
+    """A drafter model steps once per level: its drafting is a + b depth + c nodes, fitted on the
+    measured trees (their depths kept with them), never a negative coefficient."""
+    law = lambda n, d: 0.4 + 0.3 * d + 0.02 * n  # noqa: E731
+    nodes, depths = (2, 4, 8, 16, 32), (1, 3, 5, 6, 8)
+    p = CostProfile(1.0, nodes, (1.0,) * 5, tuple(law(n, d) for n, d in zip(nodes, depths)), 0.1, depths)
+    assert p.draft_fit == pytest.approx((0.4, 0.3, 0.02))
+    assert p.drafting_ms(16, 15) == pytest.approx(law(16, 15))  # a 16-node chain: twice the bushy tree's
+    assert p.drafting_ms(16) == pytest.approx(law(16, 6)) and p.drafting_ms(1, 0) == 0.0
+    assert CostProfile.from_dict(p.to_dict()) == p
+    falling = CostProfile(1.0, nodes, (1.0,) * 5, (3.0, 2.5, 2.0, 1.6, 1.0), 0.1, depths)
+    a, b, c = falling.draft_fit
+    assert min(a, b, c) >= 0.0 and all(falling.drafting_ms(n, d) >= 0.0 for n in (2, 64) for d in (1, 30))
+
+
 @pytest.mark.parametrize("bad", [dict(step_ms=0.0), dict(step_ms=float("nan")), dict(nodes=(4, 2)),
                                  dict(tree_ms=(1.0,)), dict(nodes=(1, 4)), dict(tree_ms=(1.0, -1.0)),
-                                 dict(draft_ms=(0.0, float("inf"))), dict(catch_ms=-1.0), dict(catch_ms=float("nan"))])
+                                 dict(draft_ms=(0.0, float("inf"))), dict(catch_ms=-1.0), dict(catch_ms=float("nan")),
+                                 dict(depths=(1,)), dict(depths=(1, 4))])
 def test_malformed_profiles_are_refused(bad):
     fields = dict(step_ms=1.0, nodes=(2, 4), tree_ms=(1.5, 2.0), draft_ms=(0.0, 0.0), **{})
     fields.update(bad)
@@ -154,8 +170,9 @@ def test_a_drafter_models_catch_up_is_timed_per_token(fresh_cache):
 
     model, small = mamba2(), mamba2(n_layer=1, seed=3)
     ssm = cost_profile(model, 1, drafter=SSMDrafter(small), shapes=SHAPES, budget_s=0.3)
-    assert ssm.catch_ms > 0
-    assert cost_profile(model, 1, drafter=NGramDrafter(), shapes=SHAPES, budget_s=0.2).catch_ms == 0.0
+    assert ssm.catch_ms > 0 and ssm.depths == tuple(s.max_depth for s in SHAPES)  # its drafting priced by depth
+    ngram = cost_profile(model, 1, drafter=NGramDrafter(), shapes=SHAPES, budget_s=0.2)
+    assert ngram.catch_ms == 0.0 and ngram.depths == ()
 
 
 def test_compiled_sizes_are_all_timed_whatever_their_compiling_takes():
