@@ -9,7 +9,8 @@ depth that has seen little leans on its rank's rate over all depths. A node is a
 chance prod over its path of h(d, j) prod_{i<j} (1 - h(d, i)) (Sequoia's positional acceptance,
 per depth); a tree's expected tokens per iteration is 1 (the bonus) plus its nodes' chances.
 The best tree of n nodes is then the n likeliest, grown best first (:func:`_best_first`); for a
-drafter model, which steps once per level, the best of those grown within several depths.
+drafter model, which steps once per level, the best of those grown within several depths. Each
+row of a batch also keeps its own counts (:class:`RowRates`), leaning on the batch's.
 
 Cost: :func:`stree.cost.cost_profile`, measured with the drafter: drafting a tree of n nodes
 (for a drafter model, of n nodes and d levels), then the target's pass, verification and commit
@@ -24,6 +25,10 @@ The choice (:class:`AutoTree`), every step:
 2. After drafting, the draft's own chances (its invalid nodes worth nothing) give every prefix m
    of it its E(m); the best prefix by E(m) / C(m) is verified (drafting is paid by then), or a
    plain step taken where that is better (not on a probe) or where nothing was drafted.
+
+In a batch, E is the row's that is expected to finish last (``Rows.critical``: the most tokens
+left at its own tokens per step so far), under its own rates: the batch decodes until that row is
+done, so tokens a tree brings rows that finish early anyway buy nothing.
 
 Everything the choice reads is the past (verified steps, measured costs) and the draft itself,
 never the target's output at this step, so every drafter stays lossless. A seed repeats its
@@ -43,7 +48,7 @@ from numba import njit
 from .cost import CostProfile, cost_profile, default_sizes
 from .tree import TokenTree, TreeShape
 
-__all__ = ["AutoTree", "PathRates", "auto_tree", "plan_shape", "tree_room"]
+__all__ = ["AutoTree", "PathRates", "RowRates", "auto_tree", "plan_shape", "tree_room"]
 
 # Sizes an eager loop weighs before drafting (any prefix of a draft may be verified after it).
 LADDER = (2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16, 20, 24, 28, 32, 40, 48, 56, 64, 80, 96, 112, 128, 160, 192, 224, 256)
@@ -84,14 +89,54 @@ class PathRates:
         alive = np.cumprod(np.concatenate([np.ones((h.shape[0], 1)), 1 - h[:, :-1]], 1), 1)
         return np.minimum.accumulate(h * alive, axis=1)
 
-    def record(self, tree: TokenTree, tokens: np.ndarray, counts: np.ndarray, rows: np.ndarray) -> None:
+    def record(self, tree: TokenTree, tokens: np.ndarray, counts: np.ndarray, rows: np.ndarray,
+               per_row: "RowRates | None" = None, ids: np.ndarray | None = None) -> None:
         """Learn from one verified step: ``tree`` (CPU, the batch's), and for each batch row in
-        ``rows`` the emitted ``tokens[b, :counts[b]]`` (the accepted drafts, then the bonus)."""
+        ``rows`` the emitted ``tokens[b, :counts[b]]`` (the accepted drafts, then the bonus);
+        ``per_row`` also learns each row's own, under its id ``ids[b]``."""
         self.accepted *= self.decay
         self.reached *= self.decay
+        if per_row is not None:
+            per_row.fade(int(ids.max()) + 1 if len(ids) else 0)
         parents, rank, depth = _structure(tree)
         valid = _valid(tree)
-        _record(parents, rank, depth, tree.tokens.numpy(), valid, tokens, counts, rows, self.accepted, self.reached)
+        ids = np.zeros(0, dtype=np.int64) if per_row is None else np.asarray(ids, dtype=np.int64)
+        row_accepted, row_reached = (_NO_ROWS, _NO_ROWS) if per_row is None else (per_row.accepted, per_row.reached)
+        _record(parents, rank, depth, tree.tokens.numpy(), valid, tokens, counts, rows, self.accepted, self.reached,
+                ids, row_accepted, row_reached)
+
+
+class RowRates:
+    """The counts of :class:`PathRates` per batch row of one decoding call, under the row's id:
+    rows of one batch accept very differently (at batch 8, rows' own tau from 2.1 to 5.5), and a
+    row's hazard leans on the batch's by ``weight`` observations."""
+
+    def __init__(self, decay: float, weight: float = 4.0):
+        self.decay, self.weight = decay, weight
+        self.accepted = np.zeros((0, PathRates.DEPTH + 1, PathRates.RANKS))
+        self.reached = np.zeros_like(self.accepted)
+
+    def fade(self, rows: int) -> None:
+        """One step's decay; room for ids below ``rows``."""
+        if rows > len(self.accepted):
+            grow = np.zeros((rows - len(self.accepted), *self.accepted.shape[1:]))
+            self.accepted, self.reached = np.concatenate([self.accepted, grow]), np.concatenate([self.reached, grow])
+        self.accepted *= self.decay
+        self.reached *= self.decay
+
+    def hazard(self, ids: np.ndarray, batch: np.ndarray) -> np.ndarray:
+        """``[len(ids), DEPTH + 1, RANKS]``: each row's hazards, ``batch`` (the batch's) where it
+        has seen little."""
+        ids = np.asarray(ids)
+        known = ids < len(self.accepted)
+        out = np.broadcast_to(batch, (len(ids), *batch.shape)).copy()
+        if known.any():
+            at = ids[known]
+            out[known] = (self.accepted[at] + self.weight * batch) / (self.reached[at] + self.weight)
+        return out
+
+
+_NO_ROWS = np.zeros((0, PathRates.DEPTH + 1, PathRates.RANKS))
 
 
 def _valid(tree: TokenTree) -> np.ndarray:
@@ -137,11 +182,14 @@ def _rank_depth(parents):
 
 
 @njit(cache=True)
-def _record(parents, rank, depth, tokens, valid, emitted, counts, rows, accepted, reached):
+def _record(parents, rank, depth, tokens, valid, emitted, counts, rows, accepted, reached, ids, row_accepted,
+            row_reached):
     """Walk each row's accepted path down its tree by the emitted tokens: at every accepted node,
-    its valid children up to the accepted one were reached (all of them below the last)."""
+    its valid children up to the accepted one were reached (all of them below the last). Counted
+    for the batch, and for row b under ``ids[b]`` too where ``row_accepted`` has rows."""
     D, K = accepted.shape[0] - 1, accepted.shape[1]
     n = tokens.shape[1]
+    per_row = row_accepted.shape[0] > 0
     for b in rows:
         s = b if parents.shape[0] > 1 else 0
         u = 0
@@ -152,8 +200,12 @@ def _record(parents, rank, depth, tokens, valid, emitted, counts, rows, accepted
                     continue
                 d, j = min(depth[s, c], D), min(rank[s, c], K - 1)
                 reached[d, j] += 1.0
+                if per_row:
+                    row_reached[ids[b], d, j] += 1.0
                 if t < counts[b] - 1 and tokens[b, c] == emitted[b, t]:
                     accepted[d, j] += 1.0
+                    if per_row:
+                        row_accepted[ids[b], d, j] += 1.0
                     hit = c
                     break
             if hit < 0:
@@ -165,9 +217,10 @@ def _record(parents, rank, depth, tokens, valid, emitted, counts, rows, accepted
 def _chances(parents, rank, depth, valid, h):
     """Each node's chance to be accepted (0 for invalid nodes and their subtrees), ``[B, n]``,
     never above an earlier sibling's (as :meth:`PathRates.positional`: a rank the verified steps
-    have not reached yet keeps its prior, which must not outbid a rank they have judged)."""
+    have not reached yet keeps its prior, which must not outbid a rank they have judged).
+    ``h``: the hazards ``[B or 1, DEPTH + 1, RANKS]``, each row's or one for all."""
     B, n = valid.shape
-    D, K = h.shape[0] - 1, h.shape[1]
+    D, K = h.shape[1] - 1, h.shape[2]
     v = np.zeros((B, n))
     alive = np.ones(n)
     last = np.zeros(n)  # the chance of each node's latest valid child
@@ -180,7 +233,7 @@ def _chances(parents, rank, depth, valid, h):
             p = parents[s, c]
             if not valid[b, c] or v[b, p] == 0.0:
                 continue
-            x = h[min(depth[s, c], D), min(rank[s, c], K - 1)]
+            x = h[b if h.shape[0] > 1 else 0, min(depth[s, c], D), min(rank[s, c], K - 1)]
             v[b, c] = min(v[b, p] * alive[p] * x, last[p])
             last[p] = v[b, c]
             alive[p] *= 1.0 - x
@@ -288,8 +341,11 @@ class AutoTree:
                  scale: dict | None = None):
         self.profile, self.chain, self.fills_shapes, self.adaptive = profile, chain, fills_shapes, adaptive
         self.rates = rates if rates is not None else PathRates()
+        self.row_rates = RowRates(self.rates.decay)  # this call's rows' own
+        self._focus: int | None = None  # the batch row the choice serves (the one to finish last), once known
         self.scale = scale if scale is not None else {"plain": 1.0, "tree": 1.0}  # realised / predicted time
         self.scale.setdefault("probe_loss", 0.0)  # ms a probe took beyond plain steps for its tokens (adaptive)
+        self.scale.setdefault("probes", 0)  # the probes that measured it
         self.scale.setdefault("probe_every", self.PROBE)
         self.scale.setdefault("plain_run", 0)
         self.depth = min(depth, PathRates.DEPTH)
@@ -332,7 +388,7 @@ class AutoTree:
     def _best_size(self, order: TreeShape, draft_cost: np.ndarray, hazard: np.ndarray) -> tuple[int, float, float]:
         """The prefix of ``order`` with the most expected tokens per millisecond: its size, that
         rate and its expected tokens."""
-        v = _chances(*_shape_structure(order), np.ones((1, order.n), dtype=np.bool_), hazard)[0]
+        v = _chances(*_shape_structure(order), np.ones((1, order.n), dtype=np.bool_), hazard[None])[0]
         gain = 1.0 + np.cumsum(v[1:])  # gain[m - 2]: a prefix of m nodes
         best, best_rate = self.sizes[0], 0.0
         for m in self.sizes:
@@ -362,7 +418,7 @@ class AutoTree:
         top = self.max_nodes
         if not self.profile.depths or self.fixed:
             return plan_shape(rates, top, self.chain, self.depth)
-        hazard, best = rates.hazard(), None
+        hazard, best = self._hazard(rates), None
         for cap in sorted({c for c in DEPTH_CAPS if c < self.depth} | {self.depth}):
             order = plan_shape(rates, top, self.chain, cap)
             if order.n < 2:
@@ -371,6 +427,12 @@ class AutoTree:
             if best is None or rate > best[0] * (1.0 + 1e-9):
                 best = (rate, order)
         return best[1] if best is not None else plan_shape(rates, top, self.chain, self.depth)
+
+    def _hazard(self, rates: PathRates | None = None) -> np.ndarray:
+        """The hazards the choice weighs a tree by: the batch's, or the focus row's own once
+        :meth:`choose` has named it (the batch decodes until that row is done)."""
+        h = (rates or self.rates).hazard()
+        return h if self._focus is None else self.row_rates.hazard(np.array([self._focus]), h)[0]
 
     def _set_plan(self, order: TreeShape) -> None:
         self._order, self.draft_cost = order, self._drafting(order)
@@ -384,7 +446,7 @@ class AutoTree:
         order = self._order
         if order is None or not self.sizes:  # no tree fits: plain steps only
             return 1, 1
-        best, _, self._gain = self._best_size(order, self.draft_cost, self.rates.hazard())
+        best, _, self._gain = self._best_size(order, self.draft_cost, self._hazard())
         self._tree_ms, self._draft_ms = self.cost[best] * self.scale["tree"], self.draft_cost[best] * self.scale["tree"]
         plain = self.cost[1] * self.scale["plain"]
         # What a probe loses against plain steps: its time beyond theirs for the tokens it is expected
@@ -414,8 +476,8 @@ class AutoTree:
         winning) the step is a probe: drafted, and verified whatever its worth. ``behind``: a
         callable saying how many tokens the drafter must read before it drafts (asked only when
         a probe is due): a probe waits until its catch-up, at the profile's ``catch_ms`` a token,
-        is within the probes' share too (at most ``PROBE_LONGEST`` steps; an adaptive choice
-        has measured what its probes took instead)."""
+        is within the probes' share too (at most ``PROBE_LONGEST`` steps; an adaptive choice,
+        once a probe's time is measured, spaces them by what they took instead)."""
         self._probing = self._plain_run >= max(self._probe_every, self._probe_min) and self._catch_up_paid(behind)
         if self._probing:
             self._plain_run = self._catch_wait = 0
@@ -456,7 +518,8 @@ class AutoTree:
 
     def _catch_up_paid(self, behind) -> bool:
         catch = self.profile.catch_ms
-        if behind is None or catch == 0.0 or self.adaptive or self._plain_run >= self.PROBE_LONGEST:
+        if (behind is None or catch == 0.0 or (self.adaptive and self.scale["probes"])
+                or self._plain_run >= self.PROBE_LONGEST):
             return True
         if self._plain_run < self._catch_wait:
             return False
@@ -466,9 +529,10 @@ class AutoTree:
         return self._plain_run >= self._catch_wait
 
     # -- after drafting -------------------------------------------------------------------------
-    def choose(self, draft: TokenTree, active: np.ndarray) -> TokenTree | None:
+    def choose(self, draft: TokenTree, active: np.ndarray, ids: np.ndarray | None = None) -> TokenTree | None:
         """``draft`` (CPU, one row per batch row; ``active`` marks the rows that count) cut to its
-        best prefix, or None where a plain step is better or nothing was drafted."""
+        best prefix, or None where a plain step is better or nothing was drafted. ``ids``: the
+        rows' ids in the batch, whose own acceptance (:class:`RowRates`) then prices their nodes."""
         self._drafted = self._drafted or draft.n
         drafting = self.draft_cost[min(self._drafted, self.max_nodes)]
         self._predicted = ("plain", drafting + self.cost[1])
@@ -478,8 +542,13 @@ class AutoTree:
             self._verified(False)
             return None
         parents, rank, depth = _structure(draft)
-        v = _chances(parents[:, :n], rank[:, :n], depth[:, :n], np.ascontiguousarray(valid[:, :n]),
-                     self.rates.hazard())
+        hazard = self.rates.hazard()
+        if ids is not None:
+            hazard = self.row_rates.hazard(ids, hazard)
+            self._focus = int(ids[int(np.argmax(active))])
+        else:
+            hazard = hazard[None]
+        v = _chances(parents[:, :n], rank[:, :n], depth[:, :n], np.ascontiguousarray(valid[:, :n]), hazard)
         cost = self.cost[: n + 1] * self.scale["tree"]
         cost[1] = self.cost[1] * self.scale["plain"] / self.margin
         m = _best_prefix(v, active, cost, not self._probing)
@@ -496,9 +565,10 @@ class AutoTree:
 
     # -- after the step -------------------------------------------------------------------------
     def record(self, tree: TokenTree | None, tokens: np.ndarray | None = None, counts: np.ndarray | None = None,
-               rows: np.ndarray | None = None, elapsed_ms: float | None = None) -> None:
+               rows: np.ndarray | None = None, elapsed_ms: float | None = None, ids: np.ndarray | None = None) -> None:
         """After a step: ``tree`` the verified draft (None: a plain step) and, for the rows
-        ``rows`` of it, the emitted ``tokens``/``counts``; ``elapsed_ms``: the whole iteration."""
+        ``rows`` of it, the emitted ``tokens``/``counts``; ``elapsed_ms``: the whole iteration;
+        ``ids``: the tree rows' ids in the batch (each row's own acceptance is learned too)."""
         self.chosen[1 if tree is None else tree.n] += 1
         kind, predicted = self._predicted
         if self.adaptive and elapsed_ms is not None and elapsed_ms > 0:
@@ -509,12 +579,18 @@ class AutoTree:
         self._since_plan += 1
         if tree is not None:
             self._stale = True
-            self.rates.record(tree, tokens, counts, rows)
+            if ids is None:
+                self.rates.record(tree, tokens, counts, rows)
+            else:
+                self.rates.record(tree, tokens, counts, rows, self.row_rates, ids)
             if not self._probing:  # speculation won this step: probes start again from the shortest interval
                 self._plain_run, self._probe_every, self._catch_wait = 0, self.PROBE, 0
             elif self.adaptive and elapsed_ms is not None:
-                beyond = elapsed_ms - float(np.mean(counts[rows])) * self.cost[1] * self.scale["plain"]
+                focus = rows if ids is None or self._focus is None else rows[np.asarray(ids)[rows] == self._focus]
+                emitted = float(np.mean(counts[focus if len(focus) else rows]))
+                beyond = elapsed_ms - emitted * self.cost[1] * self.scale["plain"]
                 self.scale["probe_loss"] += 0.5 * (beyond - self.scale["probe_loss"])
+                self.scale["probes"] += 1
         self.scale["probe_every"], self.scale["plain_run"] = self._probe_every, self._plain_run
         if (tree is not None and self._probing) or self._since_plan >= self.REPLAN:
             self._replan(tree)

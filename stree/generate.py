@@ -173,6 +173,20 @@ class Rows:
         """Every row's last token (a finished row's too: it rides along)."""
         return torch.from_numpy(self.seq.numpy()[np.arange(self.batch_size), self.lengths.numpy() - 1])
 
+    def critical(self, live: list[int]) -> np.ndarray:
+        """Over the rows ``live`` (active), a mask of the one expected to finish last: the most
+        tokens left, at the tokens per step its own steps have brought so far. The batch decodes
+        until its last row is done, so a tree is worth what it brings that row: tokens it brings
+        a row that will finish early anyway buy nothing (at batch 8, trees chosen for the rows'
+        summed tokens were 0.67x of plain steps while every row's own tau was 2.8)."""
+        ids = np.asarray(live)
+        produced = self.produced.numpy()[ids]
+        steps = np.fromiter((len(self.accepted[r]) for r in live), dtype=np.float64, count=len(live))
+        rate = np.maximum(produced, 1) / np.maximum(steps, 1)
+        mask = np.zeros(len(live), dtype=np.bool_)
+        mask[int(np.argmax((self.max_new_tokens.numpy()[ids] - produced) / rate))] = True
+        return mask
+
     def emit(self, step: HostStep, drafter: Drafter | None) -> None:
         """Append ``step.tokens[b, :counts[b]]`` to each active row, cut after its first EOS and at
         ``max_new_tokens``; show the drafter what was appended; retire the finished rows. (In
@@ -552,7 +566,8 @@ def decode(model, input_ids, *, drafter: Drafter | None = None, tree: TreeShape 
                     run = _PlainRun(ahead, rows)
             else:
                 at = np.asarray(live)
-                chooser.record(draft, host.tokens.numpy()[at], host.counts.numpy()[at], np.arange(len(live)), elapsed)
+                chooser.record(draft, host.tokens.numpy()[at], host.counts.numpy()[at], np.arange(len(live)), elapsed,
+                               ids=at)
         stats.time_draft += clock.lap()  # feeding the drafter is drafting work
         yield rows
     if run is not None:
@@ -594,7 +609,7 @@ def _draft(drafter: Drafter, chooser: AutoTree | None, rows: Rows, shape, roots:
     draft = drafter.propose(rows.context(), None if plan == "own" else plan)
     check_draft(draft, roots[live], vocab_size)
     if chooser is not None:
-        return chooser.choose(draft, np.ones(len(live), dtype=np.bool_))
+        return chooser.choose(draft, rows.critical(live), np.asarray(live))
     if eager and draft.valid is not None and not bool(draft.valid[:, 1:].any()):
         return TokenTree.from_shape(TreeShape.chain(0), draft.tokens[:, :1])  # nothing drafted: one node
     return draft

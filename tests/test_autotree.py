@@ -94,7 +94,7 @@ def test_chances_follow_the_definition(case):
     parents, valid, h = case
     p = np.array([parents], dtype=np.int64)
     rank, depth = _rank_depth(p)
-    got = _chances(p, rank, depth, np.array([valid]), h)[0]
+    got = _chances(p, rank, depth, np.array([valid]), h[None])[0]
     want = [1.0] + [path_chance(parents, valid, h, c) for c in range(1, len(parents))]
     np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-15)
 
@@ -252,6 +252,48 @@ def train(auto, accept: bool, steps: int = 3 * AutoTree.REPLAN) -> AutoTree:
         emitted = path + [0] if accept else [999]
         auto.record(draft, np.array([emitted]), np.array([len(emitted)]), np.arange(1))
     return auto
+
+
+def test_rows_learn_their_own_rates_leaning_on_the_batchs():
+    """Row ids 5 and 2 of a batch: 5 accepts its first child at every step, 2 nothing. Each
+    row's hazard follows its own record; a row never seen has the batch's."""
+    auto = AutoTree(cheap())
+    shape = TreeShape.chain(1)
+    draft = TokenTree.from_shape(shape, torch.tensor([[1, 10], [1, 10]]))
+    for _ in range(20):
+        auto.record(draft, np.array([[10, 0], [999, 0]]), np.array([2, 1]), np.arange(2), ids=np.array([5, 2]))
+    batch = auto.rates.hazard()
+    own = auto.row_rates.hazard(np.array([5, 2, 7]), batch)
+    assert own[0, 1, 0] > batch[1, 0] > own[1, 1, 0] and own[0, 1, 0] > 0.8 and own[1, 1, 0] < 0.2
+    np.testing.assert_array_equal(own[2], batch)  # id 7: nothing of its own yet
+    assert auto.row_rates.reached[5, 1, 0] == pytest.approx(auto.row_rates.reached[2, 1, 0])
+    assert auto.row_rates.reached[5, 1, 0] > 10
+
+
+def test_a_batch_choice_serves_the_row_that_finishes_last():
+    """The batch decodes until its last row is done: a tree pays only if that row gains. Row 0
+    accepts everything, row 1 nothing: trees for row 0's sake, plain steps for row 1's."""
+    auto = AutoTree(CostProfile(1.0, (2, 4, 8, 16), (1.5, 1.7, 2.0, 2.6)))
+    shape = auto.prefix(8)
+    draft = TokenTree.from_shape(shape, torch.arange(16).reshape(2, 8) + 100)
+    for _ in range(30):
+        auto.record(TokenTree.from_shape(TreeShape.chain(1), torch.tensor([[1, 10], [1, 10]])),
+                    np.array([[10, 0], [999, 0]]), np.array([2, 1]), np.arange(2), ids=np.array([0, 1]))
+    assert auto.choose(draft, np.array([True, False]), np.array([0, 1])) is not None
+    assert auto.choose(draft, np.array([False, True]), np.array([0, 1])) is None
+    assert auto._focus == 1  # and the choice before drafting weighs that row's rates from now on
+    assert auto._hazard()[1, 0] == pytest.approx(auto.row_rates.hazard(np.array([1]), auto.rates.hazard())[0, 1, 0])
+
+
+def test_the_row_expected_to_finish_last_is_the_critical_one():
+    from stree.generate import Rows
+
+    rows = Rows([[1, 2], [3], [4, 5, 6]], [20, 20, 10], eos=[])
+    rows.produced[:] = torch.tensor([10, 6, 2])
+    rows.accepted = [[1] * 4, [0] * 5, [0] * 1]  # tokens per step so far: 2.5, 1.2, 2
+    # tokens left over that rate: 10 / 2.5 = 4, 14 / 1.2 = 11.7, 8 / 2 = 4
+    assert rows.critical([0, 1, 2]).tolist() == [False, True, False]
+    assert rows.critical([0, 2]).tolist() == [True, False]  # a tie: the first
 
 
 def test_learned_rates_grow_the_tree_and_poor_ones_shrink_it():
