@@ -52,10 +52,11 @@ def _generate_parser(sub) -> None:
                    "this machine's measured costs and the acceptance so far) | paper13 | chain:D | full:WxD | "
                    "PATH.json | dynamic:N[xD] (a tree of N nodes, at most D deep, grown each step by the stand, "
                    "stand-det or ssm drafter)")
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--max-new-tokens", type=int, default=128)
+    defaults = "default: the checkpoint's generation_config.json, else "
+    p.add_argument("--temperature", type=float, default=None, help=defaults + "0 (greedy)")
+    p.add_argument("--top-k", type=int, default=None, help=defaults + "0 (off)")
+    p.add_argument("--top-p", type=float, default=None, help=defaults + "1.0 (off)")
+    p.add_argument("--max-new-tokens", type=int, default=None, help=defaults + "128")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default: the checkpoint's")
     p.add_argument("--device", default=None, help="default: cuda when available, else cpu")
@@ -434,7 +435,7 @@ def _run_generate(args) -> int:
         import json
 
         report = dict(texts=out.texts, finish_reasons=out.finish_reasons, token_ids=out.token_ids,
-                      method=args.method, stats=_stats(out.stats))
+                      method=args.method, generation=out.generation, stats=_stats(out.stats))
         if ref is not None:
             report.update(autoregressive_stats=_stats(ref.stats), identical=same,
                           speedup=out.stats.tokens_per_s / ref.stats.tokens_per_s, warmup_s=warmup)
@@ -445,12 +446,17 @@ def _run_generate(args) -> int:
             sample = f" sample {i % args.num_samples}" if args.num_samples > 1 else ""
             print(f"=== prompt {i // args.num_samples}{sample} ({out.finish_reasons[i]}) ===")
         print(prompt + text)
+    g = out.generation
+    taken = f" (from generation_config.json: {', '.join(g['from_checkpoint'])})" if g["from_checkpoint"] else ""
+    print(f"[decoding] max_new_tokens {g['max_new_tokens']} temperature {g['temperature']} top_k {g['top_k']} "
+          f"top_p {g['top_p']}{taken}")
     print(f"[{args.method}] {out.stats.summary()}")
     if ref is not None:
         print(f"[autoregressive] {ref.stats.summary()}")
         speedup = out.stats.tokens_per_s / ref.stats.tokens_per_s
         yes = "yes" if same else "NO"
-        identical = yes if args.temperature == 0 else f"n/a at temperature {args.temperature} (same tokens: {yes})"
+        t = g["temperature"]
+        identical = yes if t == 0 else f"n/a at temperature {t} (same tokens: {yes})"
         print(f"warm-up {warmup:.1f}s before timing (compiling, measuring this machine's costs), not in tok/s")
         print(f"speedup x{speedup:.2f} | greedy outputs identical: {identical}")
     return 0

@@ -12,7 +12,7 @@ of one prompt as its tokens are accepted.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -31,12 +31,15 @@ FINISH_REASONS = ("eos", "stop", "length")
 class TextOutput:
     """Per prompt: the generated ``texts`` (special tokens skipped; a stop string and what follows
     it cut off), ``token_ids`` (the generated tokens, through the one that completed a stop
-    string) and ``finish_reasons`` ("eos", "stop" or "length"); the decoding ``stats``."""
+    string) and ``finish_reasons`` ("eos", "stop" or "length"); the decoding ``stats`` and the
+    ``generation`` values used (max_new_tokens, temperature, top_k, top_p, eos_token_id, and
+    which of them came from the checkpoint)."""
 
     texts: list[str]
     token_ids: list[list[int]]
     finish_reasons: list[str]
     stats: GenerationStats
+    generation: dict = field(default_factory=dict)  # the decoding values used (LM.generation)
 
     @property
     def text(self) -> str:
@@ -58,6 +61,44 @@ def checkpoint_eos(path) -> list[int] | None:
             if value is not None:
                 return [int(v) for v in (value if isinstance(value, list) else [value])]
     return None
+
+
+# What generation_config.json may set that decoding here honours, with stree's own defaults.
+SAMPLING_DEFAULTS = dict(max_new_tokens=128, temperature=0.0, top_k=0, top_p=1.0)
+
+
+def generation_defaults(path) -> dict:
+    """The decoding defaults a checkpoint directory's generation_config.json declares, as
+    transformers reads them: ``do_sample`` true samples at its ``temperature`` (1.0 if unset),
+    anything else decodes greedily; ``top_k``, ``top_p`` and ``max_new_tokens`` as set. Only what
+    the file sets is returned; a malformed value is a ValueError naming the file."""
+    import json
+
+    file = Path(path) / "generation_config.json"
+    if not file.exists():
+        return {}
+    try:
+        config = json.loads(file.read_text())
+    except ValueError as exc:
+        raise ValueError(f"{file} is not valid JSON: {exc}") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{file} must hold a JSON object")
+    out = {}
+    sample = config.get("do_sample", False)
+    if not isinstance(sample, bool):
+        raise ValueError(f"{file}: do_sample must be true or false, got {sample!r}")
+    if sample:
+        out["temperature"] = config.get("temperature", 1.0)
+    elif "do_sample" in config or "temperature" in config:
+        out["temperature"] = 0.0  # transformers decodes greedily unless do_sample is set, whatever the temperature
+    for name in ("top_k", "top_p", "max_new_tokens"):
+        if config.get(name) is not None:
+            out[name] = config[name]
+    for name, value in out.items():
+        kind = int if name in ("top_k", "max_new_tokens") else (int, float)
+        if isinstance(value, bool) or not isinstance(value, kind):
+            raise ValueError(f"{file}: {name} must be a number, got {value!r}")
+    return out
 
 
 def rank_device(device, tensor_parallel: int | None) -> torch.device:
@@ -83,21 +124,29 @@ def rank_device(device, tensor_parallel: int | None) -> torch.device:
 class LM:
     """``model`` (a loaded stree model) with its ``tokenizer`` (a transformers tokenizer) and the
     ids that end a row (``eos_token_id``: default the tokenizer's). ``drafter_model``: the small
-    model the "ssm" / "ssm-beam" drafters run."""
+    model the "ssm" / "ssm-beam" drafters run. ``defaults``: the decoding values ``generate``
+    takes where the call sets none (``max_new_tokens``, ``temperature``, ``top_k``, ``top_p``;
+    :func:`generation_defaults` reads a checkpoint's), else ``SAMPLING_DEFAULTS``."""
 
-    def __init__(self, model, tokenizer, eos_token_id: int | list[int] | None = None, drafter_model=None):
+    def __init__(self, model, tokenizer, eos_token_id: int | list[int] | None = None, drafter_model=None,
+                 defaults: dict | None = None):
         self.model, self.tokenizer, self.drafter_model = model, tokenizer, drafter_model
         if eos_token_id is None:
             eos_token_id = tokenizer.eos_token_id
         self.eos_token_id = eos_token_id
+        unknown = set(defaults or {}) - set(SAMPLING_DEFAULTS)
+        if unknown:
+            raise ValueError(f"defaults may set {sorted(SAMPLING_DEFAULTS)}, got {sorted(unknown)}")
+        self.defaults = dict(defaults or {})
 
     @classmethod
     def from_pretrained(cls, path, *, device=None, dtype=None, tokenizer=None, drafter_model=None,
                         tensor_parallel: int | None = None, revision: str | None = None) -> "LM":
         """Load the checkpoint directory or Hub id ``path`` (every format :func:`stree.models.load`
         reads; an id, at ``revision``, comes from the Hub cache or is downloaded into it), its
-        tokenizer (or ``tokenizer``: a directory or id, for checkpoints without one) and the EOS
-        ids it declares (generation_config.json, config.json, else the tokenizer's). ``device``:
+        tokenizer (or ``tokenizer``: a directory or id, for checkpoints without one), the EOS
+        ids it declares (generation_config.json, config.json, else the tokenizer's) and its
+        decoding defaults (generation_config.json: :func:`generation_defaults`). ``device``:
         default CUDA when available (under torchrun, the process's local GPU); ``dtype`` (a torch
         dtype or its name): default the checkpoint's. ``drafter_model``: a checkpoint directory or
         Hub id (loaded like the target, whole, on every rank) or a loaded model, for the "ssm"
@@ -118,7 +167,7 @@ class LM:
         tok = load_tokenizer(tokenizer or path, vocab_size=model.vocab_size)
         if isinstance(drafter_model, (str, Path)):
             drafter_model = load(drafter_model, dtype=model.dtype, device=device)
-        return cls(model, tok, checkpoint_eos(path), drafter_model)
+        return cls(model, tok, checkpoint_eos(path), drafter_model, generation_defaults(path))
 
     def close(self) -> None:
         """Tensor parallelism: meet the other ranks and end the process group that
@@ -174,20 +223,41 @@ class LM:
         return make_drafter(name, drafter_model=self.drafter_model if name in NEEDS_MODEL else None,
                             vocab_size=self.model.vocab_size, temperature=temperature, include_self=True, tokens=tokens)
 
-    def _steps(self, prompts, *, max_new_tokens: int = 128, drafter="ngram", stop=None, temperature: float = 0.0,
+    def generation(self, **given) -> dict:
+        """The decoding values in force for a call that sets ``given`` (None: not set): the call's,
+        else the checkpoint's defaults, else stree's; and ``"from_checkpoint"``, the names taken
+        from the checkpoint."""
+        out, taken = {}, []
+        for name, default in SAMPLING_DEFAULTS.items():
+            if given.get(name) is not None:
+                out[name] = given[name]
+            elif name in self.defaults:
+                out[name] = self.defaults[name]
+                taken.append(name)
+            else:
+                out[name] = default
+        return dict(out, from_checkpoint=taken)
+
+    def _steps(self, prompts, *, max_new_tokens: int | None = None, drafter="ngram", stop=None,
+               temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
                eos_token_id="checkpoint", **kwargs):
-        """The rows' text trackers, the decoding steps, and the EOS ids in force."""
+        """The rows' text trackers, the decoding steps, the EOS ids and the decoding values in force."""
         stops = stop_strings(stop)
         ids = self.encode(prompts)
         eos = self.eos_token_id if eos_token_id == "checkpoint" else eos_token_id
+        params = self.generation(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p)
+        params["eos_token_id"] = eos
         rows = [TextStops(self.tokenizer, stops) for _ in ids]
-        budget = max_new_tokens if isinstance(max_new_tokens, int) and max_new_tokens > 0 else None  # decode checks it
-        steps = decode(self.model, ids, max_new_tokens=max_new_tokens, temperature=temperature, eos_token_id=eos,
+        budget = params["max_new_tokens"]
+        budget = budget if isinstance(budget, int) and budget > 0 else None  # decode checks it
+        temperature = params["temperature"]
+        steps = decode(self.model, ids, max_new_tokens=params["max_new_tokens"], temperature=temperature,
+                       top_k=params["top_k"], top_p=params["top_p"], eos_token_id=eos,
                        drafter=self.drafter(drafter, temperature, None if budget is None else len(ids) * (budget + 1)),
                        **kwargs)
-        return rows, steps, eos
+        return rows, steps, eos, params
 
-    def _output(self, out, rows: list[TextStops], eos) -> TextOutput:
+    def _output(self, out, rows: list[TextStops], eos, params: dict) -> TextOutput:
         eos = set([] if eos is None else [eos] if isinstance(eos, int) else eos)
         reasons = []
         for row, tokens in zip(rows, out.new_tokens):
@@ -196,21 +266,22 @@ class LM:
             else:
                 reasons.append("eos" if tokens and tokens[-1] in eos else "length")
                 row.text = row.decode(tokens)
-        return TextOutput([r.text for r in rows], out.new_tokens, reasons, out.stats)
+        return TextOutput([r.text for r in rows], out.new_tokens, reasons, out.stats, params)
 
     def generate(self, prompts, **kwargs) -> TextOutput:
-        """Complete ``prompts`` (a string or a list, decoded as one batch). ``max_new_tokens``
-        (default 128); ``drafter``: "ngram" (default), "stand", "stand-det", "consensus", "ssm",
-        "ssm-beam" or a Drafter; ``stop``: a string or strings that end a row; ``eos_token_id``:
-        default the checkpoint's (None: no EOS). Every other argument is
-        :func:`stree.generate.decode`'s: ``method``, ``tree``, ``temperature``, ``top_k``,
-        ``top_p``, ``seed``, ``torch_compile``, ..."""
-        rows, steps, eos = self._steps(prompts, **kwargs)
+        """Complete ``prompts`` (a string or a list, decoded as one batch). ``max_new_tokens``,
+        ``temperature``, ``top_k``, ``top_p``: default the checkpoint's generation_config.json,
+        else 128 tokens, greedy (the output's ``generation`` says what was used); ``drafter``:
+        "ngram" (default), "stand", "stand-det", "consensus", "ssm", "ssm-beam" or a Drafter;
+        ``stop``: a string or strings that end a row; ``eos_token_id``: default the checkpoint's
+        (None: no EOS). Every other argument is :func:`stree.generate.decode`'s: ``method``,
+        ``tree``, ``seed``, ``torch_compile``, ..."""
+        rows, steps, eos, params = self._steps(prompts, **kwargs)
         while True:
             try:
                 batch = next(steps)
             except StopIteration as end:
-                return self._output(end.value, rows, eos)
+                return self._output(end.value, rows, eos, params)
             apply_text_stops(batch, rows)
 
     def stream(self, prompt: str, **kwargs) -> "TextStream":
@@ -232,13 +303,13 @@ class TextStream:
 
     def __iter__(self):
         lm = self.lm
-        rows, steps, eos = lm._steps(self.prompt, **self.kwargs)
+        rows, steps, eos, params = lm._steps(self.prompt, **self.kwargs)
         row, sent = rows[0], 0
         while True:
             try:
                 batch = next(steps)
             except StopIteration as end:
-                self.output = lm._output(end.value, rows, eos)
+                self.output = lm._output(end.value, rows, eos, params)
                 break
             apply_text_stops(batch, rows)
             if row.cut is None:

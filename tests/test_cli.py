@@ -267,3 +267,27 @@ def test_profile_prints_the_cost_table_and_plots_it(checkpoint, tmp_path, capsys
         assert main(["profile", "--model", str(checkpoint), "--png", str(png), *bad]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith("stree profile: error:")
+
+
+def test_generate_takes_its_defaults_from_generation_config(checkpoint, tmp_path, capsys):
+    """The checkpoint's do_sample / temperature / top_k / max_new_tokens are the defaults, a flag
+    overrides its own value, and the output says which values were used and where they came from."""
+    import json
+    import shutil
+
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(checkpoint, ckpt)
+    (ckpt / "generation_config.json").write_text(json.dumps(dict(do_sample=True, temperature=0.8, top_k=4,
+                                                                 max_new_tokens=5)))
+    argv = ["generate", "--model", str(ckpt), "--prompt", "def f(x):", "--seed", "2", "--json", "--dtype", "float32"]
+    assert main(argv) == 0
+    report = json.loads(capsys.readouterr().out)
+    g = report["generation"]
+    assert (g["temperature"], g["top_k"], g["top_p"], g["max_new_tokens"]) == (0.8, 4, 1.0, 5)
+    assert g["from_checkpoint"] == ["max_new_tokens", "temperature", "top_k"] and len(report["token_ids"][0]) <= 5
+    assert main(argv + ["--temperature", "0", "--max-new-tokens", "3"]) == 0
+    g = json.loads(capsys.readouterr().out)["generation"]
+    assert (g["temperature"], g["max_new_tokens"], g["from_checkpoint"]) == (0.0, 3, ["top_k"])
+    assert main(argv[:-3]) == 0  # the text report names them too
+    assert "[decoding] max_new_tokens 5 temperature 0.8 top_k 4 top_p 1.0 (from generation_config.json: " \
+           "max_new_tokens, temperature, top_k)" in capsys.readouterr().out

@@ -12,7 +12,7 @@ import stree
 from stree.demo import TARGET
 from stree.drafters import NGramDrafter
 from stree.generate import generate
-from stree.lm import LM, checkpoint_eos
+from stree.lm import LM, checkpoint_eos, generation_defaults
 from stree.stops import held_back
 from stree.tree import TreeShape
 
@@ -60,6 +60,49 @@ def test_eos_comes_from_the_checkpoint(lm, tmp_path):
     out = ended.generate(PROMPTS[0], max_new_tokens=16)
     first = free.token_ids[0].index(eos)
     assert out.token_ids == [free.token_ids[0][: first + 1]] and out.finish_reasons == ["eos"]
+
+
+def test_decoding_defaults_come_from_generation_config_as_transformers_reads_it(lm, tmp_path):
+    """do_sample true: its temperature, top_k, top_p and max_new_tokens are the defaults; the
+    call's own values win; the output says what was used and what came from the file."""
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(TARGET, ckpt)
+    gen = dict(do_sample=True, temperature=0.7, top_k=5, top_p=0.9, max_new_tokens=6, repetition_penalty=1.1)
+    (ckpt / "generation_config.json").write_text(json.dumps(gen))
+    assert generation_defaults(ckpt) == dict(temperature=0.7, top_k=5, top_p=0.9, max_new_tokens=6)
+    sampled = LM.from_pretrained(ckpt, dtype="float32")
+    out = sampled.generate(PROMPTS[0], seed=3)
+    assert out.generation == dict(max_new_tokens=6, temperature=0.7, top_k=5, top_p=0.9,
+                                  eos_token_id=sampled.eos_token_id,
+                                  from_checkpoint=["max_new_tokens", "temperature", "top_k", "top_p"])
+    explicit = lm.generate(PROMPTS[0], seed=3, max_new_tokens=6, temperature=0.7, top_k=5, top_p=0.9)
+    assert out.token_ids == explicit.token_ids and len(out.token_ids[0]) == 6
+    mine = sampled.generate(PROMPTS[0], max_new_tokens=4, temperature=0)
+    assert mine.generation["from_checkpoint"] == ["top_k", "top_p"] and mine.generation["temperature"] == 0
+    assert mine.token_ids == lm.generate(PROMPTS[0], max_new_tokens=4).token_ids
+    assert lm.generate(PROMPTS[0], max_new_tokens=2).generation["from_checkpoint"] == []  # no file: stree's
+
+
+@pytest.mark.parametrize("config, want", [
+    ({}, {}),
+    ({"temperature": 0.6}, {"temperature": 0.0}),  # no do_sample: greedy, as transformers decodes
+    ({"do_sample": False, "top_k": 20}, {"temperature": 0.0, "top_k": 20}),
+    ({"do_sample": True}, {"temperature": 1.0}),
+    ({"do_sample": True, "temperature": 0.6, "top_p": 0.95, "top_k": None}, {"temperature": 0.6, "top_p": 0.95}),
+])
+def test_generation_config_values(tmp_path, config, want):
+    (tmp_path / "generation_config.json").write_text(json.dumps(config))
+    assert generation_defaults(tmp_path) == want
+
+
+@pytest.mark.parametrize("text, match", [("[1]", "must hold a JSON object"), ("{", "not valid JSON"),
+                                         ('{"do_sample": "yes"}', "do_sample must be true or false"),
+                                         ('{"max_new_tokens": 1.5}', "max_new_tokens must be a number")])
+def test_a_malformed_generation_config_is_named(tmp_path, text, match):
+    (tmp_path / "generation_config.json").write_text(text)
+    with pytest.raises(ValueError, match=match) as err:
+        generation_defaults(tmp_path)
+    assert "generation_config.json" in str(err.value)
 
 
 def test_a_stop_string_ends_its_row_exactly_there(lm):
