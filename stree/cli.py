@@ -43,6 +43,10 @@ def _generate_parser(sub) -> None:
                                                               "(sampled trajectories that draft from each other with "
                                                               "--drafter consensus or stand)")
     p.add_argument("--json", action="store_true", help="print one JSON object: texts, finish reasons, token ids, stats")
+    p.add_argument("--chat", action="store_true", help="each prompt is a user message through the model's chat "
+                                                       "template (JSONL lines may hold a conversation under "
+                                                       "'messages'); a <think> block is reported apart")
+    p.add_argument("--system", default=None, help="with --chat: a system message before each prompt")
     p.add_argument("--method", choices=METHODS, default="stree")
     p.add_argument("--drafter", choices=DRAFTER_NAMES, default="ngram",
                    help="consensus drafts from the batch's own earlier text; ssm-static / ssm-beam need --drafter-model")
@@ -155,6 +159,77 @@ def _plot_profile(rows: list[dict], title: str, path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def _chat_parser(sub) -> None:
+    p = sub.add_parser("chat", help="talk to a model through its chat template (interactive, or one message a line "
+                                    "over a pipe)",
+                       description="Each line read is a user message; the reply streams as its tokens are accepted "
+                                   "and the conversation is kept. /reset starts it again (the --system message "
+                                   "stays), /exit or Ctrl-D leaves, Ctrl-C stops a reply.")
+    p.add_argument("--model", required=True, help=MODEL_HELP)
+    _add_revision(p)
+    p.add_argument("--tokenizer", default=None, help="tokenizer directory or Hub id (default: --model)")
+    p.add_argument("--system", default=None, help="a system message opening the conversation")
+    p.add_argument("--drafter", choices=DRAFTER_NAMES, default="ngram")
+    p.add_argument("--drafter-model", default=None, help="checkpoint directory or Hub id of a small drafter LM")
+    defaults = "default: the checkpoint's generation_config.json, else "
+    p.add_argument("--temperature", type=float, default=None, help=defaults + "0 (greedy)")
+    p.add_argument("--top-k", type=int, default=None, help=defaults + "0 (off)")
+    p.add_argument("--top-p", type=float, default=None, help=defaults + "1.0 (off)")
+    p.add_argument("--max-new-tokens", type=int, default=None, help=defaults + "128")
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default: the checkpoint's")
+    p.add_argument("--device", default=None, help="default: cuda when available, else cpu")
+
+
+def _run_chat(args) -> int:
+    from .chat import chat_prompts
+    from .lm import LM
+    from .models import load
+
+    if (args.drafter_model is None) == (args.drafter in NEEDS_MODEL):
+        raise ValueError(f"--drafter {args.drafter} {'needs' if args.drafter in NEEDS_MODEL else 'takes no'} "
+                         "--drafter-model")
+    lm = LM.from_pretrained(args.model, device=args.device, dtype=args.dtype, tokenizer=args.tokenizer,
+                            revision=args.revision)
+    if args.drafter_model is not None:
+        lm.drafter_model = load(args.drafter_model, dtype=lm.model.dtype, device=lm.model.device)
+    opening = [{"role": "system", "content": args.system}] if args.system else []
+    chat_prompts(lm.tokenizer, [opening + [{"role": "user", "content": "-"}]])  # no template: stop before reading
+    kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+              seed=args.seed, drafter=args.drafter)
+    tty = sys.stdin.isatty()
+    history = list(opening)
+    while True:
+        if tty:
+            sys.stdout.write("> ")
+            sys.stdout.flush()
+        line = sys.stdin.readline()
+        if not line:  # Ctrl-D, or the pipe's end
+            if tty:
+                sys.stdout.write("\n")
+            return 0
+        message = line.rstrip("\n")
+        if message.strip() in ("/exit", "/quit"):
+            return 0
+        if message.strip() == "/reset":
+            history = list(opening)
+            if tty:
+                print("(a new conversation)")
+            continue
+        if not message.strip():
+            continue
+        stream = lm.chat_stream(history + [{"role": "user", "content": message}], **kw)
+        try:
+            for piece in stream:
+                sys.stdout.write(piece)
+                sys.stdout.flush()
+        except KeyboardInterrupt:  # the reply stops; the conversation goes on without it
+            print("\n(stopped)")
+            continue
+        print()
+        history += [{"role": "user", "content": message}, {"role": "assistant", "content": stream.output.texts[0]}]
 
 
 def _reason_parser(sub) -> None:
@@ -306,7 +381,9 @@ def _load(args):
     return model, load_tokenizer(args.tokenizer or path, vocab_size=model.vocab_size)
 
 
-def _parse_prompts(text: str, jsonl: bool, where: str) -> list[str]:
+def _parse_prompts(text: str, jsonl: bool, where: str, chat: bool = False) -> list:
+    """Prompt strings, one per line or one per JSONL object's 'prompt'; with ``chat``, a JSONL
+    object may carry a conversation under 'messages' instead."""
     import json
 
     lines = [line for line in text.splitlines() if line.strip()]
@@ -314,12 +391,14 @@ def _parse_prompts(text: str, jsonl: bool, where: str) -> list[str]:
         prompts = lines
     else:
         prompts = []
+        field = "'prompt' (or, with --chat, 'messages')" if chat else "'prompt'"
         for n, line in enumerate(lines, 1):
             try:
-                prompt = json.loads(line)["prompt"]
+                obj = json.loads(line)
+                prompt = obj["messages"] if chat and "messages" in obj else obj["prompt"]
             except (ValueError, TypeError, KeyError):
-                raise ValueError(f"{where} line {n}: not a JSON object with a 'prompt' field") from None
-            if not isinstance(prompt, str):
+                raise ValueError(f"{where} line {n}: not a JSON object with a {field} field") from None
+            if not isinstance(prompt, (str, list)) or (isinstance(prompt, list) and not chat):
                 raise ValueError(f"{where} line {n}: 'prompt' must be a string, got {type(prompt).__name__}")
             prompts.append(prompt)
     if not prompts:
@@ -327,27 +406,35 @@ def _parse_prompts(text: str, jsonl: bool, where: str) -> list[str]:
     return prompts
 
 
-def _read_prompts(path: str, option: str = "--prompts") -> list[str]:
+def _read_prompts(path: str, option: str = "--prompts", chat: bool = False) -> list:
     from pathlib import Path
 
     file = Path(path)
     if not file.is_file():
         raise FileNotFoundError(f"{option} {path}: no such file")
-    return _parse_prompts(file.read_text(), path.endswith(".jsonl"), f"{option} {path}")
+    return _parse_prompts(file.read_text(), path.endswith(".jsonl"), f"{option} {path}", chat)
 
 
-def _generate_prompts(args) -> list[str]:
-    """--prompt, --prompt-file or stdin."""
+def _generate_prompts(args) -> list:
+    """--prompt, --prompt-file or stdin (with --chat, JSONL lines may hold 'messages')."""
     if args.prompt is not None and args.prompt_file is not None:
         raise ValueError("give --prompt or --prompt-file, not both")
     if args.prompt is not None:
         return [args.prompt]
     if args.prompt_file is not None:
-        return _read_prompts(args.prompt_file, "--prompt-file")
+        return _read_prompts(args.prompt_file, "--prompt-file", args.chat)
     if sys.stdin is None or sys.stdin.isatty():
         raise ValueError("no prompt: give --prompt, --prompt-file, or prompts on stdin")
     text = sys.stdin.read()
-    return _parse_prompts(text, text.lstrip().startswith("{"), "stdin")
+    return _parse_prompts(text, text.lstrip().startswith("{"), "stdin", args.chat)
+
+
+def _conversation(prompt, system: str | None) -> list:
+    """A prompt of ``stree generate --chat`` as a conversation: a user message (after the
+    ``--system`` one), or the conversation a JSONL line gave."""
+    if isinstance(prompt, list):
+        return prompt
+    return ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
 
 
 def _run_optimize(args) -> int:
@@ -422,20 +509,27 @@ def _run_generate(args) -> int:
     kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
               seed=args.seed, torch_compile=args.compile, stop=args.stop)
     tree = "auto" if args.tree == "auto" else tree_spec(args.tree)
+    if args.chat:
+        convs = [_conversation(p, args.system) for p in prompts]
+        run = lambda **more: lm.chat(convs, **more)  # noqa: E731
+    else:
+        run = lambda **more: lm.generate(prompts, **more)  # noqa: E731
     warmup = 0.0
     if args.compare:  # compiling and measuring this machine's costs happen here, not in the timed runs
         t0 = time.perf_counter()
         for method in (args.method, "autoregressive"):
-            lm.generate(prompts, drafter=args.drafter, tree=tree, method=method, **dict(kw, max_new_tokens=2))
+            run(drafter=args.drafter, tree=tree, method=method, **dict(kw, max_new_tokens=2))
         warmup = time.perf_counter() - t0
-    out = lm.generate(prompts, drafter=args.drafter, tree=tree, method=args.method, **kw)
-    ref = lm.generate(prompts, method="autoregressive", **kw) if args.compare else None
+    out = run(drafter=args.drafter, tree=tree, method=args.method, **kw)
+    ref = run(method="autoregressive", **kw) if args.compare else None
     same = ref is not None and out.token_ids == ref.token_ids
     if args.json:
         import json
 
         report = dict(texts=out.texts, finish_reasons=out.finish_reasons, token_ids=out.token_ids,
                       method=args.method, generation=out.generation, stats=_stats(out.stats))
+        if args.chat:
+            report["reasoning"] = out.reasoning
         if ref is not None:
             report.update(autoregressive_stats=_stats(ref.stats), identical=same,
                           speedup=out.stats.tokens_per_s / ref.stats.tokens_per_s, warmup_s=warmup)
@@ -445,7 +539,9 @@ def _run_generate(args) -> int:
         if len(prompts) > 1:
             sample = f" sample {i % args.num_samples}" if args.num_samples > 1 else ""
             print(f"=== prompt {i // args.num_samples}{sample} ({out.finish_reasons[i]}) ===")
-        print(prompt + text)
+        if args.chat and out.reasoning[i] is not None:
+            print(f"[reasoning] {out.reasoning[i]}")
+        print(text if args.chat else prompt + text)
     g = out.generation
     taken = f" (from generation_config.json: {', '.join(g['from_checkpoint'])})" if g["from_checkpoint"] else ""
     print(f"[decoding] max_new_tokens {g['max_new_tokens']} temperature {g['temperature']} top_k {g['top_k']} "
@@ -473,13 +569,14 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("demo", add_help=False, help="the shipped tiny model pair: every decoding method and drafter, "
                                                 "greedy identity, tau and tokens/s (stree demo --help)")
     _generate_parser(sub)
+    _chat_parser(sub)
     _reason_parser(sub)
     _profile_parser(sub)
     _optimize_parser(sub)
     _train_lm_parser(sub)
     _distill_parser(sub)
     args = parser.parse_args(argv)
-    run = {"generate": _run_generate, "reason": _run_reason, "optimize-tree": _run_optimize, "train-lm": _run_train_lm,
+    run = {"generate": _run_generate, "chat": _run_chat, "reason": _run_reason, "optimize-tree": _run_optimize, "train-lm": _run_train_lm,
            "distill": _run_distill, "profile": _run_profile}[args.command]
     from .training.loop import TrainingInterrupted
 

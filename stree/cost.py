@@ -294,6 +294,8 @@ def _measure(model, drafter, batch: int, mode: str, sampled: bool, shapes, budge
     from .verify import SamplingParams
 
     device, vocab = model.device, model.vocab_size
+    if drafter is not None:
+        drafter = drafter.for_measuring()  # what it learns here must not reach the calls that decode
     depth = max([s.max_depth for s in shapes] + [1])
     context, calls_max = 32, 2 + 33 * (1 + len(shapes))  # a warm-up call, then two a round
     runner = None

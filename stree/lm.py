@@ -40,6 +40,7 @@ class TextOutput:
     finish_reasons: list[str]
     stats: GenerationStats
     generation: dict = field(default_factory=dict)  # the decoding values used (LM.generation)
+    reasoning: list[str | None] | None = None  # a chat's thinking per row (LM.chat), None where there is none
 
     @property
     def text(self) -> str:
@@ -241,9 +242,10 @@ class LM:
     def _steps(self, prompts, *, max_new_tokens: int | None = None, drafter="ngram", stop=None,
                temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
                eos_token_id="checkpoint", **kwargs):
-        """The rows' text trackers, the decoding steps, the EOS ids and the decoding values in force."""
+        """The rows' text trackers, the decoding steps, the EOS ids and the decoding values in force;
+        ``prompts``: text, or :class:`_Ids` (token ids already)."""
         stops = stop_strings(stop)
-        ids = self.encode(prompts)
+        ids = prompts.ids if isinstance(prompts, _Ids) else self.encode(prompts)
         eos = self.eos_token_id if eos_token_id == "checkpoint" else eos_token_id
         params = self.generation(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p)
         params["eos_token_id"] = eos
@@ -284,6 +286,31 @@ class LM:
                 return self._output(end.value, rows, eos, params)
             apply_text_stops(batch, rows)
 
+    def chat(self, messages, **kwargs) -> TextOutput:
+        """Answer ``messages``: one conversation (a list of ``{"role", "content"}`` dicts) or a
+        list of them (one batch), each prompted exactly as ``tokenizer.apply_chat_template(
+        conversation, add_generation_prompt=True)`` gives, then decoded as :meth:`generate`
+        decodes (every argument of it). A reasoning model's ``<think>`` block, opened by the
+        template or by the model, comes back apart: ``texts`` hold the answers and ``reasoning``
+        the thinking (None for a row without a block). A tokenizer without a chat template is a
+        ValueError."""
+        from .chat import chat_prompts, conversations
+
+        convs, _ = conversations(messages)
+        ids, opened = chat_prompts(self.tokenizer, convs)
+        return _split(self.generate(_Ids(ids), **kwargs), opened)
+
+    def chat_stream(self, messages, **kwargs) -> "TextStream":
+        """:meth:`chat` of one conversation, its text yielded as tokens are accepted (the thinking
+        included, as generated); the stream's ``output`` holds the answer and reasoning apart."""
+        from .chat import chat_prompts, conversations
+
+        convs, single = conversations(messages)
+        if not single:
+            raise TypeError("chat_stream takes one conversation (a list of message dicts), not a batch of them")
+        ids, opened = chat_prompts(self.tokenizer, convs)
+        return TextStream(self, _Ids(ids), kwargs, opened)
+
     def stream(self, prompt: str, **kwargs) -> "TextStream":
         """Yield the completion of one ``prompt`` as its tokens are accepted (the arguments of
         :meth:`generate`); after the last piece, the stream's ``output`` is the
@@ -294,11 +321,29 @@ class LM:
         return TextStream(self, prompt, kwargs)
 
 
-class TextStream:
-    """The pieces of one prompt's completion (see :meth:`LM.stream`); ``output`` once exhausted."""
+@dataclass
+class _Ids:
+    """Prompts given as token ids (a chat template's)."""
 
-    def __init__(self, lm: LM, prompt: str, kwargs: dict):
-        self.lm, self.prompt, self.kwargs = lm, prompt, kwargs
+    ids: list[list[int]]
+
+
+def _split(out: TextOutput, opened: list[bool]) -> TextOutput:
+    """``out`` with each row's ``<think>`` block moved from ``texts`` to ``reasoning``."""
+    from .chat import split_reasoning
+
+    parts = [split_reasoning(text, o) for text, o in zip(out.texts, opened)]
+    out.reasoning = [r for r, _ in parts]
+    out.texts = [t for _, t in parts]
+    return out
+
+
+class TextStream:
+    """The pieces of one prompt's completion (see :meth:`LM.stream`); ``output`` once exhausted.
+    ``opened``: a chat's (:meth:`LM.chat_stream`): whether its template opened a think block."""
+
+    def __init__(self, lm: LM, prompt, kwargs: dict, opened: list[bool] | None = None):
+        self.lm, self.prompt, self.kwargs, self.opened = lm, prompt, kwargs, opened
         self.output: TextOutput | None = None
 
     def __iter__(self):
@@ -320,3 +365,5 @@ class TextStream:
                     sent = ready
         if len(self.output.text) > sent:
             yield self.output.text[sent:]
+        if self.opened is not None:
+            _split(self.output, self.opened)

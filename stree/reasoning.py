@@ -22,6 +22,7 @@ import torch
 from .args import integer
 from .autotree import tree_room
 from .branch import Branch
+from .chat import prompt_ids as chat_prompt_ids
 from .drafters.base import Drafter
 from .drafters.registry import make_drafter
 from .judge import JUDGE_TEMPLATE, Judge
@@ -114,8 +115,9 @@ def spec_reason(base, small, tokenizer, prompt: str, *, judge="prompt", threshol
                 max_new_tokens: int = 512, token_spec=True, small_spec=True, temperature: float = 0.0, top_p: float = 1.0,
                 seed: int | None = None, eos_token_id=None, judge_template: str = JUDGE_TEMPLATE,
                 think_end: str | None = "</think>", base_steps: int = 0) -> ReasonOutput:
-    """Answer ``prompt`` (text) with ``small`` speculating reasoning steps for ``base`` (two
-    models over one vocabulary, ``tokenizer`` shared).
+    """Answer ``prompt`` (text; the user's message through the tokenizer's chat template when it
+    has one) with ``small`` speculating reasoning steps for ``base`` (two models over one
+    vocabulary, ``tokenizer`` shared).
 
     ``judge``: ``"prompt"`` (the base model reads the step followed by ``judge_template`` and
     scores it 0-9 at the next token; ``score`` "greedy" reads the argmax digit, "expected" the
@@ -144,7 +146,7 @@ def spec_reason(base, small, tokenizer, prompt: str, *, judge="prompt", threshol
         raise ValueError(f"step_delimiter must be a non-empty string, got {step_delimiter!r}")
     if not isinstance(prompt, str) or not prompt:
         raise ValueError(f"prompt must be a non-empty string, got {prompt!r}")
-    prompt_ids = tokenizer.encode(prompt)
+    prompt_ids = chat_prompt_ids(tokenizer, prompt)
     drafter = _drafter(token_spec, small, temperature)
     small_drafter = _drafter(small_spec, None, temperature, "small_spec")
     eos = tokenizer.eos_token_id if eos_token_id is None else eos_token_id

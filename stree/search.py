@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from .args import integer
 from .autotree import tree_room
 from .branch import Branch
+from .chat import prompt_ids
 from .drafters.base import Drafter
 from .drafters.per_row import PerRowDrafter
 from .drafters.registry import make_drafter
@@ -128,7 +129,7 @@ def _search(model, prompt, groups: int, keep: int, *, expand: int, steps: int, s
     if isinstance(prompt, str):
         if tokenizer is None:
             raise ValueError("a text prompt needs the tokenizer")
-        prompt = tokenizer.encode(prompt)
+        prompt = prompt_ids(tokenizer, prompt)
     judge = Judge(scorer, tokenizer, score, judge_template)
     drafter, store = _drafter(drafter, store, share_store)
     eos = getattr(tokenizer, "eos_token_id", None) if eos_token_id is None else eos_token_id
@@ -224,8 +225,9 @@ def beam_search(model, prompt, *, width: int = 2, expand: int = 4, steps: int = 
     iteration, the ``width`` best trajectories over all of them kept, for at most ``steps``
     iterations.
 
-    ``prompt``: text (with ``tokenizer``) or token ids. A step ends at ``stop`` (text, needs the
-    tokenizer; None: none), at one of ``stop_sequences`` (token ids), an EOS or
+    ``prompt``: text (with ``tokenizer``; the user's message through its chat template when it
+    has one) or token ids. A step ends at ``stop`` (text, needs the tokenizer; None: none), at one
+    of ``stop_sequences`` (token ids), an EOS or
     ``max_step_tokens``; a trajectory holds at most ``max_new_tokens``. ``scorer``: "prompt" (the
     model judges its own step, the STAND setup; ``score``: "greedy" or "expected" digit),
     "logprob", or a callable ``(context, step) -> float`` (text with a tokenizer, else ids: e.g. a

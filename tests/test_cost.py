@@ -123,6 +123,9 @@ def test_an_unwritable_cache_is_not_fatal(tmp_path, monkeypatch):
 
 
 def test_measuring_leaves_the_drafter_reset_and_its_random_stream_as_it_was(fresh_cache):
+    """Measuring drafts and observes like the loop: a STAND store, which outlives calls, is
+    measured through a fresh copy (learning from the measurement's random text made the first
+    seeded call after it decode differently from the next), its random stream left untouched."""
     from stree.drafters.registry import make_drafter
 
     model = mamba2()
@@ -131,6 +134,10 @@ def test_measuring_leaves_the_drafter_reset_and_its_random_stream_as_it_was(fres
     expected = drafter.generator.get_state()
     cost_profile(model, 2, drafter=drafter, shapes=SHAPES, budget_s=0.2)
     assert torch.equal(drafter.generator.get_state(), expected)
+    assert int(drafter.store.count.sum()) == 0 and drafter._pos == 0 and len(drafter._noise) == 0
+    consensus = make_drafter("consensus")  # its store keeps every path it is shown
+    cost_profile(model, 2, drafter=consensus, shapes=SHAPES, budget_s=0.2)
+    assert consensus.store.size == 0 and consensus.store.tokens == []
     ngram = NGramDrafter()
     cost_profile(model, 1, drafter=ngram, shapes=SHAPES, budget_s=0.2)
     assert ngram._rows == {}

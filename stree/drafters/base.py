@@ -81,6 +81,13 @@ class Drafter:
     def reset(self) -> None:
         """Forget per-row state: the next ``propose`` starts new rows."""
 
+    def for_measuring(self) -> "Drafter":
+        """A drafter of this kind that the cost profile (:mod:`stree.cost`) drafts and observes
+        with: this one, where :meth:`reset` forgets what observing taught it; a drafter whose
+        learning outlives a reset (a store shared across calls) gives a fresh copy, so that
+        measuring leaves what it learned, and so the output of a seeded call, untouched."""
+        return self
+
     def behind(self, context: DraftContext) -> int:
         """How many of the rows' tokens the drafter has yet to read before it can draft (the
         most over ``context.rows``): a drafter model's catch-up after plain steps, or its whole

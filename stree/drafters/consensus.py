@@ -244,6 +244,13 @@ class ConsensusDrafter(Drafter):
     def reset(self) -> None:
         self._live = {}  # the rows' paths stay in the store as earlier trajectories
 
+    def for_measuring(self) -> "ConsensusDrafter":
+        """The same drafter over a fresh store of the same settings (its store keeps every path)."""
+        s = self.store
+        return ConsensusDrafter(PathStore(s.k, s.fuzzy, s.capacity, s.evict_fraction), min_k=self.min_k,
+                                alpha=self.alpha, fuzzy_weight=self.fuzzy_weight, max_candidates=self.max_candidates,
+                                include_self=self.include_self, shape=self.shape, extraction=self.extraction)
+
     def observe(self, context: DraftContext, tokens, target) -> None:
         for i, (emitted, top) in enumerate(zip(tokens, target)):
             r = context.rows[i]

@@ -352,6 +352,13 @@ class STANDDrafter(Drafter):
     def reset(self) -> None:
         self.rates.forget()
 
+    def for_measuring(self) -> "STANDDrafter":
+        """The same drafter over a fresh, empty store of the same sizes (its own store outlives
+        every call)."""
+        store = self.store
+        fresh = STANDStore(store.capacity, store.top_k, store.max_n, store.evict_fraction, store.compiled)
+        return STANDDrafter(fresh, self.shape, self.stochastic, learn=self.learn)
+
     def reseed(self, seed: int) -> None:
         super().reseed(seed)
         self._noise, self._pos = np.empty(0), 0  # drawn from the old stream
