@@ -19,7 +19,7 @@ setup(
         "numba",  # the n-gram drafter's compiled index (stree/drafters/ngram_jit.py)
         "tqdm",
         "tokenizers",
-        "sympy",
+        "math-verify",  # final answers found and compared as the reasoning-evaluation ecosystem does (stree.answers)
     ],
     extras_require={
         "test": ["pytest", "hypothesis", "scipy", "matplotlib"],

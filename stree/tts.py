@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
-from .answers import canonical_answer, extract_answer, extract_boxed
+from .answers import extract_answer, extract_boxed, group_answers, same_answer
 from .drafters.base import Drafter
 from .drafters.consensus import PathStore
 from .drafters.registry import make_drafter
@@ -14,7 +14,7 @@ from .drafters.stand import STANDStore
 from .generate import GenerationStats, generate
 from .tree import TreeBudget, TreeShape
 
-__all__ = ["Trajectories", "sample_trajectories", "majority_vote", "extract_answer", "extract_boxed", "canonical_answer",
+__all__ = ["Trajectories", "sample_trajectories", "majority_vote", "extract_answer", "extract_boxed", "same_answer",
            "best_of_n"]
 
 DRAFTERS = ("stand", "ngram", "consensus")
@@ -79,24 +79,22 @@ def sample_trajectories(model, prompt_ids, n: int, *, drafter="stand", batch_siz
     return Trajectories(tokens, texts, tau, stats, store)
 
 
-def majority_vote(answers, weights=None, key=canonical_answer):
-    """The winning answer: answers are grouped by ``key`` (default :func:`canonical_answer`, so
-    ``\\frac12`` and ``0.5`` vote together; ``None`` for exact strings), a group scores its count,
-    or with ``weights`` its total weight. Ties go to the group seen first; the group is returned
-    as its first answer. None answers abstain; None if every answer abstains."""
+def majority_vote(answers, weights=None, same=same_answer):
+    """The winning answer: answers are grouped by ``same`` (default :func:`~stree.answers.same_answer`,
+    math-verify's equivalence, so ``\\frac12`` and ``0.5`` vote together; None for exact strings),
+    a group scores its count, or with ``weights`` its total weight. Ties go to the group seen
+    first; the group is returned as its first answer. None answers abstain; None if every answer
+    abstains."""
     if weights is not None and len(weights) != len(answers):
         raise ValueError(f"need one weight per answer, got {len(weights)} weights for {len(answers)} answers")
+    groups = group_answers(answers, (lambda a, b: a == b) if same is None else same)
     total: Counter = Counter()
-    first: dict = {}
-    for i, a in enumerate(answers):
-        if a is None:
-            continue
-        group = a if key is None else key(a)
-        total[group] += 1 if weights is None else weights[i]
-        first.setdefault(group, (i, a))
+    for i, g in enumerate(groups):
+        if g is not None:
+            total[g] += 1 if weights is None else weights[i]
     if not total:
         return None
-    return first[max(total, key=lambda g: (total[g], -first[g][0]))][1]
+    return answers[max(total, key=lambda g: (total[g], -g))]
 
 
 def best_of_n(candidates, scorer):
