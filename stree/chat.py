@@ -10,7 +10,7 @@ because reasoning templates make them added tokens that are not special: decodin
 
 from __future__ import annotations
 
-__all__ = ["THINK", "END_THINK", "chat_prompts", "conversations", "prompt_ids", "split_reasoning"]
+__all__ = ["THINK", "END_THINK", "chat_prompts", "conversations", "next_turn", "prompt_ids", "split_reasoning"]
 
 THINK, END_THINK = "<think>", "</think>"
 
@@ -58,6 +58,21 @@ def prompt_ids(tokenizer, text: str) -> list[int]:
     if getattr(tokenizer, "chat_template", None) is None:
         return tokenizer.encode(text)
     return chat_prompts(tokenizer, [[{"role": "user", "content": text}]])[0][0]
+
+
+def next_turn(tokenizer, message: str) -> str | None:
+    """The text a chat template puts after an assistant reply to end it, give the user
+    ``message`` and open the next reply (None without a template): what a model's own judge reads
+    after a step it wrote (found by rendering a reply around a marker and taking what follows)."""
+    if getattr(tokenizer, "chat_template", None) is None:
+        return None
+    marker = "\u2063stree-reply\u2063"
+    conv = [{"role": "user", "content": "-"}, {"role": "assistant", "content": marker},
+            {"role": "user", "content": message}]
+    text = tokenizer.apply_chat_template(conv, add_generation_prompt=True, tokenize=False)
+    if text.count(marker) != 1:
+        return None  # a template that rewrites earlier replies: no turn to lift out of it
+    return text.split(marker, 1)[1]
 
 
 def split_reasoning(text: str, opened: bool) -> tuple[str | None, str]:

@@ -1,7 +1,8 @@
 """Scoring a reasoning step with the model itself (SPECREASON_AND_TTS.md §1-2): SpecReason's judge
 and the self-evaluation step-level search uses in place of a process reward model.
 
-- ``"prompt"``: the model reads the step followed by :data:`JUDGE_TEMPLATE`, and the 0-9 score is
+- ``"prompt"``: the model reads the step followed by :data:`JUDGE_TEMPLATE` (its question asked as
+  the user's next turn in the model's chat format when the tokenizer has one), and the 0-9 score is
   read from its distribution at the next position (``score`` "greedy": the argmax token's digit,
   0 when it is none; "expected": the mean digit, renormalised over the ten digit tokens; the
   probability on digit tokens is reported beside it).
@@ -19,17 +20,19 @@ import math
 import torch
 
 from .branch import Branch, Scored, log_probs
+from .chat import next_turn
 
-__all__ = ["JUDGE_TEMPLATE", "JUDGES", "Judge", "SCORE_READINGS", "digit_ids", "read_score"]
+__all__ = ["JUDGE_PREFIX", "JUDGE_QUESTION", "JUDGE_TEMPLATE", "JUDGES", "Judge", "SCORE_READINGS", "digit_ids",
+           "read_score"]
 
 # The judge turn that follows the step: the paper's instructions (evaluate the last step for
 # factual correctness and logical validity only, score 0 to 9) and an answer prefix that leaves
-# the score digit as the very next token. Plain text: models without a chat template read it.
-JUDGE_TEMPLATE = (
-    "\nEvaluate the last reasoning step above solely for its factual correctness and logical validity. "
-    "Ignore style, phrasing and overall usefulness. Give a quality score from 0 to 9.\n"
-    "<think>\nI think the quality score is: "
-)
+# the score digit as the very next token. Plain text for models without a chat template; with
+# one, the question is the user's next message and the prefix opens the model's reply.
+JUDGE_QUESTION = ("Evaluate the last reasoning step above solely for its factual correctness and logical validity. "
+                  "Ignore style, phrasing and overall usefulness. Give a quality score from 0 to 9.")
+JUDGE_PREFIX = "I think the quality score is: "
+JUDGE_TEMPLATE = f"\n{JUDGE_QUESTION}\n<think>\n{JUDGE_PREFIX}"
 JUDGES = ("prompt", "logprob")
 SCORE_READINGS = ("greedy", "expected")
 
@@ -64,7 +67,9 @@ def read_score(logits: torch.Tensor, digits: list[int], method: str = "greedy") 
 
 class Judge:
     """``judge`` ("prompt", "logprob" or a callable, see the module) with its ``tokenizer`` (needed
-    by "prompt" and by a callable that reads text), the ``score`` reading and the ``template``."""
+    by "prompt" and by a callable that reads text), the ``score`` reading and the ``template``
+    (the default's question becomes the user's next turn, in the model's own chat format, when
+    the tokenizer has a chat template)."""
 
     def __init__(self, judge, tokenizer=None, score: str = "greedy", template: str = JUDGE_TEMPLATE):
         if not (judge in JUDGES or callable(judge)):
@@ -77,6 +82,9 @@ class Judge:
             if not isinstance(template, str) or not template:
                 raise ValueError(f"template must be a non-empty string, got {template!r}")
             self.digits = digit_ids(tokenizer)
+            turn = next_turn(tokenizer, JUDGE_QUESTION) if template == JUDGE_TEMPLATE else None
+            if turn is not None:  # the model's own chat format: its reply ends, the question is asked
+                template = turn + ("" if turn.rstrip().endswith("<think>") else "<think>\n") + JUDGE_PREFIX
             self.template = tokenizer.encode(template, add_special_tokens=False)
         self.judge, self.tokenizer, self.score = judge, tokenizer, score
         self.forwards = 0  # the model forwards the judge ran

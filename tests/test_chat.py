@@ -164,3 +164,18 @@ def test_text_patterns_prompt_through_the_chat_template(plain):
     kw = dict(scorer="logprob", steps=2, max_step_tokens=4, max_new_tokens=8, seed=1)
     assert beam_search(plain.model, "def f(x):", tokenizer=tok, **kw).tokens == \
         beam_search(plain.model, rendered, tokenizer=bare, **kw).tokens
+
+
+def test_the_prompt_judge_asks_in_the_models_chat_format(plain, thinking):
+    """With a chat template the judge's question is the user's next turn after the step (the
+    reply closed, the next one opened, then the score prefix); without one, the plain template."""
+    from stree.judge import JUDGE_PREFIX, JUDGE_QUESTION, JUDGE_TEMPLATE, Judge
+
+    tok = plain.tokenizer
+    want = f"\n<|user|>\n{JUDGE_QUESTION}\n<|assistant|>\n<think>\n{JUDGE_PREFIX}"
+    assert Judge("prompt", tok).template == tok.encode(want, add_special_tokens=False)
+    # a template that opens <think> itself: not opened twice
+    assert Judge("prompt", thinking.tokenizer).template == tok.encode(want, add_special_tokens=False)
+    bare = stree.LM.from_pretrained(TARGET, dtype="float32").tokenizer
+    assert Judge("prompt", bare).template == bare.encode(JUDGE_TEMPLATE, add_special_tokens=False)
+    assert Judge("prompt", tok, template="\nscore: ").template == tok.encode("\nscore: ", add_special_tokens=False)
