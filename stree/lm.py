@@ -1,13 +1,15 @@
-"""Text in, text out: a target model with its tokenizer and end-of-sequence ids.
+"""Text in, text out: a target model with its tokenizer, end-of-sequence ids and decoding defaults.
 
-    lm = LM.from_pretrained("path/to/checkpoint")
+    lm = LM.from_pretrained("path/to/checkpoint")  # or a Hub id, "org/name"
     out = lm.generate(["def f(x):", "class A:"], max_new_tokens=64, drafter="stand", stop=["\\n\\n"])
-    out.texts, out.finish_reasons, out.stats
+    out.texts, out.finish_reasons, out.stats, out.generation
+    lm.chat([{"role": "user", "content": "Hi"}]).texts  # through the chat template
 
 ``generate`` batches the prompts through :func:`stree.generate.decode`; stop strings are checked
 on each row's decoded text after every decoding step, and a row that shows one ends there (the
 drafted tokens accepted past it are dropped, the row leaves the batch). ``stream`` yields the text
-of one prompt as its tokens are accepted.
+of one prompt as its tokens are accepted; ``chat`` and ``chat_stream`` do the same for
+conversations (:mod:`stree.chat`).
 """
 
 from __future__ import annotations
