@@ -25,6 +25,18 @@ def _add_revision(p) -> None:
     p.add_argument("--revision", default=None, help="the branch, tag or commit of a Hub id --model (default: main)")
 
 
+def _add_decoding(p) -> None:
+    """The sampling flags (their defaults the checkpoint's), seed, dtype and device."""
+    defaults = "default: the checkpoint's generation_config.json, else "
+    p.add_argument("--temperature", type=float, default=None, help=defaults + "0 (greedy)")
+    p.add_argument("--top-k", type=int, default=None, help=defaults + "0 (off)")
+    p.add_argument("--top-p", type=float, default=None, help=defaults + "1.0 (off)")
+    p.add_argument("--max-new-tokens", type=int, default=None, help=defaults + "128")
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default: the checkpoint's")
+    p.add_argument("--device", default=None, help="default: cuda when available, else cpu")
+
+
 def _generate_parser(sub) -> None:
     p = sub.add_parser("generate", help="complete prompts with speculative tree decoding",
                        description="Under torchrun --nproc-per-node N, the model is split over the N ranks "
@@ -56,14 +68,7 @@ def _generate_parser(sub) -> None:
                    "this machine's measured costs and the acceptance so far) | paper13 | chain:D | full:WxD | "
                    "PATH.json | dynamic:N[xD] (a tree of N nodes, at most D deep, grown each step by the stand, "
                    "stand-det or ssm drafter)")
-    defaults = "default: the checkpoint's generation_config.json, else "
-    p.add_argument("--temperature", type=float, default=None, help=defaults + "0 (greedy)")
-    p.add_argument("--top-k", type=int, default=None, help=defaults + "0 (off)")
-    p.add_argument("--top-p", type=float, default=None, help=defaults + "1.0 (off)")
-    p.add_argument("--max-new-tokens", type=int, default=None, help=defaults + "128")
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default: the checkpoint's")
-    p.add_argument("--device", default=None, help="default: cuda when available, else cpu")
+    _add_decoding(p)
     p.add_argument("--compare", action="store_true", help="also decode autoregressively; print the speedup and "
                                                              "whether greedy outputs are identical")
     p.add_argument("--compile", action="store_true", help="CPU: torch.compile the step and tree pass (and "
@@ -173,14 +178,7 @@ def _chat_parser(sub) -> None:
     p.add_argument("--system", default=None, help="a system message opening the conversation")
     p.add_argument("--drafter", choices=DRAFTER_NAMES, default="ngram")
     p.add_argument("--drafter-model", default=None, help="checkpoint directory or Hub id of a small drafter LM")
-    defaults = "default: the checkpoint's generation_config.json, else "
-    p.add_argument("--temperature", type=float, default=None, help=defaults + "0 (greedy)")
-    p.add_argument("--top-k", type=int, default=None, help=defaults + "0 (off)")
-    p.add_argument("--top-p", type=float, default=None, help=defaults + "1.0 (off)")
-    p.add_argument("--max-new-tokens", type=int, default=None, help=defaults + "128")
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default: the checkpoint's")
-    p.add_argument("--device", default=None, help="default: cuda when available, else cpu")
+    _add_decoding(p)
 
 
 def _run_chat(args) -> int:
