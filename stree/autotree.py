@@ -96,11 +96,11 @@ class PathRates:
         ``per_row`` also learns each row's own, under its id ``ids[b]``."""
         self.accepted *= self.decay
         self.reached *= self.decay
+        ids = np.zeros(0, dtype=np.int64) if per_row is None else np.asarray(ids, dtype=np.int64)
         if per_row is not None:
             per_row.fade(int(ids.max()) + 1 if len(ids) else 0)
         parents, rank, depth = _structure(tree)
         valid = _valid(tree)
-        ids = np.zeros(0, dtype=np.int64) if per_row is None else np.asarray(ids, dtype=np.int64)
         row_accepted, row_reached = (_NO_ROWS, _NO_ROWS) if per_row is None else (per_row.accepted, per_row.reached)
         _record(parents, rank, depth, tree.tokens.numpy(), valid, tokens, counts, rows, self.accepted, self.reached,
                 ids, row_accepted, row_reached)
