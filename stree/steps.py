@@ -6,6 +6,7 @@ speculative step (:func:`speculative_step`: tree pass, verification, commit). Th
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -13,7 +14,7 @@ import torch
 from .distributed import agree
 from .models.runners import DecodeRunner
 from .tree import TokenTree
-from .verify import SamplingParams, verify
+from .verify import SamplingParams, VerifyResult, greedy_path, verify
 
 __all__ = ["HostStep", "autoregressive_step", "check_draft", "prefill_rows", "speculative_step"]
 
@@ -43,22 +44,37 @@ def _finite(logits: torch.Tensor, params: SamplingParams) -> tuple[torch.Tensor,
 
 def _to_host(tokens: torch.Tensor, counts: torch.Tensor, probs: torch.Tensor | None, top_k: int,
              finite: torch.Tensor) -> HostStep:
-    """Pack everything into one fp32 tensor (cat promotes the ids; vocabularies stay below 2^24,
-    where fp32 holds integers exactly), move it once, unpack on the host. ``probs [B, L, V]``: the
-    law each emitted token was drawn from (None: no drafter learns); ``finite [B, ...]``: see
-    :func:`_finite`."""
-    B, L = tokens.shape
-    finite = finite.reshape(B, -1)
-    parts = [tokens, counts[:, None], finite]
-    k = 0
+    """Pack everything into one fp32 tensor, move it once, unpack on the host (:func:`pack`)."""
+    packed = pack(tokens, counts, probs, top_k, finite)
+    return unpack(packed.cpu(), tokens.shape[1], finite[0].numel(), packed_k(probs, top_k))  # the one sync
+
+
+def packed_k(probs: torch.Tensor | None, top_k: int) -> int | None:
+    """How many target entries per token :func:`pack` stores (None: no laws at all)."""
+    return None if probs is None else min(top_k, probs.shape[-1])
+
+
+def pack(tokens: torch.Tensor, counts: torch.Tensor, probs: torch.Tensor | None, top_k: int,
+         finite: torch.Tensor) -> torch.Tensor:
+    """Everything the host needs from a step in one fp32 tensor ``[B, ...]`` (cat promotes the
+    ids; vocabularies stay below 2^24, where fp32 holds integers exactly): the emitted ``tokens
+    [B, L]``, their ``counts``, ``finite [B, ...]`` (:func:`_finite`) and, with ``probs [B, L,
+    V]`` (the law each emitted token was drawn from; None: no drafter learns), its top-``top_k``
+    and each emitted token's probability. Tensors only: a compiled pass packs for itself."""
+    B = tokens.shape[0]
+    parts = [tokens, counts[:, None], finite.reshape(B, -1)]
     if probs is not None:
-        k = min(top_k, probs.shape[-1])
-        top_p, top_i = torch.topk(probs, k, dim=-1)
+        top_p, top_i = torch.topk(probs, packed_k(probs, top_k), dim=-1)
         parts += [top_i.flatten(1), top_p.flatten(1), probs.gather(-1, tokens[..., None])[..., 0]]
-    host = torch.cat(parts, 1).float().cpu()  # the step's one device-to-host sync
-    m = finite.shape[1]
+    return torch.cat(parts, 1).float()
+
+
+def unpack(host: torch.Tensor, L: int, m: int, k: int | None) -> HostStep:
+    """The :class:`HostStep` in a packed host tensor of ``L`` tokens a row, ``m`` finiteness flags
+    and ``k`` target entries per token (None: no laws packed)."""
+    B = host.shape[0]
     out = HostStep(host[:, :L].long(), host[:, L].long(), host[:, L + 1: L + 1 + m].bool().all(1))
-    if probs is not None:
+    if k is not None:
         at = L + 1 + m
         out.top_ids = host[:, at: at + L * k].long().view(B, L, k)
         out.top_probs = host[:, at + L * k: at + 2 * L * k].view(B, L, k)
@@ -98,6 +114,20 @@ def speculative_step(model, cache, draft: TokenTree, params: SamplingParams, gen
     graphs or compiled).
     ``lap(phase)``, if given, is called after "verify" (tree pass and verification) and "commit"."""
     fast = runner is not None and backend == "tree" and draft._shape is not None
+    fused = fast and params.greedy and runner.fused(_greedy_iteration, draft._shape, "greedy")
+    if fused:  # the pass, greedy verification and the host's packing as one compiled graph
+        k = None if top_k is None else min(top_k, model.vocab_size)
+        depth = draft._shape.max_depth
+        valid = draft.valid if draft.valid is not None else _all_valid(draft.tokens.shape, draft.tokens.device)
+        tree_pass, (accepted, num, bonus, packed) = fused(draft.tokens, valid, depth, k)
+        result = VerifyResult(accepted, num, bonus, None)
+        if lap is not None:
+            lap("verify")
+        runner.tree(draft._shape)[1](tree_pass, accepted, num)
+        host = unpack(packed.cpu(), depth + 1, draft.n, k)  # the step's one device-to-host sync
+        if lap is not None:
+            lap("commit")
+        return host, result
     if fast:
         fast_tree, fast_commit = runner.tree(draft._shape)
         logits, tree_pass = fast_tree(draft.tokens, validate=False)
@@ -124,6 +154,29 @@ def speculative_step(model, cache, draft: TokenTree, params: SamplingParams, gen
     if lap is not None:
         lap("commit")
     return host, result
+
+
+@functools.lru_cache(maxsize=64)
+def _all_valid(shape: tuple, device: torch.device) -> torch.Tensor:
+    """A draft without a validity mask as one with every node valid: a compiled graph takes the
+    one kind of input (None there would be another graph, compiled again inside decoding)."""
+    return torch.ones(shape, dtype=torch.bool, device=device)
+
+
+def _greedy_iteration(model, tokens, index, cache, kernels: str, valid, max_depth: int, k: int | None):
+    """A static shape's tree pass, greedy verification, the emitted tokens and their packing for
+    the host (with the target's top-``k`` laws along the accepted path where a drafter learns
+    from them): tensors only, for :meth:`~stree.models.runners.DecodeRunner.fused` to compile as
+    one graph. The same arithmetic as the eager step's (:func:`speculative_step`), tested equal."""
+    logits, ssm, attn = model.tree_layers(tokens, index, cache, "tree", kernels)
+    finite = logits.sum(-1) < float("inf")
+    accepted, num, bonus = greedy_path(index.parents, tokens, valid, logits.argmax(-1), max_depth)
+    path = tokens.gather(1, accepted)
+    out = torch.cat([path[:, 1:], path[:, :1]], 1).scatter(1, (num - 1)[:, None], bonus[:, None])
+    probs = None
+    if k is not None:
+        probs = torch.softmax(logits.gather(1, accepted[:, :, None].expand(-1, -1, logits.shape[-1])).float(), -1)
+    return ssm, attn, (accepted, num, bonus, pack(out, num, probs, k or 0, finite))
 
 
 def check_draft(draft: TokenTree, roots: torch.Tensor, vocab_size: int) -> None:

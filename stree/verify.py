@@ -243,13 +243,20 @@ def follow_choices(tree: TokenTree, choice: torch.Tensor):
     """Greedy and naive verification: ``choice`` ``[B, N]`` is the token each node emits (the
     argmax, or one target draw per node). Follow the first child equal to its parent's choice;
     the bonus is the choice at the last node reached. Returns ``(accepted, num_accepted, bonus)``."""
+    return greedy_path(tree.parents.to(choice.device), tree.tokens, tree.valid, choice, _max_depth(tree))
+
+
+def greedy_path(parents: torch.Tensor, tokens: torch.Tensor, valid: torch.Tensor | None, choice: torch.Tensor,
+                max_depth: int):
+    """:func:`follow_choices` on tensors (``parents`` ``[N]`` or ``[B, N]``; ``valid`` None: all),
+    static in shape for a given ``max_depth``: what a compiled pass can run itself."""
     B, N = choice.shape
-    parents = tree.parents.to(choice.device).expand(B, N)
-    edge = tree.tokens.long() == choice.gather(1, parents.clamp(min=0))
-    if tree.valid is not None:
-        edge &= tree.valid
+    parents = parents.expand(B, N)
+    edge = tokens.long() == choice.gather(1, parents.clamp(min=0))
+    if valid is not None:
+        edge = edge & valid
     edge[:, 0] = False
-    accepted, num, end = _walk(parents, edge, _max_depth(tree))
+    accepted, num, end = _walk(parents, edge, max_depth)
     return accepted, num, choice.gather(1, end[:, None])[:, 0]
 
 

@@ -126,3 +126,54 @@ def test_sampling_params_are_checked_once_and_shared():
     assert a.sequences == b.sequences
     with pytest.raises(TypeError, match="sampling must be a SamplingParams"):
         generate(model, [[1]], sampling={"temperature": 1.0}, max_new_tokens=2)
+
+
+def _followed(model, cache, seed=0):
+    """A draft of SHAPE whose first children follow the target's greedy choices (so a path of
+    several nodes is accepted), with one later sibling invalid."""
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, VOCAB, (2, SHAPE.n), generator=g)
+    kids = SHAPE.children()
+    for _ in range(SHAPE.max_depth):
+        logits, _ = model.forward_tree(TokenTree.from_shape(SHAPE, tokens), cache.clone())
+        best = logits.argmax(-1)
+        for v, children in enumerate(kids):
+            if children:
+                tokens[:, children[0]] = best[:, v]
+    valid = torch.ones(2, SHAPE.n, dtype=torch.bool)
+    valid[1, kids[0][-1]] = False
+    return TokenTree.from_shape(SHAPE, tokens, valid=valid)
+
+
+@pytest.mark.parametrize("family, top_k", [(f, None) for f in FAMILIES] + [("mamba2", 0), ("mamba2", 3)])
+def test_the_compiled_greedy_iteration_equals_the_eager_step(family, top_k):
+    """Compiled decoding runs a greedy step's tree pass, verification and packing as one graph:
+    the same accepted paths, emitted tokens, target laws and committed state as the eager step."""
+    from stree.models import CompiledDecode
+
+    model, eager = _ready(family)
+    runner = CompiledDecode(model, 2, 64)
+    runner.cache.assign(torch.arange(2), eager)
+    draft = _followed(model, eager)
+    params = SamplingParams(0.0)
+    want, want_result = speculative_step(model, eager, draft, params, None, top_k=top_k)
+    got, result = speculative_step(model, runner.cache, draft, params, None, top_k=top_k, runner=runner)
+    assert [name for _, name in runner.__dict__.get("_fused", {})] == ["greedy"]  # the fused path ran
+    assert int(want_result.num_accepted.max()) >= 3  # (the draft is followed: a long path to compare)
+    for a, b in ((result.accepted, want_result.accepted), (result.num_accepted, want_result.num_accepted),
+                 (result.bonus, want_result.bonus), (got.tokens, want.tokens), (got.counts, want.counts),
+                 (got.finite, want.finite)):
+        assert torch.equal(a, b)
+    if top_k is not None:
+        assert torch.equal(got.top_ids, want.top_ids)
+        torch.testing.assert_close(got.top_probs, want.top_probs)
+        torch.testing.assert_close(got.token_probs, want.token_probs)
+    else:
+        assert got.top_ids is None
+    assert torch.equal(runner.cache.seqlens, eager.seqlens)
+    torch.testing.assert_close(runner.cache.ssm, eager.ssm, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(runner.cache.conv, eager.conv, atol=1e-5, rtol=1e-5)
+    if eager.k is not None:
+        for b, n in enumerate(eager.seqlens.tolist()):
+            torch.testing.assert_close(runner.cache.k[:, b, :n], eager.k[:, b, :n], atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(runner.cache.v[:, b, :n], eager.v[:, b, :n], atol=1e-5, rtol=1e-5)

@@ -5,7 +5,10 @@ loops. ``commit`` is the model's own: a few gathers and one replay, which on the
 by numba (``stree.kernels.replay_jit``); the Inductor-compiled PyTorch replay measured 2.5 times
 slower (the shipped target, 13-node tree: 0.71 against 0.28 ms at batch 1, 1.54 against 0.54 at
 batch 4), its guards alone ~0.15 ms. On CUDA the loop replays CUDA graphs instead (:mod:`.graphs`),
-the commit included.
+the commit included. :meth:`CompiledModel.fused` compiles a decoding step's own work around the
+tree pass into the pass's graph (greedy verification and the host's packing,
+``stree.steps``): a 2-node iteration's verification and packing took 0.29 ms beside a 0.39 ms
+step when they ran eager.
 
 The compiled functions are the eager ones (``step_pass``, ``tree_layers``), which stay the
 reference: tests compare the two. Compiling costs seconds per function and shape, once per process
@@ -116,15 +119,32 @@ class CompiledModel:
         index, max_depth = self.model.check_tree(tree, cache, backend, validate)
         if backend != "tree" or tree._shape is None:
             return self.model.tree_pass(tree, index, cache, backend, KERNELS, max_depth)
+        self.warm(tree, index, cache)
+        logits, ssm, attn = self._call(_tree, (cache.batch_size, tree._shape), _dense(tree.tokens), index, cache)
+        return logits, TreePass(tree, index, max_depth, ssm, attn, weakref.ref(cache), cache.version)
+
+    def warm(self, tree: TokenTree, index, cache: ModelCache) -> None:
+        """Before a static shape's first compiled pass, one eager pass (it changes no state): it
+        fills the masks the index memoises, which the compiled graph then reads as constants;
+        filling them while tracing would fail the graph's own guards on the next call and compile
+        it twice."""
         if self._warm.get(id(index)) is not index:
-            # One eager pass first (it changes no state): it fills the masks the index memoises,
-            # which the compiled graph then reads as constants; filling them while tracing would
-            # fail the graph's own guards on the next call and compile it twice.
             with torch.no_grad():
                 self.model.tree_layers(tree.tokens, index, cache, "tree", KERNELS)
             self._warm[id(index)] = index
-        logits, ssm, attn = self._call(_tree, (cache.batch_size, tree._shape), _dense(tree.tokens), index, cache)
-        return logits, TreePass(tree, index, max_depth, ssm, attn, weakref.ref(cache), cache.version)
+
+    def fused(self, fn, tree: TokenTree, cache: ModelCache, name: str, *extra):
+        """``fn(model, tokens, index, cache, kernels, *extra)``, which runs the tree pass of a static
+        shape (``tree_layers``) and returns ``(ssm, attn, rest)``, compiled as one graph per batch
+        size, shape and ``name`` (``extra``, Python values, are constants of it): the work a
+        decoding step does around the pass, in the pass's graph. Returns ``(TreePass, rest)``."""
+        index, max_depth = self.model.check_tree(tree, cache, "tree", validate=False)
+        self.warm(tree, index, cache)
+        constants = tuple(x for x in extra if not isinstance(x, torch.Tensor))  # a copy of its own for each
+        extra = tuple(_dense(x) if isinstance(x, torch.Tensor) else x for x in extra)
+        ssm, attn, rest = self._call(fn, (cache.batch_size, tree._shape, name, constants), _dense(tree.tokens), index,
+                                     cache, KERNELS, *extra)
+        return TreePass(tree, index, max_depth, ssm, attn, weakref.ref(cache), cache.version), rest
 
     def commit(self, cache: ModelCache, tree_pass: TreePass, accepted: torch.Tensor, num_accepted: torch.Tensor,
                validate: bool = True) -> None:
@@ -153,3 +173,14 @@ class CompiledDecode(DecodeRunner):
             self.compiled.commit(self.cache, tree_pass, accepted, num_accepted, validate=False)
 
         return tree_pass, commit
+
+    def fused(self, fn, shape: TreeShape, name: str):
+        """See :meth:`DecodeRunner.fused`: compiled by :meth:`CompiledModel.fused`."""
+        runs = self.__dict__.setdefault("_fused", {})
+        if (shape, name) not in runs:
+            def run(tokens: torch.Tensor, *extra):
+                check_tree_tokens(self.model, self.cache, tokens, (self.cache.batch_size, shape.n),
+                                  shape.max_depth + 1, False)
+                return self.compiled.fused(fn, TokenTree.from_shape(shape, tokens), self.cache, name, *extra)
+            runs[(shape, name)] = run
+        return runs[(shape, name)]

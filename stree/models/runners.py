@@ -68,6 +68,12 @@ class DecodeRunner:
             self._trees[shape] = self.make_tree(shape)
         return self._trees[shape]
 
+    def fused(self, fn, shape: TreeShape, name: str) -> Callable | None:
+        """``fn`` run with the tree pass of ``shape`` in one compiled graph, as
+        :meth:`CompiledModel.fused` describes (a callable ``(tokens, *extra) -> (TreePass,
+        rest)``), or None where the runner has no such path (CUDA graphs: the step's own)."""
+        return None
+
     def make_step(self) -> Callable:
         raise NotImplementedError
 
