@@ -7,6 +7,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 from .answers import extract_answer, extract_boxed, group_answers, same_answer
+from .chat import prompt_ids as prompt_ids_of
 from .drafters.base import Drafter
 from .drafters.consensus import PathStore
 from .drafters.registry import make_drafter
@@ -58,11 +59,17 @@ def sample_trajectories(model, prompt_ids, n: int, *, drafter="stand", batch_siz
     smaller), every batch drafting from one store that persists across batches and, when passed
     in as ``store``, across calls. ``drafter``: ``"stand"`` (the default), ``"ngram"``,
     ``"consensus"``, a :class:`Drafter`, or None (autoregressive). Batch b decodes with seed
-    ``seed + b``. ``tree``: the draft tree shape or budget (default: :func:`generate`'s)."""
+    ``seed + b``. ``tree``: the draft tree shape or budget (default: :func:`generate`'s).
+    ``prompt_ids``: token ids, or text with ``tokenizer`` (the user's message through its chat
+    template when it has one)."""
     if not isinstance(n, int) or n < 1:
         raise ValueError(f"n must be an int >= 1, got {n!r}")
     if not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
+    if isinstance(prompt_ids, str):
+        if tokenizer is None:
+            raise ValueError("a text prompt needs the tokenizer")
+        prompt_ids = prompt_ids_of(tokenizer, prompt_ids)
     prompt = [int(t) for t in prompt_ids]
     drafter, store = _drafter(drafter, store)
     method = "autoregressive" if drafter is None else "stree"

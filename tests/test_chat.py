@@ -51,6 +51,9 @@ def test_a_batch_of_conversations_equals_each_alone(plain):
     batch = plain.chat(CHATS, max_new_tokens=16, drafter="stand")
     alone = [plain.chat(c, max_new_tokens=16).texts[0] for c in CHATS]
     assert batch.texts == alone and len(batch.finish_reasons) == 2
+    stop = alone[0][3:6]  # a stop string ends a chat's row as a prompt's
+    cut = plain.chat(CHATS, max_new_tokens=16, drafter="ngram", stop=[stop])
+    assert cut.texts[0] == alone[0][: alone[0].index(stop)] and cut.finish_reasons[0] == "stop"
 
 
 @pytest.mark.parametrize("text, opened, want", [
@@ -164,6 +167,12 @@ def test_text_patterns_prompt_through_the_chat_template(plain):
     kw = dict(scorer="logprob", steps=2, max_step_tokens=4, max_new_tokens=8, seed=1)
     assert beam_search(plain.model, "def f(x):", tokenizer=tok, **kw).tokens == \
         beam_search(plain.model, rendered, tokenizer=bare, **kw).tokens
+    from stree.tts import sample_trajectories  # the STAND multi-trajectory pattern
+
+    kw = dict(max_new_tokens=8, batch_size=2, seed=3)
+    assert sample_trajectories(plain.model, "def f(x):", 2, tokenizer=tok, **kw).tokens == \
+        sample_trajectories(plain.model, prompt_ids(tok, "def f(x):"), 2, **kw).tokens != \
+        sample_trajectories(plain.model, bare.encode("def f(x):"), 2, **kw).tokens
 
 
 def test_the_prompt_judge_asks_in_the_models_chat_format(plain, thinking):

@@ -19,24 +19,30 @@ from stree.models import load, load_tokenizer
 from stree.models.hub import PICKLED, READ, is_repo_id, resolve
 
 REPO, COMMIT, TAG_COMMIT = "stree-test/tiny", "a" * 40, "b" * 40
+SMALL = "stree-test/small"  # the shipped drafter, at main
 FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
 
 
-@pytest.fixture
-def hub(tmp_path, monkeypatch):
-    """The shipped target cached as ``stree-test/tiny`` at main, and the drafter at tag ``small``;
-    huggingface_hub pointed at it, offline."""
-    root = tmp_path / "hub"
-    repo = root / "models--stree-test--tiny"
-    for commit, source in ((COMMIT, TARGET), (TAG_COMMIT, DRAFTER)):
+def _cached(root, repo_id: str, refs: dict) -> None:
+    """``repo_id`` in the Hub cache at ``root``: each ref names a (commit, source directory)."""
+    repo = root / ("models--" + repo_id.replace("/", "--"))
+    (repo / "refs").mkdir(parents=True)
+    for ref, (commit, source) in refs.items():
         snapshot = repo / "snapshots" / commit
         snapshot.mkdir(parents=True)
         for name in FILES:
             if (source / name).exists():
                 shutil.copy(source / name, snapshot / name)
-    (repo / "refs").mkdir()
-    (repo / "refs" / "main").write_text(COMMIT)
-    (repo / "refs" / "small").write_text(TAG_COMMIT)
+        (repo / "refs" / ref).write_text(commit)
+
+
+@pytest.fixture
+def hub(tmp_path, monkeypatch):
+    """The shipped target cached as ``stree-test/tiny`` at main and the drafter at its tag
+    ``small``, and the drafter as ``stree-test/small``; huggingface_hub pointed at it, offline."""
+    root = tmp_path / "hub"
+    _cached(root, REPO, {"main": (COMMIT, TARGET), "small": (TAG_COMMIT, DRAFTER)})
+    _cached(root, SMALL, {"main": ("c" * 40, DRAFTER)})
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(root))
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     return root
@@ -48,6 +54,13 @@ def test_a_hub_id_loads_from_the_cache_as_its_directory_does(hub):
     kw = dict(max_new_tokens=12, drafter="ngram")
     assert by_id.generate(["def f(x):"], **kw).token_ids == by_dir.generate(["def f(x):"], **kw).token_ids
     assert resolve(REPO) == hub / "models--stree-test--tiny" / "snapshots" / COMMIT
+
+
+def test_a_drafter_model_and_a_tokenizer_load_by_id(hub):
+    lm = stree.LM.from_pretrained(TARGET, dtype=torch.float32, device="cpu", drafter_model=SMALL, tokenizer=REPO)
+    assert lm.drafter_model.cfg == load(DRAFTER).cfg and len(lm.tokenizer) == len(load_tokenizer(TARGET))
+    assert lm.generate(["def f(x):"], max_new_tokens=6, drafter="ssm").token_ids == \
+        lm.generate(["def f(x):"], max_new_tokens=6, method="autoregressive").token_ids
 
 
 def test_a_revision_picks_its_snapshot_and_a_missing_one_is_named(hub):
@@ -114,7 +127,15 @@ def test_the_cli_takes_a_hub_id_and_names_one_it_cannot_have(hub):
     assert ok.stdout.startswith("def f(x):")
     small = run(REPO, "--revision", "small")
     assert small.returncode == 0, small.stderr
+    by_ids = run(str(TARGET), "--tokenizer", REPO, "--drafter", "ssm-static", "--drafter-model", SMALL)
+    assert by_ids.returncode == 0, by_ids.stderr
+    assert by_ids.stdout.splitlines()[0] == ok.stdout.splitlines()[0]  # greedy: the same text by any drafter
     bad = run("nobody/nothing")
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "Traceback" not in bad.stderr
     assert "'nobody/nothing' is not a local directory, and the Hub id 'nobody/nothing' is not in the Hub cache" in \
         bad.stderr
+    for argv in (["distill", "--target", "nobody/nothing", "--out", str(hub / "out")],
+                 ["reason", "--model", REPO, "--small-model", "nobody/nothing", "--prompt", "def f(x):"]):
+        bad = subprocess.run([sys.executable, "-m", "stree", *argv], capture_output=True, text=True, env=env,
+                             timeout=300)
+        assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "'nobody/nothing'" in bad.stderr, argv
