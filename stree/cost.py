@@ -6,10 +6,10 @@ step, on a 2-core CPU several (paper 001 §4; Sequoia's hardware-aware optimiser
 sizes from the same measurement). :func:`cost_profile` measures a model with a drafter at a batch
 size and in a decoding mode (eager, compiled, CUDA graphs) by running the loop's own work on a
 random context: the drafter's ``propose`` and ``observe`` and the step functions of
-:mod:`stree.steps`, the sizes taking turns, warm-up excluded, in about ``budget_s`` seconds. Drafting and the target's pass are
-timed together because they are not independent: a drafter model's weights push the target's
-out of the CPU's caches (a tree pass after a drafter's steps costs more than one after another
-pass). The result is kept for the process and in a small JSON file (``$STREE_CACHE_DIR``, else
+:mod:`stree.steps`, the sizes taking turns, warm-up excluded, in about ``budget_s`` seconds.
+Drafting and the target's pass are timed together because they are not independent: a drafter
+model's weights push the target's out of the CPU's caches (a tree pass after a drafter's steps
+costs more than one after another pass). The result is kept for the process and in a small JSON file (``$STREE_CACHE_DIR``, else
 ``$XDG_CACHE_HOME/stree``, else ``~/.cache/stree``), keyed by everything the times depend on: the
 model's class and config, the drafter's kind (and its model's config), dtype, device (the CPU's
 model and thread count, or the GPU's name), batch size, mode, sizes and the library's and

@@ -38,8 +38,23 @@ def _finite(logits: torch.Tensor, params: SamplingParams) -> tuple[torch.Tensor,
     the sum; -inf, a token ruled out, is allowed), and the logits with the bad positions zeroed
     when sampling, so that no NaN reaches a draw (a crash on the CPU, a device assert on CUDA)
     before the host sees the flag."""
-    finite = logits.sum(-1) < float("inf")
+    finite = _finite_rows(logits)
     return finite, logits if params.greedy else logits.where(finite[..., None], 0.0)
+
+
+def _finite_rows(logits: torch.Tensor) -> torch.Tensor:
+    return logits.sum(-1) < float("inf")
+
+
+def _emitted(tokens: torch.Tensor, accepted: torch.Tensor, num: torch.Tensor, bonus: torch.Tensor) -> torch.Tensor:
+    """Each row's emitted tokens ``[B, L]``: the accepted drafts below the root, then the bonus."""
+    path = tokens.gather(1, accepted)
+    return torch.cat([path[:, 1:], path[:, :1]], 1).scatter(1, (num - 1)[:, None], bonus[:, None])
+
+
+def _along(x: torch.Tensor, accepted: torch.Tensor) -> torch.Tensor:
+    """``x [B, N, V]`` at each row's accepted path ``[B, L]``: ``[B, L, V]``."""
+    return x.gather(1, accepted[:, :, None].expand(-1, -1, x.shape[-1]))
 
 
 def _to_host(tokens: torch.Tensor, counts: torch.Tensor, probs: torch.Tensor | None, top_k: int,
@@ -143,13 +158,11 @@ def speculative_step(model, cache, draft: TokenTree, params: SamplingParams, gen
         fast_commit(tree_pass, result.accepted, result.num_accepted)
     else:
         model.commit(cache, tree_pass, result.accepted, result.num_accepted, validate=False)
-    path_tokens = draft.tokens.gather(1, result.accepted)
-    out = torch.cat([path_tokens[:, 1:], path_tokens[:, :1]], 1)
-    out.scatter_(1, (result.num_accepted - 1)[:, None], result.bonus[:, None])
+    out = _emitted(draft.tokens, result.accepted, result.num_accepted, result.bonus)
     probs = None
     if top_k is not None:
-        at_path = result.accepted[:, :, None].expand(-1, -1, logits.shape[-1])
-        probs = result.probs.gather(1, at_path) if result.probs is not None else params.observed(logits.gather(1, at_path))
+        probs = (_along(result.probs, result.accepted) if result.probs is not None
+                 else params.observed(_along(logits, result.accepted)))
     host = _to_host(out, result.num_accepted, probs, top_k or 0, finite)
     if lap is not None:
         lap("commit")
@@ -169,14 +182,13 @@ def _greedy_iteration(model, tokens, index, cache, kernels: str, valid, max_dept
     from them): tensors only, for :meth:`~stree.models.runners.DecodeRunner.fused` to compile as
     one graph. The same arithmetic as the eager step's (:func:`speculative_step`), tested equal."""
     logits, ssm, attn = model.tree_layers(tokens, index, cache, "tree", kernels)
-    finite = logits.sum(-1) < float("inf")
     accepted, num, bonus = greedy_path(index.parents, tokens, valid, logits.argmax(-1), max_depth)
-    path = tokens.gather(1, accepted)
-    out = torch.cat([path[:, 1:], path[:, :1]], 1).scatter(1, (num - 1)[:, None], bonus[:, None])
-    probs = None
-    if k is not None:
-        probs = torch.softmax(logits.gather(1, accepted[:, :, None].expand(-1, -1, logits.shape[-1])).float(), -1)
-    return ssm, attn, (accepted, num, bonus, pack(out, num, probs, k or 0, finite))
+    probs = None if k is None else _GREEDY.observed(_along(logits, accepted))
+    packed = pack(_emitted(tokens, accepted, num, bonus), num, probs, k or 0, _finite_rows(logits))
+    return ssm, attn, (accepted, num, bonus, packed)
+
+
+_GREEDY = SamplingParams(0.0)
 
 
 def check_draft(draft: TokenTree, roots: torch.Tensor, vocab_size: int) -> None:

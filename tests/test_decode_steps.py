@@ -158,7 +158,7 @@ def test_the_compiled_greedy_iteration_equals_the_eager_step(family, top_k):
     params = SamplingParams(0.0)
     want, want_result = speculative_step(model, eager, draft, params, None, top_k=top_k)
     got, result = speculative_step(model, runner.cache, draft, params, None, top_k=top_k, runner=runner)
-    assert [name for _, name in runner.__dict__.get("_fused", {})] == ["greedy"]  # the fused path ran
+    assert [name for _, name in runner._fused] == ["greedy"]  # the fused path ran
     assert int(want_result.num_accepted.max()) >= 3  # (the draft is followed: a long path to compare)
     for a, b in ((result.accepted, want_result.accepted), (result.num_accepted, want_result.num_accepted),
                  (result.bonus, want_result.bonus), (got.tokens, want.tokens), (got.counts, want.counts),

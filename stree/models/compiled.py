@@ -157,6 +157,7 @@ class CompiledDecode(DecodeRunner):
 
     def __init__(self, model: TreeLM, batch_size: int, max_length: int):
         self.compiled = CompiledModel.of(model)
+        self._fused: dict = {}  # (shape, name) -> its fused pass (see fused)
         super().__init__(model, batch_size, max_length)
 
     def make_step(self):
@@ -176,11 +177,10 @@ class CompiledDecode(DecodeRunner):
 
     def fused(self, fn, shape: TreeShape, name: str):
         """See :meth:`DecodeRunner.fused`: compiled by :meth:`CompiledModel.fused`."""
-        runs = self.__dict__.setdefault("_fused", {})
-        if (shape, name) not in runs:
+        if (shape, name) not in self._fused:
             def run(tokens: torch.Tensor, *extra):
                 check_tree_tokens(self.model, self.cache, tokens, (self.cache.batch_size, shape.n),
                                   shape.max_depth + 1, False)
                 return self.compiled.fused(fn, TokenTree.from_shape(shape, tokens), self.cache, name, *extra)
-            runs[(shape, name)] = run
-        return runs[(shape, name)]
+            self._fused[(shape, name)] = run
+        return self._fused[(shape, name)]
