@@ -331,6 +331,13 @@ class AutoTree:
     PROBE_LONGEST = 512  # plain steps between probes, at most
     ADAPT = 0.15  # weight of the newest iteration in the cost scales and the share of drafts verified
     CLIP = 3.0  # the most one iteration's realised / predicted time may say
+    # A call's first iteration is not learned from: it pays once per call (a drafter model's prefill
+    # of the prompt, first-use allocations), which the steady state the scales describe does not.
+    SETTLE = 1
+    # While trees keep winning, one plain step in this many is weighed, so that the plain scale
+    # follows the machine too: one slow plain iteration (a first call) had made plain steps look
+    # dear for good, and speculation then ran where it lost.
+    PLAIN_EVERY = 64
     # Where the choice cannot follow the clock (a seed must repeat the output), what the profile
     # misses (the loop's bookkeeping, caches a drafter evicts) is covered by asking a tree to beat
     # a plain step by this much.
@@ -348,6 +355,7 @@ class AutoTree:
         self.scale.setdefault("probes", 0)  # the probes that measured it
         self.scale.setdefault("probe_every", self.PROBE)
         self.scale.setdefault("plain_run", 0)
+        self.scale.setdefault("plain_age", 0)  # weighed tree steps since the last weighed plain step
         self.depth = min(depth, PathRates.DEPTH)
         top = max(profile.nodes) if profile.nodes else 2
         self.fixed = sizes is not None
@@ -376,6 +384,7 @@ class AutoTree:
         self._probe_every = self.scale["probe_every"] if adaptive else self.PROBE
         self._probe_min, self._probe_loss, self._catch_wait = self.PROBE, 0.0, 0
         self._predicted = ("plain", self.cost[1])  # this step's kind and predicted milliseconds
+        self._iterations = 0  # recorded in this call
         self._drafted = 0  # nodes drafted this step (0: none)
         self.verified = 1.0  # the share of drafts (probes aside) verified rather than found wanting
         self._pick, self._probe_size = self._pick_sizes()
@@ -485,7 +494,8 @@ class AutoTree:
         self._predicted, self._drafted = ("plain", self.cost[1]), 0
         if not self.fills_shapes:
             return "own"
-        if (self._pick == 1 or not self._worth_drafting()) and (not self._probing or not self.sizes):
+        refresh = self.adaptive and not self._probing and self.scale["plain_age"] >= self.PLAIN_EVERY
+        if (refresh or self._pick == 1 or not self._worth_drafting()) and (not self._probing or not self.sizes):
             self._plain_run += 1
             return None
         self._drafted = self._pick if self._pick > 1 else self._probe_size
@@ -571,10 +581,12 @@ class AutoTree:
         ``ids``: the tree rows' ids in the batch (each row's own acceptance is learned too)."""
         self.chosen[1 if tree is None else tree.n] += 1
         kind, predicted = self._predicted
-        if self.adaptive and elapsed_ms is not None and elapsed_ms > 0:
+        self._iterations += 1
+        if self.adaptive and elapsed_ms is not None and elapsed_ms > 0 and self._iterations > self.SETTLE:
             # clipped: one iteration that compiled or measured something must not price trees out for good
             ratio = min(max(elapsed_ms / predicted, 1.0 / self.CLIP), self.CLIP)
             self.scale[kind] += self.ADAPT * (ratio - self.scale[kind])
+            self.scale["plain_age"] = 0 if kind == "plain" else self.scale["plain_age"] + 1
             self._stale = True
         self._since_plan += 1
         if tree is not None:
@@ -621,7 +633,20 @@ def plan_shape(rates: PathRates, nodes: int, chain: bool = False, depth: int = P
     a[depth + 1:] = 0.0
     if chain:
         a[:, 1:] = 0.0
-    return TreeShape(tuple(int(p) for p in _best_first(a, nodes)))
+    key = (a.tobytes(), nodes)
+    shape = _PLANS.get(key)
+    if shape is None:
+        shape = TreeShape(tuple(int(p) for p in _best_first(a, nodes)))
+        if len(_PLANS) >= 512:
+            _PLANS.pop(next(iter(_PLANS)))
+        _PLANS[key] = shape
+    return shape
+
+
+# Plans by the acceptance chances they were grown from: a call's chooser plans from where the last
+# call's rates (and the prior) left off, several depth caps each, and would otherwise grow and
+# check the same shapes again at every call.
+_PLANS: dict[tuple[bytes, int], TreeShape] = {}
 
 
 def _cut(draft: TokenTree, m: int) -> TokenTree:

@@ -39,7 +39,7 @@ __all__ = ["CostProfile", "cache_file", "cost_profile", "MODES"]
 
 MODES = ("eager", "compiled", "cuda_graph")
 CATCH = 64  # tokens of context a drafter model's catch-up is timed on
-FORMAT = 9  # of the cache file; another is re-measured (9: compiled greedy iterations fused)
+FORMAT = 10  # of the cache file; another is re-measured (10: small trees numba-compiled on the CPU)
 
 
 @dataclass(frozen=True)

@@ -344,6 +344,38 @@ def test_adaptive_costs_follow_the_clock():
     assert (fixed.scale["plain"], fixed.scale["tree"], fixed.scale["probe_loss"]) == (1.0, 1.0, 0.0)
 
 
+def test_a_calls_first_iteration_teaches_no_cost():
+    """The first iteration of a call pays once per call (a drafter's prefill, first-use work): it
+    must not move the scales the steady state is priced by."""
+    auto = AutoTree(cheap(), adaptive=True)
+    auto.plan()
+    auto.record(None, elapsed_ms=50.0)
+    assert auto.scale["plain"] == 1.0
+    auto.plan()
+    auto.record(None, elapsed_ms=2.0)
+    assert auto.scale["plain"] == pytest.approx(1.0 + AutoTree.ADAPT)
+
+
+def test_a_stale_plain_scale_is_weighed_again_while_trees_win():
+    """Plain steps priced 3x too dear (one slow plain iteration had done it): trees win every
+    step, so no plain step would ever correct the price; one step in PLAIN_EVERY is plain and
+    weighed, and the price comes back to what the clock says."""
+    auto = AutoTree(cheap(), adaptive=True, rates=PathRates(prior=(0.9, 0.5, 0.4, 0.3, 0.2, 0.1, 0.08, 0.07)),
+                    scale={"plain": 3.0, "tree": 1.0})
+    plain = []
+    for i in range(768):
+        plan = auto.plan()
+        draft = None if plan is None else auto.choose(full_draft(plan), np.ones(1, dtype=np.bool_))
+        if draft is None:
+            plain.append(i)
+            auto.record(None, elapsed_ms=auto.cost[1])
+            continue
+        auto.record(draft, np.array([[int(draft.tokens[0, 1]), 7]]), np.array([2]), np.arange(1),
+                    elapsed_ms=auto.cost[draft.n])  # the first child accepted: 2 tokens at a tree's price
+    assert auto.scale["plain"] < 1.5
+    assert 4 <= len(plain) <= 2 * 768 // AutoTree.PLAIN_EVERY  # about one in PLAIN_EVERY, not plain decoding
+
+
 def test_adaptive_probes_are_spaced_by_what_they_took_and_the_next_call_goes_on():
     """A profile that says probes are cheap, probes that take 8 ms (a drafter model catching up):
     an adaptive choice spaces them by the 7 ms they lose, so that they cost at most

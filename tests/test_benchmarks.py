@@ -109,7 +109,7 @@ def test_e2e_smoke_compares_every_configuration_with_transformers(tmp_path):
         if r["name"] != "transformers":
             assert r["tau"] >= 1.0 and r["ms_per_iteration"]["verify"] > 0
     ops = result["op_counts"]
-    assert ops["step"]["compute"] < ops["forward_tree"]["compute"] and ops["commit"]["total"] > 0
+    assert 0 < ops["step"]["compute"] <= ops["forward_tree"]["compute"] and ops["commit"]["total"] > 0
 
 
 def test_reasoning_smoke_compares_specreason_with_the_base_model(tmp_path):

@@ -13,7 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import check_layout, check_tensor, check_tree, pow2_block, resolve_backend
+from ._common import as_numpy, check_layout, check_tensor, check_tree, pow2_block, resolve_backend
+from .tree_jit import jit_tree_fits
 
 __all__ = ["tree_conv1d", "tree_conv1d_ref"]
 
@@ -121,9 +122,19 @@ def tree_conv1d(xBC, parents, conv_state, weight, bias=None, activation="silu", 
 
     xBC ``[b, n, dim]`` raw inputs; conv_state ``[b, dim, d_conv]``; weight ``[dim, d_conv]`` (or
     nn.Conv1d's ``[dim, 1, d_conv]``), tap ``d_conv - 1`` multiplies the node itself; bias ``[dim]``;
-    activation ``"silu"`` or None. Returns ``[b, n, dim]`` in xBC's dtype.
+    activation ``"silu"`` or None. Returns ``[b, n, dim]`` in xBC's dtype. ``"auto"`` on CPU float32
+    tensors of a small tree (outside autograd and ``torch.compile``) runs numba-compiled
+    (:mod:`.tree_jit`).
     """
     check_layout("xBC", xBC, "batch, n, dim")
+    if backend == "auto" and jit_tree_fits(xBC.shape[1], xBC, conv_state, weight, bias):
+        from .tree_jit import tree_conv_rows
+
+        index, weight = _check_args(xBC, parents, conv_state, weight, bias, activation)
+        out = torch.empty_like(xBC)
+        tree_conv_rows(as_numpy(xBC), as_numpy(index.parents), as_numpy(conv_state), as_numpy(weight),
+                       as_numpy(bias if bias is not None else weight[:, 0]), bias is not None, as_numpy(out))
+        return torch.nn.functional.silu(out, inplace=True) if activation == "silu" else out
     if resolve_backend(backend, xBC.device) == "torch":
         return tree_conv1d_ref(xBC, parents, conv_state, weight, bias, activation)
     index, weight = _check_args(xBC, parents, conv_state, weight, bias, activation)

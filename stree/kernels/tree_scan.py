@@ -18,6 +18,7 @@ import triton.language as tl
 
 from ._common import (
     INF,
+    as_numpy,
     check_dt_limit,
     check_groups,
     check_layout,
@@ -31,6 +32,7 @@ from ._common import (
     resolve_backend,
 )
 from ..tree import MAX_TREE_NODES
+from .tree_jit import jit_tree_fits
 
 __all__ = ["tree_scan", "tree_scan_ref", "MAX_TREE_NODES"]
 
@@ -198,6 +200,18 @@ def launch_config(n, headdim, dstate):
                 num_warps=8)
 
 
+def _tree_scan_compiled(x, dt, A, B, C, parents, D, dt_bias, dt_softplus, dt_limit, initial_state):
+    from .tree_jit import tree_scan_rows
+
+    index, D, (lo, hi) = _check_args(x, dt, A, B, C, parents, D, dt_bias, dt_limit, initial_state)
+    y = torch.empty_like(x)
+    x0 = initial_state if initial_state is not None else x.new_zeros(1, 1, 1, 1)
+    tree_scan_rows(*map(as_numpy, (x, dt, A, B, C, D if D is not None else A[:, None])), D is not None,
+                   as_numpy(dt_bias if dt_bias is not None else A), dt_bias is not None, bool(dt_softplus),
+                   float(lo), float(hi), as_numpy(index.parents), as_numpy(x0), initial_state is not None, as_numpy(y))
+    return y
+
+
 def tree_scan(x, dt, A, B, C, parents, *, D=None, dt_bias=None, dt_softplus=True,
               dt_limit=(0.0, INF), initial_state=None, backend="auto"):
     """Mamba2 SSM outputs for every node of a packed tree (see the module docstring).
@@ -205,9 +219,12 @@ def tree_scan(x, dt, A, B, C, parents, *, D=None, dt_bias=None, dt_softplus=True
     x ``[b, n, h, p]``; dt ``[b, n, h]`` raw (before bias); A ``[h]``; B, C ``[b, n, g, s]`` in x's
     dtype; D ``[h]`` or ``[h, p]``; dt_bias ``[h]``; initial_state ``[b, h, p, s]`` fp32 (zeros if
     None); parents ``[n]``, ``[b, n]`` or a :class:`~stree.tree.TreeIndex`; n <= MAX_TREE_NODES (1024).
-    Returns y ``[b, n, h, p]`` in x's dtype.
+    Returns y ``[b, n, h, p]`` in x's dtype. ``"auto"`` on CPU float32 tensors of a small tree
+    (outside autograd and ``torch.compile``) runs numba-compiled (:mod:`.tree_jit`).
     """
     check_layout("x", x, "batch, n, nheads, headdim")
+    if backend == "auto" and jit_tree_fits(x.shape[1], x, dt, A, B, C, D, dt_bias, initial_state):
+        return _tree_scan_compiled(x, dt, A, B, C, parents, D, dt_bias, dt_softplus, dt_limit, initial_state)
     if resolve_backend(backend, x.device) == "torch":
         return tree_scan_ref(x, dt, A, B, C, parents, D=D, dt_bias=dt_bias, dt_softplus=dt_softplus,
                              dt_limit=dt_limit, initial_state=initial_state)

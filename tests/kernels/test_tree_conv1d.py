@@ -33,7 +33,7 @@ def test_matches_definition_on_random_trees(tree, dim, d_conv, with_bias, activa
     bias = bias if with_bias else None
     expected = tree_conv1d_def(xbc, parents, conv_state, weight, bias, activation)
     state_before = conv_state.clone()
-    for backend, dev in (("torch", torch.device("cpu")), ("triton", device)):
+    for backend, dev in (("torch", torch.device("cpu")), ("auto", torch.device("cpu")), ("triton", device)):
         out = tree_conv1d(xbc.to(dev), parents.to(dev), conv_state.to(dev), weight.to(dev),
                           bias.to(dev) if bias is not None else None, activation, backend=backend)
         assert out.shape == xbc.shape and out.dtype == xbc.dtype
@@ -41,7 +41,7 @@ def test_matches_definition_on_random_trees(tree, dim, d_conv, with_bias, activa
     assert torch.equal(conv_state, state_before)
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("backend", ["torch", "auto", "triton"])
 def test_chain_equals_torch_conv1d_over_the_sequence(backend, device):
     """On a chain, the tree conv is the ordinary causal conv continuing from the conv state."""
     n, dim, d_conv = 9, 16, 4
@@ -66,7 +66,7 @@ def test_half_precision(dtype, backend, device):
     assert max_rel_error(out, tree_conv1d_def(xbc, shape.parents_tensor(), conv_state, weight, bias)) <= 1e-2
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("backend", ["torch", "auto", "triton"])
 def test_bad_inputs_raise_clear_errors(backend, backend_device):
     xbc, conv_state, weight, bias = (t.to(backend_device) for t in _inputs(0, 1, 4, 8, 4))
     with backend_device:  # the tensors built below: on the kernel's device

@@ -36,7 +36,7 @@ def test_matches_definition_on_random_trees(tree, shape, dt_opts, D_kind, with_s
     if not with_state:
         inp["initial_state"] = None
     expected = _definition(inp, parents, dt_opts)
-    for backend, dev in (("torch", torch.device("cpu")), ("triton", device)):
+    for backend, dev in (("torch", torch.device("cpu")), ("auto", torch.device("cpu")), ("triton", device)):
         y = _run(inp, parents, dt_opts, backend, dev)
         assert y.dtype == torch.float32 and y.shape == inp["x"].shape
         assert max_rel_error(y, expected) <= FP32_TOL, backend
@@ -114,9 +114,10 @@ def test_strided_views_as_a_model_produces_them(device):
     A, D, x0 = -torch.rand(h, generator=g) * 4, torch.randn(h, generator=g), torch.randn(b, h, p, s, generator=g)
     parents = shape.parents_tensor()
     expected = tree_scan_def(x, dt, A, B, C, parents, D=D, initial_state=x0)
-    y = tree_scan(*(t.to(device) for t in (x, dt, A, B, C, parents)), D=D.to(device), initial_state=x0.to(device),
-                  backend="triton")
-    assert max_rel_error(y, expected) <= FP32_TOL
+    for backend, dev in (("triton", device), ("auto", torch.device("cpu"))):
+        y = tree_scan(*(t.to(dev) for t in (x, dt, A, B, C, parents)), D=D.to(dev), initial_state=x0.to(dev),
+                      backend=backend)
+        assert max_rel_error(y, expected) <= FP32_TOL, backend
 
 
 def test_inputs_on_two_devices_are_refused(device):
@@ -164,7 +165,7 @@ def _call(backend, **kw):
     return tree_scan(a.pop("x"), a.pop("dt"), a.pop("A"), a.pop("B"), a.pop("C"), a.pop("parents"), **a, backend=backend)
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("backend", ["torch", "auto", "triton"])
 def test_bad_inputs_raise_clear_errors(backend, backend_device):
     torch.manual_seed(0)
     with backend_device:  # the tensors built below: on the kernel's device

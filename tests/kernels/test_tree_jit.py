@@ -1,0 +1,91 @@
+"""When ``backend="auto"`` takes the numba-compiled tree kernels (stree.kernels.tree_jit), and what
+they keep of the PyTorch path's behaviour; their values are tested against the float64
+definitions with the other backends (test_tree_scan.py, test_tree_conv1d.py)."""
+
+import math
+
+import pytest
+import torch
+from strategies import ssm_inputs
+
+from stree.kernels import tree_conv1d, tree_jit, tree_scan
+from stree.testing import max_rel_error, tree_scan_def
+from stree.tree import TreeShape
+
+SHAPE = dict(ngroups=2, nheads=4, headdim=8, dstate=8)
+OPTS = dict(dt_softplus=True, dt_limit=(0.0, math.inf), use_bias=True)
+
+
+def _scan(inp, parents, **kw):
+    return tree_scan(inp["x"], inp["dt"], inp["A"], inp["B"], inp["C"], parents, D=inp["D"], dt_bias=inp["dt_bias"],
+                     initial_state=inp["initial_state"], **kw)
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    """How often each compiled kernel ran."""
+    seen = {"scan": 0, "conv": 0}
+    for name, key in (("tree_scan_rows", "scan"), ("tree_conv_rows", "conv")):
+        real = getattr(tree_jit, name)
+
+        def counted(*a, _real=real, _key=key):
+            seen[_key] += 1
+            return _real(*a)
+        monkeypatch.setattr(tree_jit, name, counted)
+    return seen
+
+
+@pytest.mark.parametrize("n", [1, 13, tree_jit.JIT_MAX_NODES, tree_jit.JIT_MAX_NODES + 1])
+def test_auto_compiles_small_trees_and_leaves_larger_ones_to_pytorch(n, calls):
+    parents = TreeShape.chain(n - 1).parents_tensor()
+    inp = ssm_inputs(torch.Generator().manual_seed(n), 2, n, SHAPE, OPTS)
+    y = _scan(inp, parents)
+    assert calls["scan"] == (n <= tree_jit.JIT_MAX_NODES)
+    assert max_rel_error(y, tree_scan_def(inp["x"], inp["dt"], inp["A"], inp["B"], inp["C"], parents, D=inp["D"],
+                                          dt_bias=inp["dt_bias"], initial_state=inp["initial_state"])) <= 1e-5
+    conv_state, xbc = torch.randn(2, 16, 4), torch.randn(2, n, 16)
+    tree_conv1d(xbc, parents, conv_state, torch.randn(16, 4), torch.randn(16))
+    assert calls["conv"] == (n <= tree_jit.JIT_MAX_NODES)
+
+
+def test_autograd_and_other_dtypes_take_the_pytorch_path(calls):
+    """Training differentiates the tree scan: a tensor that needs gradients, or one that is not
+    float32, is never handed to numba."""
+    parents = TreeShape.paper13().parents_tensor()
+    inp = ssm_inputs(torch.Generator().manual_seed(0), 1, parents.shape[-1], SHAPE, OPTS)
+    inp["x"].requires_grad_(True)
+    _scan(inp, parents).sum().backward()
+    assert calls["scan"] == 0 and inp["x"].grad is not None and bool(inp["x"].grad.abs().sum() > 0)
+    with torch.no_grad():
+        _scan(inp, parents)  # outside autograd the same tensors are compiled
+    assert calls["scan"] == 1
+    half = {k: (v.half() if k in ("x", "B", "C") else v) for k, v in inp.items()}
+    with torch.no_grad():
+        _scan(half, parents)
+    assert calls["scan"] == 1
+
+
+def test_a_nan_reaches_the_outputs_below_it():
+    """The compiled kernels may reorder sums but assume nothing about finiteness: a NaN in a node's
+    inputs must reach its own output and its descendants' (decoding checks the logits for it),
+    and no other node's."""
+    shape = TreeShape.paper13()
+    parents = shape.parents_tensor()
+    inp = ssm_inputs(torch.Generator().manual_seed(1), 1, shape.n, SHAPE, OPTS)
+    inp["x"][0, 1, 0, 0] = float("nan")
+    y = _scan(inp, parents)
+    below = [i for i in range(shape.n) if 1 in _path(shape.parents, i)]
+    nan = torch.isnan(y[0]).flatten(1).any(1)
+    assert nan.nonzero().flatten().tolist() == below
+    xbc = torch.randn(1, shape.n, 8)
+    xbc[0, 1, 3] = float("nan")
+    out = tree_conv1d(xbc, parents, torch.randn(1, 8, 4), torch.randn(8, 4))
+    assert bool(torch.isnan(out[0, 1, 3])) and not bool(torch.isnan(out[0, 0]).any())
+
+
+def _path(parents, i):
+    path = []
+    while i >= 0:
+        path.append(i)
+        i = parents[i]
+    return path
