@@ -104,14 +104,20 @@ class SSMDrafter(Drafter):
     row), one ``step`` per beam step. Deterministic: one-hot verification.
 
     ``vocab_size``: draft only ids below it (the target's vocabulary when the drafter's embedding
-    is padded past it). The cache holds every context token but the last (the root, fed while
-    drafting). Drafting fed most nodes of the tree to work caches (in static mode every level
+    is padded past it). The cache holds the state after every context token (``CATCH_WINDOW``:
+    after the last of them only, where a row fell further behind). Drafting fed most nodes of the tree to work caches (in static mode every level
     with children below, leaves included; in beam mode every beam but the last step's; in a
     grown tree every node it expanded): when the new tokens follow the tree (the accepted path),
     each row takes the state of the deepest fed node on it instead of feeding those tokens
     again, so mostly the target's own last token is left; what is left is fed by steps when each
     row has as many (up to ``STEPS_UP_TO``), else one chain pass and commit.
     On the CPU, ``stree.models.CompiledModel(model)`` in place of ``model`` runs those compiled."""
+
+    # A row more than this many tokens behind (a new context, or one decoded plain for a while) is
+    # read from its last CATCH_WINDOW tokens only, from a fresh state: drafts need not come from the
+    # exact state (the target verifies them), and a probe after a long plain run would otherwise
+    # pay for reading everything (at batch 8, 300 tokens a row cost the drafter 27 target steps).
+    CATCH_WINDOW = 64
 
     def __init__(self, model, shape: TreeShape | None = None, *, mode: str = "static", stochastic: bool = True,
                  temperature: float = 1.0, top_k: int = 10, beams: int = 4, steps: int = 4, seed: int = 0,
@@ -145,8 +151,8 @@ class SSMDrafter(Drafter):
         want = context.lengths[torch.tensor(context.rows)]
         known = {r: i for i, r in enumerate(self._rows)}
         if self._cache is None or not all(r in known for r in context.rows):
-            return int(want.max())  # a prefill of the contexts
-        return int((want - self._fed[torch.tensor([known[r] for r in context.rows])]).max())
+            return min(int(want.max()), self.CATCH_WINDOW)  # a prefill of the contexts' ends
+        return min(int((want - self._fed[torch.tensor([known[r] for r in context.rows])]).max()), self.CATCH_WINDOW)
 
     def _advance(self, context: DraftContext, depth: int) -> torch.Tensor:
         """Bring the cache to each row's whole context (the root included) and return the
@@ -169,7 +175,7 @@ class SSMDrafter(Drafter):
             new = want - self._fed
             if bool((new == 0).all()):
                 return self._last
-            if bool((new > 0).all()):
+            if bool((new > 0).all()) and int(new.max()) <= self.CATCH_WINDOW:
                 m = int(new.max())
                 at = (self._fed[:, None] + torch.arange(m)).clamp(max=(want - 1)[:, None])
                 fresh = context.tokens[torch.tensor(rows)[:, None], at].to(self.model.device)
@@ -180,11 +186,15 @@ class SSMDrafter(Drafter):
                     self._last = self.model.prefill(fresh, self._cache, lengths=new)
                 self._fed = want.clone()
                 return self._last
-        # new rows, or rows advancing unevenly: start again from the contexts
+        # new rows, rows advancing unevenly, or rows far behind: start again from the last
+        # CATCH_WINDOW tokens of each context
         self._drafted = None
         self._cache = self.model.allocate_cache(len(rows), self.max_length)
-        self._last = self.model.prefill(context.tokens[torch.tensor(rows), : int(want.max())].to(self.model.device),
-                                        self._cache, lengths=want)
+        span = want.clamp(max=self.CATCH_WINDOW)
+        at = (want - span)[:, None] + torch.arange(int(span.max()))
+        at = torch.minimum(at, (want - 1)[:, None])  # (a shorter row's tail repeats its last token, unread)
+        self._last = self.model.prefill(context.tokens[torch.tensor(rows)[:, None], at].to(self.model.device),
+                                        self._cache, lengths=span)
         self._rows, self._fed = list(rows), want.clone()
         return self._last
 

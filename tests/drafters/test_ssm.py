@@ -73,6 +73,38 @@ def test_the_drafter_cache_follows_the_rows():
     assert alone.tokens[0, 0] == tokens[0, 0]
 
 
+def test_a_row_far_behind_is_read_from_its_last_window_only(monkeypatch):
+    """A context longer than CATCH_WINDOW (a new prompt, or rows decoded plain for a while) is read
+    from its last CATCH_WINDOW tokens: one prefill of that many positions, the law of a fresh
+    drafter given just those tokens, and ``behind`` (what tree="auto" charges a probe for) says so."""
+    monkeypatch.setattr(SSMDrafter, "CATCH_WINDOW", 8)
+    model = mamba2(seed=3)
+    shape = TreeShape.full(2, 2)
+    tokens = torch.randint(0, 90, (2, 40), generator=torch.Generator().manual_seed(4))
+    drafter = SSMDrafter(model, shape, seed=0)
+    context = DraftContext(tokens, torch.tensor([30, 12]), [0, 1])
+    assert drafter.behind(context) == 8
+    read = []
+    real = model.prefill
+
+    def spy(ids, cache, **kw):
+        read.append(ids.shape[1])
+        return real(ids, cache, **kw)
+    monkeypatch.setattr(model, "prefill", spy)
+    far = drafter.propose(context)
+    assert read == [8] and drafter._fed.tolist() == [30, 12]
+    ends = torch.stack([tokens[0, 22:30], tokens[1, 4:12]])
+    fresh = SSMDrafter(model, shape, seed=0).propose(DraftContext(ends, torch.tensor([8, 8]), [0, 1]))
+    assert torch.allclose(far.child_probs[:, 0], fresh.child_probs[:, 0], atol=1e-5)
+    assert torch.equal(far.child_ids[:, 0], fresh.child_ids[:, 0])
+    read.clear()
+    later = DraftContext(tokens, torch.tensor([32, 17]), [0, 1])  # 2 and 5 behind: continued, not restarted
+    assert drafter.behind(later) == 5
+    drafter.propose(later)
+    assert read == [5] and drafter._fed.tolist() == [32, 17]
+    assert drafter.behind(DraftContext(tokens, torch.tensor([32, 27]), [0, 1])) == 8  # 10 behind: the window
+
+
 def test_beam_trees_deeper_than_the_shape_fit_in_the_cache():
     """The target's cache is sized for the drafter's own depth (7 beam steps), not the default
     shape's: a deterministic target drafted by itself accepts all 7 drafts every step, so the last
