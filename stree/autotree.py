@@ -318,7 +318,9 @@ class AutoTree:
     by ``MARGIN``.
     An adaptive choice also spaces probes by what they took (a drafter model catching up on the
     tokens of the plain steps before, its prefill of a new context: costs the profile's steady
-    state does not see), and keeps the interval it reached.
+    state does not see), and keeps the interval it reached. It learns no cost from a call's first
+    iteration (``SETTLE``), and while trees keep winning it takes one plain step in
+    ``PLAIN_EVERY`` to weigh plain steps again.
     ``rates`` and ``scale`` (``{"plain": x, "tree": y}``, and what probes cost and the interval)
     may be shared with earlier choosers, which then hand over what they learned. ``chosen`` counts the steps per tree size (1: a plain
     step)."""
