@@ -6,7 +6,9 @@ CPU is bound by per-op overhead, as a decode step is: :mod:`.step_jit`). Taken b
 is small (:func:`jit_tree_fits`): the work here grows with each node's depth, the PyTorch path's
 with the square of the node count but in multi-threaded batched products. Tested against the
 float64 definitions beside the Triton kernels and the PyTorch path. Arithmetic in float64, stored
-in the outputs' float32.
+in the outputs' float32. Batch rows run in parallel on numba's threading layer (OpenMP or TBB
+where installed, both thread-safe; numba's fallback, workqueue, is not: several Python threads
+decoding at once, as a threaded server would, need one of the two).
 """
 
 from __future__ import annotations
