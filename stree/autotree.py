@@ -242,19 +242,18 @@ def _chances(parents, rank, depth, valid, h):
 
 @njit(cache=True)
 def _best_prefix(v, active, cost, allow_plain):
-    """The prefix size m (1: a plain step) maximising the active rows' expected tokens per
-    millisecond, ``cost[m]`` being an iteration of m nodes (inf: not allowed)."""
-    rows = 0.0
-    for b in range(v.shape[0]):
-        if active[b]:
-            rows += 1.0
-    best, best_rate = 1, (rows / cost[1] if allow_plain else -1.0)
-    gain = rows
+    """The prefix size m (1: a plain step) maximising expected tokens per millisecond, ``cost[m]``
+    being an iteration of m nodes (inf: not allowed), for the active row that gains least: the
+    active rows are those the batch waits for, and it is done when the last of them is."""
+    gain = np.zeros(v.shape[0])
+    best, best_rate = 1, (1.0 / cost[1] if allow_plain else -1.0)
     for m in range(2, v.shape[1] + 1):
+        least = np.inf
         for b in range(v.shape[0]):
+            gain[b] += v[b, m - 1]
             if active[b]:
-                gain += v[b, m - 1]
-        rate = gain / cost[m]
+                least = min(least, gain[b])
+        rate = (1.0 + least) / cost[m]
         if rate > best_rate * (1.0 + 1e-9):
             best, best_rate = m, rate
     return best
@@ -557,10 +556,11 @@ class AutoTree:
         hazard = self.rates.hazard()
         if ids is not None:
             hazard = self.row_rates.hazard(ids, hazard)
-            self._focus = int(ids[int(np.argmax(active))])
         else:
             hazard = hazard[None]
         v = _chances(parents[:, :n], rank[:, :n], depth[:, :n], np.ascontiguousarray(valid[:, :n]), hazard)
+        if ids is not None:  # the row the choice before drafting weighs from now on: the one gaining least
+            self._focus = int(ids[np.flatnonzero(active)[int(np.argmin(v[active, 1:].sum(1)))]])
         cost = self.cost[: n + 1] * self.scale["tree"]
         cost[1] = self.cost[1] * self.scale["plain"] / self.margin
         m = _best_prefix(v, active, cost, not self._probing)

@@ -174,18 +174,19 @@ class Rows:
         return torch.from_numpy(self.seq.numpy()[np.arange(self.batch_size), self.lengths.numpy() - 1])
 
     def critical(self, live: list[int]) -> np.ndarray:
-        """Over the rows ``live`` (active), a mask of the one expected to finish last: the most
-        tokens left, at the tokens per step its own steps have brought so far. The batch decodes
-        until its last row is done, so a tree is worth what it brings that row: tokens it brings
-        a row that will finish early anyway buy nothing (at batch 8, trees chosen for the rows'
-        summed tokens were 0.67x of plain steps while every row's own tau was 2.8)."""
+        """Over the rows ``live`` (active), a mask of those expected to finish last: within a step
+        of the most steps left (tokens left at the tokens per step the row's own steps have
+        brought so far). The batch decodes until its last row is done, so a tree is worth what it
+        brings the one of them that gains least: tokens it brings a row that will finish early
+        anyway buy nothing (at batch 8, trees chosen for the rows' summed tokens were 0.67x of
+        plain steps while every row's own tau was 2.8), nor do tokens for one of several rows
+        level at the end (at batch 16, trees chosen for one of them ran at 0.86x)."""
         ids = np.asarray(live)
         produced = self.produced.numpy()[ids]
         steps = np.fromiter((len(self.accepted[r]) for r in live), dtype=np.float64, count=len(live))
         rate = np.maximum(produced, 1) / np.maximum(steps, 1)
-        mask = np.zeros(len(live), dtype=np.bool_)
-        mask[int(np.argmax((self.max_new_tokens.numpy()[ids] - produced) / rate))] = True
-        return mask
+        left = (self.max_new_tokens.numpy()[ids] - produced) / rate
+        return left >= left.max() - 1.0
 
     def emit(self, step: HostStep, drafter: Drafter | None) -> None:
         """Append ``step.tokens[b, :counts[b]]`` to each active row, cut after its first EOS and at

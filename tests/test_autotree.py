@@ -142,7 +142,7 @@ def test_best_prefix_maximises_tokens_per_millisecond(chances, costs, allow_plai
     cost = np.array([np.inf] + costs)
     active = np.ones(len(v), dtype=np.bool_)
     m = _best_prefix(v, active, cost, allow_plain)
-    rate = lambda k: (len(v) + v[:, 1:k].sum()) / cost[k] if k > 1 else len(v) / cost[1]  # noqa: E731
+    rate = lambda k: (1 + v[:, 1:k].sum(1).min()) / cost[k] if k > 1 else 1 / cost[1]  # noqa: E731 (the least gain)
     candidates = range(1 if allow_plain else 2, 7)
     assert rate(m) == pytest.approx(max(rate(k) for k in candidates), rel=1e-9)
 
@@ -293,7 +293,26 @@ def test_the_row_expected_to_finish_last_is_the_critical_one():
     rows.accepted = [[1] * 4, [0] * 5, [0] * 1]  # tokens per step so far: 2.5, 1.2, 2
     # tokens left over that rate: 10 / 2.5 = 4, 14 / 1.2 = 11.7, 8 / 2 = 4
     assert rows.critical([0, 1, 2]).tolist() == [False, True, False]
-    assert rows.critical([0, 2]).tolist() == [True, False]  # a tie: the first
+    assert rows.critical([0, 2]).tolist() == [True, True]  # level: the batch waits for both
+    rows.accepted[2] = [0, 1]
+    rows.produced[2] = 3  # 7 left at 1.5 a step: 4.7 steps, row 0's 4 within a step of it
+    assert rows.critical([0, 2]).tolist() == [True, True]
+    rows.produced[2] = 5  # 5 left at 2.5 a step: 2 steps, more than a step ahead of row 0
+    assert rows.critical([0, 2]).tolist() == [True, False]
+
+
+def test_rows_level_at_the_end_are_served_by_the_one_gaining_least():
+    """Two rows the batch waits for alike: a tree pays only if both gain; the choice weighs the
+    one that gains least from then on."""
+    auto = AutoTree(CostProfile(1.0, (2, 4, 8, 16), (1.5, 1.7, 2.0, 2.6)))
+    shape = auto.prefix(8)
+    draft = TokenTree.from_shape(shape, torch.arange(16).reshape(2, 8) + 100)
+    for _ in range(30):  # row 0 accepts everything, row 1 nothing
+        auto.record(TokenTree.from_shape(TreeShape.chain(1), torch.tensor([[1, 10], [1, 10]])),
+                    np.array([[10, 0], [999, 0]]), np.array([2, 1]), np.arange(2), ids=np.array([0, 1]))
+    assert auto.choose(draft, np.array([True, True]), np.array([0, 1])) is None
+    assert auto._focus == 1
+    assert auto.choose(draft, np.array([True, False]), np.array([0, 1])) is not None
 
 
 def test_learned_rates_grow_the_tree_and_poor_ones_shrink_it():
