@@ -26,9 +26,10 @@ The choice (:class:`AutoTree`), every step:
    of it its E(m); the best prefix by E(m) / C(m) is verified (drafting is paid by then), or a
    plain step taken where that is better (not on a probe) or where nothing was drafted.
 
-In a batch, E is the row's that is expected to finish last (``Rows.critical``: the most tokens
-left at its own tokens per step so far), under its own rates: the batch decodes until that row is
-done, so tokens a tree brings rows that finish early anyway buy nothing.
+In a batch, E is that of the rows expected to finish last (``Rows.critical``: within a step of
+the most tokens left at a row's own tokens per step so far), each under its own rates, and of
+the one of them gaining least: the batch decodes until the last of them is done, so tokens a tree
+brings rows that finish early anyway, or only some of the rows level at the end, buy nothing.
 
 Everything the choice reads is the past (verified steps, measured costs) and the draft itself,
 never the target's output at this step, so every drafter stays lossless. A seed repeats its
@@ -603,6 +604,15 @@ class AutoTree:
                 focus = rows if ids is None or self._focus is None else rows[np.asarray(ids)[rows] == self._focus]
                 emitted = float(np.mean(counts[focus if len(focus) else rows]))
                 beyond = elapsed_ms - emitted * self.cost[1] * self.scale["plain"]
+                # Clipped: one probe that compiled something (338 ms where 3 were predicted) had
+                # spaced probes PROBE_LONGEST apart for thousands of steps, and text where trees
+                # paid 1.3x ran plain. The first at CLIP times its prediction, later ones at twice
+                # what is known, so that truly dear probes (a drafter model catching up) are
+                # learned within a few.
+                known = self.CLIP * predicted
+                if self.scale["probes"]:
+                    known = 2.0 * max(known, self.scale["probe_loss"])
+                beyond = min(beyond, known)
                 self.scale["probe_loss"] += 0.5 * (beyond - self.scale["probe_loss"])
                 self.scale["probes"] += 1
         self.scale["probe_every"], self.scale["plain_run"] = self._probe_every, self._plain_run

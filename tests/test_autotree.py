@@ -415,6 +415,21 @@ def test_adaptive_probes_are_spaced_by_what_they_took_and_the_next_call_goes_on(
     assert len(run_rejecting(seeded, 3000, 8.0)) > 3 * len(drafted)
 
 
+def test_one_probe_that_compiled_something_does_not_stop_probing():
+    """A probe that took 300 ms (something compiled inside it) teaches at most CLIP times its
+    prediction: probes stay within reach, and the next ones bring the loss back."""
+    profile = CostProfile(1.0, (2, 4, 8, 16), (1.5, 1.6, 1.8, 2.2))
+    auto = AutoTree(profile, adaptive=True)
+    drafted = run_rejecting(auto, 200, 2.0)
+    calm = auto.scale["probe_loss"]
+    assert 0 < calm < 2.0 and drafted
+    auto._plain_run = max(auto._probe_every, auto._probe_min)  # a probe is due
+    assert run_rejecting(auto, 1, 300.0) == [0]
+    assert auto.scale["probe_loss"] <= 0.5 * (calm + 2.0 * AutoTree.CLIP * 2.2) + 1e-9
+    after = run_rejecting(auto, AutoTree.PROBE_LONGEST, 2.0)
+    assert len(after) >= 2 and auto.scale["probe_loss"] < 2 * calm + 0.5
+
+
 def test_a_probe_waits_until_its_drafters_catch_up_is_paid_for():
     """A drafter model 300 tokens behind at 0.05 ms a token (a probe costs 15 ms more than the
     profile's steady state): a seeded choice, which cannot learn that from the clock, spaces its
