@@ -105,12 +105,13 @@ class SSMDrafter(Drafter):
 
     ``vocab_size``: draft only ids below it (the target's vocabulary when the drafter's embedding
     is padded past it). The cache holds the state after every context token (``CATCH_WINDOW``:
-    after the last of them only, where a row fell further behind). Drafting fed most nodes of the tree to work caches (in static mode every level
-    with children below, leaves included; in beam mode every beam but the last step's; in a
-    grown tree every node it expanded): when the new tokens follow the tree (the accepted path),
-    each row takes the state of the deepest fed node on it instead of feeding those tokens
-    again, so mostly the target's own last token is left; what is left is fed by steps when each
-    row has as many (up to ``STEPS_UP_TO``), else one chain pass and commit.
+    after the last of them only, where a row fell further behind). Drafting fed most nodes of the
+    tree to work caches (in static mode every level with children below, leaves included; in beam
+    mode every beam but the last step's; in a grown tree every node it expanded): when the new
+    tokens follow the tree (the accepted path), each row takes the state of the deepest fed node
+    on it instead of feeding those tokens again, so mostly the target's own last token is left;
+    what is left is fed by steps when each row has as many (up to ``STEPS_UP_TO``), else one
+    chain pass and commit.
     On the CPU, ``stree.models.CompiledModel(model)`` in place of ``model`` runs those compiled."""
 
     # A row more than this many tokens behind (a new context, or one decoded plain for a while) is

@@ -11,6 +11,8 @@ import math
 import numpy as np
 from numba import njit
 
+from .step_jit import processed_dt
+
 __all__ = ["replay_layers"]
 
 
@@ -37,12 +39,7 @@ def replay_layers(state, conv, xBC, x, dt, B, A, bias, has_bias, softplus, lo, h
                 g = h // per_group
                 for t in range(m):
                     node = accepted[b, t]
-                    d = float(dt[l, b, node, h])
-                    if has_bias:
-                        d += float(bias[l, h])
-                    if softplus and d <= 20.0:
-                        d = math.log1p(math.exp(d))
-                    d = min(max(d, lo), hi)
+                    d = processed_dt(dt[l, b, node, h], bias[l, h], has_bias, softplus, lo, hi)
                     decay[t] = math.exp(d * float(A[l, h]))
                     for p in range(headdim):
                         xs[t, p] = d * x[l, b, node, h, p]

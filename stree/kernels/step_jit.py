@@ -12,7 +12,18 @@ import math
 
 from numba import njit
 
-__all__ = ["conv_step_rows", "state_update_rows"]
+__all__ = ["conv_step_rows", "processed_dt", "state_update_rows"]
+
+
+@njit(cache=True)
+def processed_dt(raw, bias, has_bias, softplus, lo, hi):
+    """One dt as the kernels use it: + bias, softplus (linear above 20, as mamba_ssm), clamped."""
+    d = float(raw)
+    if has_bias:
+        d += float(bias)
+    if softplus and d <= 20.0:
+        d = math.log1p(math.exp(d))
+    return min(max(d, lo), hi)
 
 
 @njit(cache=True)
@@ -44,12 +55,7 @@ def state_update_rows(state, x, dt, A, B, C, D, has_D, bias, has_bias, softplus,
     for b in range(batch):
         for h in range(heads):
             g = h // per_group
-            d = float(dt[b, h])
-            if has_bias:
-                d += float(bias[h])
-            if softplus and d <= 20.0:
-                d = math.log1p(math.exp(d))
-            d = min(max(d, lo), hi)
+            d = processed_dt(dt[b, h], bias[h], has_bias, softplus, lo, hi)
             decay = math.exp(d * float(A[h]))
             for p in range(headdim):
                 xv = float(x[b, h, p])

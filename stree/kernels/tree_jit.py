@@ -19,6 +19,9 @@ import numpy as np
 import torch
 from numba import njit, prange
 
+from ._common import jit_fits
+from .step_jit import processed_dt
+
 __all__ = ["JIT_MAX_NODES", "jit_tree_fits", "tree_conv_rows", "tree_scan_rows"]
 
 # Trees of at most this many nodes a row take the compiled path (decoding trees); longer inputs
@@ -30,12 +33,11 @@ _FAST = {"reassoc", "contract"}
 
 
 def jit_tree_fits(n: int, *tensors) -> bool:
-    """Whether the compiled path takes a tree of ``n`` nodes over ``tensors`` (None allowed)."""
-    if n > JIT_MAX_NODES or torch.compiler.is_compiling():
+    """Whether the compiled path takes a tree of ``n`` nodes over ``tensors`` (None allowed):
+    :func:`~._common.jit_fits`, outside autograd and ``torch.compile``."""
+    if n > JIT_MAX_NODES or torch.compiler.is_compiling() or not jit_fits(*tensors):
         return False
-    grad = torch.is_grad_enabled()
-    return all(t is None or (isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.dtype == torch.float32
-                             and not (grad and t.requires_grad)) for t in tensors)
+    return not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors))
 
 
 @njit(cache=True, fastmath=_FAST, parallel=True)
@@ -93,12 +95,7 @@ def tree_scan_rows(x, dt, A, B, C, D, has_D, bias, has_bias, softplus, lo, hi, p
         for i in range(n):
             q = parents[r, i]
             for h in range(heads):
-                v = float(dt[b, i, h])
-                if has_bias:
-                    v += float(bias[h])
-                if softplus and v <= 20.0:
-                    v = math.log1p(math.exp(v))
-                v = min(max(v, lo), hi)
+                v = processed_dt(dt[b, i, h], bias[h], has_bias, softplus, lo, hi)
                 d[i, h] = v
                 at[i, h] = v * float(A[h]) + (at[q, h] if q >= 0 else 0.0)
         for i in range(n):
