@@ -27,5 +27,5 @@ setup(
         # Optional baselines for benchmarks on CUDA machines; never imported at package import time.
         "gpu": ["mamba-ssm", "causal-conv1d"],
     },
-    entry_points={"console_scripts": ["stree=stree.cli:main", "stree-selfcheck=stree.selfcheck:main"]},
+    entry_points={"console_scripts": ["stree=stree.cli:entry", "stree-selfcheck=stree.selfcheck:main"]},
 )

@@ -581,6 +581,7 @@ def main(argv: list[str] | None = None) -> int:
     from .models.parallel import leave
 
     agreed = True  # whether every rank (under torchrun) ends here together
+    global _LEFT_GROUP
     try:
         return run(args)
     except TrainingInterrupted as stop:
@@ -594,8 +595,25 @@ def main(argv: list[str] | None = None) -> int:
         agreed = False
         raise
     finally:
-        leave(meet=agreed)  # tensor parallelism: the ranks meet, then end their process group
+        _LEFT_GROUP = leave(meet=agreed)  # tensor parallelism: the ranks meet, then end their process group
+
+
+_LEFT_GROUP = False  # whether main() ended a process group it had started (a torchrun rank)
+
+
+def entry() -> None:
+    """The ``stree`` command (and ``python -m stree``): :func:`main`'s status as the exit status. A
+    torchrun rank whose group main() ended exits at once, without the interpreter's teardown: its
+    work is done and reported, and tearing down the native threads of torch.distributed and the
+    runtimes beside it has aborted a rank at exit now and then (SIGABRT, "terminate called
+    without an active exception") although the ranks had met and ended their group."""
+    code = main()
+    if _LEFT_GROUP:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(int(code or 0))
+    sys.exit(code)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

@@ -13,11 +13,14 @@ import textwrap
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import pytest
+
 from stree.testing.ranks import run_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
 TARGET = str(ROOT / "stree/assets/tiny-target")
-ENV = dict(os.environ, OMP_NUM_THREADS="1")
+# faulthandler: a rank that aborts prints where each thread was (the stderr tail an assertion shows)
+ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONFAULTHANDLER="1")
 
 
 def torchrun(*args, timeout=120, **kw):
@@ -38,6 +41,23 @@ def test_torchrun_generate_exits_0_every_time_with_the_same_output():
         assert len(reports) == 1, run.stdout  # rank 0 reports
         outputs.add(tuple(map(tuple, reports[0]["token_ids"])))
     assert len(outputs) == 1  # the same tokens every run
+
+
+@pytest.mark.parametrize("left", [True, False])
+def test_the_command_skips_the_teardown_only_after_ending_its_own_group(monkeypatch, tmp_path, left):
+    """A rank whose group main() ended exits with os._exit (main's status, output flushed); any
+    other run exits through sys.exit, atexit handlers and all."""
+    import stree.cli as cli
+    import stree.models.parallel as parallel
+
+    monkeypatch.setattr(parallel, "leave", lambda meet=True: left)
+    monkeypatch.setattr(sys, "argv", ["stree", "generate", "--model", TARGET, "--prompt-file",
+                                      str(tmp_path / "missing.txt")])
+    exits = []
+    monkeypatch.setattr(os, "_exit", lambda code: exits.append(code) or sys.exit(f"os._exit {code}"))
+    with pytest.raises(SystemExit) as end:
+        cli.entry()
+    assert (exits, end.value.code) == (([2], "os._exit 2") if left else ([], 2))
 
 
 def _cli_rank(tp, argvs):

@@ -109,17 +109,18 @@ _JOINED = False  # whether join() started the default process group (then leave(
 MEET_TIMEOUT_S = 60.0
 
 
-def leave(meet: bool = True) -> None:
-    """End the process group :func:`join` started (nothing where it did not, or has ended). With
-    ``meet``, every rank first waits for the others at a barrier, so that none tears down its
-    connections while another still talks to it: gloo's threads then abort the process at exit
-    ("terminate called without an active exception"), and the launch fails although the work was
-    done. Leave ``meet`` off where this rank fails alone (the others may be inside a collective
-    that would never match); on gloo the barrier gives up after ``MEET_TIMEOUT_S``."""
+def leave(meet: bool = True) -> bool:
+    """End the process group :func:`join` started (nothing where it did not, or has ended); returns
+    whether it ended one. With ``meet``, every rank first waits for the others at a barrier, so
+    that none tears down its connections while another still talks to it: gloo's threads then
+    abort the process at exit ("terminate called without an active exception"), and the launch
+    fails although the work was done. Leave ``meet`` off where this rank fails alone (the others
+    may be inside a collective that would never match); on gloo the barrier gives up after
+    ``MEET_TIMEOUT_S``."""
     global _JOINED
     if not _JOINED or not dist.is_initialized():
         _JOINED = False
-        return
+        return False
     _JOINED = False
     try:
         if meet and dist.get_backend() == "gloo":
@@ -131,6 +132,7 @@ def leave(meet: bool = True) -> None:
               file=sys.stderr)
     finally:
         dist.destroy_process_group()
+    return True
 
 
 def _leave_at_exit() -> None:
