@@ -10,7 +10,7 @@ import time
 import torch
 
 from .drafters import STANDDrafter, STANDStore
-from .drafters.registry import DRAFTER_NAMES, NEEDS_MODEL
+from .drafters.registry import DRAFTER_ALIASES, DRAFTER_NAMES, NEEDS_MODEL, drafter_name
 from .generate import METHODS
 from .models.hub import resolve
 from .models.loading import DTYPES
@@ -20,6 +20,13 @@ from .tree import tree_spec
 
 MODEL_HELP = "a checkpoint directory or Hub id (org/name: from the Hub cache, else downloaded)"
 
+
+
+def _add_drafter(p, extra: str | None = None) -> None:
+    """``--drafter``: a registry name, or an alias of one (``ssm``), given to the code as the name."""
+    aliases = ", ".join(f"{a} = {n}" for a, n in DRAFTER_ALIASES.items())
+    p.add_argument("--drafter", type=drafter_name, choices=DRAFTER_NAMES, default="ngram",
+                   help=f"({aliases})" + ("" if extra is None else f"; {extra}"))
 
 def _add_revision(p) -> None:
     p.add_argument("--revision", default=None, help="the branch, tag or commit of a Hub id --model (default: main)")
@@ -60,8 +67,8 @@ def _generate_parser(sub) -> None:
                                                        "'messages'); a <think> block is reported apart")
     p.add_argument("--system", default=None, help="with --chat: a system message before each prompt")
     p.add_argument("--method", choices=METHODS, default="stree")
-    p.add_argument("--drafter", choices=DRAFTER_NAMES, default="ngram",
-                   help="consensus drafts from the batch's own earlier text; ssm-static / ssm-beam need --drafter-model")
+    _add_drafter(p, "consensus drafts from the batch's own earlier text; ssm / ssm-beam need "
+                    "--drafter-model")
     p.add_argument("--drafter-model", default=None, help="checkpoint directory or Hub id of a small drafter LM "
                                                          "(stree distill)")
     p.add_argument("--tree", default="auto", help="auto (default: each step's tree, or a plain step, chosen from "
@@ -96,7 +103,7 @@ def _profile_parser(sub) -> None:
                                        "iteration (drafting included) per tree size; the table tree=auto decides by")
     p.add_argument("--model", required=True, help=MODEL_HELP)
     _add_revision(p)
-    p.add_argument("--drafter", choices=DRAFTER_NAMES, default="ngram")
+    _add_drafter(p)
     p.add_argument("--drafter-model", default=None, help="checkpoint directory or Hub id of a small drafter LM "
                                                          "(ssm-static)")
     p.add_argument("--batch-size", type=int, default=1)
@@ -176,7 +183,7 @@ def _chat_parser(sub) -> None:
     _add_revision(p)
     p.add_argument("--tokenizer", default=None, help="tokenizer directory or Hub id (default: --model)")
     p.add_argument("--system", default=None, help="a system message opening the conversation")
-    p.add_argument("--drafter", choices=DRAFTER_NAMES, default="ngram")
+    _add_drafter(p)
     p.add_argument("--drafter-model", default=None, help="checkpoint directory or Hub id of a small drafter LM")
     _add_decoding(p)
 

@@ -20,12 +20,10 @@ from pathlib import Path
 import torch
 
 from .drafters.base import Drafter
-from .drafters.registry import DRAFTER_NAMES, NEEDS_MODEL, make_drafter
+from .drafters.registry import DRAFTER_ALIASES, DRAFTER_NAMES, NEEDS_MODEL, drafter_name, make_drafter
 from .generate import GenerationStats, decode
 from .stops import TextStops, apply_text_stops, held_back, stop_strings
 
-# Short names for the registry's: "ssm" is the distilled drafter filling a static tree.
-DRAFTER_ALIASES = {"ssm": "ssm-static"}
 FINISH_REASONS = ("eos", "stop", "length")
 
 
@@ -215,7 +213,7 @@ class LM:
             return name
         if not isinstance(name, str):
             raise TypeError(f"drafter must be a name or a Drafter, got {type(name).__name__}")
-        name = DRAFTER_ALIASES.get(name, name)
+        name = drafter_name(name)
         if name == "stand" and temperature == 0:  # greedy verification takes the target's top token: STAND's
             name = "stand-det"  # random drafts only waste slots there, so it drafts its most likely ones
         if name not in DRAFTER_NAMES:

@@ -8,6 +8,7 @@ import torch
 from tiny_models import mamba2
 
 from stree.cli import main
+from stree.drafters.registry import drafter_name
 from stree.models import load, save
 from stree.tree import TreeShape
 
@@ -120,7 +121,7 @@ def test_optimize_tree_writes_a_tree_generate_can_use(checkpoint, tmp_path, caps
     assert "holds no prompts" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("drafter", ["ssm-static", "ssm-beam"])
+@pytest.mark.parametrize("drafter", ["ssm", "ssm-static", "ssm-beam"])  # ssm: the text API's name for ssm-static
 def test_generate_with_a_drafter_model(checkpoint, tmp_path, capsys, drafter):
     small = tmp_path / "drafter"
     save(mamba2(vocab_size=load(checkpoint).cfg.vocab_size, n_layer=1, seed=5), small)  # an unrelated drafter
@@ -129,7 +130,7 @@ def test_generate_with_a_drafter_model(checkpoint, tmp_path, capsys, drafter):
     assert main(argv) == 0
     assert capsys.readouterr().out.splitlines()[-1].endswith("identical: yes")
     assert main(argv[:-5] + ["--max-new-tokens", "3"]) == 2
-    assert f"--drafter {drafter} needs --drafter-model DIR" in capsys.readouterr().err
+    assert f"--drafter {drafter_name(drafter)} needs --drafter-model DIR" in capsys.readouterr().err
     assert main(["generate", "--model", str(checkpoint), "--prompt", "x", "--drafter-model", str(small)]) == 2
     assert "--drafter-model is only for" in capsys.readouterr().err
 
@@ -263,7 +264,7 @@ def test_profile_prints_the_cost_table_and_plots_it(checkpoint, tmp_path, capsys
     assert "nodes" in out and "in steps" in out and "costs.json" in out
     assert main(["profile", "--model", str(checkpoint), "--png", str(png), "--dtype", "float32", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["rows"][0]["nodes"] == 1
-    for bad in (["--batch-size", "0"], ["--drafter", "ssm-static"]):
+    for bad in (["--batch-size", "0"], ["--drafter", "ssm-static"], ["--drafter", "ssm"]):
         assert main(["profile", "--model", str(checkpoint), "--png", str(png), *bad]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith("stree profile: error:")
