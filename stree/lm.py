@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from .drafters.base import Drafter
-from .drafters.registry import DRAFTER_ALIASES, DRAFTER_NAMES, NEEDS_MODEL, drafter_name, make_drafter
+from .drafters.registry import drafter_name, resolve_drafter
 from .generate import GenerationStats, decode
 from .stops import TextStops, apply_text_stops, held_back, stop_strings
 
@@ -209,20 +209,13 @@ class LM:
         """A drafter by name ("ngram", "stand", "stand-det", "consensus", "ssm", "ssm-beam"), or
         ``name`` itself when it is a Drafter. ``tokens``: the most it will see emitted (one call's),
         which sizes a fresh STAND store."""
-        if name is None or isinstance(name, Drafter):
-            return name
-        if not isinstance(name, str):
-            raise TypeError(f"drafter must be a name or a Drafter, got {type(name).__name__}")
-        name = drafter_name(name)
-        if name == "stand" and temperature == 0:  # greedy verification takes the target's top token: STAND's
-            name = "stand-det"  # random drafts only waste slots there, so it drafts its most likely ones
-        if name not in DRAFTER_NAMES:
-            raise ValueError(f"drafter must be one of {sorted({*DRAFTER_NAMES, *DRAFTER_ALIASES})} or a Drafter, "
-                             f"got {name!r}")
-        if name in NEEDS_MODEL and self.drafter_model is None:
-            raise ValueError(f"drafter {name!r} needs a drafter model (LM.from_pretrained(..., drafter_model=DIR))")
-        return make_drafter(name, drafter_model=self.drafter_model if name in NEEDS_MODEL else None,
-                            vocab_size=self.model.vocab_size, temperature=temperature, include_self=True, tokens=tokens)
+        if isinstance(name, str) and drafter_name(name) == "stand" and temperature == 0:
+            # greedy verification takes the target's top token: STAND's random drafts only waste
+            # slots there, so it drafts its most likely ones
+            name = "stand-det"
+        return resolve_drafter(name, drafter_model=self.drafter_model, vocab_size=self.model.vocab_size,
+                               model_hint=" (LM.from_pretrained(..., drafter_model=DIR))", temperature=temperature,
+                               include_self=True, tokens=tokens)
 
     def generation(self, **given) -> dict:
         """The decoding values in force for a call that sets ``given`` (None: not set): the call's,

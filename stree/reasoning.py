@@ -24,7 +24,7 @@ from .autotree import tree_room
 from .branch import Branch
 from .chat import prompt_ids as chat_prompt_ids
 from .drafters.base import Drafter
-from .drafters.registry import make_drafter
+from .drafters.registry import resolve_drafter
 from .judge import JUDGE_TEMPLATE, Judge
 
 __all__ = ["ReasonOutput", "ReasonStats", "Step", "spec_reason"]
@@ -90,14 +90,10 @@ def _drafter(token_spec, small, temperature: float, name: str = "token_spec") ->
         raise ValueError(f"{name}='small' drafts with the small model: not for the small model itself")
     if token_spec is True:  # greedy steps verify greedily: STAND's top-k trees beat its sampled ones there
         token_spec = "stand-det" if temperature == 0 else "stand"
-    if isinstance(token_spec, Drafter):
-        return token_spec
     if token_spec == "small":
-        return make_drafter("ssm-static", drafter_model=small, vocab_size=None)
-    if token_spec in ("stand", "stand-det", "ngram"):
-        return make_drafter(token_spec)
-    raise ValueError(f"{name} must be True, False, 'small', 'stand', 'stand-det', 'ngram' or a Drafter, "
-                     f"got {token_spec!r}")
+        token_spec = "ssm-static"
+    return resolve_drafter(token_spec, argument=name, also=("True", "False", "small"), drafter_model=small,
+                           model_hint=" (the small model; not for the small model itself)")
 
 
 def check_threshold(judge, threshold) -> float:

@@ -25,7 +25,8 @@ from .branch import Branch
 from .chat import prompt_ids
 from .drafters.base import Drafter
 from .drafters.per_row import PerRowDrafter
-from .drafters.registry import make_drafter
+from .drafters.registry import STORES, drafter_name, make_drafter, resolve_drafter
+from .drafters.consensus import PathStore
 from .drafters.stand import STANDStore
 from .judge import JUDGE_TEMPLATE, Judge
 
@@ -85,7 +86,7 @@ class SearchResult:
     steps: list[int]
     candidates: list[Candidate]
     stats: SearchStats
-    store: STANDStore | None = None
+    store: STANDStore | PathStore | None = None
 
 
 def _aggregate(how: str, scores: list[float]) -> float:
@@ -99,20 +100,20 @@ def _aggregate(how: str, scores: list[float]) -> float:
 
 
 def _drafter(drafter, store, shared: bool):
+    """The drafter every branch drafts with, and the store it shares (None: it keeps none); a
+    STAND drafter with ``shared`` off is one per branch, each with a fresh store."""
     if not isinstance(shared, bool):
         raise TypeError(f"share_store must be a bool, got {shared!r}")
     if drafter is None or isinstance(drafter, Drafter):
         return drafter, getattr(drafter, "store", None)
-    if drafter in ("stand", "stand-det"):
-        if not shared:
-            if store is not None:
-                raise ValueError("share_store=False gives every branch a fresh store: it takes no store")
-            return PerRowDrafter(lambda: make_drafter(drafter)), None
-        store = STANDStore() if store is None else store
-        return make_drafter(drafter, store=store), store
-    if drafter == "ngram":
-        return make_drafter("ngram"), None
-    raise ValueError(f"drafter must be 'stand', 'stand-det', 'ngram', None or a Drafter, got {drafter!r}")
+    name = drafter_name(drafter) if isinstance(drafter, str) else None
+    if name in ("stand", "stand-det") and not shared:
+        if store is not None:
+            raise ValueError("share_store=False gives every branch a fresh store: it takes no store")
+        return PerRowDrafter(lambda: make_drafter(name)), None
+    if name in STORES and store is None:
+        store = STORES[name]()
+    return resolve_drafter(drafter, store=store), store
 
 
 def _search(model, prompt, groups: int, keep: int, *, expand: int, steps: int, scorer, tokenizer, stop,
@@ -217,7 +218,7 @@ def _nan_low(v: float) -> float:
 
 def beam_search(model, prompt, *, width: int = 2, expand: int = 4, steps: int = 8, scorer="prompt",
                 tokenizer=None, stop="\n\n", stop_sequences=None, max_step_tokens: int = 64,
-                max_new_tokens: int = 512, drafter="stand", store: STANDStore | None = None,
+                max_new_tokens: int = 512, drafter="stand", store: STANDStore | PathStore | None = None,
                 temperature: float = 0.8, top_p: float = 1.0, seed: int | None = 0, eos_token_id=None,
                 aggregate: str = "last", score: str = "greedy", judge_template: str = JUDGE_TEMPLATE,
                 share_store: bool = True, tree="auto") -> SearchResult:
@@ -234,7 +235,9 @@ def beam_search(model, prompt, *, width: int = 2, expand: int = 4, steps: int = 
     process reward model). ``aggregate``: a trajectory's value from its steps' scores ("last",
     "min", "mean", "sum"). ``drafter``: "stand" (default; one store shared by every branch, pass
     ``store`` to share it across calls too; ``share_store=False``: a fresh store per branch and
-    step instead, the baseline), "stand-det", "ngram", a Drafter or None (autoregressive); ``tree``:
+    step instead, the baseline), any other name :func:`stree.LM.generate` takes ("consensus" shares
+    its store likewise; "ssm" needs a model and is not taken here), a Drafter or None
+    (autoregressive); ``tree``:
     what the candidates are drafted over (:func:`stree.generate.decode`'s, default "auto").
     ``temperature``/``top_p``: the candidates' sampling; ``seed`` makes the search repeatable."""
     return _search(model, prompt, 1, integer("width", width, low=1), **_options(locals()))

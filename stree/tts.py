@@ -10,7 +10,7 @@ from .answers import extract_answer, extract_boxed, group_answers, same_answer
 from .chat import prompt_ids as prompt_ids_of
 from .drafters.base import Drafter
 from .drafters.consensus import PathStore
-from .drafters.registry import make_drafter
+from .drafters.registry import STORES, drafter_name, resolve_drafter
 from .drafters.stand import STANDStore
 from .generate import GenerationStats, generate
 from .tree import TreeBudget, TreeShape
@@ -18,7 +18,6 @@ from .tree import TreeBudget, TreeShape
 __all__ = ["Trajectories", "sample_trajectories", "majority_vote", "extract_answer", "extract_boxed", "same_answer",
            "best_of_n"]
 
-DRAFTERS = ("stand", "ngram", "consensus")
 
 
 @dataclass
@@ -35,20 +34,15 @@ class Trajectories:
 
 
 def _drafter(drafter, store):
+    """The drafter every batch drafts with, and the store they share (None: it keeps none)."""
     if drafter is None or isinstance(drafter, Drafter):
         if store is not None:
-            raise ValueError("store is only used with drafter='stand' or 'consensus'")
+            raise ValueError("store is only used with a drafter named here (a Drafter brings its own)")
         return drafter, getattr(drafter, "store", None)
-    if drafter not in DRAFTERS:
-        raise ValueError(f"drafter must be one of {DRAFTERS}, None or a Drafter, got {drafter!r}")
-    kinds = {"stand": STANDStore, "consensus": PathStore}
-    if drafter in kinds:
-        store = kinds[drafter]() if store is None else store
-        if not isinstance(store, kinds[drafter]):
-            raise TypeError(f"drafter={drafter!r} needs a {kinds[drafter].__name__}, got {type(store).__name__}")
-    elif store is not None:
-        raise ValueError("the n-gram drafter reads each row's own context: it takes no store")
-    return make_drafter(drafter, store=store), store
+    name = drafter_name(drafter) if isinstance(drafter, str) else None
+    if name in STORES and store is None:
+        store = STORES[name]()
+    return resolve_drafter(drafter, store=store), store
 
 
 def sample_trajectories(model, prompt_ids, n: int, *, drafter="stand", batch_size: int = 1,
@@ -57,8 +51,9 @@ def sample_trajectories(model, prompt_ids, n: int, *, drafter="stand", batch_siz
                         store=None, tokenizer=None) -> Trajectories:
     """``n`` trajectories after one prompt, ``batch_size`` at a time (the last batch may be
     smaller), every batch drafting from one store that persists across batches and, when passed
-    in as ``store``, across calls. ``drafter``: ``"stand"`` (the default), ``"ngram"``,
-    ``"consensus"``, a :class:`Drafter`, or None (autoregressive). Batch b decodes with seed
+    in as ``store``, across calls. ``drafter``: ``"stand"`` (the default), any other name
+    :func:`stree.LM.generate` takes but the ones that need a drafter model ("consensus" shares its
+    store likewise), a :class:`Drafter`, or None (autoregressive). Batch b decodes with seed
     ``seed + b``. ``tree``: the draft tree shape or budget (default: :func:`generate`'s).
     ``prompt_ids``: token ids, or text with ``tokenizer`` (the user's message through its chat
     template when it has one)."""
