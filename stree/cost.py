@@ -39,7 +39,7 @@ __all__ = ["CostProfile", "cache_file", "cost_profile", "MODES"]
 
 MODES = ("eager", "compiled", "cuda_graph")
 CATCH = 64  # tokens of context a drafter model's catch-up is timed on
-FORMAT = 10  # of the cache file; another is re-measured (10: small trees numba-compiled on the CPU)
+FORMAT = 11  # of the cache file; another is re-measured (11: plain steps read the weight copies the tree passes use)
 
 
 @dataclass(frozen=True)
@@ -289,6 +289,7 @@ def _sync(device: torch.device):
 @torch.no_grad()
 def _measure(model, drafter, batch: int, mode: str, sampled: bool, shapes, budget_s: float) -> CostProfile:
     from .drafters.base import DraftContext, TargetTop
+    from .models.linear import following_wide
     from .steps import autoregressive_step, check_draft, speculative_step
     from .tree import TokenTree
     from .verify import SamplingParams
@@ -335,7 +336,8 @@ def _measure(model, drafter, batch: int, mode: str, sampled: bool, shapes, budge
         lengths.add_(count)
 
     def ar():
-        host = autoregressive_step(model, cache, seq[:, 0].to(device), params, draws, runner, plain_top_k)
+        with following_wide():  # as the loop's plain steps (stree.generate)
+            host = autoregressive_step(model, cache, seq[:, 0].to(device), params, draws, runner, plain_top_k)
         cache.seqlens -= 1
         if plain_top_k is not None:  # a drafter learning the target's law of every plain step
             observe(host, 1)

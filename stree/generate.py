@@ -14,6 +14,7 @@ along with a root-only tree, its cache never copied), so shapes stay fixed.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import time
 from dataclasses import dataclass, field
@@ -29,6 +30,7 @@ from .drafters.ngram import NGramDrafter
 from .models.base import TreeLM
 from .models.compiled import CompiledDecode
 from .models.graphs import DecodeGraphs
+from .models.linear import following_wide
 from .steps import HostStep, autoregressive_step, check_draft, prefill_rows, speculative_step
 from .stops import check_stop_sequences, token_stop
 from .tree import TokenTree, TreeBudget, TreeShape
@@ -514,6 +516,8 @@ def decode(model, input_ids, *, drafter: Drafter | None = None, tree: TreeShape 
     # A run of plain steps the chooser has decided ahead, where the drafter needs no target laws
     # after them: the loop neither plans nor drafts, and hands the drafter the run's tokens at its end.
     run: _PlainRun | None = None
+    # a speculative loop's plain steps read the weight copies its tree passes use (models.linear)
+    plain_scope = following_wide if speculative else contextlib.nullcontext
     yield rows
     while bool(rows.active.any()):
         if not bool(rows.active.all()):
@@ -535,8 +539,9 @@ def decode(model, input_ids, *, drafter: Drafter | None = None, tree: TreeShape 
             full = share_tree(model, full, device, shapes)
             stats.time_draft += clock.lap()
         if full is None:  # autoregressive, or a plain step chosen over the tree
-            host = autoregressive_step(model, cache, roots.to(device, non_blocking=True), params, generator, runner,
-                                       None if drafter is None else drafter.plain_top_k)
+            with plain_scope():
+                host = autoregressive_step(model, cache, roots.to(device, non_blocking=True), params, generator,
+                                           runner, None if drafter is None else drafter.plain_top_k)
             for r in live:
                 rows.accepted[r].append(0)
             stats.time_verify += clock.lap()

@@ -225,3 +225,30 @@ def test_bad_inputs_name_the_argument():
     deep = TokenTree.from_shape(TreeShape.chain(3), torch.ones(1, 4, dtype=torch.long))
     with pytest.raises(ValueError, match="would reach 9 tokens, past the cache's max_length 8"):
         model.forward_tree(deep, cache)
+
+
+def test_only_a_speculative_loops_plain_steps_follow_the_tree_passes_weights(monkeypatch):
+    """The plain steps of a speculative loop run inside models.linear.following_wide (they read
+    the weight copies the loop's tree passes use); autoregressive decoding never enters it."""
+    import contextlib
+
+    import stree.generate as gen
+
+    entered = []
+
+    @contextlib.contextmanager
+    def counting():
+        entered.append(1)
+        yield
+
+    monkeypatch.setattr(gen, "following_wide", counting)
+    model = mamba2(seed=0)
+    prompt = [[1, 2, 3, 4]]
+    generate(model, prompt, max_new_tokens=6, method="autoregressive")
+    assert entered == []
+    from stree.autotree import AutoTree
+    from stree.cost import CostProfile
+
+    dear = AutoTree(CostProfile(1.0, (2, 4), (60.0, 70.0)))  # trees that never pay: plain steps
+    out = generate(model, prompt, max_new_tokens=6, drafter=NGramDrafter(), tree=dear)
+    assert len(entered) == out.stats.trees[1] > 0

@@ -75,6 +75,38 @@ def test_the_packed_product_runs_where_it_measured_clearly_faster(monkeypatch, b
         assert set(lin._FASTER) == {(4, 512, 64, True), (8, 512, 64, True), (64, 512, 64, True), (2, 512, 64, True)}
 
 
+def test_plain_steps_of_a_speculative_loop_follow_the_tree_pass_for_a_while(monkeypatch):
+    """Inside following_wide, a product takes the path its weight's last product outside took
+    (the tree pass), for FOLLOW_WIDE products, then its own; outside, each takes its own. Each
+    weight follows its own last product."""
+    monkeypatch.setattr(lin, "PATH", "auto")
+    monkeypatch.setattr(lin, "_LAST", {})
+    layer, other = Linear(64, 512), Linear(64, 256)
+    # 16 rows: packed (as measured on the CPU), a step's row: BLAS
+    monkeypatch.setattr(lin, "_FASTER", {(16, 512, 64, True): True, (1, 512, 64, True): False,
+                                         (16, 256, 64, True): False, (1, 256, 64, True): False})
+
+    def packed(fn):
+        return "mkldnn::_linear_pointwise" in _ops(fn)
+
+    step, tree = torch.randn(1, 64), torch.randn(16, 64)
+    with torch.no_grad():
+        assert packed(lambda: layer(tree)) and not packed(lambda: other(tree))
+        assert not packed(lambda: layer(step))  # outside the block: its own path
+        layer(tree)
+        with lin.following_wide():
+            taken = [packed(lambda: layer(step)) for _ in range(lin.FOLLOW_WIDE + 2)]
+            assert not packed(lambda: other(step))  # its own last product was BLAS
+        assert taken == [True] * lin.FOLLOW_WIDE + [False] * 2
+        layer(tree)  # a new pass: followed again
+        with lin.following_wide():
+            assert packed(lambda: layer(step))
+        monkeypatch.setattr(lin, "FOLLOW_WIDE", 0)
+        layer(tree)
+        with lin.following_wide():
+            assert not packed(lambda: layer(step))
+
+
 @pytest.mark.parametrize("path", ["blas", "packed"])
 def test_a_pinned_path_is_taken_without_measuring(monkeypatch, path):
     monkeypatch.setattr(lin, "PATH", path)
