@@ -21,12 +21,12 @@ from .tree import tree_spec
 MODEL_HELP = "a checkpoint directory or Hub id (org/name: from the Hub cache, else downloaded)"
 
 
-
 def _add_drafter(p, extra: str | None = None) -> None:
     """``--drafter``: a registry name, or an alias of one (``ssm``), given to the code as the name."""
     aliases = ", ".join(f"{a} = {n}" for a, n in DRAFTER_ALIASES.items())
     p.add_argument("--drafter", type=drafter_name, choices=DRAFTER_NAMES, default="ngram",
                    help=f"({aliases})" + ("" if extra is None else f"; {extra}"))
+
 
 def _add_revision(p) -> None:
     p.add_argument("--revision", default=None, help="the branch, tag or commit of a Hub id --model (default: main)")
