@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .generate import GenerationStats, decode
-from .stops import TextStops, apply_text_stops, stop_strings
+from .generate import GenerationStats, decode, drain
+from .stops import TextStops, apply_text_stops, finish_reasons, stop_strings
 from .tree import MAX_TREE_NODES, TokenTree, TreeShape
 
 __all__ = ["Branch", "BranchOutput", "Scored", "log_probs"]
@@ -226,13 +226,7 @@ class Branch:
         trackers = [TextStops(tokenizer, stops) for _ in self.contexts]
         steps = decode(self.model, self.contexts, cache=self.cache, max_new_tokens=max_new_tokens, drafter=drafter,
                        method=method, stop_sequences=stop_sequences, **kwargs)
-        while True:
-            try:
-                batch = next(steps)
-            except StopIteration as end:
-                out = end.value
-                break
-            apply_text_stops(batch, trackers)
+        out = drain(steps, lambda batch: apply_text_stops(batch, trackers))
         new = out.new_tokens
         redo = [r for r, ok in enumerate(out.exact) if not ok]
         if redo:  # cut inside an accepted path, or carried along after finishing: rebuild from the snapshot
@@ -240,12 +234,7 @@ class Branch:
             rebuilt.extend([new[r] for r in redo])
             self.cache.assign(torch.tensor(redo, device=self.cache.seqlens.device), rebuilt.cache)
         self.contexts = [list(s) for s in out.sequences]
-        eos = kwargs.get("eos_token_id")
-        eos = set([] if eos is None else eos if isinstance(eos, (list, tuple)) else [eos])
-        seqs = [tuple(s) for s in (stop_sequences or [])]
-        reasons = ["stop" if tr.cut is not None or any(tuple(t[-len(s):]) == s for s in seqs)
-                   else "eos" if t and t[-1] in eos else "length" for tr, t in zip(trackers, new)]
-        return BranchOutput(new, reasons, out.stats)
+        return BranchOutput(new, finish_reasons(new, trackers, kwargs.get("eos_token_id"), stop_sequences), out.stats)
 
     def _check_room(self, needs, rows) -> None:
         for need, r in zip(needs, rows):

@@ -327,14 +327,21 @@ class _Clock:
         return dt
 
 
-def generate(model, input_ids, **kwargs) -> GenerationOutput:
-    """Decode to the end (every argument as :func:`decode` takes it) and return the output."""
-    steps = decode(model, input_ids, **kwargs)
+def drain(steps, each=None):
+    """Run a :func:`decode` generator to its end, calling ``each`` (if given) on every batch of
+    rows it yields; returns its :class:`GenerationOutput`."""
     while True:
         try:
-            next(steps)
+            batch = next(steps)
         except StopIteration as end:
             return end.value
+        if each is not None:
+            each(batch)
+
+
+def generate(model, input_ids, **kwargs) -> GenerationOutput:
+    """Decode to the end (every argument as :func:`decode` takes it) and return the output."""
+    return drain(decode(model, input_ids, **kwargs))
 
 
 @torch.no_grad()  # a generator: torch enters the mode at every resumption, so callers need none

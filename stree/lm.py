@@ -21,8 +21,8 @@ import torch
 
 from .drafters.base import Drafter
 from .drafters.registry import drafter_name, resolve_drafter
-from .generate import GenerationStats, decode
-from .stops import TextStops, apply_text_stops, held_back, stop_strings
+from .generate import GenerationStats, decode, drain
+from .stops import TextStops, apply_text_stops, finish_reasons, held_back, stop_strings
 
 FINISH_REASONS = ("eos", "stop", "length")
 
@@ -252,15 +252,11 @@ class LM:
                        **kwargs)
         return rows, steps, eos, params
 
-    def _output(self, out, rows: list[TextStops], eos, params: dict) -> TextOutput:
-        eos = set([] if eos is None else [eos] if isinstance(eos, int) else eos)
-        reasons = []
+    def _output(self, out, rows: list[TextStops], eos, params: dict, stop_sequences=()) -> TextOutput:
         for row, tokens in zip(rows, out.new_tokens):
-            if row.cut is not None:
-                reasons.append("stop")
-            else:
-                reasons.append("eos" if tokens and tokens[-1] in eos else "length")
+            if row.cut is None:
                 row.text = row.decode(tokens)
+        reasons = finish_reasons(out.new_tokens, rows, eos, stop_sequences)
         return TextOutput([r.text for r in rows], out.new_tokens, reasons, out.stats, params)
 
     def generate(self, prompts, **kwargs) -> TextOutput:
@@ -272,12 +268,8 @@ class LM:
         (None: no EOS). Every other argument is :func:`stree.generate.decode`'s: ``method``,
         ``tree``, ``seed``, ``torch_compile``, ..."""
         rows, steps, eos, params = self._steps(prompts, **kwargs)
-        while True:
-            try:
-                batch = next(steps)
-            except StopIteration as end:
-                return self._output(end.value, rows, eos, params)
-            apply_text_stops(batch, rows)
+        out = drain(steps, lambda batch: apply_text_stops(batch, rows))
+        return self._output(out, rows, eos, params, kwargs.get("stop_sequences"))
 
     def chat(self, messages, **kwargs) -> TextOutput:
         """Answer ``messages``: one conversation (a list of ``{"role", "content"}`` dicts) or a
@@ -347,7 +339,7 @@ class TextStream:
             try:
                 batch = next(steps)
             except StopIteration as end:
-                self.output = lm._output(end.value, rows, eos, params)
+                self.output = lm._output(end.value, rows, eos, params, self.kwargs.get("stop_sequences"))
                 break
             apply_text_stops(batch, rows)
             if row.cut is None:

@@ -100,3 +100,13 @@ def apply_text_stops(batch, trackers: list[TextStops]) -> None:
             keep = row.update(batch.generated(r))
             if keep is not None:
                 batch.finish(r, keep)
+
+
+def finish_reasons(new_tokens: list[list[int]], trackers: list[TextStops], eos, stop_sequences=()) -> list[str]:
+    """Why each row ended: "stop" (a stop string cut it, or it ends with one of the token
+    ``stop_sequences``), "eos" (its last token is one of ``eos``: an id, ids or None), else
+    "length"."""
+    eos = set([] if eos is None else [eos] if isinstance(eos, numbers.Integral) else eos)
+    sequences = [tuple(q) for q in stop_sequences or ()]
+    return ["stop" if tracker.cut is not None or any(tuple(tokens[-len(q):]) == q for q in sequences)
+            else "eos" if tokens and tokens[-1] in eos else "length" for tracker, tokens in zip(trackers, new_tokens)]

@@ -243,3 +243,17 @@ def test_a_calls_stand_store_is_sized_to_the_call(lm, monkeypatch):
     monkeypatch.setattr(registry, "STANDStore", lambda **kw: made.append(kw) or real(**kw))
     out = lm.generate(PROMPTS, max_new_tokens=20, drafter="stand", temperature=1.0, seed=0)
     assert made == [dict(capacity=1024)] and len(out.token_ids) == 2  # 2 rows x 21 tokens x 4 n-grams
+
+
+def test_a_row_ended_by_a_token_stop_sequence_finished_for_stop(lm):
+    """finish_reasons come from one place (stree.stops.finish_reasons), which knows the token
+    stop sequences too: the text API reported "length" for a row they had ended."""
+    free = lm.generate(PROMPTS[0], max_new_tokens=12, eos_token_id=None)
+    seq = free.token_ids[0][4:6]
+    first = next(i for i in range(len(free.token_ids[0]) - 1) if free.token_ids[0][i: i + 2] == seq)
+    for out in (lm.generate(PROMPTS[0], max_new_tokens=12, eos_token_id=None, stop_sequences=[seq]),
+                lm.stream(PROMPTS[0], max_new_tokens=12, eos_token_id=None, stop_sequences=[seq])):
+        if not hasattr(out, "finish_reasons"):
+            list(out)
+            out = out.output
+        assert out.token_ids == [free.token_ids[0][: first + 2]] and out.finish_reasons == ["stop"]
