@@ -155,8 +155,8 @@ def _shape_structure(shape: TreeShape) -> tuple[np.ndarray, np.ndarray, np.ndarr
 def _structure(tree: TokenTree) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Parents, sibling rank and depth of every node, ``[B or 1, n]`` each (a static shape's
     once per shape)."""
-    if tree._shape is not None:
-        return _shape_structure(tree._shape)
+    if tree.static_shape is not None:
+        return _shape_structure(tree.static_shape)
     parents = np.ascontiguousarray(tree.parents.cpu().numpy().reshape(-1, tree.n), dtype=np.int64)
     return (parents, *_rank_depth(parents))
 
@@ -666,8 +666,8 @@ def _cut(draft: TokenTree, m: int) -> TokenTree:
     cut = lambda t: None if t is None else t[:, :m]  # noqa: E731
     extra = dict(valid=cut(draft.valid), child_ids=cut(draft.child_ids), child_probs=cut(draft.child_probs),
                  with_replacement=draft.with_replacement)
-    if draft._shape is not None:
-        return TokenTree.from_shape(_prefix(draft._shape, m), draft.tokens[:, :m], **extra)
+    if draft.static_shape is not None:
+        return TokenTree.from_shape(_prefix(draft.static_shape, m), draft.tokens[:, :m], **extra)
     return TokenTree(draft.parents[..., :m], draft.tokens[:, :m], **extra)
 
 

@@ -51,7 +51,7 @@ def share_tree(model, tree: TokenTree | None, device, shapes: dict) -> TokenTree
     if tp.rank == 0:
         t = tree
         head = [t.batch_size, t.n, 0 if t.child_ids is None else t.child_ids.shape[-1], t.valid is not None,
-                t.child_ids is not None, t.with_replacement, t._shape is not None, t.parents.dim() == 2]
+                t.child_ids is not None, t.with_replacement, t.static_shape is not None, t.parents.dim() == 2]
         header = torch.tensor(head, dtype=torch.long, device=device)
     else:
         header = torch.zeros(_HEADER, dtype=torch.long, device=device)

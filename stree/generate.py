@@ -302,8 +302,8 @@ def _full_batch(draft: TokenTree, active: torch.Tensor, roots: torch.Tensor) -> 
         extra.update(child_ids=torch.zeros(B, n, K, dtype=draft.child_ids.dtype),
                      child_probs=torch.zeros(B, n, K, dtype=draft.child_probs.dtype))
         extra["child_ids"][ids], extra["child_probs"][ids] = draft.child_ids, draft.child_probs
-    if draft._shape is not None:  # keep the static shape (and its cached index, and its graphs)
-        return TokenTree.from_shape(draft._shape, tokens, **extra)
+    if draft.static_shape is not None:  # keep the static shape (and its cached index, and its graphs)
+        return TokenTree.from_shape(draft.static_shape, tokens, **extra)
     parents = draft.parents
     if parents.dim() == 2:
         parents = parents[:1].repeat(B, 1)

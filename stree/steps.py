@@ -128,23 +128,23 @@ def speculative_step(model, cache, draft: TokenTree, params: SamplingParams, gen
     ``runner``, a draft of a static shape goes through that shape's tree pass and commit (CUDA
     graphs or compiled).
     ``lap(phase)``, if given, is called after "verify" (tree pass and verification) and "commit"."""
-    fast = runner is not None and backend == "tree" and draft._shape is not None
-    fused = fast and params.greedy and runner.fused(_greedy_iteration, draft._shape, "greedy")
+    fast = runner is not None and backend == "tree" and draft.static_shape is not None
+    fused = fast and params.greedy and runner.fused(_greedy_iteration, draft.static_shape, "greedy")
     if fused:  # the pass, greedy verification and the host's packing as one compiled graph
         k = None if top_k is None else min(top_k, model.vocab_size)
-        depth = draft._shape.max_depth
+        depth = draft.static_shape.max_depth
         valid = draft.valid if draft.valid is not None else _all_valid(draft.tokens.shape, draft.tokens.device)
         tree_pass, (accepted, num, bonus, packed) = fused(draft.tokens, valid, depth, k)
         result = VerifyResult(accepted, num, bonus, None)
         if lap is not None:
             lap("verify")
-        runner.tree(draft._shape)[1](tree_pass, accepted, num)
+        runner.tree(draft.static_shape)[1](tree_pass, accepted, num)
         host = unpack(packed.cpu(), depth + 1, draft.n, k)  # the step's one device-to-host sync
         if lap is not None:
             lap("commit")
         return host, result
     if fast:
-        fast_tree, fast_commit = runner.tree(draft._shape)
+        fast_tree, fast_commit = runner.tree(draft.static_shape)
         logits, tree_pass = fast_tree(draft.tokens, validate=False)
     else:
         logits, tree_pass = model.forward_tree(draft, cache, backend=backend, validate=False)

@@ -448,6 +448,12 @@ class TokenTree:
         return self.tokens.shape[0]
 
     @property
+    def static_shape(self) -> TreeShape | None:
+        """The :class:`TreeShape` every row shares when the tree was made by :meth:`from_shape`
+        (compiled passes and CUDA graphs are made per static shape), else None."""
+        return self._shape
+
+    @property
     def index(self) -> TreeIndex:
         """Validated kernel index, computed once per tree."""
         if self._index is None:

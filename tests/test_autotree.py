@@ -232,7 +232,7 @@ def test_cheap_trees_are_drafted_and_cut_to_what_was_filled():
     plan = auto.plan()
     assert plan is not None and plan.n >= 4
     cut = auto.choose(full_draft(plan, fill=2), np.ones(1, dtype=np.bool_))
-    assert cut.n == 2 and cut._shape.parents == plan.parents[:2]  # the filled prefix only
+    assert cut.n == 2 and cut.static_shape.parents == plan.parents[:2]  # the filled prefix only
     assert auto.choose(full_draft(plan, fill=1), np.ones(1, dtype=np.bool_)) is None  # nothing drafted
 
 
@@ -245,7 +245,7 @@ def train(auto, accept: bool, steps: int = 3 * AutoTree.REPLAN) -> AutoTree:
             auto.record(None)
             continue
         path, v = [], 0  # the first child all the way down
-        kids = draft._shape.children()
+        kids = draft.static_shape.children()
         while kids[v]:
             v = kids[v][0]
             path.append(int(draft.tokens[0, v]))

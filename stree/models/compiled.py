@@ -117,10 +117,10 @@ class CompiledModel:
 
     def forward_tree(self, tree: TokenTree, cache: ModelCache, backend: str = "tree", validate: bool = True):
         index, max_depth = self.model.check_tree(tree, cache, backend, validate)
-        if backend != "tree" or tree._shape is None:
+        if backend != "tree" or tree.static_shape is None:
             return self.model.tree_pass(tree, index, cache, backend, KERNELS, max_depth)
         self.warm(tree, index, cache)
-        logits, ssm, attn = self._call(_tree, (cache.batch_size, tree._shape), _dense(tree.tokens), index, cache)
+        logits, ssm, attn = self._call(_tree, (cache.batch_size, tree.static_shape), _dense(tree.tokens), index, cache)
         return logits, TreePass(tree, index, max_depth, ssm, attn, weakref.ref(cache), cache.version)
 
     def warm(self, tree: TokenTree, index, cache: ModelCache) -> None:
@@ -142,7 +142,7 @@ class CompiledModel:
         self.warm(tree, index, cache)
         constants = tuple(x for x in extra if not isinstance(x, torch.Tensor))  # a copy of its own for each
         extra = tuple(_dense(x) if isinstance(x, torch.Tensor) else x for x in extra)
-        ssm, attn, rest = self._call(fn, (cache.batch_size, tree._shape, name, constants), _dense(tree.tokens), index,
+        ssm, attn, rest = self._call(fn, (cache.batch_size, tree.static_shape, name, constants), _dense(tree.tokens), index,
                                      cache, KERNELS, *extra)
         return TreePass(tree, index, max_depth, ssm, attn, weakref.ref(cache), cache.version), rest
 
