@@ -1,36 +1,39 @@
-"""Tree kernels for Mamba2 and the hybrids' attention layers: each has a Triton kernel and a ``*_ref`` PyTorch reference.
+"""Tree kernels for Mamba2 and the hybrids' attention layers: each has a Triton kernel and a
+vectorised PyTorch path, ``*_torch`` (the CPU's production path; the references both are tested
+against are the float64 definitions in :mod:`stree.testing`).
 
-``backend="auto"`` runs Triton on CUDA tensors and the reference on CPU tensors, except the
-decode step's two kernels and replay, which run numba-compiled on CPU float32 tensors
-(:mod:`.step_jit`, :mod:`.replay_jit`); ``"torch"`` is the reference anywhere; ``"triton"`` on
-CPU tensors needs ``TRITON_INTERPRET=1`` set before this package is imported.
+``backend="auto"`` runs Triton on CUDA tensors and the PyTorch path on CPU tensors, except the
+decode step's two kernels, replay and small trees' conv and scan, which run numba-compiled on CPU
+float32 tensors (:mod:`.step_jit`, :mod:`.replay_jit`, :mod:`.tree_jit`); ``"torch"`` is the
+PyTorch path anywhere; ``"triton"`` on CPU tensors needs ``TRITON_INTERPRET=1`` set before this
+package is imported.
 """
 
-from .conv_step import conv_step, conv_step_ref
-from .gated_norm import gated_rms_norm, gated_rms_norm_ref
-from .multistep import multistep_update, multistep_update_ref, selective_state_update, selective_state_update_ref
-from .replay import check_accepted, replay, replay_ref
-from .tree_attention import tree_attention, tree_attention_ref
-from .tree_conv1d import tree_conv1d, tree_conv1d_ref
-from .tree_scan import MAX_TREE_NODES, tree_scan, tree_scan_ref
+from .conv_step import conv_step, conv_step_torch
+from .gated_norm import gated_rms_norm, gated_rms_norm_torch
+from .multistep import multistep_update, multistep_update_torch, selective_state_update, selective_state_update_torch
+from .replay import check_accepted, replay, replay_torch
+from .tree_attention import tree_attention, tree_attention_torch
+from .tree_conv1d import tree_conv1d, tree_conv1d_torch
+from .tree_scan import MAX_TREE_NODES, tree_scan, tree_scan_torch
 
 __all__ = [
     "tree_scan",
-    "tree_scan_ref",
+    "tree_scan_torch",
     "tree_conv1d",
-    "tree_conv1d_ref",
+    "tree_conv1d_torch",
     "multistep_update",
-    "multistep_update_ref",
+    "multistep_update_torch",
     "selective_state_update",
-    "selective_state_update_ref",
+    "selective_state_update_torch",
     "conv_step",
-    "conv_step_ref",
+    "conv_step_torch",
     "gated_rms_norm",
-    "gated_rms_norm_ref",
+    "gated_rms_norm_torch",
     "replay",
-    "replay_ref",
+    "replay_torch",
     "check_accepted",
     "tree_attention",
-    "tree_attention_ref",
+    "tree_attention_torch",
     "MAX_TREE_NODES",
 ]

@@ -11,7 +11,7 @@ import triton.language as tl
 
 from ._common import as_numpy, check_layout, check_tensor, jit_fits, resolve_backend
 
-__all__ = ["conv_step", "conv_step_ref"]
+__all__ = ["conv_step", "conv_step_torch"]
 
 ACTIVATIONS = (None, "silu")
 
@@ -57,7 +57,7 @@ def _check_args(x, conv_state, weight, bias, activation):
     return weight.view(dim, d_conv)
 
 
-def conv_step_ref(x, conv_state, weight, bias=None, activation="silu"):
+def conv_step_torch(x, conv_state, weight, bias=None, activation="silu"):
     """The window as one tensor, the taps and bias as one batched product over the channels (in
     fp32). (A grouped conv1d would be one op too, but on the CPU it costs ten times as much.)"""
     weight = _check_args(x, conv_state, weight, bias, activation)
@@ -91,7 +91,7 @@ def conv_step(x, conv_state, weight, bias=None, activation="silu", backend="auto
                        as_numpy(out))
         return out
     if resolve_backend(backend, x.device) == "torch":
-        return conv_step_ref(x, conv_state, weight, bias, activation)
+        return conv_step_torch(x, conv_state, weight, bias, activation)
     weight = _check_args(x, conv_state, weight, bias, activation)
     batch, dim = x.shape
     out = torch.empty_like(x)

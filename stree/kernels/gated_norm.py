@@ -16,7 +16,7 @@ import triton.language as tl
 
 from ._common import FLOAT_DTYPES, check_tensor, resolve_backend
 
-__all__ = ["gated_rms_norm", "gated_rms_norm_ref"]
+__all__ = ["gated_rms_norm", "gated_rms_norm_torch"]
 
 MAX_GROUP = 16384  # channels one program holds (Bamba-9B's one group is 8192)
 
@@ -60,7 +60,7 @@ def _check_args(y, z, weight, group_size, eps):
         raise ValueError(f"eps must be positive, got {eps!r}")
 
 
-def gated_rms_norm_ref(y, z, weight, group_size: int, eps: float, gate_first: bool = True,
+def gated_rms_norm_torch(y, z, weight, group_size: int, eps: float, gate_first: bool = True,
                        round_before_weight: bool = False, sum_squares=None):
     """The PyTorch path: F.rms_norm per group. ``sum_squares``: applied to each group's sum of
     squares (a tensor-parallel model's all-reduce, where one group of ``group_size`` channels
@@ -93,7 +93,7 @@ def gated_rms_norm(y, z, weight, group_size: int, eps: float, gate_first: bool =
     ``norm(y) * weight * silu(z)``) for ``y, z [..., dim]``, ``weight [dim]``; output in y's
     dtype. ``backend``: "auto" (Triton on CUDA), "triton", "torch"."""
     if resolve_backend(backend, y.device) == "torch" or group_size > MAX_GROUP:
-        return gated_rms_norm_ref(y, z, weight, group_size, eps, gate_first, round_before_weight)
+        return gated_rms_norm_torch(y, z, weight, group_size, eps, gate_first, round_before_weight)
     _check_args(y, z, weight, group_size, eps)
     dim = y.shape[-1]
     y2, z2 = y.reshape(-1, dim), z.reshape(-1, dim)

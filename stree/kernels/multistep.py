@@ -31,7 +31,7 @@ from ._common import (
     resolve_backend,
 )
 
-__all__ = ["multistep_update", "multistep_update_ref", "selective_state_update", "selective_state_update_ref"]
+__all__ = ["multistep_update", "multistep_update_torch", "selective_state_update", "selective_state_update_torch"]
 
 
 @triton.jit
@@ -145,7 +145,7 @@ def launch_ssm_recurrence(state, x, dt, A, B, C, D, dt_bias, dt_softplus, dt_lim
     return out
 
 
-def ssm_recurrence_ref(state, x, dt, A, B, C, D, dt_bias, dt_softplus, dt_limit, lengths=None):
+def ssm_recurrence_torch(state, x, dt, A, B, C, D, dt_bias, dt_softplus, dt_limit, lengths=None):
     """The recurrence step by step in fp32; rows stop advancing after ``lengths[b]`` steps."""
     nheads = x.shape[2]
     dt = process_dt(dt, dt_bias, dt_softplus, dt_limit)  # [b, T, h]
@@ -180,9 +180,9 @@ def _check_args(state, x, dt, A, B, C, D, dt_bias, dt_limit):
     return D, check_dt_limit(dt_limit)
 
 
-def multistep_update_ref(state, x, dt, A, B, C, *, D=None, dt_bias=None, dt_softplus=True, dt_limit=(0.0, INF)):
+def multistep_update_torch(state, x, dt, A, B, C, *, D=None, dt_bias=None, dt_softplus=True, dt_limit=(0.0, INF)):
     D, dt_limit = _check_args(state, x, dt, A, B, C, D, dt_bias, dt_limit)
-    return ssm_recurrence_ref(state, x, dt, A, B, C, D, dt_bias, dt_softplus, dt_limit)
+    return ssm_recurrence_torch(state, x, dt, A, B, C, D, dt_bias, dt_softplus, dt_limit)
 
 
 def multistep_update(state, x, dt, A, B, C, *, D=None, dt_bias=None, dt_softplus=True, dt_limit=(0.0, INF),
@@ -195,7 +195,7 @@ def multistep_update(state, x, dt, A, B, C, *, D=None, dt_bias=None, dt_softplus
     """
     check_layout("x", x, "batch, T, nheads, headdim")
     if resolve_backend(backend, x.device) == "torch":
-        return multistep_update_ref(state, x, dt, A, B, C, D=D, dt_bias=dt_bias, dt_softplus=dt_softplus,
+        return multistep_update_torch(state, x, dt, A, B, C, D=D, dt_bias=dt_bias, dt_softplus=dt_softplus,
                                     dt_limit=dt_limit)
     D, dt_limit = _check_args(state, x, dt, A, B, C, D, dt_bias, dt_limit)
     y = torch.empty_like(x)
@@ -218,7 +218,7 @@ def _check_step_args(state, x, dt, A, B, C, D, dt_bias, dt_limit):
     return D, check_dt_limit(dt_limit)
 
 
-def selective_state_update_ref(state, x, dt, A, B, C, *, D=None, dt_bias=None, dt_softplus=True,
+def selective_state_update_torch(state, x, dt, A, B, C, *, D=None, dt_bias=None, dt_softplus=True,
                                dt_limit=(0.0, INF)):
     """One step for all heads at once, the state updated in place: heads are grouped as
     ``[g, h / g]`` so B and C broadcast over their group's heads instead of being repeated."""
@@ -256,7 +256,7 @@ def selective_state_update(state, x, dt, A, B, C, *, D=None, dt_bias=None, dt_so
                           float(lo), float(hi), as_numpy(y))
         return y
     if resolve_backend(backend, x.device) == "torch":
-        return selective_state_update_ref(state, x, dt, A, B, C, D=D, dt_bias=dt_bias, dt_softplus=dt_softplus,
+        return selective_state_update_torch(state, x, dt, A, B, C, D=D, dt_bias=dt_bias, dt_softplus=dt_softplus,
                                           dt_limit=dt_limit)
     D, dt_limit = _check_step_args(state, x, dt, A, B, C, D, dt_bias, dt_limit)
     y = torch.empty_like(x)

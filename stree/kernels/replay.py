@@ -31,7 +31,7 @@ from ._common import (
 )
 from .multistep import recurrence_block_p, ssm_recurrence_program
 
-__all__ = ["replay", "replay_ref", "check_accepted"]
+__all__ = ["replay", "replay_torch", "check_accepted"]
 
 
 @triton.jit
@@ -160,7 +160,7 @@ def _finish(new_ssm, new_conv, outs, single):
     return (new_ssm[0], new_conv[0]) if single else (new_ssm, new_conv)
 
 
-def replay_ref(ssm_state, conv_state, xBC, x, dt, B, A, accepted, num_accepted, *, dt_bias=None,
+def replay_torch(ssm_state, conv_state, xBC, x, dt, B, A, accepted, num_accepted, *, dt_bias=None,
                dt_softplus=True, dt_limit=(0.0, INF), validate=True, out=None):
     """All layers and path steps at once, in closed form: with the path's dA_t = dt_t A,
     ``state' = exp(sum_t dA_t) state + sum_t exp(sum_{t' > t} dA_t') dt_t x_t B_t^T``. Steps past
@@ -225,7 +225,7 @@ def replay(ssm_state, conv_state, xBC, x, dt, B, A, accepted, num_accepted, *, d
         return _replay_compiled(ssm_state, conv_state, xBC, x, dt, B, A, accepted, num_accepted, dt_bias,
                                 dt_softplus, dt_limit, validate, out)
     if resolve_backend(backend, getattr(x, "device", torch.device("cpu"))) == "torch":
-        return replay_ref(ssm_state, conv_state, xBC, x, dt, B, A, accepted, num_accepted, dt_bias=dt_bias,
+        return replay_torch(ssm_state, conv_state, xBC, x, dt, B, A, accepted, num_accepted, dt_bias=dt_bias,
                           dt_softplus=dt_softplus, dt_limit=dt_limit, validate=validate, out=out)
     stacked, outs, (lo, hi), single = _check_args(ssm_state, conv_state, xBC, x, dt, B, A, accepted, num_accepted,
                                                   dt_bias, dt_limit, validate, out)

@@ -18,7 +18,7 @@ import triton.language as tl
 
 from ._common import check_layout, check_tensor, check_tree, dot_precision, pow2_block, resolve_backend
 
-__all__ = ["tree_attention", "tree_attention_ref"]
+__all__ = ["tree_attention", "tree_attention_torch"]
 
 LOG2E = 1.4426950408889634
 
@@ -118,7 +118,7 @@ def _check_args(q, k_cache, v_cache, cache_seqlens, k_tree, v_tree, parents, sof
     return check_tree(parents, batch, n, device), scale
 
 
-def tree_attention_ref(q, k_cache, v_cache, cache_seqlens, k_tree, v_tree, parents, *, softmax_scale=None,
+def tree_attention_torch(q, k_cache, v_cache, cache_seqlens, k_tree, v_tree, parents, *, softmax_scale=None,
                        validate=True):
     """SDPA over ``[prefix; tree]`` keys with an explicit mask (prefix length per row, tree mask)."""
     index, scale = _check_args(q, k_cache, v_cache, cache_seqlens, k_tree, v_tree, parents, softmax_scale, validate)
@@ -154,7 +154,7 @@ def tree_attention(q, k_cache, v_cache, cache_seqlens, k_tree, v_tree, parents, 
     """
     check_layout("q", q, "batch, n, q_heads, head_dim")
     if resolve_backend(backend, q.device) == "torch":
-        return tree_attention_ref(q, k_cache, v_cache, cache_seqlens, k_tree, v_tree, parents,
+        return tree_attention_torch(q, k_cache, v_cache, cache_seqlens, k_tree, v_tree, parents,
                                   softmax_scale=softmax_scale, validate=validate)
     index, scale = _check_args(q, k_cache, v_cache, cache_seqlens, k_tree, v_tree, parents, softmax_scale, validate)
     batch, n, hq, head_dim = q.shape

@@ -16,7 +16,7 @@ import triton.language as tl
 from ._common import as_numpy, check_layout, check_tensor, check_tree, pow2_block, resolve_backend
 from .tree_jit import jit_tree_fits
 
-__all__ = ["tree_conv1d", "tree_conv1d_ref"]
+__all__ = ["tree_conv1d", "tree_conv1d_torch"]
 
 ACTIVATIONS = (None, "silu")
 
@@ -96,7 +96,7 @@ def window_positions(parents_rows: torch.Tensor, d_conv: int) -> torch.Tensor:
     return torch.stack(steps[::-1], dim=-1)
 
 
-def tree_conv1d_ref(xBC, parents, conv_state, weight, bias=None, activation="silu"):
+def tree_conv1d_torch(xBC, parents, conv_state, weight, bias=None, activation="silu"):
     """Gather each node's window from ``[conv_state; xBC]`` and apply the taps, in fp32."""
     index, weight = _check_args(xBC, parents, conv_state, weight, bias, activation)
     batch, n, dim = xBC.shape
@@ -136,7 +136,7 @@ def tree_conv1d(xBC, parents, conv_state, weight, bias=None, activation="silu", 
                        as_numpy(bias if bias is not None else weight[:, 0]), bias is not None, as_numpy(out))
         return torch.nn.functional.silu(out, inplace=True) if activation == "silu" else out
     if resolve_backend(backend, xBC.device) == "torch":
-        return tree_conv1d_ref(xBC, parents, conv_state, weight, bias, activation)
+        return tree_conv1d_torch(xBC, parents, conv_state, weight, bias, activation)
     index, weight = _check_args(xBC, parents, conv_state, weight, bias, activation)
     batch, n, dim = xBC.shape
     out = torch.empty_like(xBC)

@@ -34,7 +34,7 @@ from ._common import (
 from ..tree import MAX_TREE_NODES
 from .tree_jit import jit_tree_fits
 
-__all__ = ["tree_scan", "tree_scan_ref", "MAX_TREE_NODES"]
+__all__ = ["tree_scan", "tree_scan_torch", "MAX_TREE_NODES"]
 
 
 @triton.jit
@@ -159,7 +159,7 @@ def _check_args(x, dt, A, B, C, parents, D, dt_bias, dt_limit, initial_state):
     return index, D, check_dt_limit(dt_limit)
 
 
-def tree_scan_ref(x, dt, A, B, C, parents, *, D=None, dt_bias=None, dt_softplus=True,
+def tree_scan_torch(x, dt, A, B, C, parents, *, D=None, dt_bias=None, dt_softplus=True,
                   dt_limit=(0.0, INF), initial_state=None):
     """Vectorised PyTorch version of the formula above (fp32, explicit ``n x n`` ancestor mask).
     Heads are grouped as ``[g, h / g]`` so B and C broadcast over their group instead of being
@@ -226,7 +226,7 @@ def tree_scan(x, dt, A, B, C, parents, *, D=None, dt_bias=None, dt_softplus=True
     if backend == "auto" and jit_tree_fits(x.shape[1], x, dt, A, B, C, D, dt_bias, initial_state):
         return _tree_scan_compiled(x, dt, A, B, C, parents, D, dt_bias, dt_softplus, dt_limit, initial_state)
     if resolve_backend(backend, x.device) == "torch":
-        return tree_scan_ref(x, dt, A, B, C, parents, D=D, dt_bias=dt_bias, dt_softplus=dt_softplus,
+        return tree_scan_torch(x, dt, A, B, C, parents, D=D, dt_bias=dt_bias, dt_softplus=dt_softplus,
                              dt_limit=dt_limit, initial_state=initial_state)
     index, D, (lo, hi) = _check_args(x, dt, A, B, C, parents, D, dt_bias, dt_limit, initial_state)
     batch, n, nheads, headdim = x.shape

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..kernels import (conv_step, gated_rms_norm, gated_rms_norm_ref, multistep_update, replay, selective_state_update,
+from ..kernels import (conv_step, gated_rms_norm, gated_rms_norm_torch, multistep_update, replay, selective_state_update,
                        tree_conv1d, tree_scan)
 from ..tree import TreeIndex, leaf_paths
 from .base import Block, TreeLM, derived
@@ -67,7 +67,7 @@ class GatedRMSNorm(RMSNorm):
     def forward(self, y: torch.Tensor, z: torch.Tensor, backend: str = "auto") -> torch.Tensor:
         weight = self.weight if self.round_before_weight and y.dtype != torch.float32 else fp32(self.weight)
         if self.tp is not None:
-            return gated_rms_norm_ref(y, z, weight, self.group_size, self.eps, self.gate_first,
+            return gated_rms_norm_torch(y, z, weight, self.group_size, self.eps, self.gate_first,
                                       self.round_before_weight, sum_squares=self.tp.all_reduce)
         return gated_rms_norm(y, z, weight, self.group_size, self.eps, self.gate_first, self.round_before_weight,
                               backend=backend)

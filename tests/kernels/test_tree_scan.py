@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 from strategies import dt_options, ssm_inputs, ssm_shapes, trees
 
 from stree.drafters.tree_search import stand_initial_tree
-from stree.kernels import MAX_TREE_NODES, multistep_update, tree_scan, tree_scan_ref
+from stree.kernels import MAX_TREE_NODES, multistep_update, tree_scan, tree_scan_torch
 from stree.testing import max_rel_error, tree_scan_def
 from stree.tree import TreeShape, tree_index
 
@@ -204,7 +204,7 @@ def test_more_than_max_tree_nodes_is_refused():
     n = MAX_TREE_NODES + 1
     a = _args(n=n)
     with pytest.raises(ValueError, match=rf"at most {MAX_TREE_NODES} nodes, got n = {n}"):
-        tree_scan_ref(a["x"], a["dt"], a["A"], a["B"], a["C"], a["parents"])
+        tree_scan_torch(a["x"], a["dt"], a["A"], a["B"], a["C"], a["parents"])
 
 
 def test_triton_on_cpu_without_the_interpreter_is_a_clear_error(monkeypatch):
