@@ -78,7 +78,7 @@ def main(argv=None):
             tree = TokenTree.from_shape(shape, torch.randint(0, vocab, (args.batch, shape.n), generator=gen).to(device))
             for backend in ("tree", "unrolled", "unrolled-full"):
                 target = unrolled if backend == "unrolled-full" else model
-                run = lambda: target.forward_tree(tree, cache, backend="tree" if backend == "unrolled-full" else backend)
+                run = lambda: target.forward_tree(tree, cache, scan="tree" if backend == "unrolled-full" else backend)
                 ms = median_ms(run, device, warmup=warmup, reps=reps)
                 rows.append(dict(model=name, tree=tree_name, nodes=shape.n, backend=backend, time_ms_median=ms,
                                  ratio_to_step=ms / step_ms, peak_mem_bytes=peak_bytes(run, device),

@@ -42,7 +42,7 @@ CALLS = ("step", "prefill", "chain", "tree", "commit")
 @dataclass(frozen=True)
 class Case:
     """``call`` of ``model`` in ``dtype``: ``step`` (one token), ``prefill`` (one chunk of
-    ``nodes`` tokens), ``chain`` (a chain of ``nodes`` through the chain backend), ``tree`` (the
+    ``nodes`` tokens), ``chain`` (a chain of ``nodes`` through the chain scan), ``tree`` (the
     verify pass of the ``nodes``-node tree of TREES), ``commit`` (its deepest path)."""
 
     model: str
@@ -113,7 +113,7 @@ def run_case(case: Case):
     shape = TreeShape.chain(case.nodes - 1) if case.call == "chain" else TREES[case.nodes]
     tree = TokenTree.from_shape(shape, tokens)
     with capture() as launches:
-        _, tree_pass = model.forward_tree(tree, cache, backend="chain" if case.call == "chain" else "tree")
+        _, tree_pass = model.forward_tree(tree, cache, scan="chain" if case.call == "chain" else "tree")
     if case.call != "commit":
         return launches
     path = torch.tensor([shape.leaf_paths()[-1]])

@@ -366,7 +366,7 @@ def decode(model, input_ids, *, drafter: Drafter | None = None, tree: TreeShape 
 
     ``input_ids``: a ``[B, T]`` tensor or a list of token lists (ragged prompts allowed).
     ``method``: ``stree`` (tree drafts, one tree forward), ``chain`` (chain drafts through the
-    chain backend), ``autoregressive``, or ``unrolled`` (the paper's baseline: every root-to-leaf
+    chain scan), ``autoregressive``, or ``unrolled`` (the paper's baseline: every root-to-leaf
     path its own sequence through the whole model, see :mod:`stree.unrolled`; same outputs as
     ``stree``, slower). ``tree``: ``"auto"`` (the default; None means the same) chooses every
     step's tree, or a plain autoregressive step, by expected tokens per second from this
@@ -484,7 +484,7 @@ def decode(model, input_ids, *, drafter: Drafter | None = None, tree: TreeShape 
         generator = torch.Generator(device=device).manual_seed(verify_seed)
         if drafter is not None:
             drafter.reseed(draft_seed)
-    backend = "chain" if method == "chain" else "tree"
+    scan = "chain" if method == "chain" else "tree"
     target = UnrolledTarget(model) if method == "unrolled" else model
     speculative = drafter is not None
     if not drafts_here(model):
@@ -553,7 +553,7 @@ def decode(model, input_ids, *, drafter: Drafter | None = None, tree: TreeShape 
                 rows.accepted[r].append(0)
             stats.time_verify += clock.lap()
         else:
-            host, result = speculative_step(target, cache, full, params, generator, backend, top_k, lap=lap,
+            host, result = speculative_step(target, cache, full, params, generator, scan, top_k, lap=lap,
                                             runner=runner)
             for r in live:
                 rows.accepted[r].append(int(host.counts[r]) - 1)

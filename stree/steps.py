@@ -120,7 +120,7 @@ def autoregressive_step(model, cache, roots: torch.Tensor, params: SamplingParam
     return _to_host(nxt[:, None], torch.ones_like(nxt), probs, top_k or 0, finite)
 
 
-def speculative_step(model, cache, draft: TokenTree, params: SamplingParams, generator, backend: str = "tree",
+def speculative_step(model, cache, draft: TokenTree, params: SamplingParams, generator, scan: str = "tree",
                      top_k: int | None = None, lap=None, runner: DecodeRunner | None = None):
     """Score ``draft`` (on the model's device, checked on the host) in one tree pass, verify it,
     commit the accepted paths, and hand the host the emitted tokens (accepted drafts, then the
@@ -128,7 +128,7 @@ def speculative_step(model, cache, draft: TokenTree, params: SamplingParams, gen
     ``runner``, a draft of a static shape goes through that shape's tree pass and commit (CUDA
     graphs or compiled).
     ``lap(phase)``, if given, is called after "verify" (tree pass and verification) and "commit"."""
-    fast = runner is not None and backend == "tree" and draft.static_shape is not None
+    fast = runner is not None and scan == "tree" and draft.static_shape is not None
     fused = fast and params.greedy and runner.fused(_greedy_iteration, draft.static_shape, "greedy")
     if fused:  # the pass, greedy verification and the host's packing as one compiled graph
         k = None if top_k is None else min(top_k, model.vocab_size)
@@ -147,7 +147,7 @@ def speculative_step(model, cache, draft: TokenTree, params: SamplingParams, gen
         fast_tree, fast_commit = runner.tree(draft.static_shape)
         logits, tree_pass = fast_tree(draft.tokens, validate=False)
     else:
-        logits, tree_pass = model.forward_tree(draft, cache, backend=backend, validate=False)
+        logits, tree_pass = model.forward_tree(draft, cache, scan=scan, validate=False)
     finite, logits = _finite(logits, params)
     result = verify(draft, logits, params, generator=generator, validate=False)
     result.accepted, result.num_accepted, result.bonus = agree(model, result.accepted, result.num_accepted,

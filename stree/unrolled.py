@@ -36,7 +36,7 @@ class UnrolledTarget:
     def __init__(self, model):
         self.model = model
 
-    def forward_tree(self, tree: TokenTree, cache: ModelCache, backend: str = "tree", validate: bool = True):
+    def forward_tree(self, tree: TokenTree, cache: ModelCache, scan: str = "tree", validate: bool = True):
         parents = tree.index.parents.cpu().tolist()  # the paths are built on the host: a baseline
         paths, owner = [], []
         for b in range(tree.batch_size):

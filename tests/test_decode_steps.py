@@ -71,7 +71,7 @@ class _ScoredTree:
     def __init__(self, logits):
         self.logits = logits
 
-    def forward_tree(self, tree, cache, backend="tree", validate=True):
+    def forward_tree(self, tree, cache, scan="tree", validate=True):
         return self.logits, None
 
     def commit(self, cache, tree_pass, accepted, num_accepted, validate=True):

@@ -22,7 +22,7 @@ from ..tree import TokenTree, TreeIndex, TreeShape
 from .cache import AttnLayerState, ModelCache, SSMLayerState, TreePass
 from .linear import Linear
 
-TREE_BACKENDS = ("tree", "chain", "unrolled")
+SCANS = ("tree", "chain", "unrolled")  # how the SSM layers walk a draft (forward_tree's scan)
 
 
 def derived(owner, name: str, fn, key=None):
@@ -70,7 +70,7 @@ class TreeContext:
     index: TreeIndex
     positions: torch.Tensor  # [b, n] RoPE positions: committed length + depth
     seqlens: torch.Tensor
-    backend: str
+    scan: str  # SCANS: the SSM layers' algorithm
     kernel_backend: str
     prefill: bool = False  # the prompt, not a draft: families whose dt clamp is prefill-only apply it
 
@@ -198,46 +198,46 @@ class TreeLM(nn.Module):
         if longest > cache.max_length:
             raise ValueError(f"sequence would reach {longest} tokens, past the cache's max_length {cache.max_length}")
 
-    def check_tree(self, tree: TokenTree, cache: ModelCache, backend: str,
+    def check_tree(self, tree: TokenTree, cache: ModelCache, scan: str,
                    validate: bool = True) -> tuple[TreeIndex, int]:
         """The tree's index and deepest level, after the checks; ``validate=False`` skips the
         token range and cache room (device-to-host syncs). The deepest level of a tree that is
         not a static shape's costs one sync, once per tree."""
-        if backend not in TREE_BACKENDS:
-            raise ValueError(f"backend must be one of {TREE_BACKENDS}, got {backend!r}")
+        if scan not in SCANS:
+            raise ValueError(f"scan must be one of {SCANS}, got {scan!r}")
         if not isinstance(tree, TokenTree):
             raise TypeError(f"tree must be a TokenTree, got {type(tree).__name__}")
         self.check_tokens("tree.tokens", tree.tokens, values=validate)
         index = tree.index
         max_depth = index.memo("max_depth", lambda: int(index.depth.max()))
         self.check_cache(cache, tree.batch_size, max_depth + 1, lengths=validate)
-        if backend == "chain" and max_depth != tree.n - 1:
-            raise ValueError("backend='chain' needs a chain tree (parents[i] == i - 1)")
+        if scan == "chain" and max_depth != tree.n - 1:
+            raise ValueError("scan='chain' needs a chain tree (parents[i] == i - 1)")
         return index, max_depth
 
     # ---- the protocol ---------------------------------------------------------------------
     @torch.no_grad()
-    def forward_tree(self, tree: TokenTree, cache: ModelCache, backend: str = "tree", validate: bool = True):
+    def forward_tree(self, tree: TokenTree, cache: ModelCache, scan: str = "tree", validate: bool = True):
         """Logits ``[b, n, V]`` at every tree node and the :class:`TreePass` ``commit`` takes; the
-        committed state is not changed. ``backend`` ("tree", "chain", "unrolled") chooses the SSM
+        committed state is not changed. ``scan`` ("tree", "chain", "unrolled") chooses the SSM
         layers' algorithm. ``validate=False`` skips the checks that read device values (token
         range, room in the cache); the caller answers for both."""
-        index, max_depth = self.check_tree(tree, cache, backend, validate)
-        return self.tree_pass(tree, index, cache, backend, self.kernel_backend, max_depth)
+        index, max_depth = self.check_tree(tree, cache, scan, validate)
+        return self.tree_pass(tree, index, cache, scan, self.kernel_backend, max_depth)
 
-    def tree_pass(self, tree: TokenTree, index: TreeIndex, cache: ModelCache, backend: str, kernel_backend: str,
+    def tree_pass(self, tree: TokenTree, index: TreeIndex, cache: ModelCache, scan: str, kernel_backend: str,
                   max_depth: int, prefill: bool = False, at: torch.Tensor | None = None):
         """The layers over a checked tree (no host sync of its own); ``prefill``: the tree is a
         chain of prompt tokens (see :class:`TreeContext`); ``at``: logits at those nodes only
         (see :meth:`_run`)."""
-        logits, ssm, attn = self.tree_layers(tree.tokens, index, cache, backend, kernel_backend, prefill, at)
+        logits, ssm, attn = self.tree_layers(tree.tokens, index, cache, scan, kernel_backend, prefill, at)
         return logits, TreePass(tree, index, max_depth, ssm, attn, weakref.ref(cache), cache.version, prefill)
 
-    def tree_layers(self, tokens: torch.Tensor, index: TreeIndex, cache: ModelCache, backend: str,
+    def tree_layers(self, tokens: torch.Tensor, index: TreeIndex, cache: ModelCache, scan: str,
                     kernel_backend: str, prefill: bool = False, at: torch.Tensor | None = None):
         """Logits of a checked tree's nodes and the stacked scratch of its SSM and attention layers
         (None where the model has none): tensors only, so that it can be compiled."""
-        ctx = TreeContext(index, cache.seqlens[:, None] + index.depth, cache.seqlens, backend, kernel_backend,
+        ctx = TreeContext(index, cache.seqlens[:, None] + index.depth, cache.seqlens, scan, kernel_backend,
                           prefill)
         per_kind: dict[str, list] = {}
 

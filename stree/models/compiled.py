@@ -72,7 +72,7 @@ def _own_compiled(fn):
 class CompiledModel:
     """``model`` with ``step`` and ``forward_tree`` compiled (``commit`` is the model's own), same
     signatures and checks; everything else (``prefill``, ``allocate_cache``, ...) is the model's own. A tree
-    without a static shape (or another backend than "tree") takes the eager pass: its index is
+    without a static shape (or another scan than "tree") takes the eager pass: its index is
     new every call, and each would compile anew. Works with any cache of the model, so a drafter
     model can be handed over in its place. ``CompiledModel.of(model)`` shares one per model.
 
@@ -115,10 +115,10 @@ class CompiledModel:
         cache.moved()
         return logits
 
-    def forward_tree(self, tree: TokenTree, cache: ModelCache, backend: str = "tree", validate: bool = True):
-        index, max_depth = self.model.check_tree(tree, cache, backend, validate)
-        if backend != "tree" or tree.static_shape is None:
-            return self.model.tree_pass(tree, index, cache, backend, KERNELS, max_depth)
+    def forward_tree(self, tree: TokenTree, cache: ModelCache, scan: str = "tree", validate: bool = True):
+        index, max_depth = self.model.check_tree(tree, cache, scan, validate)
+        if scan != "tree" or tree.static_shape is None:
+            return self.model.tree_pass(tree, index, cache, scan, KERNELS, max_depth)
         self.warm(tree, index, cache)
         logits, ssm, attn = self._call(_tree, (cache.batch_size, tree.static_shape), _dense(tree.tokens), index, cache)
         return logits, TreePass(tree, index, max_depth, ssm, attn, weakref.ref(cache), cache.version)

@@ -168,9 +168,9 @@ class Mamba2Mixer(nn.Module):
                                backend=ctx.kernel_backend)
         x, B, C = self._ssm_inputs(conv_out)
         kw = dict(D=self.D, **self.ssm_kwargs(ctx.prefill), backend=ctx.kernel_backend)
-        if ctx.backend == "tree":
+        if ctx.scan == "tree":
             y = tree_scan(x, dt, self.A(), B, C, ctx.index, initial_state=state.ssm, **kw)
-        elif ctx.backend == "chain":
+        elif ctx.scan == "chain":
             y, _ = multistep_update(state.ssm, x, dt, self.A(), B, C, **kw)
         else:
             y = _unrolled_ssm(x, dt, self.A(), B, C, ctx.index, state.ssm, kw)

@@ -95,7 +95,7 @@ class MarkovLM:
         cols = cache.seqlens[:, None] - self.order + torch.arange(self.order)
         return self._logits(cache.history.gather(1, cols))
 
-    def forward_tree(self, tree: TokenTree, cache: MarkovCache, backend: str = "tree", validate: bool = True):
+    def forward_tree(self, tree: TokenTree, cache: MarkovCache, scan: str = "tree", validate: bool = True):
         """Logits at every node and the pass handle commit takes (here the tree itself)."""
         b, n = tree.tokens.shape
         self._check(tree.tokens, cache, int(tree.index.depth.max()) + 1)

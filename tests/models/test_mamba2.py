@@ -90,8 +90,8 @@ def test_bad_inputs_raise_clear_errors():
     assert cache.seqlens.tolist() == [6, 3]
     with pytest.raises(ValueError, match="tree_pass is stale"):
         model.commit(cache, tree_pass, torch.zeros(2, 1, dtype=torch.long), torch.ones(2, dtype=torch.long))
-    with pytest.raises(ValueError, match="backend must be one of"):
-        model.forward_tree(tree, cache, backend="fast")
+    with pytest.raises(ValueError, match="scan must be one of"):
+        model.forward_tree(tree, cache, scan="fast")
     with pytest.raises(ValueError, match=r"lengths must be \[batch\] with 1 <= lengths <= 3"):
         model.prefill(torch.ones(2, 3, dtype=torch.long), cache, lengths=torch.tensor([0, 3]))
     with pytest.raises(ValueError, match="Mamba2Config.d_model must be a positive integer"):

@@ -81,19 +81,19 @@ def test_commit_leaves_the_sequential_state(family, kernel_backend, backend_devi
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_chain_and_unrolled_backends_agree_with_tree(family):
+def test_chain_and_unrolled_scans_agree_with_tree(family):
     model = FAMILIES[family]()
     g = torch.Generator().manual_seed(6)
     cache = _prefilled(model, [5, 8], g)
     shape = TreeShape.paper13()
     tree = TokenTree(torch.tensor([list(shape.parents), [-1, 0, 1, 1, 0, 4, 5, 2, 3, 3, 9, 6, 11]]),
                      torch.randint(0, VOCAB, (2, 13), generator=g))
-    logits = lambda t, backend="tree": model.forward_tree(t, cache, backend=backend)[0]
+    logits = lambda t, scan="tree": model.forward_tree(t, cache, scan=scan)[0]
     assert (logits(tree, "unrolled") - logits(tree)).abs().max() <= 1e-5
     chain = TokenTree.from_shape(TreeShape.chain(5), torch.randint(0, VOCAB, (2, 6), generator=g))
     assert (logits(chain, "chain") - logits(chain)).abs().max() <= 1e-5
-    with pytest.raises(ValueError, match="backend='chain' needs a chain tree"):
-        model.forward_tree(tree, cache, backend="chain")
+    with pytest.raises(ValueError, match="scan='chain' needs a chain tree"):
+        model.forward_tree(tree, cache, scan="chain")
 
 
 @pytest.mark.parametrize("family", FAMILIES)
