@@ -18,6 +18,7 @@ import contextlib
 import inspect
 import time
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -344,63 +345,34 @@ def generate(model, input_ids, **kwargs) -> GenerationOutput:
     return drain(decode(model, input_ids, **kwargs))
 
 
-@torch.no_grad()  # a generator: torch enters the mode at every resumption, so callers need none
-def decode(model, input_ids, *, drafter: Drafter | None = None, tree: TreeShape | TreeBudget | str | None = "auto",
-           method: str = "stree", max_new_tokens: int, temperature: float = 0.0, top_k: int = 0,
-           top_p: float = 1.0, eos_token_id: int | list[int] | None = None, seed: int | None = None,
-           mode: str = "auto", max_length: int | None = None, on_step=None,
-           sampling: SamplingParams | None = None, time_phases: bool = False,
-           cuda_graph: bool | None = None, torch_compile: bool = False, cache=None, stop_sequences=None):
-    """:func:`generate` step by step: a generator that yields the batch's :class:`Rows` after the
-    prefill and after every decoding step (a consumer may end rows there, :meth:`Rows.finish`:
-    stop strings, streaming) and returns the :class:`GenerationOutput`. The arguments are checked
-    when the first step is asked for.
+class _Setup(NamedTuple):
+    """What :func:`decode` resolves from its arguments (see :func:`_setup`)."""
 
-    Decodes up to ``max_new_tokens`` per row (an int, or a list with one per row); a row stops
-    after emitting an EOS, or after the first occurrence of one of ``stop_sequences`` (token-id
-    lists; the row keeps the sequence, drops the drafts accepted past it).
+    prompts: list[list[int]]
+    budgets: list[int]
+    eos: list[int]
+    auto: bool  # tree="auto": each step's tree chosen (by ``chooser``, or one made for the call)
+    drafter: Drafter | None  # None: plain steps only, or a rank that receives its trees
+    chooser: AutoTree | None
+    depth: int  # the deepest tree the cache has room for
+    cuda_graph: bool
+    torch_compile: bool
+    params: SamplingParams
+    device: torch.device
+    max_length: int
+    generator: torch.Generator | None
+    top_k: int | None
+    stops: list[tuple[int, ...]]
+    speculative: bool  # whether the loop drafts (on this rank or rank 0)
+    shape: TreeShape | TreeBudget | None  # an explicit tree, drafted as given
+    scan: str
+    target: object  # the model, or its unrolled baseline
 
-    ``cache``: continue from it instead of prefilling: it holds, for every row of ``input_ids``
-    (then the rows' whole contexts), the state after all but the last token, which the first step
-    feeds. It is advanced in place; the output's ``exact`` says which rows it holds exactly.
 
-    ``input_ids``: a ``[B, T]`` tensor or a list of token lists (ragged prompts allowed).
-    ``method``: ``stree`` (tree drafts, one tree forward), ``chain`` (chain drafts through the
-    chain scan), ``autoregressive``, or ``unrolled`` (the paper's baseline: every root-to-leaf
-    path its own sequence through the whole model, see :mod:`stree.unrolled`; same outputs as
-    ``stree``, slower). ``tree``: ``"auto"`` (the default; None means the same) chooses every
-    step's tree, or a plain autoregressive step, by expected tokens per second from this
-    machine's measured costs and the acceptance learned so far (:mod:`stree.autotree`; chains
-    only under ``method="chain"``; an :class:`~stree.autotree.AutoTree` passed here makes the
-    choice with its own costs and rates, and keeps what it learns); a
-    :class:`~stree.tree.TreeShape` is drafted as given every step, and a
-    :class:`~stree.tree.TreeBudget` lets a drafter that can grow each step's tree per row. A
-    drafter built for a shape of its own (its ``shape``, e.g. ``STANDDrafter(store, shape)``)
-    drafts that shape where ``tree`` is left "auto" (the named drafters of
-    :func:`~stree.drafters.registry.make_drafter` have none). Tensor-parallel models and
-    ``method="unrolled"`` take ``paper13`` (``chain(4)`` for chains) for "auto";
-    ``method="autoregressive"`` ignores ``tree``.
-    ``drafter`` defaults to :class:`NGramDrafter`. ``sampling`` (a :class:`SamplingParams`), or
-    ``temperature`` / ``top_k`` / ``top_p`` / ``mode``, say how tokens are chosen; ``mode="naive"``
-    verifies by exact-match sampling. ``max_length``: the cache size; by default the longest
-    prompt plus ``max_new_tokens`` plus the tree depth (the drafter's ``draft_depth`` when deeper).
-    The same ``seed`` gives the same output (under ``tree="auto"``, on a machine with the same
-    cached cost profile, :mod:`stree.cost`: the trees chosen follow it; without a seed, and in
-    greedy decoding, where the trees cannot change the output, they also follow the clock).
-    ``time_phases``: on CUDA, time draft / verify /
-    commit apart (a device sync per phase; off, only the total is timed there). ``cuda_graph``:
-    replay the step, and the tree pass and commit of static tree shapes, from CUDA graphs (by
-    default on for a model on CUDA; the graphs and their cache are kept per model, batch size and
-    cache size, and reused by later calls). ``torch_compile``: on the CPU, run the step and the
-    tree pass of static tree shapes through ``torch.compile`` (the commit is the model's own;
-    seconds of compiling per shape, once per process: for long runs; outputs as the eager path's).
-    ``on_step(rows, tree, result)``, if given, sees every verify step (row ids, the drafted
-    :class:`TokenTree`, the :class:`~stree.verify.VerifyResult`), e.g. to count accepted nodes.
-
-    A tensor-parallel ``model`` (``stree.models.load(..., tensor_parallel=...)``; every rank
-    calls ``decode`` with the same arguments): rank 0 drafts (the other ranks' ``drafter`` is
-    not used), verifies and samples, and the ranks follow it (:mod:`stree.distributed`);
-    ``on_step`` is called on rank 0; eager only."""
+def _setup(model, input_ids, drafter, tree, method, max_new_tokens, temperature, top_k, top_p, eos_token_id, seed,
+           mode, max_length, sampling, cuda_graph, torch_compile, cache, stop_sequences) -> _Setup:
+    """Every check and choice :func:`decode` makes from its arguments, each with its error, before
+    anything is allocated (a cache, a drafter's state, compiled graphs)."""
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     prompts = _prompts(input_ids)
@@ -489,7 +461,71 @@ def decode(model, input_ids, *, drafter: Drafter | None = None, tree: TreeShape 
     speculative = drafter is not None
     if not drafts_here(model):
         drafter = None  # rank 0 drafts and learns; this rank receives its trees
-    top_k = _top_k(drafter)
+    return _Setup(prompts, budgets, eos, auto, drafter, chooser, depth, cuda_graph, torch_compile, params, device,
+                  max_length, generator, _top_k(drafter), stops, speculative, shape, scan, target)
+
+
+@torch.no_grad()  # a generator: torch enters the mode at every resumption, so callers need none
+def decode(model, input_ids, *, drafter: Drafter | None = None, tree: TreeShape | TreeBudget | str | None = "auto",
+           method: str = "stree", max_new_tokens: int, temperature: float = 0.0, top_k: int = 0,
+           top_p: float = 1.0, eos_token_id: int | list[int] | None = None, seed: int | None = None,
+           mode: str = "auto", max_length: int | None = None, on_step=None,
+           sampling: SamplingParams | None = None, time_phases: bool = False,
+           cuda_graph: bool | None = None, torch_compile: bool = False, cache=None, stop_sequences=None):
+    """:func:`generate` step by step: a generator that yields the batch's :class:`Rows` after the
+    prefill and after every decoding step (a consumer may end rows there, :meth:`Rows.finish`:
+    stop strings, streaming) and returns the :class:`GenerationOutput`. The arguments are checked
+    when the first step is asked for.
+
+    Decodes up to ``max_new_tokens`` per row (an int, or a list with one per row); a row stops
+    after emitting an EOS, or after the first occurrence of one of ``stop_sequences`` (token-id
+    lists; the row keeps the sequence, drops the drafts accepted past it).
+
+    ``cache``: continue from it instead of prefilling: it holds, for every row of ``input_ids``
+    (then the rows' whole contexts), the state after all but the last token, which the first step
+    feeds. It is advanced in place; the output's ``exact`` says which rows it holds exactly.
+
+    ``input_ids``: a ``[B, T]`` tensor or a list of token lists (ragged prompts allowed).
+    ``method``: ``stree`` (tree drafts, one tree forward), ``chain`` (chain drafts through the
+    chain scan), ``autoregressive``, or ``unrolled`` (the paper's baseline: every root-to-leaf
+    path its own sequence through the whole model, see :mod:`stree.unrolled`; same outputs as
+    ``stree``, slower). ``tree``: ``"auto"`` (the default; None means the same) chooses every
+    step's tree, or a plain autoregressive step, by expected tokens per second from this
+    machine's measured costs and the acceptance learned so far (:mod:`stree.autotree`; chains
+    only under ``method="chain"``; an :class:`~stree.autotree.AutoTree` passed here makes the
+    choice with its own costs and rates, and keeps what it learns); a
+    :class:`~stree.tree.TreeShape` is drafted as given every step, and a
+    :class:`~stree.tree.TreeBudget` lets a drafter that can grow each step's tree per row. A
+    drafter built for a shape of its own (its ``shape``, e.g. ``STANDDrafter(store, shape)``)
+    drafts that shape where ``tree`` is left "auto" (the named drafters of
+    :func:`~stree.drafters.registry.make_drafter` have none). Tensor-parallel models and
+    ``method="unrolled"`` take ``paper13`` (``chain(4)`` for chains) for "auto";
+    ``method="autoregressive"`` ignores ``tree``.
+    ``drafter`` defaults to :class:`NGramDrafter`. ``sampling`` (a :class:`SamplingParams`), or
+    ``temperature`` / ``top_k`` / ``top_p`` / ``mode``, say how tokens are chosen; ``mode="naive"``
+    verifies by exact-match sampling. ``max_length``: the cache size; by default the longest
+    prompt plus ``max_new_tokens`` plus the tree depth (the drafter's ``draft_depth`` when deeper).
+    The same ``seed`` gives the same output (under ``tree="auto"``, on a machine with the same
+    cached cost profile, :mod:`stree.cost`: the trees chosen follow it; without a seed, and in
+    greedy decoding, where the trees cannot change the output, they also follow the clock).
+    ``time_phases``: on CUDA, time draft / verify /
+    commit apart (a device sync per phase; off, only the total is timed there). ``cuda_graph``:
+    replay the step, and the tree pass and commit of static tree shapes, from CUDA graphs (by
+    default on for a model on CUDA; the graphs and their cache are kept per model, batch size and
+    cache size, and reused by later calls). ``torch_compile``: on the CPU, run the step and the
+    tree pass of static tree shapes through ``torch.compile`` (the commit is the model's own;
+    seconds of compiling per shape, once per process: for long runs; outputs as the eager path's).
+    ``on_step(rows, tree, result)``, if given, sees every verify step (row ids, the drafted
+    :class:`TokenTree`, the :class:`~stree.verify.VerifyResult`), e.g. to count accepted nodes.
+
+    A tensor-parallel ``model`` (``stree.models.load(..., tensor_parallel=...)``; every rank
+    calls ``decode`` with the same arguments): rank 0 drafts (the other ranks' ``drafter`` is
+    not used), verifies and samples, and the ranks follow it (:mod:`stree.distributed`);
+    ``on_step`` is called on rank 0; eager only."""
+    (prompts, budgets, eos, auto, drafter, chooser, depth, cuda_graph, torch_compile, params, device, max_length,
+     generator, top_k, stops, speculative, shape, scan, target) = _setup(
+        model, input_ids, drafter, tree, method, max_new_tokens, temperature, top_k, top_p, eos_token_id, seed, mode,
+        max_length, sampling, cuda_graph, torch_compile, cache, stop_sequences)
     shapes: dict = {}  # the static shapes of received trees (tensor parallelism)
 
     rows = Rows(prompts, budgets, eos)
