@@ -289,7 +289,7 @@ def _sync(device: torch.device):
 @torch.no_grad()
 def _measure(model, drafter, batch: int, mode: str, sampled: bool, shapes, budget_s: float) -> CostProfile:
     from .drafters.base import DraftContext, TargetTop
-    from .models.linear import following_wide
+    from .models.linear import following, leading
     from .steps import autoregressive_step, check_draft, speculative_step
     from .tree import TokenTree
     from .verify import SamplingParams
@@ -336,7 +336,7 @@ def _measure(model, drafter, batch: int, mode: str, sampled: bool, shapes, budge
         lengths.add_(count)
 
     def ar():
-        with following_wide():  # as the loop's plain steps (stree.generate)
+        with following():  # as the loop's plain steps (stree.generate)
             host = autoregressive_step(model, cache, seq[:, 0].to(device), params, draws, runner, plain_top_k)
         cache.seqlens -= 1
         if plain_top_k is not None:  # a drafter learning the target's law of every plain step
@@ -357,7 +357,8 @@ def _measure(model, drafter, batch: int, mode: str, sampled: bool, shapes, budge
                     seq[torch.arange(batch), lengths] = tree.tokens[:, 1]
             tree = tree.to(device)
             ms = (time.perf_counter() - t0) * 1e3
-            host, result = speculative_step(model, cache, tree, params, draws, top_k=top_k, runner=runner)
+            with leading():  # as the loop's tree passes
+                host, result = speculative_step(model, cache, tree, params, draws, top_k=top_k, runner=runner)
             cache.seqlens -= result.num_accepted.to(cache.seqlens.dtype)
             if drafter is not None:  # the drafter learning from the step is drafting work, as in the loop
                 t0 = time.perf_counter()

@@ -31,7 +31,7 @@ from .drafters.ngram import NGramDrafter
 from .models.base import TreeLM
 from .models.compiled import CompiledDecode
 from .models.graphs import DecodeGraphs
-from .models.linear import following_wide
+from .models.linear import following, leading
 from .steps import HostStep, autoregressive_step, check_draft, prefill_rows, speculative_step
 from .stops import check_stop_sequences, token_stop
 from .tree import TokenTree, TreeBudget, TreeShape
@@ -560,7 +560,7 @@ def decode(model, input_ids, *, drafter: Drafter | None = None, tree: TreeShape 
     # after them: the loop neither plans nor drafts, and hands the drafter the run's tokens at its end.
     run: _PlainRun | None = None
     # a speculative loop's plain steps read the weight copies its tree passes use (models.linear)
-    plain_scope = following_wide if speculative else contextlib.nullcontext
+    plain_scope, tree_scope = (following, leading) if speculative else (contextlib.nullcontext,) * 2
     yield rows
     while bool(rows.active.any()):
         if not bool(rows.active.all()):
@@ -589,8 +589,9 @@ def decode(model, input_ids, *, drafter: Drafter | None = None, tree: TreeShape 
                 rows.accepted[r].append(0)
             stats.time_verify += clock.lap()
         else:
-            host, result = speculative_step(target, cache, full, params, generator, scan, top_k, lap=lap,
-                                            runner=runner)
+            with tree_scope():
+                host, result = speculative_step(target, cache, full, params, generator, scan, top_k, lap=lap,
+                                                runner=runner)
             for r in live:
                 rows.accepted[r].append(int(host.counts[r]) - 1)
             if on_step is not None and drafter is not None:  # tensor parallelism: on rank 0, which drafts

@@ -228,27 +228,33 @@ def test_bad_inputs_name_the_argument():
 
 
 def test_only_a_speculative_loops_plain_steps_follow_the_tree_passes_weights(monkeypatch):
-    """The plain steps of a speculative loop run inside models.linear.following_wide (they read
-    the weight copies the loop's tree passes use); autoregressive decoding never enters it."""
+    """A speculative loop's plain steps run inside models.linear.following and its tree passes
+    inside leading (the steps read the weight copies the passes use); autoregressive decoding
+    enters neither."""
     import contextlib
 
     import stree.generate as gen
+    from stree.autotree import AutoTree
+    from stree.cost import CostProfile
 
     entered = []
 
-    @contextlib.contextmanager
-    def counting():
-        entered.append(1)
-        yield
+    def counting(role):
+        @contextlib.contextmanager
+        def block():
+            entered.append(role)
+            yield
+        return block
 
-    monkeypatch.setattr(gen, "following_wide", counting)
+    monkeypatch.setattr(gen, "following", counting("follow"))
+    monkeypatch.setattr(gen, "leading", counting("lead"))
     model = mamba2(seed=0)
     prompt = [[1, 2, 3, 4]]
     generate(model, prompt, max_new_tokens=6, method="autoregressive")
     assert entered == []
-    from stree.autotree import AutoTree
-    from stree.cost import CostProfile
-
     dear = AutoTree(CostProfile(1.0, (2, 4), (60.0, 70.0)))  # trees that never pay: plain steps
     out = generate(model, prompt, max_new_tokens=6, drafter=NGramDrafter(), tree=dear)
-    assert len(entered) == out.stats.trees[1] > 0
+    assert entered.count("follow") == out.stats.trees[1] > 0
+    entered.clear()
+    out = generate(model, prompt, max_new_tokens=6, drafter=NGramDrafter(), tree=TreeShape.chain(2))
+    assert len(entered) == out.stats.target_forwards and set(entered) == {"lead"}  # every step a tree pass

@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["Linear", "following_wide", "linear"]
+__all__ = ["Linear", "following", "leading", "linear"]
 
 PATHS = ("auto", "blas", "packed")
 PATH = os.environ.get("STREE_LINEAR", "auto")
@@ -48,28 +48,38 @@ _ONEDNN = torch.backends.mkldnn.is_available()
 _PACKED: dict[int, tuple] = {}
 # (row bucket, out features, in features, has bias) -> the packed product is the faster here
 _FASTER: dict[tuple, bool] = {}
-# Inside :func:`following_wide` (a speculative loop's plain steps), a product takes the path its
-# weight's last product outside it took (the tree pass) for this many products, then its own.
+# A speculative loop's plain steps (in :func:`following`) take, for this many products of a
+# weight, the path its last product in a tree pass (in :func:`leading`) took, then their own.
 FOLLOW_WIDE = 8
-_FOLLOWING = contextvars.ContextVar("stree_linear_following", default=False)
-# id(weight) -> [the path of its last product outside following_wide (packed?), products inside since]
+_ROLE = contextvars.ContextVar("stree_linear_role", default=None)  # None, "lead" or "follow"
+# id(weight) -> [the path of its last product in leading() (packed?), products in following() since]
 _LAST: dict[int, list] = {}
 
 
 @contextlib.contextmanager
-def following_wide():
-    """Products in this block (a speculative loop's plain steps) take, for ``FOLLOW_WIDE``
-    products of a weight, the path its last product outside the block took (the loop's tree
-    pass): a step right after a tree pass then reads the copy of the weight that the pass left
-    in the caches, where its own path's copy would be read from memory (on the CPU measured
-    first: BLAS for a step's row, the packed copy for a tree's 16 rows, and the step after each
-    pass slower, speculation's gain some percent lower). Past those products a run of plain
-    steps takes its own path again. Autoregressive decoding never enters the block."""
-    token = _FOLLOWING.set(True)
+def _role(role: str):
+    token = _ROLE.set(role)
     try:
         yield
     finally:
-        _FOLLOWING.reset(token)
+        _ROLE.reset(token)
+
+
+def leading():
+    """A block of products (a speculative loop's tree pass) whose paths the products in
+    :func:`following` take after it."""
+    return _role("lead")
+
+
+def following():
+    """A block of products (a speculative loop's plain steps) that take, for ``FOLLOW_WIDE``
+    products of a weight, the path its last product in :func:`leading` took: a step right after
+    a tree pass then reads the copy of the weight that the pass left in the caches, where its own
+    path's copy would be read from memory (on the CPU measured first: BLAS for a step's row, the
+    packed copy for a tree's rows, and the step after each pass slower, speculation's gain some
+    percent lower). Past those products a run of plain steps takes its own path again.
+    Autoregressive decoding and prefills enter neither block."""
+    return _role("follow")
 
 
 def _bucket(rows: int) -> int:
@@ -119,16 +129,18 @@ def _product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -
         packed = _FASTER.get(key)
         if packed is None:
             packed = _FASTER[key] = _packed_is_faster(x, weight, bias)
-        last = _LAST.get(id(weight))
-        if _FOLLOWING.get():
-            if last is not None and last[1] < FOLLOW_WIDE:
-                last[1] += 1
-                packed = last[0]
-        elif last is None:
-            weakref.finalize(weight, _LAST.pop, id(weight), None)
-            _LAST[id(weight)] = [packed, 0]
-        else:
-            last[0], last[1] = packed, 0
+        role = _ROLE.get()
+        if role is not None:
+            last = _LAST.get(id(weight))
+            if role == "follow":
+                if last is not None and last[1] < FOLLOW_WIDE:
+                    last[1] += 1
+                    packed = last[0]
+            elif last is None:
+                weakref.finalize(weight, _LAST.pop, id(weight), None)
+                _LAST[id(weight)] = [packed, 0]
+            else:
+                last[0], last[1] = packed, 0
     else:
         packed = PATH == "packed"
     return _packed_product(x, weight, bias) if packed else F.linear(x, weight, bias)

@@ -76,9 +76,10 @@ def test_the_packed_product_runs_where_it_measured_clearly_faster(monkeypatch, b
 
 
 def test_plain_steps_of_a_speculative_loop_follow_the_tree_pass_for_a_while(monkeypatch):
-    """Inside following_wide, a product takes the path its weight's last product outside took
-    (the tree pass), for FOLLOW_WIDE products, then its own; outside, each takes its own. Each
-    weight follows its own last product."""
+    """Inside following(), a product takes the path its weight's last product inside leading()
+    took (the tree pass), for FOLLOW_WIDE products, then its own; products in neither block
+    (autoregressive decoding, prefills) take their own and set nothing. Each weight follows its
+    own last leading product."""
     monkeypatch.setattr(lin, "PATH", "auto")
     monkeypatch.setattr(lin, "_LAST", {})
     layer, other = Linear(64, 512), Linear(64, 256)
@@ -91,19 +92,24 @@ def test_plain_steps_of_a_speculative_loop_follow_the_tree_pass_for_a_while(monk
 
     step, tree = torch.randn(1, 64), torch.randn(16, 64)
     with torch.no_grad():
-        assert packed(lambda: layer(tree)) and not packed(lambda: other(tree))
-        assert not packed(lambda: layer(step))  # outside the block: its own path
-        layer(tree)
-        with lin.following_wide():
+        assert packed(lambda: layer(tree))  # in neither block: sets nothing
+        with lin.following():
+            assert not packed(lambda: layer(step))
+        with lin.leading():
+            assert packed(lambda: layer(tree)) and not packed(lambda: other(tree))
+        assert not packed(lambda: layer(step))  # outside the blocks: its own path
+        with lin.following():
             taken = [packed(lambda: layer(step)) for _ in range(lin.FOLLOW_WIDE + 2)]
-            assert not packed(lambda: other(step))  # its own last product was BLAS
+            assert not packed(lambda: other(step))  # its own last leading product was BLAS
         assert taken == [True] * lin.FOLLOW_WIDE + [False] * 2
-        layer(tree)  # a new pass: followed again
-        with lin.following_wide():
+        with lin.leading():
+            layer(tree)  # a new pass: followed again
+        with lin.following():
             assert packed(lambda: layer(step))
         monkeypatch.setattr(lin, "FOLLOW_WIDE", 0)
-        layer(tree)
-        with lin.following_wide():
+        with lin.leading():
+            layer(tree)
+        with lin.following():
             assert not packed(lambda: layer(step))
 
 
