@@ -139,15 +139,20 @@ def _run_profile(args) -> int:
     mode = "compiled" if args.compile else "cuda_graph" if model.device.type == "cuda" else "eager"
     profile = auto_tree(model, drafter, args.batch_size, mode=mode, refresh=args.refresh).profile
     rows = describe(profile)
+    # a drafter model's cost of one level (one of its steps over the level's nodes), fitted over the measured trees
+    level_ms = profile.draft_fit[1] if profile.depths else None
     if args.json:
         print(json.dumps(dict(device=name_of(model.device), mode=mode, batch_size=args.batch_size, rows=rows,
-                              catch_up_ms_per_token=profile.catch_ms)))
+                              catch_up_ms_per_token=profile.catch_ms, drafter_level_ms=level_ms)))
     else:
         print(f"{name_of(model.device)}, {mode}, batch {args.batch_size}, drafter {args.drafter} "
               f"(cached in {cache_file()})")
         print(f"{'nodes':>6}{'target ms':>11}{'draft ms':>10}{'in steps':>10}")
         for r in rows:
             print(f"{r['nodes']:>6}{r['target_ms']:>11.3f}{r['draft_ms']:>10.3f}{r['steps']:>10.2f}")
+        if level_ms is not None:
+            print(f"drafter model: {level_ms:.3f} ms a level ({level_ms / rows[0]['target_ms']:.2f} of the target's "
+                  f"steps)")
         if profile.catch_ms:
             print(f"drafter catch-up: {profile.catch_ms:.4f} ms a token")
     _plot_profile(rows, f"{args.drafter}, batch {args.batch_size}, {mode}, {name_of(model.device)}", args.png)
