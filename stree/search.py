@@ -25,7 +25,7 @@ from .branch import Branch
 from .chat import prompt_ids
 from .drafters.base import Drafter
 from .drafters.per_row import PerRowDrafter
-from .drafters.registry import STORES, drafter_name, make_drafter, resolve_drafter
+from .drafters.registry import drafter_name, make_drafter, resolve_drafter
 from .drafters.consensus import PathStore
 from .drafters.stand import STANDStore
 from .judge import JUDGE_TEMPLATE, Judge
@@ -111,9 +111,8 @@ def _drafter(drafter, store, shared: bool):
         if store is not None:
             raise ValueError("share_store=False gives every branch a fresh store: it takes no store")
         return PerRowDrafter(lambda: make_drafter(name)), None
-    if name in STORES and store is None:
-        store = STORES[name]()
-    return resolve_drafter(drafter, store=store), store
+    made = resolve_drafter(drafter, store=store)  # a fresh store where none is given
+    return made, getattr(made, "store", None)
 
 
 def _search(model, prompt, groups: int, keep: int, *, expand: int, steps: int, scorer, tokenizer, stop,

@@ -10,7 +10,7 @@ from .answers import extract_answer, extract_boxed, group_answers, same_answer
 from .chat import prompt_ids as prompt_ids_of
 from .drafters.base import Drafter
 from .drafters.consensus import PathStore
-from .drafters.registry import STORES, drafter_name, resolve_drafter
+from .drafters.registry import resolve_drafter
 from .drafters.stand import STANDStore
 from .generate import GenerationStats, generate
 from .tree import TreeBudget, TreeShape
@@ -39,10 +39,8 @@ def _drafter(drafter, store):
         if store is not None:
             raise ValueError("store is only used with a drafter named here (a Drafter brings its own)")
         return drafter, getattr(drafter, "store", None)
-    name = drafter_name(drafter) if isinstance(drafter, str) else None
-    if name in STORES and store is None:
-        store = STORES[name]()
-    return resolve_drafter(drafter, store=store), store
+    made = resolve_drafter(drafter, store=store)  # a fresh store where none is given
+    return made, getattr(made, "store", None)
 
 
 def sample_trajectories(model, prompt_ids, n: int, *, drafter="stand", batch_size: int = 1,
