@@ -39,7 +39,7 @@ def binary(n: int) -> TreeShape:
     return TreeShape(tuple([-1] + [(i - 1) // 2 for i in range(1, n)]))
 
 
-def models(smoke: bool, device, dtype, budget: float):
+def models(smoke: bool, device, dtype, budget: float, layers: int | None = None):
     """(name, target, drafter model or None, seconds per profile) to measure."""
     if smoke:
         cls, make = TINY["mamba2-tiny"]
@@ -50,11 +50,13 @@ def models(smoke: bool, device, dtype, budget: float):
         yield "tiny mamba2", target, small, budget
         return
     yield "shipped target", load(TARGET, dtype=dtype, device=device), load(DRAFTER, dtype=dtype, device=device), budget
-    for name, (layers, seconds) in LAYERS.items():
+    for name, (kept, seconds) in LAYERS.items():
+        kept = layers or kept
         torch.manual_seed(0)
         cls, make = PRESETS[name]
-        model = cls(make(n_layer=layers)).to(device=device, dtype=dtype).eval()
-        yield f"{name} width, {layers} layers", model, None, max(budget, seconds)
+        with torch.device(device):  # made where it runs: a full-depth model's fp32 init on the host is slow
+            model = cls(make(n_layer=kept)).to(dtype=dtype).eval()
+        yield f"{name} width, {kept} layers", model, None, max(budget, seconds)
 
 
 def step_ms(model, batch: int, device, reps: int) -> float:
@@ -76,6 +78,9 @@ def main(argv=None):
     p.add_argument("--budget", type=float, default=None,
                    help="seconds per profile at most (default 4, the 2.7B width at least 24; 10 for --smoke, "
                         "whose sizes all fit it where each size's first call captures a CUDA graph)")
+    p.add_argument("--layers", type=int, default=None,
+                   help=f"layers of the preset widths kept (default {', '.join(f'{k}: {v[0]}' for k, v in LAYERS.items())}; "
+                        "the full depth shows what a tree costs where weights, not launches, bound a step)")
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--out", default=str(Path(__file__).parent / "results"))
     args = p.parse_args(argv)
@@ -87,7 +92,7 @@ def main(argv=None):
     sizes = (2, 4, 8) if args.smoke else default_sizes(device)
     shapes = [binary(n) for n in sizes]
     rows, drafters = [], []
-    for name, model, small, seconds in tqdm(list(models(args.smoke, device, dtype, budget)), desc="models",
+    for name, model, small, seconds in tqdm(list(models(args.smoke, device, dtype, budget, args.layers)), desc="models",
                                             file=sys.stderr):
         for batch in batches:
             profile = cost_profile(model, batch, mode=mode, shapes=shapes, budget_s=seconds, refresh=True)

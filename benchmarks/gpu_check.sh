@@ -17,8 +17,10 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 # pytest-xdist workers share 16 cores: one BLAS/OpenMP/numba thread pool each would oversubscribe them
 export OMP_NUM_THREADS=2 MKL_NUM_THREADS=2 NUMBA_NUM_THREADS=2
 # The image's transformers may be older than setup.py's floor (5.17 there on 2026-11-25; the tests
-# compare against transformers' own models, whose grouped gated norm is right from 5.23 on). Carry
-# a wheel: pip download --no-deps -d .whl transformers==5.24.0, then run with carry=[".whl"].
+# compare against transformers' own models, whose grouped gated norm is right from 5.23 on), and it
+# has no math-verify (stree.answers). Carry wheels, then run with carry=[".whl"]:
+#   pip download --no-deps -d .whl transformers==5.24.0 math-verify==0.9.0 \
+#     latex2sympy2_extended==1.11.0 antlr4-python3-runtime==4.13.2
 if compgen -G ".whl/*.whl" > /dev/null; then
   python -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH="$PYTHONPATH:/tmp/site"
@@ -51,7 +53,10 @@ tests)
   step tree_scan_sweep 100 python benchmarks/tree_scan_sweep.py --out "$out"
   ;;
 bench)
-  step model_forward 90 python benchmarks/model_forward.py --out "$out"
+  # five Mamba2-2.7B-to-8B-width models at 5 forwards each: about 35 s a model on an H100
+  step model_forward 200 python benchmarks/model_forward.py --out "$out"
+  # where a decoding iteration's time goes (host ops and launches between graph replays)
+  TAIL=24 step iteration_trace 60 python benchmarks/iteration_trace.py --out "$out"
   # float32: every configuration's tokens are compared with transformers' (bfloat16 flips near-ties)
   step e2e 150 python benchmarks/e2e.py --dtype float32 --out "$out"
   # what a tree costs on this GPU (tree="auto" decides by it): the shipped target with the n-gram drafter

@@ -14,6 +14,7 @@ and a PNG to benchmarks/results/.
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import sys
 from pathlib import Path
@@ -41,6 +42,44 @@ TREES = [("chain5", TreeShape.chain(4)), ("paper13", TreeShape.paper13())] + [
     (f"binary{TreeShape.full(2, d).n}", TreeShape.full(2, d)) for d in (3, 4, 5)]
 
 
+def measure(name, cls, cfg, device, dtype, batch: int, prompt: int, warmup: int, reps: int, gen) -> list[dict]:
+    """One model's rows: its step, and every tree by each backend (and as a CUDA graph on a GPU)."""
+    rows = []
+    torch.manual_seed(0)
+    model = cls(cfg, device=device, dtype=dtype).eval()
+    unrolled = UnrolledTarget(model)  # the paper's baseline: each root-to-leaf path its own sequence
+    vocab = model.vocab_size
+    graphs = device.type == "cuda"
+    cache = model.allocate_cache(batch, prompt + 64 + (warmup + reps + 4) * (4 if graphs else 2))
+    model.prefill(torch.randint(0, vocab, (batch, prompt), generator=gen).to(device), cache)
+    tok = torch.randint(0, vocab, (batch,), generator=gen).to(device)
+    step_ms = median_ms(lambda: model.step(tok, cache), device, warmup=warmup, reps=reps)
+    step_peak = peak_bytes(lambda: model.step(tok, cache), device)
+    rows.append(dict(model=name, tree="step", nodes=1, backend="step", time_ms_median=step_ms, ratio_to_step=1.0,
+                     peak_mem_bytes=step_peak))
+    if graphs:  # validate=False: the length check is a host sync, and the cache has room by construction
+        graphed_step = GraphedStep(model, cache)
+        graph_step_ms = median_ms(lambda: graphed_step(tok, validate=False), device, warmup=warmup, reps=reps)
+        rows.append(dict(model=name, tree="step", nodes=1, backend="step-graph", time_ms_median=graph_step_ms,
+                         ratio_to_step=1.0, peak_mem_bytes=None))
+    for tree_name, shape in tqdm(TREES, desc=name, file=sys.stderr):
+        tree = TokenTree.from_shape(shape, torch.randint(0, vocab, (batch, shape.n), generator=gen).to(device))
+        for backend in ("tree", "unrolled", "unrolled-full"):
+            target = unrolled if backend == "unrolled-full" else model
+            run = lambda: target.forward_tree(tree, cache, scan="tree" if backend == "unrolled-full" else backend)
+            ms = median_ms(run, device, warmup=warmup, reps=reps)
+            rows.append(dict(model=name, tree=tree_name, nodes=shape.n, backend=backend, time_ms_median=ms,
+                             ratio_to_step=ms / step_ms, peak_mem_bytes=peak_bytes(run, device),
+                             tokens=sum(map(len, shape.leaf_paths())) if backend == "unrolled-full" else shape.n))
+        if graphs:
+            graphed_tree = GraphedTreePass(model, cache, shape)
+            ms = median_ms(lambda: graphed_tree(tree.tokens, validate=False), device, warmup=warmup, reps=reps)
+            rows.append(dict(model=name, tree=tree_name, nodes=shape.n, backend="tree-graph", time_ms_median=ms,
+                             ratio_to_step=ms / graph_step_ms, peak_mem_bytes=None))
+            del graphed_tree
+    return rows
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="tiny configs (CI)")
@@ -57,41 +96,9 @@ def main(argv=None):
     gen = torch.Generator().manual_seed(0)
     rows = []
     for name, cls, cfg in models(args.smoke):
-        torch.manual_seed(0)
-        model = cls(cfg, device=device, dtype=dtype).eval()
-        unrolled = UnrolledTarget(model)  # the paper's baseline: each root-to-leaf path its own sequence
-        vocab = model.vocab_size
-        graphs = device.type == "cuda"
-        cache = model.allocate_cache(args.batch, prompt + 64 + (warmup + reps + 4) * (4 if graphs else 2))
-        model.prefill(torch.randint(0, vocab, (args.batch, prompt), generator=gen).to(device), cache)
-        tok = torch.randint(0, vocab, (args.batch,), generator=gen).to(device)
-        step_ms = median_ms(lambda: model.step(tok, cache), device, warmup=warmup, reps=reps)
-        step_peak = peak_bytes(lambda: model.step(tok, cache), device)
-        rows.append(dict(model=name, tree="step", nodes=1, backend="step", time_ms_median=step_ms, ratio_to_step=1.0,
-                         peak_mem_bytes=step_peak))
-        if graphs:  # validate=False: the length check is a host sync, and the cache has room by construction
-            graphed_step = GraphedStep(model, cache)
-            graph_step_ms = median_ms(lambda: graphed_step(tok, validate=False), device, warmup=warmup, reps=reps)
-            rows.append(dict(model=name, tree="step", nodes=1, backend="step-graph", time_ms_median=graph_step_ms,
-                             ratio_to_step=1.0, peak_mem_bytes=None))
-        for tree_name, shape in tqdm(TREES, desc=name, file=sys.stderr):
-            tree = TokenTree.from_shape(shape, torch.randint(0, vocab, (args.batch, shape.n), generator=gen).to(device))
-            for backend in ("tree", "unrolled", "unrolled-full"):
-                target = unrolled if backend == "unrolled-full" else model
-                run = lambda: target.forward_tree(tree, cache, scan="tree" if backend == "unrolled-full" else backend)
-                ms = median_ms(run, device, warmup=warmup, reps=reps)
-                rows.append(dict(model=name, tree=tree_name, nodes=shape.n, backend=backend, time_ms_median=ms,
-                                 ratio_to_step=ms / step_ms, peak_mem_bytes=peak_bytes(run, device),
-                                 tokens=sum(map(len, shape.leaf_paths())) if backend == "unrolled-full" else shape.n))
-            if graphs:
-                graphed_tree = GraphedTreePass(model, cache, shape)
-                ms = median_ms(lambda: graphed_tree(tree.tokens, validate=False), device, warmup=warmup, reps=reps)
-                rows.append(dict(model=name, tree=tree_name, nodes=shape.n, backend="tree-graph", time_ms_median=ms,
-                                 ratio_to_step=ms / graph_step_ms, peak_mem_bytes=None))
-                del graphed_tree
-        del cache, model
-        if graphs:
-            del graphed_step
+        rows += measure(name, cls, cfg, device, dtype, args.batch, prompt, warmup, reps, gen)
+        gc.collect()  # a model and its graphs go before the next is made: the 8B widths share one GPU
+        if device.type == "cuda":
             torch.cuda.empty_cache()
 
     result = dict(

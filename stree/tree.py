@@ -208,7 +208,7 @@ def leaf_paths(parents: Sequence[int]) -> list[list[int]]:
 def _shape_index(shape: "TreeShape", device: torch.device) -> TreeIndex:
     if device.type != "cpu":  # built on the host (no device sync), then copied once
         return _shape_index(shape, torch.device("cpu")).to(device)
-    index = tree_index(torch.tensor(shape.parents))
+    index = tree_index(torch.tensor(shape.parents, device=device))  # named: a default-device context must not move it
     index.memo("max_depth", lambda: shape.max_depth)
     return index
 

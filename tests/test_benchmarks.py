@@ -158,3 +158,16 @@ def test_cost_smoke_tables_every_size_in_steps_and_the_drafters_step(tmp_path):
     (d,) = result["drafter_steps"]
     assert (d["target_layers"], d["drafter_layers"]) == (2, 1)
     assert d["ratio"] == pytest.approx(d["drafter_step_ms"] / d["target_step_ms"]) and d["ratio"] > 0
+
+
+def test_iteration_trace_smoke_counts_per_iteration(tmp_path):
+    """One profiled generate call per configuration: per-iteration figures, and a speculative
+    configuration's tree passes among its iterations."""
+    result = smoke("iteration_trace", tmp_path)
+    rows = {r["name"]: r for r in result["results"]}
+    assert set(rows) == {"autoregressive", "ngram-paper13", "ngram-auto"}
+    for r in rows.values():
+        assert r["iterations"] >= 1 and r["wall_ms"] > 0 and r["top_host"]
+        assert r["tokens"] == result["tokens"]
+    assert rows["autoregressive"]["trees"] == {"1": rows["autoregressive"]["iterations"]}  # JSON keys
+    assert 13 in {int(n) for n in rows["ngram-paper13"]["trees"]}

@@ -73,6 +73,19 @@ def test_static_shapes():
         TreeShape((-1, 0, 2))
 
 
+def test_a_shapes_cached_index_is_where_it_was_asked_for_whatever_the_default_device():
+    """The cache builds a device's index from its host one: a default-device context (a test's or
+    a user's ``with torch.device("cuda")``) once put the host index on the GPU, and every later
+    CPU draft of that shape failed ("parents is on cuda:0 but tokens is on cpu"). The meta device
+    stands in for the GPU here."""
+    shape = TreeShape((-1, 0, 0, 1, 1, 2, 2, 3))  # used by no other test: its cache entries are made here
+    with torch.device("meta"):
+        assert shape.index("meta").device.type == "meta"
+        assert shape.index("cpu").device.type == "cpu"
+    tree = TokenTree.from_shape(shape, torch.zeros(1, shape.n, dtype=torch.long))
+    assert tree.parents.device.type == "cpu" and tree.index.pre.device.type == "cpu"
+
+
 def test_leaf_paths_and_children():
     paper = TreeShape.paper13()
     paths = paper.leaf_paths()

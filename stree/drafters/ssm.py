@@ -83,8 +83,9 @@ def _static_plan(shape: TreeShape, b: int, device: str) -> tuple[_Level, ...]:
         nodes = [c for _, _, c in new]
         inner = [i for i, c in enumerate(nodes) if kids[c]]
         fork = torch.tensor([at[j] * b + i for j, _, _ in new for i in range(b)], device=device) if inner else None
-        draw = torch.tensor([j * width + r for j, r, _ in new])
-        plan.append(_Level(torch.tensor(frontier), width, torch.tensor(nodes), draw, fork,
+        host = functools.partial(torch.tensor, device="cpu")  # named: a default-device context must not move them
+        draw = host([j * width + r for j, r, _ in new])
+        plan.append(_Level(host(frontier), width, host(nodes), draw, fork,
                            np.arange(len(nodes) * b).reshape(-1, b).T, torch.tensor(inner, device=device)))
         frontier, at = [nodes[i] for i in inner], inner
     return tuple(plan)

@@ -25,14 +25,20 @@ from .linear import Linear
 SCANS = ("tree", "chain", "unrolled")  # how the SSM layers walk a draft (forward_tree's scan)
 
 
+def value_key(*tensors) -> tuple:
+    """What identifies the values of ``tensors`` without reading them: each one's version counter
+    and storage (a model moved to another device or dtype has new storages, its counters restart)."""
+    return tuple((t._version, t.data_ptr(), t.device) for t in tensors)
+
+
 def derived(owner, name: str, fn, key=None):
-    """``fn()`` computed once per value of ``owner`` (a tensor: its version counter and storage)
-    or of ``key``, and cached on ``owner``; recomputed every call while autograd records, so
-    training keeps its graph. For parameters-derived constants (fp32 copies, A = -exp(A_log))."""
+    """``fn()`` computed once per value of ``owner`` (a tensor: :func:`value_key`) or of ``key``,
+    and cached on ``owner``; recomputed every call while autograd records, so training keeps its
+    graph. For parameters-derived constants (fp32 copies, A = -exp(A_log))."""
     if torch.is_grad_enabled() or torch.compiler.is_compiling():
         return fn()  # a compiled graph computes it in place (fused), and may not write to owner
     if key is None:
-        key = (owner._version, owner.data_ptr(), owner.device)
+        key = value_key(owner)
     store = owner.__dict__.setdefault("_stree_derived", {})
     hit = store.get(name)
     if hit is None or hit[0] != key:

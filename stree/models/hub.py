@@ -51,15 +51,18 @@ def is_repo_id(name: str) -> bool:
 
 
 def _snapshot(repo: str, revision: str | None) -> Path:
-    from huggingface_hub import snapshot_download
+    from huggingface_hub import constants, snapshot_download
     from huggingface_hub.errors import (GatedRepoError, HfHubHTTPError, LocalEntryNotFoundError,
                                         RepositoryNotFoundError, RevisionNotFoundError)
 
     at = "" if revision is None else f" at revision {revision!r}"
+    # offline, said outright: huggingface_hub 1.x asks the Hub for a commit hash's file list
+    # whatever HF_HUB_OFFLINE says, and its own guard then refuses the request
+    options = dict(revision=revision, local_files_only=constants.HF_HUB_OFFLINE)
     try:
-        path = Path(snapshot_download(repo, revision=revision, allow_patterns=READ))
+        path = Path(snapshot_download(repo, allow_patterns=READ, **options))
         if not any(path.glob("*.safetensors")):  # weights pickled by torch.save only (mamba_ssm's)
-            path = Path(snapshot_download(repo, revision=revision, allow_patterns=READ + PICKLED))
+            path = Path(snapshot_download(repo, allow_patterns=READ + PICKLED, **options))
     except LocalEntryNotFoundError:
         raise ValueError(f"{repo!r} is not a local directory, and the Hub id {repo!r}{at} is not in the Hub cache "
                          "(offline: HF_HUB_OFFLINE, or no connection): download it once online, or give its "

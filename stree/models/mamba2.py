@@ -20,7 +20,7 @@ from torch import nn
 from ..kernels import (conv_step, gated_rms_norm, gated_rms_norm_torch, multistep_update, replay, selective_state_update,
                        tree_conv1d, tree_scan)
 from ..tree import TreeIndex, leaf_paths
-from .base import Block, TreeLM, derived
+from .base import Block, TreeLM, derived, value_key
 from .cache import SSMLayerState, SSMScratch
 from .config import Mamba2Config
 from .linear import Linear
@@ -195,9 +195,9 @@ class Mamba2Mixer(nn.Module):
         the dt clamp the pass used."""
         mixers = [blk.mixer for blk, kind in zip(model.blocks, model.kinds()) if kind == "ssm"]
         A = derived(model, "ssm_A", lambda: torch.stack([m.A() for m in mixers]),
-                    key=tuple(m.A_log._version for m in mixers))
+                    key=value_key(*(m.A_log for m in mixers)))
         dt_bias = derived(model, "ssm_dt_bias", lambda: torch.stack([m.dt_bias for m in mixers]),
-                          key=tuple(m.dt_bias._version for m in mixers))
+                          key=value_key(*(m.dt_bias for m in mixers)))
         replay(cache.ssm, cache.conv, scratch.xBC, scratch.x, scratch.dt, scratch.B, A, accepted, num_accepted,
                dt_bias=dt_bias, dt_limit=mixers[0].dt_limit(prefill), validate=False, out=(cache.ssm, cache.conv),
                backend=kernel_backend)

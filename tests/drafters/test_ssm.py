@@ -255,3 +255,16 @@ def test_a_grown_tree_resumes_from_its_deepest_fed_node(monkeypatch):
     fresh = make()
     fresh.propose(DraftContext(tokens, grown, [0]))
     assert torch.allclose(drafter._last, fresh._last, atol=1e-5)
+
+
+def test_a_static_plan_keeps_its_host_tensors_on_the_host_whatever_the_default_device():
+    """The plan is cached per shape: one made inside a default-device context (the meta device
+    stands in for a GPU) must not hand later calls device tensors where the host reads them."""
+    from stree.drafters.ssm import _static_plan
+
+    shape = TreeShape((-1, 0, 0, 1, 2, 2, 3))
+    with torch.device("meta"):
+        plan = _static_plan(shape, 2, "cpu")
+    tensors = [t for level in plan for t in (level.frontier, level.nodes, level.draw, level.fork, level.inner)
+               if t is not None]
+    assert tensors and {t.device.type for t in tensors} == {"cpu"}

@@ -98,11 +98,12 @@ def test_names_that_cannot_be_ids_stay_paths():
 
 def test_only_the_files_stree_reads_are_fetched(tmp_path, monkeypatch):
     """Configs, safetensors and tokenizer files; torch-pickled weights only where a repository
-    has no safetensors."""
+    has no safetensors. Offline, the cache alone is asked (huggingface_hub 1.x would otherwise ask
+    the Hub for a commit's file list, and refuse itself)."""
     calls = []
 
-    def fake(repo, revision=None, allow_patterns=None):
-        calls.append(allow_patterns)
+    def fake(repo, revision=None, allow_patterns=None, local_files_only=False):
+        calls.append((allow_patterns, local_files_only))
         folder = tmp_path / repo.replace("/", "--")
         folder.mkdir(exist_ok=True)
         if repo == "org/safe":
@@ -110,11 +111,16 @@ def test_only_the_files_stree_reads_are_fetched(tmp_path, monkeypatch):
         return str(folder)
 
     monkeypatch.setattr(huggingface_hub, "snapshot_download", fake)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
     resolve("org/safe")
-    assert calls == [READ] and not any(p in READ for p in PICKLED)
+    assert calls == [(READ, False)] and not any(p in READ for p in PICKLED)
     calls.clear()
     resolve("org/pickled")
-    assert calls == [READ, READ + PICKLED]
+    assert calls == [(READ, False), (READ + PICKLED, False)]
+    calls.clear()
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    resolve("org/pickled", "a" * 40)
+    assert calls == [(READ, True), (READ + PICKLED, True)]
 
 
 def test_the_cli_takes_a_hub_id_and_names_one_it_cannot_have(hub):

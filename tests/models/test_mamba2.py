@@ -96,3 +96,18 @@ def test_bad_inputs_raise_clear_errors():
         model.prefill(torch.ones(2, 3, dtype=torch.long), cache, lengths=torch.tensor([0, 3]))
     with pytest.raises(ValueError, match="Mamba2Config.d_model must be a positive integer"):
         Mamba2Config(d_model=0, n_layer=1, vocab_size=10)
+
+
+def test_a_derived_constant_follows_a_parameter_replaced_at_the_same_version():
+    """A model moved to another device or dtype gets new parameter tensors whose version counters
+    restart: a cache keyed by versions alone handed the GPU model its CPU ``A`` stack."""
+    from stree.models.base import derived, value_key
+
+    class Owner:
+        pass
+
+    owner, old = Owner(), torch.zeros(3)
+    new = old.clone()  # the same version, another storage
+    assert old._version == new._version and value_key(old) != value_key(new)
+    assert derived(owner, "x", lambda: old + 1, key=value_key(old)).sum() == 3
+    assert derived(owner, "x", lambda: new + 2, key=value_key(new)).sum() == 6
