@@ -521,7 +521,7 @@ class AutoTree:
         promised, at once. Their time does not teach an adaptive choice what a plain step costs:
         they skip the planning and drafting that a step the choice weighs pays for, and learning
         from them made plain steps look so cheap that probes stopped (greedy text where trees paid
-        1.45x ran plain)."""
+        ran plain)."""
         self._probing, self._predicted, self._drafted = False, ("plain", self.cost[1]), 0
         self._plain_run += steps
         self.chosen[1] += steps
@@ -604,9 +604,9 @@ class AutoTree:
                 focus = rows if ids is None or self._focus is None else rows[np.asarray(ids)[rows] == self._focus]
                 emitted = float(np.mean(counts[focus if len(focus) else rows]))
                 beyond = elapsed_ms - emitted * self.cost[1] * self.scale["plain"]
-                # Clipped: one probe that compiled something (338 ms where 3 were predicted) had
+                # Clipped: one probe that compiled something (two orders of magnitude over its prediction) had
                 # spaced probes PROBE_LONGEST apart for thousands of steps, and text where trees
-                # paid 1.3x ran plain. The first at CLIP times its prediction, later ones at twice
+                # paid ran plain. The first at CLIP times its prediction, later ones at twice
                 # what is known, so that truly dear probes (a drafter model catching up) are
                 # learned within a few.
                 known = self.CLIP * predicted

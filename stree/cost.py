@@ -51,7 +51,7 @@ class CostProfile:
     model takes per token it has to read before drafting (after plain steps, or a new context's
     prefill); 0 for drafters without a model. ``depths``: for a drafter model, which runs one
     step per tree level, each measured tree's depth: its drafting then grows with the depth more
-    than with the nodes (a 16-node chain took twice the 6-deep 16-node tree's 2.7 ms), and is
+    than with the nodes (a 16-node chain measured about twice a 6-deep 16-node tree), and is
     fitted as a + b depth + c nodes (:meth:`drafting_ms`)."""
 
     step_ms: float
@@ -258,8 +258,8 @@ def _timed_rounds(calls: list, budget_s: float, sync, keep_all: bool = False) ->
     and kept only where no third comes, then rounds with the kept calls taking turns until
     ``budget_s`` is spent (at most 15). In a round each call runs twice and the second run is
     timed: the steady state a decoding loop sees, where steps of one kind mostly follow each
-    other (a batch-8 plain step timed right after a 64-node pass took 3.8 ms, 2.6 times its 1.5
-    ms in a run of steps: the pass's memory and caches, not the step's own work)."""
+    other (a batch-8 plain step timed right after a 64-node pass measured several times its
+    time in a run of steps: the pass's memory and caches, not the step's own work)."""
     start = time.perf_counter()
     kept = []
     for fn in calls:

@@ -181,9 +181,9 @@ class Rows:
         of the most steps left (tokens left at the tokens per step the row's own steps have
         brought so far). The batch decodes until its last row is done, so a tree is worth what it
         brings the one of them that gains least: tokens it brings a row that will finish early
-        anyway buy nothing (at batch 8, trees chosen for the rows' summed tokens were 0.67x of
-        plain steps while every row's own tau was 2.8), nor do tokens for one of several rows
-        level at the end (at batch 16, trees chosen for one of them ran at 0.86x)."""
+        anyway buy nothing (at batch 8, trees chosen for the rows' summed tokens ran slower than
+        plain steps while every row's own tau was high), nor do tokens for one of several rows
+        level at the end (at batch 16, trees chosen for one of them ran slower too)."""
         ids = np.asarray(live)
         produced = self.produced.numpy()[ids]
         steps = np.fromiter((len(self.accepted[r]) for r in live), dtype=np.float64, count=len(live))
@@ -194,12 +194,12 @@ class Rows:
     def emit(self, step: HostStep, drafter: Drafter | None) -> None:
         """Append ``step.tokens[b, :counts[b]]`` to each active row, cut after its first EOS and at
         ``max_new_tokens``; show the drafter what was appended; retire the finished rows. (In
-        numpy, on views of the rows' tensors: a dozen small torch ops cost ~10x more here.)"""
+        numpy, on views of the rows' tensors: a dozen small torch ops cost several times more here.)"""
         lengths, produced, active = self.lengths.numpy(), self.produced.numpy(), self.active.numpy()
         ids = np.flatnonzero(active)
         tokens, counts = step.tokens.numpy()[ids], step.counts.numpy()[ids]
         j = np.arange(tokens.shape[1])
-        is_eos = (tokens[..., None] == self.eos.numpy()).any(-1) & (j < counts[:, None])  # np.isin: ~8x slower
+        is_eos = (tokens[..., None] == self.eos.numpy()).any(-1) & (j < counts[:, None])  # np.isin: measured several times slower
         hit = is_eos.any(1)
         upto = np.where(hit, is_eos.argmax(1) + 1, counts)  # through the first EOS
         room = self.max_new_tokens.numpy()[ids] - produced[ids]

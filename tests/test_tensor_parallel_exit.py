@@ -29,7 +29,7 @@ def torchrun(*args, timeout=120, **kw):
 
 
 def test_torchrun_generate_exits_0_every_time_with_the_same_output():
-    """The README's command, 20 times in a row (before the fix about 1 in 10 aborted at exit)."""
+    """docs/tensor-parallel.md's command, 20 times in a row (before the fix about 1 in 10 aborted at exit)."""
     args = ["-m", "stree", "generate", "--model", TARGET, "--prompt", "def f(x):", "--max-new-tokens", "4",
             "--dtype", "float32", "--json"]
     outputs = set()

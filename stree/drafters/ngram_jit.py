@@ -1,7 +1,7 @@
 """The n-gram drafter's index, compiled with numba: the same n-grams, ranks, eviction and drafts
 as the pure-Python reference (``ngram.RowIndex``), held in flat arrays so that drafting an
-81-node tree is one compiled call instead of ~50 interpreted node visits (issue 14: propose +
-observe within 100 us).
+81-node tree is one compiled call instead of dozens of interpreted node visits (issue 14's budget
+for a step's propose and observe; `benchmarks/drafting.py` measures it).
 
 Layout, for one row:
 - ``toks[:ntoks]``: the context.

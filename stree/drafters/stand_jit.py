@@ -1,7 +1,7 @@
 """STAND's store and drafts compiled with numba: the same merges, evictions and trees as the
 reference in ``stand.py`` (tested equal), with the n-gram -> slot map in arrays
 (``jit_table``) instead of a dict, so that a step's draft and its update are one compiled call
-each (issue 14: propose + observe within 100 us).
+each (issue 14's budget for a step's propose and observe; `benchmarks/drafting.py` measures it).
 
 Slot ``s`` of the store holds the n-gram ``key_tok[s, :key_len[s]]`` (``key_len`` 0: free) at
 position ``key_slot[s]`` of the hash table ``table``; ``free[:meta[M_FREE]]`` is the stack of

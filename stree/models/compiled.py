@@ -2,13 +2,12 @@
 of static tree shapes. At the sizes where speculation pays on a CPU the loop is bound by per-op
 overhead (a step is ~20 small ops per layer); Inductor fuses the elementwise work into a few C++
 loops. ``commit`` is the model's own: a few gathers and one replay, which on the CPU runs compiled
-by numba (``stree.kernels.replay_jit``); the Inductor-compiled PyTorch replay measured 2.5 times
-slower (the shipped target, 13-node tree: 0.71 against 0.28 ms at batch 1, 1.54 against 0.54 at
-batch 4), its guards alone ~0.15 ms. On CUDA the loop replays CUDA graphs instead (:mod:`.graphs`),
+by numba (``stree.kernels.replay_jit``); the Inductor-compiled PyTorch replay measured slower
+(the shipped target, 13-node tree, batch 1 and 4), its guards alone a large part of it. On CUDA the loop replays CUDA graphs instead (:mod:`.graphs`),
 the commit included. :meth:`CompiledModel.fused` compiles a decoding step's own work around the
 tree pass into the pass's graph (greedy verification and the host's packing,
-``stree.steps``): a 2-node iteration's verification and packing took 0.29 ms beside a 0.39 ms
-step when they ran eager.
+``stree.steps``): run eager, a small iteration's verification and packing measured almost as
+long as a step.
 
 The compiled functions are the eager ones (``step_pass``, ``tree_layers``), which stay the
 reference: tests compare the two. Compiling costs seconds per function and shape, once per process
@@ -48,8 +47,8 @@ def _tree(model: TreeLM, tokens, index, cache: ModelCache):
 
 
 
-# Guards on the attributes of torch's own modules (Linear, Conv1d, ...) cost ~0.2 ms a call, as
-# much as a 1-layer step computes; they are skipped. That is safe here because every
+# Guards on the attributes of torch's own modules (Linear, Conv1d, ...) measured as costly a call
+# as a 1-layer step's compute; they are skipped. That is safe here because every
 # CompiledModel compiles its own copies of the functions (so guards never have to tell models
 # apart) and refuses a model whose dtype or device changed; parameters are read afresh each call.
 _OPTIONS = ({"guard_filter_fn": torch.compiler.skip_guard_on_inbuilt_nn_modules_unsafe}

@@ -3,10 +3,9 @@ shape on the machine it runs on.
 
 A step, a tree pass and a drafter's level step multiply 1 to ~100 rows by each weight. Which
 product is fastest for so few rows depends on the CPU far more than on the sizes: on an AMD EPYC
-(AVX2) the BLAS path PyTorch takes cost about one matrix-vector product per row (the shipped
-4096 x 256 head: 0.31 ms for 3 rows) where oneDNN on the weight packed once in its own layout took
-0.09 ms; on an Intel Xeon (AVX-512) BLAS took 0.05 ms for those 3 rows and the packed product
-0.09 ms, and only from ~8 rows on is the packed one faster (0.8x at 16-32 rows). So neither is
+(AVX2) the BLAS path PyTorch takes costs about one matrix-vector product per row, where oneDNN on
+the weight packed once in its own layout is several times faster for a few rows; on an Intel Xeon
+(AVX-512) BLAS wins for a few rows and the packed product only from about 8 rows on. So neither is
 hard-wired: the first product of each (rows, weight shape, bias) times both on its own inputs
 (alternating, best of 5 each) and keeps the packed path only where it is clearly faster
 (``PACKED_MARGIN``); row counts share power-of-two buckets (:func:`_bucket`), so that trees and
@@ -147,7 +146,7 @@ def _product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -
 
 
 # Declared on the low-level library API: the dispatcher calls the CPU kernel directly, without
-# custom_op's Python wrapper (~50 us a call, a third of a small product).
+# custom_op's Python wrapper (measured at a third of a small product's time).
 _LIB = torch.library.Library("stree", "DEF")
 _LIB.define("cpu_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
 _LIB.impl("cpu_linear", _product, "CPU")
