@@ -24,6 +24,7 @@ import hashlib
 import json
 import math
 import os
+import platform
 import statistics
 import time
 from dataclasses import dataclass
@@ -33,7 +34,6 @@ import numpy as np
 import torch
 
 from .atomic import write_text
-from .timing import cpu_model
 
 __all__ = ["CostProfile", "cache_file", "cost_profile", "MODES"]
 
@@ -123,6 +123,19 @@ class CostProfile:
     def from_dict(cls, d: dict) -> "CostProfile":
         return cls(float(d["step_ms"]), tuple(int(n) for n in d["nodes"]), tuple(float(t) for t in d["tree_ms"]),
                    tuple(float(t) for t in d["draft_ms"]), float(d["catch_ms"]), tuple(int(k) for k in d["depths"]))
+
+
+def cpu_model() -> str:
+    """The CPU's model name (Linux), else the platform's processor string: timings on the CPU
+    differ several-fold between CPU models, so a result names the one it ran on."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
 
 
 def _interpolate(xs, ys, x: float) -> float:

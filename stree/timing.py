@@ -66,21 +66,10 @@ def device_and_dtype(args) -> tuple[torch.device, torch.dtype]:
     return device, dtype
 
 
-def cpu_model() -> str:
-    """The CPU's model name (Linux), else the platform's processor string: timings on the CPU
-    differ several-fold between CPU models, so a result names the one it ran on."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
-
-
 def run_info(device, argv=None) -> dict:
     """What a committed result must carry: device name, UTC date, the exact command, torch version."""
+    from .cost import cpu_model
+
     device = torch.device(device)
     name = (torch.cuda.get_device_name(device) if device.type == "cuda"
             else f"cpu ({os.cpu_count()} cores, {platform.machine()}, {cpu_model()})")
