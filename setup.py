@@ -19,7 +19,7 @@ setup(
         "numba",  # the n-gram drafter's compiled index (stree/drafters/ngram_jit.py)
         "tqdm",
         "tokenizers",
-        "math-verify",  # final answers found and compared as the reasoning-evaluation ecosystem does (stree.answers)
+        "math-verify",  # final answers found and compared as the reasoning-evaluation ecosystem does (stree.patterns.answers)
     ],
     extras_require={
         "test": ["pytest", "hypothesis", "scipy", "matplotlib"],
@@ -27,5 +27,5 @@ setup(
         # Optional baselines for benchmarks on CUDA machines; never imported at package import time.
         "gpu": ["mamba-ssm", "causal-conv1d"],
     },
-    entry_points={"console_scripts": ["stree=stree.cli:entry", "stree-selfcheck=stree.selfcheck:main"]},
+    entry_points={"console_scripts": ["stree=stree.tools.cli:entry", "stree-selfcheck=stree.tools.selfcheck:main"]},
 )

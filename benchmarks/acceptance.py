@@ -27,14 +27,14 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from stree.demo import DRAFTER, TARGET, read_prompts
+from stree.tools.demo import DRAFTER, TARGET, read_prompts
 from stree.drafters import ConsensusDrafter
 from stree.drafters.registry import DRAFTER_NAMES, NEEDS_MODEL, make_drafter, stand_tree
-from stree.generate import pooled_tau
+from stree.decoding.loop import pooled_tau
 from stree.models import load, load_tokenizer
-from stree.timing import add_device_args, device_and_dtype, run_info, save_result
+from stree.tools.timing import add_device_args, device_and_dtype, run_info, save_result
 from stree.tree import TreeShape, tree_spec
-from stree.tts import sample_trajectories
+from stree.patterns.tts import sample_trajectories
 
 
 # beside the named drafters: STAND over the paper's 13 nodes, dynamic trees against the static ones

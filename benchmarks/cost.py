@@ -1,5 +1,5 @@
 """What a tree costs against a plain step, the table ``tree="auto"`` decides by
-(:func:`stree.cost.cost_profile`: a speculative iteration of n nodes, the target's pass,
+(:func:`stree.decoding.cost.cost_profile`: a speculative iteration of n nodes, the target's pass,
 verification, commit and host transfer, against an autoregressive step, in that step's units),
 for the shipped target and a Mamba2-2.7B-width model (random weights, layers cut); and what the
 shipped drafter model's step costs against the target's (a 1-layer drafter of a 4-layer target
@@ -24,11 +24,11 @@ if not torch.cuda.is_available():
 
 from tqdm import tqdm  # noqa: E402
 
-from stree.cost import cost_profile, default_sizes, describe  # noqa: E402
-from stree.demo import DRAFTER, TARGET  # noqa: E402
+from stree.decoding.cost import cost_profile, default_sizes, describe  # noqa: E402
+from stree.tools.demo import DRAFTER, TARGET  # noqa: E402
 from stree.models import load  # noqa: E402
 from stree.models.presets import PRESETS, TINY  # noqa: E402
-from stree.timing import median_ms, run_info, save_result  # noqa: E402
+from stree.tools.timing import median_ms, run_info, save_result  # noqa: E402
 from stree.tree import TreeShape  # noqa: E402
 
 LAYERS = {"mamba2-2.7b": (4, 24.0)}  # the preset's width: the layers kept, seconds per profile (steps of ~0.1 s)

@@ -24,14 +24,15 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from stree.demo import DRAFTER, TARGET, read_prompts
+from stree.tools.demo import DRAFTER, TARGET, read_prompts
 from stree.drafters.registry import NEEDS_MODEL, make_drafter, stand_tree
-from stree.generate import generate, merged_trees, pooled_tau
-from stree.models import CompiledModel, load, load_tokenizer, save
-from stree.opcount import count_ops
-from stree.timing import add_device_args, device_and_dtype, run_info, save_result
+from stree.decoding.loop import generate, merged_trees, pooled_tau
+from stree.models import load, load_tokenizer, save
+from stree.runtime import CompiledModel
+from stree.tools.opcount import count_ops
+from stree.tools.timing import add_device_args, device_and_dtype, run_info, save_result
 from stree.tree import TokenTree, TreeShape, tree_spec
-from stree.verify import verify
+from stree.sampling.verify import verify
 
 # (name, method, drafter, tree): "auto" is the default (each step's tree, or a plain step, chosen from
 # this machine's costs); the others fix the tree: chain drafts a 4-token chain, STree the drafter's

@@ -18,7 +18,7 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 export OMP_NUM_THREADS=2 MKL_NUM_THREADS=2 NUMBA_NUM_THREADS=2
 # The image's transformers may be older than setup.py's floor (5.17 there on 2026-11-25; the tests
 # compare against transformers' own models, whose grouped gated norm is right from 5.23 on), and it
-# has no math-verify (stree.answers). Carry wheels, then run with carry=[".whl"]:
+# has no math-verify (stree.patterns.answers). Carry wheels, then run with carry=[".whl"]:
 #   pip download --no-deps -d .whl transformers==5.24.0 math-verify==0.9.0 \
 #     latex2sympy2_extended==1.11.0 antlr4-python3-runtime==4.13.2
 if compgen -G ".whl/*.whl" > /dev/null; then
@@ -42,7 +42,7 @@ case "$part" in
 tests)
   step device 30 bash -c 'nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv;
     python -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)"'
-  step selfcheck 120 python -m stree.selfcheck
+  step selfcheck 120 python -m stree.tools.selfcheck
   # every test: the kernel tests run their Triton kernels on CUDA tensors (conftest sets no
   # interpreter when CUDA is there), and the library's defaults put models on the GPU. -v names each
   # failure as it happens, so a run cut off at its limit still says which. Left out: the torchrun

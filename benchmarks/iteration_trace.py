@@ -19,10 +19,10 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from stree.demo import TARGET, read_prompts
-from stree.generate import generate
+from stree.tools.demo import TARGET, read_prompts
+from stree.decoding.loop import generate
 from stree.models import load, load_tokenizer
-from stree.timing import add_device_args, device_and_dtype, run_info, save_result
+from stree.tools.timing import add_device_args, device_and_dtype, run_info, save_result
 from stree.tree import TreeShape
 
 # (name, method, drafter, tree): a plain step, a fixed tree (the paper's 13 nodes), the default choice

@@ -26,11 +26,11 @@ if not torch.cuda.is_available():
 
 from tqdm import tqdm  # noqa: E402
 
-from stree.models import GraphedStep, GraphedTreePass  # noqa: E402
+from stree.runtime import GraphedStep, GraphedTreePass
 from stree.models.presets import PRESETS, TINY  # noqa: E402
-from stree.timing import median_ms, peak_bytes, run_info, save_result  # noqa: E402
+from stree.tools.timing import median_ms, peak_bytes, run_info, save_result  # noqa: E402
 from stree.tree import TokenTree, TreeShape  # noqa: E402
-from stree.unrolled import UnrolledTarget  # noqa: E402
+from stree.runtime.unrolled import UnrolledTarget  # noqa: E402
 
 
 def models(smoke):

@@ -24,14 +24,14 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from stree.autotree import tree_room
-from stree.branch import Branch
-from stree.demo import DRAFTER, TARGET, read_prompts
+from stree.decoding.autotree import tree_room
+from stree.patterns.branch import Branch
+from stree.tools.demo import DRAFTER, TARGET, read_prompts
 from stree.drafters.registry import make_drafter
 from stree.models import load, load_tokenizer
-from stree.reasoning import spec_reason
-from stree.search import dvts
-from stree.timing import run_info, save_result
+from stree.patterns.reasoning import spec_reason
+from stree.patterns.search import dvts
+from stree.tools.timing import run_info, save_result
 
 NOTE = ("The shipped models are tiny code models: the numbers show the mechanism's cost and acceptance, "
         "not reasoning accuracy.")

@@ -29,10 +29,11 @@ import torch
 from tqdm import tqdm
 
 import stree
-from stree.demo import DRAFTER, TARGET, read_prompts
-from stree.generate import merged_trees, pooled_tau, trees_chosen
-from stree.models import CompiledModel, load
-from stree.timing import add_device_args, device_and_dtype, run_info, save_result
+from stree.tools.demo import DRAFTER, TARGET, read_prompts
+from stree.decoding.loop import merged_trees, pooled_tau, trees_chosen
+from stree.models import load
+from stree.runtime import CompiledModel
+from stree.tools.timing import add_device_args, device_and_dtype, run_info, save_result
 
 DRAFTERS = ("ngram", "stand", "stand-det", "ssm")
 

@@ -26,7 +26,7 @@ from tqdm import tqdm  # noqa: E402
 from stree.models import shard  # noqa: E402
 from stree.models.presets import PRESETS, TINY  # noqa: E402
 from stree.testing.ranks import run_ranks  # noqa: E402
-from stree.timing import median_ms, run_info, save_result  # noqa: E402
+from stree.tools.timing import median_ms, run_info, save_result  # noqa: E402
 from stree.tree import TokenTree, TreeShape  # noqa: E402
 
 TREES = {"paper13": TreeShape.paper13(), "binary63": TreeShape.full(2, 5)}

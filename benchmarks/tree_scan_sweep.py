@@ -25,7 +25,7 @@ from tqdm import tqdm  # noqa: E402
 
 from stree.kernels import multistep_update, tree_scan  # noqa: E402
 from stree.testing import max_rel_error, random_ssm_inputs  # noqa: E402
-from stree.timing import median_ms, peak_bytes, run_info, save_result  # noqa: E402
+from stree.tools.timing import median_ms, peak_bytes, run_info, save_result  # noqa: E402
 from stree.tree import TreeShape, tree_index  # noqa: E402
 
 FULL = dict(nheads=80, headdim=64, dstate=128, ngroups=1)  # Mamba2-2.7B: d_inner 5120 = 80 x 64

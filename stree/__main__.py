@@ -1,3 +1,3 @@
-from .cli import entry
+from .tools.cli import entry
 
 entry()

@@ -5,11 +5,11 @@
     out.texts, out.finish_reasons, out.stats, out.generation
     lm.chat([{"role": "user", "content": "Hi"}]).texts  # through the chat template
 
-``generate`` batches the prompts through :func:`stree.generate.decode`; stop strings are checked
+``generate`` batches the prompts through :func:`stree.decoding.loop.decode`; stop strings are checked
 on each row's decoded text after every decoding step, and a row that shows one ends there (the
 drafted tokens accepted past it are dropped, the row leaves the batch). ``stream`` yields the text
 of one prompt as its tokens are accepted; ``chat`` and ``chat_stream`` do the same for
-conversations (:mod:`stree.chat`).
+conversations (:mod:`stree.patterns.chat`).
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ import torch
 
 from .drafters.base import Drafter
 from .drafters.registry import drafter_name, resolve_drafter
-from .generate import GenerationStats, decode, drain
-from .stops import TextStops, apply_text_stops, finish_reasons, held_back, stop_strings
+from .decoding.loop import GenerationStats, decode, drain
+from .decoding.stops import TextStops, apply_text_stops, finish_reasons, held_back, stop_strings
 
 FINISH_REASONS = ("eos", "stop", "length")
 
@@ -106,7 +106,7 @@ def rank_device(device, tensor_parallel: int | None) -> torch.device:
     """The device a process loads on: ``device`` (checked), else CUDA when available, else the
     CPU; under tensor parallelism (torchrun) an unnumbered CUDA device is this rank's own GPU, and
     by default the ranks go to the CPU (gloo) when the machine has fewer GPUs than ranks."""
-    from .models.loading import check_device
+    from .checkpoints.io import check_device
     from .models.parallel import local_rank, local_world_size
 
     ranks = local_world_size() if tensor_parallel is not None else 1
@@ -154,8 +154,9 @@ class LM:
         drafters. ``tensor_parallel=N``: launched by ``torchrun --nproc-per-node N``, each rank
         loads its slice of the model (:mod:`stree.models.parallel`); every rank then calls
         ``generate`` with the same arguments and gets the same output."""
-        from .models import DTYPES, join, load, load_tokenizer
-        from .models.hub import resolve
+        from .models import join
+        from .checkpoints.io import DTYPES, load, load_tokenizer
+        from .checkpoints.hub import resolve
 
         if isinstance(dtype, str):
             if dtype not in DTYPES:
@@ -265,7 +266,7 @@ class LM:
         else 128 tokens, greedy (the output's ``generation`` says what was used); ``drafter``:
         "ngram" (default), "stand", "stand-det", "consensus", "ssm", "ssm-beam" or a Drafter;
         ``stop``: a string or strings that end a row; ``eos_token_id``: default the checkpoint's
-        (None: no EOS). Every other argument is :func:`stree.generate.decode`'s: ``method``,
+        (None: no EOS). Every other argument is :func:`stree.decoding.loop.decode`'s: ``method``,
         ``tree``, ``seed``, ``torch_compile``, ..."""
         rows, steps, eos, params = self._steps(prompts, **kwargs)
         out = drain(steps, lambda batch: apply_text_stops(batch, rows))
@@ -279,7 +280,7 @@ class LM:
         template or by the model, comes back apart: ``texts`` hold the answers and ``reasoning``
         the thinking (None for a row without a block). A tokenizer without a chat template is a
         ValueError."""
-        from .chat import chat_prompts, conversations
+        from .patterns.chat import chat_prompts, conversations
 
         convs, _ = conversations(messages)
         ids, opened = chat_prompts(self.tokenizer, convs)
@@ -288,7 +289,7 @@ class LM:
     def chat_stream(self, messages, **kwargs) -> "TextStream":
         """:meth:`chat` of one conversation, its text yielded as tokens are accepted (the thinking
         included, as generated); the stream's ``output`` holds the answer and reasoning apart."""
-        from .chat import chat_prompts, conversations
+        from .patterns.chat import chat_prompts, conversations
 
         convs, single = conversations(messages)
         if not single:
@@ -315,7 +316,7 @@ class _Ids:
 
 def _split(out: TextOutput, opened: list[bool]) -> TextOutput:
     """``out`` with each row's ``<think>`` block moved from ``texts`` to ``reasoning``."""
-    from .chat import split_reasoning
+    from .patterns.chat import split_reasoning
 
     parts = [split_reasoning(text, o) for text, o in zip(out.texts, opened)]
     out.reasoning = [r for r, _ in parts]

@@ -25,7 +25,7 @@ def test_device_and_dtype_options():
     device; the smoke runs record the dtype they ran in."""
     import argparse
 
-    from stree.timing import add_device_args, device_and_dtype
+    from stree.tools.timing import add_device_args, device_and_dtype
 
     parser = argparse.ArgumentParser()
     add_device_args(parser)

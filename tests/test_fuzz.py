@@ -11,9 +11,9 @@ from hypothesis import strategies as st
 from strategies import trees
 from tiny_models import VOCAB, hybrid, mamba2
 
-from stree.generate import Rows, generate
+from stree.decoding.loop import Rows, generate
 from stree.tree import TokenTree
-from stree.verify import verify
+from stree.sampling.verify import verify
 
 MODELS = {"mamba2": mamba2(), "hybrid": hybrid()}
 FUZZ = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -9,11 +9,11 @@ import pytest
 import torch
 
 import stree
-from stree.demo import TARGET
+from stree.tools.demo import TARGET
 from stree.drafters import NGramDrafter
-from stree.generate import generate
+from stree.decoding.loop import generate
 from stree.lm import LM, checkpoint_eos, generation_defaults
-from stree.stops import held_back
+from stree.decoding.stops import held_back
 from stree.tree import TreeShape
 
 PROMPTS = ["def fibonacci(n):", "class Stack:\n    def push(self, item):"]
@@ -162,7 +162,7 @@ def test_bad_arguments_are_named(lm):
 
 
 def test_a_drafter_model_and_a_drafter_object(lm):
-    from stree.demo import DRAFTER
+    from stree.tools.demo import DRAFTER
 
     with_ssm = LM.from_pretrained(TARGET, dtype=torch.float32, drafter_model=DRAFTER)
     ref = lm.generate(PROMPTS, max_new_tokens=16, method="autoregressive").texts
@@ -246,7 +246,7 @@ def test_a_calls_stand_store_is_sized_to_the_call(lm, monkeypatch):
 
 
 def test_a_row_ended_by_a_token_stop_sequence_finished_for_stop(lm):
-    """finish_reasons come from one place (stree.stops.finish_reasons), which knows the token
+    """finish_reasons come from one place (stree.decoding.stops.finish_reasons), which knows the token
     stop sequences too: the text API reported "length" for a row they had ended."""
     free = lm.generate(PROMPTS[0], max_new_tokens=12, eos_token_id=None)
     seq = free.token_ids[0][4:6]

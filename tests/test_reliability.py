@@ -9,9 +9,9 @@ import pytest
 import torch
 from tiny_models import mamba2
 
-from stree.cli import main
-from stree.demo import TARGET
-from stree.generate import generate
+from stree.tools.cli import main
+from stree.tools.demo import TARGET
+from stree.decoding.loop import generate
 from stree.models import load, save
 from stree.tree import MAX_TREE_NODES, TokenTree, TreeShape, tree_index
 
@@ -108,7 +108,7 @@ def test_config_is_read_before_the_weights(tmp_path, monkeypatch):
     shutil.copytree(TARGET, tmp_path / "m")
     config = json.loads((tmp_path / "m" / "config.json").read_text())
     (tmp_path / "m" / "config.json").write_text(json.dumps({**config, "n_layer": 0}))
-    from stree.models import loading
+    from stree.checkpoints import io as loading
 
     monkeypatch.setattr(loading, "_read_weights", lambda path: pytest.fail("weights read before the config check"))
     with pytest.raises(ValueError, match="n_layer must be a positive integer"):

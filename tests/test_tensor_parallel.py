@@ -16,9 +16,9 @@ import torch
 from hf_families import save_tiny
 from tiny_models import hybrid, mamba2
 from stree.drafters import NGramDrafter, STANDDrafter, STANDStore
-from stree.generate import generate
+from stree.decoding.loop import generate
 from stree.models import load, save
-from stree.models.loading import _SlicedWeights
+from stree.checkpoints.io import _SlicedWeights
 from stree.models.parallel import TensorParallel, plan
 from stree.testing import MarkovDrafter, cell_counts, chi_square, two_token_law
 from stree.testing.ranks import run_ranks

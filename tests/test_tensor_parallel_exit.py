@@ -47,7 +47,7 @@ def test_torchrun_generate_exits_0_every_time_with_the_same_output():
 def test_the_command_skips_the_teardown_only_after_ending_its_own_group(monkeypatch, tmp_path, left):
     """A rank whose group main() ended exits with os._exit (main's status, output flushed); any
     other run exits through sys.exit, atexit handlers and all."""
-    import stree.cli as cli
+    import stree.tools.cli as cli
     import stree.models.parallel as parallel
 
     monkeypatch.setattr(parallel, "leave", lambda meet=True: left)
@@ -61,7 +61,7 @@ def test_the_command_skips_the_teardown_only_after_ending_its_own_group(monkeypa
 
 
 def _cli_rank(tp, argvs):
-    from stree.cli import main
+    from stree.tools.cli import main
 
     err = io.StringIO()
     with contextlib.redirect_stderr(err):

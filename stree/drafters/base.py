@@ -82,7 +82,7 @@ class Drafter:
         """Forget per-row state: the next ``propose`` starts new rows."""
 
     def for_measuring(self) -> "Drafter":
-        """A drafter of this kind that the cost profile (:mod:`stree.cost`) drafts and observes
+        """A drafter of this kind that the cost profile (:mod:`stree.decoding.cost`) drafts and observes
         with: this one, where :meth:`reset` forgets what observing taught it; a drafter whose
         learning outlives a reset (a store shared across calls) gives a fresh copy, so that
         measuring leaves what it learned, and so the output of a seeded call, untouched."""

@@ -113,7 +113,7 @@ class SSMDrafter(Drafter):
     on it instead of feeding those tokens again, so mostly the target's own last token is left;
     what is left is fed by steps when each row has as many (up to ``STEPS_UP_TO``), else one
     chain pass and commit.
-    On the CPU, ``stree.models.CompiledModel(model)`` in place of ``model`` runs those compiled."""
+    On the CPU, ``stree.runtime.CompiledModel(model)`` in place of ``model`` runs those compiled."""
 
     # A row more than this many tokens behind (a new context, or one decoded plain for a while) is
     # read from its last CATCH_WINDOW tokens only, from a fresh state: drafts need not come from the

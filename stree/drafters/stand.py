@@ -5,7 +5,7 @@ The store maps every 1..4-gram of committed context to the running mean of the t
 distributions that followed it, truncated to its top-K entries (K = 10). Drafting looks up the
 longest matching n-gram of each node's path context and draws the node's children *without
 replacement* from the renormalised entry, attaching the entry as the declared law so the verifier
-applies recursive rejection sampling (``stree.verify``: ``without_replacement``).
+applies recursive rejection sampling (``stree.sampling.verify``: ``without_replacement``).
 """
 
 from __future__ import annotations

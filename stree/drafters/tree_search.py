@@ -1,6 +1,6 @@
 """Data-optimised static trees (STAND, paper 000 appendix A): start from a large heuristic tree,
 count how often each node lies on the accepted path while decoding calibration prompts
-(:func:`stree.tree_optimize.calibrate`), and keep the most accepted nodes as a compact tree."""
+(:func:`stree.tools.optimize_tree.calibrate`), and keep the most accepted nodes as a compact tree."""
 
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ def stand_initial_tree(levels: int = 20) -> TreeShape:
 
 
 class AcceptanceCounter:
-    """An ``on_step`` hook for :func:`stree.generate.generate`: per node of ``shape``, how many
+    """An ``on_step`` hook for :func:`stree.decoding.loop.generate`: per node of ``shape``, how many
     times it was on a row's accepted path (the root counts every step)."""
 
     def __init__(self, shape: TreeShape):

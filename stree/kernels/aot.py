@@ -8,7 +8,7 @@ signature, constexprs and alignment attributes Triton would specialise a real la
 asks that target's ``ptxas -v`` for registers, stack, spills and barriers.
 
 Needs the kernels decorated for the compiler, i.e. a process where ``TRITON_INTERPRET`` was not
-set when :mod:`stree.kernels` was imported (``python -m stree.aotcheck`` is one).
+set when :mod:`stree.kernels` was imported (``python -m stree.tools.aotcheck`` is one).
 """
 
 from __future__ import annotations
@@ -101,7 +101,7 @@ def capture():
     ``backend="triton"`` is accepted on CPU tensors meanwhile (nothing launches)."""
     if _common.TRITON_INTERPRETED:
         raise RuntimeError("stree.kernels was imported with TRITON_INTERPRET=1, so its kernels are "
-                           "interpreter objects; capture needs a process without it (python -m stree.aotcheck)")
+                           "interpreter objects; capture needs a process without it (python -m stree.tools.aotcheck)")
     launches: list[Launch] = []
     real_run = JITFunction.run
 

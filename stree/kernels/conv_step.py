@@ -82,7 +82,7 @@ def conv_step(x, conv_state, weight, bias=None, activation="silu", backend="auto
     CPU float32 tensors runs numba-compiled (:mod:`.step_jit`)."""
     check_layout("x", x, "batch, dim")
     if backend == "auto" and jit_fits(x, conv_state, weight, bias):
-        from .step_jit import conv_step_rows
+        from .cpu.step_jit import conv_step_rows
 
         weight = _check_args(x, conv_state, weight, bias, activation)
         out = torch.empty_like(x)

@@ -247,7 +247,7 @@ def selective_state_update(state, x, dt, A, B, C, *, D=None, dt_bias=None, dt_so
     """
     check_layout("x", x, "batch, nheads, headdim")
     if backend == "auto" and jit_fits(state, x, dt, A, B, C, D, dt_bias):
-        from .step_jit import state_update_rows
+        from .cpu.step_jit import state_update_rows
 
         D, (lo, hi) = _check_step_args(state, x, dt, A, B, C, D, dt_bias, dt_limit)
         y = torch.empty_like(x)

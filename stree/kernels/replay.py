@@ -193,7 +193,7 @@ def replay_torch(ssm_state, conv_state, xBC, x, dt, B, A, accepted, num_accepted
 
 def _replay_compiled(ssm_state, conv_state, xBC, x, dt, B, A, accepted, num_accepted, dt_bias, dt_softplus,
                      dt_limit, validate, out):
-    from .replay_jit import replay_layers
+    from .cpu.replay_jit import replay_layers
 
     stacked, outs, (lo, hi), single = _check_args(ssm_state, conv_state, xBC, x, dt, B, A, accepted, num_accepted,
                                                   dt_bias, dt_limit, validate, out)
@@ -219,7 +219,7 @@ def replay(ssm_state, conv_state, xBC, x, dt, B, A, accepted, num_accepted, *, d
     in the module docstring. The inputs are not modified, unless ``out=(ssm_out, conv_out)``
     names them: the results are written there (the states themselves for an in-place commit) and
     returned. ``validate=False`` skips the index check, a device-to-host sync. ``backend="auto"``
-    runs CPU float32 tensors compiled (stree.kernels.replay_jit), ``"torch"`` the PyTorch path.
+    runs CPU float32 tensors compiled (stree.kernels.cpu.replay_jit), ``"torch"`` the PyTorch path.
     """
     if backend == "auto" and jit_fits(ssm_state, conv_state, xBC, x, dt, B, A, dt_bias):
         return _replay_compiled(ssm_state, conv_state, xBC, x, dt, B, A, accepted, num_accepted, dt_bias,

@@ -134,7 +134,7 @@ def tree_attention_torch(q, k_cache, v_cache, cache_seqlens, k_tree, v_tree, par
 
 
 def launch_config(n, head_dim, dtype):
-    """Tiles and warps of :func:`_tree_attention_kernel`, chosen with ``python -m stree.aotcheck``
+    """Tiles and warps of :func:`_tree_attention_kernel`, chosen with ``python -m stree.tools.aotcheck``
     to keep head_dim 128 free of spills on sm_80 / sm_90: 32 queries x 64 keys in 16-bit; fp32
     dots have no tensor-core path at full precision, so 16 x 16 on 8 warps there."""
     if dtype == torch.float32:

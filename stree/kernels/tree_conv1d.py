@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from ._common import as_numpy, check_layout, check_tensor, check_tree, pow2_block, resolve_backend
-from .tree_jit import jit_tree_fits
+from .cpu.tree_jit import jit_tree_fits
 
 __all__ = ["tree_conv1d", "tree_conv1d_torch"]
 
@@ -128,7 +128,7 @@ def tree_conv1d(xBC, parents, conv_state, weight, bias=None, activation="silu", 
     """
     check_layout("xBC", xBC, "batch, n, dim")
     if backend == "auto" and jit_tree_fits(xBC.shape[1], xBC, conv_state, weight, bias):
-        from .tree_jit import tree_conv_rows
+        from .cpu.tree_jit import tree_conv_rows
 
         index, weight = _check_args(xBC, parents, conv_state, weight, bias, activation)
         out = torch.empty_like(xBC)

@@ -32,7 +32,7 @@ from ._common import (
     resolve_backend,
 )
 from ..tree import MAX_TREE_NODES
-from .tree_jit import jit_tree_fits
+from .cpu.tree_jit import jit_tree_fits
 
 __all__ = ["tree_scan", "tree_scan_torch", "MAX_TREE_NODES"]
 
@@ -192,7 +192,7 @@ def tree_scan_torch(x, dt, A, B, C, parents, *, D=None, dt_bias=None, dt_softplu
 
 
 def launch_config(n, headdim, dstate):
-    """Tiles and warps of :func:`_tree_scan_kernel`, chosen with ``python -m stree.aotcheck``:
+    """Tiles and warps of :func:`_tree_scan_kernel`, chosen with ``python -m stree.tools.aotcheck``:
     16-node tiles, up to 64 channels and d_state in slices of up to 32, on 8 warps, need under
     100 registers and never spill on sm_80 / sm_90, from the test sizes to Mamba2-2.7B and
     MambaInLlama-8B, in fp32 and 16-bit (32-node tiles need up to 254 registers in fp32)."""
@@ -201,7 +201,7 @@ def launch_config(n, headdim, dstate):
 
 
 def _tree_scan_compiled(x, dt, A, B, C, parents, D, dt_bias, dt_softplus, dt_limit, initial_state):
-    from .tree_jit import tree_scan_rows
+    from .cpu.tree_jit import tree_scan_rows
 
     index, D, (lo, hi) = _check_args(x, dt, A, B, C, parents, D, dt_bias, dt_limit, initial_state)
     y = torch.empty_like(x)

@@ -1,14 +1,10 @@
-"""Target models implementing the tree-decoding protocol (see ARCHITECTURE.md)."""
+"""Target models implementing the tree-decoding protocol (docs/architecture.md, docs/models.md)."""
 
 from .cache import AttnScratch, ModelCache, SSMScratch, TreePass
 from .attention import AttentionConfig
 from .bamba import BambaConfig, BambaLM
 from .config import HybridConfig, Mamba2Config
-from .compiled import CompiledDecode, CompiledModel
-from .graphs import DecodeGraphs, GraphedCommit, GraphedStep, GraphedTreePass
-from .runners import DecodeRunner
 from .hybrid import HybridLM
-from .loading import DTYPES, detect_format, from_transformers, load, load_tokenizer, save, shard
 from .llama import LlamaLM, Qwen2LM, TransformerConfig
 from .mamba2 import Mamba2LM
 from .falcon_h1 import FalconH1Config, FalconH1LM
@@ -16,4 +12,17 @@ from .granite import GraniteConfig, GraniteLM
 from .nemotron_h import NemotronHConfig, NemotronHLM
 from .parallel import TensorParallel, join, leave
 
-__all__ = ["DTYPES", "AttentionConfig", "BambaConfig", "BambaLM", "NemotronHConfig", "NemotronHLM", "GraniteConfig", "GraniteLM", "FalconH1Config", "FalconH1LM", "AttnScratch", "CompiledDecode", "CompiledModel", "DecodeGraphs", "DecodeRunner", "GraphedCommit", "GraphedStep", "GraphedTreePass", "HybridConfig", "HybridLM", "LlamaLM", "Qwen2LM", "TransformerConfig", "ModelCache", "Mamba2Config", "Mamba2LM", "SSMScratch", "TreePass", "detect_format", "from_transformers", "load", "load_tokenizer", "save", "shard", "TensorParallel", "join", "leave"]
+# Loading and saving live in stree.checkpoints (which builds these models); their public names are
+# kept here too, resolved on first use so that importing a model never imports the loaders.
+CHECKPOINT_NAMES = ("DTYPES", "detect_format", "from_transformers", "load", "load_tokenizer", "save", "shard")
+
+
+def __getattr__(name):
+    if name in CHECKPOINT_NAMES:
+        from ..checkpoints import io
+
+        return getattr(io, name)
+    raise AttributeError(f"module 'stree.models' has no attribute {name!r}")
+
+
+__all__ = ["DTYPES", "AttentionConfig", "BambaConfig", "BambaLM", "NemotronHConfig", "NemotronHLM", "GraniteConfig", "GraniteLM", "FalconH1Config", "FalconH1LM", "AttnScratch", "HybridConfig", "HybridLM", "LlamaLM", "Qwen2LM", "TransformerConfig", "ModelCache", "Mamba2Config", "Mamba2LM", "SSMScratch", "TreePass", "detect_format", "from_transformers", "load", "load_tokenizer", "save", "shard", "TensorParallel", "join", "leave"]

@@ -286,7 +286,7 @@ class TreeLM(nn.Module):
 
         ``validate=False`` skips the vocabulary-range and cache-room checks, the only
         device-to-host syncs of a step, so that it can be captured in a CUDA graph; the caller
-        then answers for both (see :class:`stree.models.graphs.GraphedStep`)."""
+        then answers for both (see :class:`stree.runtime.graphs.GraphedStep`)."""
         self.check_step(tokens, cache, validate)
         logits = self.step_pass(tokens, cache)
         cache.seqlens += 1

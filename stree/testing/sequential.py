@@ -19,7 +19,7 @@ def two_token_law(model, prompt: list[int], **sampling) -> tuple[torch.Tensor, t
     """The exact laws (float64) of the first token sampled after ``prompt`` ``[V]`` and of the
     second given the first ``[V, V]``, under ``sampling`` (temperature, top_k, top_p), from the
     model's own prefill and step; their joint is ``first[:, None] * second``."""
-    from ..verify import process_logits
+    from ..sampling.verify import process_logits
 
     cache = model.allocate_cache(1, len(prompt) + 2)
     first = process_logits(model.prefill(torch.tensor([prompt]), cache), **sampling)[0].double()

@@ -16,8 +16,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..atomic import write_text
-from ..models import DTYPES, Mamba2Config, Mamba2LM, load, load_tokenizer, save
+from ..checkpoints.atomic import write_text
+from ..models import Mamba2Config, Mamba2LM
+from ..checkpoints.io import DTYPES, load, load_tokenizer, save
 from .corpus import TokenCorpus, find_sources
 from .loop import LoopConfig, masked_mean, prepare_out, train
 from .train_lm import init_weights

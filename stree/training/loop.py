@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from ..atomic import write_with
+from ..checkpoints.atomic import write_with
 from .corpus import TokenCorpus
 
 STATE_FILE = "train_state.pt"

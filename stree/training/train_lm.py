@@ -16,9 +16,10 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoTokenizer
 
-from ..models import DTYPES, HybridConfig, HybridLM, Mamba2Config, Mamba2LM, save
+from ..models import HybridConfig, HybridLM, Mamba2Config, Mamba2LM
+from ..checkpoints.io import DTYPES, save
 from .corpus import TokenCorpus, code_prompts, find_sources, train_tokenizer
-from ..atomic import write_text
+from ..checkpoints.atomic import write_text
 from .loop import STATE_FILE, LoopConfig, masked_mean, prepare_out, train
 
 ARCHS = ("mamba2", "hybrid")

@@ -6,7 +6,7 @@ import torch
 
 from stree.drafters import ConsensusDAG, ConsensusDrafter, DraftContext, PathStore, TargetTop
 from stree.drafters.consensus import Candidate
-from stree.generate import generate
+from stree.decoding.loop import generate
 from stree.testing import MarkovLM, cell_counts, chi_square
 from stree.tree import TreeShape
 

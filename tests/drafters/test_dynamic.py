@@ -17,7 +17,7 @@ from stree.drafters.dynamic import Level, SlotRates, grow
 from stree.drafters.ngram import NGramDrafter
 from stree.drafters.ssm import SSMDrafter
 from stree.drafters.stand import STANDDrafter, STANDStore
-from stree.generate import generate
+from stree.decoding.loop import generate
 from stree.testing import cell_counts, chi_square
 from stree.tree import TokenTree, TreeBudget, TreeShape, tree_index, tree_spec
 

@@ -5,7 +5,9 @@ the same errors."""
 import pytest
 import torch
 
-from stree import reasoning, search, tts
+from stree.patterns import reasoning
+from stree.patterns import search
+from stree.patterns import tts
 from stree.drafters import ConsensusDrafter, NGramDrafter, PathStore, PerRowDrafter, SSMDrafter, STANDDrafter, STANDStore
 from stree.drafters.registry import DRAFTER_ALIASES, DRAFTER_NAMES, NEEDS_MODEL, drafter_name, resolve_drafter
 from stree.testing import MarkovLM

@@ -8,7 +8,7 @@ from tiny_models import FAMILIES, mamba2
 
 from stree.drafters import DraftContext
 from stree.drafters.ssm import SSMDrafter
-from stree.generate import generate
+from stree.decoding.loop import generate
 from stree.testing import MarkovLM, cell_counts, chi_square
 from stree.tree import TreeBudget, TreeShape
 

@@ -13,7 +13,7 @@ from tiny_models import FAMILIES
 
 from stree.drafters import DraftContext, STANDDrafter, STANDStore, TargetTop
 from stree.drafters.stand import _Plan, race_top_k
-from stree.generate import generate
+from stree.decoding.loop import generate
 from stree.testing import MarkovLM, cell_counts, chi_square
 from stree.tree import TreeBudget, TreeShape
 
@@ -229,7 +229,7 @@ def test_the_named_stand_drafters_verify_their_optimised_trees():
     are what the verifier sees; the named drafters carry none of their own (tree="auto" plans)."""
     import json
 
-    from stree.demo import TARGET
+    from stree.tools.demo import TARGET
     from stree.drafters.registry import STAND_TREES, make_drafter, stand_tree
     from stree.models import load
 

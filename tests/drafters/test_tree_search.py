@@ -8,10 +8,10 @@ from tiny_models import mamba2
 
 from stree.drafters import STANDDrafter, STANDStore
 from stree.drafters.tree_search import AcceptanceCounter, optimize_tree, stand_initial_tree
-from stree.generate import generate
+from stree.decoding.loop import generate
 from stree.testing import MarkovLM
 from stree.tree import TreeShape
-from stree.tree_optimize import calibrate, optimize_static_tree
+from stree.tools.optimize_tree import calibrate, optimize_static_tree
 
 
 def test_initial_tree_is_algorithm_1():

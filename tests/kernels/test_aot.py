@@ -1,4 +1,4 @@
-"""Every Triton kernel compiled for real GPUs (sm_80, sm_90) without one: ``stree.aotcheck --ci``
+"""Every Triton kernel compiled for real GPUs (sm_80, sm_90) without one: ``stree.tools.aotcheck --ci``
 in a process without the interpreter; no compile errors, no spills, shared memory within the
 target's limit, at the test sizes and at Mamba2-2.7B / MambaInLlama-8B sizes."""
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from stree.aotcheck import ci_cases
+from stree.tools.aotcheck import ci_cases
 from stree.kernels import _common
 from stree.kernels.aot import TARGETS, capture, jit_kernels
 
@@ -27,9 +27,9 @@ def _compiler_env():
 @pytest.fixture(scope="module")
 def ci_table(tmp_path_factory):
     out = tmp_path_factory.mktemp("aot") / "aot.json"
-    run = subprocess.run([sys.executable, "-m", "stree.aotcheck", "--ci", "--json", str(out)], env=_compiler_env(),
+    run = subprocess.run([sys.executable, "-m", "stree.tools.aotcheck", "--ci", "--json", str(out)], env=_compiler_env(),
                          capture_output=True, text=True, timeout=1800)
-    assert out.exists(), f"stree.aotcheck --ci wrote no table (exit {run.returncode}):\n{run.stderr[-3000:]}"
+    assert out.exists(), f"stree.tools.aotcheck --ci wrote no table (exit {run.returncode}):\n{run.stderr[-3000:]}"
     return json.loads(out.read_text()), run
 
 
@@ -160,8 +160,8 @@ def test_capture_refuses_interpreted_kernels():
 
 
 def test_bad_arguments_exit_2_with_one_line():
-    run = subprocess.run([sys.executable, "-m", "stree.aotcheck", "--targets", "sm70"], env=_compiler_env(),
+    run = subprocess.run([sys.executable, "-m", "stree.tools.aotcheck", "--targets", "sm70"], env=_compiler_env(),
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 2
-    assert run.stderr.strip().splitlines()[-1] == "stree.aotcheck: error: --targets must name some of sm80, sm90, got 'sm70'"
+    assert run.stderr.strip().splitlines()[-1] == "stree.tools.aotcheck: error: --targets must name some of sm80, sm90, got 'sm70'"
     assert "Traceback" not in run.stderr

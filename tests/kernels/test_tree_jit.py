@@ -1,4 +1,4 @@
-"""When ``backend="auto"`` takes the numba-compiled tree kernels (stree.kernels.tree_jit), and what
+"""When ``backend="auto"`` takes the numba-compiled tree kernels (stree.kernels.cpu.tree_jit), and what
 they keep of the PyTorch path's behaviour; their values are tested against the float64
 definitions with the other backends (test_tree_scan.py, test_tree_conv1d.py)."""
 
@@ -8,7 +8,8 @@ import pytest
 import torch
 from strategies import ssm_inputs
 
-from stree.kernels import tree_conv1d, tree_jit, tree_scan
+from stree.kernels import tree_conv1d, tree_scan
+from stree.kernels.cpu import tree_jit
 from stree.testing import max_rel_error, tree_scan_def
 from stree.tree import TreeShape
 

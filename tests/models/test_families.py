@@ -10,7 +10,7 @@ import torch
 from hf_families import VOCAB, reference_greedy, reference_logits, save_tiny
 
 from stree.drafters import NGramDrafter
-from stree.generate import generate
+from stree.decoding.loop import generate
 from stree.models import (
     BambaLM,
     FalconH1LM,
@@ -221,7 +221,7 @@ def test_greedy_identity_through_the_triton_kernels(pair, device):
 def test_sampling_matches_the_enumerated_law(tmp_path):
     """Nemotron-H at temperature 0.9, top-p 0.95, stochastic paper13 drafts near the target: the
     first 2 generated tokens of 12k rows against the exact law from the model's own prefill and
-    step distributions, by chi-square (fixed seeds; p > 1e-3, as in tests/test_generate.py)."""
+    step distributions, by chi-square (fixed seeds; p > 1e-3, as in tests/decoding/test_generate.py)."""
     from stree.testing import MarkovDrafter, cell_counts, chi_square, two_token_law
     V = 6
     save_tiny("nemotron_h", tmp_path, seed=3, vocab_size=V, pad_token_id=0, eos_token_id=5, bos_token_id=1)

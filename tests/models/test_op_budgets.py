@@ -1,4 +1,4 @@
-"""Work per decode call, counted deterministically (stree.opcount): on the PyTorch path the
+"""Work per decode call, counted deterministically (stree.tools.opcount): on the PyTorch path the
 compute ops one more layer adds (metadata-only views left out: they launch nothing on a GPU),
 and on the Triton path the kernel launches. The budgets are the fast decode step's (issue 14):
 a step at most 20 ops per layer, a tree pass at most 30, a commit of every Mamba2 layer in one
@@ -8,7 +8,7 @@ import pytest
 import torch
 from tiny_models import VOCAB, hybrid, mamba2
 
-from stree.opcount import count_ops
+from stree.tools.opcount import count_ops
 from stree.tree import TokenTree, TreeShape
 
 SHAPE = TreeShape.paper13()
@@ -54,7 +54,7 @@ def test_a_tree_pass_costs_at_most_30_ops_per_layer():
 def test_a_commit_replays_every_mamba_layer_at_once():
     two, four = _costs(mamba2_layers(2))["commit"], _costs(mamba2_layers(4))["commit"]
     assert four.total == two.total and four.compute == two.compute  # not one op more per layer
-    assert four.compute <= 10  # on the CPU one compiled replay (stree.kernels.replay_jit), then the lengths
+    assert four.compute <= 10  # on the CPU one compiled replay (stree.kernels.cpu.replay_jit), then the lengths
 
 
 def test_a_commit_gathers_every_attention_layer_at_once():

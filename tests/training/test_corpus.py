@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from stree.cli import main as cli_main
+from stree.tools.cli import main as cli_main
 from stree.training import LoopConfig, distill
 from stree.training.corpus import EOS, TextDoc, find_sources, read_text
 from test_distill import SIZE, corpus, target  # noqa: F401 - fixtures

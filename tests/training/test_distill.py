@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from stree.cli import main as cli_main
+from stree.tools.cli import main as cli_main
 from stree.models import Mamba2LM, load, load_tokenizer
 from stree.training import LoopConfig, ModelSize, distill, train_lm
 from stree.training.distill import distill_loss, kl_terms

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from stree.cli import main as cli_main
+from stree.tools.cli import main as cli_main
 from stree.models import Mamba2LM, HybridLM, load, load_tokenizer
 from stree.training import HELD_OUT, LoopConfig, ModelSize, TokenCorpus, find_sources, train_lm
 from stree.training.loop import train

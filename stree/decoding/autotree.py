@@ -1,0 +1,699 @@
+"""``tree="auto"``: each step's tree chosen for expected tokens per second on the machine at hand,
+or no tree at all (a plain autoregressive step) where none pays.
+
+Acceptance (:class:`PathRates`), learned from verified steps only: the hazard h(d, j) that a
+drafted child of sibling rank j at depth d is accepted, given that its parent was and that its
+earlier siblings were not (invalid nodes, which a drafter could not fill, are not counted: the
+draft itself says which nodes exist). Counts fade by ``decay`` per step, start from a prior, and a
+depth that has seen little leans on its rank's rate over all depths. A node is accepted with
+chance prod over its path of h(d, j) prod_{i<j} (1 - h(d, i)) (Sequoia's positional acceptance,
+per depth); a tree's expected tokens per iteration is 1 (the bonus) plus its nodes' chances.
+The best tree of n nodes is then the n likeliest, grown best first (:func:`_best_first`); for a
+drafter model, which steps once per level, the best of those grown within several depths. Each
+row of a batch also keeps its own counts (:class:`RowRates`), leaning on the batch's.
+
+Cost: :func:`stree.decoding.cost.cost_profile`, measured with the drafter: drafting a tree of n nodes
+(for a drafter model, of n nodes and d levels), then the target's pass, verification and commit
+of it, against a plain step.
+
+The choice (:class:`AutoTree`), every step:
+
+1. Before drafting, the size n maximising E(n) / (D(n) + C(n)) over the ladder of best-first
+   trees, against 1 / C(1) for a plain step. Where the plain step wins it is taken without
+   drafting; every ``probe`` such steps one draft is verified anyway (the interval doubling
+   while speculation keeps losing), so that the rates follow the text.
+2. After drafting, the draft's own chances (its invalid nodes worth nothing) give every prefix m
+   of it its E(m); the best prefix by E(m) / C(m) is verified (drafting is paid by then), or a
+   plain step taken where that is better (not on a probe) or where nothing was drafted.
+
+In a batch, E is that of the rows expected to finish last (``Rows.critical``: within a step of
+the most tokens left at a row's own tokens per step so far), each under its own rates, and of
+the one of them gaining least: the batch decodes until the last of them is done, so tokens a tree
+brings rows that finish early anyway, or only some of the rows level at the end, buy nothing.
+
+Everything the choice reads is the past (verified steps, measured costs) and the draft itself,
+never the target's output at this step, so every drafter stays lossless. A seed repeats its
+output as long as the cost profile is the same one (it is cached: :mod:`stree.decoding.cost`).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import weakref
+from collections import Counter
+
+import numpy as np
+from numba import njit
+
+from .cost import CostProfile, cost_profile, default_sizes
+from ..tree import TokenTree, TreeShape
+
+__all__ = ["AutoTree", "PathRates", "RowRates", "auto_tree", "plan_shape", "tree_room"]
+
+# Sizes an eager loop weighs before drafting (any prefix of a draft may be verified after it).
+LADDER = (2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16, 20, 24, 28, 32, 40, 48, 56, 64, 80, 96, 112, 128, 160, 192, 224, 256)
+# Sizes a compiled or graphed loop uses: each is one compilation or capture, made while measuring.
+FIXED = (2, 4, 8, 16)
+FIXED_CUDA = (2, 4, 8, 16, 32, 64, 128)
+# Depths a drafter model's plans are cut at, to weigh against the uncut one (its drafting costs a step a level).
+DEPTH_CAPS = (1, 2, 3, 4, 6, 8, 12)
+
+
+class PathRates:
+    """Hazards h(d, j) by depth d (1..``DEPTH``, deeper levels share the last) and sibling rank j
+    (0..``RANKS - 1``, later ranks share the last), learned from verified steps (see the module
+    docstring). ``prior[j]`` is worth ``weight`` observations of rank j over all depths, and the
+    rank's rate ``weight`` observations at each depth."""
+
+    DEPTH, RANKS = 16, 8
+    PRIOR = (0.6, 0.3, 0.2, 0.15, 0.12, 0.1, 0.08, 0.07)
+
+    def __init__(self, decay: float = 0.97, weight: float = 2.0, prior=PRIOR):
+        if not 0 < decay <= 1 or weight <= 0 or len(prior) != self.RANKS or not all(0 < p < 1 for p in prior):
+            raise ValueError(f"need 0 < decay <= 1, weight > 0 and {self.RANKS} prior rates in (0, 1), got "
+                             f"{decay!r}, {weight!r}, {prior!r}")
+        self.decay, self.weight, self.prior = decay, weight, np.asarray(prior, dtype=np.float64)
+        self.accepted = np.zeros((self.DEPTH + 1, self.RANKS))
+        self.reached = np.zeros((self.DEPTH + 1, self.RANKS))
+
+    def hazard(self) -> np.ndarray:
+        """``[DEPTH + 1, RANKS]`` (row 0 unused)."""
+        w = self.weight
+        by_rank = (self.accepted.sum(0) + w * self.prior) / (self.reached.sum(0) + w)
+        return (self.accepted + w * by_rank) / (self.reached + w)
+
+    def positional(self) -> np.ndarray:
+        """The chance that rank j's child is the accepted one, given its parent was: h(d, j)
+        prod_{i<j} (1 - h(d, i)), made non-increasing in j (best-first growth needs it)."""
+        h = self.hazard()
+        alive = np.cumprod(np.concatenate([np.ones((h.shape[0], 1)), 1 - h[:, :-1]], 1), 1)
+        return np.minimum.accumulate(h * alive, axis=1)
+
+    def record(self, tree: TokenTree, tokens: np.ndarray, counts: np.ndarray, rows: np.ndarray,
+               per_row: "RowRates | None" = None, ids: np.ndarray | None = None) -> None:
+        """Learn from one verified step: ``tree`` (CPU, the batch's), and for each batch row in
+        ``rows`` the emitted ``tokens[b, :counts[b]]`` (the accepted drafts, then the bonus);
+        ``per_row`` also learns each row's own, under its id ``ids[b]``."""
+        self.accepted *= self.decay
+        self.reached *= self.decay
+        ids = np.zeros(0, dtype=np.int64) if per_row is None else np.asarray(ids, dtype=np.int64)
+        if per_row is not None:
+            per_row.fade(int(ids.max()) + 1 if len(ids) else 0)
+        parents, rank, depth = _structure(tree)
+        valid = _valid(tree)
+        row_accepted, row_reached = (_NO_ROWS, _NO_ROWS) if per_row is None else (per_row.accepted, per_row.reached)
+        _record(parents, rank, depth, tree.tokens.numpy(), valid, tokens, counts, rows, self.accepted, self.reached,
+                ids, row_accepted, row_reached)
+
+
+class RowRates:
+    """The counts of :class:`PathRates` per batch row of one decoding call, under the row's id:
+    rows of one batch accept very differently (at batch 8, rows' own tau from 2.1 to 5.5), and a
+    row's hazard leans on the batch's by ``weight`` observations."""
+
+    def __init__(self, decay: float, weight: float = 4.0):
+        self.decay, self.weight = decay, weight
+        self.accepted = np.zeros((0, PathRates.DEPTH + 1, PathRates.RANKS))
+        self.reached = np.zeros_like(self.accepted)
+
+    def fade(self, rows: int) -> None:
+        """One step's decay; room for ids below ``rows``."""
+        if rows > len(self.accepted):
+            grow = np.zeros((rows - len(self.accepted), *self.accepted.shape[1:]))
+            self.accepted, self.reached = np.concatenate([self.accepted, grow]), np.concatenate([self.reached, grow])
+        self.accepted *= self.decay
+        self.reached *= self.decay
+
+    def hazard(self, ids: np.ndarray, batch: np.ndarray) -> np.ndarray:
+        """``[len(ids), DEPTH + 1, RANKS]``: each row's hazards, ``batch`` (the batch's) where it
+        has seen little."""
+        ids = np.asarray(ids)
+        known = ids < len(self.accepted)
+        out = np.broadcast_to(batch, (len(ids), *batch.shape)).copy()
+        if known.any():
+            at = ids[known]
+            out[known] = (self.accepted[at] + self.weight * batch) / (self.reached[at] + self.weight)
+        return out
+
+
+_NO_ROWS = np.zeros((0, PathRates.DEPTH + 1, PathRates.RANKS))
+
+
+def _valid(tree: TokenTree) -> np.ndarray:
+    if tree.valid is None:
+        return np.ones(tuple(tree.tokens.shape), dtype=np.bool_)
+    return tree.valid.numpy()
+
+
+@functools.lru_cache(maxsize=256)
+def _shape_structure(shape: TreeShape) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    parents = np.asarray(shape.parents, dtype=np.int64)[None]
+    return (parents, *_rank_depth(parents))
+
+
+def _structure(tree: TokenTree) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Parents, sibling rank and depth of every node, ``[B or 1, n]`` each (a static shape's
+    once per shape)."""
+    if tree.static_shape is not None:
+        return _shape_structure(tree.static_shape)
+    parents = np.ascontiguousarray(tree.parents.cpu().numpy().reshape(-1, tree.n), dtype=np.int64)
+    return (parents, *_rank_depth(parents))
+
+
+@functools.lru_cache(maxsize=256)
+def _prefix(shape: TreeShape, m: int) -> TreeShape:
+    return TreeShape(shape.parents[:m])
+
+
+@njit(cache=True)
+def _rank_depth(parents):
+    R, n = parents.shape
+    rank = np.zeros((R, n), dtype=np.int64)
+    depth = np.zeros((R, n), dtype=np.int64)
+    kids = np.zeros(n, dtype=np.int64)
+    for r in range(R):
+        kids[:] = 0
+        for c in range(1, n):
+            p = parents[r, c]
+            rank[r, c] = kids[p]
+            kids[p] += 1
+            depth[r, c] = depth[r, p] + 1
+    return rank, depth
+
+
+@njit(cache=True)
+def _record(parents, rank, depth, tokens, valid, emitted, counts, rows, accepted, reached, ids, row_accepted,
+            row_reached):
+    """Walk each row's accepted path down its tree by the emitted tokens: at every accepted node,
+    its valid children up to the accepted one were reached (all of them below the last). Counted
+    for the batch, and for row b under ``ids[b]`` too where ``row_accepted`` has rows."""
+    D, K = accepted.shape[0] - 1, accepted.shape[1]
+    n = tokens.shape[1]
+    per_row = row_accepted.shape[0] > 0
+    for b in rows:
+        s = b if parents.shape[0] > 1 else 0
+        u = 0
+        for t in range(counts[b]):
+            hit = -1
+            for c in range(u + 1, n):
+                if parents[s, c] != u or not valid[b, c]:
+                    continue
+                d, j = min(depth[s, c], D), min(rank[s, c], K - 1)
+                reached[d, j] += 1.0
+                if per_row:
+                    row_reached[ids[b], d, j] += 1.0
+                if t < counts[b] - 1 and tokens[b, c] == emitted[b, t]:
+                    accepted[d, j] += 1.0
+                    if per_row:
+                        row_accepted[ids[b], d, j] += 1.0
+                    hit = c
+                    break
+            if hit < 0:
+                break
+            u = hit
+
+
+@njit(cache=True)
+def _chances(parents, rank, depth, valid, h):
+    """Each node's chance to be accepted (0 for invalid nodes and their subtrees), ``[B, n]``,
+    never above an earlier sibling's (as :meth:`PathRates.positional`: a rank the verified steps
+    have not reached yet keeps its prior, which must not outbid a rank they have judged).
+    ``h``: the hazards ``[B or 1, DEPTH + 1, RANKS]``, each row's or one for all."""
+    B, n = valid.shape
+    D, K = h.shape[1] - 1, h.shape[2]
+    v = np.zeros((B, n))
+    alive = np.ones(n)
+    last = np.zeros(n)  # the chance of each node's latest valid child
+    for b in range(B):
+        s = b if parents.shape[0] > 1 else 0
+        v[b, 0] = 1.0
+        alive[:] = 1.0
+        last[:] = np.inf
+        for c in range(1, n):
+            p = parents[s, c]
+            if not valid[b, c] or v[b, p] == 0.0:
+                continue
+            x = h[b if h.shape[0] > 1 else 0, min(depth[s, c], D), min(rank[s, c], K - 1)]
+            v[b, c] = min(v[b, p] * alive[p] * x, last[p])
+            last[p] = v[b, c]
+            alive[p] *= 1.0 - x
+    return v
+
+
+@njit(cache=True)
+def _best_prefix(v, active, cost, allow_plain):
+    """The prefix size m (1: a plain step) maximising expected tokens per millisecond, ``cost[m]``
+    being an iteration of m nodes (inf: not allowed), for the active row that gains least: the
+    active rows are those the batch waits for, and it is done when the last of them is."""
+    gain = np.zeros(v.shape[0])
+    best, best_rate = 1, (1.0 / cost[1] if allow_plain else -1.0)
+    for m in range(2, v.shape[1] + 1):
+        least = np.inf
+        for b in range(v.shape[0]):
+            gain[b] += v[b, m - 1]
+            if active[b]:
+                least = min(least, gain[b])
+        rate = (1.0 + least) / cost[m]
+        if rate > best_rate * (1.0 + 1e-9):
+            best, best_rate = m, rate
+    return best
+
+
+@njit(cache=True)
+def _best_first(a, nodes):
+    """The ``nodes`` likeliest nodes under positional chances ``a[d, j]``, best first (ties: the
+    shallower, then the one offered first): parents, ranks, depths. A node's children and later
+    siblings are offered only once it is taken, which is exact because a chance never exceeds
+    the parent's or an earlier sibling's."""
+    D, K = a.shape[0] - 1, a.shape[1]
+    parents = np.full(nodes, -1, dtype=np.int64)
+    value = np.zeros(nodes)
+    value[0] = 1.0
+    cap = 2 * nodes + 2
+    cv = np.zeros(cap)  # each candidate's chance, parent, depth and rank
+    cp, cd, cj = np.zeros(cap, dtype=np.int64), np.zeros(cap, dtype=np.int64), np.zeros(cap, dtype=np.int64)
+    live = np.zeros(cap, dtype=np.bool_)
+    m = 0
+    if D >= 1:
+        cv[0], cp[0], cd[0], cj[0], live[0], m = a[1, 0], 0, 1, 0, True, 1
+    count = 1
+    while count < nodes:
+        best = -1
+        for i in range(m):
+            if live[i] and (best < 0 or cv[i] > cv[best] or (cv[i] == cv[best] and cd[i] < cd[best])):
+                best = i
+        if best < 0 or cv[best] <= 0.0:
+            break
+        live[best] = False
+        k = count
+        parents[k], value[k] = cp[best], cv[best]
+        count += 1
+        d, j = cd[best], cj[best]
+        if d + 1 <= D:
+            cv[m], cp[m], cd[m], cj[m], live[m] = value[k] * a[d + 1, 0], k, d + 1, 0, True
+            m += 1
+        if j + 1 < K:
+            cv[m], cp[m], cd[m], cj[m], live[m] = value[cp[best]] * a[d, j + 1], cp[best], d, j + 1, True
+            m += 1
+    return parents[:count]
+
+
+class AutoTree:
+    """The per-step choice of one decoding call (see the module docstring): :meth:`plan` before
+    drafting (a shape, or None for a plain step), :meth:`choose` after it (the draft cut to its
+    best prefix, or None for a plain step), :meth:`record` after the step.
+
+    ``profile``: the measured costs of the target (and drafter) at the loop's batch size;
+    ``sizes``: the tree sizes allowed (None: any prefix up to the profile's largest size, shapes
+    re-planned from the rates as they change; else those sizes only, prefixes of one fixed plan,
+    as compiled passes and CUDA graphs need); ``chain``: chains only (``method="chain"``);
+    ``fills_shapes``: whether the drafter drafts the shape it is given (else its own, and only
+    the choice after drafting applies); ``depth``: the deepest tree the cache has room for;
+    ``adaptive``: scale the profile's plain and speculative costs by what the loop's iterations
+    take (:meth:`record`'s ``elapsed_ms``): a drafter model catching up after plain steps, caches
+    the drafter evicts, the loop's own bookkeeping. The choice then follows the clock: outputs
+    stay lossless but a seed no longer fixes the trees, so decoding turns it on only where the
+    output does not depend on them (greedy, or no seed); otherwise trees must beat plain steps
+    by ``MARGIN``.
+    An adaptive choice also spaces probes by what they took (a drafter model catching up on the
+    tokens of the plain steps before, its prefill of a new context: costs the profile's steady
+    state does not see), and keeps the interval it reached. It learns no cost from a call's first
+    iteration (``SETTLE``), and while trees keep winning it takes one plain step in
+    ``PLAIN_EVERY`` to weigh plain steps again.
+    ``rates`` and ``scale`` (``{"plain": x, "tree": y}``, and what probes cost and the interval)
+    may be shared with earlier choosers, which then hand over what they learned. ``chosen`` counts the steps per tree size (1: a plain
+    step)."""
+
+    REPLAN = 8  # steps between re-plans (of an eager loop's shapes, and of the size to draft)
+    PROBE, PROBE_MAX = 4, 64
+    # What probes may cost, at most, of the plain steps' time they interrupt: the most that turning
+    # speculation on loses where it never pays.
+    PROBE_SHARE = 0.02
+    PROBE_LONGEST = 512  # plain steps between probes, at most
+    ADAPT = 0.15  # weight of the newest iteration in the cost scales and the share of drafts verified
+    CLIP = 3.0  # the most one iteration's realised / predicted time may say
+    # A call's first iteration is not learned from: it pays once per call (a drafter model's prefill
+    # of the prompt, first-use allocations), which the steady state the scales describe does not.
+    SETTLE = 1
+    # While trees keep winning, one plain step in this many is weighed, so that the plain scale
+    # follows the machine too: one slow plain iteration (a first call) had made plain steps look
+    # dear for good, and speculation then ran where it lost.
+    PLAIN_EVERY = 64
+    # Where the choice cannot follow the clock (a seed must repeat the output), what the profile
+    # misses (the loop's bookkeeping, caches a drafter evicts) is covered by asking a tree to beat
+    # a plain step by this much.
+    MARGIN = 1.2
+
+    def __init__(self, profile: CostProfile, *, sizes=None, chain: bool = False, fills_shapes: bool = True,
+                 depth: int = PathRates.DEPTH, adaptive: bool = False, rates: PathRates | None = None,
+                 scale: dict | None = None):
+        self.profile, self.chain, self.fills_shapes, self.adaptive = profile, chain, fills_shapes, adaptive
+        self.rates = rates if rates is not None else PathRates()
+        self.row_rates = RowRates(self.rates.decay)  # this call's rows' own
+        self._focus: int | None = None  # the batch row the choice serves (the one to finish last), once known
+        self.scale = scale if scale is not None else {"plain": 1.0, "tree": 1.0}  # realised / predicted time
+        self.scale.setdefault("probe_loss", 0.0)  # ms a probe took beyond plain steps for its tokens (adaptive)
+        self.scale.setdefault("probes", 0)  # the probes that measured it
+        self.scale.setdefault("probe_every", self.PROBE)
+        self.scale.setdefault("plain_run", 0)
+        self.scale.setdefault("plain_age", 0)  # weighed tree steps since the last weighed plain step
+        self.depth = min(depth, PathRates.DEPTH)
+        top = max(profile.nodes) if profile.nodes else 2
+        self.fixed = sizes is not None
+        # Fixed sizes (compiled passes, CUDA graphs) keep one plan for good: the prior's, which the
+        # cost profile compiled and captured, whatever rates an earlier call of the process learned
+        # (a plan from those would be new shapes, compiled again inside decoding).
+        self._order = plan_shape(self.rates if sizes is None else PathRates(), top if sizes is None else max(sizes),
+                                 chain, self.depth)
+        self.sizes = tuple(sorted(s for s in (sizes or LADDER) if s <= min(top, self._order.n)))
+        if not fills_shapes:
+            self._order = None
+        self.max_nodes = max(self.sizes, default=1)
+        self.cost = np.full(self.max_nodes + 1, np.inf)  # the target's part of an iteration of m nodes
+        for m in range(1, self.max_nodes + 1):
+            if not self.fixed or m == 1 or m in self.sizes:
+                self.cost[m] = profile.iteration_ms(m)
+        self.margin = 1.0 if adaptive else self.MARGIN
+        self.draft_cost = self._drafting(self._order)
+        if self._order is not None and profile.depths and not self.fixed:
+            self._set_plan(self._plan_for(self.rates))
+        self.chosen: Counter = Counter()
+        self._since_plan, self._probing = 0, False
+        self._stale = False  # whether the rates or cost scales moved since the last re-plan
+        # an adaptive choice goes on where the last call of its profile left off: probes stay spaced
+        self._plain_run = self.scale["plain_run"] if adaptive else 0
+        self._probe_every = self.scale["probe_every"] if adaptive else self.PROBE
+        self._probe_min, self._probe_loss, self._catch_wait = self.PROBE, 0.0, 0
+        self._predicted = ("plain", self.cost[1])  # this step's kind and predicted milliseconds
+        self._iterations = 0  # recorded in this call
+        self._drafted = 0  # nodes drafted this step (0: none)
+        self.verified = 1.0  # the share of drafts (probes aside) verified rather than found wanting
+        self._pick, self._probe_size = self._pick_sizes()
+
+    # -- before drafting ----------------------------------------------------------------------
+    def prefix(self, m: int) -> TreeShape:
+        """The first ``m`` nodes of the current plan."""
+        return _prefix(self._order, m)
+
+    def _best_size(self, order: TreeShape, draft_cost: np.ndarray, hazard: np.ndarray) -> tuple[int, float, float]:
+        """The prefix of ``order`` with the most expected tokens per millisecond: its size, that
+        rate and its expected tokens."""
+        v = _chances(*_shape_structure(order), np.ones((1, order.n), dtype=np.bool_), hazard[None])[0]
+        gain = 1.0 + np.cumsum(v[1:])  # gain[m - 2]: a prefix of m nodes
+        best, best_rate = self.sizes[0], 0.0
+        for m in self.sizes:
+            if m > order.n:
+                break
+            rate = gain[m - 2] / ((self.cost[m] + draft_cost[m]) * self.scale["tree"])
+            if rate > best_rate * (1.0 + 1e-9):
+                best, best_rate = m, rate
+        return best, best_rate, gain[min(best, order.n) - 2]
+
+    def _drafting(self, order: TreeShape | None) -> np.ndarray:
+        """Milliseconds of drafting every prefix m of ``order`` (by its nodes, and for a drafter
+        model by its depth too: :meth:`~stree.decoding.cost.CostProfile.drafting_ms`)."""
+        if order is None or not self.profile.depths:
+            return np.array([self.profile.drafting_ms(m) for m in range(self.max_nodes + 1)])
+        depth = np.maximum.accumulate(_shape_structure(order)[2][0])  # depth[m - 1]: the prefix of m nodes
+        m = np.arange(self.max_nodes + 1)
+        a, b, c = self.profile.draft_fit
+        out = a + b * depth[np.clip(m, 1, order.n) - 1] + c * m
+        out[:2] = 0.0  # (no drafting for a plain step)
+        return out
+
+    def _plan_for(self, rates: PathRates) -> TreeShape:
+        """The plan under ``rates``: the likeliest nodes, best first; for a drafter model, whose
+        drafting costs a step per level, the best of such plans cut at several depths (a deep
+        chain of likely nodes can cost more to draft than a bushier tree of fewer levels)."""
+        top = self.max_nodes
+        if not self.profile.depths or self.fixed:
+            return plan_shape(rates, top, self.chain, self.depth)
+        hazard, best = self._hazard(rates), None
+        for cap in sorted({c for c in DEPTH_CAPS if c < self.depth} | {self.depth}):
+            order = plan_shape(rates, top, self.chain, cap)
+            if order.n < 2:
+                continue
+            rate = self._best_size(order, self._drafting(order), hazard)[1]
+            if best is None or rate > best[0] * (1.0 + 1e-9):
+                best = (rate, order)
+        return best[1] if best is not None else plan_shape(rates, top, self.chain, self.depth)
+
+    def _hazard(self, rates: PathRates | None = None) -> np.ndarray:
+        """The hazards the choice weighs a tree by: the batch's, or the focus row's own once
+        :meth:`choose` has named it (the batch decodes until that row is done)."""
+        h = (rates or self.rates).hazard()
+        return h if self._focus is None else self.row_rates.hazard(np.array([self._focus]), h)[0]
+
+    def _set_plan(self, order: TreeShape) -> None:
+        self._order, self.draft_cost = order, self._drafting(order)
+
+    def _pick_sizes(self) -> tuple[int, int]:
+        """The size to draft before drafting (1: a plain step), and the best size of a draft
+        whatever a plain step is worth (what a probe drafts): by expected tokens per millisecond
+        under the current rates and costs (see :meth:`_worth_drafting`). Also spaces probes so
+        that what one loses against plain steps is at most ``PROBE_SHARE`` of the plain steps
+        between two (a drafter model catching up makes a probe dear)."""
+        order = self._order
+        if order is None or not self.sizes:  # no tree fits: plain steps only
+            return 1, 1
+        best, _, self._gain = self._best_size(order, self.draft_cost, self._hazard())
+        self._tree_ms, self._draft_ms = self.cost[best] * self.scale["tree"], self.draft_cost[best] * self.scale["tree"]
+        plain = self.cost[1] * self.scale["plain"]
+        # What a probe loses against plain steps: its time beyond theirs for the tokens it is expected
+        # to emit; an adaptive choice also knows what its probes took. A seeded one knows neither
+        # (its rates start from the prior each call, which may promise what this text never gives):
+        # it spaces probes by the worst case, one token from a probe (with the margin).
+        expected = self._gain if self.adaptive else 1.0
+        loss = (self._tree_ms + self._draft_ms) * self.margin - expected * plain
+        if self.adaptive:
+            loss = max(loss, self.scale["probe_loss"])
+        self._probe_min = min(max(self.PROBE, int(math.ceil(loss / (self.PROBE_SHARE * plain)))), self.PROBE_LONGEST)
+        self._probe_loss = loss
+        return (best if self._worth_drafting() else 1), best
+
+    def _worth_drafting(self) -> bool:
+        """Whether drafting the best size beats a plain step, counting that only a share ``s`` of
+        drafts is verified (the others, found wanting after drafting, cost their drafting and a
+        plain step): (s E + 1 - s) / (D + s C + (1 - s) P) against ``margin`` / P."""
+        s, plain = self.verified, self.cost[1] * self.scale["plain"]
+        rate = (s * self._gain + 1.0 - s) / (self._draft_ms + s * self._tree_ms + (1.0 - s) * plain)
+        return rate > self.margin / plain
+
+    def plan(self, behind=None):
+        """The shape to draft this step, None for a plain step without drafting, or "own" (a
+        drafter that drafts its own trees: draft, then :meth:`choose`). After ``probe`` plain
+        steps in a row (chosen before or after drafting; the interval doubling while they keep
+        winning) the step is a probe: drafted, and verified whatever its worth. ``behind``: a
+        callable saying how many tokens the drafter must read before it drafts (asked only when
+        a probe is due): a probe waits until its catch-up, at the profile's ``catch_ms`` a token,
+        is within the probes' share too (at most ``PROBE_LONGEST`` steps; an adaptive choice,
+        once a probe's time is measured, spaces them by what they took instead)."""
+        self._probing = self._plain_run >= max(self._probe_every, self._probe_min) and self._catch_up_paid(behind)
+        if self._probing:
+            self._plain_run = self._catch_wait = 0
+            self._probe_every = min(2 * max(self._probe_every, self._probe_min), max(self.PROBE_MAX, self._probe_min))
+        self._predicted, self._drafted = ("plain", self.cost[1]), 0
+        if not self.fills_shapes:
+            return "own"
+        refresh = self.adaptive and not self._probing and self.scale["plain_age"] >= self.PLAIN_EVERY
+        if (refresh or self._pick == 1 or not self._worth_drafting()) and (not self._probing or not self.sizes):
+            self._plain_run += 1
+            return None
+        self._drafted = self._pick if self._pick > 1 else self._probe_size
+        return self.prefix(self._drafted)
+
+    def plain_ahead(self) -> int:
+        """After a plain step's :meth:`record`: how many of the next steps are plain whatever they
+        take (no probe falls due before they end; what the step taught is re-planned first, and
+        nothing else moves the choice meanwhile). The loop may run them without asking
+        (:meth:`plain_steps` then records them)."""
+        if not self.fills_shapes:
+            return 0
+        if self._stale:
+            self._replan(None)
+        if self._pick > 1 and self._worth_drafting():
+            return 0
+        return max(0, max(self._probe_every, self._probe_min) - self._plain_run)
+
+    def plain_steps(self, steps: int) -> None:
+        """:meth:`plan` and :meth:`record` of ``steps`` plain steps that :meth:`plain_ahead`
+        promised, at once. Their time does not teach an adaptive choice what a plain step costs:
+        they skip the planning and drafting that a step the choice weighs pays for, and learning
+        from them made plain steps look so cheap that probes stopped (greedy text where trees paid
+        ran plain)."""
+        self._probing, self._predicted, self._drafted = False, ("plain", self.cost[1]), 0
+        self._plain_run += steps
+        self.chosen[1] += steps
+        self._since_plan = (self._since_plan + steps) % self.REPLAN  # (nothing is stale: re-plans would do nothing)
+        self.scale["probe_every"], self.scale["plain_run"] = self._probe_every, self._plain_run
+
+    def _catch_up_paid(self, behind) -> bool:
+        catch = self.profile.catch_ms
+        if (behind is None or catch == 0.0 or (self.adaptive and self.scale["probes"])
+                or self._plain_run >= self.PROBE_LONGEST):
+            return True
+        if self._plain_run < self._catch_wait:
+            return False
+        loss = self._probe_loss + catch * behind()
+        # the run that pays for it (asked again then: the drafter falls further behind meanwhile)
+        self._catch_wait = math.ceil(loss / (self.PROBE_SHARE * self.cost[1] * self.scale["plain"]))
+        return self._plain_run >= self._catch_wait
+
+    # -- after drafting -------------------------------------------------------------------------
+    def choose(self, draft: TokenTree, active: np.ndarray, ids: np.ndarray | None = None) -> TokenTree | None:
+        """``draft`` (CPU, one row per batch row; ``active`` marks the rows that count) cut to its
+        best prefix, or None where a plain step is better or nothing was drafted. ``ids``: the
+        rows' ids in the batch, whose own acceptance (:class:`RowRates`) then prices their nodes."""
+        self._drafted = self._drafted or draft.n
+        drafting = self.draft_cost[min(self._drafted, self.max_nodes)]
+        self._predicted = ("plain", drafting + self.cost[1])
+        valid = _valid(draft)
+        n = min(draft.n, self.max_nodes)
+        if not valid[active, 1:n].any():
+            self._verified(False)
+            return None
+        parents, rank, depth = _structure(draft)
+        hazard = self.rates.hazard()
+        if ids is not None:
+            hazard = self.row_rates.hazard(ids, hazard)
+        else:
+            hazard = hazard[None]
+        v = _chances(parents[:, :n], rank[:, :n], depth[:, :n], np.ascontiguousarray(valid[:, :n]), hazard)
+        if ids is not None:  # the row the choice before drafting weighs from now on: the one gaining least
+            self._focus = int(ids[np.flatnonzero(active)[int(np.argmin(v[active, 1:].sum(1)))]])
+        cost = self.cost[: n + 1] * self.scale["tree"]
+        cost[1] = self.cost[1] * self.scale["plain"] / self.margin
+        m = _best_prefix(v, active, cost, not self._probing)
+        self._verified(m > 1)
+        if m == 1:
+            self._plain_run += 1
+            return None
+        self._predicted = ("tree", drafting + self.cost[m])
+        return draft if m == draft.n else _cut(draft, m)
+
+    def _verified(self, kept: bool) -> None:
+        if not self._probing:
+            self.verified += self.ADAPT * (kept - self.verified)
+
+    # -- after the step -------------------------------------------------------------------------
+    def record(self, tree: TokenTree | None, tokens: np.ndarray | None = None, counts: np.ndarray | None = None,
+               rows: np.ndarray | None = None, elapsed_ms: float | None = None, ids: np.ndarray | None = None) -> None:
+        """After a step: ``tree`` the verified draft (None: a plain step) and, for the rows
+        ``rows`` of it, the emitted ``tokens``/``counts``; ``elapsed_ms``: the whole iteration;
+        ``ids``: the tree rows' ids in the batch (each row's own acceptance is learned too)."""
+        self.chosen[1 if tree is None else tree.n] += 1
+        kind, predicted = self._predicted
+        self._iterations += 1
+        if self.adaptive and elapsed_ms is not None and elapsed_ms > 0 and self._iterations > self.SETTLE:
+            # clipped: one iteration that compiled or measured something must not price trees out for good
+            ratio = min(max(elapsed_ms / predicted, 1.0 / self.CLIP), self.CLIP)
+            self.scale[kind] += self.ADAPT * (ratio - self.scale[kind])
+            self.scale["plain_age"] = 0 if kind == "plain" else self.scale["plain_age"] + 1
+            self._stale = True
+        self._since_plan += 1
+        if tree is not None:
+            self._stale = True
+            if ids is None:
+                self.rates.record(tree, tokens, counts, rows)
+            else:
+                self.rates.record(tree, tokens, counts, rows, self.row_rates, ids)
+            if not self._probing:  # speculation won this step: probes start again from the shortest interval
+                self._plain_run, self._probe_every, self._catch_wait = 0, self.PROBE, 0
+            elif self.adaptive and elapsed_ms is not None:
+                focus = rows if ids is None or self._focus is None else rows[np.asarray(ids)[rows] == self._focus]
+                emitted = float(np.mean(counts[focus if len(focus) else rows]))
+                beyond = elapsed_ms - emitted * self.cost[1] * self.scale["plain"]
+                # Clipped: one probe that compiled something (two orders of magnitude over its prediction) had
+                # spaced probes PROBE_LONGEST apart for thousands of steps, and text where trees
+                # paid ran plain. The first at CLIP times its prediction, later ones at twice
+                # what is known, so that truly dear probes (a drafter model catching up) are
+                # learned within a few.
+                known = self.CLIP * predicted
+                if self.scale["probes"]:
+                    known = 2.0 * max(known, self.scale["probe_loss"])
+                beyond = min(beyond, known)
+                self.scale["probe_loss"] += 0.5 * (beyond - self.scale["probe_loss"])
+                self.scale["probes"] += 1
+        self.scale["probe_every"], self.scale["plain_run"] = self._probe_every, self._plain_run
+        if (tree is not None and self._probing) or self._since_plan >= self.REPLAN:
+            self._replan(tree)
+
+    def _replan(self, tree: TokenTree | None) -> None:
+        """The shape (after a verified ``tree``), and the sizes to draft where anything moved."""
+        self._since_plan = 0
+        if tree is not None and not self.fixed and self.fills_shapes:
+            self._set_plan(self._plan_for(self.rates))
+        if self._stale:  # (a run of plain steps of a seeded choice changes nothing to re-plan)
+            self._pick, self._probe_size = self._pick_sizes()
+            self._stale = False
+
+
+def tree_room(drafter) -> int:
+    """How deep ``drafter``'s trees may reach, for sizing a cache: its own trees' depth, or its
+    own shape's, else the deepest tree ``tree="auto"`` plans."""
+    if drafter is None:
+        return 0
+    shape = getattr(drafter, "shape", None)
+    return getattr(drafter, "draft_depth", None) or (shape.max_depth if shape is not None else PathRates.DEPTH)
+
+
+def plan_shape(rates: PathRates, nodes: int, chain: bool = False, depth: int = PathRates.DEPTH) -> TreeShape:
+    """The best-first tree of at most ``nodes`` nodes and ``depth`` levels under ``rates``
+    (``chain``: one child per node)."""
+    a = rates.positional()
+    a[depth + 1:] = 0.0
+    if chain:
+        a[:, 1:] = 0.0
+    key = (a.tobytes(), nodes)
+    shape = _PLANS.get(key)
+    if shape is None:
+        shape = TreeShape(tuple(int(p) for p in _best_first(a, nodes)))
+        if len(_PLANS) >= 512:
+            _PLANS.pop(next(iter(_PLANS)))
+        _PLANS[key] = shape
+    return shape
+
+
+# Plans by the acceptance chances they were grown from: a call's chooser plans from where the last
+# call's rates (and the prior) left off, several depth caps each, and would otherwise grow and
+# check the same shapes again at every call.
+_PLANS: dict[tuple[bytes, int], TreeShape] = {}
+
+
+def _cut(draft: TokenTree, m: int) -> TokenTree:
+    """The first ``m`` nodes of ``draft`` (parents come first, so they are a tree)."""
+    cut = lambda t: None if t is None else t[:, :m]  # noqa: E731
+    extra = dict(valid=cut(draft.valid), child_ids=cut(draft.child_ids), child_probs=cut(draft.child_probs),
+                 with_replacement=draft.with_replacement)
+    if draft.static_shape is not None:
+        return TokenTree.from_shape(_prefix(draft.static_shape, m), draft.tokens[:, :m], **extra)
+    return TokenTree(draft.parents[..., :m], draft.tokens[:, :m], **extra)
+
+
+def auto_tree(model, drafter, batch: int, *, mode: str, sampled: bool = False, chain: bool = False,
+              depth: int = PathRates.DEPTH, adaptive: bool = False,
+              refresh: bool = False) -> AutoTree:
+    """The :class:`AutoTree` of a decoding call: the costs of ``model`` with ``drafter`` at
+    ``batch`` rows in ``mode``, greedy or ``sampled`` (measured on first use, then cached:
+    :func:`stree.decoding.cost.cost_profile`; ``refresh``: measured again) over the shapes the rates'
+    prior plans (at most ``depth`` deep).
+    An ``adaptive`` one continues the cost scales and rates of the last adaptive chooser of the
+    same profile in this process (where the output cannot depend on the trees, what earlier
+    calls learned about this machine and drafter is worth keeping)."""
+    device = model.device
+    fixed = None if mode == "eager" else (FIXED_CUDA if device.type == "cuda" else FIXED)
+    prior = plan_shape(PathRates(), max(fixed or default_sizes(device)), chain, depth)  # the plan before any step
+    sizes = tuple(n for n in fixed or default_sizes(device) if n <= prior.n) or (prior.n,)
+    fills = getattr(drafter, "fills_shapes", True)
+    profile = cost_profile(model, batch, drafter=drafter if fills else None, mode=mode, sampled=sampled,
+                           shapes=[_prefix(prior, n) for n in sizes if n >= 2], refresh=refresh)
+    # adaptive choosers of one profile hand on what they learned: a later call starts from it
+    scale, rates = (None, None) if not adaptive else _LEARNED.setdefault(profile, ({"plain": 1.0, "tree": 1.0},
+                                                                                   PathRates()))
+    return AutoTree(profile, sizes=fixed and sizes, chain=chain, fills_shapes=fills, depth=depth, adaptive=adaptive,
+                    rates=rates, scale=scale)
+
+
+# what adaptive choosers learned, per cost profile (the same model, drafter kind, batch size and mode)
+_LEARNED: "weakref.WeakKeyDictionary[CostProfile, tuple[dict, PathRates]]" = weakref.WeakKeyDictionary()

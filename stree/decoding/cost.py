@@ -1,0 +1,414 @@
+"""What decoding costs on the machine at hand, measured there: one autoregressive iteration, and
+one speculative iteration (drafting included) as a function of the tree's node count.
+
+Nothing in a tree's worth can be judged without it: on a GPU a 64-node tree pass costs about one
+step, on a 2-core CPU several (paper 001 §4; Sequoia's hardware-aware optimiser picks its tree
+sizes from the same measurement). :func:`cost_profile` measures a model with a drafter at a batch
+size and in a decoding mode (eager, compiled, CUDA graphs) by running the loop's own work on a
+random context: the drafter's ``propose`` and ``observe`` and the step functions of
+:mod:`stree.decoding.steps`, the sizes taking turns, warm-up excluded, in about ``budget_s`` seconds.
+Drafting and the target's pass are timed together because they are not independent: a drafter
+model's weights push the target's out of the CPU's caches (a tree pass after a drafter's steps
+costs more than one after another pass). The result is kept for the process and in a small JSON file (``$STREE_CACHE_DIR``, else
+``$XDG_CACHE_HOME/stree``, else ``~/.cache/stree``), keyed by everything the times depend on: the
+model's class and config, the drafter's kind (and its model's config), dtype, device (the CPU's
+model and thread count, or the GPU's name), batch size, mode, sizes and the library's and
+torch's versions. A file that is corrupt, or whose entry was made for another key, is measured
+again and rewritten, never trusted and never fatal.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import math
+import os
+import platform
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..checkpoints.atomic import write_text
+
+__all__ = ["CostProfile", "cache_file", "cost_profile", "MODES"]
+
+MODES = ("eager", "compiled", "cuda_graph")
+CATCH = 64  # tokens of context a drafter model's catch-up is timed on
+FORMAT = 11  # of the cache file; another is re-measured (11: plain steps read the weight copies the tree passes use)
+
+
+@dataclass(frozen=True)
+class CostProfile:
+    """Milliseconds of one decoding iteration for a model (and drafter), batch size and mode:
+    ``step_ms`` for an autoregressive one (step, sampling, the host transfer), and for a
+    speculative one over a tree of ``nodes[i]`` nodes ``tree_ms[i]`` (tree pass, verification,
+    commit, the host transfer) after ``draft_ms[i]`` of drafting. ``catch_ms``: what a drafter
+    model takes per token it has to read before drafting (after plain steps, or a new context's
+    prefill); 0 for drafters without a model. ``depths``: for a drafter model, which runs one
+    step per tree level, each measured tree's depth: its drafting then grows with the depth more
+    than with the nodes (a 16-node chain measured about twice a 6-deep 16-node tree), and is
+    fitted as a + b depth + c nodes (:meth:`drafting_ms`)."""
+
+    step_ms: float
+    nodes: tuple[int, ...]
+    tree_ms: tuple[float, ...]
+    draft_ms: tuple[float, ...] = ()
+    catch_ms: float = 0.0
+    depths: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        if not self.draft_ms:
+            object.__setattr__(self, "draft_ms", (0.0,) * len(self.nodes))
+        ok = (math.isfinite(self.step_ms) and self.step_ms > 0 and len(self.nodes) == len(self.tree_ms)
+              == len(self.draft_ms) and all(a < b for a, b in zip(self.nodes, self.nodes[1:]))
+              and all(n >= 2 for n in self.nodes) and all(math.isfinite(t) and t > 0 for t in self.tree_ms)
+              and all(math.isfinite(t) and t >= 0 for t in self.draft_ms)
+              and math.isfinite(self.catch_ms) and self.catch_ms >= 0
+              and (not self.depths or (len(self.depths) == len(self.nodes)
+                                       and all(1 <= d < n for d, n in zip(self.depths, self.nodes)))))
+        if not ok:
+            raise ValueError(f"not a cost profile: step_ms={self.step_ms!r}, nodes={self.nodes!r}, "
+                             f"tree_ms={self.tree_ms!r}, draft_ms={self.draft_ms!r}, catch_ms={self.catch_ms!r}, "
+                             f"depths={self.depths!r}")
+
+    def iteration_ms(self, n: int) -> float:
+        """The target's part of an iteration over a tree of ``n`` nodes (1: an autoregressive
+        step): linear between the measured sizes, the first size's below it, the last segment's
+        slope past the last."""
+        if n <= 1 or not self.nodes:
+            return self.step_ms
+        return _interpolate(self.nodes, self.tree_ms, n)
+
+    def drafting_ms(self, n: int, depth: int | None = None) -> float:
+        """Drafting a tree of ``n`` nodes (interpolated likewise), or, for a drafter model, of
+        ``n`` nodes and ``depth`` levels (default: as deep as the measured tree of its size)."""
+        if n <= 1 or not self.nodes:
+            return 0.0
+        if not self.depths or depth is None:
+            return _interpolate(self.nodes, self.draft_ms, n)
+        a, b, c = self.draft_fit
+        return a + b * depth + c * n
+
+    @functools.cached_property
+    def draft_fit(self) -> tuple[float, float, float]:
+        """Least squares a + b depth + c nodes over the measured trees, every coefficient >= 0
+        (one that comes out negative is left out and the rest fitted again)."""
+        ms = np.asarray(self.draft_ms)
+        columns = {0: np.ones(len(ms)), 1: np.asarray(self.depths, float), 2: np.asarray(self.nodes, float)}
+        used = [0, 1, 2]
+        while True:
+            coef = np.linalg.lstsq(np.stack([columns[i] for i in used], 1), ms, rcond=None)[0]
+            if len(used) == 1 or (coef >= 0).all():
+                break
+            used.pop(1 + int(np.argmin(coef[1:])) if (coef[1:] < 0).any() else 0)
+        fit = [0.0, 0.0, 0.0]
+        for i, v in zip(used, coef):
+            fit[i] = max(float(v), 0.0)
+        return fit[0], fit[1], fit[2]
+
+    def in_steps(self, n: int) -> float:
+        """A whole iteration of ``n`` nodes, drafting included, in autoregressive steps."""
+        return (self.iteration_ms(n) + self.drafting_ms(n)) / self.step_ms
+
+    def to_dict(self) -> dict:
+        return dict(step_ms=self.step_ms, nodes=list(self.nodes), tree_ms=list(self.tree_ms),
+                    draft_ms=list(self.draft_ms), catch_ms=self.catch_ms, depths=list(self.depths))
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "CostProfile":
+        return cls(float(d["step_ms"]), tuple(int(n) for n in d["nodes"]), tuple(float(t) for t in d["tree_ms"]),
+                   tuple(float(t) for t in d["draft_ms"]), float(d["catch_ms"]), tuple(int(k) for k in d["depths"]))
+
+
+def cpu_model() -> str:
+    """The CPU's model name (Linux), else the platform's processor string: timings on the CPU
+    differ several-fold between CPU models, so a result names the one it ran on."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+def _interpolate(xs, ys, x: float) -> float:
+    if len(xs) == 1 or x <= xs[0]:
+        return ys[0]
+    for i in range(1, len(xs)):
+        if x <= xs[i] or i == len(xs) - 1:
+            x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+            return max(y0 + (y1 - y0) * (x - x0) / (x1 - x0), min(y0, y1))
+
+
+def default_sizes(device: torch.device) -> tuple[int, ...]:
+    """Tree sizes to measure: up to 64 nodes on the CPU (where a pass grows about linearly past a
+    few nodes), 256 on a GPU (where a pass stays near a step's cost far longer)."""
+    top = 64 if device.type == "cpu" else 256
+    return tuple(2 ** k for k in range(1, int(math.log2(top)) + 1))
+
+
+# ---- the cache -------------------------------------------------------------------------------
+_MEMO: dict[str, object] = {}
+
+
+def cache_file() -> Path:
+    root = os.environ.get("STREE_CACHE_DIR")
+    if root is None:
+        root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "stree"
+    return Path(root) / "costs.json"
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return f"{torch.cuda.get_device_name(device)}"
+    return f"cpu {cpu_model()} x{torch.get_num_threads()} threads"
+
+
+def _key(kind: str, model, **fields) -> tuple[str, dict]:
+    from .. import __version__
+
+    what = dict(kind=kind, model=type(model).__name__, config=repr(getattr(model, "cfg", None)),
+                dtype=str(model.dtype), device=device_name(model.device), stree=__version__, torch=torch.__version__,
+                format=FORMAT, **fields)
+    return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:32], what
+
+
+def _read(key: str) -> dict | None:
+    """The cached entry under ``key`` if the file holds a well-formed one made for that key."""
+    try:
+        data = json.loads(cache_file().read_text())
+        entry = data["entries"][key]
+        return entry if data.get("format") == FORMAT and entry.get("key") == key else None
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+
+
+def _write(key: str, entry: dict) -> None:
+    """Add ``entry`` to the cache file (rewritten whole; an unreadable one is replaced). A file
+    that cannot be written leaves the result in this process only."""
+    path = cache_file()
+    try:
+        data = json.loads(path.read_text())
+        if not isinstance(data, dict) or data.get("format") != FORMAT or not isinstance(data.get("entries"), dict):
+            raise ValueError
+    except (OSError, ValueError):
+        data = dict(format=FORMAT, entries={})
+    data["entries"][key] = dict(entry, key=key)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_text(path, json.dumps(data, indent=1))
+    except OSError:
+        pass
+
+
+def _cached(kind: str, model, parse, measure, fields: dict, refresh: bool):
+    key, what = _key(kind, model, **fields)
+    if not refresh:
+        hit = _MEMO.get(key)
+        if hit is not None:
+            return hit
+        entry = _read(key)
+        if entry is not None:
+            try:
+                _MEMO[key] = parse(entry["value"])
+                return _MEMO[key]
+            except (KeyError, TypeError, ValueError):
+                pass  # a malformed entry: measured again below
+    value = measure()
+    _MEMO[key] = value
+    _write(key, dict(value=value.to_dict(), made=dict(what, date=time.strftime("%Y-%m-%dT%H:%M:%S"))))
+    return value
+
+
+# ---- measuring ------------------------------------------------------------------------------
+def cost_profile(model, batch_size: int, *, drafter=None, mode: str = "eager", sampled: bool = False, shapes=None,
+                 budget_s: float = 2.0, refresh: bool = False) -> CostProfile:
+    """The :class:`CostProfile` of ``model`` with ``drafter`` (None: the target's work alone) at
+    ``batch_size`` rows in ``mode``, greedy or ``sampled`` (drawing and the lossless rejection
+    rules cost more than argmax), cached (see the module docstring). ``shapes``: the tree
+    shapes to time, one per size (default: full binary trees cut to :func:`default_sizes`);
+    compiled and graphed modes build (and keep) each shape's pass. The drafter is left reset,
+    its random stream as it was. ``refresh``: measure again whatever is cached."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
+    if shapes is None:
+        shapes = [_binary(n) for n in default_sizes(model.device)]
+    shapes = sorted(shapes, key=lambda s: s.n)
+    fields = dict(batch=batch_size, mode=mode, sizes=[s.n for s in shapes], drafter=drafter_kind(drafter),
+                  sampled=bool(sampled))
+    return _cached("profile", model, CostProfile.from_dict,
+                   lambda: _measure(model, drafter, batch_size, mode, sampled, shapes, budget_s), fields, refresh)
+
+
+def drafter_kind(drafter) -> str | None:
+    """What a drafter's cost depends on: its class, whether it draws, and its model's."""
+    if drafter is None:
+        return None
+    inner = getattr(drafter, "level_model", None)
+    inner = inner if inner is None else (type(inner).__name__, repr(getattr(inner, "cfg", None)), str(inner.dtype))
+    return repr((type(drafter).__name__, getattr(drafter, "stochastic", None), inner))
+
+
+def _binary(n: int):
+    from ..tree import TreeShape
+
+    return TreeShape(tuple([-1] + [(i - 1) // 2 for i in range(1, n)]))
+
+
+def _timed_rounds(calls: list, budget_s: float, sync, keep_all: bool = False) -> list[float]:
+    """Median milliseconds of the first calls of ``calls`` (the cheapest first): one warm-up
+    call each (compiling, capturing, first-use work) until half the budget is spent (at least
+    two calls are kept; ``keep_all``: every call, whatever its warm-up took), a second one timed
+    and kept only where no third comes, then rounds with the kept calls taking turns until
+    ``budget_s`` is spent (at most 15). In a round each call runs twice and the second run is
+    timed: the steady state a decoding loop sees, where steps of one kind mostly follow each
+    other (a batch-8 plain step timed right after a 64-node pass measured several times its
+    time in a run of steps: the pass's memory and caches, not the step's own work)."""
+    start = time.perf_counter()
+    kept = []
+    for fn in calls:
+        if not keep_all and len(kept) >= 2 and time.perf_counter() - start > budget_s / 2:
+            break
+        fn()
+        kept.append(fn)
+    times: list[list[float]] = [[] for _ in kept]
+    start = time.perf_counter()
+    for r in range(16):
+        if r > 1 and time.perf_counter() - start > budget_s:
+            break
+        for fn_times, fn in zip(times, kept):
+            fn()
+            sync()
+            t0 = time.perf_counter()
+            fn()
+            sync()
+            fn_times.append((time.perf_counter() - t0) * 1e3)
+    return [statistics.median(t[1:] if len(t) > 2 else t) for t in times]
+
+
+def _sync(device: torch.device):
+    return (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+
+
+@torch.no_grad()
+def _measure(model, drafter, batch: int, mode: str, sampled: bool, shapes, budget_s: float) -> CostProfile:
+    from ..drafters.base import DraftContext, TargetTop
+    from ..models.linear import following, leading
+    from .steps import autoregressive_step, check_draft, speculative_step
+    from ..tree import TokenTree
+    from ..sampling.verify import SamplingParams
+
+    device, vocab = model.device, model.vocab_size
+    if drafter is not None:
+        drafter = drafter.for_measuring()  # what it learns here must not reach the calls that decode
+    depth = max([s.max_depth for s in shapes] + [1])
+    context, calls_max = 32, 2 + 33 * (1 + len(shapes))  # a warm-up call, then two a round
+    runner = None
+    if mode != "eager":
+        from ..runtime.compiled import CompiledDecode
+        from ..runtime.graphs import DecodeGraphs
+
+        runner = (CompiledDecode if mode == "compiled" else DecodeGraphs).for_model(model, batch, context + 2 * depth)
+        cache = runner.cache
+    else:
+        cache = model.allocate_cache(batch, context + 2 * depth)
+    gen = torch.Generator().manual_seed(0)
+    # the drafter's rows grow by two tokens a speculative call (a draft accepted one deep, then a bonus)
+    seq = torch.randint(0, vocab, (batch, context + 2 * calls_max + 1), generator=gen)
+    lengths = torch.full((batch,), context)
+    model.prefill(seq[:, :context].to(device), cache)
+    params = SamplingParams(1.0 if sampled else 0.0)
+    draws = torch.Generator(device=device).manual_seed(0) if sampled else None
+    top_k = None if drafter is None else drafter.target_top_k
+    plain_top_k = None if drafter is None else drafter.plain_top_k  # what the loop's plain steps compute
+    state = None if getattr(drafter, "generator", None) is None else drafter.generator.get_state()
+    if drafter is not None:
+        drafter.reset()
+
+    rows = list(range(batch))
+
+    def observe(host, count: int) -> None:
+        """What the loop hands the drafter after a step: ``count`` emitted tokens a row (the next
+        ones of ``seq``), with the target's laws where it learns from them."""
+        target = None
+        if host.top_ids is not None:
+            target = [TargetTop(host.top_ids[b, :count], host.top_probs[b, :count], host.token_probs[b, :count])
+                      for b in rows]
+        ends = (lengths + count).tolist()
+        drafter.observe(DraftContext(seq, lengths, rows),
+                        [seq[b, e - count: e].tolist() for b, e in zip(rows, ends)], target)
+        lengths.add_(count)
+
+    def ar():
+        with following():  # as the loop's plain steps (stree.decoding.loop)
+            host = autoregressive_step(model, cache, seq[:, 0].to(device), params, draws, runner, plain_top_k)
+        cache.seqlens -= 1
+        if plain_top_k is not None:  # a drafter learning the target's law of every plain step
+            observe(host, 1)
+
+    drafting: list[list[float]] = [[] for _ in shapes]  # each call's drafting, of the call's time
+
+    def spec(shape, drafted: list[float]):
+        def run():
+            t0 = time.perf_counter()
+            if drafter is None:
+                tree = TokenTree.from_shape(shape, seq[:, :shape.n])
+            else:
+                context = DraftContext(seq, lengths, rows)
+                tree = drafter.propose(context, shape)
+                check_draft(tree, context.last_tokens(), vocab)
+                if tree.n > 1:  # the first child, as if it were accepted, then a bonus
+                    seq[torch.arange(batch), lengths] = tree.tokens[:, 1]
+            tree = tree.to(device)
+            ms = (time.perf_counter() - t0) * 1e3
+            with leading():  # as the loop's tree passes
+                host, result = speculative_step(model, cache, tree, params, draws, top_k=top_k, runner=runner)
+            cache.seqlens -= result.num_accepted.to(cache.seqlens.dtype)
+            if drafter is not None:  # the drafter learning from the step is drafting work, as in the loop
+                t0 = time.perf_counter()
+                observe(host, 2)
+                ms += (time.perf_counter() - t0) * 1e3
+            drafted.append(ms)
+        return run
+
+    inner = getattr(drafter, "level_model", None)
+    catch_ms = 0.0
+    try:
+        # compiled passes and CUDA graphs: a few fixed sizes, each compiled (seconds on the CPU) before
+        # it is timed; cut by the budget, the choice would know the smallest size alone
+        ms = _timed_rounds([ar] + [spec(s, d) for s, d in zip(shapes, drafting)], budget_s, _sync(device),
+                           keep_all=mode != "eager")
+        shapes = shapes[: len(ms) - 1]  # the sizes measured within the budget
+        if inner is not None:  # the drafter model reading a context of CATCH tokens (a probe's catch-up)
+            own = inner.allocate_cache(batch, CATCH)
+            ids = (seq[:, :CATCH] % inner.vocab_size).to(inner.device)
+            catch_ms = _timed_rounds([lambda: (own.seqlens.zero_(), inner.prefill(ids, own))], budget_s / 8,
+                                     _sync(device))[0] / CATCH
+    finally:
+        if drafter is not None:
+            drafter.reset()
+            if state is not None:
+                drafter.generator.set_state(state)
+    cache.seqlens.zero_()
+    draft = [statistics.median(d[2:] if len(d) > 3 else d) for d in drafting[: len(shapes)]]  # warm-up left out
+    return CostProfile(ms[0], tuple(s.n for s in shapes), tuple(max(t - d, 1e-3) for t, d in zip(ms[1:], draft)),
+                       tuple(draft), catch_ms, tuple(s.max_depth for s in shapes) if inner is not None else ())
+
+
+def describe(profile: CostProfile) -> list[dict]:
+    """The profile as table rows: nodes, the target's and the drafter's milliseconds, and the
+    whole iteration in autoregressive steps."""
+    rows = [dict(nodes=1, target_ms=profile.step_ms, draft_ms=0.0, steps=1.0)]
+    rows += [dict(nodes=n, target_ms=t, draft_ms=d, steps=profile.in_steps(n))
+             for n, t, d in zip(profile.nodes, profile.tree_ms, profile.draft_ms)]
+    return rows
+

@@ -1,0 +1,206 @@
+"""One decoding step's device work, each ending in ONE device-to-host transfer of everything the
+host needs (the emitted tokens, their counts, and what the drafter learns from): the prefill's
+first token (:func:`prefill_rows`), an autoregressive step (:func:`autoregressive_step`) and a
+speculative step (:func:`speculative_step`: tree pass, verification, commit). The decoding loop
+(:mod:`stree.decoding.loop`) and the cost model (:mod:`stree.decoding.cost`) both run them."""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from .distributed import agree
+from ..runtime.runners import DecodeRunner
+from ..tree import TokenTree
+from ..sampling.verify import SamplingParams, VerifyResult, greedy_path, verify
+
+__all__ = ["HostStep", "autoregressive_step", "check_draft", "prefill_rows", "speculative_step"]
+
+
+@dataclass
+class HostStep:
+    """What one decoding step hands the host, from one device-to-host transfer: per row the
+    ``tokens [B, L]`` emitted (the first ``counts[b]``) and, when ``top_k`` was asked for, the
+    target distributions they came from (``TargetTop`` parts ``[B, L, k]`` and ``[B, L]``)."""
+
+    tokens: torch.Tensor
+    counts: torch.Tensor
+    finite: torch.Tensor  # [B] bool: every logit of the row was finite
+    top_ids: torch.Tensor | None = None
+    top_probs: torch.Tensor | None = None
+    token_probs: torch.Tensor | None = None
+
+
+def _finite(logits: torch.Tensor, params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
+    """Whether each position's logits are free of NaN and +inf (one sum, one compare: both survive
+    the sum; -inf, a token ruled out, is allowed), and the logits with the bad positions zeroed
+    when sampling, so that no NaN reaches a draw (a crash on the CPU, a device assert on CUDA)
+    before the host sees the flag."""
+    finite = _finite_rows(logits)
+    return finite, logits if params.greedy else logits.where(finite[..., None], 0.0)
+
+
+def _finite_rows(logits: torch.Tensor) -> torch.Tensor:
+    return logits.sum(-1) < float("inf")
+
+
+def _emitted(tokens: torch.Tensor, accepted: torch.Tensor, num: torch.Tensor, bonus: torch.Tensor) -> torch.Tensor:
+    """Each row's emitted tokens ``[B, L]``: the accepted drafts below the root, then the bonus."""
+    path = tokens.gather(1, accepted)
+    return torch.cat([path[:, 1:], path[:, :1]], 1).scatter(1, (num - 1)[:, None], bonus[:, None])
+
+
+def _along(x: torch.Tensor, accepted: torch.Tensor) -> torch.Tensor:
+    """``x [B, N, V]`` at each row's accepted path ``[B, L]``: ``[B, L, V]``."""
+    return x.gather(1, accepted[:, :, None].expand(-1, -1, x.shape[-1]))
+
+
+def _to_host(tokens: torch.Tensor, counts: torch.Tensor, probs: torch.Tensor | None, top_k: int,
+             finite: torch.Tensor) -> HostStep:
+    """Pack everything into one fp32 tensor, move it once, unpack on the host (:func:`pack`)."""
+    packed = pack(tokens, counts, probs, top_k, finite)
+    return unpack(packed.cpu(), tokens.shape[1], finite[0].numel(), packed_k(probs, top_k))  # the one sync
+
+
+def packed_k(probs: torch.Tensor | None, top_k: int) -> int | None:
+    """How many target entries per token :func:`pack` stores (None: no laws at all)."""
+    return None if probs is None else min(top_k, probs.shape[-1])
+
+
+def pack(tokens: torch.Tensor, counts: torch.Tensor, probs: torch.Tensor | None, top_k: int,
+         finite: torch.Tensor) -> torch.Tensor:
+    """Everything the host needs from a step in one fp32 tensor ``[B, ...]`` (cat promotes the
+    ids; vocabularies stay below 2^24, where fp32 holds integers exactly): the emitted ``tokens
+    [B, L]``, their ``counts``, ``finite [B, ...]`` (:func:`_finite`) and, with ``probs [B, L,
+    V]`` (the law each emitted token was drawn from; None: no drafter learns), its top-``top_k``
+    and each emitted token's probability. Tensors only: a compiled pass packs for itself."""
+    B = tokens.shape[0]
+    parts = [tokens, counts[:, None], finite.reshape(B, -1)]
+    if probs is not None:
+        top_p, top_i = torch.topk(probs, packed_k(probs, top_k), dim=-1)
+        parts += [top_i.flatten(1), top_p.flatten(1), probs.gather(-1, tokens[..., None])[..., 0]]
+    return torch.cat(parts, 1).float()
+
+
+def unpack(host: torch.Tensor, L: int, m: int, k: int | None) -> HostStep:
+    """The :class:`HostStep` in a packed host tensor of ``L`` tokens a row, ``m`` finiteness flags
+    and ``k`` target entries per token (None: no laws packed)."""
+    B = host.shape[0]
+    out = HostStep(host[:, :L].long(), host[:, L].long(), host[:, L + 1: L + 1 + m].bool().all(1))
+    if k is not None:
+        at = L + 1 + m
+        out.top_ids = host[:, at: at + L * k].long().view(B, L, k)
+        out.top_probs = host[:, at + L * k: at + 2 * L * k].view(B, L, k)
+        out.token_probs = host[:, at + 2 * L * k:]
+    return out
+
+
+def prefill_rows(model, rows, cache, params: SamplingParams, generator, top_k: int | None) -> HostStep:
+    """Feed the prompts of ``rows`` (the loop's :class:`~stree.decoding.loop.Rows`) into the (empty)
+    cache and draw each row's first token."""
+    longest = int(rows.lengths.max())
+    logits = model.prefill(rows.seq[:, :longest].to(model.device), cache, lengths=rows.lengths)
+    finite, logits = _finite(logits, params)
+    first, = agree(model, params.sample(logits, generator)[:, None])
+    probs = None if top_k is None else params.observed(logits)[:, None]
+    return _to_host(first, torch.ones_like(first[:, 0]), probs, top_k or 0, finite)
+
+
+def autoregressive_step(model, cache, roots: torch.Tensor, params: SamplingParams, generator,
+                        runner: DecodeRunner | None = None, top_k: int | None = None) -> HostStep:
+    """One token for every row: the target's step on the roots (the ``runner``'s step, a CUDA graph
+    or a compiled one, when given), then one sampled token each, with the law it was drawn from
+    when ``top_k`` is set (a drafter learning from the target's distributions)."""
+    logits = runner.step()(roots, validate=False) if runner is not None else model.step(roots, cache, validate=False)
+    finite, logits = _finite(logits, params)
+    nxt, = agree(model, params.sample(logits, generator))
+    probs = None if top_k is None else params.observed(logits)[:, None]
+    return _to_host(nxt[:, None], torch.ones_like(nxt), probs, top_k or 0, finite)
+
+
+def speculative_step(model, cache, draft: TokenTree, params: SamplingParams, generator, scan: str = "tree",
+                     top_k: int | None = None, lap=None, runner: DecodeRunner | None = None):
+    """Score ``draft`` (on the model's device, checked on the host) in one tree pass, verify it,
+    commit the accepted paths, and hand the host the emitted tokens (accepted drafts, then the
+    bonus) with their target laws when ``top_k`` is set. Returns ``(host, result)``. With a
+    ``runner``, a draft of a static shape goes through that shape's tree pass and commit (CUDA
+    graphs or compiled).
+    ``lap(phase)``, if given, is called after "verify" (tree pass and verification) and "commit"."""
+    fast = runner is not None and scan == "tree" and draft.static_shape is not None
+    fused = fast and params.greedy and runner.fused(_greedy_iteration, draft.static_shape, "greedy")
+    if fused:  # the pass, greedy verification and the host's packing as one compiled graph
+        k = None if top_k is None else min(top_k, model.vocab_size)
+        depth = draft.static_shape.max_depth
+        valid = draft.valid if draft.valid is not None else _all_valid(draft.tokens.shape, draft.tokens.device)
+        tree_pass, (accepted, num, bonus, packed) = fused(draft.tokens, valid, depth, k)
+        result = VerifyResult(accepted, num, bonus, None)
+        if lap is not None:
+            lap("verify")
+        runner.tree(draft.static_shape)[1](tree_pass, accepted, num)
+        host = unpack(packed.cpu(), depth + 1, draft.n, k)  # the step's one device-to-host sync
+        if lap is not None:
+            lap("commit")
+        return host, result
+    if fast:
+        fast_tree, fast_commit = runner.tree(draft.static_shape)
+        logits, tree_pass = fast_tree(draft.tokens, validate=False)
+    else:
+        logits, tree_pass = model.forward_tree(draft, cache, scan=scan, validate=False)
+    finite, logits = _finite(logits, params)
+    result = verify(draft, logits, params, generator=generator, validate=False)
+    result.accepted, result.num_accepted, result.bonus = agree(model, result.accepted, result.num_accepted,
+                                                               result.bonus)  # rank 0's, under tensor parallelism
+    if lap is not None:
+        lap("verify")
+    if fast:
+        fast_commit(tree_pass, result.accepted, result.num_accepted)
+    else:
+        model.commit(cache, tree_pass, result.accepted, result.num_accepted, validate=False)
+    out = _emitted(draft.tokens, result.accepted, result.num_accepted, result.bonus)
+    probs = None
+    if top_k is not None:
+        probs = (_along(result.probs, result.accepted) if result.probs is not None
+                 else params.observed(_along(logits, result.accepted)))
+    host = _to_host(out, result.num_accepted, probs, top_k or 0, finite)
+    if lap is not None:
+        lap("commit")
+    return host, result
+
+
+@functools.lru_cache(maxsize=64)
+def _all_valid(shape: tuple, device: torch.device) -> torch.Tensor:
+    """A draft without a validity mask as one with every node valid: a compiled graph takes the
+    one kind of input (None there would be another graph, compiled again inside decoding)."""
+    return torch.ones(shape, dtype=torch.bool, device=device)
+
+
+def _greedy_iteration(model, tokens, index, cache, kernels: str, valid, max_depth: int, k: int | None):
+    """A static shape's tree pass, greedy verification, the emitted tokens and their packing for
+    the host (with the target's top-``k`` laws along the accepted path where a drafter learns
+    from them): tensors only, for :meth:`~stree.runtime.runners.DecodeRunner.fused` to compile as
+    one graph. The same arithmetic as the eager step's (:func:`speculative_step`), tested equal."""
+    logits, ssm, attn = model.tree_layers(tokens, index, cache, "tree", kernels)
+    accepted, num, bonus = greedy_path(index.parents, tokens, valid, logits.argmax(-1), max_depth)
+    probs = None if k is None else _GREEDY.observed(_along(logits, accepted))
+    packed = pack(_emitted(tokens, accepted, num, bonus), num, probs, k or 0, _finite_rows(logits))
+    return ssm, attn, (accepted, num, bonus, packed)
+
+
+_GREEDY = SamplingParams(0.0)
+
+
+def check_draft(draft: TokenTree, roots: torch.Tensor, vocab_size: int) -> None:
+    """The drafter's tree, on the host (no device is waited on): one row per drafted row, the
+    rows' roots, every id in the vocabulary."""
+    if not isinstance(draft, TokenTree) or draft.batch_size != len(roots):
+        raise ValueError(f"the drafter must return a TokenTree with one row per active row ({len(roots)})")
+    if not bool((draft.tokens[:, 0].cpu() == roots).all()):
+        raise ValueError("the drafter returned a tree whose root token is not the row's last token")
+    bad = (draft.tokens < 0) | (draft.tokens >= vocab_size)
+    if bool(bad.any()):
+        pos = tuple(int(v) for v in torch.nonzero(bad)[0])
+        raise ValueError(f"tree.tokens{list(pos)} = {int(draft.tokens[pos])} is outside the vocabulary [0, {vocab_size})")
+    if draft.child_ids is not None and bool(((draft.child_ids < 0) | (draft.child_ids >= vocab_size)).any()):
+        raise ValueError(f"tree.child_ids holds ids outside the vocabulary [0, {vocab_size})")

@@ -1,0 +1,127 @@
+"""The tree conv1d and the tree scan of a small tree on the CPU, compiled with numba: what
+:func:`stree.kernels.tree_conv1d.tree_conv1d` and :func:`stree.kernels.tree_scan.tree_scan` compute,
+each in one call instead of the PyTorch path's ~10 and ~25 ops (a tree pass of a few nodes on a
+CPU is bound by per-op overhead, as a decode step is: :mod:`.step_jit`). Taken by
+``backend="auto"`` for CPU float32 tensors outside autograd and ``torch.compile`` while the tree
+is small (:func:`jit_tree_fits`): the work here grows with each node's depth, the PyTorch path's
+with the square of the node count but in multi-threaded batched products. Tested against the
+float64 definitions beside the Triton kernels and the PyTorch path. Arithmetic in float64, stored
+in the outputs' float32. Batch rows run in parallel on numba's threading layer (OpenMP or TBB
+where installed, both thread-safe; numba's fallback, workqueue, is not: several Python threads
+decoding at once, as a threaded server would, need one of the two).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+from numba import njit, prange
+
+from .._common import jit_fits
+from .step_jit import processed_dt
+
+__all__ = ["JIT_MAX_NODES", "jit_tree_fits", "tree_conv_rows", "tree_scan_rows"]
+
+# Trees of at most this many nodes a row take the compiled path (decoding trees); longer inputs
+# (a prefill's chain, a drafter's 600-node tree) stay on the batched products.
+JIT_MAX_NODES = 64
+# Reassociation and fused multiply-adds let LLVM vectorise the dot products; no assumption that
+# values are finite (a NaN or inf must reach the logits, where decoding checks for them).
+_FAST = {"reassoc", "contract"}
+
+
+def jit_tree_fits(n: int, *tensors) -> bool:
+    """Whether the compiled path takes a tree of ``n`` nodes over ``tensors`` (None allowed):
+    :func:`~._common.jit_fits`, outside autograd and ``torch.compile``."""
+    if n > JIT_MAX_NODES or torch.compiler.is_compiling() or not jit_fits(*tensors):
+        return False
+    return not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors))
+
+
+@njit(cache=True, fastmath=_FAST, parallel=True)
+def tree_conv_rows(xBC, parents, state, weight, bias, has_bias, out):
+    """xBC ``[b, n, dim]``, parents ``[rows, n]`` (rows 1 or b; parents before children), state
+    ``[b, dim, K]`` (newest last), weight ``[dim, K]``, bias ``[dim]``; out ``[b, n, dim]``: node
+    i's taps over its path (itself at tap K - 1, its parent at K - 2, ..., then the state's newest
+    columns), + bias; the activation is the caller's (a vectorised SiLU: numba's exp is scalar)."""
+    batch, n, dim = xBC.shape
+    K = state.shape[2]
+    rows = parents.shape[0]
+    taps = np.ascontiguousarray(weight.T)  # [K, dim]: the loops below run along dim
+    for b in prange(batch):  # rows in parallel, as in tree_scan_rows
+        past = np.empty((K, dim), dtype=np.float32)  # the state's columns, as rows
+        acc = np.empty(dim)
+        r = np.int64(b) if rows > 1 else np.int64(0)  # (prange's index is unsigned)
+        for k in range(K):
+            for c in range(dim):
+                past[k, c] = state[b, c, k]
+        for i in range(n):
+            for c in range(dim):
+                acc[c] = float(bias[c]) if has_bias else 0.0
+            pos = i
+            for k in range(K - 1, -1, -1):  # tap k reads the node K - 1 - k steps up its path
+                if pos >= 0:
+                    for c in range(dim):
+                        acc[c] += float(taps[k, c]) * float(xBC[b, pos, c])
+                    pos = parents[r, pos]
+                else:
+                    for c in range(dim):
+                        acc[c] += float(taps[k, c]) * float(past[K + pos, c])
+                    pos -= 1
+            for c in range(dim):
+                out[b, i, c] = acc[c]
+
+
+@njit(cache=True, fastmath=_FAST, parallel=True)
+def tree_scan_rows(x, dt, A, B, C, D, has_D, bias, has_bias, softplus, lo, hi, parents, x0, has_x0, y):
+    """x ``[b, n, h, p]``, dt ``[b, n, h]`` raw, A and bias ``[h]``, B and C ``[b, n, g, s]``, D
+    ``[h, p]``, parents ``[rows, n]`` (parents before children), x0 ``[b, h, p, s]``; y ``[b, n, h,
+    p]`` = C_i . (exp(Atree_i) x0) + sum over i's ancestors-or-self j of exp(Atree_i - Atree_j)
+    (C_i . B_j) dt_j x_j, + D x_i (the tree scan's definition, walked along each node's path)."""
+    x, B, C = np.ascontiguousarray(x), np.ascontiguousarray(B), np.ascontiguousarray(C)  # (views of one
+    # conv output: contiguous copies let the loops over d_state and headdim vectorise)
+    batch, n, heads, headdim = x.shape
+    groups, dstate = B.shape[2], B.shape[3]
+    per_group = heads // groups
+    rows = parents.shape[0]
+    for b in prange(batch):  # rows in parallel: measured faster from batch 8 on
+        d = np.empty((n, heads))  # dt after bias, softplus and clamp
+        at = np.empty((n, heads))  # Atree: dA summed over the node's path
+        cb = np.empty(groups)
+        acc = np.empty((heads, headdim))
+        r = np.int64(b) if rows > 1 else np.int64(0)  # (prange's index is unsigned)
+        for i in range(n):
+            q = parents[r, i]
+            for h in range(heads):
+                v = processed_dt(dt[b, i, h], bias[h], has_bias, softplus, lo, hi)
+                d[i, h] = v
+                at[i, h] = v * float(A[h]) + (at[q, h] if q >= 0 else 0.0)
+        for i in range(n):
+            for h in range(heads):
+                g = h // per_group
+                e = math.exp(at[i, h])
+                for p in range(headdim):
+                    a = float(D[h, p]) * float(x[b, i, h, p]) if has_D else 0.0
+                    if has_x0:
+                        s0 = 0.0
+                        for s in range(dstate):
+                            s0 += float(C[b, i, g, s]) * x0[b, h, p, s]
+                        a += e * s0
+                    acc[h, p] = a
+            j = i
+            while j >= 0:
+                for g in range(groups):
+                    s0 = 0.0
+                    for s in range(dstate):
+                        s0 += float(C[b, i, g, s]) * float(B[b, j, g, s])
+                    cb[g] = s0
+                for h in range(heads):
+                    coef = math.exp(at[i, h] - at[j, h]) * cb[h // per_group] * d[j, h]
+                    for p in range(headdim):
+                        acc[h, p] += coef * float(x[b, j, h, p])
+                j = parents[r, j]
+            for h in range(heads):
+                for p in range(headdim):
+                    y[b, i, h, p] = acc[h, p]

@@ -1,0 +1,185 @@
+"""``torch.compile`` for the calls a decode loop repeats, on the CPU: ``step`` and ``forward_tree``
+of static tree shapes. At the sizes where speculation pays on a CPU the loop is bound by per-op
+overhead (a step is ~20 small ops per layer); Inductor fuses the elementwise work into a few C++
+loops. ``commit`` is the model's own: a few gathers and one replay, which on the CPU runs compiled
+by numba (``stree.kernels.cpu.replay_jit``); the Inductor-compiled PyTorch replay measured slower
+(the shipped target, 13-node tree, batch 1 and 4), its guards alone a large part of it. On CUDA the loop replays CUDA graphs instead (:mod:`.graphs`),
+the commit included. :meth:`CompiledModel.fused` compiles a decoding step's own work around the
+tree pass into the pass's graph (greedy verification and the host's packing,
+``stree.decoding.steps``): run eager, a small iteration's verification and packing measured almost as
+long as a step.
+
+The compiled functions are the eager ones (``step_pass``, ``tree_layers``), which stay the
+reference: tests compare the two. Compiling costs seconds per function and shape, once per process
+and model; shapes are static (``dynamic=False``). Each batch size and tree shape gets its own copy
+of the function to compile: dynamo counts recompilations per code object, and past its limit (8)
+runs the eager code, which one shared copy reached as soon as a process decoded two batch sizes
+(tree passes then ran eager inside a compiled loop). A copy recompiles only for another size of the
+cache's tensors (the attention layers' keys and values; an SSM's state has one size). Tokens are
+passed as dense copies: guards check strides too, and a draft cut to a prefix, or the roots read
+from the context, are views whose strides would compile the function again inside decoding."""
+
+from __future__ import annotations
+
+import types
+import weakref
+
+import torch
+
+from ..tree import TokenTree, TreeShape
+from ..models.base import TreeLM
+from ..models.cache import ModelCache, TreePass
+from .runners import DecodeRunner, check_tree_tokens
+
+__all__ = ["CompiledModel", "CompiledDecode"]
+
+KERNELS = "torch"  # the PyTorch path is what Inductor fuses (not numba's CPU kernels, nor Triton's for CUDA)
+
+
+def _step(model: TreeLM, tokens, cache: ModelCache):
+    logits = model.step_pass(tokens, cache, KERNELS)
+    cache.seqlens += 1
+    return logits
+
+
+def _tree(model: TreeLM, tokens, index, cache: ModelCache):
+    return model.tree_layers(tokens, index, cache, "tree", KERNELS)
+
+
+
+# Guards on the attributes of torch's own modules (Linear, Conv1d, ...) measured as costly a call
+# as a 1-layer step's compute; they are skipped. That is safe here because every
+# CompiledModel compiles its own copies of the functions (so guards never have to tell models
+# apart) and refuses a model whose dtype or device changed; parameters are read afresh each call.
+_OPTIONS = ({"guard_filter_fn": torch.compiler.skip_guard_on_inbuilt_nn_modules_unsafe}
+            if hasattr(torch.compiler, "skip_guard_on_inbuilt_nn_modules_unsafe") else {})
+
+
+def _dense(tokens: torch.Tensor) -> torch.Tensor:
+    """A copy with row-major strides (``contiguous`` keeps a view's stride along a dimension of
+    size 1, which the guards would still see)."""
+    return tokens.clone(memory_format=torch.contiguous_format)
+
+
+def _own_compiled(fn):
+    """``fn`` compiled from its own copy of the code: dynamo keeps graphs per code object, so the
+    copy has its own graphs and its own recompile count."""
+    copy = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__)
+    return torch.compile(copy, dynamic=False, options=_OPTIONS)
+
+
+class CompiledModel:
+    """``model`` with ``step`` and ``forward_tree`` compiled (``commit`` is the model's own), same
+    signatures and checks; everything else (``prefill``, ``allocate_cache``, ...) is the model's own. A tree
+    without a static shape (or another scan than "tree") takes the eager pass: its index is
+    new every call, and each would compile anew. Works with any cache of the model, so a drafter
+    model can be handed over in its place. ``CompiledModel.of(model)`` shares one per model.
+
+    The model's parameters may change in value, not in dtype, device or shape (a changed dtype or
+    device is refused: wrap the model again)."""
+
+    _shared: "weakref.WeakKeyDictionary[TreeLM, CompiledModel]" = weakref.WeakKeyDictionary()
+
+    def __init__(self, model: TreeLM):
+        if not isinstance(model, TreeLM) or model.device.type != "cpu":
+            raise ValueError(f"the compiled decode path is for stree models on the CPU (CUDA replays graphs), got "
+                             f"{type(model).__name__} on {getattr(model, 'device', None)}")
+        self.model = model
+        self._made_for = (model.dtype, model.device)
+        self._fns: dict = {}  # (function, batch size, tree shape) -> its own compiled copy
+        self._warm: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictionary()
+
+    @classmethod
+    def of(cls, model: TreeLM) -> "CompiledModel":
+        if model not in cls._shared:
+            cls._shared[model] = cls(model)
+        return cls._shared[model]
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+    @torch.no_grad()  # what is traced is inference: no autograd graph around the parameters
+    def _call(self, fn, key, *args):
+        if (self.model.dtype, self.model.device) != self._made_for:
+            raise ValueError(f"the model is now {self.model.dtype} on {self.model.device} but was compiled for "
+                             f"{self._made_for[0]} on {self._made_for[1]}: make a new CompiledModel")
+        compiled = self._fns.get((fn, key))
+        if compiled is None:
+            compiled = self._fns[(fn, key)] = _own_compiled(fn)
+        return compiled(self.model, *args)
+
+    def step(self, tokens: torch.Tensor, cache: ModelCache, validate: bool = True) -> torch.Tensor:
+        self.model.check_step(tokens, cache, validate)
+        logits = self._call(_step, (cache.batch_size,), _dense(tokens), cache)
+        cache.moved()
+        return logits
+
+    def forward_tree(self, tree: TokenTree, cache: ModelCache, scan: str = "tree", validate: bool = True):
+        index, max_depth = self.model.check_tree(tree, cache, scan, validate)
+        if scan != "tree" or tree.static_shape is None:
+            return self.model.tree_pass(tree, index, cache, scan, KERNELS, max_depth)
+        self.warm(tree, index, cache)
+        logits, ssm, attn = self._call(_tree, (cache.batch_size, tree.static_shape), _dense(tree.tokens), index, cache)
+        return logits, TreePass(tree, index, max_depth, ssm, attn, weakref.ref(cache), cache.version)
+
+    def warm(self, tree: TokenTree, index, cache: ModelCache) -> None:
+        """Before a static shape's first compiled pass, one eager pass (it changes no state): it
+        fills the masks the index memoises, which the compiled graph then reads as constants;
+        filling them while tracing would fail the graph's own guards on the next call and compile
+        it twice."""
+        if self._warm.get(id(index)) is not index:
+            with torch.no_grad():
+                self.model.tree_layers(tree.tokens, index, cache, "tree", KERNELS)
+            self._warm[id(index)] = index
+
+    def fused(self, fn, tree: TokenTree, cache: ModelCache, name: str, *extra):
+        """``fn(model, tokens, index, cache, kernels, *extra)``, which runs the tree pass of a static
+        shape (``tree_layers``) and returns ``(ssm, attn, rest)``, compiled as one graph per batch
+        size, shape and ``name`` (``extra``, Python values, are constants of it): the work a
+        decoding step does around the pass, in the pass's graph. Returns ``(TreePass, rest)``."""
+        index, max_depth = self.model.check_tree(tree, cache, "tree", validate=False)
+        self.warm(tree, index, cache)
+        constants = tuple(x for x in extra if not isinstance(x, torch.Tensor))  # a copy of its own for each
+        extra = tuple(_dense(x) if isinstance(x, torch.Tensor) else x for x in extra)
+        ssm, attn, rest = self._call(fn, (cache.batch_size, tree.static_shape, name, constants), _dense(tree.tokens), index,
+                                     cache, KERNELS, *extra)
+        return TreePass(tree, index, max_depth, ssm, attn, weakref.ref(cache), cache.version), rest
+
+    def commit(self, cache: ModelCache, tree_pass: TreePass, accepted: torch.Tensor, num_accepted: torch.Tensor,
+               validate: bool = True) -> None:
+        self.model.commit(cache, tree_pass, accepted, num_accepted, validate)  # eager: see the module docstring
+
+
+class CompiledDecode(DecodeRunner):
+    """The compiled step, and tree pass + commit per tree shape, for one model, batch size and
+    cache size, all on the pool's cache."""
+
+    def __init__(self, model: TreeLM, batch_size: int, max_length: int):
+        self.compiled = CompiledModel.of(model)
+        self._fused: dict = {}  # (shape, name) -> its fused pass (see fused)
+        super().__init__(model, batch_size, max_length)
+
+    def make_step(self):
+        return lambda tokens, validate=True: self.compiled.step(tokens, self.cache, validate)
+
+    def make_tree(self, shape: TreeShape):
+        new_tokens = shape.max_depth + 1  # the most a commit can add
+
+        def tree_pass(tokens: torch.Tensor, validate: bool = True):
+            check_tree_tokens(self.model, self.cache, tokens, (self.cache.batch_size, shape.n), new_tokens, validate)
+            return self.compiled.forward_tree(TokenTree.from_shape(shape, tokens), self.cache, validate=False)
+
+        def commit(tree_pass: TreePass, accepted: torch.Tensor, num_accepted: torch.Tensor) -> None:
+            self.compiled.commit(self.cache, tree_pass, accepted, num_accepted, validate=False)
+
+        return tree_pass, commit
+
+    def fused(self, fn, shape: TreeShape, name: str):
+        """See :meth:`DecodeRunner.fused`: compiled by :meth:`CompiledModel.fused`."""
+        if (shape, name) not in self._fused:
+            def run(tokens: torch.Tensor, *extra):
+                check_tree_tokens(self.model, self.cache, tokens, (self.cache.batch_size, shape.n),
+                                  shape.max_depth + 1, False)
+                return self.compiled.fused(fn, TokenTree.from_shape(shape, tokens), self.cache, name, *extra)
+            self._fused[(shape, name)] = run
+        return self._fused[(shape, name)]

@@ -1,0 +1,1 @@
+"""Lossless verification of a token tree against the target's logits, and its numba-compiled CPU walk."""

@@ -1,0 +1,347 @@
+"""Lossless verification of a drafted token tree against the target's logits at every node.
+
+Every rule is a *one-node* rule applied top-down (DRAFTING_AND_VERIFICATION.md §3): at the current
+node the children are tried in draw order (index order); the first accepted child becomes the
+current node; when all are rejected, or the node has no children, the emitted token is drawn from
+the node's residual distribution. :func:`acceptance_tables` computes, for every node at once, the
+probability that a child is accepted given that its parent was reached and its earlier siblings
+were rejected, and each node's residual; :func:`verify` then needs one uniform per node and one
+draw from the residual of the last accepted node. Rules, chosen from what the tree carries:
+
+- ``greedy`` (temperature 0): accept the child equal to the argmax; the bonus is the argmax.
+- ``one_hot`` (no ``child_probs``: deterministic drafts): accept x with p(x); on rejection zero x
+  in p and renormalise.
+- ``iid`` (``with_replacement``; SpecInfer multi-step): accept x with min(1, p(x)/q(x)); on rejection
+  p <- norm(max(0, p - q)) with the same q.
+- ``without_replacement`` (recursive rejection sampling): as ``iid`` but with the conditional q_i,
+  i.e. q with the earlier siblings' tokens zeroed and renormalised, in the residual as well.
+- ``naive`` (``mode="naive"``): one target draw per node; follow the child equal to it, emit the
+  draw at the first node where no child matches.
+
+Chain speculative sampling is the one-child case of ``iid`` / ``without_replacement`` (the two are
+the same rule for one child). Invalid (padding) nodes are never accepted and change no residual.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..tree import TokenTree
+
+__all__ = ["RULES", "SamplingParams", "VerifyResult", "acceptance_tables", "choose_rule", "follow_choices",
+           "process_logits", "sample_tokens", "verify"]
+
+RULES = ("greedy", "one_hot", "iid", "without_replacement", "naive")
+MODES = ("auto", "naive")
+# On the CPU the stochastic rules walk compiled (stree.sampling.verify_jit); the tables below are the
+# reference, and what runs on other devices.
+COMPILED_ON_CPU = True
+
+
+@dataclass
+class VerifyResult:
+    """``accepted`` ``[B, D+1]``: accepted node indices root first (entries past ``num_accepted``
+    are 0); ``num_accepted`` ``[B]`` counts the root; ``bonus`` ``[B]``: the correction or bonus
+    token. ``probs`` ``[B, N, V]``: the processed target distributions (None for greedy)."""
+
+    accepted: torch.Tensor
+    num_accepted: torch.Tensor
+    bonus: torch.Tensor
+    probs: torch.Tensor | None = None
+
+
+def check_sampling(temperature: float, top_k: int, top_p: float) -> None:
+    if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real) or not temperature >= 0:
+        raise ValueError(f"temperature must be a number >= 0, got {temperature!r}")
+    if not math.isfinite(temperature):  # inf would sample uniformly, silently
+        raise ValueError(f"temperature must be finite, got {temperature!r}")
+    if isinstance(top_k, bool) or not isinstance(top_k, numbers.Integral) or top_k < 0:
+        raise ValueError(f"top_k must be an int >= 0 (0 disables it), got {top_k!r}")
+    if not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How tokens are chosen, validated once: ``temperature`` 0 is greedy decoding (argmax), else
+    draws from softmax(logits / temperature) restricted to the ``top_k`` most likely tokens (0:
+    all) and then to the smallest set reaching mass ``top_p``. ``mode`` "naive" verifies drafts by
+    exact-match sampling instead of the lossless rejection rules. Sampling, verification and the
+    distributions drafters learn from all read it, so "temperature 0" means one thing."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    mode: str = "auto"
+
+    def __post_init__(self):
+        check_sampling(self.temperature, self.top_k, self.top_p)
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """The sampling distribution (a ValueError at temperature 0: greedy has none)."""
+        return process_logits(logits, self.temperature, self.top_k, self.top_p)
+
+    def sample(self, logits: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+        """One token per row of ``logits [B, V]``."""
+        return sample_tokens(logits, self.temperature, self.top_k, self.top_p, generator)
+
+    def observed(self, logits: torch.Tensor) -> torch.Tensor:
+        """What emitted tokens were drawn from, for drafters to learn: at temperature 0 the plain
+        softmax (the argmax law would teach them nothing about the runners-up)."""
+        return torch.softmax(logits.float(), -1) if self.greedy else self.probs(logits)
+
+
+def process_logits(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
+    """The target's sampling distribution, in fp32: logits / temperature, then top-k, then top-p
+    (the smallest set of most likely tokens whose mass reaches ``top_p``)."""
+    check_sampling(temperature, top_k, top_p)
+    if temperature == 0:
+        raise ValueError("temperature 0 is greedy decoding: there is no distribution to process")
+    x = logits.float() / temperature
+    if 0 < top_k < x.shape[-1]:
+        kth = torch.topk(x, top_k, dim=-1).values[..., -1:]
+        x = x.masked_fill(x < kth, float("-inf"))
+    probs = torch.softmax(x, dim=-1)
+    if top_p < 1:
+        sorted_p, order = torch.sort(probs, dim=-1, descending=True)
+        mass_before = sorted_p.cumsum(-1) - sorted_p
+        sorted_p = sorted_p.masked_fill(mass_before >= top_p, 0.0)
+        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+def sample_tokens(logits: torch.Tensor, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+                  generator: torch.Generator | None = None) -> torch.Tensor:
+    """One token per row of ``logits`` ``[B, V]``: the argmax at temperature 0, else a draw from
+    :func:`process_logits`."""
+    check_sampling(temperature, top_k, top_p)
+    if temperature == 0:
+        return logits.float().argmax(-1)
+    return torch.multinomial(process_logits(logits, temperature, top_k, top_p), 1, generator=generator)[:, 0]
+
+
+def choose_rule(tree: TokenTree, temperature: float, mode: str = "auto") -> str:
+    if mode not in MODES:
+        raise ValueError(f"mode must be 'auto' or 'naive', got {mode!r}")
+    if temperature == 0:
+        return "greedy"
+    if mode == "naive":
+        return "naive"
+    if tree.child_probs is None:
+        return "one_hot"
+    return "iid" if tree.with_replacement else "without_replacement"
+
+
+def _normalize(t: torch.Tensor, fallback: torch.Tensor) -> torch.Tensor:
+    """``t`` rescaled to sum 1 over the last axis; ``fallback`` where it has no mass (a rejection
+    that had probability 0, so the value is never used)."""
+    s = t.sum(-1, keepdim=True)
+    return torch.where(s > 0, t / s.clamp_min(torch.finfo(t.dtype).tiny), fallback)
+
+
+def _sibling_rank(parents: torch.Tensor) -> torch.Tensor:
+    """``[B, N]``: how many lower-indexed siblings each node has (its position in draw order)."""
+    n = parents.shape[-1]
+    earlier = torch.ones(n, n, dtype=torch.bool, device=parents.device).tril(-1)
+    return ((parents[:, :, None] == parents[:, None, :]) & earlier).sum(-1)
+
+
+def _draft_law(tree: TokenTree, V: int, dtype: torch.dtype, validate: bool = True) -> torch.Tensor:
+    """Dense ``[B, N, V]`` law each node's children were drawn from, renormalised over the stored
+    entries (a truncated top-K store is sampled from its renormalised entries)."""
+    ids, pr = tree.child_ids.long(), tree.child_probs.to(dtype).clamp_min(0)
+    if validate and bool(((ids < 0) | (ids >= V)).any()):
+        raise ValueError(f"tree.child_ids holds ids outside the vocabulary [0, {V})")
+    q = torch.zeros(*ids.shape[:2], V, dtype=dtype, device=pr.device).scatter_add_(2, ids, pr)
+    return _normalize(q, torch.zeros_like(q))
+
+
+def acceptance_tables(tree: TokenTree, probs: torch.Tensor, rule: str, validate: bool = True):
+    """For the stochastic rules ``one_hot`` / ``iid`` / ``without_replacement``: ``accept`` ``[B, N]``
+    (node c's acceptance probability given its parent was reached and c's earlier siblings were
+    rejected; 0 for the root and invalid nodes) and ``residual`` ``[B, N, V]`` (the law emitted at a
+    node whose children were all rejected; p itself at a node without children).
+
+    Works in the dtype of ``probs``, so float64 inputs give the exact law (tests enumerate it)."""
+    if rule not in ("one_hot", "iid", "without_replacement"):
+        raise ValueError(f"acceptance_tables handles one_hot, iid and without_replacement, got {rule!r}")
+    B, N, V = probs.shape
+    parents = tree.parents.to(probs.device).expand(B, N)
+    valid = torch.ones(B, N, dtype=torch.bool, device=probs.device) if tree.valid is None else tree.valid.clone()
+    valid[:, 0] = False  # the root is never a candidate
+    rank = _sibling_rank(parents)
+    slot = torch.where(valid, parents, N)  # a child's parent, or a dummy column N for non-candidates
+    tokens = tree.tokens.long()
+    q = _draft_law(tree, V, probs.dtype, validate) if rule != "one_hot" else None
+    p = probs.clone()
+    accept = torch.zeros(B, N + 1, dtype=probs.dtype, device=probs.device)
+    node = torch.arange(N, device=probs.device).expand(B, N)
+    index = tree.index
+    for r in range(index.memo("max_sibling_rank", lambda: int(rank.max())) + 1):
+        # child_at[b, v]: v's child of draw rank r, or N; each parent has at most one per rank.
+        at_r = rank == r
+        child_at = torch.full((B, N + 1), N, dtype=torch.long, device=probs.device)
+        child_at.scatter_(1, torch.where(at_r, slot, N), torch.where(at_r, node, N))
+        child_at = child_at[:, :N]
+        has = child_at < N
+        x = torch.where(has, tokens.gather(1, child_at.clamp(max=N - 1)), 0)[..., None]
+        px = p.gather(2, x)[..., 0]
+        if rule == "one_hot":
+            drafted, a = has, px
+            rejected = _normalize(p.scatter(2, x, 0.0), p)
+        else:
+            qx = q.gather(2, x)[..., 0]
+            drafted = has & (qx > 0)  # a token its law could not produce is never accepted
+            a = torch.where(drafted, (px / qx.clamp_min(torch.finfo(qx.dtype).tiny)).clamp(max=1), 0)
+            rejected = _normalize((p - q).clamp_min(0), p)
+        accept.scatter_(1, torch.where(drafted, child_at, N), torch.where(drafted, a, 0))
+        p = torch.where(drafted[..., None], rejected, p)
+        if rule == "without_replacement":
+            q = torch.where(drafted[..., None], _normalize(q.scatter(2, x, 0.0), torch.zeros_like(q)), q)
+    return accept[:, :N], p
+
+
+def _walk(parents: torch.Tensor, accepted_edge: torch.Tensor, max_depth: int):
+    """Follow, from the root, the lowest-indexed child whose edge is accepted; returns the path
+    ``[B, max_depth + 1]`` (entries past its length 0), its length and its last node."""
+    B, N = accepted_edge.shape
+    node = torch.arange(N, device=parents.device).expand(B, N)
+    # first[b, v]: v's lowest accepted child, or N; column N (no node) points to itself, so a
+    # walk that ran out of accepted children stays there.
+    first = torch.full((B, N + 1), N, dtype=torch.long, device=parents.device)
+    first.scatter_reduce_(1, torch.where(accepted_edge, parents, N), torch.where(accepted_edge, node, N), "amin")
+    cur = torch.zeros(B, 1, dtype=torch.long, device=parents.device)
+    steps = [cur]
+    for _ in range(max_depth):
+        cur = first.gather(1, cur)
+        steps.append(cur)
+    path = torch.cat(steps, 1)
+    real = path < N
+    num = real.sum(1)
+    accepted = path.masked_fill_(~real, 0)
+    return accepted, num, accepted.gather(1, (num - 1)[:, None])[:, 0]
+
+
+def _max_depth(tree: TokenTree) -> int:
+    index = tree.index
+    return index.memo("max_depth", lambda: int(index.depth.max()))
+
+
+def follow_choices(tree: TokenTree, choice: torch.Tensor):
+    """Greedy and naive verification: ``choice`` ``[B, N]`` is the token each node emits (the
+    argmax, or one target draw per node). Follow the first child equal to its parent's choice;
+    the bonus is the choice at the last node reached. Returns ``(accepted, num_accepted, bonus)``."""
+    return greedy_path(tree.parents.to(choice.device), tree.tokens, tree.valid, choice, _max_depth(tree))
+
+
+def greedy_path(parents: torch.Tensor, tokens: torch.Tensor, valid: torch.Tensor | None, choice: torch.Tensor,
+                max_depth: int):
+    """:func:`follow_choices` on tensors (``parents`` ``[N]`` or ``[B, N]``; ``valid`` None: all),
+    static in shape for a given ``max_depth``: what a compiled pass can run itself."""
+    B, N = choice.shape
+    parents = parents.expand(B, N)
+    edge = tokens.long() == choice.gather(1, parents.clamp(min=0))
+    if valid is not None:
+        edge = edge & valid
+    edge[:, 0] = False
+    accepted, num, end = _walk(parents, edge, max_depth)
+    return accepted, num, choice.gather(1, end[:, None])[:, 0]
+
+
+def _children_by_rank(index) -> np.ndarray:
+    """``[rows, N, R]``: each node's children in draw (index) order, -1 past the last."""
+    parents = index.parents.cpu().numpy()
+    rows, n = parents.shape
+    counts = np.zeros((rows, n), dtype=np.int64)
+    for r in range(rows):
+        np.add.at(counts[r], parents[r, 1:], 1)
+    kids = np.full((rows, n, max(1, int(counts.max()))), -1, dtype=np.int64)
+    fill = np.zeros((rows, n), dtype=np.int64)
+    for r in range(rows):
+        for c in range(1, n):
+            v = parents[r, c]
+            kids[r, v, fill[r, v]] = c
+            fill[r, v] += 1
+    return kids
+
+
+def _walk_compiled(tree: TokenTree, probs: torch.Tensor, rule: str, coins: torch.Tensor):
+    """The compiled CPU walk (stree.sampling.verify_jit): the accepted path, its length, the last node's
+    residual; what the tables and :func:`_walk` give."""
+    from .verify_jit import RULE_CODES, walk
+
+    B, N, V = probs.shape
+    index = tree.index
+    kids = index.memo("children_by_rank", lambda: _children_by_rank(index))
+    if tree.child_ids is not None and rule != "one_hot":
+        ids, law = tree.child_ids.long(), tree.child_probs
+        if bool(((ids < 0) | (ids >= V)).any()):  # always checked: the compiled walk indexes with them
+            raise ValueError(f"tree.child_ids holds ids outside the vocabulary [0, {V})")
+    else:
+        ids, law = torch.zeros(B, N, 1, dtype=torch.long), torch.zeros(B, N, 1)
+    valid = tree.valid if tree.valid is not None else torch.ones(B, N, dtype=torch.bool)
+    path = np.zeros((B, _max_depth(tree) + 1), dtype=np.int64)
+    num = np.zeros(B, dtype=np.int64)
+    residual = np.empty((B, V), dtype=np.float32)
+    walk(probs.detach().numpy(), tree.tokens.long().numpy(), valid.numpy(), kids, ids.numpy(),
+         law.float().numpy(), RULE_CODES[rule], coins.double().numpy(), path, num, residual)
+    return torch.from_numpy(path), torch.from_numpy(num), torch.from_numpy(residual)
+
+
+def verify(tree: TokenTree, logits: torch.Tensor, params: SamplingParams | None = None, *,
+           temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, generator: torch.Generator | None = None,
+           mode: str = "auto", validate: bool = True) -> VerifyResult:
+    """Accept the longest valid path of ``tree`` under the target ``logits`` ``[B, N, V]``.
+
+    ``params`` (a :class:`SamplingParams`) or the keyword arguments say how the target samples.
+    The emitted tokens (accepted drafts then ``bonus``) are distributed exactly as sampling from the
+    processed target distribution token by token, provided the tree's drafts were drawn from the
+    law it declares (``child_probs``, draw order = index order) independently of this call's
+    randomness; at temperature 0 they are exactly greedy decoding. ``validate=False`` skips the
+    vocabulary checks of the drafted ids (device-to-host syncs), for callers that checked them."""
+    if params is None:
+        params = SamplingParams(temperature, top_k, top_p, mode)
+    elif not isinstance(params, SamplingParams):
+        raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
+    if logits.dim() != 3 or tuple(logits.shape[:2]) != (tree.batch_size, tree.n):
+        raise ValueError(f"logits must have shape [{tree.batch_size}, {tree.n}, V], got {tuple(logits.shape)}")
+    B, N, V = logits.shape
+    if tree.tokens.device != logits.device:
+        raise ValueError(f"tree is on {tree.tokens.device} but logits are on {logits.device}")
+    tokens = tree.tokens
+    if validate and bool(((tokens < 0) | (tokens >= V)).any()):
+        pos = tuple(int(v) for v in torch.nonzero((tokens < 0) | (tokens >= V))[0])
+        raise ValueError(f"tree.tokens{list(pos)} = {int(tokens[pos])} is outside the vocabulary [0, {V})")
+    rule = choose_rule(tree, params.temperature, params.mode)
+    probs = None
+    if rule in ("greedy", "naive"):
+        if rule == "greedy":
+            choice = logits.argmax(-1)
+        else:
+            probs = params.probs(logits)
+            choice = torch.multinomial(probs.reshape(B * N, V), 1, generator=generator).reshape(B, N)
+        accepted, num, bonus = follow_choices(tree, choice)
+    else:
+        probs = params.probs(logits)
+        if COMPILED_ON_CPU and probs.device.type == "cpu":
+            coins = torch.rand(B, N, generator=generator, device=logits.device)
+            accepted, num, last = _walk_compiled(tree, probs, rule, coins)
+        else:
+            accept, residual = acceptance_tables(tree, probs, rule, validate)
+            coins = torch.rand(B, N, generator=generator, device=logits.device)
+            accepted, num, end = _walk(tree.parents.to(logits.device).expand(B, N), coins < accept, _max_depth(tree))
+            last = residual.gather(1, end[:, None, None].expand(B, 1, V))[:, 0]
+        bonus = torch.multinomial(last, 1, generator=generator)[:, 0]
+    return VerifyResult(accepted, num, bonus, probs)

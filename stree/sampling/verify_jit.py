@@ -1,0 +1,110 @@
+"""Stochastic verification on the CPU, compiled with numba: the walk of :func:`stree.sampling.verify.verify`
+one row at a time, computing each one-node rule only where the walk goes.
+
+The PyTorch path builds the acceptance tables of every node (``[B, N, V]`` per sibling rank, a
+dozen ops each) and then walks them; on the CPU this compiled walk visits the accepted path and
+the rejected siblings along it, updating one dense ``p`` (and ``q``) per node it stands on. Same
+rules, same coins (one uniform per node, the coin of node c decides c), same draw order: the
+accepted paths are the reference's, and the residual it returns is the reference's residual at
+the last accepted node (tested equal in tests/sampling/test_verify.py). Works in float64.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+__all__ = ["RULE_CODES", "walk"]
+
+RULE_CODES = {"one_hot": 0, "iid": 1, "without_replacement": 2}
+
+
+@njit(cache=True)
+def _normalize_into(src, dst, fallback):
+    """dst = src / sum(src), or ``fallback`` where src holds no mass."""
+    s = 0.0
+    for i in range(len(src)):
+        s += src[i]
+    if s > 0:
+        for i in range(len(src)):
+            dst[i] = src[i] / s
+    else:
+        for i in range(len(src)):
+            dst[i] = fallback[i]
+
+
+@njit(cache=True)
+def walk(probs, tokens, valid, kids, child_ids, child_probs, rule, coins, path, num, residual):
+    """For each row b: from the root, try each valid child of the current node in draw order
+    (``kids[b or 0, v]``: the children by rank, -1 past the last), accept child c when
+    ``coins[b, c]`` is below its acceptance probability given the earlier siblings' rejections,
+    and move to it; stop at the first node none of whose children is accepted. Writes the path
+    (``path[b, :num[b]]``, root first) and that node's residual law (``residual[b]``).
+
+    probs ``[B, N, V]``, tokens ``[B, N]``, valid ``[B, N]``, child_ids / child_probs
+    ``[B, N, K]`` (the law each node's children were drawn from; unused by the one-hot rule)."""
+    B, N, V = probs.shape
+    p = np.empty(V)
+    q = np.empty(V)
+    work = np.empty(V)
+    for b in range(B):
+        tree = kids[min(b, kids.shape[0] - 1)]
+        v = 0
+        path[b, 0] = 0
+        n = 1
+        while True:
+            for i in range(V):
+                p[i] = probs[b, v, i]
+            if rule != 0:
+                q[:] = 0.0
+                s = 0.0
+                for k in range(child_ids.shape[2]):
+                    w = max(float(child_probs[b, v, k]), 0.0)
+                    q[child_ids[b, v, k]] += w
+                    s += w
+                if s > 0:
+                    for i in range(V):
+                        q[i] /= s
+            nxt = -1
+            for r in range(tree.shape[1]):
+                c = tree[v, r]
+                if c < 0:
+                    break
+                if not valid[b, c]:
+                    continue  # padding: never accepted, changes nothing
+                x = tokens[b, c]
+                if rule == 0:
+                    drafted, a = True, p[x]
+                else:
+                    drafted = q[x] > 0  # a token its law could not produce is never accepted
+                    a = min(1.0, p[x] / q[x]) if drafted else 0.0
+                if drafted and coins[b, c] < a:
+                    nxt = c
+                    break
+                if not drafted:
+                    continue
+                if rule == 0:
+                    for i in range(V):
+                        work[i] = p[i]
+                    work[x] = 0.0
+                else:
+                    for i in range(V):
+                        work[i] = max(p[i] - q[i], 0.0)
+                _normalize_into(work, p, p)  # p itself where the rejection had probability 0
+                if rule == 2:
+                    for i in range(V):
+                        work[i] = q[i]
+                    work[x] = 0.0
+                    s = 0.0
+                    for i in range(V):
+                        s += work[i]
+                    for i in range(V):
+                        q[i] = work[i] / s if s > 0 else 0.0
+            if nxt < 0:
+                break
+            v = nxt
+            path[b, n] = v
+            n += 1
+        num[b] = n
+        for i in range(V):
+            residual[b, i] = p[i]

@@ -1,0 +1,575 @@
+"""tree="auto": the acceptance counts, each node's chance, the best-first plan and the best prefix
+against their definitions; the choice between trees and plain steps under made-up costs; and in
+the decoding loop, greedy identity for every drafter, the exact sampling law while the choice
+switches sizes and falls back to plain steps, explicit trees honoured exactly."""
+
+import itertools
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from tiny_models import FAMILIES, mamba2
+
+from stree.decoding.autotree import AutoTree, PathRates, _best_first, _best_prefix, _chances, _rank_depth, plan_shape
+from stree.decoding.cost import CostProfile
+from stree.drafters.registry import DRAFTER_NAMES, NEEDS_MODEL, make_drafter
+from stree.decoding.loop import generate
+from stree.testing import MarkovDrafter, MarkovLM, cell_counts, chi_square
+from stree.tree import TokenTree, TreeShape
+
+SEEDED_P = 1e-3
+
+
+def tree_of(parents, tokens, valid=None):
+    t = torch.tensor
+    return TokenTree(t(parents), t(tokens), None if valid is None else t(valid))
+
+
+def test_rates_count_what_the_verifier_did():
+    """Root -> 1 (rank 0), 2 (rank 1), 4 (rank 2, invalid); 1 -> 3. Row 0 accepted node 2, row 1
+    nodes 1 and 3, row 2 nothing."""
+    parents = [-1, 0, 0, 1, 0]
+    tokens = [[9, 10, 11, 12, 13]] * 3
+    valid = [[True, True, True, True, False]] * 3
+    tree = tree_of(parents, tokens, valid)
+    rates = PathRates(decay=1.0)
+    emitted = np.array([[11, 7, 0], [10, 12, 5], [4, 0, 0]])
+    rates.record(tree, emitted, np.array([2, 3, 1]), np.arange(3))
+    acc, reached = rates.accepted, rates.reached
+    assert (reached[1, 0], acc[1, 0]) == (3, 1)  # node 1: reached by every row, accepted by row 1
+    assert (reached[1, 1], acc[1, 1]) == (2, 1)  # node 2: rows 0 and 2 got there, row 0 took it
+    assert (reached[2, 0], acc[2, 0]) == (1, 1)  # node 3 below row 1's accepted node 1
+    assert reached[1, 2] == 0 and reached.sum() == 6  # the invalid node is never counted
+    rates.record(tree, emitted, np.array([2, 3, 1]), np.array([2]))  # one row only; the others ride along
+    assert reached.sum() == 8 and acc.sum() == 3
+
+
+def test_rates_fade_and_lean_on_the_prior():
+    rates = PathRates(decay=0.5)
+    h0 = rates.hazard()
+    assert h0[1, 0] == pytest.approx(PathRates.PRIOR[0]) and h0[5, 3] == pytest.approx(PathRates.PRIOR[3])
+    tree = tree_of([-1, 0], [[3, 4]])
+    for _ in range(30):  # the child is rejected every step
+        rates.record(tree, np.array([[5]]), np.array([1]), np.arange(1))
+    assert rates.reached[1, 0] == pytest.approx(2.0, rel=1e-6)  # 1 + 1/2 + 1/4 + ...
+    assert rates.hazard()[1, 0] < 0.25 < rates.hazard()[1, 1]
+    pos = rates.positional()
+    assert np.all(np.diff(pos, axis=1) <= 1e-12)  # non-increasing in rank
+
+
+def path_chance(parents, valid, h, c):
+    """A node's chance by the definition: its parent's, times the misses of its valid earlier
+    siblings, times its own hazard, never above its latest valid earlier sibling's chance."""
+    if c == 0:
+        return 1.0
+    p = parents[c]
+    if not valid[c] or path_chance(parents, valid, h, p) == 0.0:
+        return 0.0
+    sibs = [s for s in range(1, len(parents)) if parents[s] == p]
+
+    def hz(s):
+        depth, v = 0, s
+        while v > 0:
+            v, depth = parents[v], depth + 1
+        return h[min(depth, h.shape[0] - 1), min(sibs.index(s), h.shape[1] - 1)]
+    before = [s for s in sibs[: sibs.index(c)] if valid[s]]
+    raw = path_chance(parents, valid, h, p) * np.prod([1 - hz(s) for s in before]) * hz(c)
+    return min(raw, path_chance(parents, valid, h, before[-1])) if before else raw
+
+
+@st.composite
+def trees_with_hazards(draw):
+    n = draw(st.integers(1, 12))
+    parents = [-1] + [draw(st.integers(0, i - 1)) for i in range(1, n)]
+    valid = [True] + [draw(st.booleans()) for _ in range(n - 1)]
+    h = np.array(draw(st.lists(st.floats(0.01, 0.99), min_size=4 * 3, max_size=4 * 3))).reshape(4, 3)
+    return parents, valid, h
+
+
+@given(trees_with_hazards())
+def test_chances_follow_the_definition(case):
+    parents, valid, h = case
+    p = np.array([parents], dtype=np.int64)
+    rank, depth = _rank_depth(p)
+    got = _chances(p, rank, depth, np.array([valid]), h[None])[0]
+    want = [1.0] + [path_chance(parents, valid, h, c) for c in range(1, len(parents))]
+    np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-15)
+
+
+@given(st.lists(st.floats(0.05, 0.95), min_size=9, max_size=9), st.integers(2, 30))
+def test_best_first_takes_the_likeliest_nodes(hazards, nodes):
+    """Against enumeration of every node of the 3-deep, 3-wide tree: the plan's chances sum to
+    the largest sum any closed set of that many nodes has (the top values)."""
+    rates = PathRates()
+    h = np.zeros((rates.DEPTH + 1, rates.RANKS))
+    h[1:4, :3] = np.array(hazards).reshape(3, 3)
+    alive = np.cumprod(np.concatenate([np.ones((h.shape[0], 1)), 1 - h[:, :-1]], 1), 1)
+    a = np.minimum.accumulate(h * alive, axis=1)
+    a[4:] = 0.0  # nothing deeper than 3
+    values = []
+    for depth in (1, 2, 3):
+        for ranks in itertools.product(range(3), repeat=depth):
+            values.append(np.prod([a[d + 1, j] for d, j in enumerate(ranks)]))
+    top = sorted(values, reverse=True)[: nodes - 1]
+    parents = _best_first(a, nodes)
+    p = parents[None].astype(np.int64)
+    rank, depth = _rank_depth(p)
+    got = [np.prod([a[depth[0, v], rank[0, v]] for v in path]) for path in _paths(parents[:len(top) + 1])]
+    assert len(parents) == len(top) + 1
+    assert sum(got) == pytest.approx(sum(top), rel=1e-9)
+    assert all(parents[i] < i for i in range(1, len(parents)))
+
+
+def _paths(parents):
+    out = []
+    for c in range(1, len(parents)):
+        path, v = [], c
+        while v > 0:
+            path.append(v)
+            v = parents[v]
+        out.append(path)
+    return out
+
+
+@given(st.lists(st.lists(st.floats(0, 1), min_size=6, max_size=6), min_size=1, max_size=3),
+       st.lists(st.floats(0.5, 20), min_size=6, max_size=6), st.booleans())
+def test_best_prefix_maximises_tokens_per_millisecond(chances, costs, allow_plain):
+    v = np.array(chances)
+    v[:, 0] = 1.0
+    cost = np.array([np.inf] + costs)
+    active = np.ones(len(v), dtype=np.bool_)
+    m = _best_prefix(v, active, cost, allow_plain)
+    rate = lambda k: (1 + v[:, 1:k].sum(1).min()) / cost[k] if k > 1 else 1 / cost[1]  # noqa: E731 (the least gain)
+    candidates = range(1 if allow_plain else 2, 7)
+    assert rate(m) == pytest.approx(max(rate(k) for k in candidates), rel=1e-9)
+
+
+# ---- the choice ---------------------------------------------------------------------------
+def expensive():
+    return CostProfile(1.0, (2, 4, 8, 16), (6.0, 6.5, 7.0, 8.0))
+
+
+def cheap():
+    return CostProfile(1.0, (2, 4, 8, 16), (1.05, 1.1, 1.2, 1.4))
+
+
+def test_a_drafter_models_plan_is_cut_where_its_levels_cost_more_than_they_bring():
+    """Likely nodes best first make a deep chain; a drafter model paying a step per level is
+    better served by a bushier tree of fewer levels, which the plan then is, and each prefix's
+    drafting is priced by its depth."""
+    nodes, depths = (2, 4, 8, 16, 32, 64), (1, 3, 5, 6, 8, 10)
+    profile = CostProfile(1.0, nodes, (1.1, 1.2, 1.3, 1.5, 2.0, 3.0), tuple(0.2 + 0.5 * d for d in depths), 0.01,
+                          depths)
+    rates = PathRates(prior=(0.85, 0.5, 0.4, 0.3, 0.2, 0.1, 0.08, 0.07))
+    auto = AutoTree(profile, rates=rates)
+    deep = plan_shape(rates, auto.max_nodes)
+    assert auto._order.max_depth < deep.max_depth
+    hazard = rates.hazard()
+    assert auto._best_size(auto._order, auto._drafting(auto._order), hazard)[1] > \
+        auto._best_size(deep, auto._drafting(deep), hazard)[1]
+    assert auto.draft_cost[8] == pytest.approx(profile.drafting_ms(8, auto.prefix(8).max_depth))
+    flat = AutoTree(CostProfile(1.0, nodes, profile.tree_ms, profile.draft_ms), rates=rates)  # drafting by nodes
+    assert flat._order.parents == deep.parents
+
+
+def full_draft(shape, fill=None):
+    tokens = torch.arange(shape.n)[None] + 100
+    valid = None if fill is None else (torch.arange(shape.n) < fill)[None]
+    return TokenTree.from_shape(shape, tokens, valid=valid)
+
+
+def run_rejecting(auto, steps, probe_ms=None, behind=None):
+    """``steps`` steps in which the target never accepts a draft; the steps that verified one.
+    With ``probe_ms``, plain steps take 1 ms by the clock and drafted ones ``probe_ms``;
+    ``behind(i)``: what the drafter has yet to read at step i."""
+    drafted = []
+    plain_ms = None if probe_ms is None else 1.0
+    for i in range(steps):
+        plan = auto.plan(None if behind is None else lambda: behind(i))
+        if plan is None:
+            auto.record(None, elapsed_ms=plain_ms)
+            continue
+        probing = auto._probing
+        draft = auto.choose(full_draft(plan), np.ones(1, dtype=np.bool_))
+        assert draft is not None or not probing  # a probe is verified whatever its worth
+        if draft is None:
+            auto.record(None, elapsed_ms=plain_ms)
+            continue
+        drafted.append(i)
+        auto.record(draft, np.array([[999, 0]]), np.array([1]), np.arange(1), elapsed_ms=probe_ms)
+    return drafted
+
+
+def test_plain_steps_win_where_trees_cost_too_much_and_probes_follow_the_text():
+    """Trees a fifth dearer than a step: once the verified steps show nothing is accepted, plain
+    steps, with probes spaced so that one, were nothing accepted, loses at most PROBE_SHARE of the
+    plain steps before it (whatever the rates promise: a fresh call's are the prior's), the
+    interval doubling up to PROBE_MAX."""
+    auto = AutoTree(CostProfile(1.0, (2, 4, 8, 16), (1.2, 1.3, 1.5, 1.9)))
+    drafted = run_rejecting(auto, 300)
+    gaps = np.diff(drafted).tolist()
+    floor = math.ceil((1.2 * AutoTree.MARGIN - 1.0) / AutoTree.PROBE_SHARE - 1e-9)  # the cheapest probe's
+    assert all(g - 1 >= floor for g in gaps) and gaps[-2:] == [AutoTree.PROBE_MAX + 1] * 2
+    assert all(b <= 2 * a + 1 or b == AutoTree.PROBE_MAX + 1 for a, b in zip(gaps, gaps[1:]))
+    assert auto.chosen[1] == 300 - len(drafted)
+
+
+def test_dear_probes_are_spaced_so_they_cost_a_small_share():
+    """Trees at 6 steps: a probe loses ~5 steps against plain ones, so at most one in about
+    5 / PROBE_SHARE steps."""
+    auto = AutoTree(expensive())
+    drafted = run_rejecting(auto, 400)
+    assert len(drafted) <= 4 and all(b - a > 90 for a, b in zip(drafted, drafted[1:]))
+    loss = sum(auto.cost[2] for _ in drafted)  # each probe's time, all of it beyond the plain steps
+    assert loss <= 1.1 * AutoTree.PROBE_SHARE * auto.chosen[1] * auto.cost[1] + auto.cost[2]
+
+
+def test_cheap_trees_are_drafted_and_cut_to_what_was_filled():
+    auto = AutoTree(cheap())
+    plan = auto.plan()
+    assert plan is not None and plan.n >= 4
+    cut = auto.choose(full_draft(plan, fill=2), np.ones(1, dtype=np.bool_))
+    assert cut.n == 2 and cut.static_shape.parents == plan.parents[:2]  # the filled prefix only
+    assert auto.choose(full_draft(plan, fill=1), np.ones(1, dtype=np.bool_)) is None  # nothing drafted
+
+
+def train(auto, accept: bool, steps: int = 3 * AutoTree.REPLAN) -> AutoTree:
+    """``steps`` steps in which the target accepts every draft's first-child path (or nothing)."""
+    for _ in range(steps):
+        plan = auto.plan()
+        draft = None if plan is None else auto.choose(full_draft(plan), np.ones(1, dtype=np.bool_))
+        if draft is None:
+            auto.record(None)
+            continue
+        path, v = [], 0  # the first child all the way down
+        kids = draft.static_shape.children()
+        while kids[v]:
+            v = kids[v][0]
+            path.append(int(draft.tokens[0, v]))
+        emitted = path + [0] if accept else [999]
+        auto.record(draft, np.array([emitted]), np.array([len(emitted)]), np.arange(1))
+    return auto
+
+
+def test_rows_learn_their_own_rates_leaning_on_the_batchs():
+    """Row ids 5 and 2 of a batch: 5 accepts its first child at every step, 2 nothing. Each
+    row's hazard follows its own record; a row never seen has the batch's."""
+    auto = AutoTree(cheap())
+    shape = TreeShape.chain(1)
+    draft = TokenTree.from_shape(shape, torch.tensor([[1, 10], [1, 10]]))
+    for _ in range(20):
+        auto.record(draft, np.array([[10, 0], [999, 0]]), np.array([2, 1]), np.arange(2), ids=np.array([5, 2]))
+    batch = auto.rates.hazard()
+    own = auto.row_rates.hazard(np.array([5, 2, 7]), batch)
+    assert own[0, 1, 0] > batch[1, 0] > own[1, 1, 0] and own[0, 1, 0] > 0.8 and own[1, 1, 0] < 0.2
+    np.testing.assert_array_equal(own[2], batch)  # id 7: nothing of its own yet
+    assert auto.row_rates.reached[5, 1, 0] == pytest.approx(auto.row_rates.reached[2, 1, 0])
+    assert auto.row_rates.reached[5, 1, 0] > 10
+
+
+def test_a_batch_choice_serves_the_row_that_finishes_last():
+    """The batch decodes until its last row is done: a tree pays only if that row gains. Row 0
+    accepts everything, row 1 nothing: trees for row 0's sake, plain steps for row 1's."""
+    auto = AutoTree(CostProfile(1.0, (2, 4, 8, 16), (1.5, 1.7, 2.0, 2.6)))
+    shape = auto.prefix(8)
+    draft = TokenTree.from_shape(shape, torch.arange(16).reshape(2, 8) + 100)
+    for _ in range(30):
+        auto.record(TokenTree.from_shape(TreeShape.chain(1), torch.tensor([[1, 10], [1, 10]])),
+                    np.array([[10, 0], [999, 0]]), np.array([2, 1]), np.arange(2), ids=np.array([0, 1]))
+    assert auto.choose(draft, np.array([True, False]), np.array([0, 1])) is not None
+    assert auto.choose(draft, np.array([False, True]), np.array([0, 1])) is None
+    assert auto._focus == 1  # and the choice before drafting weighs that row's rates from now on
+    assert auto._hazard()[1, 0] == pytest.approx(auto.row_rates.hazard(np.array([1]), auto.rates.hazard())[0, 1, 0])
+
+
+def test_the_row_expected_to_finish_last_is_the_critical_one():
+    from stree.decoding.loop import Rows
+
+    rows = Rows([[1, 2], [3], [4, 5, 6]], [20, 20, 10], eos=[])
+    rows.produced[:] = torch.tensor([10, 6, 2])
+    rows.accepted = [[1] * 4, [0] * 5, [0] * 1]  # tokens per step so far: 2.5, 1.2, 2
+    # tokens left over that rate: 10 / 2.5 = 4, 14 / 1.2 = 11.7, 8 / 2 = 4
+    assert rows.critical([0, 1, 2]).tolist() == [False, True, False]
+    assert rows.critical([0, 2]).tolist() == [True, True]  # level: the batch waits for both
+    rows.accepted[2] = [0, 1]
+    rows.produced[2] = 3  # 7 left at 1.5 a step: 4.7 steps, row 0's 4 within a step of it
+    assert rows.critical([0, 2]).tolist() == [True, True]
+    rows.produced[2] = 5  # 5 left at 2.5 a step: 2 steps, more than a step ahead of row 0
+    assert rows.critical([0, 2]).tolist() == [True, False]
+
+
+def test_rows_level_at_the_end_are_served_by_the_one_gaining_least():
+    """Two rows the batch waits for alike: a tree pays only if both gain; the choice weighs the
+    one that gains least from then on."""
+    auto = AutoTree(CostProfile(1.0, (2, 4, 8, 16), (1.5, 1.7, 2.0, 2.6)))
+    shape = auto.prefix(8)
+    draft = TokenTree.from_shape(shape, torch.arange(16).reshape(2, 8) + 100)
+    for _ in range(30):  # row 0 accepts everything, row 1 nothing
+        auto.record(TokenTree.from_shape(TreeShape.chain(1), torch.tensor([[1, 10], [1, 10]])),
+                    np.array([[10, 0], [999, 0]]), np.array([2, 1]), np.arange(2), ids=np.array([0, 1]))
+    assert auto.choose(draft, np.array([True, True]), np.array([0, 1])) is None
+    assert auto._focus == 1
+    assert auto.choose(draft, np.array([True, False]), np.array([0, 1])) is not None
+
+
+def test_learned_rates_grow_the_tree_and_poor_ones_shrink_it():
+    good, bad = train(AutoTree(cheap()), True), train(AutoTree(cheap()), False)
+    assert good._pick > 4 and good._order.max_depth > 4
+    assert bad._pick == 1 and bad.chosen[1] > 0
+
+
+def test_fixed_sizes_keep_the_priors_plan_whatever_an_earlier_call_learned():
+    """Compiled passes and CUDA graphs are built for the profile's shapes (prefixes of the prior's
+    plan): a later call handed learned rates must not plan new shapes (compiled again inside
+    decoding); an eager one re-plans from them."""
+    learned = train(AutoTree(cheap()), True).rates
+    prior = AutoTree(cheap(), sizes=(2, 4, 8))._order
+    assert AutoTree(cheap(), sizes=(2, 4, 8), rates=learned)._order == prior
+    assert AutoTree(cheap(), rates=learned)._order.parents[:8] != prior.parents
+
+
+def test_fixed_sizes_only():
+    auto = AutoTree(cheap(), sizes=(2, 4, 8))
+    order = auto._order
+    for fill in (2, 3, 5, 8):
+        plan = auto.plan()
+        got = auto.choose(full_draft(plan, fill=fill), np.ones(1, dtype=np.bool_))
+        assert got is None or got.n in (2, 4, 8)
+        auto.record(None)
+    assert auto._order is order  # never re-planned: compiled passes and graphs keep their shapes
+
+
+def test_chains_under_method_chain():
+    shape = plan_shape(PathRates(), 9, chain=True)
+    assert shape.parents == TreeShape.chain(8).parents
+
+
+def test_adaptive_costs_follow_the_clock():
+    auto = AutoTree(cheap(), adaptive=True)
+    for _ in range(8 * AutoTree.REPLAN):  # every tree takes 10x what the profile says
+        plan = auto.plan()
+        draft = None if plan is None else auto.choose(full_draft(plan), np.ones(1, dtype=np.bool_))
+        if draft is None:
+            auto.record(None, elapsed_ms=1.0)
+        else:
+            auto.record(draft, np.array([[int(draft.tokens[0, 1]), 0]]), np.array([2]), np.arange(1),
+                        elapsed_ms=10 * auto.cost[draft.n])
+    assert auto.scale["tree"] > 2 and auto._pick == 1  # trees priced up until plain steps win
+    fixed = AutoTree(cheap())  # not adaptive: the clock is ignored
+    fixed.record(None, elapsed_ms=100.0)
+    assert (fixed.scale["plain"], fixed.scale["tree"], fixed.scale["probe_loss"]) == (1.0, 1.0, 0.0)
+
+
+def test_a_calls_first_iteration_teaches_no_cost():
+    """The first iteration of a call pays once per call (a drafter's prefill, first-use work): it
+    must not move the scales the steady state is priced by."""
+    auto = AutoTree(cheap(), adaptive=True)
+    auto.plan()
+    auto.record(None, elapsed_ms=50.0)
+    assert auto.scale["plain"] == 1.0
+    auto.plan()
+    auto.record(None, elapsed_ms=2.0)
+    assert auto.scale["plain"] == pytest.approx(1.0 + AutoTree.ADAPT)
+
+
+def test_a_stale_plain_scale_is_weighed_again_while_trees_win():
+    """Plain steps priced 3x too dear (one slow plain iteration had done it): trees win every
+    step, so no plain step would ever correct the price; one step in PLAIN_EVERY is plain and
+    weighed, and the price comes back to what the clock says."""
+    auto = AutoTree(cheap(), adaptive=True, rates=PathRates(prior=(0.9, 0.5, 0.4, 0.3, 0.2, 0.1, 0.08, 0.07)),
+                    scale={"plain": 3.0, "tree": 1.0})
+    plain = []
+    for i in range(768):
+        plan = auto.plan()
+        draft = None if plan is None else auto.choose(full_draft(plan), np.ones(1, dtype=np.bool_))
+        if draft is None:
+            plain.append(i)
+            auto.record(None, elapsed_ms=auto.cost[1])
+            continue
+        auto.record(draft, np.array([[int(draft.tokens[0, 1]), 7]]), np.array([2]), np.arange(1),
+                    elapsed_ms=auto.cost[draft.n])  # the first child accepted: 2 tokens at a tree's price
+    assert auto.scale["plain"] < 1.5
+    assert 4 <= len(plain) <= 2 * 768 // AutoTree.PLAIN_EVERY  # about one in PLAIN_EVERY, not plain decoding
+
+
+def test_adaptive_probes_are_spaced_by_what_they_took_and_the_next_call_goes_on():
+    """A profile that says probes are cheap, probes that take 8 ms (a drafter model catching up):
+    an adaptive choice spaces them by the 7 ms they lose, so that they cost at most
+    PROBE_SHARE of the plain steps, and a later chooser sharing its scale goes on from there
+    (no burst of probes at the start of every call); a seeded (non-adaptive) one cannot know."""
+    profile = CostProfile(1.0, (2, 4, 8, 16), (1.5, 1.6, 1.8, 2.2))
+    auto = AutoTree(profile, adaptive=True)
+    drafted = run_rejecting(auto, 3000, 8.0)
+    assert auto.scale["probe_loss"] == pytest.approx(7.0, rel=0.05)
+    late = [b - a for a, b in zip(drafted, drafted[1:])][5:]  # once the loss is learned
+    assert late and min(late) >= 0.95 * 7.0 / (AutoTree.PROBE_SHARE * 1.0)  # ~350 plain steps
+    assert len(drafted) * 7.0 <= 1.2 * AutoTree.PROBE_SHARE * 3000 + 3 * 7.0  # the first few learn it
+    after = AutoTree(profile, adaptive=True, rates=auto.rates, scale=auto.scale)
+    wait = max(after._probe_every, after._probe_min) - auto.scale["plain_run"]
+    assert wait < 351 and run_rejecting(after, wait, 8.0) == []
+    assert run_rejecting(after, 1, 8.0) == [0]  # the interval begun in the last call ends here
+    seeded = AutoTree(profile)
+    assert len(run_rejecting(seeded, 3000, 8.0)) > 3 * len(drafted)
+
+
+def test_one_probe_that_compiled_something_does_not_stop_probing():
+    """A probe that took 300 ms (something compiled inside it) teaches at most CLIP times its
+    prediction: probes stay within reach, and the next ones bring the loss back."""
+    profile = CostProfile(1.0, (2, 4, 8, 16), (1.5, 1.6, 1.8, 2.2))
+    auto = AutoTree(profile, adaptive=True)
+    drafted = run_rejecting(auto, 200, 2.0)
+    calm = auto.scale["probe_loss"]
+    assert 0 < calm < 2.0 and drafted
+    auto._plain_run = max(auto._probe_every, auto._probe_min)  # a probe is due
+    assert run_rejecting(auto, 1, 300.0) == [0]
+    assert auto.scale["probe_loss"] <= 0.5 * (calm + 2.0 * AutoTree.CLIP * 2.2) + 1e-9
+    after = run_rejecting(auto, AutoTree.PROBE_LONGEST, 2.0)
+    assert len(after) >= 2 and auto.scale["probe_loss"] < 2 * calm + 0.5
+
+
+def test_a_probe_waits_until_its_drafters_catch_up_is_paid_for():
+    """A drafter model 300 tokens behind at 0.05 ms a token (a probe costs 15 ms more than the
+    profile's steady state): a seeded choice, which cannot learn that from the clock, spaces its
+    probes by it (at most PROBE_LONGEST apart) and asks the drafter rarely; one that is not behind
+    probes as usual."""
+    profile = CostProfile(1.0, (2, 4, 8, 16), (1.5, 1.6, 1.8, 2.2), catch_ms=0.05)
+    asked = []
+
+    def run(behind_by, steps):
+        return run_rejecting(AutoTree(profile), steps, behind=lambda i: asked.append(i) or behind_by)
+
+    far = run(300, 1200)  # (the first step drafts: the prior's rates say trees pay, until verified steps say not)
+    assert len(far) >= 2 and all(b - a >= min(750, AutoTree.PROBE_LONGEST) for a, b in zip(far, far[1:]))
+    assert len(asked) <= 4 * len(far) + 4  # asked when a probe is due and when its wait is over, not every step
+    asked.clear()
+    near = run(0, 1200)
+    assert near[0] < 10 and len(near) > 3 * len(far)
+
+
+# ---- in the loop ------------------------------------------------------------------------------
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_auto_is_token_identical_for_every_drafter(family):
+    model = FAMILIES[family]()
+    small = mamba2(n_layer=1, seed=3)
+    g = torch.Generator().manual_seed(0)
+    motif = torch.randint(0, model.vocab_size, (5,), generator=g).tolist()
+    prompts = [motif * 3, motif[:3] * 2 + [1]]
+    ref = generate(model, prompts, method="autoregressive", max_new_tokens=24)
+    kinds = set()
+    for name in DRAFTER_NAMES:
+        for method in ("stree", "chain"):
+            drafter = make_drafter(name, drafter_model=small if name in NEEDS_MODEL else None,
+                                   vocab_size=model.vocab_size)
+            if method == "chain" and name == "ssm-beam":
+                continue
+            out = generate(model, prompts, drafter=drafter, method=method, max_new_tokens=24)
+            assert out.sequences == ref.sequences, (name, method)
+            # with made-up costs under which trees pay (not the clock's): trees certainly taken
+            drafter = make_drafter(name, drafter_model=small if name in NEEDS_MODEL else None,
+                                   vocab_size=model.vocab_size)
+            out = generate(model, prompts, drafter=drafter, method=method, max_new_tokens=24,
+                           tree=AutoTree(cheap(), chain=method == "chain"))
+            assert out.sequences == ref.sequences, (name, method, "cheap trees")
+            kinds |= {1 if n == 1 else 2 for n in out.stats.trees}
+    assert 2 in kinds
+
+
+def test_explicit_trees_are_honoured_exactly():
+    model = mamba2()
+    prompts = [[1, 2, 3, 1, 2, 3, 1, 2]]
+    shape = TreeShape.paper13()
+    out = generate(model, prompts, tree=shape, max_new_tokens=12)
+    assert set(out.stats.trees) == {13} and out.stats.time_setup == 0.0
+    ar = generate(model, prompts, method="autoregressive", tree="auto", max_new_tokens=12)  # a no-op there
+    assert set(ar.stats.trees) == {1}
+    with pytest.raises(ValueError, match="tree must be 'auto'"):
+        generate(model, prompts, tree="paper13", max_new_tokens=4)
+    with pytest.raises(ValueError, match="drafts trees, but method='chain'"):
+        generate(model, prompts, tree=AutoTree(cheap()), method="chain", max_new_tokens=4)
+
+
+def test_the_same_seed_repeats_the_output_under_auto():
+    model = mamba2()
+    prompts = [[1, 2, 3, 1, 2, 3, 1, 2], [4, 5]]
+    a = generate(model, prompts, max_new_tokens=20, temperature=1.0, seed=3)
+    b = generate(model, prompts, max_new_tokens=20, temperature=1.0, seed=3)
+    assert a.sequences == b.sequences and a.stats.trees == b.stats.trees
+
+
+def test_sampling_law_holds_while_the_choice_switches_and_falls_back():
+    """An order-1 Markov table (V = 4), a mismatched random drafter, costs that make the choice
+    move between plain steps and trees of several sizes: tokens 3-5 of 40k rows fit the exact
+    law (marginal of the first 5) by chi-square."""
+    V = 4
+    torch.manual_seed(1)
+    table = torch.distributions.Dirichlet(torch.full((V,), 0.6, dtype=torch.float64)).sample((V,))
+    q = torch.distributions.Dirichlet(torch.ones(V)).sample((V,))
+    model = MarkovLM(table)
+    prompt = [1, 2, 0]
+
+    class Quick(AutoTree):
+        PROBE = 1  # a probe after one plain step: the choice moves within the first tokens
+        PROBE_SHARE = 1.0  # (probes may cost what they like)
+
+    auto = Quick(CostProfile(1.0, (2, 3, 4, 6), (1.3, 1.5, 1.6, 2.2)), sizes=(2, 3, 4, 6))
+    out = generate(model, [prompt] * 40_000, drafter=MarkovDrafter(q, seed=2), tree=auto, max_new_tokens=5,
+                   temperature=1.0, seed=11)
+    assert out.stats.trees == {4: 1, 1: 2, 2: 1}  # a tree, plain steps, a probe of another size
+    law = model.joint_law(prompt, 5).sum((0, 1))
+    tokens = torch.tensor(out.new_tokens)[:, 2:]
+    _, _, pvalue = chi_square(cell_counts(tokens, V), law)
+    assert pvalue > SEEDED_P, pvalue
+
+
+@pytest.mark.parametrize("needs_laws", [False, True])
+def test_plain_steps_compute_no_target_laws_for_a_drafter_that_learns_from_tokens(needs_laws):
+    """A plain step chosen over drafting hands STAND (plain_target False) the emitted tokens alone:
+    no target softmax, top-K or larger transfer that autoregressive decoding does not pay. Steps
+    with a tree, and every step of a drafter that needs the laws, still get them."""
+    class NeverProbe(AutoTree):
+        PROBE_MAX = PROBE_LONGEST = PROBE = 10**9
+
+    model = mamba2()
+    for auto, plain in ((NeverProbe(expensive()), True), (AutoTree(cheap()), False)):
+        drafter = make_drafter("stand", vocab_size=model.vocab_size)
+        drafter.plain_target = needs_laws
+        seen, observe = [], drafter.observe
+        drafter.observe = lambda context, tokens, target: (seen.append(target is None), observe(context, tokens, target))
+        out = generate(model, [[1, 2, 3, 1, 2, 3, 1, 2]], drafter=drafter, tree=auto, max_new_tokens=12)
+        assert set(out.stats.trees) == ({1} if plain else set(out.stats.trees) - {1}) and len(seen) > 1
+        assert seen == [False] + [plain and not needs_laws] * (len(seen) - 1)  # the prefill's token: its law
+
+
+@pytest.mark.parametrize("name", ["ngram", "stand", "ssm-static"])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_plain_runs_decided_ahead_change_nothing_but_the_work(name, temperature):
+    """Plain steps the chooser decides ahead (no probe due, nothing re-planned) run without
+    planning or drafting, the drafter shown their tokens at the run's end in one call: the same
+    tokens (greedy, and seeded sampling), the same steps and trees as asking every step."""
+    class Quick(AutoTree):
+        PROBE_SHARE = 0.5  # probes a dozen steps apart: several within the call
+
+    class StepByStep(Quick):
+        def plain_ahead(self):
+            return 0
+
+    model, small = mamba2(), mamba2(n_layer=1, seed=3)
+    prompts = [[1, 2, 3, 1, 2, 3, 1, 2], [4, 5, 6]]
+    outs, calls = [], []
+    for kind in (Quick, StepByStep):
+        drafter = make_drafter(name, drafter_model=small if name in NEEDS_MODEL else None, vocab_size=model.vocab_size,
+                               temperature=temperature)
+        seen, observe = [], drafter.observe
+        drafter.observe = lambda context, tokens, target: (seen.append(tokens), observe(context, tokens, target))
+        out = generate(model, prompts, drafter=drafter, tree=kind(expensive()), max_new_tokens=60,
+                       temperature=temperature, seed=5 if temperature else None)
+        outs.append(out)
+        calls.append(seen)
+    assert outs[0].sequences == outs[1].sequences and outs[0].stats.trees == outs[1].stats.trees
+    assert outs[0].stats.accepted == outs[1].stats.accepted and len(outs[0].stats.trees) > 1  # plain and probes
+    assert len(calls[0]) < len(calls[1]) and max(len(t) for c in calls[0] for t in c) > 2  # runs shown at once
+    joined = lambda c: [sum((step[i] for step in c), []) for i in range(2)]  # noqa: E731
+    assert joined(calls[0]) == joined(calls[1])  # every token shown, in order

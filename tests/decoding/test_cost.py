@@ -1,0 +1,202 @@
+"""The cost model: profiles interpolate, are measured once per key and cached in a file that is
+never trusted when corrupt or made for another key, and measuring leaves the drafter as it was."""
+
+import json
+
+import pytest
+import torch
+from tiny_models import mamba2
+
+from stree.decoding import cost
+from stree.decoding.cost import CostProfile, cost_profile, describe
+from stree.drafters import NGramDrafter
+from stree.tree import TreeShape
+
+
+@pytest.fixture
+def fresh_cache(tmp_path, monkeypatch):
+    """An empty cache directory and an empty in-process memo."""
+    monkeypatch.setenv("STREE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(cost, "_MEMO", {})
+    return tmp_path / "costs.json"
+
+
+def test_profile_interpolates_between_and_past_the_measured_sizes():
+    p = CostProfile(2.0, (2, 4, 8), (3.0, 4.0, 8.0), (0.5, 1.0, 1.0))
+    assert p.iteration_ms(1) == 2.0 and p.drafting_ms(1) == 0.0  # a plain step
+    assert p.iteration_ms(2) == 3.0 and p.iteration_ms(3) == pytest.approx(3.5)
+    assert p.iteration_ms(6) == pytest.approx(6.0)
+    assert p.iteration_ms(16) == pytest.approx(16.0)  # the last segment's slope, 1 ms a node
+    assert p.drafting_ms(3) == pytest.approx(0.75)
+    assert p.in_steps(8) == pytest.approx((8.0 + 1.0) / 2.0)
+    assert [r["nodes"] for r in describe(p)] == [1, 2, 4, 8]
+    assert CostProfile.from_dict(p.to_dict()) == p
+    caught = CostProfile(2.0, (2,), (3.0,), catch_ms=0.25)
+    assert CostProfile.from_dict(caught.to_dict()) == caught and p.catch_ms == 0.0
+
+
+def test_a_drafter_models_drafting_is_fitted_by_depth_and_nodes():
+    """A drafter model steps once per level: its drafting is a + b depth + c nodes, fitted on the
+    measured trees (their depths kept with them), never a negative coefficient."""
+    law = lambda n, d: 0.4 + 0.3 * d + 0.02 * n  # noqa: E731
+    nodes, depths = (2, 4, 8, 16, 32), (1, 3, 5, 6, 8)
+    p = CostProfile(1.0, nodes, (1.0,) * 5, tuple(law(n, d) for n, d in zip(nodes, depths)), 0.1, depths)
+    assert p.draft_fit == pytest.approx((0.4, 0.3, 0.02))
+    assert p.drafting_ms(16, 15) == pytest.approx(law(16, 15))  # a 16-node chain: twice the bushy tree's
+    assert p.drafting_ms(16) == pytest.approx(law(16, 6)) and p.drafting_ms(1, 0) == 0.0
+    assert CostProfile.from_dict(p.to_dict()) == p
+    falling = CostProfile(1.0, nodes, (1.0,) * 5, (3.0, 2.5, 2.0, 1.6, 1.0), 0.1, depths)
+    a, b, c = falling.draft_fit
+    assert min(a, b, c) >= 0.0 and all(falling.drafting_ms(n, d) >= 0.0 for n in (2, 64) for d in (1, 30))
+
+
+@pytest.mark.parametrize("bad", [dict(step_ms=0.0), dict(step_ms=float("nan")), dict(nodes=(4, 2)),
+                                 dict(tree_ms=(1.0,)), dict(nodes=(1, 4)), dict(tree_ms=(1.0, -1.0)),
+                                 dict(draft_ms=(0.0, float("inf"))), dict(catch_ms=-1.0), dict(catch_ms=float("nan")),
+                                 dict(depths=(1,)), dict(depths=(1, 4))])
+def test_malformed_profiles_are_refused(bad):
+    fields = dict(step_ms=1.0, nodes=(2, 4), tree_ms=(1.5, 2.0), draft_ms=(0.0, 0.0), **{})
+    fields.update(bad)
+    with pytest.raises(ValueError, match="not a cost profile"):
+        CostProfile(**fields)
+
+
+def counting(monkeypatch):
+    calls = []
+    real = cost._measure
+
+    def measure(*args):
+        calls.append(args[2:4])  # batch, mode
+        return real(*args)
+    monkeypatch.setattr(cost, "_measure", measure)
+    return calls
+
+
+SHAPES = [TreeShape.chain(1), TreeShape.full(2, 2)]
+
+
+def test_measured_once_then_cached_in_the_process_and_the_file(fresh_cache, monkeypatch):
+    model = mamba2()
+    calls = counting(monkeypatch)
+    p = cost_profile(model, 1, shapes=SHAPES, budget_s=2.0)
+    assert p.nodes == (2, 7) and p.step_ms > 0 and all(t > 0 for t in p.tree_ms)
+    assert cost_profile(model, 1, shapes=SHAPES, budget_s=2.0) is p and len(calls) == 1
+    monkeypatch.setattr(cost, "_MEMO", {})  # a new process: the file answers
+    assert cost_profile(model, 1, shapes=SHAPES, budget_s=2.0) == p and len(calls) == 1
+    # another batch size, mode-independent key parts changed, a drafter: each measured on its own
+    cost_profile(model, 2, shapes=SHAPES, budget_s=0.2)
+    cost_profile(model, 1, shapes=SHAPES, drafter=NGramDrafter(), budget_s=0.2)
+    cost_profile(mamba2(d_model=64), 1, shapes=SHAPES, budget_s=0.2)
+    assert len(calls) == 4
+    assert len(json.loads(fresh_cache.read_text())["entries"]) == 4
+
+
+@pytest.mark.parametrize("damage", ["garbage", "wrong-format", "foreign-key", "bad-value"])
+def test_a_corrupt_or_foreign_cache_is_measured_again(fresh_cache, monkeypatch, damage):
+    model = mamba2()
+    p = cost_profile(model, 1, shapes=SHAPES, budget_s=2.0)
+    data = json.loads(fresh_cache.read_text())
+    key = next(iter(data["entries"]))
+    if damage == "garbage":
+        fresh_cache.write_text("{not json")
+    else:
+        if damage == "wrong-format":
+            data["format"] = 999
+        elif damage == "foreign-key":  # an entry copied from another machine / config under this key
+            data["entries"][key]["key"] = "0" * 32
+        else:
+            data["entries"][key]["value"]["step_ms"] = -1.0
+        fresh_cache.write_text(json.dumps(data))
+    monkeypatch.setattr(cost, "_MEMO", {})
+    calls = counting(monkeypatch)
+    again = cost_profile(model, 1, shapes=SHAPES, budget_s=2.0)
+    assert len(calls) == 1 and again.nodes == p.nodes
+    assert json.loads(fresh_cache.read_text())["entries"][key]["value"]["step_ms"] > 0  # rewritten whole
+
+
+def test_an_unwritable_cache_is_not_fatal(tmp_path, monkeypatch):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    monkeypatch.setenv("STREE_CACHE_DIR", str(blocker / "sub"))  # a directory under a file
+    monkeypatch.setattr(cost, "_MEMO", {})
+    assert cost_profile(mamba2(), 1, shapes=SHAPES, budget_s=0.1).step_ms > 0
+
+
+def test_measuring_leaves_the_drafter_reset_and_its_random_stream_as_it_was(fresh_cache):
+    """Measuring drafts and observes like the loop: a STAND store, which outlives calls, is
+    measured through a fresh copy (learning from the measurement's random text made the first
+    seeded call after it decode differently from the next), its random stream left untouched."""
+    from stree.drafters.registry import make_drafter
+
+    model = mamba2()
+    drafter = make_drafter("stand")
+    drafter.reseed(5)
+    expected = drafter.generator.get_state()
+    cost_profile(model, 2, drafter=drafter, shapes=SHAPES, budget_s=0.2)
+    assert torch.equal(drafter.generator.get_state(), expected)
+    assert int(drafter.store.count.sum()) == 0 and drafter._pos == 0 and len(drafter._noise) == 0
+    consensus = make_drafter("consensus")  # its store keeps every path it is shown
+    cost_profile(model, 2, drafter=consensus, shapes=SHAPES, budget_s=0.2)
+    assert consensus.store.size == 0 and consensus.store.tokens == []
+    ngram = NGramDrafter()
+    cost_profile(model, 1, drafter=ngram, shapes=SHAPES, budget_s=0.2)
+    assert ngram._rows == {}
+
+
+def test_the_budget_cuts_the_sizes_measured(fresh_cache, monkeypatch):
+    slow = {"n": 0}
+    real_sleepless = cost._timed_rounds
+
+    def rounds(calls, budget_s, sync, **kw):
+        def slowed(fn):
+            def run():
+                import time
+                time.sleep(0.05)
+                slow["n"] += 1
+                fn()
+            return run
+        return real_sleepless([slowed(fn) for fn in calls], budget_s, sync, **kw)
+    monkeypatch.setattr(cost, "_timed_rounds", rounds)
+    shapes = [TreeShape.chain(k) for k in (1, 2, 3, 4, 5)]
+    p = cost_profile(mamba2(), 1, shapes=shapes, budget_s=0.1)
+    assert 1 <= len(p.nodes) < 5 and p.nodes == tuple(s.n for s in shapes[: len(p.nodes)])
+    assert p.iteration_ms(6) > 0  # sizes past the measured ones are extrapolated
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="mode"):
+        cost_profile(mamba2(), 1, mode="fast")
+    with pytest.raises(ValueError, match="batch_size"):
+        cost_profile(mamba2(), 0)
+
+
+def test_a_drafter_models_catch_up_is_timed_per_token(fresh_cache):
+    """What a probe after plain steps pays before drafting: the drafter model reading the tokens it
+    missed. Measured for a drafter with a model (about its prefill's time per token), 0 without."""
+    from stree.drafters import SSMDrafter
+
+    model, small = mamba2(), mamba2(n_layer=1, seed=3)
+    ssm = cost_profile(model, 1, drafter=SSMDrafter(small), shapes=SHAPES, budget_s=0.3)
+    assert ssm.catch_ms > 0 and ssm.depths == tuple(s.max_depth for s in SHAPES)  # its drafting priced by depth
+    ngram = cost_profile(model, 1, drafter=NGramDrafter(), shapes=SHAPES, budget_s=0.2)
+    assert ngram.catch_ms == 0.0 and ngram.depths == ()
+
+
+def test_compiled_sizes_are_all_timed_whatever_their_compiling_takes():
+    """Each size's first call compiles (seconds on the CPU) or captures a graph: cut by the budget,
+    a compiled choice knew one tree size alone. With keep_all every call is warmed up and timed."""
+    import time
+
+    from stree.decoding.cost import _timed_rounds
+
+    def slow_first():
+        first = [True]
+
+        def call():
+            if first[0]:
+                first[0] = False
+                time.sleep(0.05)
+        return call
+
+    assert len(_timed_rounds([slow_first() for _ in range(4)], 0.01, lambda: None)) == 2
+    assert len(_timed_rounds([slow_first() for _ in range(4)], 0.01, lambda: None, keep_all=True)) == 4

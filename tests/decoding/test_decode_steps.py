@@ -1,0 +1,179 @@
+"""The decoding loop's parts, one at a time: one device-to-host read per step, the op budget of
+verification plus bookkeeping, finished rows leaving through the mask, SamplingParams."""
+
+import sys
+
+import pytest
+import torch
+from host_sync import count_host_syncs
+from tiny_models import FAMILIES, VOCAB
+
+from stree.decoding.loop import autoregressive_step, generate, speculative_step
+from stree.models import ModelCache
+from stree.tools.opcount import count_ops
+from stree.tree import TokenTree, TreeShape
+from stree.sampling.verify import SamplingParams
+
+verify_module = sys.modules["stree.sampling.verify"]
+
+SHAPE = TreeShape.paper13()
+
+
+def _ready(family, seed=0):
+    model = FAMILIES[family]()
+    cache = model.allocate_cache(2, 64)
+    model.prefill(torch.randint(0, VOCAB, (2, 6), generator=torch.Generator().manual_seed(seed)), cache)
+    return model, cache
+
+
+def _draft(seed, stochastic):
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, VOCAB, (2, SHAPE.n), generator=g)
+    if not stochastic:
+        return TokenTree.from_shape(SHAPE, tokens)
+    ids = torch.randint(0, VOCAB, (2, SHAPE.n, 4), generator=g)
+    return TokenTree.from_shape(SHAPE, tokens, child_ids=ids, child_probs=torch.rand(2, SHAPE.n, 4, generator=g))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("temperature, top_k", [(0.0, None), (0.0, 10), (1.0, 10)])
+def test_a_speculative_step_reads_the_device_once(family, temperature, top_k, monkeypatch):
+    """Tree pass, verification, commit and the emitted tokens (with the drafter's target laws):
+    one transfer to the host, whatever the sampling rule (after a first step of the shape). The
+    verification and replay of a device (the CPU's compiled walk and replay read host memory by
+    design)."""
+    monkeypatch.setattr(verify_module, "COMPILED_ON_CPU", False)
+    model, cache = _ready(family)
+    model.kernel_backend = "torch"  # the PyTorch replay, not the CPU's compiled one
+    params = SamplingParams(temperature=temperature)
+    gen = torch.Generator().manual_seed(0)
+    speculative_step(model, cache, _draft(1, temperature > 0), params, gen, top_k=top_k)
+    draft = _draft(2, temperature > 0)
+    with count_host_syncs() as reads:
+        host, result = speculative_step(model, cache, draft, params, gen, top_k=top_k)
+    assert reads == ["Tensor.cpu"]
+    assert torch.equal(host.counts, result.num_accepted)
+    assert (host.top_ids is None) == (top_k is None)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_an_autoregressive_step_reads_the_device_once(family):
+    model, cache = _ready(family)
+    with count_host_syncs() as reads:
+        host = autoregressive_step(model, cache, torch.tensor([1, 2]), SamplingParams(), None)
+    assert reads == ["Tensor.cpu"] and host.tokens.shape == (2, 1)
+
+
+class _ScoredTree:
+    """A model stand-in that returns fixed logits: what is left to count is verification and the
+    step's bookkeeping."""
+
+    def __init__(self, logits):
+        self.logits = logits
+
+    def forward_tree(self, tree, cache, scan="tree", validate=True):
+        return self.logits, None
+
+    def commit(self, cache, tree_pass, accepted, num_accepted, validate=True):
+        pass
+
+
+@pytest.mark.parametrize("top_k", [None, 10])
+@pytest.mark.parametrize("temperature, stochastic", [(0.0, False), (1.0, False), (1.0, True)],
+                         ids=["greedy", "sampled-deterministic-drafts", "sampled-stochastic-drafts"])
+def test_verification_and_bookkeeping_cost_at_most_40_ops(top_k, temperature, stochastic):
+    """On the CPU: greedy verification, and sampled verification by the compiled walk."""
+    tree = _draft(3, stochastic)
+    stub = _ScoredTree(torch.randn(2, SHAPE.n, VOCAB, generator=torch.Generator().manual_seed(4)))
+    gen = torch.Generator().manual_seed(0)
+    ops = count_ops(lambda: speculative_step(stub, None, tree, SamplingParams(temperature=temperature), gen,
+                                             top_k=top_k))
+    assert ops.compute <= 40, ops
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_finished_rows_leave_through_the_mask_not_a_cache_copy(family, monkeypatch):
+    """Rows reaching EOS at different steps: the cache is never row-selected (a copy, and a new
+    tensor a captured graph would not see), and every row still decodes exactly."""
+    model = FAMILIES[family]()
+    prompts = [[1, 2, 3, 1, 2], [4, 5], [6, 7, 8, 6]]
+    ref = generate(model, prompts, method="autoregressive", max_new_tokens=12)
+    eos = ref.new_tokens[1][2]
+    ref = generate(model, prompts, method="autoregressive", max_new_tokens=12, eos_token_id=eos)
+    assert len({len(r) for r in ref.new_tokens}) > 1  # rows do finish apart
+    monkeypatch.setattr(ModelCache, "select", lambda *a: pytest.fail("the decode loop copied the cache"))
+    for method in ("autoregressive", "stree"):
+        out = generate(model, prompts, method=method, max_new_tokens=12, eos_token_id=eos)
+        assert out.sequences == ref.sequences, method
+
+
+def test_sampling_params_are_checked_once_and_shared():
+    with pytest.raises(ValueError, match="temperature must be a number >= 0"):
+        SamplingParams(temperature=-1)
+    with pytest.raises(ValueError, match="top_p must be in"):
+        SamplingParams(temperature=1.0, top_p=0.0)
+    with pytest.raises(ValueError, match="mode must be one of"):
+        SamplingParams(mode="fast")
+    assert SamplingParams().greedy and not SamplingParams(temperature=0.5).greedy
+    with pytest.raises(ValueError, match="greedy decoding"):
+        SamplingParams().probs(torch.zeros(1, 3))
+    logits = torch.tensor([[0.0, 1.0, 3.0]])
+    assert torch.allclose(SamplingParams().observed(logits), torch.softmax(logits, -1))  # drafters learn the softmax
+    model = FAMILIES["mamba2"]()
+    kw = dict(max_new_tokens=6, seed=3)
+    a = generate(model, [[1, 2, 3]], sampling=SamplingParams(temperature=0.8, top_k=5), **kw)
+    b = generate(model, [[1, 2, 3]], temperature=0.8, top_k=5, **kw)
+    assert a.sequences == b.sequences
+    with pytest.raises(TypeError, match="sampling must be a SamplingParams"):
+        generate(model, [[1]], sampling={"temperature": 1.0}, max_new_tokens=2)
+
+
+def _followed(model, cache, seed=0):
+    """A draft of SHAPE whose first children follow the target's greedy choices (so a path of
+    several nodes is accepted), with one later sibling invalid."""
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, VOCAB, (2, SHAPE.n), generator=g)
+    kids = SHAPE.children()
+    for _ in range(SHAPE.max_depth):
+        logits, _ = model.forward_tree(TokenTree.from_shape(SHAPE, tokens), cache.clone())
+        best = logits.argmax(-1)
+        for v, children in enumerate(kids):
+            if children:
+                tokens[:, children[0]] = best[:, v]
+    valid = torch.ones(2, SHAPE.n, dtype=torch.bool)
+    valid[1, kids[0][-1]] = False
+    return TokenTree.from_shape(SHAPE, tokens, valid=valid)
+
+
+@pytest.mark.parametrize("family, top_k", [(f, None) for f in FAMILIES] + [("mamba2", 0), ("mamba2", 3)])
+def test_the_compiled_greedy_iteration_equals_the_eager_step(family, top_k):
+    """Compiled decoding runs a greedy step's tree pass, verification and packing as one graph:
+    the same accepted paths, emitted tokens, target laws and committed state as the eager step."""
+    from stree.runtime import CompiledDecode
+
+    model, eager = _ready(family)
+    runner = CompiledDecode(model, 2, 64)
+    runner.cache.assign(torch.arange(2), eager)
+    draft = _followed(model, eager)
+    params = SamplingParams(0.0)
+    want, want_result = speculative_step(model, eager, draft, params, None, top_k=top_k)
+    got, result = speculative_step(model, runner.cache, draft, params, None, top_k=top_k, runner=runner)
+    assert [name for _, name in runner._fused] == ["greedy"]  # the fused path ran
+    assert int(want_result.num_accepted.max()) >= 3  # (the draft is followed: a long path to compare)
+    for a, b in ((result.accepted, want_result.accepted), (result.num_accepted, want_result.num_accepted),
+                 (result.bonus, want_result.bonus), (got.tokens, want.tokens), (got.counts, want.counts),
+                 (got.finite, want.finite)):
+        assert torch.equal(a, b)
+    if top_k is not None:
+        assert torch.equal(got.top_ids, want.top_ids)
+        torch.testing.assert_close(got.top_probs, want.top_probs)
+        torch.testing.assert_close(got.token_probs, want.token_probs)
+    else:
+        assert got.top_ids is None
+    assert torch.equal(runner.cache.seqlens, eager.seqlens)
+    torch.testing.assert_close(runner.cache.ssm, eager.ssm, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(runner.cache.conv, eager.conv, atol=1e-5, rtol=1e-5)
+    if eager.k is not None:
+        for b, n in enumerate(eager.seqlens.tolist()):
+            torch.testing.assert_close(runner.cache.k[:, b, :n], eager.k[:, b, :n], atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(runner.cache.v[:, b, :n], eager.v[:, b, :n], atol=1e-5, rtol=1e-5)

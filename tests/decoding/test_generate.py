@@ -1,0 +1,260 @@
+"""The decoding loop end to end: greedy token identity with autoregressive decoding on tiny models of
+both families, sampling laws by chi-square against exact enumeration, row finishing, stats, errors."""
+
+import pytest
+import torch
+from tiny_models import FAMILIES, mamba2
+
+from stree.drafters import Drafter, NGramDrafter
+from stree.decoding.loop import generate
+from stree.testing import MarkovDrafter, MarkovLM, cell_counts, chi_square, two_token_law
+from stree.tree import TokenTree, TreeShape
+
+SEEDED_P = 1e-3  # fixed seeds, so each chi-square test is deterministic; correct code passes this
+WRONG_P = 1e-6  # and a known-wrong rule must fall below this
+
+
+def looping_prompts(n, vocab, seed):
+    """Prompts with repeats in them (so the n-gram drafter has matches) of varied lengths."""
+    g = torch.Generator().manual_seed(seed)
+    prompts = []
+    for i in range(n):
+        motif = torch.randint(0, vocab, (int(torch.randint(2, 5, (1,), generator=g)),), generator=g).tolist()
+        tail = torch.randint(0, vocab, (i % 4,), generator=g).tolist()
+        prompts.append(motif * (1 + i % 3) + tail)
+    return prompts
+
+
+TREES = {"chain4": ("chain", TreeShape.chain(4)), "chain4-as-tree": ("stree", TreeShape.chain(4)),
+         "paper13": ("stree", TreeShape.paper13()), "binary3": ("stree", TreeShape.full(2, 3))}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_speculative_decoding_is_token_identical_to_autoregressive(family):
+    model = FAMILIES[family]()
+    prompts = looping_prompts(21, model.vocab_size, seed=1)
+    kw = dict(max_new_tokens=20, eos_token_id=None)
+    accepted = 0
+    for batch in ([prompts[0]], [prompts[1]], *[prompts[i: i + 3] for i in range(2, 21, 3)]):
+        ref = generate(model, batch, method="autoregressive", **kw)
+        assert all(len(s) == 20 for s in ref.new_tokens)
+        for name, (method, shape) in TREES.items():
+            out = generate(model, batch, method=method, tree=shape, drafter=NGramDrafter(), **kw)
+            assert out.sequences == ref.sequences, (name, batch)
+            accepted += sum(map(sum, out.stats.accepted))
+    assert accepted > 100  # drafts were accepted often, so accepted paths (not just bonuses) were checked
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_identity_through_the_triton_kernels(family, device):
+    """The same loop with every kernel forced to Triton (the interpreter here, CUDA on a GPU)."""
+    model = FAMILIES[family]()
+    prompts = looping_prompts(2, model.vocab_size, seed=3)
+    ref = generate(model, prompts, method="autoregressive", max_new_tokens=8)
+    model.to(device).kernel_backend = "triton"
+    out = generate(model, prompts, tree=TreeShape.paper13(), max_new_tokens=8)
+    assert out.sequences == ref.sequences
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_rows_stop_at_eos_and_max_tokens_independently(family):
+    model = FAMILIES[family]()
+    prompts = looping_prompts(3, model.vocab_size, seed=5)
+    ref = generate(model, prompts, method="autoregressive", max_new_tokens=16)
+    eos = ref.new_tokens[1][5]  # row 1 reaches it at step 6 (or earlier)
+    ref_eos = generate(model, prompts, method="autoregressive", max_new_tokens=16, eos_token_id=eos)
+    out = generate(model, prompts, tree=TreeShape.full(2, 3), max_new_tokens=16, eos_token_id=[eos])
+    assert out.sequences == ref_eos.sequences
+    for row, full in zip(out.new_tokens, ref.new_tokens):
+        cut = full.index(eos) + 1 if eos in full else 16
+        assert row == full[:cut]  # nothing past the first EOS, nothing past max_new_tokens
+    assert len(out.new_tokens[1]) <= 6 and out.stats.new_tokens == [len(r) for r in out.new_tokens]
+
+
+def test_eos_inside_an_accepted_run_ends_the_row_there():
+    """Greedy cycle 0 -> 1 -> 2 -> 3 -> 0 that the n-gram drafter predicts in full: the verifier
+    accepts drafts past the EOS, and the loop must still stop right after it."""
+    table = torch.full((4, 4), 0.02, dtype=torch.float64)
+    table[torch.arange(4), (torch.arange(4) + 1) % 4] = 0.94
+    model = MarkovLM(table)
+    prompt = [0, 1, 2, 3, 0, 1, 2, 3, 0]
+    out = generate(model, [prompt, prompt[:-1]], tree=TreeShape.chain(6), max_new_tokens=10, eos_token_id=2)
+    assert out.new_tokens == [[1, 2], [0, 1, 2]]
+    assert out.stats.accepted[0][0] >= 3  # EOS was mid-run among the accepted drafts
+
+
+def markov(order, V, seed):
+    torch.manual_seed(seed)  # Dirichlet draws from the global generator
+    g = torch.Generator().manual_seed(seed)
+    table = torch.distributions.Dirichlet(torch.full((V,), 0.7, dtype=torch.float64)).sample((V,) * order)
+    q = torch.distributions.Dirichlet(torch.ones(V)).sample((V,))  # a mismatched draft table
+    return MarkovLM(table), q, g
+
+
+class FlippedDeclaration(MarkovDrafter):
+    """Draws without replacement but declares i.i.d. draws: the base-q residual bug."""
+
+    def propose(self, context, shape):
+        t = super().propose(context, shape)
+        return TokenTree(t.parents, t.tokens, t.valid, t.child_ids, t.child_probs, with_replacement=True)
+
+
+RULE_CASES = {
+    "without_replacement/seed0": dict(drafter="wor", seed=0),
+    "without_replacement/seed1": dict(drafter="wor", seed=1),
+    "without_replacement/seed2": dict(drafter="wor", seed=2),
+    "iid": dict(drafter="iid", seed=0),
+    "one_hot": dict(drafter="ngram", seed=0),
+    "naive": dict(drafter="ngram", seed=0, mode="naive"),
+    "naive-stochastic-drafts": dict(drafter="wor", seed=0, mode="naive"),
+}
+
+
+@pytest.mark.parametrize("case", RULE_CASES)
+def test_markov_lm_decoding_samples_the_exact_joint_law(case):
+    """40k rows (20k with the Python n-gram drafter) decoded at once from an order-2 Markov table
+    (V = 5) with tree drafts: the joint of the first 3 tokens fits the exact law by chi-square."""
+    spec = RULE_CASES[case]
+    model, q, _ = markov(order=2, V=5, seed=3)
+    drafter = {"wor": lambda: MarkovDrafter(q, seed=spec["seed"] + 10),
+               "iid": lambda: MarkovDrafter(q, with_replacement=True, seed=spec["seed"] + 10),
+               "ngram": NGramDrafter}[spec["drafter"]]()
+    prompt = [1, 2, 1, 2, 0, 1, 2, 1]
+    B = 20_000 if spec["drafter"] == "ngram" else 40_000
+    out = generate(model, [prompt] * B, drafter=drafter, tree=TreeShape.full(3, 2), max_new_tokens=3,
+                   temperature=1.0, seed=spec["seed"], mode=spec.get("mode", "auto"))
+    first_step = torch.tensor([a[0] for a in out.stats.accepted], dtype=torch.float)
+    assert first_step.mean() > 0.05  # the tree's verification decided thousands of tokens 2 and 3
+    _, _, pvalue = chi_square(cell_counts(torch.tensor(out.new_tokens), 5), model.joint_law(prompt, 3))
+    assert pvalue > SEEDED_P, pvalue
+
+
+def test_markov_chi_square_detects_the_base_q_bug():
+    model, q, _ = markov(order=2, V=5, seed=3)
+    prompt = [1, 2, 1, 2, 0, 1, 2, 1]
+    out = generate(model, [prompt] * 40_000, drafter=FlippedDeclaration(q, seed=10), tree=TreeShape.full(3, 2),
+                   max_new_tokens=3, temperature=1.0, seed=0)
+    assert chi_square(cell_counts(torch.tensor(out.new_tokens), 5), model.joint_law(prompt, 3))[2] < WRONG_P
+
+
+def test_tiny_mamba2_sampling_matches_the_enumerated_law():
+    """Temperature 0.9, top-p 0.95, stochastic paper13 drafts: the first 2 generated tokens of 12k
+    rows against the exact law from the model's own prefill/step distributions."""
+    model = mamba2(vocab_size=6, pad_vocab_size_multiple=1, seed=2)
+    with torch.no_grad():  # flatter logits: a tiny random model is otherwise near-deterministic
+        model.backbone.norm_f.weight.mul_(0.1)
+    V = model.vocab_size
+    prompt = [1, 4, 2, 5, 3]
+    kw = dict(temperature=0.9, top_p=0.95)
+    p1, p2 = two_token_law(model, prompt, **kw)
+    joint = p1[:, None] * p2
+    # drafts close to (not equal to) the target, so most second tokens are accepted drafts
+    torch.manual_seed(0)
+    q = 0.7 * p2.float() + 0.3 * torch.distributions.Dirichlet(torch.ones(V)).sample((V,))
+    out = generate(model, [prompt] * 12_000, drafter=MarkovDrafter(q, seed=4), tree=TreeShape.paper13(),
+                   max_new_tokens=2, seed=5, **kw)
+    accepted = torch.tensor([a[0] for a in out.stats.accepted], dtype=torch.float)
+    assert accepted.mean() > 0.5
+    _, _, pvalue = chi_square(cell_counts(torch.tensor(out.new_tokens), V), joint)
+    assert pvalue > SEEDED_P, pvalue
+
+
+def test_same_seed_same_output_and_stats():
+    model, q, _ = markov(order=1, V=6, seed=0)
+    prompts = [[1, 2, 3], [4], [0, 0, 5, 1]]
+    kw = dict(drafter=MarkovDrafter(q), max_new_tokens=30, temperature=1.0, top_k=4)
+    a = generate(model, prompts, seed=7, **kw)
+    kw["drafter"] = MarkovDrafter(q)
+    b = generate(model, prompts, seed=7, **kw)
+    kw["drafter"] = MarkovDrafter(q)
+    c = generate(model, prompts, seed=8, **kw)
+    assert a.sequences == b.sequences and a.sequences != c.sequences
+    s = a.stats
+    assert s.new_tokens == [30, 30, 30]
+    # per row: 1 token from the prefill, then (accepted + 1) per step
+    assert all(1 + sum(acc[:-1]) + len(acc) - 1 < 30 <= 1 + sum(acc) + len(acc) for acc in s.accepted)
+    assert s.target_forwards == max(map(len, s.accepted))
+    assert s.tau == pytest.approx(87 / sum(map(len, s.accepted)))
+    assert s.time_total >= s.time_draft + s.time_verify + s.time_commit + s.time_prefill and s.time_other >= 0
+    assert s.tokens_per_s > 0 and "tau" in s.summary()
+    ar = generate(model, prompts, method="autoregressive", max_new_tokens=30, seed=7)
+    assert ar.stats.tau == 1.0 and ar.stats.target_forwards == 29
+
+
+class OutOfVocab(Drafter):
+    def __init__(self, vocab):
+        self.vocab = vocab
+
+    def propose(self, context, shape):
+        tokens = torch.full((len(context), shape.n), self.vocab)
+        tokens[:, 0] = context.last_tokens()
+        return TokenTree(shape.parents_tensor(), tokens)
+
+
+class WrongRoot(Drafter):
+    def propose(self, context, shape):
+        return TokenTree(shape.parents_tensor(), (context.last_tokens()[:, None] + 1) % 7 * torch.ones(1, shape.n, dtype=torch.long))
+
+
+def test_bad_inputs_name_the_argument():
+    model = mamba2()
+    V = model.vocab_size
+    with pytest.raises(ValueError, match="input_ids row 1 is empty"):
+        generate(model, [[1, 2], []], max_new_tokens=3)
+    with pytest.raises(ValueError, match=r"max_length 10 is too small.*needs 13"):
+        generate(model, [[1] * 6], max_new_tokens=3, max_length=10, tree=TreeShape.paper13())  # 6 + 3 + depth 4
+    # tree="auto" plans within the room left (none here: plain steps), never past it
+    assert generate(model, [[1] * 6], max_new_tokens=4, max_length=10).stats.trees.keys() == {1}
+    with pytest.raises(ValueError, match=rf"tree.tokens\[0, 1\] = {V} is outside the vocabulary"):
+        generate(model, [[1, 2, 3]], drafter=OutOfVocab(V), max_new_tokens=5)
+    with pytest.raises(ValueError, match="root token"):
+        generate(model, [[1, 2, 3]], drafter=WrongRoot(), max_new_tokens=5)
+    with pytest.raises(ValueError, match="method"):
+        generate(model, [[1]], method="beam", max_new_tokens=3)
+    with pytest.raises(ValueError, match="needs a chain tree"):
+        generate(model, [[1]], method="chain", tree=TreeShape.paper13(), max_new_tokens=3)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        generate(model, [[1]], max_new_tokens=0)
+    with pytest.raises(ValueError, match="top_p"):
+        generate(model, [[1]], max_new_tokens=2, temperature=1.0, top_p=1.5)
+    # the model's own guards: a prompt longer than the cache, a tree deeper than the room left
+    cache = model.allocate_cache(1, 8)
+    with pytest.raises(ValueError, match="past the cache's max_length 8"):
+        model.prefill(torch.ones(1, 9, dtype=torch.long), cache)
+    model.prefill(torch.ones(1, 5, dtype=torch.long), cache)
+    deep = TokenTree.from_shape(TreeShape.chain(3), torch.ones(1, 4, dtype=torch.long))
+    with pytest.raises(ValueError, match="would reach 9 tokens, past the cache's max_length 8"):
+        model.forward_tree(deep, cache)
+
+
+def test_only_a_speculative_loops_plain_steps_follow_the_tree_passes_weights(monkeypatch):
+    """A speculative loop's plain steps run inside models.linear.following and its tree passes
+    inside leading (the steps read the weight copies the passes use); autoregressive decoding
+    enters neither."""
+    import contextlib
+
+    import stree.decoding.loop as gen
+    from stree.decoding.autotree import AutoTree
+    from stree.decoding.cost import CostProfile
+
+    entered = []
+
+    def counting(role):
+        @contextlib.contextmanager
+        def block():
+            entered.append(role)
+            yield
+        return block
+
+    monkeypatch.setattr(gen, "following", counting("follow"))
+    monkeypatch.setattr(gen, "leading", counting("lead"))
+    model = mamba2(seed=0)
+    prompt = [[1, 2, 3, 4]]
+    generate(model, prompt, max_new_tokens=6, method="autoregressive")
+    assert entered == []
+    dear = AutoTree(CostProfile(1.0, (2, 4), (60.0, 70.0)))  # trees that never pay: plain steps
+    out = generate(model, prompt, max_new_tokens=6, drafter=NGramDrafter(), tree=dear)
+    assert entered.count("follow") == out.stats.trees[1] > 0
+    entered.clear()
+    out = generate(model, prompt, max_new_tokens=6, drafter=NGramDrafter(), tree=TreeShape.chain(2))
+    assert len(entered) == out.stats.target_forwards and set(entered) == {"lead"}  # every step a tree pass

@@ -1,0 +1,171 @@
+"""The compiled decode path (torch.compile of step, tree pass and commit, for the CPU) must equal
+the eager calls, state included, and compile each function once per shape."""
+
+import pytest
+import torch
+from tiny_models import FAMILIES, VOCAB
+from torch._dynamo.utils import counters
+
+from stree.decoding.autotree import FIXED
+from stree.drafters.registry import make_drafter
+from stree.decoding.loop import generate
+from stree.runtime import CompiledDecode, CompiledModel
+from stree.testing import MarkovLM
+from stree.tree import TokenTree, TreeShape
+
+MAX_LENGTH = 256  # what generate's pool allocates for these prompts: the same shapes, no new compile
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def model(request):
+    return FAMILIES[request.param]()
+
+
+def _pair(model, lengths=(6, 3)):
+    """Two identical prefilled caches."""
+    g = torch.Generator().manual_seed(4)
+    cache = model.allocate_cache(len(lengths), MAX_LENGTH)
+    model.prefill(torch.randint(0, VOCAB, (len(lengths), max(lengths)), generator=g), cache, lengths=torch.tensor(lengths))
+    return cache, cache.clone()
+
+
+def _assert_same_state(cache, eager):
+    assert torch.equal(cache.seqlens, eager.seqlens)
+    for name in ("conv", "ssm"):
+        a, b = getattr(cache, name), getattr(eager, name)
+        assert (a - b).abs().max() <= 1e-5, name
+    if cache.k is not None:
+        for b in range(cache.batch_size):
+            n = int(cache.seqlens[b])
+            assert (cache.k[:, b, :n] - eager.k[:, b, :n]).abs().max() <= 1e-5
+            assert (cache.v[:, b, :n] - eager.v[:, b, :n]).abs().max() <= 1e-5
+
+
+def test_compiled_step_equals_eager_steps(model):
+    cache, eager = _pair(model)
+    compiled = CompiledModel(model)
+    tok = torch.tensor([5, 7])
+    for _ in range(4):
+        want = model.step(tok, eager)
+        got = compiled.step(tok, cache)
+        assert (got - want).abs().max() <= 1e-5
+        _assert_same_state(cache, eager)
+        tok = want.argmax(-1)
+
+
+@pytest.mark.parametrize("tree_kind", ["static", "parents"])
+def test_compiled_tree_pass_then_commit_equals_eager(model, tree_kind):
+    """A static shape's pass is compiled; a tree given by its parents takes the eager pass."""
+    cache, eager = _pair(model)
+    compiled = CompiledModel(model)
+    shape = TreeShape.paper13()
+    accepted = torch.tensor([[0, 2, 6, 0, 0], [0, 1, 4, 7, 10]])
+    num = torch.tensor([3, 5])
+    for seed in range(3):
+        tokens = torch.randint(0, VOCAB, (2, shape.n), generator=torch.Generator().manual_seed(seed))
+        want, eager_pass = model.forward_tree(TokenTree.from_shape(shape, tokens), eager)
+        tree = (TokenTree.from_shape(shape, tokens) if tree_kind == "static"
+                else TokenTree(torch.tensor(shape.parents), tokens))
+        got, handle = compiled.forward_tree(tree, cache)
+        assert (got - want).abs().max() <= 1e-5
+        _assert_same_state(cache, eager)  # the pass changed no committed state
+        model.commit(eager, eager_pass, accepted, num)
+        compiled.commit(cache, handle, accepted, num)
+        _assert_same_state(cache, eager)
+        with pytest.raises(ValueError, match="tree_pass is stale"):
+            compiled.commit(cache, handle, accepted, num)
+    with pytest.raises(ValueError, match="is not a root path"):
+        _, handle = compiled.forward_tree(TokenTree.from_shape(shape, tokens), cache)
+        compiled.commit(cache, handle, torch.tensor([[0, 2, 4], [0, 1, 4]]), torch.tensor([3, 3]))
+
+
+@pytest.mark.parametrize("method", ["autoregressive", "stree"])
+def test_generate_compiled_is_token_identical_and_compiles_once(model, method):
+    """Rows finishing at different steps; the second call compiles nothing new."""
+    prompts = [[1, 2, 3, 1, 2], [4, 5]]
+    ref = generate(model, prompts, method="autoregressive", max_new_tokens=12)
+    eos = ref.new_tokens[1][2]
+    graphs = counters["stats"]["unique_graphs"]
+    first = generate(model, prompts, method=method, max_new_tokens=12, eos_token_id=eos, torch_compile=True)
+    # at most one graph per compiled function it uses, none twice: the step; under tree="auto" also
+    # the tree pass and commit of every fixed size, which the cost profile compiles and times
+    assert counters["stats"]["unique_graphs"] - graphs <= (1 if method == "autoregressive" else 1 + 2 * len(FIXED))
+    want = generate(model, prompts, method=method, max_new_tokens=12, eos_token_id=eos)
+    assert first.sequences == want.sequences
+    graphs = counters["stats"]["unique_graphs"]
+    got = generate(model, prompts, method=method, max_new_tokens=12, eos_token_id=eos, torch_compile=True)
+    assert got.sequences == want.sequences
+    assert counters["stats"]["unique_graphs"] == graphs
+
+
+def test_compiled_tree_pass_checks_its_tokens(model):
+    tree_pass, _ = CompiledDecode(model, 2, MAX_LENGTH).tree(TreeShape.chain(2))
+    with pytest.raises(ValueError, match=r"tokens must have shape \(2, 3\) \(this pass's tree\), got \(2, 4\)"):
+        tree_pass(torch.zeros(2, 4, dtype=torch.long))
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        tree_pass(torch.full((2, 3), model.vocab_size))
+
+
+def test_generate_refuses_compile_where_it_does_not_apply():
+    with pytest.raises(TypeError, match="torch_compile must be a bool, got 'yes'"):
+        generate(FAMILIES["mamba2"](), [[1, 2]], max_new_tokens=2, torch_compile="yes")
+    markov = MarkovLM(torch.softmax(torch.randn(VOCAB, VOCAB, dtype=torch.float64), -1))
+    with pytest.raises(ValueError, match="torch_compile=True is for stree models on the CPU"):
+        generate(markov, [[1, 2]], max_new_tokens=2, torch_compile=True)
+
+
+def test_ssm_drafter_on_the_compiled_model_drafts_as_on_the_eager_one(model):
+    """Its steps and chain passes compiled: the same drafts (deterministic mode), so the same
+    accepted counts at every step."""
+    drafter_model = FAMILIES["mamba2"](seed=1)
+    prompts = [[1, 2, 3, 1, 2], [4, 5]]
+    runs = [generate(model, prompts, max_new_tokens=10, tree=TreeShape.paper13(),
+                     drafter=make_drafter("ssm-static", drafter_model=m, vocab_size=model.vocab_size))
+            for m in (drafter_model, CompiledModel(drafter_model))]
+    assert runs[0].sequences == runs[1].sequences
+    assert runs[0].stats.accepted == runs[1].stats.accepted
+
+
+def test_compiled_model_refuses_what_it_cannot_compile():
+    with pytest.raises(ValueError, match="the compiled decode path is for stree models on the CPU"):
+        CompiledModel(MarkovLM(torch.softmax(torch.randn(VOCAB, VOCAB, dtype=torch.float64), -1)))
+    model = FAMILIES["mamba2"]()
+    compiled = CompiledModel(model)
+    cache = model.allocate_cache(1, 8)
+    model.double()  # its graphs (guards on torch's own modules skipped) would not know
+    with pytest.raises(ValueError, match="the model is now torch.float64 on cpu but was compiled for torch.float32"):
+        compiled.step(torch.tensor([1]), cache)
+
+
+def test_each_compiled_model_has_its_own_graphs():
+    """Two models of one config: each compiles its own step (no guard has to tell them apart),
+    and each gives its own model's logits."""
+    models = [FAMILIES["mamba2"](seed=s) for s in (5, 6)]
+    tok = torch.tensor([3])
+    for m in models:
+        graphs = counters["stats"]["unique_graphs"]
+        cache, eager = _pair(m, lengths=(4,))
+        assert (CompiledModel.of(m).step(tok, cache) - m.step(tok, eager)).abs().max() <= 1e-5
+        assert counters["stats"]["unique_graphs"] == graphs + 1
+
+
+def test_every_batch_and_shape_is_compiled_once_past_dynamos_recompile_limit():
+    """One process decoding several batch sizes with several tree sizes each: every pass gets a
+    graph of its own (one shared copy of the function reached dynamo's limit of 8 at the ninth
+    and ran the rest eager), and tokens given as a view (a draft cut to a prefix) compile nothing
+    again."""
+    model = FAMILIES["mamba2"](seed=7)
+    compiled = CompiledModel(model)
+    for batch in (1, 2, 3):
+        cache = model.allocate_cache(batch, 16)
+        for n in (1, 2, 3):
+            tree = TokenTree.from_shape(TreeShape.chain(n), torch.randint(0, VOCAB, (batch, n + 1)))
+            graphs = counters["stats"]["unique_graphs"]
+            got, _ = compiled.forward_tree(tree, cache)
+            assert counters["stats"]["unique_graphs"] == graphs + 1, (batch, n)
+            assert (got - model.forward_tree(tree, cache)[0]).abs().max() <= 1e-5
+            wide = torch.randint(0, VOCAB, (batch, n + 4))
+            view = TokenTree.from_shape(TreeShape.chain(n), wide[:, : n + 1])
+            got, _ = compiled.forward_tree(view, cache)
+            assert counters["stats"]["unique_graphs"] == graphs + 1, (batch, n)
+            assert (got - model.forward_tree(view, cache)[0]).abs().max() <= 1e-5
