@@ -155,7 +155,8 @@ class LM:
         loads its slice of the model (:mod:`stree.models.parallel`); every rank then calls
         ``generate`` with the same arguments and gets the same output."""
         from .models import join
-        from .checkpoints.io import DTYPES, load, load_tokenizer
+        from .checkpoints.io import DTYPES, load
+        from .checkpoints.tokenizer import load_tokenizer
         from .checkpoints.hub import resolve
 
         if isinstance(dtype, str):

@@ -108,9 +108,9 @@ def test_config_is_read_before_the_weights(tmp_path, monkeypatch):
     shutil.copytree(TARGET, tmp_path / "m")
     config = json.loads((tmp_path / "m" / "config.json").read_text())
     (tmp_path / "m" / "config.json").write_text(json.dumps({**config, "n_layer": 0}))
-    from stree.checkpoints import io as loading
+    from stree.checkpoints import io
 
-    monkeypatch.setattr(loading, "_read_weights", lambda path: pytest.fail("weights read before the config check"))
+    monkeypatch.setattr(io, "read_weights", lambda path: pytest.fail("weights read before the config check"))
     with pytest.raises(ValueError, match="n_layer must be a positive integer"):
         load(tmp_path / "m")
 

@@ -18,7 +18,7 @@ from tiny_models import hybrid, mamba2
 from stree.drafters import NGramDrafter, STANDDrafter, STANDStore
 from stree.decoding.loop import generate
 from stree.models import load, save
-from stree.checkpoints.io import _SlicedWeights
+from stree.checkpoints.weights import SlicedWeights
 from stree.models.parallel import TensorParallel, plan
 from stree.testing import MarkovDrafter, cell_counts, chi_square, two_token_law
 from stree.testing.ranks import run_ranks
@@ -95,14 +95,14 @@ def protocol(model) -> list[torch.Tensor]:
 
 def _protocol_ranks(tp, paths: dict) -> dict:
     read = {"n": 0}
-    real_read = _SlicedWeights.read
+    real_read = SlicedWeights.read
 
     def counting(self, key, idx):
         t = real_read(self, key, idx)
         read["n"] += t.numel()
         return t
 
-    _SlicedWeights.read = counting
+    SlicedWeights.read = counting
     results = {}
     for name, path in paths.items():
         read["n"] = 0
@@ -218,7 +218,7 @@ def test_a_count_the_world_size_does_not_divide_is_named_before_any_weight_is_re
     save(model, tmp_path)
     with pytest.raises(ValueError, match=f"{message} is not divisible by the tensor-parallel world size 2"):
         plan(type(model)(model.cfg, device="meta"), FAKE)
-    monkeypatch.setattr(_SlicedWeights, "read", lambda *a: pytest.fail("a weight was read"))
+    monkeypatch.setattr(SlicedWeights, "read", lambda *a: pytest.fail("a weight was read"))
     tp = TensorParallel.__new__(TensorParallel)
     tp.world, tp.rank = 2, 0
     with pytest.raises(ValueError, match=message):

@@ -14,14 +14,15 @@ from .parallel import TensorParallel, join, leave
 
 # Loading and saving live in stree.checkpoints (which builds these models); their public names are
 # kept here too, resolved on first use so that importing a model never imports the loaders.
-CHECKPOINT_NAMES = ("DTYPES", "detect_format", "from_transformers", "load", "load_tokenizer", "save", "shard")
+CHECKPOINT_NAMES = {"DTYPES": "io", "detect_format": "formats", "from_transformers": "io", "load": "io",
+                    "load_tokenizer": "tokenizer", "save": "io", "shard": "io"}
 
 
 def __getattr__(name):
     if name in CHECKPOINT_NAMES:
-        from ..checkpoints import io
+        import importlib
 
-        return getattr(io, name)
+        return getattr(importlib.import_module(f"..checkpoints.{CHECKPOINT_NAMES[name]}", __name__), name)
     raise AttributeError(f"module 'stree.models' has no attribute {name!r}")
 
 

@@ -7,8 +7,6 @@ import os
 import sys
 import time
 
-import torch
-
 from ..drafters import STANDDrafter, STANDStore
 from ..drafters.registry import DRAFTER_ALIASES, DRAFTER_NAMES, NEEDS_MODEL, drafter_name
 from ..decoding.loop import METHODS
@@ -385,7 +383,8 @@ def _run_train_lm(args) -> int:
 
 def _load(args):
     from ..lm import rank_device
-    from ..checkpoints.io import load, load_tokenizer
+    from ..checkpoints.io import load
+    from ..checkpoints.tokenizer import load_tokenizer
 
     path = resolve(args.model, args.revision)
     model = load(path, dtype=DTYPES.get(args.dtype), device=rank_device(args.device, None))

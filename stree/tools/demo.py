@@ -27,7 +27,8 @@ import torch
 
 from ..drafters.registry import NEEDS_MODEL, make_drafter
 from ..decoding.loop import generate, merged_trees, pooled_tau, trees_chosen
-from ..checkpoints.io import load, load_tokenizer
+from ..checkpoints.io import load
+from ..checkpoints.tokenizer import load_tokenizer
 
 ASSETS = Path(__file__).resolve().parents[1] / "assets"
 TARGET, DRAFTER = ASSETS / "tiny-target", ASSETS / "tiny-drafter"

@@ -18,7 +18,8 @@ import torch.nn.functional as F
 
 from ..checkpoints.atomic import write_text
 from ..models import Mamba2Config, Mamba2LM
-from ..checkpoints.io import DTYPES, load, load_tokenizer, save
+from ..checkpoints.io import DTYPES, load, save
+from ..checkpoints.tokenizer import load_tokenizer
 from .corpus import TokenCorpus, find_sources
 from .loop import LoopConfig, masked_mean, prepare_out, train
 from .train_lm import init_weights
