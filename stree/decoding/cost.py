@@ -301,6 +301,9 @@ def _sync(device: torch.device):
 
 @torch.no_grad()
 def _measure(model, drafter, batch: int, mode: str, sampled: bool, shapes, budget_s: float) -> CostProfile:
+    """A plain step and an iteration of each of ``shapes`` timed on a random context, as the loop
+    runs them. One function for a reason: the timed calls (the closures) share the cache, the
+    context and the drafter's rows exactly as the loop's steps do."""
     from ..drafters.base import DraftContext, TargetTop
     from ..models.linear import following, leading
     from .steps import autoregressive_step, check_draft, speculative_step

@@ -1,331 +1,42 @@
-"""The decoding loop: autoregressive, chain speculative decoding, and STree (paper 001, Algorithm 1).
+"""The decoding loop: autoregressive, chain speculative decoding, and STree (Algorithm 1 of the
+STree paper).
 
 One iteration of ``stree`` / ``chain``: the drafter proposes a tree rooted at each row's last
-token, the target scores every node in one ``forward_tree``, :func:`stree.sampling.verify.verify` picks the
-accepted path and the bonus token, ``commit`` replays the accepted path into the cache, and the
-accepted drafts plus the bonus are emitted. The bonus becomes the next root.
+token, the target scores every node in one ``forward_tree``, :func:`stree.sampling.verify.verify`
+picks the accepted path and the bonus token, ``commit`` replays the accepted path into the cache,
+and the accepted drafts plus the bonus are emitted. The bonus becomes the next root.
 
-The loop is thin: :func:`prefill_rows`, :func:`autoregressive_step` and :func:`speculative_step`
-do the device work, each ending in ONE device-to-host transfer of everything the host needs (the
-emitted tokens, their counts, and what the drafter learns from); :class:`Rows` keeps the host-side
-bookkeeping. The batch keeps its size: a finished row leaves through the ``active`` mask (it rides
-along with a root-only tree, its cache never copied), so shapes stay fixed.
+The loop is thin: its arguments are resolved once (:mod:`.config`); :func:`prefill_rows`,
+:func:`autoregressive_step` and :func:`speculative_step` do the device work, each ending in ONE
+device-to-host transfer of everything the host needs (the emitted tokens, their counts, and what
+the drafter learns from); :class:`~stree.decoding.rows.Rows` keeps the host-side bookkeeping. The
+batch keeps its size: a finished row leaves through the ``active`` mask (it rides along with a
+root-only tree, its cache never copied), so shapes stay fixed.
 """
 
 from __future__ import annotations
 
 import contextlib
-import inspect
 import time
-from dataclasses import dataclass, field
-from typing import NamedTuple
 
 import numpy as np
 import torch
 
-from .args import integer
-from .autotree import AutoTree, PathRates, auto_tree
-from .distributed import drafts_here, share_tree, tensor_parallel
-from ..drafters.base import DraftContext, Drafter, TargetTop, check_budget
-from ..drafters.ngram import NGramDrafter
-from ..models.base import TreeLM
+from ..drafters.base import DraftContext, Drafter
+from ..models.linear import following, leading
 from ..runtime.compiled import CompiledDecode
 from ..runtime.graphs import DecodeGraphs
-from ..models.linear import following, leading
-from .steps import HostStep, autoregressive_step, check_draft, prefill_rows, speculative_step
-from .stops import check_stop_sequences, token_stop
-from ..tree import TokenTree, TreeBudget, TreeShape
-from ..runtime.unrolled import UnrolledTarget
 from ..sampling.verify import SamplingParams
+from ..tree import TokenTree, TreeBudget, TreeShape
+from .autotree import AutoTree, auto_tree
+from .config import METHODS, DecodeConfig, resolve
+from .distributed import share_tree
+from .rows import (GenerationOutput, GenerationStats, Rows, check_finite, full_batch, merged_trees, pooled_tau,
+                   stop_at_sequences, trees_chosen)
+from .steps import HostStep, autoregressive_step, check_draft, prefill_rows, speculative_step
 
 __all__ = ["METHODS", "GenerationOutput", "GenerationStats", "HostStep", "Rows", "autoregressive_step", "decode",
-           "generate",
-           "prefill_rows", "speculative_step"]
-
-METHODS = ("stree", "chain", "autoregressive", "unrolled")
-
-
-@dataclass
-class GenerationStats:
-    """``target_forwards``: decoding forwards of the target (prefill excluded). ``accepted``: per
-    row, the drafts the verifier accepted at each of its steps. ``tau``: tokens emitted per row per
-    decoding step, bonus included (1 for autoregressive), after the cuts at EOS and
-    ``max_new_tokens``; the first token, which comes from the prefill, counts in ``new_tokens`` but
-    not in ``tau``. Times in seconds; ``time_verify`` holds the target's tree forward and the
-    verification, ``time_commit`` the commit and the step's transfer to the host."""
-
-    target_forwards: int = 0
-    new_tokens: list[int] = field(default_factory=list)
-    accepted: list[list[int]] = field(default_factory=list)
-    time_prefill: float = 0.0
-    time_draft: float = 0.0
-    time_verify: float = 0.0
-    time_commit: float = 0.0
-    time_total: float = 0.0
-    prefilled: bool = True  # the first token of each row came from a prefill (not from a decoding step)
-    trees: dict[int, int] = field(default_factory=dict)  # tree nodes -> decoding steps (1: a plain step)
-    time_setup: float = 0.0  # measuring this machine's costs for tree="auto" (once per process), not in time_total
-
-    @property
-    def tau(self) -> float:
-        return pooled_tau([self])
-
-    def row_tau(self, row: int) -> float:
-        """``tau`` of one row."""
-        steps = len(self.accepted[row])
-        return (self.new_tokens[row] - self.prefilled) / steps if steps else float("nan")
-
-    @property
-    def time_other(self) -> float:
-        return self.time_total - self.time_prefill - self.time_draft - self.time_verify - self.time_commit
-
-    @property
-    def tokens_per_s(self) -> float:
-        return sum(self.new_tokens) / self.time_total if self.time_total > 0 else float("nan")
-
-    def trees_chosen(self) -> str:
-        """``trees`` in a few words: the share of plain steps and the tree sizes taken."""
-        return trees_chosen(self.trees)
-
-    def summary(self) -> str:
-        return (f"tokens {sum(self.new_tokens)} | forwards {self.target_forwards} | tau {self.tau:.2f} | "
-                f"{self.tokens_per_s:.1f} tok/s | steps: {self.trees_chosen()} | draft {self.time_draft:.3f}s "
-                f"verify {self.time_verify:.3f}s commit {self.time_commit:.3f}s other {self.time_other:.3f}s "
-                f"(prefill {self.time_prefill:.3f}s)")
-
-
-def merged_trees(stats: list[GenerationStats]) -> dict[int, int]:
-    """The ``trees`` of several runs together, by size."""
-    out: dict[int, int] = {}
-    for s in stats:
-        for n, k in s.trees.items():
-            out[n] = out.get(n, 0) + k
-    return dict(sorted(out.items()))
-
-
-def trees_chosen(trees: dict[int, int]) -> str:
-    """Steps per tree size (1: a plain step) in a few words: the share of plain steps and the
-    tree sizes taken."""
-    steps = sum(trees.values())
-    sizes = sorted(n for n in trees if n > 1)
-    plain = f"{trees.get(1, 0) / steps:.0%} plain" if steps else "-"
-    return plain if not sizes else f"{plain}, trees {sizes[0]}-{sizes[-1]}"
-
-
-def pooled_tau(stats: list[GenerationStats]) -> float:
-    """``tau`` over the rows of several runs together."""
-    steps = sum(len(a) for s in stats for a in s.accepted)
-    from_steps = sum(n - s.prefilled for s in stats for n in s.new_tokens if n > 0)
-    return from_steps / steps if steps else float("nan")
-
-
-@dataclass
-class GenerationOutput:
-    """``sequences``: per row, prompt then generated tokens; ``prompt_lengths`` to split them.
-    ``exact``: per row, whether the cache holds the row's state after all its tokens but the last
-    (False where the row was cut inside a step's accepted path, by an EOS, its budget or a stop,
-    or rode along after it finished): what continuing from that cache needs."""
-
-    sequences: list[list[int]]
-    prompt_lengths: list[int]
-    stats: GenerationStats
-    exact: list[bool] = field(default_factory=list)
-
-    @property
-    def new_tokens(self) -> list[list[int]]:
-        return [s[n:] for s, n in zip(self.sequences, self.prompt_lengths)]
-
-
-def _top_k(drafter: Drafter | None) -> int | None:
-    """How many target entries the drafter learns from per token (None: it learns nothing)."""
-    return None if drafter is None else drafter.target_top_k
-
-
-class Rows:
-    """Host-side state of a batch: every row's tokens so far (prompt, then generated), its length,
-    the tokens produced, and whether it still decodes; rows finish at an EOS or their
-    ``max_new_tokens`` (an int, or one per row). ``exact``: see :class:`GenerationOutput`."""
-
-    def __init__(self, prompts: list[list[int]], max_new_tokens: list[int], eos: list[int]):
-        B, longest = len(prompts), max(map(len, prompts))
-        # grown as tokens come (doubling): max_new_tokens is a limit, not an allocation
-        self.seq = torch.zeros(B, longest + min(max(max_new_tokens), 256), dtype=torch.long)
-        self.limit = max(len(p) + m for p, m in zip(prompts, max_new_tokens))
-        self.lengths = torch.tensor([len(p) for p in prompts])
-        for i, p in enumerate(prompts):
-            self.seq[i, : len(p)] = torch.tensor(p)
-        self.prompt_lengths = self.lengths.clone()
-        self.produced = torch.zeros(B, dtype=torch.long)
-        self.active = torch.ones(B, dtype=torch.bool)
-        self.eos = torch.tensor(eos, dtype=torch.long)
-        self.max_new_tokens = torch.tensor(max_new_tokens, dtype=torch.long)
-        self.exact = torch.ones(B, dtype=torch.bool)
-        self.accepted: list[list[int]] = [[] for _ in range(B)]
-
-    @property
-    def batch_size(self) -> int:
-        return len(self.lengths)
-
-    def active_ids(self) -> list[int]:
-        return np.flatnonzero(self.active.numpy()).tolist()
-
-    def context(self) -> DraftContext:
-        return DraftContext(self.seq, self.lengths, self.active_ids())
-
-    def roots(self) -> torch.Tensor:
-        """Every row's last token (a finished row's too: it rides along)."""
-        return torch.from_numpy(self.seq.numpy()[np.arange(self.batch_size), self.lengths.numpy() - 1])
-
-    def critical(self, live: list[int]) -> np.ndarray:
-        """Over the rows ``live`` (active), a mask of those expected to finish last: within a step
-        of the most steps left (tokens left at the tokens per step the row's own steps have
-        brought so far). The batch decodes until its last row is done, so a tree is worth what it
-        brings the one of them that gains least: tokens it brings a row that will finish early
-        anyway buy nothing (at batch 8, trees chosen for the rows' summed tokens ran slower than
-        plain steps while every row's own tau was high), nor do tokens for one of several rows
-        level at the end (at batch 16, trees chosen for one of them ran slower too)."""
-        ids = np.asarray(live)
-        produced = self.produced.numpy()[ids]
-        steps = np.fromiter((len(self.accepted[r]) for r in live), dtype=np.float64, count=len(live))
-        rate = np.maximum(produced, 1) / np.maximum(steps, 1)
-        left = (self.max_new_tokens.numpy()[ids] - produced) / rate
-        return left >= left.max() - 1.0
-
-    def emit(self, step: HostStep, drafter: Drafter | None) -> None:
-        """Append ``step.tokens[b, :counts[b]]`` to each active row, cut after its first EOS and at
-        ``max_new_tokens``; show the drafter what was appended; retire the finished rows. (In
-        numpy, on views of the rows' tensors: a dozen small torch ops cost several times more here.)"""
-        lengths, produced, active = self.lengths.numpy(), self.produced.numpy(), self.active.numpy()
-        ids = np.flatnonzero(active)
-        tokens, counts = step.tokens.numpy()[ids], step.counts.numpy()[ids]
-        j = np.arange(tokens.shape[1])
-        is_eos = (tokens[..., None] == self.eos.numpy()).any(-1) & (j < counts[:, None])  # np.isin: measured several times slower
-        hit = is_eos.any(1)
-        upto = np.where(hit, is_eos.argmax(1) + 1, counts)  # through the first EOS
-        room = self.max_new_tokens.numpy()[ids] - produced[ids]
-        n = np.minimum(upto, room)
-        if drafter is not None:
-            n_list, id_list = n.tolist(), ids.tolist()
-            target = None
-            if step.top_ids is not None:
-                target = [TargetTop(step.top_ids[i, :m], step.top_probs[i, :m], step.token_probs[i, :m])
-                          for i, m in zip(id_list, n_list)]
-            drafter.observe(DraftContext(self.seq, self.lengths, id_list),
-                            [row[:m].tolist() for row, m in zip(tokens, n_list)], target)
-        keep = j < n[:, None]
-        self._reserve(int((lengths[ids] + n).max()) if len(ids) else 0)
-        self.seq.numpy()[np.broadcast_to(ids[:, None], tokens.shape)[keep], (lengths[ids][:, None] + j)[keep]] = \
-            tokens[keep]
-        lengths[ids] += n
-        produced[ids] += n
-        active[ids[(hit & (upto <= n)) | (n == room)]] = False
-        self.exact.numpy()[ids[n < counts]] = False  # the cache took tokens the row drops
-
-    def _reserve(self, length: int) -> None:
-        if length > self.seq.shape[1]:
-            grown = torch.zeros(self.seq.shape[0], min(self.limit, max(length, 2 * self.seq.shape[1])),
-                                dtype=torch.long)
-            grown[:, : self.seq.shape[1]] = self.seq
-            self.seq = grown
-
-    def generated(self, row: int) -> list[int]:
-        """The tokens row ``row`` generated so far."""
-        return self.seq[row, int(self.prompt_lengths[row]): int(self.lengths[row])].tolist()
-
-    def finish(self, row: int, keep: int) -> None:
-        """End row ``row`` after its first ``keep`` generated tokens (the later ones are dropped)."""
-        if not 0 <= keep <= int(self.produced[row]):
-            raise ValueError(f"keep must be in [0, {int(self.produced[row])}], got {keep}")
-        if keep < int(self.produced[row]):
-            self.exact[row] = False
-        self.lengths[row] = self.prompt_lengths[row] + keep
-        self.produced[row] = keep
-        self.active[row] = False
-
-
-def _prompts(input_ids) -> list[list[int]]:
-    if isinstance(input_ids, torch.Tensor):
-        if input_ids.dim() != 2 or input_ids.dtype.is_floating_point or input_ids.dtype == torch.bool:
-            raise ValueError(f"input_ids must be an integer tensor [batch, T] or a list of token lists, "
-                             f"got {input_ids.dtype} {tuple(input_ids.shape)}")
-        prompts = input_ids.tolist()
-    else:
-        try:
-            prompts = [list(p) for p in input_ids]
-        except TypeError:
-            raise TypeError(f"input_ids must be an integer tensor [batch, T] or a list of token lists, got "
-                            f"{type(input_ids).__name__}") from None
-        for i, p in enumerate(prompts):
-            for j, t in enumerate(p):
-                if isinstance(t, bool) or not isinstance(t, (int, np.integer)):
-                    raise TypeError(f"input_ids[{i}][{j}] must be an integer token id, got {t!r}")
-        prompts = [[int(t) for t in p] for p in prompts]
-    if not prompts:
-        raise ValueError("input_ids holds no rows")
-    for i, p in enumerate(prompts):
-        if not p:
-            raise ValueError(f"input_ids row {i} is empty: every prompt needs at least one token")
-    return prompts
-
-
-def _resolve_shape(method: str, tree) -> TreeShape | TreeBudget | None:
-    if method == "autoregressive":
-        return None
-    if tree is None:
-        tree = TreeShape.chain(4) if method == "chain" else TreeShape.paper13()
-    if isinstance(tree, TreeBudget):
-        if method != "stree":
-            raise ValueError(f"a TreeBudget (a tree grown per step) is for method='stree', got method={method!r}")
-        return tree
-    if isinstance(tree, str):
-        raise ValueError(f"tree must be 'auto', a TreeShape or a TreeBudget, got {tree!r} (a spec such as "
-                         "'paper13' or 'dynamic:20': stree.tree.tree_spec)")
-    if not isinstance(tree, TreeShape):
-        raise TypeError(f"tree must be 'auto', a TreeShape or a TreeBudget, got {type(tree).__name__}")
-    if method == "chain" and tree.parents != TreeShape.chain(tree.n - 1).parents:
-        raise ValueError(f"method='chain' needs a chain tree, got parents {list(tree.parents)}")
-    return tree
-
-
-def _full_batch(draft: TokenTree, active: torch.Tensor, roots: torch.Tensor) -> TokenTree:
-    """The drafted rows in their batch positions; a finished row gets its root alone (its other
-    nodes invalid, so nothing of it is accepted)."""
-    B, n = len(active), draft.n
-    ids = torch.nonzero(active).flatten()
-    tokens = roots[:, None].repeat(1, n)
-    tokens[ids] = draft.tokens
-    valid = torch.zeros(B, n, dtype=torch.bool)
-    valid[:, 0] = True
-    valid[ids] = True if draft.valid is None else draft.valid
-    extra = dict(valid=valid, with_replacement=draft.with_replacement)
-    if draft.child_ids is not None:
-        K = draft.child_ids.shape[-1]
-        extra.update(child_ids=torch.zeros(B, n, K, dtype=draft.child_ids.dtype),
-                     child_probs=torch.zeros(B, n, K, dtype=draft.child_probs.dtype))
-        extra["child_ids"][ids], extra["child_probs"][ids] = draft.child_ids, draft.child_probs
-    if draft.static_shape is not None:  # keep the static shape (and its cached index, and its graphs)
-        return TokenTree.from_shape(draft.static_shape, tokens, **extra)
-    parents = draft.parents
-    if parents.dim() == 2:
-        parents = parents[:1].repeat(B, 1)
-        parents[ids] = draft.parents
-    return TokenTree(parents, tokens, **extra)
-
-
-class _Clock:
-    """Wall time per phase. On CUDA the phases are timed only with ``detailed`` (a device sync
-    per lap: it would cost the loop its single sync per step); the total always is."""
-
-    def __init__(self, device: torch.device, detailed: bool):
-        self.sync = device.type == "cuda" and detailed
-        self.t = time.perf_counter()
-
-    def lap(self) -> float:
-        if self.sync:
-            torch.cuda.synchronize()
-        now = time.perf_counter()
-        dt, self.t = now - self.t, now
-        return dt
+           "drain", "generate", "merged_trees", "pooled_tau", "prefill_rows", "speculative_step", "trees_chosen"]
 
 
 def drain(steps, each=None):
@@ -338,131 +49,6 @@ def drain(steps, each=None):
             return end.value
         if each is not None:
             each(batch)
-
-
-def generate(model, input_ids, **kwargs) -> GenerationOutput:
-    """Decode to the end (every argument as :func:`decode` takes it) and return the output."""
-    return drain(decode(model, input_ids, **kwargs))
-
-
-class _Setup(NamedTuple):
-    """What :func:`decode` resolves from its arguments (see :func:`_setup`)."""
-
-    prompts: list[list[int]]
-    budgets: list[int]
-    eos: list[int]
-    auto: bool  # tree="auto": each step's tree chosen (by ``chooser``, or one made for the call)
-    drafter: Drafter | None  # None: plain steps only, or a rank that receives its trees
-    chooser: AutoTree | None
-    depth: int  # the deepest tree the cache has room for
-    cuda_graph: bool
-    torch_compile: bool
-    params: SamplingParams
-    device: torch.device
-    max_length: int
-    generator: torch.Generator | None
-    top_k: int | None
-    stops: list[tuple[int, ...]]
-    speculative: bool  # whether the loop drafts (on this rank or rank 0)
-    shape: TreeShape | TreeBudget | None  # an explicit tree, drafted as given
-    scan: str
-    target: object  # the model, or its unrolled baseline
-
-
-def _setup(model, input_ids, drafter, tree, method, max_new_tokens, temperature, top_k, top_p, eos_token_id, seed,
-           mode, max_length, sampling, cuda_graph, torch_compile, cache, stop_sequences) -> _Setup:
-    """Every check and choice :func:`decode` makes from its arguments, each with its error, before
-    anything is allocated (a cache, a drafter's state, compiled graphs)."""
-    if method not in METHODS:
-        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
-    prompts = _prompts(input_ids)
-    if isinstance(max_new_tokens, (list, tuple)):
-        if len(max_new_tokens) != len(prompts):
-            raise ValueError(f"max_new_tokens holds {len(max_new_tokens)} values for {len(prompts)} rows")
-        budgets = [integer(f"max_new_tokens[{i}]", m, low=1) for i, m in enumerate(max_new_tokens)]
-    else:
-        budgets = [integer("max_new_tokens", max_new_tokens, low=1)] * len(prompts)
-    seed = None if seed is None else integer("seed", seed, low=0, high=2**63 - 1)
-    max_length = None if max_length is None else integer("max_length", max_length, low=1)
-    params = sampling if sampling is not None else SamplingParams(temperature, top_k, top_p, mode)
-    if not isinstance(params, SamplingParams):
-        raise TypeError(f"sampling must be a SamplingParams, got {type(params).__name__}")
-    stops = check_stop_sequences(stop_sequences, model.vocab_size)
-    tp = tensor_parallel(model)
-    own_shape = getattr(drafter, "shape", None)
-    if (tree is None or tree == "auto") and method in ("stree", "unrolled") and own_shape is not None:
-        tree = own_shape  # a drafter built for a tree of its own drafts it: an explicit choice
-    chooser = tree if isinstance(tree, AutoTree) else None
-    auto = method in ("stree", "chain") and (tree is None or tree == "auto" or chooser is not None)
-    if auto and tp is not None:
-        auto, chooser, tree = False, None, None
-    elif not auto and (tree is None or tree == "auto" or chooser is not None):
-        tree, chooser = None, None
-    if chooser is not None and chooser.chain != (method == "chain"):
-        raise ValueError(f"this AutoTree drafts {'chains' if chooser.chain else 'trees'}, but method={method!r}")
-    shape = None if auto else _resolve_shape(method, tree)
-    longest = max(len(p) + m for p, m in zip(prompts, budgets)) - 1  # the longest prompt and budget, bar one
-    if cache is not None:
-        if max_length is not None:
-            raise ValueError("max_length is the size of a new cache: leave it out when passing a cache")
-        max_length = cache.max_length
-        _check_continued(model, cache, prompts)
-    own = getattr(drafter, "draft_depth", None) or 0  # a drafter drafting trees of its own depth
-    if auto and not own:  # the choice plans trees within the room the cache leaves (a given one, its own)
-        room = PathRates.DEPTH if max_length is None else max_length - longest - 1
-        depth = chooser.depth if chooser is not None else max(0, min(PathRates.DEPTH, room))
-    else:
-        depth = own if auto else 0 if shape is None else max(shape.max_depth, own)
-    need = longest + 1 + depth
-    if max_length is None:
-        max_length = need
-    elif need > max_length:
-        raise ValueError(f"max_length {max_length} is too small: the longest prompt plus its max_new_tokens "
-                         f"({longest + 1} tokens) plus the tree depth ({depth}) needs {need}")
-    if eos_token_id is None:
-        eos = []
-    elif isinstance(eos_token_id, (list, tuple)):
-        eos = [integer("eos_token_id", e, low=0, high=model.vocab_size - 1) for e in eos_token_id]
-    else:
-        eos = [integer("eos_token_id", eos_token_id, low=0, high=model.vocab_size - 1)]
-    if method == "autoregressive" or auto and depth == 0:  # no room for a tree: plain steps
-        drafter = None
-    elif drafter is None:
-        drafter = NGramDrafter()
-    if drafter is not None and not auto:
-        check_budget(drafter, shape)
-    device = model.device
-    if tp is not None and (cuda_graph or torch_compile or method == "unrolled"):
-        raise ValueError("a tensor-parallel model decodes eager: cuda_graph, torch_compile and method='unrolled' "
-                         "are not supported with it")
-    if cuda_graph is None:
-        cuda_graph = (device.type == "cuda" and isinstance(model, TreeLM) and method != "unrolled" and cache is None
-                      and tp is None)
-    if cache is not None and (cuda_graph or torch_compile):
-        raise ValueError("decoding from a given cache runs eager: cuda_graph and torch_compile own their cache")
-    if method == "unrolled" and (cuda_graph or torch_compile):
-        raise ValueError("method='unrolled' (the paper's baseline) runs eager: cuda_graph and torch_compile are off")
-    if cuda_graph and (device.type != "cuda" or not isinstance(model, TreeLM)):
-        raise ValueError(f"cuda_graph=True needs a stree model on a CUDA device, got {type(model).__name__} on {device}")
-    if not isinstance(torch_compile, bool):
-        raise TypeError(f"torch_compile must be a bool, got {torch_compile!r}")
-    if torch_compile and (device.type != "cpu" or not isinstance(model, TreeLM)):
-        raise ValueError(f"torch_compile=True is for stree models on the CPU (on CUDA: cuda_graph), got "
-                         f"{type(model).__name__} on {device}")
-    generator = None
-    if seed is not None:  # two independent streams from one seed: the verifier's and the drafter's
-        verify_seed, draft_seed = (int(s.generate_state(1, np.uint64)[0] >> 1)
-                                   for s in np.random.SeedSequence(seed).spawn(2))
-        generator = torch.Generator(device=device).manual_seed(verify_seed)
-        if drafter is not None:
-            drafter.reseed(draft_seed)
-    scan = "chain" if method == "chain" else "tree"
-    target = UnrolledTarget(model) if method == "unrolled" else model
-    speculative = drafter is not None
-    if not drafts_here(model):
-        drafter = None  # rank 0 drafts and learns; this rank receives its trees
-    return _Setup(prompts, budgets, eos, auto, drafter, chooser, depth, cuda_graph, torch_compile, params, device,
-                  max_length, generator, _top_k(drafter), stops, speculative, shape, scan, target)
 
 
 @torch.no_grad()  # a generator: torch enters the mode at every resumption, so callers need none
@@ -522,112 +108,174 @@ def decode(model, input_ids, *, drafter: Drafter | None = None, tree: TreeShape 
     calls ``decode`` with the same arguments): rank 0 drafts (the other ranks' ``drafter`` is
     not used), verifies and samples, and the ranks follow it (:mod:`stree.decoding.distributed`);
     ``on_step`` is called on rank 0; eager only."""
-    (prompts, budgets, eos, auto, drafter, chooser, depth, cuda_graph, torch_compile, params, device, max_length,
-     generator, top_k, stops, speculative, shape, scan, target) = _setup(
-        model, input_ids, drafter, tree, method, max_new_tokens, temperature, top_k, top_p, eos_token_id, seed, mode,
-        max_length, sampling, cuda_graph, torch_compile, cache, stop_sequences)
-    shapes: dict = {}  # the static shapes of received trees (tensor parallelism)
+    config = resolve(model, input_ids, drafter, tree, method, max_new_tokens, temperature, top_k, top_p, eos_token_id,
+                     seed, mode, max_length, sampling, cuda_graph, torch_compile, cache, stop_sequences)
+    return (yield from _Loop(model, config, method, seed, cache, on_step, time_phases).run())
 
-    rows = Rows(prompts, budgets, eos)
-    stats = GenerationStats(new_tokens=[0] * rows.batch_size, prefilled=cache is None)
-    if auto and drafter is not None and chooser is None:
-        t0 = time.perf_counter()
-        chooser = auto_tree(model, drafter, rows.batch_size, chain=method == "chain", depth=depth,
-                            mode="cuda_graph" if cuda_graph else "compiled" if torch_compile else "eager",
-                            sampled=not params.greedy,
-                            adaptive=params.greedy or seed is None)  # where the trees cannot change the output
-        stats.time_setup = time.perf_counter() - t0
-    clock = _Clock(device, detailed=time_phases)
-    start = clock.t
 
-    def lap(phase: str) -> None:
-        setattr(stats, f"time_{phase}", getattr(stats, f"time_{phase}") + clock.lap())
+def generate(model, input_ids, *, drafter: Drafter | None = None, tree: TreeShape | TreeBudget | str | None = "auto",
+             method: str = "stree", max_new_tokens: int, temperature: float = 0.0, top_k: int = 0,
+             top_p: float = 1.0, eos_token_id: int | list[int] | None = None, seed: int | None = None,
+             mode: str = "auto", max_length: int | None = None, on_step=None,
+             sampling: SamplingParams | None = None, time_phases: bool = False,
+             cuda_graph: bool | None = None, torch_compile: bool = False, cache=None,
+             stop_sequences=None) -> GenerationOutput:
+    """Decode to the end and return the output; every argument as :func:`decode` takes it (the
+    two signatures are tested equal)."""
+    options = dict(locals())
+    del options["model"], options["input_ids"]
+    return drain(decode(model, input_ids, **options))
 
-    kind = DecodeGraphs if cuda_graph else CompiledDecode if torch_compile else None
-    runner = kind.for_model(model, rows.batch_size, max_length) if kind is not None else None
-    if drafter is not None:
-        drafter.reset()
-    if cache is None:
-        cache = runner.cache if runner is not None else model.allocate_cache(rows.batch_size, max_length)
-        first = prefill_rows(model, rows, cache, params, generator, top_k)
-        _check_finite(first, rows, "the prefill")
-        stats.time_prefill += clock.lap()
-        rows.emit(first, drafter)
-        stats.time_draft += clock.lap()
-    seen = [0] * rows.batch_size
-    _stop_at_sequences(rows, stops, seen)
-    # A run of plain steps the chooser has decided ahead, where the drafter needs no target laws
-    # after them: the loop neither plans nor drafts, and hands the drafter the run's tokens at its end.
-    run: _PlainRun | None = None
-    # a speculative loop's plain steps read the weight copies its tree passes use (models.linear)
-    plain_scope, tree_scope = (following, leading) if speculative else (contextlib.nullcontext,) * 2
-    yield rows
-    while bool(rows.active.any()):
-        if not bool(rows.active.all()):
-            # Finished rows ride along, one token a step: parked at length 0 they never run out of room.
-            rows.exact &= rows.active
-            cache.seqlens.masked_fill_((~rows.active).to(device, non_blocking=True), 0)
+
+class _Loop:
+    """One :func:`decode` call's state: the rows, the cache and runner, the tree chooser and the
+    statistics; :meth:`run` is the loop, one iteration at a time."""
+
+    def __init__(self, model, config: DecodeConfig, method: str, seed, cache, on_step, time_phases: bool):
+        self.model, self.c, self.cache, self.on_step = model, config, cache, on_step
+        self.drafter, self.chooser = config.drafter, config.chooser
+        self.rows = Rows(config.prompts, config.budgets, config.eos)
+        self.stats = GenerationStats(new_tokens=[0] * self.rows.batch_size, prefilled=cache is None)
+        if config.auto and self.drafter is not None and self.chooser is None:
+            t0 = time.perf_counter()
+            self.chooser = auto_tree(model, self.drafter, self.rows.batch_size, chain=method == "chain",
+                                     depth=config.depth, mode="cuda_graph" if config.cuda_graph else
+                                     "compiled" if config.torch_compile else "eager",
+                                     sampled=not config.params.greedy,
+                                     adaptive=config.params.greedy or seed is None)  # the trees cannot change the output
+            self.stats.time_setup = time.perf_counter() - t0
+        self.clock = _Clock(config.device, detailed=time_phases)
+        self.start = self.clock.t
+        self.shapes: dict = {}  # the static shapes of received trees (tensor parallelism)
+        self.seen = [0] * self.rows.batch_size  # per row, the generated tokens checked for stop sequences
+        # A run of plain steps the chooser has decided ahead, where the drafter needs no target laws
+        # after them: the loop neither plans nor drafts, and hands the drafter the run's tokens at its end.
+        self.plain_run: _PlainRun | None = None
+        # a speculative loop's plain steps read the weight copies its tree passes use (models.linear)
+        self.plain_scope, self.tree_scope = ((following, leading) if config.speculative
+                                             else (contextlib.nullcontext,) * 2)
+
+    def lap(self, phase: str) -> None:
+        setattr(self.stats, f"time_{phase}", getattr(self.stats, f"time_{phase}") + self.clock.lap())
+
+    def run(self):
+        c, rows = self.c, self.rows
+        kind = DecodeGraphs if c.cuda_graph else CompiledDecode if c.torch_compile else None
+        self.runner = kind.for_model(self.model, rows.batch_size, c.max_length) if kind is not None else None
+        if self.drafter is not None:
+            self.drafter.reset()
+        if self.cache is None:
+            self.prefill()
+        stop_at_sequences(rows, c.stops, self.seen)
+        yield rows
+        while bool(rows.active.any()):
+            if not bool(rows.active.all()):
+                # Finished rows ride along, one token a step: parked at length 0 they never run out of room.
+                rows.exact &= rows.active
+                self.cache.seqlens.masked_fill_((~rows.active).to(c.device, non_blocking=True), 0)
+            self.iterate()
+            yield rows
+        if self.plain_run is not None:
+            self.plain_run.end(rows, self.drafter, self.chooser)
+        return self.output()
+
+    def prefill(self) -> None:
+        c, rows = self.c, self.rows
+        self.cache = (self.runner.cache if self.runner is not None
+                      else self.model.allocate_cache(rows.batch_size, c.max_length))
+        first = prefill_rows(self.model, rows, self.cache, c.params, c.generator, c.top_k)
+        check_finite(first, rows, "the prefill")
+        self.stats.time_prefill += self.clock.lap()
+        rows.emit(first, self.drafter)
+        self.stats.time_draft += self.clock.lap()
+
+    def iterate(self) -> None:
+        """One decoding step: a draft (or none), the target's step over it, the emission, and what
+        the chooser learns from it."""
+        c, rows, stats = self.c, self.rows, self.stats
         began = time.perf_counter()
-        roots = rows.roots()
-        live = rows.active_ids()
+        roots, live = rows.roots(), rows.active_ids()
         draft = full = None
-        if speculative:
-            if run is not None:
-                run.left -= 1
-            elif drafter is not None:
-                draft = _draft(drafter, chooser, rows, shape, roots, live, model.vocab_size, runner is None)
+        if c.speculative:
+            if self.plain_run is not None:
+                self.plain_run.left -= 1
+            elif self.drafter is not None:
+                draft = _draft(self.drafter, self.chooser, rows, c.shape, roots, live, self.model.vocab_size,
+                               self.runner is None)
                 if draft is not None:
-                    full = draft if len(live) == rows.batch_size else _full_batch(draft, rows.active, roots)
-                    full = full.to(device)
-            full = share_tree(model, full, device, shapes)
-            stats.time_draft += clock.lap()
+                    full = draft if len(live) == rows.batch_size else full_batch(draft, rows.active, roots)
+                    full = full.to(c.device)
+            full = share_tree(self.model, full, c.device, self.shapes)
+            stats.time_draft += self.clock.lap()
         if full is None:  # autoregressive, or a plain step chosen over the tree
-            with plain_scope():
-                host = autoregressive_step(model, cache, roots.to(device, non_blocking=True), params, generator,
-                                           runner, None if drafter is None else drafter.plain_top_k)
+            with self.plain_scope():
+                host = autoregressive_step(self.model, self.cache, roots.to(c.device, non_blocking=True), c.params,
+                                           c.generator, self.runner,
+                                           None if self.drafter is None else self.drafter.plain_top_k)
             for r in live:
                 rows.accepted[r].append(0)
-            stats.time_verify += clock.lap()
+            stats.time_verify += self.clock.lap()
         else:
-            with tree_scope():
-                host, result = speculative_step(target, cache, full, params, generator, scan, top_k, lap=lap,
-                                                runner=runner)
+            with self.tree_scope():
+                host, result = speculative_step(c.target, self.cache, full, c.params, c.generator, c.scan, c.top_k,
+                                                lap=self.lap, runner=self.runner)
             for r in live:
                 rows.accepted[r].append(int(host.counts[r]) - 1)
-            if on_step is not None and drafter is not None:  # tensor parallelism: on rank 0, which drafts
-                on_step(live, draft, _rows_of(result, live) if len(live) < rows.batch_size else result)
+            if self.on_step is not None and self.drafter is not None:  # tensor parallelism: rank 0 drafts
+                self.on_step(live, draft, _rows_of(result, live) if len(live) < rows.batch_size else result)
         n = 1 if full is None else full.n
         stats.trees[n] = stats.trees.get(n, 0) + 1
         stats.target_forwards += 1
-        _check_finite(host, rows, f"decoding step {stats.target_forwards}")
-        rows.emit(host, drafter if run is None else None)
-        _stop_at_sequences(rows, stops, seen)
-        if chooser is not None:
-            elapsed = (time.perf_counter() - began) * 1e3
-            if run is not None:
-                run.steps += 1
-                if run.left == 0:
-                    run.end(rows, drafter, chooser)
-                    run = None
-            elif full is None:
-                chooser.record(None, elapsed_ms=elapsed)
-                ahead = chooser.plain_ahead() if drafter is not None and drafter.plain_top_k is None else 0
-                if ahead:
-                    run = _PlainRun(ahead, rows)
-            else:
-                at = np.asarray(live)
-                chooser.record(draft, host.tokens.numpy()[at], host.counts.numpy()[at], np.arange(len(live)), elapsed,
-                               ids=at)
-        stats.time_draft += clock.lap()  # feeding the drafter is drafting work
-        yield rows
-    if run is not None:
-        run.end(rows, drafter, chooser)
-    clock.lap()
-    stats.time_total = clock.t - start
-    stats.new_tokens = rows.produced.tolist()
-    stats.accepted = rows.accepted
-    sequences = [rows.seq[i, : int(rows.lengths[i])].tolist() for i in range(rows.batch_size)]
-    return GenerationOutput(sequences, [len(p) for p in prompts], stats, rows.exact.tolist())
+        check_finite(host, rows, f"decoding step {stats.target_forwards}")
+        rows.emit(host, self.drafter if self.plain_run is None else None)
+        stop_at_sequences(rows, c.stops, self.seen)
+        if self.chooser is not None:
+            self.learn(draft, full, host, live, (time.perf_counter() - began) * 1e3)
+        stats.time_draft += self.clock.lap()  # feeding the drafter is drafting work
+
+    def learn(self, draft, full, host: HostStep, live: list[int], elapsed: float) -> None:
+        """What the chooser records of the step: a plain run's progress, a plain step (and whether
+        to decide the next ones ahead), or a verified draft."""
+        chooser, run = self.chooser, self.plain_run
+        if run is not None:
+            run.steps += 1
+            if run.left == 0:
+                run.end(self.rows, self.drafter, chooser)
+                self.plain_run = None
+        elif full is None:
+            chooser.record(None, elapsed_ms=elapsed)
+            ahead = chooser.plain_ahead() if self.drafter is not None and self.drafter.plain_top_k is None else 0
+            if ahead:
+                self.plain_run = _PlainRun(ahead, self.rows)
+        else:
+            at = np.asarray(live)
+            chooser.record(draft, host.tokens.numpy()[at], host.counts.numpy()[at], np.arange(len(live)), elapsed,
+                           ids=at)
+
+    def output(self) -> GenerationOutput:
+        rows, stats = self.rows, self.stats
+        self.clock.lap()
+        stats.time_total = self.clock.t - self.start
+        stats.new_tokens = rows.produced.tolist()
+        stats.accepted = rows.accepted
+        sequences = [rows.seq[i, : int(rows.lengths[i])].tolist() for i in range(rows.batch_size)]
+        return GenerationOutput(sequences, [len(p) for p in self.c.prompts], stats, rows.exact.tolist())
+
+
+class _Clock:
+    """Wall time per phase. On CUDA the phases are timed only with ``detailed`` (a device sync
+    per lap: it would cost the loop its single sync per step); the total always is."""
+
+    def __init__(self, device: torch.device, detailed: bool):
+        self.sync = device.type == "cuda" and detailed
+        self.t = time.perf_counter()
+
+    def lap(self) -> float:
+        if self.sync:
+            torch.cuda.synchronize()
+        now = time.perf_counter()
+        dt, self.t = now - self.t, now
+        return dt
 
 
 class _PlainRun:
@@ -665,44 +313,6 @@ def _draft(drafter: Drafter, chooser: AutoTree | None, rows: Rows, shape, roots:
     return draft
 
 
-def _check_continued(model, cache, prompts: list[list[int]]) -> None:
-    """A cache to continue from: one row per context, each holding all of it but the last token."""
-    if isinstance(model, TreeLM):
-        model.check_cache(cache, len(prompts), 0)
-    elif cache.batch_size != len(prompts):
-        raise ValueError(f"the cache holds {cache.batch_size} rows but the input has batch {len(prompts)}")
-    held = cache.seqlens.tolist()
-    for i, (p, n) in enumerate(zip(prompts, held)):
-        if n != len(p) - 1:
-            raise ValueError(f"cache row {i} holds {n} tokens; continuing a context of {len(p)} tokens needs "
-                             f"{len(p) - 1} (all but the last)")
-
-
-def _stop_at_sequences(rows: Rows, stops: list[tuple[int, ...]], seen: list[int]) -> None:
-    """End every row whose new tokens complete a stop sequence, through its end (``seen[r]``: how
-    many of row r's generated tokens were checked before)."""
-    if not stops:
-        return
-    for r in range(rows.batch_size):
-        produced = int(rows.produced[r])
-        if seen[r] < 0 or produced == seen[r]:
-            continue
-        keep = token_stop(rows.generated(r), stops, seen[r])
-        if keep is None:
-            seen[r] = produced
-        else:
-            rows.finish(r, keep)
-            seen[r] = -1  # done
-
-
-def _check_finite(host: HostStep, rows: Rows, where: str) -> None:
-    bad = torch.nonzero(~host.finite & rows.active).flatten().tolist()
-    if bad:
-        raise ValueError(f"the target's logits hold NaN or +inf at {where} (rows {bad}): its weights or activations "
-                         "are not finite (stree.models.load checks the weights; fp16 may overflow where bf16 or "
-                         "fp32 does not)")
-
-
 def _rows_of(result, rows: list[int]):
     """A VerifyResult restricted to ``rows``."""
     from ..sampling.verify import VerifyResult
@@ -710,6 +320,3 @@ def _rows_of(result, rows: list[int]):
     idx = torch.tensor(rows, device=result.accepted.device)
     return VerifyResult(result.accepted[idx], result.num_accepted[idx], result.bonus[idx],
                         None if result.probs is None else result.probs[idx])
-
-
-generate.__signature__ = inspect.signature(decode).replace(return_annotation="GenerationOutput")  # help(generate)

@@ -53,6 +53,9 @@ def _tree_scan_kernel(
     DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
+    """One program per (row, head), block of nodes and block of head dims. Long for a reason: one
+    compiled body whose phases (dt, the interval cumsums, the masked products, the state term)
+    share registers; split into jit helpers they would not be shorter to read."""
     pid_bh = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_p = tl.program_id(2)

@@ -129,7 +129,11 @@ def spec_reason(base, small, tokenizer, prompt: str, *, judge="prompt", threshol
     its steps are what it would write token by token; "small" excluded).
     ``temperature``/``top_p``: both models' sampling; ``seed`` makes a sampled run repeatable.
     ``base_steps``: the first steps are the base model's, unjudged (the paper's early planning
-    steps). ``eos_token_id``: ends the answer (default the tokenizer's)."""
+    steps). ``eos_token_id``: ends the answer (default the tokenizer's).
+
+    One function for a reason: the loop over steps (the small model's attempt, the judge, the base
+    model's step, the answer) keeps one state per model, and each part is a call into
+    :class:`~stree.patterns.branch.Branch`."""
     start = time.perf_counter()
     if base.vocab_size != small.vocab_size:
         raise ValueError(f"base and small must share a vocabulary: {base.vocab_size} vs {small.vocab_size} tokens")

@@ -119,6 +119,10 @@ def _search(model, prompt, groups: int, keep: int, *, expand: int, steps: int, s
             stop_sequences, max_step_tokens: int, max_new_tokens: int, drafter, store, temperature: float,
             top_p: float, seed: int | None, eos_token_id, aggregate: str, score: str,
             judge_template: str, share_store: bool, tree) -> SearchResult:
+    """:func:`beam_search` and :func:`dvts`: ``groups`` subtrees keeping ``keep`` trajectories each.
+    One function for a reason: the checks, then each iteration's expansion, scoring and selection
+    read and update the same branch state, and each of its parts is already a call into
+    :class:`~stree.patterns.branch.Branch`."""
     start = time.perf_counter()
     expand = integer("expand", expand, low=1)
     steps = integer("steps", steps, low=1)
@@ -242,21 +246,22 @@ def beam_search(model, prompt, *, width: int = 2, expand: int = 4, steps: int = 
     return _search(model, prompt, 1, integer("width", width, low=1), **_options(locals()))
 
 
-def dvts(model, prompt, *, width: int = 2, **options) -> SearchResult:
+def dvts(model, prompt, *, width: int = 2, expand: int = 4, steps: int = 8, scorer="prompt",
+         tokenizer=None, stop="\n\n", stop_sequences=None, max_step_tokens: int = 64,
+         max_new_tokens: int = 512, drafter="stand", store: STANDStore | PathStore | None = None,
+         temperature: float = 0.8, top_p: float = 1.0, seed: int | None = 0, eos_token_id=None,
+         aggregate: str = "last", score: str = "greedy", judge_template: str = JUDGE_TEMPLATE,
+         share_store: bool = True, tree="auto") -> SearchResult:
     """Diverse verifier tree search: ``width`` independent subtrees, each expanding ``expand``
     candidates per iteration and keeping its best one (a beam of its own), all decoded in one
-    batch and drafting from one shared store. Arguments as :func:`beam_search`'s."""
-    return _search(model, prompt, integer("width", width, low=1), 1, **_options(options))
+    batch and drafting from one shared store. Arguments as :func:`beam_search`'s (the two
+    signatures are tested equal)."""
+    return _search(model, prompt, integer("width", width, low=1), 1, **_options(locals()))
 
 
 def _options(given: dict) -> dict:
-    """:func:`beam_search`'s keyword options bar ``width``, from ``given`` or their defaults."""
+    """:func:`beam_search`'s keyword options bar ``width``, from ``given`` (a call's ``locals()``)."""
     params = inspect.signature(beam_search).parameters
-    unknown = sorted(set(given) - set(params))
-    if unknown:
-        raise TypeError(f"unexpected argument(s) {unknown}")
-    return {name: given.get(name, p.default) for name, p in params.items()
+    return {name: given[name] for name, p in params.items()
             if p.kind is p.KEYWORD_ONLY and name != "width"}
 
-
-dvts.__signature__ = inspect.signature(beam_search)  # help(dvts) lists every option

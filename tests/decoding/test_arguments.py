@@ -55,3 +55,16 @@ def test_integer_helper():
     assert integer("n", np.int16(3), low=0) == 3 and type(integer("n", np.int16(3))) is int
     with pytest.raises(ValueError, match=r"n must be in \[-inf, 2\], got 3"):
         integer("n", 3, high=2)
+
+
+def test_the_wrappers_take_exactly_the_arguments_of_what_they_wrap():
+    """generate is decode run to its end, dvts beam search with another grouping: their
+    signatures are written out (help() and editors read them) and must not drift apart."""
+    import inspect
+
+    from stree.decoding.loop import decode
+    from stree.patterns.search import beam_search, dvts
+
+    params = lambda f: [(p.name, p.kind, p.default) for p in inspect.signature(f).parameters.values()]  # noqa: E731
+    assert params(generate) == params(decode)
+    assert params(dvts) == params(beam_search)

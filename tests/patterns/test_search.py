@@ -114,7 +114,7 @@ def test_bad_input():
     model = _markov()
     with pytest.raises(ValueError, match="width must be"):
         beam_search(model, PROMPT, width=0, scorer=_score, stop=None)
-    with pytest.raises(TypeError, match=r"unexpected argument\(s\) \['widht'\]"):
+    with pytest.raises(TypeError, match=r"unexpected keyword argument 'widht'"):
         dvts(model, PROMPT, widht=2, scorer=_score, stop=None)
     with pytest.raises(ValueError, match="aggregate must be one of"):
         dvts(model, PROMPT, aggregate="max", scorer=_score, stop=None)

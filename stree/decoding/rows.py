@@ -1,0 +1,257 @@
+"""The host side of a decoding batch: every row's tokens, budget and state (:class:`Rows`), what a
+step emits appended and cut at EOS, budgets and stop sequences; the statistics and output of a call."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from ..drafters.base import DraftContext, Drafter, TargetTop
+from ..tree import TokenTree
+from .steps import HostStep
+from .stops import token_stop
+
+
+@dataclass
+class GenerationStats:
+    """``target_forwards``: decoding forwards of the target (prefill excluded). ``accepted``: per
+    row, the drafts the verifier accepted at each of its steps. ``tau``: tokens emitted per row per
+    decoding step, bonus included (1 for autoregressive), after the cuts at EOS and
+    ``max_new_tokens``; the first token, which comes from the prefill, counts in ``new_tokens`` but
+    not in ``tau``. Times in seconds; ``time_verify`` holds the target's tree forward and the
+    verification, ``time_commit`` the commit and the step's transfer to the host."""
+
+    target_forwards: int = 0
+    new_tokens: list[int] = field(default_factory=list)
+    accepted: list[list[int]] = field(default_factory=list)
+    time_prefill: float = 0.0
+    time_draft: float = 0.0
+    time_verify: float = 0.0
+    time_commit: float = 0.0
+    time_total: float = 0.0
+    prefilled: bool = True  # the first token of each row came from a prefill (not from a decoding step)
+    trees: dict[int, int] = field(default_factory=dict)  # tree nodes -> decoding steps (1: a plain step)
+    time_setup: float = 0.0  # measuring this machine's costs for tree="auto" (once per process), not in time_total
+
+    @property
+    def tau(self) -> float:
+        return pooled_tau([self])
+
+    def row_tau(self, row: int) -> float:
+        """``tau`` of one row."""
+        steps = len(self.accepted[row])
+        return (self.new_tokens[row] - self.prefilled) / steps if steps else float("nan")
+
+    @property
+    def time_other(self) -> float:
+        return self.time_total - self.time_prefill - self.time_draft - self.time_verify - self.time_commit
+
+    @property
+    def tokens_per_s(self) -> float:
+        return sum(self.new_tokens) / self.time_total if self.time_total > 0 else float("nan")
+
+    def trees_chosen(self) -> str:
+        """``trees`` in a few words: the share of plain steps and the tree sizes taken."""
+        return trees_chosen(self.trees)
+
+    def summary(self) -> str:
+        return (f"tokens {sum(self.new_tokens)} | forwards {self.target_forwards} | tau {self.tau:.2f} | "
+                f"{self.tokens_per_s:.1f} tok/s | steps: {self.trees_chosen()} | draft {self.time_draft:.3f}s "
+                f"verify {self.time_verify:.3f}s commit {self.time_commit:.3f}s other {self.time_other:.3f}s "
+                f"(prefill {self.time_prefill:.3f}s)")
+
+
+def merged_trees(stats: list[GenerationStats]) -> dict[int, int]:
+    """The ``trees`` of several runs together, by size."""
+    out: dict[int, int] = {}
+    for s in stats:
+        for n, k in s.trees.items():
+            out[n] = out.get(n, 0) + k
+    return dict(sorted(out.items()))
+
+
+def trees_chosen(trees: dict[int, int]) -> str:
+    """Steps per tree size (1: a plain step) in a few words: the share of plain steps and the
+    tree sizes taken."""
+    steps = sum(trees.values())
+    sizes = sorted(n for n in trees if n > 1)
+    plain = f"{trees.get(1, 0) / steps:.0%} plain" if steps else "-"
+    return plain if not sizes else f"{plain}, trees {sizes[0]}-{sizes[-1]}"
+
+
+def pooled_tau(stats: list[GenerationStats]) -> float:
+    """``tau`` over the rows of several runs together."""
+    steps = sum(len(a) for s in stats for a in s.accepted)
+    from_steps = sum(n - s.prefilled for s in stats for n in s.new_tokens if n > 0)
+    return from_steps / steps if steps else float("nan")
+
+
+@dataclass
+class GenerationOutput:
+    """``sequences``: per row, prompt then generated tokens; ``prompt_lengths`` to split them.
+    ``exact``: per row, whether the cache holds the row's state after all its tokens but the last
+    (False where the row was cut inside a step's accepted path, by an EOS, its budget or a stop,
+    or rode along after it finished): what continuing from that cache needs."""
+
+    sequences: list[list[int]]
+    prompt_lengths: list[int]
+    stats: GenerationStats
+    exact: list[bool] = field(default_factory=list)
+
+    @property
+    def new_tokens(self) -> list[list[int]]:
+        return [s[n:] for s, n in zip(self.sequences, self.prompt_lengths)]
+
+
+class Rows:
+    """Host-side state of a batch: every row's tokens so far (prompt, then generated), its length,
+    the tokens produced, and whether it still decodes; rows finish at an EOS or their
+    ``max_new_tokens`` (an int, or one per row). ``exact``: see :class:`GenerationOutput`."""
+
+    def __init__(self, prompts: list[list[int]], max_new_tokens: list[int], eos: list[int]):
+        B, longest = len(prompts), max(map(len, prompts))
+        # grown as tokens come (doubling): max_new_tokens is a limit, not an allocation
+        self.seq = torch.zeros(B, longest + min(max(max_new_tokens), 256), dtype=torch.long)
+        self.limit = max(len(p) + m for p, m in zip(prompts, max_new_tokens))
+        self.lengths = torch.tensor([len(p) for p in prompts])
+        for i, p in enumerate(prompts):
+            self.seq[i, : len(p)] = torch.tensor(p)
+        self.prompt_lengths = self.lengths.clone()
+        self.produced = torch.zeros(B, dtype=torch.long)
+        self.active = torch.ones(B, dtype=torch.bool)
+        self.eos = torch.tensor(eos, dtype=torch.long)
+        self.max_new_tokens = torch.tensor(max_new_tokens, dtype=torch.long)
+        self.exact = torch.ones(B, dtype=torch.bool)
+        self.accepted: list[list[int]] = [[] for _ in range(B)]
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.lengths)
+
+    def active_ids(self) -> list[int]:
+        return np.flatnonzero(self.active.numpy()).tolist()
+
+    def context(self) -> DraftContext:
+        return DraftContext(self.seq, self.lengths, self.active_ids())
+
+    def roots(self) -> torch.Tensor:
+        """Every row's last token (a finished row's too: it rides along)."""
+        return torch.from_numpy(self.seq.numpy()[np.arange(self.batch_size), self.lengths.numpy() - 1])
+
+    def critical(self, live: list[int]) -> np.ndarray:
+        """Over the rows ``live`` (active), a mask of those expected to finish last: within a step
+        of the most steps left (tokens left at the tokens per step the row's own steps have
+        brought so far). The batch decodes until its last row is done, so a tree is worth what it
+        brings the one of them that gains least: tokens it brings a row that will finish early
+        anyway buy nothing (at batch 8, trees chosen for the rows' summed tokens ran slower than
+        plain steps while every row's own tau was high), nor do tokens for one of several rows
+        level at the end (at batch 16, trees chosen for one of them ran slower too)."""
+        ids = np.asarray(live)
+        produced = self.produced.numpy()[ids]
+        steps = np.fromiter((len(self.accepted[r]) for r in live), dtype=np.float64, count=len(live))
+        rate = np.maximum(produced, 1) / np.maximum(steps, 1)
+        left = (self.max_new_tokens.numpy()[ids] - produced) / rate
+        return left >= left.max() - 1.0
+
+    def emit(self, step: HostStep, drafter: Drafter | None) -> None:
+        """Append ``step.tokens[b, :counts[b]]`` to each active row, cut after its first EOS and at
+        ``max_new_tokens``; show the drafter what was appended; retire the finished rows. (In
+        numpy, on views of the rows' tensors: a dozen small torch ops cost several times more here.)"""
+        lengths, produced, active = self.lengths.numpy(), self.produced.numpy(), self.active.numpy()
+        ids = np.flatnonzero(active)
+        tokens, counts = step.tokens.numpy()[ids], step.counts.numpy()[ids]
+        j = np.arange(tokens.shape[1])
+        is_eos = (tokens[..., None] == self.eos.numpy()).any(-1) & (j < counts[:, None])  # np.isin: measured several times slower
+        hit = is_eos.any(1)
+        upto = np.where(hit, is_eos.argmax(1) + 1, counts)  # through the first EOS
+        room = self.max_new_tokens.numpy()[ids] - produced[ids]
+        n = np.minimum(upto, room)
+        if drafter is not None:
+            n_list, id_list = n.tolist(), ids.tolist()
+            target = None
+            if step.top_ids is not None:
+                target = [TargetTop(step.top_ids[i, :m], step.top_probs[i, :m], step.token_probs[i, :m])
+                          for i, m in zip(id_list, n_list)]
+            drafter.observe(DraftContext(self.seq, self.lengths, id_list),
+                            [row[:m].tolist() for row, m in zip(tokens, n_list)], target)
+        keep = j < n[:, None]
+        self._reserve(int((lengths[ids] + n).max()) if len(ids) else 0)
+        self.seq.numpy()[np.broadcast_to(ids[:, None], tokens.shape)[keep], (lengths[ids][:, None] + j)[keep]] = \
+            tokens[keep]
+        lengths[ids] += n
+        produced[ids] += n
+        active[ids[(hit & (upto <= n)) | (n == room)]] = False
+        self.exact.numpy()[ids[n < counts]] = False  # the cache took tokens the row drops
+
+    def _reserve(self, length: int) -> None:
+        if length > self.seq.shape[1]:
+            grown = torch.zeros(self.seq.shape[0], min(self.limit, max(length, 2 * self.seq.shape[1])),
+                                dtype=torch.long)
+            grown[:, : self.seq.shape[1]] = self.seq
+            self.seq = grown
+
+    def generated(self, row: int) -> list[int]:
+        """The tokens row ``row`` generated so far."""
+        return self.seq[row, int(self.prompt_lengths[row]): int(self.lengths[row])].tolist()
+
+    def finish(self, row: int, keep: int) -> None:
+        """End row ``row`` after its first ``keep`` generated tokens (the later ones are dropped)."""
+        if not 0 <= keep <= int(self.produced[row]):
+            raise ValueError(f"keep must be in [0, {int(self.produced[row])}], got {keep}")
+        if keep < int(self.produced[row]):
+            self.exact[row] = False
+        self.lengths[row] = self.prompt_lengths[row] + keep
+        self.produced[row] = keep
+        self.active[row] = False
+
+
+def full_batch(draft: TokenTree, active: torch.Tensor, roots: torch.Tensor) -> TokenTree:
+    """The drafted rows in their batch positions; a finished row gets its root alone (its other
+    nodes invalid, so nothing of it is accepted)."""
+    B, n = len(active), draft.n
+    ids = torch.nonzero(active).flatten()
+    tokens = roots[:, None].repeat(1, n)
+    tokens[ids] = draft.tokens
+    valid = torch.zeros(B, n, dtype=torch.bool)
+    valid[:, 0] = True
+    valid[ids] = True if draft.valid is None else draft.valid
+    extra = dict(valid=valid, with_replacement=draft.with_replacement)
+    if draft.child_ids is not None:
+        K = draft.child_ids.shape[-1]
+        extra.update(child_ids=torch.zeros(B, n, K, dtype=draft.child_ids.dtype),
+                     child_probs=torch.zeros(B, n, K, dtype=draft.child_probs.dtype))
+        extra["child_ids"][ids], extra["child_probs"][ids] = draft.child_ids, draft.child_probs
+    if draft.static_shape is not None:  # keep the static shape (and its cached index, and its graphs)
+        return TokenTree.from_shape(draft.static_shape, tokens, **extra)
+    parents = draft.parents
+    if parents.dim() == 2:
+        parents = parents[:1].repeat(B, 1)
+        parents[ids] = draft.parents
+    return TokenTree(parents, tokens, **extra)
+
+
+def stop_at_sequences(rows: Rows, stops: list[tuple[int, ...]], seen: list[int]) -> None:
+    """End every row whose new tokens complete a stop sequence, through its end (``seen[r]``: how
+    many of row r's generated tokens were checked before)."""
+    if not stops:
+        return
+    for r in range(rows.batch_size):
+        produced = int(rows.produced[r])
+        if seen[r] < 0 or produced == seen[r]:
+            continue
+        keep = token_stop(rows.generated(r), stops, seen[r])
+        if keep is None:
+            seen[r] = produced
+        else:
+            rows.finish(r, keep)
+            seen[r] = -1  # done
+
+
+def check_finite(host: HostStep, rows: Rows, where: str) -> None:
+    bad = torch.nonzero(~host.finite & rows.active).flatten().tolist()
+    if bad:
+        raise ValueError(f"the target's logits hold NaN or +inf at {where} (rows {bad}): its weights or activations "
+                         "are not finite (stree.models.load checks the weights; fp16 may overflow where bf16 or "
+                         "fp32 does not)")
