@@ -315,7 +315,6 @@ def _measure(model, drafter, batch: int, mode: str, sampled: bool, shapes, budge
         drafter = drafter.for_measuring()  # what it learns here must not reach the calls that decode
     depth = max([s.max_depth for s in shapes] + [1])
     context, calls_max = 32, 2 + 33 * (1 + len(shapes))  # a warm-up call, then two a round
-    runner = None
     if mode != "eager":
         from ..runtime.compiled import CompiledDecode
         from ..runtime.graphs import DecodeGraphs
@@ -323,7 +322,10 @@ def _measure(model, drafter, batch: int, mode: str, sampled: bool, shapes, budge
         runner = (CompiledDecode if mode == "compiled" else DecodeGraphs).for_model(model, batch, context + 2 * depth)
         cache = runner.cache
     else:
+        from ..runtime.runners import EagerRunner
+
         cache = model.allocate_cache(batch, context + 2 * depth)
+        runner = EagerRunner(model, cache)
     gen = torch.Generator().manual_seed(0)
     # the drafter's rows grow by two tokens a speculative call (a draft accepted one deep, then a bonus)
     seq = torch.randint(0, vocab, (batch, context + 2 * calls_max + 1), generator=gen)

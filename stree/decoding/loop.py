@@ -26,6 +26,7 @@ from ..drafters.base import DraftContext, Drafter
 from ..models.linear import following, leading
 from ..runtime.compiled import CompiledDecode
 from ..runtime.graphs import DecodeGraphs
+from ..runtime.runners import EagerRunner
 from ..sampling.verify import SamplingParams
 from ..tree import TokenTree, TreeBudget, TreeShape
 from .autotree import AutoTree, auto_tree
@@ -161,10 +162,14 @@ class _Loop:
     def run(self):
         c, rows = self.c, self.rows
         kind = DecodeGraphs if c.cuda_graph else CompiledDecode if c.torch_compile else None
-        self.runner = kind.for_model(self.model, rows.batch_size, c.max_length) if kind is not None else None
+        pool = kind.for_model(self.model, rows.batch_size, c.max_length) if kind is not None else None
         if self.drafter is not None:
             self.drafter.reset()
-        if self.cache is None:
+        prefill = self.cache is None
+        if prefill:
+            self.cache = pool.cache if pool is not None else self.model.allocate_cache(rows.batch_size, c.max_length)
+        self.runner = pool if pool is not None else EagerRunner(self.model, self.cache, c.target)
+        if prefill:
             self.prefill()
         stop_at_sequences(rows, c.stops, self.seen)
         yield rows
@@ -181,8 +186,6 @@ class _Loop:
 
     def prefill(self) -> None:
         c, rows = self.c, self.rows
-        self.cache = (self.runner.cache if self.runner is not None
-                      else self.model.allocate_cache(rows.batch_size, c.max_length))
         first = prefill_rows(self.model, rows, self.cache, c.params, c.generator, c.top_k)
         check_finite(first, rows, "the prefill")
         self.stats.time_prefill += self.clock.lap()
@@ -201,7 +204,7 @@ class _Loop:
                 self.plain_run.left -= 1
             elif self.drafter is not None:
                 draft = _draft(self.drafter, self.chooser, rows, c.shape, roots, live, self.model.vocab_size,
-                               self.runner is None)
+                               self.runner.eager)
                 if draft is not None:
                     full = draft if len(live) == rows.batch_size else full_batch(draft, rows.active, roots)
                     full = full.to(c.device)

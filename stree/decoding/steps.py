@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from .distributed import agree
-from ..runtime.runners import DecodeRunner
+from ..runtime.runners import DecodeRunner, EagerRunner
 from ..tree import TokenTree
 from ..sampling.verify import SamplingParams, VerifyResult, greedy_path, verify
 
@@ -113,7 +113,7 @@ def autoregressive_step(model, cache, roots: torch.Tensor, params: SamplingParam
     """One token for every row: the target's step on the roots (the ``runner``'s step, a CUDA graph
     or a compiled one, when given), then one sampled token each, with the law it was drawn from
     when ``top_k`` is set (a drafter learning from the target's distributions)."""
-    logits = runner.step()(roots, validate=False) if runner is not None else model.step(roots, cache, validate=False)
+    logits = (runner or EagerRunner(model, cache)).step()(roots, validate=False)
     finite, logits = _finite(logits, params)
     nxt, = agree(model, params.sample(logits, generator))
     probs = None if top_k is None else params.observed(logits)[:, None]
@@ -125,11 +125,12 @@ def speculative_step(model, cache, draft: TokenTree, params: SamplingParams, gen
     """Score ``draft`` (on the model's device, checked on the host) in one tree pass, verify it,
     commit the accepted paths, and hand the host the emitted tokens (accepted drafts, then the
     bonus) with their target laws when ``top_k`` is set. Returns ``(host, result)``. With a
-    ``runner``, a draft of a static shape goes through that shape's tree pass and commit (CUDA
-    graphs or compiled).
+    ``runner`` (default: the model's own calls on ``cache``), a draft of a static shape goes
+    through that shape's tree pass and commit (CUDA graphs or compiled).
     ``lap(phase)``, if given, is called after "verify" (tree pass and verification) and "commit"."""
-    fast = runner is not None and scan == "tree" and draft.static_shape is not None
-    fused = fast and params.greedy and runner.fused(_greedy_iteration, draft.static_shape, "greedy")
+    runner = runner or EagerRunner(model, cache)
+    fused = (params.greedy and scan == "tree" and draft.static_shape is not None
+             and runner.fused(_greedy_iteration, draft.static_shape, "greedy"))
     if fused:  # the pass, greedy verification and the host's packing as one compiled graph
         k = None if top_k is None else min(top_k, model.vocab_size)
         depth = draft.static_shape.max_depth
@@ -143,21 +144,15 @@ def speculative_step(model, cache, draft: TokenTree, params: SamplingParams, gen
         if lap is not None:
             lap("commit")
         return host, result
-    if fast:
-        fast_tree, fast_commit = runner.tree(draft.static_shape)
-        logits, tree_pass = fast_tree(draft.tokens, validate=False)
-    else:
-        logits, tree_pass = model.forward_tree(draft, cache, scan=scan, validate=False)
+    tree_calls, commit = runner.tree_calls(draft, scan)
+    logits, tree_pass = tree_calls(draft)
     finite, logits = _finite(logits, params)
     result = verify(draft, logits, params, generator=generator, validate=False)
     result.accepted, result.num_accepted, result.bonus = agree(model, result.accepted, result.num_accepted,
                                                                result.bonus)  # rank 0's, under tensor parallelism
     if lap is not None:
         lap("verify")
-    if fast:
-        fast_commit(tree_pass, result.accepted, result.num_accepted)
-    else:
-        model.commit(cache, tree_pass, result.accepted, result.num_accepted, validate=False)
+    commit(tree_pass, result.accepted, result.num_accepted)
     out = _emitted(draft.tokens, result.accepted, result.num_accepted, result.bonus)
     probs = None
     if top_k is not None:

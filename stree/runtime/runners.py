@@ -1,7 +1,13 @@
-"""What a decode loop calls instead of the model's eager ``step``, ``forward_tree`` and ``commit``
-when it wants them faster: CUDA graphs (:mod:`.graphs`) or ``torch.compile`` (:mod:`.compiled`).
-Both keep one pool per model, batch size and cache size, and build the step and each static tree
-shape's pass + commit the first time the loop needs them."""
+"""How a decode loop runs a model's ``step``, ``forward_tree`` and ``commit``, behind one protocol:
+:class:`EagerRunner` calls the model's own (or, for trees, the unrolled baseline's); the
+:class:`DecodeRunner` kinds replay CUDA graphs (:mod:`.graphs`) or run ``torch.compile``d calls
+(:mod:`.compiled`) for static tree shapes, keeping one pool per model, batch size and cache size and
+building the step and each shape's pass + commit the first time the loop needs them.
+
+Every runner has ``cache``, ``eager``, ``step()`` (a callable ``(tokens, validate)`` -> logits,
+advancing the cache), ``tree_calls(draft, scan)`` (``(tree_pass, commit)``: ``tree_pass(draft)``
+-> ``(logits, TreePass)``, ``commit(tree_pass, accepted, num_accepted)``) and ``fused(fn, shape,
+name)`` (a compiled iteration, or None)."""
 
 from __future__ import annotations
 
@@ -14,7 +20,7 @@ from ..tree import TreeShape
 from ..models.base import TreeLM
 from ..models.cache import ModelCache
 
-__all__ = ["DecodeRunner", "check_tree_tokens"]
+__all__ = ["DecodeRunner", "EagerRunner", "check_tree_tokens"]
 
 
 def check_tree_tokens(model: TreeLM, cache: ModelCache, tokens: torch.Tensor, shape: tuple, new_tokens: int,
@@ -27,12 +33,37 @@ def check_tree_tokens(model: TreeLM, cache: ModelCache, tokens: torch.Tensor, sh
     model.check_cache(cache, cache.batch_size, new_tokens, lengths=validate)
 
 
+class EagerRunner:
+    """The model's own calls on ``cache``, unchecked (the loop checked the draft); tree passes by
+    ``target`` where it is another (the unrolled baseline), any tree shape and scan."""
+
+    eager = True
+
+    def __init__(self, model, cache: ModelCache, target=None):
+        target = model if target is None else target
+        self.cache = cache
+        self._step = lambda tokens, validate: model.step(tokens, cache, validate=validate)
+        self._commit = lambda tree_pass, accepted, num: target.commit(cache, tree_pass, accepted, num, validate=False)
+        self._passes = {scan: (lambda draft, scan=scan: target.forward_tree(draft, cache, scan=scan, validate=False))
+                        for scan in ("tree", "chain", "unrolled")}
+
+    def step(self) -> Callable:
+        return self._step
+
+    def tree_calls(self, draft, scan: str) -> tuple[Callable, Callable]:
+        return self._passes[scan], self._commit
+
+    def fused(self, fn, shape: TreeShape, name: str) -> Callable | None:
+        return None
+
+
 class DecodeRunner:
     """A cache the runner's calls all use (reused across ``generate`` calls, zeroed at each
-    start), ``step()`` (a callable ``(tokens, validate)`` -> logits, advancing that cache) and
-    ``tree(shape)`` (``(tree_pass, commit)``: ``tree_pass(tokens, validate)`` -> ``(logits,
-    TreePass)`` and ``commit(tree_pass, accepted, num_accepted)``). Subclasses build them."""
+    start), ``step()`` and, per static shape, ``tree(shape)`` (``(tree_pass, commit)``:
+    ``tree_pass(tokens, validate)`` -> ``(logits, TreePass)`` and ``commit(tree_pass, accepted,
+    num_accepted)``), which subclasses build; other trees and scans run eager on the same cache."""
 
+    eager = False
     _pools: "weakref.WeakKeyDictionary[TreeLM, dict]" = weakref.WeakKeyDictionary()
 
     def __init__(self, model: TreeLM, batch_size: int, max_length: int):
@@ -40,6 +71,8 @@ class DecodeRunner:
         self.cache = model.allocate_cache(batch_size, max_length)
         self._step: Callable | None = None
         self._trees: dict[TreeShape, tuple[Callable, Callable]] = {}
+        self._calls: dict[TreeShape, tuple[Callable, Callable]] = {}
+        self._eager = EagerRunner(model, self.cache)
 
     @classmethod
     def for_model(cls, model: TreeLM, batch_size: int, max_length: int) -> "DecodeRunner":
@@ -67,6 +100,17 @@ class DecodeRunner:
         if shape not in self._trees:
             self._trees[shape] = self.make_tree(shape)
         return self._trees[shape]
+
+    def tree_calls(self, draft, scan: str) -> tuple[Callable, Callable]:
+        """The tree pass of ``draft`` (taking the draft) and its commit: the built ones for a static
+        shape under the tree scan, else the model's own on this cache."""
+        shape = draft.static_shape
+        if scan != "tree" or shape is None:
+            return self._eager.tree_calls(draft, scan)
+        if shape not in self._calls:
+            tree_pass, commit = self.tree(shape)
+            self._calls[shape] = (lambda d: tree_pass(d.tokens, validate=False)), commit
+        return self._calls[shape]
 
     def fused(self, fn, shape: TreeShape, name: str) -> Callable | None:
         """``fn`` run with the tree pass of ``shape`` in one compiled graph, as
