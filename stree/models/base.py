@@ -19,7 +19,7 @@ from torch import nn
 
 from ..kernels import MAX_TREE_NODES
 from ..tree import TokenTree, TreeIndex, TreeShape
-from .cache import AttnLayerState, ModelCache, SSMLayerState, TreePass
+from .cache import AttnLayerState, ModelCache, SSMLayerState, TreePass, chain_chunks
 from .linear import Linear
 
 SCANS = ("tree", "chain", "unrolled")  # how the SSM layers walk a draft (forward_tree's scan)
@@ -322,20 +322,14 @@ class TreeLM(nn.Module):
             raise ValueError(f"chunk must be in [1, {MAX_TREE_NODES}], got {chunk}")
         self.check_cache(cache, batch, int(lengths.max()))
         last = torch.empty(batch, self.vocab_size, device=self.device, dtype=self.dtype)
-        for start in range(0, T, chunk):
-            end = min(T, start + chunk)
-            counts = (lengths - start).clamp(0, end - start)
-            rows = torch.nonzero(counts > 0).flatten().to(self.device)
-            sub = cache if len(rows) == batch else cache.select(rows)
+        for start, end, rows, counts, sub in chain_chunks(cache, lengths, T, chunk):
             tree = TokenTree.from_shape(TreeShape.chain(end - start - 1), input_ids[rows, start:end])
-            n = counts[counts > 0].to(self.device)
+            n = counts.to(self.device)
             logits, tree_pass = self.tree_pass(tree, tree.index, sub, "tree", self.kernel_backend, end - start - 1,
                                                prefill=True, at=n - 1)  # each row's last fed token only
             self.commit(sub, tree_pass, torch.arange(end - start, device=self.device).expand(len(rows), -1), n,
                         validate=False)
-            if sub is not cache:
-                cache.assign(rows, sub)
-            pick = torch.nonzero((lengths[counts > 0] <= end).to(self.device)).flatten()
+            pick = torch.nonzero((lengths[lengths > start] <= end).to(self.device)).flatten()
             last[rows[pick]] = logits[pick]
         return last
 

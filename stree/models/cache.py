@@ -126,3 +126,21 @@ class TreePass:
         if self.version != cache.version:
             raise ValueError("tree_pass is stale: the cache's committed state changed after forward_tree "
                              "(a step, commit or prefill in between); run forward_tree again")
+
+
+def chain_chunks(cache, lengths: torch.Tensor, total: int, chunk: int):
+    """Feeding row r ``lengths[r]`` tokens (of ``total`` positions) as chains of at most ``chunk``:
+    yields, per chunk, ``(start, end, rows, counts, sub)``: the rows that still feed (a LongTensor
+    on the cache's device), how many tokens each feeds in ``[start, end)``, and ``sub``, their cache
+    (the cache itself when every row feeds, else a copy of their rows, written back into ``cache``
+    when the generator resumes: the caller commits to ``sub`` in between). What a prompt's prefill
+    and a branch's chains share."""
+    lengths = lengths.cpu()
+    for start in range(0, total, chunk):
+        end = min(total, start + chunk)
+        counts = (lengths - start).clamp(0, end - start)
+        rows = torch.nonzero(counts > 0).flatten().to(cache.seqlens.device)
+        sub = cache if len(rows) == len(lengths) else cache.select(rows)
+        yield start, end, rows, counts[counts > 0], sub
+        if sub is not cache:
+            cache.assign(rows, sub)

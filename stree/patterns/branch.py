@@ -19,6 +19,7 @@ import torch
 
 from ..decoding.loop import GenerationStats, decode, drain
 from ..decoding.stops import TextStops, apply_text_stops, finish_reasons, stop_strings
+from ..models.cache import chain_chunks
 from ..tree import MAX_TREE_NODES, TokenTree, TreeShape
 
 __all__ = ["Branch", "BranchOutput", "Scored", "log_probs"]
@@ -85,21 +86,18 @@ def feed_chains(model, cache, chains: list[list[int]], commit: bool = True):
     if not commit and longest > MAX_TREE_NODES:
         raise ValueError(f"scoring without committing takes at most {MAX_TREE_NODES} tokens a row, got {longest}")
     out: list[list[torch.Tensor]] = [[] for _ in chains]
-    for start in range(0, longest, MAX_TREE_NODES):
-        ids = [r for r, c in enumerate(chains) if len(c) > start]
-        sub = cache if len(ids) == len(chains) else _select(cache, ids)
-        width = min(MAX_TREE_NODES, longest - start)
-        parts = [chains[r][start: start + width] for r in ids]
+    for start, end, rows, counts, sub in chain_chunks(cache, torch.tensor([len(c) for c in chains]), longest,
+                                                      MAX_TREE_NODES):
+        width, ids = end - start, rows.tolist()
+        parts = [chains[r][start: end] for r in ids]
         tokens = torch.tensor([p + [p[-1]] * (width - len(p)) for p in parts], device=model.device)
         tree = TokenTree.from_shape(TreeShape.chain(width - 1), tokens)
         logits, tree_pass = model.forward_tree(tree, sub)
         for i, (r, p) in enumerate(zip(ids, parts)):
             out[r].append(logits[i, : len(p)].float())
         if commit:
-            counts = torch.tensor([len(p) for p in parts], device=model.device)
-            model.commit(sub, tree_pass, torch.arange(width, device=model.device).expand(len(ids), -1), counts)
-            if sub is not cache:
-                cache.assign(torch.tensor(ids, device=cache.seqlens.device), sub)
+            model.commit(sub, tree_pass, torch.arange(width, device=model.device).expand(len(ids), -1),
+                         counts.to(model.device))
     return [torch.cat(parts) for parts in out], tree_pass
 
 
