@@ -316,21 +316,26 @@ class AutoTree:
     stay lossless but a seed no longer fixes the trees, so decoding turns it on only where the
     output does not depend on them (greedy, or no seed); otherwise trees must beat plain steps
     by ``MARGIN``.
-    An adaptive choice also spaces probes by what they took (a drafter model catching up on the
-    tokens of the plain steps before, its prefill of a new context: costs the profile's steady
-    state does not see), and keeps the interval it reached. It learns no cost from a call's first
-    iteration (``SETTLE``), and while trees keep winning it takes one plain step in
-    ``PLAIN_EVERY`` to weigh plain steps again.
-    ``rates`` and ``scale`` (``{"plain": x, "tree": y}``, and what probes cost and the interval)
-    may be shared with earlier choosers, which then hand over what they learned. ``chosen`` counts the steps per tree size (1: a plain
-    step)."""
+    Probes are paid from a ledger (``scale["bank"]``, milliseconds): every plain step puts
+    ``PROBE_SHARE`` of its time in, every probe takes out what it lost against plain steps for the
+    tokens it emitted, and a probe waits until the bank holds what the next one is expected to
+    lose. So, whatever a probe costs, probes together lose at most ``PROBE_SHARE`` of the plain
+    steps' time (and one probe's loss): the most that turning speculation on loses where it never
+    pays. An adaptive choice charges what its probes took by the clock (a drafter model catching
+    up on the tokens of the plain steps before, the caches it evicts: costs the profile's steady
+    state does not see); a seeded one what the profile predicts, its drafter's catch-up included.
+    An adaptive choice learns no cost from a call's first iteration (``SETTLE``), and while trees
+    keep winning it takes one plain step in ``PLAIN_EVERY`` to weigh plain steps again.
+    ``rates`` and ``scale`` (``{"plain": x, "tree": y}``, and the ledger) may be shared with
+    earlier choosers, which then hand over what they learned. ``chosen`` counts the steps per tree
+    size (1: a plain step)."""
 
     REPLAN = 8  # steps between re-plans (of an eager loop's shapes, and of the size to draft)
-    PROBE, PROBE_MAX = 4, 64
+    PROBE = 4  # plain steps between probes, at least
+    NEVER = 1 << 30  # the plain steps ahead where no probe ever falls due
     # What probes may cost, at most, of the plain steps' time they interrupt: the most that turning
     # speculation on loses where it never pays.
     PROBE_SHARE = 0.02
-    PROBE_LONGEST = 512  # plain steps between probes, at most
     ADAPT = 0.15  # weight of the newest iteration in the cost scales and the share of drafts verified
     CLIP = 3.0  # the most one iteration's realised / predicted time may say
     # A call's first iteration is not learned from: it pays once per call (a drafter model's prefill
@@ -355,7 +360,7 @@ class AutoTree:
         self.scale = scale if scale is not None else {"plain": 1.0, "tree": 1.0}  # realised / predicted time
         self.scale.setdefault("probe_loss", 0.0)  # ms a probe took beyond plain steps for its tokens (adaptive)
         self.scale.setdefault("probes", 0)  # the probes that measured it
-        self.scale.setdefault("probe_every", self.PROBE)
+        self.scale.setdefault("bank", 0.0)  # ms the next probes may lose (the ledger)
         self.scale.setdefault("plain_run", 0)
         self.scale.setdefault("plain_age", 0)  # weighed tree steps since the last weighed plain step
         self.depth = min(depth, PathRates.DEPTH)
@@ -381,10 +386,17 @@ class AutoTree:
         self.chosen: Counter = Counter()
         self._since_plan, self._probing = 0, False
         self._stale = False  # whether the rates or cost scales moved since the last re-plan
-        # an adaptive choice goes on where the last call of its profile left off: probes stay spaced
-        self._plain_run = self.scale["plain_run"] if adaptive else 0
-        self._probe_every = self.scale["probe_every"] if adaptive else self.PROBE
-        self._probe_min, self._probe_loss, self._catch_wait = self.PROBE, 0.0, 0
+        # An adaptive choice goes on where the last call of its profile left off (probes stay spaced);
+        # a seeded one keeps its ledger to itself, so that its choices follow the seed alone.
+        if not adaptive:
+            self.scale["bank"], self.scale["plain_run"] = 0.0, 0
+        self._plain_run = self.scale["plain_run"]
+        self._probe_loss = 0.0  # what the next probe is predicted to lose, its drafter's catch-up aside
+        self._catch_due = 0.0  # the catch-up the drafter last said a probe would need (ms, seeded)
+        self._charge = 0.0  # what this step's probe is charged where it is not measured
+        # After a measured probe, for the plain step that may follow: the weight of its loss in the
+        # probes' average (1: the first measured); else None.
+        self._after_probe: float | None = None
         self._predicted = ("plain", self.cost[1])  # this step's kind and predicted milliseconds
         self._iterations = 0  # recorded in this call
         self._drafted = 0  # nodes drafted this step (0: none)
@@ -451,25 +463,20 @@ class AutoTree:
     def _pick_sizes(self) -> tuple[int, int]:
         """The size to draft before drafting (1: a plain step), and the best size of a draft
         whatever a plain step is worth (what a probe drafts): by expected tokens per millisecond
-        under the current rates and costs (see :meth:`_worth_drafting`). Also spaces probes so
-        that what one loses against plain steps is at most ``PROBE_SHARE`` of the plain steps
-        between two (a drafter model catching up makes a probe dear)."""
+        under the current rates and costs (see :meth:`_worth_drafting`). Also what the next probe
+        is expected to lose against plain steps (the ledger waits for it)."""
         order = self._order
         if order is None or not self.sizes:  # no tree fits: plain steps only
             return 1, 1
         best, _, self._gain = self._best_size(order, self.draft_cost, self._hazard())
         self._tree_ms, self._draft_ms = self.cost[best] * self.scale["tree"], self.draft_cost[best] * self.scale["tree"]
         plain = self.cost[1] * self.scale["plain"]
-        # What a probe loses against plain steps: its time beyond theirs for the tokens it is expected
-        # to emit; an adaptive choice also knows what its probes took. A seeded one knows neither
-        # (its rates start from the prior each call, which may promise what this text never gives):
-        # it spaces probes by the worst case, one token from a probe (with the margin).
+        # What a probe is predicted to lose against plain steps: its time beyond theirs for the tokens
+        # it is expected to emit. A seeded choice prices the worst case, one token from a probe (with
+        # the margin): its rates start from the prior each call, which may promise what this text
+        # never gives.
         expected = self._gain if self.adaptive else 1.0
-        loss = (self._tree_ms + self._draft_ms) * self.margin - expected * plain
-        if self.adaptive:
-            loss = max(loss, self.scale["probe_loss"])
-        self._probe_min = min(max(self.PROBE, int(math.ceil(loss / (self.PROBE_SHARE * plain)))), self.PROBE_LONGEST)
-        self._probe_loss = loss
+        self._probe_loss = (self._tree_ms + self._draft_ms) * self.margin - expected * plain
         return (best if self._worth_drafting() else 1), best
 
     def _worth_drafting(self) -> bool:
@@ -482,17 +489,16 @@ class AutoTree:
 
     def plan(self, behind=None):
         """The shape to draft this step, None for a plain step without drafting, or "own" (a
-        drafter that drafts its own trees: draft, then :meth:`choose`). After ``probe`` plain
-        steps in a row (chosen before or after drafting; the interval doubling while they keep
-        winning) the step is a probe: drafted, and verified whatever its worth. ``behind``: a
-        callable saying how many tokens the drafter must read before it drafts (asked only when
-        a probe is due): a probe waits until its catch-up, at the profile's ``catch_ms`` a token,
-        is within the probes' share too (at most ``PROBE_LONGEST`` steps; an adaptive choice,
-        once a probe's time is measured, spaces them by what they took instead)."""
-        self._probing = self._plain_run >= max(self._probe_every, self._probe_min) and self._catch_up_paid(behind)
+        drafter that drafts its own trees: draft, then :meth:`choose`). After at least ``PROBE``
+        plain steps in a row (chosen before or after drafting), once the ledger holds what a probe
+        is expected to lose, the step is a probe: drafted, and verified whatever its worth.
+        ``behind``: a callable saying how many tokens the drafter must read before it drafts
+        (asked only when the ledger holds the rest of a probe's price): where the choice does not
+        measure its probes, their price includes that catch-up, at the profile's ``catch_ms`` a
+        token."""
+        self._probing = self._plain_run >= self.PROBE and self._probe_paid(behind)
         if self._probing:
-            self._plain_run = self._catch_wait = 0
-            self._probe_every = min(2 * max(self._probe_every, self._probe_min), max(self.PROBE_MAX, self._probe_min))
+            self._plain_run, self._catch_due = 0, 0.0
         self._predicted, self._drafted = ("plain", self.cost[1]), 0
         if not self.fills_shapes:
             return "own"
@@ -514,7 +520,10 @@ class AutoTree:
             self._replan(None)
         if self._pick > 1 and self._worth_drafting():
             return 0
-        return max(0, max(self._probe_every, self._probe_min) - self._plain_run)
+        short = self._probe_price() - self.scale["bank"]
+        if short > 0.0 and self._deposit() <= 0.0:
+            return self.NEVER  # (PROBE_SHARE 0: no probes at all)
+        return max(0, self.PROBE - self._plain_run, math.ceil(short / self._deposit() - 1e-9) if short > 0.0 else 0)
 
     def plain_steps(self, steps: int) -> None:
         """:meth:`plan` and :meth:`record` of ``steps`` plain steps that :meth:`plain_ahead`
@@ -525,20 +534,44 @@ class AutoTree:
         self._probing, self._predicted, self._drafted = False, ("plain", self.cost[1]), 0
         self._plain_run += steps
         self.chosen[1] += steps
+        self._deposit_plain(steps)
         self._since_plan = (self._since_plan + steps) % self.REPLAN  # (nothing is stale: re-plans would do nothing)
-        self.scale["probe_every"], self.scale["plain_run"] = self._probe_every, self._plain_run
+        self.scale["plain_run"] = self._plain_run
 
-    def _catch_up_paid(self, behind) -> bool:
-        catch = self.profile.catch_ms
-        if (behind is None or catch == 0.0 or (self.adaptive and self.scale["probes"])
-                or self._plain_run >= self.PROBE_LONGEST):
-            return True
-        if self._plain_run < self._catch_wait:
+    # -- the probes' ledger ---------------------------------------------------------------------
+    def _deposit(self) -> float:
+        """What one plain step puts in the ledger: ``PROBE_SHARE`` of its time."""
+        return self.PROBE_SHARE * self.cost[1] * self.scale["plain"]
+
+    def _deposit_plain(self, steps: int) -> None:
+        """``steps`` plain steps' deposits. The ledger holds at most the next probe's price (and one
+        deposit): a long run of plain steps buys one probe at its end, not a burst of them."""
+        top = max(self._probe_price(), 0.0) + self._deposit()
+        self.scale["bank"] = min(self.scale["bank"] + steps * self._deposit(), max(top, self.scale["bank"]))
+
+    def _probe_price(self) -> float:
+        """What the next probe is expected to lose: what an adaptive choice's probes lost by the
+        clock, once it has measured one; else the predicted loss with the drafter's catch-up it
+        was last told of."""
+        if self.adaptive and self.scale["probes"]:
+            return self.scale["probe_loss"]
+        return self._probe_loss + self._catch_due
+
+    def _probe_paid(self, behind) -> bool:
+        """Whether the ledger holds the next probe's price. A choice that does not measure its
+        probes asks the drafter how far behind it is once the rest of the price is there, and
+        prices the catch-up in (asked again once the ledger holds that too: the drafter falls
+        further behind meanwhile)."""
+        bank = self.scale["bank"]
+        if bank < self._probe_price():
             return False
-        loss = self._probe_loss + catch * behind()
-        # the run that pays for it (asked again then: the drafter falls further behind meanwhile)
-        self._catch_wait = math.ceil(loss / (self.PROBE_SHARE * self.cost[1] * self.scale["plain"]))
-        return self._plain_run >= self._catch_wait
+        catch = self.profile.catch_ms
+        if behind is None or catch == 0.0 or (self.adaptive and self.scale["probes"]):
+            self._charge = self._probe_price()
+            return True
+        self._catch_due = catch * behind()
+        self._charge = self._probe_price()
+        return bank >= self._charge
 
     # -- after drafting -------------------------------------------------------------------------
     def choose(self, draft: TokenTree, active: np.ndarray, ids: np.ndarray | None = None) -> TokenTree | None:
@@ -585,7 +618,14 @@ class AutoTree:
         self.chosen[1 if tree is None else tree.n] += 1
         kind, predicted = self._predicted
         self._iterations += 1
-        if self.adaptive and elapsed_ms is not None and elapsed_ms > 0 and self._iterations > self.SETTLE:
+        # A plain step right after a probe reads weights and state the probe pushed out of the caches:
+        # part of what the probe cost, not of the plain steps it interrupts.
+        after, self._after_probe = self._after_probe, None
+        timed = self.adaptive and elapsed_ms is not None and elapsed_ms > 0
+        if after is not None and tree is None:
+            if timed:
+                self._pay_aftermath(elapsed_ms - self.cost[1] * self.scale["plain"], after)
+        elif timed and self._iterations > self.SETTLE:
             # clipped: one iteration that compiled or measured something must not price trees out for good
             ratio = min(max(elapsed_ms / predicted, 1.0 / self.CLIP), self.CLIP)
             self.scale[kind] += self.ADAPT * (ratio - self.scale[kind])
@@ -598,26 +638,48 @@ class AutoTree:
                 self.rates.record(tree, tokens, counts, rows)
             else:
                 self.rates.record(tree, tokens, counts, rows, self.row_rates, ids)
-            if not self._probing:  # speculation won this step: probes start again from the shortest interval
-                self._plain_run, self._probe_every, self._catch_wait = 0, self.PROBE, 0
-            elif self.adaptive and elapsed_ms is not None:
-                focus = rows if ids is None or self._focus is None else rows[np.asarray(ids)[rows] == self._focus]
-                emitted = float(np.mean(counts[focus if len(focus) else rows]))
-                beyond = elapsed_ms - emitted * self.cost[1] * self.scale["plain"]
-                # Clipped: one probe that compiled something (two orders of magnitude over its prediction) had
-                # spaced probes PROBE_LONGEST apart for thousands of steps, and text where trees
-                # paid ran plain. The first at CLIP times its prediction, later ones at twice
-                # what is known, so that truly dear probes (a drafter model catching up) are
-                # learned within a few.
-                known = self.CLIP * predicted
-                if self.scale["probes"]:
-                    known = 2.0 * max(known, self.scale["probe_loss"])
-                beyond = min(beyond, known)
-                self.scale["probe_loss"] += 0.5 * (beyond - self.scale["probe_loss"])
-                self.scale["probes"] += 1
-        self.scale["probe_every"], self.scale["plain_run"] = self._probe_every, self._plain_run
+            if not self._probing:  # speculation won this step: plain steps count again from here
+                self._plain_run = 0
+        if self._probing:
+            self._pay_probe(predicted, tree, counts, rows, ids, elapsed_ms)
+        elif tree is None:
+            self._deposit_plain(1)
+        self.scale["plain_run"] = self._plain_run
         if (tree is not None and self._probing) or self._since_plan >= self.REPLAN:
             self._replan(tree)
+
+    def _pay_probe(self, predicted: float, tree, counts, rows, ids, elapsed_ms: float | None) -> None:
+        """Take this step's probe out of the ledger: by the clock where the choice is adaptive
+        (its time beyond plain steps for the tokens it emitted; a probe whose draft came out empty
+        emitted one), else at the price it was let through at."""
+        if not self.adaptive or elapsed_ms is None:
+            self.scale["bank"] -= self._charge
+            return
+        emitted = 1.0
+        if tree is not None:
+            focus = rows if ids is None or self._focus is None else rows[np.asarray(ids)[rows] == self._focus]
+            emitted = float(np.mean(counts[focus if len(focus) else rows]))
+        beyond = elapsed_ms - emitted * self.cost[1] * self.scale["plain"]
+        # Clipped: one probe that compiled something (two orders of magnitude over its prediction)
+        # would stop probing for tens of thousands of steps, and text where trees paid would run
+        # plain. The first at CLIP times its prediction, later ones at twice what is known, so that
+        # truly dear probes (a drafter model catching up) are learned within a few.
+        known = self.CLIP * predicted
+        if self.scale["probes"]:
+            known = 2.0 * max(known, self.scale["probe_loss"])
+        beyond = min(beyond, known)
+        self.scale["bank"] -= beyond
+        weight = 0.5 if self.scale["probes"] else 1.0
+        self.scale["probe_loss"] += weight * (beyond - self.scale["probe_loss"])
+        self.scale["probes"] += 1
+        self._after_probe = weight  # the plain step after it adds its aftermath (:meth:`_pay_aftermath`)
+
+    def _pay_aftermath(self, excess: float, weight: float) -> None:
+        """A probe's aftermath: the time the plain step after it took beyond a plain step's (at
+        most a plain step's more), charged to the ledger and added to the probe's loss."""
+        excess = min(excess, self.cost[1] * self.scale["plain"])
+        self.scale["bank"] -= excess
+        self.scale["probe_loss"] += weight * excess
 
     def _replan(self, tree: TokenTree | None) -> None:
         """The shape (after a verified ``tree``), and the sizes to draft where anything moved."""

@@ -181,40 +181,94 @@ def full_draft(shape, fill=None):
     return TokenTree.from_shape(shape, tokens, valid=valid)
 
 
-def run_rejecting(auto, steps, probe_ms=None, behind=None):
-    """``steps`` steps in which the target never accepts a draft; the steps that verified one.
-    With ``probe_ms``, plain steps take 1 ms by the clock and drafted ones ``probe_ms``;
-    ``behind(i)``: what the drafter has yet to read at step i."""
-    drafted = []
-    plain_ms = None if probe_ms is None else 1.0
+class Rejected(list):
+    """The steps of :func:`run_rejecting` that verified a draft; ``lost``: what each of them lost
+    by the clock against plain steps for the one token it emitted (its aftermath included), and
+    ``probed``: whether it was a probe (else the choice took the tree for its worth)."""
+
+    lost: list
+    probed: list
+
+    def probe_losses(self) -> list:
+        return [x for x, probe in zip(self.lost, self.probed) if probe]
+
+
+def run_rejecting(auto, steps, probe_ms=None, behind=None, after_ms=1.0) -> Rejected:
+    """``steps`` steps in which the target never accepts a draft. With ``probe_ms`` (ms, or a
+    function of the tree's size), the clock: plain steps take 1 ms (``after_ms`` the one right
+    after a drafted step) and drafted ones ``probe_ms``; ``behind(i)``: what the drafter has yet
+    to read at step i."""
+    drafted = Rejected()
+    drafted.lost, drafted.probed = [], []
+    clock = probe_ms is not None
+    after = False
     for i in range(steps):
         plan = auto.plan(None if behind is None else lambda: behind(i))
-        if plan is None:
-            auto.record(None, elapsed_ms=plain_ms)
-            continue
+        draft = None
         probing = auto._probing
-        draft = auto.choose(full_draft(plan), np.ones(1, dtype=np.bool_))
-        assert draft is not None or not probing  # a probe is verified whatever its worth
+        if plan is not None:
+            draft = auto.choose(full_draft(plan), np.ones(1, dtype=np.bool_))
+            assert draft is not None or not probing  # a probe is verified whatever its worth
         if draft is None:
+            plain_ms = (after_ms if after else 1.0) if clock else None
+            if after and clock:
+                drafted.lost[-1] += after_ms - 1.0
             auto.record(None, elapsed_ms=plain_ms)
+            after = False
             continue
+        ms = (probe_ms(draft.n) if callable(probe_ms) else probe_ms) if clock else None
         drafted.append(i)
-        auto.record(draft, np.array([[999, 0]]), np.array([1]), np.arange(1), elapsed_ms=probe_ms)
+        drafted.lost.append(ms - 1.0 if clock else 0.0)
+        drafted.probed.append(probing)
+        auto.record(draft, np.array([[999, 0]]), np.array([1]), np.arange(1), elapsed_ms=ms)
+        after = True
     return drafted
 
 
 def test_plain_steps_win_where_trees_cost_too_much_and_probes_follow_the_text():
     """Trees a fifth dearer than a step: once the verified steps show nothing is accepted, plain
-    steps, with probes spaced so that one, were nothing accepted, loses at most PROBE_SHARE of the
-    plain steps before it (whatever the rates promise: a fresh call's are the prior's), the
-    interval doubling up to PROBE_MAX."""
-    auto = AutoTree(CostProfile(1.0, (2, 4, 8, 16), (1.2, 1.3, 1.5, 1.9)))
-    drafted = run_rejecting(auto, 300)
-    gaps = np.diff(drafted).tolist()
-    floor = math.ceil((1.2 * AutoTree.MARGIN - 1.0) / AutoTree.PROBE_SHARE - 1e-9)  # the cheapest probe's
-    assert all(g - 1 >= floor for g in gaps) and gaps[-2:] == [AutoTree.PROBE_MAX + 1] * 2
-    assert all(b <= 2 * a + 1 or b == AutoTree.PROBE_MAX + 1 for a, b in zip(gaps, gaps[1:]))
-    assert auto.chosen[1] == 300 - len(drafted)
+    steps, with probes now and then (whatever the rates promise: a fresh call's are the prior's).
+    A seeded choice reads no clock: it prices a probe as the profile predicts with its margin,
+    which covers what the probes take here (the profile's times), so that together they lose at
+    most PROBE_SHARE of the plain steps' time and one probe's loss, spaced evenly, at least PROBE
+    plain steps apart."""
+    profile = CostProfile(1.0, (2, 4, 8, 16), (1.2, 1.3, 1.5, 1.9))
+    auto = AutoTree(profile)
+    drafted = run_rejecting(auto, 3000, profile.iteration_ms)
+    plain = auto.chosen[1]
+    assert plain == 3000 - len(drafted) and len(drafted) >= 10
+    assert sum(drafted.probe_losses()) <= AutoTree.PROBE_SHARE * plain * 1.0 + max(drafted.lost)
+    gaps = np.diff(drafted).tolist()[2:]  # once the rates have learned that nothing is accepted
+    assert min(gaps) > AutoTree.PROBE and max(gaps) <= 2 * min(gaps)
+
+
+@pytest.mark.parametrize("adaptive", [False, True])
+@given(probe=st.floats(1.0, 40.0), after=st.floats(0.5, 3.0), steps=st.integers(1, 3000))
+def test_probes_never_lose_more_than_their_share(adaptive, probe, after, steps):
+    """The ledger's promise, by the clock, whatever a probe takes and however much it slows the
+    plain step after it (the adaptive choice learns both; a seeded one is let through at the
+    profile's price, here what its probes take): what probes lose together is at most
+    PROBE_SHARE of the plain steps' time, and one probe's loss (its first measurement may
+    be clipped: two). (Trees the choice takes for their worth are not probes: the cost scales
+    price them.)"""
+    if not adaptive:
+        probe, after = None, 1.0
+    profile = CostProfile(1.0, (2, 4, 8, 16), (1.2, 1.3, 1.5, 1.9) if probe is None else (probe,) * 4)
+    auto = AutoTree(profile, adaptive=adaptive)
+    drafted = run_rejecting(auto, steps, profile.iteration_ms, after_ms=after)
+    plain = steps - len(drafted)
+    lost = drafted.probe_losses()
+    assert sum(lost) <= AutoTree.PROBE_SHARE * plain * max(1.0, after) + 2 * max(lost, default=0.0) + 1e-9
+
+
+def test_a_share_of_zero_never_probes():
+    class NoProbes(AutoTree):
+        PROBE_SHARE = 0.0
+
+    auto = NoProbes(expensive())
+    drafted = run_rejecting(auto, 2000)
+    assert not any(drafted.probed) and auto.chosen[1] >= 1990  # (the prior's rates draft a few first)
+    assert auto.plain_ahead() == AutoTree.NEVER
 
 
 def test_dear_probes_are_spaced_so_they_cost_a_small_share():
@@ -397,55 +451,71 @@ def test_a_stale_plain_scale_is_weighed_again_while_trees_win():
 
 def test_adaptive_probes_are_spaced_by_what_they_took_and_the_next_call_goes_on():
     """A profile that says probes are cheap, probes that take 8 ms (a drafter model catching up):
-    an adaptive choice spaces them by the 7 ms they lose, so that they cost at most
+    an adaptive choice charges the ledger the 7 ms they lose, so that they cost at most
     PROBE_SHARE of the plain steps, and a later chooser sharing its scale goes on from there
     (no burst of probes at the start of every call); a seeded (non-adaptive) one cannot know."""
     profile = CostProfile(1.0, (2, 4, 8, 16), (1.5, 1.6, 1.8, 2.2))
     auto = AutoTree(profile, adaptive=True)
     drafted = run_rejecting(auto, 3000, 8.0)
     assert auto.scale["probe_loss"] == pytest.approx(7.0, rel=0.05)
-    late = [b - a for a, b in zip(drafted, drafted[1:])][5:]  # once the loss is learned
+    late = [b - a for a, b in zip(drafted, drafted[1:])][2:]  # once the loss is learned
     assert late and min(late) >= 0.95 * 7.0 / (AutoTree.PROBE_SHARE * 1.0)  # ~350 plain steps
-    assert len(drafted) * 7.0 <= 1.2 * AutoTree.PROBE_SHARE * 3000 + 3 * 7.0  # the first few learn it
+    assert sum(drafted.probe_losses()) <= AutoTree.PROBE_SHARE * auto.chosen[1] + 2 * 7.0
     after = AutoTree(profile, adaptive=True, rates=auto.rates, scale=auto.scale)
-    wait = max(after._probe_every, after._probe_min) - auto.scale["plain_run"]
-    assert wait < 351 and run_rejecting(after, wait, 8.0) == []
-    assert run_rejecting(after, 1, 8.0) == [0]  # the interval begun in the last call ends here
+    wait = math.ceil((7.0 - auto.scale["bank"]) / (AutoTree.PROBE_SHARE * after.cost[1] * after.scale["plain"]))
+    assert 10 < wait < 351 and run_rejecting(after, wait - 1, 8.0) == []
+    assert run_rejecting(after, 2, 8.0) != []  # the wait begun in the last call ends here
     seeded = AutoTree(profile)
     assert len(run_rejecting(seeded, 3000, 8.0)) > 3 * len(drafted)
 
 
-def test_one_probe_that_compiled_something_does_not_stop_probing():
-    """A probe that took 300 ms (something compiled inside it) teaches at most CLIP times its
-    prediction: probes stay within reach, and the next ones bring the loss back."""
+def test_the_step_after_a_probe_is_part_of_its_price():
+    """Probes that take 3 ms and slow the plain step after them to 1.8 ms (the caches they
+    evicted): an adaptive choice charges each 2 + 0.8 ms, and prices plain steps by the others.
+    One plain step's worth at most: a step that compiled something is no probe's aftermath."""
     profile = CostProfile(1.0, (2, 4, 8, 16), (1.5, 1.6, 1.8, 2.2))
     auto = AutoTree(profile, adaptive=True)
-    drafted = run_rejecting(auto, 200, 2.0)
+    drafted = run_rejecting(auto, 3000, 3.0, after_ms=1.8)
+    assert auto.scale["probe_loss"] == pytest.approx(2.8, rel=0.05)
+    assert auto.scale["plain"] == pytest.approx(1.0, rel=0.02)
+    assert sum(drafted.probe_losses()) <= AutoTree.PROBE_SHARE * auto.chosen[1] + 2 * 2.8
+    dear = AutoTree(profile, adaptive=True)
+    run_rejecting(dear, 3000, 3.0, after_ms=50.0)
+    assert dear.scale["probe_loss"] == pytest.approx(3.0, rel=0.05)
+
+
+def test_one_probe_that_compiled_something_does_not_stop_probing():
+    """A probe that took 300 ms (something compiled inside it) is charged at most twice the loss
+    known: probes stay within reach, and the next ones bring the loss back."""
+    profile = CostProfile(1.0, (2, 4, 8, 16), (1.5, 1.6, 1.8, 2.2))
+    auto = AutoTree(profile, adaptive=True)
+    drafted = run_rejecting(auto, 400, 2.0)
     calm = auto.scale["probe_loss"]
     assert 0 < calm < 2.0 and drafted
-    auto._plain_run = max(auto._probe_every, auto._probe_min)  # a probe is due
+    auto._plain_run, auto.scale["bank"] = AutoTree.PROBE, calm  # a probe is due
     assert run_rejecting(auto, 1, 300.0) == [0]
-    assert auto.scale["probe_loss"] <= 0.5 * (calm + 2.0 * AutoTree.CLIP * 2.2) + 1e-9
-    after = run_rejecting(auto, AutoTree.PROBE_LONGEST, 2.0)
-    assert len(after) >= 2 and auto.scale["probe_loss"] < 2 * calm + 0.5
+    charged = calm - auto.scale["bank"]
+    assert charged <= 2.0 * max(AutoTree.CLIP * 2.2, calm) + 1e-9
+    wait = (charged + auto.scale["probe_loss"]) / AutoTree.PROBE_SHARE  # the debt, then the next price
+    after = run_rejecting(auto, 3000, 2.0)
+    assert len(after) >= 3 and after[0] <= wait + 1 and auto.scale["probe_loss"] < 2 * calm + 0.5
 
 
 def test_a_probe_waits_until_its_drafters_catch_up_is_paid_for():
     """A drafter model 300 tokens behind at 0.05 ms a token (a probe costs 15 ms more than the
-    profile's steady state): a seeded choice, which cannot learn that from the clock, spaces its
-    probes by it (at most PROBE_LONGEST apart) and asks the drafter rarely; one that is not behind
-    probes as usual."""
+    profile's steady state): a seeded choice, which cannot learn that from the clock, prices its
+    probes with it and asks the drafter rarely; one that is not behind probes as usual."""
     profile = CostProfile(1.0, (2, 4, 8, 16), (1.5, 1.6, 1.8, 2.2), catch_ms=0.05)
     asked = []
 
     def run(behind_by, steps):
         return run_rejecting(AutoTree(profile), steps, behind=lambda i: asked.append(i) or behind_by)
 
-    far = run(300, 1200)  # (the first step drafts: the prior's rates say trees pay, until verified steps say not)
-    assert len(far) >= 2 and all(b - a >= min(750, AutoTree.PROBE_LONGEST) for a, b in zip(far, far[1:]))
-    assert len(asked) <= 4 * len(far) + 4  # asked when a probe is due and when its wait is over, not every step
+    far = run(300, 3000)  # (the first step drafts: the prior's rates say trees pay, until verified steps say not)
+    assert len(far) >= 2 and all(b - a >= 15.0 / AutoTree.PROBE_SHARE for a, b in zip(far, far[1:]))
+    assert len(asked) <= 2 * len(far) + 2  # asked once the rest of the price is there, not every step
     asked.clear()
-    near = run(0, 1200)
+    near = run(0, 3000)
     assert near[0] < 10 and len(near) > 3 * len(far)
 
 
@@ -530,7 +600,7 @@ def test_plain_steps_compute_no_target_laws_for_a_drafter_that_learns_from_token
     no target softmax, top-K or larger transfer that autoregressive decoding does not pay. Steps
     with a tree, and every step of a drafter that needs the laws, still get them."""
     class NeverProbe(AutoTree):
-        PROBE_MAX = PROBE_LONGEST = PROBE = 10**9
+        PROBE_SHARE = 0.0
 
     model = mamba2()
     for auto, plain in ((NeverProbe(expensive()), True), (AutoTree(cheap()), False)):
