@@ -39,7 +39,7 @@ __all__ = ["CostProfile", "cache_file", "cost_profile", "MODES"]
 
 MODES = ("eager", "compiled", "cuda_graph")
 CATCH = 64  # tokens of context a drafter model's catch-up is timed on
-FORMAT = 11  # of the cache file; another is re-measured (11: plain steps read the weight copies the tree passes use)
+FORMAT = 12  # of the cache file; another is re-measured (12: first uses no longer cut the sizes measured)
 
 
 @dataclass(frozen=True)
@@ -267,19 +267,21 @@ def _binary(n: int):
 def _timed_rounds(calls: list, budget_s: float, sync, keep_all: bool = False) -> list[float]:
     """Median milliseconds of the first calls of ``calls`` (the cheapest first): one warm-up
     call each (compiling, capturing, first-use work) until half the budget is spent (at least
-    two calls are kept; ``keep_all``: every call, whatever its warm-up took), a second one timed
-    and kept only where no third comes, then rounds with the kept calls taking turns until
-    ``budget_s`` is spent (at most 15). In a round each call runs twice and the second run is
+    two calls are kept, and the budget starts after their warm-ups: a drafter's first use, which
+    compiles or loads its compiled code once per process, had cut a profile to its smallest tree
+    for good; ``keep_all``: every call, whatever its warm-up took), then rounds with the kept
+    calls taking turns until ``budget_s`` is spent (at most 15). In a round each call runs twice and the second run is
     timed: the steady state a decoding loop sees, where steps of one kind mostly follow each
     other (a batch-8 plain step timed right after a 64-node pass measured several times its
     time in a run of steps: the pass's memory and caches, not the step's own work)."""
-    start = time.perf_counter()
-    kept = []
+    kept, start = [], 0.0
     for fn in calls:
         if not keep_all and len(kept) >= 2 and time.perf_counter() - start > budget_s / 2:
             break
         fn()
         kept.append(fn)
+        if len(kept) == 2:
+            start = time.perf_counter()
     times: list[list[float]] = [[] for _ in kept]
     start = time.perf_counter()
     for r in range(16):

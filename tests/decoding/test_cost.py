@@ -163,6 +163,23 @@ def test_the_budget_cuts_the_sizes_measured(fresh_cache, monkeypatch):
     assert p.iteration_ms(6) > 0  # sizes past the measured ones are extrapolated
 
 
+def test_a_slow_first_use_does_not_cut_the_sizes_measured():
+    """The first call of the step and of the smallest tree pays once per process (numba compiling
+    or loading a drafter's code: seconds): the budget starts after it, so every size the budget
+    affords is still measured (a STAND profile had been cut to its 2-node tree for good)."""
+    import time
+
+    first = {"done": False}
+
+    def slow_first():
+        if not first["done"]:
+            first["done"] = True
+            time.sleep(0.3)
+
+    calls = [slow_first] + [lambda: None] * 5
+    assert len(cost._timed_rounds(calls, 0.2, lambda: None)) == 6
+
+
 def test_bad_arguments():
     with pytest.raises(ValueError, match="mode"):
         cost_profile(mamba2(), 1, mode="fast")
@@ -198,5 +215,6 @@ def test_compiled_sizes_are_all_timed_whatever_their_compiling_takes():
                 time.sleep(0.05)
         return call
 
-    assert len(_timed_rounds([slow_first() for _ in range(4)], 0.01, lambda: None)) == 2
+    # eager: the budget starts after the first two warm-ups, and the third one spends it
+    assert len(_timed_rounds([slow_first() for _ in range(4)], 0.01, lambda: None)) == 3
     assert len(_timed_rounds([slow_first() for _ in range(4)], 0.01, lambda: None, keep_all=True)) == 4
