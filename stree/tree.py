@@ -16,6 +16,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Sequence
 
+import numpy as np
 import torch
 
 __all__ = [
@@ -27,6 +28,7 @@ __all__ = [
     "MAX_TREE_NODES",
     "check_size",
     "TreeShape",
+    "ShapePlan",
     "TreeBudget",
     "tree_spec",
     "TokenTree",
@@ -243,6 +245,12 @@ class TreeShape:
             kids[self.parents[i]].append(i)
         return kids
 
+    @cached_property
+    def plan(self) -> "ShapePlan":
+        """What a drafter fills this shape by, made once per shape (a decode loop drafts the same
+        shape every step)."""
+        return ShapePlan(self)
+
     def leaf_paths(self) -> list[list[int]]:
         return leaf_paths(self.parents)
 
@@ -336,6 +344,30 @@ class TreeShape:
     @classmethod
     def load(cls, path) -> "TreeShape":
         return cls.from_json(Path(path).read_text())
+
+
+class ShapePlan:
+    """A shape's internal nodes (those with children) depth by depth, each depth in index order,
+    with every node's children in draw order: the order in which every drafter fills a static
+    shape (a node's children are drafted from its path, so parents come first). As lists for the
+    reference paths, and as arrays for the compiled ones: ``nodes`` (the internal nodes, depth by
+    depth), ``level_at`` (where each depth starts in ``nodes``), ``child_at`` (where each
+    internal node's children start in ``children``), ``children`` and ``inner`` (whether each
+    child has children of its own)."""
+
+    def __init__(self, shape: "TreeShape"):
+        self.shape, self.kids = shape, shape.children()
+        self.levels: list[list[int]] = [[] for _ in range(shape.max_depth)]
+        for v, d in enumerate(shape.depth):
+            if self.kids[v]:
+                self.levels[d].append(v)
+        nodes = [v for level in self.levels for v in level]
+        flat = [c for v in nodes for c in self.kids[v]]
+        self.nodes = np.array(nodes, dtype=np.int64)
+        self.level_at = np.cumsum([0] + [len(level) for level in self.levels]).astype(np.int64)
+        self.child_at = np.cumsum([0] + [len(self.kids[v]) for v in nodes]).astype(np.int64)
+        self.children = np.array(flat, dtype=np.int64)
+        self.inner = np.array([bool(self.kids[c]) for c in flat], dtype=np.bool_)
 
 
 @dataclass(frozen=True)

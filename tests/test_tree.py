@@ -1,5 +1,6 @@
 import json
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given
@@ -149,3 +150,27 @@ def test_tree_specs(tmp_path):
     for bad in ["", "full:3", "chain:x", "star:3", str(tmp_path / "missing.json"), "chain:-1"]:
         with pytest.raises(ValueError, match="tree spec"):
             TreeShape.from_spec(bad)
+
+
+@given(st.lists(st.integers(0, 10**6), min_size=0, max_size=30))
+def test_a_shapes_plan_lists_its_internal_nodes_depth_by_depth_parents_first(draws):
+    """Every drafter fills a static shape by its plan: each node with children exactly once,
+    shallower first and in index order within a depth, each with its children in order; the
+    arrays say the same as the lists."""
+    parents = [-1] + [d % (i + 1) for i, d in enumerate(draws)]
+    shape = TreeShape(tuple(parents))
+    plan = shape.plan
+    assert shape.plan is plan  # made once per shape
+    kids = shape.children()
+    internal = [v for v in range(shape.n) if kids[v]]
+    order = sorted(internal, key=lambda v: (shape.depth[v], v))
+    assert plan.nodes.tolist() == order == [v for level in plan.levels for v in level]
+    assert all(shape.depth[v] == d for d, level in enumerate(plan.levels) for v in level)
+    assert plan.level_at.tolist() == np.cumsum([0] + [len(level) for level in plan.levels]).tolist()
+    for p, v in enumerate(order):
+        assert plan.children[plan.child_at[p]: plan.child_at[p + 1]].tolist() == kids[v] == plan.kids[v]
+    assert plan.inner.tolist() == [bool(kids[c]) for c in plan.children.tolist()]
+    seen = {0}
+    for v in order:  # a node's parent is filled before it
+        assert v in seen
+        seen.update(kids[v])

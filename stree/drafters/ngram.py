@@ -9,7 +9,7 @@ import math
 import numpy as np
 import torch
 
-from ..tree import TokenTree, TreeShape
+from ..tree import ShapePlan, TokenTree, TreeShape
 from .base import DraftContext, Drafter
 
 
@@ -87,32 +87,19 @@ class RowIndex:
                         return out
         return out
 
-    def propose(self, min_n: int, plan: "_Plan", n_nodes: int) -> tuple[np.ndarray, np.ndarray]:
+    def propose(self, min_n: int, plan: ShapePlan, n_nodes: int) -> tuple[np.ndarray, np.ndarray]:
         """One row's draft on the plan's shape: tokens and which nodes were filled."""
         toks, ok, suffix = [0] * n_nodes, [False] * n_nodes, [()] * n_nodes
         toks[0], ok[0], suffix[0] = self.tokens[-1], True, tuple(self.tokens[-self.max_n:])
-        for v, kids, inner in plan.lists:  # parents come first: BFS / topological order
+        for v in plan.nodes.tolist():  # parents come first
             if not ok[v]:
                 continue
-            for child, tok, has_kids in zip(kids, self.candidates(suffix[v], len(kids), min_n), inner):
+            kids = plan.kids[v]
+            for child, tok in zip(kids, self.candidates(suffix[v], len(kids), min_n)):
                 toks[child], ok[child] = tok, True
-                if has_kids:
+                if plan.kids[child]:
                     suffix[child] = (suffix[v] + (tok,))[-self.max_n:]
         return np.array(toks, dtype=np.int64), np.array(ok, dtype=bool)
-
-
-class _Plan:
-    """A shape's nodes with children, parents first, each with its children and which of those
-    have children of their own: as lists for the reference and as arrays for the compiled index."""
-
-    def __init__(self, shape: TreeShape):
-        kids = shape.children()
-        self.shape = shape
-        self.lists = [(v, kids[v], [bool(kids[c]) for c in kids[v]]) for v in range(shape.n) if kids[v]]
-        flat = [c for _, ks, _ in self.lists for c in ks]
-        self.arrays = (np.array([v for v, _, _ in self.lists], dtype=np.int64),
-                       np.cumsum([0] + [len(ks) for _, ks, _ in self.lists]).astype(np.int64),
-                       np.array(flat, dtype=np.int64), np.array([bool(kids[c]) for c in flat], dtype=np.bool_))
 
 
 class NGramDrafter(Drafter):
@@ -135,7 +122,6 @@ class NGramDrafter(Drafter):
         self.capacity, self.evict_fraction = capacity, evict_fraction
         self.compiled = compiled
         self._rows: dict = {}
-        self._plan: _Plan | None = None
 
     def reset(self) -> None:
         self._rows = {}
@@ -158,11 +144,9 @@ class NGramDrafter(Drafter):
 
     def propose(self, context: DraftContext, shape: TreeShape) -> TokenTree:
         shape = self.tree_shape(shape)  # a clear error for a missing shape or a budget
-        if self._plan is None or self._plan.shape != shape:
-            self._plan = _Plan(shape)  # cached: the same shape comes every step
         tokens, lengths = context.tokens.numpy(), context.lengths.numpy()  # NumPy: a torch index costs more than a NumPy one
         out_tok = np.empty((len(context), shape.n), dtype=np.int64)
         out_ok = np.empty((len(context), shape.n), dtype=bool)
         for i, row in enumerate(context.rows):
-            out_tok[i], out_ok[i] = self._index(row, tokens, int(lengths[row])).propose(self.min_n, self._plan, shape.n)
+            out_tok[i], out_ok[i] = self._index(row, tokens, int(lengths[row])).propose(self.min_n, shape.plan, shape.n)
         return TokenTree.from_shape(shape, torch.from_numpy(out_tok), valid=torch.from_numpy(out_ok))

@@ -285,5 +285,5 @@ class CompiledRowIndex:
     def propose(self, min_n: int, plan, n_nodes: int) -> tuple[np.ndarray, np.ndarray]:
         out_tok, out_ok = np.empty(n_nodes, dtype=np.int64), np.empty(n_nodes, dtype=np.bool_)
         propose(self.toks, self.ntoks, self.max_n, min_n, self.slots, self.key_tok, self.key_len, self.c_start,
-                self.c_len, self.pool_tok, *plan.arrays, out_tok, out_ok)
+                self.c_len, self.pool_tok, plan.nodes, plan.child_at, plan.children, plan.inner, out_tok, out_ok)
         return out_tok, out_ok

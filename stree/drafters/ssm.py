@@ -73,22 +73,25 @@ class _Level(NamedTuple):
 
 @functools.lru_cache(maxsize=64)
 def _static_plan(shape: TreeShape, b: int, device: str) -> tuple[_Level, ...]:
-    """The levels of drafting ``shape`` for ``b`` rows, made once per shape and batch size (the
-    index tensors a level needs would otherwise cost more Python than its step)."""
-    kids = shape.children()
-    plan, frontier, at = [], [0] if kids[0] else [], [0]  # at: each frontier node's row block in the work cache
-    while frontier:
+    """The levels of drafting ``shape`` for ``b`` rows (its :class:`~stree.tree.ShapePlan`'s,
+    depth by depth), with the index tensors each needs, made once per shape and batch size (they
+    would otherwise cost more Python than the level's step)."""
+    plan = shape.plan
+    kids, levels = plan.kids, plan.levels
+    host = functools.partial(torch.tensor, device="cpu")  # named: a default-device context must not move them
+    out, at = [], {0: 0}  # at: each frontier node's row block in the work cache (the root's: the drafter's own)
+    for d, frontier in enumerate(levels):
         width = max(len(kids[v]) for v in frontier)
         new = [(j, r, c) for j, v in enumerate(frontier) for r, c in enumerate(kids[v])]
         nodes = [c for _, _, c in new]
-        inner = [i for i, c in enumerate(nodes) if kids[c]]
-        fork = torch.tensor([at[j] * b + i for j, _, _ in new for i in range(b)], device=device) if inner else None
-        host = functools.partial(torch.tensor, device="cpu")  # named: a default-device context must not move them
-        draw = host([j * width + r for j, r, _ in new])
-        plan.append(_Level(host(frontier), width, host(nodes), draw, fork,
-                           np.arange(len(nodes) * b).reshape(-1, b).T, torch.tensor(inner, device=device)))
-        frontier, at = [nodes[i] for i in inner], inner
-    return tuple(plan)
+        below = levels[d + 1] if d + 1 < len(levels) else []
+        inner = [nodes.index(v) for v in below]  # the next frontier's positions among these nodes
+        fork = torch.tensor([at[frontier[j]] * b + i for j, _, _ in new for i in range(b)], device=device) \
+            if inner else None
+        out.append(_Level(host(frontier), width, host(nodes), host([j * width + r for j, r, _ in new]), fork,
+                          np.arange(len(nodes) * b).reshape(-1, b).T, torch.tensor(inner, device=device)))
+        at = {v: i for v, i in zip(below, inner)}
+    return tuple(out)
 
 
 class SSMDrafter(Drafter):

@@ -15,7 +15,7 @@ import math
 import numpy as np
 import torch
 
-from ..tree import TokenTree, TreeBudget, TreeShape
+from ..tree import ShapePlan, TokenTree, TreeBudget, TreeShape
 from .base import DraftContext, Drafter
 from .dynamic import Level, SlotRates, grow
 
@@ -214,7 +214,7 @@ class STANDStore:
             self._np_stamp[slots] = self._clock
 
 
-    def draft(self, tails: list[list[int]], plan: "_Plan", stochastic: bool, noise: np.ndarray):
+    def draft(self, tails: list[list[int]], plan: ShapePlan, stochastic: bool, noise: np.ndarray):
         """Trees for rows whose contexts end with ``tails`` (their last ``max_n`` tokens or fewer):
         each internal node's children are drawn from the entry of the longest n-gram matching its
         path, depth by depth -- ``stochastic``: without replacement, the race of ``probs / noise``
@@ -227,7 +227,8 @@ class STANDStore:
             tail_arr = np.zeros((b, self.max_n), dtype=np.int64)
             for i, t in enumerate(tails):
                 tail_arr[i, : len(t)] = t
-            used = self._jit.draft(tail_arr, np.array([len(t) for t in tails], dtype=np.int64), *plan.arrays,
+            used = self._jit.draft(tail_arr, np.array([len(t) for t in tails], dtype=np.int64), plan.nodes, plan.level_at,
+                                   plan.child_at, plan.children, plan.inner,
                                    stochastic, noise, self.max_n, self._np_ids, self._np_probs, self._table,
                                    self._key_tok, self._key_len, tokens, valid, child_ids, child_probs)
             return tokens, valid, child_ids, child_probs, used
@@ -273,24 +274,6 @@ def ngram_windows(seq: list[int], start: int, max_n: int):
             which.append(end - start)
     return (np.array(keys, dtype=np.int64).reshape(-1, max_n), np.array(lens, dtype=np.int64),
             np.array(which, dtype=np.int64))
-
-
-class _Plan:
-    """A shape's internal nodes depth by depth with their children: as lists for the reference
-    and as arrays (nodes, depth offsets, child offsets, children, whether each child has
-    children) for the compiled draft."""
-
-    def __init__(self, shape: TreeShape):
-        self.shape, self.kids = shape, shape.children()
-        self.levels: list[list[int]] = [[] for _ in range(shape.max_depth + 1)]
-        for v, d in enumerate(shape.depth):
-            if self.kids[v]:
-                self.levels[d].append(v)
-        nodes = [v for level in self.levels for v in level]
-        flat = [c for v in nodes for c in self.kids[v]]
-        self.arrays = (np.array(nodes, dtype=np.int64), np.cumsum([0] + [len(lv) for lv in self.levels]),
-                       np.cumsum([0] + [len(self.kids[v]) for v in nodes]), np.array(flat, dtype=np.int64),
-                       np.array([bool(self.kids[c]) for c in flat], dtype=np.bool_))
 
 
 def race_top_k(probs: np.ndarray, k: int, noise: np.ndarray) -> np.ndarray:
@@ -346,7 +329,6 @@ class STANDDrafter(Drafter):
         self._noise = np.empty(0)
         self._noise_size = noise_size
         self._pos = 0
-        self._plan: _Plan | None = None
         self.rates = SlotRates()  # learned acceptance for calibrated TreeBudgets, kept across calls
 
     def reset(self) -> None:
@@ -376,14 +358,13 @@ class STANDDrafter(Drafter):
         shape = self.tree_shape(shape)
         if isinstance(shape, TreeBudget):
             return self._grow(context, shape)
-        if self._plan is None or self._plan.shape != shape:
-            self._plan = _Plan(shape)  # cached: the same shape comes every step
+        plan = shape.plan
         tokens, lengths = context.tokens.numpy(), context.lengths.numpy()  # NumPy: a torch index costs more than a NumPy one
         max_n = self.store.max_n
         tails = [tokens[r, max(0, int(lengths[r]) - max_n): int(lengths[r])].tolist() for r in context.rows]
-        bound = len(tails) * len(self._plan.arrays[0]) * self.store.top_k  # K values per matched node at most
+        bound = len(tails) * len(plan.nodes) * self.store.top_k  # K values per matched node at most
         noise = self._noise_window(bound) if self.stochastic else np.empty(0)
-        tokens, valid, child_ids, child_probs, used = self.store.draft(tails, self._plan, self.stochastic, noise)
+        tokens, valid, child_ids, child_probs, used = self.store.draft(tails, plan, self.stochastic, noise)
         self._pos += used
         tokens, valid = torch.from_numpy(tokens), torch.from_numpy(valid)
         if not self.stochastic:

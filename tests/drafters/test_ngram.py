@@ -155,7 +155,7 @@ def test_compiled_index_equals_the_reference(seed, vocab, max_n, capacity, evict
     """Same n-grams (eviction included), same rankings, same drafts, step after step."""
     rng = np.random.default_rng(seed)
     ref, fast = (cls(max_n, capacity, evict_fraction) for cls in (ngram_module.RowIndex, CompiledRowIndex))
-    plan = ngram_module._Plan(TreeShape.full(3, 3))
+    plan = TreeShape.full(3, 3).plan
     for _ in range(int(rng.integers(1, 30))):
         new = rng.integers(0, vocab, int(rng.integers(1, 8)))
         ref.extend(new)
@@ -176,7 +176,7 @@ def test_compiled_index_grows_and_compacts_like_the_reference(monkeypatch):
         monkeypatch.setattr(CompiledRowIndex, name, lambda self, *a, _r=real, _n=name: (grown.append(_n), _r(self, *a)))
     rng = np.random.default_rng(0)
     ref, fast = ngram_module.RowIndex(4, 3000, 0.2), CompiledRowIndex(4, 3000, 0.2)
-    plan = ngram_module._Plan(TreeShape.paper13())
+    plan = TreeShape.paper13().plan
     for _ in range(40):
         new = rng.integers(0, 30, 100) if rng.random() < 0.5 else np.repeat(rng.integers(0, 30, 20), 5)
         ref.extend(new)

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from tiny_models import FAMILIES
 
 from stree.drafters import DraftContext, STANDDrafter, STANDStore, TargetTop
-from stree.drafters.stand import _Plan, race_top_k
+from stree.drafters.stand import race_top_k
 from stree.decoding.loop import generate
 from stree.testing import MarkovLM, cell_counts, chi_square
 from stree.tree import TreeBudget, TreeShape
@@ -256,7 +256,7 @@ def test_compiled_store_equals_the_reference(seed, vocab, top_k, max_n, capacity
     counts and stamps, and the same trees, stochastic (same noise) and deterministic."""
     rng = np.random.default_rng(seed)
     ref, fast = (STANDStore(capacity, top_k, max_n, evict_fraction, compiled=c) for c in (False, True))
-    plan = _Plan(TreeShape.full(3, arity))
+    plan = TreeShape.full(3, arity).plan
     for _ in range(int(rng.integers(1, 12))):
         m, width = int(rng.integers(1, 20)), min(int(rng.integers(1, top_k + 2)), vocab + 3)
         keys = [tuple(rng.integers(0, vocab, int(rng.integers(1, max_n + 1))).tolist()) for _ in range(m)]
@@ -276,7 +276,7 @@ def test_compiled_store_equals_the_reference(seed, vocab, top_k, max_n, capacity
             assert a[0].tolist() == b[0].tolist() and torch.equal(a[1], b[1]) and a[2] == b[2]
             assert ref.stamp[ref.slot(key)] == fast.stamp[fast.slot(key)]
         tails = [rng.integers(0, vocab, int(rng.integers(1, max_n + 1))).tolist() for _ in range(int(rng.integers(1, 4)))]
-        noise = rng.exponential(size=len(tails) * len(plan.arrays[0]) * top_k)
+        noise = rng.exponential(size=len(tails) * len(plan.nodes) * top_k)
         for stochastic in (True, False):
             for x, y in zip(ref.draft(tails, plan, stochastic, noise), fast.draft(tails, plan, stochastic, noise)):
                 assert np.array_equal(x, y)
