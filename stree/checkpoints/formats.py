@@ -15,14 +15,14 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ..models.bamba import BambaLM
+from ..models.families.bamba import BambaLM
 from ..models.config import HybridConfig, Mamba2Config, dt_limit_of, flag, require
-from ..models.falcon_h1 import FalconH1LM
-from ..models.granite import GraniteLM
-from ..models.hybrid import HybridLM
-from ..models.llama import LlamaLM, Qwen2LM
-from ..models.mamba2 import Mamba2LM
-from ..models.nemotron_h import NemotronHLM
+from ..models.families.falcon_h1 import FalconH1LM
+from ..models.families.granite import GraniteLM
+from ..models.families.mambainllama import HybridLM
+from ..models.families.llama import LlamaLM, Qwen2LM
+from ..models.families.mamba2 import Mamba2LM
+from ..models.families.nemotron_h import NemotronHLM
 
 # transformers families, by model_type: the class reads its config (config_class.from_hf) and
 # its parameter names are the files' own.

@@ -11,8 +11,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from ..models.hybrid import HybridLM
-from ..models.mamba2 import Mamba2LM
+from ..models.families.mambainllama import HybridLM
+from ..models.families.mamba2 import Mamba2LM
 from ..models.parallel import TensorParallel, plan
 from .atomic import write_text, write_with
 from .formats import (FAMILIES, FORMATS, config_files, detect_format, file_key, json_object, model_key, read_config,

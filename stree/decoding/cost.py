@@ -307,7 +307,7 @@ def _measure(model, drafter, batch: int, mode: str, sampled: bool, shapes, budge
     runs them. One function for a reason: the timed calls (the closures) share the cache, the
     context and the drafter's rows exactly as the loop's steps do."""
     from ..drafters.base import DraftContext, TargetTop
-    from ..models.linear import following, leading
+    from ..models.layers.linear import following, leading
     from .steps import autoregressive_step, check_draft, speculative_step
     from ..tree import TokenTree
     from ..sampling.verify import SamplingParams

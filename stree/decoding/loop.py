@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from ..drafters.base import DraftContext, Drafter
-from ..models.linear import following, leading
+from ..models.layers.linear import following, leading
 from ..runtime.compiled import CompiledDecode
 from ..runtime.graphs import DecodeGraphs
 from ..runtime.runners import EagerRunner
@@ -152,7 +152,7 @@ class _Loop:
         # A run of plain steps the chooser has decided ahead, where the drafter needs no target laws
         # after them: the loop neither plans nor drafts, and hands the drafter the run's tokens at its end.
         self.plain_run: _PlainRun | None = None
-        # a speculative loop's plain steps read the weight copies its tree passes use (models.linear)
+        # a speculative loop's plain steps read the weight copies its tree passes use (models.layers.linear)
         self.plain_scope, self.tree_scope = ((following, leading) if config.speculative
                                              else (contextlib.nullcontext,) * 2)
 

@@ -1,15 +1,15 @@
 """Target models implementing the tree-decoding protocol (docs/architecture.md, docs/models.md)."""
 
 from .cache import AttnScratch, ModelCache, SSMScratch, TreePass
-from .attention import AttentionConfig
-from .bamba import BambaConfig, BambaLM
 from .config import HybridConfig, Mamba2Config
-from .hybrid import HybridLM
-from .llama import LlamaLM, Qwen2LM, TransformerConfig
-from .mamba2 import Mamba2LM
-from .falcon_h1 import FalconH1Config, FalconH1LM
-from .granite import GraniteConfig, GraniteLM
-from .nemotron_h import NemotronHConfig, NemotronHLM
+from .families.bamba import BambaConfig, BambaLM
+from .families.falcon_h1 import FalconH1Config, FalconH1LM
+from .families.granite import GraniteConfig, GraniteLM
+from .families.llama import LlamaLM, Qwen2LM, TransformerConfig
+from .families.mamba2 import Mamba2LM
+from .families.mambainllama import HybridLM
+from .families.nemotron_h import NemotronHConfig, NemotronHLM
+from .layers.attention import AttentionConfig
 from .parallel import TensorParallel, join, leave
 
 # Loading and saving live in stree.checkpoints (which builds these models); their public names are

@@ -20,7 +20,7 @@ from torch import nn
 from ..kernels import MAX_TREE_NODES
 from ..tree import TokenTree, TreeIndex, TreeShape
 from .cache import AttnLayerState, ModelCache, SSMLayerState, TreePass, chain_chunks
-from .linear import Linear
+from .layers.linear import Linear
 
 SCANS = ("tree", "chain", "unrolled")  # how the SSM layers walk a draft (forward_tree's scan)
 

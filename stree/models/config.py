@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from .attention import ROPE_TYPES, AttentionConfig
+from .layers.attention import ROPE_TYPES, AttentionConfig
 
 
 def require(config: dict, key: str, file):

@@ -34,10 +34,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from .attention import LlamaAttention
-from .mamba2 import GatedRMSNorm, Mamba2Mixer
-from .mlp import FusedSwiGLU, ReluSquaredMLP, SwiGLU
-from .moe import GroupedMoE, TopKMoE
+from .layers.attention import LlamaAttention
+from .layers.norms import GatedRMSNorm
+from .layers.mamba2 import Mamba2Mixer
+from .layers.mlp import FusedSwiGLU, ReluSquaredMLP, SwiGLU
+from .layers.moe import GroupedMoE, TopKMoE
 
 
 class TensorParallel:

@@ -8,15 +8,15 @@ from __future__ import annotations
 
 import math
 
-from .attention import AttentionConfig
-from .bamba import BambaConfig, BambaLM
+from .layers.attention import AttentionConfig
+from .families.bamba import BambaConfig, BambaLM
 from .config import HybridConfig, Mamba2Config
-from .hybrid import HybridLM
-from .llama import LlamaLM, Qwen2LM, TransformerConfig
-from .mamba2 import Mamba2LM
-from .falcon_h1 import FalconH1Config, FalconH1LM
-from .granite import GraniteConfig, GraniteLM
-from .nemotron_h import NemotronHConfig, NemotronHLM
+from .families.mambainllama import HybridLM
+from .families.llama import LlamaLM, Qwen2LM, TransformerConfig
+from .families.mamba2 import Mamba2LM
+from .families.falcon_h1 import FalconH1Config, FalconH1LM
+from .families.granite import GraniteConfig, GraniteLM
+from .families.nemotron_h import NemotronHConfig, NemotronHLM
 
 __all__ = ["LLAMA3_8B_ROPE", "PRESETS", "TINY", "bamba_9b", "falcon_h1_7b", "granite_4_h_small", "llama_3p1_8b",
            "mamba2_2p7b", "mil_8b", "nemotron_h_8b", "qwen2p5_7b", "tiny_hybrid", "tiny_mamba2"]

@@ -28,7 +28,7 @@ import triton
 from ..drafters.tree_search import stand_initial_tree
 from ..kernels import MAX_TREE_NODES, _common
 from ..kernels.aot import SHARED_LIMIT, TARGETS, capture, compile_launch, jit_kernels
-from ..models.llama import TransformerConfig
+from ..models.families.llama import TransformerConfig
 from ..models.presets import PRESETS, TINY
 from .timing import run_info, save_result
 from ..tree import TokenTree, TreeShape

@@ -228,7 +228,7 @@ def test_bad_inputs_name_the_argument():
 
 
 def test_only_a_speculative_loops_plain_steps_follow_the_tree_passes_weights(monkeypatch):
-    """A speculative loop's plain steps run inside models.linear.following and its tree passes
+    """A speculative loop's plain steps run inside models.layers.linear.following and its tree passes
     inside leading (the steps read the weight copies the passes use); autoregressive decoding
     enters neither."""
     import contextlib

@@ -4,7 +4,7 @@ import torch
 from stree.models import HybridConfig, HybridLM, Mamba2Config
 from stree.models.base import TreeContext
 from stree.models.cache import SSMLayerState
-from stree.models.mamba2 import Mamba2Mixer
+from stree.models.layers.mamba2 import Mamba2Mixer
 from stree.tree import TokenTree, TreeShape
 
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,

@@ -7,11 +7,12 @@ from __future__ import annotations
 
 from torch import nn
 
-from .attention import LlamaAttention
-from .base import Block, TreeLM
-from .config import HybridConfig
-from .mamba2 import Mamba2Mixer, RMSNorm
-from .mlp import SwiGLU
+from ..layers.attention import LlamaAttention
+from ..base import Block, TreeLM
+from ..config import HybridConfig
+from ..layers.mamba2 import Mamba2Mixer
+from ..layers.norms import RMSNorm
+from ..layers.mlp import SwiGLU
 
 
 class HybridLayer(nn.Module):

@@ -10,9 +10,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..kernels import tree_attention
-from .cache import AttnLayerState, AttnScratch
-from .base import scaled
+from ...kernels import tree_attention
+from ..cache import AttnLayerState, AttnScratch
+from ..base import scaled
 from .linear import Linear
 
 ROPE_TYPES = ("default", "llama3")

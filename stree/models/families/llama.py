@@ -10,11 +10,11 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from .attention import AttentionConfig, LlamaAttention
-from .base import Block, TreeLM
-from .config import attention_of, flag, require, rope_parameters
-from .mamba2 import RMSNorm
-from .mlp import SwiGLU
+from ..layers.attention import AttentionConfig, LlamaAttention
+from ..base import Block, TreeLM
+from ..config import attention_of, flag, require, rope_parameters
+from ..layers.norms import RMSNorm
+from ..layers.mlp import SwiGLU
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch.nn.functional as F
 from torch import nn
 
-from .base import scaled
+from ..base import scaled
 from .linear import Linear
 
 

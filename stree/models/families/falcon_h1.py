@@ -17,12 +17,13 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from .attention import AttentionConfig, LlamaAttention
+from ..layers.attention import AttentionConfig, LlamaAttention
 from .bamba import bamba_mixer_config
-from .base import Block, TreeLM
-from .config import Mamba2Config, attention_of, flag, require, rope_parameters
-from .mamba2 import Mamba2Mixer, RMSNorm
-from .mlp import SwiGLU
+from ..base import Block, TreeLM
+from ..config import Mamba2Config, attention_of, flag, require, rope_parameters
+from ..layers.mamba2 import Mamba2Mixer
+from ..layers.norms import RMSNorm
+from ..layers.mlp import SwiGLU
 
 
 def _numbers(value, n: int, key: str, file) -> tuple[float, ...]:

@@ -6,8 +6,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from stree.models.moe import (GroupedMoE, TopKMoE, experts_grouped, experts_reference, grouped_mm_fits,
-                              route_grouped_sigmoid, route_softmax)
+from stree.models.layers.moe import (GroupedMoE, TopKMoE, experts_grouped, experts_reference, grouped_mm_fits,
+                                     route_grouped_sigmoid, route_softmax)
 
 
 def moe_grouped(x, router, gate_up, down, top_k):

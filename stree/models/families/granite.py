@@ -5,7 +5,7 @@ token mixer is Bamba's Mamba2 or GQA attention (no positional encoding unless
 ``embedding_multiplier``, every sub-layer output times ``residual_multiplier`` before its residual
 add, ``attention_multiplier`` as the softmax scale, logits divided by ``logits_scaling``. Norms
 round before the weight multiply, as transformers computes them. Parameter names are the
-checkpoints' (which transformers 4.x and 5.x write; see :mod:`stree.models.moe`)."""
+checkpoints' (which transformers 4.x and 5.x write; see :mod:`stree.models.layers.moe`)."""
 
 from __future__ import annotations
 
@@ -13,13 +13,14 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from .attention import AttentionConfig, LlamaAttention
+from ..layers.attention import AttentionConfig, LlamaAttention
 from .bamba import bamba_mixer_config, bamba_mixer_hf
-from .base import Block, TreeLM
-from .config import Mamba2Config, attention_of, flag, require, rope_parameters
-from .mamba2 import Mamba2Mixer, RMSNorm
-from .mlp import FusedSwiGLU
-from .moe import TopKMoE
+from ..base import Block, TreeLM
+from ..config import Mamba2Config, attention_of, flag, require, rope_parameters
+from ..layers.mamba2 import Mamba2Mixer
+from ..layers.norms import RMSNorm
+from ..layers.mlp import FusedSwiGLU
+from ..layers.moe import TopKMoE
 
 # transformers 5 writes "linear_attention" / "full_attention"; 4.x and the checkpoints "mamba" / "attention"
 LAYER_TYPES = {"mamba": "mamba", "linear_attention": "mamba", "attention": "attention", "full_attention": "attention"}

@@ -10,11 +10,12 @@ from dataclasses import dataclass, replace
 
 from torch import nn
 
-from .attention import AttentionConfig, LlamaAttention
-from .base import Block, TreeLM
-from .config import Mamba2Config, attention_of, dt_limit_of, flag, layer_indices, require, rope_parameters
-from .mamba2 import Mamba2Mixer, RMSNorm
-from .mlp import SwiGLU
+from ..layers.attention import AttentionConfig, LlamaAttention
+from ..base import Block, TreeLM
+from ..config import Mamba2Config, attention_of, dt_limit_of, flag, layer_indices, require, rope_parameters
+from ..layers.mamba2 import Mamba2Mixer
+from ..layers.norms import RMSNorm
+from ..layers.mlp import SwiGLU
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """Nemotron-H (transformers ``NemotronHForCausalLM``: Nemotron-H, Nemotron Nano 2): every layer is
 one pre-norm residual op, Mamba2 ("M"), attention without positional encoding ("*"), a
 squared-ReLU MLP ("-") or a mixture of squared-ReLU experts with a shared expert ("E", Nemotron
-3 Nano; see :class:`stree.models.moe.GroupedMoE`); residual stream in the model dtype. The Mamba2 mixer is heads x head_dim
+3 Nano; see :class:`stree.models.layers.moe.GroupedMoE`); residual stream in the model dtype. The Mamba2 mixer is heads x head_dim
 wide with grouped gated norm (n_groups groups), and clamps dt >= time_step_min in prefill only,
 as transformers' chunked scan does and its step does not. Parameter names are the checkpoints'
 (``backbone.layers.i.mixer.*``, ``backbone.embeddings``, ``backbone.norm_f``)."""
@@ -13,12 +13,13 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from .attention import AttentionConfig, LlamaAttention
-from .base import Block, TreeLM
-from .config import Mamba2Config, flag, require
-from .mamba2 import Mamba2Mixer, RMSNorm
-from .mlp import ReluSquaredMLP
-from .moe import GroupedMoE, check_group_routing
+from ..layers.attention import AttentionConfig, LlamaAttention
+from ..base import Block, TreeLM
+from ..config import Mamba2Config, flag, require
+from ..layers.mamba2 import Mamba2Mixer
+from ..layers.norms import RMSNorm
+from ..layers.mlp import ReluSquaredMLP
+from ..layers.moe import GroupedMoE, check_group_routing
 
 LAYER_TYPES = {"M": "mamba", "*": "attention", "-": "mlp", "E": "moe",
                "linear_attention": "mamba", "mamba": "mamba", "full_attention": "attention", "attention": "attention",

@@ -1,12 +1,12 @@
-"""Mamba2 language model with mamba_ssm ``MambaLMHeadModel`` semantics and the tree-decoding
-protocol: ``allocate_cache``, ``prefill``, ``step``, ``forward_tree`` (one pass over a token tree,
-committed state untouched) and ``commit`` (activation replay of the accepted path).
+"""The Mamba2 mixer (mamba_ssm semantics) with the tree-decoding protocol: ``tree`` (every node of a
+token tree in one pass, the committed state only read, the activations replay needs kept),
+``step`` (one token, the state advanced in place) and ``commit_layers`` (activation replay of the
+accepted path, every Mamba2 layer in one call).
 
-Residual stream in fp32 (``residual_in_fp32``), fused add+norm semantics (the fp32 sum is
-normalised and multiplied by the weight in fp32, rounded once), gated RMSNorm norm(y * silu(z))
-over ``d_inner / ngroups`` channels, SSM state stored in fp32, ``dt_limit`` applied on every path
-so that step, chain and tree verify compute the same function (families whose reference clamps in
-prefill only set ``dt_limit_prefill_only``: then decoding never clamps, prefill always does).
+Gated RMSNorm norm(y * silu(z)) over ``d_inner / ngroups`` channels, SSM state stored in fp32,
+``dt_limit`` applied on every path so that step, chain and tree verify compute the same function
+(families whose reference clamps in prefill only set ``dt_limit_prefill_only``: then decoding never
+clamps, prefill always does).
 """
 
 from __future__ import annotations
@@ -14,72 +14,15 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from ..kernels import (conv_step, gated_rms_norm, gated_rms_norm_torch, multistep_update, replay, selective_state_update,
-                       tree_conv1d, tree_scan)
-from ..tree import TreeIndex, leaf_paths
-from .base import Block, TreeLM, derived, value_key
-from .cache import SSMLayerState, SSMScratch
-from .config import Mamba2Config
+from ...kernels import conv_step, multistep_update, replay, selective_state_update, tree_conv1d, tree_scan
+from ...tree import TreeIndex, leaf_paths
+from ..base import derived, value_key
+from ..cache import SSMLayerState, SSMScratch
+from ..config import Mamba2Config
 from .linear import Linear
-
-
-def fp32(param: torch.Tensor) -> torch.Tensor:
-    """``param`` in fp32, converted once per value of the parameter (not once per call)."""
-    if param.dtype == torch.float32:
-        return param
-    return derived(param, "fp32", lambda: param.float())
-
-
-class RMSNorm(nn.Module):
-    """fp32 arithmetic. ``round_before_weight``: HF LlamaRMSNorm rounds to the output dtype before
-    the weight multiply; mamba_ssm's Triton norm multiplies in fp32 and rounds once."""
-
-    def __init__(self, dim: int, eps: float, device=None, dtype=None, round_before_weight: bool = False):
-        super().__init__()
-        self.eps = eps
-        self.round_before_weight = round_before_weight
-        self.weight = nn.Parameter(torch.ones(dim, device=device, dtype=dtype))
-
-    def forward(self, x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-        xf = x if x.dtype == torch.float32 else x.float()
-        if self.round_before_weight and out_dtype != torch.float32:
-            return self.weight * F.rms_norm(xf, xf.shape[-1:], None, self.eps).to(out_dtype)
-        y = F.rms_norm(xf, xf.shape[-1:], fp32(self.weight), self.eps)
-        return y if out_dtype == torch.float32 else y.to(out_dtype)
-
-
-class GatedRMSNorm(RMSNorm):
-    """norm(y * silu(z)) per group of ``group_size`` channels (mamba_ssm, norm_before_gate=False);
-    ``gate_first=False``: norm(y) * silu(z) (Falcon-H1's mamba_norm_before_gate). One Triton launch
-    on CUDA (:func:`~stree.kernels.gated_rms_norm`). ``tp``: the ranks one group spans (a
-    tensor-parallel model of one group; set by its plan), over which the mean square is summed."""
-
-    tp = None
-
-    def __init__(self, dim: int, group_size: int, eps: float, device=None, dtype=None,
-                 round_before_weight: bool = False, gate_first: bool = True):
-        super().__init__(dim, eps, device, dtype, round_before_weight)
-        self.group_size, self.gate_first = group_size, gate_first
-
-    def forward(self, y: torch.Tensor, z: torch.Tensor, backend: str = "auto") -> torch.Tensor:
-        weight = self.weight if self.round_before_weight and y.dtype != torch.float32 else fp32(self.weight)
-        if self.tp is not None:
-            return gated_rms_norm_torch(y, z, weight, self.group_size, self.eps, self.gate_first,
-                                      self.round_before_weight, sum_squares=self.tp.all_reduce)
-        return gated_rms_norm(y, z, weight, self.group_size, self.eps, self.gate_first, self.round_before_weight,
-                              backend=backend)
-
-
-class SiluGate(nn.Module):
-    """y * silu(z) without a norm (Falcon-H1's mamba_rms_norm=False), in fp32, rounded once."""
-
-    def forward(self, y: torch.Tensor, z: torch.Tensor, backend: str = "auto") -> torch.Tensor:
-        if y.dtype == torch.float32:
-            return y * F.silu(z.float())
-        return (y.float() * F.silu(z.float())).to(y.dtype)
+from .norms import GatedRMSNorm, SiluGate
 
 
 class Mamba2Mixer(nn.Module):
@@ -217,34 +160,3 @@ def _unrolled_ssm(x, dt, A, B, C, index: TreeIndex, ssm_state, kw):
     y = torch.empty_like(x)
     y[row[:, None].expand_as(idx)[real], idx[real]] = y_paths[real]
     return y
-
-
-class Mamba2Block(nn.Module):
-    def __init__(self, cfg: Mamba2Config, device=None, dtype=None):
-        super().__init__()
-        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps, device, dtype)
-        self.mixer = Mamba2Mixer(cfg, device, dtype)
-
-
-class Mamba2Backbone(nn.Module):
-    def __init__(self, cfg: Mamba2Config, device=None, dtype=None):
-        super().__init__()
-        self.embedding = nn.Embedding(cfg.padded_vocab_size, cfg.d_model, device=device, dtype=dtype)
-        self.layers = nn.ModuleList(Mamba2Block(cfg, device, dtype) for _ in range(cfg.n_layer))
-        self.norm_f = RMSNorm(cfg.d_model, cfg.norm_eps, device, dtype)
-
-
-class Mamba2LM(TreeLM):
-    """Parameter names are mamba_ssm's (``backbone.embedding``, ``backbone.layers.i.mixer.*``).
-    The fused add+norm blocks are pre-norm residual blocks with the stream kept in fp32."""
-
-    embed_key = "backbone.embedding.weight"
-    final_norm_name = "backbone.norm_f"
-
-    def __init__(self, cfg: Mamba2Config, device=None, dtype=None):
-        super().__init__()
-        self.cfg = cfg
-        self.backbone = Mamba2Backbone(cfg, device, dtype)
-        self.make_head(cfg.d_model, cfg.padded_vocab_size, cfg.tie_embeddings, device, dtype)
-        self.residual_fp32 = cfg.residual_in_fp32
-        self.blocks = [Block(layer.norm, layer.mixer) for layer in self.backbone.layers]

@@ -1,4 +1,4 @@
-"""stree.models.linear: both CPU products against the float64 definition, the measured choice
+"""stree.models.layers.linear: both CPU products against the float64 definition, the measured choice
 between them (and a pinned one), the packed weight following weight changes, staying out of
 autograd, and one opaque op under torch.compile."""
 
@@ -10,8 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.profiler import profile
 
-import stree.models.linear as lin
-from stree.models.linear import Linear, linear
+import stree.models.layers.linear as lin
+from stree.models.layers.linear import Linear, linear
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch build has no oneDNN")
 
@@ -130,7 +130,7 @@ def test_a_pinned_path_is_taken_without_measuring(monkeypatch, path):
 def test_an_unknown_pinned_path_is_refused_on_import():
     import subprocess
     import sys
-    run = subprocess.run([sys.executable, "-c", "import stree.models.linear"], capture_output=True, text=True,
+    run = subprocess.run([sys.executable, "-c", "import stree.models.layers.linear"], capture_output=True, text=True,
                          env={**os.environ, "STREE_LINEAR": "fast"})
     assert run.returncode != 0 and "STREE_LINEAR must be one of" in run.stderr and "'fast'" in run.stderr
 
