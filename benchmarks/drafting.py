@@ -26,7 +26,7 @@ import torch
 from tqdm import tqdm
 
 from stree.drafters import ConsensusDrafter, DraftContext, NGramDrafter, PathStore, STANDDrafter, STANDStore, TargetTop
-from stree.drafters.tree_search import optimize_tree, stand_initial_tree
+from stree.drafters.calibrate import optimize_tree, stand_initial_tree
 from stree.tools.timing import run_info, save_result
 
 EMITTED = 3  # tokens per step (an accepted run plus the bonus)

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from ..drafters.tree_search import stand_initial_tree
+from ..drafters.calibrate import stand_initial_tree
 from ..kernels import MAX_TREE_NODES, _common
 from ..kernels.aot import SHARED_LIMIT, TARGETS, capture, compile_launch, jit_kernels
 from ..models.families.llama import TransformerConfig

@@ -7,7 +7,7 @@ import torch
 from tqdm import tqdm
 
 from ..drafters.base import Drafter
-from ..drafters.tree_search import AcceptanceCounter, optimize_tree, stand_initial_tree
+from ..drafters.calibrate import AcceptanceCounter, optimize_tree, stand_initial_tree
 from ..decoding.loop import generate
 from ..tree import TreeShape
 

@@ -6,7 +6,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from strategies import dt_options, ssm_inputs, ssm_shapes, trees
 
-from stree.drafters.tree_search import stand_initial_tree
+from stree.drafters.calibrate import stand_initial_tree
 from stree.kernels import MAX_TREE_NODES, multistep_update, tree_scan, tree_scan_torch
 from stree.testing import max_rel_error, tree_scan_def
 from stree.tree import TreeShape, tree_index

@@ -7,7 +7,7 @@ import torch
 from tiny_models import mamba2
 
 from stree.drafters import STANDDrafter, STANDStore
-from stree.drafters.tree_search import AcceptanceCounter, optimize_tree, stand_initial_tree
+from stree.drafters.calibrate import AcceptanceCounter, optimize_tree, stand_initial_tree
 from stree.decoding.loop import generate
 from stree.testing import MarkovLM
 from stree.tree import TreeShape

@@ -1,6 +1,7 @@
 """Data-optimised static trees (STAND, paper 000 appendix A): start from a large heuristic tree,
 count how often each node lies on the accepted path while decoding calibration prompts
-(:func:`stree.tools.optimize_tree.calibrate`), and keep the most accepted nodes as a compact tree."""
+(:func:`stree.tools.optimize_tree.calibrate`, which decodes them: drafters import no decoding), and
+keep the most accepted nodes as a compact tree."""
 
 from __future__ import annotations
 
