@@ -312,8 +312,11 @@ def _draft(drafter: Drafter, chooser: AutoTree | None, rows: Rows, shape, roots:
     if chooser is not None:
         return chooser.choose(draft, rows.critical(live), np.asarray(live))
     if eager and draft.valid is not None and not bool(draft.valid[:, 1:].any()):
-        return TokenTree.from_shape(TreeShape.chain(0), draft.tokens[:, :1])  # nothing drafted: one node
+        return TokenTree.from_shape(_ROOT, draft.tokens[:, :1])  # nothing drafted: one node
     return draft
+
+
+_ROOT = TreeShape.chain(0)  # (made once: checking a parent array costs a dozen small torch ops)
 
 
 def _rows_of(result, rows: list[int]):

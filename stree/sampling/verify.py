@@ -242,8 +242,26 @@ def _max_depth(tree: TokenTree) -> int:
 def follow_choices(tree: TokenTree, choice: torch.Tensor):
     """Greedy and naive verification: ``choice`` ``[B, N]`` is the token each node emits (the
     argmax, or one target draw per node). Follow the first child equal to its parent's choice;
-    the bonus is the choice at the last node reached. Returns ``(accepted, num_accepted, bonus)``."""
+    the bonus is the choice at the last node reached. Returns ``(accepted, num_accepted, bonus)``.
+    On the CPU the walk runs compiled (:func:`stree.sampling.verify_jit.follow`)."""
+    if COMPILED_ON_CPU and choice.device.type == "cpu":
+        return _follow_compiled(tree, choice)
     return greedy_path(tree.parents.to(choice.device), tree.tokens, tree.valid, choice, _max_depth(tree))
+
+
+def _follow_compiled(tree: TokenTree, choice: torch.Tensor):
+    from .verify_jit import follow
+
+    B, N = choice.shape
+    index = tree.index
+    kids = index.memo("children_by_rank", lambda: _children_by_rank(index))
+    valid = np.ones((B, N), dtype=np.bool_) if tree.valid is None else tree.valid.numpy()
+    path = np.empty((B, _max_depth(tree) + 1), dtype=np.int64)
+    num = np.empty(B, dtype=np.int64)
+    picks = choice.numpy()
+    follow(picks, tree.tokens.numpy(), valid, kids, path, num)
+    bonus = picks[np.arange(B), path[np.arange(B), num - 1]]
+    return torch.from_numpy(path), torch.from_numpy(num), torch.from_numpy(bonus)
 
 
 def greedy_path(parents: torch.Tensor, tokens: torch.Tensor, valid: torch.Tensor | None, choice: torch.Tensor,

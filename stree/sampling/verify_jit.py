@@ -1,5 +1,7 @@
-"""Stochastic verification on the CPU, compiled with numba: the walk of :func:`stree.sampling.verify.verify`
-one row at a time, computing each one-node rule only where the walk goes.
+"""Verification on the CPU, compiled with numba: the walk of :func:`stree.sampling.verify.verify`
+one row at a time, computing each one-node rule only where the walk goes (:func:`walk`), and the
+greedy and naive rules' walk down the nodes' choices (:func:`follow`: one pass where the PyTorch
+walk costs a dozen small ops and a gather per level).
 
 The PyTorch path builds the acceptance tables of every node (``[B, N, V]`` per sibling rank, a
 dozen ops each) and then walks them; on the CPU this compiled walk visits the accepted path and
@@ -14,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-__all__ = ["RULE_CODES", "walk"]
+__all__ = ["RULE_CODES", "follow", "walk"]
 
 RULE_CODES = {"one_hot": 0, "iid": 1, "without_replacement": 2}
 
@@ -31,6 +33,33 @@ def _normalize_into(src, dst, fallback):
     else:
         for i in range(len(src)):
             dst[i] = fallback[i]
+
+
+@njit(cache=True)
+def follow(choice, tokens, valid, kids, path, num):
+    """For each row b: from the root, move to the first valid child (in draw order, ``kids[b or
+    0, v]``, -1 past the last) whose token is its parent's ``choice``; stop at the first node
+    with none. Writes the path (``path[b, :num[b]]``, root first, 0 past it) and its length."""
+    B = choice.shape[0]
+    for b in range(B):
+        tree = kids[min(b, kids.shape[0] - 1)]
+        v, n = 0, 1
+        path[b, :] = 0
+        while True:
+            nxt = -1
+            for r in range(tree.shape[1]):
+                c = tree[v, r]
+                if c < 0:
+                    break
+                if valid[b, c] and tokens[b, c] == choice[b, v]:
+                    nxt = c
+                    break
+            if nxt < 0:
+                break
+            v = nxt
+            path[b, n] = v
+            n += 1
+        num[b] = n
 
 
 @njit(cache=True)

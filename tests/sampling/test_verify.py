@@ -441,3 +441,28 @@ def test_the_compiled_walk_is_the_tables_walk(tree_and_batch, rule, seed):
     c_path, c_num, c_last = _walk_compiled(tree, probs, rule, coins)
     assert torch.equal(c_path, path) and torch.equal(c_num, num)
     torch.testing.assert_close(c_last, residual[torch.arange(B), end], atol=1e-5, rtol=1e-4)
+
+
+@settings(max_examples=80, deadline=None)
+@given(trees(max_n=24), st.booleans(), st.integers(0, 2**31 - 1))
+def test_the_compiled_greedy_walk_is_the_tensor_walk(tree_and_batch, masked, seed):
+    """Random trees (per-row parents too), invalid nodes, repeated drafts among siblings, and
+    choices that match several children: the compiled CPU walk of the greedy and naive rules
+    takes the same path, length and bonus as :func:`greedy_path`, which CUDA and compiled passes
+    run."""
+    from stree.sampling.verify import _follow_compiled, _max_depth, greedy_path
+
+    parents, B = tree_and_batch
+    n, V = parents.shape[-1], 3
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, V, (B, n), generator=g)
+    valid = None
+    if masked:
+        valid = torch.rand(B, n, generator=g) > 0.25
+        valid[:, 0] = True
+    tree = TokenTree(parents, tokens, valid=valid)
+    choice = torch.randint(0, V, (B, n), generator=g)
+    want = greedy_path(tree.parents, tokens, valid, choice, _max_depth(tree))
+    got = _follow_compiled(tree, choice)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
