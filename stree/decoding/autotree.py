@@ -30,6 +30,10 @@ In a batch, E is that of the rows expected to finish last (``Rows.critical``: wi
 the most tokens left at a row's own tokens per step so far), each under its own rates, and of
 the one of them gaining least: the batch decodes until the last of them is done, so tokens a tree
 brings rows that finish early anyway, or only some of the rows level at the end, buy nothing.
+What the verified trees then brought that row set (the least of its rows' tokens) against what
+was predicted calibrates every prediction (:meth:`AutoTree.gain_scale`): the least of several
+rows' draws falls short of the least of their expectations, and a row's rates lean on the
+batch's, so in a batch the raw predictions promise more than trees bring.
 
 Everything the choice reads is the past (verified steps, measured costs) and the draft itself,
 never the target's output at this step, so every drafter stays lossless. A seed repeats its
@@ -363,6 +367,8 @@ class AutoTree:
         self.scale.setdefault("bank", 0.0)  # ms the next probes may lose (the ledger)
         self.scale.setdefault("plain_run", 0)
         self.scale.setdefault("plain_age", 0)  # weighed tree steps since the last weighed plain step
+        self.scale.setdefault("gain_got", 0.0)  # drafts accepted by the rows a choice served (faded)...
+        self.scale.setdefault("gain_said", 0.0)  # ...and what their rates had promised (gain_scale)
         self.depth = min(depth, PathRates.DEPTH)
         top = max(profile.nodes) if profile.nodes else 2
         self.fixed = sizes is not None
@@ -397,6 +403,7 @@ class AutoTree:
         # After a measured probe, for the plain step that may follow: the weight of its loss in the
         # probes' average (1: the first measured); else None.
         self._after_probe: float | None = None
+        self._promised: tuple[float, np.ndarray] | None = None  # this step's tree: the drafts promised, the rows
         self._predicted = ("plain", self.cost[1])  # this step's kind and predicted milliseconds
         self._iterations = 0  # recorded in this call
         self._drafted = 0  # nodes drafted this step (0: none)
@@ -412,7 +419,7 @@ class AutoTree:
         """The prefix of ``order`` with the most expected tokens per millisecond: its size, that
         rate and its expected tokens."""
         v = _chances(*_shape_structure(order), np.ones((1, order.n), dtype=np.bool_), hazard[None])[0]
-        gain = 1.0 + np.cumsum(v[1:])  # gain[m - 2]: a prefix of m nodes
+        gain = 1.0 + self.gain_scale() * np.cumsum(v[1:])  # gain[m - 2]: a prefix of m nodes
         best, best_rate = self.sizes[0], 0.0
         for m in self.sizes:
             if m > order.n:
@@ -496,6 +503,7 @@ class AutoTree:
         (asked only when the ledger holds the rest of a probe's price): where the choice does not
         measure its probes, their price includes that catch-up, at the profile's ``catch_ms`` a
         token."""
+        self._promised = None
         self._probing = self._plain_run >= self.PROBE and self._probe_paid(behind)
         if self._probing:
             self._plain_run, self._catch_due = 0, 0.0
@@ -597,13 +605,38 @@ class AutoTree:
             self._focus = int(ids[np.flatnonzero(active)[int(np.argmin(v[active, 1:].sum(1)))]])
         cost = self.cost[: n + 1] * self.scale["tree"]
         cost[1] = self.cost[1] * self.scale["plain"] / self.margin
+        promised = v[:, 1:].copy()
+        v[:, 1:] *= self.gain_scale()
         m = _best_prefix(v, active, cost, not self._probing)
         self._verified(m > 1)
         if m == 1:
             self._plain_run += 1
             return None
+        self._promised = (float(promised[active, : m - 1].sum(1).min()), active.copy())
         self._predicted = ("tree", drafting + self.cost[m])
         return draft if m == draft.n else _cut(draft, m)
+
+    # The weight of the prior (one accepted draft promised, one brought) in gain_scale, and the fade
+    # of the counts per verified tree: recent trees speak, and one tree cannot swing it alone.
+    GAIN_PRIOR, GAIN_DECAY = 1.0, 0.95
+
+    def gain_scale(self) -> float:
+        """Accepted drafts per accepted draft promised, over the verified trees the choice served
+        (faded): the least any of the served rows got against the least their rates promised.
+        Every prediction of a tree's worth is scaled by it."""
+        w = self.GAIN_PRIOR
+        return (self.scale["gain_got"] + w) / (self.scale["gain_said"] + w)
+
+    def _calibrate(self, counts: np.ndarray) -> None:
+        """After a verified tree that :meth:`choose` kept: what its served rows got."""
+        said, served = self._promised
+        self._promised = None
+        if len(counts) != len(served) or not served.any():
+            return
+        got = float(counts[served].min()) - 1.0  # the bonus is no draft
+        self.scale["gain_got"] = self.GAIN_DECAY * self.scale["gain_got"] + got
+        self.scale["gain_said"] = self.GAIN_DECAY * self.scale["gain_said"] + said
+        self._stale = True
 
     def _verified(self, kept: bool) -> None:
         if not self._probing:
@@ -640,6 +673,8 @@ class AutoTree:
                 self.rates.record(tree, tokens, counts, rows, self.row_rates, ids)
             if not self._probing:  # speculation won this step: plain steps count again from here
                 self._plain_run = 0
+            if self._promised is not None:
+                self._calibrate(counts[rows])
         if self._probing:
             self._pay_probe(predicted, tree, counts, rows, ids, elapsed_ms)
         elif tree is None:

@@ -402,7 +402,10 @@ def test_chains_under_method_chain():
 
 
 def test_adaptive_costs_follow_the_clock():
-    auto = AutoTree(cheap(), adaptive=True)
+    class CostsOnly(AutoTree):
+        GAIN_PRIOR = 1e12  # (what the trees bring is not calibrated here: the clock alone moves the choice)
+
+    auto = CostsOnly(cheap(), adaptive=True)
     for _ in range(8 * AutoTree.REPLAN):  # every tree takes 10x what the profile says
         plan = auto.plan()
         draft = None if plan is None else auto.choose(full_draft(plan), np.ones(1, dtype=np.bool_))
@@ -415,6 +418,57 @@ def test_adaptive_costs_follow_the_clock():
     fixed = AutoTree(cheap())  # not adaptive: the clock is ignored
     fixed.record(None, elapsed_ms=100.0)
     assert (fixed.scale["plain"], fixed.scale["tree"], fixed.scale["probe_loss"]) == (1.0, 1.0, 0.0)
+
+
+def run_level_rows(auto, rows: int, steps: int, accept: float, seed: int = 0):
+    """``steps`` steps of a batch of ``rows`` rows the batch waits for alike, each accepting its
+    tree's first-child path node by node with chance ``accept``, independently (the rest of a
+    draft never): the steps that verified a tree, and the least of the rows' tokens at each."""
+    rng = np.random.default_rng(seed)
+    trees, least = 0, []
+    ids = np.arange(rows)
+    for _ in range(steps):
+        plan = auto.plan()
+        draft = None
+        if plan is not None:
+            draft = auto.choose(TokenTree.from_shape(plan, torch.arange(plan.n).repeat(rows, 1) + 100),
+                                np.ones(rows, dtype=np.bool_), ids)
+        if draft is None:
+            auto.record(None)
+            continue
+        kids = draft.static_shape.children()
+        emitted = np.full((rows, draft.n + 1), 999)
+        counts = np.ones(rows, dtype=np.int64)
+        for b in range(rows):
+            v = 0
+            while kids[v] and rng.random() < accept:
+                v = kids[v][0]
+                emitted[b, counts[b] - 1] = int(draft.tokens[b, v])
+                counts[b] += 1
+        trees += 1
+        least.append(int(counts.min()))
+        auto.record(draft, emitted, counts, np.arange(rows), ids=ids)
+    return trees, least
+
+
+def test_what_trees_bring_the_rows_served_calibrates_the_promises():
+    """Four rows the batch waits for alike, each accepting half of its drafts: a tree is worth
+    the least of four draws, well short of the least of their expectations, which is what the
+    rates promise. The choice learns the shortfall (gain_scale) and stops drafting trees that
+    costs say would pay only at the promised worth; uncalibrated, it keeps drafting them. At
+    batch 1, where the rates promise what trees bring, the scale stays near one."""
+    profile = CostProfile(1.0, (2, 4, 8, 16), (1.05, 1.1, 1.2, 1.4))
+
+    class Uncalibrated(AutoTree):
+        GAIN_PRIOR = 1e12
+
+    calibrated, raw = AutoTree(profile), Uncalibrated(profile)
+    got = run_level_rows(calibrated, 4, 600, 0.5)[0], run_level_rows(raw, 4, 600, 0.5)[0]
+    assert calibrated.gain_scale() < 0.75
+    assert got[0] < 0.5 * got[1]
+    single = AutoTree(profile)
+    run_level_rows(single, 1, 600, 0.5)
+    assert 0.75 < single.gain_scale() < 1.33
 
 
 def test_a_calls_first_iteration_teaches_no_cost():
