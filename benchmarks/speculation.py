@@ -9,7 +9,10 @@ on every batch of prompts, the order rotating, so that drift hits all alike (``-
 the same seed per batch of prompts in every round). Reported per
 configuration: tokens/s, the gain over autoregressive decoding, tau (tokens per decoding step),
 the decoding step's cost in autoregressive steps, the share of plain steps and the tree sizes the
-choice took, and for greedy runs whether every output equals the autoregressive one.
+choice took, and for greedy runs whether every output equals the autoregressive one. A second
+autoregressive configuration ("autoregressive again", identical to the first) takes its turns
+too: its "gain" is the noise of this machine in this group, the margin within which any other
+gain is no gain at all.
 
     python benchmarks/speculation.py                       # batch 1, 2; greedy, 0.6, 1.0; eager, compiled
     python benchmarks/speculation.py --modes eager --temperatures 0 --batches 8,16
@@ -36,6 +39,7 @@ from stree.runtime import CompiledModel
 from stree.tools.timing import add_device_args, device_and_dtype, run_info, save_result
 
 DRAFTERS = ("ngram", "stand", "stand-det", "ssm")
+CONTROL = "autoregressive again"  # the same configuration twice: what the machine's noise alone makes of a gain
 
 
 def main(argv=None):
@@ -72,13 +76,13 @@ def main(argv=None):
     groups = list(itertools.product(modes, batches, temperatures))
     for mode, batch, temperature in tqdm(groups, desc="mode x batch x temperature", file=sys.stderr):
         lm = lms[mode]
-        names = ["autoregressive"] + drafters
+        names = ["autoregressive", CONTROL] + drafters
         kw = dict(max_new_tokens=args.max_new_tokens, temperature=temperature, torch_compile=mode == "compiled")
 
         def run(name, prompts, seed, **extra):
             """The output and the call's wall-clock seconds: what a user waits for, the drafter's
             making and the tree choice's setup included."""
-            spec = dict(method="autoregressive") if name == "autoregressive" else dict(drafter=name)
+            spec = dict(method="autoregressive") if name in ("autoregressive", CONTROL) else dict(drafter=name)
             t0 = time.perf_counter()
             out = lm.generate(prompts, seed=seed if temperature > 0 else None, **spec, **dict(kw, **extra))
             return out, time.perf_counter() - t0
@@ -140,7 +144,8 @@ def plot(result):
     rows = [r for r in result["results"] if r["drafter"] != "autoregressive"]
     labels = [f"{r['mode'][:5]} b{r['batch']} T{r['temperature']:g} {r['drafter']}" for r in rows]
     fig, ax = plt.subplots(figsize=(8, max(3, 0.22 * len(rows))))
-    ax.barh(labels, [r["gain"] for r in rows], color=["tab:green" if r["gain"] >= 1 else "tab:red" for r in rows])
+    ax.barh(labels, [r["gain"] for r in rows], color=["tab:gray" if r["drafter"] == CONTROL else "tab:green"
+                                                      if r["gain"] >= 1 else "tab:red" for r in rows])
     ax.axvline(1.0, color="black", lw=0.8)
     ax.invert_yaxis()
     ax.tick_params(axis="y", labelsize=7)

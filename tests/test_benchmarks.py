@@ -142,9 +142,11 @@ def test_tensor_parallel_smoke_times_every_op_at_every_world_size(tmp_path):
 def test_speculation_smoke_reports_gains_over_autoregressive(tmp_path):
     result = smoke("speculation", tmp_path)
     rows = result["results"]
-    assert {r["drafter"] for r in rows} == {"autoregressive", "ngram", "ssm"}
+    assert {r["drafter"] for r in rows} == {"autoregressive", "autoregressive again", "ngram", "ssm"}
     ar = next(r for r in rows if r["drafter"] == "autoregressive")
     assert ar["gain"] == 1.0 and ar["trees"] == {"1": ar["trees"]["1"]} and ar["tau"] == 1.0
+    again = next(r for r in rows if r["drafter"] == "autoregressive again")  # the noise control: the same work
+    assert again["trees"] == ar["trees"] and again["tau"] == 1.0 and again["gain"] > 0
     for r in rows:
         assert r["identical"] is True and r["tokens"] == 2 * 8
         assert sum(r["trees"].values()) > 0 and r["gain"] > 0 and r["step_in_ar_steps"] > 0
