@@ -173,3 +173,12 @@ def test_iteration_trace_smoke_counts_per_iteration(tmp_path):
         assert r["tokens"] == result["tokens"]
     assert rows["autoregressive"]["trees"] == {"1": rows["autoregressive"]["iterations"]}  # JSON keys
     assert 13 in {int(n) for n in rows["ngram-paper13"]["trees"]}
+
+
+def test_iteration_parts_smoke_times_each_part_in_steps(tmp_path):
+    result = smoke("iteration_parts", tmp_path)
+    (row,) = result["results"]
+    assert row["nodes"] == 13 and row["in_steps"]["step"] == 1.0
+    assert set(row["in_steps"]) == {"step", "tree_pass", "pass_and_verify", "speculative_step"}
+    assert all(v > 0 for v in row["ms"].values())
+    assert row["ms"]["speculative_step"] > row["ms"]["tree_pass"]  # the step includes the pass

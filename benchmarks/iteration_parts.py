@@ -1,0 +1,172 @@
+"""What one speculative iteration costs, part by part, in autoregressive steps of the same model
+and process: the tree pass (``forward_tree``), the pass with verification, the whole speculative
+step (commit and the one host transfer added), and the decoding loop's iteration (drafting, the
+choice, the rows' bookkeeping added), for an explicit tree (the paper's 13 nodes by default) and
+the n-gram drafter, batch 1 and 2, eager, greedy, on the shipped target. The first three are
+timed in turns with a plain step on a random context (medians); the loop's from ``generate``
+calls on the held-out prompts, against its own plain iterations' autoregressive steps.
+
+    python benchmarks/iteration_parts.py
+    python benchmarks/iteration_parts.py --smoke     # CI: a tiny model, few rounds
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+import stree
+from stree.decoding import loop
+from stree.decoding.steps import _finite, autoregressive_step, speculative_step
+from stree.models import load
+from stree.models.layers.linear import following, leading
+from stree.models.presets import TINY
+from stree.runtime.runners import EagerRunner
+from stree.sampling.verify import SamplingParams, verify
+from stree.tools.demo import TARGET, read_prompts
+from stree.tools.timing import run_info, save_result
+from stree.tree import TokenTree, TreeShape
+
+
+def parts(model, batch: int, shape: TreeShape, rounds: int) -> dict:
+    """Medians (ms) of a plain step and of the tree pass, pass + verification and speculative
+    step over ``shape``, taking turns (each call run twice, the second timed)."""
+    cache = model.allocate_cache(batch, 1024)
+    seq = torch.randint(0, model.vocab_size, (batch, 64), generator=torch.Generator().manual_seed(0))
+    model.prefill(seq[:, :32], cache)
+    runner, params = EagerRunner(model, cache), SamplingParams(0.0)
+    tree = TokenTree.from_shape(shape, seq[:, : shape.n])
+
+    def step():
+        with following():
+            autoregressive_step(model, cache, seq[:, 0], params, None, runner, None)
+        cache.seqlens -= 1
+
+    def tree_pass():
+        with leading():
+            model.forward_tree(tree, cache, validate=False)
+
+    def pass_and_verify():
+        with leading():
+            logits, _ = model.forward_tree(tree, cache, validate=False)
+            verify(tree, _finite(logits, params)[1], params, validate=False)
+
+    def whole():
+        with leading():
+            _, result = speculative_step(model, cache, tree, params, None, runner=runner)
+        cache.seqlens -= result.num_accepted.to(cache.seqlens.dtype)
+
+    calls = dict(step=step, tree_pass=tree_pass, pass_and_verify=pass_and_verify, speculative_step=whole)
+    times = {k: [] for k in calls}
+    for _ in range(3):
+        for fn in calls.values():
+            fn()
+    for _ in range(rounds):
+        for name, fn in calls.items():
+            fn()
+            t0 = time.perf_counter()
+            fn()
+            times[name].append((time.perf_counter() - t0) * 1e3)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def loop_iterations(lm, prompts, batch: int, shape: TreeShape, tokens: int) -> dict:
+    """Medians (ms) of the loop's speculative iterations, of the speculative steps inside them,
+    and of autoregressive decoding's steps, over ``generate`` calls taking turns."""
+    seen = {"iteration": [], "speculative_step": [], "autoregressive": []}
+    real_iterate, real_step = loop._Loop.iterate, loop.speculative_step
+
+    def step(*args, **kw):
+        t0 = time.perf_counter()
+        out = real_step(*args, **kw)
+        seen["speculative_step"].append((time.perf_counter() - t0) * 1e3)
+        return out
+
+    def iterate(self):
+        before = len(seen["speculative_step"])
+        t0 = time.perf_counter()
+        real_iterate(self)
+        ms = (time.perf_counter() - t0) * 1e3
+        if self.c.speculative:
+            if len(seen["speculative_step"]) > before:
+                seen["iteration"].append(ms)
+        else:
+            seen["autoregressive"].append(ms)
+
+    loop._Loop.iterate, loop.speculative_step = iterate, step
+    try:
+        lm.generate(prompts[:batch], max_new_tokens=8, drafter="ngram", tree=shape)  # first uses
+        for k in seen:
+            seen[k].clear()
+        for start in range(0, len(prompts) - batch + 1, batch):
+            rows = prompts[start: start + batch]
+            lm.generate(rows, max_new_tokens=tokens, drafter="ngram", tree=shape)
+            lm.generate(rows, max_new_tokens=tokens, method="autoregressive")
+    finally:
+        loop._Loop.iterate, loop.speculative_step = real_iterate, real_step
+    return {k: statistics.median(v) for k, v in seen.items() if v}
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--tree", default="paper13", help="an explicit tree spec (paper13, chain:D, full:WxD)")
+    p.add_argument("--batches", default="1,2")
+    p.add_argument("--rounds", type=int, default=60)
+    p.add_argument("--smoke", action="store_true")
+    p.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    args = p.parse_args(argv)
+    shape = TreeShape.from_spec(args.tree)
+    batches = [int(b) for b in args.batches.split(",")]
+    torch.manual_seed(0)
+    if args.smoke:
+        cls, make = TINY["mamba2-tiny"]
+        model, lm, prompts, tokens, args.rounds, batches = cls(make()).eval(), None, None, 0, 3, [1]
+    else:
+        lm = stree.LM.from_pretrained(TARGET, dtype=torch.float32)
+        model, prompts, tokens = lm.model, read_prompts(TARGET / "prompts.jsonl", 8), 128
+    rows = []
+    for batch in batches:
+        ms = parts(model, batch, shape, args.rounds)
+        row = dict(batch=batch, nodes=shape.n, ms=ms, in_steps={k: v / ms["step"] for k, v in ms.items()})
+        if lm is not None:
+            it = loop_iterations(lm, prompts, batch, shape, tokens)
+            row["loop_ms"] = it
+            row["loop_in_steps"] = {k: v / it["autoregressive"] for k, v in it.items()}
+        rows.append(row)
+        print(f"batch {batch}, {shape.n} nodes, in steps: "
+              + "  ".join(f"{k} {v:.2f}" for k, v in row["in_steps"].items())
+              + ("" if lm is None else "  | loop: " + "  ".join(f"{k} {v:.2f}" for k, v in row["loop_in_steps"].items())),
+              file=sys.stderr)
+    result = dict(benchmark="iteration_parts", **run_info(model.device, argv), tree=args.tree, threads=torch.get_num_threads(),
+                  note="each part in plain steps of the same model and process: the tree pass, + greedy verification, "
+                       "+ commit and the host transfer (speculative_step), + drafting, the choice and the rows' "
+                       "bookkeeping (the loop's iteration, against the loop's autoregressive iterations)",
+                  results=rows)
+    save_result(result, args.out, "iteration_parts_smoke" if args.smoke else "iteration_parts_cpu", plot)
+    return result
+
+
+def plot(result):
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 3))
+    names = ["tree_pass", "pass_and_verify", "speculative_step"]
+    for i, row in enumerate(result["results"]):
+        values = [row["in_steps"][k] for k in names] + ([row["loop_in_steps"]["iteration"]] if "loop_in_steps" in row else [])
+        labels = names + (["loop iteration"] if "loop_in_steps" in row else [])
+        ax.bar([x + 0.4 * i for x in range(len(values))], values, width=0.4, label=f"batch {row['batch']}")
+    ax.set_xticks(range(len(labels)), labels)
+    ax.axhline(1.0, color="black", lw=0.8)
+    ax.set(ylabel="plain steps", title=f"{result['tree']} iteration by parts, {result['device']}")
+    ax.title.set_fontsize(8)
+    ax.legend()
+    return fig
+
+
+if __name__ == "__main__":
+    main()
