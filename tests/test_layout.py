@@ -68,3 +68,27 @@ def test_every_layer_imports_only_the_layers_below_it():
 
 def test_the_package_root_holds_only_the_public_api():
     assert sorted(p.name for p in PACKAGE.glob("*.py")) == ["__init__.py", "__main__.py", "lm.py", "tree.py"]
+
+
+def test_no_timings_in_comments_or_docstrings():
+    """Figures go stale where code cannot check them: timings live in benchmarks/results and the
+    docs, never in the package's comments or docstrings (a count of ms, us, seconds or tok/s,
+    or an "Nx faster")."""
+    import io
+    import re
+    import tokenize
+
+    figure = re.compile(r"\b\d+(?:\.\d+)?\s*(?:ms|us|µs|ns|seconds?|sec|s|tok/s)\b|\b\d+(?:\.\d+)?x\s+(?:faster|slower)")
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        src = path.read_text()
+        texts = [(t.start[0], t.string) for t in tokenize.generate_tokens(io.StringIO(src).readline)
+                 if t.type == tokenize.COMMENT]
+        for node in ast.walk(ast.parse(src)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Module)):
+                doc = ast.get_docstring(node, clean=False)
+                if doc:
+                    texts.append((getattr(node, "lineno", 1), doc))
+        found += [f"{path.relative_to(PACKAGE.parent)}:{line}: {m.group(0)!r}" for line, text in texts
+                  for m in figure.finditer(text)]
+    assert not found, "\n".join(found)
