@@ -39,7 +39,7 @@ __all__ = ["CostProfile", "cache_file", "cost_profile", "MODES"]
 
 MODES = ("eager", "compiled", "cuda_graph")
 CATCH = 64  # tokens of context a drafter model's catch-up is timed on
-FORMAT = 12  # of the cache file; another is re-measured (12: first uses no longer cut the sizes measured)
+FORMAT = 13  # of the cache file; another is re-measured (13: half-precision products on a float32 copy)
 
 
 @dataclass(frozen=True)

@@ -258,3 +258,34 @@ def test_only_a_speculative_loops_plain_steps_follow_the_tree_passes_weights(mon
     entered.clear()
     out = generate(model, prompt, max_new_tokens=6, drafter=NGramDrafter(), tree=TreeShape.chain(2))
     assert len(entered) == out.stats.target_forwards and set(entered) == {"lead"}  # every step a tree pass
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_greedy_identity_with_steps_and_tree_passes_on_different_products(monkeypatch, dtype):
+    """The shipped target in half precision (float16 is its checkpoint's dtype, the README's
+    default): plain steps on PyTorch's own half products, tree passes on the float32 copies
+    (stree.models.layers.linear, as a CPU without float16 arithmetic measures it), greedy output
+    token for token autoregressive decoding's."""
+    import stree.models.layers.linear as lin
+    from stree.models import load
+    from stree.tools.demo import TARGET, read_prompts
+    from stree.checkpoints.tokenizer import load_tokenizer
+
+    class RowsDecide(dict):  # the measured choice, fixed: one row on its own product, several on the copy
+        def get(self, key, default=None):
+            return key[0] > 1
+
+    monkeypatch.setattr(lin, "PATH", "auto")
+    monkeypatch.setattr(lin, "_WIDER", RowsDecide())
+    model = load(TARGET, dtype=dtype)
+    tokenizer = load_tokenizer(TARGET, vocab_size=model.vocab_size)
+    prompts = [tokenizer.encode(t, add_special_tokens=False) for t in read_prompts(TARGET / "prompts.jsonl", 3)]
+    kw = dict(max_new_tokens=64, eos_token_id=None)
+    accepted = 0
+    for batch in ([prompts[0]], prompts[1:]):
+        ref = generate(model, batch, method="autoregressive", **kw)
+        out = generate(model, batch, tree=TreeShape.paper13(), drafter=NGramDrafter(), **kw)
+        assert out.sequences == ref.sequences
+        accepted += sum(map(sum, out.stats.accepted))
+    assert accepted > 20  # accepted paths were checked, not only bonuses
+    assert any(id(p) in lin._WIDE for p in model.parameters())  # the tree passes took the float32 copies

@@ -1,5 +1,5 @@
-"""``nn.Linear`` whose float32 CPU inference takes the faster of two products, measured once per
-shape on the machine it runs on.
+"""``nn.Linear`` whose CPU inference takes the faster of two products, measured once per shape
+on the machine it runs on.
 
 A step, a tree pass and a drafter's level step multiply 1 to ~100 rows by each weight. Which
 product is fastest for so few rows depends on the CPU far more than on the sizes: on an AMD EPYC
@@ -13,9 +13,17 @@ prompts of every size do not each pay for a measurement. ``STREE_LINEAR=blas`` o
 ``=packed`` in the environment pins one (the two agree to float32 rounding, so a pinned path
 makes results bit-reproducible across processes).
 
+Half precision (float16, bfloat16) has the same two-way choice: PyTorch's own half product, or
+the product of a float32 copy of the weight (the float32 products above), rounded back. The copy
+holds the weight exactly, and both accumulate in float32 and round once, so they agree to half
+rounding. Which wins again depends on the CPU and the rows: on an AMD EPYC without float16
+arithmetic, a 16-row float16 product of 2.7B-width weights ran several times slower than the
+float32 one, where one row, reading half the bytes, was the faster: a float16 tree pass cost
+many plain steps there. ``STREE_LINEAR=blas`` pins PyTorch's own half product, ``=packed`` the float32 copy.
+
 The packed copy is made on first use and again whenever the weight changes (its version counter
 or storage), so parameters may be trained or reloaded between calls; it costs one more copy of
-each weight so used. Only where autograd is off (inference), on a build with oneDNN. Under
+each weight so used (the float32 copy of a half weight: twice its bytes). Only where autograd is off (inference), on a build with oneDNN. Under
 ``torch.compile`` the product is one opaque op (``stree::cpu_linear``) that chooses when it runs,
 as Inductor does not take packed weights as graph inputs.
 """
@@ -47,6 +55,11 @@ _ONEDNN = torch.backends.mkldnn.is_available()
 _PACKED: dict[int, tuple] = {}
 # (row bucket, out features, in features, has bias) -> the packed product is the faster here
 _FASTER: dict[tuple, bool] = {}
+HALF = (torch.float16, torch.bfloat16)
+# id(half weight or bias) -> ((version, storage address), float32 copy); the entry goes with the tensor
+_WIDE: dict[int, tuple] = {}
+# (row bucket, out features, in features, has bias, dtype) -> the float32 copy's product is the faster here
+_WIDER: dict[tuple, bool] = {}
 # A speculative loop's plain steps (in :func:`following`) take, for this many products of a
 # weight, the path its last product in a tree pass (in :func:`leading`) took, then their own.
 FOLLOW_WIDE = 8
@@ -90,14 +103,24 @@ def _bucket(rows: int) -> int:
     return rows if rows <= 2 else 1 << (rows - 1).bit_length()
 
 
-def _packed(weight: torch.Tensor) -> torch.Tensor:
-    key = (weight._version, weight.data_ptr())
-    hit = _PACKED.get(id(weight))
+def _copy(store: dict, tensor: torch.Tensor, make) -> torch.Tensor:
+    """``make(tensor)``, kept in ``store`` until the tensor changes (its version counter or storage)
+    or goes."""
+    key = (tensor._version, tensor.data_ptr())
+    hit = store.get(id(tensor))
     if hit is None or hit[0] != key:
         if hit is None:
-            weakref.finalize(weight, _PACKED.pop, id(weight), None)
-        hit = _PACKED[id(weight)] = (key, torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None))
+            weakref.finalize(tensor, store.pop, id(tensor), None)
+        hit = store[id(tensor)] = (key, make(tensor.detach()))
     return hit[1]
+
+
+def _packed(weight: torch.Tensor) -> torch.Tensor:
+    return _copy(_PACKED, weight, lambda w: torch.ops.mkldnn._reorder_linear_weight(w, None))
+
+
+def _wide(tensor: torch.Tensor | None) -> torch.Tensor | None:
+    return None if tensor is None else _copy(_WIDE, tensor, lambda t: t.float())
 
 
 def _packed_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -121,8 +144,38 @@ def _packed_is_faster(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     return faster
 
 
+def _widened_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return _product(x.float(), _wide(weight), _wide(bias)).to(x.dtype)
+
+
+def _widened_is_faster(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    half, wide = (lambda: F.linear(x, weight, bias)), (lambda: _widened_product(x, weight, bias))
+    half(), wide()  # first calls allocate, copy (and measure the float32 product's own paths)
+    times = [(_seconds(half), _seconds(wide)) for _ in range(5)]
+    faster = min(t[1] for t in times) < PACKED_MARGIN * min(t[0] for t in times)
+    if not faster:  # no float32 copy of a weight that stays in half precision (its packed copy goes with it)
+        for t in (weight, bias):
+            _WIDE.pop(id(t), None)
+    return faster
+
+
+def _half_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """A half-precision ``x @ weight.T + bias`` on the path chosen for this shape: PyTorch's own,
+    or the float32 copy's (see the module docstring)."""
+    if PATH == "auto":
+        key = (_bucket(x.shape[0]), *weight.shape, bias is not None, x.dtype)
+        wide = _WIDER.get(key)
+        if wide is None:
+            wide = _WIDER[key] = _widened_is_faster(x, weight, bias)
+    else:
+        wide = PATH == "packed"
+    return _widened_product(x, weight, bias) if wide else F.linear(x, weight, bias)
+
+
 def _product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """``x [rows, in] @ weight.T + bias`` on the path chosen for this shape (see the docstring)."""
+    if x.dtype in HALF:
+        return _half_product(x, weight, bias)
     if PATH == "auto":
         key = (_bucket(x.shape[0]), *weight.shape, bias is not None)
         packed = _FASTER.get(key)
@@ -160,8 +213,9 @@ def _(x, weight, bias):
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear``, on the faster product for these sizes (see the module docstring)."""
     grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias))
-    if grad or not _ONEDNN or x.device.type != "cpu" or x.dtype != torch.float32 or weight.dtype != torch.float32 \
-            or not x.numel() or PATH == "blas":
+    if grad or not _ONEDNN or x.device.type != "cpu" or x.dtype not in (torch.float32, *HALF) \
+            or weight.dtype != x.dtype or (bias is not None and bias.dtype != x.dtype) or not x.numel() \
+            or PATH == "blas":
         return F.linear(x, weight, bias)
     flat = x.reshape(-1, x.shape[-1]).contiguous()
     out = torch.ops.stree.cpu_linear(flat, weight, bias) if torch.compiler.is_compiling() else \

@@ -1,6 +1,7 @@
-"""stree.models.layers.linear: both CPU products against the float64 definition, the measured choice
-between them (and a pinned one), the packed weight following weight changes, staying out of
-autograd, and one opaque op under torch.compile."""
+"""stree.models.layers.linear: both CPU products (float32, and half precision's own or its float32
+copy's) against the float64 definition, the measured choice between them (and a pinned one), the
+packed and widened copies following weight changes, staying out of autograd, and one opaque op
+under torch.compile."""
 
 import os
 
@@ -27,14 +28,20 @@ def _ops(fn):
     return {e.name for e in prof.events()}
 
 
-@settings(max_examples=20, deadline=None)
+# a product's relative error: float32 accumulation, and a half result's one rounding (2^-11, 2^-8)
+_RTOL = {torch.float32: 1e-4, torch.float16: 1e-3, torch.bfloat16: 8e-3}
+
+
+@settings(max_examples=30, deadline=None)
 @given(rows=st.integers(1, 20), d_in=st.integers(1, 80), d_out=st.integers(1, 300), bias=st.booleans(),
-       lead=st.sampled_from([(), (2,), (1, 3)]), seed=st.integers(0, 2**16), path=st.sampled_from(lin.PATHS))
-def test_equals_the_definition(rows, d_in, d_out, bias, lead, seed, path):
+       lead=st.sampled_from([(), (2,), (1, 3)]), seed=st.integers(0, 2**16), path=st.sampled_from(lin.PATHS),
+       dtype=st.sampled_from(list(_RTOL)))
+def test_equals_the_definition(rows, d_in, d_out, bias, lead, seed, path, dtype):
     g = torch.Generator().manual_seed(seed)
-    x = torch.randn(*lead, rows, d_in, generator=g)
-    w, b = torch.randn(d_out, d_in, generator=g), torch.randn(d_out, generator=g) if bias else None
-    out = torch.full((*lead, rows, d_out), float("nan"))  # poisoned: every entry must be written
+    x = torch.randn(*lead, rows, d_in, generator=g).to(dtype)
+    w = torch.randn(d_out, d_in, generator=g).to(dtype)
+    b = torch.randn(d_out, generator=g).to(dtype) if bias else None
+    out = torch.full((*lead, rows, d_out), float("nan"), dtype=dtype)  # poisoned: every entry must be written
     pinned, lin.PATH = lin.PATH, path
     try:
         with torch.no_grad():
@@ -42,7 +49,9 @@ def test_equals_the_definition(rows, d_in, d_out, bias, lead, seed, path):
     finally:
         lin.PATH = pinned
     assert out.shape == (*lead, rows, d_out)
-    assert torch.allclose(out.double(), _definition(x, w, b), rtol=1e-4, atol=1e-4 * d_in ** 0.5)
+    ref = _definition(x, w, b)
+    scale = x.double().abs() @ w.double().abs().t() + (0 if b is None else b.double().abs())
+    assert ((out.double() - ref).abs() <= _RTOL[dtype] * scale + 1e-6).all()
 
 
 def _fake_clock(monkeypatch, blas: float, packed: float):
@@ -73,6 +82,39 @@ def test_the_packed_product_runs_where_it_measured_clearly_faster(monkeypatch, b
             layer(torch.randn(rows, 64))
         layer(torch.randn(2, 64))
         assert set(lin._FASTER) == {(4, 512, 64, True), (8, 512, 64, True), (64, 512, 64, True), (2, 512, 64, True)}
+
+
+def _fake_half_clock(monkeypatch, half: float, wide: float):
+    """Each timed half-precision product takes ``half`` seconds, each float32 copy's ``wide``."""
+    def seconds(fn):
+        with profile() as prof:
+            fn()
+        return wide if "aten::_to_copy" in {e.name for e in prof.events()} else half
+    monkeypatch.setattr(lin, "_seconds", seconds)
+    monkeypatch.setattr(lin, "_WIDER", {})
+    monkeypatch.setattr(lin, "PATH", "auto")
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("half, wide, chosen", [(1.0, 0.5, True), (1.0, 0.9, False), (1.0, 2.0, False)])
+def test_a_half_product_runs_on_a_float32_copy_where_that_measured_clearly_faster(monkeypatch, dtype, half, wide,
+                                                                                   chosen):
+    _fake_half_clock(monkeypatch, half, wide)
+    layer = Linear(64, 512, dtype=dtype)
+    x = torch.randn(3, 64, dtype=dtype)
+    with torch.no_grad():
+        first = layer(x)  # measures
+        assert lin._WIDER == {(4, 512, 64, True, dtype): chosen}
+        assert ("aten::_to_copy" in _ops(lambda: layer(x))) == chosen
+        assert (id(layer.weight) in lin._WIDE and id(layer.bias) in lin._WIDE) == chosen  # no copy kept otherwise
+        if chosen:
+            assert lin._WIDE[id(layer.weight)][1].dtype == torch.float32
+        assert layer(x).dtype == dtype
+        ref = _definition(x, layer.weight, layer.bias)
+        assert torch.allclose(first.double(), ref, rtol=_RTOL[dtype], atol=_RTOL[dtype] * 8)
+        layer(torch.randn(4, 64, dtype=dtype))  # the same bucket: not measured again
+        layer(torch.randn(1, 64, dtype=dtype))  # a step's row: measured on its own
+        assert set(lin._WIDER) == {(4, 512, 64, True, dtype), (1, 512, 64, True, dtype)}
 
 
 def test_plain_steps_of_a_speculative_loop_follow_the_tree_pass_for_a_while(monkeypatch):
@@ -122,9 +164,15 @@ def test_a_pinned_path_is_taken_without_measuring(monkeypatch, path):
         for rows in (1, 3):
             assert ("mkldnn::_linear_pointwise" in _ops(lambda: layer(torch.randn(rows, 64)))) == (path == "packed")
     assert lin._FASTER == {}
-    wide = Linear(64, 512, dtype=torch.float64)  # float32 only
+    wide = Linear(64, 512, dtype=torch.float64)  # float32 and half precision only
     with torch.no_grad():
         assert "mkldnn::_linear_pointwise" not in _ops(lambda: wide(torch.randn(3, 64, dtype=torch.float64)))
+    monkeypatch.setattr(lin, "_WIDER", {})
+    half = Linear(64, 512, dtype=torch.float16)  # "blas": PyTorch's own half product; "packed": the float32 copy's
+    with torch.no_grad():
+        ops = _ops(lambda: half(torch.randn(3, 64, dtype=torch.float16)))
+    assert ("aten::_to_copy" in ops) == ("mkldnn::_linear_pointwise" in ops) == (path == "packed")
+    assert lin._WIDER == {}
 
 
 def test_an_unknown_pinned_path_is_refused_on_import():
@@ -149,6 +197,24 @@ def test_a_changed_weight_is_packed_again(monkeypatch):
         assert torch.allclose(layer(x).double(), _definition(x, layer.weight, layer.bias), atol=1e-4)
 
 
+def test_a_changed_half_weight_is_copied_again(monkeypatch):
+    monkeypatch.setattr(lin, "PATH", "packed")
+    layer = Linear(32, 48, dtype=torch.bfloat16)
+    x = torch.randn(4, 32, dtype=torch.bfloat16)
+
+    def close():
+        return torch.allclose(layer(x).double(), _definition(x, layer.weight, layer.bias), rtol=8e-3, atol=0.05)
+
+    with torch.no_grad():
+        layer(x)
+        layer.weight.mul_(-2.0)  # in place: the version counter moves
+        assert close()
+        layer.bias.data = torch.randn(48, dtype=torch.bfloat16)  # new storage
+        assert close()
+        layer.load_state_dict({"weight": torch.randn(48, 32), "bias": torch.randn(48)})
+        assert close()
+
+
 def test_training_stays_on_autograd():
     layer = Linear(16, 8)
     x = torch.randn(5, 16, requires_grad=True)
@@ -160,13 +226,15 @@ def test_training_stays_on_autograd():
     assert torch.allclose(layer.weight.grad, ref_w.grad) and torch.allclose(x.grad, ref_x.grad)
 
 
-def test_compiled_is_one_opaque_op_with_the_eager_result():
-    layer = Linear(40, 96)
-    x = torch.randn(6, 40)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_compiled_is_one_opaque_op_with_the_eager_result(dtype):
+    layer = Linear(40, 96, dtype=dtype)
+    x = torch.randn(6, 40, dtype=dtype)
     fn = torch.compile(lambda t: layer(t.relu()) * 2, dynamic=False)
+    atol = 1e-5 if dtype == torch.float32 else 1e-2
     with torch.no_grad():
         eager = layer(x.relu()) * 2
-        assert torch.allclose(fn(x), eager, atol=1e-5)
+        assert fn(x).dtype == dtype and torch.allclose(fn(x), eager, atol=atol)
         assert "stree::cpu_linear" in _ops(lambda: fn(x))
         layer.weight.mul_(0.5)  # the compiled graph reads the weight afresh
-        assert torch.allclose(fn(x), layer(x.relu()) * 2, atol=1e-5)
+        assert torch.allclose(fn(x), layer(x.relu()) * 2, atol=atol)
