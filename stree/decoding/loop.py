@@ -34,7 +34,7 @@ from .config import METHODS, DecodeConfig, resolve
 from .distributed import share_tree
 from .rows import (GenerationOutput, GenerationStats, Rows, check_finite, full_batch, merged_trees, pooled_tau,
                    stop_at_sequences, trees_chosen)
-from .steps import HostStep, autoregressive_step, check_draft, prefill_rows, speculative_step
+from .steps import HostStep, autoregressive_step, build_calls, check_draft, prefill_rows, speculative_step
 
 __all__ = ["METHODS", "GenerationOutput", "GenerationStats", "HostStep", "Rows", "autoregressive_step", "decode",
            "drain", "generate", "merged_trees", "pooled_tau", "prefill_rows", "speculative_step", "trees_chosen"]
@@ -169,6 +169,8 @@ class _Loop:
         if prefill:
             self.cache = pool.cache if pool is not None else self.model.allocate_cache(rows.batch_size, c.max_length)
         self.runner = pool if pool is not None else EagerRunner(self.model, self.cache, c.target)
+        if prefill and isinstance(pool, CompiledDecode):
+            self.build(pool)
         if prefill:
             self.prefill()
         stop_at_sequences(rows, c.stops, self.seen)
@@ -183,6 +185,22 @@ class _Loop:
         if self.plain_run is not None:
             self.plain_run.end(rows, self.drafter, self.chooser)
         return self.output()
+
+    def build(self, pool: CompiledDecode) -> None:
+        """Compile the step and the passes of the static shapes this call may verify before
+        decoding (:func:`~stree.decoding.steps.build_calls`): its time is setup, not decoding."""
+        c, chooser = self.c, self.chooser
+        shapes = []
+        if c.speculative and c.scan == "tree":
+            if isinstance(c.shape, TreeShape):
+                shapes = [c.shape]
+            elif chooser is not None and chooser.fixed and chooser.fills_shapes:
+                shapes = [chooser.prefix(m) for m in chooser.sizes]
+        t0 = time.perf_counter()
+        build_calls(self.model, pool, shapes, c.params, c.top_k)
+        self.stats.time_setup += time.perf_counter() - t0
+        self.clock.lap()
+        self.start = self.clock.t
 
     def prefill(self) -> None:
         c, rows = self.c, self.rows

@@ -16,7 +16,7 @@ from ..runtime.runners import DecodeRunner, EagerRunner
 from ..tree import TokenTree
 from ..sampling.verify import SamplingParams, VerifyResult, greedy_path, verify
 
-__all__ = ["HostStep", "autoregressive_step", "check_draft", "prefill_rows", "speculative_step"]
+__all__ = ["HostStep", "autoregressive_step", "build_calls", "check_draft", "prefill_rows", "speculative_step"]
 
 
 @dataclass
@@ -162,6 +162,34 @@ def speculative_step(model, cache, draft: TokenTree, params: SamplingParams, gen
     if lap is not None:
         lap("commit")
     return host, result
+
+
+def build_calls(model, runner: DecodeRunner, shapes, params: SamplingParams, top_k: int | None = None) -> None:
+    """Build ``runner``'s step and, for each static shape of ``shapes`` (verified under the tree
+    scan), the pass :func:`speculative_step` takes (greedy: the fused iteration; else the tree
+    pass), by running each once on the runner's cache, then empty the cache. A decoding loop calls
+    it before its prefill: compiling a call costs seconds on the CPU, which would otherwise land
+    inside the first decoding that uses it (every fixed size of ``tree="auto"``, whose costs
+    were read from the cache file, compiled within a timed call). Nothing is drawn; what the
+    runner has run once is not run again (``runner.built``)."""
+    batch, device = runner.cache.batch_size, model.device
+    k = None if top_k is None else min(top_k, model.vocab_size)
+    calls = [("step",)] + [(shape, params.greedy, k) for shape in shapes]
+    for call in calls:
+        if call in runner.built:
+            continue
+        if call == ("step",):
+            runner.step()(torch.zeros(batch, dtype=torch.long, device=device), validate=False)
+        else:
+            shape = call[0]
+            tokens = torch.zeros(batch, shape.n, dtype=torch.long, device=device)
+            fused = params.greedy and runner.fused(_greedy_iteration, shape, "greedy")
+            if fused:
+                fused(tokens, _all_valid(tuple(tokens.shape), device), shape.max_depth, k)
+            else:
+                runner.tree(shape)[0](tokens, validate=False)
+        runner.built.add(call)
+        runner.zero()
 
 
 @functools.lru_cache(maxsize=64)

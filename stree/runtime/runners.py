@@ -73,6 +73,7 @@ class DecodeRunner:
         self._trees: dict[TreeShape, tuple[Callable, Callable]] = {}
         self._calls: dict[TreeShape, tuple[Callable, Callable]] = {}
         self._eager = EagerRunner(model, self.cache)
+        self.built: set = set()  # what has run on this runner (stree.decoding.steps.build_calls: once each)
 
     @classmethod
     def for_model(cls, model: TreeLM, batch_size: int, max_length: int) -> "DecodeRunner":
@@ -84,11 +85,15 @@ class DecodeRunner:
         if key not in pools:
             pools[key] = cls(model, batch_size, size)
         runner = pools[key]
-        for t in (runner.cache.conv, runner.cache.ssm, runner.cache.seqlens):
+        runner.zero()
+        return runner
+
+    def zero(self) -> None:
+        """Empty the cache: its state zeroed, every row at length 0."""
+        for t in (self.cache.conv, self.cache.ssm, self.cache.seqlens):
             if t is not None:
                 t.zero_()
-        runner.cache.moved()
-        return runner
+        self.cache.moved()
 
     def step(self) -> Callable:
         if self._step is None:

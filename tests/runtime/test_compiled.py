@@ -98,6 +98,39 @@ def test_generate_compiled_is_token_identical_and_compiles_once(model, method):
     assert counters["stats"]["unique_graphs"] == graphs
 
 
+@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_compiled_call_builds_its_calls_before_decoding(family, temperature):
+    """A model whose costs are known (here: another instance of the same config measured them;
+    in a new process: the cache file) but which has compiled nothing yet: the call compiles the
+    step and every fixed size's pass before its prefill, as setup, and nothing while it decodes;
+    a second call builds nothing."""
+    from stree.decoding.loop import decode
+
+    measured = FAMILIES[family]()
+    prompts = [[1, 2, 3, 1, 2, 3, 1, 2], [4, 5, 4, 5, 4]]
+    kw = dict(max_new_tokens=10, temperature=temperature, seed=0, drafter=make_drafter("ngram"), torch_compile=True)
+    want = generate(measured, prompts, **kw).sequences  # the costs measured (and the fixed sizes compiled)
+    fresh = FAMILIES[family]()
+    for call in range(2):
+        graphs = counters["stats"]["unique_graphs"]
+        steps = decode(fresh, prompts, **kw)
+        next(steps)  # the prefill, and before it the build
+        built = counters["stats"]["unique_graphs"]
+        while True:
+            try:
+                next(steps)
+            except StopIteration as end:
+                out = end.value
+                break
+        assert counters["stats"]["unique_graphs"] == built  # nothing compiled while decoding
+        if call == 0:
+            assert built > graphs and out.stats.time_setup > 0  # the step and the passes, as setup
+        else:
+            assert built == graphs
+        assert out.sequences == want  # (sampled: the same seed, costs and so trees)
+
+
 def test_compiled_tree_pass_checks_its_tokens(model):
     tree_pass, _ = CompiledDecode(model, 2, MAX_LENGTH).tree(TreeShape.chain(2))
     with pytest.raises(ValueError, match=r"tokens must have shape \(2, 3\) \(this pass's tree\), got \(2, 4\)"):
