@@ -533,13 +533,20 @@ class AutoTree:
             return self.NEVER  # (PROBE_SHARE 0: no probes at all)
         return max(0, self.PROBE - self._plain_run, math.ceil(short / self._deposit() - 1e-9) if short > 0.0 else 0)
 
-    def plain_steps(self, steps: int) -> None:
+    def plain_steps(self, steps: int, elapsed_ms: float | None = None) -> None:
         """:meth:`plan` and :meth:`record` of ``steps`` plain steps that :meth:`plain_ahead`
-        promised, at once. Their time does not teach an adaptive choice what a plain step costs:
-        they skip the planning and drafting that a step the choice weighs pays for, and learning
-        from them made plain steps look so cheap that probes stopped (greedy text where trees paid
-        ran plain)."""
+        promised, at once; ``elapsed_ms``: their time together, which an adaptive choice learns
+        what a plain step costs from, as if from each of them: where plain steps win they run in
+        such runs, so a run's step is the price a tree must beat. (Learning from the few plain
+        steps the choice weighs alone, most of them after a probe and left out, left a profile's
+        plain step a quarter too dear for good: a 1-layer drafter's trees at batch 2 then ran
+        where they lost.)"""
         self._probing, self._predicted, self._drafted = False, ("plain", self.cost[1]), 0
+        if self.adaptive and elapsed_ms is not None and elapsed_ms > 0 and steps > 0:
+            ratio = min(max(elapsed_ms / steps / self.cost[1], 1.0 / self.CLIP), self.CLIP)
+            self.scale["plain"] += (1.0 - (1.0 - self.ADAPT) ** steps) * (ratio - self.scale["plain"])
+            self.scale["plain_age"] = 0
+            self._stale = True
         self._plain_run += steps
         self.chosen[1] += steps
         self._deposit_plain(steps)

@@ -260,6 +260,7 @@ class _Loop:
         chooser, run = self.chooser, self.plain_run
         if run is not None:
             run.steps += 1
+            run.ms += elapsed
             if run.left == 0:
                 run.end(self.rows, self.drafter, chooser)
                 self.plain_run = None
@@ -301,10 +302,10 @@ class _Clock:
 
 class _PlainRun:
     """``left`` more plain steps decided ahead (:meth:`AutoTree.plain_ahead`) from the rows as
-    they stood before them; ``steps`` taken so far."""
+    they stood before them; ``steps`` taken so far, in ``ms``."""
 
     def __init__(self, left: int, rows: Rows):
-        self.left, self.steps = left, 0
+        self.left, self.steps, self.ms = left, 0, 0.0
         self.lengths, self.rows = rows.lengths.clone(), rows.active_ids()
 
     def end(self, rows: Rows, drafter: Drafter, chooser: AutoTree) -> None:
@@ -314,7 +315,7 @@ class _PlainRun:
             ends = rows.lengths.tolist()
             drafter.observe(DraftContext(rows.seq, self.lengths, self.rows),
                             [rows.seq[r, int(self.lengths[r]): ends[r]].tolist() for r in self.rows], None)
-            chooser.plain_steps(self.steps)
+            chooser.plain_steps(self.steps, self.ms)
 
 
 def _draft(drafter: Drafter, chooser: AutoTree | None, rows: Rows, shape, roots: torch.Tensor, live: list[int],

@@ -503,6 +503,24 @@ def test_a_stale_plain_scale_is_weighed_again_while_trees_win():
     assert 4 <= len(plain) <= 2 * 768 // AutoTree.PLAIN_EVERY  # about one in PLAIN_EVERY, not plain decoding
 
 
+def test_plain_runs_teach_what_a_plain_step_costs():
+    """The profile says a plain step takes 1 ms; a run of 30 plain steps the loop took ahead says
+    0.6 ms each. Trees bringing 1.95 tokens for 1.5 ms beat the profile's plain step but not the
+    clock's: after the run the choice decodes plain. A seeded choice (not adaptive), or a run
+    without its time, teaches nothing."""
+    profile = CostProfile(1.0, (2, 4), (1.5, 1.5))
+    rates = PathRates(prior=(0.95,) + PathRates.PRIOR[1:])
+    for adaptive, ms in ((True, 18.0), (True, None), (False, 18.0)):
+        auto = AutoTree(profile, adaptive=adaptive, rates=rates, sizes=(2,))
+        assert auto._pick == 2 and auto.plain_ahead() == 0  # trees win against the profile's plain step
+        auto.plain_steps(30, ms)
+        if adaptive and ms is not None:
+            assert auto.scale["plain"] == pytest.approx(0.6, abs=0.01)
+            assert auto.plain_ahead() > 0 and auto._pick == 1
+        else:
+            assert auto.scale["plain"] == 1.0 and auto.plain_ahead() == 0
+
+
 def test_adaptive_probes_are_spaced_by_what_they_took_and_the_next_call_goes_on():
     """A profile that says probes are cheap, probes that take 8 ms (a drafter model catching up):
     an adaptive choice charges the ledger the 7 ms they lose, so that they cost at most
