@@ -54,14 +54,17 @@ def test_equals_the_definition(rows, d_in, d_out, bias, lead, seed, path, dtype)
     assert ((out.double() - ref).abs() <= _RTOL[dtype] * scale + 1e-6).all()
 
 
-def _fake_clock(monkeypatch, blas: float, packed: float):
-    """Each timed BLAS product takes ``blas`` seconds, each packed one ``packed``."""
+def _fake_clock(monkeypatch, blas: float, packed: float, marker: str = "mkldnn::_linear_pointwise",
+                choices: str = "_FASTER"):
+    """Each timed product takes ``packed`` seconds where it runs the op ``marker`` (the packed
+    product; for half precision "aten::_to_copy", the float32 copy's), else ``blas``; the choices
+    made so far (``lin.<choices>``) are forgotten."""
     def seconds(fn):
         with profile() as prof:
             fn()
-        return packed if "mkldnn::_linear_pointwise" in {e.name for e in prof.events()} else blas
+        return packed if marker in {e.name for e in prof.events()} else blas
     monkeypatch.setattr(lin, "_seconds", seconds)
-    monkeypatch.setattr(lin, "_FASTER", {})
+    monkeypatch.setattr(lin, choices, {})
     monkeypatch.setattr(lin, "PATH", "auto")
 
 
@@ -84,22 +87,11 @@ def test_the_packed_product_runs_where_it_measured_clearly_faster(monkeypatch, b
         assert set(lin._FASTER) == {(4, 512, 64, True), (8, 512, 64, True), (64, 512, 64, True), (2, 512, 64, True)}
 
 
-def _fake_half_clock(monkeypatch, half: float, wide: float):
-    """Each timed half-precision product takes ``half`` seconds, each float32 copy's ``wide``."""
-    def seconds(fn):
-        with profile() as prof:
-            fn()
-        return wide if "aten::_to_copy" in {e.name for e in prof.events()} else half
-    monkeypatch.setattr(lin, "_seconds", seconds)
-    monkeypatch.setattr(lin, "_WIDER", {})
-    monkeypatch.setattr(lin, "PATH", "auto")
-
-
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("half, wide, chosen", [(1.0, 0.5, True), (1.0, 0.9, False), (1.0, 2.0, False)])
 def test_a_half_product_runs_on_a_float32_copy_where_that_measured_clearly_faster(monkeypatch, dtype, half, wide,
                                                                                    chosen):
-    _fake_half_clock(monkeypatch, half, wide)
+    _fake_clock(monkeypatch, half, wide, "aten::_to_copy", "_WIDER")
     layer = Linear(64, 512, dtype=dtype)
     x = torch.randn(3, 64, dtype=dtype)
     with torch.no_grad():
