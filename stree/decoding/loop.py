@@ -188,7 +188,8 @@ class _Loop:
 
     def build(self, pool: CompiledDecode) -> None:
         """Compile the step and the passes of the static shapes this call may verify before
-        decoding (:func:`~stree.decoding.steps.build_calls`): its time is setup, not decoding."""
+        decoding (:func:`~stree.decoding.steps.build_calls`), and the drafter's calls for drafting
+        them (:meth:`~stree.drafters.base.Drafter.build`): their time is setup, not decoding."""
         c, chooser = self.c, self.chooser
         shapes = []
         if c.speculative and c.scan == "tree":
@@ -198,6 +199,8 @@ class _Loop:
                 shapes = [chooser.prefix(m) for m in chooser.sizes]
         t0 = time.perf_counter()
         build_calls(self.model, pool, shapes, c.params, c.top_k)
+        if self.drafter is not None:
+            self.drafter.build(shapes, self.rows.batch_size)
         self.stats.time_setup += time.perf_counter() - t0
         self.clock.lap()
         self.start = self.clock.t

@@ -88,6 +88,11 @@ class Drafter:
         measuring leaves what it learned, and so the output of a seeded call, untouched."""
         return self
 
+    def build(self, shapes: list[TreeShape], batch: int) -> None:
+        """Before decoding: run once each call that drafting ``shapes`` for ``batch`` rows will make
+        of a model the drafter steps (a compiled one compiles each row count on first use, which
+        would otherwise land inside decoding). Drafters without a model build nothing."""
+
     def behind(self, context: DraftContext) -> int:
         """How many of the rows' tokens the drafter has yet to read before it can draft (the
         most over ``context.rows``): a drafter model's catch-up after plain steps, or its whole

@@ -142,6 +142,7 @@ class SSMDrafter(Drafter):
             raise ValueError(f"vocab_size must be in [1, {model.vocab_size}] (the drafter's logits), got {vocab_size}")
         self.generator = torch.Generator().manual_seed(seed)
         self.rates = SlotRates()  # learned acceptance for calibrated TreeBudgets, kept across calls
+        self._built: set[int] = set()  # the row counts build() has stepped
         self.reset()
 
     def reset(self) -> None:
@@ -151,6 +152,21 @@ class SSMDrafter(Drafter):
 
     def observe(self, context: DraftContext, tokens, target) -> None:
         self.rates.record(context.rows, tokens)
+
+    def build(self, shapes, batch: int) -> None:
+        """See :meth:`Drafter.build`: a step of ``batch`` rows (a catch-up) and one of each static
+        level's work rows, on scratch caches of the drafter's own size (once per row count)."""
+        if self.mode != "static":
+            return
+        counts = {batch}
+        for shape in shapes:
+            counts.update(len(level.fork) for level in _static_plan(shape, batch, str(self.model.device))
+                          if level.fork is not None)
+        device = self.model.device
+        for rows in sorted(counts - self._built):
+            cache = self.model.allocate_cache(rows, self.max_length)
+            self.model.step(torch.zeros(rows, dtype=torch.long, device=device), cache, validate=False)
+            self._built.add(rows)
 
     def behind(self, context: DraftContext) -> int:
         want = context.lengths[torch.tensor(context.rows)]

@@ -98,23 +98,33 @@ def test_generate_compiled_is_token_identical_and_compiles_once(model, method):
     assert counters["stats"]["unique_graphs"] == graphs
 
 
-@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("family, drafter", [("mamba2", "ngram"), ("hybrid", "ngram"), ("mamba2", "ssm-static")])
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_a_compiled_call_builds_its_calls_before_decoding(family, temperature):
+def test_a_compiled_call_builds_its_calls_before_decoding(family, drafter, temperature):
     """A model whose costs are known (here: another instance of the same config measured them;
     in a new process: the cache file) but which has compiled nothing yet: the call compiles the
-    step and every fixed size's pass before its prefill, as setup, and nothing while it decodes;
-    a second call builds nothing."""
+    step and every fixed size's pass before its prefill, as setup, and a compiled drafter model
+    its steps for drafting them, and nothing while it decodes; a second call builds nothing. (The
+    SSM drafter drafts an explicit tree for one row: a batch's rows finishing at different steps
+    leave fewer rows, whose steps a compiled drafter model compiles when they come.)"""
     from stree.decoding.loop import decode
 
+    def make(model):
+        small = None if drafter == "ngram" else CompiledModel(FAMILIES["mamba2"](seed=1))
+        return make_drafter(drafter, drafter_model=small, vocab_size=model.vocab_size)
+
     measured = FAMILIES[family]()
-    prompts = [[1, 2, 3, 1, 2, 3, 1, 2], [4, 5, 4, 5, 4]]
-    kw = dict(max_new_tokens=10, temperature=temperature, seed=0, drafter=make_drafter("ngram"), torch_compile=True)
-    want = generate(measured, prompts, **kw).sequences  # the costs measured (and the fixed sizes compiled)
+    prompts = [[1, 2, 3, 1, 2, 3, 1, 2], [4, 5, 4, 5, 4]][: 1 if drafter == "ssm-static" else 2]
+    kw = dict(max_new_tokens=10, temperature=temperature, seed=0, torch_compile=True)
+    if drafter == "ssm-static":  # drafted every step (this pair's costs would have it decode plain)
+        kw["tree"] = TreeShape.paper13()
+    # the costs measured (and the fixed sizes compiled) for this config
+    want = generate(measured, prompts, drafter=make(measured), **kw).sequences
     fresh = FAMILIES[family]()
+    fresh_drafter = make(fresh)
     for call in range(2):
         graphs = counters["stats"]["unique_graphs"]
-        steps = decode(fresh, prompts, **kw)
+        steps = decode(fresh, prompts, drafter=fresh_drafter, **kw)
         next(steps)  # the prefill, and before it the build
         built = counters["stats"]["unique_graphs"]
         while True:
