@@ -19,13 +19,15 @@ holds the weight exactly, and both accumulate in float32 and round once, so they
 rounding. Which wins again depends on the CPU and the rows: on an AMD EPYC without float16
 arithmetic, a 16-row float16 product of 2.7B-width weights ran several times slower than the
 float32 one, where one row, reading half the bytes, was the faster: a float16 tree pass cost
-many plain steps there. ``STREE_LINEAR=blas`` pins PyTorch's own half product, ``=packed`` the float32 copy.
+many plain steps there. ``STREE_LINEAR=blas`` pins PyTorch's own half product, ``=packed`` the
+float32 copy.
 
 The packed copy is made on first use and again whenever the weight changes (its version counter
 or storage), so parameters may be trained or reloaded between calls; it costs one more copy of
-each weight so used (the float32 copy of a half weight: twice its bytes). Only where autograd is off (inference), on a build with oneDNN. Under
-``torch.compile`` the product is one opaque op (``stree::cpu_linear``) that chooses when it runs,
-as Inductor does not take packed weights as graph inputs.
+each weight so used (the float32 copy of a half weight: twice its bytes). Only where autograd is
+off (inference), on a build with oneDNN. Under ``torch.compile`` the product is one opaque op
+(``stree::cpu_linear``) that chooses when it runs, as Inductor does not take packed weights as
+graph inputs.
 """
 
 from __future__ import annotations
@@ -153,7 +155,7 @@ def _widened_is_faster(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     half(), wide()  # first calls allocate, copy (and measure the float32 product's own paths)
     times = [(_seconds(half), _seconds(wide)) for _ in range(5)]
     faster = min(t[1] for t in times) < PACKED_MARGIN * min(t[0] for t in times)
-    if not faster:  # no float32 copy of a weight that stays in half precision (its packed copy goes with it)
+    if not faster:  # no float32 copy of a weight staying in half precision (its packed copy goes with it)
         for t in (weight, bias):
             _WIDE.pop(id(t), None)
     return faster
