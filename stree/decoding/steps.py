@@ -173,23 +173,21 @@ def build_calls(model, runner: DecodeRunner, shapes, params: SamplingParams, top
     were read from the cache file, compiled within a timed call). Nothing is drawn; what the
     runner has run once is not run again (``runner.built``)."""
     batch, device = runner.cache.batch_size, model.device
+    if "step" not in runner.built:
+        runner.step()(torch.zeros(batch, dtype=torch.long, device=device), validate=False)
+        runner.built.add("step")
     k = None if top_k is None else min(top_k, model.vocab_size)
-    calls = [("step",)] + [(shape, params.greedy, k) for shape in shapes]
-    for call in calls:
-        if call in runner.built:
+    for shape in shapes:
+        if (shape, params.greedy, k) in runner.built:
             continue
-        if call == ("step",):
-            runner.step()(torch.zeros(batch, dtype=torch.long, device=device), validate=False)
+        tokens = torch.zeros(batch, shape.n, dtype=torch.long, device=device)
+        fused = params.greedy and runner.fused(_greedy_iteration, shape, "greedy")
+        if fused:
+            fused(tokens, _all_valid(tuple(tokens.shape), device), shape.max_depth, k)
         else:
-            shape = call[0]
-            tokens = torch.zeros(batch, shape.n, dtype=torch.long, device=device)
-            fused = params.greedy and runner.fused(_greedy_iteration, shape, "greedy")
-            if fused:
-                fused(tokens, _all_valid(tuple(tokens.shape), device), shape.max_depth, k)
-            else:
-                runner.tree(shape)[0](tokens, validate=False)
-        runner.built.add(call)
-        runner.zero()
+            runner.tree(shape)[0](tokens, validate=False)
+        runner.built.add((shape, params.greedy, k))
+    runner.zero()
 
 
 @functools.lru_cache(maxsize=64)

@@ -136,11 +136,16 @@ def _seconds(fn) -> float:
     return time.perf_counter() - start
 
 
+def _clearly_faster(plain, other) -> bool:
+    """Whether ``other()`` takes less than ``PACKED_MARGIN`` of ``plain()``'s time (best of 5 each,
+    alternating, after one call each: first calls allocate, pack and copy)."""
+    plain(), other()
+    times = [(_seconds(plain), _seconds(other)) for _ in range(5)]
+    return min(t[1] for t in times) < PACKED_MARGIN * min(t[0] for t in times)
+
+
 def _packed_is_faster(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    blas, packed = (lambda: F.linear(x, weight, bias)), (lambda: _packed_product(x, weight, bias))
-    blas(), packed()  # first calls allocate and pack
-    times = [(_seconds(blas), _seconds(packed)) for _ in range(5)]
-    faster = min(t[1] for t in times) < PACKED_MARGIN * min(t[0] for t in times)
+    faster = _clearly_faster(lambda: F.linear(x, weight, bias), lambda: _packed_product(x, weight, bias))
     if not faster:  # no second copy of a weight that stays on BLAS (a bucket that chose packing packs it again)
         _PACKED.pop(id(weight), None)
     return faster
@@ -151,10 +156,8 @@ def _widened_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
 
 
 def _widened_is_faster(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    half, wide = (lambda: F.linear(x, weight, bias)), (lambda: _widened_product(x, weight, bias))
-    half(), wide()  # first calls allocate, copy (and measure the float32 product's own paths)
-    times = [(_seconds(half), _seconds(wide)) for _ in range(5)]
-    faster = min(t[1] for t in times) < PACKED_MARGIN * min(t[0] for t in times)
+    # (the first widened call also measures the float32 product's own paths for the copy)
+    faster = _clearly_faster(lambda: F.linear(x, weight, bias), lambda: _widened_product(x, weight, bias))
     if not faster:  # no float32 copy of a weight staying in half precision (its packed copy goes with it)
         for t in (weight, bias):
             _WIDE.pop(id(t), None)
