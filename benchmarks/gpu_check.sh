@@ -5,11 +5,13 @@
 # part alone:
 #   bash benchmarks/gpu_check.sh tests   # device, selfcheck, the whole test suite on CUDA, the scan sweep
 #   bash benchmarks/gpu_check.sh bench   # model forward, e2e, the cost tables, profile, speculation
+#   bash benchmarks/gpu_check.sh core    # a 15-minute lease: one call of under 10 minutes with the
+#                                        # selfcheck, the suite, speculation, profile and the traces
 # Logs and results go to $OUT/gpu_check/ (benchmarks/results/ without $OUT) and are packed into one
 # file, $OUT/gpu_check_<part>.tar.gz, since the device tool brings back at most 8 files.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-part="${1:?which part: tests or bench}"
+part="${1:?which part: core, tests or bench}"
 base="${OUT:-benchmarks/results}"
 out="$base/gpu_check"
 mkdir -p "$out"
@@ -38,18 +40,35 @@ step() {
   tail -n "${TAIL:-6}" "$out/$name.log"
 }
 
+# the suite on CUDA; -v names each failure as it happens, so a run cut off at its limit still says
+# which. Left out: the torchrun exit tests (gloo on the CPU whatever the machine, minutes of process
+# starts; CI runs them).
+suite() {
+  TAIL=3 step tests "$1" python -m pytest -v -n "$2" -p no:cacheprovider --timeout 280 --tb=short -rfE tests \
+    --ignore tests/test_tensor_parallel_exit.py
+  grep -E "(FAILED|ERROR) tests" "$out/tests.log" | sed 's/.*\(FAILED\|ERROR\) /\1 /' | sort -u | cut -c1-200 | head -n 40
+}
+
 case "$part" in
+core)
+  step device 20 bash -c 'nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv;
+    python -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)"'
+  step selfcheck 60 python -m stree.tools.selfcheck
+  suite 300 14
+  TAIL=20 step speculation 110 python benchmarks/speculation.py --device cuda --modes eager \
+    --temperatures 0 --batches 1,2 --rounds 1 --out "$out"
+  step profile 40 bash -c "python -m stree profile --model stree/assets/tiny-target --png $out/profile_cuda.png --json > $out/profile_cuda.json &&
+    python -m stree profile --model stree/assets/tiny-target --batch-size 2 --png $out/profile_cuda_b2.png --json > $out/profile_cuda_b2.json"
+  TAIL=24 step iteration_trace 30 python benchmarks/iteration_trace.py --out "$out"
+  TAIL=40 step autotree_trace 60 python benchmarks/autotree_trace.py --out "$out"
+  ;;
 tests)
   step device 30 bash -c 'nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv;
     python -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)"'
   step selfcheck 120 python -m stree.tools.selfcheck
   # every test: the kernel tests run their Triton kernels on CUDA tensors (conftest sets no
-  # interpreter when CUDA is there), and the library's defaults put models on the GPU. -v names each
-  # failure as it happens, so a run cut off at its limit still says which. Left out: the torchrun
-  # exit tests (gloo on the CPU whatever the machine, minutes of process starts; CI runs them).
-  TAIL=3 step tests 400 python -m pytest -v -n 12 -p no:cacheprovider --timeout 280 --tb=short -rfE tests \
-    --ignore tests/test_tensor_parallel_exit.py
-  grep -E "(FAILED|ERROR) tests" "$out/tests.log" | sed 's/.*\(FAILED\|ERROR\) /\1 /' | sort -u | cut -c1-200 | head -n 40
+  # interpreter when CUDA is there), and the library's defaults put models on the GPU
+  suite 400 12
   step tree_scan_sweep 100 python benchmarks/tree_scan_sweep.py --out "$out"
   ;;
 bench)
@@ -67,6 +86,8 @@ bench)
   # the README's text API at default settings against stree's own autoregressive decoding
   TAIL=30 step speculation 170 python benchmarks/speculation.py --device cuda --modes eager \
     --temperatures 0,1.0 --batches 1,2 --out "$out"
+  # what tree="auto" does per iteration (plain, probes, trees by size: predicted and clock ms)
+  TAIL=40 step autotree_trace 60 python benchmarks/autotree_trace.py --out "$out"
   # Tensor parallelism over NCCL needs two GPUs (the tests cover gloo on the CPU): the tiny target
   # split over every GPU, its completion compared with one process's.
   gpus=$(nvidia-smi -L | wc -l)
@@ -84,7 +105,7 @@ PY
   fi
   ;;
 *)
-  echo "gpu_check.sh: part must be tests or bench, not '$part'" >&2
+  echo "gpu_check.sh: part must be core, tests or bench, not '$part'" >&2
   exit 2
   ;;
 esac

@@ -92,7 +92,9 @@ def main(argv=None):
         t0 = time.perf_counter()
         for name in names:  # compiling and measuring the machine's costs: before any timing
             run(name, texts[:batch], 0, max_new_tokens=8)
-            if mode == "compiled":  # each cache-size bucket and tree shape compiles on first use: all of them
+            # each cache-size bucket and tree shape compiles on first use (and on CUDA Triton compiles
+            # its kernels for each new prompt length's specialisation): every batch of prompts once
+            if mode == "compiled" or device.type == "cuda":
                 for start in starts:
                     run(name, prompts[start: start + batch], start)
         warmup = time.perf_counter() - t0
@@ -117,13 +119,23 @@ def main(argv=None):
                 tau=pooled_tau([o.stats for o in outs]),
                 step_in_ar_steps=(seconds / steps) / (ar_seconds / ar_steps),
                 trees=trees, trees_chosen=trees_chosen(trees),
+                # where a call's wall clock goes (ms per call): setting up the tree choice, the prefill,
+                # the decoding loop after it, and what the call does outside the loop (tokenising,
+                # making the drafter, detokenising): on a GPU, where a call of 128 tokens takes tens of
+                # milliseconds, a few of them outside the steps are a gain's worth
+                call_ms={k: 1e3 * v / len(outs) for k, v in (
+                    ("setup", sum(o.stats.time_setup for o in outs)),
+                    ("prefill", sum(o.stats.time_prefill for o in outs)),
+                    ("loop", sum(o.stats.time_total - o.stats.time_prefill for o in outs)),
+                    ("outside", seconds - sum(o.stats.time_total + o.stats.time_setup for o in outs)))},
                 identical=None if temperature > 0 else [o.token_ids for o in outs] == [o.token_ids for o in ar],
                 rounds=args.rounds,
                 warmup_s=warmup if name == names[0] else None))
             r = rows[-1]
             print(f"{mode:<9}b{batch:<3}T{temperature:<4}{name:<15}{r['tokens_per_s']:>8.1f} tok/s  "
                   f"x{r['gain']:.2f}  tau {r['tau']:.2f}  step {r['step_in_ar_steps']:.2f} AR  {r['trees_chosen']}"
-                  + ("" if r["identical"] is None else f"  identical {'yes' if r['identical'] else 'NO'}"),
+                  + ("" if r["identical"] is None else f"  identical {'yes' if r['identical'] else 'NO'}")
+                  + "  ms/call " + " ".join(f"{k} {v:.2f}" for k, v in r["call_ms"].items()),
                   file=sys.stderr)
     result = dict(benchmark="speculation", **run_info(device, argv), dtype=str(dtype).removeprefix("torch."), threads=torch.get_num_threads(),
                   prompts=args.prompts, max_new_tokens=args.max_new_tokens,

@@ -150,6 +150,8 @@ def test_speculation_smoke_reports_gains_over_autoregressive(tmp_path):
     for r in rows:
         assert r["identical"] is True and r["tokens"] == 2 * 8
         assert sum(r["trees"].values()) > 0 and r["gain"] > 0 and r["step_in_ar_steps"] > 0
+        assert set(r["call_ms"]) == {"setup", "prefill", "loop", "outside"} and r["call_ms"]["loop"] > 0
+        assert (r["call_ms"]["setup"] > 0) == (r["drafter"] in ("ngram", "ssm"))  # the tree choice's setup
 
 
 def test_cost_smoke_tables_every_size_in_steps_and_the_drafters_step(tmp_path):
@@ -173,6 +175,20 @@ def test_iteration_trace_smoke_counts_per_iteration(tmp_path):
         assert r["tokens"] == result["tokens"]
     assert rows["autoregressive"]["trees"] == {"1": rows["autoregressive"]["iterations"]}  # JSON keys
     assert 13 in {int(n) for n in rows["ngram-paper13"]["trees"]}
+
+
+def test_autotree_trace_smoke_logs_every_iteration_of_the_timed_calls(tmp_path):
+    """Each iteration of the timed calls is logged once, under one kind (autoregressive decoding
+    has no chooser: none), and the kinds' shares of the loop add up."""
+    result = smoke("autotree_trace", tmp_path)
+    rows = {r["drafter"]: r for r in result["results"]}
+    assert set(rows) == {"autoregressive", "ngram"} and rows["autoregressive"]["kinds"] == []
+    ngram = rows["ngram"]
+    calls = result["prompts"]  # batch 1
+    assert sum(k["iterations"] for k in ngram["kinds"]) == round(ngram["steps_per_call"] * calls)
+    assert {k["kind"] for k in ngram["kinds"]} <= {"plain", "run", "probe", "tree"}
+    assert sum(k["share_of_loop"] for k in ngram["kinds"]) == pytest.approx(1.0)
+    assert all(k["clock_ms"] > 0 and k["predicted_ms"] > 0 and k["emitted"] >= 1 for k in ngram["kinds"])
 
 
 def test_iteration_parts_smoke_times_each_part_in_steps(tmp_path):

@@ -26,7 +26,7 @@ from ..drafters.base import DraftContext, Drafter
 from ..models.layers.linear import following, leading
 from ..runtime.compiled import CompiledDecode
 from ..runtime.graphs import DecodeGraphs
-from ..runtime.runners import EagerRunner
+from ..runtime.runners import DecodeRunner, EagerRunner
 from ..sampling.verify import SamplingParams
 from ..tree import TokenTree, TreeBudget, TreeShape
 from .autotree import AutoTree, auto_tree
@@ -169,7 +169,7 @@ class _Loop:
         if prefill:
             self.cache = pool.cache if pool is not None else self.model.allocate_cache(rows.batch_size, c.max_length)
         self.runner = pool if pool is not None else EagerRunner(self.model, self.cache, c.target)
-        if prefill and isinstance(pool, CompiledDecode):
+        if prefill and pool is not None:
             self.build(pool)
         if prefill:
             self.prefill()
@@ -186,10 +186,11 @@ class _Loop:
             self.plain_run.end(rows, self.drafter, self.chooser)
         return self.output()
 
-    def build(self, pool: CompiledDecode) -> None:
-        """Compile the step and the passes of the static shapes this call may verify before
-        decoding (:func:`~stree.decoding.steps.build_calls`), and the drafter's calls for drafting
-        them (:meth:`~stree.drafters.base.Drafter.build`): their time is setup, not decoding."""
+    def build(self, pool: DecodeRunner) -> None:
+        """Compile (CPU) or capture (CUDA graphs) the step and the passes of the static shapes
+        this call may verify before decoding (:func:`~stree.decoding.steps.build_calls`), and the
+        drafter's calls for drafting them (:meth:`~stree.drafters.base.Drafter.build`): their time
+        is setup, not decoding."""
         c, chooser = self.c, self.chooser
         shapes = []
         if c.speculative and c.scan == "tree":

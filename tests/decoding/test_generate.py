@@ -264,8 +264,13 @@ def test_only_a_speculative_loops_plain_steps_follow_the_tree_passes_weights(mon
 def test_half_precision_greedy_identity_with_steps_and_tree_passes_on_different_products(monkeypatch, dtype):
     """The shipped target in half precision (float16 is its checkpoint's dtype, the README's
     default): plain steps on PyTorch's own half products, tree passes on the float32 copies
-    (stree.models.layers.linear, as a CPU without float16 arithmetic measures it), greedy output
-    token for token autoregressive decoding's."""
+    (stree.models.layers.linear, as a CPU without float16 arithmetic measures it).
+
+    float16: greedy output token for token autoregressive decoding's. bfloat16 keeps 8 bits of
+    mantissa: a tree pass and a step round differently, and a near-tie between two logits one
+    bfloat16 step apart can go either way (seen on the H200 machine's CPU, and here with either
+    product pinned: 1-2 of 24 prompts). There every token emitted is within two bfloat16 steps of
+    the best logit that a full forward over the output gives its position."""
     import stree.models.layers.linear as lin
     from stree.models import load
     from stree.tools.demo import TARGET, read_prompts
@@ -285,7 +290,14 @@ def test_half_precision_greedy_identity_with_steps_and_tree_passes_on_different_
     for batch in ([prompts[0]], prompts[1:]):
         ref = generate(model, batch, method="autoregressive", **kw)
         out = generate(model, batch, tree=TreeShape.paper13(), drafter=NGramDrafter(), **kw)
-        assert out.sequences == ref.sequences
+        if dtype == torch.float16:
+            assert out.sequences == ref.sequences
+        for row, prompt in zip(out.sequences, batch):  # every token near the best of a full forward's logits
+            with torch.no_grad():
+                logits = model(torch.tensor([row[:-1]]))[0, len(prompt) - 1:].float()
+            emitted = logits.gather(1, torch.tensor(row[len(prompt):])[:, None])[:, 0]
+            best = logits.max(1).values
+            assert (best - emitted <= 2 * torch.finfo(dtype).eps * best.abs()).all(), (best - emitted).max()
         accepted += sum(map(sum, out.stats.accepted))
     assert accepted > 20  # accepted paths were checked, not only bonuses
     assert any(id(p) in lin._WIDE for p in model.parameters())  # the tree passes took the float32 copies

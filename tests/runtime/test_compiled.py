@@ -107,7 +107,7 @@ def test_a_compiled_call_builds_its_calls_before_decoding(family, drafter, tempe
     its steps for drafting them, and nothing while it decodes; a second call builds nothing. (The
     SSM drafter drafts an explicit tree for one row: a batch's rows finishing at different steps
     leave fewer rows, whose steps a compiled drafter model compiles when they come.)"""
-    from stree.decoding.loop import decode
+    from stree.decoding.loop import decode, drain
 
     def make(model):
         small = None if drafter == "ngram" else CompiledModel(FAMILIES["mamba2"](seed=1))
@@ -127,12 +127,7 @@ def test_a_compiled_call_builds_its_calls_before_decoding(family, drafter, tempe
         steps = decode(fresh, prompts, drafter=fresh_drafter, **kw)
         next(steps)  # the prefill, and before it the build
         built = counters["stats"]["unique_graphs"]
-        while True:
-            try:
-                next(steps)
-            except StopIteration as end:
-                out = end.value
-                break
+        out = drain(steps)
         assert counters["stats"]["unique_graphs"] == built  # nothing compiled while decoding
         if call == 0:
             assert built > graphs and out.stats.time_setup > 0  # the step and the passes, as setup

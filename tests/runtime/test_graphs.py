@@ -116,6 +116,40 @@ def test_generate_from_graphs_is_token_identical(family, method):
         assert got.sequences == want.sequences
 
 
+@cuda
+@pytest.mark.parametrize("family", ["mamba2", "hybrid"])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_graphed_call_captures_its_graphs_before_decoding(monkeypatch, family, temperature):
+    """A model whose costs are known (another instance of the same config measured them; in a
+    new process: the cache file) but which has captured nothing: the call captures the step and
+    every fixed size's tree pass and commit before its prefill, as setup, and nothing while it
+    decodes; a second call captures nothing. (Captured inside decoding, each first use of a size
+    cost a timed call its warm-up runs and Triton's compiles.)"""
+    import stree.runtime.graphs as graphs
+    from stree.decoding.loop import decode, drain
+    from stree.drafters import NGramDrafter
+
+    captures = []
+    real = graphs._capture
+    monkeypatch.setattr(graphs, "_capture", lambda *a, **k: captures.append(1) or real(*a, **k))
+    prompts = [[1, 2, 3, 1, 2, 3, 1, 2], [4, 5, 4, 5, 4]]
+    kw = dict(max_new_tokens=10, temperature=temperature, seed=0)
+    want = generate(FAMILIES[family]().cuda(), prompts, drafter=NGramDrafter(), **kw).sequences
+    fresh = FAMILIES[family]().cuda()
+    for call in range(2):
+        before = len(captures)
+        steps = decode(fresh, prompts, drafter=NGramDrafter(), **kw)
+        next(steps)  # the prefill, and before it the build
+        built = len(captures)
+        out = drain(steps)
+        assert len(captures) == built  # nothing captured while decoding
+        if call == 0:
+            assert built > before + 2 and out.stats.time_setup > 0  # the step and the sizes' passes, as setup
+        else:
+            assert built == before
+        assert out.sequences == want
+
+
 def test_generate_refuses_graphs_off_cuda():
     model = FAMILIES["mamba2"]()
     if torch.cuda.is_available():
