@@ -1,7 +1,7 @@
 """What ``tree="auto"`` does iteration by iteration on this machine: the README's text API at
-default settings (``LM.generate``, the shipped pair, greedy), each drafter and batch size after a
-warm-up over every batch of prompts, with the chooser's records wrapped to log each iteration.
-Per kind of iteration the count, the time the choice predicted, the time by the clock and the
+default settings (``LM.generate``, the shipped pair, greedy or ``--temperature``), each drafter
+and batch size after a warm-up over every batch of prompts, with the chooser's records wrapped
+to log each iteration. Per kind of iteration the count, the time the choice predicted, the time by the clock and the
 tokens emitted per row:
 
 - ``plain``: a plain step the choice weighed on its own (after drafting, or planned plain);
@@ -82,6 +82,8 @@ def main(argv=None):
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--batches", default="1,2")
     p.add_argument("--drafters", default=",".join(DRAFTERS))
+    p.add_argument("--temperature", type=float, default=0.0, help="sampled: seeded per batch of prompts, as "
+                   "speculation.py does (a seeded choice then prices from the profile alone)")
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--out", default=str(Path(__file__).parent / "results"))
     args = p.parse_args(argv)
@@ -99,12 +101,14 @@ def main(argv=None):
         ar_step = None
         for name in ["autoregressive"] + args.drafters.split(","):
             spec = dict(method="autoregressive") if name == "autoregressive" else dict(drafter=name)
+            spec.update(max_new_tokens=args.max_new_tokens, temperature=args.temperature)
+            seed = (lambda s: s) if args.temperature > 0 else (lambda s: None)
             for s in starts:  # compiling, capturing, measuring the machine's costs: before any timing
-                lm.generate(texts[s: s + batch], max_new_tokens=args.max_new_tokens, **spec)
+                lm.generate(texts[s: s + batch], seed=seed(s), **spec)
             log.rows.clear()
             t0, stats = time.perf_counter(), []
             for s in starts:
-                stats.append(lm.generate(texts[s: s + batch], max_new_tokens=args.max_new_tokens, **spec).stats)
+                stats.append(lm.generate(texts[s: s + batch], seed=seed(s), **spec).stats)
             wall = (time.perf_counter() - t0) * 1e3 / len(stats)
             steps = sum(sum(x.trees.values()) for x in stats) / len(stats)
             ar_step = ar_step or wall / steps
@@ -122,8 +126,8 @@ def main(argv=None):
                       f"clock {k['clock_ms']:7.3f} ms  emitted {k['emitted']:5.2f}  {k['share_of_loop']:4.0%} of the loop",
                       file=sys.stderr)
     result = dict(benchmark="autotree_trace", **run_info(device, argv), dtype=str(dtype).removeprefix("torch."),
-                  prompts=args.prompts, max_new_tokens=args.max_new_tokens,
-                  note="LM.generate defaults (tree='auto'), greedy, after a warm-up over every batch of prompts; "
+                  temperature=args.temperature, prompts=args.prompts, max_new_tokens=args.max_new_tokens,
+                  note="LM.generate defaults (tree='auto'), after a warm-up over every batch of prompts; "
                        "per kind of iteration (plain: weighed alone; run: decided ahead, per step; probe / tree by "
                        "size): mean predicted and clock ms, tokens emitted per row, share of the loop's clock",
                   results=results)

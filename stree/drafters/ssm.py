@@ -27,8 +27,9 @@ __all__ = ["SSMDrafter"]
 # pass and commit: for the shipped 1-layer drafter on the CPU two steps measured faster than a
 # 2-token chain pass and its commit, compiled and eager alike.
 STEPS_UP_TO = 2
-# per drafter model, the (row count, cache size) pairs SSMDrafter.build has stepped in this process
-_BUILT: "weakref.WeakKeyDictionary[object, set[tuple[int, int]]]" = weakref.WeakKeyDictionary()
+# per drafter model, what SSMDrafter.build has run in this process: ("step" or "catch-up", row
+# count, cache size)
+_BUILT: "weakref.WeakKeyDictionary[object, set[tuple]]" = weakref.WeakKeyDictionary()
 
 
 @dataclass
@@ -157,9 +158,11 @@ class SSMDrafter(Drafter):
 
     def build(self, shapes, batch: int) -> None:
         """See :meth:`Drafter.build`: a step of ``batch`` rows (a catch-up) and one of each static
-        level's work rows, on scratch caches of the drafter's own size, once per drafter model and
-        row count in the process (``LM.generate`` makes a drafter per call, and stepping them
-        again in each call cost a GPU's calls a sixth of their time)."""
+        level's work rows, on scratch caches of the drafter's own size, and catch-ups of ``batch``
+        rows by a prefill of each power of two up to ``CATCH_WINDOW`` tokens (the products of
+        each row count it may multiply, measured or compiled on first use), once per drafter
+        model, row count and cache size in the process (``LM.generate`` makes a drafter per call,
+        and stepping them again in each call cost a GPU's calls a sixth of their time)."""
         if self.mode != "static":
             return
         counts = {batch}
@@ -168,10 +171,17 @@ class SSMDrafter(Drafter):
                           if level.fork is not None)
         device = self.model.device
         built = _BUILT.setdefault(self.model, set())
-        for rows in sorted(counts - {rows for rows, size in built if size == self.max_length}):
+        for rows in sorted(counts - {r for kind, r, size in built if kind == "step" and size == self.max_length}):
             cache = self.model.allocate_cache(rows, self.max_length)
             self.model.step(torch.zeros(rows, dtype=torch.long, device=device), cache, validate=False)
-            built.add((rows, self.max_length))
+            built.add(("step", rows, self.max_length))
+        if ("catch-up", batch, self.max_length) not in built:
+            span = 4
+            while span <= self.CATCH_WINDOW:
+                cache = self.model.allocate_cache(batch, self.max_length)
+                self.model.prefill(torch.zeros(batch, span, dtype=torch.long, device=device), cache)
+                span *= 2
+            built.add(("catch-up", batch, self.max_length))
 
     def behind(self, context: DraftContext) -> int:
         want = context.lengths[torch.tensor(context.rows)]

@@ -260,6 +260,34 @@ def test_only_a_speculative_loops_plain_steps_follow_the_tree_passes_weights(mon
     assert len(entered) == out.stats.target_forwards and set(entered) == {"lead"}  # every step a tree pass
 
 
+def test_an_eager_call_measures_its_products_before_decoding(monkeypatch):
+    """With ``tree="auto"`` an eager CPU call times the product choices of every row count its
+    steps and trees may multiply (the batch times 1 to the most nodes) in its setup, and none
+    after its prefill: a tree size first used mid-call had paid its timing inside a timed step
+    (at batch 8, a few percent of the call). The machine's costs are known first (a new process
+    reads them from the cache file without multiplying anything)."""
+    import stree.models.layers.linear as lin
+    from stree.decoding.loop import decode, drain
+
+    if not lin._ONEDNN:
+        pytest.skip("this torch has no oneDNN: linear takes one product, with nothing to time")
+    model = mamba2(seed=0)
+    prompts = [[1, 2, 3, 1, 2, 3, 1, 2], [4, 5, 4, 5, 4, 5]]
+    generate(model, prompts, drafter=NGramDrafter(), max_new_tokens=4)  # the cost profile, measured
+    timed = []
+    real = lin._clearly_faster
+    monkeypatch.setattr(lin, "PATH", "auto")
+    monkeypatch.setattr(lin, "_FASTER", {})  # a process that has multiplied nothing
+    monkeypatch.setattr(lin, "_clearly_faster", lambda a, b: timed.append(1) or real(a, b))
+    steps = decode(model, prompts, drafter=NGramDrafter(), max_new_tokens=24)
+    next(steps)  # the setup and the prefill
+    before = len(timed)
+    out = drain(steps)
+    assert before > 0 and len(timed) == before
+    assert any(n > 1 for n in out.stats.trees)  # trees were verified: their products were timed before
+    assert out.stats.time_setup > 0
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_half_precision_greedy_identity_with_steps_and_tree_passes_on_different_products(monkeypatch, dtype):
     """The shipped target in half precision (float16 is its checkpoint's dtype, the README's

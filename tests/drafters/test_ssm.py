@@ -271,22 +271,26 @@ def test_a_static_plan_keeps_its_host_tensors_on_the_host_whatever_the_default_d
 
 
 def test_build_steps_each_row_count_once_per_drafter_model(monkeypatch):
-    """``build`` (run before a compiled or graphed call decodes) steps each row count its shapes'
-    levels and the batch's catch-up take, once per drafter model and cache size in the process:
-    ``LM.generate`` makes a new drafter every call, and stepping again in each call cost every
-    call on an H200 11 ms of 60."""
+    """``build`` (run before a call decodes) steps each row count its shapes' levels and the
+    batch's catch-up take, and prefills the batch's catch-ups of 4, 8, ... ``CATCH_WINDOW``
+    tokens, once per drafter model and cache size in the process: ``LM.generate`` makes a new
+    drafter every call, and stepping again in each call cost every call on an H200 a sixth of
+    its time."""
     model = mamba2(seed=3)
-    stepped = []
-    real = model.step
+    stepped, prefilled = [], []
+    step, prefill = model.step, model.prefill
     monkeypatch.setattr(model, "step", lambda tokens, cache, **kw: stepped.append(tokens.shape[0]) or
-                        real(tokens, cache, **kw))
+                        step(tokens, cache, **kw))
+    monkeypatch.setattr(model, "prefill", lambda ids, cache, **kw: prefilled.append(tuple(ids.shape)) or
+                        prefill(ids, cache, **kw))
     shape = TreeShape.full(2, 2)  # levels of 1 and 2 rows a batch row
     SSMDrafter(model, shape).build([shape], 2)
     assert sorted(stepped) == [2, 4]  # the catch-up's 2 rows; the second level's 2 x 2 (the first: the batch's)
+    assert prefilled == [(2, 4), (2, 8), (2, 16), (2, 32), (2, 64)] and SSMDrafter.CATCH_WINDOW == 64
     SSMDrafter(model, shape).build([shape], 2)
     SSMDrafter(model, shape, mode="beam").build([shape], 3)  # (beam drafts have no static levels)
-    assert sorted(stepped) == [2, 4]
+    assert sorted(stepped) == [2, 4] and len(prefilled) == 5
     SSMDrafter(model, shape).build([shape], 3)  # a new batch size: its rows only
-    assert sorted(stepped) == [2, 3, 4, 6]
-    SSMDrafter(model, shape, max_length=64).build([shape], 2)  # another cache size: stepped again
-    assert sorted(stepped) == [2, 2, 3, 4, 4, 6]
+    assert sorted(stepped) == [2, 3, 4, 6] and len(prefilled) == 10
+    SSMDrafter(model, shape, max_length=128).build([shape], 2)  # another cache size: stepped again
+    assert sorted(stepped) == [2, 2, 3, 4, 4, 6] and len(prefilled) == 15

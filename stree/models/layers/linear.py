@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["Linear", "following", "leading", "linear"]
+__all__ = ["Linear", "following", "leading", "linear", "measure"]
 
 PATHS = ("auto", "blas", "packed")
 PATH = os.environ.get("STREE_LINEAR", "auto")
@@ -226,6 +226,32 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     out = torch.ops.stree.cpu_linear(flat, weight, bias) if torch.compiler.is_compiling() else \
         _product(flat, weight, bias)
     return out.view(*x.shape[:-1], weight.shape[0])
+
+
+def measure(module: nn.Module, rows) -> None:
+    """Make now, for the weight shapes of ``module``'s :class:`Linear` layers and these row counts
+    (their buckets), the choices :func:`linear` makes on its first product of each (timing both
+    paths): a decoding loop names the rows its steps and tree passes may multiply, so that the
+    timing is its setup, not a timed step's (a tree size first used mid-call, at batch 8, paid
+    it there). Only where :func:`linear` chooses: CPU weights, ``STREE_LINEAR=auto``, oneDNN."""
+    if PATH != "auto" or not _ONEDNN:
+        return
+    buckets = sorted({_bucket(r) for r in rows if r > 0})
+    shapes = set()  # (layers of one shape share their choices)
+    with torch.no_grad():
+        for layer in module.modules():
+            if not isinstance(layer, Linear) or layer.weight.device.type != "cpu":
+                continue
+            weight, bias = layer.weight, layer.bias
+            half = weight.dtype in HALF
+            shape = (*weight.shape, bias is not None, weight.dtype)
+            if shape in shapes or (not half and weight.dtype != torch.float32):
+                continue
+            shapes.add(shape)
+            for bucket in buckets:
+                key = (bucket, *weight.shape, bias is not None) + ((weight.dtype,) if half else ())
+                if key not in (_WIDER if half else _FASTER):
+                    _product(torch.randn(bucket, weight.shape[1], dtype=weight.dtype), weight, bias)
 
 
 class Linear(nn.Linear):

@@ -167,6 +167,36 @@ def test_a_pinned_path_is_taken_without_measuring(monkeypatch, path):
     assert lin._WIDER == {}
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_measure_makes_each_buckets_choices_once_per_weight_shape(monkeypatch, dtype):
+    """``measure`` times, for each weight shape (layers of one shape share it) and each bucket of
+    the rows named, the choice a first product would; products after it time nothing."""
+    monkeypatch.setattr(lin, "PATH", "auto")
+    monkeypatch.setattr(lin, "_FASTER", {})
+    monkeypatch.setattr(lin, "_WIDER", {})
+    timed = []
+    real = lin._clearly_faster
+    monkeypatch.setattr(lin, "_clearly_faster", lambda a, b: timed.append(1) or real(a, b))
+    model = torch.nn.Sequential(Linear(8, 16), Linear(8, 16), Linear(16, 4, bias=False)).to(dtype)
+    lin.measure(model, [1, 3, 4, 5])  # buckets 1, 4 and 8, for 2 shapes
+    table = lin._WIDER if dtype != torch.float32 else lin._FASTER
+    half = () if dtype == torch.float32 else (dtype,)
+    assert set(table) == {(b, *shape, *half) for b in (1, 4, 8) for shape in ((16, 8, True), (4, 16, False))}
+    done = len(timed)
+    assert done >= 6  # (a half weight that took its float32 copy also timed the copy's own products)
+    lin.measure(model, [2, 7])  # bucket 2 is new, 8 is known
+    assert (2, 16, 8, True, *half) in table and len(table) == 8
+    after = len(timed)
+    with torch.no_grad():
+        for rows in (1, 2, 3, 5, 8):
+            for layer in model:
+                layer(torch.randn(rows, layer.in_features, dtype=dtype))
+    assert len(timed) == after
+    monkeypatch.setattr(lin, "PATH", "blas")
+    lin.measure(model, [16])
+    assert len(timed) == after and len(table) == 8
+
+
 def test_an_unknown_pinned_path_is_refused_on_import():
     import subprocess
     import sys
