@@ -169,7 +169,7 @@ class _Loop:
         if prefill:
             self.cache = pool.cache if pool is not None else self.model.allocate_cache(rows.batch_size, c.max_length)
         self.runner = pool if pool is not None else EagerRunner(self.model, self.cache, c.target)
-        if prefill:
+        if prefill and (pool is not None or self.chooser is not None):
             self.build(pool)
         if prefill:
             self.prefill()
@@ -189,23 +189,22 @@ class _Loop:
     def build(self, pool: DecodeRunner | None) -> None:
         """Before decoding, as setup (their time is not decoding's): compile (CPU) or capture (CUDA
         graphs) the step and the passes of the static shapes this call may verify
-        (:func:`~stree.decoding.steps.build_calls`); eager, measure the products of the rows its
-        steps and trees may multiply (:func:`~stree.models.layers.linear.measure`); and the
-        drafter's calls for drafting them (:meth:`~stree.drafters.base.Drafter.build`)."""
+        (:func:`~stree.decoding.steps.build_calls`); eager with ``tree="auto"``, measure the
+        products of the rows its steps and trees may multiply
+        (:func:`~stree.models.layers.linear.measure`); and the drafter's calls for drafting them
+        (:meth:`~stree.drafters.base.Drafter.build`)."""
         c, chooser, batch = self.c, self.chooser, self.rows.batch_size
-        shapes, nodes = [], 1
+        shapes = []
         if c.speculative and c.scan == "tree":
             if isinstance(c.shape, TreeShape):
-                shapes, nodes = [c.shape], c.shape.n
-            elif chooser is not None:
-                nodes = chooser.max_nodes
-                if chooser.fixed and chooser.fills_shapes:
-                    shapes = [chooser.prefix(m) for m in chooser.sizes]
+                shapes = [c.shape]
+            elif chooser is not None and chooser.fixed and chooser.fills_shapes:
+                shapes = [chooser.prefix(m) for m in chooser.sizes]
         t0 = time.perf_counter()
         if pool is not None:
             build_calls(self.model, pool, shapes, c.params, c.top_k)
-        elif c.speculative and isinstance(self.model, torch.nn.Module):
-            measure(self.model, [batch * m for m in range(1, nodes + 1)])
+        elif chooser is not None and isinstance(self.model, torch.nn.Module):
+            measure(self.model, [batch * m for m in range(1, chooser.max_nodes + 1)])
         if self.drafter is not None:
             self.drafter.build(shapes, batch)
         self.stats.time_setup += time.perf_counter() - t0
