@@ -177,7 +177,7 @@ class SSMDrafter(Drafter):
             built.add(("step", rows, self.max_length))
         if ("catch-up", batch, self.max_length) not in built:
             span = 4
-            while span <= self.CATCH_WINDOW:
+            while span <= min(self.CATCH_WINDOW, self.max_length):
                 cache = self.model.allocate_cache(batch, self.max_length)
                 self.model.prefill(torch.zeros(batch, span, dtype=torch.long, device=device), cache)
                 span *= 2

@@ -294,3 +294,5 @@ def test_build_steps_each_row_count_once_per_drafter_model(monkeypatch):
     assert sorted(stepped) == [2, 3, 4, 6] and len(prefilled) == 10
     SSMDrafter(model, shape, max_length=128).build([shape], 2)  # another cache size: stepped again
     assert sorted(stepped) == [2, 2, 3, 4, 4, 6] and len(prefilled) == 15
+    SSMDrafter(model, shape, max_length=20).build([shape], 2)  # catch-ups only as long as the cache holds
+    assert prefilled[15:] == [(2, 4), (2, 8), (2, 16)]
