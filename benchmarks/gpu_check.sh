@@ -49,10 +49,16 @@ suite() {
   grep -E "(FAILED|ERROR) tests" "$out/tests.log" | sed 's/.*\(FAILED\|ERROR\) /\1 /' | sort -u | cut -c1-200 | head -n 40
 }
 
+# the card, its driver and memory, and the versions of the packages the checks run on
+device_info() {
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
+  python -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)"
+}
+export -f device_info  # (step runs its command under timeout, a new process)
+
 case "$part" in
 core)
-  step device 20 bash -c 'nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv;
-    python -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)"'
+  step device 20 bash -c device_info
   step selfcheck 60 python -m stree.tools.selfcheck
   suite 300 14
   TAIL=20 step speculation 110 python benchmarks/speculation.py --device cuda --modes eager \
@@ -63,8 +69,7 @@ core)
   TAIL=40 step autotree_trace 60 python benchmarks/autotree_trace.py --out "$out"
   ;;
 tests)
-  step device 30 bash -c 'nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv;
-    python -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)"'
+  step device 30 bash -c device_info
   step selfcheck 120 python -m stree.tools.selfcheck
   # every test: the kernel tests run their Triton kernels on CUDA tensors (conftest sets no
   # interpreter when CUDA is there), and the library's defaults put models on the GPU
