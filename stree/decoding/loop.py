@@ -9,9 +9,11 @@ and the accepted drafts plus the bonus are emitted. The bonus becomes the next r
 The loop is thin: its arguments are resolved once (:mod:`.config`); :func:`prefill_rows`,
 :func:`autoregressive_step` and :func:`speculative_step` do the device work, each ending in ONE
 device-to-host transfer of everything the host needs (the emitted tokens, their counts, and what
-the drafter learns from); :class:`~stree.decoding.rows.Rows` keeps the host-side bookkeeping. The
-batch keeps its size: a finished row leaves through the ``active`` mask (it rides along with a
-root-only tree, its cache never copied), so shapes stay fixed.
+the drafter learns from); :class:`~stree.decoding.rows.Rows` keeps the host-side bookkeeping. A
+finished row leaves the device batch (:meth:`_Loop.leave`): eager, the cache keeps the unfinished
+rows only, so a row that is done costs the others' steps nothing; where shapes must stay fixed
+(CUDA graphs, compiled calls, tensor parallelism) it leaves through the ``active`` mask and rides
+along with a root-only tree.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from ..sampling.verify import SamplingParams
 from ..tree import TokenTree, TreeBudget, TreeShape
 from .autotree import AutoTree, auto_tree
 from .config import METHODS, DecodeConfig, resolve
-from .distributed import share_tree
+from .distributed import share_tree, tensor_parallel
 from .rows import (GenerationOutput, GenerationStats, Rows, check_finite, full_batch, merged_trees, pooled_tau,
                    stop_at_sequences, trees_chosen)
 from .steps import HostStep, autoregressive_step, build_calls, check_draft, prefill_rows, speculative_step
@@ -155,6 +157,12 @@ class _Loop:
         # a speculative loop's plain steps read the weight copies its tree passes use (models.layers.linear)
         self.plain_scope, self.tree_scope = ((following, leading) if config.speculative
                                              else (contextlib.nullcontext,) * 2)
+        # Eager, the device batch holds the unfinished rows only: ``held`` (None: every row, in
+        # order) names the batch rows its rows are; ``given``: the caller's cache, which gets each
+        # row's state back as the row leaves (and the rest at the end).
+        self.compacts = not (config.cuda_graph or config.torch_compile) and tensor_parallel(model) is None
+        self.held: np.ndarray | None = None
+        self.given = cache
 
     def lap(self, phase: str) -> None:
         setattr(self.stats, f"time_{phase}", getattr(self.stats, f"time_{phase}") + self.clock.lap())
@@ -175,16 +183,40 @@ class _Loop:
             self.prefill()
         stop_at_sequences(rows, c.stops, self.seen)
         yield rows
-        while bool(rows.active.any()):
-            if not bool(rows.active.all()):
-                # Finished rows ride along, one token a step: parked at length 0 they never run out of room.
-                rows.exact &= rows.active
-                self.cache.seqlens.masked_fill_((~rows.active).to(c.device, non_blocking=True), 0)
-            self.iterate()
-            yield rows
+        try:
+            while bool(rows.active.any()):
+                if not bool(rows.active.all()):
+                    self.leave()
+                self.iterate()
+                yield rows
+        finally:  # (also where the consumer stops early: the caller's cache holds every row as it stands)
+            if self.held is not None and self.given is not None:
+                self.given.assign(torch.from_numpy(self.held).to(c.device), self.cache)
         if self.plain_run is not None:
             self.plain_run.end(rows, self.drafter, self.chooser)
         return self.output()
+
+    def leave(self) -> None:
+        """Finished rows leave the device batch: eager, the cache keeps the unfinished rows only
+        (a copy of their state; the caller's cache, if it gave one, gets the leaving rows' states
+        back); where shapes are fixed they ride along, one token a step, parked at length 0 (so
+        they never run out of room), their state no longer exact."""
+        c, rows = self.c, self.rows
+        if not self.compacts:
+            rows.exact &= rows.active
+            self.cache.seqlens.masked_fill_((~rows.active).to(c.device, non_blocking=True), 0)
+            return
+        held = np.arange(rows.batch_size) if self.held is None else self.held
+        stay = rows.active.numpy()[held]
+        if stay.all():
+            return
+        if self.given is not None and self.cache is not self.given:
+            gone = np.flatnonzero(~stay)
+            self.given.assign(torch.from_numpy(held[gone]).to(c.device),
+                              self.cache.select(torch.from_numpy(gone).to(c.device)))
+        self.cache = self.cache.select(torch.from_numpy(np.flatnonzero(stay)).to(c.device))
+        self.held = held[stay]
+        self.runner = EagerRunner(self.model, self.cache, c.target)
 
     def build(self, pool: DecodeRunner | None) -> None:
         """Before decoding, as setup (their time is not decoding's): compile (CPU) or capture (CUDA
@@ -204,7 +236,9 @@ class _Loop:
         if pool is not None:
             build_calls(self.model, pool, shapes, c.params, c.top_k)
         elif chooser is not None and isinstance(self.model, torch.nn.Module):
-            measure(self.model, [batch * m for m in range(1, chooser.max_nodes + 1)])
+            # (rows leaving the batch: any row count up to the whole batch's largest tree)
+            measure(self.model, range(1, batch * chooser.max_nodes + 1) if self.compacts else
+                    [batch * m for m in range(1, chooser.max_nodes + 1)])
         if self.drafter is not None:
             self.drafter.build(shapes, batch)
         self.stats.time_setup += time.perf_counter() - t0
@@ -225,6 +259,8 @@ class _Loop:
         c, rows, stats = self.c, self.rows, self.stats
         began = time.perf_counter()
         roots, live = rows.roots(), rows.active_ids()
+        # the device batch's roots: every row's, or, where rows left it (leave), the live rows'
+        held = roots if self.held is None else roots[torch.from_numpy(self.held)]
         draft = full = None
         if c.speculative:
             if self.plain_run is not None:
@@ -233,15 +269,17 @@ class _Loop:
                 draft = _draft(self.drafter, self.chooser, rows, c.shape, roots, live, self.model.vocab_size,
                                self.runner.eager)
                 if draft is not None:
-                    full = draft if len(live) == rows.batch_size else full_batch(draft, rows.active, roots)
+                    full = draft if len(live) == len(held) else full_batch(draft, rows.active, roots)
                     full = full.to(c.device)
             full = share_tree(self.model, full, c.device, self.shapes)
             stats.time_draft += self.clock.lap()
         if full is None:  # autoregressive, or a plain step chosen over the tree
             with self.plain_scope():
-                host = autoregressive_step(self.model, self.cache, roots.to(c.device, non_blocking=True), c.params,
+                host = autoregressive_step(self.model, self.cache, held.to(c.device, non_blocking=True), c.params,
                                            c.generator, self.runner,
                                            None if self.drafter is None else self.drafter.plain_top_k)
+            if self.held is not None:
+                host = _spread(host, self.held, rows.batch_size)
             for r in live:
                 rows.accepted[r].append(0)
             stats.time_verify += self.clock.lap()
@@ -249,27 +287,30 @@ class _Loop:
             with self.tree_scope():
                 host, result = speculative_step(c.target, self.cache, full, c.params, c.generator, c.scan, c.top_k,
                                                 lap=self.lap, runner=self.runner)
+            if self.held is not None:
+                host = _spread(host, self.held, rows.batch_size)
             for r in live:
                 rows.accepted[r].append(int(host.counts[r]) - 1)
             if self.on_step is not None and self.drafter is not None:  # tensor parallelism: rank 0 drafts
-                self.on_step(live, draft, _rows_of(result, live) if len(live) < rows.batch_size else result)
+                self.on_step(live, draft, _rows_of(result, live) if len(live) < len(held) else result)
         n = 1 if full is None else full.n
         stats.trees[n] = stats.trees.get(n, 0) + 1
         stats.target_forwards += 1
         check_finite(host, rows, f"decoding step {stats.target_forwards}")
         rows.emit(host, self.drafter if self.plain_run is None else None)
         stop_at_sequences(rows, c.stops, self.seen)
-        if self.chooser is not None:
-            self.learn(draft, full, host, live, (time.perf_counter() - began) * 1e3)
+        if self.chooser is not None:  # (the profile's costs are the whole batch's: a smaller one's are not learned)
+            self.learn(draft, full, host, live, None if self.held is not None else (time.perf_counter() - began) * 1e3)
         stats.time_draft += self.clock.lap()  # feeding the drafter is drafting work
 
-    def learn(self, draft, full, host: HostStep, live: list[int], elapsed: float) -> None:
+    def learn(self, draft, full, host: HostStep, live: list[int], elapsed: float | None) -> None:
         """What the chooser records of the step: a plain run's progress, a plain step (and whether
-        to decide the next ones ahead), or a verified draft."""
+        to decide the next ones ahead), or a verified draft; ``elapsed``: the iteration's
+        milliseconds (None: not a time the chooser learns from)."""
         chooser, run = self.chooser, self.plain_run
         if run is not None:
             run.steps += 1
-            run.ms += elapsed
+            run.ms = None if run.ms is None or elapsed is None else run.ms + elapsed
             if run.left == 0:
                 run.end(self.rows, self.drafter, chooser)
                 self.plain_run = None
@@ -311,7 +352,7 @@ class _Clock:
 
 class _PlainRun:
     """``left`` more plain steps decided ahead (:meth:`AutoTree.plain_ahead`) from the rows as
-    they stood before them; ``steps`` taken so far, in ``ms``."""
+    they stood before them; ``steps`` taken so far, in ``ms`` (None: one was not timed)."""
 
     def __init__(self, left: int, rows: Rows):
         self.left, self.steps, self.ms = left, 0, 0.0
@@ -345,6 +386,22 @@ def _draft(drafter: Drafter, chooser: AutoTree | None, rows: Rows, shape, roots:
 
 
 _ROOT = TreeShape.chain(0)  # (made once: checking a parent array costs a dozen small torch ops)
+
+
+def _spread(host: HostStep, held: np.ndarray, batch: int) -> HostStep:
+    """A step of the device batch's rows (batch rows ``held``) as one of the whole batch: the
+    rows that left get nothing (no tokens, finite)."""
+    at = torch.from_numpy(held)
+
+    def spread(t: torch.Tensor | None, fill=0) -> torch.Tensor | None:
+        if t is None:
+            return None
+        out = torch.full((batch, *t.shape[1:]), fill, dtype=t.dtype)
+        out[at] = t
+        return out
+
+    return HostStep(spread(host.tokens), spread(host.counts), spread(host.finite, True), spread(host.top_ids),
+                    spread(host.top_probs), spread(host.token_probs))
 
 
 def _rows_of(result, rows: list[int]):

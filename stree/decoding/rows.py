@@ -93,7 +93,8 @@ class GenerationOutput:
     """``sequences``: per row, prompt then generated tokens; ``prompt_lengths`` to split them.
     ``exact``: per row, whether the cache holds the row's state after all its tokens but the last
     (False where the row was cut inside a step's accepted path, by an EOS, its budget or a stop,
-    or rode along after it finished): what continuing from that cache needs."""
+    or rode along after it finished, where the batch keeps its shape): what continuing from that
+    cache needs."""
 
     sequences: list[list[int]]
     prompt_lengths: list[int]
@@ -137,7 +138,8 @@ class Rows:
         return DraftContext(self.seq, self.lengths, self.active_ids())
 
     def roots(self) -> torch.Tensor:
-        """Every row's last token (a finished row's too: it rides along)."""
+        """Every row's last token (a finished row's too: where the batch keeps its shape, it rides
+        along)."""
         return torch.from_numpy(self.seq.numpy()[np.arange(self.batch_size), self.lengths.numpy() - 1])
 
     def critical(self, live: list[int]) -> np.ndarray:

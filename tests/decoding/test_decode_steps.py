@@ -1,5 +1,5 @@
 """The decoding loop's parts, one at a time: one device-to-host read per step, the op budget of
-verification plus bookkeeping, finished rows leaving through the mask, SamplingParams."""
+verification plus bookkeeping, finished rows leaving the batch, SamplingParams."""
 
 import sys
 
@@ -9,7 +9,6 @@ from host_sync import count_host_syncs
 from tiny_models import FAMILIES, VOCAB
 
 from stree.decoding.loop import autoregressive_step, generate, speculative_step
-from stree.models import ModelCache
 from stree.tools.opcount import count_ops
 from stree.tree import TokenTree, TreeShape
 from stree.sampling.verify import SamplingParams
@@ -91,20 +90,68 @@ def test_verification_and_bookkeeping_cost_at_most_40_ops(top_k, temperature, st
     assert ops.compute <= 40, ops
 
 
+PROMPTS = [[1, 2, 3, 1, 2], [4, 5], [6, 7, 8, 6]]
+BUDGETS = [3, 12, 7]  # the rows finish apart: the first, then the third
+
+
+def _alone(model, budgets=BUDGETS):
+    """Each prompt decoded alone to its budget."""
+    return [generate(model, [p], method="autoregressive", max_new_tokens=m).sequences[0]
+            for p, m in zip(PROMPTS, budgets)]
+
+
+def _batch_sizes_seen(model, monkeypatch) -> list[int]:
+    """The cache rows of every step and tree pass of ``model`` from now on."""
+    seen = []
+    for name in ("step", "forward_tree"):
+        real = getattr(type(model), name)
+
+        def spy(self, tokens, cache, *a, _real=real, **k):
+            seen.append(cache.batch_size)
+            return _real(self, tokens, cache, *a, **k)
+
+        monkeypatch.setattr(type(model), name, spy)
+    return seen
+
+
 @pytest.mark.parametrize("family", FAMILIES)
-def test_finished_rows_leave_through_the_mask_not_a_cache_copy(family, monkeypatch):
-    """Rows reaching EOS at different steps: the cache is never row-selected (a copy, and a new
-    tensor a captured graph would not see), and every row still decodes exactly."""
+def test_finished_rows_leave_the_eager_batch(family, monkeypatch):
+    """Rows finishing at different steps leave the device batch: the target's steps and tree
+    passes after a row finished run on the unfinished rows only (a finished row riding along cost
+    the others its share of every step), and every row decodes as it does alone."""
     model = FAMILIES[family]()
-    prompts = [[1, 2, 3, 1, 2], [4, 5], [6, 7, 8, 6]]
-    ref = generate(model, prompts, method="autoregressive", max_new_tokens=12)
-    eos = ref.new_tokens[1][2]
-    ref = generate(model, prompts, method="autoregressive", max_new_tokens=12, eos_token_id=eos)
-    assert len({len(r) for r in ref.new_tokens}) > 1  # rows do finish apart
-    monkeypatch.setattr(ModelCache, "select", lambda *a: pytest.fail("the decode loop copied the cache"))
+    alone = _alone(model)
     for method in ("autoregressive", "stree"):
-        out = generate(model, prompts, method=method, max_new_tokens=12, eos_token_id=eos)
-        assert out.sequences == ref.sequences, method
+        seen = _batch_sizes_seen(model, monkeypatch)
+        out = generate(model, PROMPTS, method=method, max_new_tokens=BUDGETS)
+        assert out.sequences == alone, method
+        assert seen[0] == 3 and seen == sorted(seen, reverse=True) and seen[-1] == 1, (method, seen)
+        monkeypatch.undo()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("method", ["autoregressive", "stree"])
+def test_a_given_cache_gets_every_rows_state_back_as_it_leaves(family, method):
+    """decode(cache=...) with rows finishing apart: the caller's cache ends holding the state of
+    every row, those that left early included (riding along, they had lost it): decoding on from
+    it continues each row the output calls exact as one uninterrupted run (autoregressive: all)."""
+    model = FAMILIES[family]()
+    cache = model.allocate_cache(3, 64)
+    for r, p in enumerate(PROMPTS):  # each row's state after all its prompt tokens but the last
+        one = model.allocate_cache(1, 64)
+        model.prefill(torch.tensor([p[:-1]]), one)
+        cache.assign(torch.tensor([r]), one)
+    out = generate(model, PROMPTS, cache=cache, method=method, max_new_tokens=BUDGETS)
+    assert out.sequences == _alone(model)
+    if method == "autoregressive":
+        assert out.exact == [True] * 3
+    exact = [r for r in range(3) if out.exact[r]]
+    if not exact:  # (every row cut inside an accepted path: nothing to continue)
+        return
+    more = generate(model, [out.sequences[r] for r in exact], cache=cache.select(torch.tensor(exact)),
+                    method="autoregressive", max_new_tokens=4)
+    whole = _alone(model, [m + 4 for m in BUDGETS])
+    assert more.sequences == [whole[r] for r in exact]
 
 
 def test_sampling_params_are_checked_once_and_shared():
