@@ -8,7 +8,7 @@ import torch
 from host_sync import count_host_syncs
 from tiny_models import FAMILIES, VOCAB
 
-from stree.decoding.loop import autoregressive_step, generate, speculative_step
+from stree.decoding.loop import autoregressive_step, decode, generate, speculative_step
 from stree.tools.opcount import count_ops
 from stree.tree import TokenTree, TreeShape
 from stree.sampling.verify import SamplingParams
@@ -152,6 +152,28 @@ def test_a_given_cache_gets_every_rows_state_back_as_it_leaves(family, method):
                     method="autoregressive", max_new_tokens=4)
     whole = _alone(model, [m + 4 for m in BUDGETS])
     assert more.sequences == [whole[r] for r in exact]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_given_cache_holds_every_row_when_the_consumer_stops_early(family):
+    """A consumer that stops reading decode's steps after a row left the batch (closing the
+    generator): the caller's cache still holds every row's state after its tokens so far."""
+    model = FAMILIES[family]()
+    cache = model.allocate_cache(3, 64)
+    for r, p in enumerate(PROMPTS):
+        one = model.allocate_cache(1, 64)
+        model.prefill(torch.tensor([p[:-1]]), one)
+        cache.assign(torch.tensor([r]), one)
+    steps = decode(model, PROMPTS, cache=cache, method="autoregressive", max_new_tokens=BUDGETS)
+    for rows in steps:
+        if int(rows.produced[2]) == 5:  # the first row left two steps ago, the others decode on
+            break
+    steps.close()
+    now = [rows.seq[r, : int(rows.lengths[r])].tolist() for r in range(3)]
+    assert not bool(rows.active[0]) and bool(rows.active[1:].all())
+    more = generate(model, now, cache=cache, method="autoregressive", max_new_tokens=3)
+    assert more.sequences == [generate(model, [s], method="autoregressive", max_new_tokens=3).sequences[0]
+                              for s in now]
 
 
 def test_sampling_params_are_checked_once_and_shared():
