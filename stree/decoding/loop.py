@@ -260,7 +260,7 @@ class _Loop:
         began = time.perf_counter()
         roots, live = rows.roots(), rows.active_ids()
         # the device batch's roots: every row's, or, where rows left it (leave), the live rows'
-        held = roots if self.held is None else roots[torch.from_numpy(self.held)]
+        device_roots = roots if self.held is None else roots[torch.from_numpy(self.held)]
         draft = full = None
         if c.speculative:
             if self.plain_run is not None:
@@ -269,14 +269,14 @@ class _Loop:
                 draft = _draft(self.drafter, self.chooser, rows, c.shape, roots, live, self.model.vocab_size,
                                self.runner.eager)
                 if draft is not None:
-                    full = draft if len(live) == len(held) else full_batch(draft, rows.active, roots)
+                    full = draft if len(live) == len(device_roots) else full_batch(draft, rows.active, roots)
                     full = full.to(c.device)
             full = share_tree(self.model, full, c.device, self.shapes)
             stats.time_draft += self.clock.lap()
         if full is None:  # autoregressive, or a plain step chosen over the tree
             with self.plain_scope():
-                host = autoregressive_step(self.model, self.cache, held.to(c.device, non_blocking=True), c.params,
-                                           c.generator, self.runner,
+                host = autoregressive_step(self.model, self.cache, device_roots.to(c.device, non_blocking=True),
+                                           c.params, c.generator, self.runner,
                                            None if self.drafter is None else self.drafter.plain_top_k)
             if self.held is not None:
                 host = _spread(host, self.held, rows.batch_size)
@@ -292,7 +292,7 @@ class _Loop:
             for r in live:
                 rows.accepted[r].append(int(host.counts[r]) - 1)
             if self.on_step is not None and self.drafter is not None:  # tensor parallelism: rank 0 drafts
-                self.on_step(live, draft, _rows_of(result, live) if len(live) < len(held) else result)
+                self.on_step(live, draft, _rows_of(result, live) if len(live) < len(device_roots) else result)
         n = 1 if full is None else full.n
         stats.trees[n] = stats.trees.get(n, 0) + 1
         stats.target_forwards += 1
