@@ -278,21 +278,17 @@ class _Loop:
                 host = autoregressive_step(self.model, self.cache, device_roots.to(c.device, non_blocking=True),
                                            c.params, c.generator, self.runner,
                                            None if self.drafter is None else self.drafter.plain_top_k)
-            if self.held is not None:
-                host = _spread(host, self.held, rows.batch_size)
-            for r in live:
-                rows.accepted[r].append(0)
             stats.time_verify += self.clock.lap()
         else:
             with self.tree_scope():
                 host, result = speculative_step(c.target, self.cache, full, c.params, c.generator, c.scan, c.top_k,
                                                 lap=self.lap, runner=self.runner)
-            if self.held is not None:
-                host = _spread(host, self.held, rows.batch_size)
-            for r in live:
-                rows.accepted[r].append(int(host.counts[r]) - 1)
             if self.on_step is not None and self.drafter is not None:  # tensor parallelism: rank 0 drafts
                 self.on_step(live, draft, _rows_of(result, live) if len(live) < len(device_roots) else result)
+        if self.held is not None:
+            host = _spread(host, self.held, rows.batch_size)
+        for r in live:
+            rows.accepted[r].append(0 if full is None else int(host.counts[r]) - 1)
         n = 1 if full is None else full.n
         stats.trees[n] = stats.trees.get(n, 0) + 1
         stats.target_forwards += 1
