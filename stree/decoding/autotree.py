@@ -329,7 +329,8 @@ class AutoTree:
     up on the tokens of the plain steps before, the caches it evicts: costs the profile's steady
     state does not see); a seeded one what the profile predicts, its drafter's catch-up included.
     An adaptive choice learns no cost from a call's first iteration (``SETTLE``), and while trees
-    keep winning it takes one plain step in ``PLAIN_EVERY`` to weigh plain steps again.
+    keep winning it takes plain steps once in ``PLAIN_EVERY`` to weigh plain steps again (two: a
+    plain step right after a tree teaches no cost, as it pays for what the tree evicted).
     ``rates`` and ``scale`` (``{"plain": x, "tree": y}``, and the ledger) may be shared with
     earlier choosers, which then hand over what they learned. ``chosen`` counts the steps per tree
     size (1: a plain step)."""
@@ -403,6 +404,7 @@ class AutoTree:
         # After a measured probe, for the plain step that may follow: the weight of its loss in the
         # probes' average (1: the first measured); else None.
         self._after_probe: float | None = None
+        self._after_tree = False  # whether the last step recorded was a tree
         self._promised: tuple[float, np.ndarray] | None = None  # this step's tree: the drafts promised, the rows
         self._predicted = ("plain", self.cost[1])  # this step's kind and predicted milliseconds
         self._iterations = 0  # recorded in this call
@@ -661,11 +663,15 @@ class AutoTree:
         # A plain step right after a probe reads weights and state the probe pushed out of the caches:
         # part of what the probe cost, not of the plain steps it interrupts.
         after, self._after_probe = self._after_probe, None
+        # Likewise a plain step right after a tree: priced by such steps (in a run of trees the only
+        # plain steps there are), plain steps looked dearer than a run of them costs, and trees that
+        # lost to such a run went on winning. It teaches nothing; the next plain step does.
+        after_tree, self._after_tree = self._after_tree, tree is not None
         timed = self.adaptive and elapsed_ms is not None and elapsed_ms > 0
         if after is not None and tree is None:
             if timed:
                 self._pay_aftermath(elapsed_ms - self.cost[1] * self.scale["plain"], after)
-        elif timed and self._iterations > self.SETTLE:
+        elif timed and self._iterations > self.SETTLE and not (after_tree and tree is None):
             # clipped: one iteration that compiled or measured something must not price trees out for good
             ratio = min(max(elapsed_ms / predicted, 1.0 / self.CLIP), self.CLIP)
             self.scale[kind] += self.ADAPT * (ratio - self.scale[kind])

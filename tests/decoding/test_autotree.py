@@ -503,6 +503,31 @@ def test_a_stale_plain_scale_is_weighed_again_while_trees_win():
     assert 4 <= len(plain) <= 2 * 768 // AutoTree.PLAIN_EVERY  # about one in PLAIN_EVERY, not plain decoding
 
 
+def test_plain_steps_right_after_trees_do_not_price_plain_decoding():
+    """Trees of two nodes at 1.5 ms, their child accepted two steps in five: 1.4 tokens for 1.5
+    ms, where a run of plain steps brings one token a millisecond. A plain step right after a tree
+    takes 1.6 ms (what the tree pushed out of the caches), and while trees run those are the only
+    plain steps there are: priced by them, trees look the better and run for good. They teach
+    nothing, the plain step after them does, and the choice decodes plain."""
+    profile = CostProfile(1.0, (2,), (1.5,))
+    auto = AutoTree(profile, adaptive=True, sizes=(2,))
+    after, late, trees = False, [], 0
+    for i in range(3000):
+        plan = auto.plan()
+        draft = None if plan is None else auto.choose(full_draft(plan), np.ones(1, dtype=np.bool_))
+        if draft is None:
+            auto.record(None, elapsed_ms=1.6 if after else 1.0)
+        else:
+            hit, trees = trees % 5 < 2, trees + 1
+            emitted = np.array([[int(draft.tokens[0, 1]) if hit else 999, 0]])
+            auto.record(draft, emitted, np.array([2 if hit else 1]), np.arange(1), elapsed_ms=auto._predicted[1])
+        after = draft is not None
+        if i >= 2000:
+            late.append(draft is None)
+    assert auto.scale["plain"] < 1.1
+    assert np.mean(late) > 0.9
+
+
 def test_plain_runs_teach_what_a_plain_step_costs():
     """The profile says a plain step takes 1 ms; a run of 30 plain steps the loop took ahead says
     0.6 ms each. Trees bringing 1.95 tokens for 1.5 ms beat the profile's plain step but not the
