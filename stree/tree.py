@@ -142,6 +142,10 @@ class TreeIndex:
             return (self.pre[:, None, :] <= pre_i) & (pre_i <= self.last[:, None, :])
         return self.memo("ancestor_mask", build)
 
+    def is_chain(self) -> bool:
+        """Whether every row is a chain (node i the child of node i - 1)."""
+        return self.memo("is_chain", lambda: bool((self.depth == torch.arange(self.n, device=self.device)).all()))
+
     def for_batch(self, batch: int, name: str = "parents") -> "TreeIndex":
         if self.rows not in (1, batch):
             raise ValueError(f"{name} has {self.rows} rows but the inputs have batch {batch}; use one shared row or one per batch row")

@@ -97,13 +97,22 @@ def window_positions(parents_rows: torch.Tensor, d_conv: int) -> torch.Tensor:
 
 
 def tree_conv1d_torch(xBC, parents, conv_state, weight, bias=None, activation="silu"):
-    """Gather each node's window from ``[conv_state; xBC]`` and apply the taps, in fp32."""
+    """Gather each node's window from ``[conv_state; xBC]`` and apply the taps, in fp32; a chain
+    (a prefill) is the plain causal depthwise conv over its window rows (gathered, a 256-token
+    chain's windows at batch 16 took most of a prefill's time)."""
     index, weight = _check_args(xBC, parents, conv_state, weight, bias, activation)
     batch, n, dim = xBC.shape
     d_conv = weight.shape[-1]
+    f32 = lambda t: t if t.dtype == torch.float32 else t.float()
+    if index.is_chain():  # node i's window: rows i + 1 .. i + d_conv of [conv_state; xBC]
+        seq = torch.cat([f32(conv_state)[:, :, 1:], f32(xBC).transpose(1, 2)], dim=2)  # [b, dim, K - 1 + n]
+        out = torch.nn.functional.conv1d(seq, f32(weight)[:, None], None if bias is None else f32(bias), groups=dim)
+        out = out.transpose(1, 2)
+        if activation == "silu":
+            out = torch.nn.functional.silu(out)
+        return out.to(xBC.dtype) if out.dtype != xBC.dtype else out.contiguous()
     # Window rows of [conv_state; xBC], the same for every layer of a pass: made once per tree.
     pos = index.memo(("conv_window", d_conv), lambda: window_positions(index.parents.long(), d_conv) + d_conv)
-    f32 = lambda t: t if t.dtype == torch.float32 else t.float()
     seq = torch.cat([f32(conv_state).transpose(1, 2), f32(xBC)], dim=1)  # [b, K + n, dim]
     if pos.shape[0] == 1:
         windows = seq.index_select(1, pos.view(-1)).view(batch, n, d_conv, dim)

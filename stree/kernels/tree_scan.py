@@ -162,36 +162,96 @@ def _check_args(x, dt, A, B, C, parents, D, dt_bias, dt_limit, initial_state):
     return index, D, check_dt_limit(dt_limit)
 
 
+# A chain longer than this is scanned in blocks of this many nodes (the state carried between them):
+# the ancestor masks' work grows with the square of the nodes, a prefill's 256-token chains at
+# batch 16 spent most of their time there.
+CHAIN_BLOCK = 64
+
+
 def tree_scan_torch(x, dt, A, B, C, parents, *, D=None, dt_bias=None, dt_softplus=True,
                   dt_limit=(0.0, INF), initial_state=None):
     """Vectorised PyTorch version of the formula above (fp32, explicit ``n x n`` ancestor mask).
     Heads are grouped as ``[g, h / g]`` so B and C broadcast over their group instead of being
-    repeated; the tree's masks are made once per tree (every layer of a pass shares them)."""
+    repeated; the tree's masks are made once per tree (every layer of a pass shares them). A
+    chain of more than ``CHAIN_BLOCK`` nodes (a prefill) runs block by block, as Mamba2's chunked
+    scan does: each block from the state the blocks before it left."""
     index, D, dt_limit = _check_args(x, dt, A, B, C, parents, D, dt_bias, dt_limit, initial_state)
+    batch, n, nheads, headdim = x.shape
+    dt = process_dt(dt, dt_bias, dt_softplus, dt_limit)  # [b, n, h]
+    if n > CHAIN_BLOCK and index.is_chain():
+        y = _chain_blocks(x, dt, A, B, C, initial_state)
+    else:
+        y = _block(x, dt, A, B, C, *_masks(index), initial_state)[0]
+    y = y.view(batch, nheads, n, headdim).transpose(1, 2)
+    if D is not None:
+        y = torch.addcmul(y, _f32(x), _f32(D))
+    return y.to(x.dtype).contiguous() if y.dtype != x.dtype else y.contiguous()
+
+
+def _f32(t: torch.Tensor) -> torch.Tensor:
+    return t if t.dtype == torch.float32 else t.float()
+
+
+def _masks(index):
+    """The tree's ancestor mask as floats ``[rows, n, n]`` and its complement ``[rows, 1, n, n]``."""
+    return (index.memo("ancestor_mask_f32", lambda: index.ancestor_mask().float()),
+            index.memo("not_ancestor", lambda: ~index.ancestor_mask()[:, None]))
+
+
+def _block(x, dt, A, B, C, L, off, initial_state):
+    """The formula over one block of nodes (``dt`` processed, ``[b, n, h]``) under its masks:
+    ``y [b, g, h / g, n, p]`` without the D term, and Atree ``[b, h, n]``."""
     batch, n, nheads, headdim = x.shape
     g = B.shape[2]
     r = nheads // g
-    L = index.memo("ancestor_mask_f32", lambda: index.ancestor_mask().float())  # [rows, n, n]
-    off = index.memo("not_ancestor", lambda: ~index.ancestor_mask()[:, None])  # [rows, 1, n, n]
-    f32 = lambda t: t if t.dtype == torch.float32 else t.float()
     # Batched matmuls throughout: on the CPU einsum costs several times as much at these sizes.
-    dt = process_dt(dt, dt_bias, dt_softplus, dt_limit)  # [b, n, h]
     # In-place where autograd does not record (decoding); the training forward needs the graph.
-    inplace = not torch.is_grad_enabled()
-    mul = (lambda a, b: a.mul_(b)) if inplace else torch.mul
-    atree = (L @ (dt * f32(A))).transpose(1, 2)  # [b, h, n]
+    mul = (lambda a, b: a.mul_(b)) if not torch.is_grad_enabled() else torch.mul
+    atree = (L @ (dt * _f32(A))).transpose(1, 2)  # [b, h, n]
     decay = (atree[..., :, None] - atree[..., None, :]).masked_fill(off, -INF).exp()  # [b, h, i, j]
-    Cg = f32(C).transpose(1, 2)  # [b, g, n, s]
-    w = mul(decay.view(batch, g, r, n, n), (Cg @ f32(B).permute(0, 2, 3, 1))[:, :, None])  # * (C_i . B_j)
+    Cg = _f32(C).transpose(1, 2)  # [b, g, n, s]
+    w = mul(decay.view(batch, g, r, n, n), (Cg @ _f32(B).permute(0, 2, 3, 1))[:, :, None])  # * (C_i . B_j)
     w = mul(w, dt.transpose(1, 2).reshape(batch, g, r, 1, n))  # * dt_j
-    y = w @ f32(x).transpose(1, 2).reshape(batch, g, r, n, headdim)  # [b, g, r, n, p]
+    y = w @ _f32(x).transpose(1, 2).reshape(batch, g, r, n, headdim)  # [b, g, r, n, p]
     if initial_state is not None:
         state = initial_state.view(batch, g, r, headdim, initial_state.shape[-1]).transpose(-1, -2)
         y = torch.addcmul(y, Cg[:, :, None] @ state, atree.exp().view(batch, g, r, n, 1))
-    y = y.view(batch, nheads, n, headdim).transpose(1, 2)
-    if D is not None:
-        y = torch.addcmul(y, f32(x), f32(D))
-    return y.to(x.dtype).contiguous() if y.dtype != x.dtype else y.contiguous()
+    return y, atree
+
+
+def _chain_blocks(x, dt, A, B, C, initial_state):
+    """A chain's ``y [b, g, h / g, n, p]`` block by block (``CHAIN_BLOCK`` nodes each): a block's
+    state after its last node is exp(Atree_last) x0 + sum_j exp(Atree_last - Atree_j) dt_j
+    x_j B_j^T, its Atree counted from the block's start."""
+    batch, n, nheads, headdim = x.shape
+    g, dstate = B.shape[2], B.shape[3]
+    r = nheads // g
+    state, out = initial_state, []
+    for start in range(0, n, CHAIN_BLOCK):
+        end = min(n, start + CHAIN_BLOCK)
+        xs, dts, Bs = x[:, start:end], dt[:, start:end], B[:, start:end]
+        y, atree = _block(xs, dts, A, Bs, C[:, start:end], *_chain_masks(end - start, x.device), state)
+        out.append(y)
+        if end == n:
+            break
+        last = atree[..., -1:]  # [b, h, 1]
+        w = (last - atree).exp() * dts.transpose(1, 2)  # [b, h, m]: what x_j is worth at the block's end
+        xw = (_f32(xs).permute(0, 2, 3, 1) * w[:, :, None]).view(batch, g, r, headdim, end - start)
+        new = (xw @ _f32(Bs).transpose(1, 2)[:, :, None]).view(batch, nheads, headdim, dstate)
+        state = new if state is None else torch.addcmul(new, state, last.exp()[..., None])
+    return torch.cat(out, dim=3)
+
+
+def _chain_masks(m: int, device):
+    """A chain's masks (see :func:`_masks`) for ``m`` nodes."""
+    key = (m, str(device))
+    if key not in _CHAIN_MASKS:
+        lower = torch.ones(m, m, dtype=torch.bool, device=device).tril()
+        _CHAIN_MASKS[key] = (lower.float()[None], ~lower[None, None])
+    return _CHAIN_MASKS[key]
+
+
+_CHAIN_MASKS: dict = {}  # (nodes, device) -> a chain's masks, made once per size
 
 
 def launch_config(n, headdim, dstate):

@@ -54,6 +54,22 @@ def test_chain_equals_torch_conv1d_over_the_sequence(backend, device):
     assert max_rel_error(out, expected) <= FP32_TOL
 
 
+@pytest.mark.parametrize("n", [1, 9, 300])
+@pytest.mark.parametrize("d_conv", [1, 2, 4])
+@pytest.mark.parametrize("activation", ["silu", None])
+def test_chains_of_every_length_match_the_definition(n, d_conv, activation, poison):
+    """A chain (a prefill) takes the PyTorch path's causal conv over its window rows, with or
+    without a bias, for every kernel width (one tap: no state read), shared by the batch or one
+    chain per row."""
+    xbc, conv_state, weight, bias = _inputs(n, 2, n, 24, d_conv, state_layout="channels_last")
+    chain = TreeShape.chain(n - 1).parents_tensor()
+    for parents in (chain, torch.stack([chain, chain])):
+        for b in (bias, None):
+            out = tree_conv1d(xbc, parents, conv_state, weight, b, activation, backend="torch")
+            assert out.shape == xbc.shape and out.is_contiguous()
+            assert max_rel_error(out, tree_conv1d_def(xbc, parents, conv_state, weight, b, activation)) <= FP32_TOL
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_half_precision(dtype, backend, device):

@@ -1,13 +1,15 @@
+import importlib
 import math
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from strategies import dt_options, ssm_inputs, ssm_shapes, trees
 
 from stree.drafters.calibrate import stand_initial_tree
 from stree.kernels import MAX_TREE_NODES, multistep_update, tree_scan, tree_scan_torch
+from stree.kernels.tree_scan import CHAIN_BLOCK
 from stree.testing import max_rel_error, tree_scan_def
 from stree.tree import TreeShape, tree_index
 
@@ -60,6 +62,40 @@ def test_multi_tile_trees(n, device, poison):
     expected = _definition(inp, parents, opts)
     assert max_rel_error(_run(inp, parents, opts, "triton", device), expected) <= FP32_TOL
     assert max_rel_error(_run(inp, parents, opts, "torch", torch.device("cpu")), expected) <= FP32_TOL
+
+
+@settings(max_examples=12, deadline=None)
+@given(n=st.integers(CHAIN_BLOCK + 1, 3 * CHAIN_BLOCK + 7), shape=ssm_shapes(), dt_opts=dt_options(),
+       D_kind=st.sampled_from(["none", "head", "dim"]), with_state=st.booleans(), per_row=st.booleans(),
+       seed=st.integers(0, 2**16))
+def test_long_chains_scan_block_by_block(n, shape, dt_opts, D_kind, with_state, per_row, seed, poison, monkeypatch):
+    """A chain longer than CHAIN_BLOCK (a prefill) runs block by block, each block from the state
+    the ones before it left: the same outputs as the definition. A batch whose rows are not all
+    chains keeps the whole-tree masks."""
+    module = importlib.import_module("stree.kernels.tree_scan")  # (the package's tree_scan is the function)
+    blocks = []
+    real = module._chain_blocks
+    monkeypatch.setattr(module, "_chain_blocks", lambda *a: blocks.append(1) or real(*a))
+    chain = TreeShape.chain(n - 1).parents_tensor()
+    parents = torch.stack([chain, chain]) if per_row else chain
+    inp = ssm_inputs(torch.Generator().manual_seed(seed), 2, n, shape, dt_opts, D_kind=D_kind)
+    if not with_state:
+        inp["initial_state"] = None
+    for backend in ("torch", "auto"):
+        assert max_rel_error(_run(inp, parents, dt_opts, backend, torch.device("cpu")),
+                             _definition(inp, parents, dt_opts)) <= FP32_TOL, backend
+    assert len(blocks) == 2
+    mixed = torch.stack([chain, torch.cat([chain[:-1], torch.tensor([n - 3])])])  # row 1: the last node forks
+    assert max_rel_error(_run(inp, mixed, dt_opts, "torch", torch.device("cpu")),
+                         _definition(inp, mixed, dt_opts)) <= FP32_TOL
+    assert len(blocks) == 2
+
+
+def test_tree_index_knows_a_chain():
+    chain = TreeShape.chain(5).parents_tensor()
+    assert tree_index(chain).is_chain() and tree_index(torch.stack([chain, chain])).is_chain()
+    assert not tree_index(torch.tensor([-1, 0, 0])).is_chain()
+    assert not tree_index(torch.stack([chain, torch.tensor([-1, 0, 1, 2, 3, 3])])).is_chain()
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
