@@ -107,10 +107,10 @@ def tree_conv1d_torch(xBC, parents, conv_state, weight, bias=None, activation="s
     if index.is_chain():  # node i's window: rows i + 1 .. i + d_conv of [conv_state; xBC]
         seq = torch.cat([f32(conv_state)[:, :, 1:], f32(xBC).transpose(1, 2)], dim=2)  # [b, dim, K - 1 + n]
         out = torch.nn.functional.conv1d(seq, f32(weight)[:, None], None if bias is None else f32(bias), groups=dim)
-        out = out.transpose(1, 2)
+        out = out.transpose(1, 2).contiguous()
         if activation == "silu":
-            out = torch.nn.functional.silu(out)
-        return out.to(xBC.dtype) if out.dtype != xBC.dtype else out.contiguous()
+            out = torch.nn.functional.silu(out, inplace=not torch.is_grad_enabled())
+        return out.to(xBC.dtype)
     # Window rows of [conv_state; xBC], the same for every layer of a pass: made once per tree.
     pos = index.memo(("conv_window", d_conv), lambda: window_positions(index.parents.long(), d_conv) + d_conv)
     seq = torch.cat([f32(conv_state).transpose(1, 2), f32(xBC)], dim=1)  # [b, K + n, dim]

@@ -68,6 +68,10 @@ def test_chains_of_every_length_match_the_definition(n, d_conv, activation, pois
             out = tree_conv1d(xbc, parents, conv_state, weight, b, activation, backend="torch")
             assert out.shape == xbc.shape and out.is_contiguous()
             assert max_rel_error(out, tree_conv1d_def(xbc, parents, conv_state, weight, b, activation)) <= FP32_TOL
+    half = tree_conv1d(xbc.bfloat16(), chain, conv_state.bfloat16(), weight, bias, activation, backend="torch")
+    assert half.dtype == torch.bfloat16 and half.is_contiguous()
+    assert max_rel_error(half, tree_conv1d_def(xbc.bfloat16(), chain, conv_state.bfloat16(), weight, bias,
+                                               activation)) <= 1e-2
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
