@@ -120,10 +120,14 @@ def check_tree(parents, batch, n, device) -> TreeIndex:
     return index.for_batch(batch)
 
 
+def f32(t: torch.Tensor | None) -> torch.Tensor | None:
+    """``t`` in float32 (itself where it already is; None stays None): the PyTorch paths' arithmetic."""
+    return t if t is None or t.dtype == torch.float32 else t.float()
+
+
 def process_dt(dt, dt_bias, dt_softplus, dt_limit):
     """dt -> clamp(softplus(dt + bias)) in fp32, softplus linear above 20 as in mamba_ssm. The
     clamp is skipped when it cannot bite (softplus is >= 0, so (0, inf) after it is a no-op)."""
-    f32 = lambda t: t if t.dtype == torch.float32 else t.float()
     dt = f32(dt)
     if dt_bias is not None:
         dt = dt + f32(dt_bias)

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ._common import as_numpy, check_layout, check_tensor, jit_fits, resolve_backend
+from ._common import as_numpy, check_layout, check_tensor, f32, jit_fits, resolve_backend
 
 __all__ = ["conv_step", "conv_step_torch"]
 
@@ -63,7 +63,6 @@ def conv_step_torch(x, conv_state, weight, bias=None, activation="silu"):
     weight = _check_args(x, conv_state, weight, bias, activation)
     window = torch.cat([conv_state[..., 1:], x[..., None].to(conv_state.dtype)], dim=-1)
     conv_state.copy_(window)
-    f32 = lambda t: t if t is None or t.dtype == torch.float32 else t.float()
     taps = f32(weight)[:, :, None]  # [dim, K, 1]: channel d's taps as one matrix of the batch
     if bias is None:
         out = torch.bmm(f32(window).transpose(0, 1), taps)

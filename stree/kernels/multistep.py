@@ -23,6 +23,7 @@ from ._common import (
     check_layout,
     check_ssm_params,
     check_tensor,
+    f32,
     heads_view,
     jit_fits,
     pow2_block,
@@ -225,7 +226,6 @@ def selective_state_update_torch(state, x, dt, A, B, C, *, D=None, dt_bias=None,
     D, dt_limit = _check_step_args(state, x, dt, A, B, C, D, dt_bias, dt_limit)
     batch, nheads, headdim, dstate = state.shape
     g = B.shape[1]
-    f32 = lambda t: t if t.dtype == torch.float32 else t.float()
     dt = process_dt(dt, dt_bias, dt_softplus, dt_limit).view(batch, g, nheads // g)
     xg = f32(x).view(batch, g, nheads // g, headdim)
     st = state.view(batch, g, nheads // g, headdim, dstate)

@@ -24,6 +24,7 @@ from ._common import (
     check_groups,
     check_layout,
     check_tensor,
+    f32,
     jit_fits,
     pow2_block,
     process_dt,
@@ -174,7 +175,6 @@ def replay_torch(ssm_state, conv_state, xBC, x, dt, B, A, accepted, num_accepted
     used = torch.arange(L, device=x.device) < num_accepted[:, None]
     path = torch.where(used, accepted, 0).long()
     rows = torch.arange(batch, device=x.device)[:, None]
-    f32 = lambda t: t if t is None or t.dtype == torch.float32 else t.float()
     bias = None if dt_bias is None else dt_bias[:, None, None]
     dtp = process_dt(dt[:, rows, path], bias, dt_softplus, dt_limit) * used[..., None]  # [layers, b, L, h]
     dA = dtp * f32(A)[:, None, None]

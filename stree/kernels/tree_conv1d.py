@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import as_numpy, check_layout, check_tensor, check_tree, pow2_block, resolve_backend
+from ._common import as_numpy, check_layout, check_tensor, f32, check_tree, pow2_block, resolve_backend
 from .cpu.tree_jit import jit_tree_fits
 
 __all__ = ["tree_conv1d", "tree_conv1d_torch"]
@@ -103,7 +103,6 @@ def tree_conv1d_torch(xBC, parents, conv_state, weight, bias=None, activation="s
     index, weight = _check_args(xBC, parents, conv_state, weight, bias, activation)
     batch, n, dim = xBC.shape
     d_conv = weight.shape[-1]
-    f32 = lambda t: t if t.dtype == torch.float32 else t.float()
     if index.is_chain():  # node i's window: rows i + 1 .. i + d_conv of [conv_state; xBC]
         seq = torch.cat([f32(conv_state)[:, :, 1:], f32(xBC).transpose(1, 2)], dim=2)  # [b, dim, K - 1 + n]
         out = torch.nn.functional.conv1d(seq, f32(weight)[:, None], None if bias is None else f32(bias), groups=dim)

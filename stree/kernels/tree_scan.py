@@ -12,6 +12,8 @@ along every root-to-node path at once. On a chain it is Mamba2's SSD with an ini
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -26,6 +28,7 @@ from ._common import (
     check_tensor,
     check_tree,
     dot_precision,
+    f32,
     pow2_block,
     process_dt,
     process_dt_tl,
@@ -184,12 +187,8 @@ def tree_scan_torch(x, dt, A, B, C, parents, *, D=None, dt_bias=None, dt_softplu
         y = _block(x, dt, A, B, C, *_masks(index), initial_state)[0]
     y = y.view(batch, nheads, n, headdim).transpose(1, 2)
     if D is not None:
-        y = torch.addcmul(y, _f32(x), _f32(D))
+        y = torch.addcmul(y, f32(x), f32(D))
     return y.to(x.dtype).contiguous() if y.dtype != x.dtype else y.contiguous()
-
-
-def _f32(t: torch.Tensor) -> torch.Tensor:
-    return t if t.dtype == torch.float32 else t.float()
 
 
 def _masks(index):
@@ -207,12 +206,12 @@ def _block(x, dt, A, B, C, L, off, initial_state):
     # Batched matmuls throughout: on the CPU einsum costs several times as much at these sizes.
     # In-place where autograd does not record (decoding); the training forward needs the graph.
     mul = (lambda a, b: a.mul_(b)) if not torch.is_grad_enabled() else torch.mul
-    atree = (L @ (dt * _f32(A))).transpose(1, 2)  # [b, h, n]
+    atree = (L @ (dt * f32(A))).transpose(1, 2)  # [b, h, n]
     decay = (atree[..., :, None] - atree[..., None, :]).masked_fill(off, -INF).exp()  # [b, h, i, j]
-    Cg = _f32(C).transpose(1, 2)  # [b, g, n, s]
-    w = mul(decay.view(batch, g, r, n, n), (Cg @ _f32(B).permute(0, 2, 3, 1))[:, :, None])  # * (C_i . B_j)
+    Cg = f32(C).transpose(1, 2)  # [b, g, n, s]
+    w = mul(decay.view(batch, g, r, n, n), (Cg @ f32(B).permute(0, 2, 3, 1))[:, :, None])  # * (C_i . B_j)
     w = mul(w, dt.transpose(1, 2).reshape(batch, g, r, 1, n))  # * dt_j
-    y = w @ _f32(x).transpose(1, 2).reshape(batch, g, r, n, headdim)  # [b, g, r, n, p]
+    y = w @ f32(x).transpose(1, 2).reshape(batch, g, r, n, headdim)  # [b, g, r, n, p]
     if initial_state is not None:
         state = initial_state.view(batch, g, r, headdim, initial_state.shape[-1]).transpose(-1, -2)
         y = torch.addcmul(y, Cg[:, :, None] @ state, atree.exp().view(batch, g, r, n, 1))
@@ -236,22 +235,17 @@ def _chain_blocks(x, dt, A, B, C, initial_state):
             break
         last = atree[..., -1:]  # [b, h, 1]
         w = (last - atree).exp() * dts.transpose(1, 2)  # [b, h, m]: what x_j is worth at the block's end
-        xw = (_f32(xs).permute(0, 2, 3, 1) * w[:, :, None]).view(batch, g, r, headdim, end - start)
-        new = (xw @ _f32(Bs).transpose(1, 2)[:, :, None]).view(batch, nheads, headdim, dstate)
+        xw = (f32(xs).permute(0, 2, 3, 1) * w[:, :, None]).view(batch, g, r, headdim, end - start)
+        new = (xw @ f32(Bs).transpose(1, 2)[:, :, None]).view(batch, nheads, headdim, dstate)
         state = new if state is None else torch.addcmul(new, state, last.exp()[..., None])
     return torch.cat(out, dim=3)
 
 
-def _chain_masks(m: int, device):
-    """A chain's masks (see :func:`_masks`) for ``m`` nodes."""
-    key = (m, str(device))
-    if key not in _CHAIN_MASKS:
-        lower = torch.ones(m, m, dtype=torch.bool, device=device).tril()
-        _CHAIN_MASKS[key] = (lower.float()[None], ~lower[None, None])
-    return _CHAIN_MASKS[key]
-
-
-_CHAIN_MASKS: dict = {}  # (nodes, device) -> a chain's masks, made once per size
+@functools.lru_cache(maxsize=32)
+def _chain_masks(m: int, device: torch.device):
+    """A chain's masks (see :func:`_masks`) for ``m`` nodes, made once per size."""
+    lower = torch.ones(m, m, dtype=torch.bool, device=device).tril()
+    return lower.float()[None], ~lower[None, None]
 
 
 def launch_config(n, headdim, dstate):
