@@ -22,7 +22,9 @@ setup(
         "math-verify",  # final answers found and compared as the reasoning-evaluation ecosystem does (stree.patterns.answers)
     ],
     extras_require={
-        "test": ["pytest", "hypothesis", "scipy", "matplotlib"],
+        "test": ["pytest", "hypothesis", "scipy", "matplotlib", "starlette", "uvicorn", "openai"],
+        # `stree serve`: the ASGI app and its server
+        "serve": ["starlette", "uvicorn"],
         "bench": ["matplotlib"],
         # Optional baselines for benchmarks on CUDA machines; never imported at package import time.
         "gpu": ["mamba-ssm", "causal-conv1d"],

@@ -19,6 +19,8 @@ BELOW = {
     "stree.decoding": {"stree", "stree.tree", "stree.kernels", "stree.models", "stree.checkpoints", "stree.runtime",
                        "stree.sampling", "stree.drafters"},
     "stree.patterns": {"stree.tree", "stree.models", "stree.sampling", "stree.drafters", "stree.decoding"},
+    "stree.serving": {"stree", "stree.tree", "stree.models", "stree.sampling", "stree.drafters", "stree.decoding",
+                      "stree.patterns"},
 }
 # the public names of loading kept on stree.models (resolved on first use, never at import)
 ALLOWED = {("stree/models/__init__.py", "stree.checkpoints")}

@@ -30,6 +30,13 @@ def _add_revision(p) -> None:
     p.add_argument("--revision", default=None, help="the branch, tag or commit of a Hub id --model (default: main)")
 
 
+def _add_model(p) -> None:
+    """``--model``, its ``--revision`` and ``--tokenizer``."""
+    p.add_argument("--model", required=True, help=MODEL_HELP)
+    _add_revision(p)
+    p.add_argument("--tokenizer", default=None, help="tokenizer directory or Hub id (default: --model)")
+
+
 def _add_decoding(p) -> None:
     """The sampling flags (their defaults the checkpoint's), seed, dtype and device."""
     defaults = "default: the checkpoint's generation_config.json, else "
@@ -183,9 +190,7 @@ def _chat_parser(sub) -> None:
                        description="Each line read is a user message; the reply streams as its tokens are accepted "
                                    "and the conversation is kept. /reset starts it again (the --system message "
                                    "stays), /exit or Ctrl-D leaves, Ctrl-C stops a reply.")
-    p.add_argument("--model", required=True, help=MODEL_HELP)
-    _add_revision(p)
-    p.add_argument("--tokenizer", default=None, help="tokenizer directory or Hub id (default: --model)")
+    _add_model(p)
     p.add_argument("--system", default=None, help="a system message opening the conversation")
     _add_drafter(p)
     p.add_argument("--drafter-model", default=None, help="checkpoint directory or Hub id of a small drafter LM")
@@ -239,6 +244,39 @@ def _run_chat(args) -> int:
             continue
         print()
         history += [{"role": "user", "content": message}, {"role": "assistant", "content": stream.output.texts[0]}]
+
+
+def _serve_parser(sub) -> None:
+    p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server: continuous batching over state slots, "
+                                     "every request decoded speculatively",
+                       description="/v1/completions, /v1/chat/completions (streaming by server-sent events), "
+                                   "/v1/models, /health, /metrics. stree's own request fields: drafter, tree, top_k. "
+                                   "SIGINT or SIGTERM: the requests in flight finish, then the server exits.")
+    _add_model(p)
+    p.add_argument("--drafter-model", default=None, help="checkpoint directory or Hub id of a small drafter LM (for "
+                                                         "requests with drafter ssm)")
+    p.add_argument("--served-name", default=None, help="the model name clients send (default: --model)")
+    p.add_argument("--host", default="127.0.0.1", help="the address to bind (default: loopback only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=None, help="requests must carry 'Authorization: Bearer KEY'")
+    p.add_argument("--max-slots", type=int, default=None, help="requests decoded at once (default: sized from memory)")
+    p.add_argument("--max-length", type=int, default=2048, help="tokens a slot holds (prompt and completion)")
+    p.add_argument("--max-queue", type=int, default=256, help="requests that may wait for a slot; beyond, 429")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default: the checkpoint's")
+    p.add_argument("--device", default=None, help="default: cuda when available, else cpu")
+
+
+def _run_serve(args) -> int:
+    from ..lm import LM
+    from ..serving.server import serve
+
+    if not 0 < args.port < 65536:
+        raise ValueError(f"--port must be in [1, 65535], got {args.port}")
+    lm = LM.from_pretrained(args.model, device=args.device, dtype=args.dtype, tokenizer=args.tokenizer,
+                            drafter_model=args.drafter_model, revision=args.revision)
+    serve(lm, args.served_name or args.model, host=args.host, port=args.port, api_key=args.api_key,
+          max_slots=args.max_slots, max_length=args.max_length, max_queue=args.max_queue)
+    return 0
 
 
 def _reason_parser(sub) -> None:
@@ -582,13 +620,14 @@ def main(argv: list[str] | None = None) -> int:
     _generate_parser(sub)
     _chat_parser(sub)
     _reason_parser(sub)
+    _serve_parser(sub)
     _profile_parser(sub)
     _optimize_parser(sub)
     _train_lm_parser(sub)
     _distill_parser(sub)
     args = parser.parse_args(argv)
     run = {"generate": _run_generate, "chat": _run_chat, "reason": _run_reason, "optimize-tree": _run_optimize, "train-lm": _run_train_lm,
-           "distill": _run_distill, "profile": _run_profile}[args.command]
+           "distill": _run_distill, "profile": _run_profile, "serve": _run_serve}[args.command]
     from ..training.loop import TrainingInterrupted
 
     from ..models.parallel import leave

@@ -3,7 +3,6 @@ exactly transformers' `apply_chat_template`, a batch of conversations equal to e
 reasoning of `<think>` templates apart from the answer, and clear errors."""
 
 import json
-import shutil
 import subprocess
 import sys
 
@@ -13,20 +12,10 @@ import stree
 from stree.patterns.chat import split_reasoning
 from stree.tools.demo import TARGET
 from stree.decoding.loop import generate
+from chat_templates import PLAIN, THINKING, with_template
 
-PLAIN = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
-         "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
-THINKING = PLAIN.replace("<|assistant|>\n{% endif %}", "<|assistant|>\n<think>\n{% endif %}")
 CHATS = [[{"role": "system", "content": "You write Python."}, {"role": "user", "content": "def fibonacci(n):"}],
          [{"role": "user", "content": "class Stack:"}]]
-
-
-def with_template(tmp_path, template, name):
-    ckpt = tmp_path / name
-    shutil.copytree(TARGET, ckpt)
-    config = json.loads((ckpt / "tokenizer_config.json").read_text())
-    (ckpt / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": template}))
-    return ckpt
 
 
 @pytest.fixture(scope="module")

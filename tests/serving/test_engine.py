@@ -1,0 +1,202 @@
+"""The continuous-batching engine on the shipped pair: every request's greedy output is what
+decoding it alone gives, whatever runs beside it (requests arriving at random times, mixed
+drafters, lengths, stop strings, cancellations); sampled requests keep the target's law (exact
+enumeration and chi-square); long prompts are read in chunks between other rows' steps; slots
+come back; bad requests are refused before anything is queued."""
+
+import itertools
+import json
+import random
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+from scipy.stats import chisquare
+
+import stree
+from stree.models.base import MAX_TREE_NODES, TreeLM
+from stree.serving import Engine, EngineClosed, Overloaded
+from stree.tools.demo import DRAFTER, TARGET
+
+PROMPTS = [json.loads(line)["prompt"] for line in open(f"{TARGET}/prompts.jsonl")][:8]
+
+
+@pytest.fixture(scope="module")
+def lm():
+    return stree.LM.from_pretrained(TARGET, dtype="float32", drafter_model=DRAFTER)
+
+
+def _alone(lm, prompt, max_tokens, drafter, stop=None):
+    out = lm.generate(prompt, max_new_tokens=max_tokens, drafter=drafter, stop=stop, temperature=0)
+    return out.texts[0], out.token_ids[0], out.finish_reasons[0]
+
+
+def test_requests_arriving_at_random_times_decode_as_they_do_alone(lm):
+    """32 requests from 4 threads at random times into 6 slots: mixed drafters (autoregressive
+    included), budgets and stop strings, and 4 cancelled on the way. Every finished one is its
+    solo run; a cancelled one a prefix of it; every slot comes back."""
+    rng = random.Random(0)
+    drafters = ["ngram", "stand", None, "ssm"]
+    jobs = []
+    for i in range(32):
+        stop = rng.choice([None, None, "\n\n", "return"])
+        jobs.append(dict(prompt=PROMPTS[i % len(PROMPTS)][: rng.randint(20, 200)], max_tokens=rng.randint(1, 40),
+                         drafter=drafters[i % 4], stop=stop, wait=rng.uniform(0, 0.05), cancel=i % 8 == 3))
+    requests = [None] * len(jobs)
+    with Engine(lm, max_slots=6, max_length=512, seed=0) as engine:
+        def client(part):
+            for i in part:
+                time.sleep(jobs[i]["wait"])
+                job = jobs[i]
+                requests[i] = engine.submit(job["prompt"], max_tokens=job["max_tokens"], drafter=job["drafter"],
+                                            stop=job["stop"])
+                if job["cancel"]:
+                    requests[i].cancel()
+
+        threads = [threading.Thread(target=client, args=(range(k, 32, 4),)) for k in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        results = [r.result(timeout=300) for r in requests]
+        streamed = [list(r) for r in requests]  # (the events are kept for a late reader)
+        assert engine.free_slots == 6 and engine.queue_length == 0
+    cancelled = 0
+    for job, (choice,), events in zip(jobs, results, streamed):
+        text, ids, reason = _alone(lm, job["prompt"], job["max_tokens"], job["drafter"], job["stop"])
+        assert "".join(e.text for e in events) == choice.text
+        assert [t for e in events for t in e.token_ids] == choice.token_ids
+        assert events[-1].finish_reason == choice.finish_reason
+        if choice.finish_reason == "cancelled":
+            cancelled += 1
+            assert ids[: len(choice.token_ids)] == choice.token_ids
+        else:
+            assert (choice.text, choice.token_ids, choice.finish_reason) == (text, ids, reason), job
+    assert cancelled >= 1  # (a cancel may land after a short request ended)
+
+
+def test_n_choices_and_a_full_engine(lm):
+    """``n`` greedy choices are n copies of the solo run, in n slots; a request that cannot wait
+    is refused as Overloaded, and a closed engine takes nothing."""
+    text, ids, _ = _alone(lm, PROMPTS[0], 12, "ngram")
+    with Engine(lm, max_slots=3, max_length=256, max_queue=0, seed=0) as engine:
+        request = engine.submit(PROMPTS[0], max_tokens=12, n=3)
+        with pytest.raises(Overloaded, match="wait for a slot"):
+            while True:  # (the engine may take the first request into its slots before this one)
+                engine.submit(PROMPTS[1], max_tokens=4, n=3)
+        assert [(c.index, c.text, c.token_ids) for c in request.result(timeout=60)] == \
+            [(i, text, ids) for i in range(3)]
+    with pytest.raises(EngineClosed):
+        engine.submit(PROMPTS[0], max_tokens=4)
+
+
+def test_a_long_prompt_is_read_between_the_other_rows_steps(lm, monkeypatch):
+    """A prompt of three chunks joins while another request decodes: its prefill calls carry at
+    most MAX_TREE_NODES tokens each, and the other request's steps run between them."""
+    calls = []
+    for name in ("prefill", "step", "forward_tree"):
+        real = getattr(TreeLM, name)
+
+        def spy(self, tokens, cache, *a, _real=real, _name=name, **k):
+            calls.append((_name, tokens.shape[-1] if _name == "prefill" else 0))
+            return _real(self, tokens, cache, *a, **k)
+
+        monkeypatch.setattr(TreeLM, name, spy)
+    ids = lm.encode(PROMPTS[1] * (1 + 3 * MAX_TREE_NODES // len(lm.encode(PROMPTS[1])[0])))[0]
+    ids = ids[: 2 * MAX_TREE_NODES + 10]
+    with Engine(lm, max_slots=2, max_length=3 * MAX_TREE_NODES, seed=0) as engine:
+        first = engine.submit(PROMPTS[0], max_tokens=60, drafter=None)
+        next(iter(first))  # decoding
+        second = engine.submit(ids, max_tokens=4, drafter=None)
+        second.result(timeout=60)
+        first.result(timeout=60)
+    chunks = [i for i, (name, n) in enumerate(calls) if name == "prefill"]
+    assert [calls[i][1] for i in chunks] == [len(lm.encode(PROMPTS[0])[0]), MAX_TREE_NODES, MAX_TREE_NODES, 10]
+    chunks = chunks[1:]
+    between = [name for name, _ in calls[chunks[0]: chunks[-1]]]
+    assert between.count("step") >= 2
+
+
+def test_sampled_requests_keep_the_targets_law(lm):
+    """Two tokens drawn at temperature 1 from the target's top 2 (4 outcomes, enumerated from the
+    model), 600 choices in 6-slot requests beside each other (the second token from a cohort
+    that rows keep joining): chi-square p > 0.001 (seeded)."""
+    model, prompt = lm.model, lm.encode(PROMPTS[2])[0]
+    with torch.no_grad():
+        cache = model.allocate_cache(1, 64 + len(prompt))
+        first = torch.softmax(model.prefill(torch.tensor([prompt]), cache), -1)[0]
+        top1 = first.topk(2)
+        p1 = top1.values / top1.values.sum()
+        law = {}
+        for a, pa in zip(top1.indices.tolist(), p1.tolist()):
+            branch = cache.select(torch.tensor([0]))
+            second = torch.softmax(model.step(torch.tensor([a]), branch), -1)[0].topk(2)
+            for b, pb in zip(second.indices.tolist(), (second.values / second.values.sum()).tolist()):
+                law[(a, b)] = pa * pb
+    counts = dict.fromkeys(law, 0)
+    with Engine(lm, max_slots=12, max_length=256, seed=1) as engine:
+        requests = [engine.submit(prompt, max_tokens=2, temperature=1.0, top_k=2, n=6, drafter=d)
+                    for d in itertools.islice(itertools.cycle(["ngram", "stand"]), 100)]
+        for request in requests:
+            for choice in request.result(timeout=300):
+                counts[tuple(choice.token_ids)] += 1
+    observed = np.array([counts[k] for k in law])
+    expected = np.array([law[k] for k in law])
+    expected = expected / expected.sum() * observed.sum()
+    assert observed.sum() == 600
+    assert chisquare(observed, expected).pvalue > 1e-3, (observed, expected)
+
+
+def test_a_seeded_request_repeats_whatever_runs_beside_it(lm):
+    with Engine(lm, max_slots=4, max_length=256, seed=0) as engine:
+        alone = engine.submit(PROMPTS[3], max_tokens=24, temperature=0.8, seed=11).result(timeout=60)
+        crowd = [engine.submit(p, max_tokens=24, temperature=0.8) for p in PROMPTS[:3]]
+        again = engine.submit(PROMPTS[3], max_tokens=24, temperature=0.8, seed=11).result(timeout=60)
+        [r.result(timeout=60) for r in crowd]
+    assert alone[0].token_ids == again[0].token_ids
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    (dict(max_tokens=0), ValueError, "max_tokens must be an int >= 1, got 0"),
+    (dict(max_tokens=1.5), ValueError, "max_tokens must be an int"),
+    (dict(max_tokens=500), ValueError, "max_tokens=500 does not fit: a slot holds 256 tokens"),
+    (dict(n=5), ValueError, "n must be at most max_slots"),
+    (dict(temperature=-1), ValueError, "temperature"),
+    (dict(top_p=0), ValueError, "top_p"),
+    (dict(drafter="nope"), ValueError, "drafter must be one of"),
+    (dict(drafter=3), TypeError, "drafter must be a drafter name"),
+    (dict(stop=[""]), TypeError, "stop must be"),
+    (dict(seed="1"), TypeError, "seed must be an int"),
+    (dict(tree="bad"), ValueError, "bad tree spec"),
+    (dict(prompt=[]), TypeError, "prompt must be"),
+    (dict(prompt=[10**6]), ValueError, "not a token id"),
+])
+def test_bad_requests_are_refused_at_submit(lm, kwargs, error, match):
+    with Engine(lm, max_slots=4, max_length=256) as engine:
+        prompt = kwargs.pop("prompt", "def f(x):")
+        with pytest.raises(error, match=match):
+            engine.submit(prompt, **kwargs)
+        assert engine.queue_length == 0 and engine.free_slots == 4
+
+
+def test_engine_arguments_are_checked(lm):
+    with pytest.raises(ValueError, match="max_slots must be an int in"):
+        Engine(lm, max_slots=0)
+    with pytest.raises(ValueError, match="max_length must be an int >= 2"):
+        Engine(lm, max_length=1)
+    with Engine(lm, max_length=256) as engine:
+        assert 1 <= engine.max_slots <= 256  # sized from memory
+
+
+def test_a_stand_store_outlives_the_requests_that_fill_it(lm):
+    """Requests one after another (each cohort ends before the next starts) draft from one STAND
+    store: what the first taught it is there for the second."""
+    with Engine(lm, max_slots=2, max_length=256, seed=0) as engine:
+        engine.submit(PROMPTS[0], max_tokens=16, drafter="stand").result(timeout=60)
+        (store,) = {id(d.store): d.store for d in engine._drafters.values()}.values()
+        filled = len(store)
+        assert filled > 0
+        engine.submit(PROMPTS[1], max_tokens=16, drafter="stand").result(timeout=60)
+        assert [d.store for d in engine._drafters.values()] == [store] and len(store) > filled
