@@ -198,3 +198,14 @@ def test_iteration_parts_smoke_times_each_part_in_steps(tmp_path):
     assert set(row["in_steps"]) == {"step", "tree_pass", "pass_and_verify", "speculative_step"}
     assert all(v > 0 for v in row["ms"].values())
     assert row["ms"]["speculative_step"] > row["ms"]["tree_pass"]  # the step includes the pass
+
+
+def test_serve_smoke_measures_both_modes_through_the_server(tmp_path):
+    result = smoke("serve", tmp_path)
+    rows = result["results"]
+    assert [(r["mode"], r["concurrency"]) for r in rows] == [(m, c) for c in (1, 2)
+                                                             for m in ("autoregressive", "speculative")]
+    for r in rows:
+        assert r["requests"] == 2 * r["concurrency"] and r["tokens"] == 8 * r["requests"]
+        assert 0 < r["ttft_p50_ms"] <= r["ttft_p99_ms"] and r["tokens_per_s"] > 0 and r["tau"] >= 1
+    assert all(r["gain_over_autoregressive"] > 0 for r in rows if r["mode"] == "speculative")
