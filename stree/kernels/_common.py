@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 
@@ -118,6 +119,57 @@ def check_tree(parents, batch, n, device) -> TreeIndex:
     if index.n != n:
         raise ValueError(f"parents describes {index.n} nodes but the inputs have n = {n}")
     return index.for_batch(batch)
+
+
+PAD_SLOT_ID = -1  # a row whose slot id is negative is padding: its state is neither read nor written
+
+
+def check_slots(state_indices, batch: int, slots: int, device, validate: bool = True) -> None:
+    """``state_indices`` ``[batch]`` (ints on ``device``): every id a slot in [0, slots) or padding
+    (negative), no slot twice (two rows writing one slot would race); the values (with
+    ``validate``: one device sync)."""
+    check_tensor("state_indices", state_indices, (batch,), device, kind="int")
+    if not validate:
+        return
+    real = state_indices[state_indices >= 0]
+    if bool((real >= slots).any()):
+        row = int(torch.nonzero(state_indices >= slots)[0])
+        raise ValueError(f"state_indices[{row}] = {int(state_indices[row])} is not a slot in [0, {slots}) or padding "
+                         f"(< 0)")
+    if real.numel() != torch.unique(real).numel():
+        raise ValueError(f"state_indices names a slot twice: {state_indices.tolist()}")
+
+
+def pool_rows(name: str, state, layout: str, state_indices, batch: int, device) -> int:
+    """The rows ``state`` holds: ``batch``; with ``state_indices`` the slots of a pool of layout
+    ``layout`` (its dimensions and the slot table checked)."""
+    if state_indices is None:
+        return batch
+    if not isinstance(state, torch.Tensor) or state.dim() != len(layout.split(",")):
+        raise ValueError(f"with state_indices, {name} must be a pool [{layout}], got {getattr(state, 'shape', state)}")
+    check_slots(state_indices, batch, state.shape[0], device)
+    return state.shape[0]
+
+
+def slot_rows(pool: torch.Tensor, state_indices: torch.Tensor, dim: int = 0) -> torch.Tensor:
+    """The rows' states from a pool of slots (along ``dim``): zeros for padding rows."""
+    rows = pool.index_select(dim, state_indices.long().clamp(min=0))
+    real = (state_indices >= 0).view(*([1] * dim), -1, *([1] * (pool.dim() - dim - 1)))
+    return torch.where(real, rows, torch.zeros((), dtype=pool.dtype, device=pool.device))
+
+
+def put_slot_rows(pool: torch.Tensor, state_indices: torch.Tensor, rows: torch.Tensor, dim: int = 0) -> None:
+    """Write the real rows' states (``rows``, one per row of ``state_indices``) into their slots."""
+    keep = torch.nonzero(state_indices >= 0).flatten()
+    pool.index_copy_(dim, state_indices.long()[keep], rows.index_select(dim, keep))
+
+
+@functools.lru_cache(maxsize=64)
+def identity_slots(batch: int, device: torch.device) -> torch.Tensor:
+    """Row b in slot b: the slot table a kernel reads where the caller has no pool, made once per
+    batch size and device, on a call's first launch (CUDA graphs capture only after warm-up calls,
+    stree.runtime.graphs, so a capture finds it made and never records its making)."""
+    return torch.arange(batch, dtype=torch.int32, device=device)
 
 
 def f32(t: torch.Tensor | None) -> torch.Tensor | None:

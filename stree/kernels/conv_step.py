@@ -9,7 +9,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ._common import as_numpy, check_layout, check_tensor, f32, jit_fits, resolve_backend
+from ._common import (as_numpy, check_layout, check_tensor, f32, identity_slots, jit_fits, pool_rows, put_slot_rows,
+                      resolve_backend, slot_rows)
 
 __all__ = ["conv_step", "conv_step_torch"]
 
@@ -18,14 +19,17 @@ ACTIVATIONS = (None, "silu")
 
 @triton.jit
 def _conv_step_kernel(
-    x_ptr, conv_ptr, w_ptr, bias_ptr, out_ptr, dim,
+    x_ptr, conv_ptr, slot_ptr, w_ptr, bias_ptr, out_ptr, dim,
     s_x_b, s_x_d, s_c_b, s_c_d, s_c_k, s_w_d, s_w_k, s_o_b, s_o_d,
     K: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     b = tl.program_id(0)
     offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     d_ok = offs_d < dim
-    state = conv_ptr + b * s_c_b + offs_d * s_c_d
+    # the row's state is slot `slot[b]` (negative: a padding row, a zero state neither read nor written)
+    slot = tl.load(slot_ptr + b).to(tl.int64) + tl.zeros((BLOCK_D,), dtype=tl.int64)  # (a vector: a mask)
+    s_ok = d_ok & (slot >= 0)
+    state = conv_ptr + tl.maximum(slot, 0) * s_c_b + offs_d * s_c_d
     x = tl.load(x_ptr + b * s_x_b + offs_d * s_x_d, mask=d_ok, other=0.0)
     acc = x.to(tl.float32) * tl.load(w_ptr + offs_d * s_w_d + (K - 1) * s_w_k, mask=d_ok, other=0.0).to(tl.float32)
     if HAS_BIAS:
@@ -33,23 +37,24 @@ def _conv_step_kernel(
     # Column k + 1 moves to column k after it is read; this program owns its channels, so the
     # in-place shift races with nobody.
     for k in tl.static_range(K - 1):
-        v = tl.load(state + (k + 1) * s_c_k, mask=d_ok, other=0.0)
+        v = tl.load(state + (k + 1) * s_c_k, mask=s_ok, other=0.0)
         acc += v.to(tl.float32) * tl.load(w_ptr + offs_d * s_w_d + k * s_w_k, mask=d_ok, other=0.0).to(tl.float32)
-        tl.store(state + k * s_c_k, v, mask=d_ok)
-    tl.store(state + (K - 1) * s_c_k, x.to(conv_ptr.dtype.element_ty), mask=d_ok)
+        tl.store(state + k * s_c_k, v, mask=s_ok)
+    tl.store(state + (K - 1) * s_c_k, x.to(conv_ptr.dtype.element_ty), mask=s_ok)
     if SILU:
         acc = acc * tl.sigmoid(acc)
     tl.store(out_ptr + b * s_o_b + offs_d * s_o_d, acc.to(out_ptr.dtype.element_ty), mask=d_ok)
 
 
-def _check_args(x, conv_state, weight, bias, activation):
+def _check_args(x, conv_state, weight, bias, activation, state_indices=None):
     batch, dim = check_layout("x", x, "batch, dim")
     device = x.device
     if not isinstance(weight, torch.Tensor) or weight.dim() not in (2, 3):
         raise ValueError(f"weight must have shape [dim, d_conv] or [dim, 1, d_conv], got {getattr(weight, 'shape', type(weight))}")
     d_conv = weight.shape[-1]
     check_tensor("weight", weight, (dim, 1, d_conv) if weight.dim() == 3 else (dim, d_conv), device)
-    check_tensor("conv_state", conv_state, (batch, dim, d_conv), device)
+    rows = pool_rows("conv_state", conv_state, "slots, dim, d_conv", state_indices, batch, device)
+    check_tensor("conv_state", conv_state, (rows, dim, d_conv), device)
     if bias is not None:
         check_tensor("bias", bias, (dim,), device)
     if activation not in ACTIVATIONS:
@@ -74,12 +79,20 @@ def conv_step_torch(x, conv_state, weight, bias=None, activation="silu"):
     return out if out.dtype == x.dtype else out.to(x.dtype)
 
 
-def conv_step(x, conv_state, weight, bias=None, activation="silu", backend="auto"):
+def conv_step(x, conv_state, weight, bias=None, activation="silu", state_indices=None, backend="auto"):
     """Conv output ``[b, dim]`` for the new raw inputs ``x [b, dim]``; ``conv_state [b, dim, d_conv]``
     (newest last) is advanced in place. weight ``[dim, d_conv]`` or ``[dim, 1, d_conv]``, bias
-    ``[dim]``, activation ``"silu"`` or None; fp32 arithmetic, output in x's dtype. ``"auto"`` on
-    CPU float32 tensors runs numba-compiled (:mod:`.step_jit`)."""
+    ``[dim]``, activation ``"silu"`` or None; fp32 arithmetic, output in x's dtype.
+    ``state_indices [b]`` (int): conv_state is a pool ``[slots, dim, d_conv]``, row b's state slot
+    ``state_indices[b]`` (negative: a padding row, whose output comes from a zero state and whose
+    slot is none). ``"auto"`` on CPU float32 tensors runs numba-compiled (:mod:`.step_jit`)."""
     check_layout("x", x, "batch, dim")
+    if state_indices is not None and resolve_backend(backend, x.device) == "torch":
+        _check_args(x, conv_state, weight, bias, activation, state_indices)
+        rows = slot_rows(conv_state, state_indices)
+        out = conv_step(x, rows, weight, bias, activation, backend=backend)
+        put_slot_rows(conv_state, state_indices, rows)
+        return out
     if backend == "auto" and jit_fits(x, conv_state, weight, bias):
         from .cpu.step_jit import conv_step_rows
 
@@ -91,12 +104,13 @@ def conv_step(x, conv_state, weight, bias=None, activation="silu", backend="auto
         return out
     if resolve_backend(backend, x.device) == "torch":
         return conv_step_torch(x, conv_state, weight, bias, activation)
-    weight = _check_args(x, conv_state, weight, bias, activation)
+    weight = _check_args(x, conv_state, weight, bias, activation, state_indices)
     batch, dim = x.shape
     out = torch.empty_like(x)
+    slots = identity_slots(batch, x.device) if state_indices is None else state_indices
     block_d = 256
     _conv_step_kernel[(batch, triton.cdiv(dim, block_d))](
-        x, conv_state, weight, bias if bias is not None else weight, out, dim,
+        x, conv_state, slots, weight, bias if bias is not None else weight, out, dim,
         *x.stride(), *conv_state.stride(), *weight.stride(), *out.stride(),
         K=weight.shape[-1], HAS_BIAS=bias is not None, SILU=activation == "silu", BLOCK_D=block_d,
     )

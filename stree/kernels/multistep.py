@@ -25,11 +25,15 @@ from ._common import (
     check_tensor,
     f32,
     heads_view,
+    identity_slots,
     jit_fits,
+    pool_rows,
     pow2_block,
     process_dt,
     process_dt_tl,
+    put_slot_rows,
     resolve_backend,
+    slot_rows,
 )
 
 __all__ = ["multistep_update", "multistep_update_torch", "selective_state_update", "selective_state_update_torch"]
@@ -94,7 +98,7 @@ def ssm_recurrence_program(
 
 @triton.jit
 def ssm_recurrence_kernel(
-    state_ptr, x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, dt_bias_ptr, y_ptr, out_ptr,
+    state_ptr, x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, dt_bias_ptr, y_ptr, out_ptr, slot_ptr,
     T, nheads, headdim, dstate, heads_per_group, dt_lo, dt_hi,
     s_st_b, s_st_h, s_st_p, s_st_s,
     s_x_b, s_x_t, s_x_h, s_x_p,
@@ -107,26 +111,34 @@ def ssm_recurrence_kernel(
     HAS_Y: tl.constexpr, HAS_D: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
     DT_SOFTPLUS: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
-    """T recurrence steps per (row, head) from ``state``; outputs y and the final state."""
+    """T recurrence steps per (row, head) from ``state``; outputs y and the final state. Row b's
+    state (and final state) is slot ``slot[b]`` of theirs (b where the caller has no pool); a
+    negative slot is a padding row, left alone."""
     pid_bh = tl.program_id(0)
-    ssm_recurrence_program(
-        state_ptr, x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, dt_bias_ptr, y_ptr, out_ptr, state_ptr, state_ptr,
-        pid_bh // nheads, pid_bh % nheads, tl.program_id(1), T, headdim, dstate, heads_per_group, dt_lo, dt_hi,
-        s_st_b, s_st_h, s_st_p, s_st_s, s_x_b, s_x_t, s_x_h, s_x_p, s_dt_b, s_dt_t, s_dt_h,
-        s_B_b, s_B_t, s_B_g, s_B_s, s_C_b, s_C_t, s_C_g, s_C_s, s_D_h, s_D_p, s_y_b, s_y_t, s_y_h, s_y_p,
-        s_out_b, s_out_h, s_out_p, s_out_s, 0, 0,
-        False, HAS_Y, HAS_D, HAS_DT_BIAS, DT_SOFTPLUS, BLOCK_P, BLOCK_S,
-    )
+    b = pid_bh // nheads
+    slot = tl.load(slot_ptr + b).to(tl.int64)
+    if slot >= 0:
+        # (the program indexes states by b: the slot's offset moves the bases instead)
+        ssm_recurrence_program(
+            state_ptr + (slot - b) * s_st_b, x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, dt_bias_ptr, y_ptr,
+            out_ptr + (slot - b) * s_out_b, state_ptr, state_ptr,
+            b, pid_bh % nheads, tl.program_id(1), T, headdim, dstate, heads_per_group, dt_lo, dt_hi,
+            s_st_b, s_st_h, s_st_p, s_st_s, s_x_b, s_x_t, s_x_h, s_x_p, s_dt_b, s_dt_t, s_dt_h,
+            s_B_b, s_B_t, s_B_g, s_B_s, s_C_b, s_C_t, s_C_g, s_C_s, s_D_h, s_D_p, s_y_b, s_y_t, s_y_h, s_y_p,
+            s_out_b, s_out_h, s_out_p, s_out_s, 0, 0,
+            False, HAS_Y, HAS_D, HAS_DT_BIAS, DT_SOFTPLUS, BLOCK_P, BLOCK_S,
+        )
 
 
 def recurrence_block_p(headdim: int) -> int:
     return min(pow2_block(headdim), 32)
 
 
-def launch_ssm_recurrence(state, x, dt, A, B, C, D, dt_bias, dt_softplus, dt_limit, y, out=None):
+def launch_ssm_recurrence(state, x, dt, A, B, C, D, dt_bias, dt_softplus, dt_limit, y, out=None, slots=None):
     """Launch :func:`ssm_recurrence_kernel`; returns the new fp32 state, written to ``out`` (which
-    may be ``state`` itself: every program reads its block of the state before writing it)."""
-    batch, nheads, headdim, dstate = state.shape
+    may be ``state`` itself: every program reads its block of the state before writing it).
+    ``slots``: state (and out) are pools, row b's slot ``slots[b]`` (see the kernel)."""
+    batch, (nheads, headdim, dstate) = x.shape[0], state.shape[1:]
     ngroups = B.shape[2]
     if out is None:
         out = torch.empty(batch, nheads, headdim, dstate, dtype=torch.float32, device=state.device)
@@ -136,6 +148,7 @@ def launch_ssm_recurrence(state, x, dt, A, B, C, D, dt_bias, dt_softplus, dt_lim
     ssm_recurrence_kernel[grid](
         state, x, dt, A, B, C if C is not None else dummy, D if D is not None else dummy,
         dt_bias if dt_bias is not None else dummy, y if y is not None else dummy, out,
+        identity_slots(batch, x.device) if slots is None else slots,
         x.shape[1], nheads, headdim, dstate, nheads // ngroups, dt_limit[0], dt_limit[1],
         *state.stride(), *x.stride(), *dt.stride(), *B.stride(),
         *(C.stride() if C is not None else (0, 0, 0, 0)), *(D.stride() if D is not None else (0, 0)),
@@ -204,11 +217,12 @@ def multistep_update(state, x, dt, A, B, C, *, D=None, dt_bias=None, dt_softplus
     return y, final
 
 
-def _check_step_args(state, x, dt, A, B, C, D, dt_bias, dt_limit):
+def _check_step_args(state, x, dt, A, B, C, D, dt_bias, dt_limit, state_indices=None):
     batch, nheads, headdim = check_layout("x", x, "batch, nheads, headdim")
     device = x.device
     ngroups, dstate = check_layout("B", B, "batch, ngroups, dstate")[1:]
-    check_tensor("state", state, (batch, nheads, headdim, dstate), device, dtype=torch.float32)
+    rows = pool_rows("state", state, "slots, nheads, headdim, dstate", state_indices, batch, device)
+    check_tensor("state", state, (rows, nheads, headdim, dstate), device, dtype=torch.float32)
     if not state.is_contiguous():
         raise ValueError("state must be contiguous: it is updated in place")
     check_tensor("dt", dt, (batch, nheads), device)
@@ -238,14 +252,23 @@ def selective_state_update_torch(state, x, dt, A, B, C, *, D=None, dt_bias=None,
 
 
 def selective_state_update(state, x, dt, A, B, C, *, D=None, dt_bias=None, dt_softplus=True, dt_limit=(0.0, INF),
-                           backend="auto"):
+                           state_indices=None, backend="auto"):
     """One recurrence step (the autoregressive decode step), ``state`` advanced in place; returns y.
 
     state ``[b, h, p, s]`` fp32; x ``[b, h, p]``; dt ``[b, h]`` raw; A ``[h]``; B, C ``[b, g, s]`` in
-    x's dtype; D ``[h]`` or ``[h, p]``; dt_bias ``[h]``. y ``[b, h, p]`` in x's dtype. ``"auto"``
-    on CPU float32 tensors runs numba-compiled (:mod:`.step_jit`).
+    x's dtype; D ``[h]`` or ``[h, p]``; dt_bias ``[h]``. y ``[b, h, p]`` in x's dtype.
+    ``state_indices [b]`` (int): state is a pool ``[slots, h, p, s]``, row b's slot
+    ``state_indices[b]`` advanced in place (negative: a padding row, y zero, no slot touched).
+    ``"auto"`` on CPU float32 tensors runs numba-compiled (:mod:`.step_jit`).
     """
     check_layout("x", x, "batch, nheads, headdim")
+    if state_indices is not None and resolve_backend(backend, x.device) == "torch":
+        _check_step_args(state, x, dt, A, B, C, D, dt_bias, dt_limit, state_indices)
+        rows = slot_rows(state, state_indices)
+        y = selective_state_update(rows, x, dt, A, B, C, D=D, dt_bias=dt_bias, dt_softplus=dt_softplus,
+                                   dt_limit=dt_limit, backend=backend)
+        put_slot_rows(state, state_indices, rows)
+        return y.masked_fill((state_indices < 0).view(-1, 1, 1), 0)
     if backend == "auto" and jit_fits(state, x, dt, A, B, C, D, dt_bias):
         from .cpu.step_jit import state_update_rows
 
@@ -258,8 +281,8 @@ def selective_state_update(state, x, dt, A, B, C, *, D=None, dt_bias=None, dt_so
     if resolve_backend(backend, x.device) == "torch":
         return selective_state_update_torch(state, x, dt, A, B, C, D=D, dt_bias=dt_bias, dt_softplus=dt_softplus,
                                           dt_limit=dt_limit)
-    D, dt_limit = _check_step_args(state, x, dt, A, B, C, D, dt_bias, dt_limit)
-    y = torch.empty_like(x)
+    D, dt_limit = _check_step_args(state, x, dt, A, B, C, D, dt_bias, dt_limit, state_indices)
+    y = torch.empty_like(x) if state_indices is None else torch.zeros_like(x)  # (padding rows: not written)
     launch_ssm_recurrence(state, x[:, None], dt[:, None], A, B[:, None], C[:, None], D, dt_bias, dt_softplus, dt_limit,
-                          y[:, None], out=state)
+                          y[:, None], out=state, slots=state_indices)
     return y

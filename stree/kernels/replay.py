@@ -9,9 +9,15 @@ inputs along ``[old conv_state columns; accepted nodes' xBC]``.
 
 Every tensor may carry a leading layer dimension (``[layers, b, ...]``, A and dt_bias
 ``[layers, h]``); layer l replays with its own A and dt_bias.
+
+Engines keep states in a pool of slots, one per request, and pass each row's slot
+(``state_indices``, a negative id such as ``_common.PAD_SLOT_ID`` for a padding row to skip): the states
+are then read from the row's slot and the new ones written back there, in place.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
@@ -19,6 +25,10 @@ import triton.language as tl
 
 from ._common import (
     INF,
+    check_slots,
+    identity_slots,
+    put_slot_rows,
+    slot_rows,
     as_numpy,
     check_dt_limit,
     check_groups,
@@ -38,7 +48,7 @@ __all__ = ["replay", "replay_torch", "check_accepted"]
 @triton.jit
 def _replay_kernel(
     state_ptr, x_ptr, dt_ptr, A_ptr, B_ptr, dt_bias_ptr, new_state_ptr, acc_ptr, num_ptr,
-    xbc_ptr, conv_ptr, new_conv_ptr,
+    xbc_ptr, conv_ptr, new_conv_ptr, slot_ptr,
     batch, nheads, headdim, dstate, heads_per_group, dim, dt_lo, dt_hi, ssm_programs, p_blocks, d_blocks,
     s_st_l, s_st_b, s_st_h, s_st_p, s_st_s,
     s_x_l, s_x_b, s_x_n, s_x_h, s_x_p,
@@ -54,7 +64,9 @@ def _replay_kernel(
     BLOCK_P: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """Programs below ``ssm_programs`` run the SSM recurrence of one (layer, row, head, channel
-    block); the rest rebuild the conv state of one (layer, row, channel block)."""
+    block); the rest rebuild the conv state of one (layer, row, channel block). Row b's states are
+    slot ``slot[b]`` of the state tensors (b itself where the caller has no pool); a negative
+    slot is a padding row, left alone."""
     pid = tl.program_id(0)
     if pid < ssm_programs:
         pid_p = pid % p_blocks
@@ -63,32 +75,38 @@ def _replay_kernel(
         rest = rest // nheads
         b = rest % batch
         layer = rest // batch
-        ssm_recurrence_program(
-            state_ptr + layer * s_st_l, x_ptr + layer * s_x_l, dt_ptr + layer * s_dt_l, A_ptr + layer * s_A_l,
-            B_ptr + layer * s_B_l, state_ptr, state_ptr, dt_bias_ptr + layer * s_bias_l, state_ptr,
-            new_state_ptr + layer * s_ns_l, acc_ptr, num_ptr,
-            b, h, pid_p, 0, headdim, dstate, heads_per_group, dt_lo, dt_hi,
-            s_st_b, s_st_h, s_st_p, s_st_s, s_x_b, s_x_n, s_x_h, s_x_p, s_dt_b, s_dt_n, s_dt_h,
-            s_B_b, s_B_n, s_B_g, s_B_s, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
-            s_ns_b, s_ns_h, s_ns_p, s_ns_s, s_a_b, s_a_l,
-            True, False, False, HAS_DT_BIAS, DT_SOFTPLUS, BLOCK_P, BLOCK_S,
-        )
+        slot = tl.load(slot_ptr + b).to(tl.int64)
+        if slot >= 0:
+            # (the program indexes states by b: the slot's offset moves the base instead)
+            ssm_recurrence_program(
+                state_ptr + layer * s_st_l + (slot - b) * s_st_b, x_ptr + layer * s_x_l, dt_ptr + layer * s_dt_l,
+                A_ptr + layer * s_A_l, B_ptr + layer * s_B_l, state_ptr, state_ptr, dt_bias_ptr + layer * s_bias_l,
+                state_ptr, new_state_ptr + layer * s_ns_l + (slot - b) * s_ns_b, acc_ptr, num_ptr,
+                b, h, pid_p, 0, headdim, dstate, heads_per_group, dt_lo, dt_hi,
+                s_st_b, s_st_h, s_st_p, s_st_s, s_x_b, s_x_n, s_x_h, s_x_p, s_dt_b, s_dt_n, s_dt_h,
+                s_B_b, s_B_n, s_B_g, s_B_s, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+                s_ns_b, s_ns_h, s_ns_p, s_ns_s, s_a_b, s_a_l,
+                True, False, False, HAS_DT_BIAS, DT_SOFTPLUS, BLOCK_P, BLOCK_S,
+            )
     else:
         c = pid - ssm_programs
         offs_d = (c % d_blocks) * BLOCK_D + tl.arange(0, BLOCK_D)
         b = (c // d_blocks) % batch
         layer = c // d_blocks // batch
-        d_ok = offs_d < dim
+        # (a vector, to join the masks; not `slot`: a name both branches bind must keep one type)
+        row_slot = tl.load(slot_ptr + b).to(tl.int64) + tl.zeros((BLOCK_D,), dtype=tl.int64)
+        d_ok = (offs_d < dim) & (row_slot >= 0)
+        row_slot = tl.maximum(row_slot, 0)
         num = tl.load(num_ptr + b)
         xbc = xbc_ptr + layer * s_xbc_l + b * s_xbc_b
-        old = conv_ptr + layer * s_c_l + b * s_c_b + offs_d * s_c_d
-        new = new_conv_ptr + layer * s_nc_l + b * s_nc_b + offs_d * s_nc_d
+        old = conv_ptr + layer * s_c_l + row_slot * s_c_b + offs_d * s_c_d
+        new = new_conv_ptr + layer * s_nc_l + row_slot * s_nc_b + offs_d * s_nc_d
         # Output slot j takes path position q = num - K + j; a negative q reaches back to old slot
         # K + q = j + num > j. Filling slots in ascending order therefore never reads a slot this
         # program already wrote, so `new` may be the conv state itself (an in-place commit).
         for j in tl.static_range(K):
             q = num - K + j + tl.zeros((BLOCK_D,), dtype=tl.int32)  # a vector, to join the channel mask
-            node = tl.load(acc_ptr + b * s_a_b + tl.maximum(q, 0) * s_a_l)
+            node = tl.load(acc_ptr + b * s_a_b + tl.maximum(q, 0) * s_a_l, mask=d_ok & (q >= 0), other=0)
             v = tl.load(xbc + node * s_xbc_n + offs_d * s_xbc_d, mask=d_ok & (q >= 0), other=0.0)
             v_old = tl.load(old + (K + tl.minimum(q, -1)) * s_c_k, mask=d_ok & (q < 0), other=0.0)
             v = tl.where(q >= 0, v.to(new_conv_ptr.dtype.element_ty), v_old.to(new_conv_ptr.dtype.element_ty))
@@ -99,8 +117,11 @@ def _as_layers(t, single: bool):
     return t.unsqueeze(0) if single and t is not None else t
 
 
-def _check_args(ssm_state, conv_state, xBC, x, dt, B, A, accepted, num_accepted, dt_bias, dt_limit, validate, out):
-    """Checks; returns (layer-stacked views of every tensor, dt_limit, single-layer flag)."""
+def _check_args(ssm_state, conv_state, xBC, x, dt, B, A, accepted, num_accepted, dt_bias, dt_limit, validate, out,
+                state_indices=None):
+    """Checks; returns (layer-stacked views of every tensor, dt_limit, single-layer flag). With
+    ``state_indices`` the states are pools of slots (their own count, checked), the ids checked
+    by :func:`check_slots` (with ``validate``) and ``out`` refused (the pools are the output)."""
     if not isinstance(x, torch.Tensor) or x.dim() not in (4, 5):
         raise ValueError(f"x must have shape [b, n, h, p] or [layers, b, n, h, p], got {getattr(x, 'shape', type(x))}")
     single = x.dim() == 4
@@ -112,7 +133,16 @@ def _check_args(ssm_state, conv_state, xBC, x, dt, B, A, accepted, num_accepted,
     ngroups, dstate = check_layout("B", B, layout("batch, n, ngroups, dstate"))[-2:]
     check_tensor("B", B, (*lead, batch, n, ngroups, dstate), device, dtype=x.dtype)
     check_groups(nheads, ngroups)
-    check_tensor("ssm_state", ssm_state, (*lead, batch, nheads, headdim, dstate), device, dtype=torch.float32)
+    slots = batch
+    if state_indices is not None:
+        if out is not None:
+            raise ValueError("with state_indices the states are updated in their slots: out must be None")
+        if not isinstance(ssm_state, torch.Tensor) or ssm_state.dim() != len(lead) + 4:
+            raise ValueError(f"ssm_state must have shape [{layout('slots, nheads, headdim, dstate')}], "
+                             f"got {getattr(ssm_state, 'shape', type(ssm_state))}")
+        slots = ssm_state.shape[-4]
+        check_slots(state_indices, batch, slots, device, validate)
+    check_tensor("ssm_state", ssm_state, (*lead, slots, nheads, headdim, dstate), device, dtype=torch.float32)
     check_tensor("dt", dt, (*lead, batch, n, nheads), device)
     check_tensor("A", A, (*lead, nheads), device)
     if dt_bias is not None:
@@ -122,7 +152,7 @@ def _check_args(ssm_state, conv_state, xBC, x, dt, B, A, accepted, num_accepted,
     if not isinstance(conv_state, torch.Tensor) or conv_state.dim() != len(lead) + 3:
         raise ValueError(f"conv_state must have shape [{layout('batch, dim, d_conv')}], "
                          f"got {getattr(conv_state, 'shape', type(conv_state))}")
-    check_tensor("conv_state", conv_state, (*lead, batch, dim, conv_state.shape[-1]), device)
+    check_tensor("conv_state", conv_state, (*lead, slots, dim, conv_state.shape[-1]), device)
     if not isinstance(accepted, torch.Tensor) or accepted.dim() != 2:
         raise ValueError(f"accepted must have shape [batch, L], got {getattr(accepted, 'shape', type(accepted))}")
     check_tensor("accepted", accepted, (batch, accepted.shape[1]), device, kind="int")
@@ -151,6 +181,16 @@ def check_accepted(accepted, num_accepted, n):
             raise ValueError(f"num_accepted[{row}] = {int(num_accepted[row])} must be in [1, {L}] (the root always counts)")
         row, t = (int(v) for v in torch.nonzero(bad)[0])
         raise ValueError(f"accepted[{row}, {t}] = {int(accepted[row, t])} is not a node index in [0, {n})")
+
+
+def _in_slots(run, ssm_state, conv_state, state_indices, single):
+    """``run(ssm, conv)`` (a path taking one state row per batch row) over the rows' slots of the
+    pools, its results written back into them; padding rows start from zeros and write nothing."""
+    dim = 0 if single else 1
+    new_ssm, new_conv = run(slot_rows(ssm_state, state_indices, dim), slot_rows(conv_state, state_indices, dim))
+    put_slot_rows(ssm_state, state_indices, new_ssm, dim)
+    put_slot_rows(conv_state, state_indices, new_conv, dim)
+    return ssm_state, conv_state
 
 
 def _finish(new_ssm, new_conv, outs, single):
@@ -209,7 +249,7 @@ def _replay_compiled(ssm_state, conv_state, xBC, x, dt, B, A, accepted, num_acce
 
 
 def replay(ssm_state, conv_state, xBC, x, dt, B, A, accepted, num_accepted, *, dt_bias=None,
-           dt_softplus=True, dt_limit=(0.0, INF), validate=True, out=None, backend="auto"):
+           dt_softplus=True, dt_limit=(0.0, INF), validate=True, out=None, state_indices=None, backend="auto"):
     """New ``(ssm_state, conv_state)`` after the accepted path, for one layer or a stack of them.
 
     ssm_state ``[(layers,) b, h, p, s]`` fp32 and conv_state ``[(layers,) b, dim, d_conv]``: the
@@ -218,9 +258,19 @@ def replay(ssm_state, conv_state, xBC, x, dt, B, A, accepted, num_accepted, *, d
     activations; A and dt_bias ``[(layers,) h]``. accepted ``[b, L]`` and num_accepted ``[b]`` as
     in the module docstring. The inputs are not modified, unless ``out=(ssm_out, conv_out)``
     names them: the results are written there (the states themselves for an in-place commit) and
-    returned. ``validate=False`` skips the index check, a device-to-host sync. ``backend="auto"``
-    runs CPU float32 tensors compiled (stree.kernels.cpu.replay_jit), ``"torch"`` the PyTorch path.
+    returned. ``state_indices [b]`` (int): the states are pools ``[(layers,) slots, ...]``, row b's
+    in slot ``state_indices[b]`` (negative: a padding row, skipped); the new states are written
+    into those slots in place and the pools returned. ``validate=False`` skips the index checks,
+    a device-to-host sync. ``backend="auto"`` runs CPU float32 tensors compiled
+    (stree.kernels.cpu.replay_jit), ``"torch"`` the PyTorch path.
     """
+    if state_indices is not None and resolve_backend(backend, getattr(x, "device", torch.device("cpu"))) == "torch":
+        _check_args(ssm_state, conv_state, xBC, x, dt, B, A, accepted, num_accepted, dt_bias, dt_limit, validate,
+                    out, state_indices)
+        run = functools.partial(replay, xBC=xBC, x=x, dt=dt, B=B, A=A, accepted=accepted, num_accepted=num_accepted,
+                                dt_bias=dt_bias, dt_softplus=dt_softplus, dt_limit=dt_limit, validate=False,
+                                backend=backend)
+        return _in_slots(run, ssm_state, conv_state, state_indices, x.dim() == 4)
     if backend == "auto" and jit_fits(ssm_state, conv_state, xBC, x, dt, B, A, dt_bias):
         return _replay_compiled(ssm_state, conv_state, xBC, x, dt, B, A, accepted, num_accepted, dt_bias,
                                 dt_softplus, dt_limit, validate, out)
@@ -228,21 +278,27 @@ def replay(ssm_state, conv_state, xBC, x, dt, B, A, accepted, num_accepted, *, d
         return replay_torch(ssm_state, conv_state, xBC, x, dt, B, A, accepted, num_accepted, dt_bias=dt_bias,
                           dt_softplus=dt_softplus, dt_limit=dt_limit, validate=validate, out=out)
     stacked, outs, (lo, hi), single = _check_args(ssm_state, conv_state, xBC, x, dt, B, A, accepted, num_accepted,
-                                                  dt_bias, dt_limit, validate, out)
+                                                  dt_bias, dt_limit, validate, out, state_indices)
+    pools = ssm_state, conv_state
     ssm_state, conv_state, xBC, x, dt, B, A, dt_bias = stacked
     layers, batch, _, nheads, headdim = x.shape
     dstate, dim, d_conv = B.shape[-1], xBC.shape[-1], conv_state.shape[-1]
+    if state_indices is not None:  # in place: each program reads its slot's state before writing it
+        outs = (ssm_state, conv_state)
     new_ssm, new_conv = outs if outs is not None else (torch.empty_like(ssm_state), torch.empty_like(conv_state))
+    slots = identity_slots(batch, x.device) if state_indices is None else state_indices
     block_p, block_d = recurrence_block_p(headdim), 256
     p_blocks, d_blocks = triton.cdiv(headdim, block_p), triton.cdiv(dim, block_d)
     ssm_programs = layers * batch * nheads * p_blocks
     bias = dt_bias if dt_bias is not None else A
     _replay_kernel[(ssm_programs + layers * batch * d_blocks,)](
-        ssm_state, x, dt, A, B, bias, new_ssm, accepted, num_accepted, xBC, conv_state, new_conv,
+        ssm_state, x, dt, A, B, bias, new_ssm, accepted, num_accepted, xBC, conv_state, new_conv, slots,
         batch, nheads, headdim, dstate, nheads // B.shape[-2], dim, lo, hi, ssm_programs, p_blocks, d_blocks,
         *ssm_state.stride(), *x.stride(), *dt.stride(), *B.stride(), A.stride(0), bias.stride(0),
         *new_ssm.stride(), *accepted.stride(), *xBC.stride(), *conv_state.stride(), *new_conv.stride(),
         HAS_DT_BIAS=dt_bias is not None, DT_SOFTPLUS=bool(dt_softplus), K=d_conv,
         BLOCK_P=block_p, BLOCK_S=pow2_block(dstate), BLOCK_D=block_d,
     )
+    if state_indices is not None:
+        return pools
     return (new_ssm[0], new_conv[0]) if single else (new_ssm, new_conv)

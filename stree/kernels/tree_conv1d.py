@@ -13,7 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import as_numpy, check_layout, check_tensor, f32, check_tree, pow2_block, resolve_backend
+from ._common import (as_numpy, check_layout, check_tensor, check_tree, f32, identity_slots, pool_rows, pow2_block,
+                      resolve_backend, slot_rows)
 from .cpu.tree_jit import jit_tree_fits
 
 __all__ = ["tree_conv1d", "tree_conv1d_torch"]
@@ -23,7 +24,7 @@ ACTIVATIONS = (None, "silu")
 
 @triton.jit
 def _tree_conv1d_kernel(
-    xbc_ptr, conv_ptr, w_ptr, bias_ptr, par_ptr, out_ptr,
+    xbc_ptr, conv_ptr, slot_ptr, w_ptr, bias_ptr, par_ptr, out_ptr,
     n, dim,
     s_x_b, s_x_n, s_x_d,
     s_c_b, s_c_d, s_c_k,
@@ -38,7 +39,11 @@ def _tree_conv1d_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
     n_ok = offs_n < n
+    # the row's conv state is slot `slot[b]` of the pool (negative: a padding row, zeros)
+    slot = tl.load(slot_ptr + b).to(tl.int64) + tl.zeros((BLOCK_D,), dtype=tl.int64)  # (a vector: a mask)
     d_ok = offs_d < dim
+    state_ok = d_ok & (slot >= 0)
+    conv_row = conv_ptr + tl.maximum(slot, 0) * s_c_b + offs_d * s_c_d
 
     acc = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
     if HAS_BIAS:
@@ -47,10 +52,10 @@ def _tree_conv1d_kernel(
     for k in tl.static_range(K):
         in_tree = pos >= 0
         ok_tree = (n_ok & in_tree)[:, None] & d_ok[None, :]
-        ok_state = (n_ok & ~in_tree)[:, None] & d_ok[None, :]
+        ok_state = (n_ok & ~in_tree)[:, None] & state_ok[None, :]
         v = tl.load(xbc_ptr + b * s_x_b + tl.maximum(pos, 0)[:, None] * s_x_n + offs_d[None, :] * s_x_d,
                     mask=ok_tree, other=0.0).to(tl.float32)
-        v += tl.load(conv_ptr + b * s_c_b + offs_d[None, :] * s_c_d + (K + tl.minimum(pos, -1))[:, None] * s_c_k,
+        v += tl.load(conv_row[None, :] + (K + tl.minimum(pos, -1))[:, None] * s_c_k,
                      mask=ok_state, other=0.0).to(tl.float32)
         w = tl.load(w_ptr + offs_d * s_w_d + (K - 1 - k) * s_w_k, mask=d_ok, other=0.0).to(tl.float32)
         acc += v * w[None, :]
@@ -63,7 +68,7 @@ def _tree_conv1d_kernel(
              acc.to(out_ptr.dtype.element_ty), mask=n_ok[:, None] & d_ok[None, :])
 
 
-def _check_args(xBC, parents, conv_state, weight, bias, activation):
+def _check_args(xBC, parents, conv_state, weight, bias, activation, state_indices=None):
     batch, n, dim = check_layout("xBC", xBC, "batch, n, dim")
     device = xBC.device
     if n == 0:
@@ -77,7 +82,8 @@ def _check_args(xBC, parents, conv_state, weight, bias, activation):
     check_tensor("weight", weight, (dim, d_conv), device)
     if d_conv < 1:
         raise ValueError("weight must have d_conv >= 1 taps")
-    check_tensor("conv_state", conv_state, (batch, dim, d_conv), device)
+    rows = pool_rows("conv_state", conv_state, "slots, dim, d_conv", state_indices, batch, device)
+    check_tensor("conv_state", conv_state, (rows, dim, d_conv), device)
     if bias is not None:
         check_tensor("bias", bias, (dim,), device)
     if activation not in ACTIVATIONS:
@@ -125,16 +131,22 @@ def tree_conv1d_torch(xBC, parents, conv_state, weight, bias=None, activation="s
     return out if out.dtype == xBC.dtype else out.to(xBC.dtype)
 
 
-def tree_conv1d(xBC, parents, conv_state, weight, bias=None, activation="silu", backend="auto"):
+def tree_conv1d(xBC, parents, conv_state, weight, bias=None, activation="silu", state_indices=None,
+                backend="auto"):
     """Causal depthwise conv of every tree node over its ancestor path; ``conv_state`` is read only.
 
     xBC ``[b, n, dim]`` raw inputs; conv_state ``[b, dim, d_conv]``; weight ``[dim, d_conv]`` (or
     nn.Conv1d's ``[dim, 1, d_conv]``), tap ``d_conv - 1`` multiplies the node itself; bias ``[dim]``;
-    activation ``"silu"`` or None. Returns ``[b, n, dim]`` in xBC's dtype. ``"auto"`` on CPU float32
-    tensors of a small tree (outside autograd and ``torch.compile``) runs numba-compiled
-    (:mod:`.tree_jit`).
+    activation ``"silu"`` or None. Returns ``[b, n, dim]`` in xBC's dtype. ``state_indices [b]``
+    (int): conv_state is a pool ``[slots, dim, d_conv]`` and row b reads slot ``state_indices[b]``
+    (negative: a padding row, zeros above its root). ``"auto"`` on CPU float32 tensors of a small
+    tree (outside autograd and ``torch.compile``) runs numba-compiled (:mod:`.tree_jit`).
     """
     check_layout("xBC", xBC, "batch, n, dim")
+    if state_indices is not None and resolve_backend(backend, xBC.device) == "torch":
+        _check_args(xBC, parents, conv_state, weight, bias, activation, state_indices)
+        return tree_conv1d(xBC, parents, slot_rows(conv_state, state_indices), weight, bias, activation,
+                           backend=backend)
     if backend == "auto" and jit_tree_fits(xBC.shape[1], xBC, conv_state, weight, bias):
         from .cpu.tree_jit import tree_conv_rows
 
@@ -145,14 +157,15 @@ def tree_conv1d(xBC, parents, conv_state, weight, bias=None, activation="silu", 
         return torch.nn.functional.silu(out, inplace=True) if activation == "silu" else out
     if resolve_backend(backend, xBC.device) == "torch":
         return tree_conv1d_torch(xBC, parents, conv_state, weight, bias, activation)
-    index, weight = _check_args(xBC, parents, conv_state, weight, bias, activation)
+    index, weight = _check_args(xBC, parents, conv_state, weight, bias, activation, state_indices)
     batch, n, dim = xBC.shape
     out = torch.empty_like(xBC)
+    slots = identity_slots(batch, xBC.device) if state_indices is None else state_indices
     block_n = min(pow2_block(n), 16)
     block_d = 128
     grid = (batch, triton.cdiv(n, block_n), triton.cdiv(dim, block_d))
     _tree_conv1d_kernel[grid](
-        xBC, conv_state, weight, bias if bias is not None else weight, index.parents, out,
+        xBC, conv_state, slots, weight, bias if bias is not None else weight, index.parents, out,
         n, dim, *xBC.stride(), *conv_state.stride(), *weight.stride(), *out.stride(), index.row_stride(),
         K=weight.shape[-1], HAS_BIAS=bias is not None, SILU=activation == "silu",
         BLOCK_N=block_n, BLOCK_D=block_d,

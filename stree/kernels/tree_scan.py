@@ -29,10 +29,13 @@ from ._common import (
     check_tree,
     dot_precision,
     f32,
+    identity_slots,
+    pool_rows,
     pow2_block,
     process_dt,
     process_dt_tl,
     resolve_backend,
+    slot_rows,
 )
 from ..tree import MAX_TREE_NODES
 from .cpu.tree_jit import jit_tree_fits
@@ -42,7 +45,7 @@ __all__ = ["tree_scan", "tree_scan_torch", "MAX_TREE_NODES"]
 
 @triton.jit
 def _tree_scan_kernel(
-    x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, dt_bias_ptr, x0_ptr, y_ptr, pre_ptr, last_ptr,
+    x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, dt_bias_ptr, x0_ptr, slot_ptr, y_ptr, pre_ptr, last_ptr,
     n, nheads, headdim, dstate, heads_per_group, dt_lo, dt_hi,
     s_x_b, s_x_n, s_x_h, s_x_p,
     s_dt_b, s_dt_n, s_dt_h,
@@ -126,14 +129,17 @@ def _tree_scan_kernel(
         acc += tl.dot(w.to(x_k.dtype), x_k, input_precision=DOT_PRECISION)
 
     if HAS_X0:
-        # The state is fp32; keep its contribution fp32 whatever the activation dtype.
+        # The state is fp32; keep its contribution fp32 whatever the activation dtype. The row's
+        # state is slot `slot[b]` of the pool (a negative slot: a padding row, zero state).
+        slot = tl.load(slot_ptr + b).to(tl.int64) + tl.zeros((BLOCK_S,), dtype=tl.int64)  # (a vector: a mask)
+        x0_row = x0_ptr + tl.maximum(slot, 0) * s_x0_b + h * s_x0_h
         cx = tl.zeros((BLOCK_M, BLOCK_P), dtype=tl.float32)
         for s0 in range(0, dstate, BLOCK_S):
             s_ok = s0 + offs_s < dstate
             C_s = tl.load(C_ptr + offs_m[:, None] * s_C_n + (s0 + offs_s)[None, :] * s_C_s,
                           mask=m_ok[:, None] & s_ok[None, :], other=0.0).to(tl.float32)
-            x0 = tl.load(x0_ptr + b * s_x0_b + h * s_x0_h + (s0 + offs_s)[:, None] * s_x0_s + offs_p[None, :] * s_x0_p,
-                         mask=s_ok[:, None] & p_ok[None, :], other=0.0)
+            x0 = tl.load(x0_row[:, None] + (s0 + offs_s)[:, None] * s_x0_s + offs_p[None, :] * s_x0_p,
+                         mask=(s_ok & (slot >= 0))[:, None] & p_ok[None, :], other=0.0)
             cx += tl.dot(C_s, x0, input_precision="ieee")
         acc += cx * tl.exp(below)[:, None]  # below = Atree of the row after the last tile
 
@@ -146,7 +152,7 @@ def _tree_scan_kernel(
              mask=m_ok[:, None] & p_ok[None, :])
 
 
-def _check_args(x, dt, A, B, C, parents, D, dt_bias, dt_limit, initial_state):
+def _check_args(x, dt, A, B, C, parents, D, dt_bias, dt_limit, initial_state, state_indices=None):
     batch, n, nheads, headdim = check_layout("x", x, "batch, n, nheads, headdim")
     device = x.device
     if n > MAX_TREE_NODES:
@@ -159,8 +165,9 @@ def _check_args(x, dt, A, B, C, parents, D, dt_bias, dt_limit, initial_state):
     check_tensor("C", C, (batch, n, ngroups, dstate), device, dtype=x.dtype)
     check_groups(nheads, ngroups)
     D = check_ssm_params(nheads, headdim, device, A, D, dt_bias)
-    if initial_state is not None:
-        check_tensor("initial_state", initial_state, (batch, nheads, headdim, dstate), device, dtype=torch.float32)
+    if initial_state is not None or state_indices is not None:
+        rows = pool_rows("initial_state", initial_state, "slots, nheads, headdim, dstate", state_indices, batch, device)
+        check_tensor("initial_state", initial_state, (rows, nheads, headdim, dstate), device, dtype=torch.float32)
     index = check_tree(parents, batch, n, device)
     return index, D, check_dt_limit(dt_limit)
 
@@ -270,25 +277,32 @@ def _tree_scan_compiled(x, dt, A, B, C, parents, D, dt_bias, dt_softplus, dt_lim
 
 
 def tree_scan(x, dt, A, B, C, parents, *, D=None, dt_bias=None, dt_softplus=True,
-              dt_limit=(0.0, INF), initial_state=None, backend="auto"):
+              dt_limit=(0.0, INF), initial_state=None, state_indices=None, backend="auto"):
     """Mamba2 SSM outputs for every node of a packed tree (see the module docstring).
 
     x ``[b, n, h, p]``; dt ``[b, n, h]`` raw (before bias); A ``[h]``; B, C ``[b, n, g, s]`` in x's
     dtype; D ``[h]`` or ``[h, p]``; dt_bias ``[h]``; initial_state ``[b, h, p, s]`` fp32 (zeros if
     None); parents ``[n]``, ``[b, n]`` or a :class:`~stree.tree.TreeIndex`; n <= MAX_TREE_NODES (1024).
-    Returns y ``[b, n, h, p]`` in x's dtype. ``"auto"`` on CPU float32 tensors of a small tree
-    (outside autograd and ``torch.compile``) runs numba-compiled (:mod:`.tree_jit`).
+    Returns y ``[b, n, h, p]`` in x's dtype. ``state_indices [b]`` (int): initial_state is a pool
+    ``[slots, h, p, s]`` and row b starts from slot ``state_indices[b]`` (negative: a padding row,
+    zero state). ``"auto"`` on CPU float32 tensors of a small tree (outside autograd and
+    ``torch.compile``) runs numba-compiled (:mod:`.tree_jit`).
     """
     check_layout("x", x, "batch, n, nheads, headdim")
+    if state_indices is not None and resolve_backend(backend, x.device) == "torch":
+        _check_args(x, dt, A, B, C, parents, D, dt_bias, dt_limit, initial_state, state_indices)
+        return tree_scan(x, dt, A, B, C, parents, D=D, dt_bias=dt_bias, dt_softplus=dt_softplus, dt_limit=dt_limit,
+                         initial_state=slot_rows(initial_state, state_indices), backend=backend)
     if backend == "auto" and jit_tree_fits(x.shape[1], x, dt, A, B, C, D, dt_bias, initial_state):
         return _tree_scan_compiled(x, dt, A, B, C, parents, D, dt_bias, dt_softplus, dt_limit, initial_state)
     if resolve_backend(backend, x.device) == "torch":
         return tree_scan_torch(x, dt, A, B, C, parents, D=D, dt_bias=dt_bias, dt_softplus=dt_softplus,
                              dt_limit=dt_limit, initial_state=initial_state)
-    index, D, (lo, hi) = _check_args(x, dt, A, B, C, parents, D, dt_bias, dt_limit, initial_state)
+    index, D, (lo, hi) = _check_args(x, dt, A, B, C, parents, D, dt_bias, dt_limit, initial_state, state_indices)
     batch, n, nheads, headdim = x.shape
     ngroups, dstate = B.shape[2], B.shape[3]
     y = torch.empty_like(x)
+    slots = identity_slots(batch, x.device) if state_indices is None else state_indices
     cfg = launch_config(n, headdim, dstate)
     block_m, block_p = cfg["BLOCK_M"], cfg["BLOCK_P"]
     grid = (batch * nheads, triton.cdiv(n, block_m), triton.cdiv(headdim, block_p))
@@ -296,7 +310,7 @@ def tree_scan(x, dt, A, B, C, parents, *, D=None, dt_bias=None, dt_softplus=True
     x0 = initial_state if initial_state is not None else dummy
     x0_strides = initial_state.stride() if initial_state is not None else (0, 0, 0, 0)
     _tree_scan_kernel[grid](
-        x, dt, A, B, C, D if D is not None else dummy, dt_bias if dt_bias is not None else dummy, x0, y,
+        x, dt, A, B, C, D if D is not None else dummy, dt_bias if dt_bias is not None else dummy, x0, slots, y,
         index.pre, index.last,
         n, nheads, headdim, dstate, nheads // ngroups, lo, hi,
         *x.stride(), *dt.stride(), *B.stride(), *C.stride(),

@@ -161,3 +161,65 @@ def test_every_layer_in_one_call(backend, in_place, device):
                                        inp["B"], inp["A"], accepted, num, dt_bias=inp["dt_bias"])
         assert max_rel_error(new_ssm[l], ssm_def) <= FP32_TOL, l
         assert torch.equal(new_conv[l].cpu(), conv_def.float()), l
+
+
+@given(data=st.data(), tree=trees(max_n=20), shape=ssm_shapes(), dt_opts=dt_options(), layers=st.sampled_from([0, 2]),
+       seed=st.integers(0, 2**16))
+def test_slots_of_a_pool_match_the_padded_path(data, tree, shape, dt_opts, layers, seed, device, poison):
+    """Engine convention: the states are a pool of slots, row b's in slot state_indices[b] (in any
+    order, padding rows negative). Every backend writes each real row's new states into its slot,
+    equal to what the padded call returns for that row; padding rows and unnamed slots keep every
+    bit (the pool holds NaN there: a read of them cannot pass unseen either)."""
+    parents, batch = tree
+    n = parents.shape[-1]
+    accepted, num = data.draw(accepted_paths(parents, batch))
+    lead = (layers,) if layers else ()
+    inp = _replay_inputs(seed, batch, n, shape, dt_opts)
+    if layers:  # the same activations for every layer, each layer its own states
+        for key in ("x", "dt", "B", "xBC", "initial_state", "conv_state"):
+            inp[key] = torch.stack([inp[key] * (1 + 0.5 * i) for i in range(layers)])
+        for key in ("A", "dt_bias"):
+            inp[key] = None if inp[key] is None else inp[key].expand(layers, -1).contiguous()
+    ref_ssm, ref_conv = _call(inp, accepted, num, dt_opts, "torch", torch.device("cpu"))
+    slots = batch + data.draw(st.integers(0, 3))
+    order = torch.randperm(slots, generator=torch.Generator().manual_seed(seed))[:batch]
+    pad = torch.tensor(data.draw(st.lists(st.booleans(), min_size=batch, max_size=batch)))
+    state_indices = torch.where(pad, -1, order).int()
+    dim = len(lead)
+    for backend, dev in (("torch", torch.device("cpu")), ("auto", torch.device("cpu")), ("triton", device)):
+        pool_ssm = torch.full((*lead, slots, *inp["initial_state"].shape[dim + 1:]), float("nan"))
+        pool_conv = torch.full((*lead, slots, *inp["conv_state"].shape[dim + 1:]), float("nan"))
+        real = torch.nonzero(~pad).flatten()
+        pool_ssm.index_copy_(dim, order[real], inp["initial_state"].index_select(dim, real))
+        pool_conv.index_copy_(dim, order[real], inp["conv_state"].index_select(dim, real))
+        want_ssm, want_conv = pool_ssm.clone(), pool_conv.clone()
+        want_ssm.index_copy_(dim, order[real], ref_ssm.index_select(dim, real))
+        want_conv.index_copy_(dim, order[real], ref_conv.index_select(dim, real))
+        to = lambda t: t.to(dev) if t is not None else None
+        pool_ssm, pool_conv = to(pool_ssm), to(pool_conv)
+        got = replay(pool_ssm, pool_conv, to(inp["xBC"]), to(inp["x"]), to(inp["dt"]), to(inp["B"]), to(inp["A"]),
+                     to(accepted), to(num), dt_bias=to(inp["dt_bias"]), dt_softplus=dt_opts["dt_softplus"],
+                     dt_limit=dt_opts["dt_limit"], state_indices=to(state_indices), backend=backend)
+        assert got[0] is pool_ssm and got[1] is pool_conv, backend  # in place
+        torch.testing.assert_close(pool_ssm.cpu(), want_ssm, rtol=FP32_TOL, atol=FP32_TOL, equal_nan=True,
+                                   msg=backend)
+        assert torch.equal(pool_conv.cpu().nan_to_num(7.0), want_conv.nan_to_num(7.0)), backend
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_bad_slots_are_refused(backend, backend_device):
+    inp = _replay_inputs(0, 2, 3, dict(nheads=2, headdim=4, ngroups=1, dstate=4), dict(dt_softplus=True,
+                                                                                       dt_limit=(0.0, math.inf),
+                                                                                       use_bias=False))
+    accepted, num = torch.tensor([[0, 1], [0, 2]]), torch.tensor([2, 2])
+    pool_ssm, pool_conv = torch.zeros(3, 2, 4, 4), torch.zeros(3, 12, 4)
+    args = (inp["xBC"], inp["x"], inp["dt"], inp["B"], inp["A"], accepted, num)
+    for indices, match in (([0, 3], r"state_indices\[1\] = 3 is not a slot in \[0, 3\)"),
+                           ([1, 1], "names a slot twice"), ([0], "state_indices")):
+        with pytest.raises(ValueError, match=match):
+            replay(pool_ssm, pool_conv, *args, state_indices=torch.tensor(indices), backend=backend)
+    with pytest.raises(ValueError, match="out must be None"):
+        replay(pool_ssm, pool_conv, *args, state_indices=torch.tensor([0, 1]), out=(pool_ssm, pool_conv),
+               backend=backend)
+    with pytest.raises(ValueError, match=r"ssm_state must have shape \[slots"):
+        replay(pool_ssm[0], pool_conv, *args, state_indices=torch.tensor([0, 1]), backend=backend)
