@@ -16,7 +16,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ._common import check_layout, check_tensor, check_tree, dot_precision, pow2_block, resolve_backend
+from ._common import (check_layout, check_tensor, check_tree, dot_precision, identity_slots, pool_rows, pow2_block,
+                      resolve_backend, slot_rows)
 
 __all__ = ["tree_attention", "tree_attention_torch"]
 
@@ -36,7 +37,7 @@ def _online_softmax_step(s, v, m_i, l_i, acc, DOT_PRECISION: tl.constexpr):
 
 @triton.jit
 def _tree_attention_kernel(
-    q_ptr, kc_ptr, vc_ptr, lens_ptr, kt_ptr, vt_ptr, pre_ptr, last_ptr, out_ptr,
+    q_ptr, kc_ptr, vc_ptr, lens_ptr, slot_ptr, kt_ptr, vt_ptr, pre_ptr, last_ptr, out_ptr,
     n, hq, head_dim, q_per_kv, scale_log2,
     s_q_b, s_q_n, s_q_h, s_q_d,
     s_kc_b, s_kc_t, s_kc_h, s_kc_d,
@@ -64,13 +65,17 @@ def _tree_attention_kernel(
     l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
 
-    seqlen = tl.load(lens_ptr + b)
+    # the row's KV prefix is slot `slot[b]` of the caches (a negative slot: a padding row, no prefix)
+    slot = tl.load(slot_ptr + b).to(tl.int64)
+    seqlen = tl.where(slot >= 0, tl.load(lens_ptr + b), 0)
+    kc_row = kc_ptr + tl.maximum(slot, 0) * s_kc_b + kvh * s_kc_h
+    vc_row = vc_ptr + tl.maximum(slot, 0) * s_vc_b + kvh * s_vc_h
     for t0 in range(0, seqlen, BLOCK_N):
         offs_t = t0 + tl.arange(0, BLOCK_N)
         t_ok = offs_t < seqlen
-        k = tl.load(kc_ptr + b * s_kc_b + kvh * s_kc_h + offs_t[:, None] * s_kc_t + offs_d[None, :] * s_kc_d,
+        k = tl.load(kc_row + offs_t[:, None] * s_kc_t + offs_d[None, :] * s_kc_d,
                     mask=t_ok[:, None] & d_ok[None, :], other=0.0)
-        v = tl.load(vc_ptr + b * s_vc_b + kvh * s_vc_h + offs_t[:, None] * s_vc_t + offs_d[None, :] * s_vc_d,
+        v = tl.load(vc_row + offs_t[:, None] * s_vc_t + offs_d[None, :] * s_vc_d,
                     mask=t_ok[:, None] & d_ok[None, :], other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
         s = tl.where(t_ok[None, :], s, -float("inf"))
@@ -97,16 +102,18 @@ def _tree_attention_kernel(
              out.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
 
 
-def _check_args(q, k_cache, v_cache, cache_seqlens, k_tree, v_tree, parents, softmax_scale, validate):
+def _check_args(q, k_cache, v_cache, cache_seqlens, k_tree, v_tree, parents, softmax_scale, validate,
+                state_indices=None):
     batch, n, hq, head_dim = check_layout("q", q, "batch, n, q_heads, head_dim")
     device = q.device
     if n == 0:
         raise ValueError("q has no nodes (n = 0)")
+    rows = pool_rows("k_cache", k_cache, "slots, t_max, kv_heads, head_dim", state_indices, batch, device)
     t_max, hkv = check_layout("k_cache", k_cache, "batch, t_max, kv_heads, head_dim")[1:3]
     if hkv < 1 or hq % hkv:
         raise ValueError(f"q_heads ({hq}) must be a multiple of kv_heads ({hkv})")
-    check_tensor("k_cache", k_cache, (batch, t_max, hkv, head_dim), device, dtype=q.dtype)
-    check_tensor("v_cache", v_cache, (batch, t_max, hkv, head_dim), device, dtype=q.dtype)
+    check_tensor("k_cache", k_cache, (rows, t_max, hkv, head_dim), device, dtype=q.dtype)
+    check_tensor("v_cache", v_cache, (rows, t_max, hkv, head_dim), device, dtype=q.dtype)
     check_tensor("k_tree", k_tree, (batch, n, hkv, head_dim), device, dtype=q.dtype)
     check_tensor("v_tree", v_tree, (batch, n, hkv, head_dim), device, dtype=q.dtype)
     check_tensor("cache_seqlens", cache_seqlens, (batch,), device, kind="int")
@@ -143,27 +150,37 @@ def launch_config(n, head_dim, dtype):
 
 
 def tree_attention(q, k_cache, v_cache, cache_seqlens, k_tree, v_tree, parents, *, softmax_scale=None,
-                   validate=True, backend="auto"):
+                   validate=True, state_indices=None, backend="auto"):
     """Tree-masked attention over a KV prefix and the tree's own K/V.
 
     q ``[b, n, hq, d]``; k_cache, v_cache ``[b, t_max, hkv, d]`` of which the first
     ``cache_seqlens[b]`` positions are visible; k_tree, v_tree ``[b, n, hkv, d]``; parents ``[n]``,
     ``[b, n]`` or a TreeIndex. Returns ``[b, n, hq, d]`` in q's dtype. ``validate=False`` skips
     the range check of ``cache_seqlens`` (a device-to-host sync): for callers that checked the
-    lengths already, and for CUDA-graph capture.
+    lengths already, and for CUDA-graph capture. ``state_indices [b]`` (int): k_cache and v_cache
+    are pools ``[slots, t_max, hkv, d]``, row b's prefix in slot ``state_indices[b]`` (negative: a
+    padding row, no prefix); ``cache_seqlens`` stays per row.
     """
     check_layout("q", q, "batch, n, q_heads, head_dim")
+    if state_indices is not None and resolve_backend(backend, q.device) == "torch":
+        _check_args(q, k_cache, v_cache, cache_seqlens, k_tree, v_tree, parents, softmax_scale, validate,
+                    state_indices)
+        lens = torch.where(state_indices >= 0, cache_seqlens, 0)
+        return tree_attention(q, slot_rows(k_cache, state_indices), slot_rows(v_cache, state_indices), lens, k_tree,
+                              v_tree, parents, softmax_scale=softmax_scale, validate=False, backend=backend)
     if resolve_backend(backend, q.device) == "torch":
         return tree_attention_torch(q, k_cache, v_cache, cache_seqlens, k_tree, v_tree, parents,
                                   softmax_scale=softmax_scale, validate=validate)
-    index, scale = _check_args(q, k_cache, v_cache, cache_seqlens, k_tree, v_tree, parents, softmax_scale, validate)
+    index, scale = _check_args(q, k_cache, v_cache, cache_seqlens, k_tree, v_tree, parents, softmax_scale, validate,
+                               state_indices)
     batch, n, hq, head_dim = q.shape
     hkv = k_cache.shape[2]
     out = torch.empty_like(q)
+    slots = identity_slots(batch, q.device) if state_indices is None else state_indices
     cfg = launch_config(n, head_dim, q.dtype)
     grid = (batch * hq, triton.cdiv(n, cfg["BLOCK_M"]))
     _tree_attention_kernel[grid](
-        q, k_cache, v_cache, cache_seqlens, k_tree, v_tree, index.pre, index.last, out,
+        q, k_cache, v_cache, cache_seqlens, slots, k_tree, v_tree, index.pre, index.last, out,
         n, hq, head_dim, hq // hkv, scale * LOG2E,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *k_tree.stride(), *v_tree.stride(), *out.stride(),
         index.row_stride(),

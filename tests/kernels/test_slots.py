@@ -1,7 +1,7 @@
 """The engine convention of the tree and step kernels: the committed states are a pool of slots,
 row b's in slot ``state_indices[b]`` (any order; a negative id is a padding row with no state).
-Every backend's tree_scan and tree_conv1d on the pool equal the padded call on the rows' own
-states (zeros for padding rows), and the step's conv_step and selective_state_update advance the
+Every backend's tree_scan, tree_conv1d and tree_attention (a KV prefix per slot) on the pool
+equal the padded call on the rows' own states (zeros, or no prefix, for padding rows), and the step's conv_step and selective_state_update advance the
 named slots in place as the padded call advances the rows, on random trees and pools whose
 other slots hold NaN (a read of a slot not named, or of one for a padding row, cannot pass, and
 a write there shows); bad slot tables are refused. (replay's: tests/kernels/test_replay.py.)"""
@@ -12,7 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from strategies import dt_options, ssm_inputs, ssm_shapes, trees
 
-from stree.kernels import conv_step, selective_state_update, tree_conv1d, tree_scan
+from stree.kernels import conv_step, selective_state_update, tree_attention, tree_conv1d, tree_scan
 
 TOL = 1e-5
 BACKENDS = ("torch", "auto", "triton")
@@ -126,3 +126,25 @@ def test_step_kernels_advance_their_slots_in_place(data, batch, shape, dt_opts, 
         torch.testing.assert_close(pool.cpu(), want_pool, rtol=TOL, atol=TOL, equal_nan=True, msg=backend)
         torch.testing.assert_close(out.cpu(), want_conv_out, rtol=TOL, atol=TOL, msg=backend)
         torch.testing.assert_close(conv_pool.cpu(), want_conv_pool, rtol=0, atol=0, equal_nan=True, msg=backend)
+
+
+@given(data=st.data(), tree=trees(max_n=20), heads=st.sampled_from([(1, 1), (4, 2)]), t_max=st.sampled_from([0, 5, 40]),
+       seed=st.integers(0, 2**16))
+def test_tree_attention_over_slots_matches_the_padded_call(data, tree, heads, t_max, seed, device, poison):
+    parents, batch = tree
+    n, (hq, hkv), d = parents.shape[-1], heads, 8
+    gen = torch.Generator().manual_seed(seed)
+    r = lambda *size: torch.randn(*size, generator=gen)
+    q, k_tree, v_tree = r(batch, n, hq, d), r(batch, n, hkv, d), r(batch, n, hkv, d)
+    k_rows, v_rows = r(batch, t_max, hkv, d), r(batch, t_max, hkv, d)
+    lens = torch.randint(0, t_max + 1, (batch,), generator=gen)
+    state_indices, slots = data.draw(slot_tables(batch, seed))
+    want = tree_attention(q, _padded(k_rows, state_indices), _padded(v_rows, state_indices),
+                          torch.where(state_indices >= 0, lens, 0), k_tree, v_tree, parents, backend="torch")
+    k_pool, v_pool = _pool(k_rows, state_indices, slots), _pool(v_rows, state_indices, slots)
+    for backend in ("torch", "triton"):
+        dev = device if backend == "triton" else torch.device("cpu")
+        to = lambda t: t.to(dev)
+        got = tree_attention(to(q), to(k_pool), to(v_pool), to(lens), to(k_tree), to(v_tree), to(parents),
+                             state_indices=to(state_indices), backend=backend)
+        torch.testing.assert_close(got.cpu(), want, rtol=TOL, atol=TOL, msg=backend)
