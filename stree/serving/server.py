@@ -122,8 +122,9 @@ def make_app(engine: Engine, model_name: str, api_key: str | None = None) -> Sta
             raise APIError(400, "prompt must be a non-empty string or list of token ids (one prompt a request)",
                            param="prompt")
         ids = _encode(engine, prompt)
+        usage = _usage(data)  # (every check before the request is queued)
         job, stream = submit(ids, data, budget(data, "max_tokens", DEFAULT_MAX_TOKENS, ids))
-        return await _answer(request, job, stream, "text_completion", model_name, len(ids), None, _usage(data))
+        return await _answer(request, job, stream, "text_completion", model_name, len(ids), None, usage)
 
     async def chat(request: HTTPRequest):
         data = await body(request, CHAT_FIELDS)
@@ -135,8 +136,9 @@ def make_app(engine: Engine, model_name: str, api_key: str | None = None) -> Sta
         except (TypeError, ValueError) as error:
             raise APIError(400, str(error), param="messages") from None
         name = "max_completion_tokens" if data.get("max_completion_tokens") is not None else "max_tokens"
+        usage = _usage(data)  # (every check before the request is queued)
         job, stream = submit(ids, data, budget(data, name, 0, ids))
-        return await _answer(request, job, stream, "chat.completion", model_name, len(ids), opened, _usage(data))
+        return await _answer(request, job, stream, "chat.completion", model_name, len(ids), opened, usage)
 
     async def models(request: HTTPRequest):
         return JSONResponse({"object": "list", "data": [{"id": model_name, "object": "model", "created": int(started),

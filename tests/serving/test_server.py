@@ -138,11 +138,14 @@ def test_drafter_null_decodes_autoregressively(server, client):
     ({"model": MODEL, "prompt": "x", "stream": "yes"}, 400, "stream must be a boolean"),
     ({"model": MODEL, "prompt": "x", "drafter": "nope"}, 400, "drafter must be one of"),
     ({"model": MODEL, "prompt": "x", "logit_bias": {}}, 400, "unsupported field"),
+    ({"model": MODEL, "prompt": "x", "stream": True, "stream_options": {"include_usage": 1}}, 400, "stream_options"),
 ])
 def test_bad_requests_get_openai_style_errors(server, body, status, match):
+    submitted = server[1].metrics()["requests"]
     got, answer = _raw(server, "POST", "/v1/completions", body, raw_body="{not json" if body is None else None)
     assert got == status and match in answer["error"]["message"], answer
     assert set(answer["error"]) == {"message", "type", "param", "code"}
+    assert server[1].metrics()["requests"] == submitted  # refused before anything was queued
     assert _raw(server, "GET", "/health")[0] == 200  # still serving
 
 
