@@ -25,14 +25,13 @@ from any thread, and a :class:`Request` is read from any thread (or an asyncio l
 from __future__ import annotations
 
 import collections
-import dataclasses
 import itertools
 import numbers
 import os
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -246,7 +245,7 @@ class Engine:
         stops = stop_strings(stop)
         if seed is not None and (not isinstance(seed, numbers.Integral) or isinstance(seed, bool)):
             raise TypeError(f"seed must be an int or None, got {seed!r}")
-        name = _drafter(drafter, self.lm)
+        name = _drafter_name(drafter, self.lm)
         depth = _tree_depth(tree)
         room = self.max_length - len(ids) - depth
         if max_tokens > room:
@@ -430,13 +429,13 @@ class Engine:
         eos = set() if eos is None else {eos} if isinstance(eos, numbers.Integral) else set(eos)
         return bool(tokens) and tokens[-1] in eos
 
-    def _drafter(self, settings: _Settings):
+    def _cohort_drafter(self, settings: _Settings):
         """The drafter of ``settings``' cohorts: one object for all of them over the engine's life
         (a STAND store keeps learning from every request; one cohort of given settings runs at a
         time), a seeded request's its own."""
         if settings.drafter is None:
             return None
-        key = dataclasses.replace(settings, own=None)
+        key = replace(settings, own=None)
         drafter = self._drafters.get(key) if settings.own is None else None
         if drafter is None:
             drafter = self.lm.drafter(settings.drafter, settings.params.temperature, self.max_slots * self.max_length)
@@ -501,7 +500,7 @@ class _Cohort:
         self.cache = None
         self.restarts = 0
         self.verified = 0  # tree steps of the cohort's generators (on_step)
-        self.drafter = engine._drafter(settings)
+        self.drafter = engine._cohort_drafter(settings)
 
     def step(self) -> bool:
         """One iteration of the cohort; False once it has no rows left."""
@@ -607,7 +606,7 @@ def _now() -> float:
     return time.monotonic()
 
 
-def _drafter(drafter, lm) -> str | None:
+def _drafter_name(drafter, lm) -> str | None:
     """``drafter`` checked: a registry name (an alias resolved) or None."""
     if drafter is None:
         return None
