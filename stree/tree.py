@@ -24,6 +24,10 @@ __all__ = [
     "ancestor_mask",
     "TreeIndex",
     "tree_index",
+    "PackedTrees",
+    "pack_trees",
+    "packed_trees",
+    "check_cu_seqlens",
     "leaf_paths",
     "MAX_TREE_NODES",
     "check_size",
@@ -195,6 +199,145 @@ def tree_index(parents) -> TreeIndex:
     last = pre + size - 1
     as32 = lambda t: t.to(torch.int32).contiguous()
     return TreeIndex(as32(p), as32(depth), as32(pre), as32(last))
+
+
+@dataclass(frozen=True)
+class PackedTrees:
+    """Trees of different sizes laid back to back without padding: how engines hand kernels a
+    batch of requests (``cu_seqlens``), here each request with a tree of its own.
+
+    Tree r owns packed nodes ``cu_seqlens[r] .. cu_seqlens[r + 1] - 1``, numbered inside it from 0
+    (its root): ``parents``, ``depth``, ``pre`` and ``last`` (int32 ``[total]``) are each tree's own
+    :class:`TreeIndex` values end to end, so a kernel program of tree r offsets its pointers by
+    ``cu_seqlens[r]`` and runs the one-tree code on ``cu_seqlens[r + 1] - cu_seqlens[r]`` nodes.
+    ``padded`` is the same trees as one ``[batch, max_n]`` TreeIndex (each padding node a leaf under
+    its root, after every real node in pre-order: the real nodes' values are the packed ones) for
+    the padded reference calls; :meth:`unpack` and :meth:`pack` move tensors between the layouts.
+    Made by :func:`pack_trees` (parent arrays on the host) or :func:`packed_trees` (tensors).
+    """
+
+    parents: torch.Tensor
+    depth: torch.Tensor
+    pre: torch.Tensor
+    last: torch.Tensor
+    cu_seqlens: torch.Tensor
+    max_n: int
+    padded: TreeIndex
+    _memo: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    @property
+    def batch(self) -> int:
+        return self.cu_seqlens.shape[0] - 1
+
+    @property
+    def total(self) -> int:
+        return self.parents.shape[0]
+
+    @property
+    def device(self) -> torch.device:
+        return self.parents.device
+
+    def memo(self, key, fn):
+        """``fn()`` computed once per packing (as :meth:`TreeIndex.memo`)."""
+        if key not in self._memo:
+            self._memo[key] = fn()
+        return self._memo[key]
+
+    @property
+    def tree_ids(self) -> torch.Tensor:
+        """The tree each packed node belongs to, int64 ``[total]``."""
+        return self.memo("tree_ids", lambda: torch.repeat_interleave(
+            torch.arange(self.batch, device=self.device), self.cu_seqlens.diff().long()))
+
+    def _flat(self) -> torch.Tensor:
+        """Packed node -> its position in the flattened ``[batch, max_n]`` layout."""
+        def build():
+            local = torch.arange(self.total, device=self.device) - self.cu_seqlens.long()[self.tree_ids]
+            return self.tree_ids * self.max_n + local
+        return self.memo("flat", build)
+
+    def unpack(self, t: torch.Tensor) -> torch.Tensor:
+        """``[1, total, ...]`` -> ``[batch, max_n, ...]``, padding nodes zero."""
+        out = t.new_zeros(self.batch * self.max_n, *t.shape[2:])
+        return out.index_copy_(0, self._flat(), t[0]).view(self.batch, self.max_n, *t.shape[2:])
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        """``[batch, max_n, ...]`` -> ``[1, total, ...]`` (the real nodes)."""
+        return t.reshape(self.batch * self.max_n, *t.shape[2:]).index_select(0, self._flat())[None]
+
+    def to(self, device) -> "PackedTrees":
+        """The same trees on ``device`` (not validated again)."""
+        device = torch.device(device)
+        if self.device == device:
+            return self
+        move = lambda t: t.to(device, non_blocking=True)
+        return PackedTrees(*map(move, (self.parents, self.depth, self.pre, self.last, self.cu_seqlens)), self.max_n,
+                           self.padded.to(device))
+
+
+def check_cu_seqlens(cu_seqlens, total: int) -> list[int]:
+    """Each packed tree's node count from ``cu_seqlens`` (int ``[batch + 1]``, 0 first, rising, ``total``
+    last); one device-to-host copy."""
+    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dtype.is_floating_point or cu_seqlens.dtype == torch.bool:
+        raise TypeError(f"cu_seqlens must be an integer tensor, got {getattr(cu_seqlens, 'dtype', type(cu_seqlens))}")
+    if cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 2:
+        raise ValueError(f"cu_seqlens must have shape [batch + 1] with batch >= 1, got {tuple(cu_seqlens.shape)}")
+    cu = cu_seqlens.tolist()
+    if cu[0] != 0 or cu[-1] != total:
+        raise ValueError(f"cu_seqlens must run from 0 to the {total} packed nodes, got {cu[0]} .. {cu[-1]}")
+    sizes = [b - a for a, b in zip(cu, cu[1:])]
+    for r, size in enumerate(sizes):
+        if size < 1:
+            raise ValueError(f"cu_seqlens gives tree {r} {size} nodes: every tree has at least its root")
+        check_size(size, f"tree (tree {r} of cu_seqlens)")
+    return sizes
+
+
+def packed_trees(parents, cu_seqlens) -> PackedTrees:
+    """Validate trees packed as engines pass them: ``parents`` ``[total]`` (each tree's own parent
+    array, numbered from its root) and ``cu_seqlens`` ``[batch + 1]``; a bad tree is named with the
+    index inside it (``parents[tree, node]``)."""
+    if not isinstance(parents, torch.Tensor):
+        raise TypeError(f"parents must be an integer tensor [total], got {type(parents).__name__}")
+    if parents.dim() != 1:
+        raise ValueError(f"packed parents must have shape [total], got {tuple(parents.shape)}")
+    sizes = check_cu_seqlens(cu_seqlens, parents.shape[0])
+    return _pack(parents, cu_seqlens, sizes)
+
+
+def pack_trees(trees: Sequence, device=None) -> PackedTrees:
+    """:class:`PackedTrees` of parent arrays (sequences, tensors or :class:`TreeShape`), in order."""
+    if isinstance(trees, (str, bytes)) or not isinstance(trees, Sequence) or not trees:
+        raise ValueError(f"trees must be a non-empty sequence of parent arrays, got {trees!r}")
+    arrays = [t.parents if isinstance(t, TreeShape) else t for t in trees]
+    for r, a in enumerate(arrays):
+        if not isinstance(a, torch.Tensor) and not isinstance(a, Sequence):
+            raise TypeError(f"trees[{r}] must be a parent array, got {type(a).__name__}")
+    flat = [torch.as_tensor(a).reshape(-1).tolist() for a in arrays]
+    sizes = [len(a) for a in flat]
+    cu = torch.tensor([0, *np.cumsum(sizes).tolist()], dtype=torch.int32, device=device)
+    for r, size in enumerate(sizes):
+        if size < 1:
+            raise ValueError(f"trees[{r}] is empty: every tree has at least its root")
+        check_size(size, f"tree (trees[{r}])")
+    return _pack(torch.tensor([v for a in flat for v in a], device=device), cu, sizes)
+
+
+def _pack(parents: torch.Tensor, cu_seqlens: torch.Tensor, sizes: list[int]) -> PackedTrees:
+    device, batch, max_n = parents.device, len(sizes), max(sizes)
+    sizes_t = torch.tensor(sizes, device=device)
+    tree = torch.repeat_interleave(torch.arange(batch, device=device), sizes_t)
+    flat = tree * max_n + torch.arange(parents.shape[0], device=device) - cu_seqlens.long()[tree]
+    # padding nodes: children of their tree's root (valid, and after every real node in pre-order)
+    grid = torch.zeros(batch * max_n, dtype=torch.long, device=device).index_copy_(0, flat, parents.long())
+    index = tree_index(check_parents(grid.view(batch, max_n)))
+    take = lambda t: t.reshape(-1).index_select(0, flat)
+    # a root's subtree interval reaches over the padding: clip it to the tree's own nodes
+    last = torch.minimum(take(index.last), (sizes_t - 1).to(torch.int32)[tree])
+    packed = PackedTrees(take(index.parents), take(index.depth), take(index.pre), last.contiguous(),
+                         cu_seqlens.to(torch.int32), max_n, index)
+    packed._memo.update(flat=flat, tree_ids=tree)
+    return packed
 
 
 def leaf_paths(parents: Sequence[int]) -> list[list[int]]:

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ..tree import TreeIndex, tree_index
+from ..tree import PackedTrees, TreeIndex, tree_index
 
 BACKENDS = ("auto", "triton", "torch")
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -121,6 +121,25 @@ def check_tree(parents, batch, n, device) -> TreeIndex:
     return index.for_batch(batch)
 
 
+def check_packed(name: str, t: torch.Tensor, parents) -> int | None:
+    """With :class:`PackedTrees` for ``parents``: check ``t`` holds their nodes, ``[1, total, ...]``,
+    and return the number of trees (the rows of the states); otherwise None."""
+    if not isinstance(parents, PackedTrees):
+        return None
+    if t.shape[0] != 1 or t.shape[1] != parents.total:
+        raise ValueError(f"with packed trees {name} must have shape [1, total = {parents.total}, ...], "
+                         f"got {tuple(t.shape)}")
+    if parents.device != t.device:
+        raise ValueError(f"parents is on {parents.device} but {name} is on {t.device}: all inputs must be on one device")
+    return parents.batch
+
+
+def packed_strides(t: torch.Tensor) -> tuple:
+    """``t``'s strides for a kernel's packed-trees variant: a program of tree b moves to the tree's
+    first node itself, so b must not move it too (the batch stride is 0)."""
+    return (0, *t.stride()[1:])
+
+
 PAD_SLOT_ID = -1  # a row whose slot id is negative is padding: its state is neither read nor written
 
 
@@ -215,3 +234,14 @@ def process_dt_tl(dt, bias, DT_SOFTPLUS: tl.constexpr, dt_lo, dt_hi):
         log1p_u = tl.where(w == 1.0, u, tl.log(w) * (u / (w - 1.0)))
         dt = tl.where(dt <= 20.0, tl.maximum(dt, 0.0) + log1p_u, dt)
     return tl.minimum(tl.maximum(dt, dt_lo), dt_hi)
+
+
+@triton.jit
+def tree_span(cu_ptr, b, n, VARLEN: tl.constexpr):
+    """Row b's first node and node count: packed tree b's from the offsets (``VARLEN``: the batch
+    strides are then 0, the program moves to the tree's first node), else 0 and the padded n."""
+    if VARLEN:
+        start = tl.load(cu_ptr + b)
+        return start, tl.load(cu_ptr + b + 1) - start
+    else:
+        return 0, n

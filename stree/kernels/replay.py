@@ -23,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..tree import check_cu_seqlens
 from ._common import (
     INF,
     check_slots,
@@ -170,17 +171,37 @@ def _check_args(ssm_state, conv_state, xBC, x, dt, B, A, accepted, num_accepted,
 
 
 def check_accepted(accepted, num_accepted, n):
-    """ValueError unless every row accepts 1..L nodes, all valid indices in [0, n). One device sync."""
+    """ValueError unless every row accepts 1..L nodes, all valid indices in [0, n) (``n`` an int,
+    or a tensor ``[b]`` of each row's tree size). One device sync."""
     L = accepted.shape[1]
     bad_num = (num_accepted < 1) | (num_accepted > L)
     used = torch.arange(L, device=accepted.device) < num_accepted[:, None]
-    bad = used & ((accepted < 0) | (accepted >= n))
+    sizes = n[:, None] if isinstance(n, torch.Tensor) else n
+    bad = used & ((accepted < 0) | (accepted >= sizes))
     if bool(bad_num.any() | bad.any()):
         if bool(bad_num.any()):
             row = int(torch.nonzero(bad_num)[0])
             raise ValueError(f"num_accepted[{row}] = {int(num_accepted[row])} must be in [1, {L}] (the root always counts)")
         row, t = (int(v) for v in torch.nonzero(bad)[0])
-        raise ValueError(f"accepted[{row}, {t}] = {int(accepted[row, t])} is not a node index in [0, {n})")
+        size = int(n[row]) if isinstance(n, torch.Tensor) else n
+        raise ValueError(f"accepted[{row}, {t}] = {int(accepted[row, t])} is not a node index in [0, {size})")
+
+
+def _from_packed(cu_seqlens, accepted, num_accepted, validate, xBC, x, dt, B):
+    """Packed trees' activations as the padded call reads them: every row sees all the packed
+    nodes (a batch stride of 0: no copy) and its accepted indices move to its tree's first node."""
+    if not isinstance(x, torch.Tensor) or x.dim() not in (4, 5) or x.shape[-4] != 1:
+        raise ValueError(f"with cu_seqlens x must have shape [(layers,) 1, total, h, p], got {getattr(x, 'shape', x)}")
+    if not isinstance(accepted, torch.Tensor) or accepted.dim() != 2:
+        raise ValueError(f"accepted must have shape [batch, L], got {getattr(accepted, 'shape', type(accepted))}")
+    check_tensor("cu_seqlens", cu_seqlens, (accepted.shape[0] + 1,), x.device, kind="int")
+    check_tensor("num_accepted", num_accepted, (accepted.shape[0],), x.device, kind="int")
+    if validate:
+        check_accepted(accepted, num_accepted, torch.tensor(check_cu_seqlens(cu_seqlens, x.shape[-3])))
+    batch = accepted.shape[0]
+    rows = lambda t, rank: t.expand(*t.shape[:t.dim() - rank], batch, *t.shape[t.dim() - rank + 1:])
+    moved = accepted + cu_seqlens[:-1, None].to(accepted.dtype)
+    return moved, rows(xBC, 3), rows(x, 4), rows(dt, 3), rows(B, 4)
 
 
 def _in_slots(run, ssm_state, conv_state, state_indices, single):
@@ -249,7 +270,8 @@ def _replay_compiled(ssm_state, conv_state, xBC, x, dt, B, A, accepted, num_acce
 
 
 def replay(ssm_state, conv_state, xBC, x, dt, B, A, accepted, num_accepted, *, dt_bias=None,
-           dt_softplus=True, dt_limit=(0.0, INF), validate=True, out=None, state_indices=None, backend="auto"):
+           dt_softplus=True, dt_limit=(0.0, INF), validate=True, out=None, state_indices=None, cu_seqlens=None,
+           backend="auto"):
     """New ``(ssm_state, conv_state)`` after the accepted path, for one layer or a stack of them.
 
     ssm_state ``[(layers,) b, h, p, s]`` fp32 and conv_state ``[(layers,) b, dim, d_conv]``: the
@@ -260,10 +282,14 @@ def replay(ssm_state, conv_state, xBC, x, dt, B, A, accepted, num_accepted, *, d
     names them: the results are written there (the states themselves for an in-place commit) and
     returned. ``state_indices [b]`` (int): the states are pools ``[(layers,) slots, ...]``, row b's
     in slot ``state_indices[b]`` (negative: a padding row, skipped); the new states are written
-    into those slots in place and the pools returned. ``validate=False`` skips the index checks,
-    a device-to-host sync. ``backend="auto"`` runs CPU float32 tensors compiled
-    (stree.kernels.cpu.replay_jit), ``"torch"`` the PyTorch path.
+    into those slots in place and the pools returned. ``cu_seqlens [b + 1]`` (int): the verify pass
+    ran packed trees (:class:`~stree.tree.PackedTrees`), xBC, x, dt, B hold their nodes back to
+    back (``[.., 1, total, ...]``) and row b's ``accepted`` count inside tree b, from its root.
+    ``validate=False`` skips the index checks, a device-to-host sync. ``backend="auto"`` runs CPU
+    float32 tensors compiled (stree.kernels.cpu.replay_jit), ``"torch"`` the PyTorch path.
     """
+    if cu_seqlens is not None:
+        accepted, xBC, x, dt, B = _from_packed(cu_seqlens, accepted, num_accepted, validate, xBC, x, dt, B)
     if state_indices is not None and resolve_backend(backend, getattr(x, "device", torch.device("cpu"))) == "torch":
         _check_args(ssm_state, conv_state, xBC, x, dt, B, A, accepted, num_accepted, dt_bias, dt_limit, validate,
                     out, state_indices)

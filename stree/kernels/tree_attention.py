@@ -16,8 +16,9 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ._common import (check_layout, check_tensor, check_tree, dot_precision, identity_slots, pool_rows, pow2_block,
-                      resolve_backend, slot_rows)
+from ..tree import PackedTrees
+from ._common import (check_layout, check_packed, check_tensor, check_tree, dot_precision, identity_slots,
+                      packed_strides, pool_rows, pow2_block, resolve_backend, slot_rows, tree_span)
 
 __all__ = ["tree_attention", "tree_attention_torch"]
 
@@ -37,7 +38,7 @@ def _online_softmax_step(s, v, m_i, l_i, acc, DOT_PRECISION: tl.constexpr):
 
 @triton.jit
 def _tree_attention_kernel(
-    q_ptr, kc_ptr, vc_ptr, lens_ptr, slot_ptr, kt_ptr, vt_ptr, pre_ptr, last_ptr, out_ptr,
+    q_ptr, kc_ptr, vc_ptr, lens_ptr, slot_ptr, kt_ptr, vt_ptr, pre_ptr, last_ptr, cu_ptr, out_ptr,
     n, hq, head_dim, q_per_kv, scale_log2,
     s_q_b, s_q_n, s_q_h, s_q_d,
     s_kc_b, s_kc_t, s_kc_h, s_kc_d,
@@ -46,19 +47,27 @@ def _tree_attention_kernel(
     s_vt_b, s_vt_n, s_vt_h, s_vt_d,
     s_o_b, s_o_n, s_o_h, s_o_d,
     s_tree_b,
-    DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     pid_bh = tl.program_id(0)
     pid_m = tl.program_id(1)
     b = pid_bh // hq
     h = pid_bh % hq
     kvh = h // q_per_kv
+    start, n = tree_span(cu_ptr, b, n, VARLEN)  # packed trees: tree b's own nodes
+    q_ptr += b * s_q_b + start * s_q_n + h * s_q_h
+    kt_ptr += b * s_kt_b + start * s_kt_n + kvh * s_kt_h
+    vt_ptr += b * s_vt_b + start * s_vt_n + kvh * s_vt_h
+    out_ptr += b * s_o_b + start * s_o_n + h * s_o_h
+    pre_ptr += b * s_tree_b + start
+    last_ptr += b * s_tree_b + start
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     m_ok = offs_m < n
     d_ok = offs_d < head_dim
 
-    q = tl.load(q_ptr + b * s_q_b + h * s_q_h + offs_m[:, None] * s_q_n + offs_d[None, :] * s_q_d,
+    q = tl.load(q_ptr + offs_m[:, None] * s_q_n + offs_d[None, :] * s_q_d,
                 mask=m_ok[:, None] & d_ok[None, :], other=0.0)
     # Finite floor instead of -inf: fully masked (padding) rows then give alpha = 1 and p = 0, not NaN.
     m_i = tl.full((BLOCK_M,), -1.0e30, dtype=tl.float32)
@@ -81,24 +90,25 @@ def _tree_attention_kernel(
         s = tl.where(t_ok[None, :], s, -float("inf"))
         m_i, l_i, acc = _online_softmax_step(s, v, m_i, l_i, acc, DOT_PRECISION)
 
-    pre_m = tl.load(pre_ptr + b * s_tree_b + offs_m, mask=m_ok, other=-1)
-    hi = tl.minimum(n, (pid_m + 1) * BLOCK_M)  # ancestors precede their descendants
+    pre_m = tl.load(pre_ptr + offs_m, mask=m_ok, other=-1)
+    # ancestors precede their descendants; a tile past a packed tree has no keys
+    hi = tl.where(pid_m * BLOCK_M < n, tl.minimum(n, (pid_m + 1) * BLOCK_M), 0)
     for k0 in range(0, hi, BLOCK_N):
         offs_k = k0 + tl.arange(0, BLOCK_N)
         k_ok = offs_k < n
-        k = tl.load(kt_ptr + b * s_kt_b + kvh * s_kt_h + offs_k[:, None] * s_kt_n + offs_d[None, :] * s_kt_d,
+        k = tl.load(kt_ptr + offs_k[:, None] * s_kt_n + offs_d[None, :] * s_kt_d,
                     mask=k_ok[:, None] & d_ok[None, :], other=0.0)
-        v = tl.load(vt_ptr + b * s_vt_b + kvh * s_vt_h + offs_k[:, None] * s_vt_n + offs_d[None, :] * s_vt_d,
+        v = tl.load(vt_ptr + offs_k[:, None] * s_vt_n + offs_d[None, :] * s_vt_d,
                     mask=k_ok[:, None] & d_ok[None, :], other=0.0)
-        pre_k = tl.load(pre_ptr + b * s_tree_b + offs_k, mask=k_ok, other=n)
-        last_k = tl.load(last_ptr + b * s_tree_b + offs_k, mask=k_ok, other=-1)
+        pre_k = tl.load(pre_ptr + offs_k, mask=k_ok, other=n)
+        last_k = tl.load(last_ptr + offs_k, mask=k_ok, other=-1)
         anc = (pre_k[None, :] <= pre_m[:, None]) & (pre_m[:, None] <= last_k[None, :])
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
         s = tl.where(anc, s, -float("inf"))
         m_i, l_i, acc = _online_softmax_step(s, v, m_i, l_i, acc, DOT_PRECISION)
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    tl.store(out_ptr + b * s_o_b + h * s_o_h + offs_m[:, None] * s_o_n + offs_d[None, :] * s_o_d,
+    tl.store(out_ptr + offs_m[:, None] * s_o_n + offs_d[None, :] * s_o_d,
              out.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
 
 
@@ -108,7 +118,8 @@ def _check_args(q, k_cache, v_cache, cache_seqlens, k_tree, v_tree, parents, sof
     device = q.device
     if n == 0:
         raise ValueError("q has no nodes (n = 0)")
-    rows = pool_rows("k_cache", k_cache, "slots, t_max, kv_heads, head_dim", state_indices, batch, device)
+    trees = check_packed("q", q, parents)
+    rows = pool_rows("k_cache", k_cache, "slots, t_max, kv_heads, head_dim", state_indices, trees or batch, device)
     t_max, hkv = check_layout("k_cache", k_cache, "batch, t_max, kv_heads, head_dim")[1:3]
     if hkv < 1 or hq % hkv:
         raise ValueError(f"q_heads ({hq}) must be a multiple of kv_heads ({hkv})")
@@ -116,13 +127,13 @@ def _check_args(q, k_cache, v_cache, cache_seqlens, k_tree, v_tree, parents, sof
     check_tensor("v_cache", v_cache, (rows, t_max, hkv, head_dim), device, dtype=q.dtype)
     check_tensor("k_tree", k_tree, (batch, n, hkv, head_dim), device, dtype=q.dtype)
     check_tensor("v_tree", v_tree, (batch, n, hkv, head_dim), device, dtype=q.dtype)
-    check_tensor("cache_seqlens", cache_seqlens, (batch,), device, kind="int")
+    check_tensor("cache_seqlens", cache_seqlens, (trees or batch,), device, kind="int")
     bad = (cache_seqlens < 0) | (cache_seqlens > t_max)
     if validate and bool(bad.any()):
         row = int(torch.nonzero(bad)[0])
         raise ValueError(f"cache_seqlens[{row}] = {int(cache_seqlens[row])} must be in [0, t_max = {t_max}]")
     scale = 1.0 / math.sqrt(head_dim) if softmax_scale is None else float(softmax_scale)
-    return check_tree(parents, batch, n, device), scale
+    return (parents if trees is not None else check_tree(parents, batch, n, device)), scale
 
 
 def tree_attention_torch(q, k_cache, v_cache, cache_seqlens, k_tree, v_tree, parents, *, softmax_scale=None,
@@ -159,9 +170,18 @@ def tree_attention(q, k_cache, v_cache, cache_seqlens, k_tree, v_tree, parents, 
     the range check of ``cache_seqlens`` (a device-to-host sync): for callers that checked the
     lengths already, and for CUDA-graph capture. ``state_indices [b]`` (int): k_cache and v_cache
     are pools ``[slots, t_max, hkv, d]``, row b's prefix in slot ``state_indices[b]`` (negative: a
-    padding row, no prefix); ``cache_seqlens`` stays per row.
+    padding row, no prefix); ``cache_seqlens`` stays per row. ``parents`` a
+    :class:`~stree.tree.PackedTrees` of b trees: q, k_tree, v_tree hold their nodes back to back,
+    ``[1, total, ...]``, and tree b attends to prefix row (or slot) b.
     """
     check_layout("q", q, "batch, n, q_heads, head_dim")
+    if isinstance(parents, PackedTrees) and resolve_backend(backend, q.device) == "torch":
+        _check_args(q, k_cache, v_cache, cache_seqlens, k_tree, v_tree, parents, softmax_scale, validate,
+                    state_indices)
+        q, k_tree, v_tree = map(parents.unpack, (q, k_tree, v_tree))
+        return parents.pack(tree_attention(q, k_cache, v_cache, cache_seqlens, k_tree, v_tree, parents.padded,
+                                           softmax_scale=softmax_scale, validate=False, state_indices=state_indices,
+                                           backend=backend))
     if state_indices is not None and resolve_backend(backend, q.device) == "torch":
         _check_args(q, k_cache, v_cache, cache_seqlens, k_tree, v_tree, parents, softmax_scale, validate,
                     state_indices)
@@ -174,16 +194,21 @@ def tree_attention(q, k_cache, v_cache, cache_seqlens, k_tree, v_tree, parents, 
     index, scale = _check_args(q, k_cache, v_cache, cache_seqlens, k_tree, v_tree, parents, softmax_scale, validate,
                                state_indices)
     batch, n, hq, head_dim = q.shape
+    packed = isinstance(index, PackedTrees)
+    if packed:
+        batch, n = index.batch, index.max_n
+    strides = packed_strides if packed else torch.Tensor.stride
     hkv = k_cache.shape[2]
     out = torch.empty_like(q)
     slots = identity_slots(batch, q.device) if state_indices is None else state_indices
     cfg = launch_config(n, head_dim, q.dtype)
     grid = (batch * hq, triton.cdiv(n, cfg["BLOCK_M"]))
     _tree_attention_kernel[grid](
-        q, k_cache, v_cache, cache_seqlens, slots, k_tree, v_tree, index.pre, index.last, out,
+        q, k_cache, v_cache, cache_seqlens, slots, k_tree, v_tree, index.pre, index.last,
+        index.cu_seqlens if packed else slots, out,
         n, hq, head_dim, hq // hkv, scale * LOG2E,
-        *q.stride(), *k_cache.stride(), *v_cache.stride(), *k_tree.stride(), *v_tree.stride(), *out.stride(),
-        index.row_stride(),
-        DOT_PRECISION=dot_precision(q.dtype), **cfg,
+        *strides(q), *k_cache.stride(), *v_cache.stride(), *strides(k_tree), *strides(v_tree), *strides(out),
+        0 if packed else index.row_stride(),
+        VARLEN=packed, DOT_PRECISION=dot_precision(q.dtype), **cfg,
     )
     return out

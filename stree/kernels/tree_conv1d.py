@@ -13,8 +13,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (as_numpy, check_layout, check_tensor, check_tree, f32, identity_slots, pool_rows, pow2_block,
-                      resolve_backend, slot_rows)
+from ..tree import PackedTrees
+from ._common import (as_numpy, check_layout, check_packed, check_tensor, check_tree, f32, identity_slots,
+                      packed_strides, pool_rows, pow2_block, resolve_backend, slot_rows, tree_span)
 from .cpu.tree_jit import jit_tree_fits
 
 __all__ = ["tree_conv1d", "tree_conv1d_torch"]
@@ -24,18 +25,23 @@ ACTIVATIONS = (None, "silu")
 
 @triton.jit
 def _tree_conv1d_kernel(
-    xbc_ptr, conv_ptr, slot_ptr, w_ptr, bias_ptr, par_ptr, out_ptr,
+    xbc_ptr, conv_ptr, slot_ptr, w_ptr, bias_ptr, par_ptr, cu_ptr, out_ptr,
     n, dim,
     s_x_b, s_x_n, s_x_d,
     s_c_b, s_c_d, s_c_k,
     s_w_d, s_w_k,
     s_o_b, s_o_n, s_o_d,
     s_tree_b,
-    K: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    K: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr, VARLEN: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     b = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_d = tl.program_id(2)
+    start, n = tree_span(cu_ptr, b, n, VARLEN)  # packed trees: tree b's own nodes
+    xbc_ptr += b * s_x_b + start * s_x_n
+    out_ptr += b * s_o_b + start * s_o_n
+    par_ptr += b * s_tree_b + start
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
     n_ok = offs_n < n
@@ -53,24 +59,25 @@ def _tree_conv1d_kernel(
         in_tree = pos >= 0
         ok_tree = (n_ok & in_tree)[:, None] & d_ok[None, :]
         ok_state = (n_ok & ~in_tree)[:, None] & state_ok[None, :]
-        v = tl.load(xbc_ptr + b * s_x_b + tl.maximum(pos, 0)[:, None] * s_x_n + offs_d[None, :] * s_x_d,
+        v = tl.load(xbc_ptr + tl.maximum(pos, 0)[:, None] * s_x_n + offs_d[None, :] * s_x_d,
                     mask=ok_tree, other=0.0).to(tl.float32)
         v += tl.load(conv_row[None, :] + (K + tl.minimum(pos, -1))[:, None] * s_c_k,
                      mask=ok_state, other=0.0).to(tl.float32)
         w = tl.load(w_ptr + offs_d * s_w_d + (K - 1 - k) * s_w_k, mask=d_ok, other=0.0).to(tl.float32)
         acc += v * w[None, :]
         if k < K - 1:
-            up = tl.load(par_ptr + b * s_tree_b + tl.maximum(pos, 0), mask=n_ok & in_tree, other=-1)
+            up = tl.load(par_ptr + tl.maximum(pos, 0), mask=n_ok & in_tree, other=-1)
             pos = tl.where(in_tree, up, pos - 1)
     if SILU:
         acc = acc * tl.sigmoid(acc)
-    tl.store(out_ptr + b * s_o_b + offs_n[:, None] * s_o_n + offs_d[None, :] * s_o_d,
+    tl.store(out_ptr + offs_n[:, None] * s_o_n + offs_d[None, :] * s_o_d,
              acc.to(out_ptr.dtype.element_ty), mask=n_ok[:, None] & d_ok[None, :])
 
 
 def _check_args(xBC, parents, conv_state, weight, bias, activation, state_indices=None):
     batch, n, dim = check_layout("xBC", xBC, "batch, n, dim")
     device = xBC.device
+    trees = check_packed("xBC", xBC, parents)
     if n == 0:
         raise ValueError("xBC has no nodes (n = 0)")
     if not isinstance(weight, torch.Tensor) or weight.dim() not in (2, 3):
@@ -82,13 +89,13 @@ def _check_args(xBC, parents, conv_state, weight, bias, activation, state_indice
     check_tensor("weight", weight, (dim, d_conv), device)
     if d_conv < 1:
         raise ValueError("weight must have d_conv >= 1 taps")
-    rows = pool_rows("conv_state", conv_state, "slots, dim, d_conv", state_indices, batch, device)
+    rows = pool_rows("conv_state", conv_state, "slots, dim, d_conv", state_indices, trees or batch, device)
     check_tensor("conv_state", conv_state, (rows, dim, d_conv), device)
     if bias is not None:
         check_tensor("bias", bias, (dim,), device)
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
-    return check_tree(parents, batch, n, device), weight
+    return (parents if trees is not None else check_tree(parents, batch, n, device)), weight
 
 
 def window_positions(parents_rows: torch.Tensor, d_conv: int) -> torch.Tensor:
@@ -139,10 +146,16 @@ def tree_conv1d(xBC, parents, conv_state, weight, bias=None, activation="silu", 
     nn.Conv1d's ``[dim, 1, d_conv]``), tap ``d_conv - 1`` multiplies the node itself; bias ``[dim]``;
     activation ``"silu"`` or None. Returns ``[b, n, dim]`` in xBC's dtype. ``state_indices [b]``
     (int): conv_state is a pool ``[slots, dim, d_conv]`` and row b reads slot ``state_indices[b]``
-    (negative: a padding row, zeros above its root). ``"auto"`` on CPU float32 tensors of a small
-    tree (outside autograd and ``torch.compile``) runs numba-compiled (:mod:`.tree_jit`).
+    (negative: a padding row, zeros above its root). ``parents`` a :class:`~stree.tree.PackedTrees`
+    of b trees: xBC holds their nodes back to back, ``[1, total, dim]``, tree b reading conv state
+    row (or slot) b. ``"auto"`` on CPU float32 tensors of a small tree (outside autograd and
+    ``torch.compile``) runs numba-compiled (:mod:`.tree_jit`).
     """
     check_layout("xBC", xBC, "batch, n, dim")
+    if isinstance(parents, PackedTrees) and resolve_backend(backend, xBC.device) == "torch":
+        _check_args(xBC, parents, conv_state, weight, bias, activation, state_indices)
+        return parents.pack(tree_conv1d(parents.unpack(xBC), parents.padded, conv_state, weight, bias, activation,
+                                        state_indices=state_indices, backend=backend))
     if state_indices is not None and resolve_backend(backend, xBC.device) == "torch":
         _check_args(xBC, parents, conv_state, weight, bias, activation, state_indices)
         return tree_conv1d(xBC, parents, slot_rows(conv_state, state_indices), weight, bias, activation,
@@ -158,16 +171,20 @@ def tree_conv1d(xBC, parents, conv_state, weight, bias=None, activation="silu", 
     if resolve_backend(backend, xBC.device) == "torch":
         return tree_conv1d_torch(xBC, parents, conv_state, weight, bias, activation)
     index, weight = _check_args(xBC, parents, conv_state, weight, bias, activation, state_indices)
-    batch, n, dim = xBC.shape
+    packed = isinstance(index, PackedTrees)
+    batch, n, dim = (index.batch, index.max_n, xBC.shape[2]) if packed else xBC.shape
+    strides = packed_strides if packed else torch.Tensor.stride
     out = torch.empty_like(xBC)
     slots = identity_slots(batch, xBC.device) if state_indices is None else state_indices
     block_n = min(pow2_block(n), 16)
     block_d = 128
     grid = (batch, triton.cdiv(n, block_n), triton.cdiv(dim, block_d))
     _tree_conv1d_kernel[grid](
-        xBC, conv_state, slots, weight, bias if bias is not None else weight, index.parents, out,
-        n, dim, *xBC.stride(), *conv_state.stride(), *weight.stride(), *out.stride(), index.row_stride(),
-        K=weight.shape[-1], HAS_BIAS=bias is not None, SILU=activation == "silu",
+        xBC, conv_state, slots, weight, bias if bias is not None else weight, index.parents,
+        index.cu_seqlens if packed else slots, out,
+        n, dim, *strides(xBC), *conv_state.stride(), *weight.stride(), *strides(out),
+        0 if packed else index.row_stride(),
+        K=weight.shape[-1], HAS_BIAS=bias is not None, SILU=activation == "silu", VARLEN=packed,
         BLOCK_N=block_n, BLOCK_D=block_d,
     )
     return out

@@ -25,19 +25,22 @@ from ._common import (
     check_groups,
     check_layout,
     check_ssm_params,
+    check_packed,
     check_tensor,
     check_tree,
     dot_precision,
     f32,
     identity_slots,
+    packed_strides,
     pool_rows,
     pow2_block,
     process_dt,
     process_dt_tl,
     resolve_backend,
     slot_rows,
+    tree_span,
 )
-from ..tree import MAX_TREE_NODES
+from ..tree import MAX_TREE_NODES, PackedTrees
 from .cpu.tree_jit import jit_tree_fits
 
 __all__ = ["tree_scan", "tree_scan_torch", "MAX_TREE_NODES"]
@@ -45,7 +48,7 @@ __all__ = ["tree_scan", "tree_scan_torch", "MAX_TREE_NODES"]
 
 @triton.jit
 def _tree_scan_kernel(
-    x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, dt_bias_ptr, x0_ptr, slot_ptr, y_ptr, pre_ptr, last_ptr,
+    x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, dt_bias_ptr, x0_ptr, slot_ptr, y_ptr, pre_ptr, last_ptr, cu_ptr,
     n, nheads, headdim, dstate, heads_per_group, dt_lo, dt_hi,
     s_x_b, s_x_n, s_x_h, s_x_p,
     s_dt_b, s_dt_n, s_dt_h,
@@ -56,7 +59,7 @@ def _tree_scan_kernel(
     s_y_b, s_y_n, s_y_h, s_y_p,
     s_tree_b,
     HAS_D: tl.constexpr, HAS_DT_BIAS: tl.constexpr, HAS_X0: tl.constexpr, DT_SOFTPLUS: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
     """One program per (row, head), block of nodes and block of head dims. Long for a reason: one
@@ -69,13 +72,14 @@ def _tree_scan_kernel(
     h = pid_bh % nheads
     g = h // heads_per_group
 
-    x_ptr += b * s_x_b + h * s_x_h
-    dt_ptr += b * s_dt_b + h * s_dt_h
-    B_ptr += b * s_B_b + g * s_B_g
-    C_ptr += b * s_C_b + g * s_C_g
-    y_ptr += b * s_y_b + h * s_y_h
-    pre_ptr += b * s_tree_b
-    last_ptr += b * s_tree_b
+    start, n = tree_span(cu_ptr, b, n, VARLEN)  # packed trees: tree b's own nodes
+    x_ptr += b * s_x_b + start * s_x_n + h * s_x_h
+    dt_ptr += b * s_dt_b + start * s_dt_n + h * s_dt_h
+    B_ptr += b * s_B_b + start * s_B_n + g * s_B_g
+    C_ptr += b * s_C_b + start * s_C_n + g * s_C_g
+    y_ptr += b * s_y_b + start * s_y_n + h * s_y_h
+    pre_ptr += b * s_tree_b + start
+    last_ptr += b * s_tree_b + start
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
@@ -93,7 +97,7 @@ def _tree_scan_kernel(
     # the tiles already visited, so exp(Atree_r - Atree_c) = exp(dA summed over the path strictly
     # below c) comes from one reverse cumsum per tile, never from differences of whole-path sums
     # (which would also cost a pass over all earlier columns per tile).
-    hi = tl.minimum(n, (pid_m + 1) * BLOCK_M)
+    hi = tl.where(pid_m * BLOCK_M < n, tl.minimum(n, (pid_m + 1) * BLOCK_M), 0)  # 0: a tile past a packed tree
     num_k = tl.cdiv(hi, BLOCK_K)
     pre_m = tl.load(pre_ptr + offs_m, mask=m_ok, other=-1)
     below = tl.zeros((BLOCK_M,), dtype=tl.float32)
@@ -155,7 +159,8 @@ def _tree_scan_kernel(
 def _check_args(x, dt, A, B, C, parents, D, dt_bias, dt_limit, initial_state, state_indices=None):
     batch, n, nheads, headdim = check_layout("x", x, "batch, n, nheads, headdim")
     device = x.device
-    if n > MAX_TREE_NODES:
+    trees = check_packed("x", x, parents)
+    if n > MAX_TREE_NODES and trees is None:
         raise ValueError(f"tree_scan handles trees of at most {MAX_TREE_NODES} nodes, got n = {n}")
     if n == 0:
         raise ValueError("x has no nodes (n = 0)")
@@ -166,9 +171,10 @@ def _check_args(x, dt, A, B, C, parents, D, dt_bias, dt_limit, initial_state, st
     check_groups(nheads, ngroups)
     D = check_ssm_params(nheads, headdim, device, A, D, dt_bias)
     if initial_state is not None or state_indices is not None:
-        rows = pool_rows("initial_state", initial_state, "slots, nheads, headdim, dstate", state_indices, batch, device)
+        rows = pool_rows("initial_state", initial_state, "slots, nheads, headdim, dstate", state_indices,
+                         trees or batch, device)
         check_tensor("initial_state", initial_state, (rows, nheads, headdim, dstate), device, dtype=torch.float32)
-    index = check_tree(parents, batch, n, device)
+    index = parents if trees is not None else check_tree(parents, batch, n, device)
     return index, D, check_dt_limit(dt_limit)
 
 
@@ -285,10 +291,18 @@ def tree_scan(x, dt, A, B, C, parents, *, D=None, dt_bias=None, dt_softplus=True
     None); parents ``[n]``, ``[b, n]`` or a :class:`~stree.tree.TreeIndex`; n <= MAX_TREE_NODES (1024).
     Returns y ``[b, n, h, p]`` in x's dtype. ``state_indices [b]`` (int): initial_state is a pool
     ``[slots, h, p, s]`` and row b starts from slot ``state_indices[b]`` (negative: a padding row,
-    zero state). ``"auto"`` on CPU float32 tensors of a small tree (outside autograd and
-    ``torch.compile``) runs numba-compiled (:mod:`.tree_jit`).
+    zero state). ``parents`` a :class:`~stree.tree.PackedTrees` of b trees: x, dt, B, C hold their
+    nodes back to back, ``[1, total, ...]``, and tree b's state is row (or slot) b. ``"auto"`` on
+    CPU float32 tensors of a small tree (outside autograd and ``torch.compile``) runs
+    numba-compiled (:mod:`.tree_jit`).
     """
     check_layout("x", x, "batch, n, nheads, headdim")
+    if isinstance(parents, PackedTrees) and resolve_backend(backend, x.device) == "torch":
+        _check_args(x, dt, A, B, C, parents, D, dt_bias, dt_limit, initial_state, state_indices)
+        x, dt, B, C = map(parents.unpack, (x, dt, B, C))
+        return parents.pack(tree_scan(x, dt, A, B, C, parents.padded, D=D, dt_bias=dt_bias, dt_softplus=dt_softplus,
+                                      dt_limit=dt_limit, initial_state=initial_state, state_indices=state_indices,
+                                      backend=backend))
     if state_indices is not None and resolve_backend(backend, x.device) == "torch":
         _check_args(x, dt, A, B, C, parents, D, dt_bias, dt_limit, initial_state, state_indices)
         return tree_scan(x, dt, A, B, C, parents, D=D, dt_bias=dt_bias, dt_softplus=dt_softplus, dt_limit=dt_limit,
@@ -299,8 +313,11 @@ def tree_scan(x, dt, A, B, C, parents, *, D=None, dt_bias=None, dt_softplus=True
         return tree_scan_torch(x, dt, A, B, C, parents, D=D, dt_bias=dt_bias, dt_softplus=dt_softplus,
                              dt_limit=dt_limit, initial_state=initial_state)
     index, D, (lo, hi) = _check_args(x, dt, A, B, C, parents, D, dt_bias, dt_limit, initial_state, state_indices)
-    batch, n, nheads, headdim = x.shape
+    _, n, nheads, headdim = x.shape
     ngroups, dstate = B.shape[2], B.shape[3]
+    packed = isinstance(index, PackedTrees)
+    batch, n = (index.batch, index.max_n) if packed else (x.shape[0], n)
+    strides = packed_strides if packed else torch.Tensor.stride
     y = torch.empty_like(x)
     slots = identity_slots(batch, x.device) if state_indices is None else state_indices
     cfg = launch_config(n, headdim, dstate)
@@ -311,12 +328,12 @@ def tree_scan(x, dt, A, B, C, parents, *, D=None, dt_bias=None, dt_softplus=True
     x0_strides = initial_state.stride() if initial_state is not None else (0, 0, 0, 0)
     _tree_scan_kernel[grid](
         x, dt, A, B, C, D if D is not None else dummy, dt_bias if dt_bias is not None else dummy, x0, slots, y,
-        index.pre, index.last,
+        index.pre, index.last, index.cu_seqlens if packed else slots,
         n, nheads, headdim, dstate, nheads // ngroups, lo, hi,
-        *x.stride(), *dt.stride(), *B.stride(), *C.stride(),
-        *(D.stride() if D is not None else (0, 0)), *x0_strides, *y.stride(),
-        index.row_stride(),
+        *strides(x), *strides(dt), *strides(B), *strides(C),
+        *(D.stride() if D is not None else (0, 0)), *x0_strides, *strides(y),
+        0 if packed else index.row_stride(),
         HAS_D=D is not None, HAS_DT_BIAS=dt_bias is not None, HAS_X0=initial_state is not None,
-        DT_SOFTPLUS=bool(dt_softplus), DOT_PRECISION=dot_precision(x.dtype), **cfg,
+        DT_SOFTPLUS=bool(dt_softplus), VARLEN=packed, DOT_PRECISION=dot_precision(x.dtype), **cfg,
     )
     return y

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from ..kernels import MAX_TREE_NODES
-from ..tree import TokenTree, TreeIndex, TreeShape
+from ..tree import PackedTrees, TokenTree, TreeIndex, TreeShape
 from .cache import AttnLayerState, ModelCache, SSMLayerState, TreePass, chain_chunks
 from .layers.linear import Linear
 
@@ -73,8 +73,8 @@ def scaled(x: torch.Tensor, scale: float) -> torch.Tensor:
 class TreeContext:
     """What every layer of one tree pass shares."""
 
-    index: TreeIndex
-    positions: torch.Tensor  # [b, n] RoPE positions: committed length + depth
+    index: TreeIndex | PackedTrees
+    positions: torch.Tensor  # [b, n] RoPE positions: committed length + depth ([1, total] when packed)
     seqlens: torch.Tensor
     scan: str  # SCANS: the SSM layers' algorithm
     kernel_backend: str
@@ -231,6 +231,24 @@ class TreeLM(nn.Module):
         index, max_depth = self.check_tree(tree, cache, scan, validate)
         return self.tree_pass(tree, index, cache, scan, self.kernel_backend, max_depth)
 
+    @torch.no_grad()
+    def forward_packed(self, tokens: torch.Tensor, trees: PackedTrees, cache: ModelCache, validate: bool = True):
+        """Logits ``[1, total, V]`` at every node of a batch of trees of different sizes, packed
+        without padding (:class:`~stree.tree.PackedTrees`: tree r is row r of ``cache``), and the
+        :class:`TreePass` ``commit`` takes (each row's ``accepted`` counted inside its own tree).
+        ``tokens`` ``[1, total]``. The SSM layers scan the trees; as :meth:`forward_tree` otherwise."""
+        if not isinstance(trees, PackedTrees):
+            raise TypeError(f"trees must be PackedTrees (stree.tree.pack_trees), got {type(trees).__name__}")
+        self.check_tokens("tokens", tokens, values=validate)
+        if tokens.dim() != 2 or tuple(tokens.shape) != (1, trees.total):
+            raise ValueError(f"tokens must have shape [1, {trees.total}] (the packed nodes), got {tuple(tokens.shape)}")
+        if trees.device != tokens.device:
+            raise ValueError(f"trees are on {trees.device} but tokens are on {tokens.device}")
+        max_depth = trees.memo("max_depth", lambda: int(trees.depth.max()))
+        self.check_cache(cache, trees.batch, max_depth + 1, lengths=validate)
+        logits, ssm, attn = self.tree_layers(tokens, trees, cache, "tree", self.kernel_backend)
+        return logits, TreePass(None, trees, max_depth, ssm, attn, weakref.ref(cache), cache.version)
+
     def tree_pass(self, tree: TokenTree, index: TreeIndex, cache: ModelCache, scan: str, kernel_backend: str,
                   max_depth: int, prefill: bool = False, at: torch.Tensor | None = None):
         """The layers over a checked tree (no host sync of its own); ``prefill``: the tree is a
@@ -239,12 +257,15 @@ class TreeLM(nn.Module):
         logits, ssm, attn = self.tree_layers(tree.tokens, index, cache, scan, kernel_backend, prefill, at)
         return logits, TreePass(tree, index, max_depth, ssm, attn, weakref.ref(cache), cache.version, prefill)
 
-    def tree_layers(self, tokens: torch.Tensor, index: TreeIndex, cache: ModelCache, scan: str,
+    def tree_layers(self, tokens: torch.Tensor, index: TreeIndex | PackedTrees, cache: ModelCache, scan: str,
                     kernel_backend: str, prefill: bool = False, at: torch.Tensor | None = None):
         """Logits of a checked tree's nodes and the stacked scratch of its SSM and attention layers
         (None where the model has none): tensors only, so that it can be compiled."""
-        ctx = TreeContext(index, cache.seqlens[:, None] + index.depth, cache.seqlens, scan, kernel_backend,
-                          prefill)
+        if isinstance(index, PackedTrees):
+            positions = (cache.seqlens[index.tree_ids] + index.depth)[None]
+        else:
+            positions = cache.seqlens[:, None] + index.depth
+        ctx = TreeContext(index, positions, cache.seqlens, scan, kernel_backend, prefill)
         per_kind: dict[str, list] = {}
 
         def mix(i, blk, h):
@@ -264,19 +285,21 @@ class TreeLM(nn.Module):
         first ``num_accepted[b] >= 1`` of them real, each the parent of the next. ``validate=False``
         skips the path check (the one device-to-host sync); the caller answers for the path."""
         check_commit(cache, tree_pass, accepted, num_accepted, validate)
+        packed = tree_pass.index if isinstance(tree_pass.index, PackedTrees) else None
         self.commit_state(cache, tree_pass.ssm, tree_pass.attn, accepted, num_accepted, self.kernel_backend,
-                          tree_pass.prefill)
+                          tree_pass.prefill, None if packed is None else packed.cu_seqlens)
         cache.moved()
 
     def commit_state(self, cache: ModelCache, ssm, attn, accepted: torch.Tensor, num_accepted: torch.Tensor,
-                     kernel_backend: str, prefill: bool = False) -> None:
+                     kernel_backend: str, prefill: bool = False, cu_seqlens: torch.Tensor | None = None) -> None:
         """Every layer's state and ``seqlens`` advanced along checked paths, from a pass's
-        scratch (``prefill``: the pass's own flag): tensors only, no bookkeeping, so that it can
-        be compiled."""
+        scratch (``prefill``: the pass's own flag; ``cu_seqlens``: a packed pass's offsets):
+        tensors only, no bookkeeping, so that it can be compiled."""
         by_kind = self.mixer_types()
         for kind, scratch in (("ssm", ssm), ("attn", attn)):
             if scratch is not None:
-                by_kind[kind].commit_layers(self, cache, scratch, accepted, num_accepted, kernel_backend, prefill)
+                by_kind[kind].commit_layers(self, cache, scratch, accepted, num_accepted, kernel_backend, prefill,
+                                            cu_seqlens)
         cache.seqlens += num_accepted
 
     @torch.no_grad()
@@ -370,7 +393,8 @@ def check_path(tree_pass: TreePass, accepted, num_accepted, validate: bool) -> N
     """Shapes always; with ``validate`` also that every row's first ``num_accepted`` entries walk
     down from the root of the tree (one device-to-host sync for everything)."""
     index = tree_pass.index
-    batch = tree_pass.tree.batch_size
+    packed = isinstance(index, PackedTrees)
+    batch = index.batch if packed else tree_pass.tree.batch_size
     if not isinstance(accepted, torch.Tensor) or accepted.dim() != 2 or accepted.shape[0] != batch:
         raise ValueError(f"accepted must have shape [{batch}, L], got {getattr(accepted, 'shape', type(accepted))}")
     if accepted.shape[1] > tree_pass.max_depth + 1:
@@ -385,11 +409,14 @@ def check_path(tree_pass: TreePass, accepted, num_accepted, validate: bool) -> N
             raise ValueError(f"{name} is on {t.device} but the tree pass is on {index.device}")
     if not validate:
         return
-    n, L = tree_pass.tree.n, accepted.shape[1]
-    acc = accepted.long()
+    L, acc = accepted.shape[1], accepted.long()
+    if packed:  # each row's nodes are its own tree's, numbered from its root
+        n, sizes, index = index.max_n, index.cu_seqlens.diff()[:, None], index.padded
+    else:
+        n = sizes = tree_pass.tree.n
     used = torch.arange(L, device=acc.device) < num_accepted[:, None]
     bad_num = (num_accepted < 1) | (num_accepted > L)
-    bad_node = used & ((acc < 0) | (acc >= n))
+    bad_node = used & ((acc < 0) | (acc >= sizes))
     up = index.parents.long().expand(batch, -1).gather(1, acc[:, 1:].clamp(0, n - 1))
     broken = used[:, 1:] & ~bad_node[:, 1:] & (up != acc[:, :-1])
     not_root = acc[:, 0] != 0
@@ -400,7 +427,8 @@ def check_path(tree_pass: TreePass, accepted, num_accepted, validate: bool) -> N
         raise ValueError(f"num_accepted[{row}] = {int(num_accepted[row])} must be in [1, {L}] (the root always counts)")
     if bool(bad_node.any()):
         row, t = (int(v) for v in torch.nonzero(bad_node)[0])
-        raise ValueError(f"accepted[{row}, {t}] = {int(accepted[row, t])} is not a node index in [0, {n})")
+        size = int(sizes[row]) if packed else n
+        raise ValueError(f"accepted[{row}, {t}] = {int(accepted[row, t])} is not a node index in [0, {size})")
     if bool(not_root.any()):
         row = int(torch.nonzero(not_root)[0])
         raise ValueError(f"accepted[{row}, 0] = {int(accepted[row, 0])}: a path starts at the root, node 0")

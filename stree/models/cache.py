@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..tree import TokenTree, TreeIndex
+from ..tree import PackedTrees, TokenTree, TreeIndex
 
 
 @dataclass
@@ -111,8 +111,8 @@ class TreePass:
     """What ``forward_tree`` leaves for ``commit``: the tree, its deepest level, the stacked
     per-node activations, and the cache state it was computed against."""
 
-    tree: TokenTree
-    index: TreeIndex
+    tree: TokenTree | None  # None for a packed pass (forward_packed): its trees are ``index``
+    index: TreeIndex | PackedTrees
     max_depth: int
     ssm: SSMScratch | None
     attn: AttnScratch | None

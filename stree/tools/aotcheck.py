@@ -26,24 +26,26 @@ import torch
 import triton
 
 from ..drafters.calibrate import stand_initial_tree
-from ..kernels import MAX_TREE_NODES, _common
+from ..kernels import MAX_TREE_NODES, _common, replay, tree_attention, tree_conv1d, tree_scan
 from ..kernels.aot import SHARED_LIMIT, TARGETS, capture, compile_launch, jit_kernels
 from ..models.families.llama import TransformerConfig
 from ..models.presets import PRESETS, TINY
 from .timing import run_info, save_result
-from ..tree import TokenTree, TreeShape
+from ..tree import TokenTree, TreeShape, pack_trees
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 TREES = {5: TreeShape.chain(4), 13: TreeShape.paper13(), 31: TreeShape.full(2, 4), 63: TreeShape.full(2, 5),
          127: TreeShape.full(2, 6), 625: stand_initial_tree()}
-CALLS = ("step", "prefill", "chain", "tree", "commit")
+CALLS = ("step", "prefill", "chain", "tree", "commit", "packed")
 
 
 @dataclass(frozen=True)
 class Case:
     """``call`` of ``model`` in ``dtype``: ``step`` (one token), ``prefill`` (one chunk of
     ``nodes`` tokens), ``chain`` (a chain of ``nodes`` through the chain scan), ``tree`` (the
-    verify pass of the ``nodes``-node tree of TREES), ``commit`` (its deepest path)."""
+    verify pass of the ``nodes``-node tree of TREES), ``commit`` (its deepest path), ``packed``
+    (the engine convention: that tree, a 5-node chain and a lone root packed without padding,
+    states in a pool of slots, through every tree kernel of one layer of each kind)."""
 
     model: str
     dtype: str
@@ -68,16 +70,17 @@ def full_cases() -> list[Case]:
         for dtype in ("fp16", "bf16"):
             cases += [Case(model, dtype, "step"), Case(model, dtype, "prefill", MAX_TREE_NODES),
                       Case(model, dtype, "chain", 5)]
-            cases += [Case(model, dtype, call, n) for n in TREES for call in calls]
+            cases += [Case(model, dtype, call, n) for n in TREES for call in (*calls, "packed")]
     return cases
 
 
 def ci_cases() -> list[Case]:
     """Every call once at the test sizes, and the decode path at real sizes in bf16."""
     cases = [Case(model, "fp32", call, n) for model in TINY
-             for call, n in (("step", 1), ("prefill", 24), ("chain", 5), ("tree", 13), ("commit", 13))]
+             for call, n in (("step", 1), ("prefill", 24), ("chain", 5), ("tree", 13), ("commit", 13), ("packed", 13))]
     cases += [Case(model, "bf16", call, n) for model in PRESETS
-              for call, n in (("step", 1), ("tree", 63), ("commit", 63)) if call != "commit" or _commits_by_kernel(model)]
+              for call, n in (("step", 1), ("tree", 63), ("commit", 63), ("packed", 63))
+              if call != "commit" or _commits_by_kernel(model)]
     return cases
 
 
@@ -96,9 +99,43 @@ def _model(name: str, dtype: str):
     return _models[(name, dtype)]
 
 
+def _packed_launches(model, nodes: int):
+    """The tree kernels on packed trees of different sizes (see :class:`Case`), at the widths of
+    the model's first layer of each kind, captured."""
+    trees = pack_trees([TREES[nodes], TreeShape.chain(4), TreeShape.chain(0)])
+    total, rows = trees.total, trees.batch
+    slots = torch.tensor([2, -1, 0], dtype=torch.int32)  # a padding row, slots out of order
+    dtype = model.dtype
+    mixers = {blk.mixer.kind: blk.mixer for blk in reversed(model.blocks) if blk.mixer is not None}
+    with capture() as launches:
+        if "ssm" in mixers:
+            cfg = mixers["ssm"].cfg
+            h, p, s, g, dim, k = cfg.nheads, cfg.headdim, cfg.d_state, cfg.ngroups, cfg.conv_dim, cfg.d_conv
+            xBC, x = torch.zeros(1, total, dim, dtype=dtype), torch.zeros(1, total, h, p, dtype=dtype)
+            dt, B = torch.zeros(1, total, h, dtype=dtype), torch.zeros(1, total, g, s, dtype=dtype)
+            A, ssm, conv = torch.zeros(h), torch.zeros(rows, h, p, s), torch.zeros(rows, dim, k, dtype=dtype)
+            tree_conv1d(xBC, trees, conv, torch.zeros(dim, k, dtype=dtype), state_indices=slots, backend="triton")
+            tree_scan(x, dt, A, B, B, trees, D=torch.zeros(h), dt_bias=torch.zeros(h), initial_state=ssm,
+                      state_indices=slots, backend="triton")
+            accepted = torch.zeros(rows, 4, dtype=torch.long)
+            replay(ssm[None], conv[None], xBC[None], x[None], dt[None], B[None], A[None], accepted,
+                   torch.ones(rows, dtype=torch.long), dt_bias=torch.zeros(1, h), validate=False, state_indices=slots,
+                   cu_seqlens=trees.cu_seqlens, backend="triton")
+        if "attn" in mixers:
+            attn = mixers["attn"]
+            q = torch.zeros(1, total, attn.num_heads, attn.head_dim, dtype=dtype)
+            kv = torch.zeros(1, total, attn.num_kv_heads, attn.head_dim, dtype=dtype)
+            cache = torch.zeros(rows, 2 * MAX_TREE_NODES, attn.num_kv_heads, attn.head_dim, dtype=dtype)
+            tree_attention(q, cache, cache, torch.zeros(rows, dtype=torch.int32), kv, kv, trees, validate=False,
+                           state_indices=slots, backend="triton")
+    return launches
+
+
 def run_case(case: Case):
     """The case's call with its launches captured; returns them."""
     model = _model(case.model, case.dtype)
+    if case.call == "packed":
+        return _packed_launches(model, case.nodes)
     cache = model.allocate_cache(1, 2 * MAX_TREE_NODES)
     tokens = torch.zeros(1, max(case.nodes, 1), dtype=torch.long)
     if case.call == "prefill":

@@ -132,12 +132,20 @@ class LlamaAttention(nn.Module):
         return AttnScratch(*(torch.stack(parts) for parts in zip(*per_layer)))
 
     @staticmethod
-    def commit_layers(model, cache, scratch: AttnScratch, accepted, num_accepted, kernel_backend: str, prefill: bool):
+    def commit_layers(model, cache, scratch: AttnScratch, accepted, num_accepted, kernel_backend: str, prefill: bool,
+                      cu_seqlens=None):
         """Every attention layer at once: path node t's K/V into slot ``seqlens + t``, where it sat
         in the verify pass, so its RoPE is already right. Entries past ``num_accepted`` land in
-        slots past the new length, which hold nothing committed, so no mask (and no host sync)."""
+        slots past the new length, which hold nothing committed, so no mask (and no host sync). A
+        packed pass (``cu_seqlens``) holds every tree's nodes in its one row, tree r's from
+        ``cu_seqlens[r]``."""
         batch, L = accepted.shape
         rows = torch.arange(batch, device=accepted.device)[:, None]
         slots = cache.seqlens[:, None] + torch.arange(L, device=accepted.device)
-        cache.k[:, rows, slots] = scratch.k[:, rows, accepted]
-        cache.v[:, rows, slots] = scratch.v[:, rows, accepted]
+        if cu_seqlens is None:
+            cache.k[:, rows, slots] = scratch.k[:, rows, accepted]
+            cache.v[:, rows, slots] = scratch.v[:, rows, accepted]
+        else:
+            nodes = accepted + cu_seqlens[:-1, None].to(accepted.dtype)
+            cache.k[:, rows, slots] = scratch.k[:, 0, nodes]
+            cache.v[:, rows, slots] = scratch.v[:, 0, nodes]

@@ -133,9 +133,10 @@ class Mamba2Mixer(nn.Module):
         return SSMScratch(*(torch.stack(parts) for parts in zip(*per_layer)))
 
     @staticmethod
-    def commit_layers(model, cache, scratch: SSMScratch, accepted, num_accepted, kernel_backend: str, prefill: bool):
+    def commit_layers(model, cache, scratch: SSMScratch, accepted, num_accepted, kernel_backend: str, prefill: bool,
+                      cu_seqlens=None):
         """Activation replay of every Mamba2 layer in one call (the model checked the path), with
-        the dt clamp the pass used."""
+        the dt clamp the pass used (``cu_seqlens``: the pass was packed trees')."""
         mixers = [blk.mixer for blk, kind in zip(model.blocks, model.kinds()) if kind == "ssm"]
         A = derived(model, "ssm_A", lambda: torch.stack([m.A() for m in mixers]),
                     key=value_key(*(m.A_log for m in mixers)))
@@ -143,7 +144,7 @@ class Mamba2Mixer(nn.Module):
                           key=value_key(*(m.dt_bias for m in mixers)))
         replay(cache.ssm, cache.conv, scratch.xBC, scratch.x, scratch.dt, scratch.B, A, accepted, num_accepted,
                dt_bias=dt_bias, dt_limit=mixers[0].dt_limit(prefill), validate=False, out=(cache.ssm, cache.conv),
-               backend=kernel_backend)
+               cu_seqlens=cu_seqlens, backend=kernel_backend)
 
 
 def _unrolled_ssm(x, dt, A, B, C, index: TreeIndex, ssm_state, kw):
