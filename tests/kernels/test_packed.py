@@ -7,7 +7,7 @@ cannot pass). Bad packings are refused naming the argument."""
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from strategies import dt_options, parent_lists, ssm_inputs, ssm_shapes
 
@@ -84,6 +84,7 @@ def test_packed_trees_hold_each_trees_own_index(trees):
         assert not padded[r, len(t):].any()
 
 
+@settings(max_examples=15)  # each example is a whole forest, every backend
 @given(trees=forests(), shape=ssm_shapes(), dt_opts=dt_options(), data=st.data(), seed=st.integers(0, 2**16))
 def test_tree_scan_of_packed_trees_is_each_trees_own_scan(trees, shape, dt_opts, data, seed, device, poison):
     packed = pack_trees(trees)
@@ -103,6 +104,7 @@ def test_tree_scan_of_packed_trees_is_each_trees_own_scan(trees, shape, dt_opts,
         torch.testing.assert_close(got.cpu(), want, rtol=TOL, atol=TOL, msg=backend)
 
 
+@settings(max_examples=15)  # each example is a whole forest, every backend
 @given(trees=forests(), d_conv=st.sampled_from([1, 2, 4]), bias=st.booleans(), data=st.data(),
        seed=st.integers(0, 2**16))
 def test_tree_conv1d_of_packed_trees_is_each_trees_own_conv(trees, d_conv, bias, data, seed, device, poison):
@@ -122,6 +124,7 @@ def test_tree_conv1d_of_packed_trees_is_each_trees_own_conv(trees, d_conv, bias,
         torch.testing.assert_close(got.cpu(), want, rtol=TOL, atol=TOL, msg=backend)
 
 
+@settings(max_examples=15)  # each example is a whole forest, every backend
 @given(trees=forests(), heads=st.sampled_from([(1, 1), (4, 2)]), t_max=st.sampled_from([0, 5, 40]), data=st.data(),
        seed=st.integers(0, 2**16))
 def test_tree_attention_of_packed_trees_is_each_trees_own_attention(trees, heads, t_max, data, seed, device, poison):
@@ -145,6 +148,7 @@ def test_tree_attention_of_packed_trees_is_each_trees_own_attention(trees, heads
         torch.testing.assert_close(got.cpu(), want, rtol=TOL, atol=TOL, msg=backend)
 
 
+@settings(max_examples=15)  # each example is a whole forest, every backend
 @given(trees=forests(), layers=st.integers(1, 2), data=st.data(), seed=st.integers(0, 2**16))
 def test_replay_of_packed_trees_writes_each_trees_own_commit_into_its_slot(trees, layers, data, seed, device, poison):
     packed = pack_trees(trees)
