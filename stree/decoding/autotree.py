@@ -50,7 +50,7 @@ from collections import Counter
 import numpy as np
 from numba import njit
 
-from .cost import CostProfile, cost_profile, default_sizes
+from .cost import CostProfile, bracketed_profile, cost_profile, default_sizes
 from ..tree import TokenTree, TreeShape
 
 __all__ = ["AutoTree", "PathRates", "RowRates", "auto_tree", "plan_shape", "tree_room"]
@@ -782,22 +782,25 @@ def _cut(draft: TokenTree, m: int) -> TokenTree:
 
 
 def auto_tree(model, drafter, batch: int, *, mode: str, sampled: bool = False, chain: bool = False,
-              depth: int = PathRates.DEPTH, adaptive: bool = False,
-              refresh: bool = False) -> AutoTree:
+              depth: int = PathRates.DEPTH, adaptive: bool = False, refresh: bool = False,
+              bracketed: bool = False) -> AutoTree:
     """The :class:`AutoTree` of a decoding call: the costs of ``model`` with ``drafter`` at
     ``batch`` rows in ``mode``, greedy or ``sampled`` (measured on first use, then cached:
     :func:`stree.decoding.cost.cost_profile`; ``refresh``: measured again) over the shapes the rates'
     prior plans (at most ``depth`` deep).
     An ``adaptive`` one continues the cost scales and rates of the last adaptive chooser of the
     same profile in this process (where the output cannot depend on the trees, what earlier
-    calls learned about this machine and drafter is worth keeping)."""
+    calls learned about this machine and drafter is worth keeping). ``bracketed``: the costs of a
+    batch size between two powers of two interpolated between theirs
+    (:func:`stree.decoding.cost.bracketed_profile`), for callers whose batch size keeps changing."""
     device = model.device
     fixed = None if mode == "eager" else (FIXED_CUDA if device.type == "cuda" else FIXED)
     prior = plan_shape(PathRates(), max(fixed or default_sizes(device)), chain, depth)  # the plan before any step
     sizes = tuple(n for n in fixed or default_sizes(device) if n <= prior.n) or (prior.n,)
     fills = getattr(drafter, "fills_shapes", True)
-    profile = cost_profile(model, batch, drafter=drafter if fills else None, mode=mode, sampled=sampled,
-                           shapes=[_prefix(prior, n) for n in sizes if n >= 2], refresh=refresh)
+    profile = (bracketed_profile if bracketed else cost_profile)(
+        model, batch, drafter=drafter if fills else None, mode=mode, sampled=sampled,
+        shapes=[_prefix(prior, n) for n in sizes if n >= 2], refresh=refresh)
     # adaptive choosers of one profile hand on what they learned: a later call starts from it
     scale, rates = (None, None) if not adaptive else _LEARNED.setdefault(profile, ({"plain": 1.0, "tree": 1.0},
                                                                                    PathRates()))

@@ -35,7 +35,7 @@ import torch
 
 from ..checkpoints.atomic import write_text
 
-__all__ = ["CostProfile", "cache_file", "cost_profile", "MODES"]
+__all__ = ["CostProfile", "bracketed_profile", "cache_file", "cost_profile", "MODES"]
 
 MODES = ("eager", "compiled", "cuda_graph")
 CATCH = 64  # tokens of context a drafter model's catch-up is timed on
@@ -114,6 +114,19 @@ class CostProfile:
     def in_steps(self, n: int) -> float:
         """A whole iteration of ``n`` nodes, drafting included, in autoregressive steps."""
         return (self.iteration_ms(n) + self.drafting_ms(n)) / self.step_ms
+
+    def between(self, other: "CostProfile", w: float) -> "CostProfile":
+        """The profile a fraction ``w`` of the way from this one to ``other`` (another batch size
+        of the same model, drafter and mode): every time linear in ``w``, over the tree sizes both
+        measured."""
+        mix = lambda a, b: (1 - w) * a + w * b
+        theirs = {n: (t, d) for n, t, d in zip(other.nodes, other.tree_ms, other.draft_ms)}
+        common = [i for i, n in enumerate(self.nodes) if n in theirs]
+        return CostProfile(mix(self.step_ms, other.step_ms), tuple(self.nodes[i] for i in common),
+                           tuple(mix(self.tree_ms[i], theirs[self.nodes[i]][0]) for i in common),
+                           tuple(mix(self.draft_ms[i], theirs[self.nodes[i]][1]) for i in common),
+                           mix(self.catch_ms, other.catch_ms),
+                           tuple(self.depths[i] for i in common) if self.depths else ())
 
     def to_dict(self) -> dict:
         return dict(step_ms=self.step_ms, nodes=list(self.nodes), tree_ms=list(self.tree_ms),
@@ -247,6 +260,27 @@ def cost_profile(model, batch_size: int, *, drafter=None, mode: str = "eager", s
                   sampled=bool(sampled))
     return _cached("profile", model, CostProfile.from_dict,
                    lambda: _measure(model, drafter, batch_size, mode, sampled, shapes, budget_s), fields, refresh)
+
+
+def bracketed_profile(model, batch_size: int, **kwargs) -> CostProfile:
+    """:func:`cost_profile` at ``batch_size`` where it is a power of two; between two, the profile
+    interpolated between theirs (each measured once, then cached, as any profile): a caller whose
+    batch size keeps changing (a serving engine's, as requests come and go) then measures a few
+    sizes instead of every one, each measurement a pause of every row it serves."""
+    if not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
+    low = 1 << (batch_size.bit_length() - 1)
+    if low == batch_size:
+        return cost_profile(model, batch_size, **kwargs)
+    low_profile = cost_profile(model, low, **kwargs)
+    return _between(low_profile, cost_profile(model, 2 * low, **kwargs), (batch_size - low) / low)
+
+
+@functools.lru_cache(maxsize=256)
+def _between(low: CostProfile, high: CostProfile, w: float) -> CostProfile:
+    """One object per interpolated profile, as :func:`cost_profile` keeps one per measured one: what
+    adaptive choosers learn is kept per profile object (stree.decoding.autotree)."""
+    return low.between(high, w)
 
 
 def drafter_kind(drafter) -> str | None:

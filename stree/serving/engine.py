@@ -35,6 +35,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from ..decoding.autotree import PathRates, auto_tree
 from ..decoding.loop import decode
 from ..decoding.stops import TextStops, held_back, stop_strings
 from ..drafters.registry import DRAFTER_ALIASES, DRAFTER_NAMES, NEEDS_MODEL, drafter_name
@@ -583,11 +584,27 @@ class _Cohort:
         params = settings.params
         self.steps = decode(model, [list(row.context) for row in self.rows], drafter=self.drafter,
                             method="autoregressive" if self.drafter is None else "stree",
-                            tree=settings.tree if settings.tree == "auto" else tree_spec(settings.tree),
+                            tree=self._tree(),
                             max_new_tokens=[row.budget - len(row.generated) for row in self.rows],
                             temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
                             eos_token_id=engine.lm.eos_token_id, seed=seed, cache=self.cache, on_step=self._verified)
         self.batch = next(self.steps)
+
+    def _tree(self):
+        """The cohort's ``tree``: an explicit one as given; for "auto", a chooser whose costs are
+        bracketed between powers of two of the batch size (:func:`auto_tree`'s ``bracketed``): a
+        cohort's size changes whenever rows join, and measuring every new size would pause every
+        row of the engine. Planned within the room the rows' slots leave, as decode plans."""
+        settings = self.settings
+        if settings.tree != "auto":
+            return tree_spec(settings.tree)
+        longest = max(len(row.context) + row.budget - len(row.generated) for row in self.rows) - 1
+        depth = getattr(self.drafter, "draft_depth", None) or min(PathRates.DEPTH, self.cache.max_length - longest - 1)
+        if self.drafter is None or depth < 1:
+            return "auto"  # autoregressive, or no room for a tree: decode steps plainly
+        greedy = settings.params.greedy
+        return auto_tree(self.engine.model, self.drafter, len(self.rows), mode="eager", sampled=not greedy,
+                         depth=depth, adaptive=greedy, bracketed=True)  # (adaptive: as decode, which gets a seed)
 
     def _verified(self, rows, tree, result) -> None:
         """decode's ``on_step``: a tree step, counted by its size."""

@@ -91,6 +91,35 @@ def test_measured_once_then_cached_in_the_process_and_the_file(fresh_cache, monk
     assert len(json.loads(fresh_cache.read_text())["entries"]) == 4
 
 
+def test_between_two_batch_sizes_every_time_is_linear_over_the_sizes_both_measured():
+    low = CostProfile(2.0, (2, 4, 8), (3.0, 4.0, 8.0), (0.5, 1.0, 1.0), 0.2, (1, 2, 3))
+    high = CostProfile(4.0, (2, 4), (5.0, 8.0), (1.5, 2.0), 0.6, (1, 2))
+    mid = low.between(high, 0.25)
+    assert mid.nodes == (2, 4) and mid.depths == (1, 2)  # 8 nodes: measured at one size only
+    assert mid.step_ms == pytest.approx(2.5) and mid.catch_ms == pytest.approx(0.3)
+    assert mid.tree_ms == pytest.approx((3.5, 5.0)) and mid.draft_ms == pytest.approx((0.75, 1.25))
+    assert low.between(high, 0.0).tree_ms == (3.0, 4.0)
+
+
+def test_a_bracketed_profile_measures_powers_of_two_only(fresh_cache, monkeypatch):
+    """Batch sizes 1..8 in turn (a serving engine's cohort growing) measure 1, 2, 4 and 8; the
+    sizes between get the interpolation of their neighbours, one object each."""
+    measured = []
+
+    def measure(model, drafter, batch, *rest):
+        measured.append(batch)
+        return CostProfile(float(batch), (2, 4), (2.0 * batch, 3.0 * batch))
+    monkeypatch.setattr(cost, "_measure", measure)
+    model = mamba2()
+    profiles = [cost.bracketed_profile(model, b, shapes=SHAPES) for b in range(1, 9)]
+    assert measured == [1, 2, 4, 8]
+    assert profiles[2].step_ms == pytest.approx(3.0) and profiles[4].tree_ms == pytest.approx((10.0, 15.0))
+    assert profiles[5] == cost.bracketed_profile(model, 6, shapes=SHAPES) and measured == [1, 2, 4, 8]
+    assert cost.bracketed_profile(model, 6, shapes=SHAPES) is profiles[5]  # (what choosers learn is kept per profile)
+    with pytest.raises(ValueError, match="batch_size must be an int >= 1, got 0"):
+        cost.bracketed_profile(model, 0)
+
+
 @pytest.mark.parametrize("damage", ["garbage", "wrong-format", "foreign-key", "bad-value"])
 def test_a_corrupt_or_foreign_cache_is_measured_again(fresh_cache, monkeypatch, damage):
     model = mamba2()

@@ -200,3 +200,37 @@ def test_a_stand_store_outlives_the_requests_that_fill_it(lm):
         assert filled > 0
         engine.submit(PROMPTS[1], max_tokens=16, drafter="stand").result(timeout=60)
         assert [d.store for d in engine._drafters.values()] == [store] and len(store) > filled
+
+
+def test_a_growing_cohort_measures_the_costs_of_powers_of_two_only(lm, monkeypatch, tmp_path):
+    """Rows joining one by one restart their cohort at every size from 1 to 7: the costs of 1, 2, 4
+    and 8 rows are measured (each a pause of the whole engine), the sizes between interpolated;
+    outputs stay each request's own."""
+    from stree.decoding import cost
+    import stree.serving.engine as engine_module
+
+    monkeypatch.setenv("STREE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(cost, "_MEMO", {})
+    measured, chosen = [], []
+
+    def measure(model, drafter, batch, mode, sampled, shapes, budget_s):
+        measured.append(batch)  # trees priced cheaply, so that the cohorts draft them
+        return cost.CostProfile(1.0, tuple(s.n for s in shapes), tuple(1.0 + 0.01 * s.n for s in shapes))
+
+    def auto_tree(model, drafter, batch, **kw):
+        chosen.append(batch)
+        return real_auto_tree(model, drafter, batch, **kw)
+
+    real_auto_tree = engine_module.auto_tree
+    monkeypatch.setattr(cost, "_measure", measure)
+    monkeypatch.setattr(engine_module, "auto_tree", auto_tree)
+    with Engine(lm, max_slots=8, max_length=512, seed=0) as engine:
+        requests = []
+        for i in range(7):
+            requests.append(engine.submit(PROMPTS[i % len(PROMPTS)], max_tokens=48, drafter="ngram"))
+            next(iter(requests[-1]))  # its first token: it joins the cohort at the next iteration
+        results = [r.result(timeout=120) for r in requests]
+    assert set(chosen) - {1, 2, 4, 8}, chosen  # the cohort ran at sizes between powers of two
+    assert set(measured) <= {1, 2, 4, 8}, measured
+    for i, result in enumerate(results):
+        assert result[0].text == _alone(lm, PROMPTS[i % len(PROMPTS)], 48, "ngram")[0]
