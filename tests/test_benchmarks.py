@@ -209,3 +209,14 @@ def test_serve_smoke_measures_both_modes_through_the_server(tmp_path):
         assert r["requests"] == 2 * r["concurrency"] and r["tokens"] == 8 * r["requests"]
         assert 0 < r["ttft_p50_ms"] <= r["ttft_p99_ms"] and r["tokens_per_s"] > 0 and r["tau"] >= 1
     assert all(r["gain_over_autoregressive"] > 0 for r in rows if r["mode"] == "speculative")
+
+
+def test_slot_memory_smoke_sizes_slots_from_the_models_own_caches(tmp_path):
+    result = smoke("slot_memory", tmp_path, "--mean-tokens", "64")
+    rows = {r["model"]: r for r in result["results"]}
+    assert set(rows) == {"mamba2-tiny", "mil-tiny"} and result["mean_tokens"] == 64
+    ssm, hybrid = rows["mamba2-tiny"], rows["mil-tiny"]
+    assert ssm["kv_mib"] == 0 and ssm["slots_blocks"] == ssm["slots_preallocated"] > 0  # no KV: nothing to page
+    # 64-token requests in 256-token slots: blocks hold the state and a quarter of the KV
+    ratio = 1 / ((1 - hybrid["kv_share"]) + hybrid["kv_share"] / 4)  # a preallocated slot's bytes over a paged one's
+    assert hybrid["slots_blocks"] == pytest.approx(hybrid["slots_preallocated"] * ratio, rel=1e-3)
