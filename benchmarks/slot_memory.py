@@ -16,16 +16,10 @@ import argparse
 import torch
 
 from stree.models.presets import PRESETS, TINY
+from stree.serving.engine import slot_bytes
 from stree.tools.timing import run_info, save_result
 
 CARD_GIB = 80.0
-
-
-def slot_bytes(model, max_length: int) -> tuple[int, int]:
-    """(SSM + conv state bytes, KV bytes) of one slot of ``max_length`` tokens."""
-    cache = model.allocate_cache(1, max_length)
-    size = lambda t: 0 if t is None else t.numel() * t.element_size()  # noqa: E731
-    return size(cache.ssm) + size(cache.conv), size(cache.k) + size(cache.v)
 
 
 def measure(presets: dict, lengths, mean_tokens: int) -> list[dict]:

@@ -647,11 +647,18 @@ def _tree_depth(tree) -> int:
     return tree_spec(tree).max_depth + 1
 
 
+def slot_bytes(model, max_length: int) -> tuple[int, int]:
+    """What one slot of ``max_length`` tokens holds, in bytes: the SSM layers' states (conv and
+    SSM, fixed per request) and the attention layers' KV (preallocated to ``max_length``)."""
+    one = model.allocate_cache(1, max_length)
+    size = lambda t: 0 if t is None else t.numel() * t.element_size()  # noqa: E731
+    return size(one.ssm) + size(one.conv), size(one.k) + size(one.v)
+
+
 def slots_for_memory(model, max_length: int) -> int:
     """How many slots of ``max_length`` tokens ``MEMORY_SHARE`` of the free memory holds (each
     slot counted twice: the pool and a cohort's working copy)."""
-    one = model.allocate_cache(1, max_length)
-    per_slot = sum(t.numel() * t.element_size() for t in (one.conv, one.ssm, one.k, one.v) if t is not None)
+    per_slot = sum(slot_bytes(model, max_length))
     if model.device.type == "cuda":
         free = torch.cuda.mem_get_info(model.device)[0]
     else:
