@@ -1,9 +1,12 @@
 """Counting the work of a call in operator dispatches: what a decode step costs on the CPU and
 (one kernel launch each, views aside) on a GPU. Deterministic, so budgets on it can be tests.
 
-``count_ops(fn)`` runs ``fn`` under ``torch.profiler`` and counts the top-level ``aten::`` ops
-(those no other aten op called). ``compute`` leaves out the metadata-only ops (views, splits,
-transposes, empty allocations): they launch nothing on a GPU. Triton launches are counted apart.
+``count_ops(fn)`` runs ``fn`` under ``torch.profiler`` and counts the top-level ``aten::`` and
+``mkldnn::`` ops (those no other such op called: a linear layer's product on oneDNN's packed weight
+is one ``mkldnn::`` op where PyTorch's own is one ``aten::linear``, and which of the two a layer
+takes is measured per process, stree.models.layers.linear, so both count alike). ``compute``
+leaves out the metadata-only ops (views, splits, transposes, empty allocations): they launch
+nothing on a GPU. Triton launches are counted apart.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ METADATA_OPS = frozenset({
     "aten::view_as", "aten::unbind", "aten::chunk", "aten::empty", "aten::empty_like", "aten::empty_strided",
     "aten::lift_fresh", "aten::resolve_conj", "aten::resolve_neg", "aten::_reshape_alias",
 })
+OP_PREFIXES = ("aten::", "mkldnn::")  # the operator namespaces counted
 # Ops that are views when their input allows it, and copy otherwise (then a child op shows it).
 MAYBE_VIEW_OPS = frozenset({"aten::reshape", "aten::flatten", "aten::contiguous", "aten::to", "aten::type_as"})
 
@@ -76,8 +80,8 @@ def count_ops(fn, warmup: int = 1, setup=None) -> OpCount:
     finally:
         for cls, real in runs.items():
             cls.run = real
-    top = [e for e in prof.events() if e.name.startswith("aten::")
-           and not (e.cpu_parent is not None and e.cpu_parent.name.startswith("aten::"))]
+    top = [e for e in prof.events() if e.name.startswith(OP_PREFIXES)
+           and not (e.cpu_parent is not None and e.cpu_parent.name.startswith(OP_PREFIXES))]
     # The Triton interpreter runs kernels through torch ops of its own; those are not the call's.
     out = OpCount(triton_launches=launches["n"])
     for e in top:
