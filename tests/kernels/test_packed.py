@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from strategies import dt_options, parent_lists, ssm_inputs, ssm_shapes
 
 from stree.kernels import replay, tree_attention, tree_conv1d, tree_scan
+from stree.testing import root_path
 from stree.tree import PackedTrees, pack_trees, packed_trees, tree_index
 
 TOL = 1e-5
@@ -160,7 +161,7 @@ def test_replay_of_packed_trees_writes_each_trees_own_commit_into_its_slot(trees
     xBC, x, dt, B = r_(layers, 1, total, dim), r_(layers, 1, total, h, p), r_(layers, 1, total, h), r_(layers, 1, total, 1, s)
     A, dt_bias = -torch.rand(layers, h, generator=gen), r_(layers, h)
     # each row's accepted path: a root-to-node path of its own tree, padded past its length
-    paths = [_path(t, data.draw(st.integers(0, len(t) - 1))) for t in trees]
+    paths = [root_path(t, data.draw(st.integers(0, len(t) - 1))) for t in trees]
     L = max(map(len, paths))
     accepted = torch.tensor([path + [0] * (L - len(path)) for path in paths])
     num = torch.tensor([len(path) for path in paths])
@@ -188,14 +189,6 @@ def test_replay_of_packed_trees_writes_each_trees_own_commit_into_its_slot(trees
                                    msg=backend)
         torch.testing.assert_close(got[1].cpu().transpose(0, 1), want_conv, rtol=0, atol=0, equal_nan=True,
                                    msg=backend)
-
-
-def _path(parents, node):
-    """Root-first node list to ``node``."""
-    path = [node]
-    while parents[path[-1]] >= 0:
-        path.append(parents[path[-1]])
-    return path[::-1]
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])

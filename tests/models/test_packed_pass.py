@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 from strategies import parent_lists
 from tiny_models import FAMILIES, VOCAB
 
+from stree.testing import root_path
 from stree.tree import TokenTree, pack_trees
 
 TOL = 1e-4
@@ -24,13 +25,6 @@ def _prefilled(model, lengths, seed):
     model.prefill(ids, cache, lengths=torch.tensor(lengths, device=model.device))
     model.kernel_backend = backend
     return cache
-
-
-def _path(parents, node):
-    path = [node]
-    while parents[path[-1]] >= 0:
-        path.append(parents[path[-1]])
-    return path[::-1]
 
 
 def _committed(cache, row):
@@ -51,7 +45,7 @@ def test_a_packed_pass_is_each_rows_own_pass_and_commit(family, kernel_backend, 
     packed = pack_trees(trees, device=backend_device)
     g = torch.Generator().manual_seed(len(trees[0]))
     tokens = torch.randint(0, VOCAB, (1, packed.total), generator=g).to(backend_device)
-    paths = [_path(t, data.draw(st.integers(0, len(t) - 1))) for t in trees]
+    paths = [root_path(t, data.draw(st.integers(0, len(t) - 1))) for t in trees]
     L = max(map(len, paths))
     accepted = torch.tensor([p + [0] * (L - len(p)) for p in paths], device=backend_device)
     num = torch.tensor([len(p) for p in paths], device=backend_device)
