@@ -33,7 +33,9 @@ class TextOutput:
     it cut off), ``token_ids`` (the generated tokens, through the one that completed a stop
     string) and ``finish_reasons`` ("eos", "stop" or "length"); the decoding ``stats`` and the
     ``generation`` values used (max_new_tokens, temperature, top_k, top_p, eos_token_id, and
-    which of them came from the checkpoint)."""
+    which of them came from the checkpoint); ``logprobs``: per prompt a
+    :class:`~stree.decoding.rows.TokenLogprob` per token of ``token_ids``, where the call passed
+    ``logprobs=k``."""
 
     texts: list[str]
     token_ids: list[list[int]]
@@ -41,6 +43,7 @@ class TextOutput:
     stats: GenerationStats
     generation: dict = field(default_factory=dict)  # the decoding values used (LM.generation)
     reasoning: list[str | None] | None = None  # a chat's thinking per row (LM.chat), None where there is none
+    logprobs: list | None = None
 
     @property
     def text(self) -> str:
@@ -259,7 +262,7 @@ class LM:
             if row.cut is None:
                 row.text = row.decode(tokens)
         reasons = finish_reasons(out.new_tokens, rows, eos, stop_sequences)
-        return TextOutput([r.text for r in rows], out.new_tokens, reasons, out.stats, params)
+        return TextOutput([r.text for r in rows], out.new_tokens, reasons, out.stats, params, logprobs=out.logprobs)
 
     def generate(self, prompts, **kwargs) -> TextOutput:
         """Complete ``prompts`` (a string or a list, decoded as one batch). ``max_new_tokens``,

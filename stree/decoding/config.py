@@ -39,7 +39,9 @@ class DecodeConfig(NamedTuple):
     device: torch.device
     max_length: int
     generator: torch.Generator | None
-    top_k: int | None
+    top_k: int | None  # the target's entries packed per emitted token (None: no laws): the drafter's and logprobs'
+    drafter_k: int | None  # how many of them the drafter learns from
+    logprobs: int | None
     stops: list[tuple[int, ...]]
     speculative: bool  # whether the loop drafts (on this rank or rank 0)
     shape: TreeShape | TreeBudget | None  # an explicit tree, drafted as given
@@ -48,7 +50,8 @@ class DecodeConfig(NamedTuple):
 
 
 def resolve(model, input_ids, drafter, tree, method, max_new_tokens, temperature, top_k, top_p, eos_token_id, seed,
-            mode, max_length, sampling, cuda_graph, torch_compile, cache, stop_sequences) -> DecodeConfig:
+            mode, max_length, sampling, cuda_graph, torch_compile, cache, stop_sequences,
+            logprobs=None) -> DecodeConfig:
     """Every check and choice :func:`~stree.decoding.loop.decode` makes from its arguments, each with
     its error, before anything is allocated (a cache, a drafter's state, compiled graphs)."""
     if method not in METHODS:
@@ -61,6 +64,8 @@ def resolve(model, input_ids, drafter, tree, method, max_new_tokens, temperature
     if not isinstance(params, SamplingParams):
         raise TypeError(f"sampling must be a SamplingParams, got {type(params).__name__}")
     stops = check_stop_sequences(stop_sequences, model.vocab_size)
+    if logprobs is not None:
+        logprobs = integer("logprobs", logprobs, low=0, high=model.vocab_size)
     tp = tensor_parallel(model)
     auto, chooser, shape = _tree_choice(drafter, tree, method, tp)
     depth, max_length = _room(model, cache, prompts, budgets, max_length, auto, chooser, drafter, shape)
@@ -77,7 +82,8 @@ def resolve(model, input_ids, drafter, tree, method, max_new_tokens, temperature
     if not drafts_here(model):
         drafter = None  # rank 0 drafts and learns; this rank receives its trees
     return DecodeConfig(prompts, budgets, eos, auto, drafter, chooser, depth, cuda_graph, torch_compile, params,
-                        model.device, max_length, generator, _top_k(drafter), stops, speculative, shape,
+                        model.device, max_length, generator, laws(_top_k(drafter), logprobs), _top_k(drafter),
+                        logprobs, stops, speculative, shape,
                         "chain" if method == "chain" else "tree",
                         UnrolledTarget(model) if method == "unrolled" else model)
 
@@ -169,6 +175,14 @@ def _generator(seed: int | None, device, drafter) -> torch.Generator | None:
     if drafter is not None:
         drafter.reseed(draft_seed)
     return torch.Generator(device=device).manual_seed(verify_seed)
+
+
+def laws(drafter_k: int | None, logprobs: int | None) -> int | None:
+    """How many target entries a step packs per emitted token: the more of what the drafter
+    learns from and what ``logprobs`` keeps (None: neither wants any)."""
+    if drafter_k is None or logprobs is None:
+        return logprobs if drafter_k is None else drafter_k
+    return max(drafter_k, logprobs)
 
 
 def _top_k(drafter: Drafter | None) -> int | None:

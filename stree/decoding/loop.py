@@ -32,7 +32,7 @@ from ..runtime.runners import DecodeRunner, EagerRunner
 from ..sampling.verify import SamplingParams
 from ..tree import TokenTree, TreeBudget, TreeShape
 from .autotree import AutoTree, auto_tree
-from .config import METHODS, DecodeConfig, resolve
+from .config import METHODS, DecodeConfig, laws, resolve
 from .distributed import share_tree, tensor_parallel
 from .rows import (GenerationOutput, GenerationStats, Rows, check_finite, full_batch, merged_trees, pooled_tau,
                    stop_at_sequences, trees_chosen)
@@ -60,7 +60,8 @@ def decode(model, input_ids, *, drafter: Drafter | None = None, tree: TreeShape 
            top_p: float = 1.0, eos_token_id: int | list[int] | None = None, seed: int | None = None,
            mode: str = "auto", max_length: int | None = None, on_step=None,
            sampling: SamplingParams | None = None, time_phases: bool = False,
-           cuda_graph: bool | None = None, torch_compile: bool = False, cache=None, stop_sequences=None):
+           cuda_graph: bool | None = None, torch_compile: bool = False, cache=None, stop_sequences=None,
+           logprobs: int | None = None):
     """:func:`generate` step by step: a generator that yields the batch's :class:`Rows` after the
     prefill and after every decoding step (a consumer may end rows there, :meth:`Rows.finish`:
     stop strings, streaming) and returns the :class:`GenerationOutput`. The arguments are checked
@@ -110,9 +111,14 @@ def decode(model, input_ids, *, drafter: Drafter | None = None, tree: TreeShape 
     A tensor-parallel ``model`` (``stree.models.load(..., tensor_parallel=...)``; every rank
     calls ``decode`` with the same arguments): rank 0 drafts (the other ranks' ``drafter`` is
     not used), verifies and samples, and the ranks follow it (:mod:`stree.decoding.distributed`);
-    ``on_step`` is called on rank 0; eager only."""
+    ``on_step`` is called on rank 0; eager only.
+
+    ``logprobs``: an int k >= 0 keeps, for every generated token, its log-probability and the k
+    most likely entries of the law it was drawn from (the output's ``logprobs``,
+    :class:`~stree.decoding.rows.TokenLogprob`; greedy decoding: the model's own distribution). They
+    come with each step's one transfer to the host; the tokens drawn do not change."""
     config = resolve(model, input_ids, drafter, tree, method, max_new_tokens, temperature, top_k, top_p, eos_token_id,
-                     seed, mode, max_length, sampling, cuda_graph, torch_compile, cache, stop_sequences)
+                     seed, mode, max_length, sampling, cuda_graph, torch_compile, cache, stop_sequences, logprobs)
     return (yield from _Loop(model, config, method, seed, cache, on_step, time_phases).run())
 
 
@@ -122,7 +128,7 @@ def generate(model, input_ids, *, drafter: Drafter | None = None, tree: TreeShap
              mode: str = "auto", max_length: int | None = None, on_step=None,
              sampling: SamplingParams | None = None, time_phases: bool = False,
              cuda_graph: bool | None = None, torch_compile: bool = False, cache=None,
-             stop_sequences=None) -> GenerationOutput:
+             stop_sequences=None, logprobs: int | None = None) -> GenerationOutput:
     """Decode to the end and return the output; every argument as :func:`decode` takes it (the
     two signatures are tested equal)."""
     options = dict(locals())
@@ -137,7 +143,7 @@ class _Loop:
     def __init__(self, model, config: DecodeConfig, method: str, seed, cache, on_step, time_phases: bool):
         self.model, self.c, self.cache, self.on_step = model, config, cache, on_step
         self.drafter, self.chooser = config.drafter, config.chooser
-        self.rows = Rows(config.prompts, config.budgets, config.eos)
+        self.rows = Rows(config.prompts, config.budgets, config.eos, config.logprobs)
         self.stats = GenerationStats(new_tokens=[0] * self.rows.batch_size, prefilled=cache is None)
         if config.auto and self.drafter is not None and self.chooser is None:
             t0 = time.perf_counter()
@@ -250,7 +256,7 @@ class _Loop:
         first = prefill_rows(self.model, rows, self.cache, c.params, c.generator, c.top_k)
         check_finite(first, rows, "the prefill")
         self.stats.time_prefill += self.clock.lap()
-        rows.emit(first, self.drafter)
+        rows.emit(first, self.drafter, c.drafter_k)
         self.stats.time_draft += self.clock.lap()
 
     def iterate(self) -> None:
@@ -274,10 +280,10 @@ class _Loop:
             full = share_tree(self.model, full, c.device, self.shapes)
             stats.time_draft += self.clock.lap()
         if full is None:  # autoregressive, or a plain step chosen over the tree
+            drafter_k = None if self.drafter is None or self.plain_run is not None else self.drafter.plain_top_k
             with self.plain_scope():
                 host = autoregressive_step(self.model, self.cache, device_roots.to(c.device, non_blocking=True),
-                                           c.params, c.generator, self.runner,
-                                           None if self.drafter is None else self.drafter.plain_top_k)
+                                           c.params, c.generator, self.runner, laws(drafter_k, c.logprobs))
             stats.time_verify += self.clock.lap()
         else:
             with self.tree_scope():
@@ -285,6 +291,7 @@ class _Loop:
                                                 lap=self.lap, runner=self.runner)
             if self.on_step is not None and self.drafter is not None:  # tensor parallelism: rank 0 drafts
                 self.on_step(live, draft, _rows_of(result, live) if len(live) < len(device_roots) else result)
+            drafter_k = c.drafter_k
         if self.held is not None:
             host = _spread(host, self.held, rows.batch_size)
         for r in live:
@@ -293,7 +300,7 @@ class _Loop:
         stats.trees[n] = stats.trees.get(n, 0) + 1
         stats.target_forwards += 1
         check_finite(host, rows, f"decoding step {stats.target_forwards}")
-        rows.emit(host, self.drafter if self.plain_run is None else None)
+        rows.emit(host, self.drafter if self.plain_run is None else None, drafter_k)
         stop_at_sequences(rows, c.stops, self.seen)
         if self.chooser is not None:  # (the profile's costs are the whole batch's: a smaller one's are not learned)
             self.learn(draft, full, host, live, None if self.held is not None else (time.perf_counter() - began) * 1e3)
@@ -327,7 +334,8 @@ class _Loop:
         stats.new_tokens = rows.produced.tolist()
         stats.accepted = rows.accepted
         sequences = [rows.seq[i, : int(rows.lengths[i])].tolist() for i in range(rows.batch_size)]
-        return GenerationOutput(sequences, [len(p) for p in self.c.prompts], stats, rows.exact.tolist())
+        return GenerationOutput(sequences, [len(p) for p in self.c.prompts], stats, rows.exact.tolist(),
+                                rows.logprobs_of)
 
 
 class _Clock:

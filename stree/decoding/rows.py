@@ -3,6 +3,7 @@ step emits appended and cut at EOS, budgets and stop sequences; the statistics a
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -88,18 +89,45 @@ def pooled_tau(stats: list[GenerationStats]) -> float:
     return from_steps / steps if steps else float("nan")
 
 
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A generated token's log-probability under the law it was drawn from (greedy decoding: the
+    model's own distribution, softmax of its logits; sampling: the processed one, after temperature,
+    top-k and top-p) and the ``top`` most likely entries of that law, ``(id, logprob)`` best first.
+    A token the law rules out (a processed law's zeros) has logprob ``-inf``."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+def token_logprobs(tokens, token_probs, top_ids, top_probs, k: int) -> list[TokenLogprob]:
+    """:class:`TokenLogprob` s of ``tokens`` from the laws a step packed for them (``token_probs``
+    ``[L]``, ``top_ids`` / ``top_probs`` ``[L, >= k]``, best first)."""
+    out = []
+    for t, p, ids, probs in zip(tokens, token_probs, top_ids[:, :k].tolist(), top_probs[:, :k].tolist()):
+        out.append(TokenLogprob(int(t), _log(float(p)), tuple((i, _log(q)) for i, q in zip(ids, probs))))
+    return out
+
+
+def _log(p: float) -> float:
+    return math.log(p) if p > 0 else float("-inf")
+
+
 @dataclass
 class GenerationOutput:
     """``sequences``: per row, prompt then generated tokens; ``prompt_lengths`` to split them.
     ``exact``: per row, whether the cache holds the row's state after all its tokens but the last
     (False where the row was cut inside a step's accepted path, by an EOS, its budget or a stop,
     or rode along after it finished, where the batch keeps its shape): what continuing from that
-    cache needs."""
+    cache needs. ``logprobs``: per row, a :class:`TokenLogprob` per generated token, where the call
+    asked for them (``logprobs=k``), else None."""
 
     sequences: list[list[int]]
     prompt_lengths: list[int]
     stats: GenerationStats
     exact: list[bool] = field(default_factory=list)
+    logprobs: list[list[TokenLogprob]] | None = None
 
     @property
     def new_tokens(self) -> list[list[int]]:
@@ -109,9 +137,12 @@ class GenerationOutput:
 class Rows:
     """Host-side state of a batch: every row's tokens so far (prompt, then generated), its length,
     the tokens produced, and whether it still decodes; rows finish at an EOS or their
-    ``max_new_tokens`` (an int, or one per row). ``exact``: see :class:`GenerationOutput`."""
+    ``max_new_tokens`` (an int, or one per row). ``exact``: see :class:`GenerationOutput`.
+    ``logprobs``: the top entries kept per generated token (None: no log-probabilities kept; else
+    ``self.logprobs_of[row]`` holds a :class:`TokenLogprob` per generated token)."""
 
-    def __init__(self, prompts: list[list[int]], max_new_tokens: list[int], eos: list[int]):
+    def __init__(self, prompts: list[list[int]], max_new_tokens: list[int], eos: list[int],
+                 logprobs: int | None = None):
         B, longest = len(prompts), max(map(len, prompts))
         # grown as tokens come (doubling): max_new_tokens is a limit, not an allocation
         self.seq = torch.zeros(B, longest + min(max(max_new_tokens), 256), dtype=torch.long)
@@ -126,6 +157,8 @@ class Rows:
         self.max_new_tokens = torch.tensor(max_new_tokens, dtype=torch.long)
         self.exact = torch.ones(B, dtype=torch.bool)
         self.accepted: list[list[int]] = [[] for _ in range(B)]
+        self.logprobs = logprobs
+        self.logprobs_of: list[list[TokenLogprob]] | None = None if logprobs is None else [[] for _ in range(B)]
 
     @property
     def batch_size(self) -> int:
@@ -157,10 +190,12 @@ class Rows:
         left = (self.max_new_tokens.numpy()[ids] - produced) / rate
         return left >= left.max() - 1.0
 
-    def emit(self, step: HostStep, drafter: Drafter | None) -> None:
+    def emit(self, step: HostStep, drafter: Drafter | None, drafter_k: int | None = None) -> None:
         """Append ``step.tokens[b, :counts[b]]`` to each active row, cut after its first EOS and at
-        ``max_new_tokens``; show the drafter what was appended; retire the finished rows. (In
-        numpy, on views of the rows' tensors: a dozen small torch ops cost several times more here.)"""
+        ``max_new_tokens``; show the drafter what was appended (with the target's top
+        ``drafter_k`` entries per token where it learns from them: the step may have packed more,
+        for ``logprobs``); retire the finished rows. (In numpy, on views of the rows' tensors: a
+        dozen small torch ops cost several times more here.)"""
         lengths, produced, active = self.lengths.numpy(), self.produced.numpy(), self.active.numpy()
         ids = np.flatnonzero(active)
         tokens, counts = step.tokens.numpy()[ids], step.counts.numpy()[ids]
@@ -170,14 +205,18 @@ class Rows:
         upto = np.where(hit, is_eos.argmax(1) + 1, counts)  # through the first EOS
         room = self.max_new_tokens.numpy()[ids] - produced[ids]
         n = np.minimum(upto, room)
+        n_list, id_list = n.tolist(), ids.tolist()
         if drafter is not None:
-            n_list, id_list = n.tolist(), ids.tolist()
             target = None
-            if step.top_ids is not None:
-                target = [TargetTop(step.top_ids[i, :m], step.top_probs[i, :m], step.token_probs[i, :m])
-                          for i, m in zip(id_list, n_list)]
+            if step.top_ids is not None and drafter_k is not None:
+                target = [TargetTop(step.top_ids[i, :m, :drafter_k], step.top_probs[i, :m, :drafter_k],
+                                    step.token_probs[i, :m]) for i, m in zip(id_list, n_list)]
             drafter.observe(DraftContext(self.seq, self.lengths, id_list),
                             [row[:m].tolist() for row, m in zip(tokens, n_list)], target)
+        if self.logprobs_of is not None:
+            for i, row, m in zip(id_list, tokens, n_list):
+                self.logprobs_of[i] += token_logprobs(row[:m], step.token_probs[i, :m].tolist(),
+                                                      step.top_ids[i, :m], step.top_probs[i, :m], self.logprobs)
         keep = j < n[:, None]
         self._reserve(int((lengths[ids] + n).max()) if len(ids) else 0)
         self.seq.numpy()[np.broadcast_to(ids[:, None], tokens.shape)[keep], (lengths[ids][:, None] + j)[keep]] = \
@@ -204,6 +243,8 @@ class Rows:
             raise ValueError(f"keep must be in [0, {int(self.produced[row])}], got {keep}")
         if keep < int(self.produced[row]):
             self.exact[row] = False
+        if self.logprobs_of is not None:
+            del self.logprobs_of[row][keep:]
         self.lengths[row] = self.prompt_lengths[row] + keep
         self.produced[row] = keep
         self.active[row] = False

@@ -35,8 +35,10 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from ..decoding.args import integer
 from ..decoding.autotree import PathRates, auto_tree
 from ..decoding.loop import decode
+from ..decoding.rows import TokenLogprob, token_logprobs
 from ..decoding.stops import TextStops, held_back, stop_strings
 from ..drafters.registry import DRAFTER_ALIASES, DRAFTER_NAMES, NEEDS_MODEL, drafter_name
 from ..models.base import MAX_TREE_NODES
@@ -62,22 +64,27 @@ class EngineClosed(RuntimeError):
 class Event:
     """What one choice of a request gained: ``text`` (new characters; text that could still begin
     a stop string is held back until it cannot) and ``token_ids``; ``finish_reason`` on its last
-    event: "stop" (a stop string), "eos", "length" or "cancelled"."""
+    event: "stop" (a stop string), "eos", "length" or "cancelled". ``logprobs``: a
+    :class:`~stree.decoding.rows.TokenLogprob` per token of ``token_ids``, where the request asked
+    for them."""
 
     index: int
     text: str
     token_ids: list[int]
     finish_reason: str | None = None
+    logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass
 class Choice:
-    """One finished choice: its text and token ids, and why it ended."""
+    """One finished choice: its text and token ids (with their ``logprobs`` where asked for), and
+    why it ended."""
 
     index: int
     text: str
     token_ids: list[int]
     finish_reason: str
+    logprobs: list[TokenLogprob] | None = None
 
 
 class Request:
@@ -86,9 +93,10 @@ class Request:
     engine's next iteration)."""
 
     def __init__(self, rid: int, ids: list[int], n: int, settings: "_Settings", budget: int, stops: list[str],
-                 seed: int | None):
+                 seed: int | None, logprobs: int | None = None):
         self.id, self.prompt_ids, self.n = rid, ids, n
         self.settings, self.budget, self.stops, self.seed = settings, budget, stops, seed
+        self.logprobs = logprobs
         self.cancelled = False
         self._events: queue.Queue = queue.Queue()
         self._loop = self._async = None
@@ -176,6 +184,7 @@ class _Row:
     tracker: TextStops
     settings: _Settings
     generated: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] | None = None  # one per generated token, where the request asked for them
     base: int = 0  # generated tokens before the cohort's generator started
     sent: int = 0  # characters of tracker.text already sent
     done: bool = False
@@ -227,15 +236,17 @@ class Engine:
     # ---- the callers' side ----------------------------------------------------------------
     def submit(self, prompt, *, max_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0,
                top_k: int = 0, stop=None, drafter: str | None = "ngram", tree: str = "auto", seed: int | None = None,
-               n: int = 1) -> Request:
+               n: int = 1, logprobs: int | None = None) -> Request:
         """Queue a completion of ``prompt`` (text, or a list of token ids) and return its
         :class:`Request`. ``max_tokens`` new tokens at most (the prompt and them must fit a
         slot's ``max_length``); ``temperature`` (0: greedy), ``top_p``, ``top_k`` as
         :class:`~stree.sampling.verify.SamplingParams`; ``stop``: a string or strings that end a
         choice; ``drafter``: a drafter name (None: autoregressive); ``tree``: "auto" or a tree
         spec (:func:`~stree.tree.tree_spec`); ``seed``: a sampled request's draws follow it;
-        ``n``: choices decoded from the prompt, each in its own slot. Every argument is checked
-        here (TypeError / ValueError naming it) before anything is queued."""
+        ``n``: choices decoded from the prompt, each in its own slot; ``logprobs``: an int k >= 0
+        gives every token its log-probability and the k most likely entries of the law it was drawn
+        from (:func:`~stree.decoding.loop.decode`'s ``logprobs``), on the events and choices. Every
+        argument is checked here (TypeError / ValueError naming it) before anything is queued."""
         ids = self._prompt_ids(prompt)
         for name, value, low in (("max_tokens", max_tokens, 1), ("n", n, 1)):
             if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < low:
@@ -246,6 +257,8 @@ class Engine:
         stops = stop_strings(stop)
         if seed is not None and (not isinstance(seed, numbers.Integral) or isinstance(seed, bool)):
             raise TypeError(f"seed must be an int or None, got {seed!r}")
+        if logprobs is not None:
+            logprobs = integer("logprobs", logprobs, low=0, high=self.model.vocab_size)
         name = _drafter_name(drafter, self.lm)
         depth = _tree_depth(tree)
         room = self.max_length - len(ids) - depth
@@ -264,7 +277,7 @@ class Engine:
             self.counters["requests"] += 1
         own = rid if seed is not None and not params.greedy else None
         request = Request(rid, ids, int(n), _Settings(name, tree, params, own), int(max_tokens), stops,
-                          None if seed is None else int(seed))
+                          None if seed is None else int(seed), logprobs)
         self._inbox.put(request)
         return request
 
@@ -375,17 +388,25 @@ class Engine:
             if not cohort.step():
                 del self._cohorts[key]
 
-    def _publish(self, row: _Row, new: list[int], reason: str | None = None) -> int | None:
-        """Send ``row``'s ``new`` tokens (its EOS, budget or the cohort's end as ``reason``);
-        returns how many of its generated tokens to keep where a stop string ended it."""
+    def _publish(self, row: _Row, new: list[int], reason: str | None = None,
+                 logprobs: list[TokenLogprob] | None = None) -> int | None:
+        """Send ``row``'s ``new`` tokens (with their ``logprobs`` where the request asked for them;
+        its EOS, budget or the cohort's end as ``reason``); returns how many of its generated
+        tokens to keep where a stop string ended it."""
+        start = len(row.generated)
         row.generated.extend(new)
         row.context.extend(new)
+        if row.logprobs is not None:
+            row.logprobs.extend(logprobs)
         self._count(len(new))
         tracker = row.tracker
         keep = tracker.update(row.generated)
         if keep is not None:
             del row.context[len(row.context) - (len(row.generated) - keep):]
             del row.generated[keep:]
+            if row.logprobs is not None:
+                del row.logprobs[keep:]
+            new = new[: max(0, keep - start)]  # (the tokens past the stop are not the choice's)
             reason = "stop"
         elif row.request.cancelled:
             reason = "cancelled"
@@ -398,18 +419,21 @@ class Engine:
         text, row.sent = tracker.text[row.sent: max(ready, row.sent)], max(ready, row.sent)
         if reason is None and not new:
             return keep
+        sent = None if row.logprobs is None else row.logprobs[start: start + len(new)]
         if reason is None:
-            row.request._emit(Event(row.index, text, new))
+            row.request._emit(Event(row.index, text, new, logprobs=sent))
             return keep
         row.done = True
         self.free.append(row.slot)
-        choice = Choice(row.index, tracker.text, list(row.generated), reason)
-        row.request._emit(Event(row.index, text, new, reason), choice)
+        choice = Choice(row.index, tracker.text, list(row.generated), reason,
+                        None if row.logprobs is None else list(row.logprobs))
+        row.request._emit(Event(row.index, text, new, reason, sent), choice)
         return keep
 
     def _cancelled(self, request: Request) -> None:
+        empty = None if request.logprobs is None else []
         for i in range(request.n):
-            request._emit(Event(i, "", [], "cancelled"), Choice(i, "", [], "cancelled"))
+            request._emit(Event(i, "", [], "cancelled", empty), Choice(i, "", [], "cancelled", empty))
 
     def _fail_all(self, error: Exception) -> None:
         """Every request in flight ends with ``error`` (the engine starts over empty)."""
@@ -458,6 +482,7 @@ class _Prefill:
         self.cache = engine.model.allocate_cache(1, engine.max_length)
         self.at = 0
         self.first: list[int] = []
+        self.first_logprobs: list[list[TokenLogprob]] | None = None
 
     def advance(self) -> bool:
         """One chunk; True when the prompt is read and the first tokens drawn."""
@@ -470,7 +495,14 @@ class _Prefill:
         settings, seed = self.request.settings, self.request.seed
         generator = torch.Generator(device=model.device).manual_seed(self.engine._seed() if seed is None else seed)
         logits = logits.expand(self.request.n, -1)
-        self.first = settings.params.sample(logits, generator).tolist()
+        first = settings.params.sample(logits, generator)
+        self.first = first.tolist()
+        k = self.request.logprobs
+        if k is not None:  # the law decode's prefill packs for it (greedy: the softmax)
+            law = settings.params.observed(logits).cpu()
+            top = torch.topk(law, min(k, law.shape[-1]), dim=-1)
+            self.first_logprobs = [token_logprobs([t], law[i, t: t + 1].tolist(), top.indices[i: i + 1],
+                                                  top.values[i: i + 1], k) for i, t in enumerate(self.first)]
         rows = torch.tensor(self.slots, device=model.device)
         self.engine.pool.assign(rows, self.cache.select(torch.zeros(len(self.slots), dtype=torch.long,
                                                                     device=model.device)))
@@ -482,8 +514,10 @@ class _Prefill:
         out = []
         for i, (slot, first) in enumerate(zip(self.slots, self.first)):
             row = _Row(request, i, slot, list(request.prompt_ids), request.budget,
-                       TextStops(engine.lm.tokenizer, request.stops), request.settings)
-            engine._publish(row, [first], "eos" if engine._ends_with_eos([first]) else None)
+                       TextStops(engine.lm.tokenizer, request.stops), request.settings,
+                       logprobs=None if request.logprobs is None else [])
+            engine._publish(row, [first], "eos" if engine._ends_with_eos([first]) else None,
+                            None if self.first_logprobs is None else self.first_logprobs[i])
             out.append(row)
         return out
 
@@ -553,7 +587,12 @@ class _Cohort:
             reason = None
             if ended:
                 reason = "eos" if engine._ends_with_eos(tokens) else "length"
-            keep = engine._publish(row, new, reason)
+            logprobs = None
+            if row.logprobs is not None:  # (the cohort keeps the most any of its rows asked for)
+                k = row.request.logprobs
+                logprobs = [lp if len(lp.top) <= k else replace(lp, top=lp.top[:k])
+                            for lp in batch.logprobs_of[i][have:]]
+            keep = engine._publish(row, new, reason, logprobs)
             if keep is not None and bool(batch.active[i]):
                 batch.finish(i, keep - row.base)
             elif row.done and bool(batch.active[i]):
@@ -582,12 +621,14 @@ class _Cohort:
             seed = engine._seed()
         self.restarts += 1
         params = settings.params
+        asked = [row.request.logprobs for row in self.rows if row.request.logprobs is not None]
         self.steps = decode(model, [list(row.context) for row in self.rows], drafter=self.drafter,
                             method="autoregressive" if self.drafter is None else "stree",
                             tree=self._tree(),
                             max_new_tokens=[row.budget - len(row.generated) for row in self.rows],
                             temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
-                            eos_token_id=engine.lm.eos_token_id, seed=seed, cache=self.cache, on_step=self._verified)
+                            eos_token_id=engine.lm.eos_token_id, seed=seed, cache=self.cache, on_step=self._verified,
+                            logprobs=max(asked) if asked else None)
         self.batch = next(self.steps)
 
     def _tree(self):

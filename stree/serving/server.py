@@ -4,8 +4,9 @@ the bodies are checked by the engine's own argument checks, which name the argum
 
 ``/v1/completions`` and ``/v1/chat/completions`` (the model's chat template; a ``<think>`` block
 comes back as ``reasoning_content``), streamed as server-sent events with ``"stream": true``;
-``n``, ``stop``, ``temperature``, ``top_p``, ``max_tokens``, ``seed``, and stree's own ``drafter``,
-``tree`` and ``top_k`` as extra body fields; ``/v1/models``, ``/health`` and ``/metrics``
+``n``, ``stop``, ``temperature``, ``top_p``, ``max_tokens``, ``seed``, ``logprobs`` (completions: the
+top count, at most 5; chat: ``logprobs`` and ``top_logprobs``, at most 20), and stree's own
+``drafter``, ``tree`` and ``top_k`` as extra body fields; ``/v1/models``, ``/health`` and ``/metrics``
 (Prometheus text). A bad request gets a 4xx with an OpenAI-style error body; a client that goes
 away mid-stream cancels its request (its slots are free at the engine's next iteration).
 """
@@ -33,8 +34,11 @@ __all__ = ["make_app", "serve"]
 DEFAULT_MAX_TOKENS = 16  # OpenAI's for completions; chat's default is what the slot leaves
 # body fields a request may carry: OpenAI's that are honoured, and stree's own
 COMPLETION_FIELDS = {"model", "prompt", "max_tokens", "temperature", "top_p", "n", "stop", "seed", "stream",
-                     "drafter", "tree", "top_k", "user", "stream_options"}
-CHAT_FIELDS = (COMPLETION_FIELDS - {"prompt"}) | {"messages", "max_completion_tokens"}
+                     "drafter", "tree", "top_k", "user", "stream_options", "logprobs"}
+CHAT_FIELDS = (COMPLETION_FIELDS - {"prompt"}) | {"messages", "max_completion_tokens", "top_logprobs"}
+# OpenAI's limits on the top entries a token's logprobs list, and its stand-in for a log-probability of -inf
+MAX_LOGPROBS = {"completions": 5, "chat": 20}
+NO_LOGPROB = -9999.0
 
 
 class APIError(Exception):
@@ -82,7 +86,7 @@ def make_app(engine: Engine, model_name: str, api_key: str | None = None) -> Sta
                            param="model", code="model_not_found")
         return data
 
-    def submit(prompt, data: dict, max_tokens):
+    def submit(prompt, data: dict, max_tokens, logprobs: int | None = None):
         stream = data.get("stream", False)
         if not isinstance(stream, bool):
             raise APIError(400, f"stream must be a boolean, got {stream!r}", param="stream")
@@ -96,7 +100,7 @@ def make_app(engine: Engine, model_name: str, api_key: str | None = None) -> Sta
             if name in options and (isinstance(options[name], bool) or not isinstance(options[name], numbers.Real)):
                 raise APIError(400, f"{name} must be a number, got {options[name]!r}", param=name)
         try:
-            return engine.submit(prompt, max_tokens=max_tokens, **options), stream
+            return engine.submit(prompt, max_tokens=max_tokens, logprobs=logprobs, **options), stream
         except Overloaded as error:
             raise APIError(429, str(error), "server_overloaded", code="overloaded") from None
         except EngineClosed as error:
@@ -123,8 +127,10 @@ def make_app(engine: Engine, model_name: str, api_key: str | None = None) -> Sta
                            param="prompt")
         ids = _encode(engine, prompt)
         usage = _usage(data)  # (every check before the request is queued)
-        job, stream = submit(ids, data, budget(data, "max_tokens", DEFAULT_MAX_TOKENS, ids))
-        return await _answer(request, job, stream, "text_completion", model_name, len(ids), None, usage)
+        top = _count(data, "logprobs", "completions")
+        job, stream = submit(ids, data, budget(data, "max_tokens", DEFAULT_MAX_TOKENS, ids), top)
+        return await _answer(request, job, stream, "text_completion", model_name, len(ids), None, usage,
+                             _Logprobs(engine.lm.tokenizer, chat=False) if top is not None else None)
 
     async def chat(request: HTTPRequest):
         data = await body(request, CHAT_FIELDS)
@@ -137,8 +143,10 @@ def make_app(engine: Engine, model_name: str, api_key: str | None = None) -> Sta
             raise APIError(400, str(error), param="messages") from None
         name = "max_completion_tokens" if data.get("max_completion_tokens") is not None else "max_tokens"
         usage = _usage(data)  # (every check before the request is queued)
-        job, stream = submit(ids, data, budget(data, name, 0, ids))
-        return await _answer(request, job, stream, "chat.completion", model_name, len(ids), opened, usage)
+        top = _chat_logprobs(data)
+        job, stream = submit(ids, data, budget(data, name, 0, ids), top)
+        return await _answer(request, job, stream, "chat.completion", model_name, len(ids), opened, usage,
+                             _Logprobs(engine.lm.tokenizer, chat=True) if top is not None else None)
 
     async def models(request: HTTPRequest):
         return JSONResponse({"object": "list", "data": [{"id": model_name, "object": "model", "created": int(started),
@@ -174,6 +182,64 @@ def _usage(data: dict) -> bool:
     return options.get("include_usage", False)
 
 
+def _count(data: dict, name: str, route: str) -> int | None:
+    """The top count ``data[name]`` asks for (None: no logprobs), at most OpenAI's limit."""
+    value, most = data.get(name), MAX_LOGPROBS[route]
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= most:
+        raise APIError(400, f"{name} must be an integer in [0, {most}], got {value!r}", param=name)
+    return value
+
+
+def _chat_logprobs(data: dict) -> int | None:
+    """Chat's ``logprobs`` (a boolean) and ``top_logprobs`` (which needs it) as one top count."""
+    wanted = data.get("logprobs")
+    if wanted is not None and not isinstance(wanted, bool):
+        raise APIError(400, f"logprobs must be a boolean, got {wanted!r}", param="logprobs")
+    top = _count(data, "top_logprobs", "chat")
+    if top is not None and not wanted:
+        raise APIError(400, "top_logprobs needs logprobs set to true", param="top_logprobs")
+    return (top or 0) if wanted else None
+
+
+class _Logprobs:
+    """A choice's token log-probabilities in OpenAI's shapes: completions' ``tokens`` /
+    ``token_logprobs`` / ``top_logprobs`` / ``text_offset`` (offsets counted over the tokens' own
+    text from the start of the choice), chat's ``content`` list. A token's text is its own decoding;
+    -inf (a token a processed law rules out) is OpenAI's -9999.0."""
+
+    def __init__(self, tokenizer, chat: bool):
+        self.tokenizer, self.chat = tokenizer, chat
+        self.offsets: dict[int, int] = {}  # choice index -> text offset of its next token
+
+    def text(self, token: int) -> str:
+        return self.tokenizer.decode([token])
+
+    def __call__(self, index: int, logprobs) -> dict:
+        if self.chat:
+            return {"content": [dict(self._entry(lp.token, lp.logprob),
+                                     top_logprobs=[self._entry(i, p) for i, p in lp.top]) for lp in logprobs],
+                    "refusal": None}
+        tokens = [self.text(lp.token) for lp in logprobs]
+        offsets, at = [], self.offsets.get(index, 0)
+        for t in tokens:
+            offsets.append(at)
+            at += len(t)
+        self.offsets[index] = at
+        return {"tokens": tokens, "token_logprobs": [_finite(lp.logprob) for lp in logprobs],
+                "top_logprobs": [{self.text(i): _finite(p) for i, p in lp.top} for lp in logprobs],
+                "text_offset": offsets}
+
+    def _entry(self, token: int, logprob: float) -> dict:
+        text = self.text(token)
+        return {"token": text, "logprob": _finite(logprob), "bytes": list(text.encode("utf-8"))}
+
+
+def _finite(logprob: float) -> float:
+    return max(logprob, NO_LOGPROB)
+
+
 def _encode(engine: Engine, prompt) -> list[int]:
     if isinstance(prompt, list):
         return prompt
@@ -184,9 +250,10 @@ def _encode(engine: Engine, prompt) -> list[int]:
 
 
 async def _answer(http: HTTPRequest, job, stream: bool, kind: str, model: str, prompt_tokens: int,
-                  opened: bool | None, usage: bool = False):
+                  opened: bool | None, usage: bool = False, logprobs: _Logprobs | None = None):
     """The request's response: one JSON body, or its events as server-sent events (``usage``: the
-    last of them the token counts)."""
+    last of them the token counts; ``logprobs``: each choice's, or each chunk's tokens', in
+    OpenAI's shape)."""
     loop = asyncio.get_running_loop()
     events: asyncio.Queue = asyncio.Queue()
     job.attach(loop, events.put_nowait)
@@ -209,27 +276,29 @@ async def _answer(http: HTTPRequest, job, stream: bool, kind: str, model: str, p
         choices = job.result()
         out = []
         for c in choices:
+            lp = None if logprobs is None else logprobs(c.index, c.logprobs)
             if opened is None:
-                out.append({"index": c.index, "text": c.text, "logprobs": None, "finish_reason": _reason(c)})
+                out.append({"index": c.index, "text": c.text, "logprobs": lp, "finish_reason": _reason(c)})
             else:
                 reasoning, answer = split_reasoning(c.text, opened)
                 message = {"role": "assistant", "content": answer}
                 if reasoning is not None:
                     message["reasoning_content"] = reasoning
-                out.append({"index": c.index, "message": message, "logprobs": None, "finish_reason": _reason(c)})
+                out.append({"index": c.index, "message": message, "logprobs": lp, "finish_reason": _reason(c)})
         return JSONResponse({"id": rid, "object": kind, "created": created, "model": model, "choices": out,
                              "usage": counts(choices)})
 
     chunk_kind = "chat.completion.chunk" if opened is not None else "text_completion"
 
-    def chunk(index: int, text: str | None, reason: str | None, first: bool = False) -> str:
+    def chunk(index: int, text: str | None, reason: str | None, first: bool = False, tokens=None) -> str:
+        lp = None if logprobs is None or tokens is None else logprobs(index, tokens)
         if opened is None:
-            choice = {"index": index, "text": text or "", "logprobs": None, "finish_reason": reason}
+            choice = {"index": index, "text": text or "", "logprobs": lp, "finish_reason": reason}
         else:
             delta = {} if text is None else {"content": text}
             if first:
                 delta["role"] = "assistant"
-            choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": reason}
+            choice = {"index": index, "delta": delta, "logprobs": lp, "finish_reason": reason}
         return "data: " + json.dumps({"id": rid, "object": chunk_kind, "created": created, "model": model,
                                       "choices": [choice]}) + "\n\n"
 
@@ -239,10 +308,12 @@ async def _answer(http: HTTPRequest, job, stream: bool, kind: str, model: str, p
                 for i in range(job.n):
                     yield chunk(i, "", None, first=True)
             while (event := await events.get()) is not None:
+                sent = event.logprobs if event.token_ids else None  # each token's with the chunk it came in
                 if event.text or event.finish_reason is None:
-                    yield chunk(event.index, event.text, None)
+                    yield chunk(event.index, event.text, None, tokens=sent)
+                    sent = None
                 if event.finish_reason is not None:
-                    yield chunk(event.index, None, _reason(event))
+                    yield chunk(event.index, None, _reason(event), tokens=sent)
             if job.error is not None:
                 yield "data: " + json.dumps({"error": {"message": str(job.error), "type": "server_error"}}) + "\n\n"
             elif usage:

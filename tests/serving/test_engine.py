@@ -92,6 +92,31 @@ def test_n_choices_and_a_full_engine(lm):
         engine.submit(PROMPTS[0], max_tokens=4)
 
 
+def test_logprobs_are_each_requests_own_whatever_the_cohort_keeps(lm):
+    """Requests asking for different numbers of top entries (and one for none) share a cohort: each
+    choice's log-probabilities are its solo run's (``LM.generate(logprobs=k)``), the events carry
+    them token by token, and a stop string cuts them with the tokens."""
+    asks = [None, 0, 3, 5]
+    with Engine(lm, max_slots=4, max_length=512, seed=0) as engine:
+        requests = [engine.submit(PROMPTS[i], max_tokens=16, logprobs=k, stop="\n\n" if i == 3 else None)
+                    for i, k in enumerate(asks)]
+        results = [r.result(timeout=120)[0] for r in requests]
+        streamed = [list(r) for r in requests]
+    for i, (k, choice, events) in enumerate(zip(asks, results, streamed)):
+        solo = lm.generate(PROMPTS[i], max_new_tokens=16, drafter="ngram", temperature=0, logprobs=k,
+                           stop="\n\n" if i == 3 else None)
+        assert choice.token_ids == solo.token_ids[0]
+        if k is None:
+            assert choice.logprobs is None and all(e.logprobs is None for e in events)
+            continue
+        assert [lp for e in events for lp in e.logprobs] == choice.logprobs
+        assert [lp.token for lp in choice.logprobs] == choice.token_ids
+        for got, want in zip(choice.logprobs, solo.logprobs[0], strict=True):
+            assert got.token == want.token and got.logprob == pytest.approx(want.logprob, abs=1e-4)
+            assert [i for i, _ in got.top] == [i for i, _ in want.top] and len(got.top) == k
+            assert [p for _, p in got.top] == pytest.approx([p for _, p in want.top], abs=1e-4)
+
+
 def test_a_long_prompt_is_read_between_the_other_rows_steps(lm, monkeypatch):
     """A prompt of three chunks joins while another request decodes: its prefill calls carry at
     most MAX_TREE_NODES tokens each, and the other request's steps run between them."""
@@ -172,6 +197,8 @@ def test_a_seeded_request_repeats_whatever_runs_beside_it(lm):
     (dict(tree="bad"), ValueError, "bad tree spec"),
     (dict(prompt=[]), TypeError, "prompt must be"),
     (dict(prompt=[10**6]), ValueError, "not a token id"),
+    (dict(logprobs=-1), ValueError, "logprobs must be in"),
+    (dict(logprobs="2"), TypeError, "logprobs must be an integer"),
 ])
 def test_bad_requests_are_refused_at_submit(lm, kwargs, error, match):
     with Engine(lm, max_slots=4, max_length=256) as engine:

@@ -114,6 +114,49 @@ def test_stop_strings_and_n(lm, client):
     assert [c.index for c in out.choices] == [0, 1, 2]
 
 
+def test_logprobs_are_the_librarys_in_openais_shapes(lm, client, server):
+    """Completions' ``logprobs`` and chat's ``logprobs`` / ``top_logprobs``: every generated
+    token's log-probability and top entries, as ``LM.generate(logprobs=k)`` gives them, streamed
+    or not; the bad values get a 400."""
+    out = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=12, temperature=0, logprobs=3)
+    ref = lm.generate(PROMPTS[0], max_new_tokens=12, temperature=0, logprobs=3)
+    lp = out.choices[0].logprobs
+    assert lp.tokens == [lm.tokenizer.decode([t]) for t in ref.token_ids[0]]
+    assert lp.token_logprobs == pytest.approx([x.logprob for x in ref.logprobs[0]], abs=1e-4)
+    assert [p for top in lp.top_logprobs for p in top.values()] == \
+        pytest.approx([p for x in ref.logprobs[0] for _, p in x.top], abs=1e-4)
+    assert lp.text_offset == [sum(map(len, lp.tokens[:i])) for i in range(len(lp.tokens))]
+    chunks = list(client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=12, temperature=0, logprobs=3,
+                                            stream=True))
+    assert [t for c in chunks if c.choices[0].logprobs for t in c.choices[0].logprobs.token_logprobs] == \
+        pytest.approx(lp.token_logprobs, abs=1e-4)
+    assert [o for c in chunks if c.choices[0].logprobs for o in c.choices[0].logprobs.text_offset] == lp.text_offset
+
+    messages = [{"role": "user", "content": PROMPTS[1]}]
+    chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, temperature=0, logprobs=True,
+                                          top_logprobs=2)
+    ref = lm.chat(messages, max_new_tokens=10, temperature=0, logprobs=2)
+    content = chat.choices[0].logprobs.content
+    assert [c.token for c in content] == [lm.tokenizer.decode([t]) for t in ref.token_ids[0]]
+    assert [c.logprob for c in content] == pytest.approx([x.logprob for x in ref.logprobs[0]], abs=1e-4)
+    assert [c.bytes for c in content] == [list(c.token.encode()) for c in content]
+    assert [t.logprob for c in content for t in c.top_logprobs] == \
+        pytest.approx([p for x in ref.logprobs[0] for _, p in x.top], abs=1e-4)
+    stream = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, temperature=0,
+                                            logprobs=True, stream=True)
+    streamed = [c for chunk in stream if chunk.choices and chunk.choices[0].logprobs
+                for c in chunk.choices[0].logprobs.content]
+    assert [c.logprob for c in streamed] == pytest.approx([c.logprob for c in content], abs=1e-4)
+    assert all(c.top_logprobs == [] for c in streamed)
+    plain = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, temperature=0)
+    assert plain.choices[0].logprobs is None
+    for body, match in (({"top_logprobs": 2}, "top_logprobs needs logprobs set to true"),
+                        ({"logprobs": 1}, "logprobs must be a boolean"),
+                        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs must be an integer in [0, 20]")):
+        status, answer = _raw(server, "POST", "/v1/chat/completions", dict(model=MODEL, messages=messages, **body))
+        assert status == 400 and match in answer["error"]["message"], answer
+
+
 def test_drafter_null_decodes_autoregressively(server, client):
     """``"drafter": null`` is a plain decode (the tree it names is not drafted); left out, the
     default n-gram drafter drafts it."""
@@ -139,6 +182,8 @@ def test_drafter_null_decodes_autoregressively(server, client):
     ({"model": MODEL, "prompt": "x", "drafter": "nope"}, 400, "drafter must be one of"),
     ({"model": MODEL, "prompt": "x", "logit_bias": {}}, 400, "unsupported field"),
     ({"model": MODEL, "prompt": "x", "stream": True, "stream_options": {"include_usage": 1}}, 400, "stream_options"),
+    ({"model": MODEL, "prompt": "x", "logprobs": 6}, 400, "logprobs must be an integer in [0, 5]"),
+    ({"model": MODEL, "prompt": "x", "logprobs": True}, 400, "logprobs must be an integer"),
 ])
 def test_bad_requests_get_openai_style_errors(server, body, status, match):
     submitted = server[1].metrics()["requests"]
