@@ -265,21 +265,26 @@ def test_an_eager_call_measures_its_products_before_decoding(monkeypatch):
     steps and trees may multiply (the batch times 1 to the most nodes) in its setup, and none
     after its prefill: a tree size first used mid-call had paid its timing inside a timed step
     (at batch 8, a few percent of the call). The machine's costs are known first (a new process
-    reads them from the cache file without multiplying anything)."""
+    reads them from the cache file without multiplying anything; here the choice's costs are given)."""
     import stree.models.layers.linear as lin
     from stree.decoding.loop import decode, drain
 
     if not lin._ONEDNN:
         pytest.skip("this torch has no oneDNN: linear takes one product, with nothing to time")
+    from stree.decoding.autotree import AutoTree
+    from stree.decoding.cost import CostProfile
+
     model = mamba2(seed=0)
     prompts = [[1, 2, 3, 1, 2, 3, 1, 2], [4, 5, 4, 5, 4, 5]]
-    generate(model, prompts, drafter=NGramDrafter(), max_new_tokens=4)  # the cost profile, measured
     timed = []
     real = lin._clearly_faster
     monkeypatch.setattr(lin, "PATH", "auto")
     monkeypatch.setattr(lin, "_FASTER", {})  # a process that has multiplied nothing
     monkeypatch.setattr(lin, "_clearly_faster", lambda a, b: timed.append(1) or real(a, b))
-    steps = decode(model, prompts, drafter=NGramDrafter(), max_new_tokens=24)
+    # costs where trees win whatever this machine's clock says (a measured profile under load chose
+    # plain steps only, and there was no tree whose products to have timed)
+    chooser = AutoTree(CostProfile(1.0, (2, 4, 8, 16), (1.0, 1.0, 1.05, 1.1)))
+    steps = decode(model, prompts, drafter=NGramDrafter(), tree=chooser, max_new_tokens=24)
     next(steps)  # the setup and the prefill
     before = len(timed)
     out = drain(steps)
