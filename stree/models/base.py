@@ -331,11 +331,12 @@ class TreeLM(nn.Module):
 
     @torch.no_grad()
     def prefill(self, input_ids: torch.Tensor, cache: ModelCache, lengths: torch.Tensor | None = None,
-                chunk: int = MAX_TREE_NODES) -> torch.Tensor:
+                chunk: int = MAX_TREE_NODES, every: bool = False) -> torch.Tensor:
         """Feed right-padded prompts ``[b, T]`` (row b's first ``lengths[b] >= 1`` tokens) as chains
         of at most ``chunk`` tokens, continuing from what the cache holds (empty: a prompt's
         prefill; else new tokens appended, as a drafter catching up does); returns the logits
-        after each row's last token ``[b, V]``."""
+        after each row's last token ``[b, V]``, or with ``every`` after each of its tokens
+        ``[b, T, V]`` (a prompt's log-probabilities; a row's entries past its length unspecified)."""
         self.check_tokens("input_ids", input_ids)
         batch, T = input_ids.shape
         lengths = torch.full((batch,), T) if lengths is None else lengths.cpu()
@@ -344,17 +345,21 @@ class TreeLM(nn.Module):
         if not 1 <= chunk <= MAX_TREE_NODES:
             raise ValueError(f"chunk must be in [1, {MAX_TREE_NODES}], got {chunk}")
         self.check_cache(cache, batch, int(lengths.max()))
-        last = torch.empty(batch, self.vocab_size, device=self.device, dtype=self.dtype)
+        out = (torch.zeros if every else torch.empty)(batch, *(T,) * every, self.vocab_size, device=self.device,
+                                                      dtype=self.dtype)
         for start, end, rows, counts, sub in chain_chunks(cache, lengths, T, chunk):
             tree = TokenTree.from_shape(TreeShape.chain(end - start - 1), input_ids[rows, start:end])
             n = counts.to(self.device)
             logits, tree_pass = self.tree_pass(tree, tree.index, sub, "tree", self.kernel_backend, end - start - 1,
-                                               prefill=True, at=n - 1)  # each row's last fed token only
+                                               prefill=True, at=None if every else n - 1)  # (else the last only)
             self.commit(sub, tree_pass, torch.arange(end - start, device=self.device).expand(len(rows), -1), n,
                         validate=False)
+            if every:
+                out[rows, start:end] = logits
+                continue
             pick = torch.nonzero((lengths[lengths > start] <= end).to(self.device)).flatten()
-            last[rows[pick]] = logits[pick]
-        return last
+            out[rows[pick]] = logits[pick]
+        return out
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Differentiable logits ``[b, T, V]`` at every position of ``input_ids [b, T]`` from an

@@ -93,10 +93,13 @@ class Request:
     engine's next iteration)."""
 
     def __init__(self, rid: int, ids: list[int], n: int, settings: "_Settings", budget: int, stops: list[str],
-                 seed: int | None, logprobs: int | None = None):
+                 seed: int | None, logprobs: int | None = None, prompt_logprobs: int | None = None):
         self.id, self.prompt_ids, self.n = rid, ids, n
         self.settings, self.budget, self.stops, self.seed = settings, budget, stops, seed
-        self.logprobs = logprobs
+        self.logprobs, self.prompt_logprobs = logprobs, prompt_logprobs
+        # with prompt_logprobs, once the prompt is read (before its first event): None for the first
+        # prompt token, then a TokenLogprob for each of the others under the model's own distribution
+        self.prompt_scores: list[TokenLogprob | None] | None = None
         self.cancelled = False
         self._events: queue.Queue = queue.Queue()
         self._loop = self._async = None
@@ -236,7 +239,7 @@ class Engine:
     # ---- the callers' side ----------------------------------------------------------------
     def submit(self, prompt, *, max_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0,
                top_k: int = 0, stop=None, drafter: str | None = "ngram", tree: str = "auto", seed: int | None = None,
-               n: int = 1, logprobs: int | None = None) -> Request:
+               n: int = 1, logprobs: int | None = None, prompt_logprobs: int | None = None) -> Request:
         """Queue a completion of ``prompt`` (text, or a list of token ids) and return its
         :class:`Request`. ``max_tokens`` new tokens at most (the prompt and them must fit a
         slot's ``max_length``); ``temperature`` (0: greedy), ``top_p``, ``top_k`` as
@@ -245,10 +248,17 @@ class Engine:
         spec (:func:`~stree.tree.tree_spec`); ``seed``: a sampled request's draws follow it;
         ``n``: choices decoded from the prompt, each in its own slot; ``logprobs``: an int k >= 0
         gives every token its log-probability and the k most likely entries of the law it was drawn
-        from (:func:`~stree.decoding.loop.decode`'s ``logprobs``), on the events and choices. Every
+        from (:func:`~stree.decoding.loop.decode`'s ``logprobs``), on the events and choices;
+        ``prompt_logprobs``: likewise for the prompt's tokens after its first, under the model's own
+        distribution (``Request.prompt_scores``, set before the first event; with it ``max_tokens``
+        may be 0: the prompt read and nothing generated, as evaluation harnesses score texts). Every
         argument is checked here (TypeError / ValueError naming it) before anything is queued."""
         ids = self._prompt_ids(prompt)
+        if prompt_logprobs is not None:
+            prompt_logprobs = integer("prompt_logprobs", prompt_logprobs, low=0, high=self.model.vocab_size)
         for name, value, low in (("max_tokens", max_tokens, 1), ("n", n, 1)):
+            if name == "max_tokens" and prompt_logprobs is not None and value == 0:
+                continue
             if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < low:
                 raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
         if n > self.max_slots:
@@ -277,7 +287,7 @@ class Engine:
             self.counters["requests"] += 1
         own = rid if seed is not None and not params.greedy else None
         request = Request(rid, ids, int(n), _Settings(name, tree, params, own), int(max_tokens), stops,
-                          None if seed is None else int(seed), logprobs)
+                          None if seed is None else int(seed), logprobs, prompt_logprobs)
         self._inbox.put(request)
         return request
 
@@ -483,15 +493,26 @@ class _Prefill:
         self.at = 0
         self.first: list[int] = []
         self.first_logprobs: list[list[TokenLogprob]] | None = None
+        self.scores: list[TokenLogprob | None] = [None]  # the prompt's, where asked for
 
     def advance(self) -> bool:
         """One chunk; True when the prompt is read and the first tokens drawn."""
-        model, ids = self.engine.model, self.request.prompt_ids
+        model, ids, request = self.engine.model, self.request.prompt_ids, self.request
         end = min(self.at + MAX_TREE_NODES, len(ids))
-        logits = model.prefill(torch.tensor([ids[self.at: end]], device=model.device), self.cache)
+        chunk = torch.tensor([ids[self.at: end]], device=model.device)
+        if request.prompt_logprobs is None:
+            logits = model.prefill(chunk, self.cache)
+        else:
+            every = model.prefill(chunk, self.cache, every=True)[0]
+            self._score(every, self.at)
+            logits = every[-1:]
         self.at = end
         if end < len(ids):
             return False
+        if request.prompt_logprobs is not None:
+            request.prompt_scores = self.scores
+        if request.budget == 0:  # the prompt alone: its choices end without a token
+            return True
         settings, seed = self.request.settings, self.request.seed
         generator = torch.Generator(device=model.device).manual_seed(self.engine._seed() if seed is None else seed)
         logits = logits.expand(self.request.n, -1)
@@ -508,9 +529,27 @@ class _Prefill:
                                                                     device=model.device)))
         return True
 
+    def _score(self, every: torch.Tensor, at: int) -> None:
+        """The log-probabilities of the prompt's tokens after ``at`` that the logits after the
+        chunk's tokens (``at`` on) predict: the next chunk's first token is known already."""
+        ids, k = self.request.prompt_ids, self.request.prompt_logprobs
+        tokens = ids[at + 1: at + 1 + len(every)]
+        if not tokens:
+            return
+        laws = torch.softmax(every[: len(tokens)].float(), -1).cpu()
+        top = torch.topk(laws, min(k, laws.shape[-1]), dim=-1)
+        self.scores += token_logprobs(tokens, laws[torch.arange(len(tokens)), tokens].tolist(), top.indices,
+                                      top.values, k)
+
     def rows(self) -> list[_Row]:
-        """The request's choices, each with its first token sent."""
+        """The request's choices, each with its first token sent (none where its budget is 0)."""
         request, engine = self.request, self.engine
+        if request.budget == 0:
+            self.engine.free.extend(self.slots)
+            empty = None if request.logprobs is None else []
+            for i in range(request.n):
+                request._emit(Event(i, "", [], "length", empty), Choice(i, "", [], "length", empty))
+            return []
         out = []
         for i, (slot, first) in enumerate(zip(self.slots, self.first)):
             row = _Row(request, i, slot, list(request.prompt_ids), request.budget,

@@ -34,8 +34,8 @@ __all__ = ["make_app", "serve"]
 DEFAULT_MAX_TOKENS = 16  # OpenAI's for completions; chat's default is what the slot leaves
 # body fields a request may carry: OpenAI's that are honoured, and stree's own
 COMPLETION_FIELDS = {"model", "prompt", "max_tokens", "temperature", "top_p", "n", "stop", "seed", "stream",
-                     "drafter", "tree", "top_k", "user", "stream_options", "logprobs"}
-CHAT_FIELDS = (COMPLETION_FIELDS - {"prompt"}) | {"messages", "max_completion_tokens", "top_logprobs"}
+                     "drafter", "tree", "top_k", "user", "stream_options", "logprobs", "echo"}
+CHAT_FIELDS = (COMPLETION_FIELDS - {"prompt", "echo"}) | {"messages", "max_completion_tokens", "top_logprobs"}
 # OpenAI's limits on the top entries a token's logprobs list, and its stand-in for a log-probability of -inf
 MAX_LOGPROBS = {"completions": 5, "chat": 20}
 NO_LOGPROB = -9999.0
@@ -86,7 +86,7 @@ def make_app(engine: Engine, model_name: str, api_key: str | None = None) -> Sta
                            param="model", code="model_not_found")
         return data
 
-    def submit(prompt, data: dict, max_tokens, logprobs: int | None = None):
+    def submit(prompt, data: dict, max_tokens, logprobs: int | None = None, prompt_logprobs: int | None = None):
         stream = data.get("stream", False)
         if not isinstance(stream, bool):
             raise APIError(400, f"stream must be a boolean, got {stream!r}", param="stream")
@@ -100,7 +100,8 @@ def make_app(engine: Engine, model_name: str, api_key: str | None = None) -> Sta
             if name in options and (isinstance(options[name], bool) or not isinstance(options[name], numbers.Real)):
                 raise APIError(400, f"{name} must be a number, got {options[name]!r}", param=name)
         try:
-            return engine.submit(prompt, max_tokens=max_tokens, logprobs=logprobs, **options), stream
+            return engine.submit(prompt, max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+                                 **options), stream
         except Overloaded as error:
             raise APIError(429, str(error), "server_overloaded", code="overloaded") from None
         except EngineClosed as error:
@@ -128,9 +129,19 @@ def make_app(engine: Engine, model_name: str, api_key: str | None = None) -> Sta
         ids = _encode(engine, prompt)
         usage = _usage(data)  # (every check before the request is queued)
         top = _count(data, "logprobs", "completions")
-        job, stream = submit(ids, data, budget(data, "max_tokens", DEFAULT_MAX_TOKENS, ids), top)
+        echo = False if data.get("echo") is None else data["echo"]
+        if not isinstance(echo, bool):
+            raise APIError(400, f"echo must be a boolean, got {echo!r}", param="echo")
+        max_tokens = budget(data, "max_tokens", DEFAULT_MAX_TOKENS, ids)
+        if max_tokens == 0 and not echo:
+            raise APIError(400, "max_tokens must be an int >= 1, got 0 (0 only with echo)", param="max_tokens")
+        # echo: the prompt comes back before the completion, scored where logprobs are asked for (or
+        # where nothing is generated: the engine reads a prompt alone only to score it)
+        scored = top if top is not None else 0 if max_tokens == 0 else None
+        job, stream = submit(ids, data, max_tokens, top, scored if echo else None)
+        shown = (prompt if isinstance(prompt, str) else engine.lm.tokenizer.decode(ids), ids) if echo else None
         return await _answer(request, job, stream, "text_completion", model_name, len(ids), None, usage,
-                             _Logprobs(engine.lm.tokenizer, chat=False) if top is not None else None)
+                             _Logprobs(engine.lm.tokenizer, chat=False) if top is not None else None, shown)
 
     async def chat(request: HTTPRequest):
         data = await body(request, CHAT_FIELDS)
@@ -216,19 +227,24 @@ class _Logprobs:
     def text(self, token: int) -> str:
         return self.tokenizer.decode([token])
 
-    def __call__(self, index: int, logprobs) -> dict:
+    def __call__(self, index: int, logprobs, first: int | None = None) -> dict:
+        """``logprobs`` (:class:`~stree.decoding.rows.TokenLogprob` s) of choice ``index``; ``first``:
+        a token before them that has none (an echoed prompt's first: null in completions)."""
         if self.chat:
             return {"content": [dict(self._entry(lp.token, lp.logprob),
                                      top_logprobs=[self._entry(i, p) for i, p in lp.top]) for lp in logprobs],
                     "refusal": None}
-        tokens = [self.text(lp.token) for lp in logprobs]
+        head = [] if first is None else [(first, None)]
+        pairs = head + [(lp.token, lp) for lp in logprobs]
+        tokens = [self.text(t) for t, _ in pairs]
         offsets, at = [], self.offsets.get(index, 0)
         for t in tokens:
             offsets.append(at)
             at += len(t)
         self.offsets[index] = at
-        return {"tokens": tokens, "token_logprobs": [_finite(lp.logprob) for lp in logprobs],
-                "top_logprobs": [{self.text(i): _finite(p) for i, p in lp.top} for lp in logprobs],
+        return {"tokens": tokens, "token_logprobs": [None if lp is None else _finite(lp.logprob) for _, lp in pairs],
+                "top_logprobs": [None if lp is None else {self.text(i): _finite(p) for i, p in lp.top}
+                                 for _, lp in pairs],
                 "text_offset": offsets}
 
     def _entry(self, token: int, logprob: float) -> dict:
@@ -250,10 +266,18 @@ def _encode(engine: Engine, prompt) -> list[int]:
 
 
 async def _answer(http: HTTPRequest, job, stream: bool, kind: str, model: str, prompt_tokens: int,
-                  opened: bool | None, usage: bool = False, logprobs: _Logprobs | None = None):
+                  opened: bool | None, usage: bool = False, logprobs: _Logprobs | None = None,
+                  echo: tuple[str, list[int]] | None = None):
     """The request's response: one JSON body, or its events as server-sent events (``usage``: the
     last of them the token counts; ``logprobs``: each choice's, or each chunk's tokens', in
-    OpenAI's shape)."""
+    OpenAI's shape; ``echo``: the prompt's text and ids, which each choice begins with)."""
+
+    def echoed(index: int) -> tuple[str, dict | None]:
+        """Choice ``index``'s echoed prompt: its text and, where asked for, its log-probabilities."""
+        text, ids = echo
+        scores = None if logprobs is None else logprobs(index, job.prompt_scores[1:], first=ids[0])
+        return text, scores
+
     loop = asyncio.get_running_loop()
     events: asyncio.Queue = asyncio.Queue()
     job.attach(loop, events.put_nowait)
@@ -276,9 +300,12 @@ async def _answer(http: HTTPRequest, job, stream: bool, kind: str, model: str, p
         choices = job.result()
         out = []
         for c in choices:
-            lp = None if logprobs is None else logprobs(c.index, c.logprobs)
+            head, lp = echoed(c.index) if echo is not None else ("", None)
+            if logprobs is not None:
+                tail = logprobs(c.index, c.logprobs)
+                lp = tail if lp is None else {key: lp[key] + tail[key] for key in lp}
             if opened is None:
-                out.append({"index": c.index, "text": c.text, "logprobs": lp, "finish_reason": _reason(c)})
+                out.append({"index": c.index, "text": head + c.text, "logprobs": lp, "finish_reason": _reason(c)})
             else:
                 reasoning, answer = split_reasoning(c.text, opened)
                 message = {"role": "assistant", "content": answer}
@@ -290,8 +317,9 @@ async def _answer(http: HTTPRequest, job, stream: bool, kind: str, model: str, p
 
     chunk_kind = "chat.completion.chunk" if opened is not None else "text_completion"
 
-    def chunk(index: int, text: str | None, reason: str | None, first: bool = False, tokens=None) -> str:
-        lp = None if logprobs is None or tokens is None else logprobs(index, tokens)
+    def chunk(index: int, text: str | None, reason: str | None, first: bool = False, tokens=None,
+              scores: dict | None = None) -> str:
+        lp = scores if scores is not None else None if logprobs is None or tokens is None else logprobs(index, tokens)
         if opened is None:
             choice = {"index": index, "text": text or "", "logprobs": lp, "finish_reason": reason}
         else:
@@ -307,7 +335,12 @@ async def _answer(http: HTTPRequest, job, stream: bool, kind: str, model: str, p
             if opened is not None:
                 for i in range(job.n):
                     yield chunk(i, "", None, first=True)
+            shown = set()
             while (event := await events.get()) is not None:
+                if echo is not None and event.index not in shown:  # the prompt before the choice's first tokens
+                    shown.add(event.index)
+                    text, scores = echoed(event.index)
+                    yield chunk(event.index, text, None, scores=scores)
                 sent = event.logprobs if event.token_ids else None  # each token's with the chunk it came in
                 if event.text or event.finish_reason is None:
                     yield chunk(event.index, event.text, None, tokens=sent)

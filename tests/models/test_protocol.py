@@ -162,6 +162,29 @@ def test_prefill_runs_the_head_on_each_rows_last_fed_token_only():
 
 
 @pytest.mark.parametrize("family", FAMILIES)
+def test_a_prefill_gives_the_logits_after_every_token_on_request(family):
+    """``every=True``: rows of 11 and 7 tokens in chunks of 4, the logits after each of a row's
+    tokens are those of feeding it token by token, and the state is the plain prefill's."""
+    model = FAMILIES[family]()
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, VOCAB, (2, 11), generator=g)
+    lengths = [11, 7]
+    plain = model.allocate_cache(2, 32)
+    last = model.prefill(ids, plain, lengths=torch.tensor(lengths), chunk=4)
+    cache = model.allocate_cache(2, 32)
+    every = model.prefill(ids, cache, lengths=torch.tensor(lengths), chunk=4, every=True)
+    assert every.shape == (2, 11, model.vocab_size) and cache.seqlens.tolist() == lengths
+    for row, n in enumerate(lengths):
+        stepped = model.allocate_cache(1, 32)
+        for t in range(n):
+            want = model.step(ids[row, t: t + 1], stepped)[0]
+            assert torch.allclose(every[row, t], want, atol=1e-5), (row, t)
+        assert torch.allclose(every[row, n - 1], last[row], atol=1e-5)
+        for a, b in zip(_committed_state(cache, row), _committed_state(plain, row)):
+            assert torch.allclose(a, b, atol=1e-6)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
 def test_a_prefill_continues_from_what_the_cache_holds(family):
     """Rows of 9 and 6 tokens fed as 5 + 4 and 3 + 3 (the second call appends to the cache, as a
     drafter model catching up does): the logits after each row's last token and the state they

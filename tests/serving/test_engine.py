@@ -6,6 +6,7 @@ come back; bad requests are refused before anything is queued."""
 
 import itertools
 import json
+import math
 import random
 import threading
 import time
@@ -117,6 +118,35 @@ def test_logprobs_are_each_requests_own_whatever_the_cohort_keeps(lm):
             assert [p for _, p in got.top] == pytest.approx([p for _, p in want.top], abs=1e-4)
 
 
+def test_prompt_logprobs_score_every_prompt_token_across_chunks(lm, monkeypatch):
+    """``prompt_logprobs``: the prompt read in chunks of 16 tokens, each token after the first
+    scored under the model's own law after the tokens before it (against the model stepped token
+    by token); with ``max_tokens=0`` nothing is generated and the slots come back; with tokens,
+    they are the solo run's."""
+    import stree.serving.engine as engine_module
+
+    monkeypatch.setattr(engine_module, "MAX_TREE_NODES", 16)
+    ids = lm.encode(PROMPTS[2])[0][:40]
+    model = lm.model
+    cache = model.allocate_cache(1, 64)
+    laws = [torch.softmax(model.step(torch.tensor([t]), cache)[0].float(), -1) for t in ids[:-1]]
+    with Engine(lm, max_slots=2, max_length=128, seed=0) as engine:
+        scored = engine.submit(ids, max_tokens=0, prompt_logprobs=2, n=2)
+        both = engine.submit(ids, max_tokens=6, prompt_logprobs=0, logprobs=1)
+        (a, b), (c,) = scored.result(timeout=60), both.result(timeout=60)
+        assert engine.free_slots == 2
+    assert (a.token_ids, a.finish_reason, b.token_ids, b.finish_reason) == ([], "length", [], "length")
+    assert c.token_ids == stree.generate(model, [ids], max_new_tokens=6, eos_token_id=lm.eos_token_id).new_tokens[0]
+    assert scored.prompt_scores[0] is None and both.prompt_scores[0] is None
+    assert len(scored.prompt_scores) == len(both.prompt_scores) == len(ids)
+    for token, law, lp, lp0 in zip(ids[1:], laws, scored.prompt_scores[1:], both.prompt_scores[1:], strict=True):
+        assert lp.token == lp0.token == token
+        assert lp.logprob == pytest.approx(math.log(law[token]), abs=1e-4) and lp0.logprob == lp.logprob
+        top = torch.topk(law, 2)
+        assert [i for i, _ in lp.top] == top.indices.tolist() and lp0.top == ()
+        assert [p for _, p in lp.top] == pytest.approx(top.values.log().tolist(), abs=1e-4)
+
+
 def test_a_long_prompt_is_read_between_the_other_rows_steps(lm, monkeypatch):
     """A prompt of three chunks joins while another request decodes: its prefill calls carry at
     most MAX_TREE_NODES tokens each, and the other request's steps run between them."""
@@ -185,6 +215,7 @@ def test_a_seeded_request_repeats_whatever_runs_beside_it(lm):
 
 @pytest.mark.parametrize("kwargs, error, match", [
     (dict(max_tokens=0), ValueError, "max_tokens must be an int >= 1, got 0"),
+    (dict(prompt_logprobs=-1), ValueError, "prompt_logprobs must be in"),
     (dict(max_tokens=1.5), ValueError, "max_tokens must be an int"),
     (dict(max_tokens=500), ValueError, "max_tokens=500 does not fit: a slot holds 256 tokens"),
     (dict(n=5), ValueError, "n must be at most max_slots"),

@@ -16,6 +16,7 @@ import time
 
 import openai
 import pytest
+import torch
 import uvicorn
 
 import stree
@@ -154,6 +155,44 @@ def test_logprobs_are_the_librarys_in_openais_shapes(lm, client, server):
                         ({"logprobs": 1}, "logprobs must be a boolean"),
                         ({"logprobs": True, "top_logprobs": 21}, "top_logprobs must be an integer in [0, 20]")):
         status, answer = _raw(server, "POST", "/v1/chat/completions", dict(model=MODEL, messages=messages, **body))
+        assert status == 400 and match in answer["error"]["message"], answer
+
+
+def test_echo_scores_the_prompt_as_evaluation_harnesses_ask(lm, client, server):
+    """``echo`` with ``logprobs`` and ``max_tokens: 0`` (how evaluation harnesses score a text):
+    the prompt comes back with its tokens' log-probabilities under the model, the first null;
+    with tokens to generate, the completion follows the prompt, streamed or not."""
+    ids = lm.encode(PROMPTS[1])[0]
+    cache = lm.model.allocate_cache(1, 64)
+    want = [torch.log_softmax(lm.model.step(torch.tensor([t]), cache)[0].float(), -1)[nxt].item()
+            for t, nxt in zip(ids, ids[1:])]
+    out = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=0, echo=True, logprobs=1,
+                                    temperature=0)
+    choice = out.choices[0]
+    assert choice.text == PROMPTS[1] and choice.finish_reason == "length" and out.usage.completion_tokens == 0
+    assert choice.logprobs.tokens == [lm.tokenizer.decode([t]) for t in ids]
+    assert choice.logprobs.token_logprobs[0] is None and choice.logprobs.top_logprobs[0] is None
+    assert choice.logprobs.token_logprobs[1:] == pytest.approx(want, abs=1e-4)
+    assert all(len(top) == 1 for top in choice.logprobs.top_logprobs[1:])
+
+    ref = lm.generate(PROMPTS[1], max_new_tokens=8, temperature=0, logprobs=2)
+    out = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=8, echo=True, logprobs=2,
+                                    temperature=0)
+    lp = out.choices[0].logprobs
+    assert out.choices[0].text == PROMPTS[1] + ref.texts[0]
+    assert lp.token_logprobs[1: len(ids)] == pytest.approx(want, abs=1e-4)
+    assert lp.token_logprobs[len(ids):] == pytest.approx([x.logprob for x in ref.logprobs[0]], abs=1e-4)
+    assert lp.text_offset == [sum(map(len, lp.tokens[:i])) for i in range(len(lp.tokens))]
+    chunks = list(client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=8, echo=True, logprobs=2,
+                                            temperature=0, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == out.choices[0].text
+    streamed = [t for c in chunks if c.choices[0].logprobs for t in c.choices[0].logprobs.token_logprobs]
+    assert streamed[0] is None and streamed[1:] == pytest.approx(lp.token_logprobs[1:], abs=1e-4)
+    plain = client.completions.create(model=MODEL, prompt=ids, max_tokens=3, echo=True, temperature=0)
+    assert plain.choices[0].text.startswith(lm.tokenizer.decode(ids)) and plain.choices[0].logprobs is None
+    for body, match in (({"max_tokens": 0}, "max_tokens must be an int >= 1, got 0 (0 only with echo)"),
+                        ({"echo": 1}, "echo must be a boolean")):
+        status, answer = _raw(server, "POST", "/v1/completions", dict(model=MODEL, prompt="x", **body))
         assert status == 400 and match in answer["error"]["message"], answer
 
 
