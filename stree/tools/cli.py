@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import time
@@ -67,6 +68,9 @@ def _generate_parser(sub) -> None:
                                                               "(sampled trajectories that draft from each other with "
                                                               "--drafter consensus or stand)")
     p.add_argument("--json", action="store_true", help="print one JSON object: texts, finish reasons, token ids, stats")
+    p.add_argument("--logprobs", type=int, default=None, metavar="K",
+                   help="with --json: each generated token's log-probability and the K most likely entries of the "
+                        "law it was drawn from")
     p.add_argument("--chat", action="store_true", help="each prompt is a user message through the model's chat "
                                                        "template (JSONL lines may hold a conversation under "
                                                        "'messages'); a <think> block is reported apart")
@@ -524,6 +528,9 @@ def _checked_generate_inputs(args) -> list[str]:
         raise ValueError(f"--drafter-model is only for --drafter {' / '.join(NEEDS_MODEL)}, not {args.drafter}")
     if args.drafter in NEEDS_MODEL and args.drafter_model is None:
         raise ValueError(f"--drafter {args.drafter} needs --drafter-model DIR")
+    if args.logprobs is not None and (not args.json or args.logprobs < 0):
+        raise ValueError(f"--logprobs takes K >= 0 and goes with --json, got {args.logprobs}"
+                         + ("" if args.json else " without --json"))
     return [p for p in prompts for _ in range(args.num_samples)]
 
 
@@ -555,7 +562,7 @@ def _run_generate(args) -> int:
 
             lm.drafter_model = CompiledModel(lm.drafter_model)
     kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-              seed=args.seed, torch_compile=args.compile, stop=args.stop)
+              seed=args.seed, torch_compile=args.compile, stop=args.stop, logprobs=args.logprobs)
     tree = "auto" if args.tree == "auto" else tree_spec(args.tree)
     if args.chat:
         convs = [_conversation(p, args.system) for p in prompts]
@@ -579,6 +586,11 @@ def _run_generate(args) -> int:
                       method=args.method, generation=out.generation, stats=_stats(out.stats))
         if args.chat:
             report["reasoning"] = out.reasoning
+        if out.logprobs is not None:  # (-inf, a token a truncated law rules out, as null: JSON has no infinity)
+            finite = lambda x: x if math.isfinite(x) else None  # noqa: E731
+            report["logprobs"] = [[dict(token=lp.token, logprob=finite(lp.logprob),
+                                        top=[[i, finite(p)] for i, p in lp.top]) for lp in row]
+                                  for row in out.logprobs]
         if ref is not None:
             report.update(autoregressive_stats=_stats(ref.stats), identical=same,
                           speedup=out.stats.tokens_per_s / ref.stats.tokens_per_s, warmup_s=warmup)

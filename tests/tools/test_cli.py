@@ -183,6 +183,28 @@ def test_prompt_file_stdin_stop_and_json(checkpoint, tmp_path, capsys, monkeypat
     assert out[0] == "=== prompt 0 (length) ===" and out[1].startswith("def f(x):")
 
 
+def test_generate_reports_logprobs_in_its_json(checkpoint, capsys):
+    """``--logprobs K`` with ``--json``: per row, each generated token's log-probability and top K,
+    as ``LM.generate(logprobs=K)`` gives them; without ``--json``, or below 0, one line and exit 2."""
+    import json
+
+    import stree
+
+    args = ["generate", "--model", str(checkpoint), "--prompt", "def f(x):", "--max-new-tokens", "5", "--json"]
+    assert main(args + ["--logprobs", "2"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    ref = stree.LM.from_pretrained(str(checkpoint)).generate("def f(x):", max_new_tokens=5, logprobs=2)
+    (row,) = report["logprobs"]
+    assert [x["token"] for x in row] == report["token_ids"][0] == ref.token_ids[0]
+    assert [x["logprob"] for x in row] == pytest.approx([lp.logprob for lp in ref.logprobs[0]], abs=1e-4)
+    assert [[i for i, _ in x["top"]] for x in row] == [[i for i, _ in lp.top] for lp in ref.logprobs[0]]
+    for bad, says in ((["--logprobs", "2"], "--logprobs takes K >= 0 and goes with --json, got 2 without --json"),
+                      (["--json", "--logprobs", "-1"], "--logprobs takes K >= 0 and goes with --json, got -1")):
+        assert main(args[:-1] + bad) == 2
+        err = capsys.readouterr().err
+        assert says in err and len(err.splitlines()) == 1
+
+
 def test_prompt_source_errors_exit_2(checkpoint, tmp_path, capsys, monkeypatch):
     import io
 
