@@ -275,8 +275,9 @@ async def _answer(http: HTTPRequest, job, stream: bool, kind: str, model: str, p
     def echoed(index: int) -> tuple[str, dict | None]:
         """Choice ``index``'s echoed prompt: its text and, where asked for, its log-probabilities."""
         text, ids = echo
-        scores = None if logprobs is None else logprobs(index, job.prompt_scores[1:], first=ids[0])
-        return text, scores
+        if logprobs is None or job.prompt_scores is None:  # (none: cancelled before its prompt was read)
+            return text, None
+        return text, logprobs(index, job.prompt_scores[1:], first=ids[0])
 
     loop = asyncio.get_running_loop()
     events: asyncio.Queue = asyncio.Queue()
