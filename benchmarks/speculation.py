@@ -17,6 +17,7 @@ gain is no gain at all.
 
     python benchmarks/speculation.py                       # batch 1, 2; greedy, 0.6, 1.0; eager, compiled
     python benchmarks/speculation.py --modes eager --temperatures 0 --batches 8,16
+    python benchmarks/speculation.py --modes eager --temperatures 0 --batches 2,8 --per-row  # rows' own sizes
     python benchmarks/speculation.py --smoke               # CI: 2 prompts x 8 tokens
     python benchmarks/speculation.py --device cuda --modes eager   # on a GPU (float32 unless --dtype)
 """
@@ -34,6 +35,7 @@ from tqdm import tqdm
 
 import stree
 from stree.tools.demo import DRAFTER, TARGET, read_prompts
+from stree.decoding.autotree import AutoTree
 from stree.decoding.loop import merged_trees, pooled_tau, trees_chosen
 from stree.models import load
 from stree.runtime import CompiledModel
@@ -41,6 +43,7 @@ from stree.tools.timing import add_device_args, device_and_dtype, run_info, save
 
 DRAFTERS = ("ngram", "stand", "stand-det", "ssm")
 CONTROL = "autoregressive again"  # the same configuration twice: what the machine's noise alone makes of a gain
+PER_ROW = " per row"  # a drafter with AutoTree.PER_ROW on: each row of a batch may take a tree size of its own
 
 
 def main(argv=None):
@@ -52,6 +55,9 @@ def main(argv=None):
     p.add_argument("--modes", default="eager,compiled")
     p.add_argument("--drafters", default=",".join(DRAFTERS))
     p.add_argument("--rounds", type=int, default=2, help="times each configuration decodes every batch of prompts")
+    p.add_argument("--per-row", action="store_true",
+                   help=f"also run each drafter with each row of a batch at a tree size of its own where the choice "
+                        f"finds that pays (\"<drafter>{PER_ROW}\": AutoTree.PER_ROW on, packed passes)")
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--out", default=str(Path(__file__).parent / "results"))
     p.add_argument("--stem", default=None, help="result file name (default: speculation_<device>, or _smoke)")
@@ -77,16 +83,20 @@ def main(argv=None):
     groups = list(itertools.product(modes, batches, temperatures))
     for mode, batch, temperature in tqdm(groups, desc="mode x batch x temperature", file=sys.stderr):
         lm = lms[mode]
-        names = ["autoregressive", CONTROL] + drafters
+        names = ["autoregressive", CONTROL] + drafters + ([d + PER_ROW for d in drafters] if args.per_row else [])
         kw = dict(max_new_tokens=args.max_new_tokens, temperature=temperature, torch_compile=mode == "compiled")
 
         def run(name, prompts, seed, **extra):
             """The output and the call's wall-clock seconds: what a user waits for, the drafter's
             making and the tree choice's setup included."""
-            spec = dict(method="autoregressive") if name in ("autoregressive", CONTROL) else dict(drafter=name)
+            spec = (dict(method="autoregressive") if name in ("autoregressive", CONTROL)
+                    else dict(drafter=name.removesuffix(PER_ROW)))
+            default, AutoTree.PER_ROW = AutoTree.PER_ROW, name.endswith(PER_ROW) or AutoTree.PER_ROW
             t0 = time.perf_counter()
             out = lm.generate(prompts, seed=seed if temperature > 0 else None, **spec, **dict(kw, **extra))
-            return out, time.perf_counter() - t0
+            seconds = time.perf_counter() - t0
+            AutoTree.PER_ROW = default
+            return out, seconds
 
         prompts = texts[: max(args.prompts, batch)]
         starts = range(0, len(prompts) - batch + 1, batch)
@@ -122,7 +132,7 @@ def main(argv=None):
                 gain=(tokens / seconds) / (sum(sum(o.stats.new_tokens) for o in ar) / ar_seconds),
                 tau=pooled_tau([o.stats for o in outs]),
                 step_in_ar_steps=(seconds / steps) / (ar_seconds / ar_steps),
-                trees=trees, trees_chosen=trees_chosen(trees),
+                trees=trees, trees_chosen=trees_chosen(trees), packed=sum(o.stats.packed for o in outs),
                 # where a call's wall clock goes (ms per call): setting up the tree choice, the prefill,
                 # the decoding loop after it, and what the call does outside the loop (tokenising,
                 # making the drafter, detokenising): on a GPU, where a call of 128 tokens takes tens of
@@ -138,6 +148,7 @@ def main(argv=None):
             r = rows[-1]
             print(f"{mode:<9}b{batch:<3}T{temperature:<4}{name:<15}{r['tokens_per_s']:>8.1f} tok/s  "
                   f"x{r['gain']:.2f}  tau {r['tau']:.2f}  step {r['step_in_ar_steps']:.2f} AR  {r['trees_chosen']}"
+                  f"  packed {r['packed']}"
                   + ("" if r["identical"] is None else f"  identical {'yes' if r['identical'] else 'NO'}")
                   + "  ms/call " + " ".join(f"{k} {v:.2f}" for k, v in r["call_ms"].items()),
                   file=sys.stderr)
@@ -147,7 +158,8 @@ def main(argv=None):
                        "tokenising, the drafter's making and the tree choice's setup included) over stree's own "
                        "autoregressive decoding in the same mode, batch size and temperature, runs interleaved per "
                        "batch of prompts; step_in_ar_steps: seconds per decoding step over the autoregressive one's; "
-                       "trees: steps per tree size (1: a plain step); warm-up (compiling, measuring costs) not timed",
+                       "trees: steps per tree size (1: a plain step); packed: tree steps whose rows each took a size "
+                       "of their own; warm-up (compiling, measuring costs) not timed",
                   results=rows)
     stem = args.stem or ("speculation_smoke" if args.smoke else f"speculation_{device.type}")
     save_result(result, args.out, stem, plot)

@@ -323,6 +323,13 @@ def pack_trees(trees: Sequence, device=None) -> PackedTrees:
     return _pack(torch.tensor([v for a in flat for v in a], device=device), cu, sizes)
 
 
+@functools.lru_cache(maxsize=256)
+def _packed_prefixes(shape: "TreeShape", sizes: tuple[int, ...], device: torch.device) -> PackedTrees:
+    """The first ``sizes[r]`` nodes of ``shape`` for each row r, packed (prefixes of a parent
+    array are trees); kept per shape, sizes and device, as a decode loop asks for the same again."""
+    return pack_trees([shape.parents[:s] for s in sizes], device)
+
+
 def _pack(parents: torch.Tensor, cu_seqlens: torch.Tensor, sizes: list[int]) -> PackedTrees:
     device, batch, max_n = parents.device, len(sizes), max(sizes)
     sizes_t = torch.tensor(sizes, device=device)
@@ -584,6 +591,9 @@ class TokenTree:
     Node 0 is the root: the last chosen token not yet fed to the model. ``valid`` marks padding
     nodes a drafter could not fill (never accepted). ``child_ids``/``child_probs`` ``[B, N, K]``
     carry, for stochastic drafts, the distribution each node's children were drawn from.
+    ``row_sizes`` (host ints, one per row; the largest ``N``): row r's tree is its first
+    ``row_sizes[r]`` nodes, the rest invalid, and a tree pass may score the rows packed without
+    padding (:meth:`packed`) instead of ``B x N`` nodes.
     """
 
     parents: torch.Tensor
@@ -592,6 +602,7 @@ class TokenTree:
     child_ids: torch.Tensor | None = None
     child_probs: torch.Tensor | None = None
     with_replacement: bool = False
+    row_sizes: tuple[int, ...] | None = None
     _index: TreeIndex | None = field(default=None, init=False, repr=False, compare=False)
     _shape: TreeShape | None = field(default=None, init=False, repr=False, compare=False)  # from_shape's
 
@@ -613,10 +624,38 @@ class TokenTree:
                 raise ValueError("valid[:, 0] must be True: the root is always a real token")
         if (self.child_ids is None) != (self.child_probs is None):
             raise ValueError("child_ids and child_probs must be given together")
+        if self.row_sizes is not None:
+            self._check_row_sizes()
         if self.child_ids is not None and (
             self.child_ids.shape != self.child_probs.shape or tuple(self.child_ids.shape[:2]) != tuple(self.tokens.shape)
         ):
             raise ValueError(f"child_ids and child_probs must have shape [B, N, K] with [B, N] = {tuple(self.tokens.shape)}")
+
+    def _check_row_sizes(self) -> None:
+        sizes = self.row_sizes
+        if not isinstance(sizes, tuple) or len(sizes) != self.batch_size or not all(
+                isinstance(s, int) and not isinstance(s, bool) for s in sizes):
+            raise TypeError(f"row_sizes must be a tuple of {self.batch_size} ints, got {sizes!r}")
+        if min(sizes) < 1 or max(sizes) != self.n:
+            raise ValueError(f"row_sizes must lie in [1, {self.n}] with {self.n} the largest, got {sizes}")
+        if self.valid is None:
+            raise ValueError(f"valid must mark every node past its row's size invalid (row_sizes {sizes})")
+        past = torch.arange(self.n, device=self.valid.device) >= torch.tensor(sizes, device=self.valid.device)[:, None]
+        if bool(self.valid[past].any()):
+            raise ValueError(f"valid must mark every node past its row's size invalid (row_sizes {sizes})")
+
+    def packed(self) -> tuple[torch.Tensor, "PackedTrees"]:
+        """The rows' trees of ``row_sizes`` packed without padding: ``tokens`` ``[1, total]`` and
+        their :class:`PackedTrees` (built once per static shape and sizes)."""
+        if self.row_sizes is None:
+            raise ValueError("this tree has no row_sizes to pack")
+        device = self.tokens.device
+        if self._shape is not None:
+            trees = _packed_prefixes(self._shape, self.row_sizes, device)
+        else:
+            rows = self.parents.expand(self.batch_size, self.n)
+            trees = pack_trees([rows[r, :s] for r, s in enumerate(self.row_sizes)], device)
+        return trees.pack(self.tokens), trees
 
     @property
     def n(self) -> int:
@@ -669,6 +708,7 @@ class TokenTree:
         tree = TokenTree.__new__(TokenTree)  # fields set directly: this tree was validated already
         tree.parents, tree.tokens, tree.valid = move(self.parents), move(self.tokens), move(self.valid)
         tree.child_ids, tree.child_probs, tree.with_replacement = move(self.child_ids), move(self.child_probs), self.with_replacement
+        tree.row_sizes = self.row_sizes
         tree._shape = self._shape
         tree._index = self._shape.index(device) if self._shape is not None else self.index.to(device)
         return tree

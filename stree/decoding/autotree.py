@@ -35,6 +35,14 @@ was predicted calibrates every prediction (:meth:`AutoTree.gain_scale`): the lea
 rows' draws falls short of the least of their expectations, and a row's rates lean on the
 batch's, so in a batch the raw predictions promise more than trees bring.
 
+Rows may also take sizes of their own (:func:`_best_rows`, ``AutoTree.per_row``): for each level
+of gain an active row's prefix reaches, every row takes its smallest prefix reaching it, so a row
+that accepts more gets fewer nodes for the same least gain. The nodes in all are one packed pass
+(the rows' trees back to back without padding: ``TokenTree.row_sizes``), priced as the padded
+pass with as many nodes a row (the products see as many rows) times what packed passes took by
+the clock; it is taken where it beats the best size the rows share. By default only where the
+choice follows the clock, which learns what packing costs on the machine.
+
 Everything the choice reads is the past (verified steps, measured costs) and the draft itself,
 never the target's output at this step, so every drafter stays lossless. A seed repeats its
 output as long as the cost profile is the same one (it is cached: :mod:`stree.decoding.cost`).
@@ -48,6 +56,7 @@ import weakref
 from collections import Counter
 
 import numpy as np
+import torch
 from numba import njit
 
 from .cost import CostProfile, bracketed_profile, cost_profile, default_sizes
@@ -265,6 +274,60 @@ def _best_prefix(v, active, cost, allow_plain):
 
 
 @njit(cache=True)
+def _best_rows(v, active, cost):
+    """Each row's own prefix size (a packed pass: :attr:`TokenTree.row_sizes`) maximising expected
+    tokens per millisecond for the active row that gains least, ``cost[t]`` being an iteration of
+    t nodes in all: for every level L an active row's prefix gains, each row takes its smallest
+    prefix gaining L (an inactive row, short of it, its smallest gaining what the largest size an
+    active row takes would), so no node is paid for beyond what the least of the active rows
+    gains. Returns the sizes and their rate (sizes all 1 and rate -1 where no level is reachable
+    by every active row)."""
+    B, n = v.shape
+    gain = np.zeros((B, n + 1))  # gain[b, m]: a prefix of m nodes
+    for b in range(B):
+        for m in range(2, n + 1):
+            gain[b, m] = gain[b, m - 1] + v[b, m - 1]
+    best = np.ones(B, dtype=np.int64)
+    best_rate = -1.0
+    sizes = np.ones(B, dtype=np.int64)
+    for a in range(B):
+        if not active[a]:
+            continue
+        for k in range(2, n + 1):
+            level = gain[a, k]
+            if level <= 0.0:
+                continue
+            top, least, ok = 1, np.inf, True
+            for b in range(B):
+                sizes[b] = 0
+                for m in range(1, n + 1):
+                    if gain[b, m] >= level * (1.0 - 1e-12):
+                        sizes[b] = m
+                        break
+                if active[b]:
+                    if sizes[b] == 0:
+                        ok = False
+                        break
+                    top = max(top, sizes[b])
+                    least = min(least, gain[b, sizes[b]])
+            if not ok:
+                continue
+            total = 0
+            for b in range(B):
+                if not active[b]:
+                    if sizes[b] == 0 or sizes[b] > top:  # (short of the level: what it gains within top)
+                        sizes[b] = 1
+                        while gain[b, sizes[b]] < gain[b, top] * (1.0 - 1e-12):
+                            sizes[b] += 1
+                total += sizes[b]
+            rate = (1.0 + least) / cost[total]
+            if rate > best_rate * (1.0 + 1e-9):
+                best_rate = rate
+                best[:] = sizes
+    return best, best_rate
+
+
+@njit(cache=True)
 def _best_first(a, nodes):
     """The ``nodes`` likeliest nodes under positional chances ``a[d, j]``, best first (ties: the
     shallower, then the one offered first): parents, ranks, depths. A node's children and later
@@ -354,11 +417,17 @@ class AutoTree:
     # misses (the loop's bookkeeping, caches a drafter evicts) is covered by asking a tree to beat
     # a plain step by this much.
     MARGIN = 1.2
+    # Whether rows take sizes of their own by default (see per_row): off, as on the CPU measured so far
+    # packed passes lost more than they saved (docs/decoding.md); benchmarks/speculation.py --per-row
+    PER_ROW = False
 
     def __init__(self, profile: CostProfile, *, sizes=None, chain: bool = False, fills_shapes: bool = True,
                  depth: int = PathRates.DEPTH, adaptive: bool = False, rates: PathRates | None = None,
-                 scale: dict | None = None):
+                 scale: dict | None = None, per_row: bool | None = None):
         self.profile, self.chain, self.fills_shapes, self.adaptive = profile, chain, fills_shapes, adaptive
+        # each row its own size (packed passes) where that pays: by default where the clock says
+        # what packed passes cost (the profile measures padded ones), in any size eager loops verify
+        self.per_row = self.PER_ROW and adaptive and sizes is None and not chain if per_row is None else per_row
         self.rates = rates if rates is not None else PathRates()
         self.row_rates = RowRates(self.rates.decay)  # this call's rows' own
         self._focus: int | None = None  # the batch row the choice serves (the one to finish last), once known
@@ -370,6 +439,8 @@ class AutoTree:
         self.scale.setdefault("plain_age", 0)  # weighed tree steps since the last weighed plain step
         self.scale.setdefault("gain_got", 0.0)  # drafts accepted by the rows a choice served (faded)...
         self.scale.setdefault("gain_said", 0.0)  # ...and what their rates had promised (gain_scale)
+        # realised / predicted time of packed passes (row_sizes), from the padded passes' until measured
+        self.scale.setdefault("packed", self.scale["tree"])
         self.depth = min(depth, PathRates.DEPTH)
         top = max(profile.nodes) if profile.nodes else 2
         self.fixed = sizes is not None
@@ -617,13 +688,41 @@ class AutoTree:
         promised = v[:, 1:].copy()
         v[:, 1:] *= self.gain_scale()
         m = _best_prefix(v, active, cost, not self._probing)
-        self._verified(m > 1)
+        sizes = self._row_sizes(v, active, cost, m) if ids is not None and self.per_row else None
+        self._verified(m > 1 or sizes is not None)
+        if sizes is not None:
+            total = int(sizes.sum())
+            kept = np.arange(1, n)[None] < sizes[:, None]
+            self._promised = (float((promised[:, : n - 1] * kept)[active].sum(1).min()), active.copy())
+            self._predicted = ("packed", drafting + float(self._packed_ms(total, len(sizes))))
+            return _cut_rows(draft, sizes)
         if m == 1:
             self._plain_run += 1
             return None
         self._promised = (float(promised[active, : m - 1].sum(1).min()), active.copy())
         self._predicted = ("tree", drafting + self.cost[m])
         return draft if m == draft.n else _cut(draft, m)
+
+    def _packed_ms(self, total, rows: int):
+        """The target's part of an iteration scoring ``total`` nodes (an int or an array) of
+        ``rows`` trees packed: the padded pass's at ``total / rows`` nodes a row (the products see
+        the same rows), at least a 2-node tree's (a tree pass's own work)."""
+        sizes = np.arange(2, self.max_nodes + 1)
+        return np.interp(np.maximum(np.asarray(total) / rows, 2.0), sizes, self.cost[2:])
+
+    def _row_sizes(self, v: np.ndarray, active: np.ndarray, cost: np.ndarray, m: int) -> np.ndarray | None:
+        """The rows' own prefix sizes (:func:`_best_rows`, priced as packed passes) where they beat
+        the best prefix ``m`` they all share (or the plain step it stands for), else None."""
+        B, n = v.shape
+        if B < 2 or not active.any():
+            return None
+        packed = self._packed_ms(np.arange(B * n + 1), B) * self.scale["packed"]
+        sizes, rate = _best_rows(v, active, packed)
+        if rate <= 0.0 or sizes.min() == sizes.max():  # (the same size for all: the padded pass is that)
+            return None
+        least = v[active][:, 1:m].sum(1).min() if m > 1 else 0.0
+        shared = (1.0 + least) / cost[m] if m > 1 or not self._probing else -1.0
+        return sizes if rate > shared * (1.0 + 1e-9) else None
 
     # The weight of the prior (one accepted draft promised, one brought) in gain_scale, and the fade
     # of the counts per verified tree: recent trees speak, and one tree cannot swing it alone.
@@ -771,6 +870,20 @@ def plan_shape(rates: PathRates, nodes: int, chain: bool = False, depth: int = P
 _PLANS: dict[tuple[bytes, int], TreeShape] = {}
 
 
+def _cut_rows(draft: TokenTree, sizes: np.ndarray) -> TokenTree:
+    """Row r of ``draft`` cut to its first ``sizes[r]`` nodes: the draft cut to the largest, the
+    nodes past each row's own size invalid, and the sizes kept for a packed pass."""
+    top = int(sizes.max())
+    draft = draft if top == draft.n else _cut(draft, top)
+    keep = torch.arange(top)[None] < torch.from_numpy(sizes)[:, None]
+    valid = keep if draft.valid is None else draft.valid & keep
+    extra = dict(valid=valid, child_ids=draft.child_ids, child_probs=draft.child_probs,
+                 with_replacement=draft.with_replacement, row_sizes=tuple(int(s) for s in sizes))
+    if draft.static_shape is not None:
+        return TokenTree.from_shape(draft.static_shape, draft.tokens, **extra)
+    return TokenTree(draft.parents, draft.tokens, **extra)
+
+
 def _cut(draft: TokenTree, m: int) -> TokenTree:
     """The first ``m`` nodes of ``draft`` (parents come first, so they are a tree)."""
     cut = lambda t: None if t is None else t[:, :m]  # noqa: E731
@@ -793,6 +906,7 @@ def auto_tree(model, drafter, batch: int, *, mode: str, sampled: bool = False, c
     calls learned about this machine and drafter is worth keeping). ``bracketed``: the costs of a
     batch size between two powers of two interpolated between theirs
     (:func:`stree.decoding.cost.bracketed_profile`), for callers whose batch size keeps changing."""
+    _load_helpers()
     device = model.device
     fixed = None if mode == "eager" else (FIXED_CUDA if device.type == "cuda" else FIXED)
     prior = plan_shape(PathRates(), max(fixed or default_sizes(device)), chain, depth)  # the plan before any step
@@ -806,6 +920,21 @@ def auto_tree(model, drafter, batch: int, *, mode: str, sampled: bool = False, c
                                                                                    PathRates()))
     return AutoTree(profile, sizes=fixed and sizes, chain=chain, fills_shapes=fills, depth=depth, adaptive=adaptive,
                     rates=rates, scale=scale)
+
+
+@functools.cache
+def _load_helpers() -> None:
+    """Run the choice on a made-up batch once per process, as setup: each compiled helper's first
+    call loads it (a few milliseconds each, from numba's cache), which inside a timed iteration of
+    a few milliseconds had made trees (or packed passes) look up to three times dearer to a choice
+    that follows the clock, and it went on without them."""
+    auto = AutoTree(CostProfile(1.0, (2, 4), (1.1, 1.2)), per_row=True)
+    shape = TreeShape((-1, 0, 0, 1))
+    tokens = torch.zeros(2, shape.n, dtype=torch.long)
+    both, rows = np.ones(2, dtype=np.bool_), np.arange(2)
+    for draft in (TokenTree.from_shape(shape, tokens), TokenTree(shape.parents_tensor().expand(2, -1), tokens)):
+        auto.choose(draft, both, rows)
+        auto.record(draft, np.zeros((2, 2), dtype=np.int64), np.ones(2, dtype=np.int64), rows, ids=rows)
 
 
 # what adaptive choosers learned, per cost profile (the same model, drafter kind, batch size and mode)

@@ -298,6 +298,7 @@ class _Loop:
             rows.accepted[r].append(0 if full is None else int(host.counts[r]) - 1)
         n = 1 if full is None else full.n
         stats.trees[n] = stats.trees.get(n, 0) + 1
+        stats.packed += full is not None and full.row_sizes is not None
         stats.target_forwards += 1
         check_finite(host, rows, f"decoding step {stats.target_forwards}")
         rows.emit(host, self.drafter if self.plain_run is None else None, drafter_k)

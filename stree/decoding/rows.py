@@ -35,6 +35,7 @@ class GenerationStats:
     prefilled: bool = True  # the first token of each row came from a prefill (not from a decoding step)
     trees: dict[int, int] = field(default_factory=dict)  # tree nodes -> decoding steps (1: a plain step)
     time_setup: float = 0.0  # measuring this machine's costs for tree="auto" (once per process), not in time_total
+    packed: int = 0  # of the tree steps, those whose rows each had a size of their own (a packed pass)
 
     @property
     def tau(self) -> float:

@@ -46,15 +46,29 @@ class EagerRunner:
         self._commit = lambda tree_pass, accepted, num: target.commit(cache, tree_pass, accepted, num, validate=False)
         self._passes = {scan: (lambda draft, scan=scan: target.forward_tree(draft, cache, scan=scan, validate=False))
                         for scan in ("tree", "chain", "unrolled")}
+        self._packed = lambda draft: _packed_pass(target, draft, cache)
 
     def step(self) -> Callable:
         return self._step
 
     def tree_calls(self, draft, scan: str) -> tuple[Callable, Callable]:
+        """A draft with ``row_sizes`` under the tree scan is scored packed, without padding."""
+        if draft.row_sizes is not None and scan == "tree":
+            return self._packed, self._commit
         return self._passes[scan], self._commit
 
     def fused(self, fn, shape: TreeShape, name: str) -> Callable | None:
         return None
+
+
+def _packed_pass(model: TreeLM, draft, cache: ModelCache):
+    """``draft``'s rows scored as the packed trees of its ``row_sizes``
+    (:meth:`~stree.models.base.TreeLM.forward_packed`): logits padded back to ``[B, N, V]`` (zero
+    past a row's size: those nodes are invalid) and the pass ``commit`` takes, whose paths,
+    counted inside each row's tree, are the padded draft's node indices (its trees are prefixes)."""
+    tokens, trees = draft.packed()
+    logits, tree_pass = model.forward_packed(tokens, trees, cache, validate=False)
+    return trees.unpack(logits), tree_pass
 
 
 class DecodeRunner:

@@ -110,6 +110,14 @@ class MarkovLM:
             cur = torch.where(cur > 0, parents.gather(1, cur), 0)
         return self._logits(torch.stack(last[::-1], -1)), tree
 
+    def forward_packed(self, tokens: torch.Tensor, trees, cache: MarkovCache, validate: bool = True):
+        """Logits ``[1, total, V]`` of trees packed without padding (:class:`~stree.tree.PackedTrees`,
+        tree r on row r): the padded trees' (padding nodes are leaves), packed; the handle commit
+        takes is the padded tree, whose node indices are each packed tree's own."""
+        padded = trees.unpack(tokens[..., None])[..., 0]
+        logits, tree = self.forward_tree(TokenTree(trees.padded.parents.long(), padded), cache, validate=validate)
+        return trees.pack(logits), tree
+
     def commit(self, cache: MarkovCache, tree: TokenTree, accepted: torch.Tensor, num_accepted: torch.Tensor,
                validate: bool = True) -> None:
         L = accepted.shape[1]

@@ -11,13 +11,13 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
+from markov_law import sampled_under
 from tiny_models import FAMILIES, mamba2
 
 from stree.decoding.autotree import AutoTree, PathRates, _best_first, _best_prefix, _chances, _rank_depth, plan_shape
 from stree.decoding.cost import CostProfile
 from stree.drafters.registry import DRAFTER_NAMES, NEEDS_MODEL, make_drafter
 from stree.decoding.loop import generate
-from stree.testing import MarkovDrafter, MarkovLM, cell_counts, chi_square
 from stree.tree import TokenTree, TreeShape
 
 SEEDED_P = 1e-3
@@ -667,27 +667,15 @@ def test_the_same_seed_repeats_the_output_under_auto():
 
 
 def test_sampling_law_holds_while_the_choice_switches_and_falls_back():
-    """An order-1 Markov table (V = 4), a mismatched random drafter, costs that make the choice
-    move between plain steps and trees of several sizes: tokens 3-5 of 40k rows fit the exact
-    law (marginal of the first 5) by chi-square."""
-    V = 4
-    torch.manual_seed(1)
-    table = torch.distributions.Dirichlet(torch.full((V,), 0.6, dtype=torch.float64)).sample((V,))
-    q = torch.distributions.Dirichlet(torch.ones(V)).sample((V,))
-    model = MarkovLM(table)
-    prompt = [1, 2, 0]
+    """Costs that make the choice move between plain steps and trees of several sizes: the law
+    holds (:mod:`markov_law`)."""
 
     class Quick(AutoTree):
         PROBE = 1  # a probe after one plain step: the choice moves within the first tokens
         PROBE_SHARE = 1.0  # (probes may cost what they like)
 
-    auto = Quick(CostProfile(1.0, (2, 3, 4, 6), (1.3, 1.5, 1.6, 2.2)), sizes=(2, 3, 4, 6))
-    out = generate(model, [prompt] * 40_000, drafter=MarkovDrafter(q, seed=2), tree=auto, max_new_tokens=5,
-                   temperature=1.0, seed=11)
+    out, pvalue = sampled_under(Quick(CostProfile(1.0, (2, 3, 4, 6), (1.3, 1.5, 1.6, 2.2)), sizes=(2, 3, 4, 6)))
     assert out.stats.trees == {4: 1, 1: 2, 2: 1}  # a tree, plain steps, a probe of another size
-    law = model.joint_law(prompt, 5).sum((0, 1))
-    tokens = torch.tensor(out.new_tokens)[:, 2:]
-    _, _, pvalue = chi_square(cell_counts(tokens, V), law)
     assert pvalue > SEEDED_P, pvalue
 
 
