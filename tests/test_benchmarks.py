@@ -211,6 +211,15 @@ def test_serve_smoke_measures_both_modes_through_the_server(tmp_path):
     assert all(r["gain_over_autoregressive"] > 0 for r in rows if r["mode"] == "speculative")
 
 
+def test_mixed_sampling_smoke_runs_both_batchings(tmp_path):
+    result = smoke("mixed_sampling", tmp_path)
+    rows = result["results"]
+    assert [(r["drafter"], r["batching"]) for r in rows] == [(d, b) for d in ("autoregressive", "n-gram")
+                                                             for b in ("one batch", "apart")]
+    assert all(r["tokens"] == 2 * 4 and r["tokens_per_s"] > 0 for r in rows)
+    assert all(r["gain_over_apart"] == 1.0 for r in rows if r["batching"] == "apart")
+
+
 def test_slot_memory_smoke_sizes_slots_from_the_models_own_caches(tmp_path):
     result = smoke("slot_memory", tmp_path, "--mean-tokens", "64")
     rows = {r["model"]: r for r in result["results"]}

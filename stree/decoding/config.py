@@ -63,6 +63,8 @@ def resolve(model, input_ids, drafter, tree, method, max_new_tokens, temperature
     params = sampling if sampling is not None else SamplingParams(temperature, top_k, top_p, mode)
     if not isinstance(params, SamplingParams):
         raise TypeError(f"sampling must be a SamplingParams, got {type(params).__name__}")
+    if params.rows is not None and params.rows != len(prompts):
+        raise ValueError(f"sampling holds values for {params.rows} rows, but there are {len(prompts)} prompts")
     stops = check_stop_sequences(stop_sequences, model.vocab_size)
     if logprobs is not None:
         logprobs = integer("logprobs", logprobs, low=0, high=model.vocab_size)

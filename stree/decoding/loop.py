@@ -91,10 +91,11 @@ def decode(model, input_ids, *, drafter: Drafter | None = None, tree: TreeShape 
     :func:`~stree.drafters.registry.make_drafter` have none). Tensor-parallel models and
     ``method="unrolled"`` take ``paper13`` (``chain(4)`` for chains) for "auto";
     ``method="autoregressive"`` ignores ``tree``.
-    ``drafter`` defaults to :class:`NGramDrafter`. ``sampling`` (a :class:`SamplingParams`), or
-    ``temperature`` / ``top_k`` / ``top_p`` / ``mode``, say how tokens are chosen; ``mode="naive"``
-    verifies by exact-match sampling. ``max_length``: the cache size; by default the longest
-    prompt plus ``max_new_tokens`` plus the tree depth (the drafter's ``draft_depth`` when deeper).
+    ``drafter`` defaults to :class:`NGramDrafter`. ``sampling`` (a :class:`SamplingParams`, which
+    may hold each row's own values: :meth:`SamplingParams.stack`), or ``temperature`` / ``top_k`` /
+    ``top_p`` / ``mode``, say how tokens are chosen; ``mode="naive"`` verifies by exact-match
+    sampling. ``max_length``: the cache size; by default the longest prompt plus
+    ``max_new_tokens`` plus the tree depth (the drafter's ``draft_depth`` when deeper).
     The same ``seed`` gives the same output (under ``tree="auto"``, on a machine with the same
     cached cost profile, :mod:`stree.decoding.cost`: the trees chosen follow it; without a seed, and in
     greedy decoding, where the trees cannot change the output, they also follow the clock).
@@ -168,6 +169,7 @@ class _Loop:
         # row's state back as the row leaves (and the rest at the end).
         self.compacts = not (config.cuda_graph or config.torch_compile) and tensor_parallel(model) is None
         self.held: np.ndarray | None = None
+        self.params = config.params  # the device batch's rows' (sliced as rows leave it, where each has its own)
         self.given = cache
 
     def lap(self, phase: str) -> None:
@@ -221,6 +223,7 @@ class _Loop:
             self.given.assign(torch.from_numpy(held[gone]).to(c.device),
                               self.cache.select(torch.from_numpy(gone).to(c.device)))
         self.cache = self.cache.select(torch.from_numpy(np.flatnonzero(stay)).to(c.device))
+        self.params = self.params.select(np.flatnonzero(stay).tolist())
         self.held = held[stay]
         self.runner = EagerRunner(self.model, self.cache, c.target)
 
@@ -253,7 +256,7 @@ class _Loop:
 
     def prefill(self) -> None:
         c, rows = self.c, self.rows
-        first = prefill_rows(self.model, rows, self.cache, c.params, c.generator, c.top_k)
+        first = prefill_rows(self.model, rows, self.cache, self.params, c.generator, c.top_k)
         check_finite(first, rows, "the prefill")
         self.stats.time_prefill += self.clock.lap()
         rows.emit(first, self.drafter, c.drafter_k)
@@ -283,11 +286,11 @@ class _Loop:
             drafter_k = None if self.drafter is None or self.plain_run is not None else self.drafter.plain_top_k
             with self.plain_scope():
                 host = autoregressive_step(self.model, self.cache, device_roots.to(c.device, non_blocking=True),
-                                           c.params, c.generator, self.runner, laws(drafter_k, c.logprobs))
+                                           self.params, c.generator, self.runner, laws(drafter_k, c.logprobs))
             stats.time_verify += self.clock.lap()
         else:
             with self.tree_scope():
-                host, result = speculative_step(c.target, self.cache, full, c.params, c.generator, c.scan, c.top_k,
+                host, result = speculative_step(c.target, self.cache, full, self.params, c.generator, c.scan, c.top_k,
                                                 lap=self.lap, runner=self.runner)
             if self.on_step is not None and self.drafter is not None:  # tensor parallelism: rank 0 drafts
                 self.on_step(live, draft, _rows_of(result, live) if len(live) < len(device_roots) else result)

@@ -72,34 +72,112 @@ class SamplingParams:
     draws from softmax(logits / temperature) restricted to the ``top_k`` most likely tokens (0:
     all) and then to the smallest set reaching mass ``top_p``. ``mode`` "naive" verifies drafts by
     exact-match sampling instead of the lossless rejection rules. Sampling, verification and the
-    distributions drafters learn from all read it, so "temperature 0" means one thing."""
+    distributions drafters learn from all read it, so "temperature 0" means one thing.
 
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
+    A batch whose rows sample with different values takes one per row (:meth:`stack`):
+    ``temperature``, ``top_k`` and ``top_p`` as tuples of one value per row, every row sampled
+    (greedy rows verify by another rule, so they decode apart); each row's law is then exactly
+    what its own values give alone."""
+
+    temperature: float | tuple[float, ...] = 0.0
+    top_k: int | tuple[int, ...] = 0
+    top_p: float | tuple[float, ...] = 1.0
     mode: str = "auto"
 
     def __post_init__(self):
-        check_sampling(self.temperature, self.top_k, self.top_p)
+        values = (self.temperature, self.top_k, self.top_p)
+        if not any(isinstance(v, tuple) for v in values):
+            check_sampling(*values)
+        elif not all(isinstance(v, tuple) for v in values) or len({len(v) for v in values}) != 1 or not values[0]:
+            raise ValueError("temperature, top_k and top_p must be numbers, or tuples of one value per row each, "
+                             f"of one length: got {values!r}")
+        else:
+            for i, row in enumerate(zip(*values)):
+                try:
+                    check_sampling(*row)
+                except ValueError as exc:
+                    raise ValueError(f"row {i}: {exc}") from None
+                if row[0] == 0:
+                    raise ValueError(f"row {i}: temperature 0 (greedy) among rows of their own values: a batch's "
+                                     "rows are all sampled, or all greedy with one SamplingParams")
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
 
+    @classmethod
+    def stack(cls, params) -> "SamplingParams":
+        """The values of a batch whose row i samples as ``params[i]``: the one they share where all
+        are equal (or all greedy), else one per row (all sampled, of one ``mode``)."""
+        params = list(params)
+        if not params or not all(isinstance(p, SamplingParams) and p.rows is None for p in params):
+            raise TypeError(f"params must be a non-empty sequence of SamplingParams of one row each, got {params!r}")
+        first = params[0]
+        if len({p.mode for p in params}) > 1:
+            raise ValueError(f"the rows' modes differ: {sorted({p.mode for p in params})}")
+        if all(p == first for p in params) or all(p.greedy for p in params):
+            return first
+        if any(p.greedy for p in params):
+            raise ValueError("greedy and sampled rows cannot share a batch: they verify by different rules")
+        return cls(tuple(p.temperature for p in params), tuple(p.top_k for p in params),
+                   tuple(p.top_p for p in params), first.mode)
+
+    @property
+    def rows(self) -> int | None:
+        """The rows of per-row values, None for values every row shares."""
+        return len(self.temperature) if isinstance(self.temperature, tuple) else None
+
+    def select(self, rows) -> "SamplingParams":
+        """The values of rows ``rows`` (a sequence of row indices) of a batch, in that order."""
+        if self.rows is None:
+            return self
+        return SamplingParams.stack([SamplingParams(self.temperature[i], self.top_k[i], self.top_p[i], self.mode)
+                                     for i in rows])
+
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.rows is None and self.temperature == 0
 
     def probs(self, logits: torch.Tensor) -> torch.Tensor:
         """The sampling distribution (a ValueError at temperature 0: greedy has none)."""
+        if self.rows is not None:
+            return _process_rows(logits, self)
         return process_logits(logits, self.temperature, self.top_k, self.top_p)
 
     def sample(self, logits: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
         """One token per row of ``logits [B, V]``."""
+        if self.rows is not None:
+            return torch.multinomial(self.probs(logits), 1, generator=generator)[:, 0]
         return sample_tokens(logits, self.temperature, self.top_k, self.top_p, generator)
 
     def observed(self, logits: torch.Tensor) -> torch.Tensor:
         """What emitted tokens were drawn from, for drafters to learn: at temperature 0 the plain
         softmax (the argmax law would teach them nothing about the runners-up)."""
         return torch.softmax(logits.float(), -1) if self.greedy else self.probs(logits)
+
+
+def _process_rows(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """:func:`process_logits` of each row of ``logits`` ``[B, ..., V]`` with that row's values of
+    ``params``: the same operations, each row's values broadcast over the rest of its axes (a row
+    whose top-k or top-p is off is left as its own call leaves it)."""
+    if logits.shape[0] != params.rows:
+        raise ValueError(f"logits have {logits.shape[0]} rows but the sampling values {params.rows}")
+    device, V = logits.device, logits.shape[-1]
+    shape = (params.rows,) + (1,) * (logits.dim() - 1)
+    x = logits.float() / torch.tensor(params.temperature, dtype=torch.float32, device=device).view(shape)
+    cut = [0 < k < V for k in params.top_k]
+    if any(cut):
+        top = torch.topk(x, max(k for k, c in zip(params.top_k, cut) if c), dim=-1).values
+        at = torch.tensor([k - 1 if c else 0 for k, c in zip(params.top_k, cut)], device=device).view(shape)
+        kth = top.gather(-1, at.expand(*x.shape[:-1], 1))
+        x = x.masked_fill(torch.tensor(cut, device=device).view(shape) & (x < kth), float("-inf"))
+    probs = torch.softmax(x, dim=-1)
+    if any(p < 1 for p in params.top_p):
+        top_p = torch.tensor(params.top_p, dtype=torch.float32, device=device).view(shape)
+        sorted_p, order = torch.sort(probs, dim=-1, descending=True)
+        mass_before = sorted_p.cumsum(-1) - sorted_p
+        sorted_p = sorted_p.masked_fill(mass_before >= top_p, 0.0)
+        kept = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
+        probs = torch.where(top_p < 1, kept / kept.sum(-1, keepdim=True), probs)
+    return probs
 
 
 def process_logits(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:

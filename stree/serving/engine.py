@@ -7,8 +7,9 @@ paged cache. A request takes one slot per choice (``n``); its prompt is prefille
 chunks of ``MAX_TREE_NODES`` tokens, one chunk per iteration, so a long prompt does not stall the
 rows decoding beside it; the prefill's last logits give its first token exactly as
 :func:`~stree.decoding.loop.decode`'s own prefill would. It then joins a *cohort*: the rows that
-decode with the same drafter, tree and sampling values, stepped together by one
-:func:`~stree.decoding.loop.decode` generator continuing from their slots' states (``cache=``).
+decode with the same drafter and tree, all greedy or all sampled (each sampled row with its own
+temperature, top-k and top-p), stepped together by one :func:`~stree.decoding.loop.decode`
+generator continuing from their slots' states (``cache=``).
 Rows leave a cohort at their EOS, budget, stop string or cancellation (the slot is free at once:
 the generator works on its own copy of the cohort's states, and drops the row from its batch at
 the next step). A row joining restarts the cohort's generator between two iterations: the states
@@ -166,13 +167,21 @@ class Request:
 
 @dataclass(frozen=True)
 class _Settings:
-    """What rows must share to step together: the drafter, the tree and the sampling values (and,
-    for a seeded sampled request, the request: its draws then depend on its seed alone)."""
+    """A request's drafter, tree and sampling values (and, for a seeded sampled request, the
+    request: its draws then depend on its seed alone)."""
 
     drafter: str | None
     tree: str
     params: SamplingParams
     own: int | None = None
+
+    def cohort(self) -> "_Settings":
+        """What rows must share to step together: the drafter, the tree, and greedy decoding or
+        the sampling mode. Sampled rows of different values share one batch (each row's law is its
+        own: :meth:`SamplingParams.stack`), but not a seeded request's rows."""
+        if self.params.greedy or self.own is not None:
+            return self
+        return replace(self, params=SamplingParams(1.0, mode=self.params.mode))
 
 
 @dataclass
@@ -390,9 +399,10 @@ class Engine:
                 self._prefilling.remove(job)
                 for row in job.rows():
                     if not row.done:  # (its first token may have ended it)
-                        cohort = self._cohorts.get(row.settings)
+                        key = row.settings.cohort()
+                        cohort = self._cohorts.get(key)
                         if cohort is None:
-                            cohort = self._cohorts[row.settings] = _Cohort(self, row.settings)
+                            cohort = self._cohorts[key] = _Cohort(self, key)
                         cohort.joining.append(row)
         for key, cohort in list(self._cohorts.items()):
             if not cohort.step():
@@ -465,9 +475,10 @@ class Engine:
         return bool(tokens) and tokens[-1] in eos
 
     def _cohort_drafter(self, settings: _Settings):
-        """The drafter of ``settings``' cohorts: one object for all of them over the engine's life
-        (a STAND store keeps learning from every request; one cohort of given settings runs at a
-        time), a seeded request's its own."""
+        """The drafter of the cohorts of ``settings`` (a :meth:`_Settings.cohort`): one object for
+        all of them over the engine's life (a STAND store keeps learning from every request; one
+        cohort of given settings runs at a time), a seeded request's its own. A drafter model drafts
+        sampled cohorts at temperature 1 (its drafts are lossless under any law)."""
         if settings.drafter is None:
             return None
         key = replace(settings, own=None)
@@ -562,8 +573,8 @@ class _Prefill:
 
 
 class _Cohort:
-    """The rows stepping together (one :class:`_Settings`): one ``decode`` generator over a copy of
-    their slots' states, restarted when rows join."""
+    """The rows stepping together (one :meth:`_Settings.cohort`): one ``decode`` generator over a
+    copy of their slots' states, restarted when rows join."""
 
     def __init__(self, engine: Engine, settings: _Settings):
         self.engine, self.settings = engine, settings
@@ -659,13 +670,12 @@ class _Cohort:
         else:
             seed = engine._seed()
         self.restarts += 1
-        params = settings.params
         asked = [row.request.logprobs for row in self.rows if row.request.logprobs is not None]
         self.steps = decode(model, [list(row.context) for row in self.rows], drafter=self.drafter,
                             method="autoregressive" if self.drafter is None else "stree",
                             tree=self._tree(),
                             max_new_tokens=[row.budget - len(row.generated) for row in self.rows],
-                            temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
+                            sampling=SamplingParams.stack([row.settings.params for row in self.rows]),
                             eos_token_id=engine.lm.eos_token_id, seed=seed, cache=self.cache, on_step=self._verified,
                             logprobs=max(asked) if asked else None)
         self.batch = next(self.steps)

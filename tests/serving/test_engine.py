@@ -174,22 +174,26 @@ def test_a_long_prompt_is_read_between_the_other_rows_steps(lm, monkeypatch):
     assert between.count("step") >= 2
 
 
+def two_token_top2_law(model, prompt, temperature):
+    """The exact law of the first two tokens drawn at ``temperature`` from the target's top 2."""
+    with torch.no_grad():
+        cache = model.allocate_cache(1, 64 + len(prompt))
+        first = (model.prefill(torch.tensor([prompt]), cache)[0].double() / temperature).softmax(-1).topk(2)
+        law = {}
+        for a, pa in zip(first.indices.tolist(), (first.values / first.values.sum()).tolist()):
+            logits = model.step(torch.tensor([a]), cache.select(torch.tensor([0])))[0].double()
+            second = (logits / temperature).softmax(-1).topk(2)
+            for b, pb in zip(second.indices.tolist(), (second.values / second.values.sum()).tolist()):
+                law[(a, b)] = pa * pb
+    return law
+
+
 def test_sampled_requests_keep_the_targets_law(lm):
     """Two tokens drawn at temperature 1 from the target's top 2 (4 outcomes, enumerated from the
     model), 600 choices in 6-slot requests beside each other (the second token from a cohort
     that rows keep joining): chi-square p > 0.001 (seeded)."""
-    model, prompt = lm.model, lm.encode(PROMPTS[2])[0]
-    with torch.no_grad():
-        cache = model.allocate_cache(1, 64 + len(prompt))
-        first = torch.softmax(model.prefill(torch.tensor([prompt]), cache), -1)[0]
-        top1 = first.topk(2)
-        p1 = top1.values / top1.values.sum()
-        law = {}
-        for a, pa in zip(top1.indices.tolist(), p1.tolist()):
-            branch = cache.select(torch.tensor([0]))
-            second = torch.softmax(model.step(torch.tensor([a]), branch), -1)[0].topk(2)
-            for b, pb in zip(second.indices.tolist(), (second.values / second.values.sum()).tolist()):
-                law[(a, b)] = pa * pb
+    prompt = lm.encode(PROMPTS[2])[0]
+    law = two_token_top2_law(lm.model, prompt, 1.0)
     counts = dict.fromkeys(law, 0)
     with Engine(lm, max_slots=12, max_length=256, seed=1) as engine:
         requests = [engine.submit(prompt, max_tokens=2, temperature=1.0, top_k=2, n=6, drafter=d)
@@ -202,6 +206,33 @@ def test_sampled_requests_keep_the_targets_law(lm):
     expected = expected / expected.sum() * observed.sum()
     assert observed.sum() == 600
     assert chisquare(observed, expected).pvalue > 1e-3, (observed, expected)
+
+
+def test_requests_of_different_temperatures_share_a_batch_and_keep_their_laws(lm, monkeypatch):
+    """Requests at temperatures 1.0 and 0.6 in turn (top 2, two tokens, 4 slots each): they decode
+    in one cohort with each row's own values, and each temperature's 400 choices fit its law."""
+    import stree.serving.engine as engine_module
+
+    batches = []
+    decode = engine_module.decode
+    monkeypatch.setattr(engine_module, "decode", lambda *a, sampling, **k: batches.append(sampling) or
+                        decode(*a, sampling=sampling, **k))
+    prompt = lm.encode(PROMPTS[2])[0]
+    temperatures = (1.0, 0.6)
+    counts = {t: dict.fromkeys(two_token_top2_law(lm.model, prompt, t), 0) for t in temperatures}
+    with Engine(lm, max_slots=12, max_length=256, seed=2) as engine:
+        requests = [(t, engine.submit(prompt, max_tokens=2, temperature=t, top_k=2, n=4, drafter="ngram"))
+                    for t in itertools.islice(itertools.cycle(temperatures), 200)]
+        for t, request in requests:
+            for choice in request.result(timeout=300):
+                counts[t][tuple(choice.token_ids)] += 1
+    assert any(params.rows is not None and set(params.temperature) == set(temperatures) for params in batches)
+    for t in temperatures:
+        law = two_token_top2_law(lm.model, prompt, t)
+        observed = np.array([counts[t][k] for k in law])
+        expected = np.array([law[k] for k in law]) * observed.sum()
+        assert observed.sum() == 400
+        assert chisquare(observed, expected).pvalue > 1e-3, (t, observed, expected)
 
 
 def test_a_seeded_request_repeats_whatever_runs_beside_it(lm):

@@ -1,0 +1,119 @@
+"""Requests of different temperatures in one engine: the serving engine decodes sampled rows of
+every temperature, top-k and top-p as one batch (each row with its own values,
+``SamplingParams.stack``); before, each set of values was a cohort of its own, one target pass
+each per iteration. Both ways, on the same engine and weights: "one batch" is the engine as it is,
+"apart" the engine with each request's values in its cohort key (what it did before).
+
+``--concurrency`` requests at once (the shipped target, ``--max-tokens`` each, held-out code
+prompts), their temperatures cycling through ``--temperatures``, autoregressive and with the
+n-gram drafter (``tree="auto"``). Every configuration runs once first (cost profiles measured,
+calls built), then they take turns for ``--rounds``, the order alternating. Reported: output
+tokens per second over each load's wall time, and one batch's gain over apart. Writes JSON and a PNG.
+
+    python benchmarks/mixed_sampling.py
+    python benchmarks/mixed_sampling.py --smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+import stree
+from stree.serving import Engine
+from stree.serving import engine as engine_module
+from stree.tools.demo import TARGET, read_prompts
+from stree.tools.timing import run_info, save_result
+
+DRAFTERS = {"autoregressive": None, "n-gram": "ngram"}
+SHARED_KEY = engine_module._Settings.cohort
+
+
+def _apart(settings):
+    """The cohort key before sampled rows shared a batch: all of a request's settings."""
+    return settings
+
+
+def load(lm, prompts, temperatures, drafter, batching: str, max_tokens: int) -> tuple[int, float]:
+    """One load through a fresh engine: its output tokens and wall seconds (after a short request
+    that builds what the engine's first request builds)."""
+    engine_module._Settings.cohort = SHARED_KEY if batching == "one batch" else _apart
+    try:
+        with Engine(lm, max_slots=len(prompts), max_length=512, seed=0) as engine:
+            engine.submit(prompts[0], max_tokens=4, temperature=1.0, drafter=drafter).result(timeout=600)
+            t0 = time.perf_counter()
+            requests = [engine.submit(p, max_tokens=max_tokens, temperature=temperatures[i % len(temperatures)],
+                                      drafter=drafter) for i, p in enumerate(prompts)]
+            tokens = sum(len(c.token_ids) for r in requests for c in r.result(timeout=600))
+            return tokens, time.perf_counter() - t0
+    finally:
+        engine_module._Settings.cohort = SHARED_KEY
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--concurrency", type=int, default=8)
+    p.add_argument("--temperatures", default="0.6,0.8,1.0,1.2")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--rounds", type=int, default=4)
+    p.add_argument("--smoke", action="store_true")
+    p.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    args = p.parse_args(argv)
+    if args.smoke:
+        args.concurrency, args.max_tokens, args.rounds, args.temperatures = 2, 4, 1, "0.7,1.0"
+    temperatures = [float(t) for t in args.temperatures.split(",")]
+    torch.manual_seed(0)
+    lm = stree.LM.from_pretrained(TARGET, dtype="float32")
+    prompts = read_prompts(TARGET / "prompts.jsonl", args.concurrency)
+    configs = [(name, batching) for name in DRAFTERS for batching in ("one batch", "apart")]
+    for name, batching in configs if not args.smoke else []:  # (the smoke times nothing it reports)
+        load(lm, prompts, temperatures, DRAFTERS[name], batching, min(args.max_tokens, 16))
+    totals = {c: [0, 0.0] for c in configs}
+    for turn in tqdm(range(args.rounds), desc="rounds", file=sys.stderr):
+        for name, batching in configs if turn % 2 == 0 else configs[::-1]:
+            tokens, seconds = load(lm, prompts, temperatures, DRAFTERS[name], batching, args.max_tokens)
+            totals[(name, batching)][0] += tokens
+            totals[(name, batching)][1] += seconds
+    rows = []
+    for (name, batching), (tokens, seconds) in totals.items():
+        rows.append(dict(drafter=name, batching=batching, tokens=tokens, seconds=seconds,
+                         tokens_per_s=tokens / seconds))
+    for r in rows:
+        apart = next(a for a in rows if a["drafter"] == r["drafter"] and a["batching"] == "apart")
+        r["gain_over_apart"] = r["tokens_per_s"] / apart["tokens_per_s"]
+        print(f"{r['drafter']:<15}{r['batching']:<10}{r['tokens_per_s']:>8.1f} tok/s  x{r['gain_over_apart']:.2f}",
+              file=sys.stderr)
+    result = dict(benchmark="mixed_sampling", **run_info("cpu", argv), threads=torch.get_num_threads(),
+                  concurrency=args.concurrency, temperatures=temperatures, max_tokens=args.max_tokens,
+                  rounds=args.rounds,
+                  note="engine output tokens/s with requests of several temperatures at once: 'one batch' (sampled "
+                       "rows of every value in one cohort) against 'apart' (a cohort per value, the engine before); "
+                       "loads interleaved, each configuration once before timing",
+                  results=rows)
+    save_result(result, args.out, "mixed_sampling_smoke" if args.smoke else "mixed_sampling_cpu", plot)
+    return result
+
+
+def plot(result):
+    import matplotlib.pyplot as plt
+
+    rows = result["results"]
+    fig, ax = plt.subplots(figsize=(6, 3))
+    labels = [f"{r['drafter']}, {r['batching']}" for r in rows]
+    ax.barh(labels, [r["tokens_per_s"] for r in rows],
+            color=["tab:green" if r["batching"] == "one batch" else "tab:gray" for r in rows])
+    ax.invert_yaxis()
+    ax.set(xlabel="output tokens/s", title=f"{result['concurrency']} requests at temperatures "
+           f"{', '.join(map(str, result['temperatures']))}, {result['device']}")
+    ax.title.set_fontsize(7)
+    fig.tight_layout()
+    return fig
+
+
+if __name__ == "__main__":
+    main()
