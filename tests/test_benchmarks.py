@@ -196,8 +196,9 @@ def test_iteration_parts_smoke_times_each_part_in_steps(tmp_path):
     (row,) = result["results"]
     assert row["nodes"] == 13 and row["in_steps"]["step"] == 1.0
     assert set(row["in_steps"]) == {"step", "tree_pass", "pass_and_verify", "speculative_step"}
+    # (times only: which part took longer is the benchmark's to say, and a loaded machine reorders
+    # a smoke's few runs: a pass once took 13 ms against the whole step's 1.5 beside other tests)
     assert all(v > 0 for v in row["ms"].values())
-    assert row["ms"]["speculative_step"] > row["ms"]["tree_pass"]  # the step includes the pass
 
 
 def test_serve_smoke_measures_both_modes_through_the_server(tmp_path):
