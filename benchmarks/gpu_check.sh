@@ -93,6 +93,11 @@ bench)
     --temperatures 0,1.0 --batches 1,2 --out "$out"
   # what tree="auto" does per iteration (plain, probes, trees by size: predicted and clock ms)
   TAIL=40 step autotree_trace 60 python benchmarks/autotree_trace.py --out "$out"
+  # each row its own tree size, scored by the packed Triton kernels (no padding computed; eager, as
+  # graphs are made per shape), against one size for all rows: off by default from the CPU's numbers
+  TAIL=12 step per_row 90 python benchmarks/speculation.py --device cuda --modes eager --no-cuda-graph \
+    --temperatures 0 --batches 8 --drafters ngram,stand-det --per-row --rounds 1 --stem speculation_per_row_cuda \
+    --out "$out"
   # Tensor parallelism over NCCL needs two GPUs (the tests cover gloo on the CPU): the tiny target
   # split over every GPU, its completion compared with one process's.
   gpus=$(nvidia-smi -L | wc -l)

@@ -58,6 +58,9 @@ def main(argv=None):
     p.add_argument("--per-row", action="store_true",
                    help=f"also run each drafter with each row of a batch at a tree size of its own where the choice "
                         f"finds that pays (\"<drafter>{PER_ROW}\": AutoTree.PER_ROW on, packed passes)")
+    p.add_argument("--no-cuda-graph", action="store_true",
+                   help="on CUDA, eager calls without CUDA graphs (graphs are made per tree shape, so rows' own "
+                        "sizes, --per-row, run only without them)")
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--out", default=str(Path(__file__).parent / "results"))
     p.add_argument("--stem", default=None, help="result file name (default: speculation_<device>, or _smoke)")
@@ -85,6 +88,8 @@ def main(argv=None):
         lm = lms[mode]
         names = ["autoregressive", CONTROL] + drafters + ([d + PER_ROW for d in drafters] if args.per_row else [])
         kw = dict(max_new_tokens=args.max_new_tokens, temperature=temperature, torch_compile=mode == "compiled")
+        if args.no_cuda_graph:
+            kw["cuda_graph"] = False
 
         def run(name, prompts, seed, **extra):
             """The output and the call's wall-clock seconds: what a user waits for, the drafter's
