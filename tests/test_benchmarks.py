@@ -1,3 +1,4 @@
+import importlib.util
 import json
 import subprocess
 import sys
@@ -9,11 +10,28 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def smoke(name, tmp_path, *args):
-    """Run ``benchmarks/{name}.py --smoke`` (and ``args``); its JSON, after the checks every result must pass."""
-    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / f"{name}.py"), "--smoke", "--out", str(tmp_path),
-                          *args], capture_output=True, text=True)
-    assert run.returncode == 0, run.stderr[-3000:]
+def smoke(name, tmp_path, *args, process=False):
+    """Run ``benchmarks/{name}.py --smoke`` (and ``args``); its JSON, after the checks every result
+    must pass. In this process, as the script's own ``main`` (a process of its own would import
+    torch and stree again for each benchmark; the thread count and random state are put back
+    after), or with ``process`` as a command (a benchmark whose ranks are processes that import
+    its functions by their module's name)."""
+    argv = ["--smoke", "--out", str(tmp_path), *args]
+    script = ROOT / "benchmarks" / f"{name}.py"
+    if process:
+        run = subprocess.run([sys.executable, str(script), *argv], capture_output=True, text=True)
+        assert run.returncode == 0, run.stderr[-3000:]
+    else:
+        spec = importlib.util.spec_from_file_location(f"benchmark_{name}", script)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        threads, rng = torch.get_num_threads(), torch.get_rng_state()
+        try:
+            code = module.main(argv)
+        finally:
+            torch.set_num_threads(threads)
+            torch.set_rng_state(rng)
+        assert code is None or isinstance(code, dict) or code in (0, True), code  # (a main returning its status)
     result = json.loads((tmp_path / f"{name}_smoke.json").read_text())
     assert result["device"] and result["date"] and "--smoke" in result["command"]
     assert (tmp_path / f"{name}_smoke.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -126,7 +144,7 @@ def test_reasoning_smoke_compares_specreason_with_the_base_model(tmp_path):
 
 
 def test_tensor_parallel_smoke_times_every_op_at_every_world_size(tmp_path):
-    result = smoke("tensor_parallel", tmp_path)
+    result = smoke("tensor_parallel", tmp_path, process=True)
     rows = result["results"]
     assert result["backend"] == "gloo" and result["dtype"] == "float32"
     for model in ("mamba2-tiny", "mil-tiny"):

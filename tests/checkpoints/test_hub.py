@@ -7,6 +7,7 @@ import os
 import shutil
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import huggingface_hub
 import pytest
@@ -125,23 +126,27 @@ def test_only_the_files_stree_reads_are_fetched(tmp_path, monkeypatch):
 
 def test_the_cli_takes_a_hub_id_and_names_one_it_cannot_have(hub):
     env = dict(os.environ, HF_HUB_CACHE=str(hub), HF_HUB_OFFLINE="1")
-    run = lambda *model: subprocess.run(  # noqa: E731
-        [sys.executable, "-m", "stree", "generate", "--model", *model, "--prompt", "def f(x):", "--max-new-tokens", "4",
-         "--dtype", "float32", "--device", "cpu"], capture_output=True, text=True, env=env, timeout=300)
-    ok = run(REPO)
+    generate = ["generate", "--prompt", "def f(x):", "--max-new-tokens", "4", "--dtype", "float32", "--device", "cpu",
+                "--model"]
+    commands = {"ok": generate + [REPO], "small": generate + [REPO, "--revision", "small"],
+                "by_ids": generate + [str(TARGET), "--tokenizer", REPO, "--drafter", "ssm-static", "--drafter-model",
+                                      SMALL],
+                "bad": generate + ["nobody/nothing"],
+                "distill": ["distill", "--target", "nobody/nothing", "--out", str(hub / "out")],
+                "reason": ["reason", "--model", REPO, "--small-model", "nobody/nothing", "--prompt", "def f(x):"]}
+    with ThreadPoolExecutor(2) as pool:  # (processes that mostly import: two at a time on two cores)
+        runs = dict(zip(commands, pool.map(lambda argv: subprocess.run(
+            [sys.executable, "-m", "stree", *argv], capture_output=True, text=True, env=env, timeout=300),
+            commands.values())))
+    ok, small, by_ids, bad = runs["ok"], runs["small"], runs["by_ids"], runs["bad"]
     assert ok.returncode == 0, ok.stderr
     assert ok.stdout.startswith("def f(x):")
-    small = run(REPO, "--revision", "small")
     assert small.returncode == 0, small.stderr
-    by_ids = run(str(TARGET), "--tokenizer", REPO, "--drafter", "ssm-static", "--drafter-model", SMALL)
     assert by_ids.returncode == 0, by_ids.stderr
     assert by_ids.stdout.splitlines()[0] == ok.stdout.splitlines()[0]  # greedy: the same text by any drafter
-    bad = run("nobody/nothing")
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "Traceback" not in bad.stderr
     assert "'nobody/nothing' is not a local directory, and the Hub id 'nobody/nothing' is not in the Hub cache" in \
         bad.stderr
-    for argv in (["distill", "--target", "nobody/nothing", "--out", str(hub / "out")],
-                 ["reason", "--model", REPO, "--small-model", "nobody/nothing", "--prompt", "def f(x):"]):
-        bad = subprocess.run([sys.executable, "-m", "stree", *argv], capture_output=True, text=True, env=env,
-                             timeout=300)
-        assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "'nobody/nothing'" in bad.stderr, argv
+    for name in ("distill", "reason"):
+        bad = runs[name]
+        assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "'nobody/nothing'" in bad.stderr, name

@@ -96,7 +96,7 @@ BAD_KERNELS = textwrap.dedent('''
         tl.store(c_ptr + r[:, None] * 16 + r[None, :], tl.dot(a, b))
 
     @triton.jit
-    def spill_kernel(x_ptr, steps_ptr, N: tl.constexpr):
+    def spill_kernel(x_ptr, steps_ptr, N: tl.constexpr):  # 128 live values a lane, sin's too: past 255 registers
         offs = tl.arange(0, N)
         acc = tl.load(x_ptr + offs)
         for _ in range(tl.load(steps_ptr)):  # every element stays live across a runtime loop
@@ -116,7 +116,7 @@ BAD_KERNELS = textwrap.dedent('''
     h = lambda *s: torch.zeros(*s, dtype=torch.float16)
     with capture() as launches:
         small_dot_kernel[(1,)](h(16, 8), h(8, 16), torch.zeros(16, 16), K=8)
-        spill_kernel[(1,)](torch.zeros(16384), torch.ones(1, dtype=torch.int32), N=16384, num_warps=1)
+        spill_kernel[(1,)](torch.zeros(4096), torch.ones(1, dtype=torch.int32), N=4096, num_warps=1)
         big_shared_kernel[(1,)](h(256, 1024), h(1024, 256), torch.zeros(256, 256), 1024, BM=256, BN=256, BK=128,
                                 num_stages=4)
     print(json.dumps([compile_launch(launch, "sm90").as_dict() for launch in launches]))

@@ -2,6 +2,7 @@
 exactly transformers' `apply_chat_template`, a batch of conversations equal to each alone, the
 reasoning of `<think>` templates apart from the answer, and clear errors."""
 
+import io
 import json
 import subprocess
 import sys
@@ -90,12 +91,24 @@ def test_chat_errors_are_clear(plain):
         plain.chat_stream(CHATS)
 
 
-def stree_cli(*args, stdin=""):
-    return subprocess.run([sys.executable, "-m", "stree", *args], input=stdin, capture_output=True, text=True,
-                          timeout=300)
+@pytest.fixture
+def stree_cli(capsys, monkeypatch):
+    """``stree ARGS`` with ``stdin``, as the command's ``main`` in this process (its exit status
+    and what it wrote; tests/tools/test_cli.py runs the command itself)."""
+
+    def run(*args, stdin=""):
+        from stree.tools.cli import main
+
+        capsys.readouterr()
+        monkeypatch.setattr(sys, "stdin", io.StringIO(stdin))
+        code = main(list(args))
+        out, err = capsys.readouterr()
+        return subprocess.CompletedProcess(args, code, out, err)
+
+    return run
 
 
-def test_stree_chat_over_a_pipe_keeps_the_conversation_and_resets(plain):
+def test_stree_chat_over_a_pipe_keeps_the_conversation_and_resets(plain, stree_cli):
     """One reply line per message; the second reply continues the conversation (the first
     reply in it), and /reset starts again."""
     ckpt = plain.tokenizer.name_or_path
@@ -111,12 +124,12 @@ def test_stree_chat_over_a_pipe_keeps_the_conversation_and_resets(plain):
     assert run.stdout == "".join(t + "\n" for t in (first, second, fresh))
 
 
-def test_stree_chat_without_a_template_is_one_error_line():
+def test_stree_chat_without_a_template_is_one_error_line(stree_cli):
     run = stree_cli("chat", "--model", str(TARGET), stdin="hello\n")
     assert run.returncode == 2 and run.stderr.count("\n") == 1 and "has no chat template" in run.stderr
 
 
-def test_stree_generate_chat_takes_prompts_and_conversations(plain, tmp_path):
+def test_stree_generate_chat_takes_prompts_and_conversations(plain, tmp_path, stree_cli):
     lines = tmp_path / "p.jsonl"
     lines.write_text(json.dumps({"prompt": "def f(x):"}) + "\n" + json.dumps({"messages": CHATS[0]}) + "\n")
     run = stree_cli("generate", "--model", plain.tokenizer.name_or_path, "--prompt-file", str(lines), "--chat",
