@@ -239,6 +239,19 @@ def test_mixed_sampling_smoke_runs_both_batchings(tmp_path):
     assert all(r["gain_over_apart"] == 1.0 for r in rows if r["batching"] == "apart")
 
 
+def test_engine_load_smoke_runs_every_way_and_puts_the_switch_back(tmp_path):
+    from stree.serving import Engine
+
+    result = smoke("engine_load", tmp_path)
+    rows = result["results"]
+    assert [(r["drafter"], r["concurrency"]) for r in rows] == [(d, c) for d in ("autoregressive", "n-gram")
+                                                                for c in (1, 2)]
+    for r in rows:
+        assert len(r["tokens_per_s"]) == 3 and all(v > 0 for v in r["tokens_per_s"].values())
+        assert r["together_over_apart"] > 0 and r["engine_over_generate"] > 0
+    assert Engine.GROUP_PREFILLS is True
+
+
 def test_slot_memory_smoke_sizes_slots_from_the_models_own_caches(tmp_path):
     result = smoke("slot_memory", tmp_path, "--mean-tokens", "64")
     rows = {r["model"]: r for r in result["results"]}

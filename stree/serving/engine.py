@@ -5,7 +5,8 @@ An SSM keeps a request's whole context in a fixed-size state, so the engine hold
 ``max_slots`` states (:meth:`~stree.models.base.TreeLM.allocate_cache`, one row per slot) and no
 paged cache. A request takes one slot per choice (``n``); its prompt is prefilled into the slot in
 chunks of ``MAX_TREE_NODES`` tokens, one chunk per iteration, so a long prompt does not stall the
-rows decoding beside it; the prefill's last logits give its first token exactly as
+rows decoding beside it (the prompts admitted in one iteration together, one model call per
+chunk); the prefill's last logits give its first token exactly as
 :func:`~stree.decoding.loop.decode`'s own prefill would. It then joins a *cohort*: the rows that
 decode with the same drafter and tree, all greedy or all sampled (each sampled row with its own
 temperature, top-k and top-p), stepped together by one :func:`~stree.decoding.loop.decode`
@@ -210,6 +211,10 @@ class Engine:
     from (default: the OS's entropy). See the module's text for how; :meth:`submit` for a
     request's options."""
 
+    # The prompts admitted in one iteration are read in one model call per chunk (False: a call per
+    # prompt, which benchmarks/engine_load.py measures against).
+    GROUP_PREFILLS = True
+
     def __init__(self, lm, *, max_slots: int | None = None, max_length: int = 2048, max_queue: int = 256,
                  seed: int | None = None):
         model = lm.model
@@ -380,7 +385,9 @@ class Engine:
                 self._fail_all(error)
 
     def _iterate(self) -> None:
-        """Admit what fits, one prefill chunk for each prompt being read, one step of every cohort."""
+        """Admit what fits, one prefill chunk for each prompt being read (one model call for the
+        prompts admitted together), one step of every cohort."""
+        admitted = []
         while self._waiting and (self._waiting[0].cancelled or len(self.free) >= self._waiting[0].n):
             request = self._waiting.popleft()
             with self._lock:
@@ -388,22 +395,25 @@ class Engine:
             if request.cancelled:
                 self._cancelled(request)
                 continue
-            slots = [self.free.pop(0) for _ in range(request.n)]
-            self._prefilling.append(_Prefill(self, request, slots))
-        for job in list(self._prefilling):
-            if job.request.cancelled:
-                self._prefilling.remove(job)
+            admitted.append(_Prefill(request, [self.free.pop(0) for _ in range(request.n)]))
+        # (a prompt whose log-probabilities are asked for reads every position's logits: alone)
+        together = [job for job in admitted if job.request.prompt_logprobs is None and self.GROUP_PREFILLS]
+        self._prefilling += ([_PrefillGroup(self, together)] if together else []) + [
+            _PrefillGroup(self, [job]) for job in admitted if job not in together]
+        for group in list(self._prefilling):
+            for job in group.drop_cancelled():
                 self.free.extend(job.slots)
                 self._cancelled(job.request)
-            elif job.advance():
-                self._prefilling.remove(job)
-                for row in job.rows():
+            for job in group.advance() if group.jobs else []:
+                for row in job.rows(self):
                     if not row.done:  # (its first token may have ended it)
                         key = row.settings.cohort()
                         cohort = self._cohorts.get(key)
                         if cohort is None:
                             cohort = self._cohorts[key] = _Cohort(self, key)
                         cohort.joining.append(row)
+            if not group.jobs:
+                self._prefilling.remove(group)
         for key, cohort in list(self._cohorts.items()):
             if not cohort.step():
                 del self._cohorts[key]
@@ -458,7 +468,8 @@ class Engine:
     def _fail_all(self, error: Exception) -> None:
         """Every request in flight ends with ``error`` (the engine starts over empty)."""
         rows = [row for c in self._cohorts.values() for row in c.rows + c.joining]
-        requests = {row.request for row in rows} | {job.request for job in self._prefilling} | set(self._waiting)
+        reading = {job.request for group in self._prefilling for job in group.jobs}
+        requests = {row.request for row in rows} | reading | set(self._waiting)
         with self._lock:
             self._pending -= len(self._waiting)
         self._cohorts.clear()
@@ -494,53 +505,39 @@ class Engine:
 
 
 class _Prefill:
-    """A request's prompt read into its first slot, ``MAX_TREE_NODES`` tokens an iteration; then its
-    first token drawn (as :func:`decode`'s prefill draws it) and the state copied to its other
+    """A request's prompt being read (``at`` tokens so far, in a row of a :class:`_PrefillGroup`):
+    then its first token drawn (as :func:`decode`'s prefill draws it) and the state copied to its
     slots."""
 
-    def __init__(self, engine: Engine, request: Request, slots: list[int]):
-        self.engine, self.request, self.slots = engine, request, slots
-        self.cache = engine.model.allocate_cache(1, engine.max_length)
+    def __init__(self, request: Request, slots: list[int]):
+        self.request, self.slots = request, slots
         self.at = 0
         self.first: list[int] = []
         self.first_logprobs: list[list[TokenLogprob]] | None = None
         self.scores: list[TokenLogprob | None] = [None]  # the prompt's, where asked for
 
-    def advance(self) -> bool:
-        """One chunk; True when the prompt is read and the first tokens drawn."""
-        model, ids, request = self.engine.model, self.request.prompt_ids, self.request
-        end = min(self.at + MAX_TREE_NODES, len(ids))
-        chunk = torch.tensor([ids[self.at: end]], device=model.device)
-        if request.prompt_logprobs is None:
-            logits = model.prefill(chunk, self.cache)
-        else:
-            every = model.prefill(chunk, self.cache, every=True)[0]
-            self._score(every, self.at)
-            logits = every[-1:]
-        self.at = end
-        if end < len(ids):
-            return False
+    def finish(self, engine: "Engine", logits: torch.Tensor, cache, row: int) -> None:
+        """The prompt is read (``logits [1, V]`` after its last token, its state row ``row`` of
+        ``cache``): its first tokens drawn, the state copied to its slots."""
+        request, model = self.request, engine.model
         if request.prompt_logprobs is not None:
             request.prompt_scores = self.scores
         if request.budget == 0:  # the prompt alone: its choices end without a token
-            return True
-        settings, seed = self.request.settings, self.request.seed
-        generator = torch.Generator(device=model.device).manual_seed(self.engine._seed() if seed is None else seed)
-        logits = logits.expand(self.request.n, -1)
-        first = settings.params.sample(logits, generator)
-        self.first = first.tolist()
-        k = self.request.logprobs
+            return
+        settings, seed = request.settings, request.seed
+        generator = torch.Generator(device=model.device).manual_seed(engine._seed() if seed is None else seed)
+        logits = logits.expand(request.n, -1)
+        self.first = settings.params.sample(logits, generator).tolist()
+        k = request.logprobs
         if k is not None:  # the law decode's prefill packs for it (greedy: the softmax)
             law = settings.params.observed(logits).cpu()
             top = torch.topk(law, min(k, law.shape[-1]), dim=-1)
             self.first_logprobs = [token_logprobs([t], law[i, t: t + 1].tolist(), top.indices[i: i + 1],
                                                   top.values[i: i + 1], k) for i, t in enumerate(self.first)]
-        rows = torch.tensor(self.slots, device=model.device)
-        self.engine.pool.assign(rows, self.cache.select(torch.zeros(len(self.slots), dtype=torch.long,
-                                                                    device=model.device)))
-        return True
+        engine.pool.assign(torch.tensor(self.slots, device=model.device),
+                           cache.select(torch.full((len(self.slots),), row, dtype=torch.long, device=model.device)))
 
-    def _score(self, every: torch.Tensor, at: int) -> None:
+    def score(self, every: torch.Tensor, at: int) -> None:
         """The log-probabilities of the prompt's tokens after ``at`` that the logits after the
         chunk's tokens (``at`` on) predict: the next chunk's first token is known already."""
         ids, k = self.request.prompt_ids, self.request.prompt_logprobs
@@ -552,11 +549,11 @@ class _Prefill:
         self.scores += token_logprobs(tokens, laws[torch.arange(len(tokens)), tokens].tolist(), top.indices,
                                       top.values, k)
 
-    def rows(self) -> list[_Row]:
+    def rows(self, engine: "Engine") -> list[_Row]:
         """The request's choices, each with its first token sent (none where its budget is 0)."""
-        request, engine = self.request, self.engine
+        request = self.request
         if request.budget == 0:
-            self.engine.free.extend(self.slots)
+            engine.free.extend(self.slots)
             empty = None if request.logprobs is None else []
             for i in range(request.n):
                 request._emit(Event(i, "", [], "length", empty), Choice(i, "", [], "length", empty))
@@ -570,6 +567,53 @@ class _Prefill:
                             None if self.first_logprobs is None else self.first_logprobs[i])
             out.append(row)
         return out
+
+
+class _PrefillGroup:
+    """Prompts admitted in one iteration, read together: one row each in one cache, each row's next
+    ``MAX_TREE_NODES`` tokens an iteration in one model call (a call per prompt cost the engine
+    as much time as decoding, prompts arriving in bursts as requests end together). A row leaves
+    the group when its prompt is read; a prompt whose log-probabilities are asked for reads alone
+    (every position's logits)."""
+
+    def __init__(self, engine: Engine, jobs: list[_Prefill]):
+        self.engine, self.jobs = engine, jobs
+        self.cache = engine.model.allocate_cache(len(jobs), engine.max_length)
+
+    def drop_cancelled(self) -> list[_Prefill]:
+        """Take the cancelled requests' rows out; those jobs."""
+        gone = [job for job in self.jobs if job.request.cancelled]
+        if gone:
+            self._keep([i for i, job in enumerate(self.jobs) if not job.request.cancelled])
+        return gone
+
+    def advance(self) -> list[_Prefill]:
+        """One chunk of every row; the jobs whose prompts are now read (out of the group)."""
+        model, jobs = self.engine.model, self.jobs
+        ids = [job.request.prompt_ids for job in jobs]
+        counts = [min(MAX_TREE_NODES, len(p) - job.at) for p, job in zip(ids, jobs)]
+        width = max(counts)
+        chunk = torch.tensor([p[job.at: job.at + c] + [0] * (width - c) for p, job, c in zip(ids, jobs, counts)],
+                             device=model.device)  # (right-padded: a row reads its count only)
+        every = jobs[0].request.prompt_logprobs is not None  # (then the group's only job)
+        out = model.prefill(chunk, self.cache, lengths=torch.tensor(counts), every=every)
+        if every:
+            jobs[0].score(out[0, : counts[0]], jobs[0].at)
+            out = out[:, counts[0] - 1]
+        done = []
+        for i, (job, c) in enumerate(zip(jobs, counts)):
+            job.at += c
+            if job.at == len(ids[i]):
+                job.finish(self.engine, out[i: i + 1], self.cache, i)
+                done.append(job)
+        if done:
+            self._keep([i for i, job in enumerate(jobs) if job not in done])
+        return done
+
+    def _keep(self, rows: list[int]) -> None:
+        self.jobs = [self.jobs[i] for i in rows]
+        if rows:
+            self.cache = self.cache.select(torch.tensor(rows, device=self.engine.model.device))
 
 
 class _Cohort:

@@ -17,6 +17,7 @@ import torch
 from scipy.stats import chisquare
 
 import stree
+from stree.decoding.loop import generate
 from stree.models.base import MAX_TREE_NODES, TreeLM
 from stree.serving import Engine, EngineClosed, Overloaded
 from stree.tools.demo import DRAFTER, TARGET
@@ -172,6 +173,38 @@ def test_a_long_prompt_is_read_between_the_other_rows_steps(lm, monkeypatch):
     chunks = chunks[1:]
     between = [name for name, _ in calls[chunks[0]: chunks[-1]]]
     assert between.count("step") >= 2
+
+
+def test_prompts_admitted_together_are_read_in_one_call_each_chunk(lm, monkeypatch):
+    """While the first request's prefill holds the engine, three more arrive: they are read
+    together, one call for each chunk of the rows still reading (prompts of 1, 2 and 3 chunks:
+    calls of 3, 2 and 1 rows), and each decodes as it does alone."""
+    calls, release = [], threading.Event()
+    real = TreeLM.prefill
+
+    def spy(self, tokens, cache, *a, **k):
+        if not calls:
+            release.wait(30)  # the first request's prefill waits for the other three to be queued
+        calls.append(tuple(tokens.shape))
+        return real(self, tokens, cache, *a, **k)
+
+    monkeypatch.setattr(TreeLM, "prefill", spy)
+    text = PROMPTS[1] * (1 + 3 * MAX_TREE_NODES // len(lm.encode(PROMPTS[1])[0]))
+    ids = lm.encode(text)[0]
+    prompts = [ids[:9], ids[: MAX_TREE_NODES + 5], ids[: 2 * MAX_TREE_NODES + 3]]
+    with Engine(lm, max_slots=4, max_length=3 * MAX_TREE_NODES, seed=0) as engine:
+        first = engine.submit(PROMPTS[0], max_tokens=3, drafter=None)
+        while not calls and not release.is_set():
+            time.sleep(0.001)
+            if engine._prefilling:  # (admitted: its prefill is about to wait)
+                break
+        together = [engine.submit(p, max_tokens=5, drafter=None) for p in prompts]
+        release.set()
+        outs = [r.result(timeout=60)[0] for r in [first] + together]
+    assert calls[1:] == [(3, MAX_TREE_NODES), (2, MAX_TREE_NODES), (1, 3)], calls
+    for prompt, out in zip(prompts, outs[1:]):
+        alone = generate(lm.model, [prompt], method="autoregressive", max_new_tokens=5, eos_token_id=lm.eos_token_id)
+        assert out.token_ids == alone.sequences[0][len(prompt):]
 
 
 def two_token_top2_law(model, prompt, temperature):
