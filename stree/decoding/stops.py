@@ -64,22 +64,56 @@ def held_back(text: str, stops: list[str]) -> int:
 
 class TextStops:
     """One row's decoded text, kept up to date step by step, and where a stop string ended it:
-    ``cut`` (a character offset, None while no stop string showed) and ``stop`` (the string)."""
+    ``cut`` (a character offset, None while no stop string showed) and ``stop`` (the string).
+
+    The text is read incrementally, so that a step costs the same however long the row has grown:
+    the text of the tokens before a *mark* is settled, and each step decodes only a window from
+    ``CONTEXT`` tokens before the mark to the end, whose text past that of its first ``CONTEXT``
+    tokens follows the settled text. A tokenizer joins a token's text to its neighbours' (a
+    space dropped before punctuation, a word's pieces, the bytes of one character), so the window
+    begins before the mark and the mark moves only to where the window's text is a prefix of what
+    follows it; where the window's text no longer begins with its first tokens' (the tokens after
+    them changed it), the row is decoded whole again, from a mark at 0."""
+
+    CONTEXT = 8  # tokens decoded before the mark
+    SPAN = 64  # unsettled tokens past which the mark moves (a step decodes at most about CONTEXT + SPAN)
 
     def __init__(self, tokenizer, stops: list[str]):
         self.tokenizer, self.stops = tokenizer, stops
         self.text, self.seen, self.cut, self.stop = "", 0, None, None
+        self._longest = max((len(s) for s in stops), default=0)
+        self._mark, self._settled, self._base = 0, "", ""  # the mark, its text, and the window's first tokens'
 
     def decode(self, tokens: list[int]) -> str:
         return self.tokenizer.decode(tokens, skip_special_tokens=True)
 
+    def _read(self, tokens: list[int]) -> str:
+        """The text of ``tokens``, which extend those of the last read (see the class docstring)."""
+        start = max(0, self._mark - self.CONTEXT)
+        window = self.decode(tokens[start:])
+        if not window.startswith(self._base):
+            self._mark, self._settled, self._base, start = 0, "", "", 0
+            window = self.decode(tokens)
+        text = self._settled + window[len(self._base):]
+        mark = len(tokens) - self.CONTEXT
+        if mark - self._mark >= self.SPAN:
+            head, base = self.decode(tokens[start:mark]), self.decode(tokens[max(0, mark - self.CONTEXT): mark])
+            # (a window whose first tokens show no text, special tokens all, joins its next one as a row's first)
+            if base and head.startswith(self._base) and window.startswith(head) and not head.endswith("\ufffd"):
+                self._settled += head[len(self._base):]
+                self._mark, self._base = mark, base
+        return text
+
     def update(self, tokens: list[int]) -> int | None:
-        """Read the row's generated ``tokens``; when a stop string shows, the number of tokens to
-        keep (the fewest whose text holds it) and ``cut`` = where the text ends."""
+        """Read the row's generated ``tokens`` (those of the last update and more); when a stop
+        string shows, the number of tokens to keep (the fewest whose text holds it) and ``cut`` =
+        where the text ends."""
         if len(tokens) == self.seen:
             return None
-        text = self.decode(tokens)
-        hits = [(i, s) for s in self.stops if (i := text.find(s)) >= 0]
+        before = self._settled  # (the last update found no stop string in its text, which began with this)
+        text = self._read(tokens)
+        since = max(0, len(before) - self._longest + 1) if text.startswith(before) else 0
+        hits = [(i, s) for s in self.stops if (i := text.find(s, since)) >= 0]
         if not hits:
             self.text, self.seen = text, len(tokens)
             return None
