@@ -1,12 +1,13 @@
-"""Requests of different temperatures in one engine: the serving engine decodes sampled rows of
-every temperature, top-k and top-p as one batch (each row with its own values,
-``SamplingParams.stack``); before, each set of values was a cohort of its own, one target pass
-each per iteration. Both ways, on the same engine and weights: "one batch" is the engine as it is,
-"apart" the engine with each request's values in its cohort key (what it did before).
+"""Requests of different temperatures in one engine: the serving engine decodes rows of every
+temperature (greedy ones included, where the drafter drafts alike for them), top-k and top-p as
+one batch (each row with its own values, ``SamplingParams.stack``). Three ways, on the same engine
+and weights: "one batch" is the engine as it is; "greedy apart" sampled rows in one batch and
+greedy rows in a cohort of their own (the engine before greedy rows joined); "apart" a cohort per
+set of values (the engine before that), one target pass each per iteration.
 
 ``--concurrency`` requests at once (the shipped target, ``--max-tokens`` each, held-out code
-prompts), their temperatures cycling through ``--temperatures``, autoregressive and with the
-n-gram drafter (``tree="auto"``). Every configuration runs once first (cost profiles measured,
+prompts), their temperatures cycling through ``--temperatures`` (0: greedy), autoregressive and
+with the n-gram drafter (``tree="auto"``). Every configuration runs once first (cost profiles measured,
 calls built), then they take turns for ``--rounds``, the order alternating. Reported: output
 tokens per second over each load's wall time, and one batch's gain over apart. Writes JSON and a PNG.
 
@@ -32,6 +33,12 @@ from stree.tools.timing import run_info, save_result
 
 DRAFTERS = {"autoregressive": None, "n-gram": "ngram"}
 SHARED_KEY = engine_module._Settings.cohort
+WAYS = ("one batch", "greedy apart", "apart")
+
+
+def _greedy_apart(settings):
+    """The cohort key before greedy rows joined sampled ones: greedy rows by themselves."""
+    return settings if settings.params.greedy else SHARED_KEY(settings)
 
 
 def _apart(settings):
@@ -39,10 +46,13 @@ def _apart(settings):
     return settings
 
 
+KEYS = dict(zip(WAYS, (SHARED_KEY, _greedy_apart, _apart)))
+
+
 def load(lm, prompts, temperatures, drafter, batching: str, max_tokens: int) -> tuple[int, float]:
     """One load through a fresh engine: its output tokens and wall seconds (after a short request
     that builds what the engine's first request builds)."""
-    engine_module._Settings.cohort = SHARED_KEY if batching == "one batch" else _apart
+    engine_module._Settings.cohort = KEYS[batching]
     try:
         with Engine(lm, max_slots=len(prompts), max_length=512, seed=0) as engine:
             engine.submit(prompts[0], max_tokens=4, temperature=1.0, drafter=drafter).result(timeout=600)
@@ -58,19 +68,19 @@ def load(lm, prompts, temperatures, drafter, batching: str, max_tokens: int) -> 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--concurrency", type=int, default=8)
-    p.add_argument("--temperatures", default="0.6,0.8,1.0,1.2")
+    p.add_argument("--temperatures", default="0,0.7,0,1.0")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--out", default=str(Path(__file__).parent / "results"))
     args = p.parse_args(argv)
     if args.smoke:
-        args.concurrency, args.max_tokens, args.rounds, args.temperatures = 2, 4, 1, "0.7,1.0"
+        args.concurrency, args.max_tokens, args.rounds, args.temperatures = 2, 4, 1, "0,1.0"
     temperatures = [float(t) for t in args.temperatures.split(",")]
     torch.manual_seed(0)
     lm = stree.LM.from_pretrained(TARGET, dtype="float32")
     prompts = read_prompts(TARGET / "prompts.jsonl", args.concurrency)
-    configs = [(name, batching) for name in DRAFTERS for batching in ("one batch", "apart")]
+    configs = [(name, batching) for name in DRAFTERS for batching in WAYS]
     for name, batching in configs if not args.smoke else []:  # (the smoke times nothing it reports)
         load(lm, prompts, temperatures, DRAFTERS[name], batching, min(args.max_tokens, 16))
     totals = {c: [0, 0.0] for c in configs}
@@ -84,16 +94,18 @@ def main(argv=None):
         rows.append(dict(drafter=name, batching=batching, tokens=tokens, seconds=seconds,
                          tokens_per_s=tokens / seconds))
     for r in rows:
-        apart = next(a for a in rows if a["drafter"] == r["drafter"] and a["batching"] == "apart")
-        r["gain_over_apart"] = r["tokens_per_s"] / apart["tokens_per_s"]
-        print(f"{r['drafter']:<15}{r['batching']:<10}{r['tokens_per_s']:>8.1f} tok/s  x{r['gain_over_apart']:.2f}",
-              file=sys.stderr)
+        speed = {a["batching"]: a["tokens_per_s"] for a in rows if a["drafter"] == r["drafter"]}
+        r["gain_over_apart"] = r["tokens_per_s"] / speed["apart"]
+        r["gain_over_greedy_apart"] = r["tokens_per_s"] / speed["greedy apart"]
+        print(f"{r['drafter']:<15}{r['batching']:<13}{r['tokens_per_s']:>8.1f} tok/s  x{r['gain_over_apart']:.2f} "
+              f"over apart  x{r['gain_over_greedy_apart']:.2f} over greedy apart", file=sys.stderr)
     result = dict(benchmark="mixed_sampling", **run_info("cpu", argv), threads=torch.get_num_threads(),
                   concurrency=args.concurrency, temperatures=temperatures, max_tokens=args.max_tokens,
                   rounds=args.rounds,
-                  note="engine output tokens/s with requests of several temperatures at once: 'one batch' (sampled "
-                       "rows of every value in one cohort) against 'apart' (a cohort per value, the engine before); "
-                       "loads interleaved, each configuration once before timing",
+                  note="engine output tokens/s with requests of several temperatures at once: 'one batch' (rows "
+                       "of every value, greedy included, in one cohort) against 'greedy apart' (greedy rows in a "
+                       "cohort of their own) and 'apart' (a cohort per value); loads interleaved, each "
+                       "configuration once before timing",
                   results=rows)
     save_result(result, args.out, "mixed_sampling_smoke" if args.smoke else "mixed_sampling_cpu", plot)
     return result
@@ -106,7 +118,8 @@ def plot(result):
     fig, ax = plt.subplots(figsize=(6, 3))
     labels = [f"{r['drafter']}, {r['batching']}" for r in rows]
     ax.barh(labels, [r["tokens_per_s"] for r in rows],
-            color=["tab:green" if r["batching"] == "one batch" else "tab:gray" for r in rows])
+            color=[{"one batch": "tab:green", "greedy apart": "tab:olive"}.get(r["batching"], "tab:gray")
+                   for r in rows])
     ax.invert_yaxis()
     ax.set(xlabel="output tokens/s", title=f"{result['concurrency']} requests at temperatures "
            f"{', '.join(map(str, result['temperatures']))}, {result['device']}")

@@ -230,13 +230,18 @@ def test_serve_smoke_measures_both_modes_through_the_server(tmp_path):
     assert all(r["gain_over_autoregressive"] > 0 for r in rows if r["mode"] == "speculative")
 
 
-def test_mixed_sampling_smoke_runs_both_batchings(tmp_path):
+def test_mixed_sampling_smoke_runs_every_batching_and_puts_the_key_back(tmp_path):
+    from stree.serving import engine
+
+    key = engine._Settings.cohort
     result = smoke("mixed_sampling", tmp_path)
     rows = result["results"]
     assert [(r["drafter"], r["batching"]) for r in rows] == [(d, b) for d in ("autoregressive", "n-gram")
-                                                             for b in ("one batch", "apart")]
+                                                             for b in ("one batch", "greedy apart", "apart")]
     assert all(r["tokens"] == 2 * 4 and r["tokens_per_s"] > 0 for r in rows)
     assert all(r["gain_over_apart"] == 1.0 for r in rows if r["batching"] == "apart")
+    assert all(r["gain_over_greedy_apart"] == 1.0 for r in rows if r["batching"] == "greedy apart")
+    assert engine._Settings.cohort is key and result["temperatures"] == [0.0, 1.0]
 
 
 def test_engine_load_smoke_runs_every_way_and_puts_the_switch_back(tmp_path):

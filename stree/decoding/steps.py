@@ -156,8 +156,8 @@ def speculative_step(model, cache, draft: TokenTree, params: SamplingParams, gen
     out = _emitted(draft.tokens, result.accepted, result.num_accepted, result.bonus)
     probs = None
     if top_k is not None:
-        probs = (_along(result.probs, result.accepted) if result.probs is not None
-                 else params.observed(_along(logits, result.accepted)))
+        probs = (_along(result.probs, result.accepted) if result.probs is not None and not params.some_greedy
+                 else params.observed(_along(logits, result.accepted)))  # (a greedy row's: the model's softmax)
     host = _to_host(out, result.num_accepted, probs, top_k or 0, finite)
     if lap is not None:
         lap("commit")

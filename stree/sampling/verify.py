@@ -75,9 +75,10 @@ class SamplingParams:
     distributions drafters learn from all read it, so "temperature 0" means one thing.
 
     A batch whose rows sample with different values takes one per row (:meth:`stack`):
-    ``temperature``, ``top_k`` and ``top_p`` as tuples of one value per row, every row sampled
-    (greedy rows verify by another rule, so they decode apart); each row's law is then exactly
-    what its own values give alone."""
+    ``temperature``, ``top_k`` and ``top_p`` as tuples of one value per row; each row's law is then
+    exactly what its own values give alone. A greedy row among them (temperature 0) has the argmax's
+    one-hot law, which every rule verifies as greedy decoding does: the child equal to the argmax is
+    accepted (with chance 1), any other rejected, and the argmax emitted where none is."""
 
     temperature: float | tuple[float, ...] = 0.0
     top_k: int | tuple[int, ...] = 0
@@ -97,16 +98,13 @@ class SamplingParams:
                     check_sampling(*row)
                 except ValueError as exc:
                     raise ValueError(f"row {i}: {exc}") from None
-                if row[0] == 0:
-                    raise ValueError(f"row {i}: temperature 0 (greedy) among rows of their own values: a batch's "
-                                     "rows are all sampled, or all greedy with one SamplingParams")
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
 
     @classmethod
     def stack(cls, params) -> "SamplingParams":
         """The values of a batch whose row i samples as ``params[i]``: the one they share where all
-        are equal (or all greedy), else one per row (all sampled, of one ``mode``)."""
+        are equal (or all greedy), else one per row (of one ``mode``; greedy rows among them)."""
         params = list(params)
         if not params or not all(isinstance(p, SamplingParams) and p.rows is None for p in params):
             raise TypeError(f"params must be a non-empty sequence of SamplingParams of one row each, got {params!r}")
@@ -115,8 +113,6 @@ class SamplingParams:
             raise ValueError(f"the rows' modes differ: {sorted({p.mode for p in params})}")
         if all(p == first for p in params) or all(p.greedy for p in params):
             return first
-        if any(p.greedy for p in params):
-            raise ValueError("greedy and sampled rows cannot share a batch: they verify by different rules")
         return cls(tuple(p.temperature for p in params), tuple(p.top_k for p in params),
                    tuple(p.top_p for p in params), first.mode)
 
@@ -137,7 +133,8 @@ class SamplingParams:
         return self.rows is None and self.temperature == 0
 
     def probs(self, logits: torch.Tensor) -> torch.Tensor:
-        """The sampling distribution (a ValueError at temperature 0: greedy has none)."""
+        """The sampling distribution (a ValueError at temperature 0: greedy has none; a greedy row
+        among rows of their own values: the one-hot of its argmax)."""
         if self.rows is not None:
             return _process_rows(logits, self)
         return process_logits(logits, self.temperature, self.top_k, self.top_p)
@@ -145,38 +142,60 @@ class SamplingParams:
     def sample(self, logits: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
         """One token per row of ``logits [B, V]``."""
         if self.rows is not None:
-            return torch.multinomial(self.probs(logits), 1, generator=generator)[:, 0]
+            drawn = torch.multinomial(self.probs(logits), 1, generator=generator)[:, 0]
+            return torch.where(self._greedy_rows(logits), logits.float().argmax(-1), drawn)
         return sample_tokens(logits, self.temperature, self.top_k, self.top_p, generator)
 
     def observed(self, logits: torch.Tensor) -> torch.Tensor:
         """What emitted tokens were drawn from, for drafters to learn: at temperature 0 the plain
-        softmax (the argmax law would teach them nothing about the runners-up)."""
+        softmax (the argmax law would teach them nothing about the runners-up), as for a greedy row
+        among rows of their own values."""
+        if self.some_greedy:
+            shape = (self.rows,) + (1,) * (logits.dim() - 1)
+            return torch.where(self._greedy_rows(logits).view(shape), torch.softmax(logits.float(), -1),
+                               self.probs(logits))
         return torch.softmax(logits.float(), -1) if self.greedy else self.probs(logits)
+
+    @property
+    def some_greedy(self) -> bool:
+        """Whether some rows of per-row values are greedy."""
+        return self.rows is not None and 0 in self.temperature
+
+    def _greedy_rows(self, logits: torch.Tensor) -> torch.Tensor:
+        """``[rows]``: which rows of per-row values are greedy."""
+        return torch.tensor([t == 0 for t in self.temperature], device=logits.device)
 
 
 def _process_rows(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """:func:`process_logits` of each row of ``logits`` ``[B, ..., V]`` with that row's values of
     ``params``: the same operations, each row's values broadcast over the rest of its axes (a row
-    whose top-k or top-p is off is left as its own call leaves it)."""
+    whose top-k or top-p is off is left as its own call leaves it); a greedy row's law is the
+    one-hot of its argmax."""
     if logits.shape[0] != params.rows:
         raise ValueError(f"logits have {logits.shape[0]} rows but the sampling values {params.rows}")
     device, V = logits.device, logits.shape[-1]
     shape = (params.rows,) + (1,) * (logits.dim() - 1)
-    x = logits.float() / torch.tensor(params.temperature, dtype=torch.float32, device=device).view(shape)
-    cut = [0 < k < V for k in params.top_k]
+    sampled = [t > 0 for t in params.temperature]
+    temperature = [t if s else 1.0 for t, s in zip(params.temperature, sampled)]
+    x = logits.float() / torch.tensor(temperature, dtype=torch.float32, device=device).view(shape)
+    cut = [0 < k < V and s for k, s in zip(params.top_k, sampled)]
     if any(cut):
         top = torch.topk(x, max(k for k, c in zip(params.top_k, cut) if c), dim=-1).values
         at = torch.tensor([k - 1 if c else 0 for k, c in zip(params.top_k, cut)], device=device).view(shape)
         kth = top.gather(-1, at.expand(*x.shape[:-1], 1))
         x = x.masked_fill(torch.tensor(cut, device=device).view(shape) & (x < kth), float("-inf"))
     probs = torch.softmax(x, dim=-1)
-    if any(p < 1 for p in params.top_p):
-        top_p = torch.tensor(params.top_p, dtype=torch.float32, device=device).view(shape)
+    if any(p < 1 and s for p, s in zip(params.top_p, sampled)):
+        top_p = torch.tensor([p if s else 1.0 for p, s in zip(params.top_p, sampled)], dtype=torch.float32,
+                             device=device).view(shape)
         sorted_p, order = torch.sort(probs, dim=-1, descending=True)
         mass_before = sorted_p.cumsum(-1) - sorted_p
         sorted_p = sorted_p.masked_fill(mass_before >= top_p, 0.0)
         kept = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
         probs = torch.where(top_p < 1, kept / kept.sum(-1, keepdim=True), probs)
+    if not all(sampled):
+        argmax = torch.zeros_like(probs).scatter_(-1, logits.float().argmax(-1, keepdim=True), 1.0)
+        probs = torch.where(torch.tensor(sampled, device=device).view(shape), probs, argmax)
     return probs
 
 

@@ -8,9 +8,9 @@ chunks of ``MAX_TREE_NODES`` tokens, one chunk per iteration, so a long prompt d
 rows decoding beside it (the prompts admitted in one iteration together, one model call per
 chunk); the prefill's last logits give its first token exactly as
 :func:`~stree.decoding.loop.decode`'s own prefill would. It then joins a *cohort*: the rows that
-decode with the same drafter and tree, all greedy or all sampled (each sampled row with its own
-temperature, top-k and top-p), stepped together by one :func:`~stree.decoding.loop.decode`
-generator continuing from their slots' states (``cache=``).
+decode with the same drafter and tree, each row with its own temperature, top-k and top-p (greedy
+rows beside sampled ones where the drafter drafts alike for both), stepped together by one
+:func:`~stree.decoding.loop.decode` generator continuing from their slots' states (``cache=``).
 Rows leave a cohort at their EOS, budget, stop string or cancellation (the slot is free at once:
 the generator works on its own copy of the cohort's states, and drops the row from its batch at
 the next step). A row joining restarts the cohort's generator between two iterations: the states
@@ -52,6 +52,9 @@ __all__ = ["Engine", "EngineClosed", "Event", "Overloaded", "Request"]
 # the share of the memory free at start the slot pool (and the cohorts' working copies) may take
 MEMORY_SHARE = 0.25
 MAX_SLOTS = 256
+# drafters whose drafts do not depend on the temperature (LM.drafter), so greedy rows may share their
+# sampled rows' cohort
+ALIKE_AT_ANY_TEMPERATURE = (None, "ngram", "stand-det", "consensus", "ssm-beam")
 
 
 class Overloaded(RuntimeError):
@@ -177,10 +180,13 @@ class _Settings:
     own: int | None = None
 
     def cohort(self) -> "_Settings":
-        """What rows must share to step together: the drafter, the tree, and greedy decoding or
-        the sampling mode. Sampled rows of different values share one batch (each row's law is its
-        own: :meth:`SamplingParams.stack`), but not a seeded request's rows."""
-        if self.params.greedy or self.own is not None:
+        """What rows must share to step together: the drafter, the tree and the sampling mode.
+        Rows of different sampling values share one batch, each row's law its own
+        (:meth:`SamplingParams.stack`; a greedy row's the argmax's, verified as greedy decoding
+        verifies), but not a seeded request's rows, nor greedy rows with sampled ones where the
+        drafter drafts differently for them (STAND drafts its likeliest tokens for greedy rows, the
+        SSM drafter its top-k)."""
+        if self.own is not None or (self.params.greedy and self.drafter not in ALIKE_AT_ANY_TEMPERATURE):
             return self
         return replace(self, params=SamplingParams(1.0, mode=self.params.mode))
 
@@ -736,7 +742,7 @@ class _Cohort:
         depth = getattr(self.drafter, "draft_depth", None) or min(PathRates.DEPTH, self.cache.max_length - longest - 1)
         if self.drafter is None or depth < 1:
             return "auto"  # autoregressive, or no room for a tree: decode steps plainly
-        greedy = settings.params.greedy
+        greedy = all(row.settings.params.greedy for row in self.rows)
         return auto_tree(self.engine.model, self.drafter, len(self.rows), mode="eager", sampled=not greedy,
                          depth=depth, adaptive=greedy, bracketed=True)  # (adaptive: as decode, which gets a seed)
 
