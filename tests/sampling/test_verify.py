@@ -12,7 +12,8 @@ from strategies import trees
 
 from stree.testing import chi_square
 from stree.tree import TokenTree, TreeShape
-from stree.sampling.verify import acceptance_tables, choose_rule, follow_choices, process_logits, sample_tokens, verify
+from stree.sampling.verify import (SamplingParams, acceptance_tables, choose_rule, follow_choices, process_logits,
+                                  sample_tokens, verify)
 
 verify_module = sys.modules["stree.sampling.verify"]
 
@@ -354,6 +355,43 @@ def test_greedy_follows_the_argmax_path_per_row():
         assert all(valid[b, i] for i in path)
         longest = max(longest, len(path))
     assert longest >= 3  # deep acceptances were exercised
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+@pytest.mark.parametrize("rule", ["one_hot", "iid", "without_replacement", "naive"])
+def test_greedy_rows_among_sampled_ones_follow_the_argmax_path_under_every_rule(rule, compiled, monkeypatch):
+    """Rows of per-row values, two in three greedy: whatever rule the tree's drafts call for, the
+    greedy rows accept and emit exactly what greedy verification of them does (the one-hot law of
+    the argmax), by the compiled walk and by the tables other devices use; siblings carry distinct
+    tokens, as drafts without replacement do."""
+    monkeypatch.setattr(verify_module, "COMPILED_ON_CPU", compiled)
+    g = torch.Generator().manual_seed(1)
+    V, B = 6, 48
+    shape = TreeShape.paper13()
+    tokens = torch.zeros(B, shape.n, dtype=torch.long)
+    for b in range(B):
+        for node in range(shape.n):
+            kids = [c for c in range(1, shape.n) if shape.parents[c] == node]
+            tokens[b, kids] = torch.randperm(V, generator=g)[: len(kids)]
+    valid = torch.rand(B, shape.n, generator=g) > 0.2
+    valid[:, 0] = True
+    logits = torch.randn(B, shape.n, V, generator=g) * 2
+    laws = {}
+    if rule in ("iid", "without_replacement"):
+        laws = dict(child_ids=torch.arange(V).expand(B, shape.n, V).clone(), with_replacement=rule == "iid",
+                    child_probs=torch.distributions.Dirichlet(torch.ones(V)).sample((B, shape.n)).double())
+    tree = TokenTree(shape.parents_tensor(), tokens, valid, **laws)
+    mode = "naive" if rule == "naive" else "auto"
+    params = SamplingParams.stack([SamplingParams(0.0, mode=mode) if b % 3 else SamplingParams(0.9, 3, mode=mode)
+                                   for b in range(B)])
+    assert choose_rule(tree, params.temperature, params.mode) == rule
+    want = verify(tree, logits)
+    got = verify(tree, logits, params, generator=torch.Generator().manual_seed(2))
+    greedy = [b for b in range(B) if b % 3]
+    assert torch.equal(got.accepted[greedy], want.accepted[greedy])
+    assert torch.equal(got.num_accepted[greedy], want.num_accepted[greedy])
+    assert torch.equal(got.bonus[greedy], want.bonus[greedy])
+    assert int(want.num_accepted[greedy].max()) >= 3  # (deep acceptances were exercised)
 
 
 def test_process_logits_temperature_top_k_top_p():
