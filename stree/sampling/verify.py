@@ -143,6 +143,8 @@ class SamplingParams:
         """One token per row of ``logits [B, V]``."""
         if self.rows is not None:
             drawn = torch.multinomial(self.probs(logits), 1, generator=generator)[:, 0]
+            if not self.some_greedy:
+                return drawn
             return torch.where(self._greedy_rows(logits), logits.float().argmax(-1), drawn)
         return sample_tokens(logits, self.temperature, self.top_k, self.top_p, generator)
 
