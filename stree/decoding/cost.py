@@ -40,6 +40,11 @@ __all__ = ["CostProfile", "bracketed_profile", "cache_file", "cost_profile", "MO
 MODES = ("eager", "compiled", "cuda_graph")
 CATCH = 64  # tokens of context a drafter model's catch-up is timed on
 FORMAT = 13  # of the cache file; another is re-measured (13: half-precision products on a float32 copy)
+# The least share of a plain step's iteration a tree's may take: a tree pass does a step's work and
+# more, so a profile below it was measured while something else took the cores (CostProfile.plausible).
+# (Not against smaller trees: on a GPU, where a small model's iterations are bound by the host, larger
+# trees were measured up to a quarter below smaller ones, by jitter.)
+SLACK = 0.8
 
 
 @dataclass(frozen=True)
@@ -75,6 +80,13 @@ class CostProfile:
             raise ValueError(f"not a cost profile: step_ms={self.step_ms!r}, nodes={self.nodes!r}, "
                              f"tree_ms={self.tree_ms!r}, draft_ms={self.draft_ms!r}, catch_ms={self.catch_ms!r}, "
                              f"depths={self.depths!r}")
+
+    @property
+    def plausible(self) -> bool:
+        """Whether every tree's iteration takes at least ``SLACK`` of a plain step's. One that does
+        not was measured beside other work: timed again, and never written to the cache file, where
+        every later process would trust it."""
+        return all(t >= SLACK * self.step_ms for t in self.tree_ms)
 
     def iteration_ms(self, n: int) -> float:
         """The target's part of an iteration over a tree of ``n`` nodes (1: an autoregressive
@@ -221,7 +233,9 @@ def _write(key: str, entry: dict) -> None:
         pass
 
 
-def _cached(kind: str, model, parse, measure, fields: dict, refresh: bool):
+def _cached(kind: str, model, parse, measure, fields: dict, refresh: bool, keep=None):
+    """The value for ``fields``: this process's, else the file's (where ``keep(value)`` holds),
+    else ``measure()`` (written to the file where ``keep(value)`` holds)."""
     key, what = _key(kind, model, **fields)
     if not refresh:
         hit = _MEMO.get(key)
@@ -230,13 +244,16 @@ def _cached(kind: str, model, parse, measure, fields: dict, refresh: bool):
         entry = _read(key)
         if entry is not None:
             try:
-                _MEMO[key] = parse(entry["value"])
-                return _MEMO[key]
+                value = parse(entry["value"])
+                if keep is None or keep(value):
+                    _MEMO[key] = value
+                    return value
             except (KeyError, TypeError, ValueError):
                 pass  # a malformed entry: measured again below
     value = measure()
     _MEMO[key] = value
-    _write(key, dict(value=value.to_dict(), made=dict(what, date=time.strftime("%Y-%m-%dT%H:%M:%S"))))
+    if keep is None or keep(value):
+        _write(key, dict(value=value.to_dict(), made=dict(what, date=time.strftime("%Y-%m-%dT%H:%M:%S"))))
     return value
 
 
@@ -248,7 +265,8 @@ def cost_profile(model, batch_size: int, *, drafter=None, mode: str = "eager", s
     rules cost more than argmax), cached (see the module docstring). ``shapes``: the tree
     shapes to time, one per size (default: full binary trees cut to :func:`default_sizes`);
     compiled and graphed modes build (and keep) each shape's pass. The drafter is left reset,
-    its random stream as it was. ``refresh``: measure again whatever is cached."""
+    its random stream as it was. ``refresh``: measure again whatever is cached. A profile that is
+    not :attr:`~CostProfile.plausible` is measured once more, and is not written to the file."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     if not isinstance(batch_size, int) or batch_size < 1:
@@ -258,8 +276,11 @@ def cost_profile(model, batch_size: int, *, drafter=None, mode: str = "eager", s
     shapes = sorted(shapes, key=lambda s: s.n)
     fields = dict(batch=batch_size, mode=mode, sizes=[s.n for s in shapes], drafter=drafter_kind(drafter),
                   sampled=bool(sampled))
-    return _cached("profile", model, CostProfile.from_dict,
-                   lambda: _measure(model, drafter, batch_size, mode, sampled, shapes, budget_s), fields, refresh)
+    def measure() -> CostProfile:
+        profile = _measure(model, drafter, batch_size, mode, sampled, shapes, budget_s)
+        return profile if profile.plausible else _measure(model, drafter, batch_size, mode, sampled, shapes, budget_s)
+    return _cached("profile", model, CostProfile.from_dict, measure, fields, refresh,
+                   keep=lambda profile: profile.plausible)
 
 
 def bracketed_profile(model, batch_size: int, **kwargs) -> CostProfile:

@@ -247,3 +247,34 @@ def test_compiled_sizes_are_all_timed_whatever_their_compiling_takes():
     # eager: the budget starts after the first two warm-ups, and the third one spends it
     assert len(_timed_rounds([slow_first() for _ in range(4)], 0.01, lambda: None)) == 3
     assert len(_timed_rounds([slow_first() for _ in range(4)], 0.01, lambda: None, keep_all=True)) == 4
+
+
+def test_an_implausible_profile_is_measured_again_and_never_trusted_from_the_file(fresh_cache, monkeypatch):
+    """A tree's iteration below 0.8 of a plain step's (measured while other work took the cores):
+    timed once more; kept for the process if it stays so, but not written to the file, and such an
+    entry in the file is measured again."""
+    odd, fine = CostProfile(4.0, (2, 4), (4.5, 3.0)), CostProfile(4.0, (2, 4), (4.5, 6.0))
+    assert not odd.plausible and not CostProfile(4.0, (2,), (3.1,)).plausible
+    assert fine.plausible and CostProfile(4.0, (2, 4, 8), (3.3, 9.0, 3.5)).plausible  # (within the slack)
+    answers, measured = [odd, fine, odd, odd, fine], []
+
+    def measure(model, drafter, batch, *rest):
+        measured.append(batch)
+        return answers[len(measured) - 1]
+    monkeypatch.setattr(cost, "_measure", measure)
+    model = mamba2()
+    assert cost_profile(model, 1, shapes=SHAPES) is fine and measured == [1, 1]
+    assert cost_profile(model, 2, shapes=SHAPES) is odd and measured == [1, 1, 2, 2]
+    assert cost_profile(model, 2, shapes=SHAPES) is odd and len(measured) == 4  # (the process keeps it)
+    assert len(json.loads(fresh_cache.read_text())["entries"]) == 1  # (batch 1's alone)
+    monkeypatch.setattr(cost, "_MEMO", {})  # a new process
+    assert cost_profile(model, 1, shapes=SHAPES) == fine and len(measured) == 4
+    assert cost_profile(model, 2, shapes=SHAPES) is fine and measured == [1, 1, 2, 2, 2]
+    # an implausible entry a file already holds (an earlier version wrote every profile) is measured again
+    data = json.loads(fresh_cache.read_text())
+    for entry in data["entries"].values():
+        entry["value"] = odd.to_dict()
+    fresh_cache.write_text(json.dumps(data))
+    monkeypatch.setattr(cost, "_MEMO", {})
+    answers.append(fine)
+    assert cost_profile(model, 1, shapes=SHAPES) is fine and measured == [1, 1, 2, 2, 2, 1]
