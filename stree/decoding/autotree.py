@@ -20,8 +20,8 @@ The choice (:class:`AutoTree`), every step:
 
 1. Before drafting, the size n maximising E(n) / (D(n) + C(n)) over the ladder of best-first
    trees, against 1 / C(1) for a plain step. Where the plain step wins it is taken without
-   drafting; every ``probe`` such steps one draft is verified anyway (the interval doubling
-   while speculation keeps losing), so that the rates follow the text.
+   drafting; now and then one draft is verified anyway (a probe, paid from a ledger whose
+   share of the plain steps halves while probes keep losing), so that the rates follow the text.
 2. After drafting, the draft's own chances (its invalid nodes worth nothing) give every prefix m
    of it its E(m); the best prefix by E(m) / C(m) is verified (drafting is paid by then), or a
    plain step taken where that is better (not on a probe) or where nothing was drafted.
@@ -388,13 +388,15 @@ class AutoTree:
     tokens it emitted, and a probe waits until the bank holds what the next one is expected to
     lose. So, whatever a probe costs, probes together lose at most ``PROBE_SHARE`` of the plain
     steps' time (and one probe's loss): the most that turning speculation on loses where it never
-    pays. An adaptive choice charges what its probes took by the clock (a drafter model catching
-    up on the tokens of the plain steps before, the caches it evicts: costs the profile's steady
-    state does not see); a seeded one what the profile predicts, its drafter's catch-up included.
+    pays; less once probes keep losing (``BACKOFF``). An adaptive choice charges what its probes
+    took by the clock (a drafter model catching up on the tokens of the plain steps before, the
+    caches it evicts: costs the profile's steady state does not see); a seeded one what the
+    profile predicts, its drafter's catch-up included.
     An adaptive choice learns no cost from a call's first iteration (``SETTLE``), and while trees
     keep winning it takes plain steps once in ``PLAIN_EVERY`` to weigh plain steps again (two: a
     plain step right after a tree teaches no cost, as it pays for what the tree evicted).
-    ``rates`` and ``scale`` (``{"plain": x, "tree": y}``, and the ledger) may be shared with
+    ``rates`` and ``scale`` (``{"plain": x, "tree": y}``: a plain step's realised / predicted
+    time, and a tree's relative to that; and the ledger) may be shared with
     earlier choosers, which then hand over what they learned. ``chosen`` counts the steps per tree
     size (1: a plain step)."""
 
@@ -404,6 +406,13 @@ class AutoTree:
     # What probes may cost, at most, of the plain steps' time they interrupt: the most that turning
     # speculation on loses where it never pays.
     PROBE_SHARE = 0.02
+    # Each probe that loses more than a plain step's time against plain steps (text the drafter
+    # cannot follow, or a machine where its trees cannot pay: a drafter model's on a small CPU)
+    # halves that share, down to PROBE_SHARE / 2**BACKOFF; a probe that pays makes it whole again
+    # (one that loses less leaves it). Where speculation never pays, decoding then loses a quarter
+    # of a percent to probes, not two; where the text turns predictable, the first probe that pays
+    # brings their pace back.
+    BACKOFF = 3
     ADAPT = 0.15  # weight of the newest iteration in the cost scales and the share of drafts verified
     CLIP = 3.0  # the most one iteration's realised / predicted time may say
     # A call's first iteration is not learned from: it pays once per call (a drafter model's prefill
@@ -435,6 +444,7 @@ class AutoTree:
         self.scale.setdefault("probe_loss", 0.0)  # ms a probe took beyond plain steps for its tokens (adaptive)
         self.scale.setdefault("probes", 0)  # the probes that measured it
         self.scale.setdefault("bank", 0.0)  # ms the next probes may lose (the ledger)
+        self.scale.setdefault("losing", 0)  # the times the ledger's share is halved (BACKOFF)
         self.scale.setdefault("plain_run", 0)
         self.scale.setdefault("plain_age", 0)  # weighed tree steps since the last weighed plain step
         self.scale.setdefault("gain_got", 0.0)  # drafts accepted by the rows a choice served (faded)...
@@ -467,7 +477,7 @@ class AutoTree:
         # An adaptive choice goes on where the last call of its profile left off (probes stay spaced);
         # a seeded one keeps its ledger to itself, so that its choices follow the seed alone.
         if not adaptive:
-            self.scale["bank"], self.scale["plain_run"] = 0.0, 0
+            self.scale.update(bank=0.0, plain_run=0, losing=0)
         self._plain_run = self.scale["plain_run"]
         self._probe_loss = 0.0  # what the next probe is predicted to lose, its drafter's catch-up aside
         self._catch_due = 0.0  # the catch-up the drafter last said a probe would need (ms, seeded)
@@ -497,7 +507,7 @@ class AutoTree:
         for m in self.sizes:
             if m > order.n:
                 break
-            rate = gain[m - 2] / ((self.cost[m] + draft_cost[m]) * self.scale["tree"])
+            rate = gain[m - 2] / ((self.cost[m] + draft_cost[m]) * self._scaled("tree"))
             if rate > best_rate * (1.0 + 1e-9):
                 best, best_rate = m, rate
         return best, best_rate, gain[min(best, order.n) - 2]
@@ -540,6 +550,14 @@ class AutoTree:
     def _set_plan(self, order: TreeShape) -> None:
         self._order, self.draft_cost = order, self._drafting(order)
 
+    def _scaled(self, kind: str) -> float:
+        """Realised / predicted time of an iteration of ``kind``: a plain step's as learned; a
+        tree's (or packed pass's) is its own scale relative to the plain step's. Whatever slows
+        the whole machine (another process, a slower clock) is learned from the plain steps,
+        the most frequent, and prices trees too: learned apart, a slowdown had made plain steps
+        dear and trees, not drafted meanwhile, cheap, and trees then ran where they lost."""
+        return self.scale["plain"] if kind == "plain" else self.scale["plain"] * self.scale[kind]
+
     def _pick_sizes(self) -> tuple[int, int]:
         """The size to draft before drafting (1: a plain step), and the best size of a draft
         whatever a plain step is worth (what a probe drafts): by expected tokens per millisecond
@@ -549,7 +567,8 @@ class AutoTree:
         if order is None or not self.sizes:  # no tree fits: plain steps only
             return 1, 1
         best, _, self._gain = self._best_size(order, self.draft_cost, self._hazard())
-        self._tree_ms, self._draft_ms = self.cost[best] * self.scale["tree"], self.draft_cost[best] * self.scale["tree"]
+        tree = self._scaled("tree")
+        self._tree_ms, self._draft_ms = self.cost[best] * tree, self.draft_cost[best] * tree
         plain = self.cost[1] * self.scale["plain"]
         # What a probe is predicted to lose against plain steps: its time beyond theirs for the tokens
         # it is expected to emit. A seeded choice prices the worst case, one token from a probe (with
@@ -628,8 +647,10 @@ class AutoTree:
 
     # -- the probes' ledger ---------------------------------------------------------------------
     def _deposit(self) -> float:
-        """What one plain step puts in the ledger: ``PROBE_SHARE`` of its time."""
-        return self.PROBE_SHARE * self.cost[1] * self.scale["plain"]
+        """What one plain step puts in the ledger: ``PROBE_SHARE`` of its time, halved as many
+        times as probes said (``BACKOFF``)."""
+        share = self.PROBE_SHARE * 0.5 ** self.scale["losing"]
+        return share * self.cost[1] * self.scale["plain"]
 
     def _deposit_plain(self, steps: int) -> None:
         """``steps`` plain steps' deposits. The ledger holds at most the next probe's price (and one
@@ -683,7 +704,7 @@ class AutoTree:
         v = _chances(parents[:, :n], rank[:, :n], depth[:, :n], np.ascontiguousarray(valid[:, :n]), hazard)
         if ids is not None:  # the row the choice before drafting weighs from now on: the one gaining least
             self._focus = int(ids[np.flatnonzero(active)[int(np.argmin(v[active, 1:].sum(1)))]])
-        cost = self.cost[: n + 1] * self.scale["tree"]
+        cost = self.cost[: n + 1] * self._scaled("tree")
         cost[1] = self.cost[1] * self.scale["plain"] / self.margin
         promised = v[:, 1:].copy()
         v[:, 1:] *= self.gain_scale()
@@ -716,7 +737,7 @@ class AutoTree:
         B, n = v.shape
         if B < 2 or not active.any():
             return None
-        packed = self._packed_ms(np.arange(B * n + 1), B) * self.scale["packed"]
+        packed = self._packed_ms(np.arange(B * n + 1), B) * self._scaled("packed")
         sizes, rate = _best_rows(v, active, packed)
         if rate <= 0.0 or sizes.min() == sizes.max():  # (the same size for all: the padded pass is that)
             return None
@@ -772,7 +793,8 @@ class AutoTree:
                 self._pay_aftermath(elapsed_ms - self.cost[1] * self.scale["plain"], after)
         elif timed and self._iterations > self.SETTLE and not (after_tree and tree is None):
             # clipped: one iteration that compiled or measured something must not price trees out for good
-            ratio = min(max(elapsed_ms / predicted, 1.0 / self.CLIP), self.CLIP)
+            base = 1.0 if kind == "plain" else self.scale["plain"]  # (a tree's scale is relative: _scaled)
+            ratio = min(max(elapsed_ms / (predicted * base), 1.0 / self.CLIP), self.CLIP)
             self.scale[kind] += self.ADAPT * (ratio - self.scale[kind])
             self.scale["plain_age"] = 0 if kind == "plain" else self.scale["plain_age"] + 1
             self._stale = True
@@ -798,15 +820,20 @@ class AutoTree:
     def _pay_probe(self, predicted: float, tree, counts, rows, ids, elapsed_ms: float | None) -> None:
         """Take this step's probe out of the ledger: by the clock where the choice is adaptive
         (its time beyond plain steps for the tokens it emitted; a probe whose draft came out empty
-        emitted one), else at the price it was let through at."""
-        if not self.adaptive or elapsed_ms is None:
-            self.scale["bank"] -= self._charge
-            return
+        emitted one), else at the price it was let through at. What it lost (by the clock, else by
+        the profile's prediction) sets the ledger's pace (``BACKOFF``)."""
         emitted = 1.0
         if tree is not None:
             focus = rows if ids is None or self._focus is None else rows[np.asarray(ids)[rows] == self._focus]
             emitted = float(np.mean(counts[focus if len(focus) else rows]))
-        beyond = elapsed_ms - emitted * self.cost[1] * self.scale["plain"]
+        step = self.cost[1] * self.scale["plain"]
+        plain = emitted * step
+        timed = self.adaptive and elapsed_ms is not None
+        if not timed:
+            self.scale["bank"] -= self._charge
+            self._pace(predicted - plain, step)
+            return
+        beyond = elapsed_ms - plain
         # Clipped: one probe that compiled something (two orders of magnitude over its prediction)
         # would stop probing for tens of thousands of steps, and text where trees paid would run
         # plain. The first at CLIP times its prediction, later ones at twice what is known, so that
@@ -816,10 +843,19 @@ class AutoTree:
             known = 2.0 * max(known, self.scale["probe_loss"])
         beyond = min(beyond, known)
         self.scale["bank"] -= beyond
+        self._pace(beyond, step)
         weight = 0.5 if self.scale["probes"] else 1.0
         self.scale["probe_loss"] += weight * (beyond - self.scale["probe_loss"])
         self.scale["probes"] += 1
         self._after_probe = weight  # the plain step after it adds its aftermath (:meth:`_pay_aftermath`)
+
+    def _pace(self, lost: float, step: float) -> None:
+        """The ledger's pace after a probe that lost ``lost`` ms against plain steps of ``step``
+        ms for its tokens (``BACKOFF``)."""
+        if lost > step:
+            self.scale["losing"] = min(self.scale["losing"] + 1, self.BACKOFF)
+        elif lost <= 0.0:
+            self.scale["losing"] = 0
 
     def _pay_aftermath(self, excess: float, weight: float) -> None:
         """A probe's aftermath: the time the plain step after it took beyond a plain step's (at

@@ -528,42 +528,101 @@ def test_plain_steps_right_after_trees_do_not_price_plain_decoding():
     assert np.mean(late) > 0.9
 
 
-def test_plain_runs_teach_what_a_plain_step_costs():
-    """The profile says a plain step takes 1 ms; a run of 30 plain steps the loop took ahead says
-    0.6 ms each. Trees bringing 1.95 tokens for 1.5 ms beat the profile's plain step but not the
-    clock's: after the run the choice decodes plain. A seeded choice (not adaptive), or a run
-    without its time, teaches nothing."""
-    profile = CostProfile(1.0, (2, 4), (1.5, 1.5))
+def test_plain_runs_teach_the_machines_speed_and_trees_their_own_price():
+    """A plain step 1 ms by the profile, 2-node trees bringing 1.95 tokens.
+
+    Trees of 2.2 ms lose. The machine then slows by half (another process): a run of 30 plain
+    steps takes 45 ms. That prices trees too, and plain steps still win (learned apart, trees not
+    drafted meanwhile kept their old price, looked cheap, and ran where they lost).
+
+    Trees of 1.5 ms win. A run of 30 plain steps in 18 ms (0.6 ms each) says the machine is
+    faster, trees too: they still win. Trees that then take 1.5 ms by the clock all the same
+    teach their own price, and within a few the choice decodes plain.
+
+    A seeded choice (not adaptive), or a run without its time, teaches nothing."""
     rates = PathRates(prior=(0.95,) + PathRates.PRIOR[1:])
+    slow = AutoTree(CostProfile(1.0, (2, 4), (2.2, 2.2)), adaptive=True, rates=rates, sizes=(2,))
+    assert slow._pick == 1
+    slow.plain_steps(30, 45.0)
+    assert slow.scale["plain"] == pytest.approx(1.5, abs=0.01)
+    assert slow.plain_ahead() > 0 and slow._pick == 1
+    profile = CostProfile(1.0, (2, 4), (1.5, 1.5))
     for adaptive, ms in ((True, 18.0), (True, None), (False, 18.0)):
-        auto = AutoTree(profile, adaptive=adaptive, rates=rates, sizes=(2,))
+        auto = AutoTree(profile, adaptive=adaptive, rates=PathRates(prior=rates.prior), sizes=(2,))
         assert auto._pick == 2 and auto.plain_ahead() == 0  # trees win against the profile's plain step
         auto.plain_steps(30, ms)
-        if adaptive and ms is not None:
-            assert auto.scale["plain"] == pytest.approx(0.6, abs=0.01)
-            assert auto.plain_ahead() > 0 and auto._pick == 1
-        else:
-            assert auto.scale["plain"] == 1.0 and auto.plain_ahead() == 0
+        assert auto._pick == 2 and auto.plain_ahead() == 0
+        if not adaptive or ms is None:
+            assert auto.scale["plain"] == 1.0
+            continue
+        assert auto.scale["plain"] == pytest.approx(0.6, abs=0.01)
+        trees = 0
+        while trees < 20:
+            plan = auto.plan()
+            draft = None if plan is None else auto.choose(full_draft(plan), np.ones(1, dtype=np.bool_))
+            if draft is None:
+                break
+            auto.record(draft, np.array([[int(draft.tokens[0, 1]), 0]]), np.array([2]), np.arange(1), elapsed_ms=1.5)
+            trees += 1
+        assert 2 <= trees < 20 and auto.scale["tree"] > 1.3
+
+
+class Steady(AutoTree):
+    """The ledger at its whole share whatever probes lose (no ``BACKOFF``)."""
+
+    BACKOFF = 0
 
 
 def test_adaptive_probes_are_spaced_by_what_they_took_and_the_next_call_goes_on():
     """A profile that says probes are cheap, probes that take 8 ms (a drafter model catching up):
     an adaptive choice charges the ledger the 7 ms they lose, so that they cost at most
     PROBE_SHARE of the plain steps, and a later chooser sharing its scale goes on from there
-    (no burst of probes at the start of every call); a seeded (non-adaptive) one cannot know."""
+    (no burst of probes at the start of every call); a seeded (non-adaptive) one cannot know.
+    (The ledger at its whole share: the backoff has a test of its own.)"""
     profile = CostProfile(1.0, (2, 4, 8, 16), (1.5, 1.6, 1.8, 2.2))
-    auto = AutoTree(profile, adaptive=True)
+    auto = Steady(profile, adaptive=True)
     drafted = run_rejecting(auto, 3000, 8.0)
     assert auto.scale["probe_loss"] == pytest.approx(7.0, rel=0.05)
     late = [b - a for a, b in zip(drafted, drafted[1:])][2:]  # once the loss is learned
     assert late and min(late) >= 0.95 * 7.0 / (AutoTree.PROBE_SHARE * 1.0)  # ~350 plain steps
     assert sum(drafted.probe_losses()) <= AutoTree.PROBE_SHARE * auto.chosen[1] + 2 * 7.0
-    after = AutoTree(profile, adaptive=True, rates=auto.rates, scale=auto.scale)
+    after = Steady(profile, adaptive=True, rates=auto.rates, scale=auto.scale)
     wait = math.ceil((7.0 - auto.scale["bank"]) / (AutoTree.PROBE_SHARE * after.cost[1] * after.scale["plain"]))
     assert 10 < wait < 351 and run_rejecting(after, wait - 1, 8.0) == []
     assert run_rejecting(after, 2, 8.0) != []  # the wait begun in the last call ends here
-    seeded = AutoTree(profile)
+    seeded = Steady(profile)
     assert len(run_rejecting(seeded, 3000, 8.0)) > 3 * len(drafted)
+
+
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_probes_that_keep_losing_slow_down_and_one_that_pays_brings_them_back(adaptive):
+    """Probes that lose 7 ms against 1 ms plain steps (by the clock; a seeded choice by its
+    profile, which says so too): each halves the ledger's share, down to PROBE_SHARE / 2**BACKOFF,
+    so over 20,000 steps they lose at most that share of the plain steps and the few probes'
+    before it, with a fifth of the probes the whole share would buy or fewer. Probes that lose less
+    than a plain step leave the share whole (the ledger tests above). Then one probe that pays
+    (two tokens in 1.5 ms, the text turned predictable) makes the share whole again."""
+    profile = CostProfile(1.0, (2, 4, 8, 16), (8.0,) * 4)
+    auto = AutoTree(profile, adaptive=adaptive)
+    drafted = run_rejecting(auto, 20000, 8.0)
+    assert auto.scale["losing"] == AutoTree.BACKOFF
+    least = AutoTree.PROBE_SHARE / 2 ** AutoTree.BACKOFF
+    gaps = np.diff(drafted)[AutoTree.BACKOFF - 1:]  # once BACKOFF probes have lost
+    assert len(gaps) >= 3 and min(gaps) >= 0.95 * 7.0 / least
+    plain = 20000 - len(drafted)
+    assert sum(drafted.probe_losses()) <= least * plain + (AutoTree.BACKOFF + 2) * 7.0
+    steady = run_rejecting(Steady(profile, adaptive=adaptive), 20000, 8.0)
+    assert len(steady) >= 5 * len(drafted)
+    if not adaptive:
+        return
+    auto._plain_run, auto.scale["bank"] = AutoTree.PROBE, auto._probe_price()  # a probe is due
+    plan = auto.plan()
+    assert auto._probing
+    draft = auto.choose(full_draft(plan), np.ones(1, dtype=np.bool_))
+    first = draft.static_shape.children()[0][0]
+    auto.record(draft, np.array([[int(draft.tokens[0, first]), 999]]), np.array([2]), np.arange(1), elapsed_ms=1.5)
+    assert auto.scale["losing"] == 0
+    assert run_rejecting(auto, int(7.0 / AutoTree.PROBE_SHARE) + AutoTree.PROBE + 2, 8.0) != []
 
 
 def test_the_step_after_a_probe_is_part_of_its_price():
@@ -593,7 +652,7 @@ def test_one_probe_that_compiled_something_does_not_stop_probing():
     assert run_rejecting(auto, 1, 300.0) == [0]
     charged = calm - auto.scale["bank"]
     assert charged <= 2.0 * max(AutoTree.CLIP * 2.2, calm) + 1e-9
-    wait = (charged + auto.scale["probe_loss"]) / AutoTree.PROBE_SHARE  # the debt, then the next price
+    wait = (charged + auto.scale["probe_loss"]) / auto._deposit()  # the debt, then the next price
     after = run_rejecting(auto, 3000, 2.0)
     assert len(after) >= 3 and after[0] <= wait + 1 and auto.scale["probe_loss"] < 2 * calm + 0.5
 
