@@ -8,7 +8,9 @@ measuring the machine's costs, each prompt length's first prefill; short runs wh
 compiles), then the configurations of one (mode, batch size, temperature) take turns
 on every batch of prompts, the order rotating, so that drift hits all alike (``--rounds`` times;
 the same seed per batch of prompts in every round). Reported per
-configuration: tokens/s, the gain over autoregressive decoding, tau (tokens per decoding step),
+configuration: tokens/s, the gain over autoregressive decoding (and the quartiles of each turn's
+gain over the autoregressive run of the same prompts in the same turn: paired, so that the
+machine's drift between turns cancels), tau (tokens per decoding step),
 the decoding step's cost in autoregressive steps, the share of plain steps and the tree sizes the
 choice took, and for greedy runs whether every output equals the autoregressive one. A second
 autoregressive configuration ("autoregressive again", identical to the first) takes its turns
@@ -30,6 +32,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 from tqdm import tqdm
 
@@ -124,6 +127,7 @@ def main(argv=None):
                 runs[name].append(run(name, prompts[start: start + batch], start))
         ar = [o for o, _ in runs["autoregressive"]]
         ar_seconds = sum(t for _, t in runs["autoregressive"])
+        ar_rates = [sum(o.stats.new_tokens) / t for o, t in runs["autoregressive"]]
         ar_steps = sum(len(a) for o in ar for a in o.stats.accepted)
         for name in names:
             outs = [o for o, _ in runs[name]]
@@ -131,10 +135,16 @@ def main(argv=None):
             tokens = sum(sum(o.stats.new_tokens) for o in outs)
             steps = sum(len(a) for o in outs for a in o.stats.accepted)
             trees = merged_trees([o.stats for o in outs])
+            # each turn's gain against autoregressive decoding's run of the same prompts in the same turn:
+            # paired, so that what drifts between turns (this machine's speed) cancels; their spread is the
+            # noise a gain must clear
+            paired = [sum(o.stats.new_tokens) / t / a for (o, t), a in zip(runs[name], ar_rates)]
             rows.append(dict(
                 mode=mode, batch=batch, temperature=temperature, drafter=name, tokens=tokens, seconds=seconds,
                 tokens_per_s=tokens / seconds,
                 gain=(tokens / seconds) / (sum(sum(o.stats.new_tokens) for o in ar) / ar_seconds),
+                gain_turns=dict(zip(("min", "q25", "median", "q75", "max"),
+                                    np.quantile(paired, (0.0, 0.25, 0.5, 0.75, 1.0)).tolist()), turns=len(paired)),
                 tau=pooled_tau([o.stats for o in outs]),
                 step_in_ar_steps=(seconds / steps) / (ar_seconds / ar_steps),
                 trees=trees, trees_chosen=trees_chosen(trees), packed=sum(o.stats.packed for o in outs),
@@ -152,7 +162,7 @@ def main(argv=None):
                 warmup_s=warmup if name == names[0] else None))
             r = rows[-1]
             print(f"{mode:<9}b{batch:<3}T{temperature:<4}{name:<15}{r['tokens_per_s']:>8.1f} tok/s  "
-                  f"x{r['gain']:.2f}  tau {r['tau']:.2f}  step {r['step_in_ar_steps']:.2f} AR  {r['trees_chosen']}"
+                  f"x{r['gain']:.2f} (turns {r['gain_turns']['q25']:.2f}-{r['gain_turns']['q75']:.2f})  tau {r['tau']:.2f}  step {r['step_in_ar_steps']:.2f} AR  {r['trees_chosen']}"
                   f"  packed {r['packed']}"
                   + ("" if r["identical"] is None else f"  identical {'yes' if r['identical'] else 'NO'}")
                   + "  ms/call " + " ".join(f"{k} {v:.2f}" for k, v in r["call_ms"].items()),
@@ -162,7 +172,8 @@ def main(argv=None):
                   note="LM.generate at default settings (tree='auto'); gain: tokens/s (each call's wall clock: "
                        "tokenising, the drafter's making and the tree choice's setup included) over stree's own "
                        "autoregressive decoding in the same mode, batch size and temperature, runs interleaved per "
-                       "batch of prompts; step_in_ar_steps: seconds per decoding step over the autoregressive one's; "
+                       "batch of prompts; gain_turns: quartiles of each turn's gain over the autoregressive run of "
+                       "the same prompts in the same turn (paired: the machine's drift cancels); step_in_ar_steps: seconds per decoding step over the autoregressive one's; "
                        "trees: steps per tree size (1: a plain step); packed: tree steps whose rows each took a size "
                        "of their own; warm-up (compiling, measuring costs) not timed",
                   results=rows)
@@ -177,13 +188,15 @@ def plot(result):
     rows = [r for r in result["results"] if r["drafter"] != "autoregressive"]
     labels = [f"{r['mode'][:5]} b{r['batch']} T{r['temperature']:g} {r['drafter']}" for r in rows]
     fig, ax = plt.subplots(figsize=(8, max(3, 0.22 * len(rows))))
-    ax.barh(labels, [r["gain"] for r in rows], color=["tab:gray" if r["drafter"] == CONTROL else "tab:green"
-                                                      if r["gain"] >= 1 else "tab:red" for r in rows])
+    spread = np.array([[r["gain"] - r["gain_turns"]["q25"], r["gain_turns"]["q75"] - r["gain"]] for r in rows]).T
+    ax.barh(labels, [r["gain"] for r in rows], xerr=spread.clip(0, None), error_kw=dict(lw=0.8, capsize=2),
+            color=["tab:gray" if r["drafter"] == CONTROL else "tab:green" if r["gain"] >= 1 else "tab:red"
+                   for r in rows])
     ax.axvline(1.0, color="black", lw=0.8)
     ax.invert_yaxis()
     ax.tick_params(axis="y", labelsize=7)
     ax.set(xlabel="tokens/s over stree's own autoregressive decoding (same mode, batch, temperature)",
-           title=f"LM.generate defaults (tree='auto'), {result['device']}")
+           title=f"LM.generate defaults (tree='auto'), {result['device']}; whiskers: the turns' quartiles")
     ax.title.set_fontsize(8)
     return fig
 

@@ -170,6 +170,12 @@ def test_speculation_smoke_reports_gains_over_autoregressive(tmp_path):
         assert sum(r["trees"].values()) > 0 and r["gain"] > 0 and r["step_in_ar_steps"] > 0
         assert set(r["call_ms"]) == {"setup", "prefill", "loop", "outside"} and r["call_ms"]["loop"] > 0
         assert (r["call_ms"]["setup"] > 0) == (r["drafter"] in ("ngram", "ssm"))  # the tree choice's setup
+        # two turns (one round of two prompts), as many tokens each: the pooled gain lies between the
+        # turns' paired ones
+        turns = r["gain_turns"]
+        assert turns["turns"] == 2 and turns["min"] <= turns["q25"] <= turns["median"] <= turns["q75"] <= turns["max"]
+        assert turns["min"] * (1 - 1e-9) <= r["gain"] <= turns["max"] * (1 + 1e-9)
+    assert ar["gain_turns"]["min"] == ar["gain_turns"]["max"] == 1.0
 
 
 def test_cost_smoke_tables_every_size_in_steps_and_the_drafters_step(tmp_path):
