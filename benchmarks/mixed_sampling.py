@@ -1,15 +1,17 @@
 """Requests of different temperatures in one engine: the serving engine decodes rows of every
-temperature (greedy ones included, where the drafter drafts alike for them), top-k and top-p as
-one batch (each row with its own values, ``SamplingParams.stack``). Three ways, on the same engine
-and weights: "one batch" is the engine as it is; "greedy apart" sampled rows in one batch and
-greedy rows in a cohort of their own (the engine before greedy rows joined); "apart" a cohort per
-set of values (the engine before that), one target pass each per iteration.
+temperature (greedy ones included: drafters of random drafts draft their likeliest tokens for
+them), top-k and top-p as one batch (each row with its own values, ``SamplingParams.stack``).
+Three ways, on the same engine and weights: "one batch" is the engine as it is; "greedy apart"
+sampled rows in one batch and greedy rows in a cohort of their own (the engine before greedy rows
+joined, for STAND and the SSM drafter before greedy rows could be drafted beside drawn ones);
+"apart" a cohort per set of values (the engine before that), one target pass each per iteration.
 
 ``--concurrency`` requests at once (the shipped target, ``--max-tokens`` each, held-out code
-prompts), their temperatures cycling through ``--temperatures`` (0: greedy), autoregressive and
-with the n-gram drafter (``tree="auto"``). Every configuration runs once first (cost profiles measured,
-calls built), then they take turns for ``--rounds``, the order alternating. Reported: output
-tokens per second over each load's wall time, and one batch's gain over apart. Writes JSON and a PNG.
+prompts), their temperatures cycling through ``--temperatures`` (0: greedy), for each of
+``--drafters`` (autoregressive, n-gram, STAND, the SSM drafter; ``tree="auto"``). Every
+configuration runs once first (cost profiles measured, calls built), then they take turns for
+``--rounds``, the order alternating. Reported: output tokens per second over each load's wall
+time, and one batch's gain over apart. Writes JSON and a PNG.
 
     python benchmarks/mixed_sampling.py
     python benchmarks/mixed_sampling.py --smoke
@@ -28,10 +30,10 @@ from tqdm import tqdm
 import stree
 from stree.serving import Engine
 from stree.serving import engine as engine_module
-from stree.tools.demo import TARGET, read_prompts
+from stree.tools.demo import DRAFTER, TARGET, read_prompts
 from stree.tools.timing import run_info, save_result
 
-DRAFTERS = {"autoregressive": None, "n-gram": "ngram"}
+DRAFTERS = {"autoregressive": None, "n-gram": "ngram", "stand": "stand", "ssm": "ssm"}
 SHARED_KEY = engine_module._Settings.cohort
 WAYS = ("one batch", "greedy apart", "apart")
 
@@ -71,16 +73,20 @@ def main(argv=None):
     p.add_argument("--temperatures", default="0,0.7,0,1.0")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--rounds", type=int, default=4)
+    p.add_argument("--drafters", default=",".join(DRAFTERS), help=f"of {', '.join(DRAFTERS)}")
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--out", default=str(Path(__file__).parent / "results"))
     args = p.parse_args(argv)
     if args.smoke:
         args.concurrency, args.max_tokens, args.rounds, args.temperatures = 2, 4, 1, "0,1.0"
     temperatures = [float(t) for t in args.temperatures.split(",")]
+    names = args.drafters.split(",")
+    if not set(names) <= set(DRAFTERS):
+        p.error(f"--drafters takes names of {', '.join(DRAFTERS)}, got {args.drafters!r}")
     torch.manual_seed(0)
-    lm = stree.LM.from_pretrained(TARGET, dtype="float32")
+    lm = stree.LM.from_pretrained(TARGET, dtype="float32", drafter_model=DRAFTER if "ssm" in names else None)
     prompts = read_prompts(TARGET / "prompts.jsonl", args.concurrency)
-    configs = [(name, batching) for name in DRAFTERS for batching in WAYS]
+    configs = [(name, batching) for name in names for batching in WAYS]
     for name, batching in configs if not args.smoke else []:  # (the smoke times nothing it reports)
         load(lm, prompts, temperatures, DRAFTERS[name], batching, min(args.max_tokens, 16))
     totals = {c: [0, 0.0] for c in configs}

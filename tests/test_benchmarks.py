@@ -242,7 +242,8 @@ def test_mixed_sampling_smoke_runs_every_batching_and_puts_the_key_back(tmp_path
     key = engine._Settings.cohort
     result = smoke("mixed_sampling", tmp_path)
     rows = result["results"]
-    assert [(r["drafter"], r["batching"]) for r in rows] == [(d, b) for d in ("autoregressive", "n-gram")
+    drafters = ("autoregressive", "n-gram", "stand", "ssm")
+    assert [(r["drafter"], r["batching"]) for r in rows] == [(d, b) for d in drafters
                                                              for b in ("one batch", "greedy apart", "apart")]
     assert all(r["tokens"] == 2 * 4 and r["tokens_per_s"] > 0 for r in rows)
     assert all(r["gain_over_apart"] == 1.0 for r in rows if r["batching"] == "apart")

@@ -144,7 +144,8 @@ class _Loop:
     def __init__(self, model, config: DecodeConfig, method: str, seed, cache, on_step, time_phases: bool):
         self.model, self.c, self.cache, self.on_step = model, config, cache, on_step
         self.drafter, self.chooser = config.drafter, config.chooser
-        self.rows = Rows(config.prompts, config.budgets, config.eos, config.logprobs)
+        self.rows = Rows(config.prompts, config.budgets, config.eos, config.logprobs,
+                         config.params.greedy_mask(len(config.prompts)))
         self.stats = GenerationStats(new_tokens=[0] * self.rows.batch_size, prefilled=cache is None)
         if config.auto and self.drafter is not None and self.chooser is None:
             t0 = time.perf_counter()

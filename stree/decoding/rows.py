@@ -140,10 +140,12 @@ class Rows:
     the tokens produced, and whether it still decodes; rows finish at an EOS or their
     ``max_new_tokens`` (an int, or one per row). ``exact``: see :class:`GenerationOutput`.
     ``logprobs``: the top entries kept per generated token (None: no log-probabilities kept; else
-    ``self.logprobs_of[row]`` holds a :class:`TokenLogprob` per generated token)."""
+    ``self.logprobs_of[row]`` holds a :class:`TokenLogprob` per generated token). ``greedy``: per
+    row, whether it decodes greedily (None: no row does), what drafters read in
+    :class:`DraftContext`."""
 
     def __init__(self, prompts: list[list[int]], max_new_tokens: list[int], eos: list[int],
-                 logprobs: int | None = None):
+                 logprobs: int | None = None, greedy: np.ndarray | None = None):
         B, longest = len(prompts), max(map(len, prompts))
         # grown as tokens come (doubling): max_new_tokens is a limit, not an allocation
         self.seq = torch.zeros(B, longest + min(max(max_new_tokens), 256), dtype=torch.long)
@@ -160,6 +162,7 @@ class Rows:
         self.accepted: list[list[int]] = [[] for _ in range(B)]
         self.logprobs = logprobs
         self.logprobs_of: list[list[TokenLogprob]] | None = None if logprobs is None else [[] for _ in range(B)]
+        self.greedy = greedy
 
     @property
     def batch_size(self) -> int:
@@ -169,7 +172,8 @@ class Rows:
         return np.flatnonzero(self.active.numpy()).tolist()
 
     def context(self) -> DraftContext:
-        return DraftContext(self.seq, self.lengths, self.active_ids())
+        live = self.active_ids()
+        return DraftContext(self.seq, self.lengths, live, None if self.greedy is None else self.greedy[live])
 
     def roots(self) -> torch.Tensor:
         """Every row's last token (a finished row's too: where the batch keeps its shape, it rides

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from ..tree import TokenTree, TreeBudget, TreeShape
@@ -15,11 +16,15 @@ class DraftContext:
     """What a drafter may read: ``tokens`` ``[R, T]`` (CPU, right-padded) and ``lengths`` ``[R]``
     hold every row's prompt and generated tokens, indexed by *stable* row id; ``rows`` lists the
     ids of the rows to draft for, in batch order. A row's last token is the root of its tree.
-    Rows only grow between calls, so a drafter may index each row incrementally."""
+    Rows only grow between calls, so a drafter may index each row incrementally. ``greedy``: per
+    drafted row (batch order), whether it decodes greedily (None: no row does); a drafter whose
+    drafts are random drafts its likeliest tokens for those rows (:meth:`random_rows`), as
+    greedy verification takes the target's top token only and random drafts would waste slots."""
 
     tokens: torch.Tensor
     lengths: torch.Tensor
     rows: list[int]
+    greedy: np.ndarray | None = None
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -28,6 +33,13 @@ class DraftContext:
         """Tokens ``start:`` of the i-th drafted row, as a list."""
         r = self.rows[i]
         return self.tokens[r, start: int(self.lengths[r])].tolist()
+
+    def random_rows(self, stochastic: bool) -> np.ndarray:
+        """``[len(rows)]`` bool: the rows a drafter of random drafts (``stochastic``) draws for;
+        the others (greedy rows, or every row of a deterministic drafter) take its top entries."""
+        if not stochastic:
+            return np.zeros(len(self.rows), dtype=bool)
+        return np.ones(len(self.rows), dtype=bool) if self.greedy is None else ~np.asarray(self.greedy, dtype=bool)
 
     def last_tokens(self) -> torch.Tensor:
         rows = torch.tensor(self.rows, dtype=torch.long)

@@ -53,21 +53,24 @@ class Level(NamedTuple):
 #: ``expand(level) -> (ids, probs)``, ``[m, K]`` each: the law each node's children are drawn
 #: from (probabilities not necessarily summing to 1, zeros where it has fewer than K entries).
 Expand = Callable[[Level], "tuple[np.ndarray, np.ndarray]"]
-#: ``draw_order(probs) -> [m, K]``: each row's entries in draw order (zero entries last).
+#: ``draw_order(probs) -> [m, K]``: each entry's candidates in the order of random draws (zero entries last).
 DrawOrder = Callable[[np.ndarray], np.ndarray]
 
 
-def grow(budget: TreeBudget, roots: np.ndarray, expand: Expand, draw_order: DrawOrder, stochastic: bool,
+def grow(budget: TreeBudget, roots: np.ndarray, expand: Expand, draw_order: DrawOrder, stochastic,
          rates: "SlotRates | None" = None, row_ids: list[int] | None = None, placed=None) -> TokenTree:
     """Grow one tree per root under ``budget`` (see the module docstring). Rows that are offered
-    fewer than ``budget.nodes - 1`` nodes are padded with invalid nodes under the root. With
-    ``stochastic``, every expanded node carries its law as ``child_ids``/``child_probs``. With
+    fewer than ``budget.nodes - 1`` nodes are padded with invalid nodes under the root.
+    ``stochastic`` (a bool, or one per root): the rows whose children are drawn (``draw_order``);
+    the others take their entries by probability. Where any row draws, every expanded node
+    carries its law as ``child_ids``/``child_probs``. With
     ``rates`` (and a calibrated budget), a slot's factor is its learned chance of acceptance
     instead of ``r_j``; the tree is remembered under ``row_ids`` for :meth:`SlotRates.record`.
     Each level's bookkeeping runs compiled (:func:`_level`); ``expand`` and ``draw_order`` are
     the drafter's. ``placed(call, rows, nodes)``, if given, learns where the entries of each
     ``expand`` call (numbered from 0) ended up: their batch rows and node numbers (-1: dropped)."""
     B, N = len(roots), budget.nodes
+    stochastic = np.ascontiguousarray(np.broadcast_to(stochastic, (B,)), dtype=np.bool_)
     rates = rates if budget.calibrate else None
     pool = _Pool(B, N)
     pool.token[:B] = roots
@@ -77,7 +80,14 @@ def grow(budget: TreeBudget, roots: np.ndarray, expand: Expand, draw_order: Draw
         ids, probs = expand(Level(pool.token[frontier], parent_pos))
         ids, probs = np.ascontiguousarray(ids, dtype=np.int64), np.ascontiguousarray(probs, dtype=np.float64)
         laws.append((frontier, ids, probs))
-        order = np.ascontiguousarray(draw_order(probs), dtype=np.int64)
+        drawing = stochastic[pool.row[frontier]]
+        if drawing.all():
+            order = draw_order(probs)
+        else:  # (greedy rows: by probability)
+            order = np.argsort(-probs, axis=1, kind="stable")
+            if drawing.any():
+                order[drawing] = draw_order(probs[drawing])
+        order = np.ascontiguousarray(order, dtype=np.int64)
         if rates is not None:
             rates.cover(ids.shape[1])
         pool.reserve(len(frontier) * min(ids.shape[1], N - 1))
@@ -166,8 +176,9 @@ def _level(row, parent, token, prio, value, rank, conf, count, B, frontier, ids,
            width, use_rates, acc, reached):
     """Offer the slots of every ``frontier`` entry (its law ``ids``/``probs``, draw ``order``) to
     the pool, keep each row's best N entries, and pick the next frontier: the new kept entries,
-    at most ``width`` per row, best first. Returns the pool size, the kept mask, the next
-    frontier (creation order) and each of its entries' parent's position in ``frontier``."""
+    at most ``width`` per row, best first (``stochastic``: per row, whether its draws are
+    random). Returns the pool size, the kept mask, the next frontier (creation order) and each of
+    its entries' parent's position in ``frontier``."""
     m, K = probs.shape
     S = min(K, N - 1)  # no node has more than N - 1 children
     first = count
@@ -178,8 +189,8 @@ def _level(row, parent, token, prio, value, rank, conf, count, B, frontier, ids,
             continue
         for j in range(K):
             qs[j] = probs[f, order[f, j]] / total
-        _slots(qs, stochastic, use_rates, acc, reached, r, factor)
         src = frontier[f]
+        _slots(qs, stochastic[row[src]], use_rates, acc, reached, r, factor)
         for j in range(S):
             if r[j] <= 0:
                 break
@@ -211,7 +222,7 @@ def _level(row, parent, token, prio, value, rank, conf, count, B, frontier, ids,
     return count, kept, nxt, pos[parent[nxt]]
 
 
-def _tree(kept, row, parent, token, laws, B: int, N: int, stochastic: bool) -> tuple[TokenTree, np.ndarray]:
+def _tree(kept, row, parent, token, laws, B: int, N: int, stochastic: np.ndarray) -> tuple[TokenTree, np.ndarray]:
     """The kept pool entries as a [B, N] tree: each row's nodes in creation order (parents come
     before children, siblings in draw order), the rest invalid padding under the root; and each
     pool entry's node number (-1: not kept)."""
@@ -229,7 +240,7 @@ def _tree(kept, row, parent, token, laws, B: int, N: int, stochastic: bool) -> t
     inner = parent[idx] >= 0
     parents[r[inner], v[inner]] = node[parent[idx[inner]]]
     extra = {}
-    if stochastic:
+    if stochastic.any():
         K = max(ids.shape[1] for _, ids, _ in laws)
         child_ids, child_probs = np.zeros((B, N, K), dtype=np.int64), np.zeros((B, N, K), dtype=np.float32)
         for pool_ids, ids, probs in laws:

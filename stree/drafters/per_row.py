@@ -41,10 +41,21 @@ class PerRowDrafter(Drafter):
 
     def propose(self, context: DraftContext, shape: TreeShape | None = None) -> TokenTree:
         shape = self.tree_shape(shape)
-        trees = [self._of(r).propose(DraftContext(context.tokens, context.lengths, [r]), shape) for r in context.rows]
-        cat = lambda name: None if getattr(trees[0], name) is None else torch.cat([getattr(t, name) for t in trees])
-        extra = {name: cat(name) for name in ("valid", "child_ids", "child_probs") if cat(name) is not None}
-        return TokenTree.from_shape(shape, cat("tokens"), with_replacement=trees[0].with_replacement, **extra)
+        greedy = context.greedy
+        trees = [self._of(r).propose(DraftContext(context.tokens, context.lengths, [r],
+                                                  None if greedy is None else greedy[i: i + 1]), shape)
+                 for i, r in enumerate(context.rows)]
+        extra = {}
+        if any(t.valid is not None for t in trees):
+            extra["valid"] = torch.cat([torch.ones_like(t.tokens, dtype=torch.bool) if t.valid is None else t.valid
+                                        for t in trees])
+        # Laws only where every row has one: greedy rows beside drawing ones draft without, and
+        # one-hot verification is exact for drafts of any law (each sibling judged given the others)
+        if all(t.child_ids is not None for t in trees):
+            extra.update(child_ids=torch.cat([t.child_ids for t in trees]),
+                         child_probs=torch.cat([t.child_probs for t in trees]))
+        return TokenTree.from_shape(shape, torch.cat([t.tokens for t in trees]),
+                                    with_replacement=trees[0].with_replacement, **extra)
 
     def observe(self, context: DraftContext, tokens, target) -> None:
         for i, r in enumerate(context.rows):

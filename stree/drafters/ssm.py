@@ -104,7 +104,8 @@ class SSMDrafter(Drafter):
     ``mode="static"``: fills ``shape`` level by level, one ``step`` per level over that level's
     parents only (each a row of a copy of the drafter's cache); node v's c children are c draws
     without replacement from q's top ``top_k`` (Gumbel-top-k, the law attached for lossless
-    verification), or with ``stochastic=False`` the c most likely tokens (one-hot verification).
+    verification), or with ``stochastic=False`` the c most likely tokens (one-hot verification), as
+    the rows the context marks greedy (``DraftContext.greedy``) take them under ``stochastic=True``.
 
     ``mode="beam"``: ``beams`` beams for ``steps`` steps; each step every beam proposes its
     ``beams`` most likely tokens and the best ``beams`` by total log-probability survive. Every
@@ -276,10 +277,10 @@ class SSMDrafter(Drafter):
         """The drafting law over the target's ids: softmax(logits / temperature), on the CPU."""
         return torch.softmax(logits[..., : self.vocab_size].float().cpu() / self.temperature, -1)
 
-    def _ranked(self, logits: torch.Tensor) -> torch.Tensor:
-        """What a static level's children are taken from: q when they are drawn; else the
+    def _ranked(self, logits: torch.Tensor, drawing: bool) -> torch.Tensor:
+        """What a static level's children are taken from: q where some are drawn; else the
         logits themselves, whose top entries are q's (softmax keeps the order)."""
-        return self._law(logits) if self.stochastic else logits[..., : self.vocab_size].cpu()
+        return self._law(logits) if drawing else logits[..., : self.vocab_size].cpu()
 
     def _step(self, tokens: torch.Tensor, work) -> torch.Tensor:
         """Feed one token per work row (each row a path of the tree); its next-token logits. No
@@ -297,11 +298,13 @@ class SSMDrafter(Drafter):
         roots = context.last_tokens()
         if self.mode == "beam":
             return self._beam(roots, self._law(last))
+        random = context.random_rows(self.stochastic)
         if isinstance(shape, TreeBudget):
-            return self._grow(roots, self._law(last), shape, context.rows)
-        return self._static(roots, self._ranked(last), shape)
+            return self._grow(roots, self._law(last), shape, context.rows, random)
+        return self._static(roots, self._ranked(last, random.any()), shape, random)
 
-    def _grow(self, roots: torch.Tensor, root_q: torch.Tensor, budget: TreeBudget, rows: list[int]) -> TokenTree:
+    def _grow(self, roots: torch.Tensor, root_q: torch.Tensor, budget: TreeBudget, rows: list[int],
+              random: np.ndarray) -> TokenTree:
         """A dynamic tree: the roots' laws are the cache advance's; each deeper level forks its
         kept nodes' parents' rows of a work cache and advances them by one step. The nodes that
         stay in the tree leave their states for the next advance."""
@@ -323,44 +326,45 @@ class SSMDrafter(Drafter):
             if call and len(at):  # call 0 fed nothing: the roots' states are the cache itself
                 states.append((work[call], nodes[at], at, at_rows[at]))
 
-        tree = grow(budget, roots.numpy(), expand, self._draw_order, self.stochastic, self.rates, rows, placed)
+        tree = grow(budget, roots.numpy(), expand, self._draw_order, random, self.rates, rows, placed)
         fed = self._feeding(len(roots), tree.n, tree.parents.numpy(), tree.tokens)
         for cache, nodes, at, at_rows in states:
             fed.add(cache, nodes, at, at_rows)
         return tree
 
     def _draw_order(self, probs: np.ndarray) -> np.ndarray:
-        """Each row's top-k entries in draw order: Gumbel-top-k draws, or as ranked."""
-        if not self.stochastic:
-            return np.broadcast_to(np.arange(probs.shape[1]), probs.shape)
+        """Each entry's top-k candidates in the order of Gumbel-top-k draws."""
         u = torch.rand(probs.shape, generator=self.generator, dtype=torch.float64).clamp(1e-12, 1 - 1e-12)
         return gumbel_top_k(probs.astype(np.float32), probs.shape[1], (-(-u.log()).log()).float().numpy())
 
-    def _static(self, roots: torch.Tensor, root: torch.Tensor, shape: TreeShape) -> TokenTree:
+    def _static(self, roots: torch.Tensor, root: torch.Tensor, shape: TreeShape, random: np.ndarray) -> TokenTree:
         """Level by level (:func:`_static_plan`): the root's children come from ``root`` (what
         :meth:`_ranked` made of the logits the cache advance ended on); below, a work cache holds
         one row per (node of the level, batch row), copies of their parents' rows, advanced by
         the level's own tokens with one step. Each level with children below costs one step over
-        its new nodes."""
+        its new nodes. The rows ``random`` marks draw their children; the others take q's top."""
         b, n = len(roots), shape.n
+        drawing = bool(random.any())
+        ranked = torch.from_numpy(~random)[:, None]  # [b, 1]: the rows taking their top entries
         K = max(self.top_k, max(map(len, shape.children())))
         tokens = torch.zeros(b, n, dtype=torch.long)
         tokens[:, 0] = roots
-        child_ids = torch.zeros(b, n, K, dtype=torch.long) if self.stochastic else None
-        child_probs = torch.zeros(b, n, K) if self.stochastic else None
+        child_ids = torch.zeros(b, n, K, dtype=torch.long) if drawing else None
+        child_probs = torch.zeros(b, n, K) if drawing else None
         q = root[None]  # [F, b, V]: the frontier's laws (or logits, see _ranked), node-major
         work = self._cache
         fed = self._feeding(b, n, np.asarray(shape.parents), tokens)
         for level in _static_plan(shape, b, str(self.model.device)):
             # the whole level at once: node v's c children are the first c of its draws in order
-            probs, ids = torch.topk(q, min(K if self.stochastic else level.width, q.shape[-1]), dim=-1)  # [F, b, k]
+            probs, ids = torch.topk(q, min(K if drawing else level.width, q.shape[-1]), dim=-1)  # [F, b, k]
             F, k, width = probs.shape[0], probs.shape[-1], level.width
-            if self.stochastic:
+            if drawing:
                 child_ids[:, level.frontier, :k] = ids.transpose(0, 1)
                 child_probs[:, level.frontier, :k] = probs.transpose(0, 1)
                 u = torch.rand(probs.shape, generator=self.generator, dtype=torch.float64).clamp(1e-12, 1 - 1e-12)
                 order = gumbel_top_k(probs.reshape(F * b, k), width, -(-u.log()).log().float().reshape(F * b, k))
                 drawn = ids.reshape(F * b, k).gather(1, order).view(F, b, width)
+                drawn = torch.where(ranked, ids[..., :width], drawn)
             else:
                 drawn = ids[..., :width]
             tokens[:, level.nodes] = drawn.transpose(0, 1).reshape(b, F * width)[:, level.draw]
@@ -369,8 +373,8 @@ class SSMDrafter(Drafter):
             work = self._fork(work, level.fork)
             logits = self._step(tokens[:, level.nodes].t().reshape(-1), work)
             fed.add(work, level.nodes.numpy()[None], level.rows)
-            q = self._ranked(logits.view(len(level.nodes), b, -1)[level.inner])
-        if not self.stochastic:
+            q = self._ranked(logits.view(len(level.nodes), b, -1)[level.inner], drawing)
+        if not drawing:
             return TokenTree.from_shape(shape, tokens)
         return TokenTree.from_shape(shape, tokens, child_ids=child_ids, child_probs=child_probs)
 

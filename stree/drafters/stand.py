@@ -214,13 +214,15 @@ class STANDStore:
             self._np_stamp[slots] = self._clock
 
 
-    def draft(self, tails: list[list[int]], plan: ShapePlan, stochastic: bool, noise: np.ndarray):
+    def draft(self, tails: list[list[int]], plan: ShapePlan, stochastic: np.ndarray, noise: np.ndarray):
         """Trees for rows whose contexts end with ``tails`` (their last ``max_n`` tokens or fewer):
         each internal node's children are drawn from the entry of the longest n-gram matching its
-        path, depth by depth -- ``stochastic``: without replacement, the race of ``probs / noise``
-        (``noise`` i.i.d. Exp(1), K values per matched node, in order); else the top entries.
-        Returns tokens, valid, child_ids, child_probs and the noise values used."""
+        path, depth by depth -- for the rows ``stochastic`` marks, without replacement, the race of
+        ``probs / noise`` (``noise`` i.i.d. Exp(1), K values per matched node of the level, in
+        order, where any row draws); for the others the top entries. Returns tokens, valid,
+        child_ids, child_probs and the noise values used."""
         b, n, K = len(tails), plan.shape.n, self.top_k
+        stochastic = np.ascontiguousarray(np.broadcast_to(stochastic, (b,)), dtype=np.bool_)
         tokens, valid = np.zeros((b, n), dtype=np.int64), np.zeros((b, n), dtype=bool)
         child_ids, child_probs = np.zeros((b, n, K), dtype=np.int64), np.zeros((b, n, K), dtype=np.float32)
         if self.compiled:
@@ -247,11 +249,11 @@ class STANDStore:
             ids, probs = self._np_ids[list(slots)], self._np_probs[list(slots)]
             child_ids[rows, nodes], child_probs[rows, nodes] = ids, probs
             width = min(K, max(len(plan.kids[v]) for v in nodes))  # children past K stay invalid
-            if stochastic:
-                order = race_top_k(probs, width, noise[used: used + probs.size].reshape(probs.shape))
+            order = np.argsort(-probs, axis=1, kind="stable")[:, :width]
+            if stochastic.any():
+                drawn = race_top_k(probs, width, noise[used: used + probs.size].reshape(probs.shape))
+                order = np.where(stochastic[list(rows)][:, None], drawn, order)
                 used += probs.size
-            else:
-                order = np.argsort(-probs, axis=1, kind="stable")[:, :width]
             at = np.arange(len(todo))[:, None]
             drawn_ids, drawn_p = ids[at, order].tolist(), probs[at, order].tolist()
             for j, (i, v, _) in enumerate(todo):
@@ -304,7 +306,8 @@ class STANDDrafter(Drafter):
     node's path context; ``stochastic=True`` draws them without replacement by the exponential race
     (noise from a buffer of ``noise_size`` fresh Exp(1) values, regenerated when used up, no value used
     twice) and attaches the entry as the children's law; ``stochastic=False`` takes the top-k by
-    stored probability (deterministic drafts, one-hot verification). Slots beyond the entry's
+    stored probability (deterministic drafts, one-hot verification), as the rows the context marks
+    greedy (``DraftContext.greedy``) take it under ``stochastic=True``. Slots beyond the entry's
     nonzero candidates, and subtrees of nodes without a match, are invalid.
 
     ``learn=False`` leaves the store unchanged (a fixed or deliberately stale store). Every emitted
@@ -363,11 +366,12 @@ class STANDDrafter(Drafter):
         max_n = self.store.max_n
         tails = [tokens[r, max(0, int(lengths[r]) - max_n): int(lengths[r])].tolist() for r in context.rows]
         bound = len(tails) * len(plan.nodes) * self.store.top_k  # K values per matched node at most
-        noise = self._noise_window(bound) if self.stochastic else np.empty(0)
-        tokens, valid, child_ids, child_probs, used = self.store.draft(tails, plan, self.stochastic, noise)
+        random = context.random_rows(self.stochastic)
+        noise = self._noise_window(bound) if random.any() else np.empty(0)
+        tokens, valid, child_ids, child_probs, used = self.store.draft(tails, plan, random, noise)
         self._pos += used
         tokens, valid = torch.from_numpy(tokens), torch.from_numpy(valid)
-        if not self.stochastic:
+        if not random.any():
             return TokenTree.from_shape(shape, tokens, valid=valid)
         return TokenTree.from_shape(shape, tokens, valid=valid, child_ids=torch.from_numpy(child_ids),
                                     child_probs=torch.from_numpy(child_probs))
@@ -399,12 +403,11 @@ class STANDDrafter(Drafter):
             probs = np.where(found[:, None], self.store._np_probs[slots], 0.0)
             return ids, probs
 
-        return grow(budget, roots, expand, self._draw_order, self.stochastic, self.rates, context.rows)
+        return grow(budget, roots, expand, self._draw_order, context.random_rows(self.stochastic), self.rates,
+                    context.rows)
 
     def _draw_order(self, probs: np.ndarray) -> np.ndarray:
-        """Each entry's K candidates in draw order: the race over fresh noise, or by probability."""
-        if not self.stochastic:
-            return np.argsort(-probs, axis=1, kind="stable")
+        """Each entry's K candidates in the order of draws: the race over fresh noise."""
         order = race_top_k(probs, probs.shape[1], self._noise_window(probs.size).reshape(probs.shape))
         self._pos += probs.size
         return order

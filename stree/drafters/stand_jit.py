@@ -160,8 +160,10 @@ def longest_many(table, key_tok, key_len, paths, plens, max_n):
 @njit(cache=True)
 def draft(tails, tail_len, nodes, level_start, kid_start, kids, has_kids, stochastic, noise, max_n, ids, probs,
           table, key_tok, key_len, out_tok, out_ok, child_ids, child_probs):
-    """Fills the trees of every row (see ``STANDStore.draft``); returns the noise values used."""
+    """Fills the trees of every row (see ``STANDStore.draft``; ``stochastic`` per row); returns the
+    noise values used."""
     b, n_nodes = out_tok.shape
+    drawing = stochastic.any()
     K = ids.shape[1]
     path = np.zeros((b, n_nodes, max_n), dtype=np.int64)
     plen = np.zeros((b, n_nodes), dtype=np.int64)
@@ -195,7 +197,7 @@ def draft(tails, tail_len, nodes, level_start, kid_start, kids, has_kids, stocha
                 child_ids[i, v, c] = ids[s, c]
                 child_probs[i, v, c] = probs[s, c]
                 # the race: the largest probs / Exp(1) come in the order of draws without replacement
-                key[c] = probs[s, c] / noise[used + j * K + c] if stochastic else probs[s, c]
+                key[c] = probs[s, c] / noise[used + j * K + c] if stochastic[i] else probs[s, c]
                 taken[c] = False
             for r in range(min(width, kid_start[p + 1] - kid_start[p])):
                 best = -1
@@ -213,8 +215,8 @@ def draft(tails, tail_len, nodes, level_start, kid_start, kids, has_kids, stocha
                     path[i, child, :keep] = path[i, v, plen[i, v] - keep: plen[i, v]]
                     path[i, child, keep] = ids[s, best]
                     plen[i, child] = keep + 1
-        if stochastic:
-            used += m * K
+        if drawing:
+            used += m * K  # (a greedy row's share of the window goes unused: no value serves twice)
     return used
 
 

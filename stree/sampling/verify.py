@@ -158,6 +158,12 @@ class SamplingParams:
                                self.probs(logits))
         return torch.softmax(logits.float(), -1) if self.greedy else self.probs(logits)
 
+    def greedy_mask(self, batch: int) -> np.ndarray | None:
+        """``[batch]`` bool: the rows that decode greedily (None where none does)."""
+        if self.greedy:
+            return np.ones(batch, dtype=bool)
+        return np.array([t == 0 for t in self.temperature]) if self.some_greedy else None
+
     @property
     def some_greedy(self) -> bool:
         """Whether some rows of per-row values are greedy."""

@@ -9,7 +9,7 @@ rows decoding beside it (the prompts admitted in one iteration together, one mod
 chunk); the prefill's last logits give its first token exactly as
 :func:`~stree.decoding.loop.decode`'s own prefill would. It then joins a *cohort*: the rows that
 decode with the same drafter and tree, each row with its own temperature, top-k and top-p (greedy
-rows beside sampled ones where the drafter drafts alike for both), stepped together by one
+rows beside sampled ones, drafted with the drafter's likeliest tokens), stepped together by one
 :func:`~stree.decoding.loop.decode` generator continuing from their slots' states (``cache=``).
 Rows leave a cohort at their EOS, budget, stop string or cancellation (the slot is free at once:
 the generator works on its own copy of the cohort's states, and drops the row from its batch at
@@ -52,9 +52,6 @@ __all__ = ["Engine", "EngineClosed", "Event", "Overloaded", "Request"]
 # the share of the memory free at start the slot pool (and the cohorts' working copies) may take
 MEMORY_SHARE = 0.25
 MAX_SLOTS = 256
-# drafters whose drafts do not depend on the temperature (LM.drafter), so greedy rows may share their
-# sampled rows' cohort
-ALIKE_AT_ANY_TEMPERATURE = (None, "ngram", "stand-det", "consensus", "ssm-beam")
 
 
 class Overloaded(RuntimeError):
@@ -183,10 +180,9 @@ class _Settings:
         """What rows must share to step together: the drafter, the tree and the sampling mode.
         Rows of different sampling values share one batch, each row's law its own
         (:meth:`SamplingParams.stack`; a greedy row's the argmax's, verified as greedy decoding
-        verifies), but not a seeded request's rows, nor greedy rows with sampled ones where the
-        drafter drafts differently for them (STAND drafts its likeliest tokens for greedy rows, the
-        SSM drafter its top-k)."""
-        if self.own is not None or (self.params.greedy and self.drafter not in ALIKE_AT_ANY_TEMPERATURE):
+        verifies, and drafted with the drafter's likeliest tokens: ``DraftContext.greedy``), but
+        not a seeded request's rows."""
+        if self.own is not None:
             return self
         return replace(self, params=SamplingParams(1.0, mode=self.params.mode))
 
@@ -494,8 +490,9 @@ class Engine:
     def _cohort_drafter(self, settings: _Settings):
         """The drafter of the cohorts of ``settings`` (a :meth:`_Settings.cohort`): one object for
         all of them over the engine's life (a STAND store keeps learning from every request; one
-        cohort of given settings runs at a time), a seeded request's its own. A drafter model drafts
-        sampled cohorts at temperature 1 (its drafts are lossless under any law)."""
+        cohort of given settings runs at a time), a seeded request's its own. Drafters of random
+        drafts draw for the sampled rows (a drafter model at temperature 1: its drafts are lossless
+        under any law) and take their likeliest tokens for the greedy ones."""
         if settings.drafter is None:
             return None
         key = replace(settings, own=None)

@@ -253,21 +253,28 @@ def _spy_on_batches(monkeypatch) -> list:
     return batches
 
 
-def test_requests_of_different_temperatures_share_a_batch_and_keep_their_laws(lm, monkeypatch):
+@pytest.mark.parametrize("drafter", ["ngram", "stand"])
+def test_requests_of_different_temperatures_share_a_batch_and_keep_their_laws(lm, monkeypatch, drafter):
     """Requests at temperatures 1.0, 0.6 and 0 (greedy) in turn (top 2, two tokens, 4 slots each):
-    they decode in one cohort with each row's own values; each sampled temperature's 400 choices fit
-    its law, and every greedy choice is the greedy run's."""
+    they decode in one cohort with each row's own values (STAND drawing for the sampled rows and
+    ranking for the greedy ones); each sampled temperature's 400 choices fit its law, and every
+    greedy choice is the greedy run's."""
     batches = _spy_on_batches(monkeypatch)
     prompt = lm.encode(PROMPTS[2])[0]
     temperatures = (1.0, 0.6, 0.0)
     counts = {t: dict.fromkeys(two_token_top2_law(lm.model, prompt, t), 0) for t in temperatures[:2]}
     counts[0.0] = collections.Counter()
     with Engine(lm, max_slots=12, max_length=256, max_queue=300, seed=2) as engine:
-        requests = [(t, engine.submit(prompt, max_tokens=2, temperature=t, top_k=2, n=4, drafter="ngram"))
+        requests = [(t, engine.submit(prompt, max_tokens=2, temperature=t, top_k=2, n=4, drafter=drafter))
                     for t in itertools.islice(itertools.cycle(temperatures), 300)]
         for t, request in requests:
             for choice in request.result(timeout=300):
                 counts[t][tuple(choice.token_ids)] += 1
+        drafted = sum(steps for size, steps in engine.trees.items() if size > 1)
+    # STAND's shared store, taught by the earlier requests, drafts most second tokens (the n-gram
+    # drafter finds no match in this prompt)
+    if drafter == "stand":
+        assert drafted >= 50
     assert any(params.rows is not None and set(params.temperature) == set(temperatures) for _, params in batches)
     greedy = generate(lm.model, [prompt], max_new_tokens=2, method="autoregressive").new_tokens[0]
     assert counts[0.0] == {tuple(greedy): 400}
@@ -279,17 +286,18 @@ def test_requests_of_different_temperatures_share_a_batch_and_keep_their_laws(lm
         assert chisquare(observed, expected).pvalue > 1e-3, (t, observed, expected)
 
 
-def test_greedy_requests_share_the_sampled_ones_batch_where_their_drafter_drafts_alike(lm, monkeypatch):
-    """Greedy requests beside sampled ones: with the n-gram drafter or none, one cohort (a batch of
-    per-row values, greedy rows among them); with STAND, which drafts its likeliest tokens for greedy
-    rows, cohorts apart. Every greedy request is its solo run."""
+def test_greedy_requests_share_the_sampled_ones_batch_whatever_the_drafter(lm, monkeypatch):
+    """Greedy requests beside sampled ones decode in one cohort per drafter (a batch of per-row
+    values, greedy rows among them; STAND and the SSM drafter draw for the sampled rows and draft
+    the greedy rows' likeliest tokens). Every greedy request is its solo run."""
     batches = _spy_on_batches(monkeypatch)
-    jobs = [(PROMPTS[i], d, t) for i, (d, t) in enumerate(itertools.product(["ngram", None, "stand"], [0.0, 0.9]))]
-    with Engine(lm, max_slots=6, max_length=512, seed=3) as engine:
+    drafters = ["ngram", None, "stand", "ssm"]
+    jobs = [(PROMPTS[i], d, t) for i, (d, t) in enumerate(itertools.product(drafters, [0.0, 0.9]))]
+    with Engine(lm, max_slots=8, max_length=512, seed=3) as engine:
         requests = [engine.submit(p, max_tokens=24, temperature=t, drafter=d) for p, d, t in jobs]
         results = [r.result(timeout=300)[0] for r in requests]
     mixed = {drafter for drafter, params in batches if params.some_greedy}
-    assert mixed == {"NGramDrafter", "NoneType"}  # (STAND's greedy and sampled rows decode apart)
+    assert mixed == {"NGramDrafter", "NoneType", "STANDDrafter", "SSMDrafter"}
     for (prompt, drafter, t), choice in zip(jobs, results):
         if t == 0:
             assert (choice.text, choice.token_ids) == _alone(lm, prompt, 24, drafter)[:2], drafter
