@@ -253,27 +253,27 @@ def _spy_on_batches(monkeypatch) -> list:
     return batches
 
 
-@pytest.mark.parametrize("drafter", ["ngram", "stand"])
-def test_requests_of_different_temperatures_share_a_batch_and_keep_their_laws(lm, monkeypatch, drafter):
+@pytest.mark.parametrize("drafter, tree", [("ngram", "auto"), ("stand", "full:2x1")])
+def test_requests_of_different_temperatures_share_a_batch_and_keep_their_laws(lm, monkeypatch, drafter, tree):
     """Requests at temperatures 1.0, 0.6 and 0 (greedy) in turn (top 2, two tokens, 4 slots each):
-    they decode in one cohort with each row's own values (STAND drawing for the sampled rows and
-    ranking for the greedy ones); each sampled temperature's 400 choices fit its law, and every
-    greedy choice is the greedy run's."""
+    they decode in one cohort with each row's own values (STAND, on a root with two children each
+    step, drawing them for the sampled rows and ranking them for the greedy ones); each sampled
+    temperature's 400 choices fit its law, and every greedy choice is the greedy run's."""
     batches = _spy_on_batches(monkeypatch)
     prompt = lm.encode(PROMPTS[2])[0]
     temperatures = (1.0, 0.6, 0.0)
     counts = {t: dict.fromkeys(two_token_top2_law(lm.model, prompt, t), 0) for t in temperatures[:2]}
     counts[0.0] = collections.Counter()
     with Engine(lm, max_slots=12, max_length=256, max_queue=300, seed=2) as engine:
-        requests = [(t, engine.submit(prompt, max_tokens=2, temperature=t, top_k=2, n=4, drafter=drafter))
+        requests = [(t, engine.submit(prompt, max_tokens=2, temperature=t, top_k=2, n=4, drafter=drafter, tree=tree))
                     for t in itertools.islice(itertools.cycle(temperatures), 300)]
         for t, request in requests:
             for choice in request.result(timeout=300):
                 counts[t][tuple(choice.token_ids)] += 1
         drafted = sum(steps for size, steps in engine.trees.items() if size > 1)
-    # STAND's shared store, taught by the earlier requests, drafts most second tokens (the n-gram
-    # drafter finds no match in this prompt)
-    if drafter == "stand":
+    # STAND's shared store, taught by the earlier requests, drafts most second tokens on the fixed
+    # tree (the auto choice may find plain steps cheaper on a given machine)
+    if tree != "auto":
         assert drafted >= 50
     assert any(params.rows is not None and set(params.temperature) == set(temperatures) for _, params in batches)
     greedy = generate(lm.model, [prompt], max_new_tokens=2, method="autoregressive").new_tokens[0]
