@@ -171,7 +171,7 @@ class SamplingParams:
 
     def _greedy_rows(self, logits: torch.Tensor) -> torch.Tensor:
         """``[rows]``: which rows of per-row values are greedy."""
-        return torch.tensor([t == 0 for t in self.temperature], device=logits.device)
+        return torch.from_numpy(self.greedy_mask(self.rows)).to(logits.device)
 
 
 def _process_rows(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
