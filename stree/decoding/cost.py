@@ -6,7 +6,9 @@ step, on a 2-core CPU several (paper 001 §4; Sequoia's hardware-aware optimiser
 sizes from the same measurement). :func:`cost_profile` measures a model with a drafter at a batch
 size and in a decoding mode (eager, compiled, CUDA graphs) by running the loop's own work on a
 random context: the drafter's ``propose`` and ``observe`` and the step functions of
-:mod:`stree.decoding.steps`, the sizes taking turns, warm-up excluded, in about ``budget_s`` seconds.
+:mod:`stree.decoding.steps`, the sizes taking turns, warm-up excluded, in about ``budget_s`` seconds
+(default ``$STREE_COST_SECONDS``, else 2: fewer rounds give noisier medians, not other work; the
+test suite, which decodes a hundred models and never reads their timings, sets it low).
 Drafting and the target's pass are timed together because they are not independent: a drafter
 model's weights push the target's out of the CPU's caches (a tree pass after a drafter's steps
 costs more than one after another pass). The result is kept for the process and in a small JSON file (``$STREE_CACHE_DIR``, else
@@ -259,7 +261,7 @@ def _cached(kind: str, model, parse, measure, fields: dict, refresh: bool, keep=
 
 # ---- measuring ------------------------------------------------------------------------------
 def cost_profile(model, batch_size: int, *, drafter=None, mode: str = "eager", sampled: bool = False, shapes=None,
-                 budget_s: float = 2.0, refresh: bool = False) -> CostProfile:
+                 budget_s: float | None = None, refresh: bool = False) -> CostProfile:
     """The :class:`CostProfile` of ``model`` with ``drafter`` (None: the target's work alone) at
     ``batch_size`` rows in ``mode``, greedy or ``sampled`` (drawing and the lossless rejection
     rules cost more than argmax), cached (see the module docstring). ``shapes``: the tree
@@ -271,6 +273,8 @@ def cost_profile(model, batch_size: int, *, drafter=None, mode: str = "eager", s
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     if not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
+    if budget_s is None:
+        budget_s = default_budget()
     if shapes is None:
         shapes = [_binary(n) for n in default_sizes(model.device)]
     shapes = sorted(shapes, key=lambda s: s.n)
@@ -281,6 +285,18 @@ def cost_profile(model, batch_size: int, *, drafter=None, mode: str = "eager", s
         return profile if profile.plausible else _measure(model, drafter, batch_size, mode, sampled, shapes, budget_s)
     return _cached("profile", model, CostProfile.from_dict, measure, fields, refresh,
                    keep=lambda profile: profile.plausible)
+
+
+def default_budget() -> float:
+    """Seconds a first measurement takes its rounds in: ``$STREE_COST_SECONDS``, else 2."""
+    text = os.environ.get("STREE_COST_SECONDS", "2")
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = math.nan
+    if not 0 < seconds <= 600:
+        raise ValueError(f"STREE_COST_SECONDS must be a number of seconds in (0, 600], got {text!r}")
+    return seconds
 
 
 def bracketed_profile(model, batch_size: int, **kwargs) -> CostProfile:

@@ -124,29 +124,36 @@ def test_only_the_files_stree_reads_are_fetched(tmp_path, monkeypatch):
     assert calls == [(READ, True), (READ + PICKLED, True)]
 
 
-def test_the_cli_takes_a_hub_id_and_names_one_it_cannot_have(hub):
+def test_the_cli_takes_a_hub_id_and_names_one_it_cannot_have(hub, capsys):
+    """As commands (a process that finds the cache by its environment) and, for the rest, through the
+    CLI's main in this process (the fixture points huggingface_hub at the cache)."""
+    from stree.tools.cli import main
+
     env = dict(os.environ, HF_HUB_CACHE=str(hub), HF_HUB_OFFLINE="1")
     generate = ["generate", "--prompt", "def f(x):", "--max-new-tokens", "4", "--dtype", "float32", "--device", "cpu",
                 "--model"]
-    commands = {"ok": generate + [REPO], "small": generate + [REPO, "--revision", "small"],
+    commands = {"ok": generate + [REPO],
                 "by_ids": generate + [str(TARGET), "--tokenizer", REPO, "--drafter", "ssm-static", "--drafter-model",
-                                      SMALL],
-                "bad": generate + ["nobody/nothing"],
-                "distill": ["distill", "--target", "nobody/nothing", "--out", str(hub / "out")],
-                "reason": ["reason", "--model", REPO, "--small-model", "nobody/nothing", "--prompt", "def f(x):"]}
+                                      SMALL]}
     with ThreadPoolExecutor(2) as pool:  # (processes that mostly import: two at a time on two cores)
-        runs = dict(zip(commands, pool.map(lambda argv: subprocess.run(
+        ok, by_ids = pool.map(lambda argv: subprocess.run(
             [sys.executable, "-m", "stree", *argv], capture_output=True, text=True, env=env, timeout=300),
-            commands.values())))
-    ok, small, by_ids, bad = runs["ok"], runs["small"], runs["by_ids"], runs["bad"]
+            commands.values())
     assert ok.returncode == 0, ok.stderr
     assert ok.stdout.startswith("def f(x):")
-    assert small.returncode == 0, small.stderr
     assert by_ids.returncode == 0, by_ids.stderr
     assert by_ids.stdout.splitlines()[0] == ok.stdout.splitlines()[0]  # greedy: the same text by any drafter
-    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "Traceback" not in bad.stderr
+
+    def run(argv):
+        code = main(argv)
+        return code, capsys.readouterr()
+    code, small = run(generate + [REPO, "--revision", "small"])
+    assert code == 0 and small.out.startswith("def f(x):"), small.err
+    code, bad = run(generate + ["nobody/nothing"])
+    assert code == 2 and bad.err.count("\n") == 1 and "Traceback" not in bad.err
     assert "'nobody/nothing' is not a local directory, and the Hub id 'nobody/nothing' is not in the Hub cache" in \
-        bad.stderr
-    for name in ("distill", "reason"):
-        bad = runs[name]
-        assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "'nobody/nothing'" in bad.stderr, name
+        bad.err
+    for argv in (["distill", "--target", "nobody/nothing", "--out", str(hub / "out")],
+                 ["reason", "--model", REPO, "--small-model", "nobody/nothing", "--prompt", "def f(x):"]):
+        code, bad = run(argv)
+        assert code == 2 and bad.err.count("\n") == 1 and "'nobody/nothing'" in bad.err, argv[0]

@@ -91,6 +91,22 @@ def test_measured_once_then_cached_in_the_process_and_the_file(fresh_cache, monk
     assert len(json.loads(fresh_cache.read_text())["entries"]) == 4
 
 
+def test_the_default_budget_is_read_from_the_environment(fresh_cache, monkeypatch):
+    budgets = []
+    profile = CostProfile(1.0, (2, 7), (1.5, 2.0))
+    monkeypatch.setattr(cost, "_measure", lambda *args: budgets.append(args[-1]) or profile)
+    monkeypatch.setenv("STREE_COST_SECONDS", "0.7")
+    cost_profile(mamba2(), 1, shapes=SHAPES)
+    monkeypatch.delenv("STREE_COST_SECONDS")
+    cost_profile(mamba2(), 2, shapes=SHAPES)
+    cost_profile(mamba2(), 3, shapes=SHAPES, budget_s=0.4)  # an explicit budget wins
+    assert budgets == [0.7, 2.0, 0.4]
+    for bad in ("0", "-1", "fast", "nan", "1e9"):
+        monkeypatch.setenv("STREE_COST_SECONDS", bad)
+        with pytest.raises(ValueError, match=f"STREE_COST_SECONDS must be .*got '{bad}'"):
+            cost_profile(mamba2(), 4, shapes=SHAPES)
+
+
 def test_between_two_batch_sizes_every_time_is_linear_over_the_sizes_both_measured():
     low = CostProfile(2.0, (2, 4, 8), (3.0, 4.0, 8.0), (0.5, 1.0, 1.0), 0.2, (1, 2, 3))
     high = CostProfile(4.0, (2, 4), (5.0, 8.0), (1.5, 2.0), 0.6, (1, 2))

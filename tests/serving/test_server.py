@@ -290,7 +290,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_stree_serve_drains_its_requests_on_sigterm(lm):
+def test_stree_serve_drains_its_requests_on_sigterm(lm, capsys):
     """``stree serve`` in its own process: a stream running when SIGTERM comes is finished (every
     token, then [DONE]) and the process exits 0; a bad flag is one line and exit 2."""
     port = _free_port()
@@ -319,7 +319,8 @@ def test_stree_serve_drains_its_requests_on_sigterm(lm):
         assert proc.wait(60) == 0
     finally:
         proc.kill()
-    bad = subprocess.run([sys.executable, "-m", "stree", "serve", "--model", str(TARGET), "--port", "70000"],
-                         capture_output=True, text=True, timeout=120)
-    assert bad.returncode == 2 and bad.stderr.strip().splitlines() == ["stree serve: error: --port must be in "
-                                                                       "[1, 65535], got 70000"]
+    from stree.tools.cli import main
+
+    assert main(["serve", "--model", str(TARGET), "--port", "70000"]) == 2  # (the CLI's main, in this process)
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "stree serve: error: --port must be in [1, 65535], got 70000"]
