@@ -33,6 +33,12 @@ TREES = {"paper13": TreeShape.paper13(), "binary63": TreeShape.full(2, 5)}
 MODELS = {"mamba2-2.7b": 4, "bamba-9b": 2}  # the preset and the layers kept
 
 
+def measure_all(tp, configs: dict, prompt: int, warmup: int, reps: int) -> dict:
+    """:func:`measure` of each model, by name, in one group of ranks (a group's processes import
+    torch and stree: seconds each)."""
+    return {name: measure(tp, cls, cfg, prompt, warmup, reps) for name, (cls, cfg) in configs.items()}
+
+
 def measure(tp, cls, cfg, prompt: int, warmup: int, reps: int) -> dict:
     """Median ms of a step and of each tree pass on this rank's slice (the ranks run in lockstep:
     every layer's all-reduce waits for all of them)."""
@@ -72,13 +78,13 @@ def main(argv=None):
                    for name, layers in MODELS.items()}
         warmup, reps, prompt = 3, args.reps, args.prompt
     rows = []
-    for name, (cls, cfg) in configs.items():
-        for world in tqdm(worlds, desc=name, file=sys.stderr):
-            threads = max(1, cores // world)
-            per_rank = run_ranks(measure, world, cls, cfg, prompt, warmup, reps, threads=threads)
-            held = per_rank[0].pop("bytes")
-            for op in per_rank[0]:
-                ms = max(r[op] for r in per_rank)  # the ranks wait on each other: the slowest is the time
+    for world in tqdm(worlds, desc="world sizes", file=sys.stderr):
+        threads = max(1, cores // world)
+        per_rank = run_ranks(measure_all, world, configs, prompt, warmup, reps, threads=threads)
+        for name in configs:
+            held = per_rank[0][name].pop("bytes")
+            for op in per_rank[0][name]:
+                ms = max(r[name][op] for r in per_rank)  # the ranks wait on each other: the slowest is the time
                 rows.append(dict(model=name, world=world, threads_per_rank=threads, op=op, time_ms_median=ms,
                                  weight_bytes_per_rank=held["weights"], cache_bytes_per_rank=held["cache"]))
     for r in rows:
