@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -28,14 +29,28 @@ CAPTURING = False
 
 def jit_fits(*tensors) -> bool:
     """CPU float32 tensors (None allowed): what the numba-compiled CPU paths take under "auto"."""
-    return all(t is None or (isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.dtype == torch.float32)
-               for t in tensors)
+    return all(t is None or (isinstance(t, torch.Tensor) and t.is_cpu and t.dtype == torch.float32) for t in tensors)
+
+
+# id(parameter) -> ((address, shape, strides), its numpy view); the entry goes with the parameter
+_VIEWS: dict[int, tuple] = {}
 
 
 def as_numpy(t: torch.Tensor):
-    """The tensor's memory as a numpy array, for the numba kernels (a parameter detached first;
-    a plain tensor costs no op)."""
-    return (t.detach() if t.requires_grad else t).numpy()
+    """The tensor's memory as a numpy array, for the numba kernels (a plain tensor costs no op). A
+    tensor that requires grad (a parameter) is detached first, and its view kept while its memory
+    and layout stay the same (a decoding pass hands every layer's parameters to the kernels, and
+    detaching is a dispatcher call each time). In-place changes reach the view, as it is the same
+    memory; a parameter given other storage or another shape gets a new view."""
+    if not t.requires_grad:
+        return t.numpy()
+    hit = _VIEWS.get(id(t))
+    layout = (t.data_ptr(), t.shape, t.stride())
+    if hit is None or hit[0] != layout:
+        if hit is None:
+            weakref.finalize(t, _VIEWS.pop, id(t), None)
+        hit = _VIEWS[id(t)] = (layout, t.detach().numpy())
+    return hit[1]
 
 
 def resolve_backend(backend: str, device: torch.device) -> str:

@@ -9,6 +9,7 @@ import torch
 from strategies import ssm_inputs
 
 from stree.kernels import tree_conv1d, tree_scan
+from stree.kernels import _common as kernels_common
 from stree.kernels.cpu import tree_jit
 from stree.testing import max_rel_error, tree_scan_def
 from stree.tree import TreeShape
@@ -90,3 +91,33 @@ def _path(parents, i):
         path.append(i)
         i = parents[i]
     return path
+
+
+def test_a_parameter_changed_in_place_or_given_new_memory_reaches_the_kernel():
+    """The numpy view of a parameter is kept between calls (a decoding pass hands the kernels
+    every layer's parameters): what it holds must always be the parameter's values now, after an
+    optimiser's in-place step, a ``.data`` swap to new memory, and a swap to another layout of the
+    same memory."""
+    shape = TreeShape.paper13()
+    parents = shape.parents_tensor()
+    conv = torch.nn.Conv1d(8, 8, 4, groups=8)
+    xbc, state = torch.randn(1, shape.n, 8), torch.randn(1, 8, 4)
+
+    def check():
+        with torch.no_grad():
+            out = tree_conv1d(xbc, parents, state, conv.weight, conv.bias)
+            ref = tree_conv1d(xbc, parents, state, conv.weight.detach().clone(), conv.bias.detach().clone(),
+                              backend="torch")
+        assert max_rel_error(out, ref) <= 1e-6
+
+    check()
+    with torch.no_grad():
+        conv.weight.mul_(-2.0)
+        conv.bias.add_(1.0)
+    check()
+    conv.weight.data = torch.randn(8, 1, 4)
+    check()
+    square = torch.nn.Parameter(torch.randn(4, 4))
+    first = kernels_common.as_numpy(square).copy()
+    square.data = square.data.t()  # the same memory, transposed
+    assert (kernels_common.as_numpy(square) == first.T).all()

@@ -5,10 +5,11 @@ CPU is bound by per-op overhead, as a decode step is: :mod:`.step_jit`). Taken b
 ``backend="auto"`` for CPU float32 tensors outside autograd and ``torch.compile`` while the tree
 is small (:func:`jit_tree_fits`): the work here grows with each node's depth, the PyTorch path's
 with the square of the node count but in multi-threaded batched products. Tested against the
-float64 definitions beside the Triton kernels and the PyTorch path. Arithmetic in float64, stored
-in the outputs' float32. Batch rows run in parallel on numba's threading layer (OpenMP or TBB
-where installed, both thread-safe; numba's fallback, workqueue, is not: several Python threads
-decoding at once, as a threaded server would, need one of the two).
+float64 definitions beside the Triton kernels and the PyTorch path. Products and sums in float32,
+as the Triton kernels' (a vector holds 8 lanes, not 4), the sums of dA along a path in float64.
+Batch rows run in parallel on numba's threading layer (OpenMP or TBB where installed, both
+thread-safe; numba's fallback, workqueue, is not: several Python threads decoding at once, as a
+threaded server would, need one of the two).
 """
 
 from __future__ import annotations
@@ -46,32 +47,30 @@ def tree_conv_rows(xBC, parents, state, weight, bias, has_bias, out):
     ``[b, dim, K]`` (newest last), weight ``[dim, K]``, bias ``[dim]``; out ``[b, n, dim]``: node
     i's taps over its path (itself at tap K - 1, its parent at K - 2, ..., then the state's newest
     columns), + bias; the activation is the caller's (a vectorised SiLU: numba's exp is scalar)."""
+    xBC = np.ascontiguousarray(xBC)  # (a view of the in_proj output: contiguous, the loops over dim vectorise)
     batch, n, dim = xBC.shape
     K = state.shape[2]
     rows = parents.shape[0]
     taps = np.ascontiguousarray(weight.T)  # [K, dim]: the loops below run along dim
     for b in prange(batch):  # rows in parallel, as in tree_scan_rows
         past = np.empty((K, dim), dtype=np.float32)  # the state's columns, as rows
-        acc = np.empty(dim)
         r = np.int64(b) if rows > 1 else np.int64(0)  # (prange's index is unsigned)
-        for k in range(K):
-            for c in range(dim):
+        for c in range(dim):
+            for k in range(K):
                 past[k, c] = state[b, c, k]
         for i in range(n):
             for c in range(dim):
-                acc[c] = float(bias[c]) if has_bias else 0.0
+                out[b, i, c] = bias[c] if has_bias else np.float32(0.0)
             pos = i
             for k in range(K - 1, -1, -1):  # tap k reads the node K - 1 - k steps up its path
                 if pos >= 0:
                     for c in range(dim):
-                        acc[c] += float(taps[k, c]) * float(xBC[b, pos, c])
+                        out[b, i, c] += taps[k, c] * xBC[b, pos, c]
                     pos = parents[r, pos]
                 else:
                     for c in range(dim):
-                        acc[c] += float(taps[k, c]) * float(past[K + pos, c])
+                        out[b, i, c] += taps[k, c] * past[K + pos, c]
                     pos -= 1
-            for c in range(dim):
-                out[b, i, c] = acc[c]
 
 
 @njit(cache=True, fastmath=_FAST, parallel=True)
@@ -81,16 +80,19 @@ def tree_scan_rows(x, dt, A, B, C, D, has_D, bias, has_bias, softplus, lo, hi, p
     p]`` = C_i . (exp(Atree_i) x0) + sum over i's ancestors-or-self j of exp(Atree_i - Atree_j)
     (C_i . B_j) dt_j x_j, + D x_i (the tree scan's definition, walked along each node's path)."""
     x, B, C = np.ascontiguousarray(x), np.ascontiguousarray(B), np.ascontiguousarray(C)  # (views of one
-    # conv output: contiguous copies let the loops over d_state and headdim vectorise)
+    # conv output, and D a head's value broadcast: contiguous copies let the loops over d_state and
+    # headdim vectorise)
+    D = np.ascontiguousarray(D)
     batch, n, heads, headdim = x.shape
     groups, dstate = B.shape[2], B.shape[3]
     per_group = heads // groups
     rows = parents.shape[0]
     for b in prange(batch):  # rows in parallel: measured faster from batch 8 on
-        d = np.empty((n, heads))  # dt after bias, softplus and clamp
-        at = np.empty((n, heads))  # Atree: dA summed over the node's path
-        cb = np.empty(groups)
-        acc = np.empty((heads, headdim))
+        d = np.empty((n, heads), dtype=np.float32)  # dt after bias, softplus and clamp
+        at = np.empty((n, heads))  # Atree: dA summed over the node's path (float64: differences of sums)
+        decay = np.empty((n, heads), dtype=np.float32)  # exp(Atree), the state's decay (exp is scalar here)
+        cb = np.empty(groups, dtype=np.float32)
+        acc = y[b]  # (float32, made by the caller: the sums accumulate in place)
         r = np.int64(b) if rows > 1 else np.int64(0)  # (prange's index is unsigned)
         for i in range(n):
             q = parents[r, i]
@@ -98,30 +100,30 @@ def tree_scan_rows(x, dt, A, B, C, D, has_D, bias, has_bias, softplus, lo, hi, p
                 v = processed_dt(dt[b, i, h], bias[h], has_bias, softplus, lo, hi)
                 d[i, h] = v
                 at[i, h] = v * float(A[h]) + (at[q, h] if q >= 0 else 0.0)
+                decay[i, h] = math.exp(at[i, h])
         for i in range(n):
             for h in range(heads):
-                g = h // per_group
-                e = math.exp(at[i, h])
                 for p in range(headdim):
-                    a = float(D[h, p]) * float(x[b, i, h, p]) if has_D else 0.0
-                    if has_x0:
-                        s0 = 0.0
+                    acc[i, h, p] = D[h, p] * x[b, i, h, p] if has_D else np.float32(0.0)
+        if has_x0:  # the state's term: each row of the state read once and used for every node
+            for h in range(heads):
+                g = h // per_group
+                for p in range(headdim):
+                    for i in range(n):
+                        s0 = np.float32(0.0)
                         for s in range(dstate):
-                            s0 += float(C[b, i, g, s]) * x0[b, h, p, s]
-                        a += e * s0
-                    acc[h, p] = a
+                            s0 += C[b, i, g, s] * x0[b, h, p, s]
+                        acc[i, h, p] += decay[i, h] * s0
+        for i in range(n):
             j = i
             while j >= 0:
                 for g in range(groups):
-                    s0 = 0.0
+                    s0 = np.float32(0.0)
                     for s in range(dstate):
-                        s0 += float(C[b, i, g, s]) * float(B[b, j, g, s])
+                        s0 += C[b, i, g, s] * B[b, j, g, s]
                     cb[g] = s0
                 for h in range(heads):
-                    coef = math.exp(at[i, h] - at[j, h]) * cb[h // per_group] * d[j, h]
+                    coef = np.float32(math.exp(at[i, h] - at[j, h])) * cb[h // per_group] * d[j, h]
                     for p in range(headdim):
-                        acc[h, p] += coef * float(x[b, j, h, p])
+                        acc[i, h, p] += coef * x[b, j, h, p]
                 j = parents[r, j]
-            for h in range(heads):
-                for p in range(headdim):
-                    y[b, i, h, p] = acc[h, p]
