@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from strategies import dt_options, ssm_inputs, ssm_shapes
 
-from stree.kernels import conv_step, selective_state_update
+from stree.kernels import conv_step, replay, selective_state_update
 from stree.testing import max_rel_error, multistep_def, tree_conv1d_def
 
 FP32_TOL = 1e-5
@@ -49,6 +49,22 @@ def test_selective_state_update_is_one_step_of_the_recurrence(batch, shape, dt_o
         assert y.shape == inp["x"][:, 0].shape and y.dtype == inp["x"].dtype
         assert max_rel_error(y, y_def[:, 0]) <= FP32_TOL, backend
         assert max_rel_error(state, state_def) <= FP32_TOL, backend
+
+
+@given(batch=st.integers(1, 3), shape=ssm_shapes(), dt_opts=dt_options(), seed=st.integers(0, 2**16))
+def test_a_step_and_a_replay_of_one_token_leave_the_same_state_on_the_cpu(batch, shape, dt_opts, seed):
+    """The compiled CPU step and replay round alike (float32, no fused multiply-adds): from the same
+    activations, a plain step and the commit of a one-token path leave bit-identical states."""
+    inp = ssm_inputs(torch.Generator().manual_seed(seed), batch, 1, shape, dt_opts)
+    kw = dict(dt_bias=inp["dt_bias"], dt_softplus=dt_opts["dt_softplus"], dt_limit=dt_opts["dt_limit"])
+    stepped = inp["initial_state"].clone()
+    selective_state_update(stepped, inp["x"][:, 0], inp["dt"][:, 0], inp["A"], inp["B"][:, 0], inp["C"][:, 0],
+                           D=inp["D"], **kw)
+    dim = 4
+    replayed, _ = replay(inp["initial_state"], torch.zeros(batch, dim, 4), torch.zeros(batch, 1, dim), inp["x"],
+                         inp["dt"], inp["B"], inp["A"], torch.zeros(batch, 1, dtype=torch.long),
+                         torch.ones(batch, dtype=torch.long), **kw)
+    assert torch.equal(stepped, replayed)
 
 
 @pytest.mark.parametrize("backend", ["torch", "auto", "triton"])

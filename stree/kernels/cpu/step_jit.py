@@ -2,14 +2,15 @@
 token and one recurrence step, each one call instead of the PyTorch path's ~6 and ~12 ops (an
 eager decode step on a CPU is bound by per-op overhead). Taken by
 ``backend="auto"`` for CPU float32 tensors (:func:`jit_fits`); tested against the float64
-definitions beside the Triton kernels and the PyTorch path. Arithmetic in float64, stored in the
-outputs' float32.
+definitions beside the Triton kernels and the PyTorch path. The conv in float64, stored in the
+output's float32; the state update in float32 (see :func:`state_update_rows`).
 """
 
 from __future__ import annotations
 
 import math
 
+import numpy as np
 from numba import njit
 
 __all__ = ["conv_step_rows", "processed_dt", "state_update_rows"]
@@ -46,25 +47,28 @@ def conv_step_rows(x, state, weight, bias, has_bias, silu, out):
             out[b, d] = acc
 
 
-@njit(cache=True)
+@njit(cache=True, fastmath={"reassoc"})  # (no contraction: replay multiplies and adds apart)
 def state_update_rows(state, x, dt, A, B, C, D, has_D, bias, has_bias, softplus, lo, hi, y):
     """state ``[b, h, p, s]`` advanced in place by one step; x ``[b, h, p]``, dt ``[b, h]`` raw,
-    A and bias ``[h]``, B and C ``[b, g, s]``, D ``[h, p]``; y ``[b, h, p]`` = C . state + D x."""
+    A and bias ``[h]``, B and C ``[b, g, s]``, D ``[h, p]``; y ``[b, h, p]`` = C . state + D x.
+    The state's update in float32 with replay's roundings (dt x and the decay rounded from float64,
+    then a product, a product and a sum per entry): from the same activations a step and a replay
+    of one token leave the same state (:mod:`.replay_jit`); the loops over d_state vectorise."""
     batch, heads, headdim, dstate = state.shape
     per_group = heads // B.shape[1]
     for b in range(batch):
         for h in range(heads):
             g = h // per_group
             d = processed_dt(dt[b, h], bias[h], has_bias, softplus, lo, hi)
-            decay = math.exp(d * float(A[h]))
+            decay = np.float32(math.exp(d * float(A[h])))
             for p in range(headdim):
-                xv = float(x[b, h, p])
-                dx = d * xv
-                acc = 0.0
+                xv = x[b, h, p]
+                dx = np.float32(d * xv)
+                acc = np.float32(0.0)
                 for s in range(dstate):
                     v = state[b, h, p, s] * decay + dx * B[b, g, s]
                     state[b, h, p, s] = v
                     acc += v * C[b, g, s]
                 if has_D:
-                    acc += float(D[h, p]) * xv
+                    acc += D[h, p] * xv
                 y[b, h, p] = acc
