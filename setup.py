@@ -22,7 +22,7 @@ setup(
         "math-verify",  # final answers found and compared as the reasoning-evaluation ecosystem does (stree.patterns.answers)
     ],
     extras_require={
-        "test": ["pytest", "hypothesis", "scipy", "matplotlib", "starlette", "uvicorn", "openai"],
+        "test": ["pytest", "pytest-xdist", "hypothesis", "scipy", "matplotlib", "starlette", "uvicorn", "openai"],
         # `stree serve`: the ASGI app and its server
         "serve": ["starlette", "uvicorn"],
         "bench": ["matplotlib"],

@@ -3,11 +3,24 @@ import tempfile
 
 import torch
 
-# tree="auto" measures each model's costs once and caches them in a file: here, one per test session
-os.environ["STREE_CACHE_DIR"] = tempfile.mkdtemp(prefix="stree-costs-")
+# tree="auto" measures each model's costs once and caches them in a file: here, one per test session,
+# shared by its pytest-xdist workers (what one measured, the others read)
+_RUN = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+if _RUN:
+    os.environ["STREE_CACHE_DIR"] = os.path.join(tempfile.gettempdir(), f"stree-costs-{_RUN}")
+else:
+    os.environ["STREE_CACHE_DIR"] = tempfile.mkdtemp(prefix="stree-costs-")
 # ... in short rounds: a hundred models are measured here and no test reads their timings (the
 # tests that do pass their own budget)
 os.environ.setdefault("STREE_COST_SECONDS", "0.5")
+
+# Under pytest-xdist (setup.cfg runs a worker per core) each worker takes its share of the cores:
+# workers that each spread their products over every core would only fight for them.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1:
+    _SHARE = max(1, (os.cpu_count() or 1) // _WORKERS)
+    torch.set_num_threads(_SHARE)
+    os.environ.setdefault("NUMBA_NUM_THREADS", str(_SHARE))  # (read when numba is first imported)
 
 HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:

@@ -5,13 +5,16 @@ leaves a truncated checkpoint, state or report behind."""
 from __future__ import annotations
 
 import os
+import threading
 from pathlib import Path
 
 
 def write_with(path, write) -> None:
-    """``write(tmp_path)`` then rename the temporary file to ``path``."""
+    """``write(tmp_path)`` then rename the temporary file to ``path``. The temporary name is the
+    writer's own (process and thread): two writers of one file (the cost cache of two decoding
+    processes) must not write into, rename or delete each other's half-written file."""
     path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     try:
         write(tmp)
         os.replace(tmp, path)
