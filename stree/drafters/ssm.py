@@ -64,7 +64,8 @@ class _Level(NamedTuple):
     one, feeds every node (leaves included: a step reads the same weights for a few more rows,
     and the next advance then finds the state of a leaf the target accepted), ``rows`` ``[b, m]``
     being each (row, node)'s row there; ``inner``: the positions in ``nodes`` of those with
-    children, the next frontier."""
+    children, the next frontier; ``heads``: the work rows of those (node-major), the only rows
+    whose logits the step makes, in the next frontier's order (None: every row, in order)."""
 
     frontier: torch.Tensor
     width: int
@@ -73,6 +74,7 @@ class _Level(NamedTuple):
     fork: torch.Tensor | None
     rows: np.ndarray
     inner: torch.Tensor
+    heads: torch.Tensor | None
 
 
 @functools.lru_cache(maxsize=64)
@@ -92,8 +94,10 @@ def _static_plan(shape: TreeShape, b: int, device: str) -> tuple[_Level, ...]:
         inner = [nodes.index(v) for v in below]  # the next frontier's positions among these nodes
         fork = torch.tensor([at[frontier[j]] * b + i for j, _, _ in new for i in range(b)], device=device) \
             if inner else None
+        heads = torch.tensor([k * b + i for k in inner for i in range(b)], device=device) \
+            if inner != list(range(len(nodes))) else None
         out.append(_Level(host(frontier), width, host(nodes), host([j * width + r for j, r, _ in new]), fork,
-                          np.arange(len(nodes) * b).reshape(-1, b).T, torch.tensor(inner, device=device)))
+                          np.arange(len(nodes) * b).reshape(-1, b).T, torch.tensor(inner, device=device), heads))
         at = {v: i for v, i in zip(below, inner)}
     return tuple(out)
 
@@ -166,16 +170,18 @@ class SSMDrafter(Drafter):
         and stepping them again in each call cost a GPU's calls a sixth of their time)."""
         if self.mode != "static":
             return
-        counts = {batch}
+        counts = {(batch, None)}  # (rows, rows with logits: None for all)
         for shape in shapes:
-            counts.update(len(level.fork) for level in _static_plan(shape, batch, str(self.model.device))
-                          if level.fork is not None)
+            counts.update((len(level.fork), None if level.heads is None else len(level.heads))
+                          for level in _static_plan(shape, batch, str(self.model.device)) if level.fork is not None)
         device = self.model.device
         built = _BUILT.setdefault(self.model, set())
-        for rows in sorted(counts - {r for kind, r, size in built if kind == "step" and size == self.max_length}):
+        for rows, heads in sorted(counts - {tuple(key) for kind, *key, size in built if kind == "step"
+                                            and size == self.max_length}, key=lambda c: (c[0], c[1] or 0)):
             cache = self.model.allocate_cache(rows, self.max_length)
-            self.model.step(torch.zeros(rows, dtype=torch.long, device=device), cache, validate=False)
-            built.add(("step", rows, self.max_length))
+            self.model.step(torch.zeros(rows, dtype=torch.long, device=device), cache, validate=False,
+                            heads=None if heads is None else torch.arange(heads, device=device))
+            built.add(("step", rows, heads, self.max_length))
         if ("catch-up", batch, self.max_length) not in built:
             span = 4
             while span <= min(self.CATCH_WINDOW, self.max_length):
@@ -282,10 +288,11 @@ class SSMDrafter(Drafter):
         logits themselves, whose top entries are q's (softmax keeps the order)."""
         return self._law(logits) if drawing else logits[..., : self.vocab_size].cpu()
 
-    def _step(self, tokens: torch.Tensor, work) -> torch.Tensor:
-        """Feed one token per work row (each row a path of the tree); its next-token logits. No
-        checks: the tokens are the drafter's own top ids, and the room was checked on advance."""
-        return self.model.step(tokens.to(self.model.device), work, validate=False)
+    def _step(self, tokens: torch.Tensor, work, heads: torch.Tensor | None = None) -> torch.Tensor:
+        """Feed one token per work row (each row a path of the tree); its next-token logits (of
+        rows ``heads`` only, where given). No checks: the tokens are the drafter's own top ids,
+        and the room was checked on advance."""
+        return self.model.step(tokens.to(self.model.device), work, validate=False, heads=heads)
 
     def _fork(self, work, rows: torch.Tensor):
         """The work cache's rows ``rows`` (repeats allowed): paths that branch get a copy each."""
@@ -342,7 +349,8 @@ class SSMDrafter(Drafter):
         :meth:`_ranked` made of the logits the cache advance ended on); below, a work cache holds
         one row per (node of the level, batch row), copies of their parents' rows, advanced by
         the level's own tokens with one step. Each level with children below costs one step over
-        its new nodes. The rows ``random`` marks draw their children; the others take q's top."""
+        its new nodes, the head (most of a small model's step) over those with children only. The
+        rows ``random`` marks draw their children; the others take q's top."""
         b, n = len(roots), shape.n
         drawing = bool(random.any())
         ranked = torch.from_numpy(~random)[:, None]  # [b, 1]: the rows taking their top entries
@@ -371,9 +379,9 @@ class SSMDrafter(Drafter):
             if level.fork is None:
                 break
             work = self._fork(work, level.fork)
-            logits = self._step(tokens[:, level.nodes].t().reshape(-1), work)
+            logits = self._step(tokens[:, level.nodes].t().reshape(-1), work, level.heads)  # (the inner nodes')
             fed.add(work, level.nodes.numpy()[None], level.rows)
-            q = self._ranked(logits.view(len(level.nodes), b, -1)[level.inner], drawing)
+            q = self._ranked(logits.view(len(level.inner), b, -1), drawing)
         if not drawing:
             return TokenTree.from_shape(shape, tokens)
         return TokenTree.from_shape(shape, tokens, child_ids=child_ids, child_probs=child_probs)

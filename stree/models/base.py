@@ -131,10 +131,12 @@ class TreeLM(nn.Module):
             self.lm_head.weight = self.embed.weight
 
     # ---- the block loop -------------------------------------------------------------------
-    def _run(self, tokens: torch.Tensor, mix, at: torch.Tensor | None = None) -> torch.Tensor:
+    def _run(self, tokens: torch.Tensor, mix, at: torch.Tensor | None = None,
+             heads: torch.Tensor | None = None) -> torch.Tensor:
         """Embedding, blocks and head; ``mix(i, block, h)`` is block i's token mixer on ``h``.
         ``at [b]``: the head only at node ``at[b]`` of each row (logits ``[b, V]``: a prompt needs
-        its last position's alone, and the head is most of a small model's work)."""
+        its last position's alone, and the head is most of a small model's work); ``heads [k]``
+        (a step's ``[b, d]`` hidden states): the head only on those rows (logits ``[k, V]``)."""
         tp = self.tp
         x = scaled(self.embed(tokens) if tp is None else tp.embed(self.embed.weight, tokens), self.embed_scale)
         if self.residual_fp32:
@@ -153,6 +155,8 @@ class TreeLM(nn.Module):
                 x = x + (out if tp is None else tp.all_reduce(out))
         if at is not None:
             x = x[torch.arange(x.shape[0], device=x.device), at]
+        if heads is not None:
+            x = x.index_select(0, heads)
         logits = self.lm_head(self.final_norm(x, dtype))
         return scaled(logits if tp is None else tp.gather_vocab(logits, self.full_vocab), self.logits_scale)
 
@@ -303,31 +307,48 @@ class TreeLM(nn.Module):
         cache.seqlens += num_accepted
 
     @torch.no_grad()
-    def step(self, tokens: torch.Tensor, cache: ModelCache, validate: bool = True) -> torch.Tensor:
+    def step(self, tokens: torch.Tensor, cache: ModelCache, validate: bool = True,
+             heads: torch.Tensor | None = None) -> torch.Tensor:
         """Feed one token per row (``[b]``); returns next-token logits ``[b, V]``. The fast path:
         no tree, no scratch, each layer's state advanced in place by one token.
 
-        ``validate=False`` skips the vocabulary-range and cache-room checks, the only
-        device-to-host syncs of a step, so that it can be captured in a CUDA graph; the caller
-        then answers for both (see :class:`stree.runtime.graphs.GraphedStep`)."""
-        self.check_step(tokens, cache, validate)
-        logits = self.step_pass(tokens, cache)
+        ``heads``: a ``[k]`` integer tensor of row indices: every row is fed, but only those rows'
+        logits are made (``[k, V]``, in that order). A drafter feeds the leaves of a tree level for
+        their states alone, and the head is most of a small model's step.
+
+        ``validate=False`` skips the vocabulary-range and cache-room checks (and ``heads``'
+        range), the only device-to-host syncs of a step, so that it can be captured in a CUDA
+        graph; the caller then answers for both (see :class:`stree.runtime.graphs.GraphedStep`)."""
+        self.check_step(tokens, cache, validate, heads)
+        logits = self.step_pass(tokens, cache, heads=heads)
         cache.seqlens += 1
         cache.moved()
         return logits
 
-    def check_step(self, tokens, cache: ModelCache, validate: bool = True) -> None:
-        """The checks of :meth:`step` (``validate``: also the token range and the room left)."""
+    def check_step(self, tokens, cache: ModelCache, validate: bool = True, heads: torch.Tensor | None = None) -> None:
+        """The checks of :meth:`step` (``validate``: also the token range, the room left and the
+        range of ``heads``)."""
         self.check_tokens("tokens", tokens, values=validate)
         if tokens.dim() != 1:
             raise ValueError(f"tokens must have shape [batch], got {tuple(tokens.shape)}")
         self.check_cache(cache, tokens.shape[0], 1, lengths=validate)
+        if heads is not None:
+            if not isinstance(heads, torch.Tensor) or heads.dim() != 1 or heads.dtype != torch.long:
+                raise TypeError(f"heads must be a 1-D int64 tensor of row indices, got "
+                                f"{heads.dtype if isinstance(heads, torch.Tensor) else type(heads).__name__} "
+                                f"of shape {tuple(getattr(heads, 'shape', ()))}")
+            if heads.device != tokens.device:
+                raise ValueError(f"heads must be on {tokens.device} with the tokens, got {heads.device}")
+            if validate and len(heads) and not bool(((heads >= 0) & (heads < tokens.shape[0])).all()):
+                raise ValueError(f"heads must index the {tokens.shape[0]} rows, got {heads.tolist()}")
 
-    def step_pass(self, tokens: torch.Tensor, cache: ModelCache, kernel_backend: str | None = None) -> torch.Tensor:
+    def step_pass(self, tokens: torch.Tensor, cache: ModelCache, kernel_backend: str | None = None,
+                  heads: torch.Tensor | None = None) -> torch.Tensor:
         """One token per row through every layer (states advanced in place, ``seqlens`` not), with
-        the model's kernels unless ``kernel_backend`` names others."""
+        the model's kernels unless ``kernel_backend`` names others; the head on rows ``heads``
+        only, where given."""
         ctx = StepContext(cache.seqlens, kernel_backend or self.kernel_backend)
-        return self._run(tokens, lambda i, blk, h: blk.mixer.step(h, cache.layers[i], ctx))
+        return self._run(tokens, lambda i, blk, h: blk.mixer.step(h, cache.layers[i], ctx), heads=heads)
 
     @torch.no_grad()
     def prefill(self, input_ids: torch.Tensor, cache: ModelCache, lengths: torch.Tensor | None = None,

@@ -36,8 +36,8 @@ __all__ = ["CompiledModel", "CompiledDecode"]
 KERNELS = "torch"  # the PyTorch path is what Inductor fuses (not numba's CPU kernels, nor Triton's for CUDA)
 
 
-def _step(model: TreeLM, tokens, cache: ModelCache):
-    logits = model.step_pass(tokens, cache, KERNELS)
+def _step(model: TreeLM, tokens, cache: ModelCache, heads=None):
+    logits = model.step_pass(tokens, cache, KERNELS, heads=heads)
     cache.seqlens += 1
     return logits
 
@@ -64,7 +64,7 @@ def _dense(tokens: torch.Tensor) -> torch.Tensor:
 def _own_compiled(fn):
     """``fn`` compiled from its own copy of the code: dynamo keeps graphs per code object, so the
     copy has its own graphs and its own recompile count."""
-    copy = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__)
+    copy = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__)
     return torch.compile(copy, dynamic=False, options=_OPTIONS)
 
 
@@ -108,9 +108,13 @@ class CompiledModel:
             compiled = self._fns[(fn, key)] = _own_compiled(fn)
         return compiled(self.model, *args)
 
-    def step(self, tokens: torch.Tensor, cache: ModelCache, validate: bool = True) -> torch.Tensor:
-        self.model.check_step(tokens, cache, validate)
-        logits = self._call(_step, (cache.batch_size,), _dense(tokens), cache)
+    def step(self, tokens: torch.Tensor, cache: ModelCache, validate: bool = True,
+             heads: torch.Tensor | None = None) -> torch.Tensor:
+        self.model.check_step(tokens, cache, validate, heads)
+        if heads is None:
+            logits = self._call(_step, (cache.batch_size,), _dense(tokens), cache)
+        else:  # (a function of its own per count of heads: their values are an input)
+            logits = self._call(_step, (cache.batch_size, len(heads)), _dense(tokens), cache, _dense(heads))
         cache.moved()
         return logits
 

@@ -126,11 +126,12 @@ class MarkovLM:
         cache.history[rows, (cache.seqlens[:, None] + torch.arange(L))[keep]] = tree.tokens.gather(1, accepted)[keep]
         cache.seqlens += num_accepted
 
-    def step(self, tokens: torch.Tensor, cache: MarkovCache, validate: bool = True) -> torch.Tensor:
+    def step(self, tokens: torch.Tensor, cache: MarkovCache, validate: bool = True,
+             heads: torch.Tensor | None = None) -> torch.Tensor:
         tree = TokenTree.from_shape(TreeShape.chain(0), tokens[:, None])
         logits, _ = self.forward_tree(tree, cache)
         self.commit(cache, tree, torch.zeros(len(tokens), 1, dtype=torch.long), torch.ones(len(tokens), dtype=torch.long))
-        return logits[:, 0]
+        return logits[:, 0] if heads is None else logits[heads, 0]
 
 
 class MarkovDrafter(Drafter):

@@ -204,12 +204,13 @@ def test_an_accepted_path_is_not_fed_again(mode, monkeypatch):
         assert torch.allclose(alone._last, fresh._last, atol=1e-5)  # the drafter's logits after the context
 
 
-@pytest.mark.parametrize("parents", [(-1, 0, 0, 2, 2, 4), (-1, 0, 0, 0, 2, 3, 3, 5, 6)])
+@pytest.mark.parametrize("parents", [(-1, 0, 0, 2, 2, 4), (-1, 0, 0, 0, 2, 3, 3, 5, 6), (-1, 0, 0, 2, 1, 3, 4)])
 def test_static_drafts_follow_each_nodes_own_path(parents):
     """Drafts against their definition: the law node v's children are drawn from (its top 10,
     attached to the tree) is the drafter's after the context and v's root path, here each path
     prefilled anew. The shapes put leaves before inner nodes within a level (the work cache's
-    rows follow the level's nodes)."""
+    rows follow the level's nodes, and the step makes the inner nodes' logits alone), and the
+    last one a level's inner nodes in another order than its nodes (node 2's child first)."""
     model = mamba2(seed=5)
     shape, kids = TreeShape(parents), TreeShape(parents).children()
     tokens = torch.randint(0, 90, (2, 12), generator=torch.Generator().manual_seed(6))
@@ -296,3 +297,9 @@ def test_build_steps_each_row_count_once_per_drafter_model(monkeypatch):
     assert sorted(stepped) == [2, 2, 3, 4, 4, 6] and len(prefilled) == 15
     SSMDrafter(model, shape, max_length=20).build([shape], 2)  # catch-ups only as long as the cache holds
     assert prefilled[15:] == [(2, 4), (2, 8), (2, 16)]
+    headed = []
+    monkeypatch.setattr(model, "step", lambda tokens, cache, heads=None, **kw: headed.append(
+        (tokens.shape[0], None if heads is None else len(heads))) or step(tokens, cache, heads=heads, **kw))
+    lopsided = TreeShape((-1, 0, 0, 1))  # node 2 a leaf of a fed level: the step's head on node 1's rows alone
+    SSMDrafter(model, lopsided).build([lopsided], 2)
+    assert headed == [(4, 2)]  # (the batch's own 2 rows were stepped above)

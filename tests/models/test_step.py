@@ -51,6 +51,41 @@ def test_step_equals_a_one_node_tree_and_its_commit(family, kernel_backend, back
 
 
 @pytest.mark.parametrize("family", FAMILIES)
+def test_a_step_with_heads_makes_those_rows_logits_alone_and_moves_every_row(family):
+    """``heads``: a drafter's level feeds its leaves for their states only; the step then makes
+    the logits of the rows asked for (in that order, repeats allowed), and every row's state
+    moves exactly as in a step without it."""
+    model = FAMILIES[family]()
+    cache, tok = _prefilled(model, [6, 2, 9], seed=3)
+    other = cache.clone()
+    heads = torch.tensor([2, 0, 2])
+    got = model.step(tok, cache, heads=heads)
+    want = model.step(tok, other)
+    assert got.shape == (3, want.shape[1]) and (got - want[heads]).abs().max() <= 1e-5
+    assert torch.equal(cache.seqlens, other.seqlens)
+    for b in range(3):
+        for a, c in zip(_committed(cache, b), _committed(other, b)):
+            assert torch.equal(a, c)
+    assert model.step(tok, cache, heads=torch.tensor([], dtype=torch.long)).shape == (0, want.shape[1])
+
+
+@pytest.mark.parametrize("heads, error, match", [
+    (torch.tensor([0.0]), TypeError, "heads must be a 1-D int64 tensor"),
+    (torch.tensor([[0]]), TypeError, "heads must be a 1-D int64 tensor"),
+    ([0], TypeError, "heads must be a 1-D int64 tensor of row indices, got list"),
+    (torch.tensor([0, 3]), ValueError, r"heads must index the 3 rows, got \[0, 3\]"),
+    (torch.tensor([-1]), ValueError, "heads must index the 3 rows"),
+])
+def test_bad_heads_are_named_before_the_state_moves(heads, error, match):
+    model = FAMILIES["mamba2"]()
+    cache, tok = _prefilled(model, [6, 2, 9], seed=3)
+    before = cache.clone()
+    with pytest.raises(error, match=match):
+        model.step(tok, cache, heads=heads)
+    assert torch.equal(cache.ssm, before.ssm) and torch.equal(cache.seqlens, before.seqlens)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("kernel_backend", ["torch", "triton"])
 def test_unvalidated_step_and_tree_pass_never_wait_on_the_host(family, kernel_backend, backend_device):
     """The paths a device runs ("auto" on the CPU replays compiled, reading host memory by design)."""
