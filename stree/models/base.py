@@ -312,7 +312,7 @@ class TreeLM(nn.Module):
         """Feed one token per row (``[b]``); returns next-token logits ``[b, V]``. The fast path:
         no tree, no scratch, each layer's state advanced in place by one token.
 
-        ``heads``: a ``[k]`` integer tensor of row indices: every row is fed, but only those rows'
+        ``heads``: a ``[k]`` int64 tensor of row indices: every row is fed, but only those rows'
         logits are made (``[k, V]``, in that order). A drafter feeds the leaves of a tree level for
         their states alone, and the head is most of a small model's step.
 
