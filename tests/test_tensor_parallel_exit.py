@@ -28,23 +28,22 @@ def torchrun(*args, timeout=120, **kw):
                            *args], capture_output=True, text=True, env=ENV, timeout=timeout, cwd=ROOT, **kw)
 
 
-def test_torchrun_generate_exits_0_every_time_with_the_single_process_output():
-    """docs/tensor-parallel.md's command (a drafter, 24 tokens) 3 times in a row under torchrun: each
-    exits 0 and prints, once (rank 0), the tokens one process prints. Before the fix about 1 run in
-    10 aborted at exit; the mechanism is tested deterministically below, and the other torchrun
-    runs of this file check exit status 0 too."""
+def test_torchrun_generate_exits_0_with_the_single_process_output():
+    """docs/tensor-parallel.md's command (a drafter, 24 tokens) under torchrun exits 0 and prints,
+    once (rank 0), the tokens one process prints. Before the fix about 1 run in 10 aborted at exit:
+    a few runs here would rarely see it, so the mechanism is tested deterministically below, and
+    every torchrun run of this file checks exit status 0."""
     args = ["-m", "stree", "generate", "--model", TARGET, "--prompt", "def f(x):", "--max-new-tokens", "24",
             "--dtype", "float32", "--drafter", "stand", "--json"]
     one = subprocess.run([sys.executable, *args], capture_output=True, text=True, env=ENV, timeout=300)
     assert one.returncode == 0, one.stderr
     expected = json.loads(one.stdout)["token_ids"]
-    for i in range(3):
-        run = torchrun(*args)
-        assert run.returncode == 0, (i, run.stderr[-3000:])
-        assert "terminate called" not in run.stderr
-        reports = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
-        assert len(reports) == 1, run.stdout  # rank 0 reports
-        assert reports[0]["token_ids"] == expected, i
+    run = torchrun(*args)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "terminate called" not in run.stderr
+    reports = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
+    assert len(reports) == 1, run.stdout  # rank 0 reports
+    assert reports[0]["token_ids"] == expected
 
 
 @pytest.mark.parametrize("left", [True, False])

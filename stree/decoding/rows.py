@@ -3,6 +3,7 @@ step emits appended and cut at EOS, budgets and stop sequences; the statistics a
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass, field
 
@@ -151,8 +152,9 @@ class Rows:
         self.seq = torch.zeros(B, longest + min(max(max_new_tokens), 256), dtype=torch.long)
         self.limit = max(len(p) + m for p, m in zip(prompts, max_new_tokens))
         self.lengths = torch.tensor([len(p) for p in prompts])
-        for i, p in enumerate(prompts):
-            self.seq[i, : len(p)] = torch.tensor(p)
+        # one copy of all prompts, row after row (a tensor per row is dear at batches of thousands)
+        flat = np.fromiter(itertools.chain.from_iterable(prompts), dtype=np.int64, count=int(self.lengths.sum()))
+        self.seq.numpy()[np.arange(self.seq.shape[1]) < self.lengths.numpy()[:, None]] = flat
         self.prompt_lengths = self.lengths.clone()
         self.produced = torch.zeros(B, dtype=torch.long)
         self.active = torch.ones(B, dtype=torch.bool)

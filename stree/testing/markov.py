@@ -23,7 +23,7 @@ class MarkovCache:
         return self.seqlens.shape[0]
 
     def select(self, rows: torch.Tensor) -> "MarkovCache":
-        return MarkovCache(self.history[rows].clone(), self.seqlens[rows].clone(), self.max_length)
+        return MarkovCache(self.history[rows], self.seqlens[rows], self.max_length)  # (indexing copies)
 
     def clone(self) -> "MarkovCache":
         return self.select(torch.arange(self.batch_size))
@@ -89,8 +89,10 @@ class MarkovLM:
         if bool((start + lengths < self.order).any()):
             raise ValueError(f"prompts need at least {self.order} tokens for an order-{self.order} table")
         self._check(input_ids, cache, T)
-        for row in range(b):
-            cache.history[row, int(start[row]): int(start[row] + lengths[row])] = input_ids[row, : int(lengths[row])]
+        j = torch.arange(T)
+        keep = j < lengths[:, None]  # each row's first lengths[row] tokens, after what it holds
+        rows = torch.arange(b)[:, None].expand(b, T)
+        cache.history[rows[keep], (start[:, None] + j)[keep]] = input_ids[keep]
         cache.seqlens += lengths
         cols = cache.seqlens[:, None] - self.order + torch.arange(self.order)
         return self._logits(cache.history.gather(1, cols))

@@ -212,7 +212,8 @@ def test_ssm_dynamic_drafts_are_lossless_on_a_markov_target(stochastic, calibrat
     one node per level expands, chosen by priority among the level's draws)."""
     target, draft_model = markov_pair()
     prompt = [1, 2, 1, 2, 0, 1]
-    drafter = SSMDrafter(draft_model, stochastic=stochastic, top_k=4, seed=3)
+    # max_length: room for the prompt, 3 tokens and a tree (the default 4096 holds 650 MB for 20k rows)
+    drafter = SSMDrafter(draft_model, stochastic=stochastic, top_k=4, seed=3, max_length=32)
     budget = TreeBudget(7, 3, width=width, calibrate=calibrate)
     out = generate(target, [prompt] * 20_000, drafter=drafter, tree=budget, max_new_tokens=3, temperature=1.0, seed=5)
     accepted = torch.tensor([sum(a) for a in out.stats.accepted], dtype=torch.float)

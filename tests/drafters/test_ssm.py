@@ -42,7 +42,9 @@ def test_drafts_are_lossless_on_a_markov_target(mode, stochastic):
     """20k rows at T = 1: the joint of the first 3 tokens against the exact law, drafts accepted."""
     target, draft_model = markov_pair()
     prompt = [1, 2, 1, 2, 0, 1]
-    drafter = SSMDrafter(draft_model, TreeShape.full(2, 2), mode=mode, stochastic=stochastic, beams=2, steps=2, seed=3)
+    # max_length: room for the prompt, 3 tokens and a tree (the default 4096 holds 650 MB for 20k rows)
+    drafter = SSMDrafter(draft_model, TreeShape.full(2, 2), mode=mode, stochastic=stochastic, beams=2, steps=2, seed=3,
+                         max_length=32)
     out = generate(target, [prompt] * 20_000, drafter=drafter, max_new_tokens=3, temperature=1.0, seed=5)
     accepted = torch.tensor([sum(a) for a in out.stats.accepted], dtype=torch.float)
     assert accepted.mean() > 0.5

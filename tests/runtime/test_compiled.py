@@ -1,6 +1,8 @@
 """The compiled decode path (torch.compile of step, tree pass and commit, for the CPU) must equal
 the eager calls, state included, and compile each function once per shape."""
 
+import functools
+
 import pytest
 import torch
 from tiny_models import FAMILIES, VOCAB
@@ -16,9 +18,15 @@ from stree.tree import TokenTree, TreeShape
 MAX_LENGTH = 256  # what generate's pool allocates for these prompts: the same shapes, no new compile
 
 
+@functools.lru_cache(maxsize=None)
+def _shared(family, seed=0):
+    """One model per family and seed for the file: what one test compiled, the next reuses."""
+    return FAMILIES[family](seed=seed)
+
+
 @pytest.fixture(scope="module", params=list(FAMILIES))
 def model(request):
-    return FAMILIES[request.param]()
+    return _shared(request.param)
 
 
 def _pair(model, lengths=(6, 3)):
@@ -110,19 +118,18 @@ def test_a_compiled_call_builds_its_calls_before_decoding(family, drafter, tempe
     leave fewer rows, whose steps a compiled drafter model compiles when they come.)"""
     from stree.decoding.loop import decode, drain
 
-    def make(model):
-        small = None if drafter == "ngram" else CompiledModel(FAMILIES["mamba2"](seed=1))
-        return make_drafter(drafter, drafter_model=small, vocab_size=model.vocab_size)
+    def make(model, small):
+        return make_drafter(drafter, drafter_model=None if drafter == "ngram" else small, vocab_size=model.vocab_size)
 
-    measured = FAMILIES[family]()
+    # the costs measured (and the fixed sizes compiled) for this config, by the file's shared models
+    measured = _shared(family)
     prompts = [[1, 2, 3, 1, 2, 3, 1, 2], [4, 5, 4, 5, 4]][: 1 if drafter == "ssm-static" else 2]
     kw = dict(max_new_tokens=10, temperature=temperature, seed=0, torch_compile=True)
     if drafter == "ssm-static":  # drafted every step (this pair's costs would have it decode plain)
         kw["tree"] = TreeShape.paper13()
-    # the costs measured (and the fixed sizes compiled) for this config
-    want = generate(measured, prompts, drafter=make(measured), **kw).sequences
+    want = generate(measured, prompts, drafter=make(measured, CompiledModel.of(_shared("mamba2", 1))), **kw).sequences
     fresh = FAMILIES[family]()
-    fresh_drafter = make(fresh)
+    fresh_drafter = make(fresh, CompiledModel(FAMILIES["mamba2"](seed=1)))
     for call in range(2):
         graphs = counters["stats"]["unique_graphs"]
         steps = decode(fresh, prompts, drafter=fresh_drafter, **kw)
