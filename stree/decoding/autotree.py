@@ -935,8 +935,8 @@ def auto_tree(model, drafter, batch: int, *, mode: str, sampled: bool = False, c
               bracketed: bool = False) -> AutoTree:
     """The :class:`AutoTree` of a decoding call: the costs of ``model`` with ``drafter`` at
     ``batch`` rows in ``mode``, greedy or ``sampled`` (measured on first use, then cached:
-    :func:`stree.decoding.cost.cost_profile`; ``refresh``: measured again) over the shapes the rates'
-    prior plans (at most ``depth`` deep).
+    :func:`stree.decoding.cost.cost_profile`; ``refresh``: measured again; an adaptive one's, from the
+    file, spot-checked first) over the shapes the rates' prior plans (at most ``depth`` deep).
     An ``adaptive`` one continues the cost scales and rates of the last adaptive chooser of the
     same profile in this process (where the output cannot depend on the trees, what earlier
     calls learned about this machine and drafter is worth keeping). ``bracketed``: the costs of a
@@ -950,7 +950,7 @@ def auto_tree(model, drafter, batch: int, *, mode: str, sampled: bool = False, c
     fills = getattr(drafter, "fills_shapes", True)
     profile = (bracketed_profile if bracketed else cost_profile)(
         model, batch, drafter=drafter if fills else None, mode=mode, sampled=sampled,
-        shapes=[_prefix(prior, n) for n in sizes if n >= 2], refresh=refresh)
+        shapes=[_prefix(prior, n) for n in sizes if n >= 2], refresh=refresh, check=adaptive)
     # adaptive choosers of one profile hand on what they learned: a later call starts from it
     scale, rates = (None, None) if not adaptive else _LEARNED.setdefault(profile, ({"plain": 1.0, "tree": 1.0},
                                                                                    PathRates()))

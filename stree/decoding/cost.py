@@ -47,6 +47,9 @@ FORMAT = 13  # of the cache file; another is re-measured (13: half-precision pro
 # (Not against smaller trees: on a GPU, where a small model's iterations are bound by the host, larger
 # trees were measured up to a quarter below smaller ones, by jitter.)
 SLACK = 0.8
+# How far a cached profile's iteration (in steps) may be from a spot check's before it is measured again
+# (cost_profile's check): spot checks of a few rounds scatter by about a tenth around the full measurement.
+AGREE = 1.25
 
 
 @dataclass(frozen=True)
@@ -235,23 +238,25 @@ def _write(key: str, entry: dict) -> None:
         pass
 
 
-def _cached(kind: str, model, parse, measure, fields: dict, refresh: bool, keep=None):
-    """The value for ``fields``: this process's, else the file's (where ``keep(value)`` holds),
-    else ``measure()`` (written to the file where ``keep(value)`` holds)."""
+def _cached(kind: str, model, parse, measure, fields: dict, refresh: bool, keep=None, holds=None):
+    """The value for ``fields``: this process's, else the file's (where ``keep(value)`` holds, and
+    ``holds(value)``: whether it still describes the machine), else ``measure()`` (written to the
+    file where ``keep(value)`` holds)."""
     key, what = _key(kind, model, **fields)
     if not refresh:
         hit = _MEMO.get(key)
         if hit is not None:
             return hit
         entry = _read(key)
+        value = None
         if entry is not None:
             try:
                 value = parse(entry["value"])
-                if keep is None or keep(value):
-                    _MEMO[key] = value
-                    return value
             except (KeyError, TypeError, ValueError):
                 pass  # a malformed entry: measured again below
+        if value is not None and (keep is None or keep(value)) and (holds is None or holds(value)):
+            _MEMO[key] = value
+            return value
     value = measure()
     _MEMO[key] = value
     if keep is None or keep(value):
@@ -261,14 +266,21 @@ def _cached(kind: str, model, parse, measure, fields: dict, refresh: bool, keep=
 
 # ---- measuring ------------------------------------------------------------------------------
 def cost_profile(model, batch_size: int, *, drafter=None, mode: str = "eager", sampled: bool = False, shapes=None,
-                 budget_s: float | None = None, refresh: bool = False) -> CostProfile:
+                 budget_s: float | None = None, refresh: bool = False, check: bool = False) -> CostProfile:
     """The :class:`CostProfile` of ``model`` with ``drafter`` (None: the target's work alone) at
     ``batch_size`` rows in ``mode``, greedy or ``sampled`` (drawing and the lossless rejection
     rules cost more than argmax), cached (see the module docstring). ``shapes``: the tree
     shapes to time, one per size (default: full binary trees cut to :func:`default_sizes`);
     compiled and graphed modes build (and keep) each shape's pass. The drafter is left reset,
     its random stream as it was. ``refresh``: measure again whatever is cached. A profile that is
-    not :attr:`~CostProfile.plausible` is measured once more, and is not written to the file."""
+    not :attr:`~CostProfile.plausible` is measured once more, and is not written to the file.
+    ``check``: where the profile comes from the file (another process measured it), time two of
+    its sizes again first, in an eighth of the budget, and measure it all again where either's
+    iteration in steps is off by more than ``AGREE`` either way (:func:`agrees`): a profile
+    measured while something else took the cores had priced trees up to a third too high for
+    good, and speculation then ran where it lost. Eager only (a compiled or graphed spot check
+    would compile its calls again); :func:`~stree.decoding.autotree.auto_tree` asks for it where
+    the choice follows the clock (a seeded choice's trees, and so its output, follow the file)."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     if not isinstance(batch_size, int) or batch_size < 1:
@@ -283,8 +295,19 @@ def cost_profile(model, batch_size: int, *, drafter=None, mode: str = "eager", s
     def measure() -> CostProfile:
         profile = _measure(model, drafter, batch_size, mode, sampled, shapes, budget_s)
         return profile if profile.plausible else _measure(model, drafter, batch_size, mode, sampled, shapes, budget_s)
+
+    def holds(cached: CostProfile) -> bool:
+        spot = [s for s in dict.fromkeys((shapes[0], shapes[len(shapes) // 2])) if s.n in cached.nodes]
+        return not spot or agrees(cached, _measure(model, drafter, batch_size, mode, sampled, spot, budget_s / 8))
     return _cached("profile", model, CostProfile.from_dict, measure, fields, refresh,
-                   keep=lambda profile: profile.plausible)
+                   keep=lambda profile: profile.plausible, holds=holds if check and mode == "eager" else None)
+
+
+def agrees(cached: CostProfile, now: CostProfile) -> bool:
+    """Whether ``now`` (a few sizes timed again) says what ``cached`` says: every size both hold
+    costs an iteration in steps within a factor ``AGREE`` of the other's."""
+    common = [n for n in now.nodes if n in cached.nodes]
+    return all(max(a, b) <= AGREE * min(a, b) for a, b in ((cached.in_steps(n), now.in_steps(n)) for n in common))
 
 
 def default_budget() -> float:

@@ -294,3 +294,65 @@ def test_an_implausible_profile_is_measured_again_and_never_trusted_from_the_fil
     monkeypatch.setattr(cost, "_MEMO", {})
     answers.append(fine)
     assert cost_profile(model, 1, shapes=SHAPES) is fine and measured == [1, 1, 2, 2, 2, 1]
+
+
+def test_agrees_holds_every_common_size_within_a_factor():
+    cached = CostProfile(4.0, (2, 4, 8), (6.0, 8.0, 12.0), (1.0, 1.0, 2.0))
+    assert cost.agrees(cached, CostProfile(2.0, (2, 8), (3.0, 6.0), (0.5, 1.0)))  # the same in steps, halved in ms
+    assert cost.agrees(cached, CostProfile(4.0, (2,), (6.0 * 1.2 + 1.4,), (0.0,)))  # (7 -> 8.6 ms: 1.23x)
+    assert not cost.agrees(cached, CostProfile(4.0, (2,), (6.0 * 1.3 + 1.8,), (0.0,)))  # (7 -> 9.6 ms: 1.37x)
+    assert not cost.agrees(cached, CostProfile(4.0, (4, 8), (8.0, 9.0), (1.0, 1.0)))  # 8 nodes: 14 ms -> 10 ms
+    assert cost.agrees(cached, CostProfile(4.0, (16,), (40.0,)))  # no common size: nothing to say
+
+
+def test_a_checked_profile_from_the_file_is_spot_checked_and_measured_again_where_it_is_off(fresh_cache,
+                                                                                             monkeypatch):
+    """``check`` (an adaptive choice's): a profile the file holds is timed again at its first and
+    middle sizes, in an eighth of the budget; where they disagree, measured again and rewritten;
+    where they agree, the file's is kept. Without ``check`` (a seeded choice), the file's as it is."""
+    cached = CostProfile(4.0, (2, 4, 8), (6.0, 8.0, 12.0))
+    spots = {"agree": CostProfile(2.0, (2, 4), (3.1, 4.1)), "off": CostProfile(4.0, (2, 4), (4.5, 5.0))}
+    answer, fresh, calls = {}, CostProfile(4.0, (2, 4, 8), (4.5, 5.0, 7.0)), []
+
+    def measure(model, drafter, batch, mode, sampled, shapes, budget_s):
+        calls.append(([s.n for s in shapes], budget_s))
+        return answer["spot"] if len(shapes) < 3 else fresh
+    model = mamba2()
+    shapes = [TreeShape.full(1, 1), TreeShape.full(3, 1), TreeShape.full(7, 1)]  # 2, 4 and 8 nodes
+    for mode in ("eager", "compiled"):
+        cost._write(cost._key("profile", model, batch=1, mode=mode, sizes=[2, 4, 8], drafter=None, sampled=False)[0],
+                    dict(value=cached.to_dict()))
+    monkeypatch.setattr(cost, "_measure", measure)
+    assert cost_profile(model, 1, shapes=shapes) == cached and calls == []  # unchecked: the file's
+    # compiled (or graphed): a spot check would compile its calls again
+    assert cost_profile(model, 1, shapes=shapes, mode="compiled", check=True) == cached and calls == []
+    for case, want, timed in (("agree", cached, [([2, 4], 0.0625)]),
+                              ("off", fresh, [([2, 4], 0.0625), ([2, 4, 8], 0.5)])):
+        monkeypatch.setattr(cost, "_MEMO", {})  # a new process
+        answer["spot"], calls[:] = spots[case], []
+        assert cost_profile(model, 1, shapes=shapes, budget_s=0.5, check=True) == want and calls == timed, case
+    monkeypatch.setattr(cost, "_MEMO", {})
+    assert cost_profile(model, 1, shapes=shapes) == fresh and calls == timed  # the file now holds it
+
+
+def test_a_profile_the_file_prices_far_off_is_measured_again_by_an_adaptive_choice(fresh_cache, monkeypatch):
+    """For real: a file whose trees cost four times what this machine's do (measured beside other
+    work), read by a new process's adaptive choice, is measured again; a seeded one keeps it."""
+    from stree.decoding.autotree import auto_tree
+
+    model = mamba2()
+    measured = auto_tree(model, NGramDrafter(), 1, mode="eager", adaptive=True).profile
+    data = json.loads(fresh_cache.read_text())
+    (entry,) = data["entries"].values()
+    entry["value"]["tree_ms"] = [4 * (t + d) for t, d in zip(entry["value"]["tree_ms"], entry["value"]["draft_ms"])]
+    fresh_cache.write_text(json.dumps(data))
+    dear = CostProfile.from_dict(entry["value"])
+    monkeypatch.setattr(cost, "_MEMO", {})
+    assert auto_tree(model, NGramDrafter(), 1, mode="eager").profile == dear  # seeded: the file's trees
+    monkeypatch.setattr(cost, "_MEMO", {})
+    again = auto_tree(model, NGramDrafter(), 1, mode="eager", adaptive=True).profile
+    common = [n for n in again.nodes if n in measured.nodes]  # (a loaded machine's budget may cut sizes)
+    assert again != dear and common
+    assert sum(again.iteration_ms(n) for n in common) < 0.5 * sum(dear.iteration_ms(n) for n in common)
+    (entry,) = json.loads(fresh_cache.read_text())["entries"].values()
+    assert CostProfile.from_dict(entry["value"]) == again  # rewritten
