@@ -1,4 +1,4 @@
-"""Hypothesis strategies: parent arrays of every shape a drafter can produce, and SSM shapes."""
+"""Hypothesis strategies: parent arrays of every shape a drafter can produce, SSM shapes, and accepted paths."""
 
 import math
 
@@ -67,3 +67,20 @@ def ssm_inputs(gen, batch, n, shape, dt_opts, dtype=torch.float32, D_kind="head"
     if D_kind == "none":
         inp["D"] = None
     return inp
+
+
+@st.composite
+def accepted_paths(draw, parents, batch):
+    """Per row a root-first path walking down random children; the tail past num_accepted is junk."""
+    rows, nums = [], []
+    for b in range(batch):
+        par = (parents if parents.dim() == 1 else parents[b]).tolist()
+        kids = {i: [j for j in range(len(par)) if par[j] == i] for i in range(len(par))}
+        path = [0]
+        while kids[path[-1]] and draw(st.integers(0, 4)) > 0:
+            path.append(draw(st.sampled_from(kids[path[-1]])))
+        rows.append(path)
+        nums.append(len(path))
+    L = max(nums) + draw(st.integers(0, 2))
+    junk = draw(st.sampled_from([-1, 10**6]))
+    return torch.tensor([r + [junk] * (L - len(r)) for r in rows]), torch.tensor(nums)

@@ -14,8 +14,8 @@ model's weights push the target's out of the CPU's caches (a tree pass after a d
 costs more than one after another pass). The result is kept for the process and in a small JSON file (``$STREE_CACHE_DIR``, else
 ``$XDG_CACHE_HOME/stree``, else ``~/.cache/stree``), keyed by everything the times depend on: the
 model's class and config, the drafter's kind (and its model's config), dtype, device (the CPU's
-model and thread count, or the GPU's name), batch size, mode, sizes and the library's and
-torch's versions. A file that is corrupt, or whose entry was made for another key, is measured
+model and thread count, or the GPU's name), batch size, mode, sizes, the library's and torch's
+versions and a digest of the library's sources. A file that is corrupt, or whose entry was made for another key, is measured
 again and rewritten, never trusted and never fatal.
 """
 
@@ -201,12 +201,25 @@ def device_name(device: torch.device) -> str:
     return f"cpu {cpu_model()} x{torch.get_num_threads()} threads"
 
 
+@functools.lru_cache(maxsize=4)
+def source_digest(root: Path | None = None) -> str:
+    """A digest of the Python sources under ``root`` (default: the library's own), names and
+    contents. A development install keeps its version string through changes that move what a
+    tree costs (a kernel taking another path), and a profile measured before such a change must
+    not price trees after it."""
+    root = Path(__file__).resolve().parents[1] if root is None else root
+    digest = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
 def _key(kind: str, model, **fields) -> tuple[str, dict]:
     from .. import __version__
 
     what = dict(kind=kind, model=type(model).__name__, config=repr(getattr(model, "cfg", None)),
-                dtype=str(model.dtype), device=device_name(model.device), stree=__version__, torch=torch.__version__,
-                format=FORMAT, **fields)
+                dtype=str(model.dtype), device=device_name(model.device), stree=__version__, code=source_digest(),
+                torch=torch.__version__, format=FORMAT, **fields)
     return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:32], what
 
 

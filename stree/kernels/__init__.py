@@ -4,7 +4,8 @@ against are the float64 definitions in :mod:`stree.testing`).
 
 ``backend="auto"`` runs Triton on CUDA tensors and the PyTorch path on CPU tensors, except the
 decode step's two kernels, replay and small trees' conv and scan, which run numba-compiled on CPU
-float32 tensors (:mod:`.step_jit`, :mod:`.replay_jit`, :mod:`.tree_jit`); ``"torch"`` is the
+tensors (:mod:`.step_jit`, :mod:`.replay_jit`, :mod:`.tree_jit`; half ones read through float32
+copies, :func:`._common.readable`); ``"torch"`` is the
 PyTorch path anywhere; ``"triton"`` on CPU tensors needs ``TRITON_INTERPRET=1`` set before this
 package is imported.
 """

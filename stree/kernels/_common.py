@@ -28,12 +28,15 @@ CAPTURING = False
 
 
 def jit_fits(*tensors) -> bool:
-    """CPU float32 tensors (None allowed): what the numba-compiled CPU paths take under "auto"."""
-    return all(t is None or (isinstance(t, torch.Tensor) and t.is_cpu and t.dtype == torch.float32) for t in tensors)
+    """CPU float tensors (None allowed): what the numba-compiled CPU paths take under "auto", half
+    ones read through float32 copies (:func:`readable`)."""
+    return all(t is None or (isinstance(t, torch.Tensor) and t.is_cpu and t.dtype in FLOAT_DTYPES) for t in tensors)
 
 
 # id(parameter) -> ((address, shape, strides), its numpy view); the entry goes with the parameter
 _VIEWS: dict[int, tuple] = {}
+# id(half parameter) -> ((version, address, shape, strides), its float32 copy as numpy); likewise
+_WIDE: dict[int, tuple] = {}
 
 
 def as_numpy(t: torch.Tensor):
@@ -50,6 +53,26 @@ def as_numpy(t: torch.Tensor):
         if hit is None:
             weakref.finalize(t, _VIEWS.pop, id(t), None)
         hit = _VIEWS[id(t)] = (layout, t.detach().numpy())
+    return hit[1]
+
+
+def readable(t: torch.Tensor):
+    """``t`` as the float32 array a numba kernel reads: its memory (:func:`as_numpy`) or, for a
+    float16 or bfloat16 tensor, a float32 copy. numba has neither half type, and the kernels
+    compute in float32 as the PyTorch paths do, so only the reading widens (exactly) and the
+    caller rounds the outputs back once. A half parameter's copy is kept until the parameter
+    changes (its version counter, memory or layout): a decoding pass hands every layer's to the
+    kernels. What a kernel writes is never a copy: the callers give it float32 tensors."""
+    if t.dtype == torch.float32:
+        return as_numpy(t)
+    if not t.requires_grad:
+        return t.float().numpy()
+    key = (t._version, t.data_ptr(), t.shape, t.stride())
+    hit = _WIDE.get(id(t))
+    if hit is None or hit[0] != key:
+        if hit is None:
+            weakref.finalize(t, _WIDE.pop, id(t), None)
+        hit = _WIDE[id(t)] = (key, t.detach().float().numpy())
     return hit[1]
 
 

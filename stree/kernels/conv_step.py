@@ -10,7 +10,7 @@ import triton
 import triton.language as tl
 
 from ._common import (as_numpy, check_layout, check_tensor, f32, identity_slots, jit_fits, pool_rows, put_slot_rows,
-                      resolve_backend, slot_rows)
+                      readable, resolve_backend, slot_rows)
 
 __all__ = ["conv_step", "conv_step_torch"]
 
@@ -85,7 +85,7 @@ def conv_step(x, conv_state, weight, bias=None, activation="silu", state_indices
     ``[dim]``, activation ``"silu"`` or None; fp32 arithmetic, output in x's dtype.
     ``state_indices [b]`` (int): conv_state is a pool ``[slots, dim, d_conv]``, row b's state slot
     ``state_indices[b]`` (negative: a padding row, whose output comes from a zero state and whose
-    slot is none). ``"auto"`` on CPU float32 tensors runs numba-compiled (:mod:`.step_jit`)."""
+    slot is none). ``"auto"`` on CPU tensors runs numba-compiled (:mod:`.step_jit`)."""
     check_layout("x", x, "batch, dim")
     if state_indices is not None and resolve_backend(backend, x.device) == "torch":
         _check_args(x, conv_state, weight, bias, activation, state_indices)
@@ -96,12 +96,15 @@ def conv_step(x, conv_state, weight, bias=None, activation="silu", state_indices
     if backend == "auto" and jit_fits(x, conv_state, weight, bias):
         from .cpu.step_jit import conv_step_rows
 
-        weight = _check_args(x, conv_state, weight, bias, activation)
-        out = torch.empty_like(x)
-        conv_step_rows(as_numpy(x), as_numpy(conv_state), as_numpy(weight),
-                       as_numpy(bias if bias is not None else weight[:, 0]), bias is not None, activation == "silu",
+        taps = _check_args(x, conv_state, weight, bias, activation)
+        state = f32(conv_state)  # a half state advances in a float32 copy, copied back (exact: a shift)
+        out = torch.empty(x.shape, dtype=torch.float32)
+        conv_step_rows(readable(x), as_numpy(state), readable(weight).reshape(taps.shape),
+                       readable(bias if bias is not None else taps[:, 0]), bias is not None, activation == "silu",
                        as_numpy(out))
-        return out
+        if state is not conv_state:
+            conv_state.copy_(state)
+        return out.to(x.dtype)
     if resolve_backend(backend, x.device) == "torch":
         return conv_step_torch(x, conv_state, weight, bias, activation)
     weight = _check_args(x, conv_state, weight, bias, activation, state_indices)

@@ -32,6 +32,7 @@ from ._common import (
     process_dt,
     process_dt_tl,
     put_slot_rows,
+    readable,
     resolve_backend,
     slot_rows,
 )
@@ -259,7 +260,7 @@ def selective_state_update(state, x, dt, A, B, C, *, D=None, dt_bias=None, dt_so
     x's dtype; D ``[h]`` or ``[h, p]``; dt_bias ``[h]``. y ``[b, h, p]`` in x's dtype.
     ``state_indices [b]`` (int): state is a pool ``[slots, h, p, s]``, row b's slot
     ``state_indices[b]`` advanced in place (negative: a padding row, y zero, no slot touched).
-    ``"auto"`` on CPU float32 tensors runs numba-compiled (:mod:`.step_jit`).
+    ``"auto"`` on CPU tensors runs numba-compiled (:mod:`.step_jit`).
     """
     check_layout("x", x, "batch, nheads, headdim")
     if state_indices is not None and resolve_backend(backend, x.device) == "torch":
@@ -273,11 +274,11 @@ def selective_state_update(state, x, dt, A, B, C, *, D=None, dt_bias=None, dt_so
         from .cpu.step_jit import state_update_rows
 
         D, (lo, hi) = _check_step_args(state, x, dt, A, B, C, D, dt_bias, dt_limit)
-        y = torch.empty_like(x)
-        state_update_rows(*map(as_numpy, (state, x, dt, A, B, C, D if D is not None else A[:, None])), D is not None,
-                          as_numpy(dt_bias if dt_bias is not None else A), dt_bias is not None, bool(dt_softplus),
-                          float(lo), float(hi), as_numpy(y))
-        return y
+        y = torch.empty(x.shape, dtype=torch.float32)
+        state_update_rows(as_numpy(state), *map(readable, (x, dt, A, B, C, D if D is not None else A[:, None])),
+                          D is not None, readable(dt_bias if dt_bias is not None else A), dt_bias is not None,
+                          bool(dt_softplus), float(lo), float(hi), as_numpy(y))
+        return y.to(x.dtype)
     if resolve_backend(backend, x.device) == "torch":
         return selective_state_update_torch(state, x, dt, A, B, C, D=D, dt_bias=dt_bias, dt_softplus=dt_softplus,
                                           dt_limit=dt_limit)

@@ -37,6 +37,7 @@ from ._common import (
     check_tensor,
     f32,
     jit_fits,
+    readable,
     pow2_block,
     process_dt,
     resolve_backend,
@@ -260,10 +261,14 @@ def _replay_compiled(ssm_state, conv_state, xBC, x, dt, B, A, accepted, num_acce
                                                   dt_bias, dt_limit, validate, out)
     ssm_state, conv_state, xBC, x, dt, B, A, dt_bias = stacked
     new_ssm, new_conv = outs if outs is not None else (torch.empty_like(ssm_state), torch.empty_like(conv_state))
-    arrays = [as_numpy(t) for t in (ssm_state, conv_state, xBC, x, dt, B, A)]
-    bias = as_numpy(dt_bias if dt_bias is not None else A)
-    replay_layers(*arrays, bias, dt_bias is not None, bool(dt_softplus), float(lo), float(hi),
-                  as_numpy(accepted.long()), as_numpy(num_accepted.long()), as_numpy(new_ssm), as_numpy(new_conv))
+    # a half conv state is written in float32, then copied over (exact: it holds copies of half values)
+    wide_conv = new_conv if new_conv.dtype == torch.float32 else torch.empty(new_conv.shape, dtype=torch.float32)
+    replay_layers(as_numpy(ssm_state), *map(readable, (conv_state, xBC, x, dt, B, A)),
+                  readable(dt_bias if dt_bias is not None else A), dt_bias is not None, bool(dt_softplus), float(lo),
+                  float(hi), as_numpy(accepted.long()), as_numpy(num_accepted.long()), as_numpy(new_ssm),
+                  as_numpy(wide_conv))
+    if wide_conv is not new_conv:
+        new_conv.copy_(wide_conv)
     if out is not None:
         return tuple(out)
     return (new_ssm[0], new_conv[0]) if single else (new_ssm, new_conv)
@@ -286,7 +291,7 @@ def replay(ssm_state, conv_state, xBC, x, dt, B, A, accepted, num_accepted, *, d
     ran packed trees (:class:`~stree.tree.PackedTrees`), xBC, x, dt, B hold their nodes back to
     back (``[.., 1, total, ...]``) and row b's ``accepted`` count inside tree b, from its root.
     ``validate=False`` skips the index checks, a device-to-host sync. ``backend="auto"`` runs CPU
-    float32 tensors compiled (stree.kernels.cpu.replay_jit), ``"torch"`` the PyTorch path.
+    tensors compiled (stree.kernels.cpu.replay_jit), ``"torch"`` the PyTorch path.
     """
     if cu_seqlens is not None:
         accepted, xBC, x, dt, B = _from_packed(cu_seqlens, accepted, num_accepted, validate, xBC, x, dt, B)

@@ -15,7 +15,7 @@ import triton.language as tl
 
 from ..tree import PackedTrees
 from ._common import (as_numpy, check_layout, check_packed, check_tensor, check_tree, f32, identity_slots,
-                      packed_strides, pool_rows, pow2_block, resolve_backend, slot_rows, tree_span)
+                      packed_strides, pool_rows, pow2_block, readable, resolve_backend, slot_rows, tree_span)
 from .cpu.tree_jit import jit_tree_fits
 
 __all__ = ["tree_conv1d", "tree_conv1d_torch"]
@@ -148,7 +148,7 @@ def tree_conv1d(xBC, parents, conv_state, weight, bias=None, activation="silu", 
     (int): conv_state is a pool ``[slots, dim, d_conv]`` and row b reads slot ``state_indices[b]``
     (negative: a padding row, zeros above its root). ``parents`` a :class:`~stree.tree.PackedTrees`
     of b trees: xBC holds their nodes back to back, ``[1, total, dim]``, tree b reading conv state
-    row (or slot) b. ``"auto"`` on CPU float32 tensors of a small tree (outside autograd and
+    row (or slot) b. ``"auto"`` on CPU tensors of a small tree (outside autograd and
     ``torch.compile``) runs numba-compiled (:mod:`.tree_jit`).
     """
     check_layout("xBC", xBC, "batch, n, dim")
@@ -163,11 +163,13 @@ def tree_conv1d(xBC, parents, conv_state, weight, bias=None, activation="silu", 
     if backend == "auto" and jit_tree_fits(xBC.shape[1], xBC, conv_state, weight, bias):
         from .cpu.tree_jit import tree_conv_rows
 
-        index, weight = _check_args(xBC, parents, conv_state, weight, bias, activation)
-        out = torch.empty_like(xBC)
-        tree_conv_rows(as_numpy(xBC), as_numpy(index.parents), as_numpy(conv_state), as_numpy(weight),
-                       as_numpy(bias if bias is not None else weight[:, 0]), bias is not None, as_numpy(out))
-        return torch.nn.functional.silu(out, inplace=True) if activation == "silu" else out
+        index, taps = _check_args(xBC, parents, conv_state, weight, bias, activation)
+        out = torch.empty(xBC.shape, dtype=torch.float32)
+        tree_conv_rows(readable(xBC), as_numpy(index.parents), readable(conv_state),
+                       readable(weight).reshape(taps.shape), readable(bias if bias is not None else taps[:, 0]),
+                       bias is not None, as_numpy(out))
+        out = torch.nn.functional.silu(out, inplace=True) if activation == "silu" else out
+        return out.to(xBC.dtype)
     if resolve_backend(backend, xBC.device) == "torch":
         return tree_conv1d_torch(xBC, parents, conv_state, weight, bias, activation)
     index, weight = _check_args(xBC, parents, conv_state, weight, bias, activation, state_indices)

@@ -36,6 +36,7 @@ from ._common import (
     pow2_block,
     process_dt,
     process_dt_tl,
+    readable,
     resolve_backend,
     slot_rows,
     tree_span,
@@ -274,12 +275,12 @@ def _tree_scan_compiled(x, dt, A, B, C, parents, D, dt_bias, dt_softplus, dt_lim
     from .cpu.tree_jit import tree_scan_rows
 
     index, D, (lo, hi) = _check_args(x, dt, A, B, C, parents, D, dt_bias, dt_limit, initial_state)
-    y = torch.empty_like(x)
-    x0 = initial_state if initial_state is not None else x.new_zeros(1, 1, 1, 1)
-    tree_scan_rows(*map(as_numpy, (x, dt, A, B, C, D if D is not None else A[:, None])), D is not None,
-                   as_numpy(dt_bias if dt_bias is not None else A), dt_bias is not None, bool(dt_softplus),
+    y = torch.empty(x.shape, dtype=torch.float32)
+    x0 = initial_state if initial_state is not None else y.new_zeros(1, 1, 1, 1)
+    tree_scan_rows(*map(readable, (x, dt, A, B, C, D if D is not None else A[:, None])), D is not None,
+                   readable(dt_bias if dt_bias is not None else A), dt_bias is not None, bool(dt_softplus),
                    float(lo), float(hi), as_numpy(index.parents), as_numpy(x0), initial_state is not None, as_numpy(y))
-    return y
+    return y.to(x.dtype)
 
 
 def tree_scan(x, dt, A, B, C, parents, *, D=None, dt_bias=None, dt_softplus=True,
@@ -293,7 +294,7 @@ def tree_scan(x, dt, A, B, C, parents, *, D=None, dt_bias=None, dt_softplus=True
     ``[slots, h, p, s]`` and row b starts from slot ``state_indices[b]`` (negative: a padding row,
     zero state). ``parents`` a :class:`~stree.tree.PackedTrees` of b trees: x, dt, B, C hold their
     nodes back to back, ``[1, total, ...]``, and tree b's state is row (or slot) b. ``"auto"`` on
-    CPU float32 tensors of a small tree (outside autograd and ``torch.compile``) runs
+    CPU tensors of a small tree (outside autograd and ``torch.compile``) runs
     numba-compiled (:mod:`.tree_jit`).
     """
     check_layout("x", x, "batch, n, nheads, headdim")

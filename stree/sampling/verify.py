@@ -451,7 +451,7 @@ def verify(tree: TokenTree, logits: torch.Tensor, params: SamplingParams | None 
     probs = None
     if rule in ("greedy", "naive"):
         if rule == "greedy":
-            choice = logits.argmax(-1)
+            choice = logits.float().argmax(-1)  # the same choice (widening is exact); a half argmax is slow on CPUs
         else:
             probs = params.probs(logits)
             choice = torch.multinomial(probs.reshape(B * N, V), 1, generator=generator).reshape(B, N)

@@ -91,6 +91,28 @@ def test_measured_once_then_cached_in_the_process_and_the_file(fresh_cache, monk
     assert len(json.loads(fresh_cache.read_text())["entries"]) == 4
 
 
+def test_a_profile_made_by_other_library_sources_is_measured_again(fresh_cache, monkeypatch, tmp_path):
+    """A development install keeps its version string through code changes: the digest of the
+    library's sources is part of the key, and follows every file's name and content."""
+    digest = cost.source_digest.__wrapped__  # uncached
+    (tmp_path / "kernels").mkdir()
+    (tmp_path / "kernels" / "scan.py").write_text("x = 1\n")
+    seen = {digest(tmp_path)}
+    (tmp_path / "kernels" / "scan.py").write_text("x = 2\n")
+    seen.add(digest(tmp_path))
+    (tmp_path / "kernels" / "scan.py").rename(tmp_path / "kernels" / "tree.py")
+    seen.add(digest(tmp_path))
+    (tmp_path / "notes.txt").write_text("not a source")
+    seen.add(digest(tmp_path))
+    assert len(seen) == 3
+    calls = counting(monkeypatch)
+    cost_profile(mamba2(), 1, shapes=SHAPES, budget_s=0.2)
+    monkeypatch.setattr(cost, "_MEMO", {})
+    monkeypatch.setattr(cost, "source_digest", lambda: "0" * 16)
+    cost_profile(mamba2(), 1, shapes=SHAPES, budget_s=0.2)
+    assert len(calls) == 2 and len(json.loads(fresh_cache.read_text())["entries"]) == 2
+
+
 def test_the_default_budget_is_read_from_the_environment(fresh_cache, monkeypatch):
     budgets = []
     profile = CostProfile(1.0, (2, 7), (1.5, 2.0))

@@ -4,7 +4,7 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
-from strategies import dt_options, ssm_inputs, ssm_shapes, trees
+from strategies import accepted_paths, dt_options, ssm_inputs, ssm_shapes, trees
 from host_sync import count_kernel_launches
 
 from stree.kernels import replay, tree_conv1d, tree_scan
@@ -12,23 +12,6 @@ from stree.testing import max_rel_error, replay_def
 from stree.tree import TreeShape
 
 FP32_TOL = 1e-5
-
-
-@st.composite
-def accepted_paths(draw, parents, batch):
-    """Per row a root-first path walking down random children; the tail past num_accepted is junk."""
-    rows, nums = [], []
-    for b in range(batch):
-        par = (parents if parents.dim() == 1 else parents[b]).tolist()
-        kids = {i: [j for j in range(len(par)) if par[j] == i] for i in range(len(par))}
-        path = [0]
-        while kids[path[-1]] and draw(st.integers(0, 4)) > 0:
-            path.append(draw(st.sampled_from(kids[path[-1]])))
-        rows.append(path)
-        nums.append(len(path))
-    L = max(nums) + draw(st.integers(0, 2))
-    junk = draw(st.sampled_from([-1, 10**6]))
-    return torch.tensor([r + [junk] * (L - len(r)) for r in rows]), torch.tensor(nums)
 
 
 def _replay_inputs(seed, batch, n, shape, dt_opts, dim=12, d_conv=4, dtype=torch.float32):

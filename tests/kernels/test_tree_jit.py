@@ -50,9 +50,9 @@ def test_auto_compiles_small_trees_and_leaves_larger_ones_to_pytorch(n, calls):
     assert calls["conv"] == (n <= tree_jit.JIT_MAX_NODES)
 
 
-def test_autograd_and_other_dtypes_take_the_pytorch_path(calls):
-    """Training differentiates the tree scan: a tensor that needs gradients, or one that is not
-    float32, is never handed to numba."""
+def test_autograd_takes_the_pytorch_path_and_half_inputs_the_compiled_one(calls):
+    """Training differentiates the tree scan: a tensor that needs gradients is never handed to
+    numba. Half inputs are, through float32 copies (test_half_jit.py)."""
     parents = TreeShape.paper13().parents_tensor()
     inp = ssm_inputs(torch.Generator().manual_seed(0), 1, parents.shape[-1], SHAPE, OPTS)
     inp["x"].requires_grad_(True)
@@ -64,7 +64,7 @@ def test_autograd_and_other_dtypes_take_the_pytorch_path(calls):
     half = {k: (v.half() if k in ("x", "B", "C") else v) for k, v in inp.items()}
     with torch.no_grad():
         _scan(half, parents)
-    assert calls["scan"] == 1
+    assert calls["scan"] == 2
 
 
 def test_a_nan_reaches_the_outputs_below_it():

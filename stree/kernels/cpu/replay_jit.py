@@ -1,7 +1,7 @@
 """Activation replay on the CPU, compiled with numba: what :func:`stree.kernels.replay.replay`
 computes (every layer of a stack in one call, in place when the outputs are the states), in one
-call instead of the PyTorch path's two dozen ops. Taken by ``backend="auto"`` for CPU tensors in
-float32; tested against the float64 definition beside the Triton kernel and the PyTorch path.
+call instead of the PyTorch path's two dozen ops. Taken by ``backend="auto"`` for CPU tensors (half
+ones as float32 copies); tested against the float64 definition beside the Triton kernel and the PyTorch path.
 """
 
 from __future__ import annotations

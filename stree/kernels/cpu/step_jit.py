@@ -1,7 +1,7 @@
 """The two kernels of a Mamba2 decode step on the CPU, compiled with numba: the conv of one new
 token and one recurrence step, each one call instead of the PyTorch path's ~6 and ~12 ops (an
 eager decode step on a CPU is bound by per-op overhead). Taken by
-``backend="auto"`` for CPU float32 tensors (:func:`jit_fits`); tested against the float64
+``backend="auto"`` for CPU tensors (:func:`jit_fits`; half ones as float32 copies); tested against the float64
 definitions beside the Triton kernels and the PyTorch path. The conv in float64, stored in the
 output's float32; the state update in float32 (see :func:`state_update_rows`).
 """

@@ -2,11 +2,12 @@
 :func:`stree.kernels.tree_conv1d.tree_conv1d` and :func:`stree.kernels.tree_scan.tree_scan` compute,
 each in one call instead of the PyTorch path's ~10 and ~25 ops (a tree pass of a few nodes on a
 CPU is bound by per-op overhead, as a decode step is: :mod:`.step_jit`). Taken by
-``backend="auto"`` for CPU float32 tensors outside autograd and ``torch.compile`` while the tree
-is small (:func:`jit_tree_fits`): the work here grows with each node's depth, the PyTorch path's
-with the square of the node count but in multi-threaded batched products. Tested against the
-float64 definitions beside the Triton kernels and the PyTorch path. Products and sums in float32,
-as the Triton kernels' (a vector holds 8 lanes, not 4), the sums of dA along a path in float64.
+``backend="auto"`` for CPU tensors (half ones as float32 copies) outside autograd and
+``torch.compile`` while the tree is small (:func:`jit_tree_fits`): the work here grows with each
+node's depth, the PyTorch path's with the square of the node count but in multi-threaded batched
+products. Tested against the float64 definitions beside the Triton kernels and the PyTorch path.
+Products and sums in float32, as the Triton kernels' (a vector holds 8 lanes, not 4), the sums of
+dA along a path in float64.
 Batch rows run in parallel on numba's threading layer (OpenMP or TBB where installed, both
 thread-safe; numba's fallback, workqueue, is not: several Python threads decoding at once, as a
 threaded server would, need one of the two).
