@@ -98,6 +98,9 @@ bench)
   TAIL=12 step per_row 90 python benchmarks/speculation.py --device cuda --modes eager --no-cuda-graph \
     --temperatures 0 --batches 8 --drafters ngram,stand-det --per-row --rounds 1 --stem speculation_per_row_cuda \
     --out "$out"
+  # stree serve on the GPU (issue 34's CUDA serving numbers): throughput and latency under 1-32
+  # streaming clients, speculative against autoregressive; last, as the part a long run may lose
+  TAIL=14 step serve 100 python benchmarks/serve.py --device cuda --concurrency 1,4,16,32 --requests 4 --out "$out"
   # Tensor parallelism over NCCL needs two GPUs (the tests cover gloo on the CPU): the tiny target
   # split over every GPU, its completion compared with one process's.
   gpus=$(nvidia-smi -L | wc -l)

@@ -12,6 +12,7 @@ concurrency, so drift hits both alike. Writes JSON and a PNG.
 
     python benchmarks/serve.py              # concurrency 1, 2, 4, 8, 16, 32
     python benchmarks/serve.py --smoke      # concurrency 1 and 2, a few short requests
+    python benchmarks/serve.py --device cuda --out DIR   # on a GPU (benchmarks/gpu_check.sh bench)
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import time
 from tqdm import tqdm
 
 from stree.tools.demo import TARGET, read_prompts
-from stree.tools.timing import run_info, save_result
+from stree.tools.timing import add_device_args, device_and_dtype, run_info, save_result
 
 MODES = {"autoregressive": None, "speculative": "ngram"}
 
@@ -118,7 +119,10 @@ def main(argv=None) -> int:
     p.add_argument("--max-slots", type=int, default=32)
     p.add_argument("--smoke", action="store_true", help="concurrency 1 and 2, two 8-token requests each")
     p.add_argument("--out", default="benchmarks/results")
+    add_device_args(p)
     args = p.parse_args(argv)
+    args.dtype = args.dtype or "float32"  # the server's greedy outputs stay comparable with the CPU's
+    device, dtype = device_and_dtype(args)
     if args.smoke:
         args.concurrency, args.requests, args.max_tokens, args.max_slots = "1,2", 2, 8, 4
     levels = [int(c) for c in args.concurrency.split(",")]
@@ -126,7 +130,8 @@ def main(argv=None) -> int:
     port = _port()
     server = subprocess.Popen([sys.executable, "-m", "stree", "serve", "--model", str(TARGET), "--served-name", "tiny",
                                "--port", str(port), "--max-slots", str(args.max_slots), "--max-length", "1024",
-                               "--dtype", "float32"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                               "--dtype", str(dtype).removeprefix("torch."), "--device", str(device)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.time() + 300
         while True:
@@ -153,9 +158,9 @@ def main(argv=None) -> int:
         if row["mode"] == "speculative":
             base = next(r for r in rows if r["mode"] == "autoregressive" and r["concurrency"] == row["concurrency"])
             row["gain_over_autoregressive"] = row["tokens_per_s"] / base["tokens_per_s"]
-    result = dict(run_info("cpu", argv), benchmark="serve", max_tokens=args.max_tokens,
-                  requests_per_client=args.requests, max_slots=args.max_slots, results=rows)
-    save_result(result, args.out, "serve_smoke" if args.smoke else "serve_cpu", _plot)
+    result = dict(run_info(device, argv), benchmark="serve", dtype=str(dtype).removeprefix("torch."),
+                  max_tokens=args.max_tokens, requests_per_client=args.requests, max_slots=args.max_slots, results=rows)
+    save_result(result, args.out, "serve_smoke" if args.smoke else f"serve_{device.type}", _plot)
     for row in rows:
         print(f"{row['mode']:>15} c={row['concurrency']:>2}: {row['tokens_per_s']:7.1f} tok/s, tau {row['tau']:.2f}, "
               f"TTFT p50 {row['ttft_p50_ms']:.0f} ms, TPOT p50 {row['tpot_p50_ms']:.1f} ms p99 {row['tpot_p99_ms']:.1f}"

@@ -227,6 +227,7 @@ def test_iteration_parts_smoke_times_each_part_in_steps(tmp_path):
 
 def test_serve_smoke_measures_both_modes_through_the_server(tmp_path):
     result = smoke("serve", tmp_path)
+    assert result["device"].startswith("cpu") and result["dtype"] == "float32"  # where and how the server ran
     rows = result["results"]
     assert [(r["mode"], r["concurrency"]) for r in rows] == [(m, c) for c in (1, 2)
                                                              for m in ("autoregressive", "speculative")]
