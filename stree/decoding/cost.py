@@ -15,8 +15,8 @@ costs more than one after another pass). The result is kept for the process and 
 ``$XDG_CACHE_HOME/stree``, else ``~/.cache/stree``), keyed by everything the times depend on: the
 model's class and config, the drafter's kind (and its model's config), dtype, device (the CPU's
 model and thread count, or the GPU's name), batch size, mode, sizes, the library's and torch's
-versions and a digest of the library's sources. A file that is corrupt, or whose entry was made for another key, is measured
-again and rewritten, never trusted and never fatal.
+versions and a digest of the library's sources. A file that is corrupt, or whose entry was made
+for another key, is measured again and rewritten, never trusted and never fatal.
 """
 
 from __future__ import annotations
