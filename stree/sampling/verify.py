@@ -451,7 +451,8 @@ def verify(tree: TokenTree, logits: torch.Tensor, params: SamplingParams | None 
     probs = None
     if rule in ("greedy", "naive"):
         if rule == "greedy":
-            choice = logits.float().argmax(-1)  # the same choice (widening is exact); a half argmax is slow on CPUs
+            # a half argmax in float32: the same choice (widening is exact), and a half one is slow on CPUs
+            choice = (logits if logits.dtype == torch.float32 else logits.float()).argmax(-1)
         else:
             probs = params.probs(logits)
             choice = torch.multinomial(probs.reshape(B * N, V), 1, generator=generator).reshape(B, N)
