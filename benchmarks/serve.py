@@ -22,7 +22,6 @@ import concurrent.futures
 import http.client
 import json
 import socket
-import statistics
 import subprocess
 import sys
 import time
