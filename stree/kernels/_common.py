@@ -39,6 +39,18 @@ _VIEWS: dict[int, tuple] = {}
 _WIDE: dict[int, tuple] = {}
 
 
+def kept(store: dict, tensor: torch.Tensor, key: tuple, make):
+    """``make(tensor.detach())``, kept in ``store`` (by the tensor's id) while ``key`` (what the
+    result depends on: the tensor's memory, layout, version) stays the same; the entry goes with
+    the tensor."""
+    hit = store.get(id(tensor))
+    if hit is None or hit[0] != key:
+        if hit is None:
+            weakref.finalize(tensor, store.pop, id(tensor), None)
+        hit = store[id(tensor)] = (key, make(tensor.detach()))
+    return hit[1]
+
+
 def as_numpy(t: torch.Tensor):
     """The tensor's memory as a numpy array, for the numba kernels (a plain tensor costs no op). A
     tensor that requires grad (a parameter) is detached first, and its view kept while its memory
@@ -47,13 +59,7 @@ def as_numpy(t: torch.Tensor):
     memory; a parameter given other storage or another shape gets a new view."""
     if not t.requires_grad:
         return t.numpy()
-    hit = _VIEWS.get(id(t))
-    layout = (t.data_ptr(), t.shape, t.stride())
-    if hit is None or hit[0] != layout:
-        if hit is None:
-            weakref.finalize(t, _VIEWS.pop, id(t), None)
-        hit = _VIEWS[id(t)] = (layout, t.detach().numpy())
-    return hit[1]
+    return kept(_VIEWS, t, (t.data_ptr(), t.shape, t.stride()), torch.Tensor.numpy)
 
 
 def readable(t: torch.Tensor):
@@ -67,13 +73,7 @@ def readable(t: torch.Tensor):
         return as_numpy(t)
     if not t.requires_grad:
         return t.float().numpy()
-    key = (t._version, t.data_ptr(), t.shape, t.stride())
-    hit = _WIDE.get(id(t))
-    if hit is None or hit[0] != key:
-        if hit is None:
-            weakref.finalize(t, _WIDE.pop, id(t), None)
-        hit = _WIDE[id(t)] = (key, t.detach().float().numpy())
-    return hit[1]
+    return kept(_WIDE, t, (t._version, t.data_ptr(), t.shape, t.stride()), lambda d: d.float().numpy())
 
 
 def resolve_backend(backend: str, device: torch.device) -> str:

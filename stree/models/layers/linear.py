@@ -42,6 +42,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ...kernels._common import kept
+
 __all__ = ["Linear", "following", "leading", "linear", "measure"]
 
 PATHS = ("auto", "blas", "packed")
@@ -108,13 +110,7 @@ def _bucket(rows: int) -> int:
 def _copy(store: dict, tensor: torch.Tensor, make) -> torch.Tensor:
     """``make(tensor)``, kept in ``store`` until the tensor changes (its version counter or storage)
     or goes."""
-    key = (tensor._version, tensor.data_ptr())
-    hit = store.get(id(tensor))
-    if hit is None or hit[0] != key:
-        if hit is None:
-            weakref.finalize(tensor, store.pop, id(tensor), None)
-        hit = store[id(tensor)] = (key, make(tensor.detach()))
-    return hit[1]
+    return kept(store, tensor, (tensor._version, tensor.data_ptr()), make)
 
 
 def _packed(weight: torch.Tensor) -> torch.Tensor:
