@@ -121,3 +121,28 @@ def test_a_parameter_changed_in_place_or_given_new_memory_reaches_the_kernel():
     first = kernels_common.as_numpy(square).copy()
     square.data = square.data.t()  # the same memory, transposed
     assert (kernels_common.as_numpy(square) == first.T).all()
+
+
+def test_one_row_runs_alone_and_several_in_parallel_with_the_same_values(monkeypatch):
+    """A single row takes the serial driver (a process decoding one row never compiles the
+    parallel one), several rows the parallel driver; each row comes out bit-identical either way,
+    as both run the same row loops."""
+    ran = []
+    for name in ("_scan_serial", "_scan_parallel", "_conv_serial", "_conv_parallel"):
+        def counted(*a, _real=getattr(tree_jit, name), _name=name):
+            ran.append(_name)
+            return _real(*a)
+        monkeypatch.setattr(tree_jit, name, counted)
+    shape = TreeShape.paper13()
+    rows = torch.stack([TreeShape.chain(shape.n - 1).parents_tensor(), shape.parents_tensor(),
+                        TreeShape.full(3, 2).parents_tensor()[: shape.n]])
+    inp = ssm_inputs(torch.Generator().manual_seed(3), 3, shape.n, SHAPE, OPTS)
+    xbc, state, weight, bias = torch.randn(3, shape.n, 16), torch.randn(3, 16, 4), torch.randn(16, 4), torch.randn(16)
+    together = _scan(inp, rows), tree_conv1d(xbc, rows, state, weight, bias)
+    assert ran == ["_scan_parallel", "_conv_parallel"]
+    for b in range(3):
+        ran.clear()
+        alone = {k: (v if v.dim() < 2 or k in ("A", "D", "dt_bias") else v[b: b + 1]) for k, v in inp.items()}
+        assert torch.equal(_scan(alone, rows[b]), together[0][b: b + 1])
+        assert torch.equal(tree_conv1d(xbc[b: b + 1], rows[b], state[b: b + 1], weight, bias), together[1][b: b + 1])
+        assert ran == ["_scan_serial", "_conv_serial"]

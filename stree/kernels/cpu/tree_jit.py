@@ -8,9 +8,12 @@ node's depth, the PyTorch path's with the square of the node count but in multi-
 products. Tested against the float64 definitions beside the Triton kernels and the PyTorch path.
 Products and sums in float32, as the Triton kernels' (a vector holds 8 lanes, not 4), the sums of
 dA along a path in float64.
-Batch rows run in parallel on numba's threading layer (OpenMP or TBB where installed, both
-thread-safe; numba's fallback, workqueue, is not: several Python threads decoding at once, as a
-threaded server would, need one of the two).
+Each kernel is one row's loops (``_scan_row``, ``_conv_row``) under two drivers: several rows run
+in parallel on numba's threading layer (OpenMP or TBB where installed, both thread-safe; numba's
+fallback, workqueue, is not: several Python threads decoding at once, as a threaded server would,
+need one of the two); a single row runs on its own, so that a process decoding one row never
+compiles the parallel driver, whose compile (parfor analysis, then the row's loops optimised again
+inside it) is the dearest of any numba function here, several times the serial one's.
 """
 
 from __future__ import annotations
@@ -42,89 +45,118 @@ def jit_tree_fits(n: int, *tensors) -> bool:
     return not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors))
 
 
-@njit(cache=True, fastmath=_FAST, parallel=True)
 def tree_conv_rows(xBC, parents, state, weight, bias, has_bias, out):
     """xBC ``[b, n, dim]``, parents ``[rows, n]`` (rows 1 or b; parents before children), state
     ``[b, dim, K]`` (newest last), weight ``[dim, K]``, bias ``[dim]``; out ``[b, n, dim]``: node
     i's taps over its path (itself at tap K - 1, its parent at K - 2, ..., then the state's newest
     columns), + bias; the activation is the caller's (a vectorised SiLU: numba's exp is scalar)."""
-    xBC = np.ascontiguousarray(xBC)  # (a view of the in_proj output: contiguous, the loops over dim vectorise)
-    batch, n, dim = xBC.shape
-    K = state.shape[2]
-    rows = parents.shape[0]
+    # (a view of the in_proj output made contiguous: the loops over dim vectorise)
+    (_conv_parallel if len(xBC) > 1 else _conv_serial)(np.ascontiguousarray(xBC), parents, state, weight, bias,
+                                                        has_bias, out)
+
+
+@njit(cache=True, fastmath=_FAST)
+def _conv_row(b, xBC, parents, state, weight, bias, has_bias, out):
+    """Row ``b`` of :func:`tree_conv_rows`."""
+    n, dim = xBC.shape[1], xBC.shape[2]
+    K = weight.shape[1]
     taps = np.ascontiguousarray(weight.T)  # [K, dim]: the loops below run along dim
-    for b in prange(batch):  # rows in parallel, as in tree_scan_rows
-        past = np.empty((K, dim), dtype=np.float32)  # the state's columns, as rows
-        r = np.int64(b) if rows > 1 else np.int64(0)  # (prange's index is unsigned)
+    r = b if parents.shape[0] > 1 else 0
+    past = np.empty((K, dim), dtype=np.float32)  # the state's columns, as rows
+    for c in range(dim):
+        for k in range(K):
+            past[k, c] = state[b, c, k]
+    for i in range(n):
+        o = out[b, i]  # (1-d rows: indexed out[b, i, c] in the row's own function, the loop over dim stayed scalar)
         for c in range(dim):
-            for k in range(K):
-                past[k, c] = state[b, c, k]
-        for i in range(n):
+            o[c] = bias[c] if has_bias else np.float32(0.0)
+        pos = i
+        for k in range(K - 1, -1, -1):  # tap k reads the node K - 1 - k steps up its path
+            tap = taps[k]
+            src = xBC[b, pos] if pos >= 0 else past[K + pos]
             for c in range(dim):
-                out[b, i, c] = bias[c] if has_bias else np.float32(0.0)
-            pos = i
-            for k in range(K - 1, -1, -1):  # tap k reads the node K - 1 - k steps up its path
-                if pos >= 0:
-                    for c in range(dim):
-                        out[b, i, c] += taps[k, c] * xBC[b, pos, c]
-                    pos = parents[r, pos]
-                else:
-                    for c in range(dim):
-                        out[b, i, c] += taps[k, c] * past[K + pos, c]
-                    pos -= 1
+                o[c] += tap[c] * src[c]
+            pos = parents[r, pos] if pos >= 0 else pos - 1
 
 
-@njit(cache=True, fastmath=_FAST, parallel=True)
+@njit(cache=True)
+def _conv_serial(xBC, parents, state, weight, bias, has_bias, out):
+    for b in range(xBC.shape[0]):
+        _conv_row(b, xBC, parents, state, weight, bias, has_bias, out)
+
+
+@njit(cache=True, parallel=True)
+def _conv_parallel(xBC, parents, state, weight, bias, has_bias, out):
+    for b in prange(xBC.shape[0]):
+        _conv_row(np.int64(b), xBC, parents, state, weight, bias, has_bias, out)  # (prange's index is unsigned)
+
+
 def tree_scan_rows(x, dt, A, B, C, D, has_D, bias, has_bias, softplus, lo, hi, parents, x0, has_x0, y):
     """x ``[b, n, h, p]``, dt ``[b, n, h]`` raw, A and bias ``[h]``, B and C ``[b, n, g, s]``, D
     ``[h, p]``, parents ``[rows, n]`` (parents before children), x0 ``[b, h, p, s]``; y ``[b, n, h,
     p]`` = C_i . (exp(Atree_i) x0) + sum over i's ancestors-or-self j of exp(Atree_i - Atree_j)
     (C_i . B_j) dt_j x_j, + D x_i (the tree scan's definition, walked along each node's path)."""
-    x, B, C = np.ascontiguousarray(x), np.ascontiguousarray(B), np.ascontiguousarray(C)  # (views of one
-    # conv output, and D a head's value broadcast: contiguous copies let the loops over d_state and
-    # headdim vectorise)
-    D = np.ascontiguousarray(D)
-    batch, n, heads, headdim = x.shape
+    # (views of one conv output, and D a head's value broadcast: contiguous copies let the loops
+    # over d_state and headdim vectorise)
+    x, B, C, D = map(np.ascontiguousarray, (x, B, C, D))
+    (_scan_parallel if len(x) > 1 else _scan_serial)(x, dt, A, B, C, D, has_D, bias, has_bias, softplus, lo, hi,
+                                                     parents, x0, has_x0, y)
+
+
+@njit(cache=True, fastmath=_FAST)
+def _scan_row(b, x, dt, A, B, C, D, has_D, bias, has_bias, softplus, lo, hi, parents, x0, has_x0, y):
+    """Row ``b`` of :func:`tree_scan_rows`."""
+    n, heads, headdim = x.shape[1], x.shape[2], x.shape[3]
     groups, dstate = B.shape[2], B.shape[3]
     per_group = heads // groups
-    rows = parents.shape[0]
-    for b in prange(batch):  # rows in parallel: measured faster from batch 8 on
-        d = np.empty((n, heads), dtype=np.float32)  # dt after bias, softplus and clamp
-        at = np.empty((n, heads))  # Atree: dA summed over the node's path (float64: differences of sums)
-        decay = np.empty((n, heads), dtype=np.float32)  # exp(Atree), the state's decay (exp is scalar here)
-        cb = np.empty(groups, dtype=np.float32)
-        acc = y[b]  # (float32, made by the caller: the sums accumulate in place)
-        r = np.int64(b) if rows > 1 else np.int64(0)  # (prange's index is unsigned)
-        for i in range(n):
-            q = parents[r, i]
-            for h in range(heads):
-                v = processed_dt(dt[b, i, h], bias[h], has_bias, softplus, lo, hi)
-                d[i, h] = v
-                at[i, h] = v * float(A[h]) + (at[q, h] if q >= 0 else 0.0)
-                decay[i, h] = math.exp(at[i, h])
-        for i in range(n):
-            for h in range(heads):
-                for p in range(headdim):
-                    acc[i, h, p] = D[h, p] * x[b, i, h, p] if has_D else np.float32(0.0)
-        if has_x0:  # the state's term: each row of the state read once and used for every node
-            for h in range(heads):
-                g = h // per_group
-                for p in range(headdim):
-                    for i in range(n):
-                        s0 = np.float32(0.0)
-                        for s in range(dstate):
-                            s0 += C[b, i, g, s] * x0[b, h, p, s]
-                        acc[i, h, p] += decay[i, h] * s0
-        for i in range(n):
-            j = i
-            while j >= 0:
-                for g in range(groups):
+    r = b if parents.shape[0] > 1 else 0
+    d = np.empty((n, heads), dtype=np.float32)  # dt after bias, softplus and clamp
+    at = np.empty((n, heads))  # Atree: dA summed over the node's path (float64: differences of sums)
+    decay = np.empty((n, heads), dtype=np.float32)  # exp(Atree), the state's decay (exp is scalar here)
+    cb = np.empty(groups, dtype=np.float32)
+    acc = y[b]  # (float32, made by the caller: the sums accumulate in place)
+    for i in range(n):
+        q = parents[r, i]
+        for h in range(heads):
+            v = processed_dt(dt[b, i, h], bias[h], has_bias, softplus, lo, hi)
+            d[i, h] = v
+            at[i, h] = v * float(A[h]) + (at[q, h] if q >= 0 else 0.0)
+            decay[i, h] = math.exp(at[i, h])
+    for i in range(n):
+        for h in range(heads):
+            for p in range(headdim):
+                acc[i, h, p] = D[h, p] * x[b, i, h, p] if has_D else np.float32(0.0)
+    if has_x0:  # the state's term: each row of the state read once and used for every node
+        for h in range(heads):
+            g = h // per_group
+            for p in range(headdim):
+                for i in range(n):
                     s0 = np.float32(0.0)
                     for s in range(dstate):
-                        s0 += C[b, i, g, s] * B[b, j, g, s]
-                    cb[g] = s0
-                for h in range(heads):
-                    coef = np.float32(math.exp(at[i, h] - at[j, h])) * cb[h // per_group] * d[j, h]
-                    for p in range(headdim):
-                        acc[i, h, p] += coef * x[b, j, h, p]
-                j = parents[r, j]
+                        s0 += C[b, i, g, s] * x0[b, h, p, s]
+                    acc[i, h, p] += decay[i, h] * s0
+    for i in range(n):
+        j = i
+        while j >= 0:
+            for g in range(groups):
+                s0 = np.float32(0.0)
+                for s in range(dstate):
+                    s0 += C[b, i, g, s] * B[b, j, g, s]
+                cb[g] = s0
+            for h in range(heads):
+                coef = np.float32(math.exp(at[i, h] - at[j, h])) * cb[h // per_group] * d[j, h]
+                for p in range(headdim):
+                    acc[i, h, p] += coef * x[b, j, h, p]
+            j = parents[r, j]
+
+
+@njit(cache=True)
+def _scan_serial(x, dt, A, B, C, D, has_D, bias, has_bias, softplus, lo, hi, parents, x0, has_x0, y):
+    for b in range(x.shape[0]):
+        _scan_row(b, x, dt, A, B, C, D, has_D, bias, has_bias, softplus, lo, hi, parents, x0, has_x0, y)
+
+
+@njit(cache=True, parallel=True)
+def _scan_parallel(x, dt, A, B, C, D, has_D, bias, has_bias, softplus, lo, hi, parents, x0, has_x0, y):
+    for b in prange(x.shape[0]):
+        _scan_row(np.int64(b), x, dt, A, B, C, D, has_D, bias, has_bias, softplus, lo, hi, parents, x0, has_x0, y)
