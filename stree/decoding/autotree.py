@@ -116,8 +116,9 @@ class PathRates:
         parents, rank, depth = _structure(tree)
         valid = _valid(tree)
         row_accepted, row_reached = (_NO_ROWS, _NO_ROWS) if per_row is None else (per_row.accepted, per_row.reached)
-        _record(parents, rank, depth, tree.tokens.numpy(), valid, tokens, counts, rows, self.accepted, self.reached,
-                ids, row_accepted, row_reached)
+        # (C order always: a strided tree and a contiguous one would each cost numba a compile)
+        _record(parents, rank, depth, np.ascontiguousarray(tree.tokens.numpy()), np.ascontiguousarray(valid), tokens,
+                counts, rows, self.accepted, self.reached, ids, row_accepted, row_reached)
 
 
 class RowRates:

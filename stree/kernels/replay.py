@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -263,10 +264,11 @@ def _replay_compiled(ssm_state, conv_state, xBC, x, dt, B, A, accepted, num_acce
     new_ssm, new_conv = outs if outs is not None else (torch.empty_like(ssm_state), torch.empty_like(conv_state))
     # a half conv state is written in float32, then copied over (exact: it holds copies of half values)
     wide_conv = new_conv if new_conv.dtype == torch.float32 else torch.empty(new_conv.shape, dtype=torch.float32)
+    # (the accepted paths may be a strided slice: C order always, so numba compiles one layout, not two)
     replay_layers(as_numpy(ssm_state), *map(readable, (conv_state, xBC, x, dt, B, A)),
                   readable(dt_bias if dt_bias is not None else A), dt_bias is not None, bool(dt_softplus), float(lo),
-                  float(hi), as_numpy(accepted.long()), as_numpy(num_accepted.long()), as_numpy(new_ssm),
-                  as_numpy(wide_conv))
+                  float(hi), np.ascontiguousarray(as_numpy(accepted.long())), as_numpy(num_accepted.long()),
+                  as_numpy(new_ssm), as_numpy(wide_conv))
     if wide_conv is not new_conv:
         new_conv.copy_(wide_conv)
     if out is not None:

@@ -364,7 +364,8 @@ def _follow_compiled(tree: TokenTree, choice: torch.Tensor):
     path = np.empty((B, _max_depth(tree) + 1), dtype=np.int64)
     num = np.empty(B, dtype=np.int64)
     picks = choice.numpy()
-    follow(picks, tree.tokens.numpy(), valid, kids, path, num)
+    # (C order always: a strided tree and a contiguous one would each cost numba a compile)
+    follow(picks, np.ascontiguousarray(tree.tokens.numpy()), np.ascontiguousarray(valid), kids, path, num)
     bonus = picks[np.arange(B), path[np.arange(B), num - 1]]
     return torch.from_numpy(path), torch.from_numpy(num), torch.from_numpy(bonus)
 
