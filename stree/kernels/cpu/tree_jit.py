@@ -60,7 +60,9 @@ def _conv_row(b, xBC, parents, state, weight, bias, has_bias, out):
     """Row ``b`` of :func:`tree_conv_rows`."""
     n, dim = xBC.shape[1], xBC.shape[2]
     K = weight.shape[1]
-    taps = np.ascontiguousarray(weight.T)  # [K, dim]: the loops below run along dim
+    # [K, dim], the loops below run along dim; made per row on purpose: handed in by the driver, the
+    # array may alias out for all LLVM knows, and the loop over dim ran slower
+    taps = np.ascontiguousarray(weight.T)
     r = b if parents.shape[0] > 1 else 0
     past = np.empty((K, dim), dtype=np.float32)  # the state's columns, as rows
     for c in range(dim):
