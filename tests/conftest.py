@@ -1,15 +1,17 @@
 import os
+import shutil
 import tempfile
 
 import torch
 
 # tree="auto" measures each model's costs once and caches them in a file: here, one per test session,
-# shared by its pytest-xdist workers (what one measured, the others read)
-_RUN = os.environ.get("PYTEST_XDIST_TESTRUNUID")
-if _RUN:
-    os.environ["STREE_CACHE_DIR"] = os.path.join(tempfile.gettempdir(), f"stree-costs-{_RUN}")
-else:
-    os.environ["STREE_CACHE_DIR"] = tempfile.mkdtemp(prefix="stree-costs-")
+# made by the process pytest started and shared by its pytest-xdist workers, which start after this
+# file is read and inherit the variable (what one measured, the others read); removed at the end
+_COSTS = "_STREE_TEST_COST_DIR"
+_OWN_COSTS = _COSTS not in os.environ
+if _OWN_COSTS:
+    os.environ[_COSTS] = tempfile.mkdtemp(prefix="stree-costs-")
+os.environ["STREE_CACHE_DIR"] = os.environ[_COSTS]
 # ... in the fewest rounds (two, after each call's warm-up; an eager profile may leave its largest sizes
 # out): a hundred models are measured here and no test reads their timings (those that do pass a budget)
 os.environ.setdefault("STREE_COST_SECONDS", "0.1")
@@ -71,3 +73,8 @@ def poison(monkeypatch):
 
     monkeypatch.setattr(torch, "empty", lambda *a, **k: fill(real_empty(*a, **k)))
     monkeypatch.setattr(torch, "empty_like", lambda *a, **k: fill(real_empty_like(*a, **k)))
+
+
+def pytest_sessionfinish(session):
+    if _OWN_COSTS:
+        shutil.rmtree(os.environ[_COSTS], ignore_errors=True)

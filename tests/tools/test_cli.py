@@ -49,11 +49,15 @@ def test_generate_prints_text_stats_and_comparison(checkpoint, capsys):
 
 
 def test_generate_compiled_equals_eager_with_an_ssm_drafter(checkpoint, tmp_path, capsys):
-    """--compile: the target's and the drafter model's calls compiled, the same greedy text."""
+    """--compile: the target's and the drafter model's calls compiled, the same greedy text. (One
+    explicit tree: under tree="auto" a compiled call builds and times the pass of every fixed size
+    and the drafter's steps for each, several times this test's cost; tests/runtime/test_compiled.py
+    builds those.)"""
     drafter = tmp_path / "drafter"
     save(mamba2(vocab_size=load(checkpoint).vocab_size, seed=1, n_layer=1), drafter, format="mamba_ssm")
     argv = ["generate", "--model", str(checkpoint), "--prompt", "def f(x):", "--drafter", "ssm-static",
-            "--drafter-model", str(drafter), "--max-new-tokens", "8", "--device", "cpu"]  # --compile: the CPU's path
+            "--drafter-model", str(drafter), "--tree", "full:2x2", "--max-new-tokens", "8",
+            "--device", "cpu"]  # --compile: the CPU's path
     assert main(argv) == 0
     eager = capsys.readouterr().out.splitlines()[0]
     assert main(argv + ["--compile"]) == 0
