@@ -402,6 +402,13 @@ class AutoTree:
     size (1: a plain step)."""
 
     REPLAN = 8  # steps between re-plans (of an eager loop's shapes, and of the size to draft)
+    # A tree that lost more than this many plain steps' time against plain steps for the tokens it
+    # brought has the size to draft weighed again at once, not up to REPLAN steps later: a drafter
+    # model's deep trees (a drafter step a level) had lost ten plain steps' time each for one token,
+    # eight times running, where a new prompt broke the pattern the last one had taught. Only such
+    # bets: weighed right after bad luck (after any tree short of its promise, half of them), the
+    # choice went plain, and stayed plain until a probe, where cheap drafters' trees paid.
+    DEAR = 3.0
     PROBE = 4  # plain steps between probes, at least
     NEVER = 1 << 30  # the plain steps ahead where no probe ever falls due
     # What probes may cost, at most, of the plain steps' time they interrupt: the most that turning
@@ -757,16 +764,25 @@ class AutoTree:
         w = self.GAIN_PRIOR
         return (self.scale["gain_got"] + w) / (self.scale["gain_said"] + w)
 
-    def _calibrate(self, counts: np.ndarray) -> None:
-        """After a verified tree that :meth:`choose` kept: what its served rows got."""
+    def _calibrate(self, counts: np.ndarray) -> float | None:
+        """After a verified tree that :meth:`choose` kept: what its served rows got (the least of
+        their accepted drafts, returned; None where it served none)."""
         said, served = self._promised
         self._promised = None
         if len(counts) != len(served) or not served.any():
-            return
+            return None
         got = float(counts[served].min()) - 1.0  # the bonus is no draft
         self.scale["gain_got"] = self.GAIN_DECAY * self.scale["gain_got"] + got
         self.scale["gain_said"] = self.GAIN_DECAY * self.scale["gain_said"] + said
         self._stale = True
+        return got
+
+    def _lost_dearly(self, kind: str, predicted: float, emitted: float) -> bool:
+        """Whether a tree of ``kind`` predicted (unscaled) at ``predicted`` ms lost more than ``DEAR``
+        plain steps' time against plain steps for the ``emitted`` tokens it brought, by the costs
+        the choice weighs."""
+        plain = self.cost[1] * self.scale["plain"]
+        return predicted * self._scaled(kind) - emitted * plain > self.DEAR * plain
 
     def _verified(self, kept: bool) -> None:
         if not self._probing:
@@ -800,6 +816,7 @@ class AutoTree:
             self.scale["plain_age"] = 0 if kind == "plain" else self.scale["plain_age"] + 1
             self._stale = True
         self._since_plan += 1
+        got = None
         if tree is not None:
             self._stale = True
             if ids is None:
@@ -809,7 +826,7 @@ class AutoTree:
             if not self._probing:  # speculation won this step: plain steps count again from here
                 self._plain_run = 0
             if self._promised is not None:
-                self._calibrate(counts[rows])
+                got = self._calibrate(counts[rows])
         if self._probing:
             self._pay_probe(predicted, tree, counts, rows, ids, elapsed_ms)
         elif tree is None:
@@ -817,6 +834,8 @@ class AutoTree:
         self.scale["plain_run"] = self._plain_run
         if (tree is not None and self._probing) or self._since_plan >= self.REPLAN:
             self._replan(tree)
+        elif got is not None and self._lost_dearly(kind, predicted, got + 1.0):
+            self._pick, self._probe_size = self._pick_sizes()
 
     def _pay_probe(self, predicted: float, tree, counts, rows, ids, elapsed_ms: float | None) -> None:
         """Take this step's probe out of the ledger: by the clock where the choice is adaptive

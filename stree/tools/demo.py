@@ -59,8 +59,8 @@ def read_prompts(path: Path, n: int) -> list[str]:
 def run_demo(target_dir=TARGET, drafter_dir=DRAFTER, *, prompts: int = 4, max_new_tokens: int = 64,
              device: str = "cpu", runs=RUNS, out=print) -> list[dict]:
     """Decode the first ``prompts`` held-out prompts with every (method, drafter) of ``runs``, one
-    prompt at a time, the runs taking turns on each prompt; returns one row per run (identical:
-    every output equals autoregressive's)."""
+    prompt at a time, the runs taking turns on each prompt (the order rotating from prompt to
+    prompt); returns one row per run (identical: every output equals autoregressive's)."""
     from .timing import run_info
 
     target_dir, drafter_dir = Path(target_dir), Path(drafter_dir)
@@ -77,9 +77,12 @@ def run_demo(target_dir=TARGET, drafter_dir=DRAFTER, *, prompts: int = 4, max_ne
         generate(target, ids[:1], method=method, drafter=drafter, **dict(kw, max_new_tokens=8))
     warmup = time.perf_counter() - t0
     results = [dict(outputs=[], stats=[]) for _ in runs]
-    for prompt in ids:
-        for (method, _), drafter, res in zip(runs, drafters, results):
-            run = generate(target, [prompt], method=method, drafter=drafter, **kw)
+    for turn, prompt in enumerate(ids):
+        # no run always goes first or always follows the same one (whose weights it finds in the caches)
+        for k in range(len(runs)):
+            i = (turn + k) % len(runs)
+            run = generate(target, [prompt], method=runs[i][0], drafter=drafters[i], **kw)
+            res = results[i]
             res["outputs"].append(run.new_tokens[0])
             res["stats"].append(run.stats)
     out(f"{len(ids)} held-out prompts, {max_new_tokens} new tokens each, greedy, {run_info(device)['device']}; "

@@ -471,6 +471,36 @@ def test_what_trees_bring_the_rows_served_calibrates_the_promises():
     assert 0.75 < single.gain_scale() < 1.33
 
 
+def test_a_tree_that_loses_dearly_is_weighed_again_at_once():
+    """A drafter model paying a step a level, after text it followed all the way (deep trees
+    planned), meets text it never follows (a new prompt). A tree that brings nothing then loses
+    more than ``DEAR`` plain steps' time (the deep ones several times that), and the next step's
+    choice is weighed again at once: a few such trees before smaller trees or plain steps, not
+    up to ``REPLAN`` of them drafted on what the old text taught."""
+    nodes, depths = (2, 4, 8, 16), (1, 3, 7, 15)
+    profile = CostProfile(1.0, nodes, (1.2, 1.4, 2.2, 3.0), tuple(0.3 * d for d in depths), 0.01, depths)
+    dear, deepest = [], []
+    for seed in range(6):
+        auto = AutoTree(profile)
+        run_level_rows(auto, 1, 60 + seed, 1.0)  # (the phase sets where the REPLAN period stands)
+        sizes, lost = [], []  # each tree's loss against a plain step, as the choice prices it (scales 1)
+        while not sizes or sizes[-1] > 1:
+            plan = auto.plan()
+            draft = None if plan is None else auto.choose(
+                TokenTree.from_shape(plan, torch.arange(plan.n)[None] + 100), np.ones(1, dtype=np.bool_), np.arange(1))
+            sizes.append(1 if draft is None else draft.n)
+            if draft is None:
+                auto.record(None)
+            else:
+                lost.append(auto.cost[draft.n] + auto.draft_cost[draft.n] - auto.cost[1])
+                auto.record(draft, np.full((1, draft.n + 1), 999), np.ones(1, dtype=np.int64), np.arange(1),
+                            ids=np.arange(1))
+        deepest.append(max(sizes))
+        dear.append(sum(x > AutoTree.DEAR * auto.cost[1] for x in lost))
+    assert max(deepest) == 16  # the old text had taught deep trees
+    assert max(dear) <= 3, dear
+
+
 def test_a_calls_first_iteration_teaches_no_cost():
     """The first iteration of a call pays once per call (a drafter's prefill, first-use work): it
     must not move the scales the steady state is priced by."""
