@@ -348,13 +348,40 @@ def test_a_checked_profile_from_the_file_is_spot_checked_and_measured_again_wher
     assert cost_profile(model, 1, shapes=shapes) == cached and calls == []  # unchecked: the file's
     # compiled (or graphed): a spot check would compile its calls again
     assert cost_profile(model, 1, shapes=shapes, mode="compiled", check=True) == cached and calls == []
-    for case, want, timed in (("agree", cached, [([2, 4], 0.0625)]),
-                              ("off", fresh, [([2, 4], 0.0625), ([2, 4, 8], 0.5)])):
+    for case, want, timed in (("agree", cached, [([2, 4], 0.0625)]),  # (the measured one spot-checked too)
+                              ("off", fresh, [([2, 4], 0.0625), ([2, 4, 8], 0.5), ([2, 4], 0.0625)])):
         monkeypatch.setattr(cost, "_MEMO", {})  # a new process
         answer["spot"], calls[:] = spots[case], []
         assert cost_profile(model, 1, shapes=shapes, budget_s=0.5, check=True) == want and calls == timed, case
     monkeypatch.setattr(cost, "_MEMO", {})
     assert cost_profile(model, 1, shapes=shapes) == fresh and calls == timed  # the file now holds it
+
+
+def test_a_checked_profile_measured_here_is_spot_checked_and_measured_once_more_where_it_is_off(fresh_cache,
+                                                                                                  monkeypatch):
+    """``check``: a profile just measured (none in the file) is timed again at its first and middle
+    sizes at once; where they disagree (other work took the cores during some of its rounds), it
+    is measured once more, and that one is kept whatever a spot check would say. Unchecked (a
+    seeded choice) or compiled, the first measurement as it is."""
+    bursty = CostProfile(4.0, (2, 4, 8), (6.0, 14.0, 12.0))  # 4 nodes measured during a burst: 3.5 steps
+    fine = CostProfile(4.0, (2, 4, 8), (6.0, 7.0, 12.0))
+    spot = CostProfile(4.0, (2, 4), (6.1, 7.1))
+    calls = []
+
+    def measure(model, drafter, batch, mode, sampled, shapes, budget_s):
+        calls.append([s.n for s in shapes])
+        if len(shapes) < 3:
+            return spot
+        return bursty if sum(len(c) == 3 for c in calls) == 1 else fine
+    monkeypatch.setattr(cost, "_measure", measure)
+    shapes = [TreeShape.full(1, 1), TreeShape.full(3, 1), TreeShape.full(7, 1)]  # 2, 4 and 8 nodes
+    model = mamba2()
+    assert cost_profile(model, 1, shapes=shapes, check=True) == fine
+    assert calls == [[2, 4, 8], [2, 4], [2, 4, 8]]
+    for kw in (dict(), dict(mode="compiled", check=True)):
+        monkeypatch.setattr(cost, "_MEMO", {})
+        calls[:] = []
+        assert cost_profile(model, 2, shapes=shapes, **kw) == bursty and calls == [[2, 4, 8]], kw
 
 
 def test_a_profile_the_file_prices_far_off_is_measured_again_by_an_adaptive_choice(fresh_cache, monkeypatch):
