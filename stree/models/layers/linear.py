@@ -1,39 +1,41 @@
-"""``nn.Linear`` whose CPU inference takes the faster of two products, measured once per shape
+"""``nn.Linear`` whose CPU inference takes the fastest of three products, measured once per shape
 on the machine it runs on.
 
 A step, a tree pass and a drafter's level step multiply 1 to ~100 rows by each weight. Which
 product is fastest for so few rows depends on the CPU far more than on the sizes: on an AMD EPYC
-(AVX2) the BLAS path PyTorch takes costs about one matrix-vector product per row, where oneDNN on
-the weight packed once in its own layout is several times faster for a few rows; on an Intel Xeon
-(AVX-512) BLAS wins for a few rows and the packed product only from about 8 rows on. So neither is
-hard-wired: the first product of each (rows, weight shape, bias) times both on its own inputs
-(alternating, best of 5 each) and keeps the packed path only where it is clearly faster
-(``PACKED_MARGIN``); row counts share power-of-two buckets (:func:`_bucket`), so that trees and
-prompts of every size do not each pay for a measurement. ``STREE_LINEAR=blas`` or
-``=packed`` in the environment pins one (the two agree to float32 rounding, so a pinned path
-makes results bit-reproducible across processes).
+(AVX2) the BLAS path PyTorch takes (``x @ weight.T``) costs about one matrix-vector product per
+row, where oneDNN on the weight packed once in its own layout is several times faster for a few
+rows; on an Intel Xeon (AVX-512) BLAS on a transposed copy of the weight (``x @ weight_t``,
+``[in, out]`` contiguous) was the fastest for 1 to 32 rows, and PyTorch's own BLAS path fell off a
+cliff at 16 rows (several times slower than at 12). So none is hard-wired: the first product of each
+(rows, weight shape, bias) times the three on its own inputs (alternating, best of 5 each) and
+keeps PyTorch's own unless another is clearly faster (``MARGIN``); row counts share power-of-two
+buckets (:func:`_bucket`), so that trees and prompts of every size do not each pay for a
+measurement. ``STREE_LINEAR=blas``, ``=packed`` or ``=transposed`` in the environment pins one
+(they agree to float32 rounding, so a pinned path makes results bit-reproducible across processes).
 
-Half precision (float16, bfloat16) has the same two-way choice: PyTorch's own half product, or
-the product of a float32 copy of the weight (the float32 products above), rounded back. The copy
+Half precision (float16, bfloat16) has a two-way choice: PyTorch's own half product, or the
+product of a float32 copy of the weight (on the float32 paths above), rounded back. The copy
 holds the weight exactly, and both accumulate in float32 and round once, so they agree to half
 rounding. Which wins again depends on the CPU and the rows: on an AMD EPYC without float16
 arithmetic, a 16-row float16 product of 2.7B-width weights ran several times slower than the
 float32 one, where one row, reading half the bytes, was the faster: a float16 tree pass cost
-many plain steps there. ``STREE_LINEAR=blas`` pins PyTorch's own half product, ``=packed`` the
-float32 copy.
+many plain steps there. ``STREE_LINEAR=blas`` pins PyTorch's own half product, ``=packed`` and
+``=transposed`` the float32 copy.
 
-The packed copy is made on first use and again whenever the weight changes (its version counter
-or storage), so parameters may be trained or reloaded between calls; it costs one more copy of
-each weight so used (the float32 copy of a half weight: twice its bytes). Only where autograd is
-off (inference), on a build with oneDNN. Under ``torch.compile`` the product is one opaque op
-(``stree::cpu_linear``) that chooses when it runs, as Inductor does not take packed weights as
-graph inputs.
+The packed and transposed copies are made on first use and again whenever the weight changes (its
+version counter or storage), so parameters may be trained or reloaded between calls; each costs
+one more copy of the weight (the float32 copy of a half weight: twice its bytes), kept only while
+some row count takes its path. Only where autograd is off (inference); the packed one on a build
+with oneDNN. Under ``torch.compile`` the product is one opaque op (``stree::cpu_linear``) that
+chooses when it runs, as Inductor does not take packed weights as graph inputs.
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import os
 import time
 import weakref
@@ -46,19 +48,21 @@ from ...kernels._common import kept
 
 __all__ = ["Linear", "following", "leading", "linear", "measure"]
 
-PATHS = ("auto", "blas", "packed")
+PATHS = ("auto", "blas", "packed", "transposed")
 PATH = os.environ.get("STREE_LINEAR", "auto")
 if PATH not in PATHS:
     raise ValueError(f"STREE_LINEAR must be one of {PATHS}, got {PATH!r}")
-# The packed product is kept only when it takes less than this fraction of the BLAS one's time:
-# near a tie the plain path is kept, so that noise does not flip the choice between processes.
-PACKED_MARGIN = 0.85
+# Another product than PyTorch's own is taken only when it takes less than this fraction of its
+# time: near a tie the plain path is kept, so that noise does not flip the choice between processes.
+MARGIN = 0.85
 
 _ONEDNN = torch.backends.mkldnn.is_available()
 # id(weight) -> ((version, storage address), packed copy); the entry goes with the weight
 _PACKED: dict[int, tuple] = {}
-# (row bucket, out features, in features, has bias) -> the packed product is the faster here
-_FASTER: dict[tuple, bool] = {}
+# id(weight) -> ((version, storage address), the weight transposed, [in, out] contiguous)
+_TRANSPOSED: dict[int, tuple] = {}
+# (row bucket, out features, in features, has bias) -> the path measured fastest: "blas", "packed" or "transposed"
+_FASTEST: dict[tuple, str] = {}
 HALF = (torch.float16, torch.bfloat16)
 # id(half weight or bias) -> ((version, storage address), float32 copy); the entry goes with the tensor
 _WIDE: dict[int, tuple] = {}
@@ -68,7 +72,7 @@ _WIDER: dict[tuple, bool] = {}
 # weight, the path its last product in a tree pass (in :func:`leading`) took, then their own.
 FOLLOW_WIDE = 8
 _ROLE = contextvars.ContextVar("stree_linear_role", default=None)  # None, "lead" or "follow"
-# id(weight) -> [the path of its last product in leading() (packed?), products in following() since]
+# id(weight) -> [the path of its last product in leading(), products in following() since]
 _LAST: dict[int, list] = {}
 
 
@@ -125,6 +129,18 @@ def _packed_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     return torch.ops.mkldnn._linear_pointwise(x, _packed(weight), bias, "none", [], "")
 
 
+def _transposed_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    w_t = _copy(_TRANSPOSED, weight, lambda w: w.t().contiguous())
+    return torch.mm(x, w_t) if bias is None else torch.addmm(bias, x, w_t)
+
+
+# the float32 products by path, and the stores of the copies each keeps
+_PRODUCTS = {"blas": F.linear, "transposed": _transposed_product}
+if _ONEDNN:
+    _PRODUCTS["packed"] = _packed_product
+_COPIES = {"packed": _PACKED, "transposed": _TRANSPOSED}
+
+
 def _seconds(fn) -> float:
     """One call's wall time (a function of its own so that tests can stand in for the clock)."""
     start = time.perf_counter()
@@ -132,19 +148,28 @@ def _seconds(fn) -> float:
     return time.perf_counter() - start
 
 
-def _clearly_faster(plain, other) -> bool:
-    """Whether ``other()`` takes less than ``PACKED_MARGIN`` of ``plain()``'s time (best of 5 each,
-    alternating, after one call each: first calls allocate, pack and copy)."""
-    plain(), other()
-    times = [(_seconds(plain), _seconds(other)) for _ in range(5)]
-    return min(t[1] for t in times) < PACKED_MARGIN * min(t[0] for t in times)
+def _fastest(paths: dict) -> str:
+    """The name of the fastest of ``paths`` (name -> call), the first being the plain one, kept
+    unless another takes less than ``MARGIN`` of its time: best of 5 each, alternating, after one
+    call each (first calls allocate, pack and copy)."""
+    for fn in paths.values():
+        fn()
+    times: dict = {name: [] for name in paths}
+    for _ in range(5):
+        for name, fn in paths.items():
+            times[name].append(_seconds(fn))
+    best = {name: min(t) for name, t in times.items()}
+    plain = next(iter(paths))
+    other = min((name for name in paths if name != plain), key=best.__getitem__)
+    return other if best[other] < MARGIN * best[plain] else plain
 
 
-def _packed_is_faster(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    faster = _clearly_faster(lambda: F.linear(x, weight, bias), lambda: _packed_product(x, weight, bias))
-    if not faster:  # no second copy of a weight that stays on BLAS (a bucket that chose packing packs it again)
-        _PACKED.pop(id(weight), None)
-    return faster
+def _fastest_path(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> str:
+    path = _fastest({name: functools.partial(fn, x, weight, bias) for name, fn in _PRODUCTS.items()})
+    for name, store in _COPIES.items():  # no copy of a weight for a path not taken (a bucket taking it copies again)
+        if name != path:
+            store.pop(id(weight), None)
+    return path
 
 
 def _widened_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -153,8 +178,9 @@ def _widened_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
 
 def _widened_is_faster(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
     # (the first widened call also measures the float32 product's own paths for the copy)
-    faster = _clearly_faster(lambda: F.linear(x, weight, bias), lambda: _widened_product(x, weight, bias))
-    if not faster:  # no float32 copy of a weight staying in half precision (its packed copy goes with it)
+    faster = _fastest({"own": lambda: F.linear(x, weight, bias),
+                       "wide": lambda: _widened_product(x, weight, bias)}) == "wide"
+    if not faster:  # no float32 copy of a weight staying in half precision (its other copies go with it)
         for t in (weight, bias):
             _WIDE.pop(id(t), None)
     return faster
@@ -169,7 +195,7 @@ def _half_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         if wide is None:
             wide = _WIDER[key] = _widened_is_faster(x, weight, bias)
     else:
-        wide = PATH == "packed"
+        wide = PATH != "blas"
     return _widened_product(x, weight, bias) if wide else F.linear(x, weight, bias)
 
 
@@ -179,24 +205,24 @@ def _product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -
         return _half_product(x, weight, bias)
     if PATH == "auto":
         key = (_bucket(x.shape[0]), *weight.shape, bias is not None)
-        packed = _FASTER.get(key)
-        if packed is None:
-            packed = _FASTER[key] = _packed_is_faster(x, weight, bias)
+        path = _FASTEST.get(key)
+        if path is None:
+            path = _FASTEST[key] = _fastest_path(x, weight, bias)
         role = _ROLE.get()
         if role is not None:
             last = _LAST.get(id(weight))
             if role == "follow":
                 if last is not None and last[1] < FOLLOW_WIDE:
                     last[1] += 1
-                    packed = last[0]
+                    path = last[0]
             elif last is None:
                 weakref.finalize(weight, _LAST.pop, id(weight), None)
-                _LAST[id(weight)] = [packed, 0]
+                _LAST[id(weight)] = [path, 0]
             else:
-                last[0], last[1] = packed, 0
+                last[0], last[1] = path, 0
     else:
-        packed = PATH == "packed"
-    return _packed_product(x, weight, bias) if packed else F.linear(x, weight, bias)
+        path = PATH
+    return _PRODUCTS[path](x, weight, bias)
 
 
 # Declared on the low-level library API: the dispatcher calls the CPU kernel directly, without
@@ -214,7 +240,7 @@ def _(x, weight, bias):
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear``, on the faster product for these sizes (see the module docstring)."""
     grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias))
-    if grad or not _ONEDNN or x.device.type != "cpu" or x.dtype not in (torch.float32, *HALF) \
+    if grad or (PATH == "packed" and not _ONEDNN) or x.device.type != "cpu" or x.dtype not in (torch.float32, *HALF) \
             or weight.dtype != x.dtype or (bias is not None and bias.dtype != x.dtype) or not x.numel() \
             or PATH == "blas":
         return F.linear(x, weight, bias)
@@ -226,11 +252,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 def measure(module: nn.Module, rows) -> None:
     """Make now, for the weight shapes of ``module``'s :class:`Linear` layers and these row counts
-    (their buckets), the choices :func:`linear` makes on its first product of each (timing both
+    (their buckets), the choices :func:`linear` makes on its first product of each (timing its
     paths): a decoding loop names the rows its steps and tree passes may multiply, so that the
     timing is its setup, not a timed step's (a tree size first used mid-call, at batch 8, paid
-    it there). Only where :func:`linear` chooses: CPU weights, ``STREE_LINEAR=auto``, oneDNN."""
-    if PATH != "auto" or not _ONEDNN:
+    it there). Only where :func:`linear` chooses: CPU weights, ``STREE_LINEAR=auto``."""
+    if PATH != "auto":
         return
     buckets = sorted({_bucket(r) for r in rows if r > 0})
     shapes = set()  # (layers of one shape share their choices)
@@ -246,7 +272,7 @@ def measure(module: nn.Module, rows) -> None:
             shapes.add(shape)
             for bucket in buckets:
                 key = (bucket, *weight.shape, bias is not None) + ((weight.dtype,) if half else ())
-                if key not in (_WIDER if half else _FASTER):
+                if key not in (_WIDER if half else _FASTEST):
                     _product(torch.randn(bucket, weight.shape[1], dtype=weight.dtype), weight, bias)
 
 

@@ -1,7 +1,7 @@
-"""stree.models.layers.linear: both CPU products (float32, and half precision's own or its float32
-copy's) against the float64 definition, the measured choice between them (and a pinned one), the
-packed and widened copies following weight changes, staying out of autograd, and one opaque op
-under torch.compile."""
+"""stree.models.layers.linear: every CPU product (float32's three, and half precision's own or its
+float32 copy's) against the float64 definition, the measured choice between them (and a pinned
+one), the packed, transposed and widened copies following weight changes, staying out of autograd,
+and one opaque op under torch.compile."""
 
 import os
 
@@ -54,44 +54,53 @@ def test_equals_the_definition(rows, d_in, d_out, bias, lead, seed, path, dtype)
     assert ((out.double() - ref).abs() <= _RTOL[dtype] * scale + 1e-6).all()
 
 
-def _fake_clock(monkeypatch, blas: float, packed: float, marker: str = "mkldnn::_linear_pointwise",
-                choices: str = "_FASTER"):
-    """Each timed product takes ``packed`` seconds where it runs the op ``marker`` (the packed
-    product; for half precision "aten::_to_copy", the float32 copy's), else ``blas``; the choices
-    made so far (``lin.<choices>``) are forgotten."""
+def _path(ops: set) -> str:
+    """Which float32 product ran: oneDNN's on the packed weight, PyTorch's own (``aten::linear``),
+    or a bare product on the transposed copy."""
+    return "packed" if "mkldnn::_linear_pointwise" in ops else "blas" if "aten::linear" in ops else "transposed"
+
+
+def _fake_clock(monkeypatch, times: dict, choices: str = "_FASTEST"):
+    """Each timed product takes ``times[path]`` seconds, ``path`` the float32 product it ran
+    (:func:`_path`), or for half precision "wide" where it ran the float32 copy's ("aten::_to_copy"),
+    else "own"; the choices made so far (``lin.<choices>``) are forgotten."""
     def seconds(fn):
-        with profile() as prof:
-            fn()
-        return packed if marker in {e.name for e in prof.events()} else blas
+        ops = _ops(fn)
+        if "own" in times:
+            return times["wide" if "aten::_to_copy" in ops else "own"]
+        return times[_path(ops)]
     monkeypatch.setattr(lin, "_seconds", seconds)
     monkeypatch.setattr(lin, choices, {})
     monkeypatch.setattr(lin, "PATH", "auto")
 
 
-@pytest.mark.parametrize("blas, packed, chosen", [(1.0, 0.5, True), (1.0, 0.9, False), (1.0, 2.0, False)])
-def test_the_packed_product_runs_where_it_measured_clearly_faster(monkeypatch, blas, packed, chosen):
-    _fake_clock(monkeypatch, blas, packed)
+@pytest.mark.parametrize("blas, packed, transposed, chosen", [
+    (1.0, 0.5, 0.9, "packed"), (1.0, 0.9, 0.5, "transposed"), (1.0, 0.5, 0.4, "transposed"), (1.0, 0.9, 0.9, "blas"),
+    (1.0, 2.0, 0.86, "blas")])
+def test_the_product_measured_clearly_fastest_runs(monkeypatch, blas, packed, transposed, chosen):
+    _fake_clock(monkeypatch, dict(blas=blas, packed=packed, transposed=transposed))
     layer = Linear(64, 512)
     x = torch.randn(3, 64)
     with torch.no_grad():
         first = layer(x)  # measures
-        assert lin._FASTER == {(4, 512, 64, True): chosen}  # 3 rows: the bucket up to 4
-        assert ("mkldnn::_linear_pointwise" in _ops(lambda: layer(x))) == chosen
-        assert (id(layer.weight) in lin._PACKED) == chosen  # a weight left on BLAS keeps no packed copy
+        assert lin._FASTEST == {(4, 512, 64, True): chosen}  # 3 rows: the bucket up to 4
+        assert _path(_ops(lambda: layer(x))) == chosen
+        for path, store in (("packed", lin._PACKED), ("transposed", lin._TRANSPOSED)):
+            assert (id(layer.weight) in store) == (chosen == path)  # no copy for a path not taken
         assert torch.allclose(first.double(), _definition(x, layer.weight, layer.bias), atol=1e-4)
         layer(torch.randn(4, 64))  # the same bucket: not measured again
         layer(torch.randn(5, 64))  # another bucket is measured on its own
         for rows in (40, 50, 64):  # power-of-two buckets
             layer(torch.randn(rows, 64))
         layer(torch.randn(2, 64))
-        assert set(lin._FASTER) == {(4, 512, 64, True), (8, 512, 64, True), (64, 512, 64, True), (2, 512, 64, True)}
+        assert set(lin._FASTEST) == {(4, 512, 64, True), (8, 512, 64, True), (64, 512, 64, True), (2, 512, 64, True)}
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("half, wide, chosen", [(1.0, 0.5, True), (1.0, 0.9, False), (1.0, 2.0, False)])
 def test_a_half_product_runs_on_a_float32_copy_where_that_measured_clearly_faster(monkeypatch, dtype, half, wide,
                                                                                    chosen):
-    _fake_clock(monkeypatch, half, wide, "aten::_to_copy", "_WIDER")
+    _fake_clock(monkeypatch, dict(own=half, wide=wide), "_WIDER")
     layer = Linear(64, 512, dtype=dtype)
     x = torch.randn(3, 64, dtype=dtype)
     with torch.no_grad():
@@ -118,8 +127,8 @@ def test_plain_steps_of_a_speculative_loop_follow_the_tree_pass_for_a_while(monk
     monkeypatch.setattr(lin, "_LAST", {})
     layer, other = Linear(64, 512), Linear(64, 256)
     # 16 rows: packed (as measured on the CPU), a step's row: BLAS
-    monkeypatch.setattr(lin, "_FASTER", {(16, 512, 64, True): True, (1, 512, 64, True): False,
-                                         (16, 256, 64, True): False, (1, 256, 64, True): False})
+    monkeypatch.setattr(lin, "_FASTEST", {(16, 512, 64, True): "packed", (1, 512, 64, True): "blas",
+                                          (16, 256, 64, True): "blas", (1, 256, 64, True): "blas"})
 
     def packed(fn):
         return "mkldnn::_linear_pointwise" in _ops(fn)
@@ -147,23 +156,23 @@ def test_plain_steps_of_a_speculative_loop_follow_the_tree_pass_for_a_while(monk
             assert not packed(lambda: layer(step))
 
 
-@pytest.mark.parametrize("path", ["blas", "packed"])
+@pytest.mark.parametrize("path", ["blas", "packed", "transposed"])
 def test_a_pinned_path_is_taken_without_measuring(monkeypatch, path):
     monkeypatch.setattr(lin, "PATH", path)
-    monkeypatch.setattr(lin, "_FASTER", {})
+    monkeypatch.setattr(lin, "_FASTEST", {})
     layer = Linear(64, 512)
     with torch.no_grad():
         for rows in (1, 3):
-            assert ("mkldnn::_linear_pointwise" in _ops(lambda: layer(torch.randn(rows, 64)))) == (path == "packed")
-    assert lin._FASTER == {}
+            assert _path(_ops(lambda: layer(torch.randn(rows, 64)))) == path
+    assert lin._FASTEST == {}
     wide = Linear(64, 512, dtype=torch.float64)  # float32 and half precision only
     with torch.no_grad():
         assert "mkldnn::_linear_pointwise" not in _ops(lambda: wide(torch.randn(3, 64, dtype=torch.float64)))
     monkeypatch.setattr(lin, "_WIDER", {})
-    half = Linear(64, 512, dtype=torch.float16)  # "blas": PyTorch's own half product; "packed": the float32 copy's
+    half = Linear(64, 512, dtype=torch.float16)  # "blas": PyTorch's own half product; else the float32 copy's
     with torch.no_grad():
         ops = _ops(lambda: half(torch.randn(3, 64, dtype=torch.float16)))
-    assert ("aten::_to_copy" in ops) == ("mkldnn::_linear_pointwise" in ops) == (path == "packed")
+    assert ("aten::_to_copy" in ops) == (path != "blas") and (path == "blas" or _path(ops) == path)
     assert lin._WIDER == {}
 
 
@@ -172,14 +181,14 @@ def test_measure_makes_each_buckets_choices_once_per_weight_shape(monkeypatch, d
     """``measure`` times, for each weight shape (layers of one shape share it) and each bucket of
     the rows named, the choice a first product would; products after it time nothing."""
     monkeypatch.setattr(lin, "PATH", "auto")
-    monkeypatch.setattr(lin, "_FASTER", {})
+    monkeypatch.setattr(lin, "_FASTEST", {})
     monkeypatch.setattr(lin, "_WIDER", {})
     timed = []
-    real = lin._clearly_faster
-    monkeypatch.setattr(lin, "_clearly_faster", lambda a, b: timed.append(1) or real(a, b))
+    real = lin._fastest
+    monkeypatch.setattr(lin, "_fastest", lambda paths: timed.append(1) or real(paths))
     model = torch.nn.Sequential(Linear(8, 16), Linear(8, 16), Linear(16, 4, bias=False)).to(dtype)
     lin.measure(model, [1, 3, 4, 5])  # buckets 1, 4 and 8, for 2 shapes
-    table = lin._WIDER if dtype != torch.float32 else lin._FASTER
+    table = lin._WIDER if dtype != torch.float32 else lin._FASTEST
     half = () if dtype == torch.float32 else (dtype,)
     assert set(table) == {(b, *shape, *half) for b in (1, 4, 8) for shape in ((16, 8, True), (4, 16, False))}
     done = len(timed)
