@@ -1,10 +1,13 @@
-"""The gated RMSNorm after the Mamba2 scan, in one launch: silu(z) as a gate before the norm
-(mamba_ssm's norm_before_gate=False) or after it (Falcon-H1), the mean square per group of
-``group_size`` channels, the weight, fp32 arithmetic rounded once to y's dtype (or, with
-``round_before_weight``, rounded before the weight multiply as transformers' hybrids compute it).
+"""The norms of a decoding pass. The gated RMSNorm after the Mamba2 scan, in one launch: silu(z)
+as a gate before the norm (mamba_ssm's norm_before_gate=False) or after it (Falcon-H1), the mean
+square per group of ``group_size`` channels, the weight, fp32 arithmetic rounded once to y's dtype
+(or, with ``round_before_weight``, rounded before the weight multiply as transformers' hybrids
+compute it). And the plain RMSNorm every block and the final norm apply (:func:`rms_norm`).
 
-Eager PyTorch spends four to eight launches on it per Mamba2 layer and token batch; on CUDA this
-kernel spends one: a program per (row, group) holds the group in registers.
+Eager PyTorch spends four to eight launches on the gated norm per Mamba2 layer and token batch; on
+CUDA this kernel spends one: a program per (row, group) holds the group in registers. On the CPU
+both norms run numba-compiled under ``backend="auto"`` (:mod:`.cpu.norm_jit`) where nothing needs
+their gradient and nothing is being compiled: one call each instead of PyTorch's several ops.
 """
 
 from __future__ import annotations
@@ -14,9 +17,9 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ._common import FLOAT_DTYPES, check_tensor, resolve_backend
+from ._common import FLOAT_DTYPES, as_numpy, check_tensor, f32, jit_fits, readable, resolve_backend
 
-__all__ = ["gated_rms_norm", "gated_rms_norm_torch"]
+__all__ = ["gated_rms_norm", "gated_rms_norm_torch", "rms_norm"]
 
 MAX_GROUP = 16384  # channels one program holds (Bamba-9B's one group is 8192)
 
@@ -92,6 +95,16 @@ def gated_rms_norm(y, z, weight, group_size: int, eps: float, gate_first: bool =
     """``norm(y * silu(z)) * weight`` per group of ``group_size`` channels (``gate_first=False``:
     ``norm(y) * weight * silu(z)``) for ``y, z [..., dim]``, ``weight [dim]``; output in y's
     dtype. ``backend``: "auto" (Triton on CUDA), "triton", "torch"."""
+    if backend == "auto" and _jit_takes(y, z, weight) and not (round_before_weight and y.dtype != torch.float32):
+        _check_args(y, z, weight, group_size, eps)
+        from .cpu.norm_jit import gated_rms_norm_rows
+
+        rows = _rows(y, group_size)
+        out = torch.empty(rows.shape, dtype=torch.float32)
+        gate = F.silu(f32(z)).reshape(rows.shape)  # (one vectorised op; contiguous, as silu's output is)
+        gated_rms_norm_rows(readable(rows), as_numpy(gate), readable(weight).reshape(-1, group_size), True, float(eps),
+                            gate_first, as_numpy(out))
+        return out.view(y.shape).to(y.dtype)
     if resolve_backend(backend, y.device) == "torch" or group_size > MAX_GROUP:
         return gated_rms_norm_torch(y, z, weight, group_size, eps, gate_first, round_before_weight)
     _check_args(y, z, weight, group_size, eps)
@@ -111,3 +124,43 @@ def gated_rms_norm(y, z, weight, group_size: int, eps: float, gate_first: bool =
             num_warps=min(16, max(1, block // 512)),
         )
     return out.view(y.shape)
+
+
+def _jit_takes(*tensors) -> bool:
+    """Whether the numba path may run: CPU float tensors (None allowed), no gradient wanted of
+    any, and no graph being compiled (Inductor fuses the PyTorch path)."""
+    if not jit_fits(*tensors) or torch.compiler.is_compiling():
+        return False
+    return not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors))
+
+
+def _rows(x: torch.Tensor, width: int) -> torch.Tensor:
+    """``x`` as contiguous rows of ``width`` channels (a copy only where its layout needs one)."""
+    rows = x.reshape(-1, width)
+    return rows if rows.is_contiguous() else rows.contiguous()
+
+
+def rms_norm(x, weight=None, eps: float = 1e-6, backend: str = "auto"):
+    """``x / sqrt(mean(x^2) + eps) * weight`` over the last dimension of ``x [..., dim]``
+    (``weight [dim]``, or None for none), in fp32 arithmetic, output in x's dtype. ``"auto"`` on
+    CPU tensors runs numba-compiled (:mod:`.cpu.norm_jit`) where nothing needs its gradient; else
+    (and ``"torch"``, ``"triton"``) ``F.rms_norm``, already one fused op on CUDA."""
+    if not isinstance(x, torch.Tensor) or x.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"x must be a float32, float16 or bfloat16 tensor, got {getattr(x, 'dtype', type(x))}")
+    if x.dim() < 1:
+        raise ValueError(f"x must have shape [..., dim], got {tuple(x.shape)}")
+    dim = x.shape[-1]
+    if weight is not None:
+        check_tensor("weight", weight, (dim,), x.device)
+    if not eps > 0:
+        raise ValueError(f"eps must be positive, got {eps!r}")
+    if backend == "auto" and _jit_takes(x, weight):
+        from .cpu.norm_jit import rms_norm_rows
+
+        rows = _rows(x, dim)
+        out = torch.empty(rows.shape, dtype=torch.float32)
+        rms_norm_rows(readable(rows), readable(weight) if weight is not None else as_numpy(out[0]),
+                      weight is not None, float(eps), as_numpy(out))
+        return out.view(x.shape).to(x.dtype)
+    resolve_backend(backend, x.device)
+    return F.rms_norm(f32(x), (dim,), f32(weight), eps).to(x.dtype)

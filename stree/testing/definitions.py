@@ -146,6 +146,13 @@ def tree_attention_def(q, k_cache, v_cache, cache_seqlens, k_tree, v_tree, paren
     return out
 
 
+def rms_norm_def(x, weight, eps):
+    """x / sqrt(mean(x^2) + eps) * weight (None: no weight) over the last dimension, in float64."""
+    x = x.double()
+    v = x / torch.sqrt(x.square().mean(-1, keepdim=True) + eps)
+    return v if weight is None else v * weight.double()
+
+
 def gated_rms_norm_def(y, z, weight, group_size, eps, gate_first=True):
     """norm(y * silu(z)) * weight (``gate_first=False``: norm(y) * weight * silu(z)), the norm over
     each group of ``group_size`` channels: v / sqrt(mean(v^2) + eps), in float64."""

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ...kernels import gated_rms_norm, gated_rms_norm_torch
+from ...kernels import gated_rms_norm, gated_rms_norm_torch, rms_norm
 from ..base import derived
 
 
@@ -20,8 +20,9 @@ def fp32(param: torch.Tensor) -> torch.Tensor:
 
 
 class RMSNorm(nn.Module):
-    """fp32 arithmetic. ``round_before_weight``: HF LlamaRMSNorm rounds to the output dtype before
-    the weight multiply; mamba_ssm's Triton norm multiplies in fp32 and rounds once."""
+    """fp32 arithmetic (numba-compiled on the CPU, :func:`~stree.kernels.rms_norm`).
+    ``round_before_weight``: HF LlamaRMSNorm rounds to the output dtype before the weight multiply;
+    mamba_ssm's Triton norm multiplies in fp32 and rounds once."""
 
     def __init__(self, dim: int, eps: float, device=None, dtype=None, round_before_weight: bool = False):
         super().__init__()
@@ -32,8 +33,8 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
         xf = x if x.dtype == torch.float32 else x.float()
         if self.round_before_weight and out_dtype != torch.float32:
-            return self.weight * F.rms_norm(xf, xf.shape[-1:], None, self.eps).to(out_dtype)
-        y = F.rms_norm(xf, xf.shape[-1:], fp32(self.weight), self.eps)
+            return self.weight * rms_norm(xf, None, self.eps).to(out_dtype)
+        y = rms_norm(xf, fp32(self.weight), self.eps)
         return y if out_dtype == torch.float32 else y.to(out_dtype)
 
 
