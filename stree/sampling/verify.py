@@ -33,7 +33,7 @@ import torch
 
 from ..tree import TokenTree
 
-__all__ = ["RULES", "SamplingParams", "VerifyResult", "acceptance_tables", "choose_rule", "follow_choices",
+__all__ = ["RULES", "SamplingParams", "VerifyResult", "acceptance_tables", "choose_rule", "draw", "follow_choices",
            "process_logits", "sample_tokens", "verify"]
 
 RULES = ("greedy", "one_hot", "iid", "without_replacement", "naive")
@@ -142,7 +142,7 @@ class SamplingParams:
     def sample(self, logits: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
         """One token per row of ``logits [B, V]``."""
         if self.rows is not None:
-            drawn = torch.multinomial(self.probs(logits), 1, generator=generator)[:, 0]
+            drawn = draw(self.probs(logits), generator)
             if not self.some_greedy:
                 return drawn
             return torch.where(self._greedy_rows(logits), logits.float().argmax(-1), drawn)
@@ -234,7 +234,23 @@ def sample_tokens(logits: torch.Tensor, temperature: float = 0.0, top_k: int = 0
     check_sampling(temperature, top_k, top_p)
     if temperature == 0:
         return logits.float().argmax(-1)
-    return torch.multinomial(process_logits(logits, temperature, top_k, top_p), 1, generator=generator)[:, 0]
+    return draw(process_logits(logits, temperature, top_k, top_p), generator)
+
+
+def draw(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """One index per row of ``probs [R, V]`` (entries >= 0, a positive total per row), each drawn
+    with probability proportional to its entry; an entry of 0 is never drawn. On the CPU by the
+    inverse of the float64 cumulative sums at one uniform per row: ``torch.multinomial`` draws a
+    random number per entry there (an exponential race), and for a vocabulary of thousands the
+    CPU generator's numbers outweighed the rest of a sampled step's sampling work. Elsewhere
+    ``torch.multinomial``."""
+    if probs.device.type != "cpu":
+        return torch.multinomial(probs, 1, generator=generator)[:, 0]
+    cdf = probs.double().cumsum(-1)
+    total = cdf[:, -1:]
+    u = torch.rand(total.shape, generator=generator, dtype=torch.float64) * total  # (< total: rand < 1, exactly)
+    # (clamped: a NaN row draws an index in range, and the step's finiteness check reports it)
+    return torch.searchsorted(cdf, u, right=True)[:, 0].clamp_(max=probs.shape[-1] - 1)
 
 
 def choose_rule(tree: TokenTree, temperature: float, mode: str = "auto") -> str:
@@ -456,7 +472,7 @@ def verify(tree: TokenTree, logits: torch.Tensor, params: SamplingParams | None 
             choice = (logits if logits.dtype == torch.float32 else logits.float()).argmax(-1)
         else:
             probs = params.probs(logits)
-            choice = torch.multinomial(probs.reshape(B * N, V), 1, generator=generator).reshape(B, N)
+            choice = draw(probs.reshape(B * N, V), generator).reshape(B, N)
         accepted, num, bonus = follow_choices(tree, choice)
     else:
         probs = params.probs(logits)
@@ -468,5 +484,5 @@ def verify(tree: TokenTree, logits: torch.Tensor, params: SamplingParams | None 
             coins = torch.rand(B, N, generator=generator, device=logits.device)
             accepted, num, end = _walk(tree.parents.to(logits.device).expand(B, N), coins < accept, _max_depth(tree))
             last = residual.gather(1, end[:, None, None].expand(B, 1, V))[:, 0]
-        bonus = torch.multinomial(last, 1, generator=generator)[:, 0]
+        bonus = draw(last, generator)
     return VerifyResult(accepted, num, bonus, probs)

@@ -12,8 +12,8 @@ from strategies import trees
 
 from stree.testing import chi_square
 from stree.tree import TokenTree, TreeShape
-from stree.sampling.verify import (SamplingParams, acceptance_tables, choose_rule, follow_choices, process_logits,
-                                  sample_tokens, verify)
+from stree.sampling.verify import (SamplingParams, acceptance_tables, choose_rule, draw, follow_choices,
+                                  process_logits, sample_tokens, verify)
 
 verify_module = sys.modules["stree.sampling.verify"]
 
@@ -504,3 +504,21 @@ def test_the_compiled_greedy_walk_is_the_tensor_walk(tree_and_batch, masked, see
     got = _follow_compiled(tree, choice)
     for a, b in zip(got, want):
         assert torch.equal(a, b)
+
+
+def test_draw_samples_each_rows_law_and_never_an_entry_of_zero(monkeypatch):
+    """The one-index-per-row draw every sampled token goes through (a plain step, the bonus, the
+    naive rule): each row's counts against its law by chi-square (fixed seed, p > 1e-3), no draw
+    where the law is 0, and rows of unnormalised weights drawn alike; a uniform at the top of its
+    range draws the last positive entry, never one past it."""
+    g = torch.Generator().manual_seed(0)
+    laws = torch.tensor([[0.0, 0.2, 0.0, 0.5, 0.3, 0.0], [0.7, 0.0, 0.1, 0.0, 0.0, 0.2]])
+    n = 20000
+    got = draw(torch.cat([laws.repeat(n, 1), 3 * laws.repeat(n, 1)]), g).view(2, n, 2)
+    for scale in range(2):
+        for r in range(2):
+            counts = torch.bincount(got[scale, :, r], minlength=6)
+            assert counts[laws[r] == 0].sum() == 0
+            assert chi_square(counts, laws[r])[2] > 1e-3
+    monkeypatch.setattr(torch, "rand", lambda shape, **_: torch.full(shape, 1 - 2 ** -53, dtype=torch.float64))
+    assert draw(laws, g).tolist() == [4, 5]  # every uniform at its largest: the last positive entries, never past
