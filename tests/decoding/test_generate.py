@@ -277,7 +277,7 @@ def test_an_eager_call_measures_its_products_before_decoding(monkeypatch):
     real = lin._fastest
     monkeypatch.setattr(lin, "PATH", "auto")
     monkeypatch.setattr(lin, "_FASTEST", {})  # a process that has multiplied nothing
-    monkeypatch.setattr(lin, "_fastest", lambda paths: timed.append(1) or real(paths))
+    monkeypatch.setattr(lin, "_fastest", lambda paths, *best: timed.append(1) or real(paths, *best))
     # costs where trees win whatever this machine's clock says (a measured profile under load chose
     # plain steps only, and there was no tree whose products to have timed)
     chooser = AutoTree(CostProfile(1.0, (2, 4, 8, 16), (1.0, 1.0, 1.05, 1.1)))

@@ -63,6 +63,8 @@ _PACKED: dict[int, tuple] = {}
 _TRANSPOSED: dict[int, tuple] = {}
 # (row bucket, out features, in features, has bias) -> the path measured fastest: "blas", "packed" or "transposed"
 _FASTEST: dict[tuple, str] = {}
+# the same keys -> each path's best time there, seconds (what following() weighs)
+_TIMES: dict[tuple, dict[str, float]] = {}
 HALF = (torch.float16, torch.bfloat16)
 # id(half weight or bias) -> ((version, storage address), float32 copy); the entry goes with the tensor
 _WIDE: dict[int, tuple] = {}
@@ -97,7 +99,11 @@ def following():
     a tree pass then reads the copy of the weight that the pass left in the caches, where its own
     path's copy would be read from memory (on the CPU measured first: BLAS for a step's row, the
     packed copy for a tree's rows, and the step after each pass slower, speculation's gain some
-    percent lower). Past those products a run of plain steps takes its own path again.
+    percent lower). Only a path that, timed alone for the step's rows, is not clearly slower than
+    the step's own (``MARGIN``) is followed: with three paths a tree's could be one that costs a
+    step's row several times its own (oneDNN's packed product of one or two rows on the Intel
+    Xeon), and following it there cost the loop more than the caches gave back. Past those
+    products a run of plain steps takes its own path again.
     Autoregressive decoding and prefills enter neither block."""
     return _role("follow")
 
@@ -148,24 +154,25 @@ def _seconds(fn) -> float:
     return time.perf_counter() - start
 
 
-def _fastest(paths: dict) -> str:
+def _fastest(paths: dict, best: dict | None = None) -> str:
     """The name of the fastest of ``paths`` (name -> call), the first being the plain one, kept
     unless another takes less than ``MARGIN`` of its time: best of 5 each, alternating, after one
-    call each (first calls allocate, pack and copy)."""
+    call each (first calls allocate, pack and copy); ``best``, where given, gets each one's best."""
     for fn in paths.values():
         fn()
     times: dict = {name: [] for name in paths}
     for _ in range(5):
         for name, fn in paths.items():
             times[name].append(_seconds(fn))
-    best = {name: min(t) for name, t in times.items()}
+    best = {} if best is None else best
+    best.update((name, min(t)) for name, t in times.items())
     plain = next(iter(paths))
     other = min((name for name in paths if name != plain), key=best.__getitem__)
     return other if best[other] < MARGIN * best[plain] else plain
 
 
-def _fastest_path(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> str:
-    path = _fastest({name: functools.partial(fn, x, weight, bias) for name, fn in _PRODUCTS.items()})
+def _fastest_path(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, times: dict) -> str:
+    path = _fastest({name: functools.partial(fn, x, weight, bias) for name, fn in _PRODUCTS.items()}, times)
     for name, store in _COPIES.items():  # no copy of a weight for a path not taken (a bucket taking it copies again)
         if name != path:
             store.pop(id(weight), None)
@@ -207,12 +214,12 @@ def _product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -
         key = (_bucket(x.shape[0]), *weight.shape, bias is not None)
         path = _FASTEST.get(key)
         if path is None:
-            path = _FASTEST[key] = _fastest_path(x, weight, bias)
+            path = _FASTEST[key] = _fastest_path(x, weight, bias, _TIMES.setdefault(key, {}))
         role = _ROLE.get()
         if role is not None:
             last = _LAST.get(id(weight))
             if role == "follow":
-                if last is not None and last[1] < FOLLOW_WIDE:
+                if last is not None and last[1] < FOLLOW_WIDE and _may_follow(key, last[0], path):
                     last[1] += 1
                     path = last[0]
             elif last is None:
@@ -223,6 +230,13 @@ def _product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -
     else:
         path = PATH
     return _PRODUCTS[path](x, weight, bias)
+
+
+def _may_follow(key: tuple, lead: str, own: str) -> bool:
+    """Whether a product of ``key``'s rows may take the path ``lead`` in place of its own ``own``
+    (:func:`following`): where, timed alone, ``lead`` is not clearly slower (or was not timed)."""
+    times = _TIMES.get(key, {})
+    return lead not in times or own not in times or MARGIN * times[lead] <= times[own]
 
 
 # Declared on the low-level library API: the dispatcher calls the CPU kernel directly, without

@@ -156,6 +156,32 @@ def test_plain_steps_of_a_speculative_loop_follow_the_tree_pass_for_a_while(monk
             assert not packed(lambda: layer(step))
 
 
+def test_a_plain_step_follows_only_a_path_not_clearly_slower_for_its_rows(monkeypatch):
+    """Each path's time is kept with the choice; a plain step follows the tree pass's path only
+    where that, timed alone for the step's rows, takes at most 1 / MARGIN of its own path's time
+    (oneDNN's packed product of a row or two can cost several times BLAS's)."""
+    monkeypatch.setattr(lin, "PATH", "auto")
+    monkeypatch.setattr(lin, "_LAST", {})
+    near, far = Linear(64, 512), Linear(64, 256)
+    monkeypatch.setattr(lin, "_FASTEST", {(16, 512, 64, True): "packed", (1, 512, 64, True): "blas",
+                                          (16, 256, 64, True): "packed", (1, 256, 64, True): "blas"})
+    monkeypatch.setattr(lin, "_TIMES", {(1, 512, 64, True): {"blas": 1.0, "packed": 1.1, "transposed": 0.9},
+                                        (1, 256, 64, True): {"blas": 1.0, "packed": 3.0, "transposed": 0.9}})
+    step, tree = torch.randn(1, 64), torch.randn(16, 64)
+    with torch.no_grad():
+        with lin.leading():
+            near(tree), far(tree)
+        with lin.following():
+            assert _path(_ops(lambda: near(step))) == "packed"  # 1.1 against 1.0: followed
+            assert _path(_ops(lambda: far(step))) == "blas"  # 3.0 against 1.0: its own
+    monkeypatch.setattr(lin, "_TIMES", {})
+    monkeypatch.setattr(lin, "_FASTEST", {})
+    layer = Linear(64, 128)
+    with torch.no_grad():
+        layer(step)  # measured: every path's time kept
+    assert set(lin._TIMES[(1, 128, 64, True)]) == set(lin._PRODUCTS)
+
+
 @pytest.mark.parametrize("path", ["blas", "packed", "transposed"])
 def test_a_pinned_path_is_taken_without_measuring(monkeypatch, path):
     monkeypatch.setattr(lin, "PATH", path)
@@ -185,7 +211,7 @@ def test_measure_makes_each_buckets_choices_once_per_weight_shape(monkeypatch, d
     monkeypatch.setattr(lin, "_WIDER", {})
     timed = []
     real = lin._fastest
-    monkeypatch.setattr(lin, "_fastest", lambda paths: timed.append(1) or real(paths))
+    monkeypatch.setattr(lin, "_fastest", lambda paths, *best: timed.append(1) or real(paths, *best))
     model = torch.nn.Sequential(Linear(8, 16), Linear(8, 16), Linear(16, 4, bias=False)).to(dtype)
     lin.measure(model, [1, 3, 4, 5])  # buckets 1, 4 and 8, for 2 shapes
     table = lin._WIDER if dtype != torch.float32 else lin._FASTEST
