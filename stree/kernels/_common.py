@@ -33,6 +33,14 @@ def jit_fits(*tensors) -> bool:
     return all(t is None or (isinstance(t, torch.Tensor) and t.is_cpu and t.dtype in FLOAT_DTYPES) for t in tensors)
 
 
+def jit_takes(*tensors) -> bool:
+    """Whether a numba path may run on ``tensors`` (None allowed): :func:`jit_fits`, no gradient
+    wanted of any, and no graph being compiled (Inductor fuses the PyTorch path)."""
+    if not jit_fits(*tensors) or torch.compiler.is_compiling():
+        return False
+    return not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors))
+
+
 # id(parameter) -> ((address, shape, strides), its numpy view); the entry goes with the parameter
 _VIEWS: dict[int, tuple] = {}
 # id(half parameter) -> ((version, address, shape, strides), its float32 copy as numpy); likewise

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ._common import FLOAT_DTYPES, as_numpy, check_tensor, f32, jit_fits, readable, resolve_backend
+from ._common import FLOAT_DTYPES, as_numpy, check_tensor, f32, jit_takes, readable, resolve_backend
 
 __all__ = ["gated_rms_norm", "gated_rms_norm_torch", "rms_norm"]
 
@@ -95,7 +95,7 @@ def gated_rms_norm(y, z, weight, group_size: int, eps: float, gate_first: bool =
     """``norm(y * silu(z)) * weight`` per group of ``group_size`` channels (``gate_first=False``:
     ``norm(y) * weight * silu(z)``) for ``y, z [..., dim]``, ``weight [dim]``; output in y's
     dtype. ``backend``: "auto" (Triton on CUDA), "triton", "torch"."""
-    if backend == "auto" and _jit_takes(y, z, weight) and not (round_before_weight and y.dtype != torch.float32):
+    if backend == "auto" and jit_takes(y, z, weight) and not (round_before_weight and y.dtype != torch.float32):
         _check_args(y, z, weight, group_size, eps)
         from .cpu.norm_jit import gated_rms_norm_rows
 
@@ -126,14 +126,6 @@ def gated_rms_norm(y, z, weight, group_size: int, eps: float, gate_first: bool =
     return out.view(y.shape)
 
 
-def _jit_takes(*tensors) -> bool:
-    """Whether the numba path may run: CPU float tensors (None allowed), no gradient wanted of
-    any, and no graph being compiled (Inductor fuses the PyTorch path)."""
-    if not jit_fits(*tensors) or torch.compiler.is_compiling():
-        return False
-    return not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors))
-
-
 def _rows(x: torch.Tensor, width: int) -> torch.Tensor:
     """``x`` as contiguous rows of ``width`` channels (a copy only where its layout needs one)."""
     rows = x.reshape(-1, width)
@@ -154,7 +146,7 @@ def rms_norm(x, weight=None, eps: float = 1e-6, backend: str = "auto"):
         check_tensor("weight", weight, (dim,), x.device)
     if not eps > 0:
         raise ValueError(f"eps must be positive, got {eps!r}")
-    if backend == "auto" and _jit_takes(x, weight):
+    if backend == "auto" and jit_takes(x, weight):
         from .cpu.norm_jit import rms_norm_rows
 
         rows = _rows(x, dim)

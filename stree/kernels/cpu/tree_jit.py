@@ -21,10 +21,9 @@ from __future__ import annotations
 import math
 
 import numpy as np
-import torch
 from numba import njit, prange
 
-from .._common import jit_fits
+from .._common import jit_takes
 from .step_jit import processed_dt
 
 __all__ = ["JIT_MAX_NODES", "jit_tree_fits", "tree_conv_rows", "tree_scan_rows"]
@@ -39,10 +38,8 @@ _FAST = {"reassoc", "contract"}
 
 def jit_tree_fits(n: int, *tensors) -> bool:
     """Whether the compiled path takes a tree of ``n`` nodes over ``tensors`` (None allowed):
-    :func:`~._common.jit_fits`, outside autograd and ``torch.compile``."""
-    if n > JIT_MAX_NODES or torch.compiler.is_compiling() or not jit_fits(*tensors):
-        return False
-    return not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors))
+    :func:`~._common.jit_takes` (outside autograd and ``torch.compile``) and a small tree."""
+    return n <= JIT_MAX_NODES and jit_takes(*tensors)
 
 
 def tree_conv_rows(xBC, parents, state, weight, bias, has_bias, out):
