@@ -11,10 +11,12 @@ from dataclasses import dataclass
 
 import torch
 
-from .distributed import agree
+from .distributed import agree, tensor_parallel
 from ..runtime.runners import DecodeRunner, EagerRunner
+from ..sampling import verify as _verify
 from ..tree import TokenTree
-from ..sampling.verify import SamplingParams, VerifyResult, greedy_path, verify
+from ..sampling.verify import (SamplingParams, VerifyResult, greedy_on_host, greedy_path, greedy_rows_host, verify,
+                               verify_greedy_host)
 
 __all__ = ["HostStep", "autoregressive_step", "build_calls", "check_draft", "prefill_rows", "speculative_step"]
 
@@ -59,7 +61,16 @@ def _along(x: torch.Tensor, accepted: torch.Tensor) -> torch.Tensor:
 
 def _to_host(tokens: torch.Tensor, counts: torch.Tensor, probs: torch.Tensor | None, top_k: int,
              finite: torch.Tensor) -> HostStep:
-    """Pack everything into one fp32 tensor, move it once, unpack on the host (:func:`pack`)."""
+    """Pack everything into one fp32 tensor, move it once, unpack on the host (:func:`pack`). On
+    the CPU, where the compiled paths run, the parts are the host's already: no packing."""
+    if _verify.COMPILED_ON_CPU and tokens.device.type == "cpu":
+        B = tokens.shape[0]
+        out = HostStep(tokens, counts, finite.reshape(B, -1).all(1))
+        k = packed_k(probs, top_k)
+        if k is not None:
+            out.top_probs, out.top_ids = torch.topk(probs.float(), k, dim=-1)
+            out.token_probs = probs.gather(-1, tokens[..., None])[..., 0].float()
+        return out
     packed = pack(tokens, counts, probs, top_k, finite)
     return unpack(packed.cpu(), tokens.shape[1], finite[0].numel(), packed_k(probs, top_k))  # the one sync
 
@@ -114,8 +125,11 @@ def autoregressive_step(model, cache, roots: torch.Tensor, params: SamplingParam
     or a compiled one, when given), then one sampled token each, with the law it was drawn from
     when ``top_k`` is set (a drafter learning from the target's distributions)."""
     logits = (runner or EagerRunner(model, cache)).step()(roots, validate=False)
-    finite, logits = _finite(logits, params)
-    nxt, = agree(model, params.sample(logits, generator))
+    if greedy_on_host(params, logits) and tensor_parallel(model) is None:
+        nxt, finite = greedy_rows_host(logits)
+    else:
+        finite, logits = _finite(logits, params)
+        nxt, = agree(model, params.sample(logits, generator))
     probs = None if top_k is None else params.observed(logits)[:, None]
     return _to_host(nxt[:, None], torch.ones_like(nxt), probs, top_k or 0, finite)
 
@@ -146,14 +160,17 @@ def speculative_step(model, cache, draft: TokenTree, params: SamplingParams, gen
         return host, result
     tree_calls, commit = runner.tree_calls(draft, scan)
     logits, tree_pass = tree_calls(draft)
-    finite, logits = _finite(logits, params)
-    result = verify(draft, logits, params, generator=generator, validate=False)
-    result.accepted, result.num_accepted, result.bonus = agree(model, result.accepted, result.num_accepted,
-                                                               result.bonus)  # rank 0's, under tensor parallelism
+    if greedy_on_host(params, logits) and tensor_parallel(model) is None:
+        result, out, finite = verify_greedy_host(draft, logits)
+    else:
+        finite, logits = _finite(logits, params)
+        result = verify(draft, logits, params, generator=generator, validate=False)
+        result.accepted, result.num_accepted, result.bonus = agree(model, result.accepted, result.num_accepted,
+                                                                   result.bonus)  # rank 0's, under tensor parallelism
+        out = _emitted(draft.tokens, result.accepted, result.num_accepted, result.bonus)
     if lap is not None:
         lap("verify")
     commit(tree_pass, result.accepted, result.num_accepted)
-    out = _emitted(draft.tokens, result.accepted, result.num_accepted, result.bonus)
     probs = None
     if top_k is not None:
         probs = (_along(result.probs, result.accepted) if result.probs is not None and not params.some_greedy

@@ -38,8 +38,9 @@ __all__ = ["RULES", "SamplingParams", "VerifyResult", "acceptance_tables", "choo
 
 RULES = ("greedy", "one_hot", "iid", "without_replacement", "naive")
 MODES = ("auto", "naive")
-# On the CPU the stochastic rules walk compiled (stree.sampling.verify_jit); the tables below are the
-# reference, and what runs on other devices.
+# On the CPU the rules walk compiled (stree.sampling.verify_jit) and greedy verification reads the
+# logits where they are (:func:`greedy_on_host`); the tables below are the reference, and what runs
+# on other devices.
 COMPILED_ON_CPU = True
 
 
@@ -384,6 +385,54 @@ def _follow_compiled(tree: TokenTree, choice: torch.Tensor):
     follow(picks, np.ascontiguousarray(tree.tokens.numpy()), np.ascontiguousarray(valid), kids, path, num)
     bonus = picks[np.arange(B), path[np.arange(B), num - 1]]
     return torch.from_numpy(path), torch.from_numpy(num), torch.from_numpy(bonus)
+
+
+def greedy_on_host(params: "SamplingParams", logits: torch.Tensor) -> bool:
+    """Whether :func:`verify_greedy_host` takes these logits: greedy, on the CPU (where the compiled
+    paths run), not wanting a gradient."""
+    return params.greedy and COMPILED_ON_CPU and logits.device.type == "cpu" and not logits.requires_grad
+
+
+def verify_greedy_host(tree: TokenTree, logits: torch.Tensor) -> tuple[VerifyResult, torch.Tensor, torch.Tensor]:
+    """Greedy :func:`verify` of CPU ``logits [B, N, V]`` as one compiled pass
+    (:func:`stree.sampling.verify_jit.greedy_walk`): the argmax of the nodes on the accepted path
+    alone (the tensor path takes every node's), with what a decoding step also needs of the
+    logits. Returns ``(result, emitted [B, D+1], finite [B])``: the accepted drafts then the bonus
+    (the root's token past them) and whether each row's logits are free of NaN and +inf. The same
+    path, bonus and flags as verification and the step's check on tensors (tested equal); a half
+    precision model's logits are widened first (exactly)."""
+    from .verify_jit import greedy_walk
+
+    B, N, V = logits.shape
+    index = tree.index
+    kids = index.memo("children_by_rank", lambda: _children_by_rank(index))
+    valid = np.ones((B, N), dtype=np.bool_) if tree.valid is None else np.ascontiguousarray(tree.valid.numpy())
+    L = _max_depth(tree) + 1
+    path, num = np.empty((B, L), dtype=np.int64), np.empty(B, dtype=np.int64)
+    emitted, finite = np.empty((B, L), dtype=np.int64), np.empty(B, dtype=np.bool_)
+    wide = logits if logits.dtype == torch.float32 else logits.float()
+    greedy_walk(wide.numpy(), np.ascontiguousarray(tree.tokens.numpy()), valid, kids, path, num, emitted, finite)
+    num_t = torch.from_numpy(num)
+    result = VerifyResult(torch.from_numpy(path), num_t, torch.from_numpy(emitted[np.arange(B), num - 1]))
+    return result, torch.from_numpy(emitted), torch.from_numpy(finite)
+
+
+def greedy_rows_host(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A plain greedy step's :func:`verify_greedy_host`: the argmax of each row of CPU ``logits
+    [B, V]`` and whether the row is free of NaN and +inf, in one compiled pass. Returns
+    ``(tokens [B], finite [B])``."""
+    from .verify_jit import greedy_walk
+
+    B, V = logits.shape
+    wide = logits if logits.dtype == torch.float32 else logits.float()
+    nothing = np.zeros((B, 1), dtype=np.int64)
+    emitted, finite = np.empty((B, 1), dtype=np.int64), np.empty(B, dtype=np.bool_)
+    greedy_walk(wide.numpy()[:, None], nothing, np.ones((B, 1), dtype=np.bool_), _NO_CHILDREN, nothing.copy(),
+                np.empty(B, dtype=np.int64), emitted, finite)
+    return torch.from_numpy(emitted[:, 0]), torch.from_numpy(finite)
+
+
+_NO_CHILDREN = np.full((1, 1, 1), -1, dtype=np.int64)  # a one-node tree's children by rank
 
 
 def greedy_path(parents: torch.Tensor, tokens: torch.Tensor, valid: torch.Tensor | None, choice: torch.Tensor,

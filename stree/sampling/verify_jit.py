@@ -1,7 +1,9 @@
 """Verification on the CPU, compiled with numba: the walk of :func:`stree.sampling.verify.verify`
 one row at a time, computing each one-node rule only where the walk goes (:func:`walk`), and the
 greedy and naive rules' walk down the nodes' choices (:func:`follow`: one pass where the PyTorch
-walk costs a dozen small ops and a gather per level).
+walk costs a dozen small ops and a gather per level), and greedy verification whole
+(:func:`greedy_walk`: the argmax of the nodes on the path only, the finiteness check and the
+emitted tokens in the same pass).
 
 The PyTorch path builds the acceptance tables of every node (``[B, N, V]`` per sibling rank, a
 dozen ops each) and then walks them; on the CPU this compiled walk visits the accepted path and
@@ -16,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-__all__ = ["RULE_CODES", "follow", "walk"]
+__all__ = ["RULE_CODES", "follow", "greedy_walk", "walk"]
 
 RULE_CODES = {"one_hot": 0, "iid": 1, "without_replacement": 2}
 
@@ -36,6 +38,19 @@ def _normalize_into(src, dst, fallback):
 
 
 @njit(cache=True)
+def _child_drafting(tree, v, valid, tokens, token):
+    """Node v's first valid child, in draw order (``tree[v]``: its children by rank, -1 past the
+    last), holding ``token``; -1 where none does."""
+    for r in range(tree.shape[1]):
+        c = tree[v, r]
+        if c < 0:
+            break
+        if valid[c] and tokens[c] == token:
+            return c
+    return -1
+
+
+@njit(cache=True)
 def follow(choice, tokens, valid, kids, path, num):
     """For each row b: from the root, move to the first valid child (in draw order, ``kids[b or
     0, v]``, -1 past the last) whose token is its parent's ``choice``; stop at the first node
@@ -46,20 +61,51 @@ def follow(choice, tokens, valid, kids, path, num):
         v, n = 0, 1
         path[b, :] = 0
         while True:
-            nxt = -1
-            for r in range(tree.shape[1]):
-                c = tree[v, r]
-                if c < 0:
-                    break
-                if valid[b, c] and tokens[b, c] == choice[b, v]:
-                    nxt = c
-                    break
+            nxt = _child_drafting(tree, v, valid[b], tokens[b], choice[b, v])
             if nxt < 0:
                 break
             v = nxt
             path[b, n] = v
             n += 1
         num[b] = n
+
+
+@njit(cache=True)
+def greedy_walk(logits, tokens, valid, kids, path, num, emitted, finite):
+    """Greedy verification of float32 ``logits [B, N, V]`` in one pass: :func:`follow` with each
+    node's choice the argmax of its logits (the first of equal maxima, as ``torch.argmax``),
+    taken only at the nodes the walk stands on. Also writes each row's emitted tokens
+    (``emitted[b, :num[b]]``: the accepted drafts below the root, then the bonus, the argmax at
+    the last node; the root's token past them) and whether every logit of the row is free of
+    NaN and +inf (``finite[b]``; -inf, a token ruled out, is allowed)."""
+    B, N, V = logits.shape
+    L = path.shape[1]
+    for b in range(B):
+        ok = True
+        for n in range(N):
+            for i in range(V):
+                ok &= logits[b, n, i] < np.inf  # (False for NaN too)
+        finite[b] = ok
+        tree = kids[min(b, kids.shape[0] - 1)]
+        v, n = 0, 1
+        path[b, :] = 0
+        while True:
+            row = logits[b, v]
+            choice, best = 0, row[0]
+            for i in range(1, V):
+                if row[i] > best:
+                    choice, best = i, row[i]
+            nxt = _child_drafting(tree, v, valid[b], tokens[b], choice)
+            if nxt < 0:
+                break
+            v = nxt
+            path[b, n] = v
+            emitted[b, n - 1] = tokens[b, v]
+            n += 1
+        num[b] = n
+        emitted[b, n - 1] = choice
+        for j in range(n, L):
+            emitted[b, j] = tokens[b, 0]
 
 
 @njit(cache=True)

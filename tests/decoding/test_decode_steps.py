@@ -56,11 +56,37 @@ def test_a_speculative_step_reads_the_device_once(family, temperature, top_k, mo
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_an_autoregressive_step_reads_the_device_once(family):
+def test_an_autoregressive_step_reads_the_device_once(family, monkeypatch):
+    monkeypatch.setattr(verify_module, "COMPILED_ON_CPU", False)  # (a device's path: the CPU's reads no device)
     model, cache = _ready(family)
     with count_host_syncs() as reads:
         host = autoregressive_step(model, cache, torch.tensor([1, 2]), SamplingParams(), None)
     assert reads == ["Tensor.cpu"] and host.tokens.shape == (2, 1)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("temperature, top_k", [(0.0, None), (0.0, 10), (1.0, 10)])
+def test_on_the_cpu_a_step_hands_the_host_what_a_devices_transfer_would(family, temperature, top_k, monkeypatch):
+    """The CPU's steps skip the packing for a transfer (and, greedy, verify in one compiled pass):
+    the same HostStep, field by field and dtype, and the same verification, as the device path
+    gives from the same cache; nothing is copied to the host, which holds it already."""
+    params = SamplingParams(temperature=temperature)
+    got = {}
+    for on_host in (True, False):
+        monkeypatch.setattr(verify_module, "COMPILED_ON_CPU", on_host)
+        model, cache = _ready(family)
+        gen = torch.Generator().manual_seed(0)
+        speculative_step(model, cache, _draft(4, temperature > 0), params, gen, top_k=top_k)  # (the shape's first)
+        with count_host_syncs() as reads:
+            plain = autoregressive_step(model, cache, torch.tensor([1, 2]), params, gen, top_k=top_k)
+            host, result = speculative_step(model, cache, _draft(5, temperature > 0), params, gen, top_k=top_k)
+        assert reads.count("Tensor.cpu") == (0 if on_host else 2)  # (the host's own: numpy views of CPU tensors)
+        got[on_host] = (plain, host, result.accepted, result.num_accepted, result.bonus)
+    for a, b in zip(got[True], got[False]):
+        for x, y in ((a, b),) if isinstance(a, torch.Tensor) else zip(vars(a).values(), vars(b).values()):
+            assert (x is None) == (y is None)
+            if x is not None:
+                assert x.dtype == y.dtype and torch.equal(x, y)
 
 
 class _ScoredTree:

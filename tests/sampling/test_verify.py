@@ -481,6 +481,19 @@ def test_the_compiled_walk_is_the_tables_walk(tree_and_batch, rule, seed):
     torch.testing.assert_close(c_last, residual[torch.arange(B), end], atol=1e-5, rtol=1e-4)
 
 
+def _drafted(tree_and_batch, masked: bool, seed: int, V: int):
+    """A tree of random drafts among ``V`` tokens (repeats among siblings likely), with invalid
+    nodes where ``masked``; and the generator, to draw more."""
+    parents, B = tree_and_batch
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, V, (B, parents.shape[-1]), generator=g)
+    valid = None
+    if masked:
+        valid = torch.rand(tokens.shape, generator=g) > 0.25
+        valid[:, 0] = True
+    return TokenTree(parents, tokens, valid=valid), g, V
+
+
 @settings(max_examples=80, deadline=None)
 @given(trees(max_n=24), st.booleans(), st.integers(0, 2**31 - 1))
 def test_the_compiled_greedy_walk_is_the_tensor_walk(tree_and_batch, masked, seed):
@@ -490,20 +503,46 @@ def test_the_compiled_greedy_walk_is_the_tensor_walk(tree_and_batch, masked, see
     run."""
     from stree.sampling.verify import _follow_compiled, _max_depth, greedy_path
 
-    parents, B = tree_and_batch
-    n, V = parents.shape[-1], 3
-    g = torch.Generator().manual_seed(seed)
-    tokens = torch.randint(0, V, (B, n), generator=g)
-    valid = None
-    if masked:
-        valid = torch.rand(B, n, generator=g) > 0.25
-        valid[:, 0] = True
-    tree = TokenTree(parents, tokens, valid=valid)
+    tree, g, V = _drafted(tree_and_batch, masked, seed, 3)
+    B, n = tree.tokens.shape
+    tokens, valid = tree.tokens, tree.valid
     choice = torch.randint(0, V, (B, n), generator=g)
     want = greedy_path(tree.parents, tokens, valid, choice, _max_depth(tree))
     got = _follow_compiled(tree, choice)
     for a, b in zip(got, want):
         assert torch.equal(a, b)
+
+
+@settings(max_examples=80, deadline=None)
+@given(trees(max_n=24), st.booleans(), st.sampled_from([torch.float32, torch.bfloat16]), st.integers(0, 2**31 - 1))
+def test_greedy_verification_on_the_host_is_the_tensor_path(tree_and_batch, masked, dtype, seed):
+    """The CPU's one-pass greedy verification (argmax at the path's nodes only, finiteness, the
+    emitted tokens) against the tensor path a device runs: :func:`verify` with the compiled paths
+    off, the step's emitted tokens and its finiteness check. Random trees (per-row parents too),
+    invalid nodes, logits with tied maxima (small integers: the first maximum wins in both), and
+    NaN, +inf and -inf planted in some rows; half logits widened."""
+    from stree.decoding.steps import _emitted, _finite
+    from stree.sampling.verify import greedy_rows_host, verify_greedy_host
+
+    tree, g, V = _drafted(tree_and_batch, masked, seed, 5)
+    (B, n), tokens = tree.tokens.shape, tree.tokens
+    logits = torch.randint(-2, 3, (B, n, V), generator=g).to(dtype)
+    for row, bad in zip(range(B), (float("nan"), float("inf"), -float("inf"))):
+        if torch.rand(1, generator=g) < 0.5:
+            logits[row, int(torch.randint(0, n, (1,), generator=g)), int(torch.randint(0, V, (1,), generator=g))] = bad
+    result, emitted, finite = verify_greedy_host(tree, logits)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(verify_module, "COMPILED_ON_CPU", False)
+        want = verify(tree, logits.float(), SamplingParams(0.0), validate=False)
+    flags = _finite(logits.float(), SamplingParams(0.0))[0].all(1)
+    assert torch.equal(finite, flags)
+    ok = flags.tolist()  # (a row holding NaN: the tensor argmax takes the NaN; the decoding step raises there)
+    for a, b in ((result.accepted, want.accepted), (result.num_accepted, want.num_accepted),
+                 (result.bonus, want.bonus), (emitted, _emitted(tokens, want.accepted, want.num_accepted, want.bonus))):
+        assert a.dtype == b.dtype and torch.equal(a[ok], b[ok])
+    rows, row_finite = greedy_rows_host(logits[:, 0])
+    assert torch.equal(row_finite, _finite(logits[:, 0].float(), SamplingParams(0.0))[0])
+    assert torch.equal(rows[row_finite], logits[:, 0].float().argmax(-1)[row_finite])
 
 
 def test_draw_samples_each_rows_law_and_never_an_entry_of_zero(monkeypatch):
