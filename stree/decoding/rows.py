@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+from numba import njit
 
 from ..drafters.base import DraftContext, Drafter, TargetTop
 from ..tree import TokenTree
@@ -203,35 +204,27 @@ class Rows:
         ``drafter_k`` entries per token where it learns from them: the step may have packed more,
         for ``logprobs``); retire the finished rows. (In numpy, on views of the rows' tensors: a
         dozen small torch ops cost several times more here.)"""
-        lengths, produced, active = self.lengths.numpy(), self.produced.numpy(), self.active.numpy()
+        lengths, active = self.lengths.numpy(), self.active.numpy()
         ids = np.flatnonzero(active)
-        tokens, counts = step.tokens.numpy()[ids], step.counts.numpy()[ids]
-        j = np.arange(tokens.shape[1])
-        is_eos = (tokens[..., None] == self.eos.numpy()).any(-1) & (j < counts[:, None])  # np.isin: measured several times slower
-        hit = is_eos.any(1)
-        upto = np.where(hit, is_eos.argmax(1) + 1, counts)  # through the first EOS
-        room = self.max_new_tokens.numpy()[ids] - produced[ids]
-        n = np.minimum(upto, room)
+        tokens, counts = step.tokens.numpy(), step.counts.numpy()
+        # (room for every token the step brings: the rows take at most that many, within their limit)
+        self._reserve(min(self.limit, int(lengths[ids].max()) + tokens.shape[1]) if len(ids) else 0)
+        n = np.empty(len(ids), dtype=np.int64)
+        before = None if drafter is None else torch.from_numpy(lengths.copy())  # the context the drafter saw
+        _append(tokens, counts, ids, self.eos.numpy(), self.max_new_tokens.numpy(), lengths, self.produced.numpy(),
+                active, self.exact.numpy(), self.seq.numpy(), n)
         n_list, id_list = n.tolist(), ids.tolist()
         if drafter is not None:
             target = None
             if step.top_ids is not None and drafter_k is not None:
                 target = [TargetTop(step.top_ids[i, :m, :drafter_k], step.top_probs[i, :m, :drafter_k],
                                     step.token_probs[i, :m]) for i, m in zip(id_list, n_list)]
-            drafter.observe(DraftContext(self.seq, self.lengths, id_list),
-                            [row[:m].tolist() for row, m in zip(tokens, n_list)], target)
+            drafter.observe(DraftContext(self.seq, before, id_list),
+                            [tokens[i, :m].tolist() for i, m in zip(id_list, n_list)], target)
         if self.logprobs_of is not None:
-            for i, row, m in zip(id_list, tokens, n_list):
-                self.logprobs_of[i] += token_logprobs(row[:m], step.token_probs[i, :m].tolist(),
+            for i, m in zip(id_list, n_list):
+                self.logprobs_of[i] += token_logprobs(tokens[i, :m], step.token_probs[i, :m].tolist(),
                                                       step.top_ids[i, :m], step.top_probs[i, :m], self.logprobs)
-        keep = j < n[:, None]
-        self._reserve(int((lengths[ids] + n).max()) if len(ids) else 0)
-        self.seq.numpy()[np.broadcast_to(ids[:, None], tokens.shape)[keep], (lengths[ids][:, None] + j)[keep]] = \
-            tokens[keep]
-        lengths[ids] += n
-        produced[ids] += n
-        active[ids[(hit & (upto <= n)) | (n == room)]] = False
-        self.exact.numpy()[ids[n < counts]] = False  # the cache took tokens the row drops
 
     def _reserve(self, length: int) -> None:
         if length > self.seq.shape[1]:
@@ -255,6 +248,35 @@ class Rows:
         self.lengths[row] = self.prompt_lengths[row] + keep
         self.produced[row] = keep
         self.active[row] = False
+
+
+@njit(cache=True)
+def _append(tokens, counts, ids, eos, max_new, lengths, produced, active, exact, seq, n):
+    """:meth:`Rows.emit`'s appending, one compiled pass over the active rows ``ids`` (a dozen small
+    numpy calls cost several times more): row r takes ``tokens[r, :counts[r]]`` cut after its first
+    EOS and at its budget (``n[i]`` of them for row ``ids[i]``), is retired at EOS or budget, and
+    stops being exact where the cache took tokens it drops."""
+    for i in range(len(ids)):
+        r = ids[i]
+        count = counts[r]
+        upto, hit = count, False
+        for j in range(count):
+            for e in eos:
+                hit |= tokens[r, j] == e
+            if hit:
+                upto = j + 1
+                break
+        room = max_new[r] - produced[r]
+        m = min(upto, room)
+        for j in range(m):
+            seq[r, lengths[r] + j] = tokens[r, j]
+        lengths[r] += m
+        produced[r] += m
+        if hit or m == room:  # (an EOS past the budget: retired by the budget)
+            active[r] = False
+        if m < count:
+            exact[r] = False
+        n[i] = m
 
 
 def full_batch(draft: TokenTree, active: torch.Tensor, roots: torch.Tensor) -> TokenTree:
@@ -300,7 +322,10 @@ def stop_at_sequences(rows: Rows, stops: list[tuple[int, ...]], seen: list[int])
 
 
 def check_finite(host: HostStep, rows: Rows, where: str) -> None:
-    bad = torch.nonzero(~host.finite & rows.active).flatten().tolist()
+    finite = host.finite.numpy()
+    if finite.all():
+        return
+    bad = np.flatnonzero(~finite & rows.active.numpy()).tolist()
     if bad:
         raise ValueError(f"the target's logits hold NaN or +inf at {where} (rows {bad}): its weights or activations "
                          "are not finite (stree.models.load checks the weights; fp16 may overflow where bf16 or "

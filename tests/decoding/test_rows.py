@@ -1,0 +1,55 @@
+"""The rows' host bookkeeping: what a step emits, appended as a plain per-row reading of the rule
+says (cut after the first EOS and at the budget, retired, exactness), and what the drafter is
+shown of it."""
+
+import numpy as np
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from stree.decoding.rows import Rows
+from stree.decoding.steps import HostStep
+from stree.drafters.base import Drafter
+
+
+class _Watcher(Drafter):
+    def __init__(self):
+        self.seen = []
+
+    def observe(self, context, tokens, target=None):
+        self.seen.append(([int(context.lengths[r]) for r in context.rows], [list(t) for t in tokens]))
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.integers(1, 4), st.integers(1, 5), st.lists(st.integers(0, 5), max_size=2), st.integers(0, 2**31 - 1))
+def test_emit_appends_as_the_rule_reads_row_by_row(batch, width, eos, seed):
+    g = np.random.default_rng(seed)
+    prompts = [g.integers(0, 6, g.integers(1, 4)).tolist() for _ in range(batch)]
+    budgets = g.integers(1, 9, batch).tolist()
+    rows, watcher = Rows(prompts, budgets, eos), _Watcher()
+    want = [list(p) for p in prompts]
+    live, exact = [True] * batch, [True] * batch
+    for _ in range(6):
+        tokens = torch.from_numpy(g.integers(0, 6, (batch, width)))
+        counts = torch.from_numpy(g.integers(1, width + 1, batch))
+        before = [len(w) for w in want]
+        expect_seen = ([before[r] for r in range(batch) if live[r]], [])
+        for r in range(batch):
+            if not live[r]:
+                continue
+            got = tokens[r, : counts[r]].tolist()
+            cut = next((j + 1 for j, t in enumerate(got) if t in eos), len(got))
+            take = got[: min(cut, budgets[r] - (len(want[r]) - len(prompts[r])))]
+            want[r] += take
+            expect_seen[1].append(take)
+            exact[r] &= len(take) == len(got)
+            live[r] = not any(t in eos for t in take) and len(want[r]) - len(prompts[r]) < budgets[r]
+        rows.emit(HostStep(tokens, counts, torch.ones(batch, dtype=torch.bool)), watcher)
+        if expect_seen[0]:
+            assert watcher.seen[-1] == expect_seen
+        for r in range(batch):
+            assert rows.seq[r, : int(rows.lengths[r])].tolist() == want[r]
+            assert int(rows.produced[r]) == len(want[r]) - len(prompts[r])
+        assert rows.active.tolist() == live and rows.exact.tolist() == exact
+        if not any(live):
+            break
