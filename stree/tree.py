@@ -360,13 +360,33 @@ def leaf_paths(parents: Sequence[int]) -> list[list[int]]:
     return paths
 
 
-@functools.lru_cache(maxsize=64)
+# (a choice of tree sizes drafts every prefix of its plan, and plans change: 64 shapes had been
+# rebuilt over and over in one decoding call)
+@functools.lru_cache(maxsize=1024)
 def _shape_index(shape: "TreeShape", device: torch.device) -> TreeIndex:
     if device.type != "cpu":  # built on the host (no device sync), then copied once
         return _shape_index(shape, torch.device("cpu")).to(device)
-    index = tree_index(torch.tensor(shape.parents, device=device))  # named: a default-device context must not move it
+    index = _host_index(shape.parents)
     index.memo("max_depth", lambda: shape.max_depth)
     return index
+
+
+def _host_index(parents: tuple[int, ...]) -> TreeIndex:
+    """:func:`tree_index` of a validated parent tuple, in plain Python: a few dozen nodes walked
+    once cost far less than the dozen tensor ops the general path takes."""
+    n = len(parents)
+    depth, size = [0] * n, [1] * n
+    for i in range(1, n):
+        depth[i] = depth[parents[i]] + 1
+    for i in range(n - 1, 0, -1):
+        size[parents[i]] += size[i]
+    pre, free = [0] * n, [1] * n  # free[v]: the pre-order rank v's next child takes
+    for i in range(1, n):
+        pre[i] = free[parents[i]]
+        free[parents[i]] += size[i]
+        free[i] = pre[i] + 1
+    rows = lambda v: torch.tensor([v], dtype=torch.int32, device="cpu")  # (named: a default-device context)
+    return TreeIndex(rows(list(parents)), rows(depth), rows(pre), rows([p + s - 1 for p, s in zip(pre, size)]))
 
 
 @dataclass(frozen=True)
@@ -376,7 +396,13 @@ class TreeShape:
     parents: tuple[int, ...]
 
     def __post_init__(self):
-        object.__setattr__(self, "parents", tuple(int(v) for v in check_parents(list(self.parents)).tolist()))
+        p = self.parents
+        # (plain ints checked in plain Python: a choice of tree sizes makes shapes as it plans; the
+        # tensor check names what is wrong)
+        if not (isinstance(p, (tuple, list)) and 0 < len(p) <= MAX_TREE_NODES and all(type(v) is int for v in p)
+                and p[0] == -1 and all(0 <= v < i for i, v in enumerate(p[1:], 1))):
+            p = check_parents(list(p)).tolist()
+        object.__setattr__(self, "parents", tuple(p))
 
     @property
     def n(self) -> int:
@@ -620,7 +646,8 @@ class TokenTree:
         if self.valid is not None:
             if self.valid.dtype != torch.bool or tuple(self.valid.shape) != tuple(self.tokens.shape):
                 raise ValueError(f"valid must be a bool tensor of shape {tuple(self.tokens.shape)}")
-            if not all(self.valid.select(1, 0).tolist()):  # tolist: cheaper than a reduction op on a CPU draft
+            root = self.valid.numpy()[:, 0] if self.valid.device.type == "cpu" else self.valid.select(1, 0).tolist()
+            if not all(root):  # (numpy, or a list: cheaper than a reduction op on a small draft)
                 raise ValueError("valid[:, 0] must be True: the root is always a real token")
         if (self.child_ids is None) != (self.child_probs is None):
             raise ValueError("child_ids and child_probs must be given together")

@@ -21,6 +21,17 @@ def _naive_mask(parents):
     return L
 
 
+@given(n=st.integers(1, 64), data=st.data())
+def test_a_shapes_index_is_the_tensor_paths_index(n, data):
+    """A static shape's index is built on the host in plain Python: the same int32 tensors as the
+    general path's (which the walk-up test above checks)."""
+    parents = data.draw(parent_lists(n))
+    got, want = TreeShape(tuple(parents)).index(), tree_index(torch.tensor(parents))
+    for name in ("parents", "depth", "pre", "last"):
+        a, b = getattr(got, name), getattr(want, name)
+        assert a.dtype == b.dtype == torch.int32 and torch.equal(a, b), name
+
+
 @given(tree=trees(max_n=60))
 def test_ancestor_mask_depth_and_intervals_match_a_walk_up_the_parents(tree):
     parents, batch = tree

@@ -191,6 +191,8 @@ class Rows:
         anyway buy nothing (at batch 8, trees chosen for the rows' summed tokens ran slower than
         plain steps while every row's own tau was high), nor do tokens for one of several rows
         level at the end (at batch 16, trees chosen for one of them ran slower too)."""
+        if len(live) == 1:
+            return np.ones(1, dtype=bool)
         ids = np.asarray(live)
         produced = self.produced.numpy()[ids]
         steps = np.fromiter((len(self.accepted[r]) for r in live), dtype=np.float64, count=len(live))

@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from .distributed import agree, tensor_parallel
@@ -234,11 +235,13 @@ def check_draft(draft: TokenTree, roots: torch.Tensor, vocab_size: int) -> None:
     rows' roots, every id in the vocabulary."""
     if not isinstance(draft, TokenTree) or draft.batch_size != len(roots):
         raise ValueError(f"the drafter must return a TokenTree with one row per active row ({len(roots)})")
-    if not bool((draft.tokens[:, 0].cpu() == roots).all()):
+    tokens = draft.tokens.cpu().numpy()  # (numpy: a drafter's trees are on the host, and small)
+    if not (tokens[:, 0] == roots.cpu().numpy()).all():
         raise ValueError("the drafter returned a tree whose root token is not the row's last token")
-    bad = (draft.tokens < 0) | (draft.tokens >= vocab_size)
-    if bool(bad.any()):
-        pos = tuple(int(v) for v in torch.nonzero(bad)[0])
-        raise ValueError(f"tree.tokens{list(pos)} = {int(draft.tokens[pos])} is outside the vocabulary [0, {vocab_size})")
-    if draft.child_ids is not None and bool(((draft.child_ids < 0) | (draft.child_ids >= vocab_size)).any()):
-        raise ValueError(f"tree.child_ids holds ids outside the vocabulary [0, {vocab_size})")
+    if tokens.min() < 0 or tokens.max() >= vocab_size:
+        pos = tuple(int(v) for v in np.argwhere((tokens < 0) | (tokens >= vocab_size))[0])
+        raise ValueError(f"tree.tokens{list(pos)} = {int(tokens[pos])} is outside the vocabulary [0, {vocab_size})")
+    if draft.child_ids is not None:
+        ids = draft.child_ids.cpu().numpy()
+        if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
+            raise ValueError(f"tree.child_ids holds ids outside the vocabulary [0, {vocab_size})")
