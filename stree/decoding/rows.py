@@ -204,8 +204,8 @@ class Rows:
         """Append ``step.tokens[b, :counts[b]]`` to each active row, cut after its first EOS and at
         ``max_new_tokens``; show the drafter what was appended (with the target's top
         ``drafter_k`` entries per token where it learns from them: the step may have packed more,
-        for ``logprobs``); retire the finished rows. (In numpy, on views of the rows' tensors: a
-        dozen small torch ops cost several times more here.)"""
+        for ``logprobs``); retire the finished rows. (One compiled pass over numpy views of the rows'
+        tensors, :func:`_append`: a dozen small torch or numpy ops cost several times more here.)"""
         lengths, active = self.lengths.numpy(), self.active.numpy()
         ids = np.flatnonzero(active)
         tokens, counts = step.tokens.numpy(), step.counts.numpy()

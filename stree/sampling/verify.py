@@ -412,8 +412,8 @@ def verify_greedy_host(tree: TokenTree, logits: torch.Tensor) -> tuple[VerifyRes
     emitted, finite = np.empty((B, L), dtype=np.int64), np.empty(B, dtype=np.bool_)
     wide = logits if logits.dtype == torch.float32 else logits.float()
     greedy_walk(wide.numpy(), np.ascontiguousarray(tree.tokens.numpy()), valid, kids, path, num, emitted, finite)
-    num_t = torch.from_numpy(num)
-    result = VerifyResult(torch.from_numpy(path), num_t, torch.from_numpy(emitted[np.arange(B), num - 1]))
+    bonus = emitted[np.arange(B), num - 1]
+    result = VerifyResult(torch.from_numpy(path), torch.from_numpy(num), torch.from_numpy(bonus))
     return result, torch.from_numpy(emitted), torch.from_numpy(finite)
 
 
