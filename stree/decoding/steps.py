@@ -69,8 +69,8 @@ def _to_host(tokens: torch.Tensor, counts: torch.Tensor, probs: torch.Tensor | N
         out = HostStep(tokens, counts, finite.reshape(B, -1).all(1))
         k = packed_k(probs, top_k)
         if k is not None:
-            out.top_probs, out.top_ids = torch.topk(probs.float(), k, dim=-1)
-            out.token_probs = probs.gather(-1, tokens[..., None])[..., 0].float()
+            top_ids, top_probs, token_probs = _laws(tokens, probs, k)
+            out.top_ids, out.top_probs, out.token_probs = top_ids, top_probs.float(), token_probs.float()
         return out
     packed = pack(tokens, counts, probs, top_k, finite)
     return unpack(packed.cpu(), tokens.shape[1], finite[0].numel(), packed_k(probs, top_k))  # the one sync
@@ -91,9 +91,16 @@ def pack(tokens: torch.Tensor, counts: torch.Tensor, probs: torch.Tensor | None,
     B = tokens.shape[0]
     parts = [tokens, counts[:, None], finite.reshape(B, -1)]
     if probs is not None:
-        top_p, top_i = torch.topk(probs, packed_k(probs, top_k), dim=-1)
-        parts += [top_i.flatten(1), top_p.flatten(1), probs.gather(-1, tokens[..., None])[..., 0]]
+        top_i, top_p, token_p = _laws(tokens, probs, packed_k(probs, top_k))
+        parts += [top_i.flatten(1), top_p.flatten(1), token_p]
     return torch.cat(parts, 1).float()
+
+
+def _laws(tokens: torch.Tensor, probs: torch.Tensor, k: int):
+    """What a drafter learns of each emitted token's law ``probs [B, L, V]``: its top ``k`` ids
+    and probabilities, and the token's own probability."""
+    top_p, top_i = torch.topk(probs, k, dim=-1)
+    return top_i, top_p, probs.gather(-1, tokens[..., None])[..., 0]
 
 
 def unpack(host: torch.Tensor, L: int, m: int, k: int | None) -> HostStep:
