@@ -385,15 +385,16 @@ def test_a_checked_profile_measured_here_is_spot_checked_and_measured_once_more_
 
 
 def test_a_profile_the_file_prices_far_off_is_measured_again_by_an_adaptive_choice(fresh_cache, monkeypatch):
-    """For real: a file whose trees cost four times what this machine's do (measured beside other
-    work), read by a new process's adaptive choice, is measured again; a seeded one keeps it."""
+    """For real: a file whose trees cost eight times what this machine's do (measured beside other
+    work), read by a new process's adaptive choice, is measured again; a seeded one keeps it. (Eight,
+    not four: under a loaded CI run the second measurement came out 2.8x the first, past the half.)"""
     from stree.decoding.autotree import auto_tree
 
     model = mamba2()
     measured = auto_tree(model, NGramDrafter(), 1, mode="eager", adaptive=True).profile
     data = json.loads(fresh_cache.read_text())
     (entry,) = data["entries"].values()
-    entry["value"]["tree_ms"] = [4 * (t + d) for t, d in zip(entry["value"]["tree_ms"], entry["value"]["draft_ms"])]
+    entry["value"]["tree_ms"] = [8 * (t + d) for t, d in zip(entry["value"]["tree_ms"], entry["value"]["draft_ms"])]
     fresh_cache.write_text(json.dumps(data))
     dear = CostProfile.from_dict(entry["value"])
     monkeypatch.setattr(cost, "_MEMO", {})
