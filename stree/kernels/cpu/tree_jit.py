@@ -125,15 +125,20 @@ def _scan_row(b, x, dt, A, B, C, D, has_D, bias, has_bias, softplus, lo, hi, par
         for h in range(heads):
             for p in range(headdim):
                 acc[i, h, p] = D[h, p] * x[b, i, h, p] if has_D else np.float32(0.0)
-    if has_x0:  # the state's term: each row of the state read once and used for every node
+    if has_x0:  # the state's term, C_i . x0 for every node, as multiply-adds along headdim: a dot
+        # product over d_state per (node, head, channel) ended in a horizontal sum each; one head's
+        # state transposed to [s, p] puts the innermost loop along p, a vector's
+        state = np.empty((dstate, headdim), dtype=np.float32)
         for h in range(heads):
             g = h // per_group
             for p in range(headdim):
-                for i in range(n):
-                    s0 = np.float32(0.0)
-                    for s in range(dstate):
-                        s0 += C[b, i, g, s] * x0[b, h, p, s]
-                    acc[i, h, p] += decay[i, h] * s0
+                for s in range(dstate):
+                    state[s, p] = x0[b, h, p, s]
+            for i in range(n):
+                for s in range(dstate):
+                    c = C[b, i, g, s] * decay[i, h]
+                    for p in range(headdim):
+                        acc[i, h, p] += c * state[s, p]
     for i in range(n):
         j = i
         while j >= 0:
