@@ -46,13 +46,22 @@ def _tree(model: TreeLM, tokens, index, cache: ModelCache):
     return model.tree_layers(tokens, index, cache, "tree", KERNELS)
 
 
+def _inputs_only(entries) -> list[bool]:
+    """Which of a compiled call's guards it keeps: those on its arguments other than the model (the
+    tokens, the cache's tensors, the tree index, Python constants) and on the global state (grad
+    mode, default device, ...). Dropped: those reading the model (its modules' attributes and
+    hooks, its parameters' metadata) and module globals (stree's and torch's functions and
+    constants), most of a call's guard work.
+    Safe here because every CompiledModel compiles its own copies of the functions (no guard has
+    to tell models apart), refuses a model whose dtype or device changed, and hands the graph the
+    parameters afresh each call (their values; Inductor checks the sizes and strides of what it
+    is handed); a model given new modules or hooks, or a module global rebound, needs a new
+    CompiledModel."""
+    return [not (entry.name.startswith("model") or entry.name.startswith("G[")) for entry in entries]
 
-# Guards on the attributes of torch's own modules (Linear, Conv1d, ...) measured as costly a call
-# as a 1-layer step's compute; they are skipped. That is safe here because every
-# CompiledModel compiles its own copies of the functions (so guards never have to tell models
-# apart) and refuses a model whose dtype or device changed; parameters are read afresh each call.
-_OPTIONS = ({"guard_filter_fn": torch.compiler.skip_guard_on_inbuilt_nn_modules_unsafe}
-            if hasattr(torch.compiler, "skip_guard_on_inbuilt_nn_modules_unsafe") else {})
+
+_OPTIONS = {"guard_filter_fn": _inputs_only} if hasattr(torch.compiler, "skip_guard_on_inbuilt_nn_modules_unsafe") \
+    else {}
 
 
 def _dense(tokens: torch.Tensor) -> torch.Tensor:

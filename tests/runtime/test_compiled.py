@@ -215,3 +215,46 @@ def test_every_batch_and_shape_is_compiled_once_past_dynamos_recompile_limit():
             got, _ = compiled.forward_tree(view, cache)
             assert counters["stats"]["unique_graphs"] == graphs + 1, (batch, n)
             assert (got - model.forward_tree(view, cache)[0]).abs().max() <= 1e-5
+
+
+def test_a_compiled_call_guards_its_inputs_not_the_model(monkeypatch):
+    """The guards a compiled call keeps read its inputs (tokens, the cache's tensors) and the
+    global state, not the model nor module globals (most of a call's guard work); what they left
+    out still reaches the graph: parameters changed in place or given new memory are read afresh,
+    and a hybrid's cache of another length (its keys and values) compiles a graph of its own."""
+    import stree.runtime.compiled as compiled_module
+
+    kept, dropped = [], []
+
+    def recording(entries):
+        keep = compiled_module._inputs_only(entries)
+        for entry, k in zip(entries, keep):
+            (kept if k else dropped).append((entry.guard_type, entry.name))
+        return keep
+
+    monkeypatch.setattr(compiled_module, "_OPTIONS", {"guard_filter_fn": recording})
+    model = FAMILIES["hybrid"](seed=8)
+    compiled = CompiledModel(model)
+    tok = torch.tensor([5, 7])
+
+    def agree(length):
+        cache, eager = _pair(model)
+        if length != MAX_LENGTH:
+            cache, eager = model.allocate_cache(2, length), model.allocate_cache(2, length)
+        assert (compiled.step(tok, cache) - model.step(tok, eager)).abs().max() <= 1e-5
+        _assert_same_state(cache, eager)
+
+    agree(MAX_LENGTH)
+    names = [name for _, name in kept]
+    assert "tokens" in names and any(name.startswith("cache.") for name in names)
+    assert not any(name.startswith(("model", "G[")) for name in names)
+    assert any(kind == "TENSOR_MATCH" and name.startswith("model") for kind, name in dropped)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(1.05)
+    agree(MAX_LENGTH)
+    model.load_state_dict({k: v.clone() * 0.9 for k, v in model.state_dict().items()}, assign=True)
+    agree(MAX_LENGTH)
+    graphs = counters["stats"]["unique_graphs"]
+    agree(2 * MAX_LENGTH)
+    assert counters["stats"]["unique_graphs"] == graphs + 1
