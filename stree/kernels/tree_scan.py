@@ -31,6 +31,7 @@ from ._common import (
     dot_precision,
     f32,
     identity_slots,
+    jit_takes,
     packed_strides,
     pool_rows,
     pow2_block,
@@ -283,6 +284,18 @@ def _tree_scan_compiled(x, dt, A, B, C, parents, D, dt_bias, dt_softplus, dt_lim
     return y.to(x.dtype)
 
 
+def _chain_scan_compiled(x, dt, A, B, C, D, dt_bias, dt_softplus, lo, hi, initial_state):
+    """:func:`~.cpu.tree_jit.chain_scan_rows` on checked arguments (D ``[h, p]`` or None)."""
+    from .cpu.tree_jit import chain_scan_rows
+
+    y = torch.empty(x.shape, dtype=torch.float32)
+    x0 = initial_state if initial_state is not None else y.new_zeros(1, 1, 1, 1)
+    chain_scan_rows(*map(readable, (x, dt, A, B, C, D if D is not None else A[:, None])), D is not None,
+                    readable(dt_bias if dt_bias is not None else A), dt_bias is not None, bool(dt_softplus),
+                    float(lo), float(hi), as_numpy(x0), initial_state is not None, as_numpy(y))
+    return y.to(x.dtype)
+
+
 def tree_scan(x, dt, A, B, C, parents, *, D=None, dt_bias=None, dt_softplus=True,
               dt_limit=(0.0, INF), initial_state=None, state_indices=None, backend="auto"):
     """Mamba2 SSM outputs for every node of a packed tree (see the module docstring).
@@ -294,8 +307,8 @@ def tree_scan(x, dt, A, B, C, parents, *, D=None, dt_bias=None, dt_softplus=True
     ``[slots, h, p, s]`` and row b starts from slot ``state_indices[b]`` (negative: a padding row,
     zero state). ``parents`` a :class:`~stree.tree.PackedTrees` of b trees: x, dt, B, C hold their
     nodes back to back, ``[1, total, ...]``, and tree b's state is row (or slot) b. ``"auto"`` on
-    CPU tensors of a small tree (outside autograd and ``torch.compile``) runs
-    numba-compiled (:mod:`.tree_jit`).
+    CPU tensors of a small tree or a chain of any length (a prompt; outside autograd and
+    ``torch.compile``) runs numba-compiled (:mod:`.tree_jit`).
     """
     check_layout("x", x, "batch, n, nheads, headdim")
     if isinstance(parents, PackedTrees) and resolve_backend(backend, x.device) == "torch":
@@ -310,6 +323,12 @@ def tree_scan(x, dt, A, B, C, parents, *, D=None, dt_bias=None, dt_softplus=True
                          initial_state=slot_rows(initial_state, state_indices), backend=backend)
     if backend == "auto" and jit_tree_fits(x.shape[1], x, dt, A, B, C, D, dt_bias, initial_state):
         return _tree_scan_compiled(x, dt, A, B, C, parents, D, dt_bias, dt_softplus, dt_limit, initial_state)
+    if backend == "auto" and jit_takes(x, dt, A, B, C, D, dt_bias, initial_state):  # a longer tree
+        index, D_hp, (lo, hi) = _check_args(x, dt, A, B, C, parents, D, dt_bias, dt_limit, initial_state)
+        if index.is_chain():  # a prompt's: its recurrence, compiled (a tree's masks stay batched products)
+            return _chain_scan_compiled(x, dt, A, B, C, D_hp, dt_bias, dt_softplus, lo, hi, initial_state)
+        return tree_scan_torch(x, dt, A, B, C, index, D=D, dt_bias=dt_bias, dt_softplus=dt_softplus,
+                               dt_limit=dt_limit, initial_state=initial_state)
     if resolve_backend(backend, x.device) == "torch":
         return tree_scan_torch(x, dt, A, B, C, parents, D=D, dt_bias=dt_bias, dt_softplus=dt_softplus,
                              dt_limit=dt_limit, initial_state=initial_state)

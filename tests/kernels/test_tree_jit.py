@@ -26,8 +26,8 @@ def _scan(inp, parents, **kw):
 @pytest.fixture
 def calls(monkeypatch):
     """How often each compiled kernel ran."""
-    seen = {"scan": 0, "conv": 0}
-    for name, key in (("tree_scan_rows", "scan"), ("tree_conv_rows", "conv")):
+    seen = {"scan": 0, "conv": 0, "chain": 0}
+    for name, key in (("tree_scan_rows", "scan"), ("tree_conv_rows", "conv"), ("chain_scan_rows", "chain")):
         real = getattr(tree_jit, name)
 
         def counted(*a, _real=real, _key=key):
@@ -38,16 +38,22 @@ def calls(monkeypatch):
 
 
 @pytest.mark.parametrize("n", [1, 13, tree_jit.JIT_MAX_NODES, tree_jit.JIT_MAX_NODES + 1])
-def test_auto_compiles_small_trees_and_leaves_larger_ones_to_pytorch(n, calls):
+@pytest.mark.parametrize("chain", [True, False])
+def test_auto_compiles_small_trees_and_long_chains_and_leaves_larger_trees_to_pytorch(n, chain, calls):
+    """A tree of at most JIT_MAX_NODES nodes takes the tree kernel, a longer chain (a prompt) the
+    chain kernel, a longer tree the PyTorch path (and the conv: the PyTorch path past the limit)."""
     parents = TreeShape.chain(n - 1).parents_tensor()
+    if not chain and n > 2:  # the last node forks off its grandparent
+        parents[-1] = n - 3
     inp = ssm_inputs(torch.Generator().manual_seed(n), 2, n, SHAPE, OPTS)
     y = _scan(inp, parents)
-    assert calls["scan"] == (n <= tree_jit.JIT_MAX_NODES)
+    small, long_chain = n <= tree_jit.JIT_MAX_NODES, n > tree_jit.JIT_MAX_NODES and chain
+    assert (calls["scan"], calls["chain"]) == (int(small), int(long_chain))
     assert max_rel_error(y, tree_scan_def(inp["x"], inp["dt"], inp["A"], inp["B"], inp["C"], parents, D=inp["D"],
                                           dt_bias=inp["dt_bias"], initial_state=inp["initial_state"])) <= 1e-5
     conv_state, xbc = torch.randn(2, 16, 4), torch.randn(2, n, 16)
     tree_conv1d(xbc, parents, conv_state, torch.randn(16, 4), torch.randn(16))
-    assert calls["conv"] == (n <= tree_jit.JIT_MAX_NODES)
+    assert calls["conv"] == small
 
 
 def test_autograd_takes_the_pytorch_path_and_half_inputs_the_compiled_one(calls):
@@ -148,3 +154,32 @@ def test_one_row_runs_alone_and_several_in_parallel_with_the_same_values(monkeyp
         alone_conv = tree_conv1d(xbc[b: b + 1], rows[b], state[b: b + 1], weight, bias, activation=None)
         assert torch.equal(alone_conv, together[1][b: b + 1])
         assert ran == ["_scan_serial", "_conv_serial"]
+
+
+def test_a_long_chain_runs_its_rows_alone_and_in_parallel_with_the_same_values(monkeypatch):
+    """The chain kernel's drivers likewise: several rows in parallel, one alone, the same bits."""
+    ran = []
+    for name in ("_chain_serial", "_chain_parallel"):
+        def counted(*a, _real=getattr(tree_jit, name), _name=name):
+            ran.append(_name)
+            return _real(*a)
+        monkeypatch.setattr(tree_jit, name, counted)
+    n = tree_jit.JIT_MAX_NODES + 9
+    chain = TreeShape.chain(n - 1).parents_tensor()
+    inp = ssm_inputs(torch.Generator().manual_seed(5), 3, n, SHAPE, OPTS)
+    together = _scan(inp, chain)
+    assert ran == ["_chain_parallel"]
+    for b in range(3):
+        ran.clear()
+        alone = {k: (v if v.dim() < 2 or k in ("A", "D", "dt_bias") else v[b: b + 1]) for k, v in inp.items()}
+        assert torch.equal(_scan(alone, chain), together[b: b + 1])
+        assert ran == ["_chain_serial"]
+
+
+def test_autograd_takes_the_pytorch_path_for_a_long_chain_too(calls):
+    """A prompt's chain scanned for training (gradients wanted) is never handed to numba."""
+    n = tree_jit.JIT_MAX_NODES + 3
+    inp = ssm_inputs(torch.Generator().manual_seed(6), 1, n, SHAPE, OPTS)
+    inp["x"].requires_grad_(True)
+    _scan(inp, TreeShape.chain(n - 1).parents_tensor()).sum().backward()
+    assert calls["chain"] == 0 and bool(inp["x"].grad.abs().sum() > 0)

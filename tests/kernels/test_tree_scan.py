@@ -9,6 +9,7 @@ from strategies import dt_options, ssm_inputs, ssm_shapes, trees
 
 from stree.drafters.calibrate import stand_initial_tree
 from stree.kernels import MAX_TREE_NODES, multistep_update, tree_scan, tree_scan_torch
+from stree.kernels.cpu import tree_jit
 from stree.kernels.tree_scan import CHAIN_BLOCK
 from stree.testing import max_rel_error, tree_scan_def
 from stree.tree import TreeShape, tree_index
@@ -69,13 +70,16 @@ def test_multi_tile_trees(n, device, poison):
        D_kind=st.sampled_from(["none", "head", "dim"]), with_state=st.booleans(), per_row=st.booleans(),
        seed=st.integers(0, 2**16))
 def test_long_chains_scan_block_by_block(n, shape, dt_opts, D_kind, with_state, per_row, seed, poison, monkeypatch):
-    """A chain longer than CHAIN_BLOCK (a prefill) runs block by block, each block from the state
-    the ones before it left: the same outputs as the definition. A batch whose rows are not all
-    chains keeps the whole-tree masks."""
+    """A chain longer than CHAIN_BLOCK (a prefill) runs block by block on the PyTorch path, each
+    block from the state the ones before it left, and as its recurrence in the compiled CPU
+    kernel under "auto": the same outputs as the definition. A batch whose rows are not all
+    chains keeps the whole-tree masks on both."""
     module = importlib.import_module("stree.kernels.tree_scan")  # (the package's tree_scan is the function)
-    blocks = []
+    blocks, recurrences = [], []
     real = module._chain_blocks
     monkeypatch.setattr(module, "_chain_blocks", lambda *a: blocks.append(1) or real(*a))
+    recurrence = tree_jit.chain_scan_rows
+    monkeypatch.setattr(tree_jit, "chain_scan_rows", lambda *a: recurrences.append(1) or recurrence(*a))
     chain = TreeShape.chain(n - 1).parents_tensor()
     parents = torch.stack([chain, chain]) if per_row else chain
     inp = ssm_inputs(torch.Generator().manual_seed(seed), 2, n, shape, dt_opts, D_kind=D_kind)
@@ -84,11 +88,12 @@ def test_long_chains_scan_block_by_block(n, shape, dt_opts, D_kind, with_state, 
     for backend in ("torch", "auto"):
         assert max_rel_error(_run(inp, parents, dt_opts, backend, torch.device("cpu")),
                              _definition(inp, parents, dt_opts)) <= FP32_TOL, backend
-    assert len(blocks) == 2
+    assert len(blocks) == 1 and len(recurrences) == 1
     mixed = torch.stack([chain, torch.cat([chain[:-1], torch.tensor([n - 3])])])  # row 1: the last node forks
-    assert max_rel_error(_run(inp, mixed, dt_opts, "torch", torch.device("cpu")),
-                         _definition(inp, mixed, dt_opts)) <= FP32_TOL
-    assert len(blocks) == 2
+    for backend in ("torch", "auto"):
+        assert max_rel_error(_run(inp, mixed, dt_opts, backend, torch.device("cpu")),
+                             _definition(inp, mixed, dt_opts)) <= FP32_TOL, backend
+    assert len(blocks) == 1 and len(recurrences) == 1
 
 
 def test_tree_index_knows_a_chain():

@@ -26,7 +26,7 @@ from numba import njit, prange
 from .._common import jit_takes
 from .step_jit import processed_dt
 
-__all__ = ["JIT_MAX_NODES", "jit_tree_fits", "tree_conv_rows", "tree_scan_rows"]
+__all__ = ["JIT_MAX_NODES", "chain_scan_rows", "jit_tree_fits", "tree_conv_rows", "tree_scan_rows"]
 
 # Trees of at most this many nodes a row take the compiled path (decoding trees); longer inputs
 # (a prefill's chain, a drafter's 600-node tree) stay on the batched products.
@@ -164,3 +164,55 @@ def _scan_serial(x, dt, A, B, C, D, has_D, bias, has_bias, softplus, lo, hi, par
 def _scan_parallel(x, dt, A, B, C, D, has_D, bias, has_bias, softplus, lo, hi, parents, x0, has_x0, y):
     for b in prange(x.shape[0]):
         _scan_row(np.int64(b), x, dt, A, B, C, D, has_D, bias, has_bias, softplus, lo, hi, parents, x0, has_x0, y)
+
+
+def chain_scan_rows(x, dt, A, B, C, D, has_D, bias, has_bias, softplus, lo, hi, x0, has_x0, y):
+    """:func:`tree_scan_rows` for chains (node i the child of node i - 1) of any length, a prompt's:
+    the recurrence ``h_t = exp(dt_t A) h_{t-1} + dt_t x_t B_t^T``, ``y_t = C_t . h_t + D x_t``,
+    one state per (row, head) carried along the tokens, where the tree kernel's work grows with
+    each node's depth (the square of a chain's length)."""
+    x, B, C, D = map(np.ascontiguousarray, (x, B, C, D))
+    (_chain_parallel if len(x) > 1 else _chain_serial)(x, dt, A, B, C, D, has_D, bias, has_bias, softplus, lo, hi,
+                                                       x0, has_x0, y)
+
+
+@njit(cache=True, fastmath={"reassoc"})  # (no contraction: the state rounds as a step's does)
+def _chain_row(b, x, dt, A, B, C, D, has_D, bias, has_bias, softplus, lo, hi, x0, has_x0, y):
+    """Row ``b`` of :func:`chain_scan_rows`; the state rounds as the step kernel's does
+    (:func:`~.step_jit.state_update_rows`: the decay and dt x rounded from float64, then a
+    product, a product and a sum per entry)."""
+    n, heads, headdim = x.shape[1], x.shape[2], x.shape[3]
+    groups, dstate = B.shape[2], B.shape[3]
+    per_group = heads // groups
+    state = np.empty((headdim, dstate), dtype=np.float32)  # one head's, carried along the tokens
+    for h in range(heads):
+        g = h // per_group
+        for p in range(headdim):
+            for s in range(dstate):
+                state[p, s] = x0[b, h, p, s] if has_x0 else np.float32(0.0)
+        for t in range(n):
+            d = processed_dt(dt[b, t, h], bias[h], has_bias, softplus, lo, hi)
+            decay = np.float32(math.exp(d * float(A[h])))
+            for p in range(headdim):
+                xv = x[b, t, h, p]
+                dx = np.float32(d * xv)
+                acc = np.float32(0.0)
+                for s in range(dstate):
+                    v = state[p, s] * decay + dx * B[b, t, g, s]
+                    state[p, s] = v
+                    acc += v * C[b, t, g, s]
+                if has_D:
+                    acc += D[h, p] * xv
+                y[b, t, h, p] = acc
+
+
+@njit(cache=True)
+def _chain_serial(x, dt, A, B, C, D, has_D, bias, has_bias, softplus, lo, hi, x0, has_x0, y):
+    for b in range(x.shape[0]):
+        _chain_row(b, x, dt, A, B, C, D, has_D, bias, has_bias, softplus, lo, hi, x0, has_x0, y)
+
+
+@njit(cache=True, parallel=True)
+def _chain_parallel(x, dt, A, B, C, D, has_D, bias, has_bias, softplus, lo, hi, x0, has_x0, y):
+    for b in prange(x.shape[0]):
+        _chain_row(np.int64(b), x, dt, A, B, C, D, has_D, bias, has_bias, softplus, lo, hi, x0, has_x0, y)
