@@ -14,9 +14,8 @@ import triton
 import triton.language as tl
 
 from ..tree import PackedTrees
-from ._common import (as_numpy, check_layout, check_packed, check_tensor, check_tree, f32, identity_slots,
+from ._common import (as_numpy, check_layout, check_packed, check_tensor, check_tree, f32, identity_slots, jit_takes,
                       packed_strides, pool_rows, pow2_block, readable, resolve_backend, slot_rows, tree_span)
-from .cpu.tree_jit import jit_tree_fits
 
 __all__ = ["tree_conv1d", "tree_conv1d_torch"]
 
@@ -148,8 +147,8 @@ def tree_conv1d(xBC, parents, conv_state, weight, bias=None, activation="silu", 
     (int): conv_state is a pool ``[slots, dim, d_conv]`` and row b reads slot ``state_indices[b]``
     (negative: a padding row, zeros above its root). ``parents`` a :class:`~stree.tree.PackedTrees`
     of b trees: xBC holds their nodes back to back, ``[1, total, dim]``, tree b reading conv state
-    row (or slot) b. ``"auto"`` on CPU tensors of a small tree (outside autograd and
-    ``torch.compile``) runs numba-compiled (:mod:`.tree_jit`).
+    row (or slot) b. ``"auto"`` on CPU tensors (outside autograd and ``torch.compile``) runs
+    numba-compiled (:mod:`.tree_jit`), at any size: a node's work is its d_conv taps.
     """
     check_layout("xBC", xBC, "batch, n, dim")
     if isinstance(parents, PackedTrees) and resolve_backend(backend, xBC.device) == "torch":
@@ -160,7 +159,7 @@ def tree_conv1d(xBC, parents, conv_state, weight, bias=None, activation="silu", 
         _check_args(xBC, parents, conv_state, weight, bias, activation, state_indices)
         return tree_conv1d(xBC, parents, slot_rows(conv_state, state_indices), weight, bias, activation,
                            backend=backend)
-    if backend == "auto" and jit_tree_fits(xBC.shape[1], xBC, conv_state, weight, bias):
+    if backend == "auto" and jit_takes(xBC, conv_state, weight, bias):  # (any size: d_conv taps a node)
         from .cpu.tree_jit import tree_conv_rows
 
         index, taps = _check_args(xBC, parents, conv_state, weight, bias, activation)

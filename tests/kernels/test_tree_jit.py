@@ -39,9 +39,9 @@ def calls(monkeypatch):
 
 @pytest.mark.parametrize("n", [1, 13, tree_jit.JIT_MAX_NODES, tree_jit.JIT_MAX_NODES + 1])
 @pytest.mark.parametrize("chain", [True, False])
-def test_auto_compiles_small_trees_and_long_chains_and_leaves_larger_trees_to_pytorch(n, chain, calls):
-    """A tree of at most JIT_MAX_NODES nodes takes the tree kernel, a longer chain (a prompt) the
-    chain kernel, a longer tree the PyTorch path (and the conv: the PyTorch path past the limit)."""
+def test_auto_compiles_small_trees_long_chains_and_every_conv(n, chain, calls):
+    """The scan: a tree of at most JIT_MAX_NODES nodes takes the tree kernel, a longer chain (a
+    prompt) the chain kernel, a longer tree the PyTorch path. The conv takes its kernel at any size."""
     parents = TreeShape.chain(n - 1).parents_tensor()
     if not chain and n > 2:  # the last node forks off its grandparent
         parents[-1] = n - 3
@@ -52,8 +52,10 @@ def test_auto_compiles_small_trees_and_long_chains_and_leaves_larger_trees_to_py
     assert max_rel_error(y, tree_scan_def(inp["x"], inp["dt"], inp["A"], inp["B"], inp["C"], parents, D=inp["D"],
                                           dt_bias=inp["dt_bias"], initial_state=inp["initial_state"])) <= 1e-5
     conv_state, xbc = torch.randn(2, 16, 4), torch.randn(2, n, 16)
-    tree_conv1d(xbc, parents, conv_state, torch.randn(16, 4), torch.randn(16))
-    assert calls["conv"] == small
+    weight, bias = torch.randn(16, 4), torch.randn(16)
+    out = tree_conv1d(xbc, parents, conv_state, weight, bias)
+    assert calls["conv"] == 1
+    assert max_rel_error(out, tree_conv1d(xbc, parents, conv_state, weight, bias, backend="torch")) <= 1e-5
 
 
 def test_autograd_takes_the_pytorch_path_and_half_inputs_the_compiled_one(calls):

@@ -1,11 +1,13 @@
-"""The tree conv1d and the tree scan of a small tree on the CPU, compiled with numba: what
+"""The tree conv1d and the tree scan on the CPU, compiled with numba: what
 :func:`stree.kernels.tree_conv1d.tree_conv1d` and :func:`stree.kernels.tree_scan.tree_scan` compute,
 each in one call instead of the PyTorch path's ~10 and ~25 ops (a tree pass of a few nodes on a
 CPU is bound by per-op overhead, as a decode step is: :mod:`.step_jit`). Taken by
 ``backend="auto"`` for CPU tensors (half ones as float32 copies) outside autograd and
-``torch.compile`` while the tree is small (:func:`jit_tree_fits`): the work here grows with each
-node's depth, the PyTorch path's with the square of the node count but in multi-threaded batched
-products. Tested against the float64 definitions beside the Triton kernels and the PyTorch path.
+``torch.compile``: the conv at any size (a node's work is its d_conv taps); the scan of a small
+tree (:func:`jit_tree_fits`), whose work here grows with each node's depth, the PyTorch path's
+with the square of the node count but in multi-threaded batched products, and of a chain of any
+length (a prompt, :func:`chain_scan_rows`: its recurrence). Tested against the float64
+definitions beside the Triton kernels and the PyTorch path.
 Products and sums in float32, as the Triton kernels' (a vector holds 8 lanes, not 4), the sums of
 dA along a path in float64.
 Each kernel is one row's loops (``_scan_row``, ``_conv_row``) under two drivers: several rows run
