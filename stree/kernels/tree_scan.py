@@ -43,6 +43,7 @@ from ._common import (
     tree_span,
 )
 from ..tree import MAX_TREE_NODES, PackedTrees
+from .cpu import tree_jit
 from .cpu.tree_jit import jit_tree_fits
 
 __all__ = ["tree_scan", "tree_scan_torch", "MAX_TREE_NODES"]
@@ -273,26 +274,19 @@ def launch_config(n, headdim, dstate):
 
 
 def _tree_scan_compiled(x, dt, A, B, C, parents, D, dt_bias, dt_softplus, dt_limit, initial_state):
-    from .cpu.tree_jit import tree_scan_rows
-
     index, D, (lo, hi) = _check_args(x, dt, A, B, C, parents, D, dt_bias, dt_limit, initial_state)
+    return _jit_scan(tree_jit.tree_scan_rows, x, dt, A, B, C, D, dt_bias, dt_softplus, lo, hi, initial_state,
+                     index.parents)
+
+
+def _jit_scan(kernel, x, dt, A, B, C, D, dt_bias, dt_softplus, lo, hi, initial_state, *parents):
+    """A numba scan of :mod:`.cpu.tree_jit` on checked arguments (D ``[h, p]`` or None;
+    ``parents``: the tree kernel's ``[rows, n]``, none for the chain kernel's)."""
     y = torch.empty(x.shape, dtype=torch.float32)
     x0 = initial_state if initial_state is not None else y.new_zeros(1, 1, 1, 1)
-    tree_scan_rows(*map(readable, (x, dt, A, B, C, D if D is not None else A[:, None])), D is not None,
-                   readable(dt_bias if dt_bias is not None else A), dt_bias is not None, bool(dt_softplus),
-                   float(lo), float(hi), as_numpy(index.parents), as_numpy(x0), initial_state is not None, as_numpy(y))
-    return y.to(x.dtype)
-
-
-def _chain_scan_compiled(x, dt, A, B, C, D, dt_bias, dt_softplus, lo, hi, initial_state):
-    """:func:`~.cpu.tree_jit.chain_scan_rows` on checked arguments (D ``[h, p]`` or None)."""
-    from .cpu.tree_jit import chain_scan_rows
-
-    y = torch.empty(x.shape, dtype=torch.float32)
-    x0 = initial_state if initial_state is not None else y.new_zeros(1, 1, 1, 1)
-    chain_scan_rows(*map(readable, (x, dt, A, B, C, D if D is not None else A[:, None])), D is not None,
-                    readable(dt_bias if dt_bias is not None else A), dt_bias is not None, bool(dt_softplus),
-                    float(lo), float(hi), as_numpy(x0), initial_state is not None, as_numpy(y))
+    kernel(*map(readable, (x, dt, A, B, C, D if D is not None else A[:, None])), D is not None,
+           readable(dt_bias if dt_bias is not None else A), dt_bias is not None, bool(dt_softplus), float(lo),
+           float(hi), *map(as_numpy, parents), as_numpy(x0), initial_state is not None, as_numpy(y))
     return y.to(x.dtype)
 
 
@@ -326,7 +320,8 @@ def tree_scan(x, dt, A, B, C, parents, *, D=None, dt_bias=None, dt_softplus=True
     if backend == "auto" and jit_takes(x, dt, A, B, C, D, dt_bias, initial_state):  # a longer tree
         index, D_hp, (lo, hi) = _check_args(x, dt, A, B, C, parents, D, dt_bias, dt_limit, initial_state)
         if index.is_chain():  # a prompt's: its recurrence, compiled (a tree's masks stay batched products)
-            return _chain_scan_compiled(x, dt, A, B, C, D_hp, dt_bias, dt_softplus, lo, hi, initial_state)
+            return _jit_scan(tree_jit.chain_scan_rows, x, dt, A, B, C, D_hp, dt_bias, dt_softplus, lo, hi,
+                             initial_state)
         return tree_scan_torch(x, dt, A, B, C, index, D=D, dt_bias=dt_bias, dt_softplus=dt_softplus,
                                dt_limit=dt_limit, initial_state=initial_state)
     if resolve_backend(backend, x.device) == "torch":

@@ -60,6 +60,7 @@ def _inputs_only(entries) -> list[bool]:
     return [not (entry.name.startswith("model") or entry.name.startswith("G[")) for entry in entries]
 
 
+# (the torch releases that take guard filters are those that ship torch's own)
 _OPTIONS = {"guard_filter_fn": _inputs_only} if hasattr(torch.compiler, "skip_guard_on_inbuilt_nn_modules_unsafe") \
     else {}
 

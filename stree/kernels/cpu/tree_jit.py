@@ -30,8 +30,9 @@ from .step_jit import processed_dt
 
 __all__ = ["JIT_MAX_NODES", "chain_scan_rows", "jit_tree_fits", "tree_conv_rows", "tree_scan_rows"]
 
-# Trees of at most this many nodes a row take the compiled path (decoding trees); longer inputs
-# (a prefill's chain, a drafter's 600-node tree) stay on the batched products.
+# A scan of a tree of at most this many nodes a row takes the compiled tree kernel (decoding
+# trees); a longer chain (a prompt) the chain kernel, a longer tree (a drafter's 600-node tree) the
+# batched products.
 JIT_MAX_NODES = 64
 # Reassociation and fused multiply-adds let LLVM vectorise the dot products; no assumption that
 # values are finite (a NaN or inf must reach the logits, where decoding checks for them).
