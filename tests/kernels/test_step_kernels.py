@@ -5,11 +5,12 @@ path: the PyTorch reference, numba on the CPU ("auto" there) and Triton."""
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from strategies import dt_options, ssm_inputs, ssm_shapes
 
 from stree.kernels import conv_step, replay, selective_state_update
+from stree.kernels.cpu.replay_jit import LONG_PATH
 from stree.testing import max_rel_error, multistep_def, tree_conv1d_def
 
 FP32_TOL = 1e-5
@@ -64,6 +65,26 @@ def test_a_step_and_a_replay_of_one_token_leave_the_same_state_on_the_cpu(batch,
     replayed, _ = replay(inp["initial_state"], torch.zeros(batch, dim, 4), torch.zeros(batch, 1, dim), inp["x"],
                          inp["dt"], inp["B"], inp["A"], torch.zeros(batch, 1, dtype=torch.long),
                          torch.ones(batch, dtype=torch.long), **kw)
+    assert torch.equal(stepped, replayed)
+
+
+@pytest.mark.parametrize("tokens", [3, LONG_PATH + 5])
+@given(batch=st.integers(1, 2), shape=ssm_shapes(), dt_opts=dt_options(), seed=st.integers(0, 2**16))
+@settings(max_examples=10, deadline=None)
+def test_a_replay_of_a_path_leaves_the_state_of_as_many_steps_on_the_cpu(tokens, batch, shape, dt_opts, seed):
+    """A decoding path (channel by channel) and a prompt's (each head's state transposed,
+    ``LONG_PATH`` tokens and more) replay with the step's roundings, token after token: the
+    commit of a path leaves the bit-identical state of stepping its tokens one by one."""
+    inp = ssm_inputs(torch.Generator().manual_seed(seed), batch, tokens, shape, dt_opts)
+    kw = dict(dt_bias=inp["dt_bias"], dt_softplus=dt_opts["dt_softplus"], dt_limit=dt_opts["dt_limit"])
+    stepped = inp["initial_state"].clone()
+    for t in range(tokens):
+        selective_state_update(stepped, inp["x"][:, t], inp["dt"][:, t], inp["A"], inp["B"][:, t], inp["C"][:, t],
+                               D=inp["D"], **kw)
+    dim = 4
+    path = torch.arange(tokens).expand(batch, -1)
+    replayed, _ = replay(inp["initial_state"], torch.zeros(batch, dim, 4), torch.zeros(batch, tokens, dim), inp["x"],
+                         inp["dt"], inp["B"], inp["A"], path, torch.full((batch,), tokens), **kw)
     assert torch.equal(stepped, replayed)
 
 

@@ -15,6 +15,12 @@ from .step_jit import processed_dt
 
 __all__ = ["replay_layers"]
 
+# A path of at least this many tokens (a prompt's commit) is replayed with each head's state
+# transposed, the innermost loop along headdim over the whole path; shorter ones (a decoding tree's
+# accepted path) channel by channel along d_state, whose state is read and written once per channel
+# where the transposing costs more than the path.
+LONG_PATH = 16
+
 
 @njit(cache=True)
 def replay_layers(state, conv, xBC, x, dt, B, A, bias, has_bias, softplus, lo, hi, accepted, num, new_state,
@@ -32,6 +38,7 @@ def replay_layers(state, conv, xBC, x, dt, B, A, bias, has_bias, softplus, lo, h
     xs = np.empty((L, headdim), dtype=np.float32)  # dt_t x_t for the path's nodes, contiguous
     Bs = np.empty((L, dstate), dtype=np.float32)
     row = np.empty(dstate, dtype=np.float32)
+    rows = np.empty((dstate, headdim), dtype=np.float32)
     for l in range(layers):
         for b in range(batch):
             m = num[b]
@@ -45,14 +52,27 @@ def replay_layers(state, conv, xBC, x, dt, B, A, bias, has_bias, softplus, lo, h
                         xs[t, p] = d * x[l, b, node, h, p]
                     for s in range(dstate):
                         Bs[t, s] = B[l, b, node, g, s]
-                for p in range(headdim):
-                    for s in range(dstate):
-                        row[s] = state[l, b, h, p, s]
-                    for t in range(m):  # the channel loop innermost: contiguous, vectorised
+                if m < LONG_PATH:
+                    for p in range(headdim):
                         for s in range(dstate):
-                            row[s] = row[s] * decay[t] + xs[t, p] * Bs[t, s]
-                    for s in range(dstate):
-                        new_state[l, b, h, p, s] = row[s]
+                            row[s] = state[l, b, h, p, s]
+                        for t in range(m):  # the channel loop innermost: contiguous, vectorised
+                            for s in range(dstate):
+                                row[s] = row[s] * decay[t] + xs[t, p] * Bs[t, s]
+                        for s in range(dstate):
+                            new_state[l, b, h, p, s] = row[s]
+                else:  # a long path: the head's state transposed, the loop along p
+                    for p in range(headdim):
+                        for s in range(dstate):
+                            rows[s, p] = state[l, b, h, p, s]
+                    for t in range(m):  # (the same products and sums per entry, in the same order)
+                        for s in range(dstate):
+                            c = Bs[t, s]
+                            for p in range(headdim):
+                                rows[s, p] = rows[s, p] * decay[t] + xs[t, p] * c
+                    for p in range(headdim):
+                        for s in range(dstate):
+                            new_state[l, b, h, p, s] = rows[s, p]
             for d in range(dim):
                 for j in range(K):
                     q = m - K + j
