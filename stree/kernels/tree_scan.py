@@ -195,6 +195,11 @@ def tree_scan_torch(x, dt, A, B, C, parents, *, D=None, dt_bias=None, dt_softplu
     chain of more than ``CHAIN_BLOCK`` nodes (a prefill) runs block by block, as Mamba2's chunked
     scan does: each block from the state the blocks before it left."""
     index, D, dt_limit = _check_args(x, dt, A, B, C, parents, D, dt_bias, dt_limit, initial_state)
+    return _scan_torch(x, dt, A, B, C, index, D, dt_bias, dt_softplus, dt_limit, initial_state)
+
+
+def _scan_torch(x, dt, A, B, C, index, D, dt_bias, dt_softplus, dt_limit, initial_state):
+    """:func:`tree_scan_torch` on checked arguments (D ``[h, p]`` or None)."""
     batch, n, nheads, headdim = x.shape
     dt = process_dt(dt, dt_bias, dt_softplus, dt_limit)  # [b, n, h]
     if n > CHAIN_BLOCK and index.is_chain():
@@ -318,12 +323,10 @@ def tree_scan(x, dt, A, B, C, parents, *, D=None, dt_bias=None, dt_softplus=True
     if backend == "auto" and jit_tree_fits(x.shape[1], x, dt, A, B, C, D, dt_bias, initial_state):
         return _tree_scan_compiled(x, dt, A, B, C, parents, D, dt_bias, dt_softplus, dt_limit, initial_state)
     if backend == "auto" and jit_takes(x, dt, A, B, C, D, dt_bias, initial_state):  # a longer tree
-        index, D_hp, (lo, hi) = _check_args(x, dt, A, B, C, parents, D, dt_bias, dt_limit, initial_state)
+        index, D, (lo, hi) = _check_args(x, dt, A, B, C, parents, D, dt_bias, dt_limit, initial_state)
         if index.is_chain():  # a prompt's: its recurrence, compiled (a tree's masks stay batched products)
-            return _jit_scan(tree_jit.chain_scan_rows, x, dt, A, B, C, D_hp, dt_bias, dt_softplus, lo, hi,
-                             initial_state)
-        return tree_scan_torch(x, dt, A, B, C, index, D=D, dt_bias=dt_bias, dt_softplus=dt_softplus,
-                               dt_limit=dt_limit, initial_state=initial_state)
+            return _jit_scan(tree_jit.chain_scan_rows, x, dt, A, B, C, D, dt_bias, dt_softplus, lo, hi, initial_state)
+        return _scan_torch(x, dt, A, B, C, index, D, dt_bias, dt_softplus, (lo, hi), initial_state)
     if resolve_backend(backend, x.device) == "torch":
         return tree_scan_torch(x, dt, A, B, C, parents, D=D, dt_bias=dt_bias, dt_softplus=dt_softplus,
                              dt_limit=dt_limit, initial_state=initial_state)
