@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from ...kernels import conv_step, multistep_update, replay, selective_state_update, tree_conv1d, tree_scan
+from ...kernels.cpu.bound import Mamba2LayerJit
 from ...tree import TreeIndex, leaf_paths
 from ..base import derived, value_key
 from ..cache import SSMLayerState, SSMScratch
@@ -104,9 +105,38 @@ class Mamba2Mixer(nn.Module):
     def ssm_kwargs(self, prefill: bool = False):
         return dict(dt_bias=self.dt_bias, dt_limit=self.dt_limit(prefill))
 
+    def bound(self, backend: str, xBC: torch.Tensor, state: SSMLayerState) -> Mamba2LayerJit | None:
+        """The layer's numba kernels bound to its parameters, where a decoding pass may call them
+        directly (:class:`~stree.kernels.cpu.bound.Mamba2LayerJit`: the public kernels' results
+        without their per-call checks): CPU float32 activations, states and parameters, the "auto"
+        kernels, no gradient, no graph being compiled, a gated norm of the whole layer (not a
+        tensor-parallel rank's); else None."""
+        norm = self.norm
+        if (backend != "auto" or xBC.dtype != torch.float32 or not xBC.is_cpu or state.conv.dtype != torch.float32
+                or torch.is_grad_enabled() or torch.compiler.is_compiling()
+                or not isinstance(norm, GatedRMSNorm) or norm.tp is not None):
+            return None
+        conv = self.conv1d
+        params = [t for t in (conv.weight, conv.bias, self.A_log, self.D, self.dt_bias, norm.weight) if t is not None]
+        return derived(self, "bound", self._bind, key=value_key(*params))
+
+    def _bind(self) -> Mamba2LayerJit | None:
+        params = (self.conv1d.weight, self.conv1d.bias, self.A_log, self.D, self.dt_bias, self.norm.weight)
+        if not all(t is None or (t.is_cpu and t.dtype == torch.float32) for t in params):
+            return None
+        norm = self.norm
+        return Mamba2LayerJit(self.conv1d.weight, self.conv1d.bias, self.A(), self.D, self.dt_bias, norm.weight,
+                              norm.group_size, norm.eps, norm.gate_first)
+
     def tree(self, u, ctx, state: SSMLayerState):
         """Outputs for every node of the tree and the activations replay needs; state only read."""
         z, xBC, dt = self._split(u)
+        if ctx.scan == "tree" and isinstance(ctx.index, TreeIndex) and Mamba2LayerJit.takes_tree(xBC.shape[1]):
+            jit = self.bound(ctx.kernel_backend, xBC, state)
+            if jit is not None:
+                x, B, C = self._ssm_inputs(jit.tree_conv(xBC, ctx.index.parents, state.conv))
+                y = jit.tree_scan(x, dt, B, C, ctx.index.parents, state.ssm, self.dt_limit(ctx.prefill))
+                return self.out_proj(jit.gated_norm(y, z)), (xBC, x, dt, B)
         conv_out = tree_conv1d(xBC, ctx.index, state.conv, self.conv1d.weight, self.conv1d.bias,
                                backend=ctx.kernel_backend)
         x, B, C = self._ssm_inputs(conv_out)
@@ -122,6 +152,10 @@ class Mamba2Mixer(nn.Module):
     def step(self, u, state: SSMLayerState, ctx):
         """One token ``u [b, d]``; advances the layer's conv and SSM state in place."""
         z, xBC, dt = self._split(u)
+        jit = self.bound(ctx.kernel_backend, xBC, state)
+        if jit is not None:
+            x, B, C = self._ssm_inputs(jit.conv_step(xBC, state.conv))
+            return self.out_proj(jit.gated_norm(jit.state_update(x, dt, B, C, state.ssm, self.dt_limit(False)), z))
         conv = conv_step(xBC, state.conv, self.conv1d.weight, self.conv1d.bias, backend=ctx.kernel_backend)
         x, B, C = self._ssm_inputs(conv)
         y = selective_state_update(state.ssm, x, dt, self.A(), B, C, D=self.D, **self.ssm_kwargs(),

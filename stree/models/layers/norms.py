@@ -9,7 +9,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...kernels import gated_rms_norm, gated_rms_norm_torch, rms_norm
-from ..base import derived
+from ...kernels.cpu.bound import RMSNormJit
+from ..base import derived, value_key
 
 
 def fp32(param: torch.Tensor) -> torch.Tensor:
@@ -31,11 +32,28 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim, device=device, dtype=dtype))
 
     def forward(self, x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+        bound = self.bound(x, out_dtype)
+        if bound is not None:
+            return bound(x)
         xf = x if x.dtype == torch.float32 else x.float()
         if self.round_before_weight and out_dtype != torch.float32:
             return self.weight * rms_norm(xf, None, self.eps).to(out_dtype)
         y = rms_norm(xf, fp32(self.weight), self.eps)
         return y if out_dtype == torch.float32 else y.to(out_dtype)
+
+
+    def bound(self, x: torch.Tensor, out_dtype: torch.dtype) -> RMSNormJit | None:
+        """The numba kernel bound to the weight (:class:`~stree.kernels.cpu.bound.RMSNormJit`: the
+        public kernel's result without its per-call checks), where a decoding pass may call it
+        directly: CPU float32 in, out and weight, no gradient, no graph being compiled; else None."""
+        if (x.dtype != torch.float32 or out_dtype != torch.float32 or not x.is_cpu or torch.is_grad_enabled()
+                or torch.compiler.is_compiling()):
+            return None
+        return derived(self, "bound", self._bind, key=(value_key(self.weight), self.eps))
+
+    def _bind(self) -> RMSNormJit | None:
+        weight = self.weight
+        return RMSNormJit(weight, self.eps) if weight.is_cpu and weight.dtype == torch.float32 else None
 
 
 class GatedRMSNorm(RMSNorm):

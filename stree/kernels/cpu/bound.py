@@ -1,0 +1,131 @@
+"""A layer's numba kernels bound to its parameters, for a decoding pass on the CPU.
+
+The public kernels (:func:`~stree.kernels.tree_conv1d`, :func:`~stree.kernels.tree_scan`,
+:func:`~stree.kernels.gated_rms_norm`, :func:`~stree.kernels.conv_step`,
+:func:`~stree.kernels.selective_state_update`, :func:`~stree.kernels.rms_norm`) check every
+argument and read every parameter into numpy on each call. A layer of a small model spends more on
+that than on the kernels' own work, and a Mamba2 block makes four such calls a pass.
+:class:`Mamba2LayerJit` and :class:`RMSNormJit` read the parameters once (checked then) and call
+the same numba kernels directly on activations whose shapes the layer's own products and cache
+vouch for: the same results, bit for bit (tests/kernels/test_bound.py), without the per-call
+checks.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from .._common import as_numpy
+from .norm_jit import gated_rms_norm_rows, rms_norm_rows
+from .step_jit import conv_step_rows, state_update_rows
+from .tree_jit import JIT_MAX_NODES, tree_conv_rows, tree_scan_rows
+
+__all__ = ["Mamba2LayerJit", "RMSNormJit"]
+
+
+def _check_params(**tensors) -> None:
+    for name, t in tensors.items():
+        if t is not None and not (isinstance(t, torch.Tensor) and t.is_cpu and t.dtype == torch.float32):
+            raise TypeError(f"{name} must be a CPU float32 tensor, got {getattr(t, 'dtype', type(t))}")
+
+
+def _read(t: torch.Tensor) -> np.ndarray:
+    return t.detach().contiguous().numpy()
+
+
+class RMSNormJit:
+    """:func:`~stree.kernels.rms_norm` with ``weight [dim]`` (a CPU float32 tensor, read as it is
+    now) and ``eps``, of CPU float32 activations ``[..., dim]``."""
+
+    def __init__(self, weight: torch.Tensor, eps: float):
+        _check_params(weight=weight)
+        if weight.dim() != 1:
+            raise ValueError(f"weight must have shape [dim], got {tuple(weight.shape)}")
+        self.weight, self.eps = _read(weight), float(eps)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.empty(x.shape, dtype=torch.float32)
+        dim = x.shape[-1]
+        rms_norm_rows(as_numpy(x.reshape(-1, dim)), self.weight, True, self.eps, as_numpy(out).reshape(-1, dim))
+        return out
+
+
+class Mamba2LayerJit:
+    """The conv (``conv_weight [dim, 1, K]`` or ``[dim, K]``, ``conv_bias [dim]`` or None), the scan
+    (``A``, ``dt_bias [h]``, ``D [h]`` or ``[h, p]``; softplus; the clamp is each call's) and the
+    gated RMSNorm (``norm_weight [h * p]`` in groups of ``group_size``, ``eps``, ``gate_first``) of
+    one layer, every parameter a CPU float32 tensor, read as it is now: a layer whose parameters
+    change makes a new one (the model keys it by their versions). Activations are CPU float32
+    tensors, states float32 and contiguous; nothing about them is checked."""
+
+    def __init__(self, conv_weight, conv_bias, A, D, dt_bias, norm_weight, group_size: int, eps: float,
+                 gate_first: bool):
+        _check_params(conv_weight=conv_weight, conv_bias=conv_bias, A=A, D=D, dt_bias=dt_bias, norm_weight=norm_weight)
+        dim, heads = conv_weight.shape[0], A.shape[0]
+        if conv_bias is not None and tuple(conv_bias.shape) != (dim,):
+            raise ValueError(f"conv_bias must have shape ({dim},), got {tuple(conv_bias.shape)}")
+        if tuple(dt_bias.shape) != (heads,) or D.shape[0] != heads or norm_weight.numel() % heads:
+            raise ValueError(f"dt_bias, D and the norm's channels must come in A's {heads} heads, got "
+                             f"{tuple(dt_bias.shape)}, {tuple(D.shape)} and {tuple(norm_weight.shape)}")
+        if norm_weight.numel() % group_size:
+            raise ValueError(f"group_size ({group_size}) must divide the norm's {norm_weight.numel()} channels")
+        headdim = norm_weight.numel() // heads
+        self.conv_weight = _read(conv_weight.reshape(dim, -1))
+        self.has_conv_bias = conv_bias is not None
+        self.conv_bias = _read(conv_bias) if conv_bias is not None else self.conv_weight[:, 0]
+        self.A, self.dt_bias = _read(A), _read(dt_bias)
+        self.D = _read(D if D.dim() == 2 else D[:, None].expand(heads, headdim))  # (the kernels' [h, p])
+        self.norm_weight = _read(norm_weight.reshape(-1, group_size))
+        self.group_size, self.eps, self.gate_first = group_size, float(eps), bool(gate_first)
+
+    @staticmethod
+    def takes_tree(n: int) -> bool:
+        """Whether :meth:`tree_conv` and :meth:`tree_scan` take a tree of ``n`` nodes (the tree
+        kernels' sizes; a prompt's longer chain is the public kernels' work)."""
+        return n <= JIT_MAX_NODES
+
+    # -- a tree pass: every node's outputs, the states only read -------------------------------
+    def tree_conv(self, xBC: torch.Tensor, parents: torch.Tensor, conv_state: torch.Tensor) -> torch.Tensor:
+        """:func:`~stree.kernels.tree_conv1d` with SiLU: xBC ``[b, n, dim]``, parents ``[rows, n]``
+        (rows 1 or b), conv_state ``[b, dim, K]``."""
+        out = torch.empty(xBC.shape, dtype=torch.float32)
+        tree_conv_rows(as_numpy(xBC), as_numpy(parents), as_numpy(conv_state), self.conv_weight, self.conv_bias,
+                       self.has_conv_bias, as_numpy(out))
+        return F.silu(out, inplace=True)  # (vectorised, as the public kernel's)
+
+    def tree_scan(self, x, dt, B, C, parents: torch.Tensor, ssm_state: torch.Tensor, dt_limit) -> torch.Tensor:
+        """:func:`~stree.kernels.tree_scan` with D, dt_bias, softplus and ``dt_limit`` ``(lo, hi)``:
+        x ``[b, n, h, p]``, dt ``[b, n, h]``, B and C ``[b, n, g, s]``, ssm_state ``[b, h, p, s]``."""
+        y = torch.empty(x.shape, dtype=torch.float32)
+        tree_scan_rows(as_numpy(x), as_numpy(dt), self.A, as_numpy(B), as_numpy(C), self.D, True, self.dt_bias, True,
+                       True, float(dt_limit[0]), float(dt_limit[1]), as_numpy(parents), as_numpy(ssm_state), True,
+                       as_numpy(y))
+        return y
+
+    # -- a step: one token a row, the states advanced in place --------------------------------
+    def conv_step(self, xBC: torch.Tensor, conv_state: torch.Tensor) -> torch.Tensor:
+        """:func:`~stree.kernels.conv_step` with SiLU: xBC ``[b, dim]``, conv_state ``[b, dim, K]``."""
+        out = torch.empty(xBC.shape, dtype=torch.float32)
+        conv_step_rows(as_numpy(xBC), as_numpy(conv_state), self.conv_weight, self.conv_bias, self.has_conv_bias, True,
+                       as_numpy(out))
+        return out
+
+    def state_update(self, x, dt, B, C, ssm_state: torch.Tensor, dt_limit) -> torch.Tensor:
+        """:func:`~stree.kernels.selective_state_update` (as :meth:`tree_scan`): x ``[b, h, p]``,
+        dt ``[b, h]``, B and C ``[b, g, s]``, ssm_state ``[b, h, p, s]``."""
+        y = torch.empty(x.shape, dtype=torch.float32)
+        state_update_rows(as_numpy(ssm_state), as_numpy(x), as_numpy(dt), self.A, as_numpy(B), as_numpy(C), self.D,
+                          True, self.dt_bias, True, True, float(dt_limit[0]), float(dt_limit[1]), as_numpy(y))
+        return y
+
+    # -- either: the gated norm of the scan's outputs -------------------------------------------
+    def gated_norm(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        """:func:`~stree.kernels.gated_rms_norm` of y ``[..., h, p]`` (contiguous, the scan's) gated
+        by z ``[..., h * p]``; returns ``[..., h * p]``."""
+        width = self.group_size
+        out = torch.empty(z.shape, dtype=torch.float32)
+        gated_rms_norm_rows(as_numpy(y).reshape(-1, width), as_numpy(F.silu(z).reshape(-1, width)), self.norm_weight,
+                            True, self.eps, self.gate_first, as_numpy(out).reshape(-1, width))
+        return out

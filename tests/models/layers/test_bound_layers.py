@@ -1,0 +1,109 @@
+"""A decoding pass of a CPU float32 model calls its layers' numba kernels bound to their parameters
+(stree.kernels.cpu.bound) in place of the checked public kernels: the same logits and states bit
+for bit, parameters changed between passes read anew, and the public kernels wherever the bound
+ones do not apply (half precision, gradients, a tree the tree kernels do not take)."""
+
+import pytest
+import torch
+from tiny_models import FAMILIES, VOCAB
+
+from stree.kernels.cpu import bound
+from stree.models.layers.mamba2 import Mamba2Mixer
+from stree.models.layers.norms import RMSNorm
+from stree.tree import TokenTree, TreeShape
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    """How often a bound kernel ran, by name."""
+    seen = {}
+    for cls, names in ((bound.Mamba2LayerJit, ("tree_scan", "state_update")), (bound.RMSNormJit, ("__call__",))):
+        for name in names:
+            real = getattr(cls, name)
+
+            def counted(self, *a, _real=real, _name=name):
+                seen[_name] = seen.get(_name, 0) + 1
+                return _real(self, *a)
+            monkeypatch.setattr(cls, name, counted)
+    return seen
+
+
+@pytest.fixture
+def public(monkeypatch):
+    """A switch: on, every layer takes the public kernels."""
+    state = {"on": False}
+    for cls in (Mamba2Mixer, RMSNorm):
+        real = cls.bound
+        monkeypatch.setattr(cls, "bound", lambda self, *a, _real=real: None if state["on"] else _real(self, *a))
+    return state
+
+
+def _passes(model, cache, gen):
+    """Logits of a tree pass (13 nodes, two rows) and of two steps, and the states they leave."""
+    tree = TokenTree.from_shape(TreeShape.from_spec("paper13"), torch.randint(0, VOCAB, (2, 13), generator=gen))
+    logits, tree_pass = model.forward_tree(tree, cache)
+    model.commit(cache, tree_pass, torch.tensor([[0, 1, 4], [0, 2, 0]]), torch.tensor([3, 2]))
+    out = [logits]
+    for _ in range(2):
+        out.append(model.step(torch.randint(0, VOCAB, (2,), generator=gen), cache))
+    return out + [t for t in (cache.conv, cache.ssm, cache.k, cache.v) if t is not None]
+
+
+def _prefilled(model):
+    cache = model.allocate_cache(2, 96)
+    model.prefill(torch.randint(0, VOCAB, (2, 7), generator=torch.Generator().manual_seed(1)), cache)
+    return cache
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_decoding_pass_calls_the_bound_kernels_with_the_public_results(family, calls, public):
+    model = FAMILIES[family]()
+    cache = _prefilled(model)
+    other = cache.clone()
+    got = _passes(model, cache, torch.Generator().manual_seed(2))
+    assert calls["tree_scan"] >= 1 and calls["state_update"] >= 2 and calls["__call__"] >= 3
+    seen = dict(calls)
+    public["on"] = True
+    want = _passes(model, other, torch.Generator().manual_seed(2))
+    assert calls == seen  # (none ran with the switch on)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+def test_parameters_changed_between_passes_are_read_anew(public):
+    model = FAMILIES["mamba2"]()
+    cache = _prefilled(model)
+    _passes(model, cache.clone(), torch.Generator().manual_seed(3))  # (binds every layer)
+    mixer = model.blocks[0].mixer
+    with torch.no_grad():
+        mixer.dt_bias.add_(0.5)
+        mixer.conv1d.weight.mul_(0.7)
+        mixer.A_log.sub_(0.2)
+        mixer.D.add_(0.3)
+        mixer.norm.weight.mul_(1.5)
+        model.blocks[1].norm.weight.add_(0.25)
+        model.final_norm.weight.data = model.final_norm.weight.data * 1.1  # (new memory)
+        mixer.conv1d.bias.data = mixer.conv1d.bias.data + 0.1  # (new memory, version 0)
+    other = cache.clone()
+    got = _passes(model, cache, torch.Generator().manual_seed(4))
+    public["on"] = True
+    want = _passes(model, other, torch.Generator().manual_seed(4))
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+def test_half_precision_gradients_and_long_trees_take_the_public_kernels(calls):
+    model = FAMILIES["mamba2"]().to(torch.bfloat16)
+    _passes(model, _prefilled(model), torch.Generator().manual_seed(5))
+    assert calls == {}
+    model = FAMILIES["mamba2"]()
+    cache = _prefilled(model)
+    calls.clear()
+    long = TokenTree.from_shape(TreeShape.chain(bound.JIT_MAX_NODES), torch.randint(0, VOCAB, (2, 65)))
+    model.forward_tree(long, cache)  # (a prompt's chain: the chain kernel, through the public scan)
+    assert "tree_scan" not in calls
+    mixer, state = model.blocks[0].mixer, cache.layers[0]
+    xBC = torch.zeros(2, 1, mixer.cfg.conv_dim)
+    with torch.enable_grad():
+        assert mixer.bound("auto", xBC, state) is None and model.blocks[0].norm.bound(xBC, torch.float32) is None
+    with torch.no_grad():
+        assert mixer.bound("triton", xBC, state) is None
+        assert isinstance(mixer.bound("auto", xBC, state), bound.Mamba2LayerJit)
