@@ -5,7 +5,8 @@ against are the float64 definitions in :mod:`stree.testing`).
 ``backend="auto"`` runs Triton on CUDA tensors and the PyTorch path on CPU tensors, except the
 decode step's two kernels, replay, small trees' conv and scan, and the norms, which run
 numba-compiled on CPU tensors (:mod:`.step_jit`, :mod:`.replay_jit`, :mod:`.tree_jit`,
-:mod:`.norm_jit`; half ones read through float32 copies, :func:`._common.readable`); ``"torch"``
+:mod:`.norm_jit`; half ones read through float32 copies, :func:`._common.readable`; a CPU float32
+model's decoding pass calls them through :mod:`.cpu.bound`, bound to each layer's parameters); ``"torch"``
 is the PyTorch path anywhere; ``"triton"`` on CPU tensors needs ``TRITON_INTERPRET=1`` set before this
 package is imported.
 """
