@@ -116,13 +116,13 @@ class Mamba2Mixer(nn.Module):
                 or torch.is_grad_enabled() or torch.compiler.is_compiling()
                 or not isinstance(norm, GatedRMSNorm) or norm.tp is not None):
             return None
-        conv = self.conv1d
-        params = [t for t in (conv.weight, conv.bias, self.A_log, self.D, self.dt_bias, norm.weight) if t is not None]
-        return derived(self, "bound", self._bind, key=value_key(*params))
+        return derived(self, "bound", self._bind, key=value_key(*(t for t in self._bound_params() if t is not None)))
+
+    def _bound_params(self) -> tuple:
+        return self.conv1d.weight, self.conv1d.bias, self.A_log, self.D, self.dt_bias, self.norm.weight
 
     def _bind(self) -> Mamba2LayerJit | None:
-        params = (self.conv1d.weight, self.conv1d.bias, self.A_log, self.D, self.dt_bias, self.norm.weight)
-        if not all(t is None or (t.is_cpu and t.dtype == torch.float32) for t in params):
+        if not all(t is None or (t.is_cpu and t.dtype == torch.float32) for t in self._bound_params()):
             return None
         norm = self.norm
         return Mamba2LayerJit(self.conv1d.weight, self.conv1d.bias, self.A(), self.D, self.dt_bias, norm.weight,

@@ -41,7 +41,6 @@ class RMSNorm(nn.Module):
         y = rms_norm(xf, fp32(self.weight), self.eps)
         return y if out_dtype == torch.float32 else y.to(out_dtype)
 
-
     def bound(self, x: torch.Tensor, out_dtype: torch.dtype) -> RMSNormJit | None:
         """The numba kernel bound to the weight (:class:`~stree.kernels.cpu.bound.RMSNormJit`: the
         public kernel's result without its per-call checks), where a decoding pass may call it
