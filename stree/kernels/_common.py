@@ -47,6 +47,14 @@ _VIEWS: dict[int, tuple] = {}
 _WIDE: dict[int, tuple] = {}
 
 
+def version(t: torch.Tensor) -> int:
+    """``t``'s version counter (bumped by every in-place change), -1 for an inference tensor (one
+    made under ``torch.inference_mode``, as a model loaded inside it has for parameters), which
+    keeps none: such a tensor cannot be changed outside inference mode, and a copy made of it is
+    kept while its memory stays the same."""
+    return -1 if t.is_inference() else t._version
+
+
 def kept(store: dict, tensor: torch.Tensor, key: tuple, make):
     """``make(tensor.detach())``, kept in ``store`` (by the tensor's id) while ``key`` (what the
     result depends on: the tensor's memory, layout, version) stays the same; the entry goes with
@@ -81,7 +89,7 @@ def readable(t: torch.Tensor):
         return as_numpy(t)
     if not t.requires_grad:
         return t.float().numpy()
-    return kept(_WIDE, t, (t._version, t.data_ptr(), t.shape, t.stride()), lambda d: d.float().numpy())
+    return kept(_WIDE, t, (version(t), t.data_ptr(), t.shape, t.stride()), lambda d: d.float().numpy())
 
 
 def resolve_backend(backend: str, device: torch.device) -> str:

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from ..kernels import MAX_TREE_NODES
+from ..kernels._common import version
 from ..tree import PackedTrees, TokenTree, TreeIndex, TreeShape
 from .cache import AttnLayerState, ModelCache, SSMLayerState, TreePass, chain_chunks
 from .layers.linear import Linear
@@ -28,7 +29,7 @@ SCANS = ("tree", "chain", "unrolled")  # how the SSM layers walk a draft (forwar
 def value_key(*tensors) -> tuple:
     """What identifies the values of ``tensors`` without reading them: each one's version counter
     and storage (a model moved to another device or dtype has new storages, its counters restart)."""
-    return tuple((t._version, t.data_ptr(), t.device) for t in tensors)
+    return tuple((version(t), t.data_ptr(), t.device) for t in tensors)
 
 
 def derived(owner, name: str, fn, key=None):

@@ -44,7 +44,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ...kernels._common import kept
+from ...kernels._common import kept, version
 
 __all__ = ["Linear", "following", "leading", "linear", "measure"]
 
@@ -120,7 +120,7 @@ def _bucket(rows: int) -> int:
 def _copy(store: dict, tensor: torch.Tensor, make) -> torch.Tensor:
     """``make(tensor)``, kept in ``store`` until the tensor changes (its version counter or storage)
     or goes."""
-    return kept(store, tensor, (tensor._version, tensor.data_ptr()), make)
+    return kept(store, tensor, (version(tensor), tensor.data_ptr()), make)
 
 
 def _packed(weight: torch.Tensor) -> torch.Tensor:
