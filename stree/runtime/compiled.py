@@ -21,6 +21,7 @@ from the context, are views whose strides would compile the function again insid
 
 from __future__ import annotations
 
+import re
 import types
 import weakref
 
@@ -46,18 +47,24 @@ def _tree(model: TreeLM, tokens, index, cache: ModelCache):
     return model.tree_layers(tokens, index, cache, "tree", KERNELS)
 
 
+# a guard's source that reads the model, a module global or a class's attributes (methods,
+# properties: code, not inputs), also where nested (``dict(type(model).__mro__[1].__dict__)[...]``)
+_READS_CODE = re.compile(r"\bmodel\b|G\[|\btype\(")
+
+
 def _inputs_only(entries) -> list[bool]:
     """Which of a compiled call's guards it keeps: those on its arguments other than the model (the
     tokens, the cache's tensors, the tree index, Python constants) and on the global state (grad
     mode, default device, ...). Dropped: those reading the model (its modules' attributes and
-    hooks, its parameters' metadata) and module globals (stree's and torch's functions and
-    constants), most of a call's guard work.
+    hooks, its parameters' metadata), module globals (stree's and torch's functions and
+    constants) and classes' attributes (the methods and properties of the model's and the tree
+    index's classes), most of a call's guard work.
     Safe here because every CompiledModel compiles its own copies of the functions (no guard has
     to tell models apart), refuses a model whose dtype or device changed, and hands the graph the
     parameters afresh each call (their values; Inductor checks the sizes and strides of what it
-    is handed); a model given new modules or hooks, or a module global rebound, needs a new
-    CompiledModel."""
-    return [not (entry.name.startswith("model") or entry.name.startswith("G[")) for entry in entries]
+    is handed); a model given new modules or hooks, a module global rebound or a class patched
+    needs a new CompiledModel."""
+    return [_READS_CODE.search(entry.name) is None for entry in entries]
 
 
 # (the torch releases that take guard filters are those that ship torch's own)
@@ -75,7 +82,9 @@ def _own_compiled(fn):
     """``fn`` compiled from its own copy of the code: dynamo keeps graphs per code object, so the
     copy has its own graphs and its own recompile count."""
     copy = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__)
-    return torch.compile(copy, dynamic=False, options=_OPTIONS)
+    # (a copy of the options: torch.compile pops the guard filter out of the dict it is handed, and
+    # every function compiled after the first kept all its guards, the model's and globals' too)
+    return torch.compile(copy, dynamic=False, options=dict(_OPTIONS))
 
 
 class CompiledModel:
