@@ -6,7 +6,8 @@
 Every configuration runs once on every batch of prompts first (numba compiling, torch.compile,
 measuring the machine's costs, each prompt length's first prefill; short runs where nothing
 compiles), then the configurations of one (mode, batch size, temperature) take turns
-on every batch of prompts, the order rotating, so that drift hits all alike (``--rounds`` times;
+on every batch of prompts, the order rotating (reversed every other cycle, so that no configuration
+always follows the same one), so that drift hits all alike (``--rounds`` times;
 the same seed per batch of prompts in every round). Reported per
 configuration: tokens/s, the gain over autoregressive decoding (and the quartiles of each turn's
 gain over the autoregressive run of the same prompts in the same turn: paired, so that the
@@ -122,7 +123,10 @@ def main(argv=None):
         warmup = time.perf_counter() - t0
         runs = {name: [] for name in names}
         for turn, (_, start) in enumerate(itertools.product(range(args.rounds), starts)):
-            order = names[turn % len(names):] + names[: turn % len(names)]
+            # every other cycle of the rotation runs the names reversed: a rotation alone keeps each
+            # configuration after the same one (and whatever that one leaves in the caches)
+            base = names if turn // len(names) % 2 == 0 else names[::-1]
+            order = base[turn % len(base):] + base[: turn % len(base)]
             for name in order:
                 runs[name].append(run(name, prompts[start: start + batch], start))
         ar = [o for o, _ in runs["autoregressive"]]
