@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from ..drafters.base import DraftContext, Drafter
+from ..models.layers import linear
 from ..models.layers.linear import following, leading, measure
 from ..runtime.compiled import CompiledDecode
 from ..runtime.graphs import DecodeGraphs
@@ -165,6 +166,9 @@ class _Loop:
         # a speculative loop's plain steps read the weight copies its tree passes use (models.layers.linear)
         self.plain_scope, self.tree_scope = ((following, leading) if config.speculative
                                              else (contextlib.nullcontext,) * 2)
+        # plain steps since the last tree pass: past linear.FOLLOW_WIDE (a step multiplies each weight
+        # once) following() has nothing left to follow, and its per-product lookups cost ~1% of a step
+        self.since_tree = linear.FOLLOW_WIDE
         # Eager, the device batch holds the unfinished rows only: ``held`` (None: every row, in
         # order) names the batch rows its rows are; ``given``: the caller's cache, which gets each
         # row's state back as the row leaves (and the rest at the end).
@@ -285,11 +289,14 @@ class _Loop:
             stats.time_draft += self.clock.lap()
         if full is None:  # autoregressive, or a plain step chosen over the tree
             drafter_k = None if self.drafter is None or self.plain_run is not None else self.drafter.plain_top_k
-            with self.plain_scope():
+            scope = self.plain_scope if self.since_tree < linear.FOLLOW_WIDE else contextlib.nullcontext
+            self.since_tree += 1
+            with scope():
                 host = autoregressive_step(self.model, self.cache, device_roots.to(c.device, non_blocking=True),
                                            self.params, c.generator, self.runner, laws(drafter_k, c.logprobs))
             stats.time_verify += self.clock.lap()
         else:
+            self.since_tree = 0
             with self.tree_scope():
                 host, result = speculative_step(c.target, self.cache, full, self.params, c.generator, c.scan, c.top_k,
                                                 lap=self.lap, runner=self.runner)

@@ -228,12 +228,14 @@ def test_bad_inputs_name_the_argument():
 
 
 def test_only_a_speculative_loops_plain_steps_follow_the_tree_passes_weights(monkeypatch):
-    """A speculative loop's plain steps run inside models.layers.linear.following and its tree passes
-    inside leading (the steps read the weight copies the passes use); autoregressive decoding
-    enters neither."""
+    """A speculative loop's tree passes run inside models.layers.linear.leading, and its plain
+    steps inside following (they read the weight copies the passes use) for FOLLOW_WIDE steps
+    after a pass, no more (a step multiplies each weight once: past them following has nothing
+    left to follow, and its lookups cost each product); autoregressive decoding enters neither."""
     import contextlib
 
     import stree.decoding.loop as gen
+    import stree.models.layers.linear as lin
     from stree.decoding.autotree import AutoTree
     from stree.decoding.cost import CostProfile
 
@@ -246,17 +248,32 @@ def test_only_a_speculative_loops_plain_steps_follow_the_tree_passes_weights(mon
             yield
         return block
 
+    def plain(*args, **kwargs):
+        entered.append("plain")
+        return step(*args, **kwargs)
+
+    step = gen.autoregressive_step
     monkeypatch.setattr(gen, "following", counting("follow"))
     monkeypatch.setattr(gen, "leading", counting("lead"))
+    monkeypatch.setattr(gen, "autoregressive_step", plain)
+    monkeypatch.setattr(lin, "FOLLOW_WIDE", 2)
     model = mamba2(seed=0)
-    prompt = [[1, 2, 3, 4]]
-    generate(model, prompt, max_new_tokens=6, method="autoregressive")
-    assert entered == []
-    dear = AutoTree(CostProfile(1.0, (2, 4), (60.0, 70.0)))  # trees that never pay: plain steps
-    out = generate(model, prompt, max_new_tokens=6, drafter=NGramDrafter(), tree=dear)
-    assert entered.count("follow") == out.stats.trees[1] > 0
+    generate(model, [[1, 2, 3, 4]], max_new_tokens=6, method="autoregressive")
+    assert set(entered) == {"plain"}
     entered.clear()
-    out = generate(model, prompt, max_new_tokens=6, drafter=NGramDrafter(), tree=TreeShape.chain(2))
+    cheap = AutoTree(CostProfile(1.0, (2, 4), (1.0, 1.0)))  # trees where the n-gram drafts, else plain steps
+    generate(model, [[1, 2, 3, 1, 2, 3, 1, 2]], max_new_tokens=24, drafter=NGramDrafter(), tree=cheap)
+    since, followed = None, []  # plain steps since the last pass (None: no pass yet)
+    for i, role in enumerate(entered):
+        if role == "lead":
+            since = 0
+        elif role == "plain":
+            followed.append(i > 0 and entered[i - 1] == "follow")
+            assert followed[-1] == (since is not None and since < lin.FOLLOW_WIDE), entered
+            since = None if since is None else since + 1
+    assert True in followed and False in followed and entered.count("lead") > 1  # both kinds of plain step met
+    entered.clear()
+    out = generate(model, [[1, 2, 3, 4]], max_new_tokens=6, drafter=NGramDrafter(), tree=TreeShape.chain(2))
     assert len(entered) == out.stats.target_forwards and set(entered) == {"lead"}  # every step a tree pass
 
 

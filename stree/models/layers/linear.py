@@ -103,7 +103,8 @@ def following():
     the step's own (``MARGIN``) is followed: with three paths a tree's could be one that costs a
     step's row several times its own (oneDNN's packed product of one or two rows on the Intel
     Xeon), and following it there cost the loop more than the caches gave back. Past those
-    products a run of plain steps takes its own path again.
+    products a run of plain steps takes its own path again (the decoding loop then leaves this
+    block out: a step multiplies each weight once, and the lookups here cost each product).
     Autoregressive decoding and prefills enter neither block."""
     return _role("follow")
 
