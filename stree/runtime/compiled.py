@@ -95,7 +95,9 @@ class CompiledModel:
     model can be handed over in its place. ``CompiledModel.of(model)`` shares one per model.
 
     The model's parameters may change in value, not in dtype, device or shape (a changed dtype or
-    device is refused: wrap the model again)."""
+    device is refused: wrap the model again). Modules with a ``compile_layout`` method (Mamba2
+    mixers) lay their parameters out as the compiled loops read them fastest, when wrapped and
+    again before each call (a checkpoint loaded in place may have brought another layout back)."""
 
     _shared: "weakref.WeakKeyDictionary[TreeLM, CompiledModel]" = weakref.WeakKeyDictionary()
 
@@ -104,6 +106,8 @@ class CompiledModel:
             raise ValueError(f"the compiled decode path is for stree models on the CPU (CUDA replays graphs), got "
                              f"{type(model).__name__} on {getattr(model, 'device', None)}")
         self.model = model
+        self._laid = [m for m in model.modules() if hasattr(m, "compile_layout")]
+        self._lay_out()
         self._made_for = (model.dtype, model.device)
         self._fns: dict = {}  # (function, batch size, tree shape) -> its own compiled copy
         self._warm: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictionary()
@@ -117,11 +121,16 @@ class CompiledModel:
     def __getattr__(self, name):
         return getattr(self.model, name)
 
+    def _lay_out(self) -> None:
+        for module in self._laid:
+            module.compile_layout()
+
     @torch.no_grad()  # what is traced is inference: no autograd graph around the parameters
     def _call(self, fn, key, *args):
         if (self.model.dtype, self.model.device) != self._made_for:
             raise ValueError(f"the model is now {self.model.dtype} on {self.model.device} but was compiled for "
                              f"{self._made_for[0]} on {self._made_for[1]}: make a new CompiledModel")
+        self._lay_out()  # (a graph compiled for one layout asserts it: Inductor checks its inputs' strides)
         compiled = self._fns.get((fn, key))
         if compiled is None:
             compiled = self._fns[(fn, key)] = _own_compiled(fn)

@@ -12,6 +12,7 @@ from torch._dynamo.utils import counters
 from stree.decoding.autotree import FIXED
 from stree.drafters.registry import make_drafter
 from stree.decoding.loop import generate
+from stree.checkpoints.io import load, save
 from stree.runtime import CompiledDecode, CompiledModel
 from stree.testing import MarkovLM
 from stree.tree import TokenTree, TreeShape
@@ -182,6 +183,41 @@ def test_compiled_model_refuses_what_it_cannot_compile():
     model.double()  # its graphs (guards on torch's own modules skipped) would not know
     with pytest.raises(ValueError, match="the model is now torch.float64 on cpu but was compiled for torch.float32"):
         compiled.step(torch.tensor([1]), cache)
+
+
+def test_compiled_model_lays_conv_taps_along_the_channels_in_the_same_parameters(tmp_path):
+    """Every Mamba2 conv weight taps-major once wrapped (Inductor vectorises the tree conv's taps
+    along the channels only so), the same Parameters with the same values; laid out so again
+    before a call after something brought nn.Conv1d's layout back (the graph asserts the strides
+    it was compiled for); saved, the same weights."""
+    model = FAMILIES["hybrid"](seed=7)
+    mixers = [m for m in model.modules() if hasattr(m, "compile_layout")]
+    params = [m.conv1d.weight for m in mixers]
+    values = [p.detach().clone() for p in params]
+    assert mixers and all(p.stride(0) != 1 for p in params)
+    compiled = CompiledModel(model)
+
+    def laid_out():
+        for m, p, v in zip(mixers, params, values):
+            assert m.conv1d.weight is p and torch.equal(p.detach(), v)
+            assert p.stride(0) == 1 and p.reshape(p.shape[0], -1).t().is_contiguous()
+
+    laid_out()
+    shape = TreeShape.paper13()
+    for seed in range(2):
+        cache, eager = _pair(model)
+        tokens = torch.randint(0, VOCAB, (2, shape.n), generator=torch.Generator().manual_seed(seed))
+        want, _ = model.forward_tree(TokenTree.from_shape(shape, tokens), eager)
+        got, _ = compiled.forward_tree(TokenTree.from_shape(shape, tokens), cache)
+        assert (got - want).abs().max() <= 1e-5
+        laid_out()
+        with torch.no_grad():
+            for p in params:
+                p.data = p.data.contiguous()
+    save(model, tmp_path)
+    loaded = load(tmp_path)
+    for name, value in model.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], value), name
 
 
 def test_each_compiled_model_has_its_own_graphs():

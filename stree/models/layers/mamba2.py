@@ -50,6 +50,17 @@ class Mamba2Mixer(nn.Module):
         if cfg.proj_scales is not None:
             self.register_buffer("mup_vector", self.proj_multipliers(device, dtype), persistent=False)
 
+    def compile_layout(self) -> None:
+        """Lay the conv weight out taps-major (stride 1 along the channels; the same values in the
+        same Parameter), as :class:`~stree.runtime.CompiledModel` wants it: Inductor vectorises the
+        tree conv's taps along the channels only where they are contiguous there (laid out as
+        ``nn.Conv1d`` makes it, its gather ran one channel at a time). Every other path takes any
+        strides, and a checkpoint is written contiguous."""
+        weight = self.conv1d.weight
+        if weight.shape[0] > 1 and weight.stride(0) != 1:
+            with torch.no_grad():
+                weight.data = weight.detach().permute(2, 1, 0).contiguous().permute(2, 1, 0)
+
     def proj_multipliers(self, device=None, dtype=None) -> torch.Tensor:
         """Falcon-H1's ``mup_vector``: each in_proj output segment's multiplier, per channel."""
         cfg = self.cfg
