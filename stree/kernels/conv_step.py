@@ -63,17 +63,17 @@ def _check_args(x, conv_state, weight, bias, activation, state_indices=None):
 
 
 def conv_step_torch(x, conv_state, weight, bias=None, activation="silu"):
-    """The window as one tensor, the taps and bias as one batched product over the channels (in
-    fp32). (A grouped conv1d would be one op too, but on the CPU it costs ten times as much.)"""
+    """The window as one tensor, times the taps, summed (in fp32). Under ``torch.compile`` Inductor
+    fuses these into one loop with what reads the output; a batched product over the channels
+    (one op, as a grouped conv1d would be) is a call of its own there, and its ``[dim, b]`` output
+    left the loops after it (the step's state update, its norm) reading strided, mostly one
+    element at a time. Eager on the CPU the product measured the slower too (docs/benchmarks.md)."""
     weight = _check_args(x, conv_state, weight, bias, activation)
     window = torch.cat([conv_state[..., 1:], x[..., None].to(conv_state.dtype)], dim=-1)
     conv_state.copy_(window)
-    taps = f32(weight)[:, :, None]  # [dim, K, 1]: channel d's taps as one matrix of the batch
-    if bias is None:
-        out = torch.bmm(f32(window).transpose(0, 1), taps)
-    else:
-        out = torch.baddbmm(f32(bias)[:, None, None], f32(window).transpose(0, 1), taps)
-    out = out[..., 0].t()  # [dim, b, 1] -> [b, dim]
+    out = (f32(window) * f32(weight)).sum(-1)  # [b, dim, K] * [dim, K] -> [b, dim]
+    if bias is not None:
+        out = out + f32(bias)
     if activation == "silu":
         out = F.silu(out)
     return out if out.dtype == x.dtype else out.to(x.dtype)

@@ -220,6 +220,21 @@ def test_compiled_model_lays_conv_taps_along_the_channels_in_the_same_parameters
         assert torch.equal(loaded.state_dict()[name], value), name
 
 
+def test_a_compiled_step_calls_no_batched_product(model):
+    """A step's work beside its linear layers is elementwise (the conv's taps, the state update,
+    the norms): Inductor fuses it into its own loops. The conv step as a batched product over the
+    channels was an extern call in each layer, and its ``[dim, b]`` output left the loops after it
+    reading strided."""
+    cache, _ = _pair(model)
+    compiled = CompiledModel.of(model)
+    compiled.step(torch.tensor([5, 7]), cache)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        compiled.step(torch.tensor([5, 7]), cache)
+    names = {e.key for e in prof.key_averages()}
+    assert any(n.startswith("graph_0_cpp_fused") or "CompiledFxGraph" in n for n in names)  # (it ran compiled)
+    assert not names & {"aten::bmm", "aten::baddbmm"}, sorted(names)
+
+
 def test_each_compiled_model_has_its_own_graphs():
     """Two models of one config: each compiles its own step (no guard has to tell them apart),
     and each gives its own model's logits."""
