@@ -89,12 +89,16 @@ class PathRates:
         self.decay, self.weight, self.prior = decay, weight, np.asarray(prior, dtype=np.float64)
         self.accepted = np.zeros((self.DEPTH + 1, self.RANKS))
         self.reached = np.zeros((self.DEPTH + 1, self.RANKS))
+        self.version = 0  # bumped by every record
+        self._hazard: tuple[int, np.ndarray] | None = None  # (version, hazard()): a step weighs them several times
 
     def hazard(self) -> np.ndarray:
-        """``[DEPTH + 1, RANKS]`` (row 0 unused)."""
-        w = self.weight
-        by_rank = (self.accepted.sum(0) + w * self.prior) / (self.reached.sum(0) + w)
-        return (self.accepted + w * by_rank) / (self.reached + w)
+        """``[DEPTH + 1, RANKS]`` (row 0 unused); one array per version, not to be written to."""
+        if self._hazard is None or self._hazard[0] != self.version:
+            w = self.weight
+            by_rank = (self.accepted.sum(0) + w * self.prior) / (self.reached.sum(0) + w)
+            self._hazard = (self.version, (self.accepted + w * by_rank) / (self.reached + w))
+        return self._hazard[1]
 
     def positional(self) -> np.ndarray:
         """The chance that rank j's child is the accepted one, given its parent was: h(d, j)
@@ -108,6 +112,7 @@ class PathRates:
         """Learn from one verified step: ``tree`` (CPU, the batch's), and for each batch row in
         ``rows`` the emitted ``tokens[b, :counts[b]]`` (the accepted drafts, then the bonus);
         ``per_row`` also learns each row's own, under its id ``ids[b]``."""
+        self.version += 1
         self.accepted *= self.decay
         self.reached *= self.decay
         ids = np.zeros(0, dtype=np.int64) if per_row is None else np.asarray(ids, dtype=np.int64)
@@ -130,9 +135,12 @@ class RowRates:
         self.decay, self.weight = decay, weight
         self.accepted = np.zeros((0, PathRates.DEPTH + 1, PathRates.RANKS))
         self.reached = np.zeros_like(self.accepted)
+        self.version = 0  # bumped by every fade (each record of PathRates that learns rows' own fades first)
+        self._hazard: tuple | None = None  # ((version, ids, batch), hazard(ids, batch))
 
     def fade(self, rows: int) -> None:
         """One step's decay; room for ids below ``rows``."""
+        self.version += 1
         if rows > len(self.accepted):
             grow = np.zeros((rows - len(self.accepted), *self.accepted.shape[1:]))
             self.accepted, self.reached = np.concatenate([self.accepted, grow]), np.concatenate([self.reached, grow])
@@ -141,14 +149,20 @@ class RowRates:
 
     def hazard(self, ids: np.ndarray, batch: np.ndarray) -> np.ndarray:
         """``[len(ids), DEPTH + 1, RANKS]``: each row's hazards, ``batch`` (the batch's) where it
-        has seen little."""
+        has seen little. The last answer is kept (not to be written to): a step asks for the same
+        rows' several times."""
         ids = np.asarray(ids)
+        key = (self.version, ids.tobytes(), batch)
+        hit = self._hazard
+        if hit is not None and hit[0][0] == key[0] and hit[0][1] == key[1] and hit[0][2] is batch:
+            return hit[1]
         known = ids < len(self.accepted)
         out = np.empty((len(ids), *batch.shape))
         out[:] = batch  # (np.broadcast_to(...).copy() costs several times more)
         if known.any():
             at = ids[known]
             out[known] = (self.accepted[at] + self.weight * batch) / (self.reached[at] + self.weight)
+        self._hazard = (key, out)
         return out
 
 
@@ -449,6 +463,10 @@ class AutoTree:
         self.rates = rates if rates is not None else PathRates()
         self.row_rates = RowRates(self.rates.decay)  # this call's rows' own
         self._focus: int | None = None  # the batch row the choice serves (the one to finish last), once known
+        # The hazards last weighed and the expected accepted drafts of each prefix of the plans weighed
+        # under them: most steps re-weigh the sizes with new costs under the same rates (every plain
+        # step does), and remaking these cost a tenth of a plain step.
+        self._memo: tuple[np.ndarray, dict] | None = None
         self.scale = scale if scale is not None else {"plain": 1.0, "tree": 1.0}  # realised / predicted time
         self.scale.setdefault("probe_loss", 0.0)  # ms a probe took beyond plain steps for its tokens (adaptive)
         self.scale.setdefault("probes", 0)  # the probes that measured it
@@ -510,8 +528,15 @@ class AutoTree:
     def _best_size(self, order: TreeShape, draft_cost: np.ndarray, hazard: np.ndarray) -> tuple[int, float, float]:
         """The prefix of ``order`` with the most expected tokens per millisecond: its size, that
         rate and its expected tokens."""
-        v = _chances(*_shape_structure(order), np.ones((1, order.n), dtype=np.bool_), hazard[None])[0]
-        gain = 1.0 + self.gain_scale() * np.cumsum(v[1:])  # gain[m - 2]: a prefix of m nodes
+        made = hazard if hazard.base is None else hazard.base  # (a focus row's hazards: a view of the kept rows')
+        if self._memo is None or self._memo[0] is not made:
+            self._memo = (made, {})
+        memo = self._memo[1]
+        expected = memo.get(order)
+        if expected is None:
+            v = _chances(*_shape_structure(order), np.ones((1, order.n), dtype=np.bool_), hazard[None])[0]
+            expected = memo[order] = np.cumsum(v[1:])
+        gain = 1.0 + self.gain_scale() * expected  # gain[m - 2]: a prefix of m nodes
         best, best_rate = self.sizes[0], 0.0
         for m in self.sizes:
             if m > order.n:

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from markov_law import sampled_under
 from tiny_models import FAMILIES, mamba2
 
-from stree.decoding.autotree import AutoTree, PathRates, _best_first, _best_prefix, _chances, _rank_depth, plan_shape
+from stree.decoding.autotree import AutoTree, PathRates, RowRates, _best_first, _best_prefix, _chances, _rank_depth, plan_shape
 from stree.decoding.cost import CostProfile
 from stree.drafters.registry import DRAFTER_NAMES, NEEDS_MODEL, make_drafter
 from stree.decoding.loop import generate
@@ -45,6 +45,30 @@ def test_rates_count_what_the_verifier_did():
     assert reached[1, 2] == 0 and reached.sum() == 6  # the invalid node is never counted
     rates.record(tree, emitted, np.array([2, 3, 1]), np.array([2]))  # one row only; the others ride along
     assert reached.sum() == 8 and acc.sum() == 3
+
+
+def test_kept_hazards_follow_every_record():
+    """The hazards are kept between records (a step weighs them several times): after each
+    record, the batch's and the rows' own are those their counts give, never the last ones."""
+    rates, rows = PathRates(decay=0.9), RowRates(0.9)
+    tree = tree_of([-1, 0, 0, 1], [[3, 4, 5, 6], [3, 4, 5, 6]])
+    ids = np.array([0, 3])
+    steps = [([[4, 6, 1], [5, 0, 0]], [3, 2]), ([[7, 0, 0], [4, 6, 2]], [1, 3]), ([[4, 1, 0], [4, 6, 9]], [2, 3])]
+    for emitted, counts in steps:
+        before = rates.hazard(), rows.hazard(ids, rates.hazard())
+        rates.record(tree, np.array(emitted), np.array(counts), np.arange(2), rows, ids)
+        batch, w = rates.hazard(), rates.weight
+        by_rank = (rates.accepted.sum(0) + w * rates.prior) / (rates.reached.sum(0) + w)
+        assert np.array_equal(batch, (rates.accepted + w * by_rank) / (rates.reached + w))
+        own = rows.hazard(ids, batch)
+        assert np.array_equal(own[1], (rows.accepted[3] + rows.weight * batch) / (rows.reached[3] + rows.weight))
+        assert not np.array_equal(batch, before[0]) and not np.array_equal(own, before[1])
+        assert rates.hazard() is batch and rows.hazard(ids, batch) is own  # (kept until the next record)
+    rows.fade(4)  # the rows' own counts fade, the batch's stay
+    faded = rows.hazard(ids, batch)
+    assert np.array_equal(faded[1], (rows.accepted[3] + rows.weight * batch) / (rows.reached[3] + rows.weight))
+    assert not np.array_equal(faded, own)
+    assert rows.hazard(np.array([3, 0]), batch)[0] is not faded[1]  # other rows: their own answer
 
 
 def test_rates_fade_and_lean_on_the_prior():
