@@ -465,7 +465,7 @@ class AutoTree:
         self._focus: int | None = None  # the batch row the choice serves (the one to finish last), once known
         # The hazards last weighed and the expected accepted drafts of each prefix of the plans weighed
         # under them: most steps re-weigh the sizes with new costs under the same rates (every plain
-        # step does), and remaking these cost a tenth of a plain step.
+        # step does), and remaking both was most of what the choice cost a plain step.
         self._memo: tuple[np.ndarray, dict] | None = None
         self.scale = scale if scale is not None else {"plain": 1.0, "tree": 1.0}  # realised / predicted time
         self.scale.setdefault("probe_loss", 0.0)  # ms a probe took beyond plain steps for its tokens (adaptive)
