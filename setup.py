@@ -8,7 +8,7 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     packages=find_packages(include=["stree", "stree.*"]),
-    package_data={"stree": ["assets/*/*.json", "assets/*/*.jsonl", "assets/*/*.safetensors"]},
+    package_data={"stree": ["assets/*/*.json", "assets/*/*.jsonl", "assets/*/*.safetensors", "kernels/cpu/*.cpp"]},
     install_requires=[
         "torch>=2.4",
         "triton>=3.2",

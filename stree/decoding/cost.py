@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 from ..checkpoints.atomic import write_text
+from ..kernels._common import cache_dir
 
 __all__ = ["CostProfile", "bracketed_profile", "cache_file", "cost_profile", "MODES"]
 
@@ -189,10 +190,7 @@ _MEMO: dict[str, object] = {}
 
 
 def cache_file() -> Path:
-    root = os.environ.get("STREE_CACHE_DIR")
-    if root is None:
-        root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "stree"
-    return Path(root) / "costs.json"
+    return cache_dir() / "costs.json"
 
 
 def device_name(device: torch.device) -> str:
@@ -203,13 +201,13 @@ def device_name(device: torch.device) -> str:
 
 @functools.lru_cache(maxsize=4)
 def source_digest(root: Path | None = None) -> str:
-    """A digest of the Python sources under ``root`` (default: the library's own), names and
-    contents. A development install keeps its version string through changes that move what a
+    """A digest of the Python and C++ sources under ``root`` (default: the library's own), names
+    and contents. A development install keeps its version string through changes that move what a
     tree costs (a kernel taking another path), and a profile measured before such a change must
     not price trees after it."""
     root = Path(__file__).resolve().parents[1] if root is None else root
     digest = hashlib.sha256()
-    for path in sorted(root.rglob("*.py")):
+    for path in sorted(p for pattern in ("*.py", "*.cpp") for p in root.rglob(pattern)):
         digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes())
     return digest.hexdigest()[:16]
 

@@ -6,6 +6,7 @@ import functools
 import math
 import os
 import weakref
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -25,6 +26,15 @@ TRITON_INTERPRETED = (bool(_knobs.runtime.interpret) if _knobs is not None
                       else os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on"))
 # Set by stree.kernels.aot.capture: launches are recorded, not run, so any device will do.
 CAPTURING = False
+
+
+def cache_dir() -> Path:
+    """Where stree keeps what it measures and builds (the cost profiles, the tiled product's
+    library): ``$STREE_CACHE_DIR``, else ``$XDG_CACHE_HOME/stree``, else ``~/.cache/stree``."""
+    root = os.environ.get("STREE_CACHE_DIR")
+    if root is None:
+        root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "stree"
+    return Path(root)
 
 
 def jit_fits(*tensors) -> bool:

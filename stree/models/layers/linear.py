@@ -1,4 +1,4 @@
-"""``nn.Linear`` whose CPU inference takes the fastest of three products, measured once per shape
+"""``nn.Linear`` whose CPU inference takes the fastest of four products, measured once per shape
 on the machine it runs on.
 
 A step, a tree pass and a drafter's level step multiply 1 to ~100 rows by each weight. Which
@@ -6,13 +6,17 @@ product is fastest for so few rows depends on the CPU far more than on the sizes
 (AVX2) the BLAS path PyTorch takes (``x @ weight.T``) costs about one matrix-vector product per
 row, where oneDNN on the weight packed once in its own layout is several times faster for a few
 rows; on an Intel Xeon (AVX-512) BLAS on a transposed copy of the weight (``x @ weight_t``,
-``[in, out]`` contiguous) was the fastest for 1 to 32 rows, and PyTorch's own BLAS path fell off a
-cliff at 16 rows (several times slower than at 12). So none is hard-wired: the first product of each
-(rows, weight shape, bias) times the three on its own inputs (alternating, best of 5 each) and
-keeps PyTorch's own unless another is clearly faster (``MARGIN``); row counts share power-of-two
-buckets (:func:`_bucket`), so that trees and prompts of every size do not each pay for a
-measurement. ``STREE_LINEAR=blas``, ``=packed`` or ``=transposed`` in the environment pins one
-(they agree to float32 rounding, so a pinned path makes results bit-reproducible across processes).
+``[in, out]`` contiguous) was the fastest of those three for 1 to 32 rows, and PyTorch's own BLAS
+path fell off a cliff at 16 rows (several times slower than at 12). The fourth, stree's own
+register-tiled product (:mod:`stree.kernels.cpu.gemm`, built for the machine where a C++ compiler is
+at hand), reads each weight once for up to 14 rows: on that Xeon a tree's 13 rows cost it little
+more than one row, and MKL's products about twice that. So none is hard-wired: the first product of
+each (rows, weight shape, bias) times the paths on its own inputs (alternating, best of 5 each,
+the caches left as a pass leaves them: :func:`_evict`) and keeps PyTorch's own unless another is
+clearly faster (``MARGIN``); row counts share power-of-two buckets (:func:`_bucket`), so that trees
+and prompts of every size do not each pay for a measurement. ``STREE_LINEAR=blas``, ``=packed``,
+``=transposed`` or ``=tiled`` in the environment pins one (they agree to float32 rounding, so a
+pinned path makes results bit-reproducible across processes).
 
 Half precision (float16, bfloat16) has a two-way choice: PyTorch's own half product, or the
 product of a float32 copy of the weight (on the float32 paths above), rounded back. The copy
@@ -23,7 +27,7 @@ float32 one, where one row, reading half the bytes, was the faster: a float16 tr
 many plain steps there. ``STREE_LINEAR=blas`` pins PyTorch's own half product, ``=packed`` and
 ``=transposed`` the float32 copy.
 
-The packed and transposed copies are made on first use and again whenever the weight changes (its
+The packed, transposed and tiled copies are made on first use and again whenever the weight changes (its
 version counter or storage), so parameters may be trained or reloaded between calls; each costs
 one more copy of the weight (the float32 copy of a half weight: twice its bytes), kept only while
 some row count takes its path. Only where autograd is off (inference); the packed one on a build
@@ -45,10 +49,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...kernels._common import kept, version
+from ...kernels.cpu import gemm
 
 __all__ = ["Linear", "following", "leading", "linear", "measure"]
 
-PATHS = ("auto", "blas", "packed", "transposed")
+PATHS = ("auto", "blas", "packed", "transposed", "tiled")
 PATH = os.environ.get("STREE_LINEAR", "auto")
 if PATH not in PATHS:
     raise ValueError(f"STREE_LINEAR must be one of {PATHS}, got {PATH!r}")
@@ -61,7 +66,9 @@ _ONEDNN = torch.backends.mkldnn.is_available()
 _PACKED: dict[int, tuple] = {}
 # id(weight) -> ((version, storage address), the weight transposed, [in, out] contiguous)
 _TRANSPOSED: dict[int, tuple] = {}
-# (row bucket, out features, in features, has bias) -> the path measured fastest: "blas", "packed" or "transposed"
+# id(weight) -> ((version, storage address), the weight packed in column blocks for the tiled product)
+_TILED: dict[int, tuple] = {}
+# (row bucket, out features, in features, has bias) -> the path measured fastest (a name in _PRODUCTS)
 _FASTEST: dict[tuple, str] = {}
 # the same keys -> each path's best time there, seconds (what following() weighs)
 _TIMES: dict[tuple, dict[str, float]] = {}
@@ -141,11 +148,24 @@ def _transposed_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     return torch.mm(x, w_t) if bias is None else torch.addmm(bias, x, w_t)
 
 
+def _tiled_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    # (x comes contiguous from linear(); the kernel reads a bias as contiguous memory)
+    bias = bias if bias is None or bias.is_contiguous() else bias.contiguous()
+    return gemm.product_unchecked(x, _copy(_TILED, weight, gemm.pack), weight.shape[0], bias)
+
+
 # the float32 products by path, and the stores of the copies each keeps
 _PRODUCTS = {"blas": F.linear, "transposed": _transposed_product}
 if _ONEDNN:
     _PRODUCTS["packed"] = _packed_product
-_COPIES = {"packed": _PACKED, "transposed": _TRANSPOSED}
+_PRODUCTS["tiled"] = _tiled_product
+_COPIES = {"packed": _PACKED, "transposed": _TRANSPOSED, "tiled": _TILED}
+
+
+def _candidates() -> dict:
+    """The products a measurement weighs: every one that can run here (the tiled one is built on
+    the first measurement, where a compiler is at hand: :func:`stree.kernels.cpu.gemm.available`)."""
+    return _PRODUCTS if gemm.available() else {k: v for k, v in _PRODUCTS.items() if k != "tiled"}
 
 
 def _seconds(fn) -> float:
@@ -155,15 +175,41 @@ def _seconds(fn) -> float:
     return time.perf_counter() - start
 
 
+def _l2_bytes() -> int:
+    """One core's L2 cache (Linux's sysfs), else 2 MiB."""
+    try:
+        text = open("/sys/devices/system/cpu/cpu0/cache/index2/size").read().strip().upper()
+        return int(text[:-1]) * {"K": 1 << 10, "M": 1 << 20}[text[-1]] if text[-1] in "KM" else int(text)
+    except (OSError, ValueError):
+        return 2 << 20
+
+
+def _evict() -> None:
+    """Leave the caches as a model's pass leaves them for a product: its weight pushed out of the
+    L2 caches by the other layers' weights. Timed hot, on its own, a weight that fits in L2 took
+    MKL's products for a few rows, which in a pass, reading the weight from L3, were the slower
+    (docs/kernels.md). Four times each core's L2, written by every thread (torch splits the fill as
+    a product splits its weight); kept for the process."""
+    global _EVICTION
+    if _EVICTION is None:
+        _EVICTION = torch.empty(4 * _l2_bytes() * torch.get_num_threads() // 4)
+    _EVICTION.fill_(1.0)
+
+
+_EVICTION: torch.Tensor | None = None
+
+
 def _fastest(paths: dict, best: dict | None = None) -> str:
     """The name of the fastest of ``paths`` (name -> call), the first being the plain one, kept
-    unless another takes less than ``MARGIN`` of its time: best of 5 each, alternating, after one
-    call each (first calls allocate, pack and copy); ``best``, where given, gets each one's best."""
+    unless another takes less than ``MARGIN`` of its time: best of 5 each, alternating, each call
+    after :func:`_evict`, after one call each (first calls allocate, pack and copy); ``best``,
+    where given, gets each one's best."""
     for fn in paths.values():
         fn()
     times: dict = {name: [] for name in paths}
     for _ in range(5):
         for name, fn in paths.items():
+            _evict()
             times[name].append(_seconds(fn))
     best = {} if best is None else best
     best.update((name, min(t)) for name, t in times.items())
@@ -173,7 +219,7 @@ def _fastest(paths: dict, best: dict | None = None) -> str:
 
 
 def _fastest_path(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, times: dict) -> str:
-    path = _fastest({name: functools.partial(fn, x, weight, bias) for name, fn in _PRODUCTS.items()}, times)
+    path = _fastest({name: functools.partial(fn, x, weight, bias) for name, fn in _candidates().items()}, times)
     for name, store in _COPIES.items():  # no copy of a weight for a path not taken (a bucket taking it copies again)
         if name != path:
             store.pop(id(weight), None)
@@ -255,9 +301,9 @@ def _(x, weight, bias):
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear``, on the faster product for these sizes (see the module docstring)."""
     grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias))
-    if grad or (PATH == "packed" and not _ONEDNN) or x.device.type != "cpu" or x.dtype not in (torch.float32, *HALF) \
-            or weight.dtype != x.dtype or (bias is not None and bias.dtype != x.dtype) or not x.numel() \
-            or PATH == "blas":
+    if grad or (PATH == "packed" and not _ONEDNN) or (PATH == "tiled" and not gemm.available()) \
+            or x.device.type != "cpu" or x.dtype not in (torch.float32, *HALF) or weight.dtype != x.dtype \
+            or (bias is not None and bias.dtype != x.dtype) or not x.numel() or PATH == "blas":
         return F.linear(x, weight, bias)
     flat = x.reshape(-1, x.shape[-1]).contiguous()
     out = torch.ops.stree.cpu_linear(flat, weight, bias) if torch.compiler.is_compiling() else \

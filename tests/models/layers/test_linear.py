@@ -1,7 +1,7 @@
-"""stree.models.layers.linear: every CPU product (float32's three, and half precision's own or its
+"""stree.models.layers.linear: every CPU product (float32's four, and half precision's own or its
 float32 copy's) against the float64 definition, the measured choice between them (and a pinned
-one), the packed, transposed and widened copies following weight changes, staying out of autograd,
-and one opaque op under torch.compile."""
+one), the packed, transposed, tiled and widened copies following weight changes, staying out of
+autograd, and one opaque op under torch.compile."""
 
 import os
 
@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from torch.profiler import profile
 
 import stree.models.layers.linear as lin
+from stree.kernels.cpu import gemm
 from stree.models.layers.linear import Linear, linear
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch build has no oneDNN")
@@ -56,8 +57,13 @@ def test_equals_the_definition(rows, d_in, d_out, bias, lead, seed, path, dtype)
 
 def _path(ops: set) -> str:
     """Which float32 product ran: oneDNN's on the packed weight, PyTorch's own (``aten::linear``),
-    or a bare product on the transposed copy."""
-    return "packed" if "mkldnn::_linear_pointwise" in ops else "blas" if "aten::linear" in ops else "transposed"
+    a bare product on the transposed copy, or none of PyTorch's (the tiled one)."""
+    if "mkldnn::_linear_pointwise" in ops:
+        return "packed"
+    return "blas" if "aten::linear" in ops else "transposed" if ops & {"aten::mm", "aten::addmm"} else "tiled"
+
+
+_TILED = pytest.mark.skipif(not gemm.available(), reason=f"no tiled product here: {gemm.unavailable_reason()}")
 
 
 def _fake_clock(monkeypatch, times: dict, choices: str = "_FASTEST"):
@@ -74,18 +80,19 @@ def _fake_clock(monkeypatch, times: dict, choices: str = "_FASTEST"):
     monkeypatch.setattr(lin, "PATH", "auto")
 
 
-@pytest.mark.parametrize("blas, packed, transposed, chosen", [
-    (1.0, 0.5, 0.9, "packed"), (1.0, 0.9, 0.5, "transposed"), (1.0, 0.5, 0.4, "transposed"), (1.0, 0.9, 0.9, "blas"),
-    (1.0, 2.0, 0.86, "blas")])
-def test_the_product_measured_clearly_fastest_runs(monkeypatch, blas, packed, transposed, chosen):
-    _fake_clock(monkeypatch, dict(blas=blas, packed=packed, transposed=transposed))
+@pytest.mark.parametrize("blas, packed, transposed, tiled, chosen", [
+    (1.0, 0.5, 0.9, 1.0, "packed"), (1.0, 0.9, 0.5, 1.0, "transposed"), (1.0, 0.5, 0.4, 0.9, "transposed"),
+    (1.0, 0.9, 0.9, 0.9, "blas"), (1.0, 2.0, 0.86, 3.0, "blas"),
+    pytest.param(1.0, 0.5, 0.6, 0.4, "tiled", marks=_TILED), pytest.param(1.0, 0.9, 0.9, 0.86, "blas", marks=_TILED)])
+def test_the_product_measured_clearly_fastest_runs(monkeypatch, blas, packed, transposed, tiled, chosen):
+    _fake_clock(monkeypatch, dict(blas=blas, packed=packed, transposed=transposed, tiled=tiled))
     layer = Linear(64, 512)
     x = torch.randn(3, 64)
     with torch.no_grad():
         first = layer(x)  # measures
         assert lin._FASTEST == {(4, 512, 64, True): chosen}  # 3 rows: the bucket up to 4
         assert _path(_ops(lambda: layer(x))) == chosen
-        for path, store in (("packed", lin._PACKED), ("transposed", lin._TRANSPOSED)):
+        for path, store in (("packed", lin._PACKED), ("transposed", lin._TRANSPOSED), ("tiled", lin._TILED)):
             assert (id(layer.weight) in store) == (chosen == path)  # no copy for a path not taken
         assert torch.allclose(first.double(), _definition(x, layer.weight, layer.bias), atol=1e-4)
         layer(torch.randn(4, 64))  # the same bucket: not measured again
@@ -179,10 +186,11 @@ def test_a_plain_step_follows_only_a_path_not_clearly_slower_for_its_rows(monkey
     layer = Linear(64, 128)
     with torch.no_grad():
         layer(step)  # measured: every path's time kept
-    assert set(lin._TIMES[(1, 128, 64, True)]) == set(lin._PRODUCTS)
+    assert set(lin._TIMES[(1, 128, 64, True)]) == set(lin._candidates()) == (
+        set(lin._PRODUCTS) - ({"tiled"} if not gemm.available() else set()))
 
 
-@pytest.mark.parametrize("path", ["blas", "packed", "transposed"])
+@pytest.mark.parametrize("path", ["blas", "packed", "transposed", pytest.param("tiled", marks=_TILED)])
 def test_a_pinned_path_is_taken_without_measuring(monkeypatch, path):
     monkeypatch.setattr(lin, "PATH", path)
     monkeypatch.setattr(lin, "_FASTEST", {})
@@ -240,8 +248,9 @@ def test_an_unknown_pinned_path_is_refused_on_import():
     assert run.returncode != 0 and "STREE_LINEAR must be one of" in run.stderr and "'fast'" in run.stderr
 
 
-def test_a_changed_weight_is_packed_again(monkeypatch):
-    monkeypatch.setattr(lin, "PATH", "packed")
+@pytest.mark.parametrize("path", ["packed", pytest.param("tiled", marks=_TILED)])
+def test_a_changed_weight_is_packed_again(monkeypatch, path):
+    monkeypatch.setattr(lin, "PATH", path)
     layer = Linear(32, 48)
     x = torch.randn(4, 32)
     with torch.no_grad():

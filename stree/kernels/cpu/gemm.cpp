@@ -1,0 +1,133 @@
+// y[M, N] = x[M, K] @ W.T (+ bias) for few rows M, on a weight packed once into column blocks
+// (stree/kernels/cpu/gemm.py builds and calls this; see its docstring for why it exists).
+//
+// W [N, K] is packed as [ceil(N / NB)][K][NB]: a block's NB columns for every k lie in one
+// contiguous run, so a block streams from memory in order. For each block the register tile
+// holds MR rows x NB columns of y (MR x 2 vector accumulators) over the whole of K: each k loads
+// the block's two vectors of W once and multiplies them into every row, so the weight is read
+// once per call however many rows there are (up to MRMAX; more rows are split into near-equal
+// chunks, the block then re-read from the caches). Blocks are split over the threads.
+#include <immintrin.h>
+#include <stdint.h>
+
+// the vector operations of one instruction set, by its intrinsics' prefix
+#define VECTOR_OPS(P, ZERO)                                                        \
+  static inline vec vload(const float* p) { return P##_loadu_ps(p); }             \
+  static inline void vstore(float* p, vec v) { P##_storeu_ps(p, v); }             \
+  static inline vec vset1(float x) { return P##_set1_ps(x); }                     \
+  static inline vec vfma(vec a, vec b, vec c) { return P##_fmadd_ps(a, b, c); }   \
+  static inline vec vadd(vec a, vec b) { return P##_add_ps(a, b); }               \
+  static inline vec vzero() { return ZERO(); }
+
+#if defined(__AVX512F__)
+typedef __m512 vec;
+#define VW 16
+// 14 rows x 2 accumulators + 2 weight vectors + 1 broadcast: 31 of the 32 vector registers
+#define MRMAX 14
+VECTOR_OPS(_mm512, _mm512_setzero_ps)
+#elif defined(__AVX2__) && defined(__FMA__)
+typedef __m256 vec;
+#define VW 8
+// 6 rows x 2 accumulators + 2 weight vectors + 1 broadcast: 15 of the 16 vector registers
+#define MRMAX 6
+VECTOR_OPS(_mm256, _mm256_setzero_ps)
+#else
+#error "the tiled product needs AVX-512F, or AVX2 with FMA"
+#endif
+
+#define NB (2 * VW)
+// how many k ahead the block's next weights are asked for: without asking, a tree's rows waited
+// on memory (docs/kernels.md)
+#define AHEAD 16
+
+// MR rows of one full block: y[r, 0:NB] = x[r, :] . W_block (+ bias[0:NB])
+template <int MR>
+static inline void tile(const float* x, long ldx, const float* wp, long K, float* y, long ldy, const float* bias) {
+  vec a0[MR], a1[MR];
+#pragma GCC unroll 16
+  for (int r = 0; r < MR; r++) {
+    a0[r] = vzero();
+    a1[r] = vzero();
+  }
+  for (long k = 0; k < K; k++) {
+    vec w0 = vload(wp + k * NB), w1 = vload(wp + k * NB + VW);
+    __builtin_prefetch(wp + (k + AHEAD) * NB);
+    __builtin_prefetch(wp + (k + AHEAD) * NB + VW);
+#pragma GCC unroll 16
+    for (int r = 0; r < MR; r++) {
+      vec xb = vset1(x[r * ldx + k]);
+      a0[r] = vfma(xb, w0, a0[r]);
+      a1[r] = vfma(xb, w1, a1[r]);
+    }
+  }
+  vec b0 = bias ? vload(bias) : vzero(), b1 = bias ? vload(bias + VW) : vzero();
+#pragma GCC unroll 16
+  for (int r = 0; r < MR; r++) {
+    vstore(y + r * ldy, vadd(a0[r], b0));
+    vstore(y + r * ldy + VW, vadd(a1[r], b1));
+  }
+}
+
+// MR rows of a block of nc <= NB columns (the last block of N not a multiple of NB: its padded
+// columns are computed into a scratch tile, and only the real ones written)
+template <int MR>
+static void block(const float* x, long ldx, const float* wp, long K, float* y, long ldy, const float* bias, int nc) {
+  if (nc == NB) {
+    tile<MR>(x, ldx, wp, K, y, ldy, bias);
+    return;
+  }
+  float scratch[MR * NB];
+  tile<MR>(x, ldx, wp, K, scratch, NB, nullptr);
+  for (int r = 0; r < MR; r++)
+    for (int j = 0; j < nc; j++) y[r * ldy + j] = scratch[r * NB + j] + (bias ? bias[j] : 0.f);
+}
+
+static void rows(const float* x, long m, long ldx, const float* wp, long K, float* y, long ldy, const float* bias,
+                 int nc) {
+  switch (m) {
+#define ROWS(n) \
+  case n: block<n>(x, ldx, wp, K, y, ldy, bias, nc); break;
+    ROWS(1) ROWS(2) ROWS(3) ROWS(4) ROWS(5) ROWS(6)
+#if MRMAX > 6
+    ROWS(7) ROWS(8) ROWS(9) ROWS(10) ROWS(11) ROWS(12) ROWS(13) ROWS(14)
+#endif
+    default: break;
+  }
+}
+
+extern "C" int stree_gemm_block(void) { return NB; }
+
+extern "C" int stree_gemm_rows(void) { return MRMAX; }
+
+// w [N, K] row-major (nn.Linear's weight) -> wp [ceil(N / NB)][K][NB], padded with zeros
+extern "C" void stree_gemm_pack(const float* w, long N, long K, float* wp) {
+  long blocks = (N + NB - 1) / NB;
+  for (long b = 0; b < blocks; b++)
+    for (long k = 0; k < K; k++)
+      for (int j = 0; j < NB; j++) {
+        long n = b * NB + j;
+        wp[(b * K + k) * NB + j] = n < N ? w[n * K + k] : 0.f;
+      }
+}
+
+// x [M, K] (row stride ldx, unit column stride), wp packed, y [M, N] (row stride ldy), bias [N] or null
+extern "C" void stree_gemm(const float* x, long M, long K, long ldx, const float* wp, long N, float* y, long ldy,
+                           const float* bias, int threads) {
+  long blocks = (N + NB - 1) / NB, chunks = (M + MRMAX - 1) / MRMAX;
+#pragma omp parallel for schedule(static) num_threads(threads)
+  for (long b = 0; b < blocks; b++) {
+    int nc = (int)(N - b * NB < NB ? N - b * NB : NB);
+    for (long c = 0, r = 0; c < chunks; c++) {
+      long m = (M - r) / (chunks - c);  // near-equal chunks: 16 rows as 8 + 8, not 14 + 2
+      rows(x + r * ldx, m, ldx, wp + b * K * NB, K, y + r * ldy + b * NB, ldy, bias ? bias + b * NB : nullptr, nc);
+      r += m;
+    }
+  }
+}
+
+// stree_gemm's arguments as one array of 10 int64 (x, M, K, ldx, wp, N, y, ldy, bias or 0, threads):
+// ctypes converts each argument of a call, and ten of them took longer than a small product
+extern "C" void stree_gemm_args(const int64_t* a) {
+  stree_gemm((const float*)a[0], a[1], a[2], a[3], (const float*)a[4], a[5], (float*)a[6], a[7],
+             (const float*)a[8], (int)a[9]);
+}

@@ -1,0 +1,189 @@
+"""``x @ weight.T + bias`` for few rows on the CPU: a register-tiled product (``gemm.cpp``) on a
+copy of the weight packed into column blocks, compiled for the machine it runs on.
+
+Why: a tree pass multiplies each weight by a tree's rows (13 for the paper's tree at batch 1, 26
+at batch 2), a plain step by one row per sequence. Reading the weight is what one row costs; a
+few more rows should cost little more, as each weight element read serves every row. MKL's
+products do not work so for these sizes: on the project's Intel Xeon (AVX-512) their cost grew
+nearly in step with the rows past a few, where this kernel, streaming each block of the weight
+once into a tile of up to 14 rows (6 with AVX2), stayed near one row's cost up to a tile's rows
+(docs/kernels.md has the figures). Which product runs for each size is still measured on the
+machine at hand (:mod:`stree.models.layers.linear`): this is one more candidate.
+
+It is built on first use with the system's C++ compiler (``$CXX``, else ``c++``; ``-O3
+-march=native -fopenmp``), about a second, and the library kept under the cache directory
+(``$STREE_CACHE_DIR``, else ``$XDG_CACHE_HOME/stree``, else ``~/.cache/stree``), named by a digest
+of the source, the compiler, the flags and the CPU, so a library built for another CPU or from
+another source is never loaded. Where it cannot be built (no compiler, neither AVX-512F nor
+AVX2+FMA, not Linux-like) :func:`available` is False and the reason is :func:`unavailable_reason`:
+the other products remain. Its OpenMP threads are the ones PyTorch's own OpenMP runtime keeps
+(the library loads the same ``libgomp``), as many as ``torch.get_num_threads()``.
+
+Each output element sums its ``K`` products in order in float32 with fused multiply-adds (the
+tested reference: the float64 product, :func:`product_torch` the plain PyTorch path).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import struct
+import subprocess
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from .._common import cache_dir
+
+__all__ = ["available", "block", "compile_library", "pack", "product", "product_torch", "product_unchecked",
+           "unavailable_reason"]
+
+SOURCE = Path(__file__).with_name("gemm.cpp")
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
+_P, _L = ctypes.c_void_p, ctypes.c_long
+_ARGS = struct.Struct("=10q")  # stree_gemm_args's one argument
+
+
+def _cpu_identity() -> str:
+    """The CPU's model name and feature flags (``-march=native`` builds for exactly these)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = [line for line in f if line.startswith(("model name", "flags"))]
+        return "".join(sorted(set(lines)))
+    except OSError:
+        return platform.processor() or platform.machine()
+
+
+@functools.lru_cache(maxsize=1)
+def _build() -> tuple[ctypes.CDLL | None, str]:
+    """The library for this machine, loaded (built first where the cache has none), or None and
+    why not."""
+    return compile_library(FLAGS)
+
+
+def compile_library(flags: tuple[str, ...]) -> tuple[ctypes.CDLL | None, str]:
+    """The library built with ``flags`` (a later ``-march`` overrides ``-march=native``: the tests
+    build the AVX2 variant so on an AVX-512 machine), loaded, or None and why not."""
+    if platform.system() not in ("Linux", "FreeBSD"):
+        return None, f"the tiled product is built on Linux only, not {platform.system()}"
+    compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+    if not compiler:
+        return None, "no C++ compiler ($CXX, c++ or g++) on the PATH"
+    try:
+        version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError) as e:
+        return None, f"the C++ compiler {compiler!r} does not run: {e}"
+    source = SOURCE.read_bytes()
+    digest = hashlib.sha256(b"\0".join([source, compiler.encode(), version.encode(), " ".join(flags).encode(),
+                                        _cpu_identity().encode()])).hexdigest()[:20]
+    path = cache_dir() / "kernels" / f"gemm-{digest}.so"
+    if not path.exists():
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")  # (another process may build the same one)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            done = subprocess.run([compiler, *flags, "-o", str(tmp), str(SOURCE)], capture_output=True, text=True,
+                                  timeout=300)
+            if done.returncode != 0:
+                said = [line for line in done.stderr.splitlines() if "error" in line] or [f"exit {done.returncode}"]
+                return None, f"building {SOURCE.name} with {compiler} failed: {said[0].strip()}"
+            os.replace(tmp, path)
+        except (OSError, subprocess.SubprocessError) as e:
+            return None, f"building {SOURCE.name} with {compiler} failed: {e}"
+        finally:
+            tmp.unlink(missing_ok=True)
+    try:
+        lib = ctypes.CDLL(str(path))
+    except OSError as e:
+        return None, f"loading {path} failed: {e}"
+    lib.stree_gemm_args.argtypes = [ctypes.c_char_p]
+    lib.stree_gemm_args.restype = None
+    lib.stree_gemm_pack.argtypes = [_P, _L, _L, _P]
+    lib.stree_gemm_pack.restype = None
+    return lib, ""
+
+
+def available() -> bool:
+    """Whether the tiled product can run here (built, or buildable, for this CPU)."""
+    return _build()[0] is not None
+
+
+def unavailable_reason() -> str:
+    """Why :func:`available` is False ("" where it is True)."""
+    return _build()[1]
+
+
+def _lib() -> ctypes.CDLL:
+    lib, why = _build()
+    if lib is None:
+        raise RuntimeError(why)
+    return lib
+
+
+def block() -> int:
+    """The columns of one packed block (32 with AVX-512, 16 with AVX2)."""
+    return _lib().stree_gemm_block()
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` ``[N, K]`` (float32, CPU) packed for :func:`product`: ``[ceil(N / block), K,
+    block]``, the columns past N zero."""
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or weight.dtype != torch.float32 \
+            or weight.device.type != "cpu":
+        raise TypeError(f"weight must be a 2-D float32 CPU tensor, got {_described(weight)}")
+    lib, w = _lib(), weight.detach().contiguous()
+    n, k = w.shape
+    nb = lib.stree_gemm_block()
+    out = torch.empty((n + nb - 1) // nb, k, nb)
+    lib.stree_gemm_pack(w.data_ptr(), n, k, out.data_ptr())
+    return out
+
+
+def product(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None = None,
+            out: torch.Tensor | None = None) -> torch.Tensor:
+    """``x [M, K] @ weight.T (+ bias)`` for the weight :func:`pack` made ``packed`` of, which had
+    ``out_features`` rows: ``[M, out_features]``, written into ``out`` where given (contiguous).
+    ``x``: float32 CPU, unit stride along K (rows may be a strided slice). Nothing is checked
+    against the memory a wrong shape would overrun, so the shapes are."""
+    if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.dtype != torch.float32 or x.device.type != "cpu" \
+            or x.stride(1) != 1:
+        raise TypeError(f"x must be a 2-D float32 CPU tensor with unit column stride, got {_described(x)}")
+    m, k = x.shape
+    blocks = -(-out_features // packed.shape[-1]) if packed.dim() == 3 else -1
+    if packed.dim() != 3 or packed.shape[0] != blocks or packed.shape[1] != k or not packed.is_contiguous() \
+            or packed.dtype != torch.float32:
+        raise ValueError(f"packed {tuple(packed.shape)} is not a packed [{out_features}, {k}] weight")
+    if bias is not None and (bias.shape != (out_features,) or bias.dtype != torch.float32 or not bias.is_contiguous()):
+        raise ValueError(f"bias must be a contiguous float32 [{out_features}], got {_described(bias)}")
+    if out is not None and (out.shape != (m, out_features) or out.dtype != torch.float32 or not out.is_contiguous()):
+        raise ValueError(f"out must be a contiguous float32 [{m}, {out_features}], got {_described(out)}")
+    return product_unchecked(x, packed, out_features, bias, out)
+
+
+def product_unchecked(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None = None,
+                      out: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`product` for a caller that made the arguments right (a decoding step multiplies
+    nine weights, and the checks would cost a few percent of it)."""
+    m = x.shape[0]
+    if out is None:
+        out = torch.empty(m, out_features)
+    if m:
+        _lib().stree_gemm_args(_ARGS.pack(x.data_ptr(), m, x.shape[1], x.stride(0), packed.data_ptr(), out_features,
+                                          out.data_ptr(), out_features, 0 if bias is None else bias.data_ptr(),
+                                          torch.get_num_threads()))
+    return out
+
+
+def product_torch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The plain PyTorch path of the same product."""
+    return F.linear(x, weight, bias)
+
+
+def _described(t) -> str:
+    if not isinstance(t, torch.Tensor):
+        return type(t).__name__
+    return f"{t.dtype} {t.device.type} tensor of shape {tuple(t.shape)} and strides {t.stride()}"

@@ -1,0 +1,143 @@
+"""stree.kernels.cpu.gemm: the tiled few-row product against the float64 definition (random
+sizes across the row chunks and the last partial block, strided rows, a bias, poisoned outputs),
+its AVX2 variant too, its packing, its threads, its bad input, and its build: kept per source,
+compiler, flags and CPU, and a clean "unavailable" where it cannot be built."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from stree.kernels.cpu import gemm
+
+pytestmark = pytest.mark.skipif(not gemm.available(), reason=f"the tiled product cannot be built here: "
+                                                              f"{gemm.unavailable_reason()}")
+
+
+def _definition(x, w, b):
+    out = x.double() @ w.double().t()
+    return out if b is None else out + b.double()
+
+
+def _close(out, x, w, b):
+    # float32 sums of K products, each within a few roundings of the float64 one's terms
+    scale = x.double().abs() @ w.double().abs().t() + (0 if b is None else b.double().abs())
+    return bool(((out.double() - _definition(x, w, b)).abs() <= 1e-5 * scale + 1e-6).all())
+
+
+def _case(rows, d_in, d_out, bias, pad, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, d_in + pad, generator=g)[:, pad:]  # rows a strided slice (row stride > K)
+    w = torch.randn(d_out, d_in, generator=g)
+    b = torch.randn(d_out, generator=g) if bias else None
+    return x, w, b
+
+
+@settings(max_examples=60, deadline=None)
+@given(rows=st.integers(1, 40), d_in=st.integers(1, 70), d_out=st.integers(1, 100), bias=st.booleans(),
+       pad=st.sampled_from([0, 3]), seed=st.integers(0, 2**16))
+def test_equals_the_definition(rows, d_in, d_out, bias, pad, seed):
+    x, w, b = _case(rows, d_in, d_out, bias, pad, seed)
+    out = torch.full((rows, d_out), float("nan"))  # poisoned: every entry must be written, none past it
+    guard = torch.full((rows + 1, d_out), float("nan"))
+    into = guard[:rows]
+    gemm.product(x, gemm.pack(w), d_out, b, out=into)
+    out.copy_(into)
+    assert _close(out, x, w, b)
+    assert guard[rows].isnan().all()  # the row after the output untouched
+    assert _close(gemm.product(x, gemm.pack(w), d_out, b), x, w, b)  # (allocating its own)
+
+
+def test_the_avx2_variant_equals_the_definition(monkeypatch):
+    """Built with ``-march=haswell`` (AVX2 + FMA: 16-column blocks, 6-row tiles), where this CPU
+    runs it, on the sizes that cross its chunks and partial blocks."""
+    flags = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
+    if " avx2" not in flags or " fma" not in flags:
+        pytest.skip("this CPU has no AVX2 with FMA")
+    lib, why = gemm.compile_library(gemm.FLAGS + ("-march=haswell",))
+    assert lib is not None, why
+    monkeypatch.setattr(gemm, "_build", lambda: (lib, ""))
+    assert gemm.block() == 16
+    for rows, d_in, d_out in [(1, 5, 16), (6, 33, 17), (7, 64, 100), (13, 9, 48), (26, 40, 31)]:
+        x, w, b = _case(rows, d_in, d_out, True, 3, rows)
+        packed = gemm.pack(w)
+        assert packed.shape == (-(-d_out // 16), d_in, 16)
+        assert _close(gemm.product(x, packed, d_out, b), x, w, b)
+
+
+def test_packing_lays_column_blocks_padded_with_zeros():
+    w = torch.randn(37, 5)
+    packed = gemm.pack(w)
+    nb = gemm.block()
+    assert packed.shape == (-(-37 // nb), 5, nb)
+    flat = packed.permute(0, 2, 1).reshape(-1, 5)  # [blocks * nb, K]: the weight's rows, then zeros
+    assert torch.equal(flat[:37], w) and not flat[37:].any()
+
+
+def test_threads_split_the_blocks_to_the_same_result():
+    x, w, b = _case(13, 256, 1000, True, 0, 0)
+    packed = gemm.pack(w)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = gemm.product(x, packed, 1000, b)
+        torch.set_num_threads(max(2, threads))
+        many = gemm.product(x, packed, 1000, b)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, many) and _close(one, x, w, b)  # (each element summed alike on any thread)
+
+
+def test_bad_input_is_refused_before_anything_runs():
+    w = torch.randn(40, 8)
+    packed = gemm.pack(w)
+    with pytest.raises(TypeError, match="weight"):
+        gemm.pack(w.double())
+    with pytest.raises(TypeError, match="weight"):
+        gemm.pack(torch.randn(2, 40, 8))
+    with pytest.raises(TypeError, match="x"):
+        gemm.product(torch.randn(8, 3).t(), packed, 40)  # columns not unit-strided
+    with pytest.raises(TypeError, match="x"):
+        gemm.product(torch.randn(3, 8, dtype=torch.float64), packed, 40)
+    with pytest.raises(ValueError, match="packed"):
+        gemm.product(torch.randn(3, 9), packed, 40)  # K differs
+    with pytest.raises(ValueError, match="packed"):
+        gemm.product(torch.randn(3, 8), packed, 40 + 2 * gemm.block())  # more rows than the packed weight had
+    with pytest.raises(ValueError, match="bias"):
+        gemm.product(torch.randn(3, 8), packed, 40, torch.randn(41))
+    with pytest.raises(ValueError, match="out"):
+        gemm.product(torch.randn(3, 8), packed, 40, out=torch.empty(3, 41))
+
+
+def _in_process(code: str, **env) -> str:
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env={**os.environ, **env},
+                         timeout=300)
+    assert run.returncode == 0, run.stderr
+    return run.stdout.strip()
+
+
+def test_the_library_is_kept_per_source_and_flags_and_reused(tmp_path):
+    code = ("from stree.kernels.cpu import gemm; import sys; "
+            "lib, why = gemm.compile_library(gemm.FLAGS + tuple(sys.argv[1:])); print(lib._name if lib else why)")
+    first = _in_process(code, STREE_CACHE_DIR=str(tmp_path))
+    assert first.startswith(str(tmp_path / "kernels"))
+    made = os.path.getmtime(first)
+    assert _in_process(code, STREE_CACHE_DIR=str(tmp_path)) == first and os.path.getmtime(first) == made  # reused
+    other = _in_process(code.replace("sys.argv[1:]", "('-O2',)"), STREE_CACHE_DIR=str(tmp_path))
+    assert other != first and os.path.exists(other)  # other flags: another library
+    assert not [p for p in os.listdir(tmp_path / "kernels") if p.endswith(".tmp")]
+
+
+def test_without_a_compiler_it_is_unavailable_and_products_take_the_other_paths(tmp_path):
+    out = _in_process(
+        "import torch; from stree.kernels.cpu import gemm; import stree.models.layers.linear as lin; "
+        "layer = lin.Linear(16, 40); x = torch.randn(13, 16)\n"
+        "with torch.no_grad(): y = layer(x)\n"
+        "same = torch.allclose(y, torch.nn.functional.linear(x, layer.weight, layer.bias), atol=1e-5)\n"
+        "print(gemm.available(), same, sorted(lin._TIMES[(16, 40, 16, True)]), '|', gemm.unavailable_reason())",
+        CXX=str(tmp_path / "no-such-compiler"), STREE_CACHE_DIR=str(tmp_path))
+    assert out.startswith("False True ['blas', 'packed', 'transposed'] |") and "no-such-compiler" in out
