@@ -1,6 +1,7 @@
 """The numba kernels bound to a layer's parameters (stree.kernels.cpu.bound): on the activations a
 model hands them (views of one product's output), the public kernels' results bit for bit; what
-they refuse to bind. The public kernels are tested against the float64 definitions elsewhere."""
+they refuse to bind; the unchecked in-place replay of a model's commit. The public kernels are
+tested against the float64 definitions elsewhere."""
 
 import math
 
@@ -10,8 +11,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from strategies import ssm_shapes, trees
 
-from stree.kernels import conv_step, gated_rms_norm, rms_norm, selective_state_update, tree_conv1d, tree_scan
-from stree.kernels.cpu.bound import Mamba2LayerJit, RMSNormJit
+from stree.kernels import conv_step, gated_rms_norm, replay, rms_norm, selective_state_update, tree_conv1d, tree_scan
+from stree.kernels.cpu.bound import Mamba2LayerJit, RMSNormJit, replay_in_place
+from stree.kernels.cpu.replay_jit import LONG_PATH
 from stree.kernels.cpu.tree_jit import JIT_MAX_NODES
 from stree.tree import tree_index
 
@@ -119,3 +121,26 @@ def test_only_cpu_float32_parameters_of_matching_shapes_are_bound():
         RMSNormJit(torch.ones(4, dtype=torch.float16), 1e-6)
     with pytest.raises(ValueError, match="weight must have shape"):
         RMSNormJit(torch.ones(2, 4), 1e-6)
+
+
+@settings(max_examples=25, deadline=None)
+@given(layers=st.integers(1, 3), batch=st.integers(1, 3), shape=ssm_shapes(), n=st.integers(1, LONG_PATH + 4),
+       limit=st.sampled_from([(0.0, math.inf), (0.002, 0.05)]), seed=st.integers(0, 99), data=st.data())
+def test_a_commits_replay_in_place_matches_the_public_kernel_bit_for_bit(layers, batch, shape, n, limit, seed, data):
+    """On a stack of layers, every row its own accepted chain (some as long as a prompt's commit,
+    past LONG_PATH), in place on the states: the public replay's new states exactly."""
+    gen = torch.Generator().manual_seed(seed)
+    h, p, g, s = shape["nheads"], shape["headdim"], shape["ngroups"], shape["dstate"]
+    dim = h * p + 2 * g * s
+    rnd = lambda *size: torch.randn(*size, generator=gen)  # noqa: E731
+    xBC, x, dt, B = rnd(layers, batch, n, dim), rnd(layers, batch, n, h, p), rnd(layers, batch, n, h), \
+        rnd(layers, batch, n, g, s)
+    A, dt_bias = -torch.rand(layers, h, generator=gen) * 4, rnd(layers, h) * 0.5
+    ssm, conv = rnd(layers, batch, h, p, s), rnd(layers, batch, dim, K)
+    num = torch.tensor([data.draw(st.integers(1, n)) for _ in range(batch)])
+    accepted = torch.zeros(batch, n, dtype=torch.long)
+    for b in range(batch):  # a chain through distinct nodes, root first
+        accepted[b, 1: int(num[b])] = torch.randperm(n - 1, generator=gen)[: int(num[b]) - 1] + 1
+    want = replay(ssm, conv, xBC, x, dt, B, A, accepted, num, dt_bias=dt_bias, dt_limit=limit, validate=False)
+    replay_in_place(ssm, conv, xBC, x, dt, B, A, dt_bias, accepted, num, limit)
+    assert torch.equal(ssm, want[0]) and torch.equal(conv, want[1])

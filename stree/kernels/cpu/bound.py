@@ -2,13 +2,14 @@
 
 The public kernels (:func:`~stree.kernels.tree_conv1d`, :func:`~stree.kernels.tree_scan`,
 :func:`~stree.kernels.gated_rms_norm`, :func:`~stree.kernels.conv_step`,
-:func:`~stree.kernels.selective_state_update`, :func:`~stree.kernels.rms_norm`) check every
-argument and read every parameter into numpy on each call. A layer of a small model spends more on
-that than on the kernels' own work, and a Mamba2 block makes four such calls a pass.
-:class:`Mamba2LayerJit` and :class:`RMSNormJit` read the parameters once (checked then) and call
-the same numba kernels directly on activations whose shapes the layer's own products and cache
-vouch for: the same results, bit for bit (tests/kernels/test_bound.py), without the per-call
-checks.
+:func:`~stree.kernels.selective_state_update`, :func:`~stree.kernels.rms_norm`,
+:func:`~stree.kernels.replay`) check every argument and read every parameter into numpy on each
+call. A layer of a small model spends more on that than on the kernels' own work, and a Mamba2
+block makes four such calls a pass. :class:`Mamba2LayerJit` and :class:`RMSNormJit` read the
+parameters once (checked then) and call the same numba kernels directly on activations whose shapes
+the layer's own products and cache vouch for, and :func:`replay_in_place` commits a model's
+accepted paths likewise: the same results, bit for bit (tests/kernels/test_bound.py), without the
+per-call checks.
 """
 
 from __future__ import annotations
@@ -19,10 +20,11 @@ import torch.nn.functional as F
 
 from .._common import as_numpy
 from .norm_jit import gated_rms_norm_rows, rms_norm_rows
+from .replay_jit import replay_layers
 from .step_jit import conv_step_rows, state_update_rows
 from .tree_jit import JIT_MAX_NODES, tree_conv_rows, tree_scan_rows
 
-__all__ = ["Mamba2LayerJit", "RMSNormJit"]
+__all__ = ["Mamba2LayerJit", "RMSNormJit", "replay_in_place"]
 
 
 def _check_params(**tensors) -> None:
@@ -129,3 +131,17 @@ class Mamba2LayerJit:
         gated_rms_norm_rows(as_numpy(y).reshape(-1, width), as_numpy(F.silu(z).reshape(-1, width)), self.norm_weight,
                             True, self.eps, self.gate_first, as_numpy(out).reshape(-1, width))
         return out
+
+
+def replay_in_place(ssm_state: torch.Tensor, conv_state: torch.Tensor, xBC: torch.Tensor, x: torch.Tensor,
+                    dt: torch.Tensor, B: torch.Tensor, A: torch.Tensor, dt_bias: torch.Tensor, accepted: torch.Tensor,
+                    num_accepted: torch.Tensor, dt_limit: tuple[float, float]) -> None:
+    """:func:`~stree.kernels.replay` of a stack of Mamba2 layers, in place, with softplus, for a
+    model's commit: the states ``[L, b, ...]`` its cache holds, the activations ``[L, b, n, ...]``
+    its pass made, ``A`` and ``dt_bias`` ``[L, h]``, all CPU float32; ``accepted [b, D]`` and
+    ``num_accepted [b]`` int64, the paths the model checked. The public kernel's checks and
+    conversions took a small model's commit about as long as the replay itself."""
+    state, conv = as_numpy(ssm_state), as_numpy(conv_state)
+    replay_layers(state, conv, as_numpy(xBC), as_numpy(x), as_numpy(dt), as_numpy(B), as_numpy(A), as_numpy(dt_bias),
+                  True, True, float(dt_limit[0]), float(dt_limit[1]), np.ascontiguousarray(as_numpy(accepted)),
+                  as_numpy(num_accepted), state, conv)

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from ...kernels import conv_step, multistep_update, replay, selective_state_update, tree_conv1d, tree_scan
-from ...kernels.cpu.bound import Mamba2LayerJit
+from ...kernels.cpu.bound import Mamba2LayerJit, replay_in_place
 from ...tree import TreeIndex, leaf_paths
 from ..base import derived, value_key
 from ..cache import SSMLayerState, SSMScratch
@@ -187,8 +187,14 @@ class Mamba2Mixer(nn.Module):
                     key=value_key(*(m.A_log for m in mixers)))
         dt_bias = derived(model, "ssm_dt_bias", lambda: torch.stack([m.dt_bias for m in mixers]),
                           key=value_key(*(m.dt_bias for m in mixers)))
+        dt_limit = mixers[0].dt_limit(prefill)
+        tensors = (cache.ssm, cache.conv, scratch.xBC, scratch.x, scratch.dt, scratch.B, A, dt_bias)
+        if kernel_backend == "auto" and cu_seqlens is None and accepted.dtype == num_accepted.dtype == torch.long \
+                and all(t.is_cpu and t.dtype == torch.float32 and not t.requires_grad for t in tensors):
+            replay_in_place(*tensors, accepted, num_accepted, dt_limit)  # (the public replay's checks: the model's)
+            return
         replay(cache.ssm, cache.conv, scratch.xBC, scratch.x, scratch.dt, scratch.B, A, accepted, num_accepted,
-               dt_bias=dt_bias, dt_limit=mixers[0].dt_limit(prefill), validate=False, out=(cache.ssm, cache.conv),
+               dt_bias=dt_bias, dt_limit=dt_limit, validate=False, out=(cache.ssm, cache.conv),
                cu_seqlens=cu_seqlens, backend=kernel_backend)
 
 
