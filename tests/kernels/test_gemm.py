@@ -107,6 +107,12 @@ def test_bad_input_is_refused_before_anything_runs():
         gemm.product(torch.randn(3, 9), packed, 40)  # K differs
     with pytest.raises(ValueError, match="packed"):
         gemm.product(torch.randn(3, 8), packed, 40 + 2 * gemm.block())  # more rows than the packed weight had
+    with pytest.raises(ValueError, match="out_features"):
+        gemm.product(torch.randn(3, 8), packed, 0)
+    with pytest.raises(ValueError, match="packed"):
+        gemm.product(torch.randn(3, 8), packed.double(), 40)
+    with pytest.raises(ValueError, match="packed"):
+        gemm.product(torch.randn(3, 8), packed[..., :-1], 40)  # another block width than the library's
     with pytest.raises(ValueError, match="bias"):
         gemm.product(torch.randn(3, 8), packed, 40, torch.randn(41))
     with pytest.raises(ValueError, match="out"):

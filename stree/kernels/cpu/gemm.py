@@ -16,11 +16,13 @@ It is built on first use with the system's C++ compiler (``$CXX``, else ``c++``;
 of the source, the compiler, the flags and the CPU, so a library built for another CPU or from
 another source is never loaded. Where it cannot be built (no compiler, neither AVX-512F nor
 AVX2+FMA, not Linux-like) :func:`available` is False and the reason is :func:`unavailable_reason`:
-the other products remain. Its OpenMP threads are the ones PyTorch's own OpenMP runtime keeps
-(the library loads the same ``libgomp``), as many as ``torch.get_num_threads()``.
+the other products remain. It runs on ``torch.get_num_threads()`` OpenMP threads; with PyTorch's
+pip wheels, which bring their own ``libgomp``, the library joins that runtime rather than loading a
+second one (seen in the process's memory map on the project's machine).
 
-Each output element sums its ``K`` products in order in float32 with fused multiply-adds (the
-tested reference: the float64 product, :func:`product_torch` the plain PyTorch path).
+Each output element sums its ``K`` products in order in float32 with fused multiply-adds, tested
+against the float64 product (``tests/kernels/test_gemm.py``); the plain PyTorch path of the same
+product is ``F.linear``, the first of the measured choices.
 """
 
 from __future__ import annotations
@@ -36,12 +38,10 @@ import subprocess
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from .._common import cache_dir
 
-__all__ = ["available", "block", "compile_library", "pack", "product", "product_torch", "product_unchecked",
-           "unavailable_reason"]
+__all__ = ["available", "block", "compile_library", "pack", "product", "product_unchecked", "unavailable_reason"]
 
 SOURCE = Path(__file__).with_name("gemm.cpp")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
@@ -147,20 +147,24 @@ def product(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torc
             out: torch.Tensor | None = None) -> torch.Tensor:
     """``x [M, K] @ weight.T (+ bias)`` for the weight :func:`pack` made ``packed`` of, which had
     ``out_features`` rows: ``[M, out_features]``, written into ``out`` where given (contiguous).
-    ``x``: float32 CPU, unit stride along K (rows may be a strided slice). Nothing is checked
-    against the memory a wrong shape would overrun, so the shapes are."""
+    ``x``: float32 CPU, unit stride along K (rows may be a strided slice). The kernel reads and
+    writes raw memory, so every shape, dtype and device is checked here first."""
     if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.dtype != torch.float32 or x.device.type != "cpu" \
             or x.stride(1) != 1:
         raise TypeError(f"x must be a 2-D float32 CPU tensor with unit column stride, got {_described(x)}")
+    if not isinstance(out_features, int) or out_features < 1:
+        raise ValueError(f"out_features must be an int >= 1, got {out_features!r}")
     m, k = x.shape
-    blocks = -(-out_features // packed.shape[-1]) if packed.dim() == 3 else -1
-    if packed.dim() != 3 or packed.shape[0] != blocks or packed.shape[1] != k or not packed.is_contiguous() \
-            or packed.dtype != torch.float32:
-        raise ValueError(f"packed {tuple(packed.shape)} is not a packed [{out_features}, {k}] weight")
-    if bias is not None and (bias.shape != (out_features,) or bias.dtype != torch.float32 or not bias.is_contiguous()):
-        raise ValueError(f"bias must be a contiguous float32 [{out_features}], got {_described(bias)}")
-    if out is not None and (out.shape != (m, out_features) or out.dtype != torch.float32 or not out.is_contiguous()):
-        raise ValueError(f"out must be a contiguous float32 [{m}, {out_features}], got {_described(out)}")
+    nb = _lib().stree_gemm_block()
+    if not isinstance(packed, torch.Tensor) or packed.shape != (-(-out_features // nb), k, nb) \
+            or packed.dtype != torch.float32 or packed.device.type != "cpu" or not packed.is_contiguous():
+        raise ValueError(f"packed must be a packed [{out_features}, {k}] weight (contiguous float32 "
+                         f"[{-(-out_features // nb)}, {k}, {nb}] on the CPU), got {_described(packed)}")
+    for name, t, shape in (("bias", bias, (out_features,)), ("out", out, (m, out_features))):
+        if t is not None and (not isinstance(t, torch.Tensor) or t.shape != shape or t.dtype != torch.float32
+                              or t.device.type != "cpu" or not t.is_contiguous()):
+            raise ValueError(f"{name} must be a contiguous float32 CPU tensor of shape {list(shape)}, "
+                             f"got {_described(t)}")
     return product_unchecked(x, packed, out_features, bias, out)
 
 
@@ -176,11 +180,6 @@ def product_unchecked(x: torch.Tensor, packed: torch.Tensor, out_features: int, 
                                           out.data_ptr(), out_features, 0 if bias is None else bias.data_ptr(),
                                           torch.get_num_threads()))
     return out
-
-
-def product_torch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """The plain PyTorch path of the same product."""
-    return F.linear(x, weight, bias)
 
 
 def _described(t) -> str:

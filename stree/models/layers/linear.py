@@ -24,11 +24,11 @@ holds the weight exactly, and both accumulate in float32 and round once, so they
 rounding. Which wins again depends on the CPU and the rows: on an AMD EPYC without float16
 arithmetic, a 16-row float16 product of 2.7B-width weights ran several times slower than the
 float32 one, where one row, reading half the bytes, was the faster: a float16 tree pass cost
-many plain steps there. ``STREE_LINEAR=blas`` pins PyTorch's own half product, ``=packed`` and
-``=transposed`` the float32 copy.
+many plain steps there. ``STREE_LINEAR=blas`` pins PyTorch's own half product, ``=packed``,
+``=transposed`` and ``=tiled`` the float32 copy.
 
-The packed, transposed and tiled copies are made on first use and again whenever the weight changes (its
-version counter or storage), so parameters may be trained or reloaded between calls; each costs
+The packed, transposed and tiled copies are made on first use and again whenever the weight changes
+(its version counter or storage), so parameters may be trained or reloaded between calls; each costs
 one more copy of the weight (the float32 copy of a half weight: twice its bytes), kept only while
 some row count takes its path. Only where autograd is off (inference); the packed one on a build
 with oneDNN. Under ``torch.compile`` the product is one opaque op (``stree::cpu_linear``) that
@@ -178,9 +178,10 @@ def _seconds(fn) -> float:
 def _l2_bytes() -> int:
     """One core's L2 cache (Linux's sysfs), else 2 MiB."""
     try:
-        text = open("/sys/devices/system/cpu/cpu0/cache/index2/size").read().strip().upper()
+        with open("/sys/devices/system/cpu/cpu0/cache/index2/size") as f:
+            text = f.read().strip().upper()
         return int(text[:-1]) * {"K": 1 << 10, "M": 1 << 20}[text[-1]] if text[-1] in "KM" else int(text)
-    except (OSError, ValueError):
+    except (OSError, ValueError, IndexError):
         return 2 << 20
 
 
@@ -191,8 +192,8 @@ def _evict() -> None:
     (docs/kernels.md). Four times each core's L2, written by every thread (torch splits the fill as
     a product splits its weight); kept for the process."""
     global _EVICTION
-    if _EVICTION is None:
-        _EVICTION = torch.empty(4 * _l2_bytes() * torch.get_num_threads() // 4)
+    if _EVICTION is None:  # (float32s: as many as each thread's L2 has bytes, four times its size)
+        _EVICTION = torch.empty(_l2_bytes() * torch.get_num_threads())
     _EVICTION.fill_(1.0)
 
 
