@@ -11,7 +11,7 @@ once into a tile of up to 14 rows (6 with AVX2), stayed near one row's cost up t
 machine at hand (:mod:`stree.models.layers.linear`): this is one more candidate.
 
 It is built on first use with the system's C++ compiler (``$CXX``, else ``c++``; ``-O3
--march=native -fopenmp``), about a second, and the library kept under the cache directory
+-march=native -fopenmp``), once per machine and source, and the library kept under the cache directory
 (``$STREE_CACHE_DIR``, else ``$XDG_CACHE_HOME/stree``, else ``~/.cache/stree``), named by a digest
 of the source, the compiler, the flags and the CPU, so a library built for another CPU or from
 another source is never loaded. Where it cannot be built (no compiler, neither AVX-512F nor
