@@ -111,19 +111,25 @@ def window_positions(parents_rows: torch.Tensor, d_conv: int) -> torch.Tensor:
 def tree_conv1d_torch(xBC, parents, conv_state, weight, bias=None, activation="silu"):
     """Gather each node's window from ``[conv_state; xBC]`` and apply the taps, in fp32; a chain
     (a prefill) is the plain causal depthwise conv over its window rows (gathered, a 256-token
-    chain's windows at batch 16 took most of a prefill's time)."""
+    chain's windows at batch 16 took most of a prefill's time), except under ``torch.compile``:
+    there Inductor fuses the gather, the taps and the SiLU into the loops around them, where the
+    conv is an extern oneDNN call between transposes, and a compiled pass of a 2-node tree (always
+    a chain) cost about twice that of an 8-node one (docs/kernels.md)."""
     index, weight = _check_args(xBC, parents, conv_state, weight, bias, activation)
     batch, n, dim = xBC.shape
     d_conv = weight.shape[-1]
-    if index.is_chain():  # node i's window: rows i + 1 .. i + d_conv of [conv_state; xBC]
+    # Window rows of [conv_state; xBC], the same for every layer of a pass: made once per tree, eager
+    # for a chain too (a compiled pass reads them as a constant: made while tracing, they would fail
+    # the graph's guard on its next call and compile it again; runtime.compiled's warm pass is eager).
+    pos = index.memo(("conv_window", d_conv), lambda: window_positions(index.parents.long(), d_conv) + d_conv)
+    # node i's window: rows i + 1 .. i + d_conv of [conv_state; xBC]
+    if not torch.compiler.is_compiling() and index.is_chain():
         seq = torch.cat([f32(conv_state)[:, :, 1:], f32(xBC).transpose(1, 2)], dim=2)  # [b, dim, K - 1 + n]
         out = torch.nn.functional.conv1d(seq, f32(weight)[:, None], None if bias is None else f32(bias), groups=dim)
         out = out.transpose(1, 2).contiguous()
         if activation == "silu":
             out = torch.nn.functional.silu(out, inplace=not torch.is_grad_enabled())
         return out.to(xBC.dtype)
-    # Window rows of [conv_state; xBC], the same for every layer of a pass: made once per tree.
-    pos = index.memo(("conv_window", d_conv), lambda: window_positions(index.parents.long(), d_conv) + d_conv)
     seq = torch.cat([f32(conv_state).transpose(1, 2), f32(xBC)], dim=1)  # [b, K + n, dim]
     if pos.shape[0] == 1:
         windows = seq.index_select(1, pos.view(-1)).view(batch, n, d_conv, dim)

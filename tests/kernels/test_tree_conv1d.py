@@ -107,3 +107,31 @@ def test_bad_inputs_raise_clear_errors(backend, backend_device):
             call(xBC=xbc.long())
         with pytest.raises(ValueError, match="conv_state is on meta"):
             call(conv_state=conv_state.to("meta"))
+
+
+@pytest.mark.parametrize("n", [2, 9])
+def test_compiled_chains_gather_their_windows(n):
+    """Under torch.compile a chain (every 2-node tree is one) gathers its windows as any tree does,
+    which Inductor fuses with the taps and the SiLU; eager it stays the causal conv. The values
+    are the definition's either way."""
+    xbc, conv_state, weight, bias = _inputs(n, 2, n, 24, 4)
+    shape = TreeShape.chain(n - 1)
+    chain = shape.index()  # (as a model's pass hands it: an index checked once)
+    graphs = []
+
+    def capture(gm, example_inputs):  # a dynamo backend that only records the graph it is handed
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda x, s: tree_conv1d(x, chain, s, weight, bias, backend="torch"),
+                             backend=capture, fullgraph=True)
+    out = compiled(xbc, conv_state)
+    targets = [str(node.target) for gm in graphs for node in gm.graph.nodes if node.op == "call_function"]
+    assert targets and not any("conv" in t for t in targets), targets
+    expected = tree_conv1d_def(xbc, shape.parents_tensor(), conv_state, weight, bias, "silu")
+    assert max_rel_error(out, expected) <= FP32_TOL
+    with torch.profiler.profile() as prof:  # eager: one conv op
+        eager = tree_conv1d(xbc, chain, conv_state, weight, bias, backend="torch")
+    assert any("conv" in e.name for e in prof.events())
+    assert max_rel_error(eager, out) <= FP32_TOL
