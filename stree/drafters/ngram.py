@@ -142,6 +142,13 @@ class NGramDrafter(Drafter):
         index.extend(tokens[row, index.ntoks: length])
         return index
 
+    def build(self, shapes, batch: int) -> None:
+        """Load the compiled index's calls (:func:`~.ngram_jit.warm`): setup, not a decoding step's."""
+        if self.compiled:
+            from .ngram_jit import warm
+
+            warm()
+
     def propose(self, context: DraftContext, shape: TreeShape) -> TokenTree:
         shape = self.tree_shape(shape)  # a clear error for a missing shape or a budget
         tokens, lengths = context.tokens.numpy(), context.lengths.numpy()  # NumPy: a torch index costs more than a NumPy one

@@ -20,6 +20,7 @@ that needs it and says which; the Python side grows it and calls again from ther
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -287,3 +288,20 @@ class CompiledRowIndex:
         propose(self.toks, self.ntoks, self.max_n, min_n, self.slots, self.key_tok, self.key_len, self.c_start,
                 self.c_len, self.pool_tok, plan.nodes, plan.child_at, plan.children, plan.inner, out_tok, out_ok)
         return out_tok, out_ok
+
+
+@functools.cache
+def warm() -> None:
+    """Run every compiled call of the index once per process, as setup: each loads from numba's
+    cache on first use (a few milliseconds each: extending past the first arrays' room, rehashing,
+    compacting), which otherwise landed in whichever decoding step first grew an index: often
+    ``tree="auto"``'s first probe after plain steps, charged some ten milliseconds, after which
+    the choice probed again only hundreds of steps later."""
+    from ..tree import TreeShape
+
+    shape = TreeShape.chain(2)
+    for capacity in (1 << 16, 64):  # (n-grams past the first arrays' room; then ones evicted)
+        index = CompiledRowIndex(4, capacity, 0.5)
+        index.extend(np.arange(1200, dtype=np.int64) * 7919 % 4099)  # (distinct n-grams)
+        index.extend(np.arange(600, dtype=np.int64) % 7)  # (continuations outgrowing their regions)
+        index.propose(1, shape.plan, shape.n)

@@ -10,13 +10,14 @@ applies recursive rejection sampling (``stree.sampling.verify``: ``without_repla
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
 import torch
 
 from ..tree import ShapePlan, TokenTree, TreeBudget, TreeShape
-from .base import DraftContext, Drafter
+from .base import DraftContext, Drafter, TargetTop
 from .dynamic import Level, SlotRates, grow
 
 __all__ = ["STANDStore", "STANDDrafter", "gumbel_top_k", "race_top_k"]
@@ -348,6 +349,11 @@ class STANDDrafter(Drafter):
         super().reseed(seed)
         self._noise, self._pos = np.empty(0), 0  # drawn from the old stream
 
+    def build(self, shapes, batch: int) -> None:
+        """Load the store's compiled calls (:func:`_warm`): setup, not a decoding step's."""
+        if self.store.compiled:
+            _warm(self.store.top_k, self.store.max_n)
+
     def _noise_window(self, n: int) -> np.ndarray:
         """The next ``n`` unused Exp(1) values (a fresh buffer when fewer are left); the caller
         marks how many it used (``_pos``), so no value serves twice."""
@@ -426,3 +432,23 @@ class STANDDrafter(Drafter):
             else:
                 ids, probs = target[i].ids.numpy(), target[i].probs.numpy()
             self.store.observe(seq, len(seq) - len(emitted), ids, probs)
+
+
+@functools.cache
+def _warm(top_k: int, max_n: int) -> None:
+    """Run a small store through every compiled call once per process: each loads from numba's
+    cache on first use (a first draft hundreds of times a later one's time: docs/decoding.md),
+    which otherwise landed inside the first decoding steps of a process whose cost profile was
+    read from its file (``tree="auto"`` learning from such a step priced trees or plain steps
+    wrongly)."""
+    store = STANDStore(capacity=64, top_k=top_k, max_n=max_n)  # (small: it evicts)
+    drafter = STANDDrafter(store, TreeShape.paper13())
+    seq = torch.arange(160).mul(7919).remainder(4099)[None]  # (distinct n-grams)
+    for start in range(8, 150, 2):
+        context = DraftContext(seq, torch.tensor([start]), [0], greedy=np.array([start % 4 == 0]))
+        drafter.propose(context)
+        drafter.propose(context, TreeBudget(8))
+        emitted = [seq[0, start: start + 2].tolist()]
+        laws = [TargetTop(torch.arange(2 * top_k).view(2, top_k), torch.full((2, top_k), 1.0 / top_k),
+                          torch.full((2,), 1.0 / top_k))]
+        drafter.observe(context, emitted, laws if start % 3 else None)
