@@ -1,14 +1,12 @@
 """NGramDrafter: longest-suffix continuations, frequency order, back-off, tree filling, and an
 index that only ever reads the new tokens of a row."""
 
-import subprocess
-import sys
-
 import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from jit_loads import unloaded_after
 
 from stree.drafters import DraftContext, NGramDrafter
 from stree.drafters import ngram as ngram_module
@@ -195,13 +193,5 @@ def test_build_loads_every_compiled_call_of_the_index():
     """A decoding loop's setup (``build``) loads the compiled index's calls, growth included, in a
     fresh process: each loads on first use, and the first index to outgrow its arrays inside
     decoding (often tree="auto"'s first probe) had paid some ten milliseconds for it."""
-    script = (
-        "from stree.drafters import ngram_jit as nj\n"
-        "from stree.drafters.ngram import NGramDrafter\n"
-        "calls = (nj.extend, nj.rehash, nj.compact, nj.propose)\n"
-        "assert not any(f.signatures for f in calls)\n"
-        "NGramDrafter().build([], 1)\n"
-        "print([f.__name__ for f in calls if not f.signatures])\n")
-    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stderr[-2000:]
-    assert run.stdout.strip() == "[]"
+    assert unloaded_after("stree.drafters.ngram_jit", ["extend", "rehash", "compact", "propose"],
+                          "from stree.drafters.ngram import NGramDrafter", "NGramDrafter().build([], 1)") == []

@@ -2,14 +2,13 @@
 losslessness of its drafts on an exact Markov target (chi-square), including a stale store."""
 
 import itertools
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from jit_loads import unloaded_after
 from tiny_models import FAMILIES
 
 from stree.drafters import DraftContext, STANDDrafter, STANDStore, TargetTop
@@ -308,13 +307,6 @@ def test_a_plain_step_teaches_the_emitted_tokens_alone():
 def test_build_loads_the_stores_compiled_calls():
     """A decoding loop's setup (``build``) loads the compiled store's calls in a fresh process:
     each loads on first use, and a first draft had taken some 0.4 s inside decoding."""
-    script = (
-        "from stree.drafters import stand_jit as sj\n"
-        "from stree.drafters.stand import STANDDrafter, STANDStore\n"
-        "calls = (sj.draft, sj.observe, sj.longest_many)\n"
-        "assert not any(f.signatures for f in calls)\n"
-        "STANDDrafter(STANDStore(capacity=1024)).build([], 1)\n"
-        "print([f.__name__ for f in calls if not f.signatures])\n")
-    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stderr[-2000:]
-    assert run.stdout.strip() == "[]"
+    assert unloaded_after("stree.drafters.stand_jit", ["draft", "observe", "longest_many"],
+                          "from stree.drafters.stand import STANDDrafter, STANDStore",
+                          "STANDDrafter(STANDStore(capacity=1024)).build([], 1)") == []
