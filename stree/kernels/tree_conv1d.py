@@ -114,7 +114,7 @@ def tree_conv1d_torch(xBC, parents, conv_state, weight, bias=None, activation="s
     chain's windows at batch 16 took most of a prefill's time), except under ``torch.compile``:
     there Inductor fuses the gather, the taps and the SiLU into the loops around them, where the
     conv is an extern oneDNN call between transposes, and a compiled pass of a 2-node tree (always
-    a chain) cost about twice that of an 8-node one (docs/kernels.md)."""
+    a chain) cost more than one of an 8-node tree (docs/kernels.md)."""
     index, weight = _check_args(xBC, parents, conv_state, weight, bias, activation)
     batch, n, dim = xBC.shape
     d_conv = weight.shape[-1]
