@@ -62,6 +62,8 @@ def main(argv=None):
     p.add_argument("--per-row", action="store_true",
                    help=f"also run each drafter with each row of a batch at a tree size of its own where the choice "
                         f"finds that pays (\"<drafter>{PER_ROW}\": AutoTree.PER_ROW on, packed passes)")
+    p.add_argument("--no-watch", action="store_true",
+                   help="greedy choices verify probes alone, watching no drafts during plain steps (AutoTree.WATCH off)")
     p.add_argument("--no-cuda-graph", action="store_true",
                    help="on CUDA, eager calls without CUDA graphs (graphs are made per tree shape, so rows' own "
                         "sizes, --per-row, run only without them)")
@@ -73,6 +75,7 @@ def main(argv=None):
     # float32 everywhere unless asked: the greedy identity check compares the tree pass with plain
     # steps, and in bfloat16 their different summation orders may flip a near-tie
     args.dtype = args.dtype or "float32"
+    AutoTree.WATCH = not args.no_watch
     device, dtype = device_and_dtype(args)
     if args.smoke:
         args.prompts, args.max_new_tokens, args.batches, args.temperatures = 2, 8, "1", "0"
@@ -152,6 +155,7 @@ def main(argv=None):
                 tau=pooled_tau([o.stats for o in outs]),
                 step_in_ar_steps=(seconds / steps) / (ar_seconds / ar_steps),
                 trees=trees, trees_chosen=trees_chosen(trees), packed=sum(o.stats.packed for o in outs),
+                watched=sum(o.stats.watched for o in outs),
                 # where a call's wall clock goes (ms per call): setting up the tree choice, the prefill,
                 # the decoding loop after it, and what the call does outside the loop (tokenising,
                 # making the drafter, detokenising): on a GPU, where a call of 128 tokens takes tens of
@@ -167,19 +171,20 @@ def main(argv=None):
             r = rows[-1]
             print(f"{mode:<9}b{batch:<3}T{temperature:<4}{name:<15}{r['tokens_per_s']:>8.1f} tok/s  "
                   f"x{r['gain']:.2f} (turns {r['gain_turns']['q25']:.2f}-{r['gain_turns']['q75']:.2f})  tau {r['tau']:.2f}  step {r['step_in_ar_steps']:.2f} AR  {r['trees_chosen']}"
-                  f"  packed {r['packed']}"
+                  f"  packed {r['packed']}  watched {r['watched']}"
                   + ("" if r["identical"] is None else f"  identical {'yes' if r['identical'] else 'NO'}")
                   + "  ms/call " + " ".join(f"{k} {v:.2f}" for k, v in r["call_ms"].items()),
                   file=sys.stderr)
     result = dict(benchmark="speculation", **run_info(device, argv), dtype=str(dtype).removeprefix("torch."), threads=torch.get_num_threads(),
-                  prompts=args.prompts, max_new_tokens=args.max_new_tokens,
+                  prompts=args.prompts, max_new_tokens=args.max_new_tokens, watch=AutoTree.WATCH,
                   note="LM.generate at default settings (tree='auto'); gain: tokens/s (each call's wall clock: "
                        "tokenising, the drafter's making and the tree choice's setup included) over stree's own "
                        "autoregressive decoding in the same mode, batch size and temperature, runs interleaved per "
                        "batch of prompts; gain_turns: quartiles of each turn's gain over the autoregressive run of "
                        "the same prompts in the same turn (paired: the machine's drift cancels); step_in_ar_steps: seconds per decoding step over the autoregressive one's; "
                        "trees: steps per tree size (1: a plain step); packed: tree steps whose rows each took a size "
-                       "of their own; warm-up (compiling, measuring costs) not timed",
+                       "of their own; watched: drafts made during plain steps and learned from, not verified "
+                       "(greedy); warm-up (compiling, measuring costs) not timed",
                   results=rows)
     stem = args.stem or ("speculation_smoke" if args.smoke else f"speculation_{device.type}")
     save_result(result, args.out, stem, plot)

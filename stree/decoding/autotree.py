@@ -22,6 +22,9 @@ The choice (:class:`AutoTree`), every step:
    trees, against 1 / C(1) for a plain step. Where the plain step wins it is taken without
    drafting; now and then one draft is verified anyway (a probe, paid from a ledger whose
    share of the plain steps halves while probes keep losing), so that the rates follow the text.
+   Greedy, a draft is also watched now and then (:meth:`AutoTree.watch_shape`): drafted, not
+   verified; the plain steps after it emit what verifying it would have, so the rates learn from
+   it as from a verified step, at the price of drafting alone.
 2. After drafting, the draft's own chances (its invalid nodes worth nothing) give every prefix m
    of it its E(m); the best prefix by E(m) / C(m) is verified (drafting is paid by then), or a
    plain step taken where that is better (not on a probe) or where nothing was drafted.
@@ -244,6 +247,29 @@ def _record(parents, rank, depth, tokens, valid, emitted, counts, rows, accepted
 
 
 @njit(cache=True)
+def _walk(parents, tokens, valid, emitted, seen):
+    """Each row's count had its tree been verified greedily (accepted drafts, plus the bonus), from
+    the first ``seen[b]`` tokens the row ``emitted`` after the root: the path of valid nodes
+    matching them, child by child."""
+    B, n = tokens.shape
+    counts = np.ones(B, dtype=np.int64)
+    for b in range(B):
+        s = b if parents.shape[0] > 1 else 0
+        u = 0
+        for t in range(seen[b]):
+            hit = -1
+            for c in range(u + 1, n):
+                if parents[s, c] == u and valid[b, c] and tokens[b, c] == emitted[b, t]:
+                    hit = c
+                    break
+            if hit < 0:
+                break
+            u = hit
+            counts[b] += 1
+    return counts
+
+
+@njit(cache=True)
 def _chances(parents, rank, depth, valid, h):
     """Each node's chance to be accepted (0 for invalid nodes and their subtrees), ``[B, n]``,
     never above an earlier sibling's (as :meth:`PathRates.positional`: a rank the verified steps
@@ -449,14 +475,23 @@ class AutoTree:
     # misses (the loop's bookkeeping, caches a drafter evicts) is covered by asking a tree to beat
     # a plain step by this much.
     MARGIN = 1.2
+    # Watched drafts (greedy choices, drafters without a model): whether ``watch`` is heeded (off:
+    # benchmarks/speculation.py --no-watch, to compare); one every this many plain steps at least,
+    # and drafting them at most this share of the plain steps' time.
+    WATCH = True
+    WATCH_EVERY = 4
+    WATCH_SHARE = 0.01
     # Whether rows take sizes of their own by default (see per_row): off, as on the CPU measured so far
     # packed passes lost more than they saved (docs/decoding.md); benchmarks/speculation.py --per-row
     PER_ROW = False
 
     def __init__(self, profile: CostProfile, *, sizes=None, chain: bool = False, fills_shapes: bool = True,
                  depth: int = PathRates.DEPTH, adaptive: bool = False, rates: PathRates | None = None,
-                 scale: dict | None = None, per_row: bool | None = None):
+                 scale: dict | None = None, per_row: bool | None = None, watch: bool = False):
         self.profile, self.chain, self.fills_shapes, self.adaptive = profile, chain, fills_shapes, adaptive
+        # drafts watched during plain steps (watch_shape): where the output cannot depend on the trees
+        self.watching = watch and self.WATCH and adaptive and fills_shapes
+        self._unwatched = 0  # plain steps since the last watched draft
         # each row its own size (packed passes) where that pays: by default where the clock says
         # what packed passes cost (the profile measures padded ones), in any size eager loops verify
         self.per_row = self.PER_ROW and adaptive and sizes is None and not chain if per_row is None else per_row
@@ -512,7 +547,7 @@ class AutoTree:
         # After a measured probe, for the plain step that may follow: the weight of its loss in the
         # probes' average (1: the first measured); else None.
         self._after_probe: float | None = None
-        self._after_tree = False  # whether the last step recorded was a tree
+        self._after_tree: tuple[str, float] | None = None  # the last step recorded, a tree's: its kind and prediction
         self._promised: tuple[float, np.ndarray] | None = None  # this step's tree: the drafts promised, the rows
         self._predicted = ("plain", self.cost[1])  # this step's kind and predicted milliseconds
         self._iterations = 0  # recorded in this call
@@ -656,8 +691,64 @@ class AutoTree:
             return 0
         short = self._probe_price() - self.scale["bank"]
         if short > 0.0 and self._deposit() <= 0.0:
-            return self.NEVER  # (PROBE_SHARE 0: no probes at all)
-        return max(0, self.PROBE - self._plain_run, math.ceil(short / self._deposit() - 1e-9) if short > 0.0 else 0)
+            ahead = self.NEVER  # (PROBE_SHARE 0: no probes at all)
+        else:
+            ahead = max(0, self.PROBE - self._plain_run, math.ceil(short / self._deposit() - 1e-9) if short > 0.0 else 0)
+        if self.watching and self._probe_size > 1:  # (the run ends where the next watched draft is due)
+            ahead = min(ahead, max(self._watch_gap() - self._unwatched, 1))
+        return ahead
+
+    # -- watched drafts ----------------------------------------------------------------------------
+    def _watch_gap(self) -> int:
+        """Plain steps between watched drafts: at least ``WATCH_EVERY``, and so many that drafting
+        them costs at most ``WATCH_SHARE`` of the plain steps' time."""
+        drafting = self.draft_cost[self._probe_size] * self._scaled("tree")
+        return max(self.WATCH_EVERY, math.ceil(drafting / (self.WATCH_SHARE * self.cost[1] * self.scale["plain"])))
+
+    def watch_shape(self) -> TreeShape | None:
+        """After a plain step's :meth:`record` (or a plain run's :meth:`plain_steps`): the shape to
+        draft now and watch (:meth:`watched`), or None where no watched draft is due."""
+        if not self.watching or self._probe_size < 2 or self._unwatched < self._watch_gap():
+            return None
+        self._unwatched = 0
+        return self.prefix(self._probe_size)
+
+    def watched(self, draft: TokenTree, after: list[np.ndarray], served: np.ndarray, ids: np.ndarray) -> None:
+        """Learn from a draft made for the rows ``ids`` (batch ids) and never verified: ``after[b]``
+        the tokens row b emitted since (plain steps, greedy: what verifying the draft would have
+        emitted too). Each row's accepted path is read off them as verification would have found
+        it, as far as they reach: nodes they do not reach below are left out (a path matching all
+        of them is cut, the last one standing for the bonus). The rates learn it as a verified
+        step, and what it brought the rows ``served`` (the mask of rows the choice served when it
+        was drafted) calibrates the promises (:meth:`gain_scale`); the sizes are then weighed
+        again."""
+        seen = np.array([len(a) for a in after], dtype=np.int64)
+        rows = np.flatnonzero(seen > 0)
+        if not len(rows):
+            return
+        parents, rank, depth = _structure(draft)
+        valid = _valid(draft) & (depth < seen[:, None])
+        emitted = np.zeros((len(after), int(seen.max())), dtype=np.int64)
+        for b in rows:
+            emitted[b, : seen[b]] = after[b]
+        tokens = np.ascontiguousarray(draft.tokens.numpy())
+        counts = _walk(parents, tokens, valid, emitted, seen)
+        served = served & (seen > 0)
+        if served.any():
+            hazard = self.row_rates.hazard(ids, self.rates.hazard())
+            said = _chances(parents, rank, depth, valid, hazard)[served, 1:].sum(1).min()
+            self.scale["gain_got"] = self.GAIN_DECAY * self.scale["gain_got"] + float(counts[served].min() - 1)
+            self.scale["gain_said"] = self.GAIN_DECAY * self.scale["gain_said"] + float(said)
+        cut = dict(valid=torch.from_numpy(valid))
+        cut = (TokenTree.from_shape(draft.static_shape, draft.tokens, **cut) if draft.static_shape is not None
+               else TokenTree(draft.parents, draft.tokens, **cut))
+        self.rates.record(cut, emitted, counts, rows, self.row_rates, ids)
+        self._stale = True
+        self._replan(cut)
+
+    def wants_trees(self) -> bool:
+        """Whether the size to draft is a tree that beats a plain step (a plain run may end early)."""
+        return self._pick > 1 and self._worth_drafting()
 
     def plain_steps(self, steps: int, elapsed_ms: float | None = None) -> None:
         """:meth:`plan` and :meth:`record` of ``steps`` plain steps that :meth:`plain_ahead`
@@ -674,6 +765,7 @@ class AutoTree:
             self.scale["plain_age"] = 0
             self._stale = True
         self._plain_run += steps
+        self._unwatched += steps
         self.chosen[1] += steps
         self._deposit_plain(steps)
         self._since_plan = (self._since_plan + steps) % self.REPLAN  # (nothing is stale: re-plans would do nothing)
@@ -828,9 +920,14 @@ class AutoTree:
         after, self._after_probe = self._after_probe, None
         # Likewise a plain step right after a tree: priced by such steps (in a run of trees the only
         # plain steps there are), plain steps looked dearer than a run of them costs, and trees that
-        # lost to such a run went on winning. It teaches nothing; the next plain step does.
-        after_tree, self._after_tree = self._after_tree, tree is not None
+        # lost to such a run went on winning. It teaches nothing; the next plain step does. What it
+        # took beyond a plain step is the tree's, as the probe's is the probe's: uncharged, trees that
+        # alternate with plain steps (compiled, batch 2: a plain step after a tree over 40% dearer)
+        # looked cheaper than they were, and ran where they lost.
+        after_tree, self._after_tree = self._after_tree, (kind, predicted) if tree is not None else None
         timed = self.adaptive and elapsed_ms is not None and elapsed_ms > 0
+        if timed and after_tree is not None and tree is None:
+            self._tree_aftermath(*after_tree, elapsed_ms)
         if after is not None and tree is None:
             if timed:
                 self._pay_aftermath(elapsed_ms - self.cost[1] * self.scale["plain"], after)
@@ -857,6 +954,8 @@ class AutoTree:
             self._pay_probe(predicted, tree, counts, rows, ids, elapsed_ms)
         elif tree is None:
             self._deposit_plain(1)
+        if tree is None:
+            self._unwatched += 1
         self.scale["plain_run"] = self._plain_run
         if (tree is not None and self._probing) or self._since_plan >= self.REPLAN:
             self._replan(tree)
@@ -902,6 +1001,15 @@ class AutoTree:
             self.scale["losing"] = min(self.scale["losing"] + 1, self.BACKOFF)
         elif lost <= 0.0:
             self.scale["losing"] = 0
+
+    def _tree_aftermath(self, kind: str, predicted: float, elapsed_ms: float) -> None:
+        """A plain step of ``elapsed_ms`` right after a tree of ``kind`` predicted (unscaled) at
+        ``predicted`` ms: its time beyond a plain step's (at most a plain step's either way) added
+        to what the tree's iteration took, in the tree's scale."""
+        plain = self.cost[1] * self.scale["plain"]
+        excess = min(max(elapsed_ms - plain, -plain), plain)
+        self.scale[kind] += self.ADAPT * excess / (predicted * self.scale["plain"])
+        self._stale = True
 
     def _pay_aftermath(self, excess: float, weight: float) -> None:
         """A probe's aftermath: the time the plain step after it took beyond a plain step's (at
@@ -978,14 +1086,15 @@ def _cut(draft: TokenTree, m: int) -> TokenTree:
 
 def auto_tree(model, drafter, batch: int, *, mode: str, sampled: bool = False, chain: bool = False,
               depth: int = PathRates.DEPTH, adaptive: bool = False, refresh: bool = False,
-              bracketed: bool = False) -> AutoTree:
+              bracketed: bool = False, watch: bool = False) -> AutoTree:
     """The :class:`AutoTree` of a decoding call: the costs of ``model`` with ``drafter`` at
     ``batch`` rows in ``mode``, greedy or ``sampled`` (measured on first use, then cached:
     :func:`stree.decoding.cost.cost_profile`; ``refresh``: measured again; an adaptive one's, from the
     file, spot-checked first) over the shapes the rates' prior plans (at most ``depth`` deep).
     An ``adaptive`` one continues the cost scales and rates of the last adaptive chooser of the
     same profile in this process (where the output cannot depend on the trees, what earlier
-    calls learned about this machine and drafter is worth keeping). ``bracketed``: the costs of a
+    calls learned about this machine and drafter is worth keeping; ``watch``: it watches drafts
+    during plain steps, :meth:`AutoTree.watch_shape`). ``bracketed``: the costs of a
     batch size between two powers of two interpolated between theirs
     (:func:`stree.decoding.cost.bracketed_profile`), for callers whose batch size keeps changing."""
     _load_helpers()
@@ -1001,7 +1110,7 @@ def auto_tree(model, drafter, batch: int, *, mode: str, sampled: bool = False, c
     scale, rates = (None, None) if not adaptive else _LEARNED.setdefault(profile, ({"plain": 1.0, "tree": 1.0},
                                                                                    PathRates()))
     return AutoTree(profile, sizes=fixed and sizes, chain=chain, fills_shapes=fills, depth=depth, adaptive=adaptive,
-                    rates=rates, scale=scale)
+                    rates=rates, scale=scale, watch=watch)
 
 
 @functools.cache
@@ -1010,13 +1119,14 @@ def _load_helpers() -> None:
     call loads it (a few milliseconds each, from numba's cache), which inside a timed iteration of
     a few milliseconds had made trees (or packed passes) look up to three times dearer to a choice
     that follows the clock, and it went on without them."""
-    auto = AutoTree(CostProfile(1.0, (2, 4), (1.1, 1.2)), per_row=True)
+    auto = AutoTree(CostProfile(1.0, (2, 4), (1.1, 1.2)), per_row=True, adaptive=True, watch=True)
     shape = TreeShape((-1, 0, 0, 1))
     tokens = torch.zeros(2, shape.n, dtype=torch.long)
     both, rows = np.ones(2, dtype=np.bool_), np.arange(2)
     for draft in (TokenTree.from_shape(shape, tokens), TokenTree(shape.parents_tensor().expand(2, -1), tokens)):
         auto.choose(draft, both, rows)
         auto.record(draft, np.zeros((2, 2), dtype=np.int64), np.ones(2, dtype=np.int64), rows, ids=rows)
+        auto.watched(draft, [np.zeros(2, dtype=np.int64)] * 2, both, rows)
 
 
 # what adaptive choosers learned, per cost profile (the same model, drafter kind, batch size and mode)

@@ -154,7 +154,8 @@ class _Loop:
                                      depth=config.depth, mode="cuda_graph" if config.cuda_graph else
                                      "compiled" if config.torch_compile else "eager",
                                      sampled=not config.params.greedy,
-                                     adaptive=config.params.greedy or seed is None)  # the trees cannot change the output
+                                     adaptive=config.params.greedy or seed is None,  # the trees cannot change the output
+                                     watch=config.params.greedy and self.drafter.level_model is None)
             self.stats.time_setup = time.perf_counter() - t0
         self.clock = _Clock(config.device, detailed=time_phases)
         self.start = self.clock.t
@@ -163,6 +164,7 @@ class _Loop:
         # A run of plain steps the chooser has decided ahead, where the drafter needs no target laws
         # after them: the loop neither plans nor drafts, and hands the drafter the run's tokens at its end.
         self.plain_run: _PlainRun | None = None
+        self.watch: _Watch | None = None  # a draft made after a plain step, not verified (AutoTree.watch_shape)
         # a speculative loop's plain steps read the weight copies its tree passes use (models.layers.linear)
         self.plain_scope, self.tree_scope = ((following, leading) if config.speculative
                                              else (contextlib.nullcontext,) * 2)
@@ -207,6 +209,8 @@ class _Loop:
                 self.given.assign(torch.from_numpy(self.held).to(c.device), self.cache)
         if self.plain_run is not None:
             self.plain_run.end(rows, self.drafter, self.chooser)
+        if self.watch is not None:
+            self.settle_watch()
         return self.output()
 
     def leave(self) -> None:
@@ -323,6 +327,10 @@ class _Loop:
         to decide the next ones ahead), or a verified draft; ``elapsed``: the iteration's
         milliseconds (None: not a time the chooser learns from)."""
         chooser, run = self.chooser, self.plain_run
+        if self.watch is not None and (full is not None or self.watch.ready(self.rows)):
+            self.settle_watch()
+            if run is not None and chooser.wants_trees():  # (what it taught ends the plain run)
+                run.left = 0
         if run is not None:
             run.steps += 1
             run.ms = None if run.ms is None or elapsed is None else run.ms + elapsed
@@ -338,6 +346,24 @@ class _Loop:
             at = np.asarray(live)
             chooser.record(draft, host.tokens.numpy()[at], host.counts.numpy()[at], np.arange(len(live)), elapsed,
                            ids=at)
+        if full is None and (run is None or self.plain_run is None):  # after a plain step, or a plain run's end
+            self.start_watch()
+
+    def start_watch(self) -> None:
+        """Draft and keep, not verify, where the chooser says a watched draft is due."""
+        if self.watch is not None or not self.chooser.watching or not bool(self.rows.active.any()):
+            return
+        shape = self.chooser.watch_shape()
+        if shape is not None:
+            live = self.rows.active_ids()
+            draft = self.drafter.propose(self.rows.context(), shape)
+            check_draft(draft, self.rows.roots()[live], self.model.vocab_size)
+            self.watch = _Watch(draft, self.rows, live)
+
+    def settle_watch(self) -> None:
+        self.watch.settle(self.rows, self.chooser)
+        self.watch = None
+        self.stats.watched += 1
 
     def output(self) -> GenerationOutput:
         rows, stats = self.rows, self.stats
@@ -383,6 +409,28 @@ class _PlainRun:
             drafter.observe(DraftContext(rows.seq, self.lengths, self.rows),
                             [rows.seq[r, int(self.lengths[r]): ends[r]].tolist() for r in self.rows], None)
             chooser.plain_steps(self.steps, self.ms)
+
+
+class _Watch:
+    """A draft made after a plain step and not verified (:meth:`AutoTree.watch_shape`): greedy, the
+    tokens the steps after it emit are what verifying it would have emitted, so they say what it
+    would have had accepted (:meth:`AutoTree.watched`), at the price of drafting alone."""
+
+    def __init__(self, draft: TokenTree, rows: Rows, live: list[int]):
+        self.draft, self.live = draft, np.asarray(live)
+        self.served = rows.critical(live)
+        self.start = rows.lengths.numpy()[self.live].copy()
+        self.depth = draft.static_shape.max_depth if draft.static_shape is not None else draft.n - 1
+
+    def ready(self, rows: Rows) -> bool:
+        """Whether every row has emitted past the draft's depth, or finished."""
+        new = rows.lengths.numpy()[self.live] - self.start
+        return bool(((new > self.depth) | ~rows.active.numpy()[self.live]).all())
+
+    def settle(self, rows: Rows, chooser: AutoTree) -> None:
+        seq, ends = rows.seq.numpy(), rows.lengths.numpy()
+        chooser.watched(self.draft, [seq[r, s: ends[r]] for r, s in zip(self.live, self.start)], self.served,
+                        self.live)
 
 
 def _draft(drafter: Drafter, chooser: AutoTree | None, rows: Rows, shape, roots: torch.Tensor, live: list[int],

@@ -38,6 +38,7 @@ class GenerationStats:
     trees: dict[int, int] = field(default_factory=dict)  # tree nodes -> decoding steps (1: a plain step)
     time_setup: float = 0.0  # measuring this machine's costs for tree="auto" (once per process), not in time_total
     packed: int = 0  # of the tree steps, those whose rows each had a size of their own (a packed pass)
+    watched: int = 0  # drafts made during plain steps and learned from, not verified (AutoTree.watch_shape)
 
     @property
     def tau(self) -> float:

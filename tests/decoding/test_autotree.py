@@ -582,6 +582,33 @@ def test_plain_steps_right_after_trees_do_not_price_plain_decoding():
     assert np.mean(late) > 0.9
 
 
+def test_what_a_plain_step_right_after_a_tree_takes_beyond_its_own_is_the_trees():
+    """Trees of two nodes at 1.5 ms, their child accepted three steps in five: 1.6 tokens for
+    1.5 ms beat plain steps of 1 ms, and the choice drafts them. But each is followed by a plain
+    step (a draft that came out empty, say) of 1.8 ms: what the tree pushed out of the caches.
+    Charged to the tree, 1.6 tokens for 2.3 ms lose, and the choice decodes plain; the plain
+    steps' price learns nothing from those steps."""
+    profile = CostProfile(1.0, (2,), (1.5,))
+    auto = AutoTree(profile, adaptive=True, sizes=(2,))
+    assert auto._pick == 2
+    trees, late = 0, []
+    for i in range(400):
+        plan = auto.plan()
+        draft = None if plan is None else auto.choose(full_draft(plan), np.ones(1, dtype=np.bool_))
+        if draft is None:
+            auto.record(None, elapsed_ms=1.0)
+        else:
+            hit, trees = trees % 5 < 3, trees + 1
+            emitted = np.array([[int(draft.tokens[0, 1]) if hit else 999, 0]])
+            auto.record(draft, emitted, np.array([2 if hit else 1]), np.arange(1), elapsed_ms=auto._predicted[1])
+            auto.plan()
+            auto.record(None, elapsed_ms=1.8)
+        if i >= 300:
+            late.append(draft is None)
+    assert auto.scale["tree"] > 1.3 and auto.scale["plain"] < 1.1
+    assert np.mean(late) > 0.9
+
+
 def test_plain_runs_teach_the_machines_speed_and_trees_their_own_price():
     """A plain step 1 ms by the profile, 2-node trees bringing 1.95 tokens.
 
@@ -729,6 +756,62 @@ def test_a_probe_waits_until_its_drafters_catch_up_is_paid_for():
     assert near[0] < 10 and len(near) > 3 * len(far)
 
 
+# ---- watched drafts ---------------------------------------------------------------------------
+def test_a_watched_draft_is_learned_as_verification_would_have_found_it():
+    """A chain of four and a sibling under the root, for three rows. Row 0's plain steps matched two
+    levels and then not: accepted 2 of them (as verified), the third level reached and refused.
+    Row 1's two tokens both matched: only the first level is known (the second token stands for
+    the bonus), the deeper ones are not counted. Row 2 took the sibling. The rates hold exactly
+    what recording those verified steps holds."""
+    parents = [-1, 0, 1, 2, 3, 0]
+    tokens = [[5, 6, 7, 8, 9, 4]] * 3
+    draft = tree_of(parents, tokens)
+    after = [np.array([6, 7, 1, 2, 3, 3]), np.array([6, 7]), np.array([4, 9, 9, 9, 9])]
+    watched = AutoTree(cheap(), adaptive=True, watch=True, rates=PathRates(decay=1.0))
+    watched.watched(draft, after, np.ones(3, dtype=bool), np.arange(3))
+    verified = PathRates(decay=1.0)
+    cut = tree_of(parents, tokens, [[True] * 6, [True, True, False, False, False, True], [True] * 6])
+    verified.record(cut, np.array([[6, 7, 1], [6, 7, 0], [4, 9, 0]]), np.array([3, 2, 2]), np.arange(3))
+    assert np.array_equal(watched.rates.accepted, verified.accepted)
+    assert np.array_equal(watched.rates.reached, verified.reached)
+    acc, reached = verified.accepted, verified.reached
+    assert (reached[1, 0], acc[1, 0], reached[1, 1], acc[1, 1]) == (3, 2, 1, 1)  # level 1: the chain, the sibling
+    assert (reached[2, 0], acc[2, 0], reached[3, 0], acc[3, 0], reached[4, 0]) == (1, 1, 1, 0, 0)
+    # what the served rows got (the least: row 1's one accepted draft) calibrates the promises
+    assert watched.scale["gain_got"] == 1.0 and watched.scale["gain_said"] > 0.0
+
+
+class NeverProbes(AutoTree):
+    PROBE_SHARE = 0.0  # only watched drafts can bring trees back
+
+
+def test_watched_drafts_bring_trees_back_where_probes_never_come():
+    """A choice that learned that drafts fail (plain steps only, and no probes to say otherwise)
+    meets text its drafter follows. Watching a draft now and then, during the plain steps, it
+    learns that and drafts trees again; without watching it stays plain for good. Watched drafts
+    cost drafting alone: at most WATCH_SHARE of the plain steps' time, and one in WATCH_EVERY
+    plain steps at most."""
+    def run(watch):
+        auto = NeverProbes(cheap(), adaptive=True, watch=watch, rates=PathRates(prior=(0.02,) * 8))
+        plain = watches = 0
+        for _ in range(200):
+            if auto.plan() is not None:
+                break
+            auto.record(None)
+            plain += 1
+            due = auto.watch_shape()
+            if due is not None:
+                watches += 1
+                draft = TokenTree.from_shape(due, torch.arange(due.n)[None])
+                auto.watched(draft, [np.arange(1, due.n + 1)], np.ones(1, dtype=bool), np.zeros(1, dtype=np.int64))
+        return plain, watches, auto
+
+    plain, watches, auto = run(True)
+    assert plain < 200 and auto.wants_trees() and 1 <= watches <= plain // AutoTree.WATCH_EVERY
+    assert auto._watch_gap() >= AutoTree.WATCH_EVERY
+    assert run(False)[:2] == (200, 0)
+
+
 # ---- in the loop ------------------------------------------------------------------------------
 @pytest.mark.parametrize("family", FAMILIES)
 def test_greedy_auto_is_token_identical_for_every_drafter(family):
@@ -755,6 +838,30 @@ def test_greedy_auto_is_token_identical_for_every_drafter(family):
             assert out.sequences == ref.sequences, (name, method, "cheap trees")
             kinds |= {1 if n == 1 else 2 for n in out.stats.trees}
     assert 2 in kinds
+
+
+def test_the_loop_learns_from_watched_drafts_and_outputs_stay_the_same():
+    """Greedy, the n-gram drafter on looping text, a choice that expects nothing of drafts and
+    never probes: the drafts it watches during plain steps bring trees back within the call,
+    the output token for token autoregressive decoding's. Without watching it never drafts.
+    ``tree="auto"`` watches greedy calls of drafters without a model only: not a seeded sampled
+    call (its trees follow the seed), nor a drafter model (its drafting is a model's steps)."""
+    model = mamba2()
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, model.vocab_size, (4,), generator=g).tolist() * 4 for _ in range(2)]
+    ref = generate(model, prompts, method="autoregressive", max_new_tokens=48)
+
+    def pessimist(watch):
+        return NeverProbes(cheap(), adaptive=True, watch=watch, rates=PathRates(prior=(0.02,) * 8))
+
+    out = generate(model, prompts, max_new_tokens=48, tree=pessimist(True))
+    assert out.sequences == ref.sequences
+    assert out.stats.watched > 0 and max(out.stats.trees) > 1, out.stats.trees
+    plain = generate(model, prompts, max_new_tokens=48, tree=pessimist(False))
+    assert plain.sequences == ref.sequences and plain.stats.watched == 0 and set(plain.stats.trees) == {1}
+    assert generate(model, prompts, max_new_tokens=48, temperature=1.0, seed=1).stats.watched == 0
+    ssm = make_drafter("ssm-static", drafter_model=mamba2(n_layer=1, seed=3), vocab_size=model.vocab_size)
+    assert generate(model, prompts, max_new_tokens=48, drafter=ssm).stats.watched == 0
 
 
 def test_explicit_trees_are_honoured_exactly():
