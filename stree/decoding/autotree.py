@@ -951,7 +951,7 @@ class AutoTree:
             if self._promised is not None:
                 got = self._calibrate(counts[rows])
         if self._probing:
-            self._pay_probe(predicted, tree, counts, rows, ids, elapsed_ms)
+            self._pay_probe(predicted, tree, counts, rows, ids, elapsed_ms, got)
         elif tree is None:
             self._deposit_plain(1)
         if tree is None:
@@ -962,13 +962,21 @@ class AutoTree:
         elif got is not None and self._lost_dearly(kind, predicted, got + 1.0):
             self._pick, self._probe_size = self._pick_sizes()
 
-    def _pay_probe(self, predicted: float, tree, counts, rows, ids, elapsed_ms: float | None) -> None:
+    def _pay_probe(self, predicted: float, tree, counts, rows, ids, elapsed_ms: float | None,
+                   got: float | None = None) -> None:
         """Take this step's probe out of the ledger: by the clock where the choice is adaptive
         (its time beyond plain steps for the tokens it emitted; a probe whose draft came out empty
         emitted one), else at the price it was let through at. What it lost (by the clock, else by
-        the profile's prediction) sets the ledger's pace (``BACKOFF``)."""
+        the profile's prediction) sets the ledger's pace (``BACKOFF``). The tokens it emitted are
+        those of the least of the rows it served (``got``, the accepted drafts :meth:`_calibrate`
+        found, plus the bonus), as trees are judged: counted for the one row the choice had
+        weighed before drafting, at batch 8 a probe that row took whole while another served row
+        took nothing looked paying, the ledger filled, and probes ran every few plain steps where
+        trees lost."""
         emitted = 1.0
-        if tree is not None:
+        if got is not None:
+            emitted = got + 1.0
+        elif tree is not None:
             focus = rows if ids is None or self._focus is None else rows[np.asarray(ids)[rows] == self._focus]
             emitted = float(np.mean(counts[focus if len(focus) else rows]))
         step = self.cost[1] * self.scale["plain"]

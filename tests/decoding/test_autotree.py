@@ -582,6 +582,23 @@ def test_plain_steps_right_after_trees_do_not_price_plain_decoding():
     assert np.mean(late) > 0.9
 
 
+def test_a_probe_is_worth_what_the_least_of_the_rows_it_served_got():
+    """Two rows the batch waits for alike; a probe brings the row the choice weighed before
+    drafting three tokens and the other one. The batch is done when the later row is: the probe
+    is worth one token, as trees are judged (gain_scale), and it lost against plain steps."""
+    auto = AutoTree(cheap(), adaptive=True, sizes=(2, 4))
+    auto.scale["bank"], auto._plain_run = 100.0, AutoTree.PROBE
+    plan = auto.plan()
+    assert auto._probing and plan is not None
+    draft = TokenTree.from_shape(plan, torch.arange(plan.n).repeat(2, 1) + 100)
+    cut = auto.choose(draft, np.ones(2, dtype=np.bool_), np.arange(2))
+    assert cut is not None and auto._focus == 0
+    plain = auto.cost[1] * auto.scale["plain"]
+    auto.record(cut, np.zeros((2, 3), dtype=np.int64), np.array([3, 1]), np.arange(2), elapsed_ms=1.5 * plain,
+                ids=np.arange(2))
+    assert auto.scale["probe_loss"] == pytest.approx(0.5 * plain)
+
+
 def test_what_a_plain_step_right_after_a_tree_takes_beyond_its_own_is_the_trees():
     """Trees of two nodes at 1.5 ms, their child accepted three steps in five: 1.6 tokens for
     1.5 ms beat plain steps of 1 ms, and the choice drafts them. But each is followed by a plain
