@@ -370,7 +370,7 @@ def test_a_growing_cohort_measures_the_costs_of_powers_of_two_only(lm, monkeypat
 
     monkeypatch.setenv("STREE_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(cost, "_MEMO", {})
-    measured, chosen = [], []
+    measured, chosen, watching = [], [], []
 
     def measure(model, drafter, batch, mode, sampled, shapes, budget_s):
         measured.append(batch)  # trees priced cheaply, so that the cohorts draft them
@@ -378,6 +378,7 @@ def test_a_growing_cohort_measures_the_costs_of_powers_of_two_only(lm, monkeypat
 
     def auto_tree(model, drafter, batch, **kw):
         chosen.append(batch)
+        watching.append(kw.get("watch"))
         return real_auto_tree(model, drafter, batch, **kw)
 
     real_auto_tree = engine_module.auto_tree
@@ -391,5 +392,6 @@ def test_a_growing_cohort_measures_the_costs_of_powers_of_two_only(lm, monkeypat
         results = [r.result(timeout=120) for r in requests]
     assert set(chosen) - {1, 2, 4, 8}, chosen  # the cohort ran at sizes between powers of two
     assert set(measured) <= {1, 2, 4, 8}, measured
+    assert watching and all(watching)  # greedy cohorts of a drafter without a model watch drafts, as decode does
     for i, result in enumerate(results):
         assert result[0].text == _alone(lm, PROMPTS[i % len(PROMPTS)], 48, "ngram")[0]
