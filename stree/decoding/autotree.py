@@ -737,11 +737,8 @@ class AutoTree:
         if served.any():
             hazard = self.row_rates.hazard(ids, self.rates.hazard())
             said = _chances(parents, rank, depth, valid, hazard)[served, 1:].sum(1).min()
-            self.scale["gain_got"] = self.GAIN_DECAY * self.scale["gain_got"] + float(counts[served].min() - 1)
-            self.scale["gain_said"] = self.GAIN_DECAY * self.scale["gain_said"] + float(said)
-        cut = dict(valid=torch.from_numpy(valid))
-        cut = (TokenTree.from_shape(draft.static_shape, draft.tokens, **cut) if draft.static_shape is not None
-               else TokenTree(draft.parents, draft.tokens, **cut))
+            self._learn_gain(float(counts[served].min() - 1), float(said))
+        cut = _remade(draft, valid=torch.from_numpy(valid))
         self.rates.record(cut, emitted, counts, rows, self.row_rates, ids)
         self._stale = True
         self._replan(cut)
@@ -890,10 +887,14 @@ class AutoTree:
         if len(counts) != len(served) or not served.any():
             return None
         got = float(counts[served].min()) - 1.0  # the bonus is no draft
+        self._learn_gain(got, said)
+        return got
+
+    def _learn_gain(self, got: float, said: float) -> None:
+        """One tree's accepted drafts ``got`` and promised ``said`` into :meth:`gain_scale`'s counts."""
         self.scale["gain_got"] = self.GAIN_DECAY * self.scale["gain_got"] + got
         self.scale["gain_said"] = self.GAIN_DECAY * self.scale["gain_said"] + said
         self._stale = True
-        return got
 
     def _lost_dearly(self, kind: str, predicted: float, emitted: float) -> bool:
         """Whether a tree of ``kind`` predicted (unscaled) at ``predicted`` ms lost more than ``DEAR``
@@ -1075,11 +1076,15 @@ def _cut_rows(draft: TokenTree, sizes: np.ndarray) -> TokenTree:
     draft = draft if top == draft.n else _cut(draft, top)
     keep = torch.arange(top)[None] < torch.from_numpy(sizes)[:, None]
     valid = keep if draft.valid is None else draft.valid & keep
-    extra = dict(valid=valid, child_ids=draft.child_ids, child_probs=draft.child_probs,
-                 with_replacement=draft.with_replacement, row_sizes=tuple(int(s) for s in sizes))
+    return _remade(draft, valid=valid, child_ids=draft.child_ids, child_probs=draft.child_probs,
+                   with_replacement=draft.with_replacement, row_sizes=tuple(int(s) for s in sizes))
+
+
+def _remade(draft: TokenTree, **fields) -> TokenTree:
+    """``draft``'s parents (its static shape where it has one) and tokens, with ``fields``."""
     if draft.static_shape is not None:
-        return TokenTree.from_shape(draft.static_shape, draft.tokens, **extra)
-    return TokenTree(draft.parents, draft.tokens, **extra)
+        return TokenTree.from_shape(draft.static_shape, draft.tokens, **fields)
+    return TokenTree(draft.parents, draft.tokens, **fields)
 
 
 def _cut(draft: TokenTree, m: int) -> TokenTree:
