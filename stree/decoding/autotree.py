@@ -727,7 +727,7 @@ class AutoTree:
         if not len(rows):
             return
         parents, rank, depth = _structure(draft)
-        valid = _valid(draft) & (depth < seen[:, None])
+        valid = _valid(draft) & (depth < np.maximum(seen, 1)[:, None])  # (a row that emitted nothing keeps its root)
         emitted = np.zeros((len(after), int(seen.max())), dtype=np.int64)
         for b in rows:
             emitted[b, : seen[b]] = after[b]

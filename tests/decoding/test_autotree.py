@@ -778,16 +778,17 @@ def test_a_watched_draft_is_learned_as_verification_would_have_found_it():
     """A chain of four and a sibling under the root, for three rows. Row 0's plain steps matched two
     levels and then not: accepted 2 of them (as verified), the third level reached and refused.
     Row 1's two tokens both matched: only the first level is known (the second token stands for
-    the bonus), the deeper ones are not counted. Row 2 took the sibling. The rates hold exactly
-    what recording those verified steps holds."""
+    the bonus), the deeper ones are not counted. Row 2 took the sibling. Row 3 finished before
+    emitting anything more: it teaches nothing (it once made the watch raise). The rates hold
+    exactly what recording those verified steps holds."""
     parents = [-1, 0, 1, 2, 3, 0]
-    tokens = [[5, 6, 7, 8, 9, 4]] * 3
+    tokens = [[5, 6, 7, 8, 9, 4]] * 4
     draft = tree_of(parents, tokens)
-    after = [np.array([6, 7, 1, 2, 3, 3]), np.array([6, 7]), np.array([4, 9, 9, 9, 9])]
+    after = [np.array([6, 7, 1, 2, 3, 3]), np.array([6, 7]), np.array([4, 9, 9, 9, 9]), np.array([], dtype=np.int64)]
     watched = AutoTree(cheap(), adaptive=True, watch=True, rates=PathRates(decay=1.0))
-    watched.watched(draft, after, np.ones(3, dtype=bool), np.arange(3))
+    watched.watched(draft, after, np.ones(4, dtype=bool), np.arange(4))
     verified = PathRates(decay=1.0)
-    cut = tree_of(parents, tokens, [[True] * 6, [True, True, False, False, False, True], [True] * 6])
+    cut = tree_of(parents, tokens[:3], [[True] * 6, [True, True, False, False, False, True], [True] * 6])
     verified.record(cut, np.array([[6, 7, 1], [6, 7, 0], [4, 9, 0]]), np.array([3, 2, 2]), np.arange(3))
     assert np.array_equal(watched.rates.accepted, verified.accepted)
     assert np.array_equal(watched.rates.reached, verified.reached)
