@@ -68,6 +68,29 @@ def test_a_step_and_a_replay_of_one_token_leave_the_same_state_on_the_cpu(batch,
     assert torch.equal(stepped, replayed)
 
 
+@pytest.mark.parametrize("heads, headdim, dstate, groups", [(8, 64, 32, 1), (4, 12, 24, 2)])
+@given(batch=st.integers(2, 4), seed=st.integers(0, 2**16))
+@settings(max_examples=10, deadline=None)
+def test_a_rows_step_on_the_cpu_is_the_same_alone_and_in_a_batch(heads, headdim, dstate, groups, batch, seed):
+    """x, B and C as a model hands them over: views of one conv output per row (strided across
+    rows). Each row's outputs and state in a batch are bit-identical to its step alone: the
+    kernel sums each row as it would alone (it did not where a batch's views were strided)."""
+    g = torch.Generator().manual_seed(seed)
+    conv = torch.randn(batch, heads * headdim + 2 * groups * dstate, generator=g)
+    x, B, C = torch.split(conv, [heads * headdim, groups * dstate, groups * dstate], dim=-1)
+    x, B, C = x.unflatten(-1, (heads, headdim)), B.unflatten(-1, (groups, dstate)), C.unflatten(-1, (groups, dstate))
+    dt, A = torch.randn(batch, heads, generator=g), -torch.rand(heads, generator=g) - 0.5
+    D, dt_bias = torch.randn(heads, generator=g), torch.randn(heads, generator=g)
+    state = torch.randn(batch, heads, headdim, dstate, generator=g)
+    batched = state.clone()
+    y = selective_state_update(batched, x, dt, A, B, C, D=D, dt_bias=dt_bias, dt_softplus=True)
+    for r in range(batch):
+        alone = state[r: r + 1].clone()
+        y_r = selective_state_update(alone, x[r: r + 1], dt[r: r + 1], A, B[r: r + 1], C[r: r + 1], D=D,
+                                     dt_bias=dt_bias, dt_softplus=True)
+        assert torch.equal(y[r], y_r[0]) and torch.equal(batched[r], alone[0]), r
+
+
 @pytest.mark.parametrize("tokens", [3, LONG_PATH + 5])
 @given(batch=st.integers(1, 2), shape=ssm_shapes(), dt_opts=dt_options(), seed=st.integers(0, 2**16))
 @settings(max_examples=10, deadline=None)

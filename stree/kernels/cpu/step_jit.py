@@ -53,12 +53,21 @@ def state_update_rows(state, x, dt, A, B, C, D, has_D, bias, has_bias, softplus,
     A and bias ``[h]``, B and C ``[b, g, s]``, D ``[h, p]``; y ``[b, h, p]`` = C . state + D x.
     The state's update in float32 with replay's roundings (dt x and the decay rounded from float64,
     then a product, a product and a sum per entry): from the same activations a step and a replay
-    of one token leave the same state (:mod:`.replay_jit`); the loops over d_state vectorise."""
+    of one token leave the same state (:mod:`.replay_jit`); the loops over d_state vectorise.
+    B and C come as views of the conv's output, strided across rows where b > 1: their rows are
+    copied to contiguous ones first, or the loops stay scalar (3-4 times the time at batch 2)
+    and sum in another order than the row's step alone (a row's outputs would depend on the batch)."""
     batch, heads, headdim, dstate = state.shape
     per_group = heads // B.shape[1]
+    b_row = np.empty(dstate, dtype=np.float32)
+    c_row = np.empty(dstate, dtype=np.float32)
     for b in range(batch):
         for h in range(heads):
             g = h // per_group
+            if h % per_group == 0:  # (a group's heads are consecutive)
+                for s in range(dstate):
+                    b_row[s] = B[b, g, s]
+                    c_row[s] = C[b, g, s]
             d = processed_dt(dt[b, h], bias[h], has_bias, softplus, lo, hi)
             decay = np.float32(math.exp(d * float(A[h])))
             for p in range(headdim):
@@ -66,9 +75,9 @@ def state_update_rows(state, x, dt, A, B, C, D, has_D, bias, has_bias, softplus,
                 dx = np.float32(d * xv)
                 acc = np.float32(0.0)
                 for s in range(dstate):
-                    v = state[b, h, p, s] * decay + dx * B[b, g, s]
+                    v = state[b, h, p, s] * decay + dx * b_row[s]
                     state[b, h, p, s] = v
-                    acc += v * C[b, g, s]
+                    acc += v * c_row[s]
                 if has_D:
                     acc += D[h, p] * xv
                 y[b, h, p] = acc
