@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import functools
 import math
+import time
 import weakref
 from collections import Counter
 
@@ -191,6 +192,17 @@ def _structure(tree: TokenTree) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         return _shape_structure(tree.static_shape)
     parents = np.ascontiguousarray(tree.parents.cpu().numpy().reshape(-1, tree.n), dtype=np.int64)
     return (parents, *_rank_depth(parents))
+
+
+@functools.lru_cache(maxsize=64)
+def _drafting_by_size(profile: CostProfile, top: int) -> np.ndarray:
+    """Milliseconds of drafting m nodes, m = 0..top, for a drafter without a model (read-only:
+    every chooser of the profile shares it). Made once: a choice re-plans after every verified
+    tree and watched draft, and interpolating each size again took about as long as the rest of
+    the re-plan."""
+    out = np.array([profile.drafting_ms(m) for m in range(top + 1)])
+    out.setflags(write=False)
+    return out
 
 
 @functools.lru_cache(maxsize=256)
@@ -477,7 +489,7 @@ class AutoTree:
     MARGIN = 1.2
     # Watched drafts (greedy choices, drafters without a model): whether ``watch`` is heeded (off:
     # benchmarks/speculation.py --no-watch, to compare); one every this many plain steps at least,
-    # and drafting them at most this share of the plain steps' time.
+    # and watching them (drafting, then learning from them) at most this share of the plain steps' time.
     WATCH = True
     WATCH_EVERY = 4
     WATCH_SHARE = 0.01
@@ -511,6 +523,7 @@ class AutoTree:
         self.scale.setdefault("plain_age", 0)  # weighed tree steps since the last weighed plain step
         self.scale.setdefault("gain_got", 0.0)  # drafts accepted by the rows a choice served (faded)...
         self.scale.setdefault("gain_said", 0.0)  # ...and what their rates had promised (gain_scale)
+        self.scale.setdefault("watch_ms", 0.0)  # what a watched draft took by the clock (0: none yet)
         # realised / predicted time of packed passes (row_sizes), from the padded passes' until measured
         self.scale.setdefault("packed", self.scale["tree"])
         self.depth = min(depth, PathRates.DEPTH)
@@ -522,6 +535,7 @@ class AutoTree:
         self._order = plan_shape(self.rates if sizes is None else PathRates(), top if sizes is None else max(sizes),
                                  chain, self.depth)
         self.sizes = tuple(sorted(s for s in (sizes or LADDER) if s <= min(top, self._order.n)))
+        self._size_array = np.array(self.sizes, dtype=np.int64)
         if not fills_shapes:
             self._order = None
         self.max_nodes = max(self.sizes, default=1)
@@ -572,20 +586,19 @@ class AutoTree:
             v = _chances(*_shape_structure(order), np.ones((1, order.n), dtype=np.bool_), hazard[None])[0]
             expected = memo[order] = np.cumsum(v[1:])
         gain = 1.0 + self.gain_scale() * expected  # gain[m - 2]: a prefix of m nodes
+        m = self._size_array[: np.searchsorted(self._size_array, order.n, side="right")]
+        rates = gain[m - 2] / ((self.cost[m] + draft_cost[m]) * self._scaled("tree"))
         best, best_rate = self.sizes[0], 0.0
-        for m in self.sizes:
-            if m > order.n:
-                break
-            rate = gain[m - 2] / ((self.cost[m] + draft_cost[m]) * self._scaled("tree"))
+        for size, rate in zip(m.tolist(), rates.tolist()):  # (the smallest of near-equal rates)
             if rate > best_rate * (1.0 + 1e-9):
-                best, best_rate = m, rate
+                best, best_rate = size, rate
         return best, best_rate, gain[min(best, order.n) - 2]
 
     def _drafting(self, order: TreeShape | None) -> np.ndarray:
         """Milliseconds of drafting every prefix m of ``order`` (by its nodes, and for a drafter
         model by its depth too: :meth:`~stree.decoding.cost.CostProfile.drafting_ms`)."""
         if order is None or not self.profile.depths:
-            return np.array([self.profile.drafting_ms(m) for m in range(self.max_nodes + 1)])
+            return _drafting_by_size(self.profile, self.max_nodes)
         depth = np.maximum.accumulate(_shape_structure(order)[2][0])  # depth[m - 1]: the prefix of m nodes
         m = np.arange(self.max_nodes + 1)
         a, b, c = self.profile.draft_fit
@@ -700,10 +713,13 @@ class AutoTree:
 
     # -- watched drafts ----------------------------------------------------------------------------
     def _watch_gap(self) -> int:
-        """Plain steps between watched drafts: at least ``WATCH_EVERY``, and so many that drafting
-        them costs at most ``WATCH_SHARE`` of the plain steps' time."""
-        drafting = self.draft_cost[self._probe_size] * self._scaled("tree")
-        return max(self.WATCH_EVERY, math.ceil(drafting / (self.WATCH_SHARE * self.cost[1] * self.scale["plain"])))
+        """Plain steps between watched drafts: at least ``WATCH_EVERY``, and so many that watching
+        them costs at most ``WATCH_SHARE`` of the plain steps' time: what the last ones took by the
+        clock (:meth:`watched`), or, before any, what drafting one is predicted to. (Learning from
+        one, re-planning included, took longer than drafting it: priced at its drafting alone,
+        watches took 4% of a compiled batch-2 loop's plain steps, not 1%.)"""
+        watching = max(self.draft_cost[self._probe_size] * self._scaled("tree"), self.scale["watch_ms"])
+        return max(self.WATCH_EVERY, math.ceil(watching / (self.WATCH_SHARE * self.cost[1] * self.scale["plain"])))
 
     def watch_shape(self) -> TreeShape | None:
         """After a plain step's :meth:`record` (or a plain run's :meth:`plain_steps`): the shape to
@@ -713,7 +729,8 @@ class AutoTree:
         self._unwatched = 0
         return self.prefix(self._probe_size)
 
-    def watched(self, draft: TokenTree, after: list[np.ndarray], served: np.ndarray, ids: np.ndarray) -> None:
+    def watched(self, draft: TokenTree, after: list[np.ndarray], served: np.ndarray, ids: np.ndarray,
+                drafting_ms: float | None = None) -> None:
         """Learn from a draft made for the rows ``ids`` (batch ids) and never verified: ``after[b]``
         the tokens row b emitted since (plain steps, greedy: what verifying the draft would have
         emitted too). Each row's accepted path is read off them as verification would have found
@@ -721,7 +738,9 @@ class AutoTree:
         of them is cut, the last one standing for the bonus). The rates learn it as a verified
         step, and what it brought the rows ``served`` (the mask of rows the choice served when it
         was drafted) calibrates the promises (:meth:`gain_scale`); the sizes are then weighed
-        again."""
+        again. ``drafting_ms``: what drafting it took by the clock; with this call's own time, what
+        the next watches are spaced by (:meth:`_watch_gap`)."""
+        began = time.perf_counter()
         seen = np.array([len(a) for a in after], dtype=np.int64)
         rows = np.flatnonzero(seen > 0)
         if not len(rows):
@@ -742,6 +761,9 @@ class AutoTree:
         self.rates.record(cut, emitted, counts, rows, self.row_rates, ids)
         self._stale = True
         self._replan(cut)
+        if drafting_ms is not None:
+            took, known = drafting_ms + (time.perf_counter() - began) * 1e3, self.scale["watch_ms"]
+            self.scale["watch_ms"] = took if known == 0.0 else known + self.ADAPT * (took - known)
 
     def wants_trees(self) -> bool:
         """Whether the size to draft is a tree that beats a plain step (a plain run may end early)."""

@@ -355,10 +355,10 @@ class _Loop:
             return
         shape = self.chooser.watch_shape()
         if shape is not None:
-            live = self.rows.active_ids()
+            began, live = time.perf_counter(), self.rows.active_ids()
             draft = self.drafter.propose(self.rows.context(), shape)
             check_draft(draft, self.rows.roots()[live], self.model.vocab_size)
-            self.watch = _Watch(draft, self.rows, live)
+            self.watch = _Watch(draft, self.rows, live, (time.perf_counter() - began) * 1e3)
 
     def settle_watch(self) -> None:
         self.watch.settle(self.rows, self.chooser)
@@ -416,8 +416,8 @@ class _Watch:
     tokens the steps after it emit are what verifying it would have emitted, so they say what it
     would have had accepted (:meth:`AutoTree.watched`), at the price of drafting alone."""
 
-    def __init__(self, draft: TokenTree, rows: Rows, live: list[int]):
-        self.draft, self.live = draft, np.asarray(live)
+    def __init__(self, draft: TokenTree, rows: Rows, live: list[int], drafting_ms: float):
+        self.draft, self.live, self.drafting_ms = draft, np.asarray(live), drafting_ms
         self.served = rows.critical(live)
         self.start = rows.lengths.numpy()[self.live].copy()
         self.depth = draft.static_shape.max_depth if draft.static_shape is not None else draft.n - 1
@@ -430,7 +430,7 @@ class _Watch:
     def settle(self, rows: Rows, chooser: AutoTree) -> None:
         seq, ends = rows.seq.numpy(), rows.lengths.numpy()
         chooser.watched(self.draft, [seq[r, s: ends[r]] for r, s in zip(self.live, self.start)], self.served,
-                        self.live)
+                        self.live, self.drafting_ms)
 
 
 def _draft(drafter: Drafter, chooser: AutoTree | None, rows: Rows, shape, roots: torch.Tensor, live: list[int],

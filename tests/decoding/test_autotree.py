@@ -799,6 +799,25 @@ def test_a_watched_draft_is_learned_as_verification_would_have_found_it():
     assert watched.scale["gain_got"] == 1.0 and watched.scale["gain_said"] > 0.0
 
 
+def test_watched_drafts_are_spaced_by_what_watching_them_took():
+    """Before any watch, watches are spaced by what drafting one is predicted to cost (nothing
+    here: WATCH_EVERY plain steps). A watch that took half a plain step by the clock (drafting it,
+    then learning from it) spaces the next ones so that watching takes at most WATCH_SHARE of
+    the plain steps' time."""
+    auto = AutoTree(cheap(), adaptive=True, watch=True, rates=PathRates(prior=(0.02,) * 8))
+    assert auto._watch_gap() == AutoTree.WATCH_EVERY
+    draft = tree_of([-1, 0, 1], [[5, 6, 7]])
+    auto.watched(draft, [np.array([6, 1])], np.ones(1, dtype=bool), np.arange(1), drafting_ms=0.5)
+    took = auto.scale["watch_ms"]
+    assert took >= 0.5
+    gap = auto._watch_gap()
+    assert gap >= 0.5 / (AutoTree.WATCH_SHARE * 1.0) and took <= gap * AutoTree.WATCH_SHARE * auto.scale["plain"]
+    for step in range(gap):
+        assert auto.watch_shape() is None, step
+        auto.record(None)
+    assert auto.watch_shape() is not None
+
+
 class NeverProbes(AutoTree):
     PROBE_SHARE = 0.0  # only watched drafts can bring trees back
 
@@ -872,9 +891,11 @@ def test_the_loop_learns_from_watched_drafts_and_outputs_stay_the_same():
     def pessimist(watch):
         return NeverProbes(cheap(), adaptive=True, watch=watch, rates=PathRates(prior=(0.02,) * 8))
 
-    out = generate(model, prompts, max_new_tokens=48, tree=pessimist(True))
+    watching = pessimist(True)
+    out = generate(model, prompts, max_new_tokens=48, tree=watching)
     assert out.sequences == ref.sequences
     assert out.stats.watched > 0 and max(out.stats.trees) > 1, out.stats.trees
+    assert watching.scale["watch_ms"] > 0.0  # (the loop timed its watches: they space the next)
     plain = generate(model, prompts, max_new_tokens=48, tree=pessimist(False))
     assert plain.sequences == ref.sequences and plain.stats.watched == 0 and set(plain.stats.trees) == {1}
     assert generate(model, prompts, max_new_tokens=48, temperature=1.0, seed=1).stats.watched == 0
