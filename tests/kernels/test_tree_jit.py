@@ -133,9 +133,11 @@ def test_a_parameter_changed_in_place_or_given_new_memory_reaches_the_kernel():
 
 def test_one_row_runs_alone_and_several_in_parallel_with_the_same_values(monkeypatch):
     """A single row takes the serial driver (a process decoding one row never compiles the
-    parallel one), several rows the parallel driver; each row comes out bit-identical either way,
-    as both run the same row loops. (The conv without its SiLU: torch's SiLU computes a tensor's last
-    partial vector with scalar code on AVX-512, so its bits depend on the tensor's length.)"""
+    parallel one), several rows with enough work the parallel driver (every call here, with
+    ``PARALLEL_WORK`` at 1); each row comes out bit-identical either way, as both run the same row
+    loops. (The conv without its SiLU: torch's SiLU computes a tensor's last partial vector with
+    scalar code on AVX-512, so its bits depend on the tensor's length.)"""
+    monkeypatch.setattr(tree_jit, "PARALLEL_WORK", 1)
     ran = []
     for name in ("_scan_serial", "_scan_parallel", "_conv_serial", "_conv_parallel"):
         def counted(*a, _real=getattr(tree_jit, name), _name=name):
@@ -160,6 +162,7 @@ def test_one_row_runs_alone_and_several_in_parallel_with_the_same_values(monkeyp
 
 def test_a_long_chain_runs_its_rows_alone_and_in_parallel_with_the_same_values(monkeypatch):
     """The chain kernel's drivers likewise: several rows in parallel, one alone, the same bits."""
+    monkeypatch.setattr(tree_jit, "PARALLEL_WORK", 1)
     ran = []
     for name in ("_chain_serial", "_chain_parallel"):
         def counted(*a, _real=getattr(tree_jit, name), _name=name):
@@ -176,6 +179,32 @@ def test_a_long_chain_runs_its_rows_alone_and_in_parallel_with_the_same_values(m
         alone = {k: (v if v.dim() < 2 or k in ("A", "D", "dt_bias") else v[b: b + 1]) for k, v in inp.items()}
         assert torch.equal(_scan(alone, chain), together[b: b + 1])
         assert ran == ["_chain_serial"]
+
+
+def test_rows_run_in_parallel_only_where_their_work_pays_for_the_threads(monkeypatch):
+    """Several rows of little work (a small model's batch-2 tree) run on the serial driver: a
+    parallel region's start, and numba's threads spinning after it, cost more than the rows
+    save. Past ``PARALLEL_WORK`` elements (rows x nodes x heads x headdim x d_state for a scan,
+    rows x nodes x channels x taps for the conv) they run in parallel."""
+    ran = []
+    for name in ("_scan_serial", "_scan_parallel", "_conv_serial", "_conv_parallel"):
+        def counted(*a, _real=getattr(tree_jit, name), _name=name):
+            ran.append(_name)
+            return _real(*a)
+        monkeypatch.setattr(tree_jit, name, counted)
+    shape = TreeShape.paper13()
+    inp = ssm_inputs(torch.Generator().manual_seed(4), 2, shape.n, SHAPE, OPTS)
+    xbc, state, weight = torch.randn(2, shape.n, 16), torch.randn(2, 16, 4), torch.randn(16, 4)
+    scan_work = inp["x"].numel() * inp["B"].shape[-1]
+    assert scan_work < tree_jit.PARALLEL_WORK
+    _scan(inp, shape.parents_tensor())
+    tree_conv1d(xbc, shape.parents_tensor(), state, weight, None, activation=None)
+    assert ran == ["_scan_serial", "_conv_serial"]
+    ran.clear()
+    monkeypatch.setattr(tree_jit, "PARALLEL_WORK", scan_work)  # the scan's work reaches it, the conv's does not
+    _scan(inp, shape.parents_tensor())
+    tree_conv1d(xbc, shape.parents_tensor(), state, weight, None, activation=None)
+    assert xbc.numel() * 4 < scan_work and ran == ["_scan_parallel", "_conv_serial"]
 
 
 def test_autograd_takes_the_pytorch_path_for_a_long_chain_too(calls):

@@ -10,12 +10,13 @@ length (a prompt, :func:`chain_scan_rows`: its recurrence). Tested against the f
 definitions beside the Triton kernels and the PyTorch path.
 Products and sums in float32, as the Triton kernels' (a vector holds 8 lanes, not 4), the sums of
 dA along a path in float64.
-Each kernel is one row's loops (``_scan_row``, ``_conv_row``) under two drivers: several rows run
-in parallel on numba's threading layer (OpenMP or TBB where installed, both thread-safe; numba's
-fallback, workqueue, is not: several Python threads decoding at once, as a threaded server would,
-need one of the two); a single row runs on its own, so that a process decoding one row never
-compiles the parallel driver, whose compile (parfor analysis, then the row's loops optimised again
-inside it) is the dearest of any numba function here, several times the serial one's.
+Each kernel is one row's loops (``_scan_row``, ``_conv_row``) under two drivers: several rows with
+enough work between them (``PARALLEL_WORK``) run in parallel on numba's threading layer (OpenMP or
+TBB where installed, both thread-safe; numba's fallback, workqueue, is not: several Python threads
+decoding at once, as a threaded server would, need one of the two); a single row, or a few with
+little work, run on their own, so that a process decoding one row never compiles the parallel
+driver, whose compile (parfor analysis, then the row's loops optimised again inside it) is the
+dearest of any numba function here, several times the serial one's.
 """
 
 from __future__ import annotations
@@ -34,6 +35,13 @@ __all__ = ["JIT_MAX_NODES", "chain_scan_rows", "jit_tree_fits", "tree_conv_rows"
 # trees); a longer chain (a prompt) the chain kernel, a longer tree (a drafter's 600-node tree) the
 # batched products.
 JIT_MAX_NODES = 64
+# A call runs its rows in parallel only where it visits at least this many elements (rows x nodes x
+# channels x taps for the conv, x d_state for the scans): a parallel region costs tens of
+# microseconds to start, and numba's threads (a pool apart from PyTorch's) spin a while after it.
+# On a 2-core EPYC a batch-2 tree pass of the shipped target (426k elements a scan) ran no faster in
+# parallel, and the commit after it took 2-4 times as long; at batch 8 (1.7M) parallel saved a tenth
+# of the pass.
+PARALLEL_WORK = 1 << 20
 # Reassociation and fused multiply-adds let LLVM vectorise the dot products; no assumption that
 # values are finite (a NaN or inf must reach the logits, where decoding checks for them).
 _FAST = {"reassoc", "contract"}
@@ -45,14 +53,19 @@ def jit_tree_fits(n: int, *tensors) -> bool:
     return n <= JIT_MAX_NODES and jit_takes(*tensors)
 
 
+def _parallel(rows: int, work: int) -> bool:
+    """Whether a call of ``rows`` rows visiting ``work`` elements runs them in parallel."""
+    return rows > 1 and work >= PARALLEL_WORK
+
+
 def tree_conv_rows(xBC, parents, state, weight, bias, has_bias, out):
     """xBC ``[b, n, dim]``, parents ``[rows, n]`` (rows 1 or b; parents before children), state
     ``[b, dim, K]`` (newest last), weight ``[dim, K]``, bias ``[dim]``; out ``[b, n, dim]``: node
     i's taps over its path (itself at tap K - 1, its parent at K - 2, ..., then the state's newest
     columns), + bias; the activation is the caller's (a vectorised SiLU: numba's exp is scalar)."""
     # (a view of the in_proj output made contiguous: the loops over dim vectorise)
-    (_conv_parallel if len(xBC) > 1 else _conv_serial)(np.ascontiguousarray(xBC), parents, state, weight, bias,
-                                                        has_bias, out)
+    (_conv_parallel if _parallel(len(xBC), xBC.size * weight.shape[1]) else _conv_serial)(
+        np.ascontiguousarray(xBC), parents, state, weight, bias, has_bias, out)
 
 
 @njit(cache=True, fastmath=_FAST)
@@ -101,8 +114,8 @@ def tree_scan_rows(x, dt, A, B, C, D, has_D, bias, has_bias, softplus, lo, hi, p
     # (views of one conv output, and D a head's value broadcast: contiguous copies let the loops
     # over d_state and headdim vectorise)
     x, B, C, D = map(np.ascontiguousarray, (x, B, C, D))
-    (_scan_parallel if len(x) > 1 else _scan_serial)(x, dt, A, B, C, D, has_D, bias, has_bias, softplus, lo, hi,
-                                                     parents, x0, has_x0, y)
+    (_scan_parallel if _parallel(len(x), x.size * B.shape[3]) else _scan_serial)(
+        x, dt, A, B, C, D, has_D, bias, has_bias, softplus, lo, hi, parents, x0, has_x0, y)
 
 
 @njit(cache=True, fastmath=_FAST)
@@ -175,8 +188,8 @@ def chain_scan_rows(x, dt, A, B, C, D, has_D, bias, has_bias, softplus, lo, hi, 
     one state per (row, head) carried along the tokens, where the tree kernel's work grows with
     each node's depth (the square of a chain's length)."""
     x, B, C, D = map(np.ascontiguousarray, (x, B, C, D))
-    (_chain_parallel if len(x) > 1 else _chain_serial)(x, dt, A, B, C, D, has_D, bias, has_bias, softplus, lo, hi,
-                                                       x0, has_x0, y)
+    (_chain_parallel if _parallel(len(x), x.size * B.shape[3]) else _chain_serial)(
+        x, dt, A, B, C, D, has_D, bias, has_bias, softplus, lo, hi, x0, has_x0, y)
 
 
 @njit(cache=True, fastmath={"reassoc"})  # (no contraction: the state rounds as a step's does)
