@@ -524,6 +524,7 @@ class AutoTree:
         self.scale.setdefault("gain_got", 0.0)  # drafts accepted by the rows a choice served (faded)...
         self.scale.setdefault("gain_said", 0.0)  # ...and what their rates had promised (gain_scale)
         self.scale.setdefault("watch_ms", 0.0)  # what a watched draft took by the clock (0: none yet)
+        self.scale.setdefault("watch_idle", 0)  # watched drafts in a row after which plain steps still won
         # realised / predicted time of packed passes (row_sizes), from the padded passes' until measured
         self.scale.setdefault("packed", self.scale["tree"])
         self.depth = min(depth, PathRates.DEPTH)
@@ -717,9 +718,13 @@ class AutoTree:
         them costs at most ``WATCH_SHARE`` of the plain steps' time: what the last ones took by the
         clock (:meth:`watched`), or, before any, what drafting one is predicted to. (Learning from
         one, re-planning included, took longer than drafting it: priced at its drafting alone,
-        watches took 4% of a compiled batch-2 loop's plain steps, not 1%.)"""
+        watches took 4% of a compiled batch-2 loop's plain steps, not 1%.) The share halves with
+        each watched draft in a row after which plain steps still won, down to ``WATCH_SHARE /
+        2**BACKOFF``, as the probes' does: where trees never pay (a batch of 8 here), watching
+        them is a loss too."""
         watching = max(self.draft_cost[self._probe_size] * self._scaled("tree"), self.scale["watch_ms"])
-        return max(self.WATCH_EVERY, math.ceil(watching / (self.WATCH_SHARE * self.cost[1] * self.scale["plain"])))
+        share = self.WATCH_SHARE * 0.5 ** self.scale["watch_idle"]
+        return max(self.WATCH_EVERY, math.ceil(watching / (share * self.cost[1] * self.scale["plain"])))
 
     def watch_shape(self) -> TreeShape | None:
         """After a plain step's :meth:`record` (or a plain run's :meth:`plain_steps`): the shape to
@@ -761,6 +766,7 @@ class AutoTree:
         self.rates.record(cut, emitted, counts, rows, self.row_rates, ids)
         self._stale = True
         self._replan(cut)
+        self.scale["watch_idle"] = 0 if self.wants_trees() else min(self.scale["watch_idle"] + 1, self.BACKOFF)
         if drafting_ms is not None:
             took, known = drafting_ms + (time.perf_counter() - began) * 1e3, self.scale["watch_ms"]
             self.scale["watch_ms"] = took if known == 0.0 else known + self.ADAPT * (took - known)

@@ -818,6 +818,25 @@ def test_watched_drafts_are_spaced_by_what_watching_them_took():
     assert auto.watch_shape() is not None
 
 
+def test_watches_back_off_while_plain_steps_keep_winning_and_come_back_when_trees_do():
+    """Each watched draft after which plain steps still win halves the watches' share (the gap
+    doubles), down to WATCH_SHARE / 2**BACKOFF; one that makes a tree worth drafting restores it."""
+    auto = AutoTree(cheap(), adaptive=True, watch=True, rates=PathRates(prior=(0.02,) * 8))
+    chain = tree_of([-1, 0, 1, 2], [[5, 6, 7, 8]])
+    gaps = []
+    for _ in range(AutoTree.BACKOFF + 2):
+        auto.watched(chain, [np.array([1, 2, 3, 4])], np.ones(1, dtype=bool), np.arange(1), drafting_ms=0.5)
+        assert not auto.wants_trees()
+        auto.scale["watch_ms"] = 0.5  # (the clock held still: the share alone moves the gap)
+        gaps.append(auto._watch_gap())
+    assert gaps[1:AutoTree.BACKOFF] == [2 * g for g in gaps[: AutoTree.BACKOFF - 1]], gaps
+    assert gaps[-1] == gaps[-2] == gaps[0] * 2 ** (AutoTree.BACKOFF - 1), gaps
+    while not auto.wants_trees():  # text the drafter follows: every node matches
+        auto.watched(chain, [np.array([6, 7, 8, 9])], np.ones(1, dtype=bool), np.arange(1), drafting_ms=0.5)
+    auto.scale["watch_ms"] = 0.5
+    assert auto.scale["watch_idle"] == 0 and auto._watch_gap() * 2 == gaps[0]
+
+
 class NeverProbes(AutoTree):
     PROBE_SHARE = 0.0  # only watched drafts can bring trees back
 
