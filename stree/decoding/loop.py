@@ -414,7 +414,8 @@ class _PlainRun:
 class _Watch:
     """A draft made after a plain step and not verified (:meth:`AutoTree.watch_shape`): greedy, the
     tokens the steps after it emit are what verifying it would have emitted, so they say what it
-    would have had accepted (:meth:`AutoTree.watched`), at the price of drafting alone."""
+    would have had accepted (:meth:`AutoTree.watched`), at the price of drafting it and learning
+    from it (``drafting_ms``: the first, by the clock; the chooser times the second)."""
 
     def __init__(self, draft: TokenTree, rows: Rows, live: list[int], drafting_ms: float):
         self.draft, self.live, self.drafting_ms = draft, np.asarray(live), drafting_ms
