@@ -131,6 +131,17 @@ def test_a_parameter_changed_in_place_or_given_new_memory_reaches_the_kernel():
     assert (kernels_common.as_numpy(square) == first.T).all()
 
 
+def _drivers_run(monkeypatch, names) -> list:
+    """The list each of the drivers ``names`` appends its name to when it runs (it still runs)."""
+    ran = []
+    for name in names:
+        def counted(*a, _real=getattr(tree_jit, name), _name=name):
+            ran.append(_name)
+            return _real(*a)
+        monkeypatch.setattr(tree_jit, name, counted)
+    return ran
+
+
 def test_one_row_runs_alone_and_several_in_parallel_with_the_same_values(monkeypatch):
     """A single row takes the serial driver (a process decoding one row never compiles the
     parallel one), several rows with enough work the parallel driver (every call here, with
@@ -138,12 +149,7 @@ def test_one_row_runs_alone_and_several_in_parallel_with_the_same_values(monkeyp
     loops. (The conv without its SiLU: torch's SiLU computes a tensor's last partial vector with
     scalar code on AVX-512, so its bits depend on the tensor's length.)"""
     monkeypatch.setattr(tree_jit, "PARALLEL_WORK", 1)
-    ran = []
-    for name in ("_scan_serial", "_scan_parallel", "_conv_serial", "_conv_parallel"):
-        def counted(*a, _real=getattr(tree_jit, name), _name=name):
-            ran.append(_name)
-            return _real(*a)
-        monkeypatch.setattr(tree_jit, name, counted)
+    ran = _drivers_run(monkeypatch, ("_scan_serial", "_scan_parallel", "_conv_serial", "_conv_parallel"))
     shape = TreeShape.paper13()
     rows = torch.stack([TreeShape.chain(shape.n - 1).parents_tensor(), shape.parents_tensor(),
                         TreeShape.full(3, 2).parents_tensor()[: shape.n]])
@@ -163,12 +169,7 @@ def test_one_row_runs_alone_and_several_in_parallel_with_the_same_values(monkeyp
 def test_a_long_chain_runs_its_rows_alone_and_in_parallel_with_the_same_values(monkeypatch):
     """The chain kernel's drivers likewise: several rows in parallel, one alone, the same bits."""
     monkeypatch.setattr(tree_jit, "PARALLEL_WORK", 1)
-    ran = []
-    for name in ("_chain_serial", "_chain_parallel"):
-        def counted(*a, _real=getattr(tree_jit, name), _name=name):
-            ran.append(_name)
-            return _real(*a)
-        monkeypatch.setattr(tree_jit, name, counted)
+    ran = _drivers_run(monkeypatch, ("_chain_serial", "_chain_parallel"))
     n = tree_jit.JIT_MAX_NODES + 9
     chain = TreeShape.chain(n - 1).parents_tensor()
     inp = ssm_inputs(torch.Generator().manual_seed(5), 3, n, SHAPE, OPTS)
@@ -186,12 +187,7 @@ def test_rows_run_in_parallel_only_where_their_work_pays_for_the_threads(monkeyp
     parallel region's start, and numba's threads spinning after it, cost more than the rows
     save. Past ``PARALLEL_WORK`` elements (rows x nodes x heads x headdim x d_state for a scan,
     rows x nodes x channels x taps for the conv) they run in parallel."""
-    ran = []
-    for name in ("_scan_serial", "_scan_parallel", "_conv_serial", "_conv_parallel"):
-        def counted(*a, _real=getattr(tree_jit, name), _name=name):
-            ran.append(_name)
-            return _real(*a)
-        monkeypatch.setattr(tree_jit, name, counted)
+    ran = _drivers_run(monkeypatch, ("_scan_serial", "_scan_parallel", "_conv_serial", "_conv_parallel"))
     shape = TreeShape.paper13()
     inp = ssm_inputs(torch.Generator().manual_seed(4), 2, shape.n, SHAPE, OPTS)
     xbc, state, weight = torch.randn(2, shape.n, 16), torch.randn(2, 16, 4), torch.randn(16, 4)
