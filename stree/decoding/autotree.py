@@ -48,7 +48,9 @@ choice follows the clock, which learns what packing costs on the machine.
 
 Everything the choice reads is the past (verified steps, measured costs) and the draft itself,
 never the target's output at this step, so every drafter stays lossless. A seed repeats its
-output as long as the cost profile is the same one (it is cached: :mod:`stree.decoding.cost`).
+output: for deterministic drafts whatever the trees (keyed draws, :mod:`stree.sampling.keyed`),
+for random drafts as long as the cost profile is the same one (it is cached:
+:mod:`stree.decoding.cost`), the choice then reading the profile alone.
 """
 
 from __future__ import annotations
@@ -435,8 +437,8 @@ class AutoTree:
     take (:meth:`record`'s ``elapsed_ms``): a drafter model catching up after plain steps, caches
     the drafter evicts, the loop's own bookkeeping. The choice then follows the clock: outputs
     stay lossless but a seed no longer fixes the trees, so decoding turns it on only where the
-    output does not depend on them (greedy, or no seed); otherwise trees must beat plain steps
-    by ``MARGIN``.
+    output does not depend on them (greedy, no seed, or deterministic drafts at keyed draws:
+    :mod:`stree.sampling.keyed`); otherwise trees must beat plain steps by ``MARGIN``.
     Probes are paid from a ledger (``scale["bank"]``, milliseconds): every plain step puts
     ``PROBE_SHARE`` of its time in, every probe takes out what it lost against plain steps for the
     tokens it emitted, and a probe waits until the bank holds what the next one is expected to
@@ -487,7 +489,7 @@ class AutoTree:
     # misses (the loop's bookkeeping, caches a drafter evicts) is covered by asking a tree to beat
     # a plain step by this much.
     MARGIN = 1.2
-    # Watched drafts (greedy choices, drafters without a model): whether ``watch`` is heeded (off:
+    # Watched drafts (deterministic drafts, drafters without a model): whether ``watch`` is heeded (off:
     # benchmarks/speculation.py --no-watch, to compare); one every this many plain steps at least,
     # and watching them (drafting, then learning from them) at most this share of the plain steps' time.
     WATCH = True
@@ -737,8 +739,8 @@ class AutoTree:
     def watched(self, draft: TokenTree, after: list[np.ndarray], served: np.ndarray, ids: np.ndarray,
                 drafting_ms: float | None = None) -> None:
         """Learn from a draft made for the rows ``ids`` (batch ids) and never verified: ``after[b]``
-        the tokens row b emitted since (plain steps, greedy: what verifying the draft would have
-        emitted too). Each row's accepted path is read off them as verification would have found
+        the tokens row b emitted since (plain steps: greedy, or drawn at keyed draws, what verifying
+        the draft would have emitted too). Each row's accepted path is read off them as verification would have found
         it, as far as they reach: nodes they do not reach below are left out (a path matching all
         of them is cut, the last one standing for the bonus). The rates learn it as a verified
         step, and what it brought the rows ``served`` (the mask of rows the choice served when it

@@ -13,6 +13,7 @@ from ..drafters.base import Drafter, check_budget
 from ..drafters.ngram import NGramDrafter
 from ..models.base import TreeLM
 from ..runtime.unrolled import UnrolledTarget
+from ..sampling.keyed import KeyedDraws
 from ..sampling.verify import SamplingParams
 from ..tree import TreeBudget, TreeShape
 from .args import integer
@@ -38,7 +39,7 @@ class DecodeConfig(NamedTuple):
     params: SamplingParams
     device: torch.device
     max_length: int
-    generator: torch.Generator | None
+    generator: KeyedDraws | None  # the sampling draws (None: greedy)
     top_k: int | None  # the target's entries packed per emitted token (None: no laws): the drafter's and logprobs'
     drafter_k: int | None  # how many of them the drafter learns from
     logprobs: int | None
@@ -79,7 +80,7 @@ def resolve(model, input_ids, drafter, tree, method, max_new_tokens, temperature
     if drafter is not None and not auto:
         check_budget(drafter, shape)
     cuda_graph = _execution(model, method, cache, tp, cuda_graph, torch_compile)
-    generator = _generator(seed, model.device, drafter)
+    generator = _generator(seed, model.device, drafter, params.greedy)
     speculative = drafter is not None
     if not drafts_here(model):
         drafter = None  # rank 0 drafts and learns; this rank receives its trees
@@ -169,14 +170,17 @@ def _execution(model, method: str, cache, tp, cuda_graph, torch_compile) -> bool
     return cuda_graph
 
 
-def _generator(seed: int | None, device, drafter) -> torch.Generator | None:
-    """The verifier's generator; from one seed, two independent streams: the verifier's and the drafter's."""
+def _generator(seed: int | None, device, drafter, greedy: bool) -> KeyedDraws | None:
+    """The verifier's draws, keyed by row and position (:mod:`stree.sampling.keyed`; None where
+    greedy decoding draws nothing): from one ``seed``, two independent streams, the verifier's and
+    the drafter's; without one, keyed by a number from torch's global stream (``torch.manual_seed``
+    still repeats a call), the drafter keeping its own stream."""
     if seed is None:
-        return None
+        return None if greedy else KeyedDraws(int(torch.randint(0, 2**62, (1,))), device)
     verify_seed, draft_seed = (int(s.generate_state(1, np.uint64)[0] >> 1) for s in np.random.SeedSequence(seed).spawn(2))
     if drafter is not None:
         drafter.reseed(draft_seed)
-    return torch.Generator(device=device).manual_seed(verify_seed)
+    return KeyedDraws(verify_seed, device)
 
 
 def laws(drafter_k: int | None, logprobs: int | None) -> int | None:

@@ -42,7 +42,7 @@ __all__ = ["CostProfile", "bracketed_profile", "cache_file", "cost_profile", "MO
 
 MODES = ("eager", "compiled", "cuda_graph")
 CATCH = 64  # tokens of context a drafter model's catch-up is timed on
-FORMAT = 13  # of the cache file; another is re-measured (13: half-precision products on a float32 copy)
+FORMAT = 14  # of the cache file; another is re-measured (14: sampled iterations verify at keyed draws)
 # The least share of a plain step's iteration a tree's may take: a tree pass does a step's work and
 # more, so a profile below it was measured while something else took the cores (CostProfile.plausible).
 # (Not against smaller trees: on a GPU, where a small model's iterations are bound by the host, larger
@@ -423,6 +423,7 @@ def _measure(model, drafter, batch: int, mode: str, sampled: bool, shapes, budge
     from ..models.layers.linear import following, leading
     from .steps import autoregressive_step, check_draft, speculative_step
     from ..tree import TokenTree
+    from ..sampling.keyed import KeyedDraws
     from ..sampling.verify import SamplingParams
 
     device, vocab = model.device, model.vocab_size
@@ -447,7 +448,8 @@ def _measure(model, drafter, batch: int, mode: str, sampled: bool, shapes, budge
     lengths = torch.full((batch,), context)
     model.prefill(seq[:, :context].to(device), cache)
     params = SamplingParams(1.0 if sampled else 0.0)
-    draws = torch.Generator(device=device).manual_seed(0) if sampled else None
+    # sampled: keyed draws, as the loop's (stree.sampling.keyed), at the rows' first positions
+    draws = KeyedDraws(0, device).at(np.arange(batch), np.zeros(batch)) if sampled else None
     top_k = None if drafter is None else drafter.target_top_k
     plain_top_k = None if drafter is None else drafter.plain_top_k  # what the loop's plain steps compute
     state = None if getattr(drafter, "generator", None) is None else drafter.generator.get_state()

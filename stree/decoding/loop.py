@@ -97,9 +97,11 @@ def decode(model, input_ids, *, drafter: Drafter | None = None, tree: TreeShape 
     ``top_p`` / ``mode``, say how tokens are chosen; ``mode="naive"`` verifies by exact-match
     sampling. ``max_length``: the cache size; by default the longest prompt plus
     ``max_new_tokens`` plus the tree depth (the drafter's ``draft_depth`` when deeper).
-    The same ``seed`` gives the same output (under ``tree="auto"``, on a machine with the same
-    cached cost profile, :mod:`stree.decoding.cost`: the trees chosen follow it; without a seed, and in
-    greedy decoding, where the trees cannot change the output, they also follow the clock).
+    The same ``seed`` gives the same output. Draws are keyed by row and position
+    (:mod:`stree.sampling.keyed`): with deterministic drafts (every drafter but STAND's and a drafter
+    model's random ones) a seed's output is autoregressive decoding's, whatever trees are verified,
+    and the trees follow the clock as in greedy decoding; with random drafts the output follows the
+    trees, which then follow the seed and the cached cost profile alone (:mod:`stree.decoding.cost`).
     ``time_phases``: on CUDA, time draft / verify /
     commit apart (a device sync per phase; off, only the total is timed there). ``cuda_graph``:
     replay the step, and the tree pass and commit of static tree shapes, from CUDA graphs (by
@@ -154,8 +156,11 @@ class _Loop:
                                      depth=config.depth, mode="cuda_graph" if config.cuda_graph else
                                      "compiled" if config.torch_compile else "eager",
                                      sampled=not config.params.greedy,
-                                     adaptive=config.params.greedy or seed is None,  # the trees cannot change the output
-                                     watch=config.params.greedy and self.drafter.level_model is None)
+                                     # where the trees cannot change the output: greedy, no seed, or keyed
+                                     # draws verifying deterministic drafts (stree.sampling.keyed)
+                                     adaptive=config.params.greedy or seed is None or not self.drafter.random_drafts,
+                                     watch=(config.params.greedy or not self.drafter.random_drafts)
+                                     and self.drafter.level_model is None)
             self.stats.time_setup = time.perf_counter() - t0
         self.clock = _Clock(config.device, detailed=time_phases)
         self.start = self.clock.t
@@ -178,6 +183,14 @@ class _Loop:
         self.held: np.ndarray | None = None
         self.params = config.params  # the device batch's rows' (sliced as rows leave it, where each has its own)
         self.given = cache
+
+    def draws(self):
+        """The call's draws placed at the device batch's rows and the tokens each has generated (None:
+        greedy): a row's t-th token is drawn with its keyed uniform t (:mod:`stree.sampling.keyed`)."""
+        if self.c.generator is None:
+            return None
+        ids = np.arange(self.rows.batch_size) if self.held is None else self.held
+        return self.c.generator.at(ids, self.rows.produced.numpy()[ids])
 
     def lap(self, phase: str) -> None:
         setattr(self.stats, f"time_{phase}", getattr(self.stats, f"time_{phase}") + self.clock.lap())
@@ -265,7 +278,7 @@ class _Loop:
 
     def prefill(self) -> None:
         c, rows = self.c, self.rows
-        first = prefill_rows(self.model, rows, self.cache, self.params, c.generator, c.top_k)
+        first = prefill_rows(self.model, rows, self.cache, self.params, self.draws(), c.top_k)
         check_finite(first, rows, "the prefill")
         self.stats.time_prefill += self.clock.lap()
         rows.emit(first, self.drafter, c.drafter_k)
@@ -297,12 +310,12 @@ class _Loop:
             self.since_tree += 1
             with scope():
                 host = autoregressive_step(self.model, self.cache, device_roots.to(c.device, non_blocking=True),
-                                           self.params, c.generator, self.runner, laws(drafter_k, c.logprobs))
+                                           self.params, self.draws(), self.runner, laws(drafter_k, c.logprobs))
             stats.time_verify += self.clock.lap()
         else:
             self.since_tree = 0
             with self.tree_scope():
-                host, result = speculative_step(c.target, self.cache, full, self.params, c.generator, c.scan, c.top_k,
+                host, result = speculative_step(c.target, self.cache, full, self.params, self.draws(), c.scan, c.top_k,
                                                 lap=self.lap, runner=self.runner)
             if self.on_step is not None and self.drafter is not None:  # tensor parallelism: rank 0 drafts
                 self.on_step(live, draft, _rows_of(result, live) if len(live) < len(device_roots) else result)
@@ -412,8 +425,9 @@ class _PlainRun:
 
 
 class _Watch:
-    """A draft made after a plain step and not verified (:meth:`AutoTree.watch_shape`): greedy, the
-    tokens the steps after it emit are what verifying it would have emitted, so they say what it
+    """A draft made after a plain step and not verified (:meth:`AutoTree.watch_shape`): deterministic,
+    greedy or at keyed draws (:mod:`stree.sampling.keyed`), the tokens the steps after it emit are
+    what verifying it would have emitted, so they say what it
     would have had accepted (:meth:`AutoTree.watched`), at the price of drafting it and learning
     from it (``drafting_ms``: the first, by the clock; the chooser times the second)."""
 

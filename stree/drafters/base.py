@@ -90,6 +90,14 @@ class Drafter:
     #: the drafter's own random stream (None: it draws nothing)
     generator: torch.Generator | None = None
 
+    @property
+    def random_drafts(self) -> bool:
+        """Whether the drafter's trees may carry random drafts (``child_probs``, verified by the
+        rejection rules): then a seeded sampled call's output follows the trees it verifies. Every
+        other drafter's trees are deterministic, verified at keyed draws (:mod:`stree.sampling.keyed`):
+        a seed's output is then the same whatever the trees."""
+        return self.generator is not None
+
     def reset(self) -> None:
         """Forget per-row state: the next ``propose`` starts new rows."""
 

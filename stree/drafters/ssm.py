@@ -153,6 +153,10 @@ class SSMDrafter(Drafter):
         self.rates = SlotRates()  # learned acceptance for calibrated TreeBudgets, kept across calls
         self.reset()
 
+    @property
+    def random_drafts(self) -> bool:
+        return self.stochastic and self.mode == "static"  # (beams take the likeliest tokens)
+
     def reset(self) -> None:
         self._cache, self._rows, self._fed, self._last = None, [], torch.zeros(0, dtype=torch.long), None
         self._drafted: _Drafted | None = None

@@ -345,6 +345,10 @@ class STANDDrafter(Drafter):
         fresh = STANDStore(store.capacity, store.top_k, store.max_n, store.evict_fraction, store.compiled)
         return STANDDrafter(fresh, self.shape, self.stochastic, learn=self.learn)
 
+    @property
+    def random_drafts(self) -> bool:
+        return self.stochastic
+
     def reseed(self, seed: int) -> None:
         super().reseed(seed)
         self._noise, self._pos = np.empty(0), 0  # drawn from the old stream

@@ -16,7 +16,9 @@ draw from the residual of the last accepted node. Rules, chosen from what the tr
 - ``without_replacement`` (recursive rejection sampling): as ``iid`` but with the conditional q_i,
   i.e. q with the earlier siblings' tokens zeroed and renormalised, in the residual as well.
 - ``naive`` (``mode="naive"``): one target draw per node; follow the child equal to it, emit the
-  draw at the first node where no child matches.
+  draw at the first node where no child matches. At keyed draws (``generator`` a
+  :class:`~stree.sampling.keyed.Placed`) deterministic drafts take it in place of ``one_hot`` (the
+  same law), each node drawing at its depth's position: it emits what plain steps draw there.
 
 Chain speculative sampling is the one-child case of ``iid`` / ``without_replacement`` (the two are
 the same rule for one child). Invalid (padding) nodes are never accepted and change no residual.
@@ -32,6 +34,7 @@ import numpy as np
 import torch
 
 from ..tree import TokenTree
+from .keyed import Placed, draw_at
 
 __all__ = ["RULES", "SamplingParams", "VerifyResult", "acceptance_tables", "choose_rule", "draw", "follow_choices",
            "process_logits", "sample_tokens", "verify"]
@@ -140,8 +143,13 @@ class SamplingParams:
             return _process_rows(logits, self)
         return process_logits(logits, self.temperature, self.top_k, self.top_p)
 
-    def sample(self, logits: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
-        """One token per row of ``logits [B, V]``."""
+    def sample(self, logits: torch.Tensor, generator: "torch.Generator | Placed | None" = None) -> torch.Tensor:
+        """One token per row of ``logits [B, V]`` (``generator`` a :class:`~stree.sampling.keyed.Placed`:
+        each row's by the inverse CDF at its next position's keyed uniform)."""
+        if isinstance(generator, Placed):
+            if self.greedy:
+                return logits.float().argmax(-1)
+            return draw_at(self.probs(logits), generator.depths(1, logits.device)[:, 0])
         if self.rows is not None:
             drawn = draw(self.probs(logits), generator)
             if not self.some_greedy:
@@ -387,6 +395,22 @@ def _follow_compiled(tree: TokenTree, choice: torch.Tensor):
     return torch.from_numpy(path), torch.from_numpy(num), torch.from_numpy(bonus)
 
 
+def _keyed_compiled(tree: TokenTree, probs: torch.Tensor, u: torch.Tensor):
+    """The keyed naive walk on the CPU (:func:`stree.sampling.verify_jit.keyed_walk`): each node's
+    choice drawn only where the walk stands. Returns ``(accepted, num_accepted, bonus)``."""
+    from .verify_jit import keyed_walk
+
+    B, N, V = probs.shape
+    index = tree.index
+    kids = index.memo("children_by_rank", lambda: _children_by_rank(index))
+    valid = np.ones((B, N), dtype=np.bool_) if tree.valid is None else np.ascontiguousarray(tree.valid.numpy())
+    L = _max_depth(tree) + 1
+    path, num, emitted = np.empty((B, L), dtype=np.int64), np.empty(B, dtype=np.int64), np.empty((B, L), dtype=np.int64)
+    keyed_walk(np.ascontiguousarray(probs.detach().numpy()), np.ascontiguousarray(tree.tokens.long().numpy()), valid,
+               kids, np.ascontiguousarray(u.numpy()), path, num, emitted)
+    return torch.from_numpy(path), torch.from_numpy(num), torch.from_numpy(emitted[np.arange(B), num - 1])
+
+
 def greedy_on_host(params: "SamplingParams", logits: torch.Tensor) -> bool:
     """Whether :func:`verify_greedy_host` takes these logits: greedy, on the CPU (where the compiled
     paths run), not wanting a gradient."""
@@ -490,15 +514,18 @@ def _walk_compiled(tree: TokenTree, probs: torch.Tensor, rule: str, coins: torch
 
 
 def verify(tree: TokenTree, logits: torch.Tensor, params: SamplingParams | None = None, *,
-           temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, generator: torch.Generator | None = None,
-           mode: str = "auto", validate: bool = True) -> VerifyResult:
+           temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+           generator: "torch.Generator | Placed | None" = None, mode: str = "auto",
+           validate: bool = True) -> VerifyResult:
     """Accept the longest valid path of ``tree`` under the target ``logits`` ``[B, N, V]``.
 
     ``params`` (a :class:`SamplingParams`) or the keyword arguments say how the target samples.
     The emitted tokens (accepted drafts then ``bonus``) are distributed exactly as sampling from the
     processed target distribution token by token, provided the tree's drafts were drawn from the
     law it declares (``child_probs``, draw order = index order) independently of this call's
-    randomness; at temperature 0 they are exactly greedy decoding. ``validate=False`` skips the
+    randomness; at temperature 0 they are exactly greedy decoding. ``generator``: a torch
+    generator, or keyed draws placed at the rows' positions (:mod:`stree.sampling.keyed`; random
+    drafts' rules then draw from its sequential stream). ``validate=False`` skips the
     vocabulary checks of the drafted ids (device-to-host syncs), for callers that checked them."""
     if params is None:
         params = SamplingParams(temperature, top_k, top_p, mode)
@@ -514,11 +541,24 @@ def verify(tree: TokenTree, logits: torch.Tensor, params: SamplingParams | None 
         pos = tuple(int(v) for v in torch.nonzero((tokens < 0) | (tokens >= V))[0])
         raise ValueError(f"tree.tokens{list(pos)} = {int(tokens[pos])} is outside the vocabulary [0, {V})")
     rule = choose_rule(tree, params.temperature, params.mode)
+    keyed = isinstance(generator, Placed)
+    if keyed:
+        # deterministic drafts: the naive rule (the one-hot rule's law) at the keyed uniforms, which
+        # emits what plain steps draw; random drafts: the rejection rules, on the sequential stream
+        rule = "naive" if rule == "one_hot" else rule
+        generator = generator if rule == "naive" else generator.generator
     probs = None
     if rule in ("greedy", "naive"):
         if rule == "greedy":
             # a half argmax in float32: the same choice (widening is exact), and a half one is slow on CPUs
             choice = (logits if logits.dtype == torch.float32 else logits.float()).argmax(-1)
+        elif keyed:  # node n of row b at depth d draws with the uniform of the row's position d ahead
+            probs = params.probs(logits)
+            u = generator.depths(_max_depth(tree) + 1, logits.device)
+            if COMPILED_ON_CPU and probs.device.type == "cpu":
+                return VerifyResult(*_keyed_compiled(tree, probs, u), probs)
+            depth = tree.index.depth.to(logits.device).long().expand(B, N)
+            choice = draw_at(probs.reshape(B * N, V), u.gather(1, depth).reshape(-1)).reshape(B, N)
         else:
             probs = params.probs(logits)
             choice = draw(probs.reshape(B * N, V), generator).reshape(B, N)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-__all__ = ["RULE_CODES", "follow", "greedy_walk", "walk"]
+__all__ = ["RULE_CODES", "follow", "greedy_walk", "inverse_cdf_rows", "keyed_walk", "walk"]
 
 RULE_CODES = {"one_hot": 0, "iid": 1, "without_replacement": 2}
 
@@ -79,33 +79,47 @@ def greedy_walk(logits, tokens, valid, kids, path, num, emitted, finite):
     the last node; the root's token past them) and whether every logit of the row is free of
     NaN and +inf (``finite[b]``; -inf, a token ruled out, is allowed)."""
     B, N, V = logits.shape
-    L = path.shape[1]
     for b in range(B):
         ok = True
         for n in range(N):
             for i in range(V):
                 ok &= logits[b, n, i] < np.inf  # (False for NaN too)
         finite[b] = ok
-        tree = kids[min(b, kids.shape[0] - 1)]
-        v, n = 0, 1
-        path[b, :] = 0
-        while True:
-            row = logits[b, v]
+        num[b] = _walk_row(logits[b], kids[min(b, kids.shape[0] - 1)], valid[b], tokens[b], _NO_DRAWS, path[b],
+                           emitted[b])
+
+
+_NO_DRAWS = np.empty(0)  # (a greedy walk's: it draws nothing)
+
+
+@njit(cache=True)
+def _walk_row(laws, tree, valid, tokens, draws, path, emitted):
+    """One row's walk from the root down the children holding each node's choice: the argmax of
+    its ``laws[v]`` (logits) where ``draws`` is empty, else the inverse CDF of its law at the draw
+    of its depth. Writes the path and the emitted tokens (the accepted drafts, then the last
+    node's choice; the root's token past them); returns the path's length."""
+    v, n = 0, 1
+    path[:] = 0
+    while True:
+        row = laws[v]
+        if len(draws):
+            choice = _inverse_cdf(row, draws[n - 1])
+        else:
             choice, best = 0, row[0]
-            for i in range(1, V):
+            for i in range(1, len(row)):
                 if row[i] > best:
                     choice, best = i, row[i]
-            nxt = _child_drafting(tree, v, valid[b], tokens[b], choice)
-            if nxt < 0:
-                break
-            v = nxt
-            path[b, n] = v
-            emitted[b, n - 1] = tokens[b, v]
-            n += 1
-        num[b] = n
-        emitted[b, n - 1] = choice
-        for j in range(n, L):
-            emitted[b, j] = tokens[b, 0]
+        nxt = _child_drafting(tree, v, valid, tokens, choice)
+        if nxt < 0:
+            break
+        v = nxt
+        path[n] = v
+        emitted[n - 1] = tokens[v]
+        n += 1
+    emitted[n - 1] = choice
+    for j in range(n, len(path)):
+        emitted[j] = tokens[0]
+    return n
 
 
 @njit(cache=True)
@@ -183,3 +197,40 @@ def walk(probs, tokens, valid, kids, child_ids, child_probs, rule, coins, path, 
         num[b] = n
         for i in range(V):
             residual[b, i] = p[i]
+
+
+@njit(cache=True)
+def _inverse_cdf(row, u):
+    """The first index at which the float64 running sum of ``row`` exceeds ``u`` times its total;
+    where none does (``u`` times the total rounded up to it) the last entry above 0: an entry of 0
+    is never taken. (The last index for a row without mass, a NaN one: the finiteness check
+    reports its step.)"""
+    total, last = 0.0, len(row) - 1
+    for i in range(len(row)):
+        total += row[i]
+        if row[i] > 0:
+            last = i
+    at = u * total
+    s = 0.0
+    for i in range(len(row)):
+        s += row[i]
+        if s > at:
+            return i
+    return last
+
+
+@njit(cache=True)
+def inverse_cdf_rows(probs, u, out):
+    """``out[r]``: :func:`_inverse_cdf` of ``probs[r]`` at ``u[r]``."""
+    for r in range(probs.shape[0]):
+        out[r] = _inverse_cdf(probs[r], u[r])
+
+
+@njit(cache=True)
+def keyed_walk(probs, tokens, valid, kids, u, path, num, emitted):
+    """The naive rule at keyed uniforms (:mod:`stree.sampling.keyed`) in one pass: :func:`follow`
+    with the choice of a node at depth d the inverse CDF of its law ``probs[b, v]`` at ``u[b, d]``,
+    taken only at the nodes the walk stands on. Writes the path, its length and each row's emitted
+    tokens as :func:`greedy_walk` does (the accepted drafts, then the last node's choice)."""
+    for b in range(probs.shape[0]):
+        num[b] = _walk_row(probs[b], kids[min(b, kids.shape[0] - 1)], valid[b], tokens[b], u[b], path[b], emitted[b])

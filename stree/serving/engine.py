@@ -741,8 +741,8 @@ class _Cohort:
             return "auto"  # autoregressive, or no room for a tree: decode steps plainly
         greedy = all(row.settings.params.greedy for row in self.rows)
         return auto_tree(self.engine.model, self.drafter, len(self.rows), mode="eager", sampled=not greedy,
-                         depth=depth, adaptive=greedy, bracketed=True,  # (adaptive: as decode, which gets a seed)
-                         watch=greedy and self.drafter.level_model is None)  # (as decode: drafts watched in plain steps)
+                         depth=depth, adaptive=greedy or not self.drafter.random_drafts, bracketed=True,  # (as decode)
+                         watch=(greedy or not self.drafter.random_drafts) and self.drafter.level_model is None)
 
     def _verified(self, rows, tree, result) -> None:
         """decode's ``on_step``: a tree step, counted by its size."""

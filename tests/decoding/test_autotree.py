@@ -18,6 +18,7 @@ from stree.decoding.autotree import AutoTree, PathRates, RowRates, _best_first, 
 from stree.decoding.cost import CostProfile
 from stree.drafters.registry import DRAFTER_NAMES, NEEDS_MODEL, make_drafter
 from stree.decoding.loop import generate
+from stree.sampling.verify import SamplingParams
 from stree.tree import TokenTree, TreeShape
 
 SEEDED_P = 1e-3
@@ -896,6 +897,62 @@ def test_greedy_auto_is_token_identical_for_every_drafter(family):
     assert 2 in kinds
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_seeded_sampling_with_deterministic_drafts_is_token_identical_to_plain_sampling(family):
+    """Keyed draws (stree.sampling.keyed): with a seed, every drafter of deterministic drafts emits
+    autoregressive decoding's sampled tokens, under the clock's choice and with trees certainly
+    taken (made-up costs), trees and chains, and with rows of their own values (one greedy)."""
+    model = FAMILIES[family]()
+    small = mamba2(n_layer=1, seed=3)
+    g = torch.Generator().manual_seed(0)
+    motif = torch.randint(0, model.vocab_size, (5,), generator=g).tolist()
+    prompts = [motif * 3, motif[:3] * 2 + [1]]
+    deep = 0
+    # (at 1.0 most drafts are rejected, each bonus drawn at its own depth's position; near 0 the
+    # tiny models' peaked laws accept some, so walks go deep; beside a greedy row of its own)
+    for sampling in (SamplingParams(1.0), SamplingParams.stack([SamplingParams(0.02), SamplingParams(0.0)])):
+        ref = generate(model, prompts, method="autoregressive", max_new_tokens=24, sampling=sampling, seed=11)
+        drafters = 0
+        for name in DRAFTER_NAMES:
+            make = lambda: make_drafter(name, drafter_model=small if name in NEEDS_MODEL else None,
+                                        vocab_size=model.vocab_size, temperature=1.0)
+            if make().random_drafts:
+                continue
+            drafters += 1
+            for method in ("stree", "chain"):
+                if method == "chain" and name == "ssm-beam":
+                    continue
+                out = generate(model, prompts, drafter=make(), method=method, max_new_tokens=24, sampling=sampling,
+                               seed=11)
+                assert out.sequences == ref.sequences, (name, method, sampling)
+                out = generate(model, prompts, drafter=make(), method=method, max_new_tokens=24, sampling=sampling,
+                               seed=11, tree=AutoTree(cheap(), chain=method == "chain"))
+                assert out.sequences == ref.sequences, (name, method, sampling, "cheap trees")
+                deep += sum(sum(a) for a in out.stats.accepted)
+        assert drafters >= 4
+    assert deep > 0  # (drafts were accepted: walks went past the root)
+
+
+def test_only_random_drafts_keep_a_seeded_choice_off_the_clock(monkeypatch):
+    """Where the trees cannot change a seeded sampled output (deterministic drafts at keyed draws)
+    the choice follows the clock and watches drafts, as greedy and unseeded ones do; random drafts'
+    output follows the trees, so theirs follows the seed and the profile alone."""
+    import stree.decoding.loop as loop
+
+    made = []
+    real = loop.auto_tree
+    monkeypatch.setattr(loop, "auto_tree",
+                        lambda *a, **kw: made.append((kw["adaptive"], kw["watch"])) or real(*a, **kw))
+    model = mamba2()
+    for name, seed, temperature in (("ngram", 3, 1.0), ("stand-det", 3, 1.0), ("stand", 3, 1.0), ("stand", None, 1.0),
+                                    ("stand", 3, 0.0)):
+        generate(model, [[1, 2, 3, 1, 2]], drafter=make_drafter(name, vocab_size=model.vocab_size), seed=seed,
+                 temperature=temperature, max_new_tokens=4)
+    # (drafts are watched during plain steps where they are deterministic: the plain steps then emit
+    # what verifying them would have)
+    assert made == [(True, True), (True, True), (False, False), (True, False), (True, True)]
+
+
 def test_the_loop_learns_from_watched_drafts_and_outputs_stay_the_same():
     """Greedy, the n-gram drafter on looping text, a choice that expects nothing of drafts and
     never probes: the drafts it watches during plain steps bring trees back within the call,
@@ -937,11 +994,19 @@ def test_explicit_trees_are_honoured_exactly():
 
 
 def test_the_same_seed_repeats_the_output_under_auto():
+    """Deterministic drafts are verified at keyed draws: a seed gives autoregressive decoding's
+    sampled output whatever trees the clock chose. Random drafts (STAND's) are verified with a
+    sequential stream, so their trees follow the seed and the profile alone, and repeat too."""
     model = mamba2()
     prompts = [[1, 2, 3, 1, 2, 3, 1, 2], [4, 5]]
+    plain = generate(model, prompts, max_new_tokens=20, temperature=1.0, seed=3, method="autoregressive")
     a = generate(model, prompts, max_new_tokens=20, temperature=1.0, seed=3)
     b = generate(model, prompts, max_new_tokens=20, temperature=1.0, seed=3)
-    assert a.sequences == b.sequences and a.stats.trees == b.stats.trees
+    assert a.sequences == b.sequences == plain.sequences
+    assert sum(n for size, n in a.stats.trees.items() if size > 1) > 0  # (trees were verified)
+    runs = [generate(model, prompts, max_new_tokens=20, temperature=1.0, seed=3,
+                     drafter=make_drafter("stand", vocab_size=model.vocab_size)) for _ in range(2)]
+    assert runs[0].sequences == runs[1].sequences and runs[0].stats.trees == runs[1].stats.trees
 
 
 def test_sampling_law_holds_while_the_choice_switches_and_falls_back():

@@ -240,8 +240,8 @@ def test_the_named_stand_drafters_verify_their_optimised_trees():
         shape = stand_tree(name)
         assert drafter.shape is None and shape.n == report["trees"][name]["nodes"] > 13
         seen = []
-        # (24 tokens: long enough that the seeded sampled text repeats an n-gram STAND has stored)
-        generate(model, [[5, 6, 7, 5, 6]], drafter=drafter, tree=shape, max_new_tokens=24,
+        # (48 tokens: long enough that the seeded sampled text repeats an n-gram STAND has stored)
+        generate(model, [[5, 6, 7, 5, 6]], drafter=drafter, tree=shape, max_new_tokens=48,
                  temperature=0.6 if name == "stand" else 0, seed=0,
                  on_step=lambda rows, tree, result: seen.append(tree.n))
         assert max(seen) == shape.n and set(seen) <= {1, shape.n}  # 1: nothing drafted yet
