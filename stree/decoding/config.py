@@ -59,7 +59,7 @@ def resolve(model, input_ids, drafter, tree, method, max_new_tokens, temperature
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     prompts = _prompts(input_ids)
     budgets = _budgets(max_new_tokens, len(prompts))
-    seed = None if seed is None else integer("seed", seed, low=0, high=2**63 - 1)
+    seed = _seed(seed, len(prompts))
     max_length = None if max_length is None else integer("max_length", max_length, low=1)
     params = sampling if sampling is not None else SamplingParams(temperature, top_k, top_p, mode)
     if not isinstance(params, SamplingParams):
@@ -170,17 +170,31 @@ def _execution(model, method: str, cache, tp, cuda_graph, torch_compile) -> bool
     return cuda_graph
 
 
-def _generator(seed: int | None, device, drafter, greedy: bool) -> KeyedDraws | None:
+def _seed(seed, rows: int) -> int | list[int] | None:
+    """``seed`` checked: None, an int, or a list or tuple of one int per row."""
+    if seed is None or not isinstance(seed, (list, tuple)):
+        return None if seed is None else integer("seed", seed, low=0, high=2**63 - 1)
+    if len(seed) != rows:
+        raise ValueError(f"seed holds {len(seed)} values for {rows} rows")
+    return [integer(f"seed[{i}]", s, low=0, high=2**63 - 1) for i, s in enumerate(seed)]
+
+
+def _streams(entropy) -> tuple[int, int]:
+    """Two independent seeds from ``entropy`` (an int or a list of them): the verifier's and the drafter's."""
+    return tuple(int(s.generate_state(1, np.uint64)[0] >> 1) for s in np.random.SeedSequence(entropy).spawn(2))
+
+
+def _generator(seed: int | list[int] | None, device, drafter, greedy: bool) -> KeyedDraws | None:
     """The verifier's draws, keyed by row and position (:mod:`stree.sampling.keyed`; None where
     greedy decoding draws nothing): from one ``seed``, two independent streams, the verifier's and
-    the drafter's; without one, keyed by a number from torch's global stream (``torch.manual_seed``
-    still repeats a call), the drafter keeping its own stream."""
+    the drafter's; from one seed per row, each row's draws its seed's alone (what that row alone
+    draws with it), the drafter's stream from them all; without one, keyed by a number from torch's
+    global stream (``torch.manual_seed`` still repeats a call), the drafter keeping its own stream."""
     if seed is None:
         return None if greedy else KeyedDraws(int(torch.randint(0, 2**62, (1,))), device)
-    verify_seed, draft_seed = (int(s.generate_state(1, np.uint64)[0] >> 1) for s in np.random.SeedSequence(seed).spawn(2))
     if drafter is not None:
-        drafter.reseed(draft_seed)
-    return KeyedDraws(verify_seed, device)
+        drafter.reseed(_streams(seed)[1])
+    return KeyedDraws([_streams(s)[0] for s in seed] if isinstance(seed, list) else _streams(seed)[0], device)
 
 
 def laws(drafter_k: int | None, logprobs: int | None) -> int | None:

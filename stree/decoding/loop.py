@@ -58,7 +58,7 @@ def drain(steps, each=None):
 @torch.no_grad()  # a generator: torch enters the mode at every resumption, so callers need none
 def decode(model, input_ids, *, drafter: Drafter | None = None, tree: TreeShape | TreeBudget | str | None = "auto",
            method: str = "stree", max_new_tokens: int, temperature: float = 0.0, top_k: int = 0,
-           top_p: float = 1.0, eos_token_id: int | list[int] | None = None, seed: int | None = None,
+           top_p: float = 1.0, eos_token_id: int | list[int] | None = None, seed: int | list[int] | None = None,
            mode: str = "auto", max_length: int | None = None, on_step=None,
            sampling: SamplingParams | None = None, time_phases: bool = False,
            cuda_graph: bool | None = None, torch_compile: bool = False, cache=None, stop_sequences=None,
@@ -102,6 +102,7 @@ def decode(model, input_ids, *, drafter: Drafter | None = None, tree: TreeShape 
     model's random ones) a seed's output is autoregressive decoding's, whatever trees are verified,
     and the trees follow the clock as in greedy decoding; with random drafts the output follows the
     trees, which then follow the seed and the cached cost profile alone (:mod:`stree.decoding.cost`).
+    ``seed`` may hold one int per row: each row then draws what it draws alone with its seed.
     ``time_phases``: on CUDA, time draft / verify /
     commit apart (a device sync per phase; off, only the total is timed there). ``cuda_graph``:
     replay the step, and the tree pass and commit of static tree shapes, from CUDA graphs (by
@@ -128,7 +129,7 @@ def decode(model, input_ids, *, drafter: Drafter | None = None, tree: TreeShape 
 
 def generate(model, input_ids, *, drafter: Drafter | None = None, tree: TreeShape | TreeBudget | str | None = "auto",
              method: str = "stree", max_new_tokens: int, temperature: float = 0.0, top_k: int = 0,
-             top_p: float = 1.0, eos_token_id: int | list[int] | None = None, seed: int | None = None,
+             top_p: float = 1.0, eos_token_id: int | list[int] | None = None, seed: int | list[int] | None = None,
              mode: str = "auto", max_length: int | None = None, on_step=None,
              sampling: SamplingParams | None = None, time_phases: bool = False,
              cuda_graph: bool | None = None, torch_compile: bool = False, cache=None,

@@ -21,6 +21,8 @@ mixed with two keys derived from the seed (NumPy's ``SeedSequence``); 53 bits ea
 
 from __future__ import annotations
 
+import numbers
+
 import numpy as np
 import torch
 
@@ -38,23 +40,34 @@ def _mix(z: np.ndarray) -> np.ndarray:
 
 
 class KeyedDraws:
-    """The draws of one seeded call: :meth:`at` places them at the device batch's rows and the
-    positions those rows reached; ``generator`` is the sequential stream the rejection rules of
-    random drafts take their coins from."""
+    """The draws of one call: :meth:`at` places them at the device batch's rows and the positions
+    those rows reached; ``generator`` is the sequential stream the rejection rules of random drafts
+    take their coins from. ``seed``: an int (row r's draws keyed by it and r), or a sequence of one
+    int per row (row r's keyed by its own alone, as a call of that row alone with that seed keys its
+    one row: a row's draws then do not depend on the batch it is in)."""
 
-    def __init__(self, seed: int, device: torch.device | str = "cpu"):
-        words = np.random.SeedSequence(seed).generate_state(3, np.uint64)
-        self._keys = words[:2]
-        self.generator = torch.Generator(device=device).manual_seed(int(words[2] >> np.uint64(1)))
+    def __init__(self, seed, device: torch.device | str = "cpu"):
+        self.per_row = not isinstance(seed, numbers.Integral)
+        if self.per_row and not len(seed):
+            raise ValueError("seed must be an int or a non-empty sequence of ints, one per row")
+        words = np.stack([np.random.SeedSequence(s).generate_state(3, np.uint64)
+                          for s in (seed if self.per_row else [seed])])
+        self._keys = words[:, :2]
+        self.generator = torch.Generator(device=device).manual_seed(int(words[0, 2] >> np.uint64(1)))
 
     def uniforms(self, rows: np.ndarray, positions: np.ndarray) -> np.ndarray:
         """float64 uniforms in [0, 1), one per entry of ``rows`` and ``positions`` (int arrays of
-        one shape, broadcast), each a function of the seed, its row and its position alone."""
+        one shape, broadcast), each a function of its row's seed, its row and its position alone."""
         rows, positions = np.broadcast_arrays(np.asarray(rows, dtype=np.int64), np.asarray(positions, dtype=np.int64))
-        if rows.size and (rows.min() < 0 or positions.min() < 0 or rows.max() >= 1 << 31 or positions.max() >= 1 << 32):
-            raise ValueError("rows must be in [0, 2**31) and positions in [0, 2**32)")
+        top = len(self._keys) if self.per_row else 1 << 31
+        if rows.size and (rows.min() < 0 or positions.min() < 0 or rows.max() >= top or positions.max() >= 1 << 32):
+            raise ValueError(f"rows must be in [0, {top}) and positions in [0, 2**32)")
+        if self.per_row:  # (each row's own seed, its row counted as row 0)
+            keys, rows = self._keys[rows], np.zeros_like(rows)
+        else:
+            keys = self._keys[0]
         counter = (rows.astype(np.uint64) << _S32) | positions.astype(np.uint64)
-        z = _mix(_mix(counter ^ self._keys[0]) + self._keys[1])
+        z = _mix(_mix(counter ^ keys[..., 0]) + keys[..., 1])
         return (z >> _S11).astype(np.float64) * (1.0 / (1 << 53))
 
     def at(self, rows, positions) -> "Placed":

@@ -933,6 +933,28 @@ def test_seeded_sampling_with_deterministic_drafts_is_token_identical_to_plain_s
     assert deep > 0  # (drafts were accepted: walks went past the root)
 
 
+def test_a_seed_per_row_gives_each_row_what_it_draws_alone():
+    """``seed=[...]``: every row draws with its own seed's keys, so its sampled tokens are those
+    of a call of that row alone with that seed (plain steps, and deterministic drafts whatever
+    the trees), whatever else shares the batch; a list of one is the int."""
+    model = mamba2()
+    prompts = [[1, 2, 3, 1, 2, 3, 1, 2], [4, 5], [6, 7, 6, 7]]
+    seeds = [5, 17, 5]
+    for method, drafter in (("autoregressive", None), ("stree", "ngram"), ("stree", "stand-det")):
+        kw = dict(method=method, max_new_tokens=16, temperature=1.0)
+        make = lambda: None if drafter is None else make_drafter(drafter, vocab_size=model.vocab_size)
+        batch = generate(model, prompts, drafter=make(), seed=seeds, **kw)
+        alone = [generate(model, [p], drafter=make(), seed=s, **kw).sequences[0] for p, s in zip(prompts, seeds)]
+        assert batch.sequences == alone, (method, drafter)
+        assert generate(model, prompts[:1], drafter=make(), seed=[5], **kw).sequences[0] == alone[0]
+    with pytest.raises(ValueError, match="seed holds 2 values for 3 rows"):
+        generate(model, prompts, seed=[1, 2], temperature=1.0, max_new_tokens=2)
+    with pytest.raises(TypeError, match=r"seed\[1\] must be an integer"):
+        generate(model, prompts, seed=[1, "2", 3], temperature=1.0, max_new_tokens=2)
+    with pytest.raises(ValueError, match=r"seed\[2\] must be in"):
+        generate(model, prompts, seed=(1, 2, -3), temperature=1.0, max_new_tokens=2)
+
+
 def test_only_random_drafts_keep_a_seeded_choice_off_the_clock(monkeypatch):
     """Where the trees cannot change a seeded sampled output (deterministic drafts at keyed draws)
     the choice follows the clock and watches drafts, as greedy and unseeded ones do; random drafts'

@@ -33,6 +33,18 @@ def test_a_uniform_depends_on_its_seed_row_and_position_alone():
     assert torch.equal(placed, torch.from_numpy(np.stack([draws.uniforms(2, [7, 8, 9]), draws.uniforms(0, [0, 1, 2])])))
 
 
+def test_a_seed_per_row_keys_each_row_as_a_call_of_that_row_alone():
+    positions = np.arange(40)
+    per_row = KeyedDraws([5, 9, 5])
+    for row, seed in enumerate([5, 9, 5]):
+        assert np.array_equal(per_row.uniforms(row, positions), KeyedDraws(seed).uniforms(0, positions))
+    assert np.array_equal(KeyedDraws([5]).uniforms(0, positions), KeyedDraws(5).uniforms(0, positions))
+    with pytest.raises(ValueError, match=r"rows must be in \[0, 3\)"):
+        per_row.uniforms(3, 0)
+    with pytest.raises(ValueError, match="non-empty sequence"):
+        KeyedDraws([])
+
+
 def test_the_uniforms_are_uniform_and_neighbours_independent():
     """200k uniforms of 400 rows x 500 positions in 20 bins, and the pairs of neighbouring
     positions in 10 x 10 cells: chi-square p-values > 1e-3 (fixed seed)."""
