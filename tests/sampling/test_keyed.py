@@ -139,3 +139,23 @@ def test_keyed_verification_samples_the_target_law_chi_square():
                  generator=KeyedDraws(9).at(np.arange(B), np.zeros(B, dtype=np.int64)))
     first = torch.where(res.num_accepted > 1, tokens.gather(1, res.accepted[:, 1:2])[:, 0], res.bonus)
     assert chi_square(torch.bincount(first, minlength=V), p)[2] > 1e-3
+
+
+def test_keyed_verification_on_the_device_is_the_cpu_walk(device):
+    """The same draws on the device (CUDA where there is one: the tensor path, draws moved there)
+    and in the CPU's compiled walk: the same paths and bonus tokens, on a tree whose drafts the
+    target's peaked laws often take."""
+    g = torch.Generator().manual_seed(3)
+    B, V = 4, 50
+    shape = TreeShape.full(2, 3)
+    logits = torch.randn(B, shape.n, V, generator=g) * 3
+    tokens = torch.randint(0, V, (B, shape.n), generator=g)
+    tokens[:, 1:] = torch.where(torch.rand(B, shape.n - 1, generator=g) < 0.5, logits.argmax(-1).gather(
+        1, torch.tensor(shape.parents[1:]).expand(B, -1)), tokens[:, 1:])  # (half the drafts their parent's argmax)
+    params = SamplingParams(0.3)
+    draws = KeyedDraws(21).at(np.arange(B), np.array([0, 5, 9, 2]))
+    want = verify(TokenTree.from_shape(shape, tokens), logits, params, generator=draws)
+    got = verify(TokenTree.from_shape(shape, tokens.to(device)), logits.to(device), params, generator=draws)
+    assert int(want.num_accepted.max()) > 1
+    for a, b in zip((want.accepted, want.num_accepted, want.bonus), (got.accepted, got.num_accepted, got.bonus)):
+        assert torch.equal(a, b.cpu())
