@@ -170,8 +170,13 @@ def _execution(model, method: str, cache, tp, cuda_graph, torch_compile) -> bool
     return cuda_graph
 
 
-def _seed(seed, rows: int) -> int | list[int] | None:
-    """``seed`` checked: None, an int, or a list or tuple of one int per row."""
+def _seed(seed, rows: int) -> int | list[int] | KeyedDraws | None:
+    """``seed`` checked: None, an int, a list or tuple of one int per row, or the rows' own
+    :class:`~stree.sampling.keyed.KeyedDraws` (a caller continuing rows: the serving engine)."""
+    if isinstance(seed, KeyedDraws):
+        if seed.rows != rows:
+            raise ValueError(f"seed holds the draws of {seed.rows or 'any number of'} rows, not one per row of {rows}")
+        return seed
     if seed is None or not isinstance(seed, (list, tuple)):
         return None if seed is None else integer("seed", seed, low=0, high=2**63 - 1)
     if len(seed) != rows:
@@ -179,12 +184,12 @@ def _seed(seed, rows: int) -> int | list[int] | None:
     return [integer(f"seed[{i}]", s, low=0, high=2**63 - 1) for i, s in enumerate(seed)]
 
 
-def _streams(entropy) -> tuple[int, int]:
+def seed_streams(entropy) -> tuple[int, int]:
     """Two independent seeds from ``entropy`` (an int or a list of them): the verifier's and the drafter's."""
     return tuple(int(s.generate_state(1, np.uint64)[0] >> 1) for s in np.random.SeedSequence(entropy).spawn(2))
 
 
-def _generator(seed: int | list[int] | None, device, drafter, greedy: bool) -> KeyedDraws | None:
+def _generator(seed: int | list[int] | KeyedDraws | None, device, drafter, greedy: bool) -> KeyedDraws | None:
     """The verifier's draws, keyed by row and position (:mod:`stree.sampling.keyed`; None where
     greedy decoding draws nothing): from one ``seed``, two independent streams, the verifier's and
     the drafter's; from one seed per row, each row's draws its seed's alone (what that row alone
@@ -192,9 +197,11 @@ def _generator(seed: int | list[int] | None, device, drafter, greedy: bool) -> K
     global stream (``torch.manual_seed`` still repeats a call), the drafter keeping its own stream."""
     if seed is None:
         return None if greedy else KeyedDraws(int(torch.randint(0, 2**62, (1,))), device)
+    if isinstance(seed, KeyedDraws):  # (its caller answers for the drafter's stream)
+        return seed
     if drafter is not None:
-        drafter.reseed(_streams(seed)[1])
-    return KeyedDraws([_streams(s)[0] for s in seed] if isinstance(seed, list) else _streams(seed)[0], device)
+        drafter.reseed(seed_streams(seed)[1])
+    return KeyedDraws([seed_streams(s)[0] for s in seed] if isinstance(seed, list) else seed_streams(seed)[0], device)
 
 
 def laws(drafter_k: int | None, logprobs: int | None) -> int | None:

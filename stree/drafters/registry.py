@@ -20,6 +20,17 @@ NEEDS_MODEL = ("ssm-static", "ssm-beam")
 DRAFTER_ALIASES = {"ssm": "ssm-static"}
 
 
+# The drafters whose drafts for sampled rows are random (Drafter.random_drafts: verified by the
+# rejection rules, so a seeded row's output follows its trees); the others' are deterministic.
+RANDOM_DRAFTS = ("stand", "ssm-static")
+
+
+def random_drafts(name: str | None, temperature: float) -> bool:
+    """Whether drafter ``name`` (a registry name or alias; None: no drafter) drafts randomly for
+    rows sampled at ``temperature``: known before it is made (a STAND store is costly to allocate)."""
+    return name is not None and drafter_name(name) in RANDOM_DRAFTS and temperature > 0
+
+
 # The store a drafter drafts from, shareable between calls and rows (the others keep none).
 STORES = {"stand": STANDStore, "stand-det": STANDStore, "consensus": PathStore}
 

@@ -44,30 +44,46 @@ class KeyedDraws:
     those rows reached; ``generator`` is the sequential stream the rejection rules of random drafts
     take their coins from. ``seed``: an int (row r's draws keyed by it and r), or a sequence of one
     int per row (row r's keyed by its own alone, as a call of that row alone with that seed keys its
-    one row: a row's draws then do not depend on the batch it is in)."""
+    one row: a row's draws then do not depend on the batch it is in). With a sequence, ``keys``
+    and ``starts`` (default 0 each) say, per row, which row of a call of its seed it is and how
+    many tokens it generated before: a caller continuing rows (the serving engine) draws what each
+    row's own call would."""
 
-    def __init__(self, seed, device: torch.device | str = "cpu"):
+    def __init__(self, seed, device: torch.device | str = "cpu", keys=None, starts=None):
         self.per_row = not isinstance(seed, numbers.Integral)
         if self.per_row and not len(seed):
             raise ValueError("seed must be an int or a non-empty sequence of ints, one per row")
+        if not self.per_row and (keys is not None or starts is not None):
+            raise ValueError("keys and starts go with one seed per row")
         words = np.stack([np.random.SeedSequence(s).generate_state(3, np.uint64)
                           for s in (seed if self.per_row else [seed])])
-        self._keys = words[:, :2]
+        self._words = words[:, :2]
+        self._row_keys, self._starts = (np.zeros(len(words), dtype=np.int64) if v is None else np.asarray(v, np.int64)
+                                        for v in (keys, starts))
+        if self._row_keys.shape != (len(words),) or self._starts.shape != (len(words),):
+            raise ValueError(f"keys and starts must hold one int per row ({len(words)})")
         self.generator = torch.Generator(device=device).manual_seed(int(words[0, 2] >> np.uint64(1)))
+
+    @property
+    def rows(self) -> int | None:
+        """The rows of per-row seeds (None: one seed for any rows)."""
+        return len(self._words) if self.per_row else None
 
     def uniforms(self, rows: np.ndarray, positions: np.ndarray) -> np.ndarray:
         """float64 uniforms in [0, 1), one per entry of ``rows`` and ``positions`` (int arrays of
         one shape, broadcast), each a function of its row's seed, its row and its position alone."""
         rows, positions = np.broadcast_arrays(np.asarray(rows, dtype=np.int64), np.asarray(positions, dtype=np.int64))
-        top = len(self._keys) if self.per_row else 1 << 31
-        if rows.size and (rows.min() < 0 or positions.min() < 0 or rows.max() >= top or positions.max() >= 1 << 32):
-            raise ValueError(f"rows must be in [0, {top}) and positions in [0, 2**32)")
-        if self.per_row:  # (each row's own seed, its row counted as row 0)
-            keys, rows = self._keys[rows], np.zeros_like(rows)
+        top = len(self._words) if self.per_row else 1 << 31
+        if rows.size and (rows.min() < 0 or positions.min() < 0 or rows.max() >= top):
+            raise ValueError(f"rows must be in [0, {top}) and positions >= 0")
+        if self.per_row:  # (each row's own seed, key and start)
+            words, positions, rows = self._words[rows], positions + self._starts[rows], self._row_keys[rows]
         else:
-            keys = self._keys[0]
+            words = self._words[0]
+        if rows.size and (rows.min() < 0 or rows.max() >= 1 << 31 or positions.max() >= 1 << 32):
+            raise ValueError("row keys must be in [0, 2**31) and positions in [0, 2**32)")
         counter = (rows.astype(np.uint64) << _S32) | positions.astype(np.uint64)
-        z = _mix(_mix(counter ^ keys[..., 0]) + keys[..., 1])
+        z = _mix(_mix(counter ^ words[..., 0]) + words[..., 1])
         return (z >> _S11).astype(np.float64) * (1.0 / (1 << 53))
 
     def at(self, rows, positions) -> "Placed":

@@ -35,15 +35,18 @@ import threading
 import time
 from dataclasses import dataclass, field, replace
 
+import numpy as np
 import torch
 
 from ..decoding.args import integer
 from ..decoding.autotree import PathRates, auto_tree
+from ..decoding.config import seed_streams
 from ..decoding.loop import decode
 from ..decoding.rows import TokenLogprob, token_logprobs
 from ..decoding.stops import TextStops, held_back, stop_strings
-from ..drafters.registry import DRAFTER_ALIASES, DRAFTER_NAMES, NEEDS_MODEL, drafter_name
+from ..drafters.registry import DRAFTER_ALIASES, DRAFTER_NAMES, NEEDS_MODEL, drafter_name, random_drafts
 from ..models.base import MAX_TREE_NODES
+from ..sampling.keyed import KeyedDraws
 from ..sampling.verify import SamplingParams, check_sampling
 from ..tree import tree_spec
 
@@ -99,6 +102,8 @@ class Request:
         self.id, self.prompt_ids, self.n = rid, ids, n
         self.settings, self.budget, self.stops, self.seed = settings, budget, stops, seed
         self.logprobs, self.prompt_logprobs = logprobs, prompt_logprobs
+        # the seed its draws are keyed by, as decode keys a call's (seed_streams); set when its prompt is read
+        self.draws_seed: int | None = None
         # with prompt_logprobs, once the prompt is read (before its first event): None for the first
         # prompt token, then a TokenLogprob for each of the others under the model's own distribution
         self.prompt_scores: list[TokenLogprob | None] | None = None
@@ -168,8 +173,8 @@ class Request:
 
 @dataclass(frozen=True)
 class _Settings:
-    """A request's drafter, tree and sampling values (and, for a seeded sampled request, the
-    request: its draws then depend on its seed alone)."""
+    """A request's drafter, tree and sampling values (and, for a seeded sampled request of random
+    drafts, the request: its output follows its trees, which then depend on its seed alone)."""
 
     drafter: str | None
     tree: str
@@ -181,7 +186,8 @@ class _Settings:
         Rows of different sampling values share one batch, each row's law its own
         (:meth:`SamplingParams.stack`; a greedy row's the argmax's, verified as greedy decoding
         verifies, and drafted with the drafter's likeliest tokens: ``DraftContext.greedy``), but
-        not a seeded request's rows."""
+        not the rows of a seeded request of random drafts (every other request's draws are keyed
+        by its own seed: :mod:`stree.sampling.keyed`)."""
         if self.own is not None:
             return self
         return replace(self, params=SamplingParams(1.0, mode=self.params.mode))
@@ -261,7 +267,8 @@ class Engine:
         slot's ``max_length``); ``temperature`` (0: greedy), ``top_p``, ``top_k`` as
         :class:`~stree.sampling.verify.SamplingParams`; ``stop``: a string or strings that end a
         choice; ``drafter``: a drafter name (None: autoregressive); ``tree``: "auto" or a tree
-        spec (:func:`~stree.tree.tree_spec`); ``seed``: a sampled request's draws follow it;
+        spec (:func:`~stree.tree.tree_spec`); ``seed``: a sampled request's draws follow it (with
+        deterministic drafts, choice i gets ``LM.generate``'s row i with that seed, in any cohort);
         ``n``: choices decoded from the prompt, each in its own slot; ``logprobs``: an int k >= 0
         gives every token its log-probability and the k most likely entries of the law it was drawn
         from (:func:`~stree.decoding.loop.decode`'s ``logprobs``), on the events and choices;
@@ -283,6 +290,8 @@ class Engine:
         stops = stop_strings(stop)
         if seed is not None and (not isinstance(seed, numbers.Integral) or isinstance(seed, bool)):
             raise TypeError(f"seed must be an int or None, got {seed!r}")
+        if seed is not None and not 0 <= seed < 2**63:
+            raise ValueError(f"seed must be in [0, 2**63), got {seed}")
         if logprobs is not None:
             logprobs = integer("logprobs", logprobs, low=0, high=self.model.vocab_size)
         name = _drafter_name(drafter, self.lm)
@@ -301,7 +310,9 @@ class Engine:
             self._pending += 1
             rid = next(self._ids)
             self.counters["requests"] += 1
-        own = rid if seed is not None and not params.greedy else None
+        # (a seeded request whose rows draw random drafts decodes in a cohort of its own: its output
+        # follows its trees; every other request's draws follow its own seed in any cohort)
+        own = rid if seed is not None and random_drafts(name, params.temperature) else None
         request = Request(rid, ids, int(n), _Settings(name, tree, params, own), int(max_tokens), stops,
                           None if seed is None else int(seed), logprobs, prompt_logprobs)
         self._inbox.put(request)
@@ -490,7 +501,7 @@ class Engine:
     def _cohort_drafter(self, settings: _Settings):
         """The drafter of the cohorts of ``settings`` (a :meth:`_Settings.cohort`): one object for
         all of them over the engine's life (a STAND store keeps learning from every request; one
-        cohort of given settings runs at a time), a seeded request's its own. Drafters of random
+        cohort of given settings runs at a time), a seeded request's of random drafts its own. Drafters of random
         drafts draw for the sampled rows (a drafter model at temperature 1: its drafts are lossless
         under any law) and take their likeliest tokens for the greedy ones."""
         if settings.drafter is None:
@@ -528,9 +539,11 @@ class _Prefill:
         if request.budget == 0:  # the prompt alone: its choices end without a token
             return
         settings, seed = request.settings, request.seed
-        generator = torch.Generator(device=model.device).manual_seed(engine._seed() if seed is None else seed)
+        request.draws_seed = engine._seed() if seed is None else seed_streams(seed)[0]
         logits = logits.expand(request.n, -1)
-        self.first = settings.params.sample(logits, generator).tolist()
+        # (choice i is row i of a call of the request's seed: its first token drawn at position 0)
+        draws = KeyedDraws(request.draws_seed, model.device).at(np.arange(request.n), np.zeros(request.n, np.int64))
+        self.first = settings.params.sample(logits, draws).tolist()
         k = request.logprobs
         if k is not None:  # the law decode's prefill packs for it (greedy: the softmax)
             law = settings.params.observed(logits).cpu()
@@ -714,8 +727,9 @@ class _Cohort:
         settings = self.settings
         if settings.own is not None:  # a seeded request's own cohort: each of its runs a stream of its seed's
             seed = (self.rows[0].request.seed * 1000003 + self.restarts) % 2**62
-        else:
-            seed = engine._seed()
+        else:  # each row draws as row `index` of a call of its request's seed, past the tokens it has
+            seed = KeyedDraws([row.request.draws_seed for row in self.rows], model.device,
+                              keys=[row.index for row in self.rows], starts=[row.base for row in self.rows])
         self.restarts += 1
         asked = [row.request.logprobs for row in self.rows if row.request.logprobs is not None]
         self.steps = decode(model, [list(row.context) for row in self.rows], drafter=self.drafter,

@@ -9,7 +9,8 @@ from stree.patterns import reasoning
 from stree.patterns import search
 from stree.patterns import tts
 from stree.drafters import ConsensusDrafter, NGramDrafter, PathStore, PerRowDrafter, SSMDrafter, STANDDrafter, STANDStore
-from stree.drafters.registry import DRAFTER_ALIASES, DRAFTER_NAMES, NEEDS_MODEL, drafter_name, resolve_drafter
+from stree.drafters.registry import (DRAFTER_ALIASES, DRAFTER_NAMES, NEEDS_MODEL, drafter_name, random_drafts,
+                                    resolve_drafter)
 from stree.testing import MarkovLM
 
 KIND = {"ngram": NGramDrafter, "stand": STANDDrafter, "stand-det": STANDDrafter, "consensus": ConsensusDrafter,
@@ -64,3 +65,13 @@ def test_stores_are_shared_where_the_drafter_keeps_one_and_checked():
         search._drafter("consensus", STANDStore(capacity=4), True)
     with pytest.raises(ValueError, match="drafter 'ngram' takes no store"):
         search._drafter("ngram", PathStore(), True)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_the_registry_knows_which_drafters_draft_randomly_before_making_them(name):
+    """What the serving engine reads to decide a seeded request's cohort is what the drafter made at
+    that temperature says (Drafter.random_drafts); no drafter drafts randomly for greedy rows."""
+    for temperature in (0.5, 1.0):
+        drafter = resolve_drafter(name, drafter_model=_small(), temperature=temperature)
+        assert random_drafts(name, temperature) == drafter.random_drafts, (name, temperature)
+    assert not random_drafts(name, 0.0) and not random_drafts(None, 1.0)

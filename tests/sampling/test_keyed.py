@@ -45,6 +45,20 @@ def test_a_seed_per_row_keys_each_row_as_a_call_of_that_row_alone():
         KeyedDraws([])
 
 
+def test_row_keys_and_starts_continue_the_rows_of_a_call():
+    """Per-row seeds with ``keys`` and ``starts``: a row continuing row k of a call of its seed, t
+    tokens in, draws what that call's row k draws from position t on."""
+    positions = np.arange(30)
+    going = KeyedDraws([5, 9, 5], keys=[2, 0, 0], starts=[7, 0, 3])
+    for row, (seed, key, start) in enumerate([(5, 2, 7), (9, 0, 0), (5, 0, 3)]):
+        assert np.array_equal(going.uniforms(row, positions), KeyedDraws(seed).uniforms(key, positions + start))
+    for bad in (dict(keys=[0, 1]), dict(starts=[0, 1, 2, 3])):
+        with pytest.raises(ValueError, match="one int per row"):
+            KeyedDraws([5, 9, 5], **bad)
+    with pytest.raises(ValueError, match="go with one seed per row"):
+        KeyedDraws(5, keys=[0])
+
+
 def test_the_uniforms_are_uniform_and_neighbours_independent():
     """200k uniforms of 400 rows x 500 positions in 20 bins, and the pairs of neighbouring
     positions in 10 x 10 cells: chi-square p-values > 1e-3 (fixed seed)."""
@@ -59,7 +73,7 @@ def test_the_uniforms_are_uniform_and_neighbours_independent():
 
 @pytest.mark.parametrize("rows, positions", [([-1], [0]), ([0], [-3]), ([1 << 31], [0]), ([0], [1 << 32])])
 def test_rows_and_positions_out_of_range_are_refused(rows, positions):
-    with pytest.raises(ValueError, match="rows must be in"):
+    with pytest.raises(ValueError, match="must be in"):
         KeyedDraws(0).uniforms(np.array(rows), np.array(positions))
 
 

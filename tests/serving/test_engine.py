@@ -314,6 +314,31 @@ def test_a_seeded_request_repeats_whatever_runs_beside_it(lm):
     assert alone[0].token_ids == again[0].token_ids
 
 
+def test_a_seeded_request_draws_what_lm_generate_draws_with_its_seed_whatever_shares_its_cohort(lm):
+    """Deterministic drafts (n-gram, STAND deterministic) at keyed draws: a seeded sampled request's
+    choices are LM.generate's rows with that seed (choice i its row i), alone or joining a cohort
+    of other requests (their rows sampled at other temperatures, seeded or not), across the cohort's
+    restarts; a seeded request of random drafts (STAND's) still decodes in a cohort of its own."""
+    kw = dict(temperature=0.8, top_p=1.0, top_k=0)
+    want = {d: lm.generate([PROMPTS[3]] * 2, max_new_tokens=24, drafter=d, seed=11, **kw).token_ids
+            for d in ("ngram", "stand-det")}
+    with Engine(lm, max_slots=8, max_length=256, seed=0) as engine:
+        for drafter in ("ngram", "stand-det"):
+            alone = engine.submit(PROMPTS[3], max_tokens=24, n=2, drafter=drafter, seed=11, **kw).result(timeout=60)
+            crowd = [engine.submit(p, max_tokens=24, drafter=drafter, temperature=t, seed=s)
+                     for p, t, s in zip(PROMPTS[:3], (0.8, 0.3, 1.0), (None, 5, None))]
+            joined = engine.submit(PROMPTS[3], max_tokens=24, n=2, drafter=drafter, seed=11, **kw)
+            more = [engine.submit(p, max_tokens=8, drafter=drafter, temperature=0.5) for p in PROMPTS[4:6]]
+            [r.result(timeout=60) for r in crowd + more]
+            for got in (alone, joined.result(timeout=60)):
+                assert [c.token_ids for c in got] == want[drafter], drafter
+    with Engine(lm, max_slots=4, max_length=256, seed=0) as engine:
+        own = engine.submit(PROMPTS[3], max_tokens=8, drafter="stand", seed=11, **kw)
+        shared = engine.submit(PROMPTS[3], max_tokens=8, drafter="ngram", seed=11, **kw)
+        assert own.settings.own is not None and shared.settings.own is None
+        own.result(timeout=60), shared.result(timeout=60)
+
+
 @pytest.mark.parametrize("kwargs, error, match", [
     (dict(max_tokens=0), ValueError, "max_tokens must be an int >= 1, got 0"),
     (dict(prompt_logprobs=-1), ValueError, "prompt_logprobs must be in"),
@@ -326,6 +351,7 @@ def test_a_seeded_request_repeats_whatever_runs_beside_it(lm):
     (dict(drafter=3), TypeError, "drafter must be a drafter name"),
     (dict(stop=[""]), TypeError, "stop must be"),
     (dict(seed="1"), TypeError, "seed must be an int"),
+    (dict(seed=-1), ValueError, r"seed must be in \[0, 2\*\*63\), got -1"),
     (dict(tree="bad"), ValueError, "bad tree spec"),
     (dict(prompt=[]), TypeError, "prompt must be"),
     (dict(prompt=[10**6]), ValueError, "not a token id"),
