@@ -21,8 +21,13 @@ class PerRowDrafter(Drafter):
             raise TypeError(f"factory must return a Drafter, got {type(probe).__name__}")
         self.factory, self.shape, self.draft_depth = factory, probe.shape, probe.draft_depth
         self.target_top_k, self.plain_target = probe.target_top_k, probe.plain_target
+        self._random = probe.random_drafts
         self._rows: dict[int, Drafter] = {}
         self._seed = 0
+
+    @property
+    def random_drafts(self) -> bool:
+        return self._random
 
     def reset(self) -> None:
         self._rows = {}

@@ -111,8 +111,10 @@ class Placed:
 def draw_at(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """One index per row of ``probs [R, V]`` (entries >= 0, a positive total per row): the inverse
     of the row's float64 cumulative sums at ``u [R]`` in [0, 1) (scaled by the total); an entry of
-    0 is never taken. The same sums, in the same order, on every path."""
-    if probs.device.type == "cpu":  # (one compiled pass, the sums a tree's walk takes: verify_jit)
+    0 is never taken. On the CPU one compiled pass, the sums a tree's keyed walk takes
+    (:func:`~stree.sampling.verify_jit.keyed_walk`); elsewhere :func:`inverse_cdf_tensors` (the two
+    tested equal on the CPU; a GPU's parallel cumulative sums may differ in the last bits)."""
+    if probs.device.type == "cpu":
         from .verify_jit import inverse_cdf_rows
 
         out = np.empty(probs.shape[0], dtype=np.int64)

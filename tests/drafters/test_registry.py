@@ -75,3 +75,5 @@ def test_the_registry_knows_which_drafters_draft_randomly_before_making_them(nam
         drafter = resolve_drafter(name, drafter_model=_small(), temperature=temperature)
         assert random_drafts(name, temperature) == drafter.random_drafts, (name, temperature)
     assert not random_drafts(name, 0.0) and not random_drafts(None, 1.0)
+    made = lambda: resolve_drafter(name, drafter_model=_small(), temperature=1.0)
+    assert PerRowDrafter(made).random_drafts == made().random_drafts  # (a drafter per row: its kind's)
