@@ -25,18 +25,41 @@ import numbers
 
 import numpy as np
 import torch
+from numba import njit
 
 __all__ = ["KeyedDraws", "Placed", "draw_at", "inverse_cdf_tensors"]
 
 _M1, _M2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
 _S30, _S27, _S31, _S11, _S32 = (np.uint64(s) for s in (30, 27, 31, 11, 32))
+_ROWS, _KEYS = 1, 2  # what _uniforms found out of range
 
 
-def _mix(z: np.ndarray) -> np.ndarray:
-    """splitmix64's finaliser on uint64 arrays (the products wrap modulo 2**64, as intended)."""
+@njit(cache=True)
+def _mix(z):
+    """splitmix64's finaliser on a uint64 (the products wrap modulo 2**64, as intended)."""
     z = (z ^ (z >> _S30)) * _M1
     z = (z ^ (z >> _S27)) * _M2
     return z ^ (z >> _S31)
+
+
+@njit(cache=True)
+def _uniforms(words, row_keys, starts, per_row, rows, positions, out):
+    """``out[i]``: the uniform of ``rows[i]`` at ``positions[i]`` (one compiled pass: a step asks
+    for a handful, and a dozen NumPy calls on them cost a sampled step several percent). Returns 0,
+    or ``_ROWS`` / ``_KEYS`` at the first entry out of range."""
+    top = len(words) if per_row else 1 << 31
+    for i in range(len(rows)):
+        row, at = rows[i], positions[i]
+        if row < 0 or row >= top or at < 0:
+            return _ROWS
+        w, key = 0, row
+        if per_row:  # (the row's own seed, key and start)
+            w, key, at = row, row_keys[row], at + starts[row]
+        if key < 0 or key >= 1 << 31 or at >= 1 << 32:
+            return _KEYS
+        z = _mix(_mix(((np.uint64(key) << _S32) | np.uint64(at)) ^ words[w, 0]) + words[w, 1])
+        out[i] = np.float64(z >> _S11) * (1.0 / (1 << 53))
+    return 0
 
 
 class KeyedDraws:
@@ -73,18 +96,14 @@ class KeyedDraws:
         """float64 uniforms in [0, 1), one per entry of ``rows`` and ``positions`` (int arrays of
         one shape, broadcast), each a function of its row's seed, its row and its position alone."""
         rows, positions = np.broadcast_arrays(np.asarray(rows, dtype=np.int64), np.asarray(positions, dtype=np.int64))
-        top = len(self._words) if self.per_row else 1 << 31
-        if rows.size and (rows.min() < 0 or positions.min() < 0 or rows.max() >= top):
-            raise ValueError(f"rows must be in [0, {top}) and positions >= 0")
-        if self.per_row:  # (each row's own seed, key and start)
-            words, positions, rows = self._words[rows], positions + self._starts[rows], self._row_keys[rows]
-        else:
-            words = self._words[0]
-        if rows.size and (rows.min() < 0 or rows.max() >= 1 << 31 or positions.max() >= 1 << 32):
+        out = np.empty(rows.shape)
+        error = _uniforms(self._words, self._row_keys, self._starts, self.per_row, np.ascontiguousarray(rows).ravel(),
+                          np.ascontiguousarray(positions).ravel(), out.reshape(-1))
+        if error == _ROWS:
+            raise ValueError(f"rows must be in [0, {len(self._words) if self.per_row else 1 << 31}) and positions >= 0")
+        if error == _KEYS:
             raise ValueError("row keys must be in [0, 2**31) and positions in [0, 2**32)")
-        counter = (rows.astype(np.uint64) << _S32) | positions.astype(np.uint64)
-        z = _mix(_mix(counter ^ words[..., 0]) + words[..., 1])
-        return (z >> _S11).astype(np.float64) * (1.0 / (1 << 53))
+        return out
 
     def at(self, rows, positions) -> "Placed":
         """The draws of a step whose device batch holds rows ``rows`` (their indices in the call),
