@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from ..tree import TokenTree
-from .keyed import Placed, draw_at
+from .keyed import Placed, draw_at, inverse_cdf_tensors
 
 __all__ = ["RULES", "SamplingParams", "VerifyResult", "acceptance_tables", "choose_rule", "draw", "follow_choices",
            "process_logits", "sample_tokens", "verify"]
@@ -255,11 +255,7 @@ def draw(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch
     ``torch.multinomial``."""
     if probs.device.type != "cpu":
         return torch.multinomial(probs, 1, generator=generator)[:, 0]
-    cdf = probs.double().cumsum(-1)
-    total = cdf[:, -1:]
-    u = torch.rand(total.shape, generator=generator, dtype=torch.float64) * total  # (< total: rand < 1, exactly)
-    # (clamped: a NaN row draws an index in range, and the step's finiteness check reports it)
-    return torch.searchsorted(cdf, u, right=True)[:, 0].clamp_(max=probs.shape[-1] - 1)
+    return inverse_cdf_tensors(probs, torch.rand((probs.shape[0],), generator=generator, dtype=torch.float64))
 
 
 def choose_rule(tree: TokenTree, temperature: float, mode: str = "auto") -> str:
