@@ -8,6 +8,8 @@ Writes JSON and a PNG to benchmarks/results/.
 
     python benchmarks/cost.py            # the shipped target and mamba2-2.7b width (4 layers)
     python benchmarks/cost.py --smoke    # tiny configs (CI)
+    python benchmarks/cost.py --sizes 2,4,8,16,32,64,128,256,512 --batches 1 --stem cost_cpu_large
+                                         # past the sizes tree="auto" measures: linear in the nodes?
 """
 
 from __future__ import annotations
@@ -59,6 +61,19 @@ def models(smoke: bool, device, dtype, budget: float, layers: int | None = None)
         yield f"{name} width, {kept} layers", model, None, max(budget, seconds)
 
 
+def _sizes(parser, text: str | None) -> tuple[int, ...] | None:
+    """``--sizes``: node counts of at least 2, checked before anything is measured."""
+    if text is None:
+        return None
+    try:
+        sizes = tuple(int(s) for s in text.split(","))
+    except ValueError:
+        parser.error(f"--sizes must be comma-separated integers, got {text!r}")
+    if not sizes or min(sizes) < 2:
+        parser.error(f"--sizes must be node counts of at least 2, got {text!r}")
+    return sizes
+
+
 def step_ms(model, batch: int, device, reps: int) -> float:
     """Median milliseconds of one autoregressive step at ``batch`` rows."""
     cache = model.allocate_cache(batch, 64 + reps + 8)
@@ -81,15 +96,20 @@ def main(argv=None):
     p.add_argument("--layers", type=int, default=None,
                    help=f"layers of the preset widths kept (default {', '.join(f'{k}: {v[0]}' for k, v in LAYERS.items())}; "
                         "the full depth shows what a tree costs where weights, not launches, bound a step)")
+    p.add_argument("--sizes", default=None,
+                   help="tree sizes, comma-separated (default: what tree='auto' measures, up to 64 nodes on the CPU, "
+                        "256 on a GPU)")
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    p.add_argument("--stem", default=None, help="result file name (default: cost_<device>, or cost_smoke)")
     args = p.parse_args(argv)
+    sizes = _sizes(p, args.sizes)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     mode = "cuda_graph" if device.type == "cuda" else "eager"
     batches = [1] if args.smoke else [int(b) for b in args.batches.split(",")]
     budget = args.budget or (10.0 if args.smoke else 4.0)
-    sizes = (2, 4, 8) if args.smoke else default_sizes(device)
+    sizes = sizes or ((2, 4, 8) if args.smoke else default_sizes(device))
     shapes = [binary(n) for n in sizes]
     rows, drafters = [], []
     for name, model, small, seconds in tqdm(list(models(args.smoke, device, dtype, budget, args.layers)), desc="models",
@@ -109,7 +129,7 @@ def main(argv=None):
                   budget_s=budget, note="in_steps: a speculative iteration of `nodes` nodes (tree pass, verification, "
                   "commit, host transfer; no drafting) over an autoregressive step, as tree='auto' measures it",
                   results=rows, drafter_steps=drafters)
-    save_result(result, args.out, f"cost_{'smoke' if args.smoke else device.type}", plot)
+    save_result(result, args.out, args.stem or f"cost_{'smoke' if args.smoke else device.type}", plot)
     for r in rows:
         print(f"{r['model']:<30} b{r['batch']}  {r['nodes']:>4} nodes  {r['target_ms']:>9.3f} ms  "
               f"{r['in_steps']:>6.2f} steps")
@@ -127,7 +147,8 @@ def plot(result):
     for model, batch in keys:
         pts = [r for r in result["results"] if r["model"] == model and r["batch"] == batch]
         ax.plot([r["nodes"] for r in pts], [r["in_steps"] for r in pts], marker="o", label=f"{model}, batch {batch}")
-    ax.set_xscale("log", base=2)
+    if max(r["nodes"] for r in result["results"]) <= 256:  # (past that, a linear axis shows whether growth is)
+        ax.set_xscale("log", base=2)
     ax.set_xlabel("tree nodes (1: a plain step)")
     ax.set_ylabel("iteration / autoregressive step")
     ax.set_title(f"what a tree costs ({result['mode']}, {result['device']})", fontsize=9)

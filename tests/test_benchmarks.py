@@ -193,6 +193,16 @@ def test_cost_smoke_tables_every_size_in_steps_and_the_drafters_step(tmp_path):
     assert d["ratio"] == pytest.approx(d["drafter_step_ms"] / d["target_step_ms"]) and d["ratio"] > 0
 
 
+def test_cost_takes_the_sizes_asked_for_and_refuses_bad_ones(tmp_path):
+    result = smoke("cost", tmp_path, "--sizes", "3,66")
+    assert [r["nodes"] for r in result["results"]] == [1, 3, 66]
+    script = ROOT / "benchmarks" / "cost.py"
+    for bad in ("1,4", "4,x"):
+        run = subprocess.run([sys.executable, str(script), "--smoke", "--sizes", bad, "--out", str(tmp_path)],
+                             capture_output=True, text=True)
+        assert run.returncode == 2 and "--sizes must be" in run.stderr and "Traceback" not in run.stderr
+
+
 def test_iteration_trace_smoke_counts_per_iteration(tmp_path):
     """One profiled generate call per configuration: per-iteration figures, and a speculative
     configuration's tree passes among its iterations."""

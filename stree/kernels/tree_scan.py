@@ -306,7 +306,7 @@ def tree_scan(x, dt, A, B, C, parents, *, D=None, dt_bias=None, dt_softplus=True
     ``[slots, h, p, s]`` and row b starts from slot ``state_indices[b]`` (negative: a padding row,
     zero state). ``parents`` a :class:`~stree.tree.PackedTrees` of b trees: x, dt, B, C hold their
     nodes back to back, ``[1, total, ...]``, and tree b's state is row (or slot) b. ``"auto"`` on
-    CPU tensors of a small tree or a chain of any length (a prompt; outside autograd and
+    CPU tensors of a small or shallow tree or a chain of any length (a prompt; outside autograd and
     ``torch.compile``) runs numba-compiled (:mod:`.tree_jit`).
     """
     check_layout("x", x, "batch, n, nheads, headdim")
@@ -324,8 +324,11 @@ def tree_scan(x, dt, A, B, C, parents, *, D=None, dt_bias=None, dt_softplus=True
         return _tree_scan_compiled(x, dt, A, B, C, parents, D, dt_bias, dt_softplus, dt_limit, initial_state)
     if backend == "auto" and jit_takes(x, dt, A, B, C, D, dt_bias, initial_state):  # a longer tree
         index, D, (lo, hi) = _check_args(x, dt, A, B, C, parents, D, dt_bias, dt_limit, initial_state)
-        if index.is_chain():  # a prompt's: its recurrence, compiled (a tree's masks stay batched products)
+        if index.is_chain():  # a prompt's: its recurrence, compiled
             return _jit_scan(tree_jit.chain_scan_rows, x, dt, A, B, C, D, dt_bias, dt_softplus, lo, hi, initial_state)
+        if tree_jit.takes_tree(index):  # a shallow tree: the tree kernel (a deep one's masks stay batched products)
+            return _jit_scan(tree_jit.tree_scan_rows, x, dt, A, B, C, D, dt_bias, dt_softplus, lo, hi, initial_state,
+                             index.parents)
         return _scan_torch(x, dt, A, B, C, index, D, dt_bias, dt_softplus, (lo, hi), initial_state)
     if resolve_backend(backend, x.device) == "torch":
         return tree_scan_torch(x, dt, A, B, C, parents, D=D, dt_bias=dt_bias, dt_softplus=dt_softplus,

@@ -39,9 +39,11 @@ def calls(monkeypatch):
 
 @pytest.mark.parametrize("n", [1, 13, tree_jit.JIT_MAX_NODES, tree_jit.JIT_MAX_NODES + 1])
 @pytest.mark.parametrize("chain", [True, False])
-def test_auto_compiles_small_trees_long_chains_and_every_conv(n, chain, calls):
+def test_auto_compiles_small_trees_long_chains_and_every_conv(n, chain, calls, monkeypatch):
     """The scan: a tree of at most JIT_MAX_NODES nodes takes the tree kernel, a longer chain (a
-    prompt) the chain kernel, a longer tree the PyTorch path. The conv takes its kernel at any size."""
+    prompt) the chain kernel, a longer deep tree (a chain with a fork, on two threads) the PyTorch
+    path. The conv takes its kernel at any size."""
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
     parents = TreeShape.chain(n - 1).parents_tensor()
     if not chain and n > 2:  # the last node forks off its grandparent
         parents[-1] = n - 3
@@ -56,6 +58,41 @@ def test_auto_compiles_small_trees_long_chains_and_every_conv(n, chain, calls):
     out = tree_conv1d(xbc, parents, conv_state, weight, bias)
     assert calls["conv"] == 1
     assert max_rel_error(out, tree_conv1d(xbc, parents, conv_state, weight, bias, backend="torch")) <= 1e-5
+
+
+def _deep_and_shallow(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two trees of ``n`` nodes: a chain with its last node forked off its grandparent (mean depth
+    about half the nodes) and a bushy one (each node's parent among the 4 before it, the
+    first ``n // 8`` nodes under the root: mean depth a small share of the nodes)."""
+    deep = TreeShape.chain(n - 1).parents_tensor()
+    deep[-1] = n - 3
+    g = torch.Generator().manual_seed(n)
+    shallow = torch.tensor([-1] + [0 if i <= n // 8 else i - 1 - int(torch.randint(0, 4, (), generator=g))
+                                   for i in range(1, n)])
+    return deep, shallow
+
+
+@pytest.mark.parametrize("n", [tree_jit.JIT_MAX_NODES + 1, 200])
+def test_a_larger_tree_takes_the_tree_kernel_where_it_is_shallow(n, calls, monkeypatch):
+    """Past JIT_MAX_NODES nodes the tree kernel's work is the nodes' depths, the PyTorch path's
+    the square of the node count over the threads: a shallow tree takes the kernel (the same
+    values as the definition), a deep one the batched products, and the line between them moves
+    with the threads (SHALLOW / threads of the node count, as the nodes' mean depth)."""
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    deep, shallow = _deep_and_shallow(n)
+    inp = ssm_inputs(torch.Generator().manual_seed(n), 2, n, SHAPE, OPTS)
+    for parents, kernel in ((deep, 0), (shallow, 1)):
+        calls["scan"] = 0
+        y = _scan(inp, parents)
+        assert calls["scan"] == kernel and calls["chain"] == 0
+        assert max_rel_error(y, tree_scan_def(inp["x"], inp["dt"], inp["A"], inp["B"], inp["C"], parents,
+                                              D=inp["D"], dt_bias=inp["dt_bias"],
+                                              initial_state=inp["initial_state"])) <= 1e-5
+    mean = float(TreeShape(tuple(shallow.tolist())).index().depth.float().mean())
+    monkeypatch.setattr(torch, "get_num_threads", lambda: math.ceil(tree_jit.SHALLOW * n / mean) + 1)
+    calls["scan"] = 0
+    _scan(inp, shallow)  # (as many threads as make its mean depth too deep: the batched products)
+    assert calls["scan"] == 0
 
 
 def test_autograd_takes_the_pytorch_path_and_half_inputs_the_compiled_one(calls):

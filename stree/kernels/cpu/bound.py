@@ -22,7 +22,7 @@ from .._common import as_numpy
 from .norm_jit import gated_rms_norm_rows, rms_norm_rows
 from .replay_jit import replay_layers
 from .step_jit import conv_step_rows, state_update_rows
-from .tree_jit import JIT_MAX_NODES, tree_conv_rows, tree_scan_rows
+from .tree_jit import takes_tree, tree_conv_rows, tree_scan_rows
 
 __all__ = ["Mamba2LayerJit", "RMSNormJit", "replay_in_place"]
 
@@ -83,10 +83,11 @@ class Mamba2LayerJit:
         self.group_size, self.eps, self.gate_first = group_size, float(eps), bool(gate_first)
 
     @staticmethod
-    def takes_tree(n: int) -> bool:
-        """Whether :meth:`tree_conv` and :meth:`tree_scan` take a tree of ``n`` nodes (the tree
-        kernels' sizes; a prompt's longer chain is the public kernels' work)."""
-        return n <= JIT_MAX_NODES
+    def takes_tree(index) -> bool:
+        """Whether :meth:`tree_conv` and :meth:`tree_scan` take the tree of ``index`` (a
+        :class:`~stree.tree.TreeIndex`): the tree kernel's (:func:`.tree_jit.takes_tree`); a prompt's
+        longer chain, or a deep tree, is the public kernels' work."""
+        return takes_tree(index)
 
     # -- a tree pass: every node's outputs, the states only read -------------------------------
     def tree_conv(self, xBC: torch.Tensor, parents: torch.Tensor, conv_state: torch.Tensor) -> torch.Tensor:

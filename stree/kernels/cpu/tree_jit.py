@@ -4,10 +4,10 @@ each in one call instead of the PyTorch path's ~10 and ~25 ops (a tree pass of a
 CPU is bound by per-op overhead, as a decode step is: :mod:`.step_jit`). Taken by
 ``backend="auto"`` for CPU tensors (half ones as float32 copies) outside autograd and
 ``torch.compile``: the conv at any size (a node's work is its d_conv taps); the scan of a small
-tree (:func:`jit_tree_fits`), whose work here grows with each node's depth, the PyTorch path's
-with the square of the node count but in multi-threaded batched products, and of a chain of any
-length (a prompt, :func:`chain_scan_rows`: its recurrence). Tested against the float64
-definitions beside the Triton kernels and the PyTorch path.
+or shallow tree (:func:`jit_tree_fits`, :func:`takes_tree`), whose work here grows with each
+node's depth, the PyTorch path's with the square of the node count but in multi-threaded batched
+products, and of a chain of any length (a prompt, :func:`chain_scan_rows`: its recurrence).
+Tested against the float64 definitions beside the Triton kernels and the PyTorch path.
 Products and sums in float32, as the Triton kernels' (a vector holds 8 lanes, not 4), the sums of
 dA along a path in float64.
 Each kernel is one row's loops (``_scan_row``, ``_conv_row``) under two drivers: several rows with
@@ -24,17 +24,29 @@ from __future__ import annotations
 import math
 
 import numpy as np
+import torch
 from numba import njit, prange
 
 from .._common import jit_takes
 from .step_jit import processed_dt
 
-__all__ = ["JIT_MAX_NODES", "chain_scan_rows", "jit_tree_fits", "tree_conv_rows", "tree_scan_rows"]
+__all__ = ["JIT_MAX_NODES", "SHALLOW", "chain_scan_rows", "jit_tree_fits", "takes_tree", "tree_conv_rows",
+           "tree_scan_rows"]
 
 # A scan of a tree of at most this many nodes a row takes the compiled tree kernel (decoding
-# trees); a longer chain (a prompt) the chain kernel, a longer tree (a drafter's 600-node tree) the
-# batched products.
+# trees); a longer chain (a prompt) the chain kernel, a longer tree the tree kernel where it is
+# shallow (SHALLOW), else the batched products.
 JIT_MAX_NODES = 64
+# Past the state's term, which both paths compute alike, the tree kernel's work is each node's path
+# to the root (its depth), the batched products' the square of the node count, shared by the
+# threads. So a tree of more than JIT_MAX_NODES nodes takes the kernel where the nodes' mean depth
+# is below SHALLOW / threads of the node count. Tree passes of the shipped target on the 2-core
+# EPYC (float32, one row): on two threads the kernel took 3-41% less time than the products up to
+# a mean depth of 0.4 of the nodes (trees of 128-512 nodes), and up to 15% more past it (a chain
+# with one fork, 200-500 nodes); on one thread less at every depth tried, up to half the nodes;
+# random trees of 65-1000 nodes (parents among the 8 or 16 nodes before) took 25-63% less, so a
+# pass now grows by about as much a node past 64 nodes as below (benchmarks/results/cost_cpu_large.json).
+SHALLOW = 0.8
 # A call runs its rows in parallel only where it visits at least this many elements (rows x nodes x
 # channels x taps for the conv, x d_state for the scans): a parallel region costs tens of
 # microseconds to start, and numba's threads (a pool apart from PyTorch's) spin a while after it.
@@ -51,6 +63,20 @@ def jit_tree_fits(n: int, *tensors) -> bool:
     """Whether the compiled path takes a tree of ``n`` nodes over ``tensors`` (None allowed):
     :func:`~._common.jit_takes` (outside autograd and ``torch.compile``) and a small tree."""
     return n <= JIT_MAX_NODES and jit_takes(*tensors)
+
+
+def takes_tree(index) -> bool:
+    """Whether the tree kernel takes the tree of ``index`` (a :class:`~stree.tree.TreeIndex`): one
+    of at most ``JIT_MAX_NODES`` nodes, or a larger one that is no chain and whose nodes' mean depth
+    is below ``SHALLOW / torch.get_num_threads()`` of its node count (a chain is the chain kernel's,
+    a deep tree the batched products')."""
+    n = index.n
+    if n <= JIT_MAX_NODES:
+        return True
+    if index.is_chain():
+        return False
+    mean = index.memo("mean_depth", lambda: float(index.depth.float().mean()))
+    return mean < SHALLOW / torch.get_num_threads() * n
 
 
 def _parallel(rows: int, work: int) -> bool:

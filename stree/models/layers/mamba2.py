@@ -142,7 +142,7 @@ class Mamba2Mixer(nn.Module):
     def tree(self, u, ctx, state: SSMLayerState):
         """Outputs for every node of the tree and the activations replay needs; state only read."""
         z, xBC, dt = self._split(u)
-        if ctx.scan == "tree" and isinstance(ctx.index, TreeIndex) and Mamba2LayerJit.takes_tree(xBC.shape[1]):
+        if ctx.scan == "tree" and isinstance(ctx.index, TreeIndex) and Mamba2LayerJit.takes_tree(ctx.index):
             jit = self.bound(ctx.kernel_backend, xBC, state)
             if jit is not None:
                 x, B, C = self._ssm_inputs(jit.tree_conv(xBC, ctx.index.parents, state.conv))

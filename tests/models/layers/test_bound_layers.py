@@ -8,6 +8,7 @@ import torch
 from tiny_models import FAMILIES, VOCAB
 
 from stree.kernels.cpu import bound
+from stree.kernels.cpu.tree_jit import JIT_MAX_NODES
 from stree.models.layers.mamba2 import Mamba2Mixer
 from stree.models.layers.norms import RMSNorm
 from stree.tree import TokenTree, TreeShape
@@ -97,7 +98,7 @@ def test_half_precision_gradients_and_long_trees_take_the_public_kernels(calls):
     model = FAMILIES["mamba2"]()
     cache = _prefilled(model)
     calls.clear()
-    long = TokenTree.from_shape(TreeShape.chain(bound.JIT_MAX_NODES), torch.randint(0, VOCAB, (2, 65)))
+    long = TokenTree.from_shape(TreeShape.chain(JIT_MAX_NODES), torch.randint(0, VOCAB, (2, 65)))
     model.forward_tree(long, cache)  # (a prompt's chain: the chain kernel, through the public scan)
     assert "tree_scan" not in calls
     mixer, state = model.blocks[0].mixer, cache.layers[0]
@@ -107,3 +108,20 @@ def test_half_precision_gradients_and_long_trees_take_the_public_kernels(calls):
     with torch.no_grad():
         assert mixer.bound("triton", xBC, state) is None
         assert isinstance(mixer.bound("auto", xBC, state), bound.Mamba2LayerJit)
+
+
+def test_a_shallow_tree_past_the_small_size_takes_the_bound_kernels_with_the_public_results(calls, public):
+    """A tree of more than JIT_MAX_NODES nodes whose paths are short (85 nodes, depth 3) is the
+    tree kernel's too: the bound one in a pass, with the public kernels' logits and scratch."""
+    model = FAMILIES["mamba2"]()
+    cache = _prefilled(model)
+    shape = TreeShape.full(4, 3)
+    assert shape.n > JIT_MAX_NODES
+    tree = TokenTree.from_shape(shape, torch.randint(0, VOCAB, (2, shape.n), generator=torch.Generator().manual_seed(6)))
+    calls.clear()
+    got, got_pass = model.forward_tree(tree, cache)
+    assert calls["tree_scan"] == model.kinds().count("ssm")
+    public["on"] = True
+    want, want_pass = model.forward_tree(tree, cache)
+    assert torch.equal(got, want)
+    assert all(torch.equal(getattr(got_pass.ssm, f), getattr(want_pass.ssm, f)) for f in ("xBC", "x", "dt", "B"))
