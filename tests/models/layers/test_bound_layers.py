@@ -117,7 +117,8 @@ def test_a_shallow_tree_past_the_small_size_takes_the_bound_kernels_with_the_pub
     cache = _prefilled(model)
     shape = TreeShape.full(4, 3)
     assert shape.n > JIT_MAX_NODES
-    tree = TokenTree.from_shape(shape, torch.randint(0, VOCAB, (2, shape.n), generator=torch.Generator().manual_seed(6)))
+    tokens = torch.randint(0, VOCAB, (2, shape.n), generator=torch.Generator().manual_seed(6))
+    tree = TokenTree.from_shape(shape, tokens)
     calls.clear()
     got, got_pass = model.forward_tree(tree, cache)
     assert calls["tree_scan"] == model.kinds().count("ssm")
