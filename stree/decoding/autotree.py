@@ -472,9 +472,9 @@ class AutoTree:
     # Each probe that loses more than a plain step's time against plain steps (text the drafter
     # cannot follow, or a machine where its trees cannot pay: a drafter model's on a small CPU)
     # halves that share, down to PROBE_SHARE / 2**BACKOFF; a probe that pays makes it whole again
-    # (one that loses less leaves it). Where speculation never pays, decoding then loses a quarter
-    # of a percent to probes, not two; where the text turns predictable, the first probe that pays
-    # brings their pace back.
+    # (one that loses less leaves it), as does the next call. Where speculation never pays, a long
+    # call then loses a quarter of a percent to probes, not two; where the text turns predictable,
+    # the first probe that pays brings their pace back.
     BACKOFF = 3
     ADAPT = 0.15  # weight of the newest iteration in the cost scales and the share of drafts verified
     CLIP = 3.0  # the most one iteration's realised / predicted time may say
@@ -556,7 +556,12 @@ class AutoTree:
         # An adaptive choice goes on where the last call of its profile left off (probes stay spaced);
         # a seeded one keeps its ledger to itself, so that its choices follow the seed alone.
         if not adaptive:
-            self.scale.update(bank=0.0, plain_run=0, losing=0)
+            self.scale.update(bank=0.0, plain_run=0)
+        # Each call explores at the whole shares again (BACKOFF): a new call is new text, which the
+        # probes and watched drafts that lost on the last ones' say little about. Carried on, the halved
+        # shares had left n-gram and STAND deterministic decoding plain through whole benchmark runs at
+        # batch 2 (0.90x-1.07x in fresh processes, against 1.00x-1.17x with the shares whole at each call).
+        self.scale.update(losing=0, watch_idle=0)
         self._plain_run = self.scale["plain_run"]
         self._probe_loss = 0.0  # what the next probe is predicted to lose, its drafter's catch-up aside
         self._catch_due = 0.0  # the catch-up the drafter last said a probe would need (ms, seeded)
@@ -722,8 +727,8 @@ class AutoTree:
         one, re-planning included, took longer than drafting it: priced at its drafting alone,
         watches took 4% of a compiled batch-2 loop's plain steps, not 1%.) The share halves with
         each watched draft in a row after which plain steps still won, down to ``WATCH_SHARE /
-        2**BACKOFF``, as the probes' does: where trees never pay (a batch of 8 here), watching
-        them is a loss too."""
+        2**BACKOFF``, as the probes' does (and is whole again at the next call): where trees never
+        pay (a batch of 8 here), watching them is a loss too."""
         watching = max(self.draft_cost[self._probe_size] * self._scaled("tree"), self.scale["watch_ms"])
         share = self.WATCH_SHARE * 0.5 ** self.scale["watch_idle"]
         return max(self.WATCH_EVERY, math.ceil(watching / (share * self.cost[1] * self.scale["plain"])))

@@ -724,6 +724,24 @@ def test_probes_that_keep_losing_slow_down_and_one_that_pays_brings_them_back(ad
     assert run_rejecting(auto, int(7.0 / AutoTree.PROBE_SHARE) + AutoTree.PROBE + 2, 8.0) != []
 
 
+def test_each_call_explores_at_the_whole_shares_again():
+    """The backoff is a call's own: a chooser handed the rates and scale of one whose probes and
+    watched drafts all lost (shares at their least) starts probing and watching at the whole
+    shares, on a new text, while what it learned of the machine and the text goes on."""
+    profile = CostProfile(1.0, (2, 4, 8, 16), (8.0,) * 4)
+    auto = AutoTree(profile, adaptive=True, watch=True)
+    run_rejecting(auto, 20000, 8.0)
+    auto.scale["watch_idle"], auto.scale["watch_ms"] = AutoTree.BACKOFF, 2.0  # (watches that took 2 ms)
+    assert auto.scale["losing"] == AutoTree.BACKOFF
+    slow_probes, slow_watches = auto._deposit(), auto._watch_gap()
+    learned = {k: auto.scale[k] for k in ("probe_loss", "bank", "plain", "tree")}
+    after = AutoTree(profile, adaptive=True, watch=True, rates=auto.rates, scale=auto.scale)
+    assert after.scale["losing"] == after.scale["watch_idle"] == 0
+    assert after._deposit() == pytest.approx(slow_probes * 2 ** AutoTree.BACKOFF)
+    assert after._watch_gap() == pytest.approx(slow_watches / 2 ** AutoTree.BACKOFF, rel=0.02)
+    assert {k: after.scale[k] for k in learned} == learned and after.rates is auto.rates
+
+
 def test_the_step_after_a_probe_is_part_of_its_price():
     """Probes that take 3 ms and slow the plain step after them to 1.8 ms (the caches they
     evicted): an adaptive choice charges each 2 + 0.8 ms, and prices plain steps by the others.
@@ -979,8 +997,9 @@ def test_the_loop_learns_from_watched_drafts_and_outputs_stay_the_same():
     """Greedy, the n-gram drafter on looping text, a choice that expects nothing of drafts and
     never probes: the drafts it watches during plain steps bring trees back within the call,
     the output token for token autoregressive decoding's. Without watching it never drafts.
-    ``tree="auto"`` watches greedy calls of drafters without a model only: not a seeded sampled
-    call (its trees follow the seed), nor a drafter model (its drafting is a model's steps)."""
+    ``tree="auto"`` watches drafters without a model only (a drafter model's drafting is its
+    steps); a seeded sampled call of deterministic drafts may watch too, its tokens keyed draws
+    that no tree changes (the same as plain sampled decoding's for the seed)."""
     model = mamba2()
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, model.vocab_size, (4,), generator=g).tolist() * 4 for _ in range(2)]
@@ -996,7 +1015,9 @@ def test_the_loop_learns_from_watched_drafts_and_outputs_stay_the_same():
     assert watching.scale["watch_ms"] > 0.0  # (the loop timed its watches: they space the next)
     plain = generate(model, prompts, max_new_tokens=48, tree=pessimist(False))
     assert plain.sequences == ref.sequences and plain.stats.watched == 0 and set(plain.stats.trees) == {1}
-    assert generate(model, prompts, max_new_tokens=48, temperature=1.0, seed=1).stats.watched == 0
+    sampled = dict(max_new_tokens=48, temperature=1.0, seed=1)
+    assert generate(model, prompts, **sampled).sequences == generate(model, prompts, method="autoregressive",
+                                                                     **sampled).sequences
     ssm = make_drafter("ssm-static", drafter_model=mamba2(n_layer=1, seed=3), vocab_size=model.vocab_size)
     assert generate(model, prompts, max_new_tokens=48, drafter=ssm).stats.watched == 0
 
