@@ -559,8 +559,10 @@ class AutoTree:
             self.scale.update(bank=0.0, plain_run=0)
         # Each call explores at the whole shares again (BACKOFF): a new call is new text, which the
         # probes and watched drafts that lost on the last ones' say little about. Carried on, the halved
-        # shares had left n-gram and STAND deterministic decoding plain through whole benchmark runs at
-        # batch 2 (0.90x-1.07x in fresh processes, against 1.00x-1.17x with the shares whole at each call).
+        # shares had left n-gram decoding at batch 2 plain through whole benchmark runs (eager, 2-core
+        # EPYC, fresh processes: 0.99x-1.11x, mean 1.04x, in six; whole at each call 1.01x-1.22x, mean
+        # 1.11x, in eight); where trees do not pay (compiled batch 2, the SSM drafter) no difference
+        # showed beyond the noise.
         self.scale.update(losing=0, watch_idle=0)
         self._plain_run = self.scale["plain_run"]
         self._probe_loss = 0.0  # what the next probe is predicted to lose, its drafter's catch-up aside
