@@ -101,9 +101,7 @@ class PathRates:
     def hazard(self) -> np.ndarray:
         """``[DEPTH + 1, RANKS]`` (row 0 unused); one array per version, not to be written to."""
         if self._hazard is None or self._hazard[0] != self.version:
-            w = self.weight
-            by_rank = (self.accepted.sum(0) + w * self.prior) / (self.reached.sum(0) + w)
-            self._hazard = (self.version, (self.accepted + w * by_rank) / (self.reached + w))
+            self._hazard = (self.version, _hazards(self.accepted, self.reached, self.prior, self.weight))
         return self._hazard[1]
 
     def positional(self) -> np.ndarray:
@@ -162,17 +160,47 @@ class RowRates:
         hit = self._hazard
         if hit is not None and hit[0][0] == key[0] and hit[0][1] == key[1] and hit[0][2] is batch:
             return hit[1]
-        known = ids < len(self.accepted)
-        out = np.empty((len(ids), *batch.shape))
-        out[:] = batch  # (np.broadcast_to(...).copy() costs several times more)
-        if known.any():
-            at = ids[known]
-            out[known] = (self.accepted[at] + self.weight * batch) / (self.reached[at] + self.weight)
+        out = _row_hazards(self.accepted, self.reached, ids.astype(np.int64, copy=False), batch, self.weight)
         self._hazard = (key, out)
         return out
 
 
 _NO_ROWS = np.zeros((0, PathRates.DEPTH + 1, PathRates.RANKS))
+
+
+# (numba: the hazards are re-made after every verified step, and with NumPy's small-array calls
+# each took a tenth of what the choice after drafting cost)
+@njit(cache=True)
+def _hazards(accepted, reached, prior, w):
+    """:meth:`PathRates.hazard`: each depth's rate leaning on its rank's over all depths."""
+    D, K = accepted.shape
+    out = np.empty((D, K))
+    for j in range(K):
+        a, r = 0.0, 0.0
+        for d in range(D):
+            a += accepted[d, j]
+            r += reached[d, j]
+        by_rank = (a + w * prior[j]) / (r + w)
+        for d in range(D):
+            out[d, j] = (accepted[d, j] + w * by_rank) / (reached[d, j] + w)
+    return out
+
+
+@njit(cache=True)
+def _row_hazards(accepted, reached, ids, batch, w):
+    """:meth:`RowRates.hazard`: row ``ids[i]``'s counts leaning on the batch's hazards (the batch's
+    alone for an id it has no counts for)."""
+    D, K = batch.shape
+    out = np.empty((len(ids), D, K))
+    for i in range(len(ids)):
+        row = ids[i]
+        for d in range(D):
+            for j in range(K):
+                if row < accepted.shape[0]:
+                    out[i, d, j] = (accepted[row, d, j] + w * batch[d, j]) / (reached[row, d, j] + w)
+                else:
+                    out[i, d, j] = batch[d, j]
+    return out
 
 
 def _valid(tree: TokenTree) -> np.ndarray:
@@ -327,6 +355,50 @@ def _best_prefix(v, active, cost, allow_plain):
         if rate > best_rate * (1.0 + 1e-9):
             best, best_rate = m, rate
     return best
+
+
+@njit(cache=True)
+def _any_drafted(valid, active, n):
+    """Whether an active row has a valid node past the root among the first ``n``."""
+    for b in range(valid.shape[0]):
+        if active[b]:
+            for c in range(1, n):
+                if valid[b, c]:
+                    return True
+    return False
+
+
+@njit(cache=True)
+def _weigh(parents, rank, depth, valid, h, active, cost, allow_plain, gain):
+    """A draft weighed after drafting (:meth:`AutoTree.choose`, in one call: its NumPy steps had
+    cost a drafted iteration several plain steps' hundredths): every node's chance
+    (:func:`_chances`) times ``gain``, the best prefix size m by them (:func:`_best_prefix`), the
+    active row gaining least by the unscaled chances (an index of the rows: the focus) and what
+    the prefix of m nodes promises the active rows (the least of their unscaled chances, summed).
+    Returns ``(m, focus, promised, v, raw)``, ``v`` the scaled chances, ``raw`` the unscaled."""
+    v = _chances(parents, rank, depth, valid, h)
+    B, n = v.shape
+    focus, least = -1, np.inf
+    for b in range(B):
+        if active[b]:
+            total = 0.0
+            for c in range(1, n):
+                total += v[b, c]
+            if total < least:
+                focus, least = b, total
+    raw = v.copy()
+    for b in range(B):
+        for c in range(1, n):
+            v[b, c] *= gain
+    m = _best_prefix(v, active, cost, allow_plain)
+    promised = np.inf
+    for b in range(B):
+        if active[b]:
+            total = 0.0
+            for c in range(1, m):
+                total += raw[b, c]
+            promised = min(promised, total)
+    return m, focus, promised, v, raw
 
 
 @njit(cache=True)
@@ -852,7 +924,7 @@ class AutoTree:
         self._predicted = ("plain", drafting + self.cost[1])
         valid = _valid(draft)
         n = min(draft.n, self.max_nodes)
-        if not valid[active, 1:n].any():
+        if not _any_drafted(valid, active, n):
             self._verified(False)
             return None
         parents, rank, depth = _structure(draft)
@@ -861,26 +933,25 @@ class AutoTree:
             hazard = self.row_rates.hazard(ids, hazard)
         else:
             hazard = hazard[None]
-        v = _chances(parents[:, :n], rank[:, :n], depth[:, :n], np.ascontiguousarray(valid[:, :n]), hazard)
-        if ids is not None:  # the row the choice before drafting weighs from now on: the one gaining least
-            self._focus = int(ids[np.flatnonzero(active)[int(np.argmin(v[active, 1:].sum(1)))]])
         cost = self.cost[: n + 1] * self._scaled("tree")
         cost[1] = self.cost[1] * self.scale["plain"] / self.margin
-        promised = v[:, 1:].copy()
-        v[:, 1:] *= self.gain_scale()
-        m = _best_prefix(v, active, cost, not self._probing)
+        valid = np.ascontiguousarray(valid[:, :n])
+        m, focus, promised, v, raw = _weigh(parents[:, :n], rank[:, :n], depth[:, :n], valid, hazard, active, cost,
+                                            not self._probing, self.gain_scale())
+        if ids is not None:  # the row the choice before drafting weighs from now on: the one gaining least
+            self._focus = int(ids[focus])
         sizes = self._row_sizes(v, active, cost, m) if ids is not None and self.per_row else None
         self._verified(m > 1 or sizes is not None)
         if sizes is not None:
             total = int(sizes.sum())
             kept = np.arange(1, n)[None] < sizes[:, None]
-            self._promised = (float((promised[:, : n - 1] * kept)[active].sum(1).min()), active.copy())
+            self._promised = (float((raw[:, 1:n] * kept)[active].sum(1).min()), active.copy())
             self._predicted = ("packed", drafting + float(self._packed_ms(total, len(sizes))))
             return _cut_rows(draft, sizes)
         if m == 1:
             self._plain_run += 1
             return None
-        self._promised = (float(promised[active, : m - 1].sum(1).min()), active.copy())
+        self._promised = (promised, active.copy())
         self._predicted = ("tree", drafting + self.cost[m])
         return draft if m == draft.n else _cut(draft, m)
 

@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 from markov_law import sampled_under
 from tiny_models import FAMILIES, mamba2
 
-from stree.decoding.autotree import AutoTree, PathRates, RowRates, _best_first, _best_prefix, _chances, _rank_depth, plan_shape
+from stree.decoding.autotree import (AutoTree, PathRates, RowRates, _best_first, _best_prefix, _chances, _rank_depth,
+                                     _weigh, plan_shape)
 from stree.decoding.cost import CostProfile
 from stree.drafters.registry import DRAFTER_NAMES, NEEDS_MODEL, make_drafter
 from stree.decoding.loop import generate
@@ -170,6 +171,63 @@ def test_best_prefix_maximises_tokens_per_millisecond(chances, costs, allow_plai
     rate = lambda k: (1 + v[:, 1:k].sum(1).min()) / cost[k] if k > 1 else 1 / cost[1]  # noqa: E731 (the least gain)
     candidates = range(1 if allow_plain else 2, 7)
     assert rate(m) == pytest.approx(max(rate(k) for k in candidates), rel=1e-9)
+
+
+@st.composite
+def weighed_drafts(draw):
+    """Rows of one draft (a shape of its own per row or one for all), the rows that count, the
+    costs, whether a plain step may win, the gain scale, and hazards per row or one for all."""
+    rows, n = draw(st.integers(1, 3)), draw(st.integers(2, 10))
+    shapes = draw(st.integers(1, rows).filter(lambda k: k in (1, rows)))
+    parents = np.array([[-1] + [draw(st.integers(0, i - 1)) for i in range(1, n)] for _ in range(shapes)])
+    valid = np.array([[True] + [draw(st.booleans()) for _ in range(n - 1)] for _ in range(rows)])
+    active = np.array([draw(st.booleans()) for _ in range(rows)])
+    active[draw(st.integers(0, rows - 1))] = True
+    h = np.array(draw(st.lists(st.floats(0.01, 0.99), min_size=4 * 3, max_size=4 * 3)))
+    hazards = np.stack([h.reshape(4, 3) ** (1 + r) for r in range(draw(st.sampled_from([1, rows])))])
+    cost = np.array([np.inf] + draw(st.lists(st.floats(0.5, 20), min_size=n, max_size=n)))
+    return parents, valid, active, hazards, cost, draw(st.booleans()), draw(st.floats(0.2, 2.0))
+
+
+@given(weighed_drafts())
+def test_a_draft_weighed_in_one_call_is_its_steps_weighed_apart(case):
+    """What AutoTree.choose reads off a draft (one compiled call) against its steps apart: the
+    chances, the best prefix by the chances times the gain scale, the active row gaining least
+    (the first of equals), and what the prefix promises the active rows (unscaled)."""
+    parents, valid, active, h, cost, allow_plain, gain = case
+    rank, depth = _rank_depth(parents)
+    m, focus, promised, v, raw = _weigh(parents, rank, depth, valid, h, active, cost, allow_plain, gain)
+    want_raw = _chances(parents, rank, depth, valid, h)
+    np.testing.assert_array_equal(raw, want_raw)
+    scaled = want_raw.copy()
+    scaled[:, 1:] *= gain
+    np.testing.assert_array_equal(v, scaled)
+    assert m == _best_prefix(scaled, active, cost, allow_plain)
+    assert focus == np.flatnonzero(active)[int(np.argmin(want_raw[active, 1:].sum(1)))]
+    assert promised == pytest.approx(want_raw[active, 1:m].sum(1).min(), rel=1e-12, abs=1e-15)
+
+
+@given(st.lists(st.floats(0, 30), min_size=2 * 17 * 8, max_size=2 * 17 * 8), st.floats(0.5, 4),
+       st.lists(st.integers(0, 3), min_size=1, max_size=4))
+def test_the_hazards_follow_their_formulas(counts, weight, ids):
+    """PathRates' hazards (each depth's rate leaning on its rank's over all depths, which leans on
+    the prior) and RowRates' (each row's leaning on the batch's; the batch's alone for a row it
+    has no counts for) against their formulas."""
+    counts = np.array(counts).reshape(2, 17, 8)
+    rates = PathRates(weight=weight)
+    rates.accepted, rates.reached = np.minimum(counts[0], counts[1]), counts[1]
+    rates.version += 1
+    w = weight
+    by_rank = (rates.accepted.sum(0) + w * rates.prior) / (rates.reached.sum(0) + w)
+    batch = rates.hazard()
+    np.testing.assert_allclose(batch, (rates.accepted + w * by_rank) / (rates.reached + w), rtol=1e-12)
+    rows = RowRates(0.9, weight=w)
+    rows.fade(2)
+    rows.accepted, rows.reached = np.stack([rates.accepted, rates.accepted / 2]), np.stack([rates.reached] * 2)
+    got = rows.hazard(np.array(ids), batch)
+    for i, r in enumerate(ids):
+        want = batch if r >= 2 else (rows.accepted[r] + w * batch) / (rows.reached[r] + w)
+        np.testing.assert_allclose(got[i], want, rtol=1e-12)
 
 
 # ---- the choice ---------------------------------------------------------------------------
