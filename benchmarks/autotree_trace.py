@@ -26,7 +26,6 @@ from collections import defaultdict
 from pathlib import Path
 
 import numpy as np
-import torch
 
 import stree
 import stree.decoding.autotree as autotree

@@ -23,7 +23,6 @@ import torch
 import stree
 from stree.decoding import loop
 from stree.decoding.steps import _finite, autoregressive_step, speculative_step
-from stree.models import load
 from stree.models.layers.linear import following, leading
 from stree.models.presets import TINY
 from stree.runtime.runners import EagerRunner

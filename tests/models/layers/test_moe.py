@@ -79,7 +79,7 @@ def grouped_sigmoid_definition(x, router, bias, top_k, n_group, topk_group, norm
     x, router, bias = x.double(), router.double(), bias.double()
     E = router.shape[0]
     size = E // n_group
-    out_w, out_e = [], []
+    out_w = []
     for t in range(x.shape[0]):
         scores = torch.sigmoid(router @ x[t])
         biased = scores + bias
