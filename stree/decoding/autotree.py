@@ -370,8 +370,8 @@ def _any_drafted(valid, active, n):
 
 @njit(cache=True)
 def _weigh(parents, rank, depth, valid, h, active, cost, allow_plain, gain):
-    """A draft weighed after drafting (:meth:`AutoTree.choose`, in one call: its NumPy steps had
-    cost a drafted iteration several plain steps' hundredths): every node's chance
+    """A draft weighed after drafting (:meth:`AutoTree.choose`, in one call: as some twenty small
+    NumPy calls it cost a drafted iteration about a seventh of a compiled step): every node's chance
     (:func:`_chances`) times ``gain``, the best prefix size m by them (:func:`_best_prefix`), the
     active row gaining least by the unscaled chances (an index of the rows: the focus) and what
     the prefix of m nodes promises the active rows (the least of their unscaled chances, summed).
