@@ -230,6 +230,30 @@ def test_autotree_trace_smoke_logs_every_iteration_of_the_timed_calls(tmp_path):
     assert all(k["clock_ms"] > 0 and k["predicted_ms"] > 0 and k["emitted"] >= 1 for k in ngram["kinds"])
 
 
+def test_autotree_sim_is_the_same_in_every_run_and_follows_its_table(tmp_path):
+    """The virtual clock: every output autoregressive decoding's, and the same gains, tree shares and
+    tau in two runs (nothing of the machine enters); trees that cost what a plain step does are
+    taken wherever n-gram drafts and gain, trees of twenty steps are not; a bad table is one line and
+    exit 2."""
+    first = smoke("autotree_sim", tmp_path, "--max-new-tokens", "48")
+    again = smoke("autotree_sim", tmp_path, "--max-new-tokens", "48")
+    rows = first["results"]
+    assert [r["drafter"] for r in rows] == ["autoregressive", "ngram", "stand-det"]
+    assert all(r["identical"] for r in rows) and rows[0]["gain"] == 1.0
+    key = lambda result: [(r["gain"], r["tree_share"], r["tau"]) for r in result["results"]]  # noqa: E731
+    assert key(first) == key(again)
+    cheap = smoke("autotree_sim", tmp_path, "--max-new-tokens", "48", "--passes", "2:1.0,4:1.0,8:1.0,16:1.0",
+                  "--draft", "0", "--after", "")["results"]
+    dear = smoke("autotree_sim", tmp_path, "--max-new-tokens", "48", "--passes", "2:20,16:20")["results"]
+    assert cheap[1]["tree_share"] > 0.3 and cheap[1]["gain"] > 1.15  # (n-gram: where it has a draft)
+    assert dear[1]["tree_share"] < 0.1 and dear[1]["gain"] <= 1.0
+    script = ROOT / "benchmarks" / "autotree_sim.py"
+    for flag, bad in (("--passes", "1:2"), ("--passes", "2-3"), ("--after", "1.2,x")):
+        run = subprocess.run([sys.executable, str(script), "--smoke", flag, bad, "--out", str(tmp_path)],
+                             capture_output=True, text=True)
+        assert run.returncode == 2 and f"{flag} " in run.stderr and "Traceback" not in run.stderr
+
+
 def test_iteration_parts_smoke_times_each_part_in_steps(tmp_path):
     result = smoke("iteration_parts", tmp_path)
     (row,) = result["results"]
