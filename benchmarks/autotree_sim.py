@@ -10,15 +10,21 @@ measurement of speed: the table is what the machine was measured to cost.
 
     python benchmarks/autotree_sim.py          # the compiled batch-2 table measured on the 2-core EPYC
     python benchmarks/autotree_sim.py --passes 2:1.5,8:1.8,16:2.2 --draft 0.2 --after 1.15,1.1 --batch 1
+    python benchmarks/autotree_sim.py --mode eager --batch 1 --measured  # this machine's table, now
     python benchmarks/autotree_sim.py --smoke  # 2 prompts x 16 tokens (CI)
 
 The choice's cost profile is the table (its prior; it learns the aftermath and whatever else the
 table leaves out from the clock, as in decoding), so nothing of the machine but the table enters.
+A table measured on another day ranks changes wrongly where the machine has changed since
+(docs/benchmarks.md: a change that gained on an old table lost on the machine, and on the day's
+table): ``--measured`` takes the passes and drafting from the cost profile ``tree="auto"`` would
+measure now (the n-gram drafter's, at ``--mode`` and ``--batch``), and the result records them.
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import types
 from pathlib import Path
@@ -29,6 +35,7 @@ import stree
 import stree.decoding.autotree as autotree
 import stree.decoding.loop as loop
 from stree.decoding.cost import CostProfile
+from stree.drafters.registry import make_drafter
 from stree.tools.demo import DRAFTER, TARGET, read_prompts
 from stree.tools.timing import run_info, save_result
 
@@ -141,6 +148,8 @@ def main(argv=None):
     p.add_argument("--passes", default=PASSES, help="nodes:steps of a speculative step (pass, verify, commit)")
     p.add_argument("--draft", type=float, default=DRAFT, help="steps to draft a tree")
     p.add_argument("--after", default=AFTER, help="the plain steps 1, 2, ... after a tree, in steps")
+    p.add_argument("--measured", action="store_true",
+                   help="--passes and --draft as this machine costs them now (the n-gram drafter's cost profile)")
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--stem", default=None)
     p.add_argument("--out", default=str(Path(__file__).parent / "results"))
@@ -151,6 +160,10 @@ def main(argv=None):
     if args.smoke:  # (eager: nothing to compile in CI)
         args.mode, args.batch, args.prompts, args.max_new_tokens = "eager", 1, 2, 16
     lm = stree.LM.from_pretrained(TARGET, dtype=torch.float32, drafter_model=DRAFTER)
+    if args.measured:
+        passes, args.draft = measured_table(lm.model, args.batch, args.mode)
+        table = ", ".join(f"{n}:{v:.2f}" for n, v in passes.items())
+        print(f"measured: passes {table}, draft {args.draft:.2f}", file=sys.stderr)
     texts = read_prompts(TARGET / "prompts.jsonl", args.prompts)
     starts = range(0, len(texts) - args.batch + 1, args.batch)
     compiled = args.mode == "compiled"
@@ -184,11 +197,20 @@ def main(argv=None):
               f"{r['tree_share']:.0%}  identical {'yes' if r['identical'] else 'NO'}", file=sys.stderr)
     result = dict(benchmark="autotree_sim", **run_info("cpu", argv), mode=args.mode, batch=args.batch,
                   prompts=args.prompts, max_new_tokens=args.max_new_tokens, passes=passes, draft=args.draft,
-                  after=after, note="virtual clock: gains are the cost table's (in plain steps), not measured speed",
+                  after=after, measured=args.measured,
+                  note="virtual clock: gains are the cost table's (in plain steps), not measured speed",
                   results=results)
     stem = args.stem or ("autotree_sim_smoke" if args.smoke else f"autotree_sim_{args.mode}_b{args.batch}")
     save_result(result, args.out, stem, plot)
     return result
+
+
+def measured_table(model, batch: int, mode: str) -> tuple[dict[int, float], float]:
+    """The passes (nodes: steps) and drafting (steps) of the cost profile ``tree="auto"`` measures
+    for the n-gram drafter at ``batch`` rows in ``mode``, measured afresh (not the cache's)."""
+    profile = autotree.auto_tree(model, make_drafter("ngram"), batch, mode=mode, refresh=True).profile
+    passes = {n: t / profile.step_ms for n, t in zip(profile.nodes, profile.tree_ms)}
+    return passes, statistics.median(profile.draft_ms) / profile.step_ms
 
 
 def plot(result):

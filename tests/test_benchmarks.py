@@ -1,5 +1,6 @@
 import importlib.util
 import json
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -247,11 +248,36 @@ def test_autotree_sim_is_the_same_in_every_run_and_follows_its_table(tmp_path):
     dear = smoke("autotree_sim", tmp_path, "--max-new-tokens", "48", "--passes", "2:20,16:20")["results"]
     assert cheap[1]["tree_share"] > 0.3 and cheap[1]["gain"] > 1.15  # (n-gram: where it has a draft)
     assert dear[1]["tree_share"] < 0.1 and dear[1]["gain"] <= 1.0
+    assert not first["measured"] and first["passes"] == {"2": 2.7, "4": 2.9, "8": 3.2, "16": 3.8}  # (the default)
     script = ROOT / "benchmarks" / "autotree_sim.py"
     for flag, bad in (("--passes", "1:2"), ("--passes", "2-3"), ("--after", "1.2,x")):
         run = subprocess.run([sys.executable, str(script), "--smoke", flag, bad, "--out", str(tmp_path)],
                              capture_output=True, text=True)
         assert run.returncode == 2 and f"{flag} " in run.stderr and "Traceback" not in run.stderr
+
+
+def test_autotree_sim_measured_takes_its_table_from_the_machine(tmp_path, monkeypatch):
+    """--measured: the passes and drafting are the cost profile tree="auto" measures now (its sizes,
+    each iteration over the profile's plain step), recorded in the result; outputs stay
+    autoregressive decoding's."""
+    import stree.decoding.autotree as autotree
+
+    made = []
+    measure = autotree.cost_profile
+
+    def spy(*args, **kwargs):
+        made.append((kwargs, measure(*args, **kwargs)))
+        return made[-1][1]
+
+    monkeypatch.setattr(autotree, "cost_profile", spy)
+    result = smoke("autotree_sim", tmp_path, "--measured", "--drafters", "ngram")
+    asked, profile = made[0]  # measured first (then the warm-up calls' own, before the virtual clock answers them)
+    assert asked["refresh"] and asked["mode"] == "eager"  # afresh, not the cache's
+    assert result["measured"] and result["passes"] == {str(n): t / profile.step_ms
+                                                        for n, t in zip(profile.nodes, profile.tree_ms)}
+    assert result["draft"] == pytest.approx(statistics.median(profile.draft_ms) / profile.step_ms)
+    assert list(map(int, result["passes"])) == [2, 4, 8, 16, 32, 64]  # (eager, the CPU's sizes)
+    assert all(r["identical"] for r in result["results"])
 
 
 def test_iteration_parts_smoke_times_each_part_in_steps(tmp_path):
