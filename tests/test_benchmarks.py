@@ -257,10 +257,12 @@ def test_autotree_sim_is_the_same_in_every_run_and_follows_its_table(tmp_path):
 
 
 def test_autotree_sim_measured_takes_its_table_from_the_machine(tmp_path, monkeypatch):
-    """--measured: the passes and drafting are the cost profile tree="auto" measures now (its sizes,
-    each iteration over the profile's plain step), recorded in the result; outputs stay
+    """--measured: the passes and drafting are a cost profile measured on this machine (afresh),
+    each iteration over its plain step, times the tree scale the n-gram drafter's choice learned
+    from the clock decoding the prompts for real; the result records both; outputs stay
     autoregressive decoding's."""
     import stree.decoding.autotree as autotree
+    from stree.decoding.cost import CostProfile
 
     made = []
     measure = autotree.cost_profile
@@ -271,11 +273,12 @@ def test_autotree_sim_measured_takes_its_table_from_the_machine(tmp_path, monkey
 
     monkeypatch.setattr(autotree, "cost_profile", spy)
     result = smoke("autotree_sim", tmp_path, "--measured", "--drafters", "ngram")
-    asked, profile = made[0]  # measured first (then the warm-up calls' own, before the virtual clock answers them)
-    assert asked["refresh"] and asked["mode"] == "eager"  # afresh, not the cache's
-    assert result["measured"] and result["passes"] == {str(n): t / profile.step_ms
-                                                        for n, t in zip(profile.nodes, profile.tree_ms)}
-    assert result["draft"] == pytest.approx(statistics.median(profile.draft_ms) / profile.step_ms)
+    assert made[0][0]["refresh"] and made[0][0]["mode"] == "eager"  # measured afresh first, not the file's
+    profile, scale = CostProfile.from_dict(result["measured"]["profile"]), result["measured"]["tree_scale"]
+    assert profile in [p for _, p in made] and 0 < scale < 10  # (a profile the machine measured, the loop's)
+    assert result["passes"] == {str(n): pytest.approx(t / profile.step_ms * scale)
+                                for n, t in zip(profile.nodes, profile.tree_ms)}
+    assert result["draft"] == pytest.approx(statistics.median(profile.draft_ms) / profile.step_ms * scale)
     assert list(map(int, result["passes"])) == [2, 4, 8, 16, 32, 64]  # (eager, the CPU's sizes)
     assert all(r["identical"] for r in result["results"])
 
