@@ -164,6 +164,7 @@ def main(argv=None):
     measured = None
     if args.measured:
         passes, args.draft, measured = measured_table(lm, texts, args.batch, args.mode, args.max_new_tokens)
+        after = after[1:]  # (the scale holds what the plain step right after a tree took beyond a plain step's)
         table = ", ".join(f"{n}:{v:.2f}" for n, v in passes.items())
         print(f"measured: passes {table}, draft {args.draft:.2f} (the profile's times {measured['tree_scale']:.2f})",
               file=sys.stderr)

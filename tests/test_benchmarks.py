@@ -280,6 +280,7 @@ def test_autotree_sim_measured_takes_its_table_from_the_machine(tmp_path, monkey
                                 for n, t in zip(profile.nodes, profile.tree_ms)}
     assert result["draft"] == pytest.approx(statistics.median(profile.draft_ms) / profile.step_ms * scale)
     assert list(map(int, result["passes"])) == [2, 4, 8, 16, 32, 64]  # (eager, the CPU's sizes)
+    assert result["after"] == [1.3, 1.3, 1.35, 1.19, 1.14, 1.09]  # (the first plain step after a tree: in the scale)
     assert all(r["identical"] for r in result["results"])
 
 
