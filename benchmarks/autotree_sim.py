@@ -145,16 +145,20 @@ def main(argv=None):
     p.add_argument("--drafters", default="ngram,stand-det")
     p.add_argument("--prompts", type=int, default=8)
     p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--passes", default=PASSES, help="nodes:steps of a speculative step (pass, verify, commit)")
-    p.add_argument("--draft", type=float, default=DRAFT, help="steps to draft a tree")
+    p.add_argument("--passes", help=f"nodes:steps of a speculative step (pass, verify, commit); default {PASSES}")
+    p.add_argument("--draft", type=float, help=f"steps to draft a tree; default {DRAFT}")
     p.add_argument("--after", default=AFTER, help="the plain steps 1, 2, ... after a tree, in steps")
     p.add_argument("--measured", action="store_true",
-                   help="--passes and --draft as this machine costs them now (the n-gram drafter's cost profile)")
+                   help="--passes and --draft as this machine's choice prices them now (the n-gram drafter's cost "
+                        "profile times the tree scale its choice learns decoding the prompts)")
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--stem", default=None)
     p.add_argument("--out", default=str(Path(__file__).parent / "results"))
     args = p.parse_args(argv)
-    passes, after = parse_passes(p, args.passes), parse_after(p, args.after)
+    if args.measured and (args.passes is not None or args.draft is not None):
+        p.error("--measured takes --passes and --draft from the machine: give either, not both")
+    passes, after = parse_passes(p, args.passes or PASSES), parse_after(p, args.after)
+    args.draft = DRAFT if args.draft is None else args.draft
     if args.draft < 0 or args.batch < 1:
         p.error(f"--draft must be >= 0 and --batch >= 1, got {args.draft}, {args.batch}")
     if args.smoke:  # (eager: nothing to compile in CI)

@@ -250,8 +250,8 @@ def test_autotree_sim_is_the_same_in_every_run_and_follows_its_table(tmp_path):
     assert dear[1]["tree_share"] < 0.1 and dear[1]["gain"] <= 1.0
     assert not first["measured"] and first["passes"] == {"2": 2.7, "4": 2.9, "8": 3.2, "16": 3.8}  # (the default)
     script = ROOT / "benchmarks" / "autotree_sim.py"
-    for flag, bad in (("--passes", "1:2"), ("--passes", "2-3"), ("--after", "1.2,x")):
-        run = subprocess.run([sys.executable, str(script), "--smoke", flag, bad, "--out", str(tmp_path)],
+    for flag, bad in (("--passes", "1:2"), ("--passes", "2-3"), ("--after", "1.2,x"), ("--draft", "0.2 --measured")):
+        run = subprocess.run([sys.executable, str(script), "--smoke", flag, *bad.split(), "--out", str(tmp_path)],
                              capture_output=True, text=True)
         assert run.returncode == 2 and f"{flag} " in run.stderr and "Traceback" not in run.stderr
 
@@ -279,7 +279,8 @@ def test_autotree_sim_measured_takes_its_table_from_the_machine(tmp_path, monkey
     assert result["passes"] == {str(n): pytest.approx(t / profile.step_ms * scale)
                                 for n, t in zip(profile.nodes, profile.tree_ms)}
     assert result["draft"] == pytest.approx(statistics.median(profile.draft_ms) / profile.step_ms * scale)
-    assert list(map(int, result["passes"])) == [2, 4, 8, 16, 32, 64]  # (eager, the CPU's sizes)
+    sizes = list(map(int, result["passes"]))  # (eager, the CPU's sizes: those measured within the profile's budget)
+    assert len(sizes) >= 2 and sizes == [2, 4, 8, 16, 32, 64][: len(sizes)]
     assert result["after"] == [1.3, 1.3, 1.35, 1.19, 1.14, 1.09]  # (the first plain step after a tree: in the scale)
     assert all(r["identical"] for r in result["results"])
 
