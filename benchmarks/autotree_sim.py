@@ -147,7 +147,8 @@ def main(argv=None):
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--passes", help=f"nodes:steps of a speculative step (pass, verify, commit); default {PASSES}")
     p.add_argument("--draft", type=float, help=f"steps to draft a tree; default {DRAFT}")
-    p.add_argument("--after", default=AFTER, help="the plain steps 1, 2, ... after a tree, in steps")
+    p.add_argument("--after", default=AFTER, help="the plain steps 1, 2, ... after a tree, in steps (with "
+                                                    "--measured from the second on: the first is in the scale)")
     p.add_argument("--measured", action="store_true",
                    help="--passes and --draft as this machine's choice prices them now (the n-gram drafter's cost "
                         "profile times the tree scale its choice learns decoding the prompts)")
