@@ -14,6 +14,7 @@ autoregressive decoding's. Where speculation loses, this says whether trees lost
 plain steps of a speculative call cost more than autoregressive ones.
 
     python benchmarks/autotree_trace.py                    # results/autotree_trace_<device>.json
+    python benchmarks/autotree_trace.py --compiled         # results/autotree_trace_<device>_compiled.json
     python benchmarks/autotree_trace.py --smoke            # 2 prompts x 8 tokens (CI)
 """
 
@@ -83,6 +84,8 @@ def main(argv=None):
     p.add_argument("--drafters", default=",".join(DRAFTERS))
     p.add_argument("--temperature", type=float, default=0.0, help="sampled: seeded per batch of prompts, as "
                    "speculation.py does (a seeded choice then prices from the profile alone)")
+    p.add_argument("--compiled", action="store_true", help="torch_compile=True (CPU): the compiled step and "
+                   "tree passes, against compiled autoregressive decoding")
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--out", default=str(Path(__file__).parent / "results"))
     args = p.parse_args(argv)
@@ -100,7 +103,7 @@ def main(argv=None):
         ar_step = None
         for name in ["autoregressive"] + args.drafters.split(","):
             spec = dict(method="autoregressive") if name == "autoregressive" else dict(drafter=name)
-            spec.update(max_new_tokens=args.max_new_tokens, temperature=args.temperature)
+            spec.update(max_new_tokens=args.max_new_tokens, temperature=args.temperature, torch_compile=args.compiled)
             seed = (lambda s: s) if args.temperature > 0 else (lambda s: None)
             for s in starts:  # compiling, capturing, measuring the machine's costs: before any timing
                 lm.generate(texts[s: s + batch], seed=seed(s), **spec)
@@ -125,12 +128,14 @@ def main(argv=None):
                       f"clock {k['clock_ms']:7.3f} ms  emitted {k['emitted']:5.2f}  {k['share_of_loop']:4.0%} of the loop",
                       file=sys.stderr)
     result = dict(benchmark="autotree_trace", **run_info(device, argv), dtype=str(dtype).removeprefix("torch."),
-                  temperature=args.temperature, prompts=args.prompts, max_new_tokens=args.max_new_tokens,
+                  temperature=args.temperature, compiled=args.compiled, prompts=args.prompts,
+                  max_new_tokens=args.max_new_tokens,
                   note="LM.generate defaults (tree='auto'), after a warm-up over every batch of prompts; "
                        "per kind of iteration (plain: weighed alone; run: decided ahead, per step; probe / tree by "
                        "size): mean predicted and clock ms, tokens emitted per row, share of the loop's clock",
                   results=results)
-    save_result(result, args.out, "autotree_trace_smoke" if args.smoke else f"autotree_trace_{device.type}", plot)
+    stem = "autotree_trace_smoke" if args.smoke else f"autotree_trace_{device.type}{'_compiled' * args.compiled}"
+    save_result(result, args.out, stem, plot)
     return result
 
 

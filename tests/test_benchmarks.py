@@ -223,6 +223,7 @@ def test_autotree_trace_smoke_logs_every_iteration_of_the_timed_calls(tmp_path):
     result = smoke("autotree_trace", tmp_path)
     rows = {r["drafter"]: r for r in result["results"]}
     assert set(rows) == {"autoregressive", "ngram"} and rows["autoregressive"]["kinds"] == []
+    assert result["compiled"] is False  # (--compiled: torch_compile=True, the result says so)
     ngram = rows["ngram"]
     calls = result["prompts"]  # batch 1
     assert sum(k["iterations"] for k in ngram["kinds"]) == round(ngram["steps_per_call"] * calls)

@@ -185,6 +185,11 @@ def _check_args(x, dt, A, B, C, parents, D, dt_bias, dt_limit, initial_state, st
 # the ancestor masks' work grows with the square of the nodes, a prefill's 256-token chains at
 # batch 16 spent most of their time there.
 CHAIN_BLOCK = 64
+# Inside torch.compile a tree of at most this many nodes multiplies by broadcast products summed
+# (:func:`_product`), which Inductor fuses into its loops around them; as batched matmuls each product
+# is a call of its own, and the initial state's read a transposed copy first. Measured on the
+# shipped target's fused iteration (docs/kernels.md); at more nodes the matmuls' arithmetic wins.
+FUSED_NODES = 16
 
 
 def tree_scan_torch(x, dt, A, B, C, parents, *, D=None, dt_bias=None, dt_softplus=True,
@@ -224,19 +229,26 @@ def _block(x, dt, A, B, C, L, off, initial_state):
     batch, n, nheads, headdim = x.shape
     g = B.shape[2]
     r = nheads // g
-    # Batched matmuls throughout: on the CPU einsum costs several times as much at these sizes.
+    # Batched matmuls (eager: on the CPU einsum costs several times as much at these sizes), or
+    # what Inductor fuses (FUSED_NODES).
+    mm = _product if torch.compiler.is_compiling() and n <= FUSED_NODES else torch.matmul
     # In-place where autograd does not record (decoding); the training forward needs the graph.
     mul = (lambda a, b: a.mul_(b)) if not torch.is_grad_enabled() else torch.mul
-    atree = (L @ (dt * f32(A))).transpose(1, 2)  # [b, h, n]
+    atree = mm(L, dt * f32(A)).transpose(1, 2)  # [b, h, n]
     decay = (atree[..., :, None] - atree[..., None, :]).masked_fill(off, -INF).exp()  # [b, h, i, j]
     Cg = f32(C).transpose(1, 2)  # [b, g, n, s]
-    w = mul(decay.view(batch, g, r, n, n), (Cg @ f32(B).permute(0, 2, 3, 1))[:, :, None])  # * (C_i . B_j)
+    w = mul(decay.view(batch, g, r, n, n), mm(Cg, f32(B).permute(0, 2, 3, 1))[:, :, None])  # * (C_i . B_j)
     w = mul(w, dt.transpose(1, 2).reshape(batch, g, r, 1, n))  # * dt_j
-    y = w @ f32(x).transpose(1, 2).reshape(batch, g, r, n, headdim)  # [b, g, r, n, p]
+    y = mm(w, f32(x).transpose(1, 2).reshape(batch, g, r, n, headdim))  # [b, g, r, n, p]
     if initial_state is not None:
         state = initial_state.view(batch, g, r, headdim, initial_state.shape[-1]).transpose(-1, -2)
-        y = torch.addcmul(y, Cg[:, :, None] @ state, atree.exp().view(batch, g, r, n, 1))
+        y = torch.addcmul(y, mm(Cg[:, :, None], state), atree.exp().view(batch, g, r, n, 1))
     return y, atree
+
+
+def _product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` (batch dimensions broadcast) as a broadcast product summed over the shared one."""
+    return (a[..., :, :, None] * b[..., None, :, :]).sum(-2)
 
 
 def _chain_blocks(x, dt, A, B, C, initial_state):

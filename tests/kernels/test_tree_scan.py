@@ -10,7 +10,7 @@ from strategies import dt_options, ssm_inputs, ssm_shapes, trees
 from stree.drafters.calibrate import stand_initial_tree
 from stree.kernels import MAX_TREE_NODES, multistep_update, tree_scan, tree_scan_torch
 from stree.kernels.cpu import tree_jit
-from stree.kernels.tree_scan import CHAIN_BLOCK
+from stree.kernels.tree_scan import CHAIN_BLOCK, FUSED_NODES
 from stree.testing import max_rel_error, tree_scan_def
 from stree.tree import TreeShape, tree_index
 
@@ -94,6 +94,33 @@ def test_long_chains_scan_block_by_block(n, shape, dt_opts, D_kind, with_state, 
         assert max_rel_error(_run(inp, mixed, dt_opts, backend, torch.device("cpu")),
                              _definition(inp, mixed, dt_opts)) <= FP32_TOL, backend
     assert len(blocks) == 1 and len(recurrences) == 1
+
+
+@settings(max_examples=8, deadline=None)
+@given(tree=trees(max_n=FUSED_NODES + 8), shape=ssm_shapes(), dt_opts=dt_options(), with_state=st.booleans(),
+       seed=st.integers(0, 2**16))
+def test_traced_trees_match_the_definition(tree, shape, dt_opts, with_state, seed, monkeypatch):
+    """Traced by torch.compile (the compiled decode path), a tree of at most FUSED_NODES nodes
+    multiplies by broadcast products summed, which Inductor fuses, a larger one by batched
+    matmuls: the definition's outputs either way. (``aot_eager`` runs the traced graph with
+    PyTorch's own kernels: the formula is under test here, Inductor in tests/runtime.)"""
+    module = importlib.import_module("stree.kernels.tree_scan")
+    fused, real = [], module._product
+    monkeypatch.setattr(module, "_product", lambda a, b: fused.append(1) or real(a, b))
+    parents, batch = tree
+    n = parents.shape[-1]
+    inp = ssm_inputs(torch.Generator().manual_seed(seed), batch, n, shape, dt_opts, D_kind="head")
+    if not with_state:
+        inp["initial_state"] = None
+    expected = _definition(inp, parents, dt_opts)
+    torch._dynamo.reset()  # (a graph per example: past dynamo's recompile limit it would run eager)
+    traced = torch.compile(lambda: _run(inp, parents, dt_opts, "torch", torch.device("cpu")), backend="aot_eager",
+                           dynamic=False)
+    assert max_rel_error(traced(), expected) <= FP32_TOL
+    assert bool(fused) == (n <= FUSED_NODES)
+    fused.clear()
+    assert max_rel_error(_run(inp, parents, dt_opts, "torch", torch.device("cpu")), expected) <= FP32_TOL
+    assert not fused  # (eager: the batched matmuls)
 
 
 def test_tree_index_knows_a_chain():
