@@ -524,7 +524,7 @@ class AutoTree:
     keep winning it takes plain steps once in ``PLAIN_EVERY`` to weigh plain steps again (two: a
     plain step right after a tree teaches no cost, as it pays for what the tree evicted).
     ``rates`` and ``scale`` (``{"plain": x, "tree": y}``: a plain step's realised / predicted
-    time, and a tree's relative to that; and the ledger) may be shared with
+    time, and a tree's relative to that, as a declined draft's is; and the ledger) may be shared with
     earlier choosers, which then hand over what they learned. ``chosen`` counts the steps per tree
     size (1: a plain step)."""
 
@@ -601,6 +601,10 @@ class AutoTree:
         self.scale.setdefault("watch_idle", 0)  # watched drafts in a row after which plain steps still won
         # realised / predicted time of packed passes (row_sizes), from the padded passes' until measured
         self.scale.setdefault("packed", self.scale["tree"])
+        # realised / predicted time of a declined draft's iteration (drafted, found wanting, a plain step
+        # taken), relative to a plain step's as a tree's is: learned into the plain scale, what drafting
+        # took beyond its prediction had made plain steps look dearer, and drafting look cheaper
+        self.scale.setdefault("declined", 1.0)
         self.depth = min(depth, PathRates.DEPTH)
         top = max(profile.nodes) if profile.nodes else 2
         self.fixed = sizes is not None
@@ -733,6 +737,7 @@ class AutoTree:
         best, _, self._gain = self._best_size(order, self.draft_cost, self._hazard())
         tree = self._scaled("tree")
         self._tree_ms, self._draft_ms = self.cost[best] * tree, self.draft_cost[best] * tree
+        self._declined_ms = (self.draft_cost[best] + self.cost[1]) * self._scaled("declined")
         plain = self.cost[1] * self.scale["plain"]
         # What a probe is predicted to lose against plain steps: its time beyond theirs for the tokens
         # it is expected to emit. A seeded choice prices the worst case, one token from a probe (with
@@ -744,10 +749,11 @@ class AutoTree:
 
     def _worth_drafting(self) -> bool:
         """Whether drafting the best size beats a plain step, counting that only a share ``s`` of
-        drafts is verified (the others, found wanting after drafting, cost their drafting and a
-        plain step): (s E + 1 - s) / (D + s C + (1 - s) P) against ``margin`` / P."""
+        drafts is verified (the others, found wanting after drafting, cost what such iterations
+        take, Q: their drafting and a plain step, at the scale learned for them): (s E + 1 - s) /
+        (s (D + C) + (1 - s) Q) against ``margin`` / P."""
         s, plain = self.verified, self.cost[1] * self.scale["plain"]
-        rate = (s * self._gain + 1.0 - s) / (self._draft_ms + s * self._tree_ms + (1.0 - s) * plain)
+        rate = (s * self._gain + 1.0 - s) / (s * (self._draft_ms + self._tree_ms) + (1.0 - s) * self._declined_ms)
         return rate > self.margin / plain
 
     def plan(self, behind=None):
@@ -921,7 +927,7 @@ class AutoTree:
         rows' ids in the batch, whose own acceptance (:class:`RowRates`) then prices their nodes."""
         self._drafted = self._drafted or draft.n
         drafting = self.draft_cost[min(self._drafted, self.max_nodes)]
-        self._predicted = ("plain", drafting + self.cost[1])
+        self._predicted = ("declined", drafting + self.cost[1])  # (a tree's, below, where one is kept)
         valid = _valid(draft)
         n = min(draft.n, self.max_nodes)
         if not _any_drafted(valid, active, n):

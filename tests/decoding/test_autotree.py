@@ -685,6 +685,38 @@ def test_what_a_plain_step_right_after_a_tree_takes_beyond_its_own_is_the_trees(
     assert np.mean(late) > 0.9
 
 
+@pytest.mark.parametrize("declined_ms", [1.0, 2.0])
+def test_declined_drafts_teach_their_own_price_not_the_plain_steps(declined_ms):
+    """Plain steps of 1 ms; every other draft comes out empty (found wanting: a plain step after
+    drafting), the others are 2-node trees of 1.5 ms whose child is always accepted. Where an empty
+    draft costs no more than a plain step, drafting pays (1.5 tokens for 1.25 ms) and goes on. Where
+    it takes 2 ms (drafting dear: a drafter catching up), drafting loses (1.5 tokens for 1.75 ms):
+    learned into the plain steps' price, those 2 ms had made plain steps look dear and drafting
+    went on; learned apart, the choice decodes plain, and a plain step keeps its price."""
+    profile = CostProfile(1.0, (2,), (1.5,))
+    auto = AutoTree(profile, adaptive=True, sizes=(2,))
+    drafts, late = 0, []
+    for i in range(600):
+        plan = auto.plan()
+        if plan is None:
+            auto.record(None, elapsed_ms=1.0)
+        else:
+            drafts += 1
+            draft = auto.choose(full_draft(plan, fill=1 if drafts % 2 else None), np.ones(1, dtype=np.bool_))
+            if draft is None:
+                auto.record(None, elapsed_ms=declined_ms)
+            else:
+                auto.record(draft, np.array([[int(draft.tokens[0, 1]), 7]]), np.array([2]), np.arange(1),
+                            elapsed_ms=1.5)
+        if i >= 400:
+            late.append(plan is not None)
+    assert auto.scale["plain"] < 1.1
+    if declined_ms == 1.0:
+        assert np.mean(late) > 0.9
+    else:
+        assert auto.scale["declined"] > 1.5 and np.mean(late) < 0.1
+
+
 def test_plain_runs_teach_the_machines_speed_and_trees_their_own_price():
     """A plain step 1 ms by the profile, 2-node trees bringing 1.95 tokens.
 
