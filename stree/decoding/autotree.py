@@ -544,10 +544,12 @@ class AutoTree:
     # Each probe that loses more than a plain step's time against plain steps (text the drafter
     # cannot follow, or a machine where its trees cannot pay: a drafter model's on a small CPU)
     # halves that share, down to PROBE_SHARE / 2**BACKOFF; a probe that pays makes it whole again
-    # (one that loses less leaves it), as does the next call. Where speculation never pays, a long
-    # call then loses a quarter of a percent to probes, not two; where the text turns predictable,
-    # the first probe that pays brings their pace back.
+    # (one that loses less leaves it), as does the next call (where the last explored drafts enough
+    # to halve it on its own: AGAIN). Where speculation never pays, decoding then loses a quarter of a
+    # percent to probes, not two; where the text turns predictable, the first probe that pays brings
+    # their pace back.
     BACKOFF = 3
+    AGAIN = 2  # the drafts a call must explore (probes, watched) for the next to start whole (see __init__)
     ADAPT = 0.15  # weight of the newest iteration in the cost scales and the share of drafts verified
     CLIP = 3.0  # the most one iteration's realised / predicted time may say
     # A call's first iteration is not learned from: it pays once per call (a drafter model's prefill
@@ -605,6 +607,11 @@ class AutoTree:
         # taken), relative to a plain step's as a tree's is: learned into the plain scale, what drafting
         # took beyond its prediction had made plain steps look dearer, and drafting look cheaper
         self.scale.setdefault("declined", 1.0)
+        # the share of drafts (probes aside) verified rather than found wanting. Carried over calls as
+        # the rates are: begun whole at each call, it said 0.68 on average where drafting was chosen,
+        # and 0.47 of those drafts were verified (compiled, batch 2, STAND deterministic: drafting
+        # was chosen where it lost)
+        self.scale.setdefault("verified", 1.0)
         self.depth = min(depth, PathRates.DEPTH)
         top = max(profile.nodes) if profile.nodes else 2
         self.fixed = sizes is not None
@@ -633,13 +640,17 @@ class AutoTree:
         # a seeded one keeps its ledger to itself, so that its choices follow the seed alone.
         if not adaptive:
             self.scale.update(bank=0.0, plain_run=0)
-        # Each call explores at the whole shares again (BACKOFF): a new call is new text, which the
-        # probes and watched drafts that lost on the last ones' say little about. Carried on, the halved
-        # shares had left n-gram decoding at batch 2 plain through whole benchmark runs (eager, 2-core
-        # EPYC, fresh processes: 0.99x-1.11x, mean 1.04x, in six; whole at each call 1.01x-1.22x, mean
-        # 1.11x, in eight); where trees do not pay (compiled batch 2, the SSM drafter) no difference
-        # showed beyond the noise.
-        self.scale.update(losing=0, watch_idle=0)
+        # Each call explores at the whole shares again (BACKOFF) where the last one took probes enough
+        # to back off on its own: a new call is new text, which the probes and watched drafts that lost
+        # on the last ones' say little about. Carried on, the halved shares had left n-gram decoding at
+        # batch 2 plain through whole benchmark runs (eager, 2-core EPYC, fresh processes: 0.99x-1.11x,
+        # mean 1.04x, in six; whole at each call 1.01x-1.22x, mean 1.11x, in eight). Where a call
+        # explores one draft or none (a drafter model's probes, each paying its catch-up: one every
+        # three or four calls), the share could never halve within a call and probes took the whole of
+        # it: there the backoff carries over.
+        if self.scale.get("explored", self.AGAIN) >= self.AGAIN or not adaptive:
+            self.scale.update(losing=0, watch_idle=0)
+        self.scale["explored"] = 0  # the drafts this call explored: probes and watched drafts
         self._plain_run = self.scale["plain_run"]
         self._probe_loss = 0.0  # what the next probe is predicted to lose, its drafter's catch-up aside
         self._catch_due = 0.0  # the catch-up the drafter last said a probe would need (ms, seeded)
@@ -652,7 +663,6 @@ class AutoTree:
         self._predicted = ("plain", self.cost[1])  # this step's kind and predicted milliseconds
         self._iterations = 0  # recorded in this call
         self._drafted = 0  # nodes drafted this step (0: none)
-        self.verified = 1.0  # the share of drafts (probes aside) verified rather than found wanting
         self._pick, self._probe_size = self._pick_sizes()
 
     # -- before drafting ----------------------------------------------------------------------
@@ -752,7 +762,7 @@ class AutoTree:
         drafts is verified (the others, found wanting after drafting, cost what such iterations
         take, Q: their drafting and a plain step, at the scale learned for them): (s E + 1 - s) /
         (s (D + C) + (1 - s) Q) against ``margin`` / P."""
-        s, plain = self.verified, self.cost[1] * self.scale["plain"]
+        s, plain = self.scale["verified"], self.cost[1] * self.scale["plain"]
         rate = (s * self._gain + 1.0 - s) / (s * (self._draft_ms + self._tree_ms) + (1.0 - s) * self._declined_ms)
         return rate > self.margin / plain
 
@@ -854,6 +864,7 @@ class AutoTree:
         self._stale = True
         self._replan(cut)
         self.scale["watch_idle"] = 0 if self.wants_trees() else min(self.scale["watch_idle"] + 1, self.BACKOFF)
+        self.scale["explored"] += 1
         if drafting_ms is not None:
             took, known = drafting_ms + (time.perf_counter() - began) * 1e3, self.scale["watch_ms"]
             self.scale["watch_ms"] = took if known == 0.0 else known + self.ADAPT * (took - known)
@@ -1019,7 +1030,7 @@ class AutoTree:
 
     def _verified(self, kept: bool) -> None:
         if not self._probing:
-            self.verified += self.ADAPT * (kept - self.verified)
+            self.scale["verified"] += self.ADAPT * (kept - self.scale["verified"])
 
     # -- after the step -------------------------------------------------------------------------
     def record(self, tree: TokenTree | None, tokens: np.ndarray | None = None, counts: np.ndarray | None = None,
@@ -1088,6 +1099,7 @@ class AutoTree:
         weighed before drafting, at batch 8 a probe that row took whole while another served row
         took nothing looked paying, the ledger filled, and probes ran every few plain steps where
         trees lost."""
+        self.scale["explored"] += 1
         emitted = 1.0
         if got is not None:
             emitted = got + 1.0

@@ -156,9 +156,11 @@ class CostProfile:
                    tuple(float(t) for t in d["draft_ms"]), float(d["catch_ms"]), tuple(int(k) for k in d["depths"]))
 
 
+@functools.cache
 def cpu_model() -> str:
     """The CPU's model name (Linux), else the platform's processor string: timings on the CPU
-    differ several-fold between CPU models, so a result names the one it ran on."""
+    differ several-fold between CPU models, so a result names the one it ran on. Read once (every
+    decoding call's cost-profile key names it; reading the file took a tenth of a call's setup)."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
