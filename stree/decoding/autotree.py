@@ -640,8 +640,8 @@ class AutoTree:
         # a seeded one keeps its ledger to itself, so that its choices follow the seed alone.
         if not adaptive:
             self.scale.update(bank=0.0, plain_run=0)
-        # Each call explores at the whole shares again (BACKOFF) where the last one took probes enough
-        # to back off on its own: a new call is new text, which the probes and watched drafts that lost
+        # Each call explores at the whole shares again (BACKOFF) where the last one explored drafts
+        # enough to back off on its own: a new call is new text, which the probes and watched drafts that lost
         # on the last ones' say little about. Carried on, the halved shares had left n-gram decoding at
         # batch 2 plain through whole benchmark runs (eager, 2-core EPYC, fresh processes: 0.99x-1.11x,
         # mean 1.04x, in six; whole at each call 1.01x-1.22x, mean 1.11x, in eight). Where a call
