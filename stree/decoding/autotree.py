@@ -1244,7 +1244,8 @@ def auto_tree(model, drafter, batch: int, *, mode: str, sampled: bool = False, c
     fills = getattr(drafter, "fills_shapes", True)
     profile = (bracketed_profile if bracketed else cost_profile)(
         model, batch, drafter=drafter if fills else None, mode=mode, sampled=sampled,
-        shapes=[_prefix(prior, n) for n in sizes if n >= 2], refresh=refresh, check=adaptive)
+        shapes=[_prefix(prior, n) for n in sizes if n >= 2], refresh=refresh, check=adaptive,
+        scan="chain" if chain else "tree")
     # adaptive choosers of one profile hand on what they learned: a later call starts from it
     scale, rates = (None, None) if not adaptive else _LEARNED.setdefault(profile, ({"plain": 1.0, "tree": 1.0},
                                                                                    PathRates()))

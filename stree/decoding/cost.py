@@ -279,7 +279,8 @@ def _cached(kind: str, model, parse, measure, fields: dict, refresh: bool, keep=
 
 # ---- measuring ------------------------------------------------------------------------------
 def cost_profile(model, batch_size: int, *, drafter=None, mode: str = "eager", sampled: bool = False, shapes=None,
-                 budget_s: float | None = None, refresh: bool = False, check: bool = False) -> CostProfile:
+                 budget_s: float | None = None, refresh: bool = False, check: bool = False,
+                 scan: str = "tree") -> CostProfile:
     """The :class:`CostProfile` of ``model`` with ``drafter`` (None: the target's work alone) at
     ``batch_size`` rows in ``mode``, greedy or ``sampled`` (drawing and the lossless rejection
     rules cost more than argmax), cached (see the module docstring). ``shapes``: the tree
@@ -297,9 +298,13 @@ def cost_profile(model, batch_size: int, *, drafter=None, mode: str = "eager", s
     profile measured here is spot-checked the same way, right after, and measured once more where
     it is off: a burst of other work during some sizes' rounds (the end of a test run) had priced
     16 nodes at 3.4 steps against 1.8, and the n-gram drafter's gain fell by a fifth in that
-    process."""
+    process. ``scan``: how the loop verifies the trees ("chain": ``method="chain"``'s multi-step
+    update, whose CPU path is the PyTorch reference: priced by the tree scan's passes, a chain
+    choice's iterations took three times what it expected, docs/decoding.md)."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if scan not in ("tree", "chain"):
+        raise ValueError(f"scan must be 'tree' or 'chain', got {scan!r}")
     if not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
     if budget_s is None:
@@ -308,18 +313,18 @@ def cost_profile(model, batch_size: int, *, drafter=None, mode: str = "eager", s
         shapes = [_binary(n) for n in default_sizes(model.device)]
     shapes = sorted(shapes, key=lambda s: s.n)
     fields = dict(batch=batch_size, mode=mode, sizes=[s.n for s in shapes], drafter=drafter_kind(drafter),
-                  sampled=bool(sampled))
+                  sampled=bool(sampled), **({} if scan == "tree" else dict(scan=scan)))  # (tree: the older keys)
     checked = check and mode == "eager"
 
     def holds(cached: CostProfile) -> bool:
         spot = [s for s in dict.fromkeys((shapes[0], shapes[len(shapes) // 2])) if s.n in cached.nodes]
-        return not spot or agrees(cached, _measure(model, drafter, batch_size, mode, sampled, spot, budget_s / 8))
+        return not spot or agrees(cached, _measure(model, drafter, batch_size, mode, sampled, spot, budget_s / 8, scan))
 
     def measure() -> CostProfile:
-        profile = _measure(model, drafter, batch_size, mode, sampled, shapes, budget_s)
+        profile = _measure(model, drafter, batch_size, mode, sampled, shapes, budget_s, scan)
         if profile.plausible and (not checked or holds(profile)):
             return profile
-        return _measure(model, drafter, batch_size, mode, sampled, shapes, budget_s)
+        return _measure(model, drafter, batch_size, mode, sampled, shapes, budget_s, scan)
     return _cached("profile", model, CostProfile.from_dict, measure, fields, refresh,
                    keep=lambda profile: profile.plausible, holds=holds if checked else None)
 
@@ -417,7 +422,8 @@ def _sync(device: torch.device):
 
 
 @torch.no_grad()
-def _measure(model, drafter, batch: int, mode: str, sampled: bool, shapes, budget_s: float) -> CostProfile:
+def _measure(model, drafter, batch: int, mode: str, sampled: bool, shapes, budget_s: float,
+             scan: str = "tree") -> CostProfile:
     """A plain step and an iteration of each of ``shapes`` timed on a random context, as the loop
     runs them. One function for a reason: the timed calls (the closures) share the cache, the
     context and the drafter's rows exactly as the loop's steps do."""
@@ -495,7 +501,7 @@ def _measure(model, drafter, batch: int, mode: str, sampled: bool, shapes, budge
             tree = tree.to(device)
             ms = (time.perf_counter() - t0) * 1e3
             with leading():  # as the loop's tree passes
-                host, result = speculative_step(model, cache, tree, params, draws, top_k=top_k, runner=runner)
+                host, result = speculative_step(model, cache, tree, params, draws, scan, top_k=top_k, runner=runner)
             cache.seqlens -= result.num_accepted.to(cache.seqlens.dtype)
             if drafter is not None:  # the drafter learning from the step is drafting work, as in the loop
                 t0 = time.perf_counter()

@@ -116,7 +116,7 @@ def test_a_profile_made_by_other_library_sources_is_measured_again(fresh_cache, 
 def test_the_default_budget_is_read_from_the_environment(fresh_cache, monkeypatch):
     budgets = []
     profile = CostProfile(1.0, (2, 7), (1.5, 2.0))
-    monkeypatch.setattr(cost, "_measure", lambda *args: budgets.append(args[-1]) or profile)
+    monkeypatch.setattr(cost, "_measure", lambda *args: budgets.append(args[6]) or profile)  # (model, ..., budget_s, scan)
     monkeypatch.setenv("STREE_COST_SECONDS", "0.7")
     cost_profile(mamba2(), 1, shapes=SHAPES)
     monkeypatch.delenv("STREE_COST_SECONDS")
@@ -247,6 +247,36 @@ def test_a_slow_first_use_does_not_cut_the_sizes_measured():
     assert len(cost._timed_rounds(calls, 0.2, lambda: None)) == 6
 
 
+def test_a_chain_choice_is_priced_by_the_scan_that_verifies_its_chains(fresh_cache, monkeypatch):
+    """``method="chain"`` verifies with the multi-step update (``scan="chain"``), whose CPU path is
+    the PyTorch reference: priced by the tree scan's passes, its chains cost three times what the
+    choice expected. The profile times the scan it is asked for, and keeps it apart in the file;
+    a chain decoding call asks for its scan."""
+    import stree.decoding.steps as steps
+    from stree.decoding.loop import generate
+
+    scans = []
+    real = steps.speculative_step
+
+    def spy(model, cache, draft, params, generator, scan="tree", **kw):
+        scans.append(scan)
+        return real(model, cache, draft, params, generator, scan, **kw)
+    monkeypatch.setattr(steps, "speculative_step", spy)
+    model, chains = mamba2(), [TreeShape.chain(1), TreeShape.chain(3)]
+    tree = cost_profile(model, 1, shapes=chains, budget_s=0.2)
+    assert set(scans) == {"tree"}
+    scans.clear()
+    chain = cost_profile(model, 1, shapes=chains, budget_s=0.2, scan="chain")
+    assert set(scans) == {"chain"} and chain is not tree
+    assert len(json.loads(fresh_cache.read_text())["entries"]) == 2
+    asked = []
+    monkeypatch.setattr(cost, "_measure", lambda *args: asked.append(args[7]) or chain)
+    generate(model, torch.tensor([[1, 2, 3, 4]]), drafter=NGramDrafter(), method="chain", max_new_tokens=4)
+    assert asked and set(asked) == {"chain"}
+    with pytest.raises(ValueError, match="scan"):
+        cost_profile(model, 1, shapes=chains, scan="unrolled")
+
+
 def test_bad_arguments():
     with pytest.raises(ValueError, match="mode"):
         cost_profile(mamba2(), 1, mode="fast")
@@ -336,7 +366,7 @@ def test_a_checked_profile_from_the_file_is_spot_checked_and_measured_again_wher
     spots = {"agree": CostProfile(2.0, (2, 4), (3.1, 4.1)), "off": CostProfile(4.0, (2, 4), (4.5, 5.0))}
     answer, fresh, calls = {}, CostProfile(4.0, (2, 4, 8), (4.5, 5.0, 7.0)), []
 
-    def measure(model, drafter, batch, mode, sampled, shapes, budget_s):
+    def measure(model, drafter, batch, mode, sampled, shapes, budget_s, scan):
         calls.append(([s.n for s in shapes], budget_s))
         return answer["spot"] if len(shapes) < 3 else fresh
     model = mamba2()
@@ -368,7 +398,7 @@ def test_a_checked_profile_measured_here_is_spot_checked_and_measured_once_more_
     spot = CostProfile(4.0, (2, 4), (6.1, 7.1))
     calls = []
 
-    def measure(model, drafter, batch, mode, sampled, shapes, budget_s):
+    def measure(model, drafter, batch, mode, sampled, shapes, budget_s, scan):
         calls.append([s.n for s in shapes])
         if len(shapes) < 3:
             return spot

@@ -398,7 +398,7 @@ def test_a_growing_cohort_measures_the_costs_of_powers_of_two_only(lm, monkeypat
     monkeypatch.setattr(cost, "_MEMO", {})
     measured, chosen, watching = [], [], []
 
-    def measure(model, drafter, batch, mode, sampled, shapes, budget_s):
+    def measure(model, drafter, batch, mode, sampled, shapes, budget_s, scan):
         measured.append(batch)  # trees priced cheaply, so that the cohorts draft them
         return cost.CostProfile(1.0, tuple(s.n for s in shapes), tuple(1.0 + 0.01 * s.n for s in shapes))
 
