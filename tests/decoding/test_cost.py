@@ -116,7 +116,7 @@ def test_a_profile_made_by_other_library_sources_is_measured_again(fresh_cache, 
 def test_the_default_budget_is_read_from_the_environment(fresh_cache, monkeypatch):
     budgets = []
     profile = CostProfile(1.0, (2, 7), (1.5, 2.0))
-    monkeypatch.setattr(cost, "_measure", lambda *args: budgets.append(args[6]) or profile)  # (model, ..., budget_s, scan)
+    monkeypatch.setattr(cost, "_measure", lambda *args: budgets.append(args[6]) or profile)  # (.., budget_s, scan)
     monkeypatch.setenv("STREE_COST_SECONDS", "0.7")
     cost_profile(mamba2(), 1, shapes=SHAPES)
     monkeypatch.delenv("STREE_COST_SECONDS")
