@@ -145,3 +145,31 @@ def test_a_script_that_never_closes_still_meets_at_exit(tmp_path):
     run = torchrun(str(script), TARGET)
     assert run.returncode == 0, run.stderr[-3000:]
     assert run.stdout.splitlines().count("LEAVE True True") == 2, run.stdout
+
+
+def _saved(tp, value):
+    return value * (tp.world + 1)
+
+
+def _fails(tp):
+    raise ValueError("rank input")
+
+
+def test_a_spawned_test_rank_skips_the_teardown_only_after_its_work_is_saved(monkeypatch, tmp_path):
+    """run_ranks' ranks (the tensor-parallel tests and benchmark) exit with os._exit(0) once their
+    result is saved and the group ended, as the command's ranks do; a rank whose work raised does
+    not: the exception reaches mp.spawn, which reports it to the caller."""
+    import torch
+    import torch.distributed as dist
+
+    from stree.testing.ranks import _rank
+
+    exits = []
+    monkeypatch.setattr(os, "_exit", lambda code: exits.append(code) or sys.exit(f"os._exit {code}"))
+    with pytest.raises(SystemExit, match="os._exit 0"):
+        _rank(0, 1, str(tmp_path), 1, _saved, (3,))
+    assert exits == [0] and torch.load(tmp_path / "0.pt") == 6 and not dist.is_initialized()
+    (tmp_path / "again").mkdir()
+    with pytest.raises(ValueError, match="rank input"):
+        _rank(0, 1, str(tmp_path / "again"), 1, _fails, ())
+    assert exits == [0] and not dist.is_initialized()
