@@ -166,10 +166,16 @@ def test_a_spawned_test_rank_skips_the_teardown_only_after_its_work_is_saved(mon
 
     exits = []
     monkeypatch.setattr(os, "_exit", lambda code: exits.append(code) or sys.exit(f"os._exit {code}"))
-    with pytest.raises(SystemExit, match="os._exit 0"):
-        _rank(0, 1, str(tmp_path), 1, _saved, (3,))
-    assert exits == [0] and torch.load(tmp_path / "0.pt") == 6 and not dist.is_initialized()
-    (tmp_path / "again").mkdir()
-    with pytest.raises(ValueError, match="rank input"):
-        _rank(0, 1, str(tmp_path / "again"), 1, _fails, ())
-    assert exits == [0] and not dist.is_initialized()
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):  # (a rank sets them: this process gets its own back)
+        monkeypatch.setenv(name, "1" if name == "WORLD_SIZE" else "0")
+    threads = torch.get_num_threads()
+    try:
+        with pytest.raises(SystemExit, match="os._exit 0"):
+            _rank(0, 1, str(tmp_path), 1, _saved, (3,))
+        assert exits == [0] and torch.load(tmp_path / "0.pt") == 6 and not dist.is_initialized()
+        (tmp_path / "again").mkdir()
+        with pytest.raises(ValueError, match="rank input"):
+            _rank(0, 1, str(tmp_path / "again"), 1, _fails, ())
+        assert exits == [0] and not dist.is_initialized()
+    finally:
+        torch.set_num_threads(threads)
