@@ -789,6 +789,17 @@ class AutoTree:
         self._drafted = self._pick if self._pick > 1 else self._probe_size
         return self.prefix(self._drafted)
 
+    def undrafted(self) -> None:
+        """After :meth:`plan` named a shape: the drafter knew before drafting that it had nothing
+        to draft (:meth:`~stree.drafters.base.Drafter.can_draft`), so the step is a plain one, as
+        if :meth:`plan` had chosen it. It is no declined draft (the share of drafts verified is
+        that of the drafts made), and no probe: one due waits for the next step, its price still
+        in the ledger (a probe without a draft would teach the ledger that probes cost nothing)."""
+        if self._probing:
+            self._probing, self._plain_run = False, self.PROBE
+        self._predicted, self._drafted = ("plain", self.cost[1]), 0
+        self._plain_run += 1
+
     def plain_ahead(self) -> int:
         """After a plain step's :meth:`record`: how many of the next steps are plain whatever they
         take (no probe falls due before they end; what the step taught is re-planned first, and

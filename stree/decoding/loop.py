@@ -457,7 +457,11 @@ def _draft(drafter: Drafter, chooser: AutoTree | None, rows: Rows, shape, roots:
     plan = shape if chooser is None else chooser.plan(lambda: drafter.behind(rows.context()))
     if plan is None:
         return None
-    draft = drafter.propose(rows.context(), None if plan == "own" else plan)
+    context = rows.context()
+    if chooser is not None and not drafter.can_draft(context):  # (known before drafting: a plain step)
+        chooser.undrafted()
+        return None
+    draft = drafter.propose(context, None if plan == "own" else plan)
     check_draft(draft, roots[live], vocab_size)
     if chooser is not None:
         return chooser.choose(draft, rows.critical(live), np.asarray(live))

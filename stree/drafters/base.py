@@ -119,6 +119,13 @@ class Drafter:
         context for rows it has not seen. 0 for drafters that read the context as they draft."""
         return 0
 
+    def can_draft(self, context: DraftContext) -> bool:
+        """Whether :meth:`propose` may fill a node below some row's root: False only where the
+        drafter knows, for less than drafting costs, that every row of ``context`` would get its
+        root alone (a prompt-lookup drafter whose last token has not occurred before). The
+        decoding loop then takes a plain step without drafting. The default: True (it cannot tell)."""
+        return True
+
     def reseed(self, seed: int) -> None:
         """Restart the drafter's random stream from ``seed`` (``generate(seed=...)`` derives it,
         independent of the verifier's stream)."""

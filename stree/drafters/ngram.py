@@ -87,6 +87,10 @@ class RowIndex:
                         return out
         return out
 
+    def continues(self, min_n: int) -> bool:
+        """Whether the context's last tokens have a continuation (a draft's root a child)."""
+        return bool(self.candidates(tuple(self.tokens[-self.max_n:]), 1, min_n))
+
     def propose(self, min_n: int, plan: ShapePlan, n_nodes: int) -> tuple[np.ndarray, np.ndarray]:
         """One row's draft on the plan's shape: tokens and which nodes were filled."""
         toks, ok, suffix = [0] * n_nodes, [False] * n_nodes, [()] * n_nodes
@@ -139,8 +143,14 @@ class NGramDrafter(Drafter):
         if length < index.ntoks:
             raise ValueError(f"row {row}'s context shrank from {index.ntoks} to {length} tokens; "
                              "call reset() before drafting for new rows")
-        index.extend(tokens[row, index.ntoks: length])
+        if length > index.ntoks:
+            index.extend(tokens[row, index.ntoks: length])
         return index
+
+    def can_draft(self, context: DraftContext) -> bool:
+        """Whether any row's last tokens occurred before with a continuation (else its draft is its root)."""
+        tokens, lengths = context.tokens.numpy(), context.lengths.numpy()
+        return any(self._index(row, tokens, int(lengths[row])).continues(self.min_n) for row in context.rows)
 
     def build(self, shapes, batch: int) -> None:
         """Load the compiled index's calls (:func:`~.ngram_jit.warm`): setup, not a decoding step's."""

@@ -160,6 +160,15 @@ def _candidates(suffix, slen, k, min_n, slots, key_tok, key_len, c_start, c_len,
 
 
 @njit(cache=True)
+def continues(toks, ntoks, max_n, min_n, slots, key_tok, key_len, c_start, c_len, pool_tok):
+    """Whether the last ``max_n`` tokens (or fewer, down to ``min_n``) have a continuation."""
+    first = max(0, ntoks - max_n)
+    out = np.empty(1, dtype=np.int64)
+    return _candidates(toks[first: ntoks], ntoks - first, 1, min_n, slots, key_tok, key_len, c_start, c_len, pool_tok,
+                       out) > 0
+
+
+@njit(cache=True)
 def propose(toks, ntoks, max_n, min_n, slots, key_tok, key_len, c_start, c_len, pool_tok,
             plan_node, plan_kids, kids, has_kids, out_tok, out_ok):
     """Drafts one row on a static shape: node 0 the last token; the children of internal node
@@ -283,6 +292,10 @@ class CompiledRowIndex:
         k, _ = find(self.slots, self.key_tok, self.key_len, np.array(key, dtype=np.int64), 0, len(key))
         return [] if k < 0 else self.pool_tok[self.c_start[k]: self.c_start[k] + self.c_len[k]].tolist()
 
+    def continues(self, min_n: int) -> bool:
+        return bool(continues(self.toks, self.ntoks, self.max_n, min_n, self.slots, self.key_tok, self.key_len,
+                              self.c_start, self.c_len, self.pool_tok))
+
     def propose(self, min_n: int, plan, n_nodes: int) -> tuple[np.ndarray, np.ndarray]:
         out_tok, out_ok = np.empty(n_nodes, dtype=np.int64), np.empty(n_nodes, dtype=np.bool_)
         propose(self.toks, self.ntoks, self.max_n, min_n, self.slots, self.key_tok, self.key_len, self.c_start,
@@ -305,3 +318,4 @@ def warm() -> None:
         index.extend(np.arange(1200, dtype=np.int64) * 7919 % 4099)  # (distinct n-grams)
         index.extend(np.arange(600, dtype=np.int64) % 7)  # (continuations outgrowing their regions)
         index.propose(1, shape.plan, shape.n)
+        index.continues(1)

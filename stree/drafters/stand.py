@@ -386,16 +386,28 @@ class STANDDrafter(Drafter):
         return TokenTree.from_shape(shape, tokens, valid=valid, child_ids=torch.from_numpy(child_ids),
                                     child_probs=torch.from_numpy(child_probs))
 
-    def _grow(self, context: DraftContext, budget: TreeBudget) -> TokenTree:
-        """A dynamic tree: each kept node's law is the entry of the longest n-gram matching its
-        path (none: no children), its children drawn by the race as in a static shape."""
+    def _tails(self, context: DraftContext) -> tuple[np.ndarray, np.ndarray]:
+        """Each row's last ``max_n`` tokens (or fewer), left-aligned, and how many."""
         max_n = self.store.max_n
         tokens, lengths = context.tokens.numpy(), context.lengths.numpy()
-        paths = np.zeros((len(context), max_n), dtype=np.int64)  # each node's last max_n tokens, left-aligned
+        paths = np.zeros((len(context), max_n), dtype=np.int64)
         plens = np.zeros(len(context), dtype=np.int64)
         for i, r in enumerate(context.rows):
             tail = tokens[r, max(0, int(lengths[r]) - max_n): int(lengths[r])]
             paths[i, : len(tail)], plens[i] = tail, len(tail)
+        return paths, plens
+
+    def can_draft(self, context: DraftContext) -> bool:
+        """Whether some row's last tokens match an n-gram of the store with a law (else every
+        row's tree, static or grown, is its root alone)."""
+        slots = self.store.lookup(*self._tails(context))
+        return bool((self.store._np_probs[slots[slots >= 0], 0] > 0).any())
+
+    def _grow(self, context: DraftContext, budget: TreeBudget) -> TokenTree:
+        """A dynamic tree: each kept node's law is the entry of the longest n-gram matching its
+        path (none: no children), its children drawn by the race as in a static shape."""
+        max_n = self.store.max_n
+        paths, plens = self._tails(context)  # each node's last max_n tokens, left-aligned
         roots = paths[np.arange(len(context)), plens - 1]
 
         def expand(level: Level):

@@ -741,6 +741,31 @@ def test_the_share_of_drafts_verified_carries_over_calls():
     assert AutoTree(profile, sizes=(2,), rates=auto.rates).scale["verified"] == 1.0
 
 
+def test_nothing_to_draft_is_a_plain_step_neither_a_declined_draft_nor_a_probe():
+    """Where the drafter says before drafting that it has nothing to draft (``can_draft``), the
+    loop calls ``undrafted``: the step is a plain one; the share of drafts verified stays (it is
+    the drafts made's: an empty draft found wanting lowers it), and a probe that was due waits,
+    its price still in the ledger, for the next step, which probes (a probe without a draft
+    would have taught the ledger that probes cost nothing)."""
+    auto = AutoTree(cheap(), adaptive=True)
+    plan = auto.plan()
+    assert plan is not None
+    share = auto.scale["verified"]
+    auto.undrafted()
+    auto.record(None, elapsed_ms=1.0)
+    assert auto.scale["verified"] == share and auto.chosen[1] == 1
+    assert auto.plan() is not None and auto.choose(full_draft(plan, fill=1), np.ones(1, dtype=np.bool_)) is None
+    assert auto.scale["verified"] < share  # (an empty draft made: declined)
+
+    dear = AutoTree(expensive(), adaptive=True)
+    dear.scale["bank"], dear._plain_run = 100.0, AutoTree.PROBE
+    assert dear.plan() is not None and dear._probing
+    dear.undrafted()
+    dear.record(None, elapsed_ms=1.0)
+    assert dear.scale["probes"] == 0 and dear.scale["explored"] == 0 and dear.scale["bank"] == 100.0
+    assert dear.plan() is not None and dear._probing  # the probe, at the next step
+
+
 def test_plain_runs_teach_the_machines_speed_and_trees_their_own_price():
     """A plain step 1 ms by the profile, 2-node trees bringing 1.95 tokens.
 
@@ -1150,6 +1175,28 @@ def test_the_loop_learns_from_watched_drafts_and_outputs_stay_the_same():
                                                                      **sampled).sequences
     ssm = make_drafter("ssm-static", drafter_model=mamba2(n_layer=1, seed=3), vocab_size=model.vocab_size)
     assert generate(model, prompts, max_new_tokens=48, drafter=ssm).stats.watched == 0
+
+
+def test_the_loop_drafts_only_where_the_drafter_can_and_outputs_stay_the_same():
+    """Batch 1 and 2, an n-gram drafter whose ``can_draft`` says False at every third question
+    (whether it could draft or not: the loop must take its word; when it is right, test_ngram):
+    the loop asks before drafting each tree the choice plans, drafts only where told True, and
+    takes a plain step where told False; the output is autoregressive decoding's."""
+    from stree.drafters.ngram import NGramDrafter
+
+    model = mamba2()
+    prompts = [[1, 2, 3, 1, 2, 3, 1, 2], [4, 5, 6, 4, 5]]
+    for batch in (prompts[:1], prompts):
+        log, drafter, answers = [], NGramDrafter(), itertools.cycle([True, True, False])
+        propose = drafter.propose
+        drafter.can_draft = lambda context: log.append(next(answers)) or log[-1]
+        drafter.propose = lambda context, shape: (log.append("drafted"), propose(context, shape))[1]
+        out = generate(model, batch, drafter=drafter, tree=AutoTree(cheap()), max_new_tokens=40)
+        assert out.sequences == generate(model, batch, method="autoregressive", max_new_tokens=40).sequences
+        asked = [x for x in log if x != "drafted"]
+        assert asked.count(False) >= 3 and log.count("drafted") == asked.count(True)
+        assert all((b == "drafted") == (a is True) for a, b in zip(log, log[1:] + [None]) if a != "drafted")
+        assert out.stats.trees.get(1, 0) >= asked.count(False)
 
 
 def test_explicit_trees_are_honoured_exactly():

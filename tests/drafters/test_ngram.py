@@ -99,6 +99,23 @@ def test_no_match_leaves_invalid_slots_and_prunes_their_subtrees(compiled):
 
 
 @both
+def test_it_says_before_drafting_exactly_when_no_row_would_get_more_than_its_root(compiled):
+    """``can_draft``, which the decoding loop asks before drafting: False exactly where proposing
+    fills no node below any row's root (each row's last tokens never occurred before with a
+    continuation, or fewer than ``min_n`` of them)."""
+    rng = np.random.default_rng(0)
+    answers = set()
+    for _ in range(300):
+        rows = [rng.integers(0, 6, int(rng.integers(1, 8))).tolist() for _ in range(int(rng.integers(1, 3)))]
+        drafter = NGramDrafter(max_n=int(rng.integers(2, 4)), min_n=int(rng.integers(1, 3)), compiled=compiled)
+        ctx = context(rows)
+        can = drafter.can_draft(ctx)
+        assert can == bool(drafter.propose(ctx, TreeShape.full(2, 2)).valid[:, 1:].any()), rows
+        answers.add(can)
+    assert answers == {True, False}
+
+
+@both
 def test_index_reads_each_token_once(monkeypatch, compiled):
     seen = []
     cls = CompiledRowIndex if compiled else ngram_module.RowIndex
@@ -164,8 +181,10 @@ def test_compiled_index_equals_the_reference(seed, vocab, max_n, capacity, evict
         assert sorted(ref.keys()) == sorted(fast.keys())
         assert all(ref.ranked(k) == fast.ranked(k) for k in ref.keys())
         min_n = int(rng.integers(1, max_n + 1))
-        for a, b in zip(ref.propose(min_n, plan, plan.shape.n), fast.propose(min_n, plan, plan.shape.n)):
+        drafts = ref.propose(min_n, plan, plan.shape.n), fast.propose(min_n, plan, plan.shape.n)
+        for a, b in zip(*drafts):
             assert np.array_equal(a, b)
+        assert ref.continues(min_n) == fast.continues(min_n) == bool(drafts[0][1][1:].any())
 
 
 def test_compiled_index_grows_and_compacts_like_the_reference(monkeypatch):
@@ -193,5 +212,6 @@ def test_build_loads_every_compiled_call_of_the_index():
     """A decoding loop's setup (``build``) loads the compiled index's calls, growth included, in a
     fresh process: each loads on first use, and the first index to outgrow its arrays inside
     decoding (often tree="auto"'s first probe) had paid some ten milliseconds for it."""
-    assert unloaded_after("stree.drafters.ngram_jit", ["extend", "rehash", "compact", "propose"],
+    calls = ["extend", "rehash", "compact", "propose", "continues"]
+    assert unloaded_after("stree.drafters.ngram_jit", calls,
                           "from stree.drafters.ngram import NGramDrafter", "NGramDrafter().build([], 1)") == []

@@ -283,6 +283,32 @@ def test_compiled_store_equals_the_reference(seed, vocab, top_k, max_n, capacity
                 assert np.array_equal(x, y)
 
 
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "reference"])
+def test_it_says_before_drafting_exactly_when_no_row_would_get_more_than_its_root(compiled):
+    """``can_draft``, which the decoding loop asks before drafting: False exactly where proposing,
+    a static shape or a grown tree, fills no node below any row's root (no row's last tokens
+    match an n-gram of the store)."""
+    rng = np.random.default_rng(0)
+    answers = set()
+    for _ in range(100):
+        store = STANDStore(64, 3, 3, compiled=compiled)
+        m = int(rng.integers(1, 6))
+        keys = [tuple(rng.integers(0, 8, int(rng.integers(1, 4))).tolist()) for _ in range(m)]
+        store.update(keys, np.stack([rng.permutation(8)[:3] for _ in range(m)]),
+                     rng.dirichlet(np.ones(3), m).astype(np.float32))
+        rows = [rng.integers(0, 8, int(rng.integers(1, 6))).tolist() for _ in range(int(rng.integers(1, 3)))]
+        tokens = torch.zeros(len(rows), 6, dtype=torch.long)
+        for i, r in enumerate(rows):
+            tokens[i, : len(r)] = torch.tensor(r)
+        ctx = DraftContext(tokens, torch.tensor([len(r) for r in rows]), list(range(len(rows))))
+        drafter = STANDDrafter(store, TreeShape.full(2, 2), stochastic=bool(rng.integers(2)), learn=False)
+        can = drafter.can_draft(ctx)
+        for shape in (None, TreeBudget(6)):
+            assert can == bool(drafter.propose(ctx, shape).valid[:, 1:].any()), (rows, keys)
+        answers.add(can)
+    assert answers == {True, False}
+
+
 def test_store_keys_longer_than_max_n_are_an_error():
     with pytest.raises(ValueError, match="keys must have 1..2 tokens"):
         STANDStore(top_k=2, max_n=2).update([(1, 2, 3)], t(1, 2, dtype=torch.long), t(0.5, 0.5))
