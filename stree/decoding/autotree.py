@@ -791,14 +791,19 @@ class AutoTree:
 
     def undrafted(self) -> None:
         """After :meth:`plan` named a shape: the drafter knew before drafting that it had nothing
-        to draft (:meth:`~stree.drafters.base.Drafter.can_draft`), so the step is a plain one, as
-        if :meth:`plan` had chosen it. It is no declined draft (the share of drafts verified is
-        that of the drafts made), and no probe: one due waits for the next step, its price still
-        in the ledger (a probe without a draft would teach the ledger that probes cost nothing)."""
+        to draft (:meth:`~stree.drafters.base.Drafter.can_draft`), and the step is a plain one. It
+        counts as a draft found wanting, as an empty draft does (the share of drafts verified and
+        the price of such iterations, the ``declined`` scale, are learned over both, drafted or
+        not: counted apart, the choice drafted where it had not and lost a few points at batch
+        1), less the drafting. A probe that was due is no probe: it waits for the next step, its
+        price still in the ledger (a probe without a draft would teach the ledger that probes
+        cost nothing)."""
         if self._probing:
-            self._probing, self._plain_run = False, self.PROBE
-        self._predicted, self._drafted = ("plain", self.cost[1]), 0
-        self._plain_run += 1
+            self._probing, self._plain_run = False, self.PROBE + 1
+            self._predicted, self._drafted = ("plain", self.cost[1]), 0
+            return
+        self._predicted = ("declined", self.draft_cost[min(self._drafted, self.max_nodes)] + self.cost[1])
+        self._verified(False)
 
     def plain_ahead(self) -> int:
         """After a plain step's :meth:`record`: how many of the next steps are plain whatever they

@@ -741,21 +741,26 @@ def test_the_share_of_drafts_verified_carries_over_calls():
     assert AutoTree(profile, sizes=(2,), rates=auto.rates).scale["verified"] == 1.0
 
 
-def test_nothing_to_draft_is_a_plain_step_neither_a_declined_draft_nor_a_probe():
+def test_nothing_to_draft_counts_as_an_empty_draft_less_its_drafting_and_is_no_probe():
     """Where the drafter says before drafting that it has nothing to draft (``can_draft``), the
-    loop calls ``undrafted``: the step is a plain one; the share of drafts verified stays (it is
-    the drafts made's: an empty draft found wanting lowers it), and a probe that was due waits,
-    its price still in the ledger, for the next step, which probes (a probe without a draft
-    would have taught the ledger that probes cost nothing)."""
-    auto = AutoTree(cheap(), adaptive=True)
-    plan = auto.plan()
-    assert plan is not None
-    share = auto.scale["verified"]
-    auto.undrafted()
-    auto.record(None, elapsed_ms=1.0)
-    assert auto.scale["verified"] == share and auto.chosen[1] == 1
-    assert auto.plan() is not None and auto.choose(full_draft(plan, fill=1), np.ones(1, dtype=np.bool_)) is None
-    assert auto.scale["verified"] < share  # (an empty draft made: declined)
+    loop calls ``undrafted`` and takes a plain step: for the choice, a draft found wanting, as an
+    empty draft is (the share of drafts verified falls the same), priced by the clock among such
+    iterations (here 0.8 ms against a plain step's 1 ms predicted, and no drafting: the
+    ``declined`` scale falls); a probe that was due waits, its price still in the ledger, for the
+    next step, which probes (a probe without a draft would have taught the ledger that probes
+    cost nothing)."""
+    told, drafted = (AutoTree(cheap(), adaptive=True) for _ in range(2))
+    for auto in (told, drafted):
+        auto._iterations = AutoTree.SETTLE + 1  # (past a call's first iterations, which teach no cost)
+        plan = auto.plan()
+        assert plan is not None and auto._predicted[0] == "plain"
+    told.undrafted()
+    assert drafted.choose(full_draft(plan, fill=1), np.ones(1, dtype=np.bool_)) is None
+    assert told._predicted == drafted._predicted and told._predicted[0] == "declined"
+    for auto in (told, drafted):
+        auto.record(None, elapsed_ms=0.8)
+    assert told.scale["verified"] == drafted.scale["verified"] < 1.0
+    assert told.scale["declined"] < 1.0 and told.chosen[1] == 1
 
     dear = AutoTree(expensive(), adaptive=True)
     dear.scale["bank"], dear._plain_run = 100.0, AutoTree.PROBE
@@ -763,6 +768,7 @@ def test_nothing_to_draft_is_a_plain_step_neither_a_declined_draft_nor_a_probe()
     dear.undrafted()
     dear.record(None, elapsed_ms=1.0)
     assert dear.scale["probes"] == 0 and dear.scale["explored"] == 0 and dear.scale["bank"] == 100.0
+    assert dear.scale["verified"] == 1.0
     assert dear.plan() is not None and dear._probing  # the probe, at the next step
 
 
