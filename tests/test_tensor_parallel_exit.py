@@ -23,6 +23,13 @@ TARGET = str(ROOT / "stree/assets/tiny-target")
 ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONFAULTHANDLER="1")
 
 
+def report(run) -> str:
+    """What a failed launch said: where an aborting rank's threads were (faulthandler's dump, which
+    the launcher's own report pushes out of a plain tail), then the tail."""
+    at = run.stderr.find("Fatal Python error")
+    return (run.stderr[at: at + 4000] + "\n...\n" if at >= 0 else "") + run.stderr[-2000:]
+
+
 def torchrun(*args, timeout=120, **kw):
     return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                            *args], capture_output=True, text=True, env=ENV, timeout=timeout, cwd=ROOT, **kw)
@@ -40,7 +47,7 @@ def test_torchrun_generate_exits_0_with_the_single_process_output(capsys):
     assert main(argv) == 0  # one process: this one
     expected = json.loads(capsys.readouterr().out)["token_ids"]
     run = torchrun("-m", "stree", *argv)
-    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.returncode == 0, report(run)
     assert "terminate called" not in run.stderr
     reports = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
     assert len(reports) == 1, run.stdout  # rank 0 reports
@@ -118,7 +125,7 @@ def test_python_users_end_the_group_with_a_with_block(tmp_path):
     script = tmp_path / "run.py"
     script.write_text(textwrap.dedent(SCRIPT))
     run = torchrun(str(script), TARGET)
-    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.returncode == 0, report(run)
     assert sum(line.startswith("TEXT") for line in run.stdout.splitlines()) == 1
 
 
@@ -143,7 +150,7 @@ def test_a_script_that_never_closes_still_meets_at_exit(tmp_path):
     script = tmp_path / "run.py"
     script.write_text(textwrap.dedent(BACKSTOP))
     run = torchrun(str(script), TARGET)
-    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.returncode == 0, report(run)
     assert run.stdout.splitlines().count("LEAVE True True") == 2, run.stdout
 
 
