@@ -2,7 +2,9 @@
 every tensor operation that would make a CUDA device wait for the host (reading a value back,
 data-dependent shapes) raises. Kernel launches under the Triton interpreter are let through:
 the interpreter copies to numpy by design, a GPU launch does not; so are the numpy views the
-numba CPU kernels take (``as_numpy``: CPU tensors only, a CUDA tensor never goes there)."""
+numba CPU kernels take (``as_numpy``: CPU tensors only, a CUDA tensor never goes there), and the
+numpy view of what a counted ``.cpu()`` returned (the host's copy: reading it reads no device; a
+CUDA tensor's own ``.numpy()`` raises)."""
 
 from __future__ import annotations
 
@@ -72,11 +74,19 @@ def _watch_host_reads(on_read):
         launch = stack.enter_context(flag_kernel_launches())
         armed = lambda: not launch["active"]
 
+        # the tensors a counted read brought to the host: reading those again (their numpy view) reads
+        # no device (kept alive here so that no later tensor takes a recorded id)
+        on_host: dict[int, torch.Tensor] = {}
+
         def guard(name, original):
             def call(*args, **kwargs):
-                if armed():
+                again = name == "Tensor.numpy" and args and id(args[0]) in on_host
+                if armed() and not again:
                     on_read(name)
-                return original(*args, **kwargs)
+                out = original(*args, **kwargs)
+                if name == "Tensor.cpu" and isinstance(out, torch.Tensor):
+                    on_host[id(out)] = out
+                return out
             return call
 
         def guard_bool_index(name, original):

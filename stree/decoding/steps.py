@@ -66,7 +66,7 @@ def _to_host(tokens: torch.Tensor, counts: torch.Tensor, probs: torch.Tensor | N
     the CPU, where the compiled paths run, the parts are the host's already: no packing."""
     if _verify.COMPILED_ON_CPU and tokens.device.type == "cpu":
         B = tokens.shape[0]
-        out = HostStep(tokens, counts, finite.reshape(B, -1).all(1))
+        out = HostStep(tokens, counts, finite if finite.dim() == 1 else finite.reshape(B, -1).all(1))
         k = packed_k(probs, top_k)
         if k is not None:
             top_ids, top_probs, token_probs = _laws(tokens, probs, k)
@@ -106,13 +106,15 @@ def _laws(tokens: torch.Tensor, probs: torch.Tensor, k: int):
 def unpack(host: torch.Tensor, L: int, m: int, k: int | None) -> HostStep:
     """The :class:`HostStep` in a packed host tensor of ``L`` tokens a row, ``m`` finiteness flags
     and ``k`` target entries per token (None: no laws packed)."""
-    B = host.shape[0]
-    out = HostStep(host[:, :L].long(), host[:, L].long(), host[:, L + 1: L + 1 + m].bool().all(1))
+    a = host.numpy()  # (NumPy slices and casts: a torch op on these few numbers costs several times as much)
+    B = a.shape[0]
+    out = HostStep(torch.from_numpy(a[:, :L].astype(np.int64)), torch.from_numpy(a[:, L].astype(np.int64)),
+                   torch.from_numpy(a[:, L + 1: L + 1 + m].all(1)))
     if k is not None:
         at = L + 1 + m
-        out.top_ids = host[:, at: at + L * k].long().view(B, L, k)
-        out.top_probs = host[:, at + L * k: at + 2 * L * k].view(B, L, k)
-        out.token_probs = host[:, at + 2 * L * k:]
+        out.top_ids = torch.from_numpy(a[:, at: at + L * k].astype(np.int64).reshape(B, L, k))
+        out.top_probs = torch.from_numpy(a[:, at + L * k: at + 2 * L * k].reshape(B, L, k))
+        out.token_probs = torch.from_numpy(a[:, at + 2 * L * k:])
     return out
 
 

@@ -55,6 +55,17 @@ def test_a_speculative_step_reads_the_device_once(family, temperature, top_k, mo
     assert (host.top_ids is None) == (top_k is None)
 
 
+def test_the_read_counter_spares_only_the_numpy_view_of_what_a_counted_read_brought():
+    """The counter's one exemption (tests/host_sync.py): a step unpacks its one transfer on the
+    host through NumPy. Another tensor's numpy view, and every other read, still count."""
+    device, other = torch.arange(4), torch.arange(3)
+    with count_host_syncs() as reads:
+        device.cpu().numpy()
+        other.numpy()
+        int(other[0])
+    assert reads == ["Tensor.cpu", "Tensor.numpy", "Tensor.__int__"]
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_an_autoregressive_step_reads_the_device_once(family, monkeypatch):
     monkeypatch.setattr(verify_module, "COMPILED_ON_CPU", False)  # (a device's path: the CPU's reads no device)

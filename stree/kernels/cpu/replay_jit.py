@@ -73,10 +73,15 @@ def replay_layers(state, conv, xBC, x, dt, B, A, bias, has_bias, softplus, lo, h
                     for p in range(headdim):
                         for s in range(dstate):
                             new_state[l, b, h, p, s] = rows[s, p]
-            for d in range(dim):
-                for j in range(K):
-                    q = m - K + j
-                    if q >= 0:
-                        new_conv[l, b, d, j] = xBC[l, b, accepted[b, q], d]
-                    else:
+            # the window slot by slot, each a row's column (an activation row, or an older slot): a
+            # loop over the channels per slot, not over the slots per channel, which took three
+            # times as long (a four-wide inner loop with a branch in it)
+            for j in range(K):
+                q = m - K + j
+                if q >= 0:
+                    src = xBC[l, b, accepted[b, q]]
+                    for d in range(dim):
+                        new_conv[l, b, d, j] = src[d]
+                else:
+                    for d in range(dim):
                         new_conv[l, b, d, j] = conv[l, b, d, K + q]

@@ -183,10 +183,9 @@ class Mamba2Mixer(nn.Module):
         """Activation replay of every Mamba2 layer in one call (the model checked the path), with
         the dt clamp the pass used (``cu_seqlens``: the pass was packed trees')."""
         mixers = [blk.mixer for blk, kind in zip(model.blocks, model.kinds()) if kind == "ssm"]
-        A = derived(model, "ssm_A", lambda: torch.stack([m.A() for m in mixers]),
-                    key=value_key(*(m.A_log for m in mixers)))
-        dt_bias = derived(model, "ssm_dt_bias", lambda: torch.stack([m.dt_bias for m in mixers]),
-                          key=value_key(*(m.dt_bias for m in mixers)))
+        A, dt_bias = derived(model, "ssm_A_dt_bias",
+                             lambda: (torch.stack([m.A() for m in mixers]), torch.stack([m.dt_bias for m in mixers])),
+                             key=value_key(*(m.A_log for m in mixers), *(m.dt_bias for m in mixers)))
         dt_limit = mixers[0].dt_limit(prefill)
         tensors = (cache.ssm, cache.conv, scratch.xBC, scratch.x, scratch.dt, scratch.B, A, dt_bias)
         if kernel_backend == "auto" and cu_seqlens is None and accepted.dtype == num_accepted.dtype == torch.long \
