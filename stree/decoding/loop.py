@@ -462,7 +462,7 @@ def _draft(drafter: Drafter, chooser: AutoTree | None, rows: Rows, shape, roots:
         chooser.undrafted()
         return None
     draft = drafter.propose(context, None if plan == "own" else plan)
-    check_draft(draft, roots if len(live) == len(roots) else roots[live], vocab_size)  # (an index op: ~5 us)
+    check_draft(draft, roots if len(live) == len(roots) else roots[live], vocab_size)  # (no index op when all are live)
     if chooser is not None:
         return chooser.choose(draft, rows.critical(live), np.asarray(live))
     if eager and draft.valid is not None and not bool(draft.valid[:, 1:].any()):
