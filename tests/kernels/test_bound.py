@@ -20,17 +20,25 @@ from stree.tree import tree_index
 K = 4
 
 
-def _layer(gen, shape, d_per_dim: bool, conv_bias: bool, gate_first: bool):
-    """A layer's parameters and sizes: conv over x, B, C; a norm over d_inner in ``ngroups`` groups."""
+def _layer(gen, shape, d_per_dim: bool, conv_bias: bool, gate_first: bool, narrow: bool = False):
+    """A layer's parameters and sizes: conv over x, B, C; a norm over d_inner in ``ngroups`` groups.
+    ``narrow``: MambaInLlama's d_xb variant (a group per head, d_state = headdim; x and B one head /
+    group per pair of heads, repeated after the conv), where the heads pair up."""
     h, p, g, s = shape["nheads"], shape["headdim"], shape["ngroups"], shape["dstate"]
+    narrow = narrow and h % 2 == 0
+    if narrow:
+        g, s = h, p
     d_inner = h * p
-    dim = d_inner + 2 * g * s
+    x_dim = d_inner // 2 if narrow else d_inner
+    b_dim = x_dim if narrow else g * s
+    dim = x_dim + b_dim + g * s
     rnd = lambda *size: torch.randn(*size, generator=gen)
     params = dict(conv_weight=rnd(dim, 1, K) * 0.5, conv_bias=rnd(dim) * 0.1 if conv_bias else None,
                   A=-torch.rand(h, generator=gen) * 4, D=rnd(h, p) if d_per_dim else rnd(h), dt_bias=rnd(h) * 0.5,
                   norm_weight=rnd(d_inner))
-    jit = Mamba2LayerJit(**params, group_size=d_inner // g, eps=1e-5, gate_first=gate_first)
-    return jit, params, dict(d_inner=d_inner, dim=dim, h=h, p=p, g=g, s=s)
+    jit = Mamba2LayerJit(**params, group_size=d_inner // g, eps=1e-5, gate_first=gate_first, x_dim=x_dim,
+                         B_dim=b_dim, d_state=s)
+    return jit, params, dict(d_inner=d_inner, dim=dim, h=h, p=p, g=g, s=s, x_dim=x_dim, b_dim=b_dim)
 
 
 def _split(proj, sz):
@@ -39,61 +47,63 @@ def _split(proj, sz):
 
 
 def _ssm_inputs(conv, sz):
-    x, B, C = torch.split(conv, [sz["d_inner"], sz["g"] * sz["s"], sz["g"] * sz["s"]], dim=-1)
-    return (x.unflatten(-1, (sz["h"], sz["p"])), B.unflatten(-1, (sz["g"], sz["s"])),
-            C.unflatten(-1, (sz["g"], sz["s"])))
+    """x, B, C as the PyTorch path makes them (mamba2.Mamba2Mixer._ssm_inputs)."""
+    x, B, C = torch.split(conv, [sz["x_dim"], sz["b_dim"], sz["g"] * sz["s"]], dim=-1)
+    x, B = x.unflatten(-1, (sz["x_dim"] // sz["p"], sz["p"])), B.unflatten(-1, (sz["b_dim"] // sz["s"], sz["s"]))
+    if sz["x_dim"] != sz["d_inner"]:
+        x, B = x.repeat_interleave(sz["h"] // x.shape[-2], dim=-2), B.repeat_interleave(sz["g"] // B.shape[-2], dim=-2)
+    return x, B, C.unflatten(-1, (sz["g"], sz["s"]))
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=30, deadline=None)
 @given(tree=trees(max_n=JIT_MAX_NODES), shape=ssm_shapes(), d_per_dim=st.booleans(), conv_bias=st.booleans(),
-       gate_first=st.booleans(), limit=st.sampled_from([(0.0, math.inf), (0.002, 0.05)]), seed=st.integers(0, 99))
-def test_a_tree_pass_matches_the_public_kernels_bit_for_bit(tree, shape, d_per_dim, conv_bias, gate_first, limit, seed):
+       gate_first=st.booleans(), narrow=st.booleans(), limit=st.sampled_from([(0.0, math.inf), (0.002, 0.05)]),
+       seed=st.integers(0, 99))
+def test_a_tree_pass_matches_the_public_kernels_bit_for_bit(tree, shape, d_per_dim, conv_bias, gate_first, narrow,
+                                                            limit, seed):
+    """From the in_proj output: the norm's output and replay's activations, as the public kernels
+    make them from the layer's torch views."""
     parents, batch = tree
     gen = torch.Generator().manual_seed(seed)
-    jit, prm, sz = _layer(gen, shape, d_per_dim, conv_bias, gate_first)
+    jit, prm, sz = _layer(gen, shape, d_per_dim, conv_bias, gate_first, narrow)
     n = parents.shape[-1]
     index = tree_index(parents).for_batch(batch)
     proj = torch.randn(batch, n, sz["d_inner"] + sz["dim"] + sz["h"], generator=gen)
-    z, xBC, dt = _split(proj, sz)
     conv_state = torch.randn(batch, sz["dim"], K, generator=gen)
     ssm_state = torch.randn(batch, sz["h"], sz["p"], sz["s"], generator=gen)
     states = conv_state.clone(), ssm_state.clone()
 
-    conv = jit.tree_conv(xBC, index.parents, conv_state)
-    want = tree_conv1d(xBC, parents, conv_state, prm["conv_weight"], prm["conv_bias"])
-    assert torch.equal(conv, want)
-    x, B, C = _ssm_inputs(conv, sz)
-    y = jit.tree_scan(x, dt, B, C, index.parents, ssm_state, limit)
-    assert torch.equal(y, tree_scan(x, dt, prm["A"], B, C, parents, D=prm["D"], dt_bias=prm["dt_bias"], dt_limit=limit,
-                                    initial_state=ssm_state))
-    out = jit.gated_norm(y, z)
-    assert torch.equal(out, gated_rms_norm(y.flatten(-2), z, prm["norm_weight"], sz["d_inner"] // sz["g"], 1e-5,
-                                           gate_first))
+    out, scratch = jit.tree(proj, index.parents, conv_state, ssm_state, limit)
+    z, xBC, dt = _split(proj, sz)
+    x, B, C = _ssm_inputs(tree_conv1d(xBC, parents, conv_state, prm["conv_weight"], prm["conv_bias"]), sz)
+    y = tree_scan(x, dt, prm["A"], B, C, parents, D=prm["D"], dt_bias=prm["dt_bias"], dt_limit=limit,
+                  initial_state=ssm_state)
+    want = gated_rms_norm(y.flatten(-2), z, prm["norm_weight"], sz["d_inner"] // sz["g"], 1e-5, gate_first)
+    assert torch.equal(out, want)
+    assert all(torch.equal(a, b) for a, b in zip(scratch, (xBC, x, dt, B)))
     assert torch.equal(conv_state, states[0]) and torch.equal(ssm_state, states[1])  # (read only)
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=30, deadline=None)
 @given(batch=st.integers(1, 3), shape=ssm_shapes(), d_per_dim=st.booleans(), conv_bias=st.booleans(),
-       gate_first=st.booleans(), limit=st.sampled_from([(0.0, math.inf), (0.002, 0.05)]), seed=st.integers(0, 99))
-def test_a_step_matches_the_public_kernels_bit_for_bit(batch, shape, d_per_dim, conv_bias, gate_first, limit, seed):
+       gate_first=st.booleans(), narrow=st.booleans(), limit=st.sampled_from([(0.0, math.inf), (0.002, 0.05)]),
+       seed=st.integers(0, 99))
+def test_a_step_matches_the_public_kernels_bit_for_bit(batch, shape, d_per_dim, conv_bias, gate_first, narrow, limit,
+                                                       seed):
     gen = torch.Generator().manual_seed(seed)
-    jit, prm, sz = _layer(gen, shape, d_per_dim, conv_bias, gate_first)
+    jit, prm, sz = _layer(gen, shape, d_per_dim, conv_bias, gate_first, narrow)
     proj = torch.randn(batch, sz["d_inner"] + sz["dim"] + sz["h"], generator=gen)
-    z, xBC, dt = _split(proj, sz)
     conv_state = torch.randn(batch, sz["dim"], K, generator=gen)
     ssm_state = torch.randn(batch, sz["h"], sz["p"], sz["s"], generator=gen)
     conv_ref, ssm_ref = conv_state.clone(), ssm_state.clone()
 
-    conv = jit.conv_step(xBC, conv_state)
-    assert torch.equal(conv, conv_step(xBC, conv_ref, prm["conv_weight"], prm["conv_bias"]))
-    assert torch.equal(conv_state, conv_ref)
-    x, B, C = _ssm_inputs(conv, sz)
-    y = jit.state_update(x, dt, B, C, ssm_state, limit)
-    want = selective_state_update(ssm_ref, x, dt, prm["A"], B, C, D=prm["D"], dt_bias=prm["dt_bias"], dt_limit=limit)
-    assert torch.equal(y, want) and torch.equal(ssm_state, ssm_ref)
-    out = jit.gated_norm(y, z)
-    assert torch.equal(out, gated_rms_norm(y.flatten(-2), z, prm["norm_weight"], sz["d_inner"] // sz["g"], 1e-5,
-                                           gate_first))
+    out = jit.step(proj, conv_state, ssm_state, limit)
+    z, xBC, dt = _split(proj, sz)
+    x, B, C = _ssm_inputs(conv_step(xBC, conv_ref, prm["conv_weight"], prm["conv_bias"]), sz)
+    y = selective_state_update(ssm_ref, x, dt, prm["A"], B, C, D=prm["D"], dt_bias=prm["dt_bias"], dt_limit=limit)
+    want = gated_rms_norm(y.flatten(-2), z, prm["norm_weight"], sz["d_inner"] // sz["g"], 1e-5, gate_first)
+    assert torch.equal(out, want)
+    assert torch.equal(conv_state, conv_ref) and torch.equal(ssm_state, ssm_ref)
 
 
 @pytest.mark.parametrize("shape", [(1, 16), (13, 40), (2, 5, 24)])
@@ -107,16 +117,20 @@ def test_an_rms_norm_matches_the_public_kernel_bit_for_bit(shape):
 def test_only_cpu_float32_parameters_of_matching_shapes_are_bound():
     gen = torch.Generator().manual_seed(0)
     _, prm, sz = _layer(gen, dict(nheads=2, headdim=4, ngroups=1, dstate=4), False, True, True)
+    sizes = dict(x_dim=sz["x_dim"], B_dim=sz["b_dim"], d_state=sz["s"])
+    kw = dict(group_size=8, eps=1e-5, gate_first=True, **sizes)
     with pytest.raises(TypeError, match="dt_bias must be a CPU float32 tensor"):
-        Mamba2LayerJit(**{**prm, "dt_bias": prm["dt_bias"].bfloat16()}, group_size=8, eps=1e-5, gate_first=True)
+        Mamba2LayerJit(**{**prm, "dt_bias": prm["dt_bias"].bfloat16()}, **kw)
     with pytest.raises(TypeError, match="conv_weight must be a CPU float32 tensor"):
-        Mamba2LayerJit(**{**prm, "conv_weight": prm["conv_weight"].double()}, group_size=8, eps=1e-5, gate_first=True)
+        Mamba2LayerJit(**{**prm, "conv_weight": prm["conv_weight"].double()}, **kw)
     with pytest.raises(ValueError, match="conv_bias must have shape"):
-        Mamba2LayerJit(**{**prm, "conv_bias": prm["conv_bias"][:-1]}, group_size=8, eps=1e-5, gate_first=True)
+        Mamba2LayerJit(**{**prm, "conv_bias": prm["conv_bias"][:-1]}, **kw)
     with pytest.raises(ValueError, match="dt_bias, D and the norm.s channels must come in A.s 2 heads"):
-        Mamba2LayerJit(**{**prm, "D": torch.ones(3)}, group_size=8, eps=1e-5, gate_first=True)
+        Mamba2LayerJit(**{**prm, "D": torch.ones(3)}, **kw)
     with pytest.raises(ValueError, match="group_size"):
-        Mamba2LayerJit(**prm, group_size=3, eps=1e-5, gate_first=True)
+        Mamba2LayerJit(**prm, **{**kw, "group_size": 3})
+    with pytest.raises(ValueError, match="do not split the conv's 16 channels"):
+        Mamba2LayerJit(**prm, **{**kw, "B_dim": 6})
     with pytest.raises(TypeError, match="weight must be a CPU float32 tensor"):
         RMSNormJit(torch.ones(4, dtype=torch.float16), 1e-6)
     with pytest.raises(ValueError, match="weight must have shape"):

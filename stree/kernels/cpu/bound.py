@@ -59,11 +59,17 @@ class Mamba2LayerJit:
     (``A``, ``dt_bias [h]``, ``D [h]`` or ``[h, p]``; softplus; the clamp is each call's) and the
     gated RMSNorm (``norm_weight [h * p]`` in groups of ``group_size``, ``eps``, ``gate_first``) of
     one layer, every parameter a CPU float32 tensor, read as it is now: a layer whose parameters
-    change makes a new one (the model keys it by their versions). Activations are CPU float32
-    tensors, states float32 and contiguous; nothing about them is checked."""
+    change makes a new one (the model keys it by their versions). ``x_dim`` and ``B_dim``: the
+    widths of x and B in the conv's channels (C takes the rest; MambaInLlama's d_xb variant has x
+    and B narrower, one head / group per KV head, repeated after the conv); ``d_state``.
+
+    :meth:`step` and :meth:`tree` take the layer's in_proj output as it comes (``z``, ``xBC``,
+    ``dt`` side by side) and split it into NumPy views, not torch ones: a layer's dozen views and
+    buffers made as tensors cost a small model's step more than its conv and recurrence do.
+    Activations are CPU float32 tensors, states float32 and contiguous; nothing about them is checked."""
 
     def __init__(self, conv_weight, conv_bias, A, D, dt_bias, norm_weight, group_size: int, eps: float,
-                 gate_first: bool):
+                 gate_first: bool, *, x_dim: int, B_dim: int, d_state: int):
         _check_params(conv_weight=conv_weight, conv_bias=conv_bias, A=A, D=D, dt_bias=dt_bias, norm_weight=norm_weight)
         dim, heads = conv_weight.shape[0], A.shape[0]
         if conv_bias is not None and tuple(conv_bias.shape) != (dim,):
@@ -74,6 +80,11 @@ class Mamba2LayerJit:
         if norm_weight.numel() % group_size:
             raise ValueError(f"group_size ({group_size}) must divide the norm's {norm_weight.numel()} channels")
         headdim = norm_weight.numel() // heads
+        C_dim = dim - x_dim - B_dim
+        if (x_dim % headdim or heads % max(x_dim // headdim, 1) or B_dim % d_state or C_dim <= 0 or C_dim % d_state
+                or (C_dim // d_state) % max(B_dim // d_state, 1)):
+            raise ValueError(f"x_dim {x_dim}, B_dim {B_dim} and d_state {d_state} do not split the conv's {dim} "
+                             f"channels into x (heads of {headdim}), B and C")
         self.conv_weight = _read(conv_weight.reshape(dim, -1))
         self.has_conv_bias = conv_bias is not None
         self.conv_bias = _read(conv_bias) if conv_bias is not None else self.conv_weight[:, 0]
@@ -81,57 +92,81 @@ class Mamba2LayerJit:
         self.D = _read(D if D.dim() == 2 else D[:, None].expand(heads, headdim))  # (the kernels' [h, p])
         self.norm_weight = _read(norm_weight.reshape(-1, group_size))
         self.group_size, self.eps, self.gate_first = group_size, float(eps), bool(gate_first)
+        self.d_inner, self.dim, self.heads, self.headdim = norm_weight.numel(), dim, heads, headdim
+        self.x_dim, self.B_dim, self.d_state = x_dim, B_dim, d_state
 
     @staticmethod
     def takes_tree(index) -> bool:
-        """Whether :meth:`tree_conv` and :meth:`tree_scan` take the tree of ``index`` (a
-        :class:`~stree.tree.TreeIndex`): the tree kernel's (:func:`.tree_jit.takes_tree`); a prompt's
-        longer chain, or a deep tree, is the public kernels' work."""
+        """Whether :meth:`tree` takes the tree of ``index`` (a :class:`~stree.tree.TreeIndex`): the
+        tree kernel's (:func:`.tree_jit.takes_tree`); a prompt's longer chain, or a deep tree, is
+        the public kernels' work."""
         return takes_tree(index)
 
-    # -- a tree pass: every node's outputs, the states only read -------------------------------
-    def tree_conv(self, xBC: torch.Tensor, parents: torch.Tensor, conv_state: torch.Tensor) -> torch.Tensor:
-        """:func:`~stree.kernels.tree_conv1d` with SiLU: xBC ``[b, n, dim]``, parents ``[rows, n]``
-        (rows 1 or b), conv_state ``[b, dim, K]``."""
-        out = torch.empty(xBC.shape, dtype=torch.float32)
-        tree_conv_rows(as_numpy(xBC), as_numpy(parents), as_numpy(conv_state), self.conv_weight, self.conv_bias,
-                       self.has_conv_bias, as_numpy(out))
-        return F.silu(out, inplace=True)  # (vectorised, as the public kernel's)
+    def _split(self, proj: np.ndarray):
+        """z, xBC and dt: views of the in_proj output ``[..., d_inner + dim + h]``."""
+        a, b = self.d_inner, self.d_inner + self.dim
+        return proj[..., :a], proj[..., a:b], proj[..., b:]
 
-    def tree_scan(self, x, dt, B, C, parents: torch.Tensor, ssm_state: torch.Tensor, dt_limit) -> torch.Tensor:
-        """:func:`~stree.kernels.tree_scan` with D, dt_bias, softplus and ``dt_limit`` ``(lo, hi)``:
-        x ``[b, n, h, p]``, dt ``[b, n, h]``, B and C ``[b, n, g, s]``, ssm_state ``[b, h, p, s]``."""
-        y = torch.empty(x.shape, dtype=torch.float32)
-        tree_scan_rows(as_numpy(x), as_numpy(dt), self.A, as_numpy(B), as_numpy(C), self.D, True, self.dt_bias, True,
-                       True, float(dt_limit[0]), float(dt_limit[1]), as_numpy(parents), as_numpy(ssm_state), True,
-                       as_numpy(y))
-        return y
+    def _ssm_inputs(self, conv: np.ndarray):
+        """x ``[..., h, p]``, B and C ``[..., g, s]``: views of the conv's output (x and B repeated
+        into copies in the d_xb variant, as the PyTorch path's ``repeat_interleave`` makes them)."""
+        lead, s = conv.shape[:-1], self.d_state
+        x_end, b_end = self.x_dim, self.x_dim + self.B_dim
+        x = conv[..., :x_end].reshape(*lead, self.x_dim // self.headdim, self.headdim)
+        B = conv[..., x_end:b_end].reshape(*lead, self.B_dim // s, s)
+        C = conv[..., b_end:].reshape(*lead, (self.dim - b_end) // s, s)
+        if x.shape[-2] != self.heads:
+            x = np.repeat(x, self.heads // x.shape[-2], axis=-2)
+        if B.shape[-2] != C.shape[-2]:
+            B = np.repeat(B, C.shape[-2] // B.shape[-2], axis=-2)
+        return x, B, C
+
+    def _gated_norm(self, y: np.ndarray, proj: torch.Tensor) -> torch.Tensor:
+        """The gated norm of y ``[..., h, p]`` (contiguous, the scan's) by z, the first ``d_inner``
+        channels of ``proj``; returns ``[..., d_inner]``. The gate's SiLU is one vectorised op."""
+        width = self.group_size
+        z = proj[..., : self.d_inner]
+        out = torch.empty(z.shape, dtype=torch.float32)
+        gated_rms_norm_rows(y.reshape(-1, width), as_numpy(F.silu(z)).reshape(-1, width), self.norm_weight, True,
+                            self.eps, self.gate_first, as_numpy(out).reshape(-1, width))
+        return out
+
+    # -- a tree pass: every node's outputs, the states only read -------------------------------
+    def tree(self, proj: torch.Tensor, parents: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor,
+             dt_limit) -> tuple[torch.Tensor, tuple]:
+        """:func:`~stree.kernels.tree_conv1d` with SiLU, :func:`~stree.kernels.tree_scan` with D,
+        dt_bias, softplus and ``dt_limit`` ``(lo, hi)``, and the gated norm, of proj ``[b, n, ...]``
+        over parents ``[rows, n]`` (rows 1 or b), conv_state ``[b, dim, K]`` and ssm_state
+        ``[b, h, p, s]``: the norm's output ``[b, n, d_inner]`` and what replay reads, (xBC, x,
+        dt, B) as tensors."""
+        whole = as_numpy(proj)
+        _, xBC, dt = self._split(whole)
+        conv_t = torch.empty(xBC.shape, dtype=torch.float32)
+        pa = as_numpy(parents)
+        tree_conv_rows(xBC, pa, as_numpy(conv_state), self.conv_weight, self.conv_bias, self.has_conv_bias,
+                       as_numpy(conv_t))
+        F.silu(conv_t, inplace=True)  # (vectorised, as the public kernel's)
+        x, B, C = self._ssm_inputs(as_numpy(conv_t))
+        y = np.empty(x.shape, dtype=np.float32)
+        tree_scan_rows(x, dt, self.A, B, C, self.D, True, self.dt_bias, True, True, float(dt_limit[0]),
+                       float(dt_limit[1]), pa, as_numpy(ssm_state), True, y)
+        scratch = tuple(torch.from_numpy(a) for a in (xBC, x, dt, B))
+        return self._gated_norm(y, proj), scratch
 
     # -- a step: one token a row, the states advanced in place --------------------------------
-    def conv_step(self, xBC: torch.Tensor, conv_state: torch.Tensor) -> torch.Tensor:
-        """:func:`~stree.kernels.conv_step` with SiLU: xBC ``[b, dim]``, conv_state ``[b, dim, K]``."""
-        out = torch.empty(xBC.shape, dtype=torch.float32)
-        conv_step_rows(as_numpy(xBC), as_numpy(conv_state), self.conv_weight, self.conv_bias, self.has_conv_bias, True,
-                       as_numpy(out))
-        return out
-
-    def state_update(self, x, dt, B, C, ssm_state: torch.Tensor, dt_limit) -> torch.Tensor:
-        """:func:`~stree.kernels.selective_state_update` (as :meth:`tree_scan`): x ``[b, h, p]``,
-        dt ``[b, h]``, B and C ``[b, g, s]``, ssm_state ``[b, h, p, s]``."""
-        y = torch.empty(x.shape, dtype=torch.float32)
-        state_update_rows(as_numpy(ssm_state), as_numpy(x), as_numpy(dt), self.A, as_numpy(B), as_numpy(C), self.D,
-                          True, self.dt_bias, True, True, float(dt_limit[0]), float(dt_limit[1]), as_numpy(y))
-        return y
-
-    # -- either: the gated norm of the scan's outputs -------------------------------------------
-    def gated_norm(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        """:func:`~stree.kernels.gated_rms_norm` of y ``[..., h, p]`` (contiguous, the scan's) gated
-        by z ``[..., h * p]``; returns ``[..., h * p]``."""
-        width = self.group_size
-        out = torch.empty(z.shape, dtype=torch.float32)
-        gated_rms_norm_rows(as_numpy(y).reshape(-1, width), as_numpy(F.silu(z).reshape(-1, width)), self.norm_weight,
-                            True, self.eps, self.gate_first, as_numpy(out).reshape(-1, width))
-        return out
+    def step(self, proj: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor, dt_limit) -> torch.Tensor:
+        """:func:`~stree.kernels.conv_step` with SiLU, :func:`~stree.kernels.selective_state_update`
+        (as :meth:`tree`) and the gated norm of proj ``[b, ...]``, advancing conv_state
+        ``[b, dim, K]`` and ssm_state ``[b, h, p, s]``: the norm's output ``[b, d_inner]``."""
+        whole = as_numpy(proj)
+        _, xBC, dt = self._split(whole)
+        conv = np.empty(xBC.shape, dtype=np.float32)
+        conv_step_rows(xBC, as_numpy(conv_state), self.conv_weight, self.conv_bias, self.has_conv_bias, True, conv)
+        x, B, C = self._ssm_inputs(conv)
+        y = np.empty(x.shape, dtype=np.float32)
+        state_update_rows(as_numpy(ssm_state), x, dt, self.A, B, C, self.D, True, self.dt_bias, True, True,
+                          float(dt_limit[0]), float(dt_limit[1]), y)
+        return self._gated_norm(y, proj)
 
 
 def replay_in_place(ssm_state: torch.Tensor, conv_state: torch.Tensor, xBC: torch.Tensor, x: torch.Tensor,

@@ -82,13 +82,14 @@ class Mamba2Mixer(nn.Module):
         self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))
         self.D.fill_(1.0)
 
-    def _split(self, u):
-        cfg = self.cfg
+    def _proj(self, u):
+        """The in_proj output: z, xBC and dt side by side (:meth:`_split`)."""
         proj = self.in_proj(u)
-        if cfg.proj_scales is not None:
-            proj = proj * self.mup_vector
-        z, xBC, dt = torch.split(proj, [cfg.d_inner, cfg.conv_dim, cfg.nheads], dim=-1)
-        return z, xBC, dt
+        return proj * self.mup_vector if self.cfg.proj_scales is not None else proj
+
+    def _split(self, proj):
+        cfg = self.cfg
+        return torch.split(proj, [cfg.d_inner, cfg.conv_dim, cfg.nheads], dim=-1)
 
     def _ssm_inputs(self, conv_out):
         """Split the conv output into x ``[.., h, p]``, B and C ``[.., g, s]``; in the d_xb variant
@@ -116,14 +117,14 @@ class Mamba2Mixer(nn.Module):
     def ssm_kwargs(self, prefill: bool = False):
         return dict(dt_bias=self.dt_bias, dt_limit=self.dt_limit(prefill))
 
-    def bound(self, backend: str, xBC: torch.Tensor, state: SSMLayerState) -> Mamba2LayerJit | None:
+    def bound(self, backend: str, proj: torch.Tensor, state: SSMLayerState) -> Mamba2LayerJit | None:
         """The layer's numba kernels bound to its parameters, where a decoding pass may call them
         directly (:class:`~stree.kernels.cpu.bound.Mamba2LayerJit`: the public kernels' results
-        without their per-call checks): CPU float32 activations, states and parameters, the "auto"
-        kernels, no gradient, no graph being compiled, a gated norm of the whole layer (not a
-        tensor-parallel rank's); else None."""
+        without their per-call checks): CPU float32 activations (``proj``, the in_proj output),
+        states and parameters, the "auto" kernels, no gradient, no graph being compiled, a gated
+        norm of the whole layer (not a tensor-parallel rank's); else None."""
         norm = self.norm
-        if (backend != "auto" or xBC.dtype != torch.float32 or not xBC.is_cpu or state.conv.dtype != torch.float32
+        if (backend != "auto" or proj.dtype != torch.float32 or not proj.is_cpu or state.conv.dtype != torch.float32
                 or torch.is_grad_enabled() or torch.compiler.is_compiling()
                 or not isinstance(norm, GatedRMSNorm) or norm.tp is not None):
             return None
@@ -135,19 +136,20 @@ class Mamba2Mixer(nn.Module):
     def _bind(self) -> Mamba2LayerJit | None:
         if not all(t is None or (t.is_cpu and t.dtype == torch.float32) for t in self._bound_params()):
             return None
-        norm = self.norm
+        norm, cfg = self.norm, self.cfg
         return Mamba2LayerJit(self.conv1d.weight, self.conv1d.bias, self.A(), self.D, self.dt_bias, norm.weight,
-                              norm.group_size, norm.eps, norm.gate_first)
+                              norm.group_size, norm.eps, norm.gate_first, x_dim=cfg.x_dim, B_dim=cfg.B_dim,
+                              d_state=cfg.d_state)
 
     def tree(self, u, ctx, state: SSMLayerState):
         """Outputs for every node of the tree and the activations replay needs; state only read."""
-        z, xBC, dt = self._split(u)
+        proj = self._proj(u)
         if ctx.scan == "tree" and isinstance(ctx.index, TreeIndex) and Mamba2LayerJit.takes_tree(ctx.index):
-            jit = self.bound(ctx.kernel_backend, xBC, state)
+            jit = self.bound(ctx.kernel_backend, proj, state)
             if jit is not None:
-                x, B, C = self._ssm_inputs(jit.tree_conv(xBC, ctx.index.parents, state.conv))
-                y = jit.tree_scan(x, dt, B, C, ctx.index.parents, state.ssm, self.dt_limit(ctx.prefill))
-                return self.out_proj(jit.gated_norm(y, z)), (xBC, x, dt, B)
+                out, scratch = jit.tree(proj, ctx.index.parents, state.conv, state.ssm, self.dt_limit(ctx.prefill))
+                return self.out_proj(out), scratch
+        z, xBC, dt = self._split(proj)
         conv_out = tree_conv1d(xBC, ctx.index, state.conv, self.conv1d.weight, self.conv1d.bias,
                                backend=ctx.kernel_backend)
         x, B, C = self._ssm_inputs(conv_out)
@@ -162,11 +164,11 @@ class Mamba2Mixer(nn.Module):
 
     def step(self, u, state: SSMLayerState, ctx):
         """One token ``u [b, d]``; advances the layer's conv and SSM state in place."""
-        z, xBC, dt = self._split(u)
-        jit = self.bound(ctx.kernel_backend, xBC, state)
+        proj = self._proj(u)
+        jit = self.bound(ctx.kernel_backend, proj, state)
         if jit is not None:
-            x, B, C = self._ssm_inputs(jit.conv_step(xBC, state.conv))
-            return self.out_proj(jit.gated_norm(jit.state_update(x, dt, B, C, state.ssm, self.dt_limit(False)), z))
+            return self.out_proj(jit.step(proj, state.conv, state.ssm, self.dt_limit(False)))
+        z, xBC, dt = self._split(proj)
         conv = conv_step(xBC, state.conv, self.conv1d.weight, self.conv1d.bias, backend=ctx.kernel_backend)
         x, B, C = self._ssm_inputs(conv)
         y = selective_state_update(state.ssm, x, dt, self.A(), B, C, D=self.D, **self.ssm_kwargs(),

@@ -18,7 +18,7 @@ from stree.tree import TokenTree, TreeShape
 def calls(monkeypatch):
     """How often a bound kernel ran, by name."""
     seen = {}
-    for cls, names in ((bound.Mamba2LayerJit, ("tree_scan", "state_update")), (bound.RMSNormJit, ("__call__",))):
+    for cls, names in ((bound.Mamba2LayerJit, ("tree", "step")), (bound.RMSNormJit, ("__call__",))):
         for name in names:
             real = getattr(cls, name)
 
@@ -62,7 +62,7 @@ def test_a_decoding_pass_calls_the_bound_kernels_with_the_public_results(family,
     cache = _prefilled(model)
     other = cache.clone()
     got = _passes(model, cache, torch.Generator().manual_seed(2))
-    assert calls["tree_scan"] >= 1 and calls["state_update"] >= 2 and calls["__call__"] >= 3
+    assert calls["tree"] >= 1 and calls["step"] >= 2 and calls["__call__"] >= 3
     seen = dict(calls)
     public["on"] = True
     want = _passes(model, other, torch.Generator().manual_seed(2))
@@ -100,7 +100,7 @@ def test_half_precision_gradients_and_long_trees_take_the_public_kernels(calls):
     calls.clear()
     long = TokenTree.from_shape(TreeShape.chain(JIT_MAX_NODES), torch.randint(0, VOCAB, (2, 65)))
     model.forward_tree(long, cache)  # (a prompt's chain: the chain kernel, through the public scan)
-    assert "tree_scan" not in calls
+    assert "tree" not in calls
     mixer, state = model.blocks[0].mixer, cache.layers[0]
     xBC = torch.zeros(2, 1, mixer.cfg.conv_dim)
     with torch.enable_grad():
@@ -121,7 +121,7 @@ def test_a_shallow_tree_past_the_small_size_takes_the_bound_kernels_with_the_pub
     tree = TokenTree.from_shape(shape, tokens)
     calls.clear()
     got, got_pass = model.forward_tree(tree, cache)
-    assert calls["tree_scan"] == model.kinds().count("ssm")
+    assert calls["tree"] == model.kinds().count("ssm")
     public["on"] = True
     want, want_pass = model.forward_tree(tree, cache)
     assert torch.equal(got, want)
