@@ -5,6 +5,7 @@ tested against the float64 definitions elsewhere."""
 
 import math
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -12,7 +13,7 @@ from hypothesis import strategies as st
 from strategies import ssm_shapes, trees
 
 from stree.kernels import conv_step, gated_rms_norm, replay, rms_norm, selective_state_update, tree_conv1d, tree_scan
-from stree.kernels.cpu.bound import Mamba2LayerJit, RMSNormJit, replay_in_place
+from stree.kernels.cpu.bound import Mamba2LayerJit, RMSNormJit, _aligned_empty, replay_in_place
 from stree.kernels.cpu.replay_jit import LONG_PATH
 from stree.kernels.cpu.tree_jit import JIT_MAX_NODES
 from stree.tree import tree_index
@@ -158,3 +159,13 @@ def test_a_commits_replay_in_place_matches_the_public_kernel_bit_for_bit(layers,
     want = replay(ssm, conv, xBC, x, dt, B, A, accepted, num, dt_bias=dt_bias, dt_limit=limit, validate=False)
     replay_in_place(ssm, conv, xBC, x, dt, B, A, dt_bias, accepted, num, limit)
     assert torch.equal(ssm, want[0]) and torch.equal(conv, want[1])
+
+
+@pytest.mark.parametrize("shape", [(1, 13, 8, 64), (2, 5, 3, 7), (1,)])
+def test_the_scans_output_starts_on_a_64_byte_boundary(shape):
+    """The tree scan adds into its output's rows in place, at half speed where they sit off a
+    32-byte boundary (NumPy aligns to 16): the bound pass allocates it aligned, as torch does."""
+    for _ in range(8):  # (NumPy's own allocations land on either side of a 32-byte boundary)
+        y = _aligned_empty(shape)
+        assert y.shape == shape and y.dtype == np.float32 and y.flags.c_contiguous
+        assert y.__array_interface__["data"][0] % 64 == 0
