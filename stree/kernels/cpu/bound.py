@@ -41,9 +41,8 @@ def _read(t: torch.Tensor) -> np.ndarray:
 
 def _aligned_empty(shape: tuple) -> np.ndarray:
     """A float32 array starting on a 64-byte boundary, as torch's memory does: NumPy aligns to 16
-    bytes only, and a kernel adding into rows of such memory in place ran at half speed in half the
-    calls (the tree scan alone at the shipped target's sizes: 28 us with its output 32-byte aligned,
-    50 us without)."""
+    bytes only, and the tree scan, adding into its output's rows in place, ran at about half speed
+    on an output off a 32-byte boundary (the shipped target's sizes: docs/kernels.md)."""
     n = math.prod(shape)
     buf = np.empty(n + 16, dtype=np.float32)
     start = (-buf.__array_interface__["data"][0] % 64) // 4
