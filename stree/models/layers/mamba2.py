@@ -131,7 +131,10 @@ class Mamba2Mixer(nn.Module):
         return derived(self, "bound", self._bind, key=value_key(*(t for t in self._bound_params() if t is not None)))
 
     def _bound_params(self) -> tuple:
-        return self.conv1d.weight, self.conv1d.bias, self.A_log, self.D, self.dt_bias, self.norm.weight
+        # (read from the modules' parameter dicts: through nn.Module's attribute lookup, the six took
+        # half of what finding the bound kernels costs a step's layer)
+        own, conv, norm = self._parameters, self._modules["conv1d"]._parameters, self._modules["norm"]._parameters
+        return conv["weight"], conv["bias"], own["A_log"], own["D"], own["dt_bias"], norm["weight"]
 
     def _bind(self) -> Mamba2LayerJit | None:
         if not all(t is None or (t.is_cpu and t.dtype == torch.float32) for t in self._bound_params()):
