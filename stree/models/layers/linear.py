@@ -73,6 +73,7 @@ _FASTEST: dict[tuple, str] = {}
 # the same keys -> each path's best time there, seconds (what following() weighs)
 _TIMES: dict[tuple, dict[str, float]] = {}
 HALF = (torch.float16, torch.bfloat16)
+_DTYPES = (torch.float32, *HALF)  # what linear() multiplies itself
 # id(half weight or bias) -> ((version, storage address), float32 copy); the entry goes with the tensor
 _WIDE: dict[int, tuple] = {}
 # (row bucket, out features, in features, has bias, dtype) -> the float32 copy's product is the faster here
@@ -303,13 +304,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """``F.linear``, on the faster product for these sizes (see the module docstring)."""
     grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias))
     if grad or (PATH == "packed" and not _ONEDNN) or (PATH == "tiled" and not gemm.available()) \
-            or x.device.type != "cpu" or x.dtype not in (torch.float32, *HALF) or weight.dtype != x.dtype \
+            or not x.is_cpu or x.dtype not in _DTYPES or weight.dtype != x.dtype \
             or (bias is not None and bias.dtype != x.dtype) or not x.numel() or PATH == "blas":
         return F.linear(x, weight, bias)
-    flat = x.reshape(-1, x.shape[-1]).contiguous()
-    out = torch.ops.stree.cpu_linear(flat, weight, bias) if torch.compiler.is_compiling() else \
-        _product(flat, weight, bias)
-    return out.view(*x.shape[:-1], weight.shape[0])
+    flat = x.dim() == 2 and x.is_contiguous()  # (a step's rows: no reshape and no view, two ops a product)
+    rows = x if flat else x.reshape(-1, x.shape[-1]).contiguous()
+    out = torch.ops.stree.cpu_linear(rows, weight, bias) if torch.compiler.is_compiling() else \
+        _product(rows, weight, bias)
+    return out if flat else out.view(*x.shape[:-1], weight.shape[0])
 
 
 def measure(module: nn.Module, rows) -> None:
@@ -342,4 +344,9 @@ class Linear(nn.Linear):
     """``nn.Linear`` (same parameters and state dict) computing with :func:`linear`."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # (from the parameter dict: nn.Module's attribute lookup, twice, cost a step's product a
+        # tenth; a weight or bias kept elsewhere, as a parametrization keeps it, is the attribute's)
+        params = self._parameters
+        if "weight" in params and "bias" in params:
+            return linear(x, params["weight"], params["bias"])
         return linear(x, self.weight, self.bias)

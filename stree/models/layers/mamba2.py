@@ -132,9 +132,13 @@ class Mamba2Mixer(nn.Module):
 
     def _bound_params(self) -> tuple:
         # (read from the modules' parameter dicts: through nn.Module's attribute lookup, the six took
-        # half of what finding the bound kernels costs a step's layer)
+        # half of what finding the bound kernels costs a step's layer; one kept elsewhere, as a
+        # parametrization keeps it, is the attribute's)
         own, conv, norm = self._parameters, self._modules["conv1d"]._parameters, self._modules["norm"]._parameters
-        return conv["weight"], conv["bias"], own["A_log"], own["D"], own["dt_bias"], norm["weight"]
+        try:
+            return conv["weight"], conv["bias"], own["A_log"], own["D"], own["dt_bias"], norm["weight"]
+        except KeyError:
+            return self.conv1d.weight, self.conv1d.bias, self.A_log, self.D, self.dt_bias, self.norm.weight
 
     def _bind(self) -> Mamba2LayerJit | None:
         if not all(t is None or (t.is_cpu and t.dtype == torch.float32) for t in self._bound_params()):

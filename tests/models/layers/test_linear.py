@@ -36,10 +36,11 @@ _RTOL = {torch.float32: 1e-4, torch.float16: 1e-3, torch.bfloat16: 8e-3}
 @settings(max_examples=30, deadline=None)
 @given(rows=st.integers(1, 20), d_in=st.integers(1, 80), d_out=st.integers(1, 300), bias=st.booleans(),
        lead=st.sampled_from([(), (2,), (1, 3)]), seed=st.integers(0, 2**16), path=st.sampled_from(lin.PATHS),
-       dtype=st.sampled_from(list(_RTOL)))
-def test_equals_the_definition(rows, d_in, d_out, bias, lead, seed, path, dtype):
+       dtype=st.sampled_from(list(_RTOL)), strided=st.booleans())
+def test_equals_the_definition(rows, d_in, d_out, bias, lead, seed, path, dtype, strided):
+    """``strided``: x a view with every other column (rows a product reads only once copied)."""
     g = torch.Generator().manual_seed(seed)
-    x = torch.randn(*lead, rows, d_in, generator=g).to(dtype)
+    x = torch.randn(*lead, rows, d_in * (2 if strided else 1), generator=g).to(dtype)[..., :: 2 if strided else 1]
     w = torch.randn(d_out, d_in, generator=g).to(dtype)
     b = torch.randn(d_out, generator=g).to(dtype) if bias else None
     out = torch.full((*lead, rows, d_out), float("nan"), dtype=dtype)  # poisoned: every entry must be written
@@ -304,3 +305,20 @@ def test_compiled_is_one_opaque_op_with_the_eager_result(dtype):
         assert "stree::cpu_linear" in _ops(lambda: fn(x))
         layer.weight.mul_(0.5)  # the compiled graph reads the weight afresh
         assert torch.allclose(fn(x), layer(x.relu()) * 2, atol=atol)
+
+
+def test_a_parametrized_weight_is_read_as_the_attribute():
+    """A Linear reads its weight and bias from its parameter dict (cheaper than the attribute); where
+    a parametrization keeps the weight elsewhere, from the attribute: the parametrized product."""
+    from torch.nn.utils import parametrize
+
+    class Doubled(torch.nn.Module):
+        def forward(self, w):
+            return 2 * w
+
+    layer = Linear(6, 5)
+    parametrize.register_parametrization(layer, "weight", Doubled())
+    x = torch.randn(3, 6, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        out = layer(x)
+    assert torch.allclose(out, x @ (2 * layer.parametrizations.weight.original).t() + layer.bias, atol=1e-6)
