@@ -1,7 +1,7 @@
 """Work per decode call, counted deterministically (stree.tools.opcount): on the PyTorch path the
 compute ops one more layer adds (metadata-only views left out: they launch nothing on a GPU),
 and on the Triton path the kernel launches. The budgets: a step at most 5 compute ops per layer
-(36 in all) and a tree pass at most 6 (58 in all) on the CPU's eager path (the products, the conv
+(35 in all) and a tree pass at most 6 (57 in all) on the CPU's eager path (the products, the conv
 and the state update or scan, the norms, each one call: the fast decode step's issue 14 had
 allowed 20 and 30, and the norms' PyTorch ops had made 7 and 8), a commit of every Mamba2 layer
 in one replay whatever the depth, at most 10 compute ops and 45 in all."""
@@ -50,13 +50,14 @@ def test_a_step_costs_at_most_5_ops_per_layer():
     assert _per_layer(mamba2_layers, "step") <= 5
     # in all, views and buffers too: the bound layer cuts z, xBC, dt, x, B and C from the in_proj
     # output as NumPy views (stree.kernels.cpu.bound), and a step's rows go into the products without a
-    # reshape or a view (stree.models.layers.linear); made as tensors they had taken 75
-    assert _per_layer(mamba2_layers, "step", "total") <= 36
+    # reshape or a view (stree.models.layers.linear), and the norms reshape in NumPy; made as tensors
+    # they had taken 75
+    assert _per_layer(mamba2_layers, "step", "total") <= 35
 
 
 def test_a_tree_pass_costs_at_most_6_ops_per_layer():
     assert _per_layer(mamba2_layers, "tree") <= 6
-    assert _per_layer(mamba2_layers, "tree", "total") <= 58  # (84 with the views as tensors)
+    assert _per_layer(mamba2_layers, "tree", "total") <= 57  # (84 with the views as tensors)
 
 
 def test_a_commit_replays_every_mamba_layer_at_once():

@@ -62,7 +62,7 @@ class RMSNormJit:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         out = torch.empty(x.shape, dtype=torch.float32)
         dim = x.shape[-1]
-        rms_norm_rows(as_numpy(x.reshape(-1, dim)), self.weight, True, self.eps, as_numpy(out).reshape(-1, dim))
+        rms_norm_rows(as_numpy(x).reshape(-1, dim), self.weight, True, self.eps, as_numpy(out).reshape(-1, dim))
         return out
 
 

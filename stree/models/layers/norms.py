@@ -48,7 +48,8 @@ class RMSNorm(nn.Module):
         if (x.dtype != torch.float32 or out_dtype != torch.float32 or not x.is_cpu or torch.is_grad_enabled()
                 or torch.compiler.is_compiling()):
             return None
-        return derived(self, "bound", self._bind, key=(value_key(self.weight), self.eps))
+        weight = self._parameters.get("weight")  # (cheaper than the attribute: a norm per block and step)
+        return derived(self, "bound", self._bind, key=(value_key(self.weight if weight is None else weight), self.eps))
 
     def _bind(self) -> RMSNormJit | None:
         weight = self.weight

@@ -126,3 +126,24 @@ def test_a_shallow_tree_past_the_small_size_takes_the_bound_kernels_with_the_pub
     want, want_pass = model.forward_tree(tree, cache)
     assert torch.equal(got, want)
     assert all(torch.equal(getattr(got_pass.ssm, f), getattr(want_pass.ssm, f)) for f in ("xBC", "x", "dt", "B"))
+
+
+def test_parametrized_parameters_are_read_through_their_parametrization(public):
+    """The bound layers read their parameters from the modules' parameter dicts (cheaper than the
+    attributes); one a parametrization keeps elsewhere is read through it: the same logits and
+    states as the public kernels on the parametrized values."""
+    from torch.nn.utils import parametrize
+
+    class Scaled(torch.nn.Module):
+        def forward(self, w):
+            return 1.25 * w
+
+    model = FAMILIES["mamba2"]()
+    parametrize.register_parametrization(model.blocks[0].mixer, "dt_bias", Scaled())
+    parametrize.register_parametrization(model.blocks[1].norm, "weight", Scaled())
+    cache = _prefilled(model)
+    other = cache.clone()
+    got = _passes(model, cache, torch.Generator().manual_seed(7))
+    public["on"] = True
+    want = _passes(model, other, torch.Generator().manual_seed(7))
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
