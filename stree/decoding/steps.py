@@ -76,6 +76,33 @@ def _to_host(tokens: torch.Tensor, counts: torch.Tensor, probs: torch.Tensor | N
     return unpack(packed.cpu(), tokens.shape[1], finite[0].numel(), packed_k(probs, top_k))  # the one sync
 
 
+def _path_laws(x: torch.Tensor, accepted: torch.Tensor, num: torch.Tensor, tokens: torch.Tensor, k: int, law=None):
+    """:func:`_laws` of the host's step (CPU tensors) at the real nodes of each row's accepted path
+    alone (the first ``num[b]`` of ``accepted [B, L]``): ``law`` (None: as they are) of the rows of
+    ``x [B, N, V]`` at those nodes, their top ``k`` and the emitted ``tokens [B, L]``' own
+    probabilities, in ``[B, L, k]`` and ``[B, L]`` arrays whose entries past a row's count are 0.
+    Picking those rows by index took a tenth of what gathering every padded position of every path
+    cost, and the top-k of the paths' padding was most of the rest (a drafter reads ``counts[b]``
+    entries)."""
+    B, N, V = x.shape
+    L = accepted.shape[1]
+    real = np.arange(L) < num.numpy()[:, None]
+    picked = x.reshape(B * N, V).index_select(0, torch.from_numpy((np.arange(B)[:, None] * N + accepted.numpy())[real]))
+    picked = picked if law is None else law(picked)
+    k = min(k, V)
+    top_p, top_i = torch.topk(picked, k, dim=-1)
+    token_p = picked.gather(1, torch.from_numpy(tokens.numpy()[real])[:, None])[:, 0]
+    ids, probs, own = np.zeros((B, L, k), dtype=np.int64), np.zeros((B, L, k), dtype=np.float32), \
+        np.zeros((B, L), dtype=np.float32)
+    ids[real], probs[real], own[real] = top_i.numpy(), top_p.float().numpy(), token_p.float().numpy()
+    return torch.from_numpy(ids), torch.from_numpy(probs), torch.from_numpy(own)
+
+
+def _softmax(logits: torch.Tensor) -> torch.Tensor:
+    """A greedy row's law for its drafter (:meth:`SamplingParams.observed`): the model's softmax."""
+    return torch.softmax(logits.float(), -1)
+
+
 def packed_k(probs: torch.Tensor | None, top_k: int) -> int | None:
     """How many target entries per token :func:`pack` stores (None: no laws at all)."""
     return None if probs is None else min(top_k, probs.shape[-1])
@@ -181,11 +208,16 @@ def speculative_step(model, cache, draft: TokenTree, params: SamplingParams, gen
     if lap is not None:
         lap("verify")
     commit(tree_pass, result.accepted, result.num_accepted)
-    probs = None
-    if top_k is not None:
-        probs = (_along(result.probs, result.accepted) if result.probs is not None and not params.some_greedy
-                 else params.observed(_along(logits, result.accepted)))  # (a greedy row's: the model's softmax)
-    host = _to_host(out, result.num_accepted, probs, top_k or 0, finite)
+    drawn_from = result.probs is not None and not params.some_greedy  # (else a greedy row's: the model's softmax)
+    if top_k is not None and _verify.COMPILED_ON_CPU and out.device.type == "cpu" and (drawn_from or params.greedy):
+        host = _to_host(out, result.num_accepted, None, 0, finite)  # (the laws at the paths' real nodes alone)
+        host.top_ids, host.top_probs, host.token_probs = _path_laws(
+            result.probs if drawn_from else logits, result.accepted, result.num_accepted, out, top_k,
+            None if drawn_from else _softmax)
+    else:
+        probs = None if top_k is None else (_along(result.probs, result.accepted) if drawn_from
+                                            else params.observed(_along(logits, result.accepted)))
+        host = _to_host(out, result.num_accepted, probs, top_k or 0, finite)
     if lap is not None:
         lap("commit")
     return host, result

@@ -80,7 +80,9 @@ def test_an_autoregressive_step_reads_the_device_once(family, monkeypatch):
 def test_on_the_cpu_a_step_hands_the_host_what_a_devices_transfer_would(family, temperature, top_k, monkeypatch):
     """The CPU's steps skip the packing for a transfer (and, greedy, verify in one compiled pass):
     the same HostStep, field by field and dtype, and the same verification, as the device path
-    gives from the same cache; nothing is copied to the host, which holds it already."""
+    gives from the same cache; nothing is copied to the host, which holds it already. A tree
+    step's target laws are the same where a drafter reads them (each row's first ``counts[b]``
+    tokens); the host computes none for the paths' padding, which it leaves 0."""
     params = SamplingParams(temperature=temperature)
     got = {}
     for on_host in (True, False):
@@ -93,11 +95,19 @@ def test_on_the_cpu_a_step_hands_the_host_what_a_devices_transfer_would(family, 
             host, result = speculative_step(model, cache, _draft(5, temperature > 0), params, gen, top_k=top_k)
         assert reads.count("Tensor.cpu") == (0 if on_host else 2)  # (the host's own: numpy views of CPU tensors)
         got[on_host] = (plain, host, result.accepted, result.num_accepted, result.bonus)
+    tree_step = got[True][1]
+    real = torch.arange(tree_step.tokens.shape[1]) < tree_step.counts[:, None]
     for a, b in zip(got[True], got[False]):
-        for x, y in ((a, b),) if isinstance(a, torch.Tensor) else zip(vars(a).values(), vars(b).values()):
+        for name, x, y in (("", a, b),) if isinstance(a, torch.Tensor) else zip(vars(a), vars(a).values(),
+                                                                                    vars(b).values()):
             assert (x is None) == (y is None)
-            if x is not None:
-                assert x.dtype == y.dtype and torch.equal(x, y)
+            if x is None:
+                continue
+            assert x.dtype == y.dtype
+            if a is tree_step and name in ("top_ids", "top_probs", "token_probs"):
+                assert torch.equal(x[real], y[real]) and not x[~real].any()
+            else:
+                assert torch.equal(x, y)
 
 
 class _ScoredTree:
