@@ -989,10 +989,14 @@ def test_watched_drafts_are_spaced_by_what_watching_them_took():
     auto = AutoTree(cheap(), adaptive=True, watch=True, rates=PathRates(prior=(0.02,) * 8))
     assert auto._watch_gap() == AutoTree.WATCH_EVERY
     draft = tree_of([-1, 0, 1], [[5, 6, 7]])
-    auto.watched(draft, [np.array([6, 1])], np.ones(1, dtype=bool), np.arange(1), drafting_ms=50.0)
+    # (a watch without its drafting's time first: it teaches no time, and the next one's learning is
+    # then no first use of the compiled calls, whose compiling the bound below would count)
+    auto.watched(draft, [np.array([9, 1])], np.ones(1, dtype=bool), np.arange(1))
+    assert auto.scale["watch_ms"] == 0.0 and auto._watch_gap() == AutoTree.WATCH_EVERY
+    auto.watched(draft, [np.array([9, 1])], np.ones(1, dtype=bool), np.arange(1), drafting_ms=50.0)
     assert AutoTree.ADAPT * 50.0 <= auto.scale["watch_ms"] < AutoTree.ADAPT * 50.0 + 1.0
-    for _ in range(60):
-        auto.watched(draft, [np.array([6, 1])], np.ones(1, dtype=bool), np.arange(1), drafting_ms=0.5)
+    for _ in range(60):  # (drafts that miss: trees stay unwanted, and watches due)
+        auto.watched(draft, [np.array([9, 1])], np.ones(1, dtype=bool), np.arange(1), drafting_ms=0.5)
     took = auto.scale["watch_ms"]
     assert 0.5 <= took < 1.0
     auto.scale["watch_idle"] = 0  # (the share whole: plain steps kept winning, which backs watches off)
