@@ -1277,6 +1277,25 @@ def test_plain_steps_compute_no_target_laws_for_a_drafter_that_learns_from_token
         assert seen == [False] + [plain and not needs_laws] * (len(seen) - 1)  # the prefill's token: its law
 
 
+def test_plain_runs_follow_one_another_where_only_watches_fall_due():
+    """Plain steps win and no probe is ever due: each run of plain steps ends where a watched draft
+    falls due, and the next run starts with it, no plain step weighed alone between them (its
+    plan, the drafter reading its token and the choice learning it made such a step half as dear
+    again as a run's). The call's first plain step is the one weighed alone."""
+    class WatchOnly(AutoTree):
+        PROBE_SHARE = 0.0
+        WATCH_SHARE = 1e6  # (watches WATCH_EVERY plain steps apart, whatever they take by the clock)
+
+    auto = WatchOnly(CostProfile(1.0, (2, 4, 8, 16), (60.0, 65.0, 70.0, 80.0)), adaptive=True, watch=True)
+    weighed, record = [], auto.record
+    auto.record = lambda tree, *args, **kw: (weighed.append(tree is None), record(tree, *args, **kw))[1]
+    model = mamba2()
+    out = generate(model, [[1, 2, 3, 1, 2, 3, 1, 2]], drafter=make_drafter("ngram", vocab_size=model.vocab_size),
+                   tree=auto, max_new_tokens=60)
+    assert set(out.stats.trees) == {1} and out.stats.watched >= 3  # (runs ended where each fell due)
+    assert weighed == [True]
+
+
 @pytest.mark.parametrize("name", ["ngram", "stand", "ssm-static"])
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_plain_runs_decided_ahead_change_nothing_but_the_work(name, temperature):
