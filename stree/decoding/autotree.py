@@ -883,11 +883,14 @@ class AutoTree:
         self.scale["watch_idle"] = 0 if self.wants_trees() else min(self.scale["watch_idle"] + 1, self.BACKOFF)
         self.scale["explored"] += 1
         if drafting_ms is not None:
-            # (from the predicted drafting, not from the first watch's time: that one pays for first uses,
-            # and, watches then spaced by it for good, a process had watched a draft once in 200 plain
-            # steps and stayed plain where trees paid: eager, batch 1, 2-core EPYC, six processes each,
-            # STAND's gain over plain decoding 0.97-1.32 (mean 1.05) before, 1.29-1.43 (mean 1.35) after,
-            # n-gram's 1.01-1.35 (mean 1.14) before, 1.12-1.50 (mean 1.28) after)
+            # (from the predicted drafting, not from the first watch's time, which then spaced the next
+            # ones: a first watch dearer than later ones (first uses), the share halved by each watch after
+            # which plain steps still won, and a process watched a draft once in about 200 plain steps and
+            # stayed plain where trees paid. Begun at the drafting alone, below what a watch takes with its
+            # learning, watches come more often in a process's first calls, while the cost converges:
+            # eager, batch 1, 2-core EPYC, six processes each, STAND's gain over plain decoding 0.97-1.32
+            # (mean 1.05) before, 1.29-1.43 (mean 1.35) after, n-gram's 1.01-1.35 (mean 1.14), 1.12-1.50
+            # (mean 1.28))
             took = drafting_ms + (time.perf_counter() - began) * 1e3
             known = self.scale["watch_ms"] or self.draft_cost[self._probe_size] * self._scaled("tree")
             self.scale["watch_ms"] = known + self.ADAPT * (took - known)
