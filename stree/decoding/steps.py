@@ -90,17 +90,11 @@ def _path_laws(x: torch.Tensor, accepted: torch.Tensor, num: torch.Tensor, token
     picked = x.reshape(B * N, V).index_select(0, torch.from_numpy((np.arange(B)[:, None] * N + accepted.numpy())[real]))
     picked = picked if law is None else law(picked)
     k = min(k, V)
-    top_p, top_i = torch.topk(picked, k, dim=-1)
-    token_p = picked.gather(1, torch.from_numpy(tokens.numpy()[real])[:, None])[:, 0]
+    top_i, top_p, token_p = _laws(torch.from_numpy(tokens.numpy()[real])[:, None], picked[:, None], k)
     ids, probs, own = np.zeros((B, L, k), dtype=np.int64), np.zeros((B, L, k), dtype=np.float32), \
         np.zeros((B, L), dtype=np.float32)
-    ids[real], probs[real], own[real] = top_i.numpy(), top_p.float().numpy(), token_p.float().numpy()
+    ids[real], probs[real], own[real] = top_i[:, 0].numpy(), top_p[:, 0].float().numpy(), token_p[:, 0].float().numpy()
     return torch.from_numpy(ids), torch.from_numpy(probs), torch.from_numpy(own)
-
-
-def _softmax(logits: torch.Tensor) -> torch.Tensor:
-    """A greedy row's law for its drafter (:meth:`SamplingParams.observed`): the model's softmax."""
-    return torch.softmax(logits.float(), -1)
 
 
 def packed_k(probs: torch.Tensor | None, top_k: int) -> int | None:
@@ -213,7 +207,7 @@ def speculative_step(model, cache, draft: TokenTree, params: SamplingParams, gen
         host = _to_host(out, result.num_accepted, None, 0, finite)  # (the laws at the paths' real nodes alone)
         host.top_ids, host.top_probs, host.token_probs = _path_laws(
             result.probs if drawn_from else logits, result.accepted, result.num_accepted, out, top_k,
-            None if drawn_from else _softmax)
+            None if drawn_from else _GREEDY.observed)
     else:
         probs = None if top_k is None else (_along(result.probs, result.accepted) if drawn_from
                                             else params.observed(_along(logits, result.accepted)))
