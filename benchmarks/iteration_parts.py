@@ -4,7 +4,10 @@ step (commit and the one host transfer added), and the decoding loop's iteration
 choice, the rows' bookkeeping added), for an explicit tree (the paper's 13 nodes by default) and
 the n-gram drafter, batch 1 and 2, eager, greedy, on the shipped target. The first three are
 timed in turns with a plain step on a random context (medians); the loop's from ``generate``
-calls on the held-out prompts, against its own plain iterations' autoregressive steps.
+calls on the held-out prompts, against its own plain iterations' autoregressive steps. Also
+timed in those turns: the model's linear layers at the step's rows and at the tree's, whose
+difference (``products_added``) bounds the pass from below: 1 + it, in steps, is the least a tree
+pass can cost while the products run at this machine's throughput.
 
     python benchmarks/iteration_parts.py
     python benchmarks/iteration_parts.py --smoke     # CI: a tiny model, few rounds
@@ -23,7 +26,7 @@ import torch
 import stree
 from stree.decoding import loop
 from stree.decoding.steps import _finite, autoregressive_step, speculative_step
-from stree.models.layers.linear import following, leading
+from stree.models.layers.linear import Linear, following, leading
 from stree.models.presets import TINY
 from stree.runtime.runners import EagerRunner
 from stree.sampling.verify import SamplingParams, verify
@@ -61,6 +64,13 @@ def parts(model, batch: int, shape: TreeShape, rounds: int) -> dict:
         cache.seqlens -= result.num_accepted.to(cache.seqlens.dtype)
 
     calls = dict(step=step, tree_pass=tree_pass, pass_and_verify=pass_and_verify, speculative_step=whole)
+    # The model's products (every Linear once, as a pass runs them) at the step's rows and at the tree's:
+    # what the tree's rows add to them is arithmetic no overhead removes while the products run at the
+    # throughput they have here, so 1 + that, in steps, is the least a tree pass can cost on this machine.
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    for name, rows in (("products_step", batch), ("products_tree", batch * shape.n)):
+        xs = [torch.randn(rows, m.in_features, generator=torch.Generator().manual_seed(1)) for m in linears]
+        calls[name] = lambda xs=xs: [m(x) for m, x in zip(linears, xs)]
     times = {k: [] for k in calls}
     for _ in range(3):
         for fn in calls.values():
@@ -71,7 +81,9 @@ def parts(model, batch: int, shape: TreeShape, rounds: int) -> dict:
             t0 = time.perf_counter()
             fn()
             times[name].append((time.perf_counter() - t0) * 1e3)
-    return {k: statistics.median(v) for k, v in times.items()}
+    ms = {k: statistics.median(v) for k, v in times.items()}
+    ms["products_added"] = ms.pop("products_tree") - ms.pop("products_step")
+    return ms
 
 
 def loop_iterations(lm, prompts, batch: int, shape: TreeShape, tokens: int) -> dict:
@@ -144,7 +156,9 @@ def main(argv=None):
     result = dict(benchmark="iteration_parts", **run_info(model.device, argv), tree=args.tree, threads=torch.get_num_threads(),
                   note="each part in plain steps of the same model and process: the tree pass, + greedy verification, "
                        "+ commit and the host transfer (speculative_step), + drafting, the choice and the rows' "
-                       "bookkeeping (the loop's iteration, against the loop's autoregressive iterations)",
+                       "bookkeeping (the loop's iteration, against the loop's autoregressive iterations); "
+                       "products_added: what the model's linear layers take at the tree's rows beyond the step's "
+                       "(a tree pass costs at least 1 + that while they run at this machine's throughput)",
                   results=rows)
     save_result(result, args.out, "iteration_parts_smoke" if args.smoke else "iteration_parts_cpu", plot)
     return result
@@ -156,8 +170,9 @@ def plot(result):
     fig, ax = plt.subplots(figsize=(7, 3))
     names = ["tree_pass", "pass_and_verify", "speculative_step"]
     for i, row in enumerate(result["results"]):
-        values = [row["in_steps"][k] for k in names] + ([row["loop_in_steps"]["iteration"]] if "loop_in_steps" in row else [])
-        labels = names + (["loop iteration"] if "loop_in_steps" in row else [])
+        values = ([1.0 + row["in_steps"]["products_added"]] + [row["in_steps"][k] for k in names]
+                  + ([row["loop_in_steps"]["iteration"]] if "loop_in_steps" in row else []))
+        labels = ["1 + products added"] + names + (["loop iteration"] if "loop_in_steps" in row else [])
         ax.bar([x + 0.4 * i for x in range(len(values))], values, width=0.4, label=f"batch {row['batch']}")
     ax.set_xticks(range(len(labels)), labels)
     ax.axhline(1.0, color="black", lw=0.8)
