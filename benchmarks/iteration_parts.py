@@ -16,6 +16,7 @@ pass can cost while the products run at this machine's throughput.
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import sys
 import time
@@ -68,9 +69,15 @@ def parts(model, batch: int, shape: TreeShape, rounds: int) -> dict:
     # what the tree's rows add to them is arithmetic no overhead removes while the products run at the
     # throughput they have here, so 1 + that, in steps, is the least a tree pass can cost on this machine.
     linears = [m for m in model.modules() if isinstance(m, Linear)]
+
+    def products(xs):
+        with torch.no_grad():  # (as a pass runs them: with autograd on they take PyTorch's own product)
+            for m, x in zip(linears, xs):
+                m(x)
+
     for name, rows in (("products_step", batch), ("products_tree", batch * shape.n)):
         xs = [torch.randn(rows, m.in_features, generator=torch.Generator().manual_seed(1)) for m in linears]
-        calls[name] = lambda xs=xs: [m(x) for m, x in zip(linears, xs)]
+        calls[name] = functools.partial(products, xs)
     times = {k: [] for k in calls}
     for _ in range(3):
         for fn in calls.values():
