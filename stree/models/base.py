@@ -20,7 +20,7 @@ from torch import nn
 from ..kernels import MAX_TREE_NODES
 from ..kernels._common import version
 from ..tree import PackedTrees, TokenTree, TreeIndex, TreeShape
-from .cache import AttnLayerState, ModelCache, SSMLayerState, TreePass, chain_chunks
+from .cache import AttnLayerState, ModelCache, SSMLayerState, SSMScratch, TreePass, chain_chunks
 from .layers.linear import Linear
 
 SCANS = ("tree", "chain", "unrolled")  # how the SSM layers walk a draft (forward_tree's scan)
@@ -75,11 +75,17 @@ class TreeContext:
     """What every layer of one tree pass shares."""
 
     index: TreeIndex | PackedTrees
-    positions: torch.Tensor  # [b, n] RoPE positions: committed length + depth ([1, total] when packed)
+    # [b, n] RoPE positions: committed length + depth ([1, total] when packed); None without attention layers
+    positions: torch.Tensor | None
     seqlens: torch.Tensor
     scan: str  # SCANS: the SSM layers' algorithm
     kernel_backend: str
     prefill: bool = False  # the prompt, not a draft: families whose dt clamp is prefill-only apply it
+    ssm_layers: int = 0  # the Mamba2 layers the cache stacks
+    # The pass's stacked SSM scratch where its layers write theirs in place (made by the first that
+    # does, as NumPy arrays too: ``ssm_arrays``); None: each layer returns its own, stacked after them.
+    ssm_scratch: SSMScratch | None = None
+    ssm_arrays: tuple | None = None
 
 
 class TreeLM(nn.Module):
@@ -266,11 +272,14 @@ class TreeLM(nn.Module):
                     kernel_backend: str, prefill: bool = False, at: torch.Tensor | None = None):
         """Logits of a checked tree's nodes and the stacked scratch of its SSM and attention layers
         (None where the model has none): tensors only, so that it can be compiled."""
-        if isinstance(index, PackedTrees):
+        if cache.k is None:  # (no attention layer reads them)
+            positions = None
+        elif isinstance(index, PackedTrees):
             positions = (cache.seqlens[index.tree_ids] + index.depth)[None]
         else:
             positions = cache.seqlens[:, None] + index.depth
-        ctx = TreeContext(index, positions, cache.seqlens, scan, kernel_backend, prefill)
+        ctx = TreeContext(index, positions, cache.seqlens, scan, kernel_backend, prefill,
+                          0 if cache.ssm is None else cache.ssm.shape[0])
         per_kind: dict[str, list] = {}
 
         def mix(i, blk, h):
@@ -280,7 +289,13 @@ class TreeLM(nn.Module):
 
         logits = self._run(tokens, mix, at)
         mixers = self.mixer_types()
-        stacked = {kind: mixers[kind].stack_scratch(parts) for kind, parts in per_kind.items()}
+        stacked = {kind: mixers[kind].stack_scratch(parts) for kind, parts in per_kind.items()
+                   if kind != "ssm" or ctx.ssm_scratch is None}
+        if ctx.ssm_scratch is not None:  # the layers wrote theirs in place, but for any that returned it
+            for k, parts in enumerate(per_kind["ssm"]):
+                for dst, src in zip(ctx.ssm_scratch.parts(), parts or ()):
+                    dst[k].copy_(src)
+            stacked["ssm"] = ctx.ssm_scratch
         return logits, stacked.get("ssm"), stacked.get("attn")
 
     @torch.no_grad()

@@ -21,6 +21,7 @@ class SSMLayerState:
 
     conv: torch.Tensor  # [b, conv_dim, d_conv], raw inputs, newest last
     ssm: torch.Tensor  # [b, h, p, s] fp32
+    index: int = 0  # its place among the cache's stacked Mamba2 layers (and a pass's stacked scratch)
 
 
 @dataclass
@@ -57,7 +58,7 @@ class ModelCache:
         for kind in self.kinds:
             i = slot[kind]
             slot[kind] += 1
-            self.layers.append(SSMLayerState(self.conv[i], self.ssm[i]) if kind == "ssm"
+            self.layers.append(SSMLayerState(self.conv[i], self.ssm[i], i) if kind == "ssm"
                                else AttnLayerState(self.k[i], self.v[i]) if kind == "attn" else None)
 
     @property
@@ -96,6 +97,9 @@ class SSMScratch:
     x: torch.Tensor  # [L, b, n, h, p] after conv and SiLU (repeated to heads)
     dt: torch.Tensor  # [L, b, n, h] raw, before bias
     B: torch.Tensor  # [L, b, n, g, s] after conv and SiLU
+
+    def parts(self) -> tuple[torch.Tensor, ...]:
+        return self.xBC, self.x, self.dt, self.B
 
 
 @dataclass

@@ -207,3 +207,38 @@ def test_a_prefill_continues_from_what_the_cache_holds(family):
     for row in range(2):
         for a, b in zip(_committed_state(parts, row), _committed_state(whole, row)):
             assert torch.allclose(a, b, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("unbound", [None, 1])
+def test_a_pass_writing_its_scratch_in_place_equals_one_stacking_it(family, unbound, monkeypatch):
+    """On the CPU the bound Mamba2 layers write their replay scratch into the pass's stacked one
+    (stree.models.layers.mamba2._slots) instead of each returning its own for a stack after them:
+    the same tensors bit for bit, the same commit. ``unbound``: that SSM layer takes the public
+    kernels and returns its own, copied in beside the others'."""
+    from stree.models.layers import mamba2 as m2
+
+    model = FAMILIES[family]()
+    g = torch.Generator().manual_seed(3)
+    cache = _prefilled(model, [5, 7], g)
+    tree = TokenTree.from_shape(TreeShape.paper13(), torch.randint(0, VOCAB, (2, 13), generator=g))
+    path, num = torch.tensor([[0, 1, 4], [0, 2, 0]]), torch.tensor([3, 2])
+    mixers = [blk.mixer for blk, kind in zip(model.blocks, model.kinds()) if kind == "ssm"]
+    if unbound is not None:
+        real = m2.Mamba2Mixer.bound
+        monkeypatch.setattr(m2.Mamba2Mixer, "bound",
+                            lambda self, *a: None if self is mixers[unbound] else real(self, *a))
+    runs, placed, real_slots = [], [], m2._slots
+    monkeypatch.setattr(m2, "_slots", lambda *a: placed.append(a[1]) or real_slots(*a))
+    for place in (True, False):
+        if not place:
+            monkeypatch.setattr(m2, "_slots", lambda *a: None)
+        work = cache.clone()
+        logits, tree_pass = model.forward_tree(tree, work)
+        assert tree_pass.ssm.x.shape[0] == len(mixers)
+        model.commit(work, tree_pass, path, num)
+        runs.append((logits, tree_pass.ssm.parts(), _state_tensors(work)))
+    assert placed == [k for k in range(len(mixers)) if k != unbound]  # (the bound layers, in order)
+    (l1, s1, c1), (l2, s2, c2) = runs
+    assert torch.equal(l1, l2)
+    assert all(torch.equal(a, b) for a, b in zip(s1, s2)) and all(torch.equal(a, b) for a, b in zip(c1, c2))

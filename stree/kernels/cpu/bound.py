@@ -144,25 +144,42 @@ class Mamba2LayerJit:
         return out
 
     # -- a tree pass: every node's outputs, the states only read -------------------------------
+    def scratch_tails(self) -> tuple[tuple[int, ...], ...]:
+        """The trailing shapes of what :meth:`tree` keeps per node for replay (xBC, x, dt, B), x and
+        B repeated as :meth:`_ssm_inputs` makes them."""
+        c_groups = (self.dim - self.x_dim - self.B_dim) // self.d_state
+        return (self.dim,), (self.heads, self.headdim), (self.heads,), (c_groups, self.d_state)
+
     def tree(self, proj: torch.Tensor, parents: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor,
-             dt_limit) -> tuple[torch.Tensor, tuple]:
+             dt_limit, into: tuple[np.ndarray, ...] | None = None) -> tuple[torch.Tensor, tuple | None]:
         """:func:`~stree.kernels.tree_conv1d` with SiLU, :func:`~stree.kernels.tree_scan` with D,
         dt_bias, softplus and ``dt_limit`` ``(lo, hi)``, and the gated norm, of proj ``[b, n, ...]``
         over parents ``[rows, n]`` (rows 1 or b), conv_state ``[b, dim, K]`` and ssm_state
         ``[b, h, p, s]``: the norm's output ``[b, n, d_inner]`` and what replay reads, (xBC, x,
-        dt, B) as tensors."""
+        dt, B) as tensors; or, given ``into`` (four float32 arrays of :meth:`scratch_tails`' shapes
+        after ``[b, n]``: the layer's part of the pass's stacked scratch), written there, and None.
+        The kernels read contiguous copies of xBC, x and B: those are the copies written into
+        ``into``, so a pass that stacks nothing afterwards copies no more than one that does."""
         whole = as_numpy(proj)
         _, xBC, dt = self._split(whole)
+        if into is not None:
+            np.copyto(into[0], xBC)
+            np.copyto(into[2], dt)
+            xBC = into[0]
         conv_t = torch.empty(xBC.shape, dtype=torch.float32)
         pa = as_numpy(parents)
         tree_conv_rows(xBC, pa, as_numpy(conv_state), self.conv_weight, self.conv_bias, self.has_conv_bias,
                        as_numpy(conv_t))
         F.silu(conv_t, inplace=True)  # (vectorised, as the public kernel's)
         x, B, C = self._ssm_inputs(as_numpy(conv_t))
+        if into is not None:
+            np.copyto(into[1], x)
+            np.copyto(into[3], B)
+            x, B = into[1], into[3]
         y = _aligned_empty(x.shape)  # (the scan adds into y's rows in place)
         tree_scan_rows(x, dt, self.A, B, C, self.D, True, self.dt_bias, True, True, float(dt_limit[0]),
                        float(dt_limit[1]), pa, as_numpy(ssm_state), True, y)
-        scratch = tuple(torch.from_numpy(a) for a in (xBC, x, dt, B))
+        scratch = None if into is not None else tuple(torch.from_numpy(a) for a in (xBC, x, dt, B))
         return self._gated_norm(y, proj), scratch
 
     # -- a step: one token a row, the states advanced in place --------------------------------

@@ -154,7 +154,8 @@ class Mamba2Mixer(nn.Module):
         if ctx.scan == "tree" and isinstance(ctx.index, TreeIndex) and Mamba2LayerJit.takes_tree(ctx.index):
             jit = self.bound(ctx.kernel_backend, proj, state)
             if jit is not None:
-                out, scratch = jit.tree(proj, ctx.index.parents, state.conv, state.ssm, self.dt_limit(ctx.prefill))
+                out, scratch = jit.tree(proj, ctx.index.parents, state.conv, state.ssm, self.dt_limit(ctx.prefill),
+                                        _slots(ctx, state.index, jit, proj.shape[:-1]))
                 return self.out_proj(out), scratch
         z, xBC, dt = self._split(proj)
         conv_out = tree_conv1d(xBC, ctx.index, state.conv, self.conv1d.weight, self.conv1d.bias,
@@ -204,6 +205,18 @@ class Mamba2Mixer(nn.Module):
         replay(cache.ssm, cache.conv, scratch.xBC, scratch.x, scratch.dt, scratch.B, A, accepted, num_accepted,
                dt_bias=dt_bias, dt_limit=dt_limit, validate=False, out=(cache.ssm, cache.conv),
                cu_seqlens=cu_seqlens, backend=kernel_backend)
+
+
+def _slots(ctx, k: int, jit: Mamba2LayerJit, lead: torch.Size) -> tuple:
+    """Layer ``k``'s part of the pass's stacked scratch (``ctx.ssm_scratch``, made here by the first
+    layer to write one), as the arrays the bound kernels copy their activations into. Each layer's
+    returned and stacked after them, the stack's copies and the tensors around them took 3-5% of the
+    shipped target's tree passes on the CPU, the more the more nodes (docs/kernels.md)."""
+    if ctx.ssm_scratch is None:
+        ctx.ssm_scratch = SSMScratch(*(torch.empty((ctx.ssm_layers, *lead, *tail), dtype=torch.float32)
+                                       for tail in jit.scratch_tails()))
+        ctx.ssm_arrays = tuple(t.numpy() for t in ctx.ssm_scratch.parts())
+    return tuple(a[k] for a in ctx.ssm_arrays)
 
 
 def _unrolled_ssm(x, dt, A, B, C, index: TreeIndex, ssm_state, kw):
