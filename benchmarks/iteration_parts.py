@@ -7,7 +7,9 @@ timed in turns with a plain step on a random context (medians); the loop's from 
 calls on the held-out prompts, against its own plain iterations' autoregressive steps. Also
 timed in those turns: the model's linear layers at the step's rows and at the tree's, whose
 difference (``products_added``) bounds the pass from below: 1 + it, in steps, is the least a tree
-pass can cost while the products run at this machine's throughput.
+pass can cost while the products run at this machine's throughput; and, inside the pass, what its
+scan, conv and norms take there (``in_pass_*``: the pass timed with those kernels zeroing their
+outputs instead, :data:`IN_PASS`), where their code and data come cold.
 
     python benchmarks/iteration_parts.py
     python benchmarks/iteration_parts.py --smoke     # CI: a tiny model, few rounds
@@ -30,15 +32,40 @@ from stree.decoding.steps import _finite, autoregressive_step, speculative_step
 from stree.models.layers.linear import Linear, following, leading
 from stree.models.presets import TINY
 from stree.runtime.runners import EagerRunner
-from stree.sampling.verify import SamplingParams, verify
+from stree.kernels.cpu import bound
+from stree.sampling.verify import SamplingParams, greedy_on_host, verify, verify_greedy_host
 from stree.tools.demo import TARGET, read_prompts
 from stree.tools.timing import run_info, save_result
 from stree.tree import TokenTree, TreeShape
 
 
+# Inside the pass, on the CPU's bound kernels (stree.kernels.cpu.bound, a float32 model): each part's
+# kernels, replaced by zeroing their outputs for a timed pass, with the caches and every other call of
+# the pass as they are there. What the pass then saves is what the part costs inside it, its code and
+# data as the rest of the pass leaves them, which a kernel timed alone, hot, does not show.
+IN_PASS = {"scan": ("tree_scan_rows",), "conv": ("tree_conv_rows",), "norms": ("gated_rms_norm_rows", "rms_norm_rows")}
+
+
+def _without(names, fn):
+    """``fn`` run with the bound kernels ``names`` writing zeros to their outputs (the last argument)."""
+    real = {name: getattr(bound, name) for name in names}
+
+    def run():
+        for name in names:
+            setattr(bound, name, lambda *args: args[-1].fill(0.0))
+        try:
+            fn()
+        finally:
+            for name, kernel in real.items():
+                setattr(bound, name, kernel)
+
+    return run
+
+
 def parts(model, batch: int, shape: TreeShape, rounds: int) -> dict:
     """Medians (ms) of a plain step and of the tree pass, pass + verification and speculative
-    step over ``shape``, taking turns (each call run twice, the second timed)."""
+    step over ``shape``, taking turns (each call run twice, the second timed), and of the pass
+    without each part of :data:`IN_PASS` (``in_pass_<part>``: what the part costs in it)."""
     cache = model.allocate_cache(batch, 1024)
     seq = torch.randint(0, model.vocab_size, (batch, 64), generator=torch.Generator().manual_seed(0))
     model.prefill(seq[:, :32], cache)
@@ -54,10 +81,13 @@ def parts(model, batch: int, shape: TreeShape, rounds: int) -> dict:
         with leading():
             model.forward_tree(tree, cache, validate=False)
 
-    def pass_and_verify():
+    def pass_and_verify():  # (as the speculative step verifies)
         with leading():
             logits, _ = model.forward_tree(tree, cache, validate=False)
-            verify(tree, _finite(logits, params)[1], params, validate=False)
+            if greedy_on_host(params, logits):
+                verify_greedy_host(tree, logits)
+            else:
+                verify(tree, _finite(logits, params)[1], params, validate=False)
 
     def whole():
         with leading():
@@ -65,6 +95,7 @@ def parts(model, batch: int, shape: TreeShape, rounds: int) -> dict:
         cache.seqlens -= result.num_accepted.to(cache.seqlens.dtype)
 
     calls = dict(step=step, tree_pass=tree_pass, pass_and_verify=pass_and_verify, speculative_step=whole)
+    calls.update({f"without_{part}": _without(names, tree_pass) for part, names in IN_PASS.items()})
     # The model's products (every Linear once, as a pass runs them) at the step's rows and at the tree's:
     # what the tree's rows add to them is arithmetic no overhead removes while the products run at the
     # throughput they have here, so 1 + that, in steps, is the least a tree pass can cost on this machine.
@@ -90,6 +121,8 @@ def parts(model, batch: int, shape: TreeShape, rounds: int) -> dict:
             times[name].append((time.perf_counter() - t0) * 1e3)
     ms = {k: statistics.median(v) for k, v in times.items()}
     ms["products_added"] = ms.pop("products_tree") - ms.pop("products_step")
+    for part in IN_PASS:
+        ms[f"in_pass_{part}"] = ms["tree_pass"] - ms.pop(f"without_{part}")
     return ms
 
 
@@ -165,7 +198,9 @@ def main(argv=None):
                        "+ commit and the host transfer (speculative_step), + drafting, the choice and the rows' "
                        "bookkeeping (the loop's iteration, against the loop's autoregressive iterations); "
                        "products_added: what the model's linear layers take at the tree's rows beyond the step's "
-                       "(a tree pass costs at least 1 + that while they run at this machine's throughput)",
+                       "(a tree pass costs at least 1 + that while they run at this machine's throughput); "
+                       "in_pass_<part>: what the pass saves with that part's bound kernels zeroing their outputs "
+                       "instead (IN_PASS), the part's cost inside the pass",
                   results=rows)
     save_result(result, args.out, "iteration_parts_smoke" if args.smoke else "iteration_parts_cpu", plot)
     return result
@@ -174,18 +209,26 @@ def main(argv=None):
 def plot(result):
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 3))
+    fig, (ax, inside) = plt.subplots(1, 2, figsize=(10, 3), gridspec_kw=dict(width_ratios=[5, 3]))
     names = ["tree_pass", "pass_and_verify", "speculative_step"]
     for i, row in enumerate(result["results"]):
         values = ([1.0 + row["in_steps"]["products_added"]] + [row["in_steps"][k] for k in names]
                   + ([row["loop_in_steps"]["iteration"]] if "loop_in_steps" in row else []))
-        labels = ["1 + products added"] + names + (["loop iteration"] if "loop_in_steps" in row else [])
+        labels = ["1 + products\nadded", "tree\npass", "pass +\nverification", "speculative\nstep"] + (
+            ["loop\niteration"] if "loop_in_steps" in row else [])
         ax.bar([x + 0.4 * i for x in range(len(values))], values, width=0.4, label=f"batch {row['batch']}")
     ax.set_xticks(range(len(labels)), labels)
     ax.axhline(1.0, color="black", lw=0.8)
     ax.set(ylabel="plain steps", title=f"{result['tree']} iteration by parts, {result['device']}")
     ax.title.set_fontsize(8)
     ax.legend()
+    for i, row in enumerate(result["results"]):  # inside the pass: products added, then IN_PASS's parts
+        keys = ["products_added"] + [f"in_pass_{part}" for part in IN_PASS]
+        inside.bar([x + 0.4 * i for x in range(len(keys))], [row["in_steps"][k] for k in keys], width=0.4,
+                   label=f"batch {row['batch']}")
+    inside.set_xticks(range(len(keys)), ["products\nadded"] + list(IN_PASS))
+    inside.set(ylabel="plain steps", title="inside the tree pass")
+    inside.title.set_fontsize(8)
     return fig
 
 

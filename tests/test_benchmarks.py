@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -291,12 +292,36 @@ def test_iteration_parts_smoke_times_each_part_in_steps(tmp_path):
     result = smoke("iteration_parts", tmp_path)
     (row,) = result["results"]
     assert row["nodes"] == 13 and row["in_steps"]["step"] == 1.0
-    assert set(row["in_steps"]) == {"step", "tree_pass", "pass_and_verify", "speculative_step", "products_added"}
+    assert set(row["in_steps"]) == {"step", "tree_pass", "pass_and_verify", "speculative_step", "products_added",
+                                    "in_pass_scan", "in_pass_conv", "in_pass_norms"}
     # (times only: which part took longer is the benchmark's to say, and a loaded machine reorders
     # a smoke's few runs: a pass once took 13 ms against the whole step's 1.5 beside other tests;
-    # the products' difference, of two such times, may come out either way in a smoke)
-    added = row["ms"].pop("products_added")
-    assert all(v > 0 for v in row["ms"].values()) and math.isfinite(added)
+    # the differences of two such times may come out either way in a smoke)
+    differences = [row["ms"].pop(k) for k in ("products_added", "in_pass_scan", "in_pass_conv", "in_pass_norms")]
+    assert all(v > 0 for v in row["ms"].values()) and all(map(math.isfinite, differences))
+
+
+def test_iteration_parts_times_the_pass_without_each_part_then_puts_its_kernels_back():
+    """``in_pass_<part>``: the pass with exactly that part's bound kernels writing zeros to their
+    outputs, the real ones back afterwards (a benchmark that left them replaced would corrupt every
+    pass after it in the process)."""
+    spec = importlib.util.spec_from_file_location("benchmark_iteration_parts_parts", ROOT / "benchmarks" /
+                                                  "iteration_parts.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    from stree.kernels.cpu import bound
+
+    real = {name: getattr(bound, name) for names in module.IN_PASS.values() for name in names}
+    for names in module.IN_PASS.values():
+        seen, out = {}, np.ones(3, dtype=np.float32)
+
+        def during():
+            seen.update({name: getattr(bound, name) is kernel for name, kernel in real.items()})
+            getattr(bound, names[0])(None, out)
+
+        module._without(names, during)()
+        assert seen == {name: name not in names for name in real} and not out.any()
+    assert all(getattr(bound, name) is kernel for name, kernel in real.items())
 
 
 def test_serve_smoke_measures_both_modes_through_the_server(tmp_path):

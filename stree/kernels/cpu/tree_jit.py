@@ -167,20 +167,21 @@ def _scan_row(b, x, dt, A, B, C, D, has_D, bias, has_bias, softplus, lo, hi, par
         for h in range(heads):
             for p in range(headdim):
                 acc[i, h, p] = D[h, p] * x[b, i, h, p] if has_D else np.float32(0.0)
-    if has_x0:  # the state's term, C_i . x0 for every node, as multiply-adds along headdim: a dot
-        # product over d_state per (node, head, channel) ended in a horizontal sum each; one head's
-        # state transposed to [s, p] puts the innermost loop along p, a vector's
-        state = np.empty((dstate, headdim), dtype=np.float32)
+    if has_x0:  # the state's term, exp(Atree_i) (C_i . x0) for every node: a dot product along d_state
+        # per (node, head, channel), where x0's rows lie contiguous. (Multiply-adds along headdim
+        # over each head's state transposed to [s, p] had to copy the state first: read cold from
+        # the cache, as a pass reads it, the copy cost a small tree's scan more than the multiply-adds.)
         for h in range(heads):
             g = h // per_group
-            for p in range(headdim):
-                for s in range(dstate):
-                    state[s, p] = x0[b, h, p, s]
+            state = x0[b, h]
             for i in range(n):
-                for s in range(dstate):
-                    c = C[b, i, g, s] * decay[i, h]
-                    for p in range(headdim):
-                        acc[i, h, p] += c * state[s, p]
+                c, dec, row = C[b, i, g], decay[i, h], acc[i, h]
+                for p in range(headdim):
+                    sp = state[p]
+                    v = np.float32(0.0)
+                    for s in range(dstate):
+                        v += c[s] * sp[s]
+                    row[p] += dec * v
     for i in range(n):
         j = i
         while j >= 0:
