@@ -197,12 +197,12 @@ class Mamba2Mixer(nn.Module):
                              lambda: (torch.stack([m.A() for m in mixers]), torch.stack([m.dt_bias for m in mixers])),
                              key=value_key(*(m.A_log for m in mixers), *(m.dt_bias for m in mixers)))
         dt_limit = mixers[0].dt_limit(prefill)
-        tensors = (cache.ssm, cache.conv, scratch.xBC, scratch.x, scratch.dt, scratch.B, A, dt_bias)
+        tensors = (cache.ssm, cache.conv, *scratch.parts(), A, dt_bias)
         if kernel_backend == "auto" and cu_seqlens is None and accepted.dtype == num_accepted.dtype == torch.long \
                 and all(t.is_cpu and t.dtype == torch.float32 and not t.requires_grad for t in tensors):
             replay_in_place(*tensors, accepted, num_accepted, dt_limit)  # (the public replay's checks: the model's)
             return
-        replay(cache.ssm, cache.conv, scratch.xBC, scratch.x, scratch.dt, scratch.B, A, accepted, num_accepted,
+        replay(cache.ssm, cache.conv, *scratch.parts(), A, accepted, num_accepted,
                dt_bias=dt_bias, dt_limit=dt_limit, validate=False, out=(cache.ssm, cache.conv),
                cu_seqlens=cu_seqlens, backend=kernel_backend)
 
