@@ -1,16 +1,11 @@
 """``tree="auto"``: each step's tree chosen for expected tokens per second on the machine at hand,
 or no tree at all (a plain autoregressive step) where none pays.
 
-Acceptance (:class:`PathRates`), learned from verified steps only: the hazard h(d, j) that a
-drafted child of sibling rank j at depth d is accepted, given that its parent was and that its
-earlier siblings were not (invalid nodes, which a drafter could not fill, are not counted: the
-draft itself says which nodes exist). Counts fade by ``decay`` per step, start from a prior, and a
-depth that has seen little leans on its rank's rate over all depths. A node is accepted with
-chance prod over its path of h(d, j) prod_{i<j} (1 - h(d, i)) (Sequoia's positional acceptance,
-per depth); a tree's expected tokens per iteration is 1 (the bonus) plus its nodes' chances.
-The best tree of n nodes is then the n likeliest, grown best first (:func:`_best_first`); for a
-drafter model, which steps once per level, the best of those grown within several depths. Each
-row of a batch also keeps its own counts (:class:`RowRates`), leaning on the batch's.
+Acceptance: :mod:`stree.decoding.acceptance` (:class:`~stree.decoding.acceptance.PathRates`, the
+chance that a drafted child of a given sibling rank and depth is accepted, learned from verified
+steps only, per batch and per row). The best tree of n nodes is then the n likeliest, grown best
+first (:mod:`stree.decoding.plans`); for a drafter model, which steps once per level, the best of
+those grown within several depths.
 
 Cost: :func:`stree.decoding.cost.cost_profile`, measured with the drafter: drafting a tree of n nodes
 (for a drafter model, of n nodes and d levels), then the target's pass, verification and commit
@@ -38,7 +33,7 @@ was predicted calibrates every prediction (:meth:`AutoTree.gain_scale`): the lea
 rows' draws falls short of the least of their expectations, and a row's rates lean on the
 batch's, so in a batch the raw predictions promise more than trees bring.
 
-Rows may also take sizes of their own (:func:`_best_rows`, ``AutoTree.per_row``): for each level
+Rows may also take sizes of their own (:func:`~stree.decoding.plans.best_rows`, ``AutoTree.per_row``): for each level
 of gain an active row's prefix reaches, every row takes its smallest prefix reaching it, so a row
 that accepts more gets fewer nodes for the same least gain. The nodes in all are one packed pass
 (the rows' trees back to back without padding: ``TokenTree.row_sizes``), priced as the padded
@@ -63,12 +58,13 @@ from collections import Counter
 
 import numpy as np
 import torch
-from numba import njit
 
+from .acceptance import PathRates, RowRates, chances, shape_structure, structure, valid_mask, walk
 from .cost import CostProfile, bracketed_profile, cost_profile, default_sizes
+from .plans import any_drafted, best_rows, cut_draft, cut_rows, plan_shape, remade, shape_prefix, weigh
 from ..tree import TokenTree, TreeShape
 
-__all__ = ["AutoTree", "PathRates", "RowRates", "auto_tree", "plan_shape", "tree_room"]
+__all__ = ["AutoTree", "auto_tree", "tree_room"]
 
 # Sizes an eager loop weighs before drafting (any prefix of a draft may be verified after it).
 LADDER = (2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16, 20, 24, 28, 32, 40, 48, 56, 64, 80, 96, 112, 128, 160, 192, 224, 256)
@@ -77,151 +73,6 @@ FIXED = (2, 4, 8, 16)
 FIXED_CUDA = (2, 4, 8, 16, 32, 64, 128)
 # Depths a drafter model's plans are cut at, to weigh against the uncut one (its drafting costs a step a level).
 DEPTH_CAPS = (1, 2, 3, 4, 6, 8, 12)
-
-
-class PathRates:
-    """Hazards h(d, j) by depth d (1..``DEPTH``, deeper levels share the last) and sibling rank j
-    (0..``RANKS - 1``, later ranks share the last), learned from verified steps (see the module
-    docstring). ``prior[j]`` is worth ``weight`` observations of rank j over all depths, and the
-    rank's rate ``weight`` observations at each depth."""
-
-    DEPTH, RANKS = 16, 8
-    PRIOR = (0.6, 0.3, 0.2, 0.15, 0.12, 0.1, 0.08, 0.07)
-
-    def __init__(self, decay: float = 0.97, weight: float = 2.0, prior=PRIOR):
-        if not 0 < decay <= 1 or weight <= 0 or len(prior) != self.RANKS or not all(0 < p < 1 for p in prior):
-            raise ValueError(f"need 0 < decay <= 1, weight > 0 and {self.RANKS} prior rates in (0, 1), got "
-                             f"{decay!r}, {weight!r}, {prior!r}")
-        self.decay, self.weight, self.prior = decay, weight, np.asarray(prior, dtype=np.float64)
-        self.accepted = np.zeros((self.DEPTH + 1, self.RANKS))
-        self.reached = np.zeros((self.DEPTH + 1, self.RANKS))
-        self.version = 0  # bumped by every record
-        self._hazard: tuple[int, np.ndarray] | None = None  # (version, hazard()): a step weighs them several times
-
-    def hazard(self) -> np.ndarray:
-        """``[DEPTH + 1, RANKS]`` (row 0 unused); one array per version, not to be written to."""
-        if self._hazard is None or self._hazard[0] != self.version:
-            self._hazard = (self.version, _hazards(self.accepted, self.reached, self.prior, self.weight))
-        return self._hazard[1]
-
-    def positional(self) -> np.ndarray:
-        """The chance that rank j's child is the accepted one, given its parent was: h(d, j)
-        prod_{i<j} (1 - h(d, i)), made non-increasing in j (best-first growth needs it)."""
-        h = self.hazard()
-        alive = np.cumprod(np.concatenate([np.ones((h.shape[0], 1)), 1 - h[:, :-1]], 1), 1)
-        return np.minimum.accumulate(h * alive, axis=1)
-
-    def record(self, tree: TokenTree, tokens: np.ndarray, counts: np.ndarray, rows: np.ndarray,
-               per_row: "RowRates | None" = None, ids: np.ndarray | None = None) -> None:
-        """Learn from one verified step: ``tree`` (CPU, the batch's), and for each batch row in
-        ``rows`` the emitted ``tokens[b, :counts[b]]`` (the accepted drafts, then the bonus);
-        ``per_row`` also learns each row's own, under its id ``ids[b]``."""
-        self.version += 1
-        self.accepted *= self.decay
-        self.reached *= self.decay
-        ids = np.zeros(0, dtype=np.int64) if per_row is None else np.asarray(ids, dtype=np.int64)
-        if per_row is not None:
-            per_row.fade(int(ids.max()) + 1 if len(ids) else 0)
-        parents, rank, depth = _structure(tree)
-        valid = _valid(tree)
-        row_accepted, row_reached = (_NO_ROWS, _NO_ROWS) if per_row is None else (per_row.accepted, per_row.reached)
-        # (C order always: a strided tree and a contiguous one would each cost numba a compile)
-        _record(parents, rank, depth, np.ascontiguousarray(tree.tokens.numpy()), np.ascontiguousarray(valid), tokens,
-                counts, rows, self.accepted, self.reached, ids, row_accepted, row_reached)
-
-
-class RowRates:
-    """The counts of :class:`PathRates` per batch row of one decoding call, under the row's id:
-    rows of one batch accept very differently (at batch 8, rows' own tau from 2.1 to 5.5), and a
-    row's hazard leans on the batch's by ``weight`` observations."""
-
-    def __init__(self, decay: float, weight: float = 4.0):
-        self.decay, self.weight = decay, weight
-        self.accepted = np.zeros((0, PathRates.DEPTH + 1, PathRates.RANKS))
-        self.reached = np.zeros_like(self.accepted)
-        self.version = 0  # bumped by every fade (each record of PathRates that learns rows' own fades first)
-        self._hazard: tuple | None = None  # ((version, ids, batch), hazard(ids, batch))
-
-    def fade(self, rows: int) -> None:
-        """One step's decay; room for ids below ``rows``."""
-        self.version += 1
-        if rows > len(self.accepted):
-            grow = np.zeros((rows - len(self.accepted), *self.accepted.shape[1:]))
-            self.accepted, self.reached = np.concatenate([self.accepted, grow]), np.concatenate([self.reached, grow])
-        self.accepted *= self.decay
-        self.reached *= self.decay
-
-    def hazard(self, ids: np.ndarray, batch: np.ndarray) -> np.ndarray:
-        """``[len(ids), DEPTH + 1, RANKS]``: each row's hazards, ``batch`` (the batch's) where it
-        has seen little. The last answer is kept (not to be written to): a step asks for the same
-        rows' several times."""
-        ids = np.asarray(ids)
-        key = (self.version, ids.tobytes(), batch)
-        hit = self._hazard
-        if hit is not None and hit[0][0] == key[0] and hit[0][1] == key[1] and hit[0][2] is batch:
-            return hit[1]
-        out = _row_hazards(self.accepted, self.reached, ids.astype(np.int64, copy=False), batch, self.weight)
-        self._hazard = (key, out)
-        return out
-
-
-_NO_ROWS = np.zeros((0, PathRates.DEPTH + 1, PathRates.RANKS))
-
-
-# (numba: the hazards are re-made after every verified step, and with NumPy's small-array calls
-# each took a tenth of what the choice after drafting cost)
-@njit(cache=True)
-def _hazards(accepted, reached, prior, w):
-    """:meth:`PathRates.hazard`: each depth's rate leaning on its rank's over all depths."""
-    D, K = accepted.shape
-    out = np.empty((D, K))
-    for j in range(K):
-        a, r = 0.0, 0.0
-        for d in range(D):
-            a += accepted[d, j]
-            r += reached[d, j]
-        by_rank = (a + w * prior[j]) / (r + w)
-        for d in range(D):
-            out[d, j] = (accepted[d, j] + w * by_rank) / (reached[d, j] + w)
-    return out
-
-
-@njit(cache=True)
-def _row_hazards(accepted, reached, ids, batch, w):
-    """:meth:`RowRates.hazard`: row ``ids[i]``'s counts leaning on the batch's hazards (the batch's
-    alone for an id it has no counts for)."""
-    D, K = batch.shape
-    out = np.empty((len(ids), D, K))
-    for i in range(len(ids)):
-        row = ids[i]
-        for d in range(D):
-            for j in range(K):
-                if row < accepted.shape[0]:
-                    out[i, d, j] = (accepted[row, d, j] + w * batch[d, j]) / (reached[row, d, j] + w)
-                else:
-                    out[i, d, j] = batch[d, j]
-    return out
-
-
-def _valid(tree: TokenTree) -> np.ndarray:
-    if tree.valid is None:
-        return np.ones(tuple(tree.tokens.shape), dtype=np.bool_)
-    return tree.valid.numpy()
-
-
-@functools.lru_cache(maxsize=256)
-def _shape_structure(shape: TreeShape) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    parents = np.asarray(shape.parents, dtype=np.int64)[None]
-    return (parents, *_rank_depth(parents))
-
-
-def _structure(tree: TokenTree) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Parents, sibling rank and depth of every node, ``[B or 1, n]`` each (a static shape's
-    once per shape)."""
-    if tree.static_shape is not None:
-        return _shape_structure(tree.static_shape)
-    parents = np.ascontiguousarray(tree.parents.cpu().numpy().reshape(-1, tree.n), dtype=np.int64)
-    return (parents, *_rank_depth(parents))
 
 
 @functools.lru_cache(maxsize=64)
@@ -233,265 +84,6 @@ def _drafting_by_size(profile: CostProfile, top: int) -> np.ndarray:
     out = np.array([profile.drafting_ms(m) for m in range(top + 1)])
     out.setflags(write=False)
     return out
-
-
-@functools.lru_cache(maxsize=256)
-def _prefix(shape: TreeShape, m: int) -> TreeShape:
-    return TreeShape(shape.parents[:m])
-
-
-@njit(cache=True)
-def _rank_depth(parents):
-    R, n = parents.shape
-    rank = np.zeros((R, n), dtype=np.int64)
-    depth = np.zeros((R, n), dtype=np.int64)
-    kids = np.zeros(n, dtype=np.int64)
-    for r in range(R):
-        kids[:] = 0
-        for c in range(1, n):
-            p = parents[r, c]
-            rank[r, c] = kids[p]
-            kids[p] += 1
-            depth[r, c] = depth[r, p] + 1
-    return rank, depth
-
-
-@njit(cache=True)
-def _record(parents, rank, depth, tokens, valid, emitted, counts, rows, accepted, reached, ids, row_accepted,
-            row_reached):
-    """Walk each row's accepted path down its tree by the emitted tokens: at every accepted node,
-    its valid children up to the accepted one were reached (all of them below the last). Counted
-    for the batch, and for row b under ``ids[b]`` too where ``row_accepted`` has rows."""
-    D, K = accepted.shape[0] - 1, accepted.shape[1]
-    n = tokens.shape[1]
-    per_row = row_accepted.shape[0] > 0
-    for b in rows:
-        s = b if parents.shape[0] > 1 else 0
-        u = 0
-        for t in range(counts[b]):
-            hit = -1
-            for c in range(u + 1, n):
-                if parents[s, c] != u or not valid[b, c]:
-                    continue
-                d, j = min(depth[s, c], D), min(rank[s, c], K - 1)
-                reached[d, j] += 1.0
-                if per_row:
-                    row_reached[ids[b], d, j] += 1.0
-                if t < counts[b] - 1 and tokens[b, c] == emitted[b, t]:
-                    accepted[d, j] += 1.0
-                    if per_row:
-                        row_accepted[ids[b], d, j] += 1.0
-                    hit = c
-                    break
-            if hit < 0:
-                break
-            u = hit
-
-
-@njit(cache=True)
-def _walk(parents, tokens, valid, emitted, seen):
-    """Each row's count had its tree been verified greedily (accepted drafts, plus the bonus), from
-    the first ``seen[b]`` tokens the row ``emitted`` after the root: the path of valid nodes
-    matching them, child by child."""
-    B, n = tokens.shape
-    counts = np.ones(B, dtype=np.int64)
-    for b in range(B):
-        s = b if parents.shape[0] > 1 else 0
-        u = 0
-        for t in range(seen[b]):
-            hit = -1
-            for c in range(u + 1, n):
-                if parents[s, c] == u and valid[b, c] and tokens[b, c] == emitted[b, t]:
-                    hit = c
-                    break
-            if hit < 0:
-                break
-            u = hit
-            counts[b] += 1
-    return counts
-
-
-@njit(cache=True)
-def _chances(parents, rank, depth, valid, h):
-    """Each node's chance to be accepted (0 for invalid nodes and their subtrees), ``[B, n]``,
-    never above an earlier sibling's (as :meth:`PathRates.positional`: a rank the verified steps
-    have not reached yet keeps its prior, which must not outbid a rank they have judged).
-    ``h``: the hazards ``[B or 1, DEPTH + 1, RANKS]``, each row's or one for all."""
-    B, n = valid.shape
-    D, K = h.shape[1] - 1, h.shape[2]
-    v = np.zeros((B, n))
-    alive = np.ones(n)
-    last = np.zeros(n)  # the chance of each node's latest valid child
-    for b in range(B):
-        s = b if parents.shape[0] > 1 else 0
-        v[b, 0] = 1.0
-        alive[:] = 1.0
-        last[:] = np.inf
-        for c in range(1, n):
-            p = parents[s, c]
-            if not valid[b, c] or v[b, p] == 0.0:
-                continue
-            x = h[b if h.shape[0] > 1 else 0, min(depth[s, c], D), min(rank[s, c], K - 1)]
-            v[b, c] = min(v[b, p] * alive[p] * x, last[p])
-            last[p] = v[b, c]
-            alive[p] *= 1.0 - x
-    return v
-
-
-@njit(cache=True)
-def _best_prefix(v, active, cost, allow_plain):
-    """The prefix size m (1: a plain step) maximising expected tokens per millisecond, ``cost[m]``
-    being an iteration of m nodes (inf: not allowed), for the active row that gains least: the
-    active rows are those the batch waits for, and it is done when the last of them is."""
-    gain = np.zeros(v.shape[0])
-    best, best_rate = 1, (1.0 / cost[1] if allow_plain else -1.0)
-    for m in range(2, v.shape[1] + 1):
-        least = np.inf
-        for b in range(v.shape[0]):
-            gain[b] += v[b, m - 1]
-            if active[b]:
-                least = min(least, gain[b])
-        rate = (1.0 + least) / cost[m]
-        if rate > best_rate * (1.0 + 1e-9):
-            best, best_rate = m, rate
-    return best
-
-
-@njit(cache=True)
-def _any_drafted(valid, active, n):
-    """Whether an active row has a valid node past the root among the first ``n``."""
-    for b in range(valid.shape[0]):
-        if active[b]:
-            for c in range(1, n):
-                if valid[b, c]:
-                    return True
-    return False
-
-
-@njit(cache=True)
-def _weigh(parents, rank, depth, valid, h, active, cost, allow_plain, gain):
-    """A draft weighed after drafting (:meth:`AutoTree.choose`, in one call: as some twenty small
-    NumPy calls it cost a drafted iteration about a seventh of a compiled step): every node's chance
-    (:func:`_chances`) times ``gain``, the best prefix size m by them (:func:`_best_prefix`), the
-    active row gaining least by the unscaled chances (an index of the rows: the focus) and what
-    the prefix of m nodes promises the active rows (the least of their unscaled chances, summed).
-    Returns ``(m, focus, promised, v, raw)``, ``v`` the scaled chances, ``raw`` the unscaled."""
-    v = _chances(parents, rank, depth, valid, h)
-    B, n = v.shape
-    focus, least = -1, np.inf
-    for b in range(B):
-        if active[b]:
-            total = 0.0
-            for c in range(1, n):
-                total += v[b, c]
-            if total < least:
-                focus, least = b, total
-    raw = v.copy()
-    for b in range(B):
-        for c in range(1, n):
-            v[b, c] *= gain
-    m = _best_prefix(v, active, cost, allow_plain)
-    promised = np.inf
-    for b in range(B):
-        if active[b]:
-            total = 0.0
-            for c in range(1, m):
-                total += raw[b, c]
-            promised = min(promised, total)
-    return m, focus, promised, v, raw
-
-
-@njit(cache=True)
-def _best_rows(v, active, cost):
-    """Each row's own prefix size (a packed pass: :attr:`TokenTree.row_sizes`) maximising expected
-    tokens per millisecond for the active row that gains least, ``cost[t]`` being an iteration of
-    t nodes in all: for every level L an active row's prefix gains, each row takes its smallest
-    prefix gaining L (an inactive row, short of it, its smallest gaining what the largest size an
-    active row takes would), so no node is paid for beyond what the least of the active rows
-    gains. Returns the sizes and their rate (sizes all 1 and rate -1 where no level is reachable
-    by every active row)."""
-    B, n = v.shape
-    gain = np.zeros((B, n + 1))  # gain[b, m]: a prefix of m nodes
-    for b in range(B):
-        for m in range(2, n + 1):
-            gain[b, m] = gain[b, m - 1] + v[b, m - 1]
-    best = np.ones(B, dtype=np.int64)
-    best_rate = -1.0
-    sizes = np.ones(B, dtype=np.int64)
-    for a in range(B):
-        if not active[a]:
-            continue
-        for k in range(2, n + 1):
-            level = gain[a, k]
-            if level <= 0.0:
-                continue
-            top, least, ok = 1, np.inf, True
-            for b in range(B):
-                sizes[b] = 0
-                for m in range(1, n + 1):
-                    if gain[b, m] >= level * (1.0 - 1e-12):
-                        sizes[b] = m
-                        break
-                if active[b]:
-                    if sizes[b] == 0:
-                        ok = False
-                        break
-                    top = max(top, sizes[b])
-                    least = min(least, gain[b, sizes[b]])
-            if not ok:
-                continue
-            total = 0
-            for b in range(B):
-                if not active[b]:
-                    if sizes[b] == 0 or sizes[b] > top:  # (short of the level: what it gains within top)
-                        sizes[b] = 1
-                        while gain[b, sizes[b]] < gain[b, top] * (1.0 - 1e-12):
-                            sizes[b] += 1
-                total += sizes[b]
-            rate = (1.0 + least) / cost[total]
-            if rate > best_rate * (1.0 + 1e-9):
-                best_rate = rate
-                best[:] = sizes
-    return best, best_rate
-
-
-@njit(cache=True)
-def _best_first(a, nodes):
-    """The ``nodes`` likeliest nodes under positional chances ``a[d, j]``, best first (ties: the
-    shallower, then the one offered first): parents, ranks, depths. A node's children and later
-    siblings are offered only once it is taken, which is exact because a chance never exceeds
-    the parent's or an earlier sibling's."""
-    D, K = a.shape[0] - 1, a.shape[1]
-    parents = np.full(nodes, -1, dtype=np.int64)
-    value = np.zeros(nodes)
-    value[0] = 1.0
-    cap = 2 * nodes + 2
-    cv = np.zeros(cap)  # each candidate's chance, parent, depth and rank
-    cp, cd, cj = np.zeros(cap, dtype=np.int64), np.zeros(cap, dtype=np.int64), np.zeros(cap, dtype=np.int64)
-    live = np.zeros(cap, dtype=np.bool_)
-    m = 0
-    if D >= 1:
-        cv[0], cp[0], cd[0], cj[0], live[0], m = a[1, 0], 0, 1, 0, True, 1
-    count = 1
-    while count < nodes:
-        best = -1
-        for i in range(m):
-            if live[i] and (best < 0 or cv[i] > cv[best] or (cv[i] == cv[best] and cd[i] < cd[best])):
-                best = i
-        if best < 0 or cv[best] <= 0.0:
-            break
-        live[best] = False
-        k = count
-        parents[k], value[k] = cp[best], cv[best]
-        count += 1
-        d, j = cd[best], cj[best]
-        if d + 1 <= D:
-            cv[m], cp[m], cd[m], cj[m], live[m] = value[k] * a[d + 1, 0], k, d + 1, 0, True
-            m += 1
-        if j + 1 < K:
-            cv[m], cp[m], cd[m], cj[m], live[m] = value[cp[best]] * a[d, j + 1], cp[best], d, j + 1, True
-            m += 1
-    return parents[:count]
 
 
 class AutoTree:
@@ -668,7 +260,7 @@ class AutoTree:
     # -- before drafting ----------------------------------------------------------------------
     def prefix(self, m: int) -> TreeShape:
         """The first ``m`` nodes of the current plan."""
-        return _prefix(self._order, m)
+        return shape_prefix(self._order, m)
 
     def _best_size(self, order: TreeShape, draft_cost: np.ndarray, hazard: np.ndarray) -> tuple[int, float, float]:
         """The prefix of ``order`` with the most expected tokens per millisecond: its size, that
@@ -679,7 +271,7 @@ class AutoTree:
         memo = self._memo[1]
         expected = memo.get(order)
         if expected is None:
-            v = _chances(*_shape_structure(order), np.ones((1, order.n), dtype=np.bool_), hazard[None])[0]
+            v = chances(*shape_structure(order), np.ones((1, order.n), dtype=np.bool_), hazard[None])[0]
             expected = memo[order] = np.cumsum(v[1:])
         gain = 1.0 + self.gain_scale() * expected  # gain[m - 2]: a prefix of m nodes
         m = self._size_array[: np.searchsorted(self._size_array, order.n, side="right")]
@@ -695,7 +287,7 @@ class AutoTree:
         model by its depth too: :meth:`~stree.decoding.cost.CostProfile.drafting_ms`)."""
         if order is None or not self.profile.depths:
             return _drafting_by_size(self.profile, self.max_nodes)
-        depth = np.maximum.accumulate(_shape_structure(order)[2][0])  # depth[m - 1]: the prefix of m nodes
+        depth = np.maximum.accumulate(shape_structure(order)[2][0])  # depth[m - 1]: the prefix of m nodes
         m = np.arange(self.max_nodes + 1)
         a, b, c = self.profile.draft_fit
         out = a + b * depth[np.clip(m, 1, order.n) - 1] + c * m
@@ -864,19 +456,20 @@ class AutoTree:
         rows = np.flatnonzero(seen > 0)
         if not len(rows):
             return
-        parents, rank, depth = _structure(draft)
-        valid = _valid(draft) & (depth < np.maximum(seen, 1)[:, None])  # (a row that emitted nothing keeps its root)
+        parents, rank, depth = structure(draft)
+        # (a row that emitted nothing keeps its root)
+        valid = valid_mask(draft) & (depth < np.maximum(seen, 1)[:, None])
         emitted = np.zeros((len(after), int(seen.max())), dtype=np.int64)
         for b in rows:
             emitted[b, : seen[b]] = after[b]
         tokens = np.ascontiguousarray(draft.tokens.numpy())
-        counts = _walk(parents, tokens, valid, emitted, seen)
+        counts = walk(parents, tokens, valid, emitted, seen)
         served = served & (seen > 0)
         if served.any():
             hazard = self.row_rates.hazard(ids, self.rates.hazard())
-            said = _chances(parents, rank, depth, valid, hazard)[served, 1:].sum(1).min()
+            said = chances(parents, rank, depth, valid, hazard)[served, 1:].sum(1).min()
             self._learn_gain(float(counts[served].min() - 1), float(said))
-        cut = _remade(draft, valid=torch.from_numpy(valid))
+        cut = remade(draft, valid=torch.from_numpy(valid))
         self.rates.record(cut, emitted, counts, rows, self.row_rates, ids)
         self._stale = True
         self._replan(cut)
@@ -965,12 +558,12 @@ class AutoTree:
         self._drafted = self._drafted or draft.n
         drafting = self.draft_cost[min(self._drafted, self.max_nodes)]
         self._predicted = ("declined", drafting + self.cost[1])  # (a tree's, below, where one is kept)
-        valid = _valid(draft)
+        valid = valid_mask(draft)
         n = min(draft.n, self.max_nodes)
-        if not _any_drafted(valid, active, n):
+        if not any_drafted(valid, active, n):
             self._verified(False)
             return None
-        parents, rank, depth = _structure(draft)
+        parents, rank, depth = structure(draft)
         hazard = self.rates.hazard()
         if ids is not None:
             hazard = self.row_rates.hazard(ids, hazard)
@@ -979,7 +572,7 @@ class AutoTree:
         cost = self.cost[: n + 1] * self._scaled("tree")
         cost[1] = self.cost[1] * self.scale["plain"] / self.margin
         valid = np.ascontiguousarray(valid[:, :n])
-        m, focus, promised, v, raw = _weigh(parents[:, :n], rank[:, :n], depth[:, :n], valid, hazard, active, cost,
+        m, focus, promised, v, raw = weigh(parents[:, :n], rank[:, :n], depth[:, :n], valid, hazard, active, cost,
                                             not self._probing, self.gain_scale())
         if ids is not None:  # the row the choice before drafting weighs from now on: the one gaining least
             self._focus = int(ids[focus])
@@ -990,13 +583,13 @@ class AutoTree:
             kept = np.arange(1, n)[None] < sizes[:, None]
             self._promised = (float((raw[:, 1:n] * kept)[active].sum(1).min()), active.copy())
             self._predicted = ("packed", drafting + float(self._packed_ms(total, len(sizes))))
-            return _cut_rows(draft, sizes)
+            return cut_rows(draft, sizes)
         if m == 1:
             self._plain_run += 1
             return None
         self._promised = (promised, active.copy())
         self._predicted = ("tree", drafting + self.cost[m])
-        return draft if m == draft.n else _cut(draft, m)
+        return draft if m == draft.n else cut_draft(draft, m)
 
     def _packed_ms(self, total, rows: int):
         """The target's part of an iteration scoring ``total`` nodes (an int or an array) of
@@ -1006,13 +599,13 @@ class AutoTree:
         return np.interp(np.maximum(np.asarray(total) / rows, 2.0), sizes, self.cost[2:])
 
     def _row_sizes(self, v: np.ndarray, active: np.ndarray, cost: np.ndarray, m: int) -> np.ndarray | None:
-        """The rows' own prefix sizes (:func:`_best_rows`, priced as packed passes) where they beat
+        """The rows' own prefix sizes (:func:`best_rows`, priced as packed passes) where they beat
         the best prefix ``m`` they all share (or the plain step it stands for), else None."""
         B, n = v.shape
         if B < 2 or not active.any():
             return None
         packed = self._packed_ms(np.arange(B * n + 1), B) * self._scaled("packed")
-        sizes, rate = _best_rows(v, active, packed)
+        sizes, rate = best_rows(v, active, packed)
         if rate <= 0.0 or sizes.min() == sizes.max():  # (the same size for all: the padded pass is that)
             return None
         least = v[active][:, 1:m].sum(1).min() if m > 1 else 0.0
@@ -1198,57 +791,6 @@ def tree_room(drafter) -> int:
     return getattr(drafter, "draft_depth", None) or (shape.max_depth if shape is not None else PathRates.DEPTH)
 
 
-def plan_shape(rates: PathRates, nodes: int, chain: bool = False, depth: int = PathRates.DEPTH) -> TreeShape:
-    """The best-first tree of at most ``nodes`` nodes and ``depth`` levels under ``rates``
-    (``chain``: one child per node)."""
-    a = rates.positional()
-    a[depth + 1:] = 0.0
-    if chain:
-        a[:, 1:] = 0.0
-    key = (a.tobytes(), nodes)
-    shape = _PLANS.get(key)
-    if shape is None:
-        shape = TreeShape(tuple(int(p) for p in _best_first(a, nodes)))
-        if len(_PLANS) >= 512:
-            _PLANS.pop(next(iter(_PLANS)))
-        _PLANS[key] = shape
-    return shape
-
-
-# Plans by the acceptance chances they were grown from: a call's chooser plans from where the last
-# call's rates (and the prior) left off, several depth caps each, and would otherwise grow and
-# check the same shapes again at every call.
-_PLANS: dict[tuple[bytes, int], TreeShape] = {}
-
-
-def _cut_rows(draft: TokenTree, sizes: np.ndarray) -> TokenTree:
-    """Row r of ``draft`` cut to its first ``sizes[r]`` nodes: the draft cut to the largest, the
-    nodes past each row's own size invalid, and the sizes kept for a packed pass."""
-    top = int(sizes.max())
-    draft = draft if top == draft.n else _cut(draft, top)
-    keep = torch.arange(top)[None] < torch.from_numpy(sizes)[:, None]
-    valid = keep if draft.valid is None else draft.valid & keep
-    return _remade(draft, valid=valid, child_ids=draft.child_ids, child_probs=draft.child_probs,
-                   with_replacement=draft.with_replacement, row_sizes=tuple(int(s) for s in sizes))
-
-
-def _remade(draft: TokenTree, **fields) -> TokenTree:
-    """``draft``'s parents (its static shape where it has one) and tokens, with ``fields``."""
-    if draft.static_shape is not None:
-        return TokenTree.from_shape(draft.static_shape, draft.tokens, **fields)
-    return TokenTree(draft.parents, draft.tokens, **fields)
-
-
-def _cut(draft: TokenTree, m: int) -> TokenTree:
-    """The first ``m`` nodes of ``draft`` (parents come first, so they are a tree)."""
-    cut = lambda t: None if t is None else t[:, :m]  # noqa: E731
-    extra = dict(valid=cut(draft.valid), child_ids=cut(draft.child_ids), child_probs=cut(draft.child_probs),
-                 with_replacement=draft.with_replacement)
-    if draft.static_shape is not None:
-        return TokenTree.from_shape(_prefix(draft.static_shape, m), draft.tokens[:, :m], **extra)
-    return TokenTree(draft.parents[..., :m], draft.tokens[:, :m], **extra)
-
-
 def auto_tree(model, drafter, batch: int, *, mode: str, sampled: bool = False, chain: bool = False,
               depth: int = PathRates.DEPTH, adaptive: bool = False, refresh: bool = False,
               bracketed: bool = False, watch: bool = False) -> AutoTree:
@@ -1270,7 +812,7 @@ def auto_tree(model, drafter, batch: int, *, mode: str, sampled: bool = False, c
     fills = getattr(drafter, "fills_shapes", True)
     profile = (bracketed_profile if bracketed else cost_profile)(
         model, batch, drafter=drafter if fills else None, mode=mode, sampled=sampled,
-        shapes=[_prefix(prior, n) for n in sizes if n >= 2], refresh=refresh, check=adaptive,
+        shapes=[shape_prefix(prior, n) for n in sizes if n >= 2], refresh=refresh, check=adaptive,
         scan="chain" if chain else "tree")
     # adaptive choosers of one profile hand on what they learned: a later call starts from it
     scale, rates = (None, None) if not adaptive else _LEARNED.setdefault(profile, ({"plain": 1.0, "tree": 1.0},

@@ -17,7 +17,8 @@ from ..sampling.keyed import KeyedDraws
 from ..sampling.verify import SamplingParams
 from ..tree import TreeBudget, TreeShape
 from .args import integer
-from .autotree import AutoTree, PathRates
+from .acceptance import PathRates
+from .autotree import AutoTree
 from .distributed import drafts_here, tensor_parallel
 from .stops import check_stop_sequences
 

@@ -39,7 +39,8 @@ import numpy as np
 import torch
 
 from ..decoding.args import integer
-from ..decoding.autotree import PathRates, auto_tree
+from ..decoding.acceptance import PathRates
+from ..decoding.autotree import auto_tree
 from ..decoding.config import seed_streams
 from ..decoding.loop import decode
 from ..decoding.rows import TokenLogprob, token_logprobs

@@ -1,7 +1,7 @@
-"""tree="auto": the acceptance counts, each node's chance, the best-first plan and the best prefix
-against their definitions; the choice between trees and plain steps under made-up costs; and in
-the decoding loop, greedy identity for every drafter, the exact sampling law while the choice
-switches sizes and falls back to plain steps, explicit trees honoured exactly."""
+"""tree="auto": the choice between trees and plain steps under made-up costs (its acceptance counts
+and trees: test_acceptance.py, test_plans.py); and in the decoding loop, greedy identity for every
+drafter, the exact sampling law while the choice switches sizes and falls back to plain steps,
+explicit trees honoured exactly."""
 
 import itertools
 import math
@@ -14,8 +14,9 @@ from hypothesis import strategies as st
 from markov_law import sampled_under
 from tiny_models import FAMILIES, mamba2
 
-from stree.decoding.autotree import (AutoTree, PathRates, RowRates, _best_first, _best_prefix, _chances, _rank_depth,
-                                     _weigh, plan_shape)
+from stree.decoding.acceptance import PathRates
+from stree.decoding.autotree import AutoTree
+from stree.decoding.plans import plan_shape
 from stree.decoding.cost import CostProfile
 from stree.drafters.registry import DRAFTER_NAMES, NEEDS_MODEL, make_drafter
 from stree.decoding.loop import generate
@@ -28,206 +29,6 @@ SEEDED_P = 1e-3
 def tree_of(parents, tokens, valid=None):
     t = torch.tensor
     return TokenTree(t(parents), t(tokens), None if valid is None else t(valid))
-
-
-def test_rates_count_what_the_verifier_did():
-    """Root -> 1 (rank 0), 2 (rank 1), 4 (rank 2, invalid); 1 -> 3. Row 0 accepted node 2, row 1
-    nodes 1 and 3, row 2 nothing."""
-    parents = [-1, 0, 0, 1, 0]
-    tokens = [[9, 10, 11, 12, 13]] * 3
-    valid = [[True, True, True, True, False]] * 3
-    tree = tree_of(parents, tokens, valid)
-    rates = PathRates(decay=1.0)
-    emitted = np.array([[11, 7, 0], [10, 12, 5], [4, 0, 0]])
-    rates.record(tree, emitted, np.array([2, 3, 1]), np.arange(3))
-    acc, reached = rates.accepted, rates.reached
-    assert (reached[1, 0], acc[1, 0]) == (3, 1)  # node 1: reached by every row, accepted by row 1
-    assert (reached[1, 1], acc[1, 1]) == (2, 1)  # node 2: rows 0 and 2 got there, row 0 took it
-    assert (reached[2, 0], acc[2, 0]) == (1, 1)  # node 3 below row 1's accepted node 1
-    assert reached[1, 2] == 0 and reached.sum() == 6  # the invalid node is never counted
-    rates.record(tree, emitted, np.array([2, 3, 1]), np.array([2]))  # one row only; the others ride along
-    assert reached.sum() == 8 and acc.sum() == 3
-
-
-def test_kept_hazards_follow_every_record():
-    """The hazards are kept between records (a step weighs them several times): after each
-    record, the batch's and the rows' own are those their counts give, never the last ones."""
-    rates, rows = PathRates(decay=0.9), RowRates(0.9)
-    tree = tree_of([-1, 0, 0, 1], [[3, 4, 5, 6], [3, 4, 5, 6]])
-    ids = np.array([0, 3])
-    steps = [([[4, 6, 1], [5, 0, 0]], [3, 2]), ([[7, 0, 0], [4, 6, 2]], [1, 3]), ([[4, 1, 0], [4, 6, 9]], [2, 3])]
-    for emitted, counts in steps:
-        before = rates.hazard(), rows.hazard(ids, rates.hazard())
-        rates.record(tree, np.array(emitted), np.array(counts), np.arange(2), rows, ids)
-        batch, w = rates.hazard(), rates.weight
-        by_rank = (rates.accepted.sum(0) + w * rates.prior) / (rates.reached.sum(0) + w)
-        assert np.array_equal(batch, (rates.accepted + w * by_rank) / (rates.reached + w))
-        own = rows.hazard(ids, batch)
-        assert np.array_equal(own[1], (rows.accepted[3] + rows.weight * batch) / (rows.reached[3] + rows.weight))
-        assert not np.array_equal(batch, before[0]) and not np.array_equal(own, before[1])
-        assert rates.hazard() is batch and rows.hazard(ids, batch) is own  # (kept until the next record)
-    rows.fade(4)  # the rows' own counts fade, the batch's stay
-    faded = rows.hazard(ids, batch)
-    assert np.array_equal(faded[1], (rows.accepted[3] + rows.weight * batch) / (rows.reached[3] + rows.weight))
-    assert not np.array_equal(faded, own)
-    assert rows.hazard(np.array([3, 0]), batch)[0] is not faded[1]  # other rows: their own answer
-
-
-def test_rates_fade_and_lean_on_the_prior():
-    rates = PathRates(decay=0.5)
-    h0 = rates.hazard()
-    assert h0[1, 0] == pytest.approx(PathRates.PRIOR[0]) and h0[5, 3] == pytest.approx(PathRates.PRIOR[3])
-    tree = tree_of([-1, 0], [[3, 4]])
-    for _ in range(30):  # the child is rejected every step
-        rates.record(tree, np.array([[5]]), np.array([1]), np.arange(1))
-    assert rates.reached[1, 0] == pytest.approx(2.0, rel=1e-6)  # 1 + 1/2 + 1/4 + ...
-    assert rates.hazard()[1, 0] < 0.25 < rates.hazard()[1, 1]
-    pos = rates.positional()
-    assert np.all(np.diff(pos, axis=1) <= 1e-12)  # non-increasing in rank
-
-
-def path_chance(parents, valid, h, c):
-    """A node's chance by the definition: its parent's, times the misses of its valid earlier
-    siblings, times its own hazard, never above its latest valid earlier sibling's chance."""
-    if c == 0:
-        return 1.0
-    p = parents[c]
-    if not valid[c] or path_chance(parents, valid, h, p) == 0.0:
-        return 0.0
-    sibs = [s for s in range(1, len(parents)) if parents[s] == p]
-
-    def hz(s):
-        depth, v = 0, s
-        while v > 0:
-            v, depth = parents[v], depth + 1
-        return h[min(depth, h.shape[0] - 1), min(sibs.index(s), h.shape[1] - 1)]
-    before = [s for s in sibs[: sibs.index(c)] if valid[s]]
-    raw = path_chance(parents, valid, h, p) * np.prod([1 - hz(s) for s in before]) * hz(c)
-    return min(raw, path_chance(parents, valid, h, before[-1])) if before else raw
-
-
-@st.composite
-def trees_with_hazards(draw):
-    n = draw(st.integers(1, 12))
-    parents = [-1] + [draw(st.integers(0, i - 1)) for i in range(1, n)]
-    valid = [True] + [draw(st.booleans()) for _ in range(n - 1)]
-    h = np.array(draw(st.lists(st.floats(0.01, 0.99), min_size=4 * 3, max_size=4 * 3))).reshape(4, 3)
-    return parents, valid, h
-
-
-@given(trees_with_hazards())
-def test_chances_follow_the_definition(case):
-    parents, valid, h = case
-    p = np.array([parents], dtype=np.int64)
-    rank, depth = _rank_depth(p)
-    got = _chances(p, rank, depth, np.array([valid]), h[None])[0]
-    want = [1.0] + [path_chance(parents, valid, h, c) for c in range(1, len(parents))]
-    np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-15)
-
-
-@given(st.lists(st.floats(0.05, 0.95), min_size=9, max_size=9), st.integers(2, 30))
-def test_best_first_takes_the_likeliest_nodes(hazards, nodes):
-    """Against enumeration of every node of the 3-deep, 3-wide tree: the plan's chances sum to
-    the largest sum any closed set of that many nodes has (the top values)."""
-    rates = PathRates()
-    h = np.zeros((rates.DEPTH + 1, rates.RANKS))
-    h[1:4, :3] = np.array(hazards).reshape(3, 3)
-    alive = np.cumprod(np.concatenate([np.ones((h.shape[0], 1)), 1 - h[:, :-1]], 1), 1)
-    a = np.minimum.accumulate(h * alive, axis=1)
-    a[4:] = 0.0  # nothing deeper than 3
-    values = []
-    for depth in (1, 2, 3):
-        for ranks in itertools.product(range(3), repeat=depth):
-            values.append(np.prod([a[d + 1, j] for d, j in enumerate(ranks)]))
-    top = sorted(values, reverse=True)[: nodes - 1]
-    parents = _best_first(a, nodes)
-    p = parents[None].astype(np.int64)
-    rank, depth = _rank_depth(p)
-    got = [np.prod([a[depth[0, v], rank[0, v]] for v in path]) for path in _paths(parents[:len(top) + 1])]
-    assert len(parents) == len(top) + 1
-    assert sum(got) == pytest.approx(sum(top), rel=1e-9)
-    assert all(parents[i] < i for i in range(1, len(parents)))
-
-
-def _paths(parents):
-    out = []
-    for c in range(1, len(parents)):
-        path, v = [], c
-        while v > 0:
-            path.append(v)
-            v = parents[v]
-        out.append(path)
-    return out
-
-
-@given(st.lists(st.lists(st.floats(0, 1), min_size=6, max_size=6), min_size=1, max_size=3),
-       st.lists(st.floats(0.5, 20), min_size=6, max_size=6), st.booleans())
-def test_best_prefix_maximises_tokens_per_millisecond(chances, costs, allow_plain):
-    v = np.array(chances)
-    v[:, 0] = 1.0
-    cost = np.array([np.inf] + costs)
-    active = np.ones(len(v), dtype=np.bool_)
-    m = _best_prefix(v, active, cost, allow_plain)
-    rate = lambda k: (1 + v[:, 1:k].sum(1).min()) / cost[k] if k > 1 else 1 / cost[1]  # noqa: E731 (the least gain)
-    candidates = range(1 if allow_plain else 2, 7)
-    assert rate(m) == pytest.approx(max(rate(k) for k in candidates), rel=1e-9)
-
-
-@st.composite
-def weighed_drafts(draw):
-    """Rows of one draft (a shape of its own per row or one for all), the rows that count, the
-    costs, whether a plain step may win, the gain scale, and hazards per row or one for all."""
-    rows, n = draw(st.integers(1, 3)), draw(st.integers(2, 10))
-    shapes = draw(st.integers(1, rows).filter(lambda k: k in (1, rows)))
-    parents = np.array([[-1] + [draw(st.integers(0, i - 1)) for i in range(1, n)] for _ in range(shapes)])
-    valid = np.array([[True] + [draw(st.booleans()) for _ in range(n - 1)] for _ in range(rows)])
-    active = np.array([draw(st.booleans()) for _ in range(rows)])
-    active[draw(st.integers(0, rows - 1))] = True
-    h = np.array(draw(st.lists(st.floats(0.01, 0.99), min_size=4 * 3, max_size=4 * 3)))
-    hazards = np.stack([h.reshape(4, 3) ** (1 + r) for r in range(draw(st.sampled_from([1, rows])))])
-    cost = np.array([np.inf] + draw(st.lists(st.floats(0.5, 20), min_size=n, max_size=n)))
-    return parents, valid, active, hazards, cost, draw(st.booleans()), draw(st.floats(0.2, 2.0))
-
-
-@given(weighed_drafts())
-def test_a_draft_weighed_in_one_call_is_its_steps_weighed_apart(case):
-    """What AutoTree.choose reads off a draft (one compiled call) against its steps apart: the
-    chances, the best prefix by the chances times the gain scale, the active row gaining least
-    (the first of equals), and what the prefix promises the active rows (unscaled)."""
-    parents, valid, active, h, cost, allow_plain, gain = case
-    rank, depth = _rank_depth(parents)
-    m, focus, promised, v, raw = _weigh(parents, rank, depth, valid, h, active, cost, allow_plain, gain)
-    want_raw = _chances(parents, rank, depth, valid, h)
-    np.testing.assert_array_equal(raw, want_raw)
-    scaled = want_raw.copy()
-    scaled[:, 1:] *= gain
-    np.testing.assert_array_equal(v, scaled)
-    assert m == _best_prefix(scaled, active, cost, allow_plain)
-    assert focus == np.flatnonzero(active)[int(np.argmin(want_raw[active, 1:].sum(1)))]
-    assert promised == pytest.approx(want_raw[active, 1:m].sum(1).min(), rel=1e-12, abs=1e-15)
-
-
-@given(st.lists(st.floats(0, 30), min_size=2 * 17 * 8, max_size=2 * 17 * 8), st.floats(0.5, 4),
-       st.lists(st.integers(0, 3), min_size=1, max_size=4))
-def test_the_hazards_follow_their_formulas(counts, weight, ids):
-    """PathRates' hazards (each depth's rate leaning on its rank's over all depths, which leans on
-    the prior) and RowRates' (each row's leaning on the batch's; the batch's alone for a row it
-    has no counts for) against their formulas."""
-    counts = np.array(counts).reshape(2, 17, 8)
-    rates = PathRates(weight=weight)
-    rates.accepted, rates.reached = np.minimum(counts[0], counts[1]), counts[1]
-    rates.version += 1
-    w = weight
-    by_rank = (rates.accepted.sum(0) + w * rates.prior) / (rates.reached.sum(0) + w)
-    batch = rates.hazard()
-    np.testing.assert_allclose(batch, (rates.accepted + w * by_rank) / (rates.reached + w), rtol=1e-12)
-    rows = RowRates(0.9, weight=w)
-    rows.fade(2)
-    rows.accepted, rows.reached = np.stack([rates.accepted, rates.accepted / 2]), np.stack([rates.reached] * 2)
-    got = rows.hazard(np.array(ids), batch)
-    for i, r in enumerate(ids):
-        want = batch if r >= 2 else (rows.accepted[r] + w * batch) / (rows.reached[r] + w)
-        np.testing.assert_allclose(got[i], want, rtol=1e-12)
 
 
 # ---- the choice ---------------------------------------------------------------------------
@@ -979,26 +780,30 @@ def test_a_watched_draft_is_learned_as_verification_would_have_found_it():
     assert watched.scale["gain_got"] == 1.0 and watched.scale["gain_said"] > 0.0
 
 
-def test_watched_drafts_are_spaced_by_what_watching_them_took():
+def test_watched_drafts_are_spaced_by_what_watching_them_took(monkeypatch):
     """Before any watch, watches are spaced by what drafting one is predicted to cost (nothing
     here: WATCH_EVERY plain steps). What watches take by the clock (drafting them, then learning
     from them) is learned from that prediction a step at a time: one first watch that took fifty
     plain steps (paying for first uses) does not space the next ones by that for good, and
     watches that each take half a plain step come to space them so that watching takes at most
-    WATCH_SHARE of the plain steps' time."""
+    WATCH_SHARE of the plain steps' time. The choice's clock here advances a tenth of a
+    millisecond a reading (learning from a watch: two), as the real one, read under a loaded
+    machine, once put past the bound below."""
+    import stree.decoding.autotree as autotree
+
+    ticks = itertools.count()
+    monkeypatch.setattr(autotree, "time", type("Clock", (), {"perf_counter": lambda: next(ticks) * 1e-4}))
     auto = AutoTree(cheap(), adaptive=True, watch=True, rates=PathRates(prior=(0.02,) * 8))
     assert auto._watch_gap() == AutoTree.WATCH_EVERY
     draft = tree_of([-1, 0, 1], [[5, 6, 7]])
-    # (a watch without its drafting's time first: it teaches no time, and the next one's learning is
-    # then no first use of the compiled calls, whose compiling the bound below would count)
-    auto.watched(draft, [np.array([9, 1])], np.ones(1, dtype=bool), np.arange(1))
+    auto.watched(draft, [np.array([9, 1])], np.ones(1, dtype=bool), np.arange(1))  # (no drafting time: none taught)
     assert auto.scale["watch_ms"] == 0.0 and auto._watch_gap() == AutoTree.WATCH_EVERY
     auto.watched(draft, [np.array([9, 1])], np.ones(1, dtype=bool), np.arange(1), drafting_ms=50.0)
     assert AutoTree.ADAPT * 50.0 <= auto.scale["watch_ms"] < AutoTree.ADAPT * 50.0 + 1.0
     for _ in range(60):  # (drafts that miss: trees stay unwanted, and watches due)
         auto.watched(draft, [np.array([9, 1])], np.ones(1, dtype=bool), np.arange(1), drafting_ms=0.5)
     took = auto.scale["watch_ms"]
-    assert 0.5 <= took < 1.0
+    assert took == pytest.approx(0.5 + 0.1, abs=0.01)  # each drafting and its learning, the first one faded
     auto.scale["watch_idle"] = 0  # (the share whole: plain steps kept winning, which backs watches off)
     gap = auto._watch_gap()
     assert gap >= 0.5 / (AutoTree.WATCH_SHARE * 1.0) and took <= gap * AutoTree.WATCH_SHARE * auto.scale["plain"]

@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 from markov_law import sampled_under
 from tiny_models import FAMILIES
 
-from stree.decoding.autotree import AutoTree, _best_rows
+from stree.decoding.autotree import AutoTree
+from stree.decoding.plans import best_rows
 from stree.decoding.cost import CostProfile
 from stree.decoding.loop import generate
 from stree.drafters.registry import make_drafter
@@ -36,10 +37,10 @@ def chances_and_costs(draw):
 @given(chances_and_costs())
 def test_row_sizes_maximise_what_the_least_row_gains_per_millisecond(case):
     """Over every choice of sizes (each row at least a 2-node tree), the best rate of
-    (1 + the least row's expected drafts accepted) / cost(all nodes) is _best_rows's."""
+    (1 + the least row's expected drafts accepted) / cost(all nodes) is best_rows's."""
     v, cost = case
     B, n = v.shape
-    sizes, rate = _best_rows(v, np.ones(B, dtype=np.bool_), cost)
+    sizes, rate = best_rows(v, np.ones(B, dtype=np.bool_), cost)
     gain = lambda b, m: v[b, 1:m].sum()  # noqa: E731
     least = lambda ms: min(gain(b, m) for b, m in enumerate(ms))  # noqa: E731
     rates = [(1 + least(ms)) / cost[sum(ms)] for ms in itertools.product(range(2, n + 1), repeat=B) if least(ms) > 0]
@@ -53,7 +54,7 @@ def test_rows_the_batch_does_not_wait_for_take_no_more_than_the_others_nor_what_
     v = np.array([[1.0, 0.9, 0.8, 0.7, 0.6], [1.0, 0.1, 0.1, 0.1, 0.1], [1.0, 0.5, 0.2, 0.1, 0.1],
                   [1.0, 0.3, 0.0, 0.0, 0.0], [1.0, 0.0, 0.0, 0.0, 0.0]])
     cost = 1.0 + 0.01 * np.arange(26.0)
-    sizes, _ = _best_rows(v, np.array([True, False, True, False, False]), cost)
+    sizes, _ = best_rows(v, np.array([True, False, True, False, False]), cost)
     assert sizes.tolist() == [2, 5, 5, 2, 1]
 
 

@@ -1,0 +1,268 @@
+"""Which drafted nodes the target accepts, learned from verified steps only (:class:`PathRates`),
+for ``tree="auto"`` (:mod:`stree.decoding.autotree`): the hazard h(d, j) that a drafted child of
+sibling rank j at depth d is accepted, given that its parent was and that its earlier siblings were
+not (invalid nodes, which a drafter could not fill, are not counted: the draft itself says which
+nodes exist). Counts fade by ``decay`` per step, start from a prior, and a depth that has seen
+little leans on its rank's rate over all depths. A node is accepted with chance prod over its path
+of h(d, j) prod_{i<j} (1 - h(d, i)) (Sequoia's positional acceptance, per depth: :func:`chances`);
+a tree's expected tokens per iteration is 1 (the bonus) plus its nodes' chances. Each row of a
+batch also keeps its own counts (:class:`RowRates`), leaning on the batch's.
+
+Also here, as arrays for the compiled helpers: a tree's parents, sibling ranks and depths
+(:func:`structure`), and what greedy verification would have accepted of a draft from the tokens
+emitted after it (:func:`walk`: a draft watched rather than verified).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+from numba import njit
+
+from ..tree import TokenTree, TreeShape
+
+__all__ = ["PathRates", "RowRates", "chances", "rank_depth", "shape_structure", "structure", "valid_mask", "walk"]
+
+
+class PathRates:
+    """Hazards h(d, j) by depth d (1..``DEPTH``, deeper levels share the last) and sibling rank j
+    (0..``RANKS - 1``, later ranks share the last), learned from verified steps (see the module
+    docstring). ``prior[j]`` is worth ``weight`` observations of rank j over all depths, and the
+    rank's rate ``weight`` observations at each depth."""
+
+    DEPTH, RANKS = 16, 8
+    PRIOR = (0.6, 0.3, 0.2, 0.15, 0.12, 0.1, 0.08, 0.07)
+
+    def __init__(self, decay: float = 0.97, weight: float = 2.0, prior=PRIOR):
+        if not 0 < decay <= 1 or weight <= 0 or len(prior) != self.RANKS or not all(0 < p < 1 for p in prior):
+            raise ValueError(f"need 0 < decay <= 1, weight > 0 and {self.RANKS} prior rates in (0, 1), got "
+                             f"{decay!r}, {weight!r}, {prior!r}")
+        self.decay, self.weight, self.prior = decay, weight, np.asarray(prior, dtype=np.float64)
+        self.accepted = np.zeros((self.DEPTH + 1, self.RANKS))
+        self.reached = np.zeros((self.DEPTH + 1, self.RANKS))
+        self.version = 0  # bumped by every record
+        self._hazard: tuple[int, np.ndarray] | None = None  # (version, hazard()): a step weighs them several times
+
+    def hazard(self) -> np.ndarray:
+        """``[DEPTH + 1, RANKS]`` (row 0 unused); one array per version, not to be written to."""
+        if self._hazard is None or self._hazard[0] != self.version:
+            self._hazard = (self.version, _hazards(self.accepted, self.reached, self.prior, self.weight))
+        return self._hazard[1]
+
+    def positional(self) -> np.ndarray:
+        """The chance that rank j's child is the accepted one, given its parent was: h(d, j)
+        prod_{i<j} (1 - h(d, i)), made non-increasing in j (best-first growth needs it)."""
+        h = self.hazard()
+        alive = np.cumprod(np.concatenate([np.ones((h.shape[0], 1)), 1 - h[:, :-1]], 1), 1)
+        return np.minimum.accumulate(h * alive, axis=1)
+
+    def record(self, tree: TokenTree, tokens: np.ndarray, counts: np.ndarray, rows: np.ndarray,
+               per_row: "RowRates | None" = None, ids: np.ndarray | None = None) -> None:
+        """Learn from one verified step: ``tree`` (CPU, the batch's), and for each batch row in
+        ``rows`` the emitted ``tokens[b, :counts[b]]`` (the accepted drafts, then the bonus);
+        ``per_row`` also learns each row's own, under its id ``ids[b]``."""
+        self.version += 1
+        self.accepted *= self.decay
+        self.reached *= self.decay
+        ids = np.zeros(0, dtype=np.int64) if per_row is None else np.asarray(ids, dtype=np.int64)
+        if per_row is not None:
+            per_row.fade(int(ids.max()) + 1 if len(ids) else 0)
+        parents, rank, depth = structure(tree)
+        valid = valid_mask(tree)
+        row_accepted, row_reached = (_NO_ROWS, _NO_ROWS) if per_row is None else (per_row.accepted, per_row.reached)
+        # (C order always: a strided tree and a contiguous one would each cost numba a compile)
+        _record(parents, rank, depth, np.ascontiguousarray(tree.tokens.numpy()), np.ascontiguousarray(valid), tokens,
+                counts, rows, self.accepted, self.reached, ids, row_accepted, row_reached)
+
+
+class RowRates:
+    """The counts of :class:`PathRates` per batch row of one decoding call, under the row's id:
+    rows of one batch accept very differently (at batch 8, rows' own tau from 2.1 to 5.5), and a
+    row's hazard leans on the batch's by ``weight`` observations."""
+
+    def __init__(self, decay: float, weight: float = 4.0):
+        self.decay, self.weight = decay, weight
+        self.accepted = np.zeros((0, PathRates.DEPTH + 1, PathRates.RANKS))
+        self.reached = np.zeros_like(self.accepted)
+        self.version = 0  # bumped by every fade (each record of PathRates that learns rows' own fades first)
+        self._hazard: tuple | None = None  # ((version, ids, batch), hazard(ids, batch))
+
+    def fade(self, rows: int) -> None:
+        """One step's decay; room for ids below ``rows``."""
+        self.version += 1
+        if rows > len(self.accepted):
+            grow = np.zeros((rows - len(self.accepted), *self.accepted.shape[1:]))
+            self.accepted, self.reached = np.concatenate([self.accepted, grow]), np.concatenate([self.reached, grow])
+        self.accepted *= self.decay
+        self.reached *= self.decay
+
+    def hazard(self, ids: np.ndarray, batch: np.ndarray) -> np.ndarray:
+        """``[len(ids), DEPTH + 1, RANKS]``: each row's hazards, ``batch`` (the batch's) where it
+        has seen little. The last answer is kept (not to be written to): a step asks for the same
+        rows' several times."""
+        ids = np.asarray(ids)
+        key = (self.version, ids.tobytes(), batch)
+        hit = self._hazard
+        if hit is not None and hit[0][0] == key[0] and hit[0][1] == key[1] and hit[0][2] is batch:
+            return hit[1]
+        out = _row_hazards(self.accepted, self.reached, ids.astype(np.int64, copy=False), batch, self.weight)
+        self._hazard = (key, out)
+        return out
+
+
+_NO_ROWS = np.zeros((0, PathRates.DEPTH + 1, PathRates.RANKS))
+
+
+# (numba: the hazards are re-made after every verified step, and with NumPy's small-array calls
+# each took a tenth of what the choice after drafting cost)
+@njit(cache=True)
+def _hazards(accepted, reached, prior, w):
+    """:meth:`PathRates.hazard`: each depth's rate leaning on its rank's over all depths."""
+    D, K = accepted.shape
+    out = np.empty((D, K))
+    for j in range(K):
+        a, r = 0.0, 0.0
+        for d in range(D):
+            a += accepted[d, j]
+            r += reached[d, j]
+        by_rank = (a + w * prior[j]) / (r + w)
+        for d in range(D):
+            out[d, j] = (accepted[d, j] + w * by_rank) / (reached[d, j] + w)
+    return out
+
+
+@njit(cache=True)
+def _row_hazards(accepted, reached, ids, batch, w):
+    """:meth:`RowRates.hazard`: row ``ids[i]``'s counts leaning on the batch's hazards (the batch's
+    alone for an id it has no counts for)."""
+    D, K = batch.shape
+    out = np.empty((len(ids), D, K))
+    for i in range(len(ids)):
+        row = ids[i]
+        for d in range(D):
+            for j in range(K):
+                if row < accepted.shape[0]:
+                    out[i, d, j] = (accepted[row, d, j] + w * batch[d, j]) / (reached[row, d, j] + w)
+                else:
+                    out[i, d, j] = batch[d, j]
+    return out
+
+
+def valid_mask(tree: TokenTree) -> np.ndarray:
+    if tree.valid is None:
+        return np.ones(tuple(tree.tokens.shape), dtype=np.bool_)
+    return tree.valid.numpy()
+
+
+@functools.lru_cache(maxsize=256)
+def shape_structure(shape: TreeShape) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    parents = np.asarray(shape.parents, dtype=np.int64)[None]
+    return (parents, *rank_depth(parents))
+
+
+def structure(tree: TokenTree) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Parents, sibling rank and depth of every node, ``[B or 1, n]`` each (a static shape's
+    once per shape)."""
+    if tree.static_shape is not None:
+        return shape_structure(tree.static_shape)
+    parents = np.ascontiguousarray(tree.parents.cpu().numpy().reshape(-1, tree.n), dtype=np.int64)
+    return (parents, *rank_depth(parents))
+
+
+@njit(cache=True)
+def rank_depth(parents):
+    R, n = parents.shape
+    rank = np.zeros((R, n), dtype=np.int64)
+    depth = np.zeros((R, n), dtype=np.int64)
+    kids = np.zeros(n, dtype=np.int64)
+    for r in range(R):
+        kids[:] = 0
+        for c in range(1, n):
+            p = parents[r, c]
+            rank[r, c] = kids[p]
+            kids[p] += 1
+            depth[r, c] = depth[r, p] + 1
+    return rank, depth
+
+
+@njit(cache=True)
+def _record(parents, rank, depth, tokens, valid, emitted, counts, rows, accepted, reached, ids, row_accepted,
+            row_reached):
+    """Walk each row's accepted path down its tree by the emitted tokens: at every accepted node,
+    its valid children up to the accepted one were reached (all of them below the last). Counted
+    for the batch, and for row b under ``ids[b]`` too where ``row_accepted`` has rows."""
+    D, K = accepted.shape[0] - 1, accepted.shape[1]
+    n = tokens.shape[1]
+    per_row = row_accepted.shape[0] > 0
+    for b in rows:
+        s = b if parents.shape[0] > 1 else 0
+        u = 0
+        for t in range(counts[b]):
+            hit = -1
+            for c in range(u + 1, n):
+                if parents[s, c] != u or not valid[b, c]:
+                    continue
+                d, j = min(depth[s, c], D), min(rank[s, c], K - 1)
+                reached[d, j] += 1.0
+                if per_row:
+                    row_reached[ids[b], d, j] += 1.0
+                if t < counts[b] - 1 and tokens[b, c] == emitted[b, t]:
+                    accepted[d, j] += 1.0
+                    if per_row:
+                        row_accepted[ids[b], d, j] += 1.0
+                    hit = c
+                    break
+            if hit < 0:
+                break
+            u = hit
+
+
+@njit(cache=True)
+def walk(parents, tokens, valid, emitted, seen):
+    """Each row's count had its tree been verified greedily (accepted drafts, plus the bonus), from
+    the first ``seen[b]`` tokens the row ``emitted`` after the root: the path of valid nodes
+    matching them, child by child."""
+    B, n = tokens.shape
+    counts = np.ones(B, dtype=np.int64)
+    for b in range(B):
+        s = b if parents.shape[0] > 1 else 0
+        u = 0
+        for t in range(seen[b]):
+            hit = -1
+            for c in range(u + 1, n):
+                if parents[s, c] == u and valid[b, c] and tokens[b, c] == emitted[b, t]:
+                    hit = c
+                    break
+            if hit < 0:
+                break
+            u = hit
+            counts[b] += 1
+    return counts
+
+
+@njit(cache=True)
+def chances(parents, rank, depth, valid, h):
+    """Each node's chance to be accepted (0 for invalid nodes and their subtrees), ``[B, n]``,
+    never above an earlier sibling's (as :meth:`PathRates.positional`: a rank the verified steps
+    have not reached yet keeps its prior, which must not outbid a rank they have judged).
+    ``h``: the hazards ``[B or 1, DEPTH + 1, RANKS]``, each row's or one for all."""
+    B, n = valid.shape
+    D, K = h.shape[1] - 1, h.shape[2]
+    v = np.zeros((B, n))
+    alive = np.ones(n)
+    last = np.zeros(n)  # the chance of each node's latest valid child
+    for b in range(B):
+        s = b if parents.shape[0] > 1 else 0
+        v[b, 0] = 1.0
+        alive[:] = 1.0
+        last[:] = np.inf
+        for c in range(1, n):
+            p = parents[s, c]
+            if not valid[b, c] or v[b, p] == 0.0:
+                continue
+            x = h[b if h.shape[0] > 1 else 0, min(depth[s, c], D), min(rank[s, c], K - 1)]
+            v[b, c] = min(v[b, p] * alive[p] * x, last[p])
+            last[p] = v[b, c]
+            alive[p] *= 1.0 - x
+    return v

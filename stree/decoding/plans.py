@@ -1,0 +1,234 @@
+"""Trees from acceptance chances (:mod:`stree.decoding.acceptance`), for ``tree="auto"``
+(:mod:`stree.decoding.autotree`): the best tree of n nodes is the n likeliest, grown best first
+(:func:`best_first`, :func:`plan_shape`); after drafting, the prefix of a draft with the most
+expected tokens per millisecond (:func:`best_prefix`, weighed in one call by :func:`weigh`), or
+each row's own prefix for a packed pass (:func:`best_rows`); and drafts cut to those prefixes
+(:func:`cut_draft`, :func:`cut_rows`).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import torch
+from numba import njit
+
+from ..tree import TokenTree, TreeShape
+from .acceptance import PathRates, chances
+
+__all__ = ["any_drafted", "best_first", "best_prefix", "best_rows", "cut_draft", "cut_rows", "plan_shape", "remade",
+           "shape_prefix", "weigh"]
+
+
+@functools.lru_cache(maxsize=256)
+def shape_prefix(shape: TreeShape, m: int) -> TreeShape:
+    return TreeShape(shape.parents[:m])
+
+
+@njit(cache=True)
+def best_prefix(v, active, cost, allow_plain):
+    """The prefix size m (1: a plain step) maximising expected tokens per millisecond, ``cost[m]``
+    being an iteration of m nodes (inf: not allowed), for the active row that gains least: the
+    active rows are those the batch waits for, and it is done when the last of them is."""
+    gain = np.zeros(v.shape[0])
+    best, best_rate = 1, (1.0 / cost[1] if allow_plain else -1.0)
+    for m in range(2, v.shape[1] + 1):
+        least = np.inf
+        for b in range(v.shape[0]):
+            gain[b] += v[b, m - 1]
+            if active[b]:
+                least = min(least, gain[b])
+        rate = (1.0 + least) / cost[m]
+        if rate > best_rate * (1.0 + 1e-9):
+            best, best_rate = m, rate
+    return best
+
+
+@njit(cache=True)
+def any_drafted(valid, active, n):
+    """Whether an active row has a valid node past the root among the first ``n``."""
+    for b in range(valid.shape[0]):
+        if active[b]:
+            for c in range(1, n):
+                if valid[b, c]:
+                    return True
+    return False
+
+
+@njit(cache=True)
+def weigh(parents, rank, depth, valid, h, active, cost, allow_plain, gain):
+    """A draft weighed after drafting (:meth:`~stree.decoding.autotree.AutoTree.choose`, in one call:
+    as some twenty small NumPy calls it cost a drafted iteration about a seventh of a compiled
+    step): every node's chance (:func:`~stree.decoding.acceptance.chances`) times ``gain``, the best
+    prefix size m by them (:func:`best_prefix`), the active row gaining least by the unscaled
+    chances (an index of the rows: the focus) and what the prefix of m nodes promises the active
+    rows (the least of their unscaled chances, summed).
+    Returns ``(m, focus, promised, v, raw)``, ``v`` the scaled chances, ``raw`` the unscaled."""
+    v = chances(parents, rank, depth, valid, h)
+    B, n = v.shape
+    focus, least = -1, np.inf
+    for b in range(B):
+        if active[b]:
+            total = 0.0
+            for c in range(1, n):
+                total += v[b, c]
+            if total < least:
+                focus, least = b, total
+    raw = v.copy()
+    for b in range(B):
+        for c in range(1, n):
+            v[b, c] *= gain
+    m = best_prefix(v, active, cost, allow_plain)
+    promised = np.inf
+    for b in range(B):
+        if active[b]:
+            total = 0.0
+            for c in range(1, m):
+                total += raw[b, c]
+            promised = min(promised, total)
+    return m, focus, promised, v, raw
+
+
+@njit(cache=True)
+def best_rows(v, active, cost):
+    """Each row's own prefix size (a packed pass: :attr:`TokenTree.row_sizes`) maximising expected
+    tokens per millisecond for the active row that gains least, ``cost[t]`` being an iteration of
+    t nodes in all: for every level L an active row's prefix gains, each row takes its smallest
+    prefix gaining L (an inactive row, short of it, its smallest gaining what the largest size an
+    active row takes would), so no node is paid for beyond what the least of the active rows
+    gains. Returns the sizes and their rate (sizes all 1 and rate -1 where no level is reachable
+    by every active row)."""
+    B, n = v.shape
+    gain = np.zeros((B, n + 1))  # gain[b, m]: a prefix of m nodes
+    for b in range(B):
+        for m in range(2, n + 1):
+            gain[b, m] = gain[b, m - 1] + v[b, m - 1]
+    best = np.ones(B, dtype=np.int64)
+    best_rate = -1.0
+    sizes = np.ones(B, dtype=np.int64)
+    for a in range(B):
+        if not active[a]:
+            continue
+        for k in range(2, n + 1):
+            level = gain[a, k]
+            if level <= 0.0:
+                continue
+            top, least, ok = 1, np.inf, True
+            for b in range(B):
+                sizes[b] = 0
+                for m in range(1, n + 1):
+                    if gain[b, m] >= level * (1.0 - 1e-12):
+                        sizes[b] = m
+                        break
+                if active[b]:
+                    if sizes[b] == 0:
+                        ok = False
+                        break
+                    top = max(top, sizes[b])
+                    least = min(least, gain[b, sizes[b]])
+            if not ok:
+                continue
+            total = 0
+            for b in range(B):
+                if not active[b]:
+                    if sizes[b] == 0 or sizes[b] > top:  # (short of the level: what it gains within top)
+                        sizes[b] = 1
+                        while gain[b, sizes[b]] < gain[b, top] * (1.0 - 1e-12):
+                            sizes[b] += 1
+                total += sizes[b]
+            rate = (1.0 + least) / cost[total]
+            if rate > best_rate * (1.0 + 1e-9):
+                best_rate = rate
+                best[:] = sizes
+    return best, best_rate
+
+
+@njit(cache=True)
+def best_first(a, nodes):
+    """The ``nodes`` likeliest nodes under positional chances ``a[d, j]``, best first (ties: the
+    shallower, then the one offered first): parents, ranks, depths. A node's children and later
+    siblings are offered only once it is taken, which is exact because a chance never exceeds
+    the parent's or an earlier sibling's."""
+    D, K = a.shape[0] - 1, a.shape[1]
+    parents = np.full(nodes, -1, dtype=np.int64)
+    value = np.zeros(nodes)
+    value[0] = 1.0
+    cap = 2 * nodes + 2
+    cv = np.zeros(cap)  # each candidate's chance, parent, depth and rank
+    cp, cd, cj = np.zeros(cap, dtype=np.int64), np.zeros(cap, dtype=np.int64), np.zeros(cap, dtype=np.int64)
+    live = np.zeros(cap, dtype=np.bool_)
+    m = 0
+    if D >= 1:
+        cv[0], cp[0], cd[0], cj[0], live[0], m = a[1, 0], 0, 1, 0, True, 1
+    count = 1
+    while count < nodes:
+        best = -1
+        for i in range(m):
+            if live[i] and (best < 0 or cv[i] > cv[best] or (cv[i] == cv[best] and cd[i] < cd[best])):
+                best = i
+        if best < 0 or cv[best] <= 0.0:
+            break
+        live[best] = False
+        k = count
+        parents[k], value[k] = cp[best], cv[best]
+        count += 1
+        d, j = cd[best], cj[best]
+        if d + 1 <= D:
+            cv[m], cp[m], cd[m], cj[m], live[m] = value[k] * a[d + 1, 0], k, d + 1, 0, True
+            m += 1
+        if j + 1 < K:
+            cv[m], cp[m], cd[m], cj[m], live[m] = value[cp[best]] * a[d, j + 1], cp[best], d, j + 1, True
+            m += 1
+    return parents[:count]
+
+
+def plan_shape(rates: PathRates, nodes: int, chain: bool = False, depth: int = PathRates.DEPTH) -> TreeShape:
+    """The best-first tree of at most ``nodes`` nodes and ``depth`` levels under ``rates``
+    (``chain``: one child per node)."""
+    a = rates.positional()
+    a[depth + 1:] = 0.0
+    if chain:
+        a[:, 1:] = 0.0
+    key = (a.tobytes(), nodes)
+    shape = _PLANS.get(key)
+    if shape is None:
+        shape = TreeShape(tuple(int(p) for p in best_first(a, nodes)))
+        if len(_PLANS) >= 512:
+            _PLANS.pop(next(iter(_PLANS)))
+        _PLANS[key] = shape
+    return shape
+
+
+# Plans by the acceptance chances they were grown from: a call's chooser plans from where the last
+# call's rates (and the prior) left off, several depth caps each, and would otherwise grow and
+# check the same shapes again at every call.
+_PLANS: dict[tuple[bytes, int], TreeShape] = {}
+
+
+def cut_rows(draft: TokenTree, sizes: np.ndarray) -> TokenTree:
+    """Row r of ``draft`` cut to its first ``sizes[r]`` nodes: the draft cut to the largest, the
+    nodes past each row's own size invalid, and the sizes kept for a packed pass."""
+    top = int(sizes.max())
+    draft = draft if top == draft.n else cut_draft(draft, top)
+    keep = torch.arange(top)[None] < torch.from_numpy(sizes)[:, None]
+    valid = keep if draft.valid is None else draft.valid & keep
+    return remade(draft, valid=valid, child_ids=draft.child_ids, child_probs=draft.child_probs,
+                   with_replacement=draft.with_replacement, row_sizes=tuple(int(s) for s in sizes))
+
+
+def remade(draft: TokenTree, **fields) -> TokenTree:
+    """``draft``'s parents (its static shape where it has one) and tokens, with ``fields``."""
+    if draft.static_shape is not None:
+        return TokenTree.from_shape(draft.static_shape, draft.tokens, **fields)
+    return TokenTree(draft.parents, draft.tokens, **fields)
+
+
+def cut_draft(draft: TokenTree, m: int) -> TokenTree:
+    """The first ``m`` nodes of ``draft`` (parents come first, so they are a tree)."""
+    cut = lambda t: None if t is None else t[:, :m]  # noqa: E731
+    extra = dict(valid=cut(draft.valid), child_ids=cut(draft.child_ids), child_probs=cut(draft.child_probs),
+                 with_replacement=draft.with_replacement)
+    if draft.static_shape is not None:
+        return TokenTree.from_shape(shape_prefix(draft.static_shape, m), draft.tokens[:, :m], **extra)
+    return TokenTree(draft.parents[..., :m], draft.tokens[:, :m], **extra)

@@ -1,0 +1,95 @@
+"""The trees of tree="auto" from acceptance chances (stree.decoding.plans): the best-first plan
+against enumeration, the best prefix by tokens per millisecond, and a draft weighed in one call
+against its steps apart."""
+
+import itertools
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from stree.decoding.acceptance import PathRates, chances, rank_depth
+from stree.decoding.plans import best_first, best_prefix, weigh
+
+
+@given(st.lists(st.floats(0.05, 0.95), min_size=9, max_size=9), st.integers(2, 30))
+def test_best_first_takes_the_likeliest_nodes(hazards, nodes):
+    """Against enumeration of every node of the 3-deep, 3-wide tree: the plan's chances sum to
+    the largest sum any closed set of that many nodes has (the top values)."""
+    rates = PathRates()
+    h = np.zeros((rates.DEPTH + 1, rates.RANKS))
+    h[1:4, :3] = np.array(hazards).reshape(3, 3)
+    alive = np.cumprod(np.concatenate([np.ones((h.shape[0], 1)), 1 - h[:, :-1]], 1), 1)
+    a = np.minimum.accumulate(h * alive, axis=1)
+    a[4:] = 0.0  # nothing deeper than 3
+    values = []
+    for depth in (1, 2, 3):
+        for ranks in itertools.product(range(3), repeat=depth):
+            values.append(np.prod([a[d + 1, j] for d, j in enumerate(ranks)]))
+    top = sorted(values, reverse=True)[: nodes - 1]
+    parents = best_first(a, nodes)
+    p = parents[None].astype(np.int64)
+    rank, depth = rank_depth(p)
+    got = [np.prod([a[depth[0, v], rank[0, v]] for v in path]) for path in _paths(parents[:len(top) + 1])]
+    assert len(parents) == len(top) + 1
+    assert sum(got) == pytest.approx(sum(top), rel=1e-9)
+    assert all(parents[i] < i for i in range(1, len(parents)))
+
+
+def _paths(parents):
+    out = []
+    for c in range(1, len(parents)):
+        path, v = [], c
+        while v > 0:
+            path.append(v)
+            v = parents[v]
+        out.append(path)
+    return out
+
+
+@given(st.lists(st.lists(st.floats(0, 1), min_size=6, max_size=6), min_size=1, max_size=3),
+       st.lists(st.floats(0.5, 20), min_size=6, max_size=6), st.booleans())
+def test_best_prefix_maximises_tokens_per_millisecond(chances, costs, allow_plain):
+    v = np.array(chances)
+    v[:, 0] = 1.0
+    cost = np.array([np.inf] + costs)
+    active = np.ones(len(v), dtype=np.bool_)
+    m = best_prefix(v, active, cost, allow_plain)
+    rate = lambda k: (1 + v[:, 1:k].sum(1).min()) / cost[k] if k > 1 else 1 / cost[1]  # noqa: E731 (the least gain)
+    candidates = range(1 if allow_plain else 2, 7)
+    assert rate(m) == pytest.approx(max(rate(k) for k in candidates), rel=1e-9)
+
+
+@st.composite
+def weighed_drafts(draw):
+    """Rows of one draft (a shape of its own per row or one for all), the rows that count, the
+    costs, whether a plain step may win, the gain scale, and hazards per row or one for all."""
+    rows, n = draw(st.integers(1, 3)), draw(st.integers(2, 10))
+    shapes = draw(st.integers(1, rows).filter(lambda k: k in (1, rows)))
+    parents = np.array([[-1] + [draw(st.integers(0, i - 1)) for i in range(1, n)] for _ in range(shapes)])
+    valid = np.array([[True] + [draw(st.booleans()) for _ in range(n - 1)] for _ in range(rows)])
+    active = np.array([draw(st.booleans()) for _ in range(rows)])
+    active[draw(st.integers(0, rows - 1))] = True
+    h = np.array(draw(st.lists(st.floats(0.01, 0.99), min_size=4 * 3, max_size=4 * 3)))
+    hazards = np.stack([h.reshape(4, 3) ** (1 + r) for r in range(draw(st.sampled_from([1, rows])))])
+    cost = np.array([np.inf] + draw(st.lists(st.floats(0.5, 20), min_size=n, max_size=n)))
+    return parents, valid, active, hazards, cost, draw(st.booleans()), draw(st.floats(0.2, 2.0))
+
+
+@given(weighed_drafts())
+def test_a_draft_weighed_in_one_call_is_its_steps_weighed_apart(case):
+    """What AutoTree.choose reads off a draft (one compiled call) against its steps apart: the
+    chances, the best prefix by the chances times the gain scale, the active row gaining least
+    (the first of equals), and what the prefix promises the active rows (unscaled)."""
+    parents, valid, active, h, cost, allow_plain, gain = case
+    rank, depth = rank_depth(parents)
+    m, focus, promised, v, raw = weigh(parents, rank, depth, valid, h, active, cost, allow_plain, gain)
+    want_raw = chances(parents, rank, depth, valid, h)
+    np.testing.assert_array_equal(raw, want_raw)
+    scaled = want_raw.copy()
+    scaled[:, 1:] *= gain
+    np.testing.assert_array_equal(v, scaled)
+    assert m == best_prefix(scaled, active, cost, allow_plain)
+    assert focus == np.flatnonzero(active)[int(np.argmin(want_raw[active, 1:].sum(1)))]
+    assert promised == pytest.approx(want_raw[active, 1:m].sum(1).min(), rel=1e-12, abs=1e-15)
