@@ -76,6 +76,19 @@ DEPTH_CAPS = (1, 2, 3, 4, 6, 8, 12)
 
 
 @functools.lru_cache(maxsize=64)
+def _iteration_by_size(profile: CostProfile, top: int, sizes: tuple[int, ...] | None) -> np.ndarray:
+    """Milliseconds of the target's part of an iteration of m nodes, m = 0..top (inf for m = 0 and
+    for sizes other than ``sizes`` where given), read-only: every chooser of the profile shares it.
+    Made once: interpolated at every size again, it was most of what making a call's chooser took."""
+    out = np.full(top + 1, np.inf)
+    for m in range(1, top + 1):
+        if sizes is None or m == 1 or m in sizes:
+            out[m] = profile.iteration_ms(m)
+    out.setflags(write=False)
+    return out
+
+
+@functools.lru_cache(maxsize=64)
 def _drafting_by_size(profile: CostProfile, top: int) -> np.ndarray:
     """Milliseconds of drafting m nodes, m = 0..top, for a drafter without a model (read-only:
     every chooser of the profile shares it). Made once: a choice re-plans after every verified
@@ -217,10 +230,8 @@ class AutoTree:
         if not fills_shapes:
             self._order = None
         self.max_nodes = max(self.sizes, default=1)
-        self.cost = np.full(self.max_nodes + 1, np.inf)  # the target's part of an iteration of m nodes
-        for m in range(1, self.max_nodes + 1):
-            if not self.fixed or m == 1 or m in self.sizes:
-                self.cost[m] = profile.iteration_ms(m)
+        # the target's part of an iteration of m nodes (inf: a size not allowed)
+        self.cost = _iteration_by_size(profile, self.max_nodes, self.sizes if self.fixed else None)
         self.margin = 1.0 if adaptive else self.MARGIN
         self.draft_cost = self._drafting(self._order)
         if self._order is not None and profile.depths and not self.fixed:
