@@ -61,7 +61,8 @@ import torch
 
 from .acceptance import PathRates, RowRates, chances, shape_structure, structure, valid_mask, walk
 from .cost import CostProfile, bracketed_profile, cost_profile, default_sizes
-from .plans import any_drafted, best_rows, cut_draft, cut_rows, plan_shape, remade, shape_prefix, weigh
+from .plans import (any_drafted, best_rows, best_size, cut_draft, cut_rows, plan_shape, remade, shape_prefix,
+                    weigh)
 from ..tree import TokenTree, TreeShape
 
 __all__ = ["AutoTree", "auto_tree", "tree_room"]
@@ -284,14 +285,9 @@ class AutoTree:
         if expected is None:
             v = chances(*shape_structure(order), np.ones((1, order.n), dtype=np.bool_), hazard[None])[0]
             expected = memo[order] = np.cumsum(v[1:])
-        gain = 1.0 + self.gain_scale() * expected  # gain[m - 2]: a prefix of m nodes
-        m = self._size_array[: np.searchsorted(self._size_array, order.n, side="right")]
-        rates = gain[m - 2] / ((self.cost[m] + draft_cost[m]) * self._scaled("tree"))
-        best, best_rate = self.sizes[0], 0.0
-        for size, rate in zip(m.tolist(), rates.tolist()):  # (the smallest of near-equal rates)
-            if rate > best_rate * (1.0 + 1e-9):
-                best, best_rate = size, rate
-        return best, best_rate, gain[min(best, order.n) - 2]
+        best, rate, gain = best_size(expected, self.gain_scale(), self._size_array, self.cost, draft_cost,
+                                     self._scaled("tree"), order.n)
+        return int(best), rate, gain
 
     def _drafting(self, order: TreeShape | None) -> np.ndarray:
         """Milliseconds of drafting every prefix m of ``order`` (by its nodes, and for a drafter

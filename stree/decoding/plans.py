@@ -1,9 +1,10 @@
 """Trees from acceptance chances (:mod:`stree.decoding.acceptance`), for ``tree="auto"``
 (:mod:`stree.decoding.autotree`): the best tree of n nodes is the n likeliest, grown best first
-(:func:`best_first`, :func:`plan_shape`); after drafting, the prefix of a draft with the most
-expected tokens per millisecond (:func:`best_prefix`, weighed in one call by :func:`weigh`), or
-each row's own prefix for a packed pass (:func:`best_rows`); and drafts cut to those prefixes
-(:func:`cut_draft`, :func:`cut_rows`).
+(:func:`best_first`, :func:`plan_shape`); before drafting, the size of such a plan with the most
+expected tokens per millisecond (:func:`best_size`); after drafting, the prefix of the draft with
+the most (:func:`best_prefix`, weighed in one call by :func:`weigh`), or each row's own prefix for
+a packed pass (:func:`best_rows`); and drafts cut to those prefixes (:func:`cut_draft`,
+:func:`cut_rows`).
 """
 
 from __future__ import annotations
@@ -17,8 +18,8 @@ from numba import njit
 from ..tree import TokenTree, TreeShape
 from .acceptance import PathRates, chances
 
-__all__ = ["any_drafted", "best_first", "best_prefix", "best_rows", "cut_draft", "cut_rows", "plan_shape", "remade",
-           "shape_prefix", "weigh"]
+__all__ = ["any_drafted", "best_first", "best_prefix", "best_rows", "best_size", "cut_draft", "cut_rows", "plan_shape",
+           "remade", "shape_prefix", "weigh"]
 
 
 @functools.lru_cache(maxsize=256)
@@ -43,6 +44,26 @@ def best_prefix(v, active, cost, allow_plain):
         if rate > best_rate * (1.0 + 1e-9):
             best, best_rate = m, rate
     return best
+
+
+@njit(cache=True)
+def best_size(expected, gain_scale, sizes, cost, draft_cost, tree_scale, n):
+    """Before drafting, the size among ``sizes`` (ascending; those up to ``n``, a plan's nodes)
+    with the most expected tokens per millisecond, (1 + ``gain_scale`` ``expected[m - 2]``) /
+    ((``cost[m]`` + ``draft_cost[m]``) ``tree_scale``), ``expected[m - 2]`` being the drafts a
+    prefix of m nodes is expected to have accepted; the smallest of near-equal rates. Returns the
+    size, its rate and its expected tokens (``sizes[0]`` and a rate of 0 where no size fits).
+    (numba: a choice weighs the sizes after nearly every step, and as NumPy's small-array calls
+    this was most of what weighing them cost.)"""
+    best, best_rate = sizes[0], 0.0
+    for k in range(len(sizes)):
+        m = sizes[k]
+        if m > n:
+            break
+        rate = (1.0 + gain_scale * expected[m - 2]) / ((cost[m] + draft_cost[m]) * tree_scale)
+        if rate > best_rate * (1.0 + 1e-9):
+            best, best_rate = m, rate
+    return best, best_rate, 1.0 + gain_scale * expected[min(best, n) - 2]
 
 
 @njit(cache=True)

@@ -1,6 +1,6 @@
 """The trees of tree="auto" from acceptance chances (stree.decoding.plans): the best-first plan
-against enumeration, the best prefix by tokens per millisecond, and a draft weighed in one call
-against its steps apart."""
+against enumeration, the best size of a plan and the best prefix of a draft by tokens per
+millisecond, and a draft weighed in one call against its steps apart."""
 
 import itertools
 
@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from stree.decoding.acceptance import PathRates, chances, rank_depth
-from stree.decoding.plans import best_first, best_prefix, weigh
+from stree.decoding.plans import best_first, best_prefix, best_size, weigh
 
 
 @given(st.lists(st.floats(0.05, 0.95), min_size=9, max_size=9), st.integers(2, 30))
@@ -93,3 +93,32 @@ def test_a_draft_weighed_in_one_call_is_its_steps_weighed_apart(case):
     assert m == best_prefix(scaled, active, cost, allow_plain)
     assert focus == np.flatnonzero(active)[int(np.argmin(want_raw[active, 1:].sum(1)))]
     assert promised == pytest.approx(want_raw[active, 1:m].sum(1).min(), rel=1e-12, abs=1e-15)
+
+
+@given(st.lists(st.floats(0, 1), min_size=1, max_size=15), st.floats(0.2, 2.0),
+       st.lists(st.integers(2, 20), min_size=1, max_size=8, unique=True), st.lists(st.floats(0.5, 20), min_size=21,
+                                                                                 max_size=21),
+       st.floats(0.0, 3.0), st.floats(0.5, 2.0))
+def test_best_size_maximises_tokens_per_millisecond_over_the_sizes_that_fit(chances, gain, sizes, costs, drafting,
+                                                                            scale):
+    """Before drafting, the size of a plan of n nodes (the drafts each prefix is expected to have
+    accepted: cumulative chances) against its definition: among the allowed sizes up to n, the
+    one with the most (1 + gain x expected) per millisecond of pass and drafting at the trees'
+    scale, the smallest of near-equal rates; the smallest allowed size, at a rate of 0, where
+    none fits."""
+    expected = np.cumsum(chances)  # expected[m - 2]: a prefix of m nodes
+    n = len(chances) + 1
+    sizes = np.array(sorted(sizes), dtype=np.int64)
+    cost = np.array([np.inf] + costs)
+    draft = np.linspace(0.0, drafting, 21)
+    got = best_size(expected, gain, sizes, cost, draft, scale, n)
+    rate = lambda m: (1 + gain * expected[m - 2]) / ((cost[m] + draft[m]) * scale)  # noqa: E731
+    fits = [int(m) for m in sizes if m <= n]
+    if not fits:
+        assert got[:2] == (sizes[0], 0.0)
+        return
+    top = max(rate(m) for m in fits)
+    want = min(m for m in fits if rate(m) * (1 + 1e-9) >= top)
+    assert got[0] == want or rate(int(got[0])) == pytest.approx(top, rel=1e-8)
+    assert got[1] == pytest.approx(rate(int(got[0])), rel=1e-12)
+    assert got[2] == pytest.approx(1 + gain * expected[int(got[0]) - 2], rel=1e-12)
