@@ -80,7 +80,7 @@ DEPTH_CAPS = (1, 2, 3, 4, 6, 8, 12)
 def _iteration_by_size(profile: CostProfile, top: int, sizes: tuple[int, ...] | None) -> np.ndarray:
     """Milliseconds of the target's part of an iteration of m nodes, m = 0..top (inf for m = 0 and
     for sizes other than ``sizes`` where given), read-only: every chooser of the profile shares it.
-    Made once: interpolated at every size again, it was most of what making a call's chooser took."""
+    Made once: interpolated at every size again, it was a third of what making a call's chooser took."""
     out = np.full(top + 1, np.inf)
     for m in range(1, top + 1):
         if sizes is None or m == 1 or m in sizes:
