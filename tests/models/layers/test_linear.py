@@ -104,6 +104,34 @@ def test_the_product_measured_clearly_fastest_runs(monkeypatch, blas, packed, tr
         assert set(lin._FASTEST) == {(4, 512, 64, True), (8, 512, 64, True), (64, 512, 64, True), (2, 512, 64, True)}
 
 
+def test_measuring_rows_already_measured_walks_no_layer_and_new_rows_or_tables_are_measured(monkeypatch):
+    """``measure`` (a decoding call's setup) for the rows it has made sure of, for the same module
+    and tables, returns without walking the module's layers: a call asks for the same rows every
+    time. Rows in a new bucket are measured, and so is everything again where the tables were
+    replaced."""
+    import weakref
+
+    from torch import nn
+
+    _fake_clock(monkeypatch, dict(blas=1.0, packed=2.0, transposed=2.0, tiled=2.0))
+    monkeypatch.setattr(lin, "_MEASURED", weakref.WeakKeyDictionary())
+    made, walked = [], []
+    real = lin._product
+    monkeypatch.setattr(lin, "_product", lambda x, w, b: made.append((len(x), *w.shape)) or real(x, w, b))
+    model = nn.Sequential(Linear(64, 512), Linear(512, 64), Linear(64, 512))  # (two shapes)
+    monkeypatch.setattr(model, "modules", lambda: walked.append(1) or nn.Module.modules(model))
+    lin.measure(model, range(1, 5))
+    assert sorted(made) == sorted((r, *shape) for r in (1, 2, 4) for shape in ((512, 64), (64, 512)))
+    assert walked == [1]
+    lin.measure(model, [3, 4, 1])  # (buckets 4 and 1: made sure of)
+    assert len(made) == 6 and walked == [1]
+    lin.measure(model, range(1, 9))  # bucket 8 is new
+    assert sorted(made[6:]) == [(8, 64, 512), (8, 512, 64)] and walked == [1, 1]
+    monkeypatch.setattr(lin, "_FASTEST", {})  # (a process that has multiplied nothing)
+    lin.measure(model, [2])
+    assert sorted(made[8:]) == [(2, 64, 512), (2, 512, 64)] and walked == [1, 1, 1]
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("half, wide, chosen", [(1.0, 0.5, True), (1.0, 0.9, False), (1.0, 2.0, False)])
 def test_a_half_product_runs_on_a_float32_copy_where_that_measured_clearly_faster(monkeypatch, dtype, half, wide,
