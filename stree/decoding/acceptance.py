@@ -43,6 +43,7 @@ class PathRates:
         self.reached = np.zeros((self.DEPTH + 1, self.RANKS))
         self.version = 0  # bumped by every record
         self._hazard: tuple[int, np.ndarray] | None = None  # (version, hazard()): a step weighs them several times
+        self._positional: tuple[int, np.ndarray] | None = None  # (version, positional()): a plan per depth cap reads it
 
     def hazard(self) -> np.ndarray:
         """``[DEPTH + 1, RANKS]`` (row 0 unused); one array per version, not to be written to."""
@@ -52,10 +53,15 @@ class PathRates:
 
     def positional(self) -> np.ndarray:
         """The chance that rank j's child is the accepted one, given its parent was: h(d, j)
-        prod_{i<j} (1 - h(d, i)), made non-increasing in j (best-first growth needs it)."""
-        h = self.hazard()
-        alive = np.cumprod(np.concatenate([np.ones((h.shape[0], 1)), 1 - h[:, :-1]], 1), 1)
-        return np.minimum.accumulate(h * alive, axis=1)
+        prod_{i<j} (1 - h(d, i)), made non-increasing in j (best-first growth needs it). One
+        read-only array per version."""
+        if self._positional is None or self._positional[0] != self.version:
+            h = self.hazard()
+            alive = np.cumprod(np.concatenate([np.ones((h.shape[0], 1)), 1 - h[:, :-1]], 1), 1)
+            out = np.minimum.accumulate(h * alive, axis=1)
+            out.setflags(write=False)
+            self._positional = (self.version, out)
+        return self._positional[1]
 
     def record(self, tree: TokenTree, tokens: np.ndarray, counts: np.ndarray, rows: np.ndarray,
                per_row: "RowRates | None" = None, ids: np.ndarray | None = None) -> None:

@@ -89,6 +89,20 @@ def _iteration_by_size(profile: CostProfile, top: int, sizes: tuple[int, ...] | 
     return out
 
 
+@functools.lru_cache(maxsize=256)
+def _drafting_by_depth(profile: CostProfile, order: TreeShape, top: int) -> np.ndarray:
+    """Milliseconds of drafting every prefix m = 0..top of ``order`` for a drafter model, by its
+    nodes and depth (:meth:`~stree.decoding.cost.CostProfile.drafting_ms`'s fit), read-only: made
+    once per plan, as a drafter model's choice weighs a plan per depth cap at every re-plan."""
+    depth = np.maximum.accumulate(shape_structure(order)[2][0])  # depth[m - 1]: the prefix of m nodes
+    m = np.arange(top + 1)
+    a, b, c = profile.draft_fit
+    out = a + b * depth[np.clip(m, 1, order.n) - 1] + c * m
+    out[:2] = 0.0  # (no drafting for a plain step)
+    out.setflags(write=False)
+    return out
+
+
 @functools.lru_cache(maxsize=64)
 def _drafting_by_size(profile: CostProfile, top: int) -> np.ndarray:
     """Milliseconds of drafting m nodes, m = 0..top, for a drafter without a model (read-only:
@@ -294,12 +308,7 @@ class AutoTree:
         model by its depth too: :meth:`~stree.decoding.cost.CostProfile.drafting_ms`)."""
         if order is None or not self.profile.depths:
             return _drafting_by_size(self.profile, self.max_nodes)
-        depth = np.maximum.accumulate(shape_structure(order)[2][0])  # depth[m - 1]: the prefix of m nodes
-        m = np.arange(self.max_nodes + 1)
-        a, b, c = self.profile.draft_fit
-        out = a + b * depth[np.clip(m, 1, order.n) - 1] + c * m
-        out[:2] = 0.0  # (no drafting for a plain step)
-        return out
+        return _drafting_by_depth(self.profile, order, self.max_nodes)
 
     def _plan_for(self, rates: PathRates) -> TreeShape:
         """The plan under ``rates``: the likeliest nodes, best first; for a drafter model, whose

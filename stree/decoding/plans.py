@@ -207,7 +207,7 @@ def best_first(a, nodes):
 def plan_shape(rates: PathRates, nodes: int, chain: bool = False, depth: int = PathRates.DEPTH) -> TreeShape:
     """The best-first tree of at most ``nodes`` nodes and ``depth`` levels under ``rates``
     (``chain``: one child per node)."""
-    a = rates.positional()
+    a = rates.positional().copy()
     a[depth + 1:] = 0.0
     if chain:
         a[:, 1:] = 0.0

@@ -60,6 +60,21 @@ def test_kept_hazards_follow_every_record():
     assert rows.hazard(np.array([3, 0]), batch)[0] is not faded[1]  # other rows: their own answer
 
 
+def test_positional_chances_are_kept_per_version_and_follow_every_record():
+    """The positional chances (what best-first plans grow from; a drafter model's choice plans once
+    per depth cap) are made once per version of the counts, read-only, and made again after a
+    record, by their formula."""
+    rates = PathRates(decay=0.9)
+    first = rates.positional()
+    assert rates.positional() is first and not first.flags.writeable
+    rates.record(tree_of([-1, 0, 0], [[3, 4, 5]]), np.array([[5, 1]]), np.array([2]), np.arange(1))
+    again = rates.positional()
+    h = rates.hazard()
+    alive = np.cumprod(np.concatenate([np.ones((h.shape[0], 1)), 1 - h[:, :-1]], 1), 1)
+    assert again is not first and not np.array_equal(again, first)
+    np.testing.assert_array_equal(again, np.minimum.accumulate(h * alive, axis=1))
+
+
 def test_rates_fade_and_lean_on_the_prior():
     rates = PathRates(decay=0.5)
     h0 = rates.hazard()
