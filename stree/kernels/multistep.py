@@ -27,6 +27,7 @@ from ._common import (
     heads_view,
     identity_slots,
     jit_fits,
+    jit_takes,
     pool_rows,
     pow2_block,
     process_dt,
@@ -206,9 +207,21 @@ def multistep_update(state, x, dt, A, B, C, *, D=None, dt_bias=None, dt_softplus
 
     state ``[b, h, p, s]`` fp32 (not modified); x ``[b, T, h, p]``; dt ``[b, T, h]`` raw; A ``[h]``;
     B, C ``[b, T, g, s]`` in x's dtype; D ``[h]`` or ``[h, p]``; dt_bias ``[h]``.
-    y ``[b, T, h, p]`` is in x's dtype, final_state ``[b, h, p, s]`` fp32.
+    y ``[b, T, h, p]`` is in x's dtype, final_state ``[b, h, p, s]`` fp32. ``"auto"`` on CPU
+    tensors (outside autograd and ``torch.compile``) runs numba-compiled: the chain kernel of
+    :mod:`.cpu.tree_jit` (a chain draft verified under ``method="chain"``; the PyTorch path's
+    steps one by one, a dozen small ops each, had made a 16-node chain's iteration cost three
+    times a tree's).
     """
     check_layout("x", x, "batch, T, nheads, headdim")
+    if backend == "auto" and jit_takes(state, x, dt, A, B, C, D, dt_bias):
+        from .cpu.tree_jit import chain_scan_rows
+        from .tree_scan import jit_scan
+
+        D, (lo, hi) = _check_args(state, x, dt, A, B, C, D, dt_bias, dt_limit)
+        final = torch.empty(state.shape, dtype=torch.float32)
+        y = jit_scan(chain_scan_rows, x, dt, A, B, C, D, dt_bias, dt_softplus, lo, hi, state, final=final)
+        return y, final
     if resolve_backend(backend, x.device) == "torch":
         return multistep_update_torch(state, x, dt, A, B, C, D=D, dt_bias=dt_bias, dt_softplus=dt_softplus,
                                     dt_limit=dt_limit)

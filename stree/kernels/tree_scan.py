@@ -292,18 +292,20 @@ def launch_config(n, headdim, dstate):
 
 def _tree_scan_compiled(x, dt, A, B, C, parents, D, dt_bias, dt_softplus, dt_limit, initial_state):
     index, D, (lo, hi) = _check_args(x, dt, A, B, C, parents, D, dt_bias, dt_limit, initial_state)
-    return _jit_scan(tree_jit.tree_scan_rows, x, dt, A, B, C, D, dt_bias, dt_softplus, lo, hi, initial_state,
-                     index.parents)
+    return jit_scan(tree_jit.tree_scan_rows, x, dt, A, B, C, D, dt_bias, dt_softplus, lo, hi, initial_state,
+                    index.parents)
 
 
-def _jit_scan(kernel, x, dt, A, B, C, D, dt_bias, dt_softplus, lo, hi, initial_state, *parents):
+def jit_scan(kernel, x, dt, A, B, C, D, dt_bias, dt_softplus, lo, hi, initial_state, *parents, final=None):
     """A numba scan of :mod:`.cpu.tree_jit` on checked arguments (D ``[h, p]`` or None;
-    ``parents``: the tree kernel's ``[rows, n]``, none for the chain kernel's)."""
+    ``parents``: the tree kernel's ``[rows, n]``, none for the chain kernel's; ``final``: a float32
+    tensor the chain kernel writes each row's last state into)."""
     y = torch.empty(x.shape, dtype=torch.float32)
     x0 = initial_state if initial_state is not None else y.new_zeros(1, 1, 1, 1)
     kernel(*map(readable, (x, dt, A, B, C, D if D is not None else A[:, None])), D is not None,
            readable(dt_bias if dt_bias is not None else A), dt_bias is not None, bool(dt_softplus), float(lo),
-           float(hi), *map(as_numpy, parents), as_numpy(x0), initial_state is not None, as_numpy(y))
+           float(hi), *map(as_numpy, parents), as_numpy(x0), initial_state is not None, as_numpy(y),
+           **({} if final is None else dict(final=as_numpy(final))))
     return y.to(x.dtype)
 
 
@@ -337,10 +339,10 @@ def tree_scan(x, dt, A, B, C, parents, *, D=None, dt_bias=None, dt_softplus=True
     if backend == "auto" and jit_takes(x, dt, A, B, C, D, dt_bias, initial_state):  # a longer tree
         index, D, (lo, hi) = _check_args(x, dt, A, B, C, parents, D, dt_bias, dt_limit, initial_state)
         if index.is_chain():  # a prompt's: its recurrence, compiled
-            return _jit_scan(tree_jit.chain_scan_rows, x, dt, A, B, C, D, dt_bias, dt_softplus, lo, hi, initial_state)
+            return jit_scan(tree_jit.chain_scan_rows, x, dt, A, B, C, D, dt_bias, dt_softplus, lo, hi, initial_state)
         if tree_jit.takes_tree(index):  # a shallow tree: the tree kernel (a deep one's masks stay batched products)
-            return _jit_scan(tree_jit.tree_scan_rows, x, dt, A, B, C, D, dt_bias, dt_softplus, lo, hi, initial_state,
-                             index.parents)
+            return jit_scan(tree_jit.tree_scan_rows, x, dt, A, B, C, D, dt_bias, dt_softplus, lo, hi, initial_state,
+                            index.parents)
         return _scan_torch(x, dt, A, B, C, index, D, dt_bias, dt_softplus, (lo, hi), initial_state)
     if resolve_backend(backend, x.device) == "torch":
         return tree_scan_torch(x, dt, A, B, C, parents, D=D, dt_bias=dt_bias, dt_softplus=dt_softplus,

@@ -248,10 +248,10 @@ def test_a_slow_first_use_does_not_cut_the_sizes_measured():
 
 
 def test_a_chain_choice_is_priced_by_the_scan_that_verifies_its_chains(fresh_cache, monkeypatch):
-    """``method="chain"`` verifies with the multi-step update (``scan="chain"``), whose CPU path is
-    the PyTorch reference: priced by the tree scan's passes, its chains cost three times what the
-    choice expected. The profile times the scan it is asked for, and keeps it apart in the file;
-    a chain decoding call asks for its scan."""
+    """``method="chain"`` verifies with the multi-step update (``scan="chain"``), whose CPU path
+    was the PyTorch reference: priced by the tree scan's passes, its chains had cost three times
+    what the choice expected. The profile times the scan it is asked for, and keeps it apart in
+    the file; a chain decoding call asks for its scan."""
     import stree.decoding.steps as steps
     from stree.decoding.loop import generate
 

@@ -1,3 +1,7 @@
+"""``multistep_update``, T recurrence steps from a state that is only read: checked against the
+float64 definition on every path: the PyTorch reference, numba on the CPU ("auto" there: the
+chain kernel of ``stree.kernels.cpu.tree_jit``) and Triton."""
+
 import math
 
 import pytest
@@ -27,7 +31,7 @@ def test_matches_definition(batch, T, shape, dt_opts, D_kind, seed, device, pois
                                      D=inp["D"], dt_bias=inp["dt_bias"], dt_softplus=dt_opts["dt_softplus"],
                                      dt_limit=dt_opts["dt_limit"])
     state_before = inp["initial_state"].clone()
-    for backend, dev in (("torch", torch.device("cpu")), ("triton", device)):
+    for backend, dev in (("torch", torch.device("cpu")), ("auto", torch.device("cpu")), ("triton", device)):
         y, state = _call(inp, dt_opts, backend, dev)
         assert state.dtype == torch.float32 and y.shape == inp["x"].shape
         assert max_rel_error(y, y_def) <= FP32_TOL, backend
@@ -35,7 +39,7 @@ def test_matches_definition(batch, T, shape, dt_opts, D_kind, seed, device, pois
     assert torch.equal(inp["initial_state"], state_before)
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("backend", ["torch", "auto", "triton"])
 def test_single_step_equals_transformers_selective_state_update(backend, device):
     """T = 1 is the autoregressive step; transformers' PyTorch step is an independent reference."""
     from transformers.models.mamba2.modeling_mamba2 import mamba2_selective_state_update
@@ -55,7 +59,7 @@ def test_single_step_equals_transformers_selective_state_update(backend, device)
     assert max_rel_error(state, hf_state) <= FP32_TOL
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("backend", ["torch", "auto", "triton"])
 def test_small_dt_keeps_full_relative_precision(backend, device):
     """softplus(dt + bias) around 1e-4 (where Mamba2 often runs): a naive log(1 + exp(x)) in fp32
     would be off by ~1e-4 relative; every output element must stay within 1e-5 of float64."""
@@ -73,7 +77,7 @@ def test_small_dt_keeps_full_relative_precision(backend, device):
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("backend", ["torch", "auto", "triton"])
 def test_half_precision_activations(dtype, backend, device):
     opts = dict(dt_softplus=True, dt_limit=(0.0, math.inf), use_bias=True)
     inp = ssm_inputs(torch.Generator().manual_seed(8), 2, 6, dict(ngroups=1, nheads=2, headdim=16, dstate=16), opts,
@@ -86,7 +90,7 @@ def test_half_precision_activations(dtype, backend, device):
     assert max_rel_error(y, y_def) <= 1e-2 and max_rel_error(state, state_def) <= 1e-5
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("backend", ["torch", "auto", "triton"])
 def test_bad_inputs_raise_clear_errors(backend, backend_device):
     opts = dict(dt_softplus=True, dt_limit=(0.0, math.inf), use_bias=True)
     inp = ssm_inputs(torch.Generator().manual_seed(0), 1, 3, dict(ngroups=1, nheads=2, headdim=4, dstate=4), opts)
@@ -109,3 +113,26 @@ def test_bad_inputs_raise_clear_errors(backend, backend_device):
         call(dt_bias=inp["dt_bias"].to("meta"))
     with pytest.raises(ValueError, match=r"x must have shape \[batch, T, nheads, headdim\]"):
         call(x=inp["x"][0])
+
+
+def test_auto_on_the_cpu_runs_the_compiled_chain_kernel_outside_autograd(monkeypatch):
+    """A chain draft's pass (``method="chain"``) verifies through this call: on CPU tensors "auto"
+    is the compiled chain kernel, once per call, with the state it ends in; where a gradient is
+    wanted it is the PyTorch path (numba's kernels have none)."""
+    from stree.kernels.cpu import tree_jit
+
+    calls = []
+    real = tree_jit.chain_scan_rows
+    monkeypatch.setattr(tree_jit, "chain_scan_rows", lambda *a, **k: calls.append(1) or real(*a, **k))
+    opts = dict(dt_softplus=True, dt_limit=(0.0, math.inf), use_bias=True)
+    inp = ssm_inputs(torch.Generator().manual_seed(3), 2, 5, dict(ngroups=1, nheads=2, headdim=8, dstate=8), opts)
+    y, state = _call(inp, opts, "auto", torch.device("cpu"))
+    y_ref, state_ref = _call(inp, opts, "torch", torch.device("cpu"))
+    assert calls == [1]
+    assert max_rel_error(y, y_ref.double()) <= FP32_TOL and max_rel_error(state, state_ref.double()) <= FP32_TOL
+    monkeypatch.setattr(tree_jit, "PARALLEL_WORK", 1)  # the rows on numba's threads: the same outputs
+    y_par, state_par = _call(inp, opts, "auto", torch.device("cpu"))
+    assert torch.equal(y_par, y) and torch.equal(state_par, state)
+    inp["x"].requires_grad_(True)
+    y, _ = _call(inp, opts, "auto", torch.device("cpu"))
+    assert calls == [1, 1] and y.requires_grad

@@ -24,7 +24,7 @@ from .._common import as_numpy
 from .norm_jit import gated_rms_norm_rows, rms_norm_rows
 from .replay_jit import replay_layers
 from .step_jit import conv_step_rows, state_update_rows
-from .tree_jit import takes_tree, tree_conv_rows, tree_scan_rows
+from .tree_jit import chain_scan_rows, takes_tree, tree_conv_rows, tree_scan_rows
 
 __all__ = ["Mamba2LayerJit", "RMSNormJit", "replay_in_place"]
 
@@ -151,7 +151,8 @@ class Mamba2LayerJit:
         return (self.dim,), (self.heads, self.headdim), (self.heads,), (c_groups, self.d_state)
 
     def tree(self, proj: torch.Tensor, parents: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor,
-             dt_limit, into: tuple[np.ndarray, ...] | None = None) -> tuple[torch.Tensor, tuple | None]:
+             dt_limit, into: tuple[np.ndarray, ...] | None = None,
+             chain: bool = False) -> tuple[torch.Tensor, tuple | None]:
         """:func:`~stree.kernels.tree_conv1d` with SiLU, :func:`~stree.kernels.tree_scan` with D,
         dt_bias, softplus and ``dt_limit`` ``(lo, hi)``, and the gated norm, of proj ``[b, n, ...]``
         over parents ``[rows, n]`` (rows 1 or b), conv_state ``[b, dim, K]`` and ssm_state
@@ -159,7 +160,9 @@ class Mamba2LayerJit:
         dt, B) as tensors; or, given ``into`` (four float32 arrays of :meth:`scratch_tails`' shapes
         after ``[b, n]``: the layer's part of the pass's stacked scratch), written there, and None.
         The kernels read contiguous copies of xBC, x and B: those are the copies written into
-        ``into``, so a pass that stacks nothing afterwards copies no more than one that does."""
+        ``into``, so a pass that stacks nothing afterwards copies no more than one that does.
+        ``chain``: the nodes are a chain (``scan="chain"``) and the scan is its recurrence
+        (:func:`~stree.kernels.multistep_update`'s), not each node's path."""
         whole = as_numpy(proj)
         _, xBC, dt = self._split(whole)
         if into is not None:
@@ -177,8 +180,13 @@ class Mamba2LayerJit:
             np.copyto(into[3], B)
             x, B = into[1], into[3]
         y = _aligned_empty(x.shape)  # (the scan adds into y's rows in place)
-        tree_scan_rows(x, dt, self.A, B, C, self.D, True, self.dt_bias, True, True, float(dt_limit[0]),
-                       float(dt_limit[1]), pa, as_numpy(ssm_state), True, y)
+        lo, hi = float(dt_limit[0]), float(dt_limit[1])
+        if chain:
+            chain_scan_rows(x, dt, self.A, B, C, self.D, True, self.dt_bias, True, True, lo, hi, as_numpy(ssm_state),
+                            True, y)
+        else:
+            tree_scan_rows(x, dt, self.A, B, C, self.D, True, self.dt_bias, True, True, lo, hi, pa, as_numpy(ssm_state),
+                           True, y)
         scratch = None if into is not None else tuple(torch.from_numpy(a) for a in (xBC, x, dt, B))
         return self._gated_norm(y, proj), scratch
 

@@ -209,18 +209,21 @@ def _scan_parallel(x, dt, A, B, C, D, has_D, bias, has_bias, softplus, lo, hi, p
         _scan_row(np.int64(b), x, dt, A, B, C, D, has_D, bias, has_bias, softplus, lo, hi, parents, x0, has_x0, y)
 
 
-def chain_scan_rows(x, dt, A, B, C, D, has_D, bias, has_bias, softplus, lo, hi, x0, has_x0, y):
-    """:func:`tree_scan_rows` for chains (node i the child of node i - 1) of any length, a prompt's:
-    the recurrence ``h_t = exp(dt_t A) h_{t-1} + dt_t x_t B_t^T``, ``y_t = C_t . h_t + D x_t``,
-    one state per (row, head) carried along the tokens, where the tree kernel's work grows with
-    each node's depth (the square of a chain's length)."""
+def chain_scan_rows(x, dt, A, B, C, D, has_D, bias, has_bias, softplus, lo, hi, x0, has_x0, y, final=None):
+    """:func:`tree_scan_rows` for chains (node i the child of node i - 1) of any length, a prompt's
+    or a chain draft's: the recurrence ``h_t = exp(dt_t A) h_{t-1} + dt_t x_t B_t^T``, ``y_t = C_t
+    . h_t + D x_t``, one state per (row, head) carried along the tokens, where the tree kernel's
+    work grows with each node's depth (the square of a chain's length). ``final`` ``[b, h, p, s]``,
+    where given, gets each row's state after its last token (:func:`~stree.kernels.multistep_update`)."""
     x, B, C, D = map(np.ascontiguousarray, (x, B, C, D))
+    keep = final is not None
     (_chain_parallel if _parallel(len(x), x.size * B.shape[3]) else _chain_serial)(
-        x, dt, A, B, C, D, has_D, bias, has_bias, softplus, lo, hi, x0, has_x0, y)
+        x, dt, A, B, C, D, has_D, bias, has_bias, softplus, lo, hi, x0, has_x0, y,
+        final if keep else np.empty((1, 1, 1, 1), dtype=np.float32), keep)
 
 
 @njit(cache=True, fastmath={"reassoc"})  # (no contraction: the state rounds as a step's does)
-def _chain_row(b, x, dt, A, B, C, D, has_D, bias, has_bias, softplus, lo, hi, x0, has_x0, y):
+def _chain_row(b, x, dt, A, B, C, D, has_D, bias, has_bias, softplus, lo, hi, x0, has_x0, y, final, keep):
     """Row ``b`` of :func:`chain_scan_rows`; the state rounds as the step kernel's does
     (:func:`~.step_jit.state_update_rows`: the decay and dt x rounded from float64, then a
     product, a product and a sum per entry)."""
@@ -247,15 +250,18 @@ def _chain_row(b, x, dt, A, B, C, D, has_D, bias, has_bias, softplus, lo, hi, x0
                 if has_D:
                     acc += D[h, p] * xv
                 y[b, t, h, p] = acc
+        if keep:
+            final[b, h] = state
 
 
 @njit(cache=True)
-def _chain_serial(x, dt, A, B, C, D, has_D, bias, has_bias, softplus, lo, hi, x0, has_x0, y):
+def _chain_serial(x, dt, A, B, C, D, has_D, bias, has_bias, softplus, lo, hi, x0, has_x0, y, final, keep):
     for b in range(x.shape[0]):
-        _chain_row(b, x, dt, A, B, C, D, has_D, bias, has_bias, softplus, lo, hi, x0, has_x0, y)
+        _chain_row(b, x, dt, A, B, C, D, has_D, bias, has_bias, softplus, lo, hi, x0, has_x0, y, final, keep)
 
 
 @njit(cache=True, parallel=True)
-def _chain_parallel(x, dt, A, B, C, D, has_D, bias, has_bias, softplus, lo, hi, x0, has_x0, y):
+def _chain_parallel(x, dt, A, B, C, D, has_D, bias, has_bias, softplus, lo, hi, x0, has_x0, y, final, keep):
     for b in prange(x.shape[0]):
-        _chain_row(np.int64(b), x, dt, A, B, C, D, has_D, bias, has_bias, softplus, lo, hi, x0, has_x0, y)
+        _chain_row(np.int64(b), x, dt, A, B, C, D, has_D, bias, has_bias, softplus, lo, hi, x0, has_x0, y, final,
+                   keep)

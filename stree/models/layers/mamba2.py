@@ -151,11 +151,11 @@ class Mamba2Mixer(nn.Module):
     def tree(self, u, ctx, state: SSMLayerState):
         """Outputs for every node of the tree and the activations replay needs; state only read."""
         proj = self._proj(u)
-        if ctx.scan == "tree" and isinstance(ctx.index, TreeIndex) and Mamba2LayerJit.takes_tree(ctx.index):
+        if ctx.scan in ("tree", "chain") and isinstance(ctx.index, TreeIndex) and Mamba2LayerJit.takes_tree(ctx.index):
             jit = self.bound(ctx.kernel_backend, proj, state)
             if jit is not None:
                 out, scratch = jit.tree(proj, ctx.index.parents, state.conv, state.ssm, self.dt_limit(ctx.prefill),
-                                        _slots(ctx, state.index, jit, proj.shape[:-1]))
+                                        _slots(ctx, state.index, jit, proj.shape[:-1]), chain=ctx.scan == "chain")
                 return self.out_proj(out), scratch
         z, xBC, dt = self._split(proj)
         conv_out = tree_conv1d(xBC, ctx.index, state.conv, self.conv1d.weight, self.conv1d.bias,

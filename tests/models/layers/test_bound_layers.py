@@ -22,9 +22,9 @@ def calls(monkeypatch):
         for name in names:
             real = getattr(cls, name)
 
-            def counted(self, *a, _real=real, _name=name):
+            def counted(self, *a, _real=real, _name=name, **k):
                 seen[_name] = seen.get(_name, 0) + 1
-                return _real(self, *a)
+                return _real(self, *a, **k)
             monkeypatch.setattr(cls, name, counted)
     return seen
 
@@ -68,6 +68,25 @@ def test_a_decoding_pass_calls_the_bound_kernels_with_the_public_results(family,
     want = _passes(model, other, torch.Generator().manual_seed(2))
     assert calls == seen  # (none ran with the switch on)
     assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+def test_a_chain_pass_calls_the_bound_kernels_with_the_public_results(calls, public):
+    """``scan="chain"`` (``method="chain"``'s passes) takes the bound layer too, its scan the chain's
+    recurrence: the same logits and replay as the public kernels (``multistep_update``) bit for
+    bit, and a commit from it leaves the same state."""
+    model = FAMILIES["mamba2"]()
+    results, seen = [], None
+    for on in (False, True):
+        public["on"] = on
+        cache = _prefilled(model)
+        chain = TokenTree.from_shape(TreeShape.chain(5), torch.randint(0, VOCAB, (2, 6),
+                                                                       generator=torch.Generator().manual_seed(4)))
+        logits, tree_pass = model.forward_tree(chain, cache, scan="chain")
+        model.commit(cache, tree_pass, torch.tensor([[0, 1, 2, 3], [0, 1, 0, 0]]), torch.tensor([4, 2]))
+        results.append((logits, cache.conv.clone(), cache.ssm.clone()))
+        seen = calls.get("tree", 0) if seen is None else seen
+    assert seen >= 1 and calls["tree"] == seen  # (one a layer with the bound kernels; none with the public)
+    assert all(torch.equal(a, b) for a, b in zip(*results))
 
 
 def test_parameters_changed_between_passes_are_read_anew(public):
