@@ -12,9 +12,14 @@ register-tiled product (:mod:`stree.kernels.cpu.gemm`, built for the machine whe
 at hand), reads each weight once for up to 14 rows: on that Xeon a tree's 13 rows cost it little
 more than one row, and MKL's products about twice that. So none is hard-wired: the first product of
 each (rows, weight shape, bias) times the paths on its own inputs (alternating, best of 5 each,
-the caches left as a pass leaves them: :func:`_evict`) and keeps PyTorch's own unless another is
-clearly faster (``MARGIN``); row counts share power-of-two buckets (:func:`_bucket`), so that trees
-and prompts of every size do not each pay for a measurement. ``STREE_LINEAR=blas``, ``=packed``,
+the caches left as a pass leaves them: :func:`_evict`) and keeps the incumbent, the tiled product
+where it is built here (else PyTorch's own), unless another is clearly faster (``MARGIN``). Inside
+a decoding loop PyTorch's products cost far more than timed alone, the tiled one about what it did:
+with PyTorch's own kept where the two were near a tie timed alone (a step's out_proj), a whole
+step took a fifth to a third longer (the shipped target, eager batch 1 and compiled batch 2, on an
+AMD EPYC), and the tie broke either way from process to process. Row counts share power-of-two
+buckets (:func:`_bucket`), so that trees and prompts of every size do not each pay for a
+measurement. ``STREE_LINEAR=blas``, ``=packed``,
 ``=transposed`` or ``=tiled`` in the environment pins one (they agree to float32 rounding, so a
 pinned path makes results bit-reproducible across processes).
 
@@ -57,8 +62,8 @@ PATHS = ("auto", "blas", "packed", "transposed", "tiled")
 PATH = os.environ.get("STREE_LINEAR", "auto")
 if PATH not in PATHS:
     raise ValueError(f"STREE_LINEAR must be one of {PATHS}, got {PATH!r}")
-# Another product than PyTorch's own is taken only when it takes less than this fraction of its
-# time: near a tie the plain path is kept, so that noise does not flip the choice between processes.
+# Another product than the incumbent (_candidates) is taken only when it takes less than this fraction
+# of its time: near a tie the incumbent is kept, so that noise does not flip the choice between processes.
 MARGIN = 0.85
 
 _ONEDNN = torch.backends.mkldnn.is_available()
@@ -169,9 +174,11 @@ _COPIES = {"packed": _PACKED, "transposed": _TRANSPOSED, "tiled": _TILED}
 
 
 def _candidates() -> dict:
-    """The products a measurement weighs: every one that can run here (the tiled one is built on
-    the first measurement, where a compiler is at hand: :func:`stree.kernels.cpu.gemm.available`)."""
-    return _PRODUCTS if gemm.available() else {k: v for k, v in _PRODUCTS.items() if k != "tiled"}
+    """The products a measurement weighs, the incumbent first (:func:`_fastest`): every one that
+    can run here, the tiled one first where it can (it is built on the first measurement, where a
+    compiler is at hand: :func:`stree.kernels.cpu.gemm.available`), else PyTorch's own."""
+    others = {k: v for k, v in _PRODUCTS.items() if k != "tiled"}
+    return {"tiled": _PRODUCTS["tiled"], **others} if gemm.available() else others
 
 
 def _seconds(fn) -> float:
@@ -207,7 +214,7 @@ _EVICTION: torch.Tensor | None = None
 
 
 def _fastest(paths: dict, best: dict | None = None) -> str:
-    """The name of the fastest of ``paths`` (name -> call), the first being the plain one, kept
+    """The name of the fastest of ``paths`` (name -> call), the first being the incumbent, kept
     unless another takes less than ``MARGIN`` of its time: best of 5 each, alternating, each call
     after :func:`_evict`, after one call each (first calls allocate, pack and copy); ``best``,
     where given, gets each one's best."""
@@ -220,9 +227,9 @@ def _fastest(paths: dict, best: dict | None = None) -> str:
             times[name].append(_seconds(fn))
     best = {} if best is None else best
     best.update((name, min(t)) for name, t in times.items())
-    plain = next(iter(paths))
-    other = min((name for name in paths if name != plain), key=best.__getitem__)
-    return other if best[other] < MARGIN * best[plain] else plain
+    incumbent = next(iter(paths))
+    other = min((name for name in paths if name != incumbent), key=best.__getitem__)
+    return other if best[other] < MARGIN * best[incumbent] else incumbent
 
 
 def _fastest_path(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, times: dict) -> str:

@@ -81,11 +81,17 @@ def _fake_clock(monkeypatch, times: dict, choices: str = "_FASTEST"):
     monkeypatch.setattr(lin, "PATH", "auto")
 
 
-@pytest.mark.parametrize("blas, packed, transposed, tiled, chosen", [
-    (1.0, 0.5, 0.9, 1.0, "packed"), (1.0, 0.9, 0.5, 1.0, "transposed"), (1.0, 0.5, 0.4, 0.9, "transposed"),
-    (1.0, 0.9, 0.9, 0.9, "blas"), (1.0, 2.0, 0.86, 3.0, "blas"),
-    pytest.param(1.0, 0.5, 0.6, 0.4, "tiled", marks=_TILED), pytest.param(1.0, 0.9, 0.9, 0.86, "blas", marks=_TILED)])
-def test_the_product_measured_clearly_fastest_runs(monkeypatch, blas, packed, transposed, tiled, chosen):
+@pytest.mark.parametrize("blas, packed, transposed, tiled, chosen, without_tiled", [
+    (1.0, 0.5, 0.9, 1.0, "packed", "packed"), (1.0, 0.9, 0.5, 1.0, "transposed", "transposed"),
+    (1.0, 0.5, 0.4, 0.9, "transposed", "transposed"), (0.8, 0.9, 0.9, 1.0, "blas", "blas"),
+    (1.0, 0.9, 0.9, 0.9, "tiled", "blas"), (1.0, 2.0, 0.86, 3.0, "transposed", "blas"),
+    (1.0, 0.5, 0.6, 0.4, "tiled", "packed"), (0.86, 0.9, 0.9, 1.0, "tiled", "blas")])
+def test_the_product_measured_clearly_fastest_runs(monkeypatch, blas, packed, transposed, tiled, chosen,
+                                                   without_tiled):
+    """The incumbent, the tiled product where it is built here (else PyTorch's own), is kept unless
+    another takes less than ``MARGIN`` of its time: near a tie (the last case, a step's out_proj on
+    the AMD EPYC) the tiled product, which a decoding loop does not slow as it slows PyTorch's."""
+    chosen = chosen if gemm.available() else without_tiled
     _fake_clock(monkeypatch, dict(blas=blas, packed=packed, transposed=transposed, tiled=tiled))
     layer = Linear(64, 512)
     x = torch.randn(3, 64)
