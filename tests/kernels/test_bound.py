@@ -1,7 +1,9 @@
 """The numba kernels bound to a layer's parameters (stree.kernels.cpu.bound): on the activations a
-model hands them (views of one product's output), the public kernels' results bit for bit; what
-they refuse to bind; the unchecked in-place replay of a model's commit. The public kernels are
-tested against the float64 definitions elsewhere."""
+model hands them (views of one product's output), the public kernels' results bit for bit, in
+float32 and in half precision (a half layer's parameters bound widened, its outputs rounded where
+the public kernels round); what they refuse to bind; the unchecked in-place replay of a model's
+commit, a half conv state's too. The public kernels are tested against the float64 definitions
+elsewhere."""
 
 import math
 
@@ -19,12 +21,15 @@ from stree.kernels.cpu.tree_jit import JIT_MAX_NODES
 from stree.tree import tree_index
 
 K = 4
+DTYPES = st.sampled_from([torch.float32, torch.float16, torch.bfloat16])
 
 
-def _layer(gen, shape, d_per_dim: bool, conv_bias: bool, gate_first: bool, narrow: bool = False):
-    """A layer's parameters and sizes: conv over x, B, C; a norm over d_inner in ``ngroups`` groups.
-    ``narrow``: MambaInLlama's d_xb variant (a group per head, d_state = headdim; x and B one head /
-    group per pair of heads, repeated after the conv), where the heads pair up."""
+def _layer(gen, shape, d_per_dim: bool, conv_bias: bool, gate_first: bool, narrow: bool = False,
+           dtype=torch.float32):
+    """A layer's parameters (of ``dtype``, A float32, as a model holds them) and sizes: conv over x,
+    B, C; a norm over d_inner in ``ngroups`` groups. ``narrow``: MambaInLlama's d_xb variant (a
+    group per head, d_state = headdim; x and B one head / group per pair of heads, repeated after
+    the conv), where the heads pair up."""
     h, p, g, s = shape["nheads"], shape["headdim"], shape["ngroups"], shape["dstate"]
     narrow = narrow and h % 2 == 0
     if narrow:
@@ -37,8 +42,10 @@ def _layer(gen, shape, d_per_dim: bool, conv_bias: bool, gate_first: bool, narro
     params = dict(conv_weight=rnd(dim, 1, K) * 0.5, conv_bias=rnd(dim) * 0.1 if conv_bias else None,
                   A=-torch.rand(h, generator=gen) * 4, D=rnd(h, p) if d_per_dim else rnd(h), dt_bias=rnd(h) * 0.5,
                   norm_weight=rnd(d_inner))
-    jit = Mamba2LayerJit(**params, group_size=d_inner // g, eps=1e-5, gate_first=gate_first, x_dim=x_dim,
-                         B_dim=b_dim, d_state=s)
+    params = {k: v if v is None or k == "A" else v.to(dtype) for k, v in params.items()}
+    wide = {k: v if v is None else v.float() for k, v in params.items()}
+    jit = Mamba2LayerJit(**wide, group_size=d_inner // g, eps=1e-5, gate_first=gate_first, x_dim=x_dim,
+                         B_dim=b_dim, d_state=s, dtype=dtype)
     return jit, params, dict(d_inner=d_inner, dim=dim, h=h, p=p, g=g, s=s, x_dim=x_dim, b_dim=b_dim)
 
 
@@ -59,18 +66,18 @@ def _ssm_inputs(conv, sz):
 @settings(max_examples=30, deadline=None)
 @given(tree=trees(max_n=JIT_MAX_NODES), shape=ssm_shapes(), d_per_dim=st.booleans(), conv_bias=st.booleans(),
        gate_first=st.booleans(), narrow=st.booleans(), limit=st.sampled_from([(0.0, math.inf), (0.002, 0.05)]),
-       seed=st.integers(0, 99))
+       seed=st.integers(0, 99), dtype=DTYPES)
 def test_a_tree_pass_matches_the_public_kernels_bit_for_bit(tree, shape, d_per_dim, conv_bias, gate_first, narrow,
-                                                            limit, seed):
+                                                            limit, seed, dtype):
     """From the in_proj output: the norm's output and replay's activations, as the public kernels
     make them from the layer's torch views."""
     parents, batch = tree
     gen = torch.Generator().manual_seed(seed)
-    jit, prm, sz = _layer(gen, shape, d_per_dim, conv_bias, gate_first, narrow)
+    jit, prm, sz = _layer(gen, shape, d_per_dim, conv_bias, gate_first, narrow, dtype)
     n = parents.shape[-1]
     index = tree_index(parents).for_batch(batch)
-    proj = torch.randn(batch, n, sz["d_inner"] + sz["dim"] + sz["h"], generator=gen)
-    conv_state = torch.randn(batch, sz["dim"], K, generator=gen)
+    proj = torch.randn(batch, n, sz["d_inner"] + sz["dim"] + sz["h"], generator=gen).to(dtype)
+    conv_state = torch.randn(batch, sz["dim"], K, generator=gen).to(dtype)
     ssm_state = torch.randn(batch, sz["h"], sz["p"], sz["s"], generator=gen)
     states = conv_state.clone(), ssm_state.clone()
 
@@ -80,21 +87,25 @@ def test_a_tree_pass_matches_the_public_kernels_bit_for_bit(tree, shape, d_per_d
     y = tree_scan(x, dt, prm["A"], B, C, parents, D=prm["D"], dt_bias=prm["dt_bias"], dt_limit=limit,
                   initial_state=ssm_state)
     want = gated_rms_norm(y.flatten(-2), z, prm["norm_weight"], sz["d_inner"] // sz["g"], 1e-5, gate_first)
-    assert torch.equal(out, want)
-    assert all(torch.equal(a, b) for a, b in zip(scratch, (xBC, x, dt, B)))
+    assert out.dtype == dtype and torch.equal(out, want)
+    assert all(a.dtype == dtype and torch.equal(a, b) for a, b in zip(scratch, (xBC, x, dt, B)))
     assert torch.equal(conv_state, states[0]) and torch.equal(ssm_state, states[1])  # (read only)
+    into = tuple(np.full((batch, n, *tail), np.nan, dtype=np.float32) for tail in jit.scratch_tails())
+    again, none = jit.tree(proj, index.parents, conv_state, ssm_state, limit, into)
+    assert none is None and torch.equal(again, want)
+    assert all(torch.equal(torch.from_numpy(a), b.float()) for a, b in zip(into, (xBC, x, dt, B)))  # (exactly)
 
 
 @settings(max_examples=30, deadline=None)
 @given(batch=st.integers(1, 3), shape=ssm_shapes(), d_per_dim=st.booleans(), conv_bias=st.booleans(),
        gate_first=st.booleans(), narrow=st.booleans(), limit=st.sampled_from([(0.0, math.inf), (0.002, 0.05)]),
-       seed=st.integers(0, 99))
+       seed=st.integers(0, 99), dtype=DTYPES)
 def test_a_step_matches_the_public_kernels_bit_for_bit(batch, shape, d_per_dim, conv_bias, gate_first, narrow, limit,
-                                                       seed):
+                                                       seed, dtype):
     gen = torch.Generator().manual_seed(seed)
-    jit, prm, sz = _layer(gen, shape, d_per_dim, conv_bias, gate_first, narrow)
-    proj = torch.randn(batch, sz["d_inner"] + sz["dim"] + sz["h"], generator=gen)
-    conv_state = torch.randn(batch, sz["dim"], K, generator=gen)
+    jit, prm, sz = _layer(gen, shape, d_per_dim, conv_bias, gate_first, narrow, dtype)
+    proj = torch.randn(batch, sz["d_inner"] + sz["dim"] + sz["h"], generator=gen).to(dtype)
+    conv_state = torch.randn(batch, sz["dim"], K, generator=gen).to(dtype)
     ssm_state = torch.randn(batch, sz["h"], sz["p"], sz["s"], generator=gen)
     conv_ref, ssm_ref = conv_state.clone(), ssm_state.clone()
 
@@ -103,7 +114,7 @@ def test_a_step_matches_the_public_kernels_bit_for_bit(batch, shape, d_per_dim, 
     x, B, C = _ssm_inputs(conv_step(xBC, conv_ref, prm["conv_weight"], prm["conv_bias"]), sz)
     y = selective_state_update(ssm_ref, x, dt, prm["A"], B, C, D=prm["D"], dt_bias=prm["dt_bias"], dt_limit=limit)
     want = gated_rms_norm(y.flatten(-2), z, prm["norm_weight"], sz["d_inner"] // sz["g"], 1e-5, gate_first)
-    assert torch.equal(out, want)
+    assert out.dtype == dtype and torch.equal(out, want)
     assert torch.equal(conv_state, conv_ref) and torch.equal(ssm_state, ssm_ref)
 
 
@@ -132,6 +143,8 @@ def test_only_cpu_float32_parameters_of_matching_shapes_are_bound():
         Mamba2LayerJit(**prm, **{**kw, "group_size": 3})
     with pytest.raises(ValueError, match="do not split the conv's 16 channels"):
         Mamba2LayerJit(**prm, **{**kw, "B_dim": 6})
+    with pytest.raises(TypeError, match="dtype must be float32, float16 or bfloat16, got torch.float64"):
+        Mamba2LayerJit(**prm, **kw, dtype=torch.float64)
     with pytest.raises(TypeError, match="weight must be a CPU float32 tensor"):
         RMSNormJit(torch.ones(4, dtype=torch.float16), 1e-6)
     with pytest.raises(ValueError, match="weight must have shape"):
@@ -140,10 +153,14 @@ def test_only_cpu_float32_parameters_of_matching_shapes_are_bound():
 
 @settings(max_examples=25, deadline=None)
 @given(layers=st.integers(1, 3), batch=st.integers(1, 3), shape=ssm_shapes(), n=st.integers(1, LONG_PATH + 4),
-       limit=st.sampled_from([(0.0, math.inf), (0.002, 0.05)]), seed=st.integers(0, 99), data=st.data())
-def test_a_commits_replay_in_place_matches_the_public_kernel_bit_for_bit(layers, batch, shape, n, limit, seed, data):
+       limit=st.sampled_from([(0.0, math.inf), (0.002, 0.05)]), seed=st.integers(0, 99), data=st.data(),
+       dtype=DTYPES)
+def test_a_commits_replay_in_place_matches_the_public_kernel_bit_for_bit(layers, batch, shape, n, limit, seed, data,
+                                                                       dtype):
     """On a stack of layers, every row its own accepted chain (some as long as a prompt's commit,
-    past LONG_PATH), in place on the states: the public replay's new states exactly."""
+    past LONG_PATH), in place on the states: the public replay's new states exactly. A half model's
+    conv state and activations: the public replay on them, the in-place one on the activations
+    widened (the bound kernels' scratch)."""
     gen = torch.Generator().manual_seed(seed)
     h, p, g, s = shape["nheads"], shape["headdim"], shape["ngroups"], shape["dstate"]
     dim = h * p + 2 * g * s
@@ -151,14 +168,15 @@ def test_a_commits_replay_in_place_matches_the_public_kernel_bit_for_bit(layers,
     xBC, x, dt, B = rnd(layers, batch, n, dim), rnd(layers, batch, n, h, p), rnd(layers, batch, n, h), \
         rnd(layers, batch, n, g, s)
     A, dt_bias = -torch.rand(layers, h, generator=gen) * 4, rnd(layers, h) * 0.5
-    ssm, conv = rnd(layers, batch, h, p, s), rnd(layers, batch, dim, K)
+    ssm, conv = rnd(layers, batch, h, p, s), rnd(layers, batch, dim, K).to(dtype)
     num = torch.tensor([data.draw(st.integers(1, n)) for _ in range(batch)])
     accepted = torch.zeros(batch, n, dtype=torch.long)
     for b in range(batch):  # a chain through distinct nodes, root first
         accepted[b, 1: int(num[b])] = torch.randperm(n - 1, generator=gen)[: int(num[b]) - 1] + 1
-    want = replay(ssm, conv, xBC, x, dt, B, A, accepted, num, dt_bias=dt_bias, dt_limit=limit, validate=False)
-    replay_in_place(ssm, conv, xBC, x, dt, B, A, dt_bias, accepted, num, limit)
-    assert torch.equal(ssm, want[0]) and torch.equal(conv, want[1])
+    acts = [t.to(dtype) for t in (xBC, x, dt, B)]
+    want = replay(ssm, conv, *acts, A, accepted, num, dt_bias=dt_bias.to(dtype), dt_limit=limit, validate=False)
+    replay_in_place(ssm, conv, *(t.float() for t in acts), A, dt_bias.to(dtype).float(), accepted, num, limit)
+    assert conv.dtype == dtype and torch.equal(ssm, want[0]) and torch.equal(conv, want[1])
 
 
 @pytest.mark.parametrize("shape", [(1, 13, 8, 64), (2, 5, 3, 7), (1,)])

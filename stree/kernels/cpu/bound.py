@@ -28,6 +28,8 @@ from .tree_jit import chain_scan_rows, takes_tree, tree_conv_rows, tree_scan_row
 
 __all__ = ["Mamba2LayerJit", "RMSNormJit", "replay_in_place"]
 
+HALF = (torch.float16, torch.bfloat16)
+
 
 def _check_params(**tensors) -> None:
     for name, t in tensors.items():
@@ -37,6 +39,14 @@ def _check_params(**tensors) -> None:
 
 def _read(t: torch.Tensor) -> np.ndarray:
     return t.detach().contiguous().numpy()
+
+
+def _round(a: np.ndarray, dtype: torch.dtype) -> None:
+    """``a`` (float32) rounded in place to ``dtype``'s values: where a public kernel returns a half
+    output, which the next one reads widened again."""
+    if dtype != torch.float32:
+        t = torch.from_numpy(a)
+        t.copy_(t.to(dtype))
 
 
 def _aligned_empty(shape: tuple) -> np.ndarray:
@@ -78,11 +88,15 @@ class Mamba2LayerJit:
     :meth:`step` and :meth:`tree` take the layer's in_proj output as it comes (``z``, ``xBC``,
     ``dt`` side by side) and split it into NumPy views, not torch ones: a layer's dozen views and
     buffers made as tensors cost a small model's step more than its conv and recurrence do.
-    Activations are CPU float32 tensors, states float32 and contiguous; nothing about them is checked."""
+    Activations are CPU tensors of ``dtype`` (float32, or float16 / bfloat16: a half model's, whose
+    parameters the caller hands over widened), the SSM state float32, the conv state float32 or of
+    ``dtype``, both contiguous; nothing about them is checked."""
 
     def __init__(self, conv_weight, conv_bias, A, D, dt_bias, norm_weight, group_size: int, eps: float,
-                 gate_first: bool, *, x_dim: int, B_dim: int, d_state: int):
+                 gate_first: bool, *, x_dim: int, B_dim: int, d_state: int, dtype: torch.dtype = torch.float32):
         _check_params(conv_weight=conv_weight, conv_bias=conv_bias, A=A, D=D, dt_bias=dt_bias, norm_weight=norm_weight)
+        if dtype not in (torch.float32, *HALF):
+            raise TypeError(f"dtype must be float32, float16 or bfloat16, got {dtype}")
         dim, heads = conv_weight.shape[0], A.shape[0]
         if conv_bias is not None and tuple(conv_bias.shape) != (dim,):
             raise ValueError(f"conv_bias must have shape ({dim},), got {tuple(conv_bias.shape)}")
@@ -106,6 +120,7 @@ class Mamba2LayerJit:
         self.group_size, self.eps, self.gate_first = group_size, float(eps), bool(gate_first)
         self.d_inner, self.dim, self.heads, self.headdim = norm_weight.numel(), dim, heads, headdim
         self.x_dim, self.B_dim, self.d_state = x_dim, B_dim, d_state
+        self.dtype = dtype
 
     @staticmethod
     def takes_tree(index) -> bool:
@@ -135,13 +150,18 @@ class Mamba2LayerJit:
 
     def _gated_norm(self, y: np.ndarray, proj: torch.Tensor) -> torch.Tensor:
         """The gated norm of y ``[..., h, p]`` (contiguous, the scan's) by z, the first ``d_inner``
-        channels of ``proj``; returns ``[..., d_inner]``. The gate's SiLU is one vectorised op."""
+        channels of ``proj`` (float32); returns ``[..., d_inner]`` of the activations' dtype. The
+        gate's SiLU is one vectorised op."""
         width = self.group_size
         z = proj[..., : self.d_inner]
         out = torch.empty(z.shape, dtype=torch.float32)
         gated_rms_norm_rows(y.reshape(-1, width), as_numpy(F.silu(z)).reshape(-1, width), self.norm_weight, True,
                             self.eps, self.gate_first, as_numpy(out).reshape(-1, width))
-        return out
+        return out if self.dtype == torch.float32 else out.to(self.dtype)
+
+    def _wide(self, t: torch.Tensor) -> torch.Tensor:
+        """An activation or a conv state in float32 (itself where it is)."""
+        return t if t.dtype == torch.float32 else t.float()
 
     # -- a tree pass: every node's outputs, the states only read -------------------------------
     def scratch_tails(self) -> tuple[tuple[int, ...], ...]:
@@ -157,24 +177,27 @@ class Mamba2LayerJit:
         dt_bias, softplus and ``dt_limit`` ``(lo, hi)``, and the gated norm, of proj ``[b, n, ...]``
         over parents ``[rows, n]`` (rows 1 or b), conv_state ``[b, dim, K]`` and ssm_state
         ``[b, h, p, s]``: the norm's output ``[b, n, d_inner]`` and what replay reads, (xBC, x,
-        dt, B) as tensors; or, given ``into`` (four float32 arrays of :meth:`scratch_tails`' shapes
-        after ``[b, n]``: the layer's part of the pass's stacked scratch), written there, and None.
-        The kernels read contiguous copies of xBC, x and B: those are the copies written into
-        ``into``, so a pass that stacks nothing afterwards copies no more than one that does.
-        ``chain``: the nodes are a chain (``scan="chain"``) and the scan is its recurrence
+        dt, B) as tensors of the activations' dtype; or, given ``into`` (four float32 arrays of
+        :meth:`scratch_tails`' shapes after ``[b, n]``: the layer's part of the pass's stacked
+        scratch), written there (a half model's values, exactly), and None. The kernels read
+        contiguous copies of xBC, x and B: those are the copies written into ``into``, so a pass
+        that stacks nothing afterwards copies no more than one that does. ``chain``: the nodes are
+        a chain (``scan="chain"``) and the scan is its recurrence
         (:func:`~stree.kernels.multistep_update`'s), not each node's path."""
-        whole = as_numpy(proj)
-        _, xBC, dt = self._split(whole)
+        wide = self._wide(proj)
+        _, xBC, dt = self._split(as_numpy(wide))
         if into is not None:
             np.copyto(into[0], xBC)
             np.copyto(into[2], dt)
             xBC = into[0]
         conv_t = torch.empty(xBC.shape, dtype=torch.float32)
         pa = as_numpy(parents)
-        tree_conv_rows(xBC, pa, as_numpy(conv_state), self.conv_weight, self.conv_bias, self.has_conv_bias,
+        tree_conv_rows(xBC, pa, as_numpy(self._wide(conv_state)), self.conv_weight, self.conv_bias, self.has_conv_bias,
                        as_numpy(conv_t))
         F.silu(conv_t, inplace=True)  # (vectorised, as the public kernel's)
-        x, B, C = self._ssm_inputs(as_numpy(conv_t))
+        conv = as_numpy(conv_t)
+        _round(conv, self.dtype)
+        x, B, C = self._ssm_inputs(conv)
         if into is not None:
             np.copyto(into[1], x)
             np.copyto(into[3], B)
@@ -187,34 +210,45 @@ class Mamba2LayerJit:
         else:
             tree_scan_rows(x, dt, self.A, B, C, self.D, True, self.dt_bias, True, True, lo, hi, pa, as_numpy(ssm_state),
                            True, y)
-        scratch = None if into is not None else tuple(torch.from_numpy(a) for a in (xBC, x, dt, B))
-        return self._gated_norm(y, proj), scratch
+        _round(y, self.dtype)
+        scratch = None if into is not None else tuple(torch.from_numpy(a).to(self.dtype) for a in (xBC, x, dt, B))
+        return self._gated_norm(y, wide), scratch
 
     # -- a step: one token a row, the states advanced in place --------------------------------
     def step(self, proj: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor, dt_limit) -> torch.Tensor:
         """:func:`~stree.kernels.conv_step` with SiLU, :func:`~stree.kernels.selective_state_update`
         (as :meth:`tree`) and the gated norm of proj ``[b, ...]``, advancing conv_state
         ``[b, dim, K]`` and ssm_state ``[b, h, p, s]``: the norm's output ``[b, d_inner]``."""
-        whole = as_numpy(proj)
-        _, xBC, dt = self._split(whole)
+        wide = self._wide(proj)
+        _, xBC, dt = self._split(as_numpy(wide))
+        conv_wide = self._wide(conv_state)  # (a half state advances in a float32 copy, copied back: a shift)
         conv = np.empty(xBC.shape, dtype=np.float32)
-        conv_step_rows(xBC, as_numpy(conv_state), self.conv_weight, self.conv_bias, self.has_conv_bias, True, conv)
+        conv_step_rows(xBC, as_numpy(conv_wide), self.conv_weight, self.conv_bias, self.has_conv_bias, True, conv)
+        if conv_wide is not conv_state:
+            conv_state.copy_(conv_wide)
+        _round(conv, self.dtype)
         x, B, C = self._ssm_inputs(conv)
         y = np.empty(x.shape, dtype=np.float32)
         state_update_rows(as_numpy(ssm_state), x, dt, self.A, B, C, self.D, True, self.dt_bias, True, True,
                           float(dt_limit[0]), float(dt_limit[1]), y)
-        return self._gated_norm(y, proj)
+        _round(y, self.dtype)
+        return self._gated_norm(y, wide)
 
 
 def replay_in_place(ssm_state: torch.Tensor, conv_state: torch.Tensor, xBC: torch.Tensor, x: torch.Tensor,
                     dt: torch.Tensor, B: torch.Tensor, A: torch.Tensor, dt_bias: torch.Tensor, accepted: torch.Tensor,
                     num_accepted: torch.Tensor, dt_limit: tuple[float, float]) -> None:
     """:func:`~stree.kernels.replay` of a stack of Mamba2 layers, in place, with softplus, for a
-    model's commit: the states ``[L, b, ...]`` its cache holds, the activations ``[L, b, n, ...]``
-    its pass made, ``A`` and ``dt_bias`` ``[L, h]``, all CPU float32; ``accepted [b, D]`` and
-    ``num_accepted [b]`` int64, the paths the model checked. The public kernel's checks and
-    conversions took a small model's commit about as long as the replay itself."""
-    state, conv = as_numpy(ssm_state), as_numpy(conv_state)
+    model's commit: the states ``[L, b, ...]`` its cache holds (the conv state float32 or, a half
+    model's, of its dtype), the activations ``[L, b, n, ...]`` its pass made, ``A`` and
+    ``dt_bias`` ``[L, h]``, all else CPU float32; ``accepted [b, D]`` and ``num_accepted [b]``
+    int64, the paths the model checked. The public kernel's checks and conversions took a small
+    model's commit about as long as the replay itself."""
+    state = as_numpy(ssm_state)
+    conv_wide = conv_state if conv_state.dtype == torch.float32 else conv_state.float()
+    conv = as_numpy(conv_wide)
     replay_layers(state, conv, as_numpy(xBC), as_numpy(x), as_numpy(dt), as_numpy(B), as_numpy(A), as_numpy(dt_bias),
                   True, True, float(dt_limit[0]), float(dt_limit[1]), np.ascontiguousarray(as_numpy(accepted)),
                   as_numpy(num_accepted), state, conv)
+    if conv_wide is not conv_state:
+        conv_state.copy_(conv_wide)  # (exact: the accepted nodes' inputs, half values)

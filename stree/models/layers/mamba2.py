@@ -26,6 +26,10 @@ from .linear import Linear
 from .norms import GatedRMSNorm, SiluGate
 
 
+# the activations' dtypes a decoding pass on the CPU takes the bound kernels for (Mamba2Mixer.bound)
+_BOUND_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
 class Mamba2Mixer(nn.Module):
     kind = "ssm"
 
@@ -120,15 +124,21 @@ class Mamba2Mixer(nn.Module):
     def bound(self, backend: str, proj: torch.Tensor, state: SSMLayerState) -> Mamba2LayerJit | None:
         """The layer's numba kernels bound to its parameters, where a decoding pass may call them
         directly (:class:`~stree.kernels.cpu.bound.Mamba2LayerJit`: the public kernels' results
-        without their per-call checks): CPU float32 activations (``proj``, the in_proj output),
-        states and parameters, the "auto" kernels, no gradient, no graph being compiled, a gated
-        norm of the whole layer (not a tensor-parallel rank's); else None."""
-        norm = self.norm
-        if (backend != "auto" or proj.dtype != torch.float32 or not proj.is_cpu or state.conv.dtype != torch.float32
+        without their per-call checks): CPU activations (``proj``, the in_proj output) of float32,
+        or float16 / bfloat16 with parameters and conv state of that dtype or float32 (a half
+        model: its parameters bound widened), a float32 SSM state, the "auto" kernels, no gradient,
+        no graph being compiled, a gated norm of the whole layer (not a tensor-parallel rank's),
+        rounded as its public kernel rounds; else None."""
+        norm, dtype = self.norm, proj.dtype
+        if (backend != "auto" or dtype not in _BOUND_DTYPES or not proj.is_cpu
+                or state.conv.dtype not in (dtype, torch.float32) or state.ssm.dtype != torch.float32
                 or torch.is_grad_enabled() or torch.compiler.is_compiling()
-                or not isinstance(norm, GatedRMSNorm) or norm.tp is not None):
+                or not isinstance(norm, GatedRMSNorm) or norm.tp is not None
+                or (norm.round_before_weight and dtype != torch.float32)):
             return None
-        return derived(self, "bound", self._bind, key=value_key(*(t for t in self._bound_params() if t is not None)))
+        params = self._bound_params()
+        return derived(self, "bound", lambda: self._bind(dtype),
+                       key=(dtype, *value_key(*(t for t in params if t is not None))))
 
     def _bound_params(self) -> tuple:
         # (read from the modules' parameter dicts: through nn.Module's attribute lookup, the six took
@@ -140,13 +150,14 @@ class Mamba2Mixer(nn.Module):
         except KeyError:
             return self.conv1d.weight, self.conv1d.bias, self.A_log, self.D, self.dt_bias, self.norm.weight
 
-    def _bind(self) -> Mamba2LayerJit | None:
-        if not all(t is None or (t.is_cpu and t.dtype == torch.float32) for t in self._bound_params()):
+    def _bind(self, dtype: torch.dtype) -> Mamba2LayerJit | None:
+        if not all(t is None or (t.is_cpu and t.dtype in (dtype, torch.float32)) for t in self._bound_params()):
             return None
         norm, cfg = self.norm, self.cfg
-        return Mamba2LayerJit(self.conv1d.weight, self.conv1d.bias, self.A(), self.D, self.dt_bias, norm.weight,
-                              norm.group_size, norm.eps, norm.gate_first, x_dim=cfg.x_dim, B_dim=cfg.B_dim,
-                              d_state=cfg.d_state)
+        wide = lambda t: None if t is None else t.float()  # (exact; itself where it is float32)
+        return Mamba2LayerJit(wide(self.conv1d.weight), wide(self.conv1d.bias), self.A(), wide(self.D),
+                              wide(self.dt_bias), wide(norm.weight), norm.group_size, norm.eps, norm.gate_first,
+                              x_dim=cfg.x_dim, B_dim=cfg.B_dim, d_state=cfg.d_state, dtype=dtype)
 
     def tree(self, u, ctx, state: SSMLayerState):
         """Outputs for every node of the tree and the activations replay needs; state only read."""
@@ -197,10 +208,14 @@ class Mamba2Mixer(nn.Module):
                              lambda: (torch.stack([m.A() for m in mixers]), torch.stack([m.dt_bias for m in mixers])),
                              key=value_key(*(m.A_log for m in mixers), *(m.dt_bias for m in mixers)))
         dt_limit = mixers[0].dt_limit(prefill)
-        tensors = (cache.ssm, cache.conv, *scratch.parts(), A, dt_bias)
+        wide = (cache.ssm, *scratch.parts(), A)  # (float32 for the kernel; a half model's conv state and dt_bias not)
         if kernel_backend == "auto" and cu_seqlens is None and accepted.dtype == num_accepted.dtype == torch.long \
-                and all(t.is_cpu and t.dtype == torch.float32 and not t.requires_grad for t in tensors):
-            replay_in_place(*tensors, accepted, num_accepted, dt_limit)  # (the public replay's checks: the model's)
+                and cache.conv.dtype in _BOUND_DTYPES and all(t.dtype == torch.float32 for t in wide) \
+                and all(t.is_cpu and not t.requires_grad for t in (*wide, cache.conv, dt_bias)):
+            # (the public replay's checks: the model's; a half model's scratch is the bound kernels' float32
+            # arrays, its dt_bias widened exactly)
+            replay_in_place(cache.ssm, cache.conv, *scratch.parts(), A, dt_bias.float(), accepted, num_accepted,
+                            dt_limit)
             return
         replay(cache.ssm, cache.conv, *scratch.parts(), A, accepted, num_accepted,
                dt_bias=dt_bias, dt_limit=dt_limit, validate=False, out=(cache.ssm, cache.conv),

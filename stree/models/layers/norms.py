@@ -32,10 +32,11 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim, device=device, dtype=dtype))
 
     def forward(self, x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-        bound = self.bound(x, out_dtype)
-        if bound is not None:
-            return bound(x)
         xf = x if x.dtype == torch.float32 else x.float()
+        bound = self.bound(xf, out_dtype)
+        if bound is not None:
+            y = bound(xf)
+            return y if out_dtype == torch.float32 else y.to(out_dtype)
         if self.round_before_weight and out_dtype != torch.float32:
             return self.weight * rms_norm(xf, None, self.eps).to(out_dtype)
         y = rms_norm(xf, fp32(self.weight), self.eps)
@@ -44,16 +45,19 @@ class RMSNorm(nn.Module):
     def bound(self, x: torch.Tensor, out_dtype: torch.dtype) -> RMSNormJit | None:
         """The numba kernel bound to the weight (:class:`~stree.kernels.cpu.bound.RMSNormJit`: the
         public kernel's result without its per-call checks), where a decoding pass may call it
-        directly: CPU float32 in, out and weight, no gradient, no graph being compiled; else None."""
-        if (x.dtype != torch.float32 or out_dtype != torch.float32 or not x.is_cpu or torch.is_grad_enabled()
-                or torch.compiler.is_compiling()):
+        directly: CPU float32 in and a float32 or half weight (bound widened: a half model's), no
+        gradient, no graph being compiled, and no rounding before the weight into a half output;
+        else None. The caller rounds its float32 output to ``out_dtype``, as the public path does."""
+        if (x.dtype != torch.float32 or not x.is_cpu or torch.is_grad_enabled() or torch.compiler.is_compiling()
+                or (self.round_before_weight and out_dtype != torch.float32)):
             return None
         weight = self._parameters.get("weight")  # (cheaper than the attribute: a norm per block and step)
         return derived(self, "bound", self._bind, key=(value_key(self.weight if weight is None else weight), self.eps))
 
     def _bind(self) -> RMSNormJit | None:
         weight = self.weight
-        return RMSNormJit(weight, self.eps) if weight.is_cpu and weight.dtype == torch.float32 else None
+        ok = weight.is_cpu and weight.dtype in (torch.float32, torch.float16, torch.bfloat16)
+        return RMSNormJit(weight.float(), self.eps) if ok else None  # (exact; itself where it is float32)
 
 
 class GatedRMSNorm(RMSNorm):

@@ -1,7 +1,8 @@
-"""A decoding pass of a CPU float32 model calls its layers' numba kernels bound to their parameters
-(stree.kernels.cpu.bound) in place of the checked public kernels: the same logits and states bit
-for bit, parameters changed between passes read anew, and the public kernels wherever the bound
-ones do not apply (half precision, gradients, a tree the tree kernels do not take)."""
+"""A decoding pass of a CPU model (float32, float16 or bfloat16) calls its layers' numba kernels
+bound to their parameters (stree.kernels.cpu.bound) in place of the checked public kernels: the
+same logits and states bit for bit, parameters changed between passes read anew, and the public
+kernels wherever the bound ones do not apply (gradients, a tree the tree kernels do not take, a
+half norm that rounds before its weight)."""
 
 import pytest
 import torch
@@ -56,9 +57,11 @@ def _prefilled(model):
     return cache
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_a_decoding_pass_calls_the_bound_kernels_with_the_public_results(family, calls, public):
-    model = FAMILIES[family]()
+def test_a_decoding_pass_calls_the_bound_kernels_with_the_public_results(family, dtype, calls, public):
+    """A half model's too: its activations rounded where the public kernels round theirs."""
+    model = FAMILIES[family]().to(dtype)
     cache = _prefilled(model)
     other = cache.clone()
     got = _passes(model, cache, torch.Generator().manual_seed(2))
@@ -110,10 +113,19 @@ def test_parameters_changed_between_passes_are_read_anew(public):
     assert all(torch.equal(a, b) for a, b in zip(got, want))
 
 
-def test_half_precision_gradients_and_long_trees_take_the_public_kernels(calls):
+def test_half_norms_rounding_first_gradients_and_long_trees_take_the_public_kernels(calls, public):
+    """A half model's norms that round before their weight (HF Llama's, Nemotron-H's mixer norm)
+    round where the bound kernels do not: the public kernels, their results."""
     model = FAMILIES["mamba2"]().to(torch.bfloat16)
-    _passes(model, _prefilled(model), torch.Generator().manual_seed(5))
+    for module in model.modules():
+        if isinstance(module, RMSNorm):
+            module.round_before_weight = True
+    got = _passes(model, _prefilled(model), torch.Generator().manual_seed(5))
     assert calls == {}
+    public["on"] = True
+    want = _passes(model, _prefilled(model), torch.Generator().manual_seed(5))
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    public["on"] = False
     model = FAMILIES["mamba2"]()
     cache = _prefilled(model)
     calls.clear()
