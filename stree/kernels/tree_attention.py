@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from ..tree import PackedTrees
-from ._common import (check_layout, check_packed, check_tensor, check_tree, dot_precision, identity_slots,
+from ._common import (as_numpy, check_layout, check_packed, check_tensor, check_tree, dot_precision, identity_slots,
                       packed_strides, pool_rows, pow2_block, resolve_backend, slot_rows, tree_span)
 
 __all__ = ["tree_attention", "tree_attention_torch"]
@@ -138,8 +138,10 @@ def _check_args(q, k_cache, v_cache, cache_seqlens, k_tree, v_tree, parents, sof
 
 def tree_attention_torch(q, k_cache, v_cache, cache_seqlens, k_tree, v_tree, parents, *, softmax_scale=None,
                        validate=True):
-    """SDPA over ``[prefix; tree]`` keys with an explicit mask (prefix length per row, tree mask)."""
+    """SDPA over ``[prefix; tree]`` keys with an explicit mask (prefix length per row, tree mask).
+    On the CPU the prefix is cut to the longest row's (:func:`_visible`)."""
     index, scale = _check_args(q, k_cache, v_cache, cache_seqlens, k_tree, v_tree, parents, softmax_scale, validate)
+    k_cache, v_cache = _visible(k_cache, cache_seqlens), _visible(v_cache, cache_seqlens)
     batch, n, hq, _ = q.shape
     t_max, hkv = k_cache.shape[1:3]
     keys = torch.cat([k_cache, k_tree], dim=1).float().repeat_interleave(hq // hkv, dim=2)
@@ -149,6 +151,18 @@ def tree_attention_torch(q, k_cache, v_cache, cache_seqlens, k_tree, v_tree, par
     out = F.scaled_dot_product_attention(q.float().transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
                                          attn_mask=mask[:, None], scale=scale)
     return out.transpose(1, 2).to(q.dtype)
+
+
+def _visible(cache: torch.Tensor, seqlens: torch.Tensor, dim: int = 1) -> torch.Tensor:
+    """``cache`` cut along ``dim`` (its positions) to the longest prefix ``seqlens`` holds, on the
+    CPU (where reading the lengths waits on nothing): the PyTorch path copies and masks every
+    position it is given, and a cache is sized for the longest sequence it may hold (a serving
+    slot for its whole ``max_length``), not for what it holds now. Elsewhere, and in a graph being
+    compiled (whose shapes must not hang on the lengths' values), the cache as it is."""
+    if cache.device.type != "cpu" or not seqlens.numel() or torch.compiler.is_compiling():
+        return cache
+    longest = int(as_numpy(seqlens).max())  # (the lengths' own memory, read on the host as the numba kernels do)
+    return cache.narrow(dim, 0, min(max(longest, 0), cache.shape[dim]))
 
 
 def launch_config(n, head_dim, dtype):
@@ -186,6 +200,7 @@ def tree_attention(q, k_cache, v_cache, cache_seqlens, k_tree, v_tree, parents, 
         _check_args(q, k_cache, v_cache, cache_seqlens, k_tree, v_tree, parents, softmax_scale, validate,
                     state_indices)
         lens = torch.where(state_indices >= 0, cache_seqlens, 0)
+        k_cache, v_cache = _visible(k_cache, lens), _visible(v_cache, lens)  # (before the rows' copies)
         return tree_attention(q, slot_rows(k_cache, state_indices), slot_rows(v_cache, state_indices), lens, k_tree,
                               v_tree, parents, softmax_scale=softmax_scale, validate=False, backend=backend)
     if resolve_backend(backend, q.device) == "torch":

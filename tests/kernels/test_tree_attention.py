@@ -1,3 +1,5 @@
+import importlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -105,3 +107,24 @@ def test_bad_inputs_raise_clear_errors(backend, backend_device):
             call(parents=torch.tensor([-1, 0, 0, 3]))
         with pytest.raises(ValueError, match="v_tree is on meta"):
             call(v_tree=inp["v_tree"].to("meta"))
+
+
+def test_the_cpu_path_reads_the_prefix_as_far_as_the_longest_row(monkeypatch):
+    """A cache is sized for the longest sequence it may hold (a serving slot for its whole
+    max_length): on the CPU the PyTorch path attends over the prefix up to the longest row's
+    length only, directly and through a pool of slots, with the result of a cache of that size."""
+    ta = importlib.import_module("stree.kernels.tree_attention")  # (the package's name is the function)
+    keys = []
+    real = F.scaled_dot_product_attention
+    monkeypatch.setattr(ta.F, "scaled_dot_product_attention", lambda q, k, v, **kw: keys.append(k.shape[2]) or
+                        real(q, k, v, **kw))
+    n, parents = 5, TreeShape.chain(4).parents_tensor()
+    inp = _inputs(5, 2, n, 4, 2, 8, 512)
+    inp["cache_seqlens"] = torch.tensor([9, 4])
+    short = {**inp, "k_cache": inp["k_cache"][:, :9], "v_cache": inp["v_cache"][:, :9]}
+    got, want = _call(inp, parents, "torch", torch.device("cpu")), _call(short, parents, "torch", torch.device("cpu"))
+    assert keys == [9 + n, 9 + n] and torch.equal(got, want)
+    keys.clear()
+    pool = {k: torch.cat([torch.zeros_like(inp[k][:1]), inp[k]]) for k in ("k_cache", "v_cache")}  # rows in slots 1, 2
+    slots = tree_attention(**{**inp, **pool}, parents=parents, state_indices=torch.tensor([1, 2]), backend="torch")
+    assert keys == [9 + n] and torch.equal(slots, got)
