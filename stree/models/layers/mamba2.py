@@ -214,7 +214,8 @@ class Mamba2Mixer(nn.Module):
                 and all(t.is_cpu and not t.requires_grad for t in (*wide, cache.conv, dt_bias)):
             # (the public replay's checks: the model's; a half model's scratch is the bound kernels' float32
             # arrays, its dt_bias widened exactly)
-            replay_in_place(cache.ssm, cache.conv, *scratch.parts(), A, dt_bias.float(), accepted, num_accepted,
+            replay_in_place(cache.ssm, cache.conv, *scratch.parts(), A,
+                            dt_bias if dt_bias.dtype == torch.float32 else dt_bias.float(), accepted, num_accepted,
                             dt_limit)
             return
         replay(cache.ssm, cache.conv, *scratch.parts(), A, accepted, num_accepted,
