@@ -20,15 +20,13 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .._common import as_numpy
+from .._common import FLOAT_DTYPES, as_numpy
 from .norm_jit import gated_rms_norm_rows, rms_norm_rows
 from .replay_jit import replay_layers
 from .step_jit import conv_step_rows, state_update_rows
 from .tree_jit import chain_scan_rows, takes_tree, tree_conv_rows, tree_scan_rows
 
 __all__ = ["Mamba2LayerJit", "RMSNormJit", "replay_in_place"]
-
-HALF = (torch.float16, torch.bfloat16)
 
 
 def _check_params(**tensors) -> None:
@@ -95,7 +93,7 @@ class Mamba2LayerJit:
     def __init__(self, conv_weight, conv_bias, A, D, dt_bias, norm_weight, group_size: int, eps: float,
                  gate_first: bool, *, x_dim: int, B_dim: int, d_state: int, dtype: torch.dtype = torch.float32):
         _check_params(conv_weight=conv_weight, conv_bias=conv_bias, A=A, D=D, dt_bias=dt_bias, norm_weight=norm_weight)
-        if dtype not in (torch.float32, *HALF):
+        if dtype not in FLOAT_DTYPES:
             raise TypeError(f"dtype must be float32, float16 or bfloat16, got {dtype}")
         dim, heads = conv_weight.shape[0], A.shape[0]
         if conv_bias is not None and tuple(conv_bias.shape) != (dim,):

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from ...kernels import conv_step, multistep_update, replay, selective_state_update, tree_conv1d, tree_scan
+from ...kernels._common import FLOAT_DTYPES
 from ...kernels.cpu.bound import Mamba2LayerJit, replay_in_place
 from ...tree import TreeIndex, leaf_paths
 from ..base import derived, value_key
@@ -24,10 +25,6 @@ from ..cache import SSMLayerState, SSMScratch
 from ..config import Mamba2Config
 from .linear import Linear
 from .norms import GatedRMSNorm, SiluGate
-
-
-# the activations' dtypes a decoding pass on the CPU takes the bound kernels for (Mamba2Mixer.bound)
-_BOUND_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 class Mamba2Mixer(nn.Module):
@@ -130,7 +127,7 @@ class Mamba2Mixer(nn.Module):
         no graph being compiled, a gated norm of the whole layer (not a tensor-parallel rank's),
         rounded as its public kernel rounds; else None."""
         norm, dtype = self.norm, proj.dtype
-        if (backend != "auto" or dtype not in _BOUND_DTYPES or not proj.is_cpu
+        if (backend != "auto" or dtype not in FLOAT_DTYPES or not proj.is_cpu
                 or state.conv.dtype not in (dtype, torch.float32) or state.ssm.dtype != torch.float32
                 or torch.is_grad_enabled() or torch.compiler.is_compiling()
                 or not isinstance(norm, GatedRMSNorm) or norm.tp is not None
@@ -210,7 +207,7 @@ class Mamba2Mixer(nn.Module):
         dt_limit = mixers[0].dt_limit(prefill)
         wide = (cache.ssm, *scratch.parts(), A)  # (float32 for the kernel; a half model's conv state and dt_bias not)
         if kernel_backend == "auto" and cu_seqlens is None and accepted.dtype == num_accepted.dtype == torch.long \
-                and cache.conv.dtype in _BOUND_DTYPES and all(t.dtype == torch.float32 for t in wide) \
+                and cache.conv.dtype in FLOAT_DTYPES and all(t.dtype == torch.float32 for t in wide) \
                 and all(t.is_cpu and not t.requires_grad for t in (*wide, cache.conv, dt_bias)):
             # (the public replay's checks: the model's; a half model's scratch is the bound kernels' float32
             # arrays, its dt_bias widened exactly)

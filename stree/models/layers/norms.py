@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...kernels import gated_rms_norm, gated_rms_norm_torch, rms_norm
+from ...kernels._common import FLOAT_DTYPES
 from ...kernels.cpu.bound import RMSNormJit
 from ..base import derived, value_key
 
@@ -56,7 +57,7 @@ class RMSNorm(nn.Module):
 
     def _bind(self) -> RMSNormJit | None:
         weight = self.weight
-        ok = weight.is_cpu and weight.dtype in (torch.float32, torch.float16, torch.bfloat16)
+        ok = weight.is_cpu and weight.dtype in FLOAT_DTYPES
         return RMSNormJit(weight.float(), self.eps) if ok else None  # (exact; itself where it is float32)
 
 
