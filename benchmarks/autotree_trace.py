@@ -52,9 +52,10 @@ class Log:
             log.append((kind, 1 if tree is None else tree.n, 1, chooser._predicted[1], elapsed_ms, emitted))
             return record(chooser, tree, tokens, counts, rows, elapsed_ms, ids)
 
-        def logged_plain_steps(chooser, steps, elapsed_ms=None):
-            log.append(("run", 1, steps, chooser.cost[1] * steps, elapsed_ms, float(steps)))
-            return plain_steps(chooser, steps, elapsed_ms)
+        def logged_plain_steps(chooser, steps, times_ms=None):
+            log.append(("run", 1, steps, chooser.cost[1] * steps, None if times_ms is None else sum(times_ms),
+                        float(steps)))
+            return plain_steps(chooser, steps, times_ms)
 
         autotree.AutoTree.record, autotree.AutoTree.plain_steps = logged_record, logged_plain_steps
 

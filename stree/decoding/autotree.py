@@ -175,9 +175,15 @@ class AutoTree:
     # A call's first iteration is not learned from: it pays once per call (a drafter model's prefill
     # of the prompt, first-use allocations), which the steady state the scales describe does not.
     SETTLE = 1
-    # While trees keep winning, one plain step in this many is weighed, so that the plain scale
-    # follows the machine too: one slow plain iteration (a first call) had made plain steps look
-    # dear for good, and speculation then ran where it lost.
+    # The plain steps after a tree (or probe) whose time beyond a plain step's is the tree's: what
+    # its pass pushed out of the caches, a step weighed alone with the drafter reading its token.
+    # Charged for the first one alone, trees at batch 2 ran where they lost (compiled, 2-core EPYC:
+    # the second and third plain steps after a tree still took a quarter and a sixth of a step more
+    # than a run's, priced as plain steps, and decoding went at 0.84-0.94 of plain decoding's pace).
+    AFTERMATH = 3
+    # While trees keep winning, a plain step in this many is weighed (after AFTERMATH plain steps, the
+    # tree's), so that the plain scale follows the machine too: one slow plain iteration (a first
+    # call) had made plain steps look dear for good, and speculation then ran where it lost.
     PLAIN_EVERY = 64
     # Where the choice cannot follow the clock (a seed must repeat the output), what the profile
     # misses (the loop's bookkeeping, caches a drafter evicts) is covered by asking a tree to beat
@@ -273,10 +279,10 @@ class AutoTree:
         self._probe_loss = 0.0  # what the next probe is predicted to lose, its drafter's catch-up aside
         self._catch_due = 0.0  # the catch-up the drafter last said a probe would need (ms, seeded)
         self._charge = 0.0  # what this step's probe is charged where it is not measured
-        # After a measured probe, for the plain step that may follow: the weight of its loss in the
-        # probes' average (1: the first measured); else None.
-        self._after_probe: float | None = None
-        self._after_tree: tuple[str, float] | None = None  # the last step recorded, a tree's: its kind and prediction
+        # The last tree recorded (its kind, predicted ms and, for a measured probe, the weight of its loss
+        # in the probes' average, else None) while AFTERMATH plain steps after it are not yet recorded.
+        self._after: tuple[str, float, float | None] | None = None
+        self._after_left = 0
         self._promised: tuple[float, np.ndarray] | None = None  # this step's tree: the drafts promised, the rows
         self._predicted = ("plain", self.cost[1])  # this step's kind and predicted milliseconds
         self._iterations = 0  # recorded in this call
@@ -508,20 +514,27 @@ class AutoTree:
         """Whether the size to draft is a tree that beats a plain step (a plain run may end early)."""
         return self._pick > 1 and self._worth_drafting()
 
-    def plain_steps(self, steps: int, elapsed_ms: float | None = None) -> None:
+    def plain_steps(self, steps: int, times_ms=None) -> None:
         """:meth:`plan` and :meth:`record` of ``steps`` plain steps that :meth:`plain_ahead`
-        promised, at once; ``elapsed_ms``: their time together, which an adaptive choice learns
-        what a plain step costs from, as if from each of them: where plain steps win they run in
-        such runs, so a run's step is the price a tree must beat. (Learning from the few plain
-        steps the choice weighs alone, most of them after a probe and left out, left a profile's
-        plain step a quarter too dear for good: a 1-layer drafter's trees at batch 2 then ran
-        where they lost.)"""
+        promised, at once; ``times_ms``: each one's milliseconds (None: not timed). Those within
+        ``AFTERMATH`` steps of the last tree are the tree's (:meth:`_aftermath`); from the others an
+        adaptive choice learns what a plain step costs, as if from each of them: where plain steps
+        win they run in such runs, so a run's step is the price a tree must beat. (Learning from the
+        few plain steps the choice weighs alone, most of them after a probe and left out, left a
+        profile's plain step a quarter too dear for good: a 1-layer drafter's trees at batch 2 then
+        ran where they lost.)"""
         self._probing, self._predicted, self._drafted = False, ("plain", self.cost[1]), 0
-        if self.adaptive and elapsed_ms is not None and elapsed_ms > 0 and steps > 0:
-            ratio = min(max(elapsed_ms / steps / self.cost[1], 1.0 / self.CLIP), self.CLIP)
-            self.scale["plain"] += (1.0 - (1.0 - self.ADAPT) ** steps) * (ratio - self.scale["plain"])
-            self.scale["plain_age"] = 0
-            self._stale = True
+        if self.adaptive and times_ms is not None and steps > 0:
+            head = min(self._after_left, len(times_ms))
+            for ms in times_ms[:head]:
+                self._aftermath(ms)
+            rest = times_ms[head:]
+            if len(rest) and sum(rest) > 0:
+                ratio = min(max(sum(rest) / len(rest) / self.cost[1], 1.0 / self.CLIP), self.CLIP)
+                self.scale["plain"] += (1.0 - (1.0 - self.ADAPT) ** len(rest)) * (ratio - self.scale["plain"])
+                self.scale["plain_age"] = 0
+                self._stale = True
+        self._after_left = max(self._after_left - steps, 0)
         self._plain_run += steps
         self._unwatched += steps
         self.chosen[1] += steps
@@ -676,29 +689,25 @@ class AutoTree:
         self.chosen[1 if tree is None else tree.n] += 1
         kind, predicted = self._predicted
         self._iterations += 1
-        # A plain step right after a probe reads weights and state the probe pushed out of the caches:
-        # part of what the probe cost, not of the plain steps it interrupts.
-        after, self._after_probe = self._after_probe, None
-        # Likewise a plain step right after a tree: priced by such steps (in a run of trees the only
-        # plain steps there are), plain steps looked dearer than a run of them costs, and trees that
-        # lost to such a run went on winning. It teaches nothing; the next plain step does. What it
-        # took beyond a plain step is the tree's, as the probe's is the probe's: uncharged, trees that
-        # alternate with plain steps (compiled, batch 2: a plain step after a tree over 40% dearer)
-        # looked cheaper than they were, and ran where they lost.
-        after_tree, self._after_tree = self._after_tree, (kind, predicted) if tree is not None else None
+        # The plain steps right after a tree (AFTERMATH) read weights and state it pushed out of the
+        # caches: what they take beyond a plain step's is the tree's (a probe's, the ledger's too).
+        # Priced by such steps (in a run of trees the only plain steps there are), plain steps looked
+        # dearer than a run of them costs, and trees that lost to such a run went on winning; uncharged,
+        # trees that alternate with plain steps (compiled, batch 2) looked cheaper than they were.
         timed = self.adaptive and elapsed_ms is not None and elapsed_ms > 0
-        if timed and after_tree is not None and tree is None:
-            self._tree_aftermath(*after_tree, elapsed_ms)
-        if after is not None and tree is None:
+        if tree is None and self._after_left:
+            self._after_left -= 1
             if timed:
-                self._pay_aftermath(elapsed_ms - self.cost[1] * self.scale["plain"], after)
-        elif timed and self._iterations > self.SETTLE and not (after_tree and tree is None):
+                self._aftermath(elapsed_ms)
+        elif timed and self._iterations > self.SETTLE:
             # clipped: one iteration that compiled or measured something must not price trees out for good
             base = 1.0 if kind == "plain" else self.scale["plain"]  # (a tree's scale is relative: _scaled)
             ratio = min(max(elapsed_ms / (predicted * base), 1.0 / self.CLIP), self.CLIP)
             self.scale[kind] += self.ADAPT * (ratio - self.scale[kind])
             self.scale["plain_age"] = 0 if kind == "plain" else self.scale["plain_age"] + 1
             self._stale = True
+        if tree is not None:
+            self._after, self._after_left = (kind, predicted, None), self.AFTERMATH
         self._since_plan += 1
         got = None
         if tree is not None:
@@ -762,7 +771,8 @@ class AutoTree:
         weight = 0.5 if self.scale["probes"] else 1.0
         self.scale["probe_loss"] += weight * (beyond - self.scale["probe_loss"])
         self.scale["probes"] += 1
-        self._after_probe = weight  # the plain step after it adds its aftermath (:meth:`_pay_aftermath`)
+        if tree is not None:  # the plain steps after it add to its loss
+            self._after = (self._after[0], self._after[1], weight)
 
     def _pace(self, lost: float, step: float) -> None:
         """The ledger's pace after a probe that lost ``lost`` ms against plain steps of ``step``
@@ -772,21 +782,19 @@ class AutoTree:
         elif lost <= 0.0:
             self.scale["losing"] = 0
 
-    def _tree_aftermath(self, kind: str, predicted: float, elapsed_ms: float) -> None:
-        """A plain step of ``elapsed_ms`` right after a tree of ``kind`` predicted (unscaled) at
-        ``predicted`` ms: its time beyond a plain step's (at most a plain step's either way) added
-        to what the tree's iteration took, in the tree's scale."""
+    def _aftermath(self, elapsed_ms: float) -> None:
+        """A plain step of ``elapsed_ms`` within ``AFTERMATH`` steps of a tree: its time beyond a
+        plain step's (at most a plain step's either way) added to what the tree's iteration took,
+        in the tree's scale; after a measured probe, also charged to the ledger and added to the
+        probe's loss (at its weight in the probes' average)."""
+        kind, predicted, weight = self._after
         plain = self.cost[1] * self.scale["plain"]
         excess = min(max(elapsed_ms - plain, -plain), plain)
         self.scale[kind] += self.ADAPT * excess / (predicted * self.scale["plain"])
         self._stale = True
-
-    def _pay_aftermath(self, excess: float, weight: float) -> None:
-        """A probe's aftermath: the time the plain step after it took beyond a plain step's (at
-        most a plain step's more), charged to the ledger and added to the probe's loss."""
-        excess = min(excess, self.cost[1] * self.scale["plain"])
-        self.scale["bank"] -= excess
-        self.scale["probe_loss"] += weight * excess
+        if weight is not None:
+            self.scale["bank"] -= excess
+            self.scale["probe_loss"] += weight * excess
 
     def _replan(self, tree: TokenTree | None) -> None:
         """The shape (after a verified ``tree``), and the sizes to draft where anything moved."""

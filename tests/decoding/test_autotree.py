@@ -414,7 +414,8 @@ def test_a_stale_plain_scale_is_weighed_again_while_trees_win():
         auto.record(draft, np.array([[int(draft.tokens[0, 1]), 7]]), np.array([2]), np.arange(1),
                     elapsed_ms=auto.cost[draft.n])  # the first child accepted: 2 tokens at a tree's price
     assert auto.scale["plain"] < 1.5
-    assert 4 <= len(plain) <= 2 * 768 // AutoTree.PLAIN_EVERY  # about one in PLAIN_EVERY, not plain decoding
+    # about AFTERMATH + 1 in PLAIN_EVERY (the first few after a tree are its own), not plain decoding
+    assert AutoTree.AFTERMATH + 1 <= len(plain) <= 2 * (AutoTree.AFTERMATH + 1) * 768 // AutoTree.PLAIN_EVERY
 
 
 def test_plain_steps_right_after_trees_do_not_price_plain_decoding():
@@ -485,6 +486,41 @@ def test_what_a_plain_step_right_after_a_tree_takes_beyond_its_own_is_the_trees(
     assert auto.scale["tree"] > 1.3 and auto.scale["plain"] < 1.1
     assert np.mean(late) > 0.9
 
+
+
+@pytest.mark.parametrize("runs", [False, True])
+def test_the_plain_steps_in_a_trees_wake_are_charged_to_it(runs):
+    """Trees of two nodes at 1.5 ms, their child accepted four steps in five: 1.8 tokens, and
+    after each the drafter has nothing for three steps (plain steps). Those take 1.3, 1.25 and
+    1.2 ms (what the pass pushed out of the caches, coming back), where plain steps in a row take
+    1 ms: a tree and its wake bring 4.8 tokens in 5.25 ms, and lose. Charged for the first of
+    those steps alone, the next two priced as plain steps, trees looked the better and ran; charged
+    for all three, the choice decodes plain, and the plain steps' price is learned from the steps
+    past them only. ``runs``: the plain steps come as the loop's runs (:meth:`AutoTree.plain_steps`
+    with each step's time), else one by one."""
+    wake = [1.3, 1.25, 1.2]
+    profile = CostProfile(1.0, (2,), (1.5,))
+    auto = AutoTree(profile, adaptive=True, sizes=(2,))
+    assert auto._pick == 2
+    trees, late = 0, []
+    for i in range(600):
+        plan = auto.plan()
+        draft = None if plan is None else auto.choose(full_draft(plan), np.ones(1, dtype=np.bool_))
+        if draft is None:
+            auto.record(None, elapsed_ms=1.0)
+        else:
+            hit, trees = trees % 5 < 4, trees + 1
+            emitted = np.array([[int(draft.tokens[0, 1]) if hit else 999, 0]])
+            auto.record(draft, emitted, np.array([2 if hit else 1]), np.arange(1), elapsed_ms=auto._predicted[1])
+            if runs:
+                auto.plain_steps(len(wake), wake)
+            for ms in [] if runs else wake:
+                auto.plan()
+                auto.record(None, elapsed_ms=ms)
+        if i >= 400:
+            late.append(draft is None)
+    assert trees >= 1 and auto.scale["plain"] < 1.02
+    assert np.mean(late) > 0.9
 
 def run_half_wanting(auto, steps: int, declined_ms: float) -> list[bool]:
     """Plain steps of 1 ms; every other draft comes out empty (found wanting: a plain step after
@@ -588,11 +624,11 @@ def test_plain_runs_teach_the_machines_speed_and_trees_their_own_price():
     rates = PathRates(prior=(0.95,) + PathRates.PRIOR[1:])
     slow = AutoTree(CostProfile(1.0, (2, 4), (2.2, 2.2)), adaptive=True, rates=rates, sizes=(2,))
     assert slow._pick == 1
-    slow.plain_steps(30, 45.0)
+    slow.plain_steps(30, [1.5] * 30)
     assert slow.scale["plain"] == pytest.approx(1.5, abs=0.01)
     assert slow.plain_ahead() > 0 and slow._pick == 1
     profile = CostProfile(1.0, (2, 4), (1.5, 1.5))
-    for adaptive, ms in ((True, 18.0), (True, None), (False, 18.0)):
+    for adaptive, ms in ((True, [0.6] * 30), (True, None), (False, [0.6] * 30)):
         auto = AutoTree(profile, adaptive=adaptive, rates=PathRates(prior=rates.prior), sizes=(2,))
         assert auto._pick == 2 and auto.plain_ahead() == 0  # trees win against the profile's plain step
         auto.plain_steps(30, ms)
@@ -1012,8 +1048,8 @@ def test_the_loop_drafts_only_where_the_drafter_can_and_outputs_stay_the_same():
         propose = drafter.propose
         drafter.can_draft = lambda context: log.append(next(answers)) or log[-1]
         drafter.propose = lambda context, shape: (log.append("drafted"), propose(context, shape))[1]
-        out = generate(model, batch, drafter=drafter, tree=AutoTree(cheap()), max_new_tokens=40)
-        assert out.sequences == generate(model, batch, method="autoregressive", max_new_tokens=40).sequences
+        out = generate(model, batch, drafter=drafter, tree=AutoTree(cheap()), max_new_tokens=60)
+        assert out.sequences == generate(model, batch, method="autoregressive", max_new_tokens=60).sequences
         asked = [x for x in log if x != "drafted"]
         assert asked.count(False) >= 3 and log.count("drafted") == asked.count(True)
         assert all((b == "drafted") == (a is True) for a, b in zip(log, log[1:] + [None]) if a != "drafted")
@@ -1100,6 +1136,33 @@ def test_plain_runs_follow_one_another_where_only_watches_fall_due():
     assert set(out.stats.trees) == {1} and out.stats.watched >= 3  # (runs ended where each fell due)
     assert weighed == [True]
 
+
+def test_a_plain_run_starts_right_after_a_probe():
+    """Plain steps win, probes a dozen steps apart: the plain steps after each probe run as a run
+    decided at once (its first step weighed alone had taken 0.48 ms beyond a run's 0.6, at batch
+    2 compiled), and the probe's wake is still charged to it, from the run's steps' times."""
+    class Quick(AutoTree):
+        PROBE_SHARE = 5.0  # (trees priced as hopeless, whatever the clock says: probes still come)
+
+    auto = Quick(CostProfile(1.0, (2, 4, 8, 16), (60.0, 65.0, 70.0, 80.0)), adaptive=True)
+    events, record, plain_steps, wake = [], auto.record, auto.plain_steps, []
+    auto.record = lambda tree, *args, **kw: (events.append("plain" if tree is None else "tree"),
+                                             record(tree, *args, **kw))[1]
+
+    def logged_plain_steps(steps, times_ms=None):
+        events.append("run")
+        before = auto.scale["tree"]
+        plain_steps(steps, times_ms)
+        wake.append(auto.scale["tree"] != before)
+
+    auto.plain_steps = logged_plain_steps
+    model = mamba2()
+    out = generate(model, [[1, 2, 3, 1, 2, 3, 1, 2]], drafter=make_drafter("ngram", vocab_size=model.vocab_size),
+                   tree=auto, max_new_tokens=80)
+    assert events.count("tree") >= 2 and max(out.stats.trees) > 1
+    after = [b for a, b in zip(events, events[1:]) if a == "tree"]
+    assert after and set(after) == {"run"}
+    assert any(w for e, w in zip([e for e in events if e == "run"], wake))
 
 @pytest.mark.parametrize("name", ["ngram", "stand", "ssm-static"])
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
