@@ -141,8 +141,9 @@ class AutoTree:
     caches it evicts: costs the profile's steady state does not see); a seeded one what the
     profile predicts, its drafter's catch-up included.
     An adaptive choice learns no cost from a call's first iteration (``SETTLE``), and while trees
-    keep winning it takes plain steps once in ``PLAIN_EVERY`` to weigh plain steps again (two: a
-    plain step right after a tree teaches no cost, as it pays for what the tree evicted).
+    keep winning it takes plain steps once in ``PLAIN_EVERY`` to weigh plain steps again (``AFTERMATH``
+    and one: the plain steps right after a tree teach no cost, what they take beyond a plain step's is
+    the tree's, as they pay for what it evicted).
     ``rates`` and ``scale`` (``{"plain": x, "tree": y}``: a plain step's realised / predicted
     time, and a tree's relative to that, as a declined draft's is; and the ledger) may be shared with
     earlier choosers, which then hand over what they learned. ``chosen`` counts the steps per tree
