@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from .._common import FLOAT_DTYPES, as_numpy
 from .norm_jit import gated_rms_norm_rows, rms_norm_rows
 from .replay_jit import replay_layers
+from .round_jit import round_half
 from .step_jit import conv_step_rows, state_update_rows
 from .tree_jit import chain_scan_rows, takes_tree, tree_conv_rows, tree_scan_rows
 
@@ -40,11 +41,10 @@ def _read(t: torch.Tensor) -> np.ndarray:
 
 
 def _round(a: np.ndarray, dtype: torch.dtype) -> None:
-    """``a`` (float32) rounded in place to ``dtype``'s values: where a public kernel returns a half
-    output, which the next one reads widened again."""
+    """``a`` (float32, contiguous) rounded in place to ``dtype``'s values: where a public kernel
+    returns a half output, which the next one reads widened again."""
     if dtype != torch.float32:
-        t = torch.from_numpy(a)
-        t.copy_(t.to(dtype))
+        round_half(a, dtype == torch.bfloat16)
 
 
 def _aligned_empty(shape: tuple) -> np.ndarray:
