@@ -60,7 +60,7 @@ import numpy as np
 import torch
 
 from .acceptance import PathRates, RowRates, chances, shape_structure, structure, valid_mask, walk
-from .cost import CostProfile, bracketed_profile, cost_profile, default_sizes
+from .cost import WAKE, CostProfile, bracketed_profile, cost_profile, default_sizes
 from .plans import (any_drafted, best_rows, best_size, cut_draft, cut_rows, plan_shape, remade, shape_prefix,
                     weigh)
 from ..tree import TokenTree, TreeShape
@@ -181,7 +181,7 @@ class AutoTree:
     # Charged for the first one alone, trees at batch 2 ran where they lost (compiled, 2-core EPYC:
     # the second and third plain steps after a tree still took a quarter and a sixth of a step more
     # than a run's, priced as plain steps, and decoding went at 0.84-0.94 of plain decoding's pace).
-    AFTERMATH = 3
+    AFTERMATH = WAKE
     # While trees keep winning, a plain step in this many is weighed (after AFTERMATH plain steps, the
     # tree's), so that the plain scale follows the machine too: one slow plain iteration (a first
     # call) had made plain steps look dear for good, and speculation then ran where it lost.

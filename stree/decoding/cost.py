@@ -56,9 +56,10 @@ AGREE = 1.25
 @dataclass(frozen=True)
 class CostProfile:
     """Milliseconds of one decoding iteration for a model (and drafter), batch size and mode:
-    ``step_ms`` for an autoregressive one (step, sampling, the host transfer), and for a
-    speculative one over a tree of ``nodes[i]`` nodes ``tree_ms[i]`` (tree pass, verification,
-    commit, the host transfer) after ``draft_ms[i]`` of drafting. ``catch_ms``: what a drafter
+    ``step_ms`` for an autoregressive one (step, sampling, the host transfer; past ``WAKE`` plain
+    steps in a row), and for a speculative one over a tree of ``nodes[i]`` nodes ``tree_ms[i]`` (tree
+    pass, verification, commit, the host transfer, and what the ``WAKE`` plain steps after it take
+    beyond ``step_ms``) after ``draft_ms[i]`` of drafting. ``catch_ms``: what a drafter
     model takes per token it has to read before drafting (after plain steps, or a new context's
     prefill); 0 for drafters without a model. ``depths``: for a drafter model, which runs one
     step per tree level, each measured tree's depth: its drafting then grows with the depth more
@@ -384,7 +385,15 @@ def _binary(n: int):
     return TreeShape(tuple([-1] + [(i - 1) // 2 for i in range(1, n)]))
 
 
-def _timed_rounds(calls: list, budget_s: float, sync, keep_all: bool = False) -> list[float]:
+# The plain steps after a tree pass that still pay for it (what it pushed out of the caches): a
+# profile's plain step is timed past them, and what they take beyond it is the tree's. Timed as the
+# step after another one, a plain step had been priced a sixth over a run's (compiled, batch 2, 2-core
+# EPYC), and a tree less than it cost: the steps after it went uncounted. (AutoTree.AFTERMATH.)
+WAKE = 3
+
+
+def _timed_rounds(calls: list, budget_s: float, sync, keep_all: bool = False,
+                  wake: int = 0) -> tuple[list[float], list[float]]:
     """Median milliseconds of the first calls of ``calls`` (the cheapest first): one warm-up
     call each (compiling, capturing, first-use work) until half the budget is spent (at least
     two calls are kept, and the budget starts after their warm-ups: a drafter's first use, which
@@ -393,7 +402,10 @@ def _timed_rounds(calls: list, budget_s: float, sync, keep_all: bool = False) ->
     calls taking turns until ``budget_s`` is spent (at most 15). In a round each call runs twice and the second run is
     timed: the steady state a decoding loop sees, where steps of one kind mostly follow each
     other (a batch-8 plain step timed right after a 64-node pass measured several times its
-    time in a run of steps: the pass's memory and caches, not the step's own work)."""
+    time in a run of steps: the pass's memory and caches, not the step's own work). ``wake``: the
+    first call (a plain step) also runs that many times, timed, after each of the others, and
+    starts each round after the last of those: with the medians, for each call what those runs
+    took beyond the first call's median (at least 0; 0 for the first): its wake."""
     kept, start = [], 0.0
     for fn in calls:
         if not keep_all and len(kept) >= 2 and time.perf_counter() - start > budget_s / 2:
@@ -403,18 +415,29 @@ def _timed_rounds(calls: list, budget_s: float, sync, keep_all: bool = False) ->
         if len(kept) == 2:
             start = time.perf_counter()
     times: list[list[float]] = [[] for _ in kept]
+    after: list[list[float]] = [[] for _ in kept]  # the wake runs' sums
+
+    def timed(fn) -> float:
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        return (time.perf_counter() - t0) * 1e3
+
     start = time.perf_counter()
     for r in range(16):
         if r > 1 and time.perf_counter() - start > budget_s:
             break
-        for fn_times, fn in zip(times, kept):
-            fn()
-            sync()
-            t0 = time.perf_counter()
-            fn()
-            sync()
-            fn_times.append((time.perf_counter() - t0) * 1e3)
-    return [statistics.median(t[1:] if len(t) > 2 else t) for t in times]
+        for i, (fn_times, fn) in enumerate(zip(times, kept)):
+            if not (i == 0 and wake and r):  # (a plain step after the last call's wake runs is past its wake)
+                fn()
+                sync()
+            fn_times.append(timed(fn))
+            if i and wake:
+                after[i].append(sum(timed(kept[0]) for _ in range(wake)))
+    median = [statistics.median(t[1:] if len(t) > 2 else t) for t in times]
+    wakes = [max(statistics.median(a[1:] if len(a) > 2 else a) - wake * median[0], 0.0) if a else 0.0
+             for a in after]
+    return median, wakes
 
 
 def _sync(device: torch.device):
@@ -438,7 +461,8 @@ def _measure(model, drafter, batch: int, mode: str, sampled: bool, shapes, budge
     if drafter is not None:
         drafter = drafter.for_measuring()  # what it learns here must not reach the calls that decode
     depth = max([s.max_depth for s in shapes] + [1])
-    context, calls_max = 32, 2 + 33 * (1 + len(shapes))  # a warm-up call, then two a round
+    # a warm-up call each, then in each of at most 16 rounds two a call and a plain step's WAKE after each tree
+    context, calls_max = 32, (1 + len(shapes)) + 16 * (2 + (2 + WAKE) * len(shapes))
     if mode != "eager":
         from ..runtime.compiled import CompiledDecode
         from ..runtime.graphs import DecodeGraphs
@@ -515,14 +539,14 @@ def _measure(model, drafter, batch: int, mode: str, sampled: bool, shapes, budge
     try:
         # compiled passes and CUDA graphs: a few fixed sizes, each compiled (seconds on the CPU) before
         # it is timed; cut by the budget, the choice would know the smallest size alone
-        ms = _timed_rounds([ar] + [spec(s, d) for s, d in zip(shapes, drafting)], budget_s, _sync(device),
-                           keep_all=mode != "eager")
+        ms, wakes = _timed_rounds([ar] + [spec(s, d) for s, d in zip(shapes, drafting)], budget_s, _sync(device),
+                                  keep_all=mode != "eager", wake=WAKE)
         shapes = shapes[: len(ms) - 1]  # the sizes measured within the budget
         if inner is not None:  # the drafter model reading a context of CATCH tokens (a probe's catch-up)
             own = inner.allocate_cache(batch, CATCH)
             ids = (seq[:, :CATCH] % inner.vocab_size).to(inner.device)
             catch_ms = _timed_rounds([lambda: (own.seqlens.zero_(), inner.prefill(ids, own))], budget_s / 8,
-                                     _sync(device))[0] / CATCH
+                                     _sync(device))[0][0] / CATCH
     finally:
         if drafter is not None:
             drafter.reset()
@@ -530,7 +554,8 @@ def _measure(model, drafter, batch: int, mode: str, sampled: bool, shapes, budge
                 drafter.generator.set_state(state)
     cache.seqlens.zero_()
     draft = [statistics.median(d[2:] if len(d) > 3 else d) for d in drafting[: len(shapes)]]  # warm-up left out
-    return CostProfile(ms[0], tuple(s.n for s in shapes), tuple(max(t - d, 1e-3) for t, d in zip(ms[1:], draft)),
+    return CostProfile(ms[0], tuple(s.n for s in shapes),
+                       tuple(max(t - d, 1e-3) + w for t, d, w in zip(ms[1:], draft, wakes[1:])),
                        tuple(draft), catch_ms, tuple(s.max_depth for s in shapes) if inner is not None else ())
 
 

@@ -244,7 +244,7 @@ def test_a_slow_first_use_does_not_cut_the_sizes_measured():
             time.sleep(0.3)
 
     calls = [slow_first] + [lambda: None] * 5
-    assert len(cost._timed_rounds(calls, 0.2, lambda: None)) == 6
+    assert len(cost._timed_rounds(calls, 0.2, lambda: None)[0]) == 6
 
 
 def test_a_chain_choice_is_priced_by_the_scan_that_verifies_its_chains(fresh_cache, monkeypatch):
@@ -313,8 +313,39 @@ def test_compiled_sizes_are_all_timed_whatever_their_compiling_takes():
         return call
 
     # eager: the budget starts after the first two warm-ups, and the third one spends it
-    assert len(_timed_rounds([slow_first() for _ in range(4)], 0.01, lambda: None)) == 3
-    assert len(_timed_rounds([slow_first() for _ in range(4)], 0.01, lambda: None, keep_all=True)) == 4
+    assert len(_timed_rounds([slow_first() for _ in range(4)], 0.01, lambda: None)[0]) == 3
+    assert len(_timed_rounds([slow_first() for _ in range(4)], 0.01, lambda: None, keep_all=True)[0]) == 4
+
+
+def test_a_plain_step_is_timed_past_a_trees_wake_and_the_wake_is_the_trees(fresh_cache, monkeypatch):
+    """On a clock that makes the three plain steps after a tree take 3, 2 and 1.5 ms where later
+    ones take 1 ms and a tree pass 2 ms: the profile's plain step is the 1 ms one (timed as the
+    step after one plain step, it had been the 2 ms one), and its trees cost 2 ms and the 3.5 ms
+    their wake took beyond plain steps. The loop charges a tree the same steps (AutoTree.AFTERMATH)."""
+    import stree.decoding.steps as steps
+    from stree.decoding.autotree import AutoTree
+
+    clock = {"t": 0.0, "since": 99}
+    wake = (3.0, 2.0, 1.5)
+
+    def plain(*args, **kw):
+        clock["t"] += (wake[clock["since"]] if clock["since"] < len(wake) else 1.0) * 1e-3
+        clock["since"] += 1
+        return real_step(*args, **kw)
+
+    def tree(*args, **kw):
+        clock["t"] += 2e-3
+        clock["since"] = 0
+        return real_spec(*args, **kw)
+
+    real_step, real_spec = steps.autoregressive_step, steps.speculative_step
+    monkeypatch.setattr(steps, "autoregressive_step", plain)
+    monkeypatch.setattr(steps, "speculative_step", tree)
+    monkeypatch.setattr(cost.time, "perf_counter", lambda: clock["t"])
+    p = cost_profile(mamba2(), 1, shapes=[TreeShape.chain(1), TreeShape.chain(2)], budget_s=0.05)
+    assert p.step_ms == pytest.approx(1.0)
+    assert p.tree_ms == pytest.approx((5.5, 5.5))
+    assert AutoTree.AFTERMATH == cost.WAKE == len(wake)
 
 
 def test_an_implausible_profile_is_measured_again_and_never_trusted_from_the_file(fresh_cache, monkeypatch):
