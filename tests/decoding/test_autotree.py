@@ -460,32 +460,40 @@ def test_a_probe_is_worth_what_the_least_of_the_rows_it_served_got():
     assert auto.scale["probe_loss"] == pytest.approx(0.5 * plain)
 
 
+def run_trees_with_wakes(auto, steps: int, hits: int, wake: list[float], runs: bool = False) -> list[bool]:
+    """2-node trees at their predicted time, their child accepted ``hits`` steps in five, each
+    followed by plain steps of ``wake`` ms (the drafter has nothing: one by one, or as one of the
+    loop's runs with each step's time); other plain steps take 1 ms. Whether each step was plain."""
+    trees, plain = 0, []
+    for _ in range(steps):
+        plan = auto.plan()
+        draft = None if plan is None else auto.choose(full_draft(plan), np.ones(1, dtype=np.bool_))
+        if draft is None:
+            auto.record(None, elapsed_ms=1.0)
+        else:
+            hit, trees = trees % 5 < hits, trees + 1
+            emitted = np.array([[int(draft.tokens[0, 1]) if hit else 999, 0]])
+            auto.record(draft, emitted, np.array([2 if hit else 1]), np.arange(1), elapsed_ms=auto._predicted[1])
+            if runs:
+                auto.plain_steps(len(wake), wake)
+            for ms in [] if runs else wake:
+                auto.plan()
+                auto.record(None, elapsed_ms=ms)
+        plain.append(draft is None)
+    return plain
+
+
 def test_what_a_plain_step_right_after_a_tree_takes_beyond_its_own_is_the_trees():
     """Trees of two nodes at 1.5 ms, their child accepted three steps in five: 1.6 tokens for
     1.5 ms beat plain steps of 1 ms, and the choice drafts them. But each is followed by a plain
     step (a draft that came out empty, say) of 1.8 ms: what the tree pushed out of the caches.
     Charged to the tree, 1.6 tokens for 2.3 ms lose, and the choice decodes plain; the plain
     steps' price learns nothing from those steps."""
-    profile = CostProfile(1.0, (2,), (1.5,))
-    auto = AutoTree(profile, adaptive=True, sizes=(2,))
+    auto = AutoTree(CostProfile(1.0, (2,), (1.5,)), adaptive=True, sizes=(2,))
     assert auto._pick == 2
-    trees, late = 0, []
-    for i in range(400):
-        plan = auto.plan()
-        draft = None if plan is None else auto.choose(full_draft(plan), np.ones(1, dtype=np.bool_))
-        if draft is None:
-            auto.record(None, elapsed_ms=1.0)
-        else:
-            hit, trees = trees % 5 < 3, trees + 1
-            emitted = np.array([[int(draft.tokens[0, 1]) if hit else 999, 0]])
-            auto.record(draft, emitted, np.array([2 if hit else 1]), np.arange(1), elapsed_ms=auto._predicted[1])
-            auto.plan()
-            auto.record(None, elapsed_ms=1.8)
-        if i >= 300:
-            late.append(draft is None)
+    late = run_trees_with_wakes(auto, 400, 3, [1.8])[300:]
     assert auto.scale["tree"] > 1.3 and auto.scale["plain"] < 1.1
     assert np.mean(late) > 0.9
-
 
 
 @pytest.mark.parametrize("runs", [False, True])
@@ -498,29 +506,11 @@ def test_the_plain_steps_in_a_trees_wake_are_charged_to_it(runs):
     for all three, the choice decodes plain, and the plain steps' price is learned from the steps
     past them only. ``runs``: the plain steps come as the loop's runs (:meth:`AutoTree.plain_steps`
     with each step's time), else one by one."""
-    wake = [1.3, 1.25, 1.2]
-    profile = CostProfile(1.0, (2,), (1.5,))
-    auto = AutoTree(profile, adaptive=True, sizes=(2,))
+    auto = AutoTree(CostProfile(1.0, (2,), (1.5,)), adaptive=True, sizes=(2,))
     assert auto._pick == 2
-    trees, late = 0, []
-    for i in range(600):
-        plan = auto.plan()
-        draft = None if plan is None else auto.choose(full_draft(plan), np.ones(1, dtype=np.bool_))
-        if draft is None:
-            auto.record(None, elapsed_ms=1.0)
-        else:
-            hit, trees = trees % 5 < 4, trees + 1
-            emitted = np.array([[int(draft.tokens[0, 1]) if hit else 999, 0]])
-            auto.record(draft, emitted, np.array([2 if hit else 1]), np.arange(1), elapsed_ms=auto._predicted[1])
-            if runs:
-                auto.plain_steps(len(wake), wake)
-            for ms in [] if runs else wake:
-                auto.plan()
-                auto.record(None, elapsed_ms=ms)
-        if i >= 400:
-            late.append(draft is None)
-    assert trees >= 1 and auto.scale["plain"] < 1.02
-    assert np.mean(late) > 0.9
+    plain = run_trees_with_wakes(auto, 600, 4, [1.3, 1.25, 1.2], runs)
+    assert not all(plain) and auto.scale["plain"] < 1.02
+    assert np.mean(plain[400:]) > 0.9
 
 def run_half_wanting(auto, steps: int, declined_ms: float) -> list[bool]:
     """Plain steps of 1 ms; every other draft comes out empty (found wanting: a plain step after
