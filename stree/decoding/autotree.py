@@ -266,17 +266,27 @@ class AutoTree:
         if not adaptive:
             self.scale.update(bank=0.0, plain_run=0)
         # Each call explores at the whole shares again (BACKOFF) where the last one explored drafts
-        # enough to back off on its own: a new call is new text, which the probes and watched drafts that lost
-        # on the last ones' say little about. Carried on, the halved shares had left n-gram decoding at
-        # batch 2 plain through whole benchmark runs (eager, 2-core EPYC, fresh processes: 0.99x-1.11x,
-        # mean 1.04x, in six; whole at each call 1.01x-1.22x, mean 1.11x, in eight). Where a call
-        # explores one draft or none (a drafter model's probes, each paying its catch-up: one every
-        # three or four calls), the share could never halve within a call and probes took the whole of
-        # it: there the backoff carries over.
-        if self.scale.get("explored", self.AGAIN) >= self.AGAIN or not adaptive:
+        # enough to back off on its own and something paid (a probe, a watched draft after which trees
+        # won, a tree taken for its worth): a new call is new text, which the probes and watched drafts
+        # that lost on the last ones' say little about. Carried on, the halved shares had left n-gram
+        # decoding at batch 2 plain through whole benchmark runs (eager, 2-core EPYC, fresh processes:
+        # 0.99x-1.11x, mean 1.04x, in six; whole at each call 1.01x-1.22x, mean 1.11x, in eight). Where
+        # nothing paid, the next call starts one halving less backed off: sampled text, where nothing
+        # pays call after call, had probed and watched at the whole shares each call again (eager,
+        # 2-core EPYC, same process: STAND deterministic at temperature 0.6, batch 1, 41 probes and 16
+        # watched drafts in 32 calls against 5 and 0, 0.96x of plain decoding's pace against 0.99x;
+        # n-gram at batch 2, 24 and 15 against 6 and 2, 0.99x against 1.00x). Where a call explores one draft or none (a drafter model's probes, each paying
+        # its catch-up: one every three or four calls), the share could never halve within a call and
+        # probes took the whole of it: there the backoff carries over.
+        explored = self.scale.get("explored", self.AGAIN) >= self.AGAIN
+        if not adaptive or (explored and self.scale.get("paid", True)):
             self.scale.update(losing=0, watch_idle=0)
+        elif explored:
+            self.scale.update(losing=max(self.scale["losing"] - 1, 0), watch_idle=max(self.scale["watch_idle"] - 1, 0))
         self.scale["explored"] = 0  # the drafts this call explored: probes and watched drafts
+        self.scale["paid"] = False  # whether anything this call explored or took paid
         self._plain_run = self.scale["plain_run"]
+        self._closed = False  # whether a seeded choice's call has too few steps left for a probe to pay (plan)
         self._probe_loss = 0.0  # what the next probe is predicted to lose, its drafter's catch-up aside
         self._catch_due = 0.0  # the catch-up the drafter last said a probe would need (ms, seeded)
         self._charge = 0.0  # what this step's probe is charged where it is not measured
@@ -381,7 +391,7 @@ class AutoTree:
         rate = (s * self._gain + 1.0 - s) / (s * (self._draft_ms + self._tree_ms) + (1.0 - s) * self._declined_ms)
         return rate > self.margin / plain
 
-    def plan(self, behind=None):
+    def plan(self, behind=None, left=None):
         """The shape to draft this step, None for a plain step without drafting, or "own" (a
         drafter that drafts its own trees: draft, then :meth:`choose`). After at least ``PROBE``
         plain steps in a row (chosen before or after drafting), once the ledger holds what a probe
@@ -389,9 +399,19 @@ class AutoTree:
         ``behind``: a callable saying how many tokens the drafter must read before it drafts
         (asked only when the ledger holds the rest of a probe's price): where the choice does not
         measure its probes, their price includes that catch-up, at the profile's ``catch_ms`` a
-        token."""
+        token. ``left``: a callable saying how many steps the call may still take (its rows' most
+        tokens left), asked by a seeded choice before a probe: its rates and ledger are its call's
+        own, so what a probe teaches it pays only in the steps after it in that call, and it probes
+        only where at least as many are left as the plain steps that bought the probe. (Probing to
+        the end, seeded sampling with STAND's random drafts at temperature 0.6 probed one to three
+        times in each call of 128 tokens, about a hundred plain steps in, each probe taking about
+        four plain steps' time for a lesson the call had few steps left to use.)"""
         self._promised = None
-        self._probing = self._plain_run >= self.PROBE and self._probe_paid(behind)
+        if self._plain_run >= self.PROBE and not self.adaptive and left is not None:
+            # (the steps left only fall and the plain steps only grow until a tree: no probe is due
+            # again in this call unless one is taken for its worth)
+            self._closed = self._closed or left() < self._plain_run
+        self._probing = self._plain_run >= self.PROBE and not self._closed and self._probe_paid(behind)
         if self._probing:
             self._plain_run, self._catch_due = 0, 0.0
         self._predicted, self._drafted = ("plain", self.cost[1]), 0
@@ -432,8 +452,8 @@ class AutoTree:
         if self._pick > 1 and self._worth_drafting():
             return 0
         short = self._probe_price() - self.scale["bank"]
-        if short > 0.0 and self._deposit() <= 0.0:
-            ahead = self.NEVER  # (PROBE_SHARE 0: no probes at all)
+        if self._closed or (short > 0.0 and self._deposit() <= 0.0):
+            ahead = self.NEVER  # (no probe falls due: PROBE_SHARE 0, or a seeded call's last steps)
         else:
             ahead = max(0, self.PROBE - self._plain_run, math.ceil(short / self._deposit() - 1e-9) if short > 0.0 else 0)
         if self.watching and self._probe_size > 1:  # (the run ends where the next watched draft is due)
@@ -496,7 +516,9 @@ class AutoTree:
         self.rates.record(cut, emitted, counts, rows, self.row_rates, ids)
         self._stale = True
         self._replan(cut)
-        self.scale["watch_idle"] = 0 if self.wants_trees() else min(self.scale["watch_idle"] + 1, self.BACKOFF)
+        paying = self.wants_trees()
+        self.scale["watch_idle"] = 0 if paying else min(self.scale["watch_idle"] + 1, self.BACKOFF)
+        self.scale["paid"] = self.scale["paid"] or paying
         self.scale["explored"] += 1
         if drafting_ms is not None:
             # (from the predicted drafting, not from the first watch's time, which then spaced the next
@@ -718,7 +740,8 @@ class AutoTree:
             else:
                 self.rates.record(tree, tokens, counts, rows, self.row_rates, ids)
             if not self._probing:  # speculation won this step: plain steps count again from here
-                self._plain_run = 0
+                self._plain_run, self._closed = 0, False
+                self.scale["paid"] = True
             if self._promised is not None:
                 got = self._calibrate(counts[rows])
         if self._probing:
@@ -782,6 +805,7 @@ class AutoTree:
             self.scale["losing"] = min(self.scale["losing"] + 1, self.BACKOFF)
         elif lost <= 0.0:
             self.scale["losing"] = 0
+            self.scale["paid"] = True
 
     def _aftermath(self, elapsed_ms: float) -> None:
         """A plain step of ``elapsed_ms`` within ``AFTERMATH`` steps of a tree: its time beyond a

@@ -475,7 +475,7 @@ def _draft(drafter: Drafter, chooser: AutoTree | None, rows: Rows, shape, roots:
     """This step's checked draft for the live rows, or None for a plain step: ``shape`` drafted
     as given (a draft with nothing in it is one node where the loop runs eager), or the
     ``chooser``'s plan, cut to its best prefix (:mod:`stree.decoding.autotree`)."""
-    plan = shape if chooser is None else chooser.plan(lambda: drafter.behind(rows.context()))
+    plan = shape if chooser is None else chooser.plan(lambda: drafter.behind(rows.context()), rows.steps_left)
     if plan is None:
         return None
     context = rows.context()

@@ -184,6 +184,11 @@ class Rows:
         along)."""
         return torch.from_numpy(self.seq.numpy()[np.arange(self.batch_size), self.lengths.numpy() - 1])
 
+    def steps_left(self) -> int:
+        """The most steps the call may still take: its active rows' most tokens left."""
+        left = self.max_new_tokens.numpy() - self.produced.numpy()
+        return int(left[self.active.numpy()].max(initial=0))
+
     def critical(self, live: list[int]) -> np.ndarray:
         """Over the rows ``live`` (active), a mask of those expected to finish last: within a step
         of the most steps left (tokens left at the tokens per step the row's own steps have

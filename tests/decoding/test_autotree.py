@@ -701,33 +701,73 @@ def test_probes_that_keep_losing_slow_down_and_one_that_pays_brings_them_back(ad
     assert run_rejecting(auto, int(7.0 / AutoTree.PROBE_SHARE) + AutoTree.PROBE + 2, 8.0) != []
 
 
-def test_each_call_explores_at_the_whole_shares_again_where_the_last_could_back_off():
+def test_a_call_explores_at_the_whole_shares_again_where_the_last_found_something_that_paid():
     """A chooser handed the rates and scale of one whose probes and watched drafts all lost
-    (shares at their least) starts probing and watching at the whole shares, on a new text, while
-    what it learned of the machine and the text goes on: where that call explored drafts enough
-    to back off on its own (AGAIN). A call that explored fewer (a drafter model's probes, one
-    every few calls, had never halved the share within a call and took the whole of it) hands its
-    backoff on. A seeded choice starts whole at every call (its choices follow the seed alone)."""
+    (shares at their least) goes on one level less backed off: that call explored drafts enough
+    to back off on its own (AGAIN) and none paid (sampled text, where every call had started whole
+    again, probed and watched at 0.96x-0.99x of plain decoding's pace). Where one paid (a probe, a
+    watched draft after which trees won, a tree taken for its worth), the next starts at the whole
+    shares, on a new text, while what it learned of the machine and the text goes on. A call that
+    explored fewer (a drafter model's probes, one every few calls, had never halved the share
+    within a call and took the whole of it) hands its backoff on. A seeded choice starts whole at
+    every call (its choices follow the seed alone)."""
     profile = CostProfile(1.0, (2, 4, 8, 16), (8.0,) * 4)
     auto = AutoTree(profile, adaptive=True, watch=True)
     assert len(run_rejecting(auto, 20000, 8.0)) >= AutoTree.AGAIN
     least = {"losing": AutoTree.BACKOFF, "watch_idle": AutoTree.BACKOFF}
     auto.scale.update(least, watch_ms=2.0)  # (watches that took 2 ms)
+    assert not auto.scale["paid"]
     slow_probes, slow_watches = auto._deposit(), auto._watch_gap()
     learned = {k: auto.scale[k] for k in ("probe_loss", "bank", "plain", "tree")}
-    after = AutoTree(profile, adaptive=True, watch=True, rates=auto.rates, scale=auto.scale)
-    assert after.scale["losing"] == after.scale["watch_idle"] == 0
+    lost = AutoTree(profile, adaptive=True, watch=True, rates=auto.rates, scale=auto.scale)
+    assert lost.scale["losing"] == lost.scale["watch_idle"] == AutoTree.BACKOFF - 1
+    assert lost._deposit() == pytest.approx(slow_probes * 2)
+    assert {k: lost.scale[k] for k in learned} == learned and lost.rates is auto.rates
+    assert len(run_rejecting(lost, 20000, 8.0)) >= AutoTree.AGAIN
+    pay_one_probe(lost)
+    assert lost.scale["paid"]
+    lost.scale.update(least)
+    after = AutoTree(profile, adaptive=True, watch=True, rates=auto.rates, scale=lost.scale)
+    assert after.scale["losing"] == after.scale["watch_idle"] == 0 and not after.scale["paid"]
     assert after._deposit() == pytest.approx(slow_probes * 2 ** AutoTree.BACKOFF)
     assert after._watch_gap() == pytest.approx(slow_watches / 2 ** AutoTree.BACKOFF, rel=0.02)
-    assert {k: after.scale[k] for k in learned} == learned and after.rates is auto.rates
     run_rejecting(after, 2 * AutoTree.PROBE, 8.0)  # (a short call)
     assert after.scale["explored"] < AutoTree.AGAIN
-    after.scale.update(least)
+    after.scale.update(least, paid=True)
     kept = AutoTree(profile, adaptive=True, watch=True, rates=auto.rates, scale=after.scale)
     assert {k: kept.scale[k] for k in least} == least
     assert kept._deposit() == slow_probes and kept._watch_gap() == pytest.approx(slow_watches, rel=0.02)
-    seeded = AutoTree(profile, scale={"plain": 1.0, "tree": 1.0, "explored": 0, **least})
+    seeded = AutoTree(profile, scale={"plain": 1.0, "tree": 1.0, "explored": 0, "paid": False, **least})
     assert seeded.scale["losing"] == 0
+
+
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_a_seeded_choice_probes_only_where_its_call_has_the_steps_left_to_use_what_it_teaches(adaptive):
+    """Trees that cost 8 plain steps: the first probe falls due after the plain steps whose
+    deposits buy it. A seeded choice (whose rates and ledger are its call's own) told that fewer
+    steps are left in its call than those takes no probe then or later, and has the rest of the
+    call decided plain at once (plain_ahead); with as many left, or not told, it probes there as
+    before. An adaptive choice, whose lessons carry over to the next calls, probes there either way."""
+    profile = CostProfile(1.0, (2, 4, 8, 16), (8.0,) * 4)
+
+    def first_probe(steps_in_call, told=True):
+        auto = AutoTree(profile, adaptive=adaptive)
+        for i in range(steps_in_call):
+            auto.plan(None, (lambda: steps_in_call - i) if told else None)
+            if auto._probing:
+                return i, auto
+            auto.record(None, elapsed_ms=1.0)
+        return None, auto
+
+    bought, _ = first_probe(10**5)
+    assert bought is not None and bought > 10 * AutoTree.PROBE
+    assert first_probe(2 * bought)[0] == bought
+    late, auto = first_probe(2 * bought - 1)
+    if adaptive:
+        assert late == bought
+        return
+    assert late is None and auto.plain_ahead() == AutoTree.NEVER
+    assert first_probe(2 * bought - 1, told=False)[0] == bought  # (not told: the ledger alone decides)
 
 
 def test_the_step_after_a_probe_is_part_of_its_price():
@@ -1044,6 +1084,34 @@ def test_the_loop_drafts_only_where_the_drafter_can_and_outputs_stay_the_same():
         assert asked.count(False) >= 3 and log.count("drafted") == asked.count(True)
         assert all((b == "drafted") == (a is True) for a, b in zip(log, log[1:] + [None]) if a != "drafted")
         assert out.stats.trees.get(1, 0) >= asked.count(False)
+
+
+def test_the_loop_tells_a_seeded_choice_the_steps_its_call_has_left():
+    """Seeded sampling with STAND's random drafts and trees that lose: the choice's first probe
+    falls due after s plain steps of a long call (as the steps left it is told say); a call of
+    s + 4 tokens, which has 4 steps left there, takes none."""
+
+    class Logged(AutoTree):
+        def plan(self, behind=None, left=None):
+            shape = super().plan(behind, left)
+            self.log.append((left(), self._probing))
+            return shape
+
+    model = mamba2()
+
+    def run(max_new_tokens):
+        auto = Logged(CostProfile(1.0, (2, 4, 8, 16), (4.0,) * 4))
+        auto.log = []
+        out = generate(model, [[1, 2, 3, 1, 2, 3]], drafter=make_drafter("stand"), tree=auto, temperature=1.0,
+                       seed=3, max_new_tokens=max_new_tokens)
+        return auto.log, out
+
+    log, out = run(400)
+    s = 400 - next(left for left, probing in log if probing)
+    assert 2 * AutoTree.PROBE < s < 200 and set(out.stats.trees) != {1}
+    log, out = run(s + 4)
+    assert not any(probing for _, probing in log) and set(out.stats.trees) == {1}
+    assert sum(out.stats.new_tokens) == s + 4
 
 
 def test_explicit_trees_are_honoured_exactly():
