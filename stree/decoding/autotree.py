@@ -275,9 +275,10 @@ class AutoTree:
         # pays call after call, had probed and watched at the whole shares each call again (eager,
         # 2-core EPYC, same process: STAND deterministic at temperature 0.6, batch 1, 41 probes and 16
         # watched drafts in 32 calls against 5 and 0, 0.96x of plain decoding's pace against 0.99x;
-        # n-gram at batch 2, 24 and 15 against 6 and 2, 0.99x against 1.00x). Where a call explores one draft or none (a drafter model's probes, each paying
-        # its catch-up: one every three or four calls), the share could never halve within a call and
-        # probes took the whole of it: there the backoff carries over.
+        # n-gram at batch 2, 24 and 15 against 6 and 2, 0.99x against 1.00x). Where a call explores
+        # one draft or none (a drafter model's probes, each paying its catch-up: one every three or
+        # four calls), the share could never halve within a call and probes took the whole of it:
+        # there the backoff carries over.
         explored = self.scale.get("explored", self.AGAIN) >= self.AGAIN
         if not adaptive or (explored and self.scale.get("paid", True)):
             self.scale.update(losing=0, watch_idle=0)
