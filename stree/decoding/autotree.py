@@ -456,7 +456,8 @@ class AutoTree:
         if self._closed or (short > 0.0 and self._deposit() <= 0.0):
             ahead = self.NEVER  # (no probe falls due: PROBE_SHARE 0, or a seeded call's last steps)
         else:
-            ahead = max(0, self.PROBE - self._plain_run, math.ceil(short / self._deposit() - 1e-9) if short > 0.0 else 0)
+            buying = math.ceil(short / self._deposit() - 1e-9) if short > 0.0 else 0
+            ahead = max(0, self.PROBE - self._plain_run, buying)
         if self.watching and self._probe_size > 1:  # (the run ends where the next watched draft is due)
             ahead = min(ahead, max(self._watch_gap() - self._unwatched, 1))
         return ahead
