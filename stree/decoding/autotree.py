@@ -266,26 +266,16 @@ class AutoTree:
         if not adaptive:
             self.scale.update(bank=0.0, plain_run=0)
         # Each call explores at the whole shares again (BACKOFF) where the last one explored drafts
-        # enough to back off on its own and something paid (a probe, a watched draft after which trees
-        # won, a tree taken for its worth): a new call is new text, which the probes and watched drafts
-        # that lost on the last ones' say little about. Carried on, the halved shares had left n-gram
-        # decoding at batch 2 plain through whole benchmark runs (eager, 2-core EPYC, fresh processes:
-        # 0.99x-1.11x, mean 1.04x, in six; whole at each call 1.01x-1.22x, mean 1.11x, in eight). Where
-        # nothing paid, the next call starts one halving less backed off: sampled text, where nothing
-        # pays call after call, had probed and watched at the whole shares each call again (eager,
-        # 2-core EPYC, same process: STAND deterministic at temperature 0.6, batch 1, 41 probes and 16
-        # watched drafts in 32 calls against 5 and 0, 0.96x of plain decoding's pace against 0.99x;
-        # n-gram at batch 2, 24 and 15 against 6 and 2, 0.99x against 1.00x). Where a call explores
-        # one draft or none (a drafter model's probes, each paying its catch-up: one every three or
-        # four calls), the share could never halve within a call and probes took the whole of it:
-        # there the backoff carries over.
-        explored = self.scale.get("explored", self.AGAIN) >= self.AGAIN
-        if not adaptive or (explored and self.scale.get("paid", True)):
+        # enough to back off on its own: a new call is new text, which the probes and watched drafts that lost
+        # on the last ones' say little about. Carried on, the halved shares had left n-gram decoding at
+        # batch 2 plain through whole benchmark runs (eager, 2-core EPYC, fresh processes: 0.99x-1.11x,
+        # mean 1.04x, in six; whole at each call 1.01x-1.22x, mean 1.11x, in eight). Where a call
+        # explores one draft or none (a drafter model's probes, each paying its catch-up: one every
+        # three or four calls), the share could never halve within a call and probes took the whole of
+        # it: there the backoff carries over.
+        if self.scale.get("explored", self.AGAIN) >= self.AGAIN or not adaptive:
             self.scale.update(losing=0, watch_idle=0)
-        elif explored:
-            self.scale.update(losing=max(self.scale["losing"] - 1, 0), watch_idle=max(self.scale["watch_idle"] - 1, 0))
         self.scale["explored"] = 0  # the drafts this call explored: probes and watched drafts
-        self.scale["paid"] = False  # whether anything this call explored or took paid
         self._plain_run = self.scale["plain_run"]
         self._closed = False  # whether a seeded choice's call has too few steps left for a probe to pay (plan)
         self._probe_loss = 0.0  # what the next probe is predicted to lose, its drafter's catch-up aside
@@ -518,9 +508,7 @@ class AutoTree:
         self.rates.record(cut, emitted, counts, rows, self.row_rates, ids)
         self._stale = True
         self._replan(cut)
-        paying = self.wants_trees()
-        self.scale["watch_idle"] = 0 if paying else min(self.scale["watch_idle"] + 1, self.BACKOFF)
-        self.scale["paid"] = self.scale["paid"] or paying
+        self.scale["watch_idle"] = 0 if self.wants_trees() else min(self.scale["watch_idle"] + 1, self.BACKOFF)
         self.scale["explored"] += 1
         if drafting_ms is not None:
             # (from the predicted drafting, not from the first watch's time, which then spaced the next
@@ -743,7 +731,6 @@ class AutoTree:
                 self.rates.record(tree, tokens, counts, rows, self.row_rates, ids)
             if not self._probing:  # speculation won this step: plain steps count again from here
                 self._plain_run, self._closed = 0, False
-                self.scale["paid"] = True
             if self._promised is not None:
                 got = self._calibrate(counts[rows])
         if self._probing:
@@ -807,7 +794,6 @@ class AutoTree:
             self.scale["losing"] = min(self.scale["losing"] + 1, self.BACKOFF)
         elif lost <= 0.0:
             self.scale["losing"] = 0
-            self.scale["paid"] = True
 
     def _aftermath(self, elapsed_ms: float) -> None:
         """A plain step of ``elapsed_ms`` within ``AFTERMATH`` steps of a tree: its time beyond a

@@ -701,43 +701,32 @@ def test_probes_that_keep_losing_slow_down_and_one_that_pays_brings_them_back(ad
     assert run_rejecting(auto, int(7.0 / AutoTree.PROBE_SHARE) + AutoTree.PROBE + 2, 8.0) != []
 
 
-def test_a_call_explores_at_the_whole_shares_again_where_the_last_found_something_that_paid():
+def test_each_call_explores_at_the_whole_shares_again_where_the_last_could_back_off():
     """A chooser handed the rates and scale of one whose probes and watched drafts all lost
-    (shares at their least) goes on one level less backed off: that call explored drafts enough
-    to back off on its own (AGAIN) and none paid (sampled text, where every call had started whole
-    again, probed and watched at 0.96x-0.99x of plain decoding's pace). Where one paid (a probe, a
-    watched draft after which trees won, a tree taken for its worth), the next starts at the whole
-    shares, on a new text, while what it learned of the machine and the text goes on. A call that
-    explored fewer (a drafter model's probes, one every few calls, had never halved the share
-    within a call and took the whole of it) hands its backoff on. A seeded choice starts whole at
-    every call (its choices follow the seed alone)."""
+    (shares at their least) starts probing and watching at the whole shares, on a new text, while
+    what it learned of the machine and the text goes on: where that call explored drafts enough
+    to back off on its own (AGAIN). A call that explored fewer (a drafter model's probes, one
+    every few calls, had never halved the share within a call and took the whole of it) hands its
+    backoff on. A seeded choice starts whole at every call (its choices follow the seed alone)."""
     profile = CostProfile(1.0, (2, 4, 8, 16), (8.0,) * 4)
     auto = AutoTree(profile, adaptive=True, watch=True)
     assert len(run_rejecting(auto, 20000, 8.0)) >= AutoTree.AGAIN
     least = {"losing": AutoTree.BACKOFF, "watch_idle": AutoTree.BACKOFF}
     auto.scale.update(least, watch_ms=2.0)  # (watches that took 2 ms)
-    assert not auto.scale["paid"]
     slow_probes, slow_watches = auto._deposit(), auto._watch_gap()
     learned = {k: auto.scale[k] for k in ("probe_loss", "bank", "plain", "tree")}
-    lost = AutoTree(profile, adaptive=True, watch=True, rates=auto.rates, scale=auto.scale)
-    assert lost.scale["losing"] == lost.scale["watch_idle"] == AutoTree.BACKOFF - 1
-    assert lost._deposit() == pytest.approx(slow_probes * 2)
-    assert {k: lost.scale[k] for k in learned} == learned and lost.rates is auto.rates
-    assert len(run_rejecting(lost, 20000, 8.0)) >= AutoTree.AGAIN
-    pay_one_probe(lost)
-    assert lost.scale["paid"]
-    lost.scale.update(least)
-    after = AutoTree(profile, adaptive=True, watch=True, rates=auto.rates, scale=lost.scale)
-    assert after.scale["losing"] == after.scale["watch_idle"] == 0 and not after.scale["paid"]
+    after = AutoTree(profile, adaptive=True, watch=True, rates=auto.rates, scale=auto.scale)
+    assert after.scale["losing"] == after.scale["watch_idle"] == 0
     assert after._deposit() == pytest.approx(slow_probes * 2 ** AutoTree.BACKOFF)
     assert after._watch_gap() == pytest.approx(slow_watches / 2 ** AutoTree.BACKOFF, rel=0.02)
+    assert {k: after.scale[k] for k in learned} == learned and after.rates is auto.rates
     run_rejecting(after, 2 * AutoTree.PROBE, 8.0)  # (a short call)
     assert after.scale["explored"] < AutoTree.AGAIN
-    after.scale.update(least, paid=True)
+    after.scale.update(least)
     kept = AutoTree(profile, adaptive=True, watch=True, rates=auto.rates, scale=after.scale)
     assert {k: kept.scale[k] for k in least} == least
     assert kept._deposit() == slow_probes and kept._watch_gap() == pytest.approx(slow_watches, rel=0.02)
-    seeded = AutoTree(profile, scale={"plain": 1.0, "tree": 1.0, "explored": 0, "paid": False, **least})
+    seeded = AutoTree(profile, scale={"plain": 1.0, "tree": 1.0, "explored": 0, **least})
     assert seeded.scale["losing"] == 0
 
 
