@@ -270,10 +270,14 @@ class AutoTree:
         # on the last ones' say little about. Carried on, the halved shares had left n-gram decoding at
         # batch 2 plain through whole benchmark runs (eager, 2-core EPYC, fresh processes: 0.99x-1.11x,
         # mean 1.04x, in six; whole at each call 1.01x-1.22x, mean 1.11x, in eight). Where a call
-        # explores one draft or none (a drafter model's probes, each paying its catch-up: one every
-        # three or four calls), the share could never halve within a call and probes took the whole of
-        # it: there the backoff carries over.
-        if self.scale.get("explored", self.AGAIN) >= self.AGAIN or not adaptive:
+        # explores one draft or none and the choice cannot watch drafts (a drafter model's probes, each
+        # paying its catch-up: one every three or four calls), the share could never halve within a
+        # call and probes took the whole of it: there the backoff carries over. A choice that watches
+        # starts whole at every call: carried over calls too short to explore (a benchmark's warm-up
+        # calls of 8 tokens), its shares had reached their least, where a call of 128 tokens explores
+        # one draft or none, and stayed there (STAND at batch 2, eager: 16 trees and 5 watched drafts
+        # in 12 calls, tau 1.05, 0.97x of plain decoding's pace, where other processes took 2.1).
+        if self.scale.get("explored", self.AGAIN) >= self.AGAIN or not adaptive or self.watching:
             self.scale.update(losing=0, watch_idle=0)
         self.scale["explored"] = 0  # the drafts this call explored: probes and watched drafts
         self._plain_run = self.scale["plain_run"]
