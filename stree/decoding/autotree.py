@@ -270,15 +270,21 @@ class AutoTree:
         # on the last ones' say little about. Carried on, the halved shares had left n-gram decoding at
         # batch 2 plain through whole benchmark runs (eager, 2-core EPYC, fresh processes: 0.99x-1.11x,
         # mean 1.04x, in six; whole at each call 1.01x-1.22x, mean 1.11x, in eight). Where a call
-        # explores one draft or none and the choice cannot watch drafts (a drafter model's probes, each
-        # paying its catch-up: one every three or four calls), the share could never halve within a
-        # call and probes took the whole of it: there the backoff carries over. A choice that watches
-        # starts whole at every call: carried over calls too short to explore (a benchmark's warm-up
-        # calls of 8 tokens), its shares had reached their least, where a call of 128 tokens explores
-        # one draft or none, and stayed there (STAND at batch 2, eager: 16 trees and 5 watched drafts
-        # in 12 calls, tau 1.05, 0.97x of plain decoding's pace, where other processes took 2.1).
-        if self.scale.get("explored", self.AGAIN) >= self.AGAIN or not adaptive or self.watching:
+        # explores one draft or none (a drafter model's probes, each paying its catch-up: one every three
+        # or four calls), the share could never halve within a call and probes took the whole of it:
+        # there the backoff carries over; for a choice that watches drafts, one halving short of the
+        # least at most, where a call of 128 tokens still watches a draft or two: carried whole over
+        # calls too short to explore (a benchmark's warm-up calls of 8 tokens), its shares had reached
+        # their least, where such a call explores nothing, and stayed there (STAND at batch 2, eager:
+        # 16 trees and 5 watched drafts in 12 calls, tau 1.05, 0.97x of plain decoding's pace, where
+        # other processes found tau 2.1 and 1.03x-1.07x). Whole at every call, such a choice explored
+        # twice as much where nothing paid (sampled, STAND deterministic: 58 trees and 48 watched
+        # drafts in 48 calls against 34 and 20).
+        if self.scale.get("explored", self.AGAIN) >= self.AGAIN or not adaptive:
             self.scale.update(losing=0, watch_idle=0)
+        elif self.watching:
+            top = self.BACKOFF - 1
+            self.scale.update(losing=min(self.scale["losing"], top), watch_idle=min(self.scale["watch_idle"], top))
         self.scale["explored"] = 0  # the drafts this call explored: probes and watched drafts
         self._plain_run = self.scale["plain_run"]
         self._closed = False  # whether a seeded choice's call has too few steps left for a probe to pay (plan)

@@ -705,12 +705,12 @@ def test_each_call_explores_at_the_whole_shares_again_where_the_last_could_back_
     """A chooser handed the rates and scale of one whose probes and watched drafts all lost
     (shares at their least) starts probing and watching at the whole shares, on a new text, while
     what it learned of the machine and the text goes on: where that call explored drafts enough
-    to back off on its own (AGAIN), and whatever the last call explored where it watches drafts
-    (calls too short to explore, a benchmark's warm-up, had left a watching choice at its least
-    shares for good). A call that explored fewer hands its backoff on to a choice that cannot watch
-    (a drafter model's probes, one every few calls, had never halved the share within a call and
-    took the whole of it). A seeded choice starts whole at every call (its choices follow the seed
-    alone)."""
+    to back off on its own (AGAIN). A call that explored fewer hands its backoff on: whole to a
+    choice that cannot watch (a drafter model's probes, one every few calls, had never halved the
+    share within a call and took the whole of it), one halving short of the least at most to one
+    that watches (carried whole over calls too short to explore, a benchmark's warm-up, its shares
+    had stayed at their least, where a call explores nothing). A seeded choice starts whole at
+    every call (its choices follow the seed alone)."""
     profile = CostProfile(1.0, (2, 4, 8, 16), (8.0,) * 4)
     auto = AutoTree(profile, adaptive=True, watch=True)
     assert len(run_rejecting(auto, 20000, 8.0)) >= AutoTree.AGAIN
@@ -727,7 +727,10 @@ def test_each_call_explores_at_the_whole_shares_again_where_the_last_could_back_
     assert after.scale["explored"] < AutoTree.AGAIN
     after.scale.update(least)
     watching = AutoTree(profile, adaptive=True, watch=True, rates=auto.rates, scale=after.scale)
-    assert watching.watching and watching.scale["losing"] == watching.scale["watch_idle"] == 0
+    assert watching.watching and watching.scale["losing"] == watching.scale["watch_idle"] == AutoTree.BACKOFF - 1
+    assert watching._deposit() == pytest.approx(slow_probes * 2)
+    watching.scale.update({"losing": 1, "watch_idle": 0}, explored=0)
+    assert AutoTree(profile, adaptive=True, watch=True, scale=watching.scale).scale["losing"] == 1  # (less: as it was)
     watching.scale.update(least, explored=0)
     kept = AutoTree(profile, adaptive=True, rates=auto.rates, scale=watching.scale)  # (no watching: a drafter model's)
     assert not kept.watching and {k: kept.scale[k] for k in least} == least
