@@ -276,7 +276,7 @@ class AutoTree:
         # least at most, where a call of 128 tokens still watches a draft or two: carried whole over
         # calls too short to explore (a benchmark's warm-up calls of 8 tokens), its shares had reached
         # their least, where such a call explores nothing, and stayed there (STAND at batch 2, eager:
-        # 16 trees and 5 watched drafts in 12 calls, tau 1.05, 0.97x of plain decoding's pace, where
+        # 15 trees and 5 watched drafts in 12 calls, tau 1.05, 0.97x of plain decoding's pace, where
         # other processes found tau 2.1 and 1.03x-1.07x). Whole at every call, such a choice explored
         # twice as much where nothing paid (sampled, STAND deterministic: 58 trees and 48 watched
         # drafts in 48 calls against 34 and 20).
