@@ -245,9 +245,10 @@ class AutoTree:
         # Fixed sizes (compiled passes, CUDA graphs) keep one plan for good: the prior's, which the
         # cost profile compiled and captured, whatever rates an earlier call of the process learned
         # (a plan from those would be new shapes, compiled again inside decoding).
-        self._order = plan_shape(self.rates if sizes is None else PathRates(), top if sizes is None else max(sizes),
-                                 chain, self.depth)
-        self.sizes = tuple(sorted(s for s in (sizes or LADDER) if s <= min(top, self._order.n)))
+        self._order = (plan_shape(self.rates, top, chain, self.depth) if sizes is None
+                       else _prior(max(sizes), chain, self.depth))
+        limit = min(top, self._order.n)
+        self.sizes = tuple(sorted(s for s in (sizes or LADDER) if s <= limit))
         self._size_array = np.array(self.sizes, dtype=np.int64)
         if not fills_shapes:
             self._order = None
@@ -856,8 +857,9 @@ def auto_tree(model, drafter, batch: int, *, mode: str, sampled: bool = False, c
     _load_helpers()
     device = model.device
     fixed = None if mode == "eager" else (FIXED_CUDA if device.type == "cuda" else FIXED)
-    prior = plan_shape(PathRates(), max(fixed or default_sizes(device)), chain, depth)  # the plan before any step
-    sizes = tuple(n for n in fixed or default_sizes(device) if n <= prior.n) or (prior.n,)
+    allowed = fixed or default_sizes(device)
+    prior = _prior(max(allowed), chain, depth)
+    sizes = tuple(n for n in allowed if n <= prior.n) or (prior.n,)
     fills = getattr(drafter, "fills_shapes", True)
     profile = (bracketed_profile if bracketed else cost_profile)(
         model, batch, drafter=drafter if fills else None, mode=mode, sampled=sampled,
@@ -868,6 +870,13 @@ def auto_tree(model, drafter, batch: int, *, mode: str, sampled: bool = False, c
                                                                                    PathRates()))
     return AutoTree(profile, sizes=fixed and sizes, chain=chain, fills_shapes=fills, depth=depth, adaptive=adaptive,
                     rates=rates, scale=scale, watch=watch)
+
+
+@functools.lru_cache(maxsize=64)
+def _prior(top: int, chain: bool, depth: int) -> TreeShape:
+    """The plan before any step (the rates' prior), of at most ``top`` nodes: made once, where every
+    decoding call's choice starts from it."""
+    return plan_shape(PathRates(), top, chain, depth)
 
 
 @functools.cache

@@ -91,6 +91,29 @@ def test_measured_once_then_cached_in_the_process_and_the_file(fresh_cache, monk
     assert len(json.loads(fresh_cache.read_text())["entries"]) == 4
 
 
+def test_a_repeated_ask_is_answered_without_making_the_files_key(fresh_cache, monkeypatch):
+    """Every decoding call asks for its profile: the process answers again from what the key is
+    made of, and makes the file's key (a JSON text and its digest) only where something in it
+    changed (the threads, the dtype, the arguments) or the memo was emptied (a new process)."""
+    model = mamba2()
+    p = cost_profile(model, 1, shapes=SHAPES, budget_s=0.2)
+    keys, real = [], cost._key
+    monkeypatch.setattr(cost, "_key", lambda *a, **k: keys.append(a[0]) or real(*a, **k))
+    assert cost_profile(model, 1, shapes=SHAPES, budget_s=0.2) is p
+    assert cost_profile(mamba2(), 1, shapes=SHAPES, budget_s=0.2) is p  # (another model of the same config)
+    assert keys == []
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads + 1)
+        assert cost_profile(model, 1, shapes=SHAPES, budget_s=0.2) is not p  # (another device name: measured)
+    finally:
+        torch.set_num_threads(threads)
+    cost_profile(model.to(torch.bfloat16), 1, shapes=SHAPES, budget_s=0.2)
+    assert len(keys) == 2
+    monkeypatch.setattr(cost, "_MEMO", {})  # a new process: the file's key, then the file answers
+    assert cost_profile(mamba2(), 1, shapes=SHAPES, budget_s=0.2) == p and len(keys) == 3
+
+
 def test_a_profile_made_by_other_library_sources_is_measured_again(fresh_cache, monkeypatch, tmp_path):
     """A development install keeps its version string through code changes: the digest of the
     library's sources is part of the key, and follows every file's name and content."""
