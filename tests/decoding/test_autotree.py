@@ -385,6 +385,43 @@ def test_a_tree_that_loses_dearly_is_weighed_again_at_once():
     assert max(dear) <= 3, dear
 
 
+@pytest.mark.parametrize("fixed", [False, True])
+def test_while_trees_win_an_eager_choice_weighs_its_sizes_every_replan_steps(monkeypatch, fixed):
+    """After each tree the loop asks how many plain steps lie ahead: an eager choice whose trees
+    win weighs its sizes again only every REPLAN steps (its choice after drafting weighs each draft
+    under the rates of the moment), and once they stop paying goes plain at most REPLAN steps after
+    a choice that weighs them after each tree; a choice of fixed sizes (compiled passes) weighs
+    them after each tree."""
+    def trained(weighed=None):
+        auto = AutoTree(cheap(), sizes=(2, 4, 8, 16) if fixed else None,
+                        rates=PathRates(prior=(0.9, 0.5, 0.4, 0.3, 0.2, 0.1, 0.08, 0.07)))
+        if weighed is not None:
+            real = auto._pick_sizes
+            monkeypatch.setattr(auto, "_pick_sizes", lambda: weighed.append(1) or real())
+        for _ in range(4 * AutoTree.REPLAN):  # the first child always accepted
+            draft = auto.choose(full_draft(auto.plan()), np.ones(1, dtype=np.bool_))
+            auto.record(draft, np.array([[int(draft.tokens[0, 1]), 7]]), np.array([2]), np.arange(1))
+            assert auto.plain_ahead() == 0
+        return auto
+
+    def until_plain(auto, every_tree: bool) -> int:
+        for step in range(200):  # nothing accepted any more
+            plan = auto.plan()
+            draft = None if plan is None else auto.choose(full_draft(plan), np.ones(1, dtype=np.bool_))
+            if draft is None:
+                return step
+            auto.record(draft, np.array([[999]]), np.array([1]), np.arange(1))
+            if every_tree and auto._stale:
+                auto._replan(None)
+            auto.plain_ahead()
+        raise AssertionError("never went plain")
+
+    weighed = []
+    auto = trained(weighed)
+    assert len(weighed) >= 4 * AutoTree.REPLAN if fixed else len(weighed) <= 5
+    assert until_plain(auto, False) <= until_plain(trained(), True) + AutoTree.REPLAN
+
+
 def test_a_calls_first_iteration_teaches_no_cost():
     """The first iteration of a call pays once per call (a drafter's prefill, first-use work): it
     must not move the scales the steady state is priced by."""
