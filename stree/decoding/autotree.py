@@ -453,10 +453,11 @@ class AutoTree:
             return 0
         # Trees winning, an eager choice re-weighs its sizes every REPLAN steps (record), not after
         # each tree: its choice after drafting weighs each draft under the rates of the moment anyway,
-        # and re-weighing took about a fiftieth of a tree's iteration (eager, five processes each on
-        # the 2-core EPYC: n-gram at batch 2 1.023x-1.044x before, 1.053x-1.068x after; batch 1 and
-        # STAND within +-1.5%). Fixed sizes (compiled passes) still re-weigh after each tree: without
-        # it, compiled STAND at batch 1 lost 1.7-3%.
+        # and re-weighing took about a fiftieth of a tree's iteration. (Against plain decoding, the two
+        # rules taking turns in each of five to eight processes on the 2-core EPYC: batch 2 n-gram
+        # +2.4% and +3.0%, STAND +2.0% and +1.2%, STAND deterministic -0.5%; batch 1 -0.6% to +2.5%;
+        # mean +1.1% over 13 such runs.) Fixed sizes (compiled passes) still re-weigh after each tree:
+        # without it compiled STAND at batch 1 lost 3.0% and 1.7%.
         if self._stale and (self._pick == 1 or self.fixed):
             self._replan(None)
         if self._pick > 1 and self._worth_drafting():
