@@ -186,6 +186,27 @@ def test_speculation_smoke_reports_gains_over_autoregressive(tmp_path):
     assert ar["gain_turns"]["min"] == ar["gain_turns"]["max"] == 1.0
 
 
+def test_choice_ab_smoke_pairs_the_working_trees_choice_with_a_revisions(tmp_path):
+    """The working tree's choice against HEAD's, in a fresh process: both gains over autoregressive
+    decoding and their difference; a config or revision it cannot run is a clear error."""
+    result = smoke("choice_ab", tmp_path)
+    (row,) = result["results"]
+    (run,) = row["processes"]
+    assert row["config"] == "eager 1 0 ngram" and result["against"] == "HEAD"
+    assert set(run["gains"]) == {"against", "working"} and all(g > 0 for g in run["gains"].values())
+    assert set(run["seconds"]) == {"autoregressive", "against", "working"} and all(run["seconds"].values())
+    assert row["difference"]["mean"] == pytest.approx(run["gains"]["working"] - run["gains"]["against"])
+    assert all(sum(t.values()) > 0 for t in run["trees"].values())  # (each choice decoded and counted its steps)
+    spec = importlib.util.spec_from_file_location("benchmark_choice_ab", ROOT / "benchmarks" / "choice_ab.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    for bad in ("eager 1 0", "cuda 1 0 ngram", "eager two 0 ngram", "eager 0 0 ngram"):
+        with pytest.raises(ValueError, match="config"):
+            module.main(["--configs", bad, "--out", str(tmp_path)])
+    with pytest.raises(ValueError, match="--against 'no-such-revision'"):
+        module.main(["--against", "no-such-revision", "--processes", "1", "--out", str(tmp_path)])
+
+
 def test_cost_smoke_tables_every_size_in_steps_and_the_drafters_step(tmp_path):
     result = smoke("cost", tmp_path)
     rows = result["results"]
