@@ -13,6 +13,14 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def benchmark(name: str):
+    """``benchmarks/{name}.py`` loaded as a module (its functions, and ``main`` for bad input)."""
+    spec = importlib.util.spec_from_file_location(f"benchmark_{name}", ROOT / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def smoke(name, tmp_path, *args, process=False):
     """Run ``benchmarks/{name}.py --smoke`` (and ``args``); its JSON, after the checks every result
     must pass. In this process, as the script's own ``main`` (a process of its own would import
@@ -25,9 +33,7 @@ def smoke(name, tmp_path, *args, process=False):
         run = subprocess.run([sys.executable, str(script), *argv], capture_output=True, text=True)
         assert run.returncode == 0, run.stderr[-3000:]
     else:
-        spec = importlib.util.spec_from_file_location(f"benchmark_{name}", script)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
+        module = benchmark(name)
         threads, rng = torch.get_num_threads(), torch.get_rng_state()
         try:
             code = module.main(argv)
@@ -197,14 +203,30 @@ def test_choice_ab_smoke_pairs_the_working_trees_choice_with_a_revisions(tmp_pat
     assert set(run["seconds"]) == {"autoregressive", "against", "working"} and all(run["seconds"].values())
     assert row["difference"]["mean"] == pytest.approx(run["gains"]["working"] - run["gains"]["against"])
     assert all(sum(t.values()) > 0 for t in run["trees"].values())  # (each choice decoded and counted its steps)
-    spec = importlib.util.spec_from_file_location("benchmark_choice_ab", ROOT / "benchmarks" / "choice_ab.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = benchmark("choice_ab")
     for bad in ("eager 1 0", "cuda 1 0 ngram", "eager two 0 ngram", "eager 0 0 ngram"):
         with pytest.raises(ValueError, match="config"):
             module.main(["--configs", bad, "--out", str(tmp_path)])
     with pytest.raises(ValueError, match="--against 'no-such-revision'"):
         module.main(["--against", "no-such-revision", "--processes", "1", "--out", str(tmp_path)])
+
+
+def test_host_gap_smoke_times_each_call_after_each_wait(tmp_path):
+    """A step and a tree pass after each busy wait, each against itself without one; a tree or
+    round count it cannot run is a clear error."""
+    result = smoke("host_gap", tmp_path)
+    rows = result["results"]
+    assert [(r["call"], r["gap_ms"]) for r in rows] == [("step", 0.0), ("step", 0.4), ("tree", 0.0), ("tree", 0.4)]
+    assert all(r["median_ms"] > 0 for r in rows)
+    for r in rows:
+        base = next(b for b in rows if b["call"] == r["call"] and b["gap_ms"] == 0.0)
+        assert r["over_no_gap"] == pytest.approx(r["median_ms"] / base["median_ms"])
+    assert rows[0]["in_steps_without_gap"] == 1.0 and result["nodes"] == 8
+    module = benchmark("host_gap")
+    for bad in (["--nodes", "1"], ["--rounds", "0"]):
+        with pytest.raises(SystemExit) as exc:
+            module.main([*bad, "--out", str(tmp_path)])
+        assert exc.value.code == 2
 
 
 def test_cost_smoke_tables_every_size_in_steps_and_the_drafters_step(tmp_path):
@@ -394,3 +416,19 @@ def test_slot_memory_smoke_sizes_slots_from_the_models_own_caches(tmp_path):
     # 64-token requests in 256-token slots: blocks hold the state and a quarter of the KV
     ratio = 1 / ((1 - hybrid["kv_share"]) + hybrid["kv_share"] / 4)  # a preallocated slot's bytes over a paged one's
     assert hybrid["slots_blocks"] == pytest.approx(hybrid["slots_preallocated"] * ratio, rel=1e-3)
+
+
+def test_pass_ab_smoke_prices_a_tree_pass_in_steps_for_the_working_tree_and_a_revision(tmp_path):
+    """A fresh process of each side, each from its own stree (checked by the script); a config or
+    revision it cannot run is a clear error."""
+    result = smoke("pass_ab", tmp_path)
+    (row,) = result["results"]
+    assert (row["batch"], row["nodes"]) == (1, 2) and result["against"] == "HEAD"
+    (against,), (working,) = row["against_in_steps"], row["working_in_steps"]
+    assert against > 0 and working > 0 and row["difference"] == pytest.approx(working - against)
+    module = benchmark("pass_ab")
+    for bad in ("1x", "0x2", "two", "1x0"):
+        with pytest.raises(ValueError, match="--configs"):
+            module.main(["--configs", bad, "--out", str(tmp_path)])
+    with pytest.raises(ValueError, match="--against 'no-such-revision'"):
+        module.main(["--against", "no-such-revision", "--processes", "1", "--configs", "1x2", "--out", str(tmp_path)])

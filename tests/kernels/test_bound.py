@@ -6,6 +6,7 @@ commit, a half conv state's too. The public kernels are tested against the float
 elsewhere."""
 
 import math
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -15,6 +16,7 @@ from hypothesis import strategies as st
 from strategies import ssm_shapes, trees
 
 from stree.kernels import conv_step, gated_rms_norm, replay, rms_norm, selective_state_update, tree_conv1d, tree_scan
+from stree.kernels.cpu import bound
 from stree.kernels.cpu.bound import Mamba2LayerJit, RMSNormJit, _aligned_empty, replay_in_place
 from stree.kernels.cpu.replay_jit import LONG_PATH
 from stree.kernels.cpu.tree_jit import JIT_MAX_NODES
@@ -66,11 +68,18 @@ def _ssm_inputs(conv, sz):
 @settings(max_examples=30, deadline=None)
 @given(tree=trees(max_n=JIT_MAX_NODES), shape=ssm_shapes(), d_per_dim=st.booleans(), conv_bias=st.booleans(),
        gate_first=st.booleans(), narrow=st.booleans(), limit=st.sampled_from([(0.0, math.inf), (0.002, 0.05)]),
-       seed=st.integers(0, 99), dtype=DTYPES)
+       seed=st.integers(0, 99), dtype=DTYPES, rows_in_parallel=st.booleans())
 def test_a_tree_pass_matches_the_public_kernels_bit_for_bit(tree, shape, d_per_dim, conv_bias, gate_first, narrow,
-                                                            limit, seed, dtype):
+                                                            limit, seed, dtype, rows_in_parallel):
     """From the in_proj output: the norm's output and replay's activations, as the public kernels
-    make them from the layer's torch views."""
+    make them from the layer's torch views; on the two compiled calls of a serial pass
+    (stree.kernels.cpu.layer_jit) or, where rows have the work to run in parallel (made so here
+    for small ones), on the separate kernels."""
+    with mock.patch.object(bound, "parallel_rows", lambda rows, work: rows_in_parallel and rows > 1):
+        _tree_pass_matches(tree, shape, d_per_dim, conv_bias, gate_first, narrow, limit, seed, dtype)
+
+
+def _tree_pass_matches(tree, shape, d_per_dim, conv_bias, gate_first, narrow, limit, seed, dtype):
     parents, batch = tree
     gen = torch.Generator().manual_seed(seed)
     jit, prm, sz = _layer(gen, shape, d_per_dim, conv_bias, gate_first, narrow, dtype)

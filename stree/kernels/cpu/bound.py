@@ -25,7 +25,8 @@ from .norm_jit import gated_rms_norm_rows, rms_norm_rows
 from .replay_jit import replay_layers
 from .round_jit import round_half
 from .step_jit import conv_step_rows, state_update_rows
-from .tree_jit import chain_scan_rows, takes_tree, tree_conv_rows, tree_scan_rows
+from .layer_jit import tree_layer_in, tree_layer_out
+from .tree_jit import chain_scan_rows, parallel_rows, takes_tree, tree_conv_rows, tree_scan_rows
 
 __all__ = ["Mamba2LayerJit", "RMSNormJit", "replay_in_place"]
 
@@ -119,6 +120,10 @@ class Mamba2LayerJit:
         self.d_inner, self.dim, self.heads, self.headdim = norm_weight.numel(), dim, heads, headdim
         self.x_dim, self.B_dim, self.d_state = x_dim, B_dim, d_state
         self.dtype = dtype
+        # a tree pass's work per node (the scan's and the conv's elements: whether its rows run in
+        # parallel) and how its outputs round (-1 float32, 0 float16, 1 bfloat16), made once
+        self._node_work = (heads * headdim * d_state, dim * self.conv_weight.shape[1])
+        self._rounding = -1 if dtype == torch.float32 else int(dtype == torch.bfloat16)
 
     @staticmethod
     def takes_tree(index) -> bool:
@@ -182,35 +187,55 @@ class Mamba2LayerJit:
         that stacks nothing afterwards copies no more than one that does. ``chain``: the nodes are
         a chain (``scan="chain"``) and the scan is its recurrence
         (:func:`~stree.kernels.multistep_update`'s), not each node's path."""
-        wide = self._wide(proj)
-        _, xBC, dt = self._split(as_numpy(wide))
-        if into is not None:
-            np.copyto(into[0], xBC)
-            np.copyto(into[2], dt)
-            xBC = into[0]
-        conv_t = torch.empty(xBC.shape, dtype=torch.float32)
+        wide = proj if proj.dtype == torch.float32 else proj.float()
+        rows, nodes = proj.shape[0], proj.shape[1]
+        arrays = into if into is not None else tuple(np.empty((rows, nodes, *tail), dtype=np.float32)
+                                                     for tail in self.scratch_tails())
+        lo, hi = float(dt_limit[0]), float(dt_limit[1])
         pa = as_numpy(parents)
-        tree_conv_rows(xBC, pa, as_numpy(self._wide(conv_state)), self.conv_weight, self.conv_bias, self.has_conv_bias,
-                       as_numpy(conv_t))
-        F.silu(conv_t, inplace=True)  # (vectorised, as the public kernel's)
+        scan_work, conv_work = self._node_work
+        if not (parallel_rows(rows, rows * nodes * scan_work) or parallel_rows(rows, rows * nodes * conv_work)):
+            # (two compiled calls: see .layer_jit)
+            conv_t = torch.empty((rows, nodes, self.dim), dtype=torch.float32)
+            tree_layer_in(as_numpy(wide), self.d_inner, pa, as_numpy(self._wide(conv_state)), self.conv_weight,
+                          self.conv_bias, self.has_conv_bias, arrays[0], arrays[2], as_numpy(conv_t))
+            F.silu(conv_t, inplace=True)  # (vectorised, as the public kernel's)
+            conv = as_numpy(conv_t)
+            _round(conv, self.dtype)
+            out = torch.empty((rows, nodes, self.d_inner), dtype=torch.float32)
+            tree_layer_out(conv, self.x_dim, self.B_dim, arrays[2], self.A, self.D, self.dt_bias, lo, hi, pa,
+                           as_numpy(ssm_state), chain, self._rounding, arrays[1], arrays[3],
+                           _aligned_empty(arrays[1].shape), as_numpy(F.silu(wide[..., : self.d_inner])),
+                           self.norm_weight, self.eps, self.gate_first, as_numpy(out))
+            out = out if self.dtype == torch.float32 else out.to(self.dtype)
+        else:
+            out = self._tree_in_parallel(wide, pa, conv_state, ssm_state, lo, hi, arrays, chain)
+        scratch = None if into is not None else tuple(torch.from_numpy(a).to(self.dtype) for a in arrays)
+        return out, scratch
+
+    def _tree_in_parallel(self, wide, pa, conv_state, ssm_state, lo, hi, arrays, chain) -> torch.Tensor:
+        """:meth:`tree` on the separate kernels, whose drivers run rows with enough work in parallel."""
+        _, xBC, dt = self._split(as_numpy(wide))
+        np.copyto(arrays[0], xBC)
+        np.copyto(arrays[2], dt)
+        conv_t = torch.empty(xBC.shape, dtype=torch.float32)
+        tree_conv_rows(arrays[0], pa, as_numpy(self._wide(conv_state)), self.conv_weight, self.conv_bias,
+                       self.has_conv_bias, as_numpy(conv_t))
+        F.silu(conv_t, inplace=True)
         conv = as_numpy(conv_t)
         _round(conv, self.dtype)
         x, B, C = self._ssm_inputs(conv)
-        if into is not None:
-            np.copyto(into[1], x)
-            np.copyto(into[3], B)
-            x, B = into[1], into[3]
+        np.copyto(arrays[1], x)
+        np.copyto(arrays[3], B)
         y = _aligned_empty(x.shape)  # (the scan adds into y's rows in place)
-        lo, hi = float(dt_limit[0]), float(dt_limit[1])
         if chain:
-            chain_scan_rows(x, dt, self.A, B, C, self.D, True, self.dt_bias, True, True, lo, hi, as_numpy(ssm_state),
-                            True, y)
+            chain_scan_rows(arrays[1], arrays[2], self.A, arrays[3], C, self.D, True, self.dt_bias, True, True, lo, hi,
+                            as_numpy(ssm_state), True, y)
         else:
-            tree_scan_rows(x, dt, self.A, B, C, self.D, True, self.dt_bias, True, True, lo, hi, pa, as_numpy(ssm_state),
-                           True, y)
+            tree_scan_rows(arrays[1], arrays[2], self.A, arrays[3], C, self.D, True, self.dt_bias, True, True, lo, hi,
+                           pa, as_numpy(ssm_state), True, y)
         _round(y, self.dtype)
-        scratch = None if into is not None else tuple(torch.from_numpy(a).to(self.dtype) for a in (xBC, x, dt, B))
-        return self._gated_norm(y, wide), scratch
+        return self._gated_norm(y, wide)
 
     # -- a step: one token a row, the states advanced in place --------------------------------
     def step(self, proj: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor, dt_limit) -> torch.Tensor:

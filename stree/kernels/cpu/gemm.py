@@ -171,12 +171,20 @@ def product(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torc
 def product_unchecked(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None = None,
                       out: torch.Tensor | None = None) -> torch.Tensor:
     """:func:`product` for a caller that made the arguments right (a decoding step multiplies
-    nine weights, and the checks would cost a few percent of it)."""
-    m = x.shape[0]
-    if out is None:
-        out = torch.empty(m, out_features)
+    nine weights, and the checks would cost a few percent of it). ``x`` may also be a contiguous
+    ``[..., K]`` of more dims (a tree pass's ``[b, n, K]``), its rows multiplied as they lie, into
+    ``out`` ``[..., N]``: the reshapes to and from two dims cost a tree pass's small products a
+    tenth or more."""
+    if x.dim() == 2:
+        m, ldx = x.shape[0], x.stride(0)
+        if out is None:
+            out = torch.empty(m, out_features)
+    else:
+        m, ldx = x.numel() // x.shape[-1], x.shape[-1]
+        if out is None:
+            out = torch.empty((*x.shape[:-1], out_features))
     if m:
-        _lib().stree_gemm_args(_ARGS.pack(x.data_ptr(), m, x.shape[1], x.stride(0), packed.data_ptr(), out_features,
+        _lib().stree_gemm_args(_ARGS.pack(x.data_ptr(), m, x.shape[-1], ldx, packed.data_ptr(), out_features,
                                           out.data_ptr(), out_features, 0 if bias is None else bias.data_ptr(),
                                           torch.get_num_threads()))
     return out

@@ -10,7 +10,8 @@ products, and of a chain of any length (a prompt, :func:`chain_scan_rows`: its r
 Tested against the float64 definitions beside the Triton kernels and the PyTorch path.
 Products and sums in float32, as the Triton kernels' (a vector holds 8 lanes, not 4), the sums of
 dA along a path in float64.
-Each kernel is one row's loops (``_scan_row``, ``_conv_row``) under two drivers: several rows with
+Each kernel is one row's loops (:func:`scan_row`, :func:`conv_row`, :func:`chain_row`; also called by
+:mod:`.layer_jit`) under two drivers: several rows with
 enough work between them (``PARALLEL_WORK``) run in parallel on numba's threading layer (OpenMP or
 TBB where installed, both thread-safe; numba's fallback, workqueue, is not: several Python threads
 decoding at once, as a threaded server would, need one of the two); a single row, or a few with
@@ -30,8 +31,8 @@ from numba import njit, prange
 from .._common import jit_takes
 from .step_jit import processed_dt
 
-__all__ = ["JIT_MAX_NODES", "SHALLOW", "chain_scan_rows", "jit_tree_fits", "takes_tree", "tree_conv_rows",
-           "tree_scan_rows"]
+__all__ = ["JIT_MAX_NODES", "SHALLOW", "chain_row", "chain_scan_rows", "conv_row", "jit_tree_fits", "parallel_rows",
+           "scan_row", "takes_tree", "tree_conv_rows", "tree_scan_rows"]
 
 # A scan of a tree of at most this many nodes a row takes the compiled tree kernel (decoding
 # trees); a longer chain (a prompt) the chain kernel, a longer tree the tree kernel where it is
@@ -79,7 +80,7 @@ def takes_tree(index) -> bool:
     return mean < SHALLOW / torch.get_num_threads() * n
 
 
-def _parallel(rows: int, work: int) -> bool:
+def parallel_rows(rows: int, work: int) -> bool:
     """Whether a call of ``rows`` rows visiting ``work`` elements runs them in parallel."""
     return rows > 1 and work >= PARALLEL_WORK
 
@@ -90,12 +91,12 @@ def tree_conv_rows(xBC, parents, state, weight, bias, has_bias, out):
     i's taps over its path (itself at tap K - 1, its parent at K - 2, ..., then the state's newest
     columns), + bias; the activation is the caller's (a vectorised SiLU: numba's exp is scalar)."""
     # (a view of the in_proj output made contiguous: the loops over dim vectorise)
-    (_conv_parallel if _parallel(len(xBC), xBC.size * weight.shape[1]) else _conv_serial)(
+    (_conv_parallel if parallel_rows(len(xBC), xBC.size * weight.shape[1]) else _conv_serial)(
         np.ascontiguousarray(xBC), parents, state, weight, bias, has_bias, out)
 
 
 @njit(cache=True, fastmath=_FAST)
-def _conv_row(b, xBC, parents, state, weight, bias, has_bias, out):
+def conv_row(b, xBC, parents, state, weight, bias, has_bias, out):
     """Row ``b`` of :func:`tree_conv_rows`."""
     n, dim = xBC.shape[1], xBC.shape[2]
     K = weight.shape[1]
@@ -123,13 +124,13 @@ def _conv_row(b, xBC, parents, state, weight, bias, has_bias, out):
 @njit(cache=True)
 def _conv_serial(xBC, parents, state, weight, bias, has_bias, out):
     for b in range(xBC.shape[0]):
-        _conv_row(b, xBC, parents, state, weight, bias, has_bias, out)
+        conv_row(b, xBC, parents, state, weight, bias, has_bias, out)
 
 
 @njit(cache=True, parallel=True)
 def _conv_parallel(xBC, parents, state, weight, bias, has_bias, out):
     for b in prange(xBC.shape[0]):
-        _conv_row(np.int64(b), xBC, parents, state, weight, bias, has_bias, out)  # (prange's index is unsigned)
+        conv_row(np.int64(b), xBC, parents, state, weight, bias, has_bias, out)  # (prange's index is unsigned)
 
 
 def tree_scan_rows(x, dt, A, B, C, D, has_D, bias, has_bias, softplus, lo, hi, parents, x0, has_x0, y):
@@ -140,12 +141,12 @@ def tree_scan_rows(x, dt, A, B, C, D, has_D, bias, has_bias, softplus, lo, hi, p
     # (views of one conv output, and D a head's value broadcast: contiguous copies let the loops
     # over d_state and headdim vectorise)
     x, B, C, D = map(np.ascontiguousarray, (x, B, C, D))
-    (_scan_parallel if _parallel(len(x), x.size * B.shape[3]) else _scan_serial)(
+    (_scan_parallel if parallel_rows(len(x), x.size * B.shape[3]) else _scan_serial)(
         x, dt, A, B, C, D, has_D, bias, has_bias, softplus, lo, hi, parents, x0, has_x0, y)
 
 
 @njit(cache=True, fastmath=_FAST)
-def _scan_row(b, x, dt, A, B, C, D, has_D, bias, has_bias, softplus, lo, hi, parents, x0, has_x0, y):
+def scan_row(b, x, dt, A, B, C, D, has_D, bias, has_bias, softplus, lo, hi, parents, x0, has_x0, y):
     """Row ``b`` of :func:`tree_scan_rows`."""
     n, heads, headdim = x.shape[1], x.shape[2], x.shape[3]
     groups, dstate = B.shape[2], B.shape[3]
@@ -200,13 +201,13 @@ def _scan_row(b, x, dt, A, B, C, D, has_D, bias, has_bias, softplus, lo, hi, par
 @njit(cache=True)
 def _scan_serial(x, dt, A, B, C, D, has_D, bias, has_bias, softplus, lo, hi, parents, x0, has_x0, y):
     for b in range(x.shape[0]):
-        _scan_row(b, x, dt, A, B, C, D, has_D, bias, has_bias, softplus, lo, hi, parents, x0, has_x0, y)
+        scan_row(b, x, dt, A, B, C, D, has_D, bias, has_bias, softplus, lo, hi, parents, x0, has_x0, y)
 
 
 @njit(cache=True, parallel=True)
 def _scan_parallel(x, dt, A, B, C, D, has_D, bias, has_bias, softplus, lo, hi, parents, x0, has_x0, y):
     for b in prange(x.shape[0]):
-        _scan_row(np.int64(b), x, dt, A, B, C, D, has_D, bias, has_bias, softplus, lo, hi, parents, x0, has_x0, y)
+        scan_row(np.int64(b), x, dt, A, B, C, D, has_D, bias, has_bias, softplus, lo, hi, parents, x0, has_x0, y)
 
 
 def chain_scan_rows(x, dt, A, B, C, D, has_D, bias, has_bias, softplus, lo, hi, x0, has_x0, y, final=None):
@@ -217,13 +218,13 @@ def chain_scan_rows(x, dt, A, B, C, D, has_D, bias, has_bias, softplus, lo, hi, 
     where given, gets each row's state after its last token (:func:`~stree.kernels.multistep_update`)."""
     x, B, C, D = map(np.ascontiguousarray, (x, B, C, D))
     keep = final is not None
-    (_chain_parallel if _parallel(len(x), x.size * B.shape[3]) else _chain_serial)(
+    (_chain_parallel if parallel_rows(len(x), x.size * B.shape[3]) else _chain_serial)(
         x, dt, A, B, C, D, has_D, bias, has_bias, softplus, lo, hi, x0, has_x0, y,
         final if keep else np.empty((1, 1, 1, 1), dtype=np.float32), keep)
 
 
 @njit(cache=True, fastmath={"reassoc"})  # (no contraction: the state rounds as a step's does)
-def _chain_row(b, x, dt, A, B, C, D, has_D, bias, has_bias, softplus, lo, hi, x0, has_x0, y, final, keep):
+def chain_row(b, x, dt, A, B, C, D, has_D, bias, has_bias, softplus, lo, hi, x0, has_x0, y, final, keep):
     """Row ``b`` of :func:`chain_scan_rows`; the state rounds as the step kernel's does
     (:func:`~.step_jit.state_update_rows`: the decay and dt x rounded from float64, then a
     product, a product and a sum per entry)."""
@@ -257,11 +258,11 @@ def _chain_row(b, x, dt, A, B, C, D, has_D, bias, has_bias, softplus, lo, hi, x0
 @njit(cache=True)
 def _chain_serial(x, dt, A, B, C, D, has_D, bias, has_bias, softplus, lo, hi, x0, has_x0, y, final, keep):
     for b in range(x.shape[0]):
-        _chain_row(b, x, dt, A, B, C, D, has_D, bias, has_bias, softplus, lo, hi, x0, has_x0, y, final, keep)
+        chain_row(b, x, dt, A, B, C, D, has_D, bias, has_bias, softplus, lo, hi, x0, has_x0, y, final, keep)
 
 
 @njit(cache=True, parallel=True)
 def _chain_parallel(x, dt, A, B, C, D, has_D, bias, has_bias, softplus, lo, hi, x0, has_x0, y, final, keep):
     for b in prange(x.shape[0]):
-        _chain_row(np.int64(b), x, dt, A, B, C, D, has_D, bias, has_bias, softplus, lo, hi, x0, has_x0, y, final,
+        chain_row(np.int64(b), x, dt, A, B, C, D, has_D, bias, has_bias, softplus, lo, hi, x0, has_x0, y, final,
                    keep)

@@ -276,21 +276,47 @@ def _product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -
         path = _FASTEST.get(key)
         if path is None:
             path = _FASTEST[key] = _fastest_path(x, weight, bias, _TIMES.setdefault(key, {}))
-        role = _ROLE.get()
-        if role is not None:
-            last = _LAST.get(id(weight))
-            if role == "follow":
-                if last is not None and last[1] < FOLLOW_WIDE and _may_follow(key, last[0], path):
-                    last[1] += 1
-                    path = last[0]
-            elif last is None:
-                weakref.finalize(weight, _LAST.pop, id(weight), None)
-                _LAST[id(weight)] = [path, 0]
-            else:
-                last[0], last[1] = path, 0
+        path = _in_role(key, path, weight)
     else:
         path = PATH
     return _PRODUCTS[path](x, weight, bias)
+
+
+def _in_role(key: tuple, path: str, weight: torch.Tensor) -> str:
+    """The path a product of ``key``'s rows takes in the block it is in (:func:`leading`,
+    :func:`following`, or neither), ``path`` being its own; what a block keeps of it, kept."""
+    role = _ROLE.get()
+    if role is not None:
+        last = _LAST.get(id(weight))
+        if role == "follow":
+            if last is not None and last[1] < FOLLOW_WIDE and _may_follow(key, last[0], path):
+                last[1] += 1
+                path = last[0]
+        elif last is None:
+            weakref.finalize(weight, _LAST.pop, id(weight), None)
+            _LAST[id(weight)] = [path, 0]
+        else:
+            last[0], last[1] = path, 0
+    return path
+
+
+def _tiled_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+    """The product of a contiguous ``x [..., in]`` of more than two dims (a tree pass's, a
+    prompt's), its rows as they lie, where its row count takes the tiled path (float32, or a half
+    ``x`` on the float32 copy's) outside a :func:`following` block; else None (measured, or
+    another path: the caller's two-dim path). Without the reshapes to two dims and back, which
+    cost a tree pass's product about as much as the tiled kernel's call."""
+    rows = x.numel() // x.shape[-1]
+    if x.dtype in HALF:
+        wide = PATH != "blas" if PATH != "auto" else _WIDER.get((_bucket(rows), *weight.shape, bias is not None,
+                                                                 x.dtype))
+        out = _tiled_rows(x.float(), _wide(weight), _wide(bias)) if wide else None
+        return None if out is None else out.to(x.dtype)
+    key = (_bucket(rows), *weight.shape, bias is not None)
+    if (PATH if PATH != "auto" else _FASTEST.get(key)) != "tiled" or _ROLE.get() == "follow":
+        return None
+    _in_role(key, "tiled", weight)
+    return _tiled_product(x, weight, bias)
 
 
 def _may_follow(key: tuple, lead: str, own: str) -> bool:
@@ -320,6 +346,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             or (bias is not None and bias.dtype != x.dtype) or not x.numel() or PATH == "blas":
         return F.linear(x, weight, bias)
     flat = x.dim() == 2 and x.is_contiguous()  # (a step's rows: no reshape and no view, two ops a product)
+    if not flat and x.dim() > 2 and x.is_contiguous() and not torch.compiler.is_compiling():
+        out = _tiled_rows(x, weight, bias)
+        if out is not None:
+            return out
     rows = x if flat else x.reshape(-1, x.shape[-1]).contiguous()
     out = torch.ops.stree.cpu_linear(rows, weight, bias) if torch.compiler.is_compiling() else \
         _product(rows, weight, bias)

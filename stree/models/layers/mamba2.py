@@ -229,7 +229,8 @@ def _slots(ctx, k: int, jit: Mamba2LayerJit, lead: torch.Size) -> tuple:
         ctx.ssm_scratch = SSMScratch(*(torch.empty((ctx.ssm_layers, *lead, *tail), dtype=torch.float32)
                                        for tail in jit.scratch_tails()))
         ctx.ssm_arrays = tuple(t.numpy() for t in ctx.ssm_scratch.parts())
-    return tuple(a[k] for a in ctx.ssm_arrays)
+    xBC, x, dt, B = ctx.ssm_arrays
+    return xBC[k], x[k], dt[k], B[k]
 
 
 def _unrolled_ssm(x, dt, A, B, C, index: TreeIndex, ssm_state, kw):

@@ -198,6 +198,30 @@ def test_plain_steps_of_a_speculative_loop_follow_the_tree_pass_for_a_while(monk
             assert not packed(lambda: layer(step))
 
 
+@_TILED
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_tree_pass_s_rows_take_the_tiled_product_as_they_lie_and_lead_the_steps_after(monkeypatch, dtype):
+    """A contiguous ``[b, n, in]`` (a tree pass's) whose rows take the tiled product is multiplied
+    without a reshape or a view of PyTorch's (a half one on its float32 copy), inside leading()
+    sets the path the steps after it follow, and equals the product of its rows flattened."""
+    monkeypatch.setattr(lin, "PATH", "auto")
+    monkeypatch.setattr(lin, "_LAST", {})
+    monkeypatch.setattr(lin, "_FASTEST", {(16, 512, 64, True): "tiled", (1, 512, 64, True): "blas"})
+    monkeypatch.setattr(lin, "_WIDER", {(16, 512, 64, True, torch.bfloat16): True,
+                                        (1, 512, 64, True, torch.bfloat16): True})
+    layer = Linear(64, 512).to(dtype)
+    tree, step = torch.randn(2, 8, 64, dtype=dtype), torch.randn(1, 64, dtype=dtype)
+    with torch.no_grad():
+        with lin.leading():
+            ops = _ops(lambda: layer(tree))
+            out = layer(tree)
+        assert not ops & {"aten::reshape", "aten::view", "aten::linear", "aten::_unsafe_view"}, ops
+        assert torch.equal(out, layer(tree.reshape(16, 64)).view(2, 8, 512))
+        with lin.following():
+            assert "aten::linear" not in _ops(lambda: layer(step))  # (followed the tiled path)
+        assert "aten::linear" in _ops(lambda: layer(step))  # (its own, BLAS)
+
+
 def test_a_plain_step_follows_only_a_path_not_clearly_slower_for_its_rows(monkeypatch):
     """Each path's time is kept with the choice; a plain step follows the tree pass's path only
     where that, timed alone for the step's rows, takes at most 1 / MARGIN of its own path's time

@@ -1,0 +1,181 @@
+"""A tree pass against a plain step, the working tree's library against a git revision's: in each
+of ``--processes`` rounds, a fresh process of each (the revision's files exported to a temporary
+directory, in turns, the order alternating) times ``--pairs`` pairs of one tree pass of n nodes and
+one step on the same cache, and takes the median of the pairs' ratios. Reported per (batch, nodes):
+both sides' ratios in each round and the mean difference. Writes JSON and a PNG to
+benchmarks/results/.
+
+Why a ratio of pairs: on the 2-core CPUs a call's time moves by tens of percent within minutes
+(other machines' work in the shared caches, benchmarks/host_gap.py), while a pass and the step
+timed back to back move together; and a tree's cost in steps is what the tree choice and the
+gain of speculation depend on.
+
+    python benchmarks/pass_ab.py --against HEAD --configs 1x1,1x2,1x12,2x4,2x8 --processes 3
+    python benchmarks/pass_ab.py --smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from io import BytesIO
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SIDES = ("against", "working")
+
+
+def parse_configs(text: str) -> list[tuple[int, int]]:
+    """``"1x2,2x8"``: (batch, nodes) pairs, checked."""
+    out = []
+    for part in text.split(","):
+        try:
+            batch, nodes = (int(v) for v in part.split("x"))
+        except ValueError:
+            raise ValueError(f"--configs takes BATCHxNODES items separated by commas, got {part!r}") from None
+        if batch < 1 or nodes < 1:
+            raise ValueError(f"--configs needs batch >= 1 and nodes >= 1, got {part!r}")
+        out.append((batch, nodes))
+    return out
+
+
+def export(revision: str, into: Path) -> Path:
+    """The ``stree`` package as it is at ``revision`` (git archive), under ``into``; a clear error
+    for a revision git does not know."""
+    run = subprocess.run(["git", "-C", str(ROOT), "archive", "--format=tar", revision, "stree"], capture_output=True)
+    if run.returncode:
+        raise ValueError(f"--against {revision!r}: git cannot export stree there ({run.stderr.decode().strip()[:200]})")
+    with tarfile.open(fileobj=BytesIO(run.stdout)) as tar:
+        tar.extractall(into, filter="data")
+    return into
+
+
+def worker(configs: list[tuple[int, int]], pairs: int, dtype: str, smoke: bool) -> dict:
+    """This process's median ratio of a tree pass to a step for each config, and where stree came from."""
+    import torch
+
+    import stree
+    from stree.models import load
+    from stree.models.presets import TINY
+    from stree.tools.demo import TARGET
+    from stree.tree import TokenTree, TreeShape
+
+    torch.set_grad_enabled(False)
+    if smoke:
+        cls, make = TINY["mamba2-tiny"]
+        torch.manual_seed(0)
+        model = cls(make()).to(getattr(torch, dtype)).eval()
+    else:
+        model = load(TARGET, dtype=getattr(torch, dtype))
+    ratios = {}
+    for batch, nodes in configs:
+        cache = model.allocate_cache(batch, 256)
+        gen = torch.Generator().manual_seed(0)
+        model.prefill(torch.randint(0, model.vocab_size, (batch, 64), generator=gen), cache)
+        shape = TreeShape(tuple([-1] + [(i - 1) // 2 for i in range(1, nodes)]))
+        tree = TokenTree.from_shape(shape, torch.randint(0, model.vocab_size, (batch, nodes), generator=gen))
+        token = torch.randint(0, model.vocab_size, (batch,), generator=gen)
+
+        def step():
+            model.step(token, cache, validate=False)
+            cache.seqlens -= 1
+
+        def timed(fn) -> float:
+            start = time.perf_counter()
+            fn()
+            return time.perf_counter() - start
+
+        def tree_pass():
+            model.forward_tree(tree, cache, validate=False)
+
+        for _ in range(20):  # (first calls measure the products and compile)
+            tree_pass(), step()
+        ratios[f"{batch}x{nodes}"] = statistics.median(timed(tree_pass) / timed(step) for _ in range(pairs))
+    return dict(ratios=ratios, stree=str(Path(stree.__file__).parent))
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--against", default="HEAD", help="the git revision to compare with (default HEAD)")
+    p.add_argument("--configs", default=None, help="BATCHxNODES, comma-separated (default 1x1,1x2,1x12,2x4,2x8; "
+                                                     "--smoke: 1x2)")
+    p.add_argument("--processes", type=int, default=3, help="rounds of one fresh process each side (default 3)")
+    p.add_argument("--pairs", type=int, default=1500, help="timed (tree pass, step) pairs per config (default 1500)")
+    p.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16"))
+    p.add_argument("--smoke", action="store_true")
+    p.add_argument("--worker", help=argparse.SUPPRESS)
+    p.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    p.add_argument("--stem", default=None, help="result file name (default: pass_ab_cpu, or pass_ab_smoke)")
+    args = p.parse_args(argv)
+    if args.worker:
+        print(json.dumps(worker(**json.loads(args.worker))))
+        return 0
+    configs = parse_configs(args.configs or ("1x2" if args.smoke else "1x1,1x2,1x12,2x4,2x8"))
+    if args.processes < 1 or args.pairs < 1:
+        p.error(f"--processes and --pairs must be >= 1, got {args.processes} and {args.pairs}")
+    processes, pairs = (1, 20) if args.smoke else (args.processes, args.pairs)
+    job = json.dumps(dict(configs=configs, pairs=pairs, dtype=args.dtype, smoke=args.smoke))
+    runs = {side: [] for side in SIDES}
+    with tempfile.TemporaryDirectory() as tmp:
+        paths = {"against": str(export(args.against, Path(tmp))), "working": str(ROOT)}
+        for r in range(processes):
+            for side in SIDES if r % 2 == 0 else SIDES[::-1]:
+                env = dict(os.environ, PYTHONPATH=os.pathsep.join([paths[side], os.environ.get("PYTHONPATH", "")]))
+                run = subprocess.run([sys.executable, __file__, "--worker", job], capture_output=True, text=True,
+                                     env=env, cwd=paths[side])
+                if run.returncode:
+                    raise RuntimeError(f"the {side} worker failed: {run.stderr[-2000:]}")
+                out = json.loads(run.stdout.strip().splitlines()[-1])
+                if not out["stree"].startswith(paths[side]):
+                    raise RuntimeError(f"the {side} worker imported stree from {out['stree']}, not {paths[side]}")
+                runs[side].append(out["ratios"])
+    rows = []
+    for batch, nodes in configs:
+        key = f"{batch}x{nodes}"
+        mine = {side: [run[key] for run in runs[side]] for side in SIDES}
+        rows.append(dict(batch=batch, nodes=nodes, **{f"{side}_in_steps": mine[side] for side in SIDES},
+                         difference=statistics.mean(mine["working"]) - statistics.mean(mine["against"])))
+    from stree.tools.timing import run_info, save_result
+
+    import torch
+    result = dict(benchmark="pass_ab", **run_info(torch.device("cpu"), argv), against=args.against, dtype=args.dtype,
+                  model="tiny mamba2" if args.smoke else "shipped target", processes=processes, pairs=pairs,
+                  note="*_in_steps: per round, the median over pairs of one tree pass's time over one step's, in a "
+                       "fresh process of each side; difference: working minus against, mean over rounds",
+                  results=rows)
+    save_result(result, args.out, args.stem or ("pass_ab_smoke" if args.smoke else "pass_ab_cpu"), plot)
+    for r in rows:
+        print(f"b{r['batch']} {r['nodes']:>3} nodes: {args.against} "
+              + " ".join(f"{v:.3f}" for v in r["against_in_steps"]) + "  working "
+              + " ".join(f"{v:.3f}" for v in r["working_in_steps"]) + f"  difference {r['difference']:+.3f} steps")
+    return result
+
+
+def plot(result):
+    import matplotlib.pyplot as plt
+
+    rows = result["results"]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    at = range(len(rows))
+    for shift, side in ((-0.2, "against"), (0.2, "working")):
+        means = [statistics.mean(r[f"{side}_in_steps"]) for r in rows]
+        ax.bar([i + shift for i in at], means, width=0.4,
+               label=result["against"] if side == "against" else "working tree")
+        for i, r in enumerate(rows):
+            ax.plot([i + shift] * len(r[f"{side}_in_steps"]), r[f"{side}_in_steps"], "k.", ms=3)
+    ax.set_xticks(list(at), [f"b{r['batch']}, {r['nodes']} nodes" for r in rows])
+    ax.set(ylabel="tree pass / plain step (median of pairs)",
+           title=f"{result['model']}, {result['dtype']}: a tree pass in steps\n{result['device']}")
+    ax.legend()
+    return fig
+
+
+if __name__ == "__main__":
+    main()
