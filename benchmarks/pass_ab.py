@@ -22,10 +22,8 @@ import os
 import statistics
 import subprocess
 import sys
-import tarfile
 import tempfile
 import time
-from io import BytesIO
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -44,17 +42,6 @@ def parse_configs(text: str) -> list[tuple[int, int]]:
             raise ValueError(f"--configs needs batch >= 1 and nodes >= 1, got {part!r}")
         out.append((batch, nodes))
     return out
-
-
-def export(revision: str, into: Path) -> Path:
-    """The ``stree`` package as it is at ``revision`` (git archive), under ``into``; a clear error
-    for a revision git does not know."""
-    run = subprocess.run(["git", "-C", str(ROOT), "archive", "--format=tar", revision, "stree"], capture_output=True)
-    if run.returncode:
-        raise ValueError(f"--against {revision!r}: git cannot export stree there ({run.stderr.decode().strip()[:200]})")
-    with tarfile.open(fileobj=BytesIO(run.stdout)) as tar:
-        tar.extractall(into, filter="data")
-    return into
 
 
 def worker(configs: list[tuple[int, int]], pairs: int, dtype: str, smoke: bool) -> dict:
@@ -121,10 +108,13 @@ def main(argv=None):
     if args.processes < 1 or args.pairs < 1:
         p.error(f"--processes and --pairs must be >= 1, got {args.processes} and {args.pairs}")
     processes, pairs = (1, 20) if args.smoke else (args.processes, args.pairs)
+    # (imported here: a worker imports its own side's stree, whose tools may predate these)
+    from stree.tools.timing import revision_package, run_info, save_result
+
     job = json.dumps(dict(configs=configs, pairs=pairs, dtype=args.dtype, smoke=args.smoke))
     runs = {side: [] for side in SIDES}
     with tempfile.TemporaryDirectory() as tmp:
-        paths = {"against": str(export(args.against, Path(tmp))), "working": str(ROOT)}
+        paths = {"against": revision_package(ROOT, args.against, tmp), "working": str(ROOT)}
         for r in range(processes):
             for side in SIDES if r % 2 == 0 else SIDES[::-1]:
                 env = dict(os.environ, PYTHONPATH=os.pathsep.join([paths[side], os.environ.get("PYTHONPATH", "")]))
@@ -142,9 +132,8 @@ def main(argv=None):
         mine = {side: [run[key] for run in runs[side]] for side in SIDES}
         rows.append(dict(batch=batch, nodes=nodes, **{f"{side}_in_steps": mine[side] for side in SIDES},
                          difference=statistics.mean(mine["working"]) - statistics.mean(mine["against"])))
-    from stree.tools.timing import run_info, save_result
-
     import torch
+
     result = dict(benchmark="pass_ab", **run_info(torch.device("cpu"), argv), against=args.against, dtype=args.dtype,
                   model="tiny mamba2" if args.smoke else "shipped target", processes=processes, pairs=pairs,
                   note="*_in_steps: per round, the median over pairs of one tree pass's time over one step's, in a "
@@ -159,22 +148,11 @@ def main(argv=None):
 
 
 def plot(result):
-    import matplotlib.pyplot as plt
+    from stree.tools.timing import plot_sides
 
-    rows = result["results"]
-    fig, ax = plt.subplots(figsize=(7, 4))
-    at = range(len(rows))
-    for shift, side in ((-0.2, "against"), (0.2, "working")):
-        means = [statistics.mean(r[f"{side}_in_steps"]) for r in rows]
-        ax.bar([i + shift for i in at], means, width=0.4,
-               label=result["against"] if side == "against" else "working tree")
-        for i, r in enumerate(rows):
-            ax.plot([i + shift] * len(r[f"{side}_in_steps"]), r[f"{side}_in_steps"], "k.", ms=3)
-    ax.set_xticks(list(at), [f"b{r['batch']}, {r['nodes']} nodes" for r in rows])
-    ax.set(ylabel="tree pass / plain step (median of pairs)",
-           title=f"{result['model']}, {result['dtype']}: a tree pass in steps\n{result['device']}")
-    ax.legend()
-    return fig
+    return plot_sides(result, "in_steps", [f"b{r['batch']}, {r['nodes']} nodes" for r in result["results"]],
+                      "tree pass / plain step (median of pairs)",
+                      f"{result['model']}, {result['dtype']}: a tree pass in steps")
 
 
 if __name__ == "__main__":

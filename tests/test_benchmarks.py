@@ -432,3 +432,23 @@ def test_pass_ab_smoke_prices_a_tree_pass_in_steps_for_the_working_tree_and_a_re
             module.main(["--configs", bad, "--out", str(tmp_path)])
     with pytest.raises(ValueError, match="--against 'no-such-revision'"):
         module.main(["--against", "no-such-revision", "--processes", "1", "--configs", "1x2", "--out", str(tmp_path)])
+
+
+def test_speculation_ab_smoke_pairs_two_libraries_gains(tmp_path):
+    """speculation.py once with each side's stree (checked by the script): both gains of every
+    speculative configuration, their difference, every output identical; bad input is refused
+    before any run."""
+    result = smoke("speculation_ab", tmp_path)
+    rows = result["results"]
+    assert {r["drafter"] for r in rows} == {"autoregressive again", "ngram", "ssm"} and result["against"] == "HEAD"
+    for r in rows:
+        (against,), (working,) = r["against_gains"], r["working_gains"]
+        assert against > 0 and working > 0 and r["difference"] == pytest.approx(working - against)
+        assert r["identical"] is True
+    module = benchmark("speculation_ab")
+    for bad in (["--processes", "0"], ["--", "--out", str(tmp_path)], ["--", "--stem=x"]):
+        with pytest.raises(SystemExit) as exc:
+            module.main([*bad])
+        assert exc.value.code == 2
+    with pytest.raises(ValueError, match="--against 'no-such-revision'"):
+        module.main(["--against", "no-such-revision", "--out", str(tmp_path)])

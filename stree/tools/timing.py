@@ -1,4 +1,5 @@
-"""Measurement helpers for benchmarks: timing (device events on CUDA), peak memory, run metadata."""
+"""Measurement helpers for benchmarks: timing (device events on CUDA), peak memory, run metadata, and a git
+revision's library for the benchmarks that compare it with the working tree's."""
 
 from __future__ import annotations
 
@@ -96,3 +97,43 @@ def save_result(result: dict, out_dir, stem: str, plot) -> None:
     fig.tight_layout()
     fig.savefig(out / f"{stem}.png", dpi=100)
     plt.close(fig)
+
+
+def revision_package(root, revision: str, into) -> str:
+    """The ``stree`` package of the git repository at ``root`` as it is at ``revision`` (``git
+    archive``), extracted under ``into``: the directory to put first on a worker process's
+    ``PYTHONPATH``. A revision git does not know is a clear ``ValueError``."""
+    import io
+    import subprocess
+    import tarfile
+    from pathlib import Path
+
+    run = subprocess.run(["git", "-C", str(root), "archive", "--format=tar", revision, "stree"], capture_output=True)
+    if run.returncode:
+        raise ValueError(f"--against {revision!r}: git cannot export stree there ({run.stderr.decode().strip()[:200]})")
+    with tarfile.open(fileobj=io.BytesIO(run.stdout)) as tar:
+        tar.extractall(into, filter="data")
+    return str(Path(into))
+
+
+def plot_sides(result: dict, field: str, labels: list[str], ylabel: str, title: str, line: float | None = None):
+    """A figure of a two-sided comparison (``result["against"]`` and the working tree): per row of
+    ``result["results"]``, a bar of each side's mean of ``{side}_{field}`` (a list per round) with
+    the rounds as dots; ``labels`` under the rows, a horizontal ``line`` where given."""
+    import statistics
+
+    import matplotlib.pyplot as plt
+
+    rows = result["results"]
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.1 * len(rows)), 4))
+    for shift, side in ((-0.2, "against"), (0.2, "working")):
+        ax.bar([i + shift for i in range(len(rows))], [statistics.mean(r[f"{side}_{field}"]) for r in rows],
+               width=0.4, label=result["against"] if side == "against" else "working tree")
+        for i, r in enumerate(rows):
+            ax.plot([i + shift] * len(r[f"{side}_{field}"]), r[f"{side}_{field}"], "k.", ms=3)
+    if line is not None:
+        ax.axhline(line, color="gray", lw=0.8)
+    ax.set_xticks(range(len(rows)), labels, fontsize=7)
+    ax.set(ylabel=ylabel, title=f"{title}\n{result['device']}")
+    ax.legend()
+    return fig

@@ -1,0 +1,112 @@
+"""Speculation's gains, the working tree's library against a git revision's, paired over fresh
+processes: in each of ``--processes`` rounds, ``benchmarks/speculation.py`` runs once with each
+side's ``stree`` (the revision's exported with ``git archive``), the order alternating. Reported
+per configuration (mode, batch, temperature, drafter): both sides' gains over their own
+autoregressive decoding in each round, and the mean difference. Writes JSON and a PNG to
+benchmarks/results/.
+
+Why: on the 2-core CPUs one process's gain for the same code moved from 1.13x to 1.75x in one
+evening (docs/benchmarks.md, "Forwards after host work"), more than most changes to the library;
+rounds of the two sides, back to back, share the machine's phase. For a change to the tree choice
+alone, ``choice_ab.py`` pairs the two within one process (finer).
+
+    python benchmarks/speculation_ab.py --against HEAD --processes 3 -- --modes eager --temperatures 0 --rounds 2
+    python benchmarks/speculation_ab.py --smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SPECULATION = Path(__file__).with_name("speculation.py")
+SIDES = ("against", "working")
+DEFAULT = ["--modes", "eager", "--temperatures", "0", "--rounds", "2", "--drafters", "ngram,stand,stand-det"]
+
+
+def _run(side: str, path: str, args: list[str], out: Path, stem: str) -> dict:
+    """speculation.py with ``side``'s stree first on the path: its result, after checking that it
+    imported that stree."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([path, os.environ.get("PYTHONPATH", "")]))
+    where = subprocess.run([sys.executable, "-c", "import stree; print(stree.__file__)"], capture_output=True,
+                           text=True, env=env, cwd=path)
+    if where.returncode or not where.stdout.strip().startswith(path):
+        raise RuntimeError(f"the {side} side imports stree from {where.stdout.strip() or where.stderr[-500:]}, "
+                           f"not {path}")
+    run = subprocess.run([sys.executable, str(SPECULATION), *args, "--out", str(out), "--stem", stem],
+                         capture_output=True, text=True, env=env, cwd=path)
+    if run.returncode:
+        raise RuntimeError(f"speculation.py failed on the {side} side: {run.stderr[-2000:]}")
+    return json.loads((out / f"{stem}.json").read_text())
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    own, rest = (argv[: argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, None)
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                epilog="arguments after -- go to speculation.py (default: " + " ".join(DEFAULT) + ")")
+    p.add_argument("--against", default="HEAD", help="the git revision to compare with (default HEAD)")
+    p.add_argument("--processes", type=int, default=3, help="rounds of one run each side (default 3)")
+    p.add_argument("--smoke", action="store_true")
+    p.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    p.add_argument("--stem", default=None, help="result file name (default: speculation_ab_cpu, or _smoke)")
+    args = p.parse_args(own)
+    if args.processes < 1:
+        p.error(f"--processes must be >= 1, got {args.processes}")
+    if any(a in ("--out", "--stem") or a.startswith(("--out=", "--stem=")) for a in rest or ()):
+        p.error("--out and --stem after -- are this script's to set")
+    rest = ["--smoke"] if args.smoke else (DEFAULT if rest is None else rest)
+    processes = 1 if args.smoke else args.processes
+    from stree.tools.timing import revision_package, run_info, save_result
+
+    results = {side: [] for side in SIDES}
+    with tempfile.TemporaryDirectory() as tmp:
+        paths = {"against": revision_package(ROOT, args.against, Path(tmp) / "against"), "working": str(ROOT)}
+        for r in range(processes):
+            for side in SIDES if r % 2 == 0 else SIDES[::-1]:
+                results[side].append(_run(side, paths[side], rest, Path(tmp) / "out", f"{side}_{r}"))
+    rows = []
+    for first in results["working"][0]["results"]:
+        if first["drafter"] == "autoregressive":
+            continue
+        key = tuple(first[k] for k in ("mode", "batch", "temperature", "drafter"))
+        gains = {side: [next(x["gain"] for x in run["results"]
+                             if tuple(x[k] for k in ("mode", "batch", "temperature", "drafter")) == key)
+                        for run in results[side]] for side in SIDES}
+        rows.append(dict(zip(("mode", "batch", "temperature", "drafter"), key),
+                         **{f"{side}_gains": gains[side] for side in SIDES},
+                         difference=statistics.mean(gains["working"]) - statistics.mean(gains["against"]),
+                         identical=all(x["identical"] is not False for side in SIDES for run in results[side]
+                                       for x in run["results"])))
+    import torch
+
+    result = dict(benchmark="speculation_ab", **run_info(torch.device("cpu"), argv), against=args.against,
+                  speculation_args=rest, processes=processes,
+                  note="*_gains: per round, the configuration's gain over autoregressive decoding in its own "
+                       "speculation.py run with that side's stree; difference: working minus against, mean over rounds",
+                  results=rows)
+    save_result(result, args.out, args.stem or ("speculation_ab_smoke" if args.smoke else "speculation_ab_cpu"), plot)
+    for r in rows:
+        print(f"{r['mode']:<9}b{r['batch']:<3}T{r['temperature']:<4}{r['drafter']:<22}{args.against} "
+              + " ".join(f"{g:.2f}" for g in r["against_gains"]) + "  working "
+              + " ".join(f"{g:.2f}" for g in r["working_gains"]) + f"  difference {r['difference']:+.3f}")
+    return result
+
+
+def plot(result):
+    from stree.tools.timing import plot_sides
+
+    return plot_sides(result, "gains", [f"{r['mode']} b{r['batch']}\nT{r['temperature']} {r['drafter']}"
+                                        for r in result["results"]],
+                      "gain over autoregressive", "speculation, two libraries in turns", line=1.0)
+
+
+if __name__ == "__main__":
+    main()
