@@ -7,7 +7,7 @@ results bit for bit (tests/kernels/test_bound.py).
 Why: :class:`~.bound.Mamba2LayerJit` made a tree pass's layer from about twenty host operations
 (four copies, the conv, the scan, the norm, the views and arrays between them), each a microsecond
 or several, where a step's layer takes half as many; on the shipped target at batch 1 the two calls
-took a fifth to a quarter off the layer's host work (docs/kernels.md). Serial only: a call whose
+took a quarter off a layer's tree work at 2 nodes and an eighth at 12, timed alone (docs/kernels.md). Serial only: a call whose
 rows have enough work to run in parallel (:func:`.tree_jit.parallel_rows`) takes the separate
 kernels, whose drivers split the rows over threads.
 """
