@@ -83,9 +83,8 @@ class TreeContext:
     prefill: bool = False  # the prompt, not a draft: families whose dt clamp is prefill-only apply it
     ssm_layers: int = 0  # the Mamba2 layers the cache stacks
     # The pass's stacked SSM scratch where its layers write theirs in place (made by the first that
-    # does, as NumPy arrays too: ``ssm_arrays``); None: each layer returns its own, stacked after them.
+    # does); None: each layer returns its own, stacked after them.
     ssm_scratch: SSMScratch | None = None
-    ssm_arrays: tuple | None = None
 
 
 class TreeLM(nn.Module):

@@ -97,6 +97,11 @@ class SSMScratch:
     x: torch.Tensor  # [L, b, n, h, p] after conv and SiLU (repeated to heads)
     dt: torch.Tensor  # [L, b, n, h] raw, before bias
     B: torch.Tensor  # [L, b, n, g, s] after conv and SiLU
+    # Where the layers' bound CPU kernels wrote it in place (stree.kernels.cpu.bound): the four as
+    # the NumPy arrays they wrote, and each layer's kernels (None: a layer that took another path),
+    # whose parameters commit replays with, without converting them again
+    arrays: tuple | None = field(default=None, init=False, repr=False, compare=False)
+    kernels: list | None = field(default=None, init=False, repr=False, compare=False)
 
     def parts(self) -> tuple[torch.Tensor, ...]:
         return self.xBC, self.x, self.dt, self.B

@@ -35,6 +35,7 @@ import torch
 
 from ..tree import TokenTree
 from .keyed import Placed, draw_at, inverse_cdf_tensors
+from .verify_jit import greedy_walk
 
 __all__ = ["RULES", "SamplingParams", "VerifyResult", "acceptance_tables", "choose_rule", "draw", "follow_choices",
            "process_logits", "sample_tokens", "verify"]
@@ -421,18 +422,15 @@ def verify_greedy_host(tree: TokenTree, logits: torch.Tensor) -> tuple[VerifyRes
     (the root's token past them) and whether each row's logits are free of NaN and +inf. The same
     path, bonus and flags as verification and the step's check on tensors (tested equal); a half
     precision model's logits are widened first (exactly)."""
-    from .verify_jit import greedy_walk
-
     B, N, V = logits.shape
     index = tree.index
     kids = index.memo("children_by_rank", lambda: _children_by_rank(index))
     valid = np.ones((B, N), dtype=np.bool_) if tree.valid is None else np.ascontiguousarray(tree.valid.numpy())
     L = _max_depth(tree) + 1
-    path, num = np.empty((B, L), dtype=np.int64), np.empty(B, dtype=np.int64)
-    emitted, finite = np.empty((B, L), dtype=np.int64), np.empty(B, dtype=np.bool_)
+    path, emitted = np.empty((B, L), dtype=np.int64), np.empty((B, L), dtype=np.int64)
+    num, bonus, finite = np.empty(B, dtype=np.int64), np.empty(B, dtype=np.int64), np.empty(B, dtype=np.bool_)
     wide = logits if logits.dtype == torch.float32 else logits.float()
-    greedy_walk(wide.numpy(), np.ascontiguousarray(tree.tokens.numpy()), valid, kids, path, num, emitted, finite)
-    bonus = emitted[np.arange(B), num - 1]
+    greedy_walk(wide.numpy(), np.ascontiguousarray(tree.tokens.numpy()), valid, kids, path, num, emitted, bonus, finite)
     result = VerifyResult(torch.from_numpy(path), torch.from_numpy(num), torch.from_numpy(bonus))
     return result, torch.from_numpy(emitted), torch.from_numpy(finite)
 
@@ -441,15 +439,13 @@ def greedy_rows_host(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """A plain greedy step's :func:`verify_greedy_host`: the argmax of each row of CPU ``logits
     [B, V]`` and whether the row is free of NaN and +inf, in one compiled pass. Returns
     ``(tokens [B], finite [B])``."""
-    from .verify_jit import greedy_walk
-
     B, V = logits.shape
     wide = logits if logits.dtype == torch.float32 else logits.float()
     nothing = np.zeros((B, 1), dtype=np.int64)
-    emitted, finite = np.empty((B, 1), dtype=np.int64), np.empty(B, dtype=np.bool_)
+    emitted, tokens, finite = np.empty((B, 1), dtype=np.int64), np.empty(B, dtype=np.int64), np.empty(B, dtype=np.bool_)
     greedy_walk(wide.numpy()[:, None], nothing, np.ones((B, 1), dtype=np.bool_), _NO_CHILDREN, nothing.copy(),
-                np.empty(B, dtype=np.int64), emitted, finite)
-    return torch.from_numpy(emitted[:, 0]), torch.from_numpy(finite)
+                np.empty(B, dtype=np.int64), emitted, tokens, finite)
+    return torch.from_numpy(tokens), torch.from_numpy(finite)
 
 
 _NO_CHILDREN = np.full((1, 1, 1), -1, dtype=np.int64)  # a one-node tree's children by rank

@@ -71,13 +71,14 @@ def follow(choice, tokens, valid, kids, path, num):
 
 
 @njit(cache=True)
-def greedy_walk(logits, tokens, valid, kids, path, num, emitted, finite):
+def greedy_walk(logits, tokens, valid, kids, path, num, emitted, bonus, finite):
     """Greedy verification of float32 ``logits [B, N, V]`` in one pass: :func:`follow` with each
     node's choice the argmax of its logits (the first of equal maxima, as ``torch.argmax``),
     taken only at the nodes the walk stands on. Also writes each row's emitted tokens
     (``emitted[b, :num[b]]``: the accepted drafts below the root, then the bonus, the argmax at
-    the last node; the root's token past them) and whether every logit of the row is free of
-    NaN and +inf (``finite[b]``; -inf, a token ruled out, is allowed)."""
+    the last node; the root's token past them), the bonus alone (``bonus[b]``) and whether every
+    logit of the row is free of NaN and +inf (``finite[b]``; -inf, a token ruled out, is
+    allowed)."""
     B, N, V = logits.shape
     for b in range(B):
         ok = True
@@ -87,6 +88,7 @@ def greedy_walk(logits, tokens, valid, kids, path, num, emitted, finite):
         finite[b] = ok
         num[b] = _walk_row(logits[b], kids[min(b, kids.shape[0] - 1)], valid[b], tokens[b], _NO_DRAWS, path[b],
                            emitted[b])
+        bonus[b] = emitted[b, num[b] - 1]
 
 
 _NO_DRAWS = np.empty(0)  # (a greedy walk's: it draws nothing)

@@ -1165,15 +1165,17 @@ def test_explicit_trees_are_honoured_exactly():
 
 def test_the_same_seed_repeats_the_output_under_auto():
     """Deterministic drafts are verified at keyed draws: a seed gives autoregressive decoding's
-    sampled output whatever trees the clock chose. Random drafts (STAND's) are verified with a
-    sequential stream, so their trees follow the seed and the profile alone, and repeat too."""
+    sampled output whatever trees the clock chose (the machine's own profile, which on a loaded
+    machine may choose none) and with a profile that makes trees pay. Random drafts (STAND's) are
+    verified with a sequential stream, so their trees follow the seed and the profile alone, and
+    repeat too."""
     model = mamba2()
     prompts = [[1, 2, 3, 1, 2, 3, 1, 2], [4, 5]]
     plain = generate(model, prompts, max_new_tokens=20, temperature=1.0, seed=3, method="autoregressive")
     a = generate(model, prompts, max_new_tokens=20, temperature=1.0, seed=3)
-    b = generate(model, prompts, max_new_tokens=20, temperature=1.0, seed=3)
+    b = generate(model, prompts, max_new_tokens=20, temperature=1.0, seed=3, tree=AutoTree(cheap()))
     assert a.sequences == b.sequences == plain.sequences
-    assert sum(n for size, n in a.stats.trees.items() if size > 1) > 0  # (trees were verified)
+    assert sum(n for size, n in b.stats.trees.items() if size > 1) > 0  # (trees were verified)
     runs = [generate(model, prompts, max_new_tokens=20, temperature=1.0, seed=3,
                      drafter=make_drafter("stand", vocab_size=model.vocab_size)) for _ in range(2)]
     assert runs[0].sequences == runs[1].sequences and runs[0].stats.trees == runs[1].stats.trees

@@ -1,6 +1,8 @@
 """The decoding protocol, checked the same way for every model family: a tree pass equals
 feeding each node's root path token by token, and commit leaves exactly the sequential state."""
 
+from unittest import mock
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -242,3 +244,33 @@ def test_a_pass_writing_its_scratch_in_place_equals_one_stacking_it(family, unbo
     (l1, s1, c1), (l2, s2, c2) = runs
     assert torch.equal(l1, l2)
     assert all(torch.equal(a, b) for a, b in zip(s1, s2)) and all(torch.equal(a, b) for a, b in zip(c1, c2))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_a_commit_replays_with_the_parameters_and_arrays_of_the_passs_bound_kernels(dtype):
+    """A CPU tree pass whose every Mamba2 layer ran its bound kernels leaves them and their NumPy
+    scratch to its commit, which converts neither again (the op budgets): the new states are those
+    of the replay on the pass's scratch tensors with the layers' parameters, bit for bit; and after
+    a parameter changes in place, with its new value."""
+    import stree.models.layers.mamba2 as layer_module
+    from stree.kernels.cpu.bound import replay_in_place
+
+    model = FAMILIES["mamba2"]().to(dtype)
+    g = torch.Generator().manual_seed(2)
+    cache = _prefilled(model, [7, 3], g)
+    paths = torch.tensor([[0, 1, 4, 7], [0, 2, 0, 0]]), torch.tensor([4, 2])
+    mixers = [blk.mixer for blk in model.blocks]
+    for change in (False, True):
+        if change:
+            with torch.no_grad():
+                mixers[0].A_log.add_(0.25)
+                mixers[-1].dt_bias.sub_(0.5)
+        tree = TokenTree.from_shape(TreeShape.paper13(), torch.randint(0, VOCAB, (2, 13), generator=g))
+        _, tree_pass = model.forward_tree(tree, cache)
+        assert len(tree_pass.ssm.kernels) == len(mixers) and None not in tree_pass.ssm.kernels
+        want = cache.clone()
+        replay_in_place(want.ssm, want.conv, *tree_pass.ssm.parts(), torch.stack([m.A() for m in mixers]),
+                        torch.stack([m.dt_bias.float() for m in mixers]), *paths, mixers[0].dt_limit(False))
+        with mock.patch.object(layer_module, "replay_in_place", side_effect=AssertionError("converted again")):
+            model.commit(cache, tree_pass, *paths)
+        assert cache.conv.dtype == dtype and torch.equal(cache.ssm, want.ssm) and torch.equal(cache.conv, want.conv)

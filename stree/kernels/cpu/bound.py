@@ -28,7 +28,7 @@ from .step_jit import conv_step_rows, state_update_rows
 from .layer_jit import tree_layer_in, tree_layer_out
 from .tree_jit import chain_scan_rows, parallel_rows, takes_tree, tree_conv_rows, tree_scan_rows
 
-__all__ = ["Mamba2LayerJit", "RMSNormJit", "replay_in_place"]
+__all__ = ["Mamba2LayerJit", "RMSNormJit", "replay_arrays", "replay_in_place"]
 
 
 def _check_params(**tensors) -> None:
@@ -267,11 +267,20 @@ def replay_in_place(ssm_state: torch.Tensor, conv_state: torch.Tensor, xBC: torc
     ``dt_bias`` ``[L, h]``, all else CPU float32; ``accepted [b, D]`` and ``num_accepted [b]``
     int64, the paths the model checked. The public kernel's checks and conversions took a small
     model's commit about as long as the replay itself."""
+    replay_arrays(ssm_state, conv_state, tuple(as_numpy(t) for t in (xBC, x, dt, B)), as_numpy(A), as_numpy(dt_bias),
+                  accepted, num_accepted, dt_limit)
+
+
+def replay_arrays(ssm_state: torch.Tensor, conv_state: torch.Tensor, scratch: tuple, A: np.ndarray,
+                  dt_bias: np.ndarray, accepted: torch.Tensor, num_accepted: torch.Tensor,
+                  dt_limit: tuple[float, float]) -> None:
+    """:func:`replay_in_place` of the activations ``scratch`` (xBC, x, dt, B), ``A`` and
+    ``dt_bias`` as the float32 arrays they are (where the bound kernels wrote them: a commit then
+    converts nothing of them)."""
     state = as_numpy(ssm_state)
     conv_wide = conv_state if conv_state.dtype == torch.float32 else conv_state.float()
     conv = as_numpy(conv_wide)
-    replay_layers(state, conv, as_numpy(xBC), as_numpy(x), as_numpy(dt), as_numpy(B), as_numpy(A), as_numpy(dt_bias),
-                  True, True, float(dt_limit[0]), float(dt_limit[1]), np.ascontiguousarray(as_numpy(accepted)),
-                  as_numpy(num_accepted), state, conv)
+    replay_layers(state, conv, *scratch, A, dt_bias, True, True, float(dt_limit[0]), float(dt_limit[1]),
+                  np.ascontiguousarray(as_numpy(accepted)), as_numpy(num_accepted), state, conv)
     if conv_wide is not conv_state:
         conv_state.copy_(conv_wide)  # (exact: the accepted nodes' inputs, half values)

@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 from torch import nn
 
 from ...kernels import conv_step, multistep_update, replay, selective_state_update, tree_conv1d, tree_scan
 from ...kernels._common import FLOAT_DTYPES
-from ...kernels.cpu.bound import Mamba2LayerJit, replay_in_place
+from ...kernels.cpu.bound import Mamba2LayerJit, replay_arrays, replay_in_place
 from ...tree import TreeIndex, leaf_paths
 from ..base import derived, value_key
 from ..cache import SSMLayerState, SSMScratch
@@ -201,10 +202,19 @@ class Mamba2Mixer(nn.Module):
         """Activation replay of every Mamba2 layer in one call (the model checked the path), with
         the dt clamp the pass used (``cu_seqlens``: the pass was packed trees')."""
         mixers = [blk.mixer for blk, kind in zip(model.blocks, model.kinds()) if kind == "ssm"]
+        dt_limit = mixers[0].dt_limit(prefill)
+        kernels = scratch.kernels
+        if kernel_backend == "auto" and cu_seqlens is None and kernels is not None and None not in kernels \
+                and accepted.dtype == num_accepted.dtype == torch.long and accepted.is_cpu and num_accepted.is_cpu:
+            # every layer's bound kernels wrote the scratch (their preconditions hold of this cache: the
+            # model checked it is the pass's): their parameters and the scratch's arrays as they are
+            A, dt_bias = derived(model, "ssm_replay_constants", lambda: tuple(np.stack(p) for p in zip(
+                *((k.A, k.dt_bias) for k in kernels))), key=tuple(kernels))
+            replay_arrays(cache.ssm, cache.conv, scratch.arrays, A, dt_bias, accepted, num_accepted, dt_limit)
+            return
         A, dt_bias = derived(model, "ssm_A_dt_bias",
                              lambda: (torch.stack([m.A() for m in mixers]), torch.stack([m.dt_bias for m in mixers])),
                              key=value_key(*(m.A_log for m in mixers), *(m.dt_bias for m in mixers)))
-        dt_limit = mixers[0].dt_limit(prefill)
         wide = (cache.ssm, *scratch.parts(), A)  # (float32 for the kernel; a half model's conv state and dt_bias not)
         if kernel_backend == "auto" and cu_seqlens is None and accepted.dtype == num_accepted.dtype == torch.long \
                 and cache.conv.dtype in FLOAT_DTYPES and all(t.dtype == torch.float32 for t in wide) \
@@ -225,11 +235,13 @@ def _slots(ctx, k: int, jit: Mamba2LayerJit, lead: torch.Size) -> tuple:
     layer to write one), as the arrays the bound kernels copy their activations into. Each layer's
     returned and stacked after them, the stack's copies and the tensors around them took 3-5% of the
     shipped target's tree passes on the CPU, the more the more nodes (docs/kernels.md)."""
-    if ctx.ssm_scratch is None:
-        ctx.ssm_scratch = SSMScratch(*(torch.empty((ctx.ssm_layers, *lead, *tail), dtype=torch.float32)
-                                       for tail in jit.scratch_tails()))
-        ctx.ssm_arrays = tuple(t.numpy() for t in ctx.ssm_scratch.parts())
-    xBC, x, dt, B = ctx.ssm_arrays
+    scratch = ctx.ssm_scratch
+    if scratch is None:
+        scratch = ctx.ssm_scratch = SSMScratch(*(torch.empty((ctx.ssm_layers, *lead, *tail), dtype=torch.float32)
+                                                 for tail in jit.scratch_tails()))
+        scratch.arrays, scratch.kernels = tuple(t.numpy() for t in scratch.parts()), [None] * ctx.ssm_layers
+    scratch.kernels[k] = jit
+    xBC, x, dt, B = scratch.arrays
     return xBC[k], x[k], dt[k], B[k]
 
 
