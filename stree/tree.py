@@ -371,6 +371,13 @@ def _shape_index(shape: "TreeShape", device: torch.device) -> TreeIndex:
     return index
 
 
+@functools.lru_cache(maxsize=1024)
+def _shape_prefix(shape: "TreeShape", m: int) -> "TreeShape":
+    if not isinstance(m, int) or not 1 <= m <= shape.n:
+        raise ValueError(f"a prefix has 1 to {shape.n} nodes, got {m!r}")
+    return TreeShape(shape.parents[:m])
+
+
 def _host_index(parents: tuple[int, ...]) -> TreeIndex:
     """:func:`tree_index` of a validated parent tuple, in plain Python: a few dozen nodes walked
     once cost far less than the dozen tensor ops the general path takes."""
@@ -441,6 +448,10 @@ class TreeShape:
         """The shape's TreeIndex on ``device``, built once per shape and device (a decode loop
         drafts the same shape every step); its deepest level is known without a device sync."""
         return _shape_index(self, torch.device(device) if device is not None else torch.device("cpu"))
+
+    def prefix(self, m: int) -> "TreeShape":
+        """The first ``m`` nodes (parents come first: a tree), made once per shape and size."""
+        return _shape_prefix(self, m)
 
     @classmethod
     def chain(cls, depth: int) -> "TreeShape":
@@ -738,6 +749,25 @@ class TokenTree:
         tree.row_sizes = self.row_sizes
         tree._shape = self._shape
         tree._index = self._shape.index(device) if self._shape is not None else self.index.to(device)
+        return tree
+
+    def prefix(self, m: int) -> "TokenTree":
+        """The first ``m`` nodes of every row (parents come first: a tree), with their tokens and
+        the laws they carry; not validated again, as this tree was (a decode loop cuts its draft
+        to the size it chose every step, where validating the cut cost as much as drafting)."""
+        if not isinstance(m, int) or not 1 <= m <= self.n:
+            raise ValueError(f"a prefix has 1 to {self.n} nodes, got {m!r}")
+        cut = lambda t: None if t is None else t[:, :m]  # noqa: E731
+        tree = TokenTree.__new__(TokenTree)
+        tree.tokens, tree.valid, tree.child_ids, tree.child_probs = (cut(t) for t in (
+            self.tokens, self.valid, self.child_ids, self.child_probs))
+        tree.with_replacement, tree.row_sizes = self.with_replacement, None
+        if self._shape is not None:
+            tree._shape = self._shape.prefix(m)
+            tree._index = index = tree._shape.index(self.tokens.device)
+            tree.parents = index.memo("parents_long", lambda: index.parents[0].long())
+        else:
+            tree._shape, tree._index, tree.parents = None, None, self.parents[..., :m]
         return tree
 
     @classmethod

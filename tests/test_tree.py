@@ -185,3 +185,33 @@ def test_a_shapes_plan_lists_its_internal_nodes_depth_by_depth_parents_first(dra
     for v in order:  # a node's parent is filled before it
         assert v in seen
         seen.update(kids[v])
+
+
+@given(n=st.integers(1, 40), data=st.data())
+def test_a_trees_prefix_is_the_validated_tree_of_its_first_nodes(n, data):
+    """``TokenTree.prefix(m)`` (not validated again): the tree built and validated from the first
+    ``m`` parents, tokens, valid flags and child laws, of a static shape (whose prefix shape and
+    index are the shape's own, cached) or per-row parents; a size outside [1, n] is a ValueError."""
+    parents = data.draw(parent_lists(n))
+    m = data.draw(st.integers(1, n))
+    g = torch.Generator().manual_seed(n)
+    tokens, ids = torch.randint(0, 50, (2, n), generator=g), torch.randint(0, 50, (2, n, 3), generator=g)
+    valid = torch.rand(2, n, generator=g) < 0.7
+    valid[:, 0] = True
+    laws = dict(valid=valid, child_ids=ids, child_probs=torch.rand(2, n, 3, generator=g), with_replacement=True)
+    shape = TreeShape(tuple(parents))
+    for tree in (TokenTree.from_shape(shape, tokens, **laws), TokenTree(torch.tensor([parents] * 2), tokens, **laws)):
+        got = tree.prefix(m)
+        cut = {k: v[:, :m] if isinstance(v, torch.Tensor) else v for k, v in laws.items()}
+        want = TokenTree(tree.parents[..., :m], tokens[:, :m], **cut)
+        for name in ("parents", "tokens", "valid", "child_ids", "child_probs"):
+            assert torch.equal(getattr(got, name), getattr(want, name)), name
+        assert got.with_replacement and got.row_sizes is None and got.n == m
+        for name in ("parents", "depth", "pre", "last"):
+            assert torch.equal(getattr(got.index, name), getattr(want.index, name)), name
+        if tree.static_shape is not None:
+            assert got.static_shape == TreeShape(tuple(parents[:m])) and got.static_shape is shape.prefix(m)
+            assert got.index is shape.prefix(m).index()
+        for bad in (0, n + 1, 1.0):
+            with pytest.raises(ValueError, match=f"a prefix has 1 to {n} nodes, got {bad!r}"):
+                tree.prefix(bad)

@@ -61,8 +61,7 @@ import torch
 
 from .acceptance import PathRates, RowRates, chances, shape_structure, structure, valid_mask, walk
 from .cost import WAKE, CostProfile, bracketed_profile, cost_profile, default_sizes
-from .plans import (any_drafted, best_rows, best_size, cut_draft, cut_rows, plan_shape, remade, shape_prefix,
-                    weigh)
+from .plans import any_drafted, best_rows, best_size, cut_rows, plan_shape, remade, weigh
 from ..tree import TokenTree, TreeShape
 
 __all__ = ["AutoTree", "auto_tree", "tree_room"]
@@ -307,7 +306,7 @@ class AutoTree:
     # -- before drafting ----------------------------------------------------------------------
     def prefix(self, m: int) -> TreeShape:
         """The first ``m`` nodes of the current plan."""
-        return shape_prefix(self._order, m)
+        return self._order.prefix(m)
 
     def _best_size(self, order: TreeShape, draft_cost: np.ndarray, hazard: np.ndarray) -> tuple[int, float, float]:
         """The prefix of ``order`` with the most expected tokens per millisecond: its size, that
@@ -651,7 +650,7 @@ class AutoTree:
             return None
         self._promised = (promised, active.copy())
         self._predicted = ("tree", drafting + self.cost[m])
-        return draft if m == draft.n else cut_draft(draft, m)
+        return draft if m == draft.n else draft.prefix(m)
 
     def _packed_ms(self, total, rows: int):
         """The target's part of an iteration scoring ``total`` nodes (an int or an array) of
@@ -870,7 +869,7 @@ def auto_tree(model, drafter, batch: int, *, mode: str, sampled: bool = False, c
     fills = getattr(drafter, "fills_shapes", True)
     profile = (bracketed_profile if bracketed else cost_profile)(
         model, batch, drafter=drafter if fills else None, mode=mode, sampled=sampled,
-        shapes=[shape_prefix(prior, n) for n in sizes if n >= 2], refresh=refresh, check=adaptive,
+        shapes=[prior.prefix(n) for n in sizes if n >= 2], refresh=refresh, check=adaptive,
         scan="chain" if chain else "tree")
     # adaptive choosers of one profile hand on what they learned: a later call starts from it
     scale, rates = (None, None) if not adaptive else _LEARNED.setdefault(profile, ({"plain": 1.0, "tree": 1.0},

@@ -3,13 +3,11 @@
 (:func:`best_first`, :func:`plan_shape`); before drafting, the size of such a plan with the most
 expected tokens per millisecond (:func:`best_size`); after drafting, the prefix of the draft with
 the most (:func:`best_prefix`, weighed in one call by :func:`weigh`), or each row's own prefix for
-a packed pass (:func:`best_rows`); and drafts cut to those prefixes (:func:`cut_draft`,
+a packed pass (:func:`best_rows`); and drafts cut to those prefixes (``TokenTree.prefix``,
 :func:`cut_rows`).
 """
 
 from __future__ import annotations
-
-import functools
 
 import numpy as np
 import torch
@@ -18,13 +16,8 @@ from numba import njit
 from ..tree import TokenTree, TreeShape
 from .acceptance import PathRates, chances
 
-__all__ = ["any_drafted", "best_first", "best_prefix", "best_rows", "best_size", "cut_draft", "cut_rows", "plan_shape",
-           "remade", "shape_prefix", "weigh"]
-
-
-@functools.lru_cache(maxsize=256)
-def shape_prefix(shape: TreeShape, m: int) -> TreeShape:
-    return TreeShape(shape.parents[:m])
+__all__ = ["any_drafted", "best_first", "best_prefix", "best_rows", "best_size", "cut_rows", "plan_shape", "remade",
+           "weigh"]
 
 
 @njit(cache=True)
@@ -231,7 +224,7 @@ def cut_rows(draft: TokenTree, sizes: np.ndarray) -> TokenTree:
     """Row r of ``draft`` cut to its first ``sizes[r]`` nodes: the draft cut to the largest, the
     nodes past each row's own size invalid, and the sizes kept for a packed pass."""
     top = int(sizes.max())
-    draft = draft if top == draft.n else cut_draft(draft, top)
+    draft = draft if top == draft.n else draft.prefix(top)
     keep = torch.arange(top)[None] < torch.from_numpy(sizes)[:, None]
     valid = keep if draft.valid is None else draft.valid & keep
     return remade(draft, valid=valid, child_ids=draft.child_ids, child_probs=draft.child_probs,
@@ -245,11 +238,3 @@ def remade(draft: TokenTree, **fields) -> TokenTree:
     return TokenTree(draft.parents, draft.tokens, **fields)
 
 
-def cut_draft(draft: TokenTree, m: int) -> TokenTree:
-    """The first ``m`` nodes of ``draft`` (parents come first, so they are a tree)."""
-    cut = lambda t: None if t is None else t[:, :m]  # noqa: E731
-    extra = dict(valid=cut(draft.valid), child_ids=cut(draft.child_ids), child_probs=cut(draft.child_probs),
-                 with_replacement=draft.with_replacement)
-    if draft.static_shape is not None:
-        return TokenTree.from_shape(shape_prefix(draft.static_shape, m), draft.tokens[:, :m], **extra)
-    return TokenTree(draft.parents[..., :m], draft.tokens[:, :m], **extra)
