@@ -180,9 +180,11 @@ def product_unchecked(x: torch.Tensor, packed: torch.Tensor, out_features: int, 
         if out is None:
             out = torch.empty(m, out_features)
     else:
-        m, ldx = x.numel() // x.shape[-1], x.shape[-1]
-        if out is None:
-            out = torch.empty((*x.shape[:-1], out_features))
+        shape = x.shape
+        m, ldx = x.numel() // shape[-1], shape[-1]
+        if out is None:  # (a tree pass's [b, n, K] as three ints: a tuple of its dims took twice as long)
+            out = torch.empty(shape[0], shape[1], out_features) if len(shape) == 3 else \
+                torch.empty((*shape[:-1], out_features))
     if m:
         _lib().stree_gemm_args(_ARGS.pack(x.data_ptr(), m, x.shape[-1], ldx, packed.data_ptr(), out_features,
                                           out.data_ptr(), out_features, 0 if bias is None else bias.data_ptr(),
