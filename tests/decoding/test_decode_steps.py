@@ -5,6 +5,8 @@ import sys
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from host_sync import count_host_syncs
 from tiny_models import FAMILIES, VOCAB
 
@@ -82,7 +84,8 @@ def test_on_the_cpu_a_step_hands_the_host_what_a_devices_transfer_would(family, 
     the same HostStep, field by field and dtype, and the same verification, as the device path
     gives from the same cache; nothing is copied to the host, which holds it already. A tree
     step's target laws are the same where a drafter reads them (each row's first ``counts[b]``
-    tokens); the host computes none for the paths' padding, which it leaves 0."""
+    tokens; ids of equal probabilities would run in id order on the host, in torch's own on the
+    device: these laws have none); the host computes none for the paths' padding, which it leaves 0."""
     params = SamplingParams(temperature=temperature)
     got = {}
     for on_host in (True, False):
@@ -294,3 +297,39 @@ def test_the_compiled_greedy_iteration_equals_the_eager_step(family, top_k):
         for b, n in enumerate(eager.seqlens.tolist()):
             torch.testing.assert_close(runner.cache.k[:, b, :n], eager.k[:, b, :n], atol=1e-5, rtol=1e-5)
             torch.testing.assert_close(runner.cache.v[:, b, :n], eager.v[:, b, :n], atol=1e-5, rtol=1e-5)
+
+
+@settings(max_examples=40, deadline=None)
+@given(batch=st.integers(1, 3), nodes=st.integers(1, 6), vocab=st.integers(1, 40), k=st.integers(0, 50),
+       ties=st.booleans(), seed=st.integers(0, 999), data=st.data())
+def test_the_hosts_path_laws_are_the_top_entries_of_each_real_path_node(batch, nodes, vocab, k, ties, seed, data):
+    """``_path_laws`` (the CPU's laws along the accepted paths, compiled): at each row's first
+    ``num[b]`` path nodes the law's ``k`` largest probabilities in torch.topk's values, their ids
+    holding them (where values tie, the lower id first; elsewhere torch's ids), the emitted token's
+    own probability; zeros past the paths. ``k`` 0 (``logprobs=0``): the own probabilities alone."""
+    from stree.decoding.steps import _path_laws
+
+    g = torch.Generator().manual_seed(seed)
+    x = torch.rand(batch, nodes, vocab, generator=g)
+    if ties:  # (equal values, and an underflowed law's zeros)
+        x = (x * 4).floor() / 4
+    num = torch.tensor([data.draw(st.integers(1, nodes)) for _ in range(batch)])
+    accepted = torch.randint(0, nodes, (batch, nodes), generator=g)
+    accepted[:, 0] = 0
+    tokens = torch.randint(0, vocab, (batch, nodes), generator=g)
+    ids, probs, own = _path_laws(x, accepted, num, tokens, k)
+    kk = min(k, vocab)
+    assert ids.shape == probs.shape == (batch, nodes, kk) and own.shape == (batch, nodes)
+    for b in range(batch):
+        for t in range(nodes):
+            if t >= int(num[b]):
+                assert not ids[b, t].any() and not probs[b, t].any() and own[b, t] == 0
+                continue
+            law = x[b, int(accepted[b, t])]
+            want = torch.topk(law, kk)
+            assert torch.equal(probs[b, t], want.values) and own[b, t] == law[tokens[b, t]]
+            assert torch.equal(law[ids[b, t]], probs[b, t]) and len(set(ids[b, t].tolist())) == kk
+            for j in range(kk - 1):  # equal values in id order
+                assert probs[b, t, j] > probs[b, t, j + 1] or ids[b, t, j] < ids[b, t, j + 1]
+            if len(set(law.tolist())) == vocab:
+                assert torch.equal(ids[b, t], want.indices)
