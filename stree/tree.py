@@ -371,10 +371,13 @@ def _shape_index(shape: "TreeShape", device: torch.device) -> TreeIndex:
     return index
 
 
+def _check_prefix(m, n: int) -> None:
+    if isinstance(m, bool) or not isinstance(m, int) or not 1 <= m <= n:
+        raise ValueError(f"a prefix has 1 to {n} nodes, got {m!r}")
+
+
 @functools.lru_cache(maxsize=1024)
 def _shape_prefix(shape: "TreeShape", m: int) -> "TreeShape":
-    if not isinstance(m, int) or not 1 <= m <= shape.n:
-        raise ValueError(f"a prefix has 1 to {shape.n} nodes, got {m!r}")
     return TreeShape(shape.parents[:m])
 
 
@@ -451,6 +454,7 @@ class TreeShape:
 
     def prefix(self, m: int) -> "TreeShape":
         """The first ``m`` nodes (parents come first: a tree), made once per shape and size."""
+        _check_prefix(m, self.n)  # (before the cache, which takes 1.0 and True for 1)
         return _shape_prefix(self, m)
 
     @classmethod
@@ -755,8 +759,7 @@ class TokenTree:
         """The first ``m`` nodes of every row (parents come first: a tree), with their tokens and
         the laws they carry; not validated again, as this tree was (a decode loop cuts its draft
         to the size it chose every step, where validating the cut cost as much as drafting)."""
-        if not isinstance(m, int) or not 1 <= m <= self.n:
-            raise ValueError(f"a prefix has 1 to {self.n} nodes, got {m!r}")
+        _check_prefix(m, self.n)
         cut = lambda t: None if t is None else t[:, :m]  # noqa: E731
         tree = TokenTree.__new__(TokenTree)
         tree.tokens, tree.valid, tree.child_ids, tree.child_probs = (cut(t) for t in (

@@ -212,6 +212,7 @@ def test_a_trees_prefix_is_the_validated_tree_of_its_first_nodes(n, data):
         if tree.static_shape is not None:
             assert got.static_shape == TreeShape(tuple(parents[:m])) and got.static_shape is shape.prefix(m)
             assert got.index is shape.prefix(m).index()
-        for bad in (0, n + 1, 1.0):
-            with pytest.raises(ValueError, match=f"a prefix has 1 to {n} nodes, got {bad!r}"):
-                tree.prefix(bad)
+        for bad in (0, n + 1, 1.0, True):
+            for owner in (tree, shape):
+                with pytest.raises(ValueError, match=f"a prefix has 1 to {n} nodes, got {bad!r}"):
+                    owner.prefix(bad)

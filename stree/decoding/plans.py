@@ -236,5 +236,3 @@ def remade(draft: TokenTree, **fields) -> TokenTree:
     if draft.static_shape is not None:
         return TokenTree.from_shape(draft.static_shape, draft.tokens, **fields)
     return TokenTree(draft.parents, draft.tokens, **fields)
-
-
