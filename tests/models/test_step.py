@@ -138,3 +138,39 @@ def test_a_step_after_a_tree_pass_makes_its_commit_an_error(family):
     model.step(tok, cache)
     with pytest.raises(ValueError, match="tree_pass is stale"):
         model.commit(cache, tree_pass, torch.zeros(2, 1, dtype=torch.long), torch.ones(2, dtype=torch.long))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_the_caches_numpy_views_are_its_states_memory(dtype):
+    """What the CPU's bound kernels read and advance the states through (made once per cache, not
+    converted on every call): the stacked states' and each layer's NumPy views are the tensors'
+    memory, so a step through them moves the cache and a write to the cache shows in them; a half
+    conv state (read through a float32 copy), a state that requires grad, or a new cache from
+    ``select`` gets none of the old ones. A step through the views equals one whose states were
+    converted on the call."""
+    import numpy as np
+
+    model = FAMILIES["mamba2"]().to(dtype)
+    cache, roots = _prefilled(model, [5, 7], seed=3)
+    conv, ssm = cache.arrays
+    assert ssm is not None and np.shares_memory(ssm, cache.ssm.numpy())
+    assert (conv is None) == (dtype != torch.float32)
+    layer = cache.layers[1]
+    assert layer.arrays is layer.arrays and np.shares_memory(layer.arrays[1], ssm)
+    assert np.shares_memory(layer.arrays[1], layer.ssm.numpy()) and layer.arrays[1].shape == tuple(layer.ssm.shape)
+    before = layer.ssm.clone()
+    cache.ssm[1].add_(1.0)
+    assert torch.equal(torch.from_numpy(layer.arrays[1]), before + 1.0)
+    cache.ssm[1].sub_(1.0)
+    twin = cache.clone()
+    assert not np.shares_memory(twin.arrays[1], ssm) and not np.shares_memory(twin.layers[1].arrays[1], ssm)
+    logits = model.step(roots, cache)
+    assert not torch.equal(cache.layers[1].ssm, before)  # advanced in place through the views
+    for state in twin.layers:
+        if state is not None:
+            state._arrays = (None, None)  # converted on the call instead
+    assert torch.equal(model.step(roots, twin), logits)
+    for t_new, t_old in zip((cache.conv, cache.ssm), (twin.conv, twin.ssm)):
+        assert torch.equal(t_new, t_old)
+    grad = type(layer)(layer.conv.float().requires_grad_(), layer.ssm.clone().requires_grad_())
+    assert grad.arrays == (None, None)

@@ -58,6 +58,12 @@ def _aligned_empty(shape: tuple) -> np.ndarray:
     return buf[start: start + n].reshape(shape)
 
 
+def _state(t: torch.Tensor, view: np.ndarray | None) -> np.ndarray:
+    """A state tensor's memory as an array: ``view`` (the cache's, :attr:`SSMLayerState.arrays`)
+    where given."""
+    return view if view is not None else as_numpy(t)
+
+
 class RMSNormJit:
     """:func:`~stree.kernels.rms_norm` with ``weight [dim]`` (a CPU float32 tensor, read as it is
     now) and ``eps``, of CPU float32 activations ``[..., dim]``."""
@@ -175,7 +181,7 @@ class Mamba2LayerJit:
 
     def tree(self, proj: torch.Tensor, parents: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor,
              dt_limit, into: tuple[np.ndarray, ...] | None = None,
-             chain: bool = False) -> tuple[torch.Tensor, tuple | None]:
+             chain: bool = False, states: tuple = (None, None)) -> tuple[torch.Tensor, tuple | None]:
         """:func:`~stree.kernels.tree_conv1d` with SiLU, :func:`~stree.kernels.tree_scan` with D,
         dt_bias, softplus and ``dt_limit`` ``(lo, hi)``, and the gated norm, of proj ``[b, n, ...]``
         over parents ``[rows, n]`` (rows 1 or b), conv_state ``[b, dim, K]`` and ssm_state
@@ -186,7 +192,8 @@ class Mamba2LayerJit:
         contiguous copies of xBC, x and B: those are the copies written into ``into``, so a pass
         that stacks nothing afterwards copies no more than one that does. ``chain``: the nodes are
         a chain (``scan="chain"``) and the scan is its recurrence
-        (:func:`~stree.kernels.multistep_update`'s), not each node's path."""
+        (:func:`~stree.kernels.multistep_update`'s), not each node's path. ``states``: the conv and
+        SSM states' arrays where the caller has them (:attr:`~stree.models.cache.SSMLayerState.arrays`)."""
         wide = proj if proj.dtype == torch.float32 else proj.float()
         rows, nodes = proj.shape[0], proj.shape[1]
         arrays = into if into is not None else tuple(np.empty((rows, nodes, *tail), dtype=np.float32)
@@ -197,14 +204,16 @@ class Mamba2LayerJit:
         if not (parallel_rows(rows, rows * nodes * scan_work) or parallel_rows(rows, rows * nodes * conv_work)):
             # (two compiled calls: see .layer_jit)
             conv_t = torch.empty((rows, nodes, self.dim), dtype=torch.float32)
-            tree_layer_in(as_numpy(wide), self.d_inner, pa, as_numpy(self._wide(conv_state)), self.conv_weight,
-                          self.conv_bias, self.has_conv_bias, arrays[0], arrays[2], as_numpy(conv_t))
+            wide_conv = self._wide(conv_state)
+            conv_arr = _state(wide_conv, states[0] if wide_conv is conv_state else None)
+            tree_layer_in(as_numpy(wide), self.d_inner, pa, conv_arr, self.conv_weight, self.conv_bias,
+                          self.has_conv_bias, arrays[0], arrays[2], as_numpy(conv_t))
             F.silu(conv_t, inplace=True)  # (vectorised, as the public kernel's)
             conv = as_numpy(conv_t)
             _round(conv, self.dtype)
             out = torch.empty((rows, nodes, self.d_inner), dtype=torch.float32)
             tree_layer_out(conv, self.x_dim, self.B_dim, arrays[2], self.A, self.D, self.dt_bias, lo, hi, pa,
-                           as_numpy(ssm_state), chain, self._rounding, arrays[1], arrays[3],
+                           _state(ssm_state, states[1]), chain, self._rounding, arrays[1], arrays[3],
                            _aligned_empty(arrays[1].shape), as_numpy(F.silu(wide[..., : self.d_inner])),
                            self.norm_weight, self.eps, self.gate_first, as_numpy(out))
             out = out if self.dtype == torch.float32 else out.to(self.dtype)
@@ -238,21 +247,24 @@ class Mamba2LayerJit:
         return self._gated_norm(y, wide)
 
     # -- a step: one token a row, the states advanced in place --------------------------------
-    def step(self, proj: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor, dt_limit) -> torch.Tensor:
+    def step(self, proj: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor, dt_limit,
+             states: tuple = (None, None)) -> torch.Tensor:
         """:func:`~stree.kernels.conv_step` with SiLU, :func:`~stree.kernels.selective_state_update`
         (as :meth:`tree`) and the gated norm of proj ``[b, ...]``, advancing conv_state
-        ``[b, dim, K]`` and ssm_state ``[b, h, p, s]``: the norm's output ``[b, d_inner]``."""
+        ``[b, dim, K]`` and ssm_state ``[b, h, p, s]``: the norm's output ``[b, d_inner]``.
+        ``states``: as :meth:`tree`'s."""
         wide = self._wide(proj)
         _, xBC, dt = self._split(as_numpy(wide))
         conv_wide = self._wide(conv_state)  # (a half state advances in a float32 copy, copied back: a shift)
         conv = np.empty(xBC.shape, dtype=np.float32)
-        conv_step_rows(xBC, as_numpy(conv_wide), self.conv_weight, self.conv_bias, self.has_conv_bias, True, conv)
+        conv_step_rows(xBC, _state(conv_wide, states[0] if conv_wide is conv_state else None), self.conv_weight,
+                       self.conv_bias, self.has_conv_bias, True, conv)
         if conv_wide is not conv_state:
             conv_state.copy_(conv_wide)
         _round(conv, self.dtype)
         x, B, C = self._ssm_inputs(conv)
         y = np.empty(x.shape, dtype=np.float32)
-        state_update_rows(as_numpy(ssm_state), x, dt, self.A, B, C, self.D, True, self.dt_bias, True, True,
+        state_update_rows(_state(ssm_state, states[1]), x, dt, self.A, B, C, self.D, True, self.dt_bias, True, True,
                           float(dt_limit[0]), float(dt_limit[1]), y)
         _round(y, self.dtype)
         return self._gated_norm(y, wide)
@@ -273,13 +285,14 @@ def replay_in_place(ssm_state: torch.Tensor, conv_state: torch.Tensor, xBC: torc
 
 def replay_arrays(ssm_state: torch.Tensor, conv_state: torch.Tensor, scratch: tuple, A: np.ndarray,
                   dt_bias: np.ndarray, accepted: torch.Tensor, num_accepted: torch.Tensor,
-                  dt_limit: tuple[float, float]) -> None:
+                  dt_limit: tuple[float, float], states: tuple = (None, None)) -> None:
     """:func:`replay_in_place` of the activations ``scratch`` (xBC, x, dt, B), ``A`` and
     ``dt_bias`` as the float32 arrays they are (where the bound kernels wrote them: a commit then
-    converts nothing of them)."""
-    state = as_numpy(ssm_state)
+    converts nothing of them); ``states``: the conv and SSM states' arrays where the caller has them
+    (:attr:`~stree.models.cache.ModelCache.arrays`)."""
+    state = _state(ssm_state, states[1])
     conv_wide = conv_state if conv_state.dtype == torch.float32 else conv_state.float()
-    conv = as_numpy(conv_wide)
+    conv = _state(conv_wide, states[0] if conv_wide is conv_state else None)
     replay_layers(state, conv, *scratch, A, dt_bias, True, True, float(dt_limit[0]), float(dt_limit[1]),
                   np.ascontiguousarray(as_numpy(accepted)), as_numpy(num_accepted), state, conv)
     if conv_wide is not conv_state:

@@ -164,7 +164,8 @@ class Mamba2Mixer(nn.Module):
             jit = self.bound(ctx.kernel_backend, proj, state)
             if jit is not None:
                 out, scratch = jit.tree(proj, ctx.index.parents, state.conv, state.ssm, self.dt_limit(ctx.prefill),
-                                        _slots(ctx, state.index, jit, proj.shape[:-1]), chain=ctx.scan == "chain")
+                                        _slots(ctx, state.index, jit, proj.shape[:-1]), chain=ctx.scan == "chain",
+                                        states=state.arrays)
                 return self.out_proj(out), scratch
         z, xBC, dt = self._split(proj)
         conv_out = tree_conv1d(xBC, ctx.index, state.conv, self.conv1d.weight, self.conv1d.bias,
@@ -184,7 +185,7 @@ class Mamba2Mixer(nn.Module):
         proj = self._proj(u)
         jit = self.bound(ctx.kernel_backend, proj, state)
         if jit is not None:
-            return self.out_proj(jit.step(proj, state.conv, state.ssm, self.dt_limit(False)))
+            return self.out_proj(jit.step(proj, state.conv, state.ssm, self.dt_limit(False), state.arrays))
         z, xBC, dt = self._split(proj)
         conv = conv_step(xBC, state.conv, self.conv1d.weight, self.conv1d.bias, backend=ctx.kernel_backend)
         x, B, C = self._ssm_inputs(conv)
@@ -210,7 +211,8 @@ class Mamba2Mixer(nn.Module):
             # model checked it is the pass's): their parameters and the scratch's arrays as they are
             A, dt_bias = derived(model, "ssm_replay_constants", lambda: tuple(np.stack(p) for p in zip(
                 *((k.A, k.dt_bias) for k in kernels))), key=tuple(kernels))
-            replay_arrays(cache.ssm, cache.conv, scratch.arrays, A, dt_bias, accepted, num_accepted, dt_limit)
+            replay_arrays(cache.ssm, cache.conv, scratch.arrays, A, dt_bias, accepted, num_accepted, dt_limit,
+                          cache.arrays)
             return
         A, dt_bias = derived(model, "ssm_A_dt_bias",
                              lambda: (torch.stack([m.A() for m in mixers]), torch.stack([m.dt_bias for m in mixers])),
