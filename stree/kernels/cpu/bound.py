@@ -58,10 +58,10 @@ def _aligned_empty(shape: tuple) -> np.ndarray:
     return buf[start: start + n].reshape(shape)
 
 
-def _state(t: torch.Tensor, view: np.ndarray | None) -> np.ndarray:
+def _state(t: torch.Tensor, view: np.ndarray | None, of: torch.Tensor | None = None) -> np.ndarray:
     """A state tensor's memory as an array: ``view`` (the cache's, :attr:`SSMLayerState.arrays`)
-    where given."""
-    return view if view is not None else as_numpy(t)
+    where given and ``t`` is the tensor it views (``of``, where ``t`` may be a float32 copy of it)."""
+    return view if view is not None and (of is None or t is of) else as_numpy(t)
 
 
 class RMSNormJit:
@@ -204,10 +204,8 @@ class Mamba2LayerJit:
         if not (parallel_rows(rows, rows * nodes * scan_work) or parallel_rows(rows, rows * nodes * conv_work)):
             # (two compiled calls: see .layer_jit)
             conv_t = torch.empty((rows, nodes, self.dim), dtype=torch.float32)
-            wide_conv = self._wide(conv_state)
-            conv_arr = _state(wide_conv, states[0] if wide_conv is conv_state else None)
-            tree_layer_in(as_numpy(wide), self.d_inner, pa, conv_arr, self.conv_weight, self.conv_bias,
-                          self.has_conv_bias, arrays[0], arrays[2], as_numpy(conv_t))
+            tree_layer_in(as_numpy(wide), self.d_inner, pa, _state(self._wide(conv_state), states[0], conv_state),
+                          self.conv_weight, self.conv_bias, self.has_conv_bias, arrays[0], arrays[2], as_numpy(conv_t))
             F.silu(conv_t, inplace=True)  # (vectorised, as the public kernel's)
             conv = as_numpy(conv_t)
             _round(conv, self.dtype)
@@ -257,8 +255,8 @@ class Mamba2LayerJit:
         _, xBC, dt = self._split(as_numpy(wide))
         conv_wide = self._wide(conv_state)  # (a half state advances in a float32 copy, copied back: a shift)
         conv = np.empty(xBC.shape, dtype=np.float32)
-        conv_step_rows(xBC, _state(conv_wide, states[0] if conv_wide is conv_state else None), self.conv_weight,
-                       self.conv_bias, self.has_conv_bias, True, conv)
+        conv_step_rows(xBC, _state(conv_wide, states[0], conv_state), self.conv_weight, self.conv_bias,
+                       self.has_conv_bias, True, conv)
         if conv_wide is not conv_state:
             conv_state.copy_(conv_wide)
         _round(conv, self.dtype)
@@ -292,7 +290,7 @@ def replay_arrays(ssm_state: torch.Tensor, conv_state: torch.Tensor, scratch: tu
     (:attr:`~stree.models.cache.ModelCache.arrays`)."""
     state = _state(ssm_state, states[1])
     conv_wide = conv_state if conv_state.dtype == torch.float32 else conv_state.float()
-    conv = _state(conv_wide, states[0] if conv_wide is conv_state else None)
+    conv = _state(conv_wide, states[0], conv_state)
     replay_layers(state, conv, *scratch, A, dt_bias, True, True, float(dt_limit[0]), float(dt_limit[1]),
                   np.ascontiguousarray(as_numpy(accepted)), as_numpy(num_accepted), state, conv)
     if conv_wide is not conv_state:
