@@ -26,7 +26,7 @@ from .replay_jit import replay_layers
 from .round_jit import round_half
 from .step_jit import conv_step_rows, state_update_rows
 from .layer_jit import tree_layer_in, tree_layer_out
-from .tree_jit import chain_scan_rows, parallel_rows, takes_tree, tree_conv_rows, tree_scan_rows
+from .tree_jit import aligned_empty, chain_scan_rows, parallel_rows, takes_tree, tree_conv_rows, tree_scan_rows
 
 __all__ = ["Mamba2LayerJit", "RMSNormJit", "replay_arrays", "replay_in_place"]
 
@@ -49,13 +49,8 @@ def _round(a: np.ndarray, dtype: torch.dtype) -> None:
 
 
 def _aligned_empty(shape: tuple) -> np.ndarray:
-    """A float32 array starting on a 64-byte boundary, as torch's memory does: NumPy aligns to 16
-    bytes only, and the tree scan, adding into its output's rows in place, ran at about half speed
-    on an output off a 32-byte boundary (the shipped target's sizes: docs/kernels.md)."""
-    n = math.prod(shape)
-    buf = np.empty(n + 16, dtype=np.float32)
-    start = (-buf.__array_interface__["data"][0] % 64) // 4
-    return buf[start: start + n].reshape(shape)
+    """A float32 array of ``shape`` starting on a 64-byte boundary (:func:`.tree_jit.aligned_empty`)."""
+    return aligned_empty(math.prod(shape)).reshape(shape)
 
 
 def _state(t: torch.Tensor, view: np.ndarray | None, of: torch.Tensor | None = None) -> np.ndarray:
@@ -179,13 +174,13 @@ class Mamba2LayerJit:
         c_groups = (self.dim - self.x_dim - self.B_dim) // self.d_state
         return (self.dim,), (self.heads, self.headdim), (self.heads,), (c_groups, self.d_state)
 
-    def tree(self, proj: torch.Tensor, parents: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor,
-             dt_limit, into: tuple[np.ndarray, ...] | None = None,
+    def tree(self, proj: torch.Tensor, parents: torch.Tensor | np.ndarray, conv_state: torch.Tensor,
+             ssm_state: torch.Tensor, dt_limit, into: tuple[np.ndarray, ...] | None = None,
              chain: bool = False, states: tuple = (None, None)) -> tuple[torch.Tensor, tuple | None]:
         """:func:`~stree.kernels.tree_conv1d` with SiLU, :func:`~stree.kernels.tree_scan` with D,
         dt_bias, softplus and ``dt_limit`` ``(lo, hi)``, and the gated norm, of proj ``[b, n, ...]``
-        over parents ``[rows, n]`` (rows 1 or b), conv_state ``[b, dim, K]`` and ssm_state
-        ``[b, h, p, s]``: the norm's output ``[b, n, d_inner]`` and what replay reads, (xBC, x,
+        over parents ``[rows, n]`` (rows 1 or b; int64, a tensor or its array), conv_state ``[b, dim,
+        K]`` and ssm_state ``[b, h, p, s]``: the norm's output ``[b, n, d_inner]`` and what replay reads, (xBC, x,
         dt, B) as tensors of the activations' dtype; or, given ``into`` (four float32 arrays of
         :meth:`scratch_tails`' shapes after ``[b, n]``: the layer's part of the pass's stacked
         scratch), written there (a half model's values, exactly), and None. The kernels read
@@ -199,21 +194,21 @@ class Mamba2LayerJit:
         arrays = into if into is not None else tuple(np.empty((rows, nodes, *tail), dtype=np.float32)
                                                      for tail in self.scratch_tails())
         lo, hi = float(dt_limit[0]), float(dt_limit[1])
-        pa = as_numpy(parents)
+        pa = parents if isinstance(parents, np.ndarray) else as_numpy(parents)
         scan_work, conv_work = self._node_work
         if not (parallel_rows(rows, rows * nodes * scan_work) or parallel_rows(rows, rows * nodes * conv_work)):
             # (two compiled calls: see .layer_jit)
             conv_t = torch.empty((rows, nodes, self.dim), dtype=torch.float32)
-            tree_layer_in(as_numpy(wide), self.d_inner, pa, _state(self._wide(conv_state), states[0], conv_state),
-                          self.conv_weight, self.conv_bias, self.has_conv_bias, arrays[0], arrays[2], as_numpy(conv_t))
-            F.silu(conv_t, inplace=True)  # (vectorised, as the public kernel's)
             conv = as_numpy(conv_t)
+            tree_layer_in(as_numpy(wide), self.d_inner, pa, _state(self._wide(conv_state), states[0], conv_state),
+                          self.conv_weight, self.conv_bias, self.has_conv_bias, arrays[0], arrays[2], conv)
+            F.silu(conv_t, inplace=True)  # (vectorised, as the public kernel's)
             _round(conv, self.dtype)
             out = torch.empty((rows, nodes, self.d_inner), dtype=torch.float32)
             tree_layer_out(conv, self.x_dim, self.B_dim, arrays[2], self.A, self.D, self.dt_bias, lo, hi, pa,
                            _state(ssm_state, states[1]), chain, self._rounding, arrays[1], arrays[3],
-                           _aligned_empty(arrays[1].shape), as_numpy(F.silu(wide[..., : self.d_inner])),
-                           self.norm_weight, self.eps, self.gate_first, as_numpy(out))
+                           as_numpy(F.silu(wide[..., : self.d_inner])), self.norm_weight, self.eps, self.gate_first,
+                           as_numpy(out))
             out = out if self.dtype == torch.float32 else out.to(self.dtype)
         else:
             out = self._tree_in_parallel(wide, pa, conv_state, ssm_state, lo, hi, arrays, chain)

@@ -19,7 +19,7 @@ from numba import njit
 
 from .norm_jit import gated_rms_norm_rows
 from .round_jit import round_half
-from .tree_jit import chain_row, conv_row, scan_row
+from .tree_jit import aligned_empty, chain_row, conv_row, scan_row
 
 __all__ = ["tree_layer_in", "tree_layer_out"]
 
@@ -40,12 +40,12 @@ def tree_layer_in(proj, d_inner, parents, state, weight, bias, has_bias, xBC, dt
 
 
 @njit(cache=True)
-def tree_layer_out(conv, x_dim, B_dim, dt, A, D, bias, lo, hi, parents, x0, chain, rounding, x, B, y, gate,
-                   norm_weight, eps, gate_first, out):
+def tree_layer_out(conv, x_dim, B_dim, dt, A, D, bias, lo, hi, parents, x0, chain, rounding, x, B, gate, norm_weight,
+                   eps, gate_first, out):
     """From the conv's output ``[b, n, dim]`` (after its SiLU): writes x ``[b, n, h, p]`` and B
     ``[b, n, g, s]`` (x's first ``x_dim`` channels in heads, B's next ``B_dim`` in groups, each
     repeated to h heads / C's g groups where narrower: MambaInLlama's d_xb variant), the scan
-    into y (zeroed or not: the scan writes each row before adding; with D, dt_bias, softplus and
+    into y (made here, aligned: :func:`.tree_jit.aligned_empty`; with D, dt_bias, softplus and
     the clamp ``lo``, ``hi``; the tree's over parents, or with ``chain`` the chain recurrence),
     rounded where ``rounding`` says (-1 none, 0 float16, 1 bfloat16), and ``out`` ``[b, n, h *
     p]``, the gated RMS norm of y by ``gate`` (silu(z)) with norm_weight ``[groups, group]``."""
@@ -54,6 +54,7 @@ def tree_layer_out(conv, x_dim, B_dim, dt, A, D, bias, lo, hi, parents, x0, chai
     x_rep, b_rep = heads // (x_dim // headdim), groups // (B_dim // dstate)
     c_at = x_dim + B_dim
     C = np.empty((batch, n, groups, dstate), dtype=np.float32)
+    y = aligned_empty(x.size).reshape(x.shape)
     no_final = np.empty((1, 1, 1, 1), dtype=np.float32)  # (the chain's final state: not kept here)
     for b in range(batch):
         for i in range(n):

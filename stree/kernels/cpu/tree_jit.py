@@ -31,8 +31,8 @@ from numba import njit, prange
 from .._common import jit_takes
 from .step_jit import processed_dt
 
-__all__ = ["JIT_MAX_NODES", "SHALLOW", "chain_row", "chain_scan_rows", "conv_row", "jit_tree_fits", "parallel_rows",
-           "scan_row", "takes_tree", "tree_conv_rows", "tree_scan_rows"]
+__all__ = ["JIT_MAX_NODES", "SHALLOW", "aligned_empty", "chain_row", "chain_scan_rows", "conv_row", "jit_tree_fits",
+           "parallel_rows", "scan_row", "takes_tree", "tree_conv_rows", "tree_scan_rows"]
 
 # A scan of a tree of at most this many nodes a row takes the compiled tree kernel (decoding
 # trees); a longer chain (a prompt) the chain kernel, a longer tree the tree kernel where it is
@@ -83,6 +83,18 @@ def takes_tree(index) -> bool:
 def parallel_rows(rows: int, work: int) -> bool:
     """Whether a call of ``rows`` rows visiting ``work`` elements runs them in parallel."""
     return rows > 1 and work >= PARALLEL_WORK
+
+
+@njit(cache=True)
+def aligned_empty(n):
+    """A float32 array of ``n`` elements starting on a 64-byte boundary, as torch's memory does:
+    NumPy aligns to 16 bytes only, and the tree scan, adding into its output's rows in place, ran at
+    about half speed on an output off a 32-byte boundary (the shipped target's sizes:
+    docs/kernels.md). Compiled, because the address read from Python (``__array_interface__``, a
+    few microseconds hot) cost a tree pass's layer several times that between its products."""
+    buf = np.empty(n + 16, dtype=np.float32)
+    start = (-buf.ctypes.data % 64) // 4
+    return buf[start: start + n]
 
 
 def tree_conv_rows(xBC, parents, state, weight, bias, has_bias, out):

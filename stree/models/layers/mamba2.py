@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from ...kernels import conv_step, multistep_update, replay, selective_state_update, tree_conv1d, tree_scan
-from ...kernels._common import FLOAT_DTYPES
+from ...kernels._common import FLOAT_DTYPES, as_numpy
 from ...kernels.cpu.bound import Mamba2LayerJit, replay_arrays, replay_in_place
 from ...tree import TreeIndex, leaf_paths
 from ..base import derived, value_key
@@ -163,7 +163,7 @@ class Mamba2Mixer(nn.Module):
         if ctx.scan in ("tree", "chain") and isinstance(ctx.index, TreeIndex) and Mamba2LayerJit.takes_tree(ctx.index):
             jit = self.bound(ctx.kernel_backend, proj, state)
             if jit is not None:
-                out, scratch = jit.tree(proj, ctx.index.parents, state.conv, state.ssm, self.dt_limit(ctx.prefill),
+                out, scratch = jit.tree(proj, _parents(ctx.index), state.conv, state.ssm, self.dt_limit(ctx.prefill),
                                         _slots(ctx, state.index, jit, proj.shape[:-1]), chain=ctx.scan == "chain",
                                         states=state.arrays)
                 return self.out_proj(out), scratch
@@ -230,6 +230,12 @@ class Mamba2Mixer(nn.Module):
         replay(cache.ssm, cache.conv, *scratch.parts(), A, accepted, num_accepted,
                dt_bias=dt_bias, dt_limit=dt_limit, validate=False, out=(cache.ssm, cache.conv),
                cu_seqlens=cu_seqlens, backend=kernel_backend)
+
+
+def _parents(index: TreeIndex):
+    """The tree's parents as the array the bound kernels read, made once for a pass's layers (each
+    layer's ``.numpy()`` was four dispatcher calls)."""
+    return index.memo("parents_array", lambda: as_numpy(index.parents))
 
 
 def _slots(ctx, k: int, jit: Mamba2LayerJit, lead: torch.Size) -> tuple:
