@@ -69,17 +69,47 @@ def _ssm_inputs(conv, sz):
 @given(tree=trees(max_n=JIT_MAX_NODES), shape=ssm_shapes(), d_per_dim=st.booleans(), conv_bias=st.booleans(),
        gate_first=st.booleans(), narrow=st.booleans(), limit=st.sampled_from([(0.0, math.inf), (0.002, 0.05)]),
        seed=st.integers(0, 99), dtype=DTYPES, rows_in_parallel=st.booleans())
-def test_a_tree_pass_matches_the_public_kernels_bit_for_bit(tree, shape, d_per_dim, conv_bias, gate_first, narrow,
-                                                            limit, seed, dtype, rows_in_parallel):
+def test_a_tree_pass_matches_the_public_kernels(tree, shape, d_per_dim, conv_bias, gate_first, narrow, limit, seed,
+                                                dtype, rows_in_parallel):
     """From the in_proj output: the norm's output and replay's activations, as the public kernels
     make them from the layer's torch views; on the two compiled calls of a serial pass
     (stree.kernels.cpu.layer_jit) or, where rows have the work to run in parallel (made so here
-    for small ones), on the separate kernels."""
+    for small ones), on the separate kernels. Bit for bit but for the SiLU's last bit where these
+    small sizes leave it a tail (_silu_tails); at a model's sizes bit for bit (the next test)."""
     with mock.patch.object(bound, "parallel_rows", lambda rows, work: rows_in_parallel and rows > 1):
-        _tree_pass_matches(tree, shape, d_per_dim, conv_bias, gate_first, narrow, limit, seed, dtype)
+        _tree_pass_matches(tree, shape, d_per_dim, conv_bias, gate_first, narrow, limit, seed, dtype,
+                           exact=rows_in_parallel and tree[1] > 1)
 
 
-def _tree_pass_matches(tree, shape, d_per_dim, conv_bias, gate_first, narrow, limit, seed, dtype):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("tree", [(torch.tensor([-1, 0, 0, 1, 1, 2, 3]), 1), (torch.tensor([-1, 0, 1, 2]), 2)])
+def test_at_a_models_sizes_a_tree_pass_matches_the_public_kernels_bit_for_bit(tree, dtype):
+    """Channels in whole vectors of the SiLU (conv 128, d_inner 64: :func:`_silu_tails` none), as
+    every Mamba2 checkpoint's are: the serial pass's one SiLU of the conv's output and the gate
+    equals the public kernels' two bit for bit."""
+    shape = dict(ngroups=1, nheads=2, headdim=32, dstate=32)
+    for seed in range(3):
+        _tree_pass_matches(tree, shape, False, True, False, False, (0.0, math.inf), seed, dtype, exact=True)
+
+
+def _silu_tails(sz) -> bool:
+    """Whether torch's vectorised SiLU on the CPU takes the last channels of the conv's output or
+    the gate in its scalar loop, whose exp rounds otherwise than the vector lanes': for channels
+    not in whole pairs of vectors (64 floats covers AVX-512's and AVX2's), their SiLU depends on
+    where they lie, and the serial bound pass takes the two in one call, the public kernels in two."""
+    return sz["dim"] % 64 != 0 or sz["d_inner"] % 64 != 0
+
+
+def _same(a, b, exact: bool) -> bool:
+    """Equal; or, where ``exact`` is False, within the SiLU's last bit carried through: a few float32
+    roundings, or one rounding of a half type."""
+    if exact:
+        return torch.equal(a, b)
+    tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}[a.dtype]
+    return a.dtype == b.dtype and torch.allclose(a.float(), b.float(), rtol=tol, atol=tol)
+
+
+def _tree_pass_matches(tree, shape, d_per_dim, conv_bias, gate_first, narrow, limit, seed, dtype, exact=False):
     parents, batch = tree
     gen = torch.Generator().manual_seed(seed)
     jit, prm, sz = _layer(gen, shape, d_per_dim, conv_bias, gate_first, narrow, dtype)
@@ -96,13 +126,16 @@ def _tree_pass_matches(tree, shape, d_per_dim, conv_bias, gate_first, narrow, li
     y = tree_scan(x, dt, prm["A"], B, C, parents, D=prm["D"], dt_bias=prm["dt_bias"], dt_limit=limit,
                   initial_state=ssm_state)
     want = gated_rms_norm(y.flatten(-2), z, prm["norm_weight"], sz["d_inner"] // sz["g"], 1e-5, gate_first)
-    assert out.dtype == dtype and torch.equal(out, want)
-    assert all(a.dtype == dtype and torch.equal(a, b) for a, b in zip(scratch, (xBC, x, dt, B)))
+    exact = exact or not _silu_tails(sz)
+    assert out.dtype == dtype and _same(out, want, exact)
+    assert all(a.dtype == dtype and torch.equal(a, b) for a, b in zip((scratch[0], scratch[2]), (xBC, dt)))
+    assert all(a.dtype == dtype and _same(a, b, exact) for a, b in zip((scratch[1], scratch[3]), (x, B)))
     assert torch.equal(conv_state, states[0]) and torch.equal(ssm_state, states[1])  # (read only)
     into = tuple(np.full((batch, n, *tail), np.nan, dtype=np.float32) for tail in jit.scratch_tails())
     again, none = jit.tree(proj, index.parents, conv_state, ssm_state, limit, into)
-    assert none is None and torch.equal(again, want)
-    assert all(torch.equal(torch.from_numpy(a), b.float()) for a, b in zip(into, (xBC, x, dt, B)))  # (exactly)
+    assert none is None and torch.equal(again, out)
+    # (exactly what the pass keeps when it returns them)
+    assert all(torch.equal(torch.from_numpy(a), b.float()) for a, b in zip(into, scratch))
 
 
 @settings(max_examples=30, deadline=None)

@@ -197,18 +197,20 @@ class Mamba2LayerJit:
         pa = parents if isinstance(parents, np.ndarray) else as_numpy(parents)
         scan_work, conv_work = self._node_work
         if not (parallel_rows(rows, rows * nodes * scan_work) or parallel_rows(rows, rows * nodes * conv_work)):
-            # (two compiled calls: see .layer_jit)
-            conv_t = torch.empty((rows, nodes, self.dim), dtype=torch.float32)
-            conv = as_numpy(conv_t)
+            # (two compiled calls: see .layer_jit) The conv's output and the gate (z) lie in one buffer,
+            # whose SiLU is then one vectorised call: a second, of z's strided slice, and the slice and
+            # conversion around it had cost a pass's layer more than its conv.
+            both_t = torch.empty(rows * nodes * (self.dim + self.d_inner), dtype=torch.float32)
+            both, split = both_t.numpy(), rows * nodes * self.dim
+            conv, gate = both[:split].reshape(rows, nodes, self.dim), both[split:].reshape(rows, nodes, self.d_inner)
             tree_layer_in(as_numpy(wide), self.d_inner, pa, _state(self._wide(conv_state), states[0], conv_state),
-                          self.conv_weight, self.conv_bias, self.has_conv_bias, arrays[0], arrays[2], conv)
-            F.silu(conv_t, inplace=True)  # (vectorised, as the public kernel's)
+                          self.conv_weight, self.conv_bias, self.has_conv_bias, arrays[0], arrays[2], conv, gate)
+            F.silu(both_t, inplace=True)  # (vectorised, as the public kernels')
             _round(conv, self.dtype)
             out = torch.empty((rows, nodes, self.d_inner), dtype=torch.float32)
             tree_layer_out(conv, self.x_dim, self.B_dim, arrays[2], self.A, self.D, self.dt_bias, lo, hi, pa,
-                           _state(ssm_state, states[1]), chain, self._rounding, arrays[1], arrays[3],
-                           as_numpy(F.silu(wide[..., : self.d_inner])), self.norm_weight, self.eps, self.gate_first,
-                           as_numpy(out))
+                           _state(ssm_state, states[1]), chain, self._rounding, arrays[1], arrays[3], gate,
+                           self.norm_weight, self.eps, self.gate_first, as_numpy(out))
             out = out if self.dtype == torch.float32 else out.to(self.dtype)
         else:
             out = self._tree_in_parallel(wide, pa, conv_state, ssm_state, lo, hi, arrays, chain)

@@ -1,5 +1,6 @@
-"""A Mamba2 layer's tree pass on the CPU in two compiled calls around the conv's SiLU: the copies
-replay keeps and the tree conv (:func:`tree_layer_in`), then x and B taken apart from the conv's
+"""A Mamba2 layer's tree pass on the CPU in two compiled calls around the SiLU of the conv's output
+and of the gate: the copies replay keeps, the gate's and the tree conv (:func:`tree_layer_in`),
+then x and B taken apart from the conv's
 output, the scan and the gated norm (:func:`tree_layer_out`). The same row functions as the
 separate kernels (:mod:`.tree_jit`, :mod:`.norm_jit`), on the same contiguous arrays, so the same
 results bit for bit (tests/kernels/test_bound.py).
@@ -24,14 +25,17 @@ from .tree_jit import aligned_empty, chain_row, conv_row, scan_row
 __all__ = ["tree_layer_in", "tree_layer_out"]
 
 @njit(cache=True)
-def tree_layer_in(proj, d_inner, parents, state, weight, bias, has_bias, xBC, dt, conv):
+def tree_layer_in(proj, d_inner, parents, state, weight, bias, has_bias, xBC, dt, conv, gate):
     """proj ``[b, n, d_inner + dim + h]`` (float32, the in_proj output: z, xBC, dt side by side):
-    writes xBC ``[b, n, dim]`` and dt ``[b, n, h]`` (contiguous copies, what replay reads) and
-    conv ``[b, n, dim]``, the tree conv of xBC over parents ``[rows, n]`` from state ``[b, dim,
-    K]`` with weight ``[dim, K]`` (+ bias); the SiLU is the caller's (vectorised)."""
+    writes xBC ``[b, n, dim]`` and dt ``[b, n, h]`` (contiguous copies, what replay reads), conv
+    ``[b, n, dim]``, the tree conv of xBC over parents ``[rows, n]`` from state ``[b, dim, K]``
+    with weight ``[dim, K]`` (+ bias), and gate ``[b, n, d_inner]``, a copy of z; the SiLU of
+    conv and gate is the caller's (vectorised, one call where the two lie in one buffer)."""
     batch, n, dim, heads = xBC.shape[0], xBC.shape[1], xBC.shape[2], dt.shape[2]
     for b in range(batch):
         for i in range(n):
+            for c in range(d_inner):
+                gate[b, i, c] = proj[b, i, c]
             for c in range(dim):
                 xBC[b, i, c] = proj[b, i, d_inner + c]
             for h in range(heads):
