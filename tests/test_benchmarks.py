@@ -141,7 +141,9 @@ def test_e2e_smoke_compares_every_configuration_with_transformers(tmp_path, monk
         if r["name"] != "transformers":
             assert r["tau"] >= 1.0 and r["ms_per_iteration"]["verify"] > 0
     ops = result["op_counts"]
-    assert 0 < ops["step"]["compute"] <= ops["forward_tree"]["compute"] and ops["commit"]["total"] > 0
+    # (counted, each: a tree pass may take fewer compute ops than a step, its conv's and gate's SiLU one
+    # op where a step's gate has one of its own; the budgets are tests/models/test_op_budgets.py's)
+    assert ops["step"]["compute"] > 0 and ops["forward_tree"]["compute"] > 0 and ops["commit"]["total"] > 0
 
 
 def test_reasoning_smoke_compares_specreason_with_the_base_model(tmp_path):
