@@ -62,6 +62,9 @@ def test_malformed_profiles_are_refused(bad):
 
 
 def counting(monkeypatch):
+    """The measurements made, with plausibility off: a burst of other work (CI's other tests) that
+    makes a tree cheaper than a step would add one. (Plausibility has its own tests.)"""
+    monkeypatch.setattr(cost, "SLACK", 0.0)
     calls = []
     real = cost._measure
 
@@ -286,6 +289,7 @@ def test_a_chain_choice_is_priced_by_the_scan_that_verifies_its_chains(fresh_cac
         return real(model, cache, draft, params, generator, scan, **kw)
     monkeypatch.setattr(steps, "speculative_step", spy)
     model, chains = mamba2(), [TreeShape.chain(1), TreeShape.chain(3)]
+    monkeypatch.setattr(cost, "SLACK", 0.0)  # (an implausible profile, under load, would not be written)
     tree = cost_profile(model, 1, shapes=chains, budget_s=0.2)
     assert set(scans) == {"tree"}
     scans.clear()
@@ -489,4 +493,6 @@ def test_a_profile_the_file_prices_far_off_is_measured_again_by_an_adaptive_choi
     assert again != dear and common
     assert sum(again.iteration_ms(n) for n in common) < 0.5 * sum(dear.iteration_ms(n) for n in common)
     (entry,) = json.loads(fresh_cache.read_text())["entries"].values()
-    assert CostProfile.from_dict(entry["value"]) == again  # rewritten
+    # Rewritten, unless both measurements met a burst of other work that made a tree cheaper than
+    # SLACK of a step (CI's run once: a step 1.76 ms, a tree 1.38): such a profile is never written.
+    assert CostProfile.from_dict(entry["value"]) == (again if again.plausible else dear)
