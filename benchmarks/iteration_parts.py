@@ -8,8 +8,8 @@ calls on the held-out prompts, against its own plain iterations' autoregressive 
 timed in those turns: the model's linear layers at the step's rows and at the tree's, whose
 difference (``products_added``) bounds the pass from below: 1 + it, in steps, is the least a tree
 pass can cost while the products run at this machine's throughput; and, inside the pass, what its
-scan, conv and norms take there (``in_pass_*``: the pass timed with those kernels zeroing their
-outputs instead, :data:`IN_PASS`), where their code and data come cold.
+layers' two compiled calls and the norms take there (``in_pass_*``: the pass timed with those
+kernels zeroing their outputs instead, :data:`IN_PASS`), where their code and data come cold.
 
     python benchmarks/iteration_parts.py
     python benchmarks/iteration_parts.py --smoke     # CI: a tiny model, few rounds
@@ -42,17 +42,30 @@ from stree.tree import TokenTree, TreeShape
 # Inside the pass, on the CPU's bound kernels (stree.kernels.cpu.bound, a float32 model): each part's
 # kernels, replaced by zeroing their outputs for a timed pass, with the caches and every other call of
 # the pass as they are there. What the pass then saves is what the part costs inside it, its code and
-# data as the rest of the pass leaves them, which a kernel timed alone, hot, does not show.
-IN_PASS = {"scan": ("tree_scan_rows",), "conv": ("tree_conv_rows",), "norms": ("gated_rms_norm_rows", "rms_norm_rows")}
+# data as the rest of the pass leaves them, which a kernel timed alone, hot, does not show. Per part,
+# each kernel's output arguments. A serial pass's layer is two compiled calls (stree.kernels.cpu.layer_jit):
+# "layer_in" the copies replay keeps, the gate's copy and the tree conv; "layer_out" x, B and C taken
+# apart, the scan and the gated norm. Rows run in parallel take the separate kernels of the same work.
+IN_PASS = {"layer_in": {"tree_layer_in": (7, 8, 9, 10), "tree_conv_rows": (-1,)},
+           "layer_out": {"tree_layer_out": (13, 14, -1), "tree_scan_rows": (-1,), "gated_rms_norm_rows": (-1,)},
+           "norms": {"rms_norm_rows": (-1,)}}
 
 
-def _without(names, fn):
-    """``fn`` run with the bound kernels ``names`` writing zeros to their outputs (the last argument)."""
-    real = {name: getattr(bound, name) for name in names}
+def _zeroing(outputs):
+    def kernel(*args):
+        for i in outputs:
+            args[i].fill(0.0)
+    return kernel
+
+
+def _without(kernels, fn):
+    """``fn`` run with the bound kernels ``kernels`` (name: its output arguments' positions)
+    writing zeros to their outputs instead."""
+    real = {name: getattr(bound, name) for name in kernels}
 
     def run():
-        for name in names:
-            setattr(bound, name, lambda *args: args[-1].fill(0.0))
+        for name, outputs in kernels.items():
+            setattr(bound, name, _zeroing(outputs))
         try:
             fn()
         finally:
@@ -95,7 +108,7 @@ def parts(model, batch: int, shape: TreeShape, rounds: int) -> dict:
         cache.seqlens -= result.num_accepted.to(cache.seqlens.dtype)
 
     calls = dict(step=step, tree_pass=tree_pass, pass_and_verify=pass_and_verify, speculative_step=whole)
-    calls.update({f"without_{part}": _without(names, tree_pass) for part, names in IN_PASS.items()})
+    calls.update({f"without_{part}": _without(kernels, tree_pass) for part, kernels in IN_PASS.items()})
     # The model's products (every Linear once, as a pass runs them) at the step's rows and at the tree's:
     # what the tree's rows add to them is arithmetic no overhead removes while the products run at the
     # throughput they have here, so 1 + that, in steps, is the least a tree pass can cost on this machine.
@@ -226,7 +239,7 @@ def plot(result):
         keys = ["products_added"] + [f"in_pass_{part}" for part in IN_PASS]
         inside.bar([x + 0.4 * i for x in range(len(keys))], [row["in_steps"][k] for k in keys], width=0.4,
                    label=f"batch {row['batch']}")
-    inside.set_xticks(range(len(keys)), ["products\nadded"] + list(IN_PASS))
+    inside.set_xticks(range(len(keys)), ["products\nadded"] + [part.replace("_", "\n") for part in IN_PASS])
     inside.set(ylabel="plain steps", title="inside the tree pass")
     inside.title.set_fontsize(8)
     return fig

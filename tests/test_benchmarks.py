@@ -1,4 +1,5 @@
 import importlib.util
+import inspect
 import json
 import math
 import statistics
@@ -338,35 +339,53 @@ def test_iteration_parts_smoke_times_each_part_in_steps(tmp_path):
     (row,) = result["results"]
     assert row["nodes"] == 13 and row["in_steps"]["step"] == 1.0
     assert set(row["in_steps"]) == {"step", "tree_pass", "pass_and_verify", "speculative_step", "products_added",
-                                    "in_pass_scan", "in_pass_conv", "in_pass_norms"}
+                                    "in_pass_layer_in", "in_pass_layer_out", "in_pass_norms"}
     # (times only: which part took longer is the benchmark's to say, and a loaded machine reorders
     # a smoke's few runs: a pass once took 13 ms against the whole step's 1.5 beside other tests;
     # the differences of two such times may come out either way in a smoke)
-    differences = [row["ms"].pop(k) for k in ("products_added", "in_pass_scan", "in_pass_conv", "in_pass_norms")]
+    differences = [row["ms"].pop(k) for k in ("products_added", "in_pass_layer_in", "in_pass_layer_out",
+                                              "in_pass_norms")]
     assert all(v > 0 for v in row["ms"].values()) and all(map(math.isfinite, differences))
 
 
 def test_iteration_parts_times_the_pass_without_each_part_then_puts_its_kernels_back():
     """``in_pass_<part>``: the pass with exactly that part's bound kernels writing zeros to their
     outputs, the real ones back afterwards (a benchmark that left them replaced would corrupt every
-    pass after it in the process)."""
+    pass after it in the process); the parts are the kernels a pass calls, serial (a layer's two
+    compiled calls) or in parallel, each kernel's named outputs at the arguments it writes."""
     spec = importlib.util.spec_from_file_location("benchmark_iteration_parts_parts", ROOT / "benchmarks" /
                                                   "iteration_parts.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     from stree.kernels.cpu import bound
 
-    real = {name: getattr(bound, name) for names in module.IN_PASS.values() for name in names}
-    for names in module.IN_PASS.values():
-        seen, out = {}, np.ones(3, dtype=np.float32)
+    real = {name: getattr(bound, name) for kernels in module.IN_PASS.values() for name in kernels}
+    for kernels in module.IN_PASS.values():
+        seen = {}
+        arguments = {name: [np.ones(3, dtype=np.float32) for _ in range(21)] for name in kernels}
 
         def during():
             seen.update({name: getattr(bound, name) is kernel for name, kernel in real.items()})
-            getattr(bound, names[0])(None, out)
+            for name in kernels:
+                getattr(bound, name)(*arguments[name])
 
-        module._without(names, during)()
-        assert seen == {name: name not in names for name in real} and not out.any()
+        module._without(kernels, during)()
+        assert seen == {name: name not in kernels for name in real}
+        for name, outputs in kernels.items():
+            zeroed = {i % 21 for i in outputs}
+            assert all(not a.any() if i in zeroed else a.all() for i, a in enumerate(arguments[name])), name
     assert all(getattr(bound, name) is kernel for name, kernel in real.items())
+    # the positions are the kernels' output parameters (their names, from the compiled functions' signatures)
+    from stree.kernels.cpu import layer_jit, norm_jit, tree_jit
+
+    written = {"tree_layer_in": {"xBC", "dt", "conv", "gate"}, "tree_layer_out": {"x", "B", "out"},
+               "tree_conv_rows": {"out"}, "tree_scan_rows": {"y"}, "gated_rms_norm_rows": {"out"},
+               "rms_norm_rows": {"out"}}
+    for kernels in module.IN_PASS.values():
+        for name, outputs in kernels.items():
+            fn = getattr(layer_jit, name, None) or getattr(tree_jit, name, None) or getattr(norm_jit, name)
+            params = list(inspect.signature(getattr(fn, "py_func", fn)).parameters)
+            assert {params[i] for i in outputs} == written[name], name
 
 
 def test_serve_smoke_measures_both_modes_through_the_server(tmp_path):
