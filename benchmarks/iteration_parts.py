@@ -10,8 +10,13 @@ difference (``products_added``) bounds the pass from below: 1 + it, in steps, is
 pass can cost while the products run at this machine's throughput; and, inside the pass, what its
 layers' two compiled calls and the norms take there (``in_pass_*``: the pass timed with those
 kernels zeroing their outputs instead, :data:`IN_PASS`), where their code and data come cold.
+Then the same calls with the default choice (``tree="auto"``), their iterations by class (trees,
+plain steps decided ahead or weighed alone, those that drafted a watched draft): what each class
+made them gain or lose against plain decoding (``auto_loop``). ``--drafter``, ``--temperature``
+(seeded) and ``--compiled`` change the loops' settings.
 
     python benchmarks/iteration_parts.py
+    python benchmarks/iteration_parts.py --batches 1 --temperature 1.0   # where nothing is accepted
     python benchmarks/iteration_parts.py --smoke     # CI: a tiny model, few rounds
 """
 
@@ -139,11 +144,15 @@ def parts(model, batch: int, shape: TreeShape, rounds: int) -> dict:
     return ms
 
 
-def loop_iterations(lm, prompts, batch: int, shape: TreeShape, tokens: int) -> dict:
+def loop_iterations(lm, prompts, batch: int, tree, tokens: int, drafter: str = "ngram", **kw) -> tuple[dict, dict]:
     """Medians (ms) of the loop's speculative iterations, of the speculative steps inside them,
-    and of autoregressive decoding's steps, over ``generate`` calls taking turns."""
+    and of autoregressive decoding's steps, over ``generate`` calls taking turns (``tree``: a
+    shape, or "auto"; ``kw``: more of ``generate``'s arguments, both sides); and the speculative
+    calls' iterations by class (:func:`classes`)."""
     seen = {"iteration": [], "speculative_step": [], "autoregressive": []}
-    real_iterate, real_step = loop._Loop.iterate, loop.speculative_step
+    kinds: dict[str, list[float]] = {}
+    real_iterate, real_step, real_watch = loop._Loop.iterate, loop.speculative_step, loop._Loop.start_watch
+    watches = [0]
 
     def step(*args, **kw):
         t0 = time.perf_counter()
@@ -151,29 +160,55 @@ def loop_iterations(lm, prompts, batch: int, shape: TreeShape, tokens: int) -> d
         seen["speculative_step"].append((time.perf_counter() - t0) * 1e3)
         return out
 
+    def start_watch(self):
+        before = self.watch
+        real_watch(self)
+        watches[0] += self.watch is not None and self.watch is not before
+
     def iterate(self):
-        before = len(seen["speculative_step"])
+        before, watched, in_run = len(seen["speculative_step"]), watches[0], self.plain_run is not None
         t0 = time.perf_counter()
         real_iterate(self)
         ms = (time.perf_counter() - t0) * 1e3
         if self.c.speculative:
-            if len(seen["speculative_step"]) > before:
+            tree = len(seen["speculative_step"]) > before
+            if tree:
                 seen["iteration"].append(ms)
+            kind = "tree" if tree else "plain_run" if in_run else "plain"
+            kinds.setdefault(kind + ("+watch" if watches[0] > watched else ""), []).append(ms)
         else:
             seen["autoregressive"].append(ms)
 
-    loop._Loop.iterate, loop.speculative_step = iterate, step
+    loop._Loop.iterate, loop.speculative_step, loop._Loop.start_watch = iterate, step, start_watch
     try:
-        lm.generate(prompts[:batch], max_new_tokens=8, drafter="ngram", tree=shape)  # first uses
+        lm.generate(prompts[:batch], max_new_tokens=8, drafter=drafter, tree=tree, **kw)  # first uses
+        lm.generate(prompts[:batch], max_new_tokens=8, method="autoregressive", **kw)
         for k in seen:
             seen[k].clear()
+        kinds.clear()
         for start in range(0, len(prompts) - batch + 1, batch):
             rows = prompts[start: start + batch]
-            lm.generate(rows, max_new_tokens=tokens, drafter="ngram", tree=shape)
-            lm.generate(rows, max_new_tokens=tokens, method="autoregressive")
+            lm.generate(rows, max_new_tokens=tokens, drafter=drafter, tree=tree, **kw)
+            lm.generate(rows, max_new_tokens=tokens, method="autoregressive", **kw)
     finally:
-        loop._Loop.iterate, loop.speculative_step = real_iterate, real_step
-    return {k: statistics.median(v) for k, v in seen.items() if v}
+        loop._Loop.iterate, loop.speculative_step, loop._Loop.start_watch = real_iterate, real_step, real_watch
+    return {k: statistics.median(v) for k, v in seen.items() if v}, classes(kinds, seen["autoregressive"])
+
+
+def classes(kinds: dict[str, list[float]], autoregressive: list[float]) -> dict:
+    """Per class of a speculative call's iterations (``tree``; ``plain_run``: a plain step decided
+    ahead; ``plain``: one weighed alone; ``+watch``: it also drafted a watched draft): the count,
+    the median in autoregressive iterations, and ``beyond``: its time past as many autoregressive
+    iterations (their mean), as a share of autoregressive decoding's whole time. The shares and
+    ``iterations`` (the speculative calls' iterations less autoregressive decoding's, at that mean,
+    as a share: negative where trees saved iterations) sum to
+    ``time_ratio - 1``: what each class made the speculative calls gain or lose."""
+    median, mean, total = statistics.median(autoregressive), statistics.mean(autoregressive), sum(autoregressive)
+    out = {k: dict(count=len(v), in_steps=statistics.median(v) / median, beyond=(sum(v) - len(v) * mean) / total)
+           for k, v in sorted(kinds.items())}
+    count = sum(len(v) for v in kinds.values())
+    return dict(out, iterations=(count - len(autoregressive)) * mean / total,
+                time_ratio=sum(sum(v) for v in kinds.values()) / total)
 
 
 def main(argv=None):
@@ -181,8 +216,12 @@ def main(argv=None):
     p.add_argument("--tree", default="paper13", help="an explicit tree spec (paper13, chain:D, full:WxD)")
     p.add_argument("--batches", default="1,2")
     p.add_argument("--rounds", type=int, default=60)
+    p.add_argument("--drafter", default="ngram", help="the drafter of the loops (default ngram)")
+    p.add_argument("--temperature", type=float, default=0.0, help="the loops' (seeded where above 0; default 0)")
+    p.add_argument("--compiled", action="store_true", help="the loops with torch_compile=True")
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    p.add_argument("--stem", default=None, help="result file name (default: iteration_parts_cpu, or _smoke)")
     args = p.parse_args(argv)
     shape = TreeShape.from_spec(args.tree)
     batches = [int(b) for b in args.batches.split(",")]
@@ -198,24 +237,38 @@ def main(argv=None):
         ms = parts(model, batch, shape, args.rounds)
         row = dict(batch=batch, nodes=shape.n, ms=ms, in_steps={k: v / ms["step"] for k, v in ms.items()})
         if lm is not None:
-            it = loop_iterations(lm, prompts, batch, shape, tokens)
+            kw = dict(temperature=args.temperature, seed=0 if args.temperature > 0 else None,
+                      torch_compile=args.compiled)
+            it, _ = loop_iterations(lm, prompts, batch, shape, tokens, args.drafter, **kw)
             row["loop_ms"] = it
             row["loop_in_steps"] = {k: v / it["autoregressive"] for k, v in it.items()}
+            # the default choice (tree="auto"): its calls' iterations by class, against plain decoding
+            row["auto_loop"] = loop_iterations(lm, prompts, batch, "auto", tokens, args.drafter, **kw)[1]
         rows.append(row)
         print(f"batch {batch}, {shape.n} nodes, in steps: "
               + "  ".join(f"{k} {v:.2f}" for k, v in row["in_steps"].items())
               + ("" if lm is None else "  | loop: " + "  ".join(f"{k} {v:.2f}" for k, v in row["loop_in_steps"].items())),
               file=sys.stderr)
+        if lm is not None:
+            auto = row["auto_loop"]
+            print(f"  tree=auto: time {auto['time_ratio']:.3f} of plain decoding's; iterations "
+                  f"{auto['iterations']:+.3f}; " + "  ".join(
+                      f"{k} x{v['count']} {v['in_steps']:.2f} steps ({v['beyond']:+.3f})"
+                      for k, v in auto.items() if isinstance(v, dict)), file=sys.stderr)
     result = dict(benchmark="iteration_parts", **run_info(model.device, argv), tree=args.tree, threads=torch.get_num_threads(),
+                  drafter=args.drafter, temperature=args.temperature, compiled=args.compiled,
                   note="each part in plain steps of the same model and process: the tree pass, + greedy verification, "
                        "+ commit and the host transfer (speculative_step), + drafting, the choice and the rows' "
                        "bookkeeping (the loop's iteration, against the loop's autoregressive iterations); "
                        "products_added: what the model's linear layers take at the tree's rows beyond the step's "
                        "(a tree pass costs at least 1 + that while they run at this machine's throughput); "
                        "in_pass_<part>: what the pass saves with that part's bound kernels zeroing their outputs "
-                       "instead (IN_PASS), the part's cost inside the pass",
+                       "instead (IN_PASS), the part's cost inside the pass; auto_loop: tree='auto' calls' iterations "
+                       "by class (count, median in autoregressive iterations, beyond: time past as many "
+                       "autoregressive iterations as a share of autoregressive decoding's; iterations: the count "
+                       "difference's share; time_ratio: the speculative calls' time over autoregressive decoding's)",
                   results=rows)
-    save_result(result, args.out, "iteration_parts_smoke" if args.smoke else "iteration_parts_cpu", plot)
+    save_result(result, args.out, args.stem or ("iteration_parts_smoke" if args.smoke else "iteration_parts_cpu"), plot)
     return result
 
 

@@ -388,6 +388,23 @@ def test_iteration_parts_times_the_pass_without_each_part_then_puts_its_kernels_
             assert {params[i] for i in outputs} == written[name], name
 
 
+def test_iteration_parts_classes_say_what_each_kind_of_iteration_gained_or_lost():
+    """The loop's iterations by class: counts, medians in autoregressive iterations, and shares of
+    autoregressive decoding's time that, with the count difference's, sum to the time ratio less one."""
+    spec = importlib.util.spec_from_file_location("benchmark_iteration_parts_classes", ROOT / "benchmarks" /
+                                                  "iteration_parts.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    autoregressive = [1.0, 1.0, 1.0, 1.0, 2.0]  # mean 1.2, median 1.0, total 6.0
+    kinds = {"tree": [3.0, 3.0], "plain_run": [1.0], "plain+watch": [2.0]}
+    out = module.classes(kinds, autoregressive)
+    assert out["tree"] == dict(count=2, in_steps=3.0, beyond=pytest.approx((6.0 - 2 * 1.2) / 6.0))
+    assert out["plain_run"]["beyond"] == pytest.approx(-0.2 / 6.0) and out["plain+watch"]["in_steps"] == 2.0
+    assert out["iterations"] == pytest.approx((4 - 5) * 1.2 / 6.0) and out["time_ratio"] == pytest.approx(9.0 / 6.0)
+    shares = sum(v["beyond"] for v in out.values() if isinstance(v, dict)) + out["iterations"]
+    assert shares == pytest.approx(out["time_ratio"] - 1.0)
+
+
 def test_serve_smoke_measures_both_modes_through_the_server(tmp_path):
     result = smoke("serve", tmp_path)
     assert result["device"].startswith("cpu") and result["dtype"] == "float32"  # where and how the server ran
