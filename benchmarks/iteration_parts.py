@@ -144,10 +144,11 @@ def parts(model, batch: int, shape: TreeShape, rounds: int) -> dict:
     return ms
 
 
-def loop_iterations(lm, prompts, batch: int, tree, tokens: int, drafter: str = "ngram", **kw) -> tuple[dict, dict]:
+def loop_iterations(lm, prompts, batch: int, tree, tokens: int, drafter: str = "ngram",
+                    **settings) -> tuple[dict, dict]:
     """Medians (ms) of the loop's speculative iterations, of the speculative steps inside them,
     and of autoregressive decoding's steps, over ``generate`` calls taking turns (``tree``: a
-    shape, or "auto"; ``kw``: more of ``generate``'s arguments, both sides); and the speculative
+    shape, or "auto"; ``settings``: more of ``generate``'s arguments, both sides); and the speculative
     calls' iterations by class (:func:`classes`)."""
     seen = {"iteration": [], "speculative_step": [], "autoregressive": []}
     kinds: dict[str, list[float]] = {}
@@ -181,15 +182,15 @@ def loop_iterations(lm, prompts, batch: int, tree, tokens: int, drafter: str = "
 
     loop._Loop.iterate, loop.speculative_step, loop._Loop.start_watch = iterate, step, start_watch
     try:
-        lm.generate(prompts[:batch], max_new_tokens=8, drafter=drafter, tree=tree, **kw)  # first uses
-        lm.generate(prompts[:batch], max_new_tokens=8, method="autoregressive", **kw)
+        lm.generate(prompts[:batch], max_new_tokens=8, drafter=drafter, tree=tree, **settings)  # first uses
+        lm.generate(prompts[:batch], max_new_tokens=8, method="autoregressive", **settings)
         for k in seen:
             seen[k].clear()
         kinds.clear()
         for start in range(0, len(prompts) - batch + 1, batch):
             rows = prompts[start: start + batch]
-            lm.generate(rows, max_new_tokens=tokens, drafter=drafter, tree=tree, **kw)
-            lm.generate(rows, max_new_tokens=tokens, method="autoregressive", **kw)
+            lm.generate(rows, max_new_tokens=tokens, drafter=drafter, tree=tree, **settings)
+            lm.generate(rows, max_new_tokens=tokens, method="autoregressive", **settings)
     finally:
         loop._Loop.iterate, loop.speculative_step, loop._Loop.start_watch = real_iterate, real_step, real_watch
     return {k: statistics.median(v) for k, v in seen.items() if v}, classes(kinds, seen["autoregressive"])
@@ -237,13 +238,13 @@ def main(argv=None):
         ms = parts(model, batch, shape, args.rounds)
         row = dict(batch=batch, nodes=shape.n, ms=ms, in_steps={k: v / ms["step"] for k, v in ms.items()})
         if lm is not None:
-            kw = dict(temperature=args.temperature, seed=0 if args.temperature > 0 else None,
-                      torch_compile=args.compiled)
-            it, _ = loop_iterations(lm, prompts, batch, shape, tokens, args.drafter, **kw)
+            settings = dict(temperature=args.temperature, seed=0 if args.temperature > 0 else None,
+                            torch_compile=args.compiled)
+            it, _ = loop_iterations(lm, prompts, batch, shape, tokens, args.drafter, **settings)
             row["loop_ms"] = it
             row["loop_in_steps"] = {k: v / it["autoregressive"] for k, v in it.items()}
             # the default choice (tree="auto"): its calls' iterations by class, against plain decoding
-            row["auto_loop"] = loop_iterations(lm, prompts, batch, "auto", tokens, args.drafter, **kw)[1]
+            row["auto_loop"] = loop_iterations(lm, prompts, batch, "auto", tokens, args.drafter, **settings)[1]
         rows.append(row)
         print(f"batch {batch}, {shape.n} nodes, in steps: "
               + "  ".join(f"{k} {v:.2f}" for k, v in row["in_steps"].items())

@@ -353,10 +353,7 @@ def test_iteration_parts_times_the_pass_without_each_part_then_puts_its_kernels_
     outputs, the real ones back afterwards (a benchmark that left them replaced would corrupt every
     pass after it in the process); the parts are the kernels a pass calls, serial (a layer's two
     compiled calls) or in parallel, each kernel's named outputs at the arguments it writes."""
-    spec = importlib.util.spec_from_file_location("benchmark_iteration_parts_parts", ROOT / "benchmarks" /
-                                                  "iteration_parts.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = benchmark("iteration_parts")
     from stree.kernels.cpu import bound
 
     real = {name: getattr(bound, name) for kernels in module.IN_PASS.values() for name in kernels}
@@ -391,10 +388,7 @@ def test_iteration_parts_times_the_pass_without_each_part_then_puts_its_kernels_
 def test_iteration_parts_classes_say_what_each_kind_of_iteration_gained_or_lost():
     """The loop's iterations by class: counts, medians in autoregressive iterations, and shares of
     autoregressive decoding's time that, with the count difference's, sum to the time ratio less one."""
-    spec = importlib.util.spec_from_file_location("benchmark_iteration_parts_classes", ROOT / "benchmarks" /
-                                                  "iteration_parts.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = benchmark("iteration_parts")
     autoregressive = [1.0, 1.0, 1.0, 1.0, 2.0]  # mean 1.2, median 1.0, total 6.0
     kinds = {"tree": [3.0, 3.0], "plain_run": [1.0], "plain+watch": [2.0]}
     out = module.classes(kinds, autoregressive)
