@@ -53,23 +53,26 @@ _READS_CODE = re.compile(r"\bmodel\b|G\[|\btype\(")
 
 
 def _inputs_only(entries) -> list[bool]:
-    """Which of a compiled call's guards it keeps: those on its arguments other than the model (the
-    tokens, the cache's tensors, the tree index, Python constants) and on the global state (grad
-    mode, default device, ...). Dropped: those reading the model (its modules' attributes and
-    hooks, its parameters' metadata), module globals (stree's and torch's functions and
-    constants) and classes' attributes (the methods and properties of the model's and the tree
-    index's classes), most of a call's guard work.
+    """Which of a compiled call's guards it keeps: every tensor's own (``TENSOR_MATCH``: dtype,
+    device, sizes and strides, checked in C++), the model's parameters' too, and the rest of those
+    on its arguments other than the model (the tokens, the cache's tensors, the tree index, Python
+    constants) and on the global state (grad mode, default device, ...). Dropped: the rest of those
+    reading the model (its modules' attributes and hooks), module globals (stree's and torch's
+    functions and constants) and classes' attributes (the methods and properties of the model's and
+    the tree index's classes), most of a call's guard work.
     Safe here because every CompiledModel compiles its own copies of the functions (no guard has
     to tell models apart), refuses a model whose dtype or device changed, and hands the graph the
-    parameters afresh each call (their values; Inductor checks the sizes and strides of what it
-    is handed); a model given new modules or hooks, a module global rebound or a class patched
-    needs a new CompiledModel."""
-    return [_READS_CODE.search(entry.name) is None for entry in entries]
+    parameters afresh each call (their values; a parameter of other sizes or strides fails its
+    guard and compiles again); a model given new modules or hooks, a module global rebound or a
+    class patched needs a new CompiledModel."""
+    return [entry.guard_type == "TENSOR_MATCH" or _READS_CODE.search(entry.name) is None for entry in entries]
 
 
-# (the torch releases that take guard filters are those that ship torch's own)
-_OPTIONS = {"guard_filter_fn": _inputs_only} if hasattr(torch.compiler, "skip_guard_on_inbuilt_nn_modules_unsafe") \
-    else {}
+# (the torch releases that take guard filters are those that ship torch's own) Without Inductor's
+# size asserts: every input's sizes and strides are guarded (above), and the asserts, a Python call
+# per input of every call, had cost a compiled step of the shipped target about a twentieth of its time.
+_OPTIONS = dict({"guard_filter_fn": _inputs_only} if hasattr(torch.compiler, "skip_guard_on_inbuilt_nn_modules_unsafe")
+                else {}, size_asserts=False)
 
 
 def _dense(tokens: torch.Tensor) -> torch.Tensor:

@@ -270,10 +270,11 @@ def test_every_batch_and_shape_is_compiled_once_past_dynamos_recompile_limit():
 
 
 def test_a_compiled_call_guards_its_inputs_not_the_model(monkeypatch):
-    """The guards a compiled call keeps read its inputs (tokens, the cache's tensors) and the
-    global state, not the model nor module globals (most of a call's guard work); what they left
-    out still reaches the graph: parameters changed in place or given new memory are read afresh,
-    and a hybrid's cache of another length (its keys and values) compiles a graph of its own."""
+    """The guards a compiled call keeps read its inputs (tokens, the cache's tensors), every
+    tensor's sizes and strides (the parameters' too) and the global state, not the model's modules
+    nor module globals (most of a call's guard work); what they left out still reaches the graph:
+    parameters changed in place or given new memory are read afresh, and a hybrid's cache of
+    another length (its keys and values) compiles a graph of its own."""
     import stree.runtime.compiled as compiled_module
 
     kept, dropped = [], []
@@ -299,8 +300,9 @@ def test_a_compiled_call_guards_its_inputs_not_the_model(monkeypatch):
     agree(MAX_LENGTH)
     names = [name for _, name in kept]
     assert "tokens" in names and any(name.startswith("cache.") for name in names)
-    assert any(kind == "TENSOR_MATCH" and name.startswith("model") for kind, name in dropped)
-    assert not any(_READS_CODE.search(name) for name in names)
+    assert any(kind == "TENSOR_MATCH" and name.startswith("model") for kind, name in kept)
+    assert any(name.startswith("model") for _, name in dropped)
+    assert not any(_READS_CODE.search(name) for kind, name in kept if kind != "TENSOR_MATCH")
     with torch.no_grad():
         for p in model.parameters():
             p.mul_(1.05)
@@ -312,20 +314,40 @@ def test_a_compiled_call_guards_its_inputs_not_the_model(monkeypatch):
     assert counters["stats"]["unique_graphs"] == graphs + 1
 
 
+def test_a_parameter_of_other_strides_compiles_again_not_misread():
+    """The graphs assert nothing about their inputs' sizes and strides (Inductor's per-call
+    asserts are off): the parameters' guards do. A weight given the same values in another layout
+    (column-major) fails its guard, and the call compiles a graph of its own that reads it right,
+    where one reading it with the old strides would read its transpose."""
+    model = FAMILIES["mamba2"](seed=11, n_layer=1)
+    compiled = CompiledModel(model)
+    tok = torch.tensor([5, 7])
+    cache, eager = _pair(model)
+    assert (compiled.step(tok, cache) - model.step(tok, eager)).abs().max() <= 1e-5
+    weight = model.backbone.layers[0].mixer.out_proj.weight  # (the old strides read its memory in bounds, wrongly)
+    with torch.no_grad():
+        weight.data = weight.data.t().contiguous().t()
+    graphs = counters["stats"]["unique_graphs"]
+    assert (compiled.step(tok, cache) - model.step(tok, eager)).abs().max() <= 1e-5
+    assert counters["stats"]["unique_graphs"] == graphs + 1
+    _assert_same_state(cache, eager)
+
+
 _READS_CODE = re.compile(r"\bmodel\b|G\[|\btype\(")  # a guard reading the model, a global or a class
 
 
 def test_every_compiled_function_filters_its_guards(monkeypatch):
     """Not only the first function a process compiles: torch.compile pops the guard filter out of
     the options it is handed, and one dict shared by every compile gave it to the first alone (the
-    others kept the model's, the globals' and the classes' guards: ~300 us a fused iteration)."""
+    others kept the model's, the globals' and the classes' guards: ~300 us a fused iteration). (The
+    tensors' own guards are kept, the parameters' too: the previous test.)"""
     import stree.runtime.compiled as compiled_module
 
     filtered = []
 
     def recording(entries):
         keep = compiled_module._inputs_only(entries)
-        filtered.append([entry.name for entry, k in zip(entries, keep) if k])
+        filtered.append([(entry.guard_type, entry.name) for entry, k in zip(entries, keep) if k])
         return keep
 
     monkeypatch.setattr(compiled_module, "_OPTIONS", {"guard_filter_fn": recording})
@@ -338,5 +360,6 @@ def test_every_compiled_function_filters_its_guards(monkeypatch):
         tree = TokenTree.from_shape(TreeShape.chain(2), torch.randint(0, VOCAB, (batch, 3)))
         assert (compiled.forward_tree(tree, cache)[0] - model.forward_tree(tree, cache)[0]).abs().max() <= 1e-5
     assert len(filtered) == 4
-    for names in filtered:
-        assert "tokens" in names and not any(_READS_CODE.search(name) for name in names)
+    for kept in filtered:
+        assert ("TENSOR_MATCH", "tokens") in kept
+        assert not any(_READS_CODE.search(name) for kind, name in kept if kind != "TENSOR_MATCH")
