@@ -50,9 +50,11 @@ from stree.tree import TokenTree, TreeShape
 # data as the rest of the pass leaves them, which a kernel timed alone, hot, does not show. Per part,
 # each kernel's output arguments. A serial pass's layer is two compiled calls (stree.kernels.cpu.layer_jit):
 # "layer_in" the copies replay keeps, the gate's copy and the tree conv; "layer_out" x, B and C taken
-# apart, the scan and the gated norm. Rows run in parallel take the separate kernels of the same work.
+# apart, the scan and the gated norm (where the tiled product is built, the scan's state term is its
+# product, made between the two calls and not in either). Rows run in parallel take the separate
+# kernels of the same work.
 IN_PASS = {"layer_in": {"tree_layer_in": (7, 8, 9, 10), "tree_conv_rows": (-1,)},
-           "layer_out": {"tree_layer_out": (13, 14, -1), "tree_scan_rows": (-1,), "gated_rms_norm_rows": (-1,)},
+           "layer_out": {"tree_layer_out": (15, 16, -1), "tree_scan_rows": (-1,), "gated_rms_norm_rows": (-1,)},
            "norms": {"rms_norm_rows": (-1,)}}
 
 

@@ -359,7 +359,7 @@ def test_iteration_parts_times_the_pass_without_each_part_then_puts_its_kernels_
     real = {name: getattr(bound, name) for kernels in module.IN_PASS.values() for name in kernels}
     for kernels in module.IN_PASS.values():
         seen = {}
-        arguments = {name: [np.ones(3, dtype=np.float32) for _ in range(21)] for name in kernels}
+        arguments = {name: [np.ones(3, dtype=np.float32) for _ in range(22)] for name in kernels}
 
         def during():
             seen.update({name: getattr(bound, name) is kernel for name, kernel in real.items()})
@@ -369,7 +369,7 @@ def test_iteration_parts_times_the_pass_without_each_part_then_puts_its_kernels_
         module._without(kernels, during)()
         assert seen == {name: name not in kernels for name in real}
         for name, outputs in kernels.items():
-            zeroed = {i % 21 for i in outputs}
+            zeroed = {i % 22 for i in outputs}
             assert all(not a.any() if i in zeroed else a.all() for i, a in enumerate(arguments[name])), name
     assert all(getattr(bound, name) is kernel for name, kernel in real.items())
     # the positions are the kernels' output parameters (their names, from the compiled functions' signatures)

@@ -81,15 +81,26 @@ def test_a_tree_pass_matches_the_public_kernels(tree, shape, d_per_dim, conv_bia
                            exact=rows_in_parallel and tree[1] > 1)
 
 
+@pytest.mark.parametrize("tiled_state", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("tree", [(torch.tensor([-1, 0, 0, 1, 1, 2, 3]), 1), (torch.tensor([-1, 0, 1, 2]), 2)])
-def test_at_a_models_sizes_a_tree_pass_matches_the_public_kernels_bit_for_bit(tree, dtype):
+def test_at_a_models_sizes_a_tree_pass_matches_the_public_kernels_bit_for_bit(tree, dtype, tiled_state, monkeypatch):
     """Channels in whole vectors of the SiLU (conv 128, d_inner 64: :func:`_silu_tails` none), as
     every Mamba2 checkpoint's are: the serial pass's one SiLU of the conv's output and the gate
-    equals the public kernels' two bit for bit."""
+    equals the public kernels' two bit for bit; with the scan's state term from the tiled product
+    (where it is built) or from the scan's own loops, both sides alike."""
+    from stree.kernels.cpu import gemm
+    if tiled_state and not gemm.available():
+        pytest.skip(f"the tiled product cannot be built here: {gemm.unavailable_reason()}")
+    from stree.kernels.cpu import tree_jit
+    monkeypatch.setattr(tree_jit, "STATE_NODES", 1 if tiled_state else 1 << 30)  # (these trees are small)
+    made = []
+    real = gemm.state_term_unchecked
+    monkeypatch.setattr(gemm, "state_term_unchecked", lambda *a: made.append(a) or real(*a))
     shape = dict(ngroups=1, nheads=2, headdim=32, dstate=32)
     for seed in range(3):
         _tree_pass_matches(tree, shape, False, True, False, False, (0.0, math.inf), seed, dtype, exact=True)
+    assert bool(made) == tiled_state
 
 
 def _silu_tails(sz) -> bool:

@@ -1,7 +1,8 @@
 """stree.kernels.cpu.gemm: the tiled few-row product against the float64 definition (random
 sizes across the row chunks and the last partial block, strided rows, a bias, poisoned outputs),
 its AVX2 variant too, its packing, its threads, its bad input, and its build: kept per source,
-compiler, flags and CPU, and a clean "unavailable" where it cannot be built."""
+compiler, flags and CPU, and a clean "unavailable" where it cannot be built. Also the tree scan's
+state term, the same product on a state packed as it is read, against its float64 definition."""
 
 import os
 import subprocess
@@ -67,6 +68,57 @@ def test_the_avx2_variant_equals_the_definition(monkeypatch):
         packed = gemm.pack(w)
         assert packed.shape == (-(-d_out // 16), d_in, 16)
         assert _close(gemm.product(x, packed, d_out, b), x, w, b)
+    for batch, nodes, groups, per_group, headdim, d_state in [(1, 13, 1, 8, 64, 32), (2, 7, 2, 1, 12, 19)]:
+        C, x0, want, scale = _state_case(batch, nodes, groups, per_group, headdim, d_state, 3, nodes)
+        out = torch.empty(batch, nodes, groups * per_group, headdim)
+        _state_term(C, x0, groups, out)
+        assert bool(((out.double() - want).abs() <= 1e-5 * scale + 1e-6).all())
+
+
+def _state_case(batch, nodes, groups, per_group, headdim, d_state, pad, seed):
+    g = torch.Generator().manual_seed(seed)
+    heads = groups * per_group
+    # C's nodes as a strided slice (node stride past groups * d_state, as a view of a conv's output)
+    C = torch.randn(batch, nodes, groups * d_state + pad, generator=g)[..., pad:]
+    x0 = torch.randn(batch, heads, headdim, d_state, generator=g)
+    want = torch.einsum("bnhs,bhps->bnhp", C.reshape(batch, nodes, groups, d_state).double()
+                        .repeat_interleave(per_group, dim=2), x0.double())
+    scale = torch.einsum("bnhs,bhps->bnhp", C.reshape(batch, nodes, groups, d_state).double().abs()
+                         .repeat_interleave(per_group, dim=2), x0.double().abs())
+    return C, x0, want, scale
+
+
+def _state_term(C, x0, groups, into):
+    batch, nodes, _ = C.shape
+    heads, headdim, d_state = x0.shape[1:]
+    gemm.state_term_unchecked(C.data_ptr(), batch, nodes, groups, d_state, C.stride(1), C.stride(0), x0.data_ptr(),
+                              heads, headdim, into.data_ptr())
+
+
+@settings(max_examples=60, deadline=None)
+@given(batch=st.integers(1, 3), nodes=st.integers(1, 40), groups=st.sampled_from([1, 2]),
+       per_group=st.integers(1, 3), headdim=st.integers(1, 40), d_state=st.integers(1, 70),
+       pad=st.sampled_from([0, 5]), threads=st.sampled_from([1, 2, 3]), seed=st.integers(0, 2**16))
+def test_the_state_term_equals_the_definition(batch, nodes, groups, per_group, headdim, d_state, pad, threads, seed):
+    """Every size across the row chunks, the 8 x 8 transposes' tails (d_state, and a group's width,
+    not multiples of 8 or of a block), groups, strided nodes, rows and column parts split over the
+    threads; every output written, nothing past it."""
+    C, x0, want, scale = _state_case(batch, nodes, groups, per_group, headdim, d_state, pad, seed)
+    heads = groups * per_group
+    guard = torch.full((batch * nodes + 1, heads * headdim), float("nan"))  # poisoned, a row past the output
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        _state_term(C, x0, groups, guard)
+    finally:
+        torch.set_num_threads(before)
+    out = guard[:-1].reshape(batch, nodes, heads, headdim)
+    assert bool(((out.double() - want).abs() <= 1e-5 * scale + 1e-6).all())
+    assert guard[-1].isnan().all()
+
+
+def test_the_state_term_runs_within_its_scratch_only():
+    assert gemm.takes_state(1) and gemm.takes_state(256) and not gemm.takes_state(257)
 
 
 def test_packing_lays_column_blocks_padded_with_zeros():

@@ -247,3 +247,39 @@ def test_autograd_takes_the_pytorch_path_for_a_long_chain_too(calls):
     inp["x"].requires_grad_(True)
     _scan(inp, TreeShape.chain(n - 1).parents_tensor()).sum().backward()
     assert calls["chain"] == 0 and bool(inp["x"].grad.abs().sum() > 0)
+
+
+@pytest.mark.skipif(not tree_jit.gemm.available(), reason="the tiled product cannot be built here")
+def test_the_state_term_from_the_tiled_product_or_the_scans_own_loops_alike(monkeypatch):
+    """The scan's state term comes from the tiled product where it is built (``gemm.takes_state``),
+    else from the scan's own dot products: both within float32 rounding of the float64 definition,
+    and of each other, on the serial driver and the parallel one."""
+    shape = TreeShape.paper13()
+    parents = shape.parents_tensor()
+    inp = ssm_inputs(torch.Generator().manual_seed(5), 3, shape.n, SHAPE, OPTS)
+    want = tree_scan_def(inp["x"], inp["dt"], inp["A"], inp["B"], inp["C"], parents, D=inp["D"],
+                         dt_bias=inp["dt_bias"], initial_state=inp["initial_state"])
+    made = []
+    real = tree_jit.state_terms
+    monkeypatch.setattr(tree_jit, "state_terms", lambda *a: made.append(real(*a)) or made[-1])
+    tiled = _scan(inp, parents, dt_softplus=True)
+    monkeypatch.setattr(tree_jit.gemm, "takes_state", lambda d_state: False)
+    own = _scan(inp, parents, dt_softplus=True)
+    monkeypatch.setattr(tree_jit, "PARALLEL_WORK", 1)
+    own_parallel = _scan(inp, parents, dt_softplus=True)
+    assert made[0] is not None and made[1:] == [None, None]  # (the tiled product's, then the scan's own)
+    for out in (tiled, own, own_parallel):
+        assert max_rel_error(out, want) < 1e-5
+    assert max_rel_error(tiled, own) < 1e-5
+
+
+def test_a_small_trees_state_term_is_the_scans_own():
+    """Below ``STATE_NODES`` nodes a row the product's call and packing cost more than the scan's own
+    dot products: it is not asked, however many rows (a row's values never depend on the others)."""
+    small = TreeShape.full(2, 1)  # (3 nodes)
+    assert small.n < tree_jit.STATE_NODES
+    inp = ssm_inputs(torch.Generator().manual_seed(6), 8, small.n, SHAPE, OPTS)
+    C = inp["C"].numpy()
+    assert tree_jit.state_terms(C, inp["initial_state"].numpy(), SHAPE["nheads"], SHAPE["headdim"]) is None
+    assert not tree_jit.tiled_state(tree_jit.STATE_NODES - 1, 8)
+    assert tree_jit.tiled_state(tree_jit.STATE_NODES, 8) == tree_jit.gemm.available()

@@ -1,7 +1,7 @@
 """Work per decode call, counted deterministically (stree.tools.opcount): on the PyTorch path the
 compute ops one more layer adds (metadata-only views left out: they launch nothing on a GPU),
 and on the Triton path the kernel launches. The budgets: a step at most 5 compute ops per layer
-(27 in all) and a tree pass at most 6 (31 in all) on the CPU's eager path (the products, the conv
+(27 in all) and a tree pass at most 6 (32 in all) on the CPU's eager path (the products, the conv
 and the state update or scan, the norms, each one call: the fast decode step's issue 14 had
 allowed 20 and 30, and the norms' PyTorch ops had made 7 and 8), a commit of every Mamba2 layer
 in one replay whatever the depth, at most 10 compute ops and 10 in all."""
@@ -60,8 +60,11 @@ def test_a_tree_pass_costs_at_most_6_ops_per_layer():
     assert _per_layer(mamba2_layers, "tree") <= 6
     # (84 with the views as tensors, 53 with the states converted on each call, 45 with the tree's
     # parents and the conv's output converted again in each layer: stree.models.layers.mamba2._parents,
-    # 37 with the gate's SiLU a call of its own, on a slice: stree.kernels.cpu.bound.Mamba2LayerJit.tree)
-    assert _per_layer(mamba2_layers, "tree", "total") <= 31
+    # 37 with the gate's SiLU a call of its own, on a slice: stree.kernels.cpu.bound.Mamba2LayerJit.tree;
+    # one more where the scan's state term is the tiled product's, as for these 13 nodes: it lies in the
+    # buffer of the conv's output and the gate, whose SiLU is then a slice's; a buffer of its own and
+    # its NumPy view had taken 5)
+    assert _per_layer(mamba2_layers, "tree", "total") <= 32
 
 
 def test_a_commit_replays_every_mamba_layer_at_once():

@@ -21,12 +21,14 @@ import torch
 import torch.nn.functional as F
 
 from .._common import FLOAT_DTYPES, as_numpy
+from . import gemm
 from .norm_jit import gated_rms_norm_rows, rms_norm_rows
 from .replay_jit import replay_layers
 from .round_jit import round_half
 from .step_jit import conv_step_rows, state_update_rows
 from .layer_jit import tree_layer_in, tree_layer_out
-from .tree_jit import aligned_empty, chain_scan_rows, parallel_rows, takes_tree, tree_conv_rows, tree_scan_rows
+from .tree_jit import (NOT_MADE, aligned_empty, chain_scan_rows, parallel_rows, takes_tree, tiled_state,
+                       tree_conv_rows, tree_scan_rows)
 
 __all__ = ["Mamba2LayerJit", "RMSNormJit", "replay_arrays", "replay_in_place"]
 
@@ -199,17 +201,29 @@ class Mamba2LayerJit:
         if not (parallel_rows(rows, rows * nodes * scan_work) or parallel_rows(rows, rows * nodes * conv_work)):
             # (two compiled calls: see .layer_jit) The conv's output and the gate (z) lie in one buffer,
             # whose SiLU is then one vectorised call: a second, of z's strided slice, and the slice and
-            # conversion around it had cost a pass's layer more than its conv.
-            both_t = torch.empty(rows * nodes * (self.dim + self.d_inner), dtype=torch.float32)
-            both, split = both_t.numpy(), rows * nodes * self.dim
-            conv, gate = both[:split].reshape(rows, nodes, self.dim), both[split:].reshape(rows, nodes, self.d_inner)
+            # conversion around it had cost a pass's layer more than its conv. The scan's state term,
+            # where the tiled product makes it (.tree_jit.tiled_state), lies in the same buffer after them.
+            made = not chain and tiled_state(nodes, self.d_state) and ssm_state.is_contiguous()
+            per_node = self.dim + self.d_inner
+            both_t = torch.empty(rows * nodes * (per_node + (self.heads * self.headdim if made else 0)),
+                                 dtype=torch.float32)
+            both, split, end = both_t.numpy(), rows * nodes * self.dim, rows * nodes * per_node
+            conv, gate = both[:split].reshape(rows, nodes, self.dim), both[split:end].reshape(rows, nodes, self.d_inner)
             tree_layer_in(as_numpy(wide), self.d_inner, pa, _state(self._wide(conv_state), states[0], conv_state),
                           self.conv_weight, self.conv_bias, self.has_conv_bias, arrays[0], arrays[2], conv, gate)
-            F.silu(both_t, inplace=True)  # (vectorised, as the public kernels')
+            F.silu(both_t[:end] if made else both_t, inplace=True)  # (vectorised, as the public kernels')
             _round(conv, self.dtype)
+            xs = NOT_MADE
+            if made:
+                xs = both[end:].reshape(rows, nodes, self.heads, self.headdim)
+                c_at = self.x_dim + self.B_dim
+                start = both_t.data_ptr()  # (addresses from the tensors: a NumPy array's cost microseconds)
+                gemm.state_term_unchecked(start + 4 * c_at, rows, nodes, (self.dim - c_at) // self.d_state,
+                                          self.d_state, self.dim, nodes * self.dim, ssm_state.data_ptr(), self.heads,
+                                          self.headdim, start + 4 * end)
             out = torch.empty((rows, nodes, self.d_inner), dtype=torch.float32)
             tree_layer_out(conv, self.x_dim, self.B_dim, arrays[2], self.A, self.D, self.dt_bias, lo, hi, pa,
-                           _state(ssm_state, states[1]), chain, self._rounding, arrays[1], arrays[3], gate,
+                           _state(ssm_state, states[1]), xs, made, chain, self._rounding, arrays[1], arrays[3], gate,
                            self.norm_weight, self.eps, self.gate_first, as_numpy(out))
             out = out if self.dtype == torch.float32 else out.to(self.dtype)
         else:

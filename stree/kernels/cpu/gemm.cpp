@@ -99,15 +99,91 @@ extern "C" int stree_gemm_block(void) { return NB; }
 
 extern "C" int stree_gemm_rows(void) { return MRMAX; }
 
+// 8 x 8 floats, rows src, src + lds, ..., written transposed to dst, dst + ldd, ... (in registers:
+// element by element, packing the state of a tree scan took longer than multiplying it)
+static inline void transpose8(const float* src, long lds, float* dst, long ldd) {
+  __m256 r[8], t[8];
+#pragma GCC unroll 8
+  for (int i = 0; i < 8; i++) r[i] = _mm256_loadu_ps(src + i * lds);
+#pragma GCC unroll 4
+  for (int i = 0; i < 8; i += 2) {
+    t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+  }
+#pragma GCC unroll 2
+  for (int i = 0; i < 8; i += 4) {
+    r[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
+    r[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
+    r[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+    r[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+  }
+#pragma GCC unroll 4
+  for (int i = 0; i < 4; i++) {
+    _mm256_storeu_ps(dst + i * ldd, _mm256_permute2f128_ps(r[i], r[i + 4], 0x20));
+    _mm256_storeu_ps(dst + (i + 4) * ldd, _mm256_permute2f128_ps(r[i], r[i + 4], 0x31));
+  }
+}
+
+// nc <= NB rows of w (row stride ldw, K columns) packed as one block [K][NB], the columns past nc zero
+static void pack_block(const float* w, long ldw, long K, int nc, float* wp) {
+  long k8 = nc == NB ? K - K % 8 : 0;
+  for (int j = 0; j < NB; j += 8)
+    for (long k = 0; k < k8; k += 8) transpose8(w + j * ldw + k, ldw, wp + k * NB + j, NB);
+  for (long k = k8; k < K; k++)
+    for (int j = 0; j < NB; j++) wp[k * NB + j] = j < nc ? w[j * ldw + k] : 0.f;
+}
+
 // w [N, K] row-major (nn.Linear's weight) -> wp [ceil(N / NB)][K][NB], padded with zeros
 extern "C" void stree_gemm_pack(const float* w, long N, long K, float* wp) {
-  long blocks = (N + NB - 1) / NB;
-  for (long b = 0; b < blocks; b++)
-    for (long k = 0; k < K; k++)
-      for (int j = 0; j < NB; j++) {
-        long n = b * NB + j;
-        wp[(b * K + k) * NB + j] = n < N ? w[n * K + k] : 0.f;
-      }
+  for (long b = 0; b * NB < N; b++)
+    pack_block(w + b * NB * K, K, K, (int)(N - b * NB < NB ? N - b * NB : NB), wp + b * K * NB);
+}
+
+// y = x [M, K] @ w.T for a w [N, K] (row stride ldw) read as it lies, K <= KMAX: each block of w
+// packed on the fly into a scratch that stays in L1 for the tile (a matrix multiplied once, as a
+// tree scan's state is, costs a packing anyway: done per block, it is read from memory once)
+#define KMAX 256
+static void product_unpacked(const float* x, long M, long K, long ldx, const float* w, long ldw, long N, float* y,
+                             long ldy) {
+  alignas(64) float wp[KMAX * NB];
+  long chunks = (M + MRMAX - 1) / MRMAX;
+  for (long b = 0; b * NB < N; b++) {
+    int nc = (int)(N - b * NB < NB ? N - b * NB : NB);
+    pack_block(w + b * NB * ldw, ldw, K, nc, wp);
+    for (long c = 0, r = 0; c < chunks; c++) {
+      long m = (M - r) / (chunks - c);
+      rows(x + r * ldx, m, ldx, wp, K, y + r * ldy + b * NB, ldy, nullptr, nc);
+      r += m;
+    }
+  }
+}
+
+extern "C" int stree_state_kmax(void) { return KMAX; }
+
+// The tree scan's state term before its decay, out[b, i, h, p] = C[b, i, g, :] . x0[b, h, p, :]
+// for head h of group g (heads / groups heads a group), as one product per row and group: C's
+// nodes [n, K] (node stride ldc, row stride ldr, group g at g * K) by the group's rows of the
+// state [heads / groups * headdim, K]. The products, each cut into column parts where there are
+// fewer of them than threads, are split over the threads.
+extern "C" void stree_state_term(const float* C, long batch, long n, long groups, long K, long ldc, long ldr,
+                                 const float* x0, long heads, long headdim, float* out, int threads) {
+  long width = heads / groups * headdim, hp = heads * headdim, products = batch * groups;
+  long parts = threads > products ? (threads + products - 1) / products : 1;
+  long part = ((width + parts - 1) / parts + NB - 1) / NB * NB;  // (whole blocks)
+  parts = (width + part - 1) / part;
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && products * parts > 1)
+  for (long t = 0; t < products * parts; t++) {
+    long b = t / (groups * parts), g = t / parts % groups, j = t % parts * part;
+    long cols = width - j < part ? width - j : part;
+    product_unpacked(C + b * ldr + g * K, n, K, ldc, x0 + (b * hp + g * width + j) * K, K, cols,
+                     out + b * n * hp + g * width + j, hp);
+  }
+}
+
+// stree_state_term's arguments as one array of 12 int64 (see stree_gemm_args)
+extern "C" void stree_state_term_args(const int64_t* a) {
+  stree_state_term((const float*)a[0], a[1], a[2], a[3], a[4], a[5], a[6], (const float*)a[7], a[8], a[9],
+                   (float*)a[10], (int)a[11]);
 }
 
 // x [M, K] (row stride ldx, unit column stride), wp packed, y [M, N] (row stride ldy), bias [N] or null

@@ -8,7 +8,9 @@ products do not work so for these sizes: on the project's Intel Xeon (AVX-512) t
 nearly in step with the rows past a few, where this kernel, streaming each block of the weight
 once into a tile of up to 14 rows (6 with AVX2), stayed near one row's cost up to a tile's rows
 (docs/kernels.md has the figures). Which product runs for each size is still measured on the
-machine at hand (:mod:`stree.models.layers.linear`): this is one more candidate.
+machine at hand (:mod:`stree.models.layers.linear`): this is one more candidate. The same tile
+also multiplies a tree scan's state, laid out as a weight is, packed block by block as it is read
+(:func:`state_term_unchecked`: :func:`stree.kernels.cpu.tree_jit.state_terms`).
 
 It is built on first use with the system's C++ compiler (``$CXX``, else ``c++``; ``-O3
 -march=native -fopenmp``), once per machine and source, and the library kept under the cache directory
@@ -41,12 +43,14 @@ import torch
 
 from .._common import cache_dir
 
-__all__ = ["available", "block", "compile_library", "pack", "product", "product_unchecked", "unavailable_reason"]
+__all__ = ["available", "block", "compile_library", "pack", "product", "product_unchecked", "state_term_unchecked",
+           "takes_state", "unavailable_reason"]
 
 SOURCE = Path(__file__).with_name("gemm.cpp")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 _P, _L = ctypes.c_void_p, ctypes.c_long
 _ARGS = struct.Struct("=10q")  # stree_gemm_args's one argument
+_STATE_ARGS = struct.Struct("=12q")  # stree_state_term_args's
 
 
 def _cpu_identity() -> str:
@@ -104,6 +108,8 @@ def compile_library(flags: tuple[str, ...]) -> tuple[ctypes.CDLL | None, str]:
     lib.stree_gemm_args.restype = None
     lib.stree_gemm_pack.argtypes = [_P, _L, _L, _P]
     lib.stree_gemm_pack.restype = None
+    lib.stree_state_term_args.argtypes = [ctypes.c_char_p]
+    lib.stree_state_term_args.restype = None
     return lib, ""
 
 
@@ -190,6 +196,32 @@ def product_unchecked(x: torch.Tensor, packed: torch.Tensor, out_features: int, 
                                           out.data_ptr(), out_features, 0 if bias is None else bias.data_ptr(),
                                           torch.get_num_threads()))
     return out
+
+
+def takes_state(d_state: int) -> bool:
+    """Whether :func:`state_term_unchecked` runs here for a state of ``d_state`` columns (built, and
+    d_state within the kernel's scratch)."""
+    return _state_kmax() >= d_state
+
+
+@functools.lru_cache(maxsize=1)
+def _state_kmax() -> int:
+    lib = _build()[0]
+    return lib.stree_state_kmax() if lib is not None else 0
+
+
+def state_term_unchecked(c: int, batch: int, nodes: int, groups: int, d_state: int, node_stride: int,
+                         row_stride: int, x0: int, heads: int, headdim: int, out: int) -> None:
+    """A tree scan's state term before its decay, ``out[b, i, h, p] = C[b, i, g, :] . x0[b, h, p, :]``
+    for head h of group g (``heads / groups`` heads a group), by the tiled product with each block of
+    the state packed as it is read (``stree_state_term`` in gemm.cpp). Addresses of float32 memory:
+    ``c`` the first node's C (its nodes ``node_stride`` floats apart, its rows ``row_stride``, group
+    g at ``g * d_state``), ``x0`` a contiguous ``[batch, heads, headdim, d_state]`` state, ``out`` a
+    contiguous ``[batch, nodes, heads, headdim]``; the caller vouches for them (a tree pass's scan
+    calls this per layer, and the checks would cost what the product saves), and for
+    :func:`takes_state`. Each output sums its d_state products in order with fused multiply-adds."""
+    _lib().stree_state_term_args(_STATE_ARGS.pack(c, batch, nodes, groups, d_state, node_stride, row_stride, x0,
+                                                  heads, headdim, out, torch.get_num_threads()))
 
 
 def _described(t) -> str:

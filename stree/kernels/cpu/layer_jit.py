@@ -44,8 +44,8 @@ def tree_layer_in(proj, d_inner, parents, state, weight, bias, has_bias, xBC, dt
 
 
 @njit(cache=True)
-def tree_layer_out(conv, x_dim, B_dim, dt, A, D, bias, lo, hi, parents, x0, chain, rounding, x, B, gate, norm_weight,
-                   eps, gate_first, out):
+def tree_layer_out(conv, x_dim, B_dim, dt, A, D, bias, lo, hi, parents, x0, xs, has_xs, chain, rounding, x, B, gate,
+                   norm_weight, eps, gate_first, out):
     """From the conv's output ``[b, n, dim]`` (after its SiLU): writes x ``[b, n, h, p]`` and B
     ``[b, n, g, s]`` (x's first ``x_dim`` channels in heads, B's next ``B_dim`` in groups, each
     repeated to h heads / C's g groups where narrower: MambaInLlama's d_xb variant), the scan
@@ -76,7 +76,7 @@ def tree_layer_out(conv, x_dim, B_dim, dt, A, D, bias, lo, hi, parents, x0, chai
         if chain:
             chain_row(b, x, dt, A, B, C, D, True, bias, True, True, lo, hi, x0, True, y, no_final, False)
         else:
-            scan_row(b, x, dt, A, B, C, D, True, bias, True, True, lo, hi, parents, x0, True, y)
+            scan_row(b, x, dt, A, B, C, D, True, bias, True, True, lo, hi, parents, x0, True, xs, has_xs, y)
     if rounding >= 0:
         round_half(y, rounding == 1)
     group = norm_weight.shape[1]

@@ -29,10 +29,12 @@ import torch
 from numba import njit, prange
 
 from .._common import jit_takes
+from . import gemm
 from .step_jit import processed_dt
 
-__all__ = ["JIT_MAX_NODES", "SHALLOW", "aligned_empty", "chain_row", "chain_scan_rows", "conv_row", "jit_tree_fits",
-           "parallel_rows", "scan_row", "takes_tree", "tree_conv_rows", "tree_scan_rows"]
+__all__ = ["JIT_MAX_NODES", "NOT_MADE", "SHALLOW", "aligned_empty", "chain_row", "chain_scan_rows", "conv_row",
+           "jit_tree_fits", "parallel_rows", "scan_row", "state_terms", "takes_tree", "tiled_state", "tree_conv_rows",
+           "tree_scan_rows"]
 
 # A scan of a tree of at most this many nodes a row takes the compiled tree kernel (decoding
 # trees); a longer chain (a prompt) the chain kernel, a longer tree the tree kernel where it is
@@ -55,9 +57,21 @@ SHALLOW = 0.8
 # parallel, and the commit after it took 2-4 times as long; at batch 8 (1.7M) parallel saved a tenth
 # of the pass.
 PARALLEL_WORK = 1 << 20
+# The scan's state term (C_i . x0 for every node) is the tiled product's (gemm.state_term_unchecked)
+# for trees of at least this many nodes a row, else the scan's own dot products along d_state. The
+# product reads each block of the state once, packed on the fly, into a tile of up to 14 nodes; the
+# dot products cost each node the state again, but no call and no packing. On the project's Intel
+# Xeon, in one process taking turns (the shipped target, float32), the product made a pass cost, in
+# steps: at batch 1 +0.025 at 8 nodes, +0.02 at 10, -0.02 at 12, the same at 13, -0.03 at 16 and
+# -0.09 at 24; at batch 2 -0.01 to +0.02 at 4-8 nodes a row, -0.03 at 10, -0.10 to -0.15 at 13.
+# A row count (the rows' nodes in all) would have taken batch 2's smaller trees too, but a row's
+# values would then depend on the rows beside it (the two sum d_state in other orders); by the
+# nodes of a row they do not, as the products' do not.
+STATE_NODES = 12
 # Reassociation and fused multiply-adds let LLVM vectorise the dot products; no assumption that
 # values are finite (a NaN or inf must reach the logits, where decoding checks for them).
 _FAST = {"reassoc", "contract"}
+NOT_MADE = np.empty((1, 1, 1, 1), dtype=np.float32)  # (an argument not read: the state term where scan_row makes it)
 
 
 def jit_tree_fits(n: int, *tensors) -> bool:
@@ -153,12 +167,34 @@ def tree_scan_rows(x, dt, A, B, C, D, has_D, bias, has_bias, softplus, lo, hi, p
     # (views of one conv output, and D a head's value broadcast: contiguous copies let the loops
     # over d_state and headdim vectorise)
     x, B, C, D = map(np.ascontiguousarray, (x, B, C, D))
+    xs = state_terms(C, x0, x.shape[2], x.shape[3]) if has_x0 else None
     (_scan_parallel if parallel_rows(len(x), x.size * B.shape[3]) else _scan_serial)(
-        x, dt, A, B, C, D, has_D, bias, has_bias, softplus, lo, hi, parents, x0, has_x0, y)
+        x, dt, A, B, C, D, has_D, bias, has_bias, softplus, lo, hi, parents, x0, has_x0,
+        NOT_MADE if xs is None else xs, xs is not None, y)
+
+
+def tiled_state(nodes: int, d_state: int) -> bool:
+    """Whether the scan's state term of trees of ``nodes`` nodes is the tiled product's
+    (:func:`state_terms`): ``STATE_NODES`` or more, where it is built and takes d_state."""
+    return nodes >= STATE_NODES and gemm.takes_state(d_state)
+
+
+def state_terms(C: np.ndarray, x0: np.ndarray, heads: int, headdim: int) -> np.ndarray | None:
+    """The tree scan's state term before its decay, ``C_i . x0`` ``[b, n, h, p]`` for C ``[b, n, g,
+    s]`` (contiguous) and x0 ``[b, h, p, s]``, by the tiled product where :func:`tiled_state`
+    says so, else None (:func:`scan_row` then makes it itself)."""
+    batch, n, groups, dstate = C.shape
+    if not tiled_state(n, dstate):
+        return None
+    x0 = np.ascontiguousarray(x0)
+    out = np.empty((batch, n, heads, headdim), dtype=np.float32)
+    gemm.state_term_unchecked(C.ctypes.data, batch, n, groups, dstate, groups * dstate, n * groups * dstate,
+                              x0.ctypes.data, heads, headdim, out.ctypes.data)
+    return out
 
 
 @njit(cache=True, fastmath=_FAST)
-def scan_row(b, x, dt, A, B, C, D, has_D, bias, has_bias, softplus, lo, hi, parents, x0, has_x0, y):
+def scan_row(b, x, dt, A, B, C, D, has_D, bias, has_bias, softplus, lo, hi, parents, x0, has_x0, xs, has_xs, y):
     """Row ``b`` of :func:`tree_scan_rows`."""
     n, heads, headdim = x.shape[1], x.shape[2], x.shape[3]
     groups, dstate = B.shape[2], B.shape[3]
@@ -180,10 +216,14 @@ def scan_row(b, x, dt, A, B, C, D, has_D, bias, has_bias, softplus, lo, hi, pare
         for h in range(heads):
             for p in range(headdim):
                 acc[i, h, p] = D[h, p] * x[b, i, h, p] if has_D else np.float32(0.0)
-    if has_x0:  # the state's term, exp(Atree_i) (C_i . x0) for every node: a dot product along d_state
-        # per (node, head, channel), where x0's rows lie contiguous. (Multiply-adds along headdim
-        # over each head's state transposed to [s, p] had to copy the state first: read cold from
-        # the cache, as a pass reads it, the copy cost a small tree's scan more than the multiply-adds.)
+    if has_xs:  # the state's term, exp(Atree_i) (C_i . x0), its products made by the caller
+        for i in range(n):
+            for h in range(heads):
+                dec, row, made = decay[i, h], acc[i, h], xs[b, i, h]
+                for p in range(headdim):
+                    row[p] += dec * made[p]
+    elif has_x0:  # the same, a dot product along d_state per (node, head, channel), where x0's rows
+        # lie contiguous (no copy of the state transposed, read cold as a pass reads it)
         for h in range(heads):
             g = h // per_group
             state = x0[b, h]
@@ -211,15 +251,16 @@ def scan_row(b, x, dt, A, B, C, D, has_D, bias, has_bias, softplus, lo, hi, pare
 
 
 @njit(cache=True)
-def _scan_serial(x, dt, A, B, C, D, has_D, bias, has_bias, softplus, lo, hi, parents, x0, has_x0, y):
+def _scan_serial(x, dt, A, B, C, D, has_D, bias, has_bias, softplus, lo, hi, parents, x0, has_x0, xs, has_xs, y):
     for b in range(x.shape[0]):
-        scan_row(b, x, dt, A, B, C, D, has_D, bias, has_bias, softplus, lo, hi, parents, x0, has_x0, y)
+        scan_row(b, x, dt, A, B, C, D, has_D, bias, has_bias, softplus, lo, hi, parents, x0, has_x0, xs, has_xs, y)
 
 
 @njit(cache=True, parallel=True)
-def _scan_parallel(x, dt, A, B, C, D, has_D, bias, has_bias, softplus, lo, hi, parents, x0, has_x0, y):
+def _scan_parallel(x, dt, A, B, C, D, has_D, bias, has_bias, softplus, lo, hi, parents, x0, has_x0, xs, has_xs, y):
     for b in prange(x.shape[0]):
-        scan_row(np.int64(b), x, dt, A, B, C, D, has_D, bias, has_bias, softplus, lo, hi, parents, x0, has_x0, y)
+        scan_row(np.int64(b), x, dt, A, B, C, D, has_D, bias, has_bias, softplus, lo, hi, parents, x0, has_x0, xs,
+                 has_xs, y)
 
 
 def chain_scan_rows(x, dt, A, B, C, D, has_D, bias, has_bias, softplus, lo, hi, x0, has_x0, y, final=None):
