@@ -186,10 +186,14 @@ def _check_args(x, dt, A, B, C, parents, D, dt_bias, dt_limit, initial_state, st
 # batch 16 spent most of their time there.
 CHAIN_BLOCK = 64
 # Inside torch.compile a tree of at most this many nodes multiplies by broadcast products summed
-# (:func:`_product`), which Inductor fuses into its loops around them; as batched matmuls each product
-# is a call of its own, and the initial state's read a transposed copy first. Measured on the
-# shipped target's fused iteration (docs/kernels.md); at more nodes the matmuls' arithmetic wins.
+# (:func:`_product`) and sums Atree along its paths (:func:`_path_sums`), which Inductor fuses into its
+# loops around them; as batched matmuls each product is a call of its own, and the initial state's read
+# a transposed copy first. Measured on the shipped target's fused iteration (docs/kernels.md); at more
+# nodes the matmuls' arithmetic wins.
 FUSED_NODES = 16
+# ... and of at least this many nodes in all its rows sums Atree along each node's path
+# (:func:`_path_sums`), where the product summed opens an OpenMP region per row and node (see there).
+PATH_SUMS = 12
 
 
 def tree_scan_torch(x, dt, A, B, C, parents, *, D=None, dt_bias=None, dt_softplus=True,
@@ -218,23 +222,58 @@ def _scan_torch(x, dt, A, B, C, index, D, dt_bias, dt_softplus, dt_limit, initia
 
 
 def _masks(index):
-    """The tree's ancestor mask as floats ``[rows, n, n]`` and its complement ``[rows, 1, n, n]``."""
+    """The tree's ancestor mask as floats ``[rows, n, n]``, its complement ``[rows, 1, n, n]`` and,
+    for a tree a compiled pass fuses (see :func:`_path_sums`; None otherwise), each node's ancestors
+    level by level ``[rows, levels, n]``."""
+    paths = None
+    if index.n <= FUSED_NODES and index.device.type == "cpu":  # (where Inductor compiles the path: no sync)
+        paths = index.memo("ancestors_by_level", lambda: _by_level(index.ancestor_mask(), index.depth.long()))
     return (index.memo("ancestor_mask_f32", lambda: index.ancestor_mask().float()),
-            index.memo("not_ancestor", lambda: ~index.ancestor_mask()[:, None]))
+            index.memo("not_ancestor", lambda: ~index.ancestor_mask()[:, None]), paths)
 
 
-def _block(x, dt, A, B, C, L, off, initial_state):
-    """The formula over one block of nodes (``dt`` processed, ``[b, n, h]``) under its masks:
-    ``y [b, g, h / g, n, p]`` without the D term, and Atree ``[b, h, n]``."""
+def _by_level(mask: torch.Tensor, depth: torch.Tensor) -> torch.Tensor:
+    """``[rows, levels, n]``: node i's ancestor-or-self at depth d, or ``n`` (a zero row of
+    :func:`_path_sums`) where i is shallower, from the ancestor mask ``[rows, n, n]`` and the
+    depths ``[rows, n]``."""
+    rows, n = depth.shape
+    out = torch.full((rows, int(depth.max()) + 1, n), n, dtype=torch.long, device=depth.device)
+    r, i, j = mask.nonzero(as_tuple=True)
+    out[r, depth[r, j], i] = j
+    return out
+
+
+def _path_sums(v: torch.Tensor, paths: torch.Tensor) -> torch.Tensor:
+    """``L @ v`` (``v [b, n, h]``, L the ancestor mask) as each node's sum along its path, root
+    first, a gather per level (``paths`` from :func:`_by_level`): elementwise work Inductor fuses
+    into its loops. As a product summed Inductor made it a parallel reduction, an OpenMP region
+    opened once per row and node inside the loops over them: the layer's fused loop 1.5-2x as
+    long at 13-16 nodes, or at 8 and batch 2; 20-45 us a pass shorter at up to 8 nodes at batch 1
+    (the regions few, the gathers' loop a fixed cost; docs/kernels.md)."""
+    padded = torch.cat([v, v.new_zeros(v.shape[0], 1, v.shape[2])], 1)
+    out = None
+    for level in paths.unbind(1):  # [rows, n]
+        term = (padded[:, level[0]] if paths.shape[0] == 1
+                else padded.gather(1, level[:, :, None].expand(-1, -1, v.shape[2])))
+        out = term if out is None else out + term
+    return out
+
+
+def _block(x, dt, A, B, C, L, off, paths, initial_state):
+    """The formula over one block of nodes (``dt`` processed, ``[b, n, h]``) under its masks
+    (:func:`_masks`): ``y [b, g, h / g, n, p]`` without the D term, and Atree ``[b, h, n]``."""
     batch, n, nheads, headdim = x.shape
     g = B.shape[2]
     r = nheads // g
     # Batched matmuls (eager: on the CPU einsum costs several times as much at these sizes), or
     # what Inductor fuses (FUSED_NODES).
-    mm = _product if torch.compiler.is_compiling() and n <= FUSED_NODES else torch.matmul
+    fused = torch.compiler.is_compiling() and n <= FUSED_NODES
+    mm = _product if fused else torch.matmul
     # In-place where autograd does not record (decoding); the training forward needs the graph.
     mul = (lambda a, b: a.mul_(b)) if not torch.is_grad_enabled() else torch.mul
-    atree = mm(L, dt * f32(A)).transpose(1, 2)  # [b, h, n]
+    dA = dt * f32(A)
+    summed = fused and paths is not None and batch * n >= PATH_SUMS
+    atree = (_path_sums(dA, paths) if summed else mm(L, dA)).transpose(1, 2)  # [b, h, n]
     decay = (atree[..., :, None] - atree[..., None, :]).masked_fill(off, -INF).exp()  # [b, h, i, j]
     Cg = f32(C).transpose(1, 2)  # [b, g, n, s]
     w = mul(decay.view(batch, g, r, n, n), mm(Cg, f32(B).permute(0, 2, 3, 1))[:, :, None])  # * (C_i . B_j)
@@ -278,7 +317,10 @@ def _chain_blocks(x, dt, A, B, C, initial_state):
 def _chain_masks(m: int, device: torch.device):
     """A chain's masks (see :func:`_masks`) for ``m`` nodes, made once per size."""
     lower = torch.ones(m, m, dtype=torch.bool, device=device).tril()
-    return lower.float()[None], ~lower[None, None]
+    paths = None
+    if m <= FUSED_NODES and device.type == "cpu":
+        paths = _by_level(lower[None], torch.arange(m, device=device)[None])
+    return lower.float()[None], ~lower[None, None], paths
 
 
 def launch_config(n, headdim, dstate):

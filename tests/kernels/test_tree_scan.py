@@ -10,7 +10,7 @@ from strategies import dt_options, ssm_inputs, ssm_shapes, trees
 from stree.drafters.calibrate import stand_initial_tree
 from stree.kernels import MAX_TREE_NODES, multistep_update, tree_scan, tree_scan_torch
 from stree.kernels.cpu import tree_jit
-from stree.kernels.tree_scan import CHAIN_BLOCK, FUSED_NODES
+from stree.kernels.tree_scan import CHAIN_BLOCK, FUSED_NODES, PATH_SUMS
 from stree.testing import max_rel_error, tree_scan_def
 from stree.tree import TreeShape, tree_index
 
@@ -96,17 +96,35 @@ def test_long_chains_scan_block_by_block(n, shape, dt_opts, D_kind, with_state, 
     assert len(blocks) == 1 and len(recurrences) == 1
 
 
+@settings(max_examples=40, deadline=None)
+@given(tree=trees(max_n=FUSED_NODES), heads=st.integers(1, 3), seed=st.integers(0, 2**16))
+def test_path_sums_are_the_ancestor_masks_product(tree, heads, seed):
+    """What a compiled pass sums Atree with (gathers level by level, one tree for the batch or one
+    per row) is the ancestor mask's product, in float64; it is made with the masks, for the
+    trees a compiled pass fuses only."""
+    module = importlib.import_module("stree.kernels.tree_scan")
+    parents, batch = tree
+    index = tree_index(parents)
+    v = torch.randn(batch, index.n, heads, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    mask, _, paths = module._masks(index)
+    assert paths.shape == (index.rows, int(index.depth.max()) + 1, index.n)
+    assert torch.allclose(module._path_sums(v, paths), mask.double() @ v, rtol=1e-12, atol=1e-12)
+    assert module._masks(tree_index(torch.arange(-1, FUSED_NODES)))[2] is None  # (FUSED_NODES + 1 nodes)
+
+
 @settings(max_examples=8, deadline=None)
 @given(tree=trees(max_n=FUSED_NODES + 8), shape=ssm_shapes(), dt_opts=dt_options(), with_state=st.booleans(),
        seed=st.integers(0, 2**16))
 def test_traced_trees_match_the_definition(tree, shape, dt_opts, with_state, seed, monkeypatch):
     """Traced by torch.compile (the compiled decode path), a tree of at most FUSED_NODES nodes
-    multiplies by broadcast products summed, which Inductor fuses, a larger one by batched
-    matmuls: the definition's outputs either way. (``aot_eager`` runs the traced graph with
-    PyTorch's own kernels: the formula is under test here, Inductor in tests/runtime.)"""
+    multiplies by broadcast products summed and (PATH_SUMS nodes in all its rows or more) sums Atree
+    along each node's path level by level, which Inductor fuses, a larger one by batched matmuls: the definition's outputs either way, one
+    tree for the batch or one per row. (``aot_eager`` runs the traced graph with PyTorch's own
+    kernels: the formula is under test here, Inductor in tests/runtime.)"""
     module = importlib.import_module("stree.kernels.tree_scan")
-    fused, real = [], module._product
+    fused, real, real_sums = [], module._product, module._path_sums
     monkeypatch.setattr(module, "_product", lambda a, b: fused.append(1) or real(a, b))
+    monkeypatch.setattr(module, "_path_sums", lambda v, paths: fused.append(2) or real_sums(v, paths))
     parents, batch = tree
     n = parents.shape[-1]
     inp = ssm_inputs(torch.Generator().manual_seed(seed), batch, n, shape, dt_opts, D_kind="head")
@@ -117,7 +135,7 @@ def test_traced_trees_match_the_definition(tree, shape, dt_opts, with_state, see
     traced = torch.compile(lambda: _run(inp, parents, dt_opts, "torch", torch.device("cpu")), backend="aot_eager",
                            dynamic=False)
     assert max_rel_error(traced(), expected) <= FP32_TOL
-    assert bool(fused) == (n <= FUSED_NODES)
+    assert (1 in fused, 2 in fused) == (n <= FUSED_NODES, n <= FUSED_NODES and batch * n >= PATH_SUMS)
     fused.clear()
     assert max_rel_error(_run(inp, parents, dt_opts, "torch", torch.device("cpu")), expected) <= FP32_TOL
     assert not fused  # (eager: the batched matmuls)
