@@ -248,8 +248,8 @@ def _path_sums(v: torch.Tensor, paths: torch.Tensor) -> torch.Tensor:
     first, a gather per level (``paths`` from :func:`_by_level`): elementwise work Inductor fuses
     into its loops. As a product summed Inductor made it a parallel reduction, an OpenMP region
     opened once per row and node inside the loops over them: the layer's fused loop 1.5-2x as
-    long at 13-16 nodes, or at 8 and batch 2; 20-45 us a pass shorter at up to 8 nodes at batch 1
-    (the regions few, the gathers' loop a fixed cost; docs/kernels.md)."""
+    long at 13-16 nodes, or at 8 and batch 2; a little shorter at up to 8 nodes at batch 1 (the
+    regions few; docs/kernels.md)."""
     padded = torch.cat([v, v.new_zeros(v.shape[0], 1, v.shape[2])], 1)
     out = None
     for level in paths.unbind(1):  # [rows, n]
