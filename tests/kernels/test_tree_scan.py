@@ -117,10 +117,11 @@ def test_path_sums_are_the_ancestor_masks_product(tree, heads, seed):
        seed=st.integers(0, 2**16))
 def test_traced_trees_match_the_definition(tree, shape, dt_opts, with_state, seed, monkeypatch):
     """Traced by torch.compile (the compiled decode path), a tree of at most FUSED_NODES nodes
-    multiplies by broadcast products summed and (PATH_SUMS nodes in all its rows or more) sums Atree
-    along each node's path level by level, which Inductor fuses, a larger one by batched matmuls: the definition's outputs either way, one
-    tree for the batch or one per row. (``aot_eager`` runs the traced graph with PyTorch's own
-    kernels: the formula is under test here, Inductor in tests/runtime.)"""
+    multiplies by broadcast products summed and (PATH_SUMS nodes in all its rows or more) sums
+    Atree along each node's path level by level, which Inductor fuses, a larger one by batched
+    matmuls: the definition's outputs either way, one tree for the batch or one per row.
+    (``aot_eager`` runs the traced graph with PyTorch's own kernels: the formula is under test
+    here, Inductor in tests/runtime.)"""
     module = importlib.import_module("stree.kernels.tree_scan")
     fused, real, real_sums = [], module._product, module._path_sums
     monkeypatch.setattr(module, "_product", lambda a, b: fused.append(1) or real(a, b))
