@@ -77,6 +77,12 @@ class _Level(NamedTuple):
     heads: torch.Tensor | None
 
 
+@functools.lru_cache(maxsize=8)
+def _no_rows(device: str) -> torch.Tensor:
+    """An empty index on ``device``: the ``heads`` of a step whose logits go unread."""
+    return torch.zeros(0, dtype=torch.long, device=device)
+
+
 @functools.lru_cache(maxsize=64)
 def _static_plan(shape: TreeShape, b: int, device: str) -> tuple[_Level, ...]:
     """The levels of drafting ``shape`` for ``b`` rows (its :class:`~stree.tree.ShapePlan`'s,
@@ -166,15 +172,16 @@ class SSMDrafter(Drafter):
         self.rates.record(context.rows, tokens)
 
     def build(self, shapes, batch: int) -> None:
-        """See :meth:`Drafter.build`: a step of ``batch`` rows (a catch-up) and one of each static
-        level's work rows, on scratch caches of the drafter's own size, and catch-ups of ``batch``
-        rows by a prefill of each power of two up to ``CATCH_WINDOW`` tokens (the products of
-        each row count it may multiply, measured or compiled on first use), once per drafter
-        model, row count and cache size in the process (``LM.generate`` makes a drafter per call,
-        and stepping them again in each call cost a GPU's calls a sixth of their time)."""
+        """See :meth:`Drafter.build`: a step of ``batch`` rows (a catch-up's, with its head and
+        without) and one of each static level's work rows, on scratch caches of the drafter's own
+        size, and catch-ups of ``batch`` rows by a prefill of each power of two up to
+        ``CATCH_WINDOW`` tokens (the products of each row count it may multiply, measured or
+        compiled on first use), once per drafter model, row count and cache size in the process
+        (``LM.generate`` makes a drafter per call, and stepping them again in each call cost a
+        GPU's calls a sixth of their time)."""
         if self.mode != "static":
             return
-        counts = {(batch, None)}  # (rows, rows with logits: None for all)
+        counts = {(batch, None), (batch, 0)}  # (rows, rows with logits: None for all; 0: a catch-up's first step)
         for shape in shapes:
             counts.update((len(level.fork), None if level.heads is None else len(level.heads))
                           for level in _static_plan(shape, batch, str(self.model.device)) if level.fork is not None)
@@ -227,8 +234,11 @@ class SSMDrafter(Drafter):
                 at = (self._fed[:, None] + torch.arange(m)).clamp(max=(want - 1)[:, None])
                 fresh = context.tokens[torch.tensor(rows)[:, None], at].to(self.model.device)
                 if m <= STEPS_UP_TO and bool((new == m).all()):  # as many tokens in every row: fast steps
+                    # (the last step's logits alone are read: the steps before it skip the head, a fifth
+                    # of the shipped 1-layer drafter's step, paid after each accepted leaf drafting never fed)
                     for k in range(m):
-                        self._last = self.model.step(fresh[:, k], self._cache)
+                        self._last = self.model.step(fresh[:, k], self._cache, heads=None if k == m - 1 else
+                                                     _no_rows(str(self.model.device)))
                 else:  # the new tokens fed as a prefill continuing the cache: logits at each row's last only
                     self._last = self.model.prefill(fresh, self._cache, lengths=new)
                 self._fed = want.clone()

@@ -169,8 +169,9 @@ def _path(tree, row, nodes):
 def test_an_accepted_path_is_not_fed_again(mode, monkeypatch):
     """When the new tokens follow the drafted tree, each row resumes from the state drafting
     left at the deepest fed node on them: the target's last token alone is left (one step),
-    or two steps past a leaf drafting never fed; rows off the tree chain-feed their tokens.
-    The laws drafted next equal a fresh drafter's on the same contexts."""
+    or two steps past a leaf drafting never fed, the first without the head (its logits go
+    unread); rows off the tree chain-feed their tokens. The laws drafted next equal a fresh
+    drafter's on the same contexts."""
     model = mamba2(seed=3)
     shape = TreeShape.paper13()
     tokens = torch.randint(0, 90, (3, 40), generator=torch.Generator().manual_seed(4))
@@ -187,14 +188,15 @@ def test_an_accepted_path_is_not_fed_again(mode, monkeypatch):
     grown = lengths + torch.tensor([len(paths[0]), 1, len(paths[2])])
     context = DraftContext(tokens, grown, [0, 1, 2])
     rows, trees = [], []
-    monkeypatch.setattr(model, "step", lambda t, cache, _real=model.step, **kw: rows.append(len(t)) or _real(t, cache, **kw))
+    monkeypatch.setattr(model, "step", lambda t, cache, _real=model.step, heads=None, **kw: rows.append(
+        (len(t), None if heads is None else len(heads))) or _real(t, cache, heads=heads, **kw))
     monkeypatch.setattr(model, "prefill", lambda ids, cache, _real=model.prefill, **kw:  # a catch-up's chain
                         trees.append(ids.shape[1]) or _real(ids, cache, **kw))
     # rows with 1, 1 and 2 tokens left: one prefill of 2 over all rows, each feeding its own
     drafter.propose(context)
     assert trees == [2] and drafter._fed.tolist() == grown.tolist()
-    # the same contexts, each row alone: row 0 one step, row 2 (past a leaf) two steps
-    for r, steps in ((0, [1]), (2, [1, 1])):
+    # the same contexts, each row alone: row 0 one step, row 2 (past a leaf) two steps, the first headless
+    for r, steps in ((0, [(1, None)]), (2, [(1, 0), (1, None)])):
         alone = make()
         first = alone.propose(DraftContext(tokens, lengths, [r]))
         assert torch.equal(first.tokens[0], tree.tokens[r])
@@ -288,15 +290,16 @@ def test_build_steps_each_row_count_once_per_drafter_model(monkeypatch):
                         prefill(ids, cache, **kw))
     shape = TreeShape.full(2, 2)  # levels of 1 and 2 rows a batch row
     SSMDrafter(model, shape).build([shape], 2)
-    assert sorted(stepped) == [2, 4]  # the catch-up's 2 rows; the second level's 2 x 2 (the first: the batch's)
+    # the catch-up's 2 rows, with the head and without; the second level's 2 x 2 (the first: the batch's)
+    assert sorted(stepped) == [2, 2, 4]
     assert prefilled == [(2, 4), (2, 8), (2, 16), (2, 32), (2, 64)] and SSMDrafter.CATCH_WINDOW == 64
     SSMDrafter(model, shape).build([shape], 2)
     SSMDrafter(model, shape, mode="beam").build([shape], 3)  # (beam drafts have no static levels)
-    assert sorted(stepped) == [2, 4] and len(prefilled) == 5
+    assert sorted(stepped) == [2, 2, 4] and len(prefilled) == 5
     SSMDrafter(model, shape).build([shape], 3)  # a new batch size: its rows only
-    assert sorted(stepped) == [2, 3, 4, 6] and len(prefilled) == 10
+    assert sorted(stepped) == [2, 2, 3, 3, 4, 6] and len(prefilled) == 10
     SSMDrafter(model, shape, max_length=128).build([shape], 2)  # another cache size: stepped again
-    assert sorted(stepped) == [2, 2, 3, 4, 4, 6] and len(prefilled) == 15
+    assert sorted(stepped) == [2, 2, 2, 2, 3, 3, 4, 4, 6] and len(prefilled) == 15
     SSMDrafter(model, shape, max_length=20).build([shape], 2)  # catch-ups only as long as the cache holds
     assert prefilled[15:] == [(2, 4), (2, 8), (2, 16)]
     headed = []
@@ -305,3 +308,5 @@ def test_build_steps_each_row_count_once_per_drafter_model(monkeypatch):
     lopsided = TreeShape((-1, 0, 0, 1))  # node 2 a leaf of a fed level: the step's head on node 1's rows alone
     SSMDrafter(model, lopsided).build([lopsided], 2)
     assert headed == [(4, 2)]  # (the batch's own 2 rows were stepped above)
+    SSMDrafter(model, lopsided).build([lopsided], 1)  # a catch-up's step with its head and without, the level's
+    assert sorted(headed[1:], key=str) == [(1, 0), (1, None), (2, 1)]
