@@ -10,7 +10,12 @@ Why a ratio of pairs: on the 2-core CPUs a call's time moves by tens of percent 
 timed back to back move together; and a tree's cost in steps is what the tree choice and the
 gain of speculation depend on.
 
+A config ``BATCHxNODES:S1+S2+...`` times the packed pass instead (``TreeLM.forward_packed``): row r's
+tree the first ``Sr`` nodes (``AutoTree.per_row``'s rows of their own sizes, one ``Sr`` per row, the
+largest ``NODES``).
+
     python benchmarks/pass_ab.py --against HEAD --configs 1x1,1x2,1x12,2x4,2x8 --processes 3
+    python benchmarks/pass_ab.py --against HEAD --configs 2x13,2x13:13+1,8x13:13+1+1+1+1+1+1+1
     python benchmarks/pass_ab.py --smoke
 """
 
@@ -30,25 +35,36 @@ ROOT = Path(__file__).resolve().parents[1]
 SIDES = ("against", "working")
 
 
-def parse_configs(text: str) -> list[tuple[int, int]]:
-    """``"1x2,2x8"``: (batch, nodes) pairs, checked."""
+def parse_configs(text: str) -> list[tuple[int, int, tuple[int, ...] | None]]:
+    """``"1x2,2x8,2x8:8+3"``: (batch, nodes, the rows' sizes or None) triples, checked."""
     out = []
     for part in text.split(","):
+        head, _, tail = part.partition(":")
         try:
-            batch, nodes = (int(v) for v in part.split("x"))
+            batch, nodes = (int(v) for v in head.split("x"))
+            sizes = tuple(int(v) for v in tail.split("+")) if tail else None
         except ValueError:
-            raise ValueError(f"--configs takes BATCHxNODES items separated by commas, got {part!r}") from None
+            raise ValueError(f"--configs takes BATCHxNODES[:S1+S2+...] items separated by commas, got {part!r}") \
+                from None
         if batch < 1 or nodes < 1:
             raise ValueError(f"--configs needs batch >= 1 and nodes >= 1, got {part!r}")
-        out.append((batch, nodes))
+        if sizes is not None and (len(sizes) != batch or max(sizes) != nodes or min(sizes) < 1):
+            raise ValueError(f"--configs needs one size per row, each >= 1, the largest NODES, got {part!r}")
+        out.append((batch, nodes, sizes))
     return out
 
 
-def worker(configs: list[tuple[int, int]], pairs: int, dtype: str, smoke: bool) -> dict:
+def label(batch: int, nodes: int, sizes) -> str:
+    return f"{batch}x{nodes}" + ("" if sizes is None else ":" + "+".join(map(str, sizes)))
+
+
+def worker(configs: list[tuple[int, int, list | None]], pairs: int, dtype: str, smoke: bool) -> dict:
     """This process's median ratio of a tree pass to a step for each config, and where stree came from."""
+    import numpy as np
     import torch
 
     import stree
+    from stree.decoding.plans import cut_rows
     from stree.models import load
     from stree.models.presets import TINY
     from stree.tools.demo import TARGET
@@ -62,7 +78,7 @@ def worker(configs: list[tuple[int, int]], pairs: int, dtype: str, smoke: bool) 
     else:
         model = load(TARGET, dtype=getattr(torch, dtype))
     ratios = {}
-    for batch, nodes in configs:
+    for batch, nodes, sizes in configs:
         cache = model.allocate_cache(batch, 256)
         gen = torch.Generator().manual_seed(0)
         model.prefill(torch.randint(0, model.vocab_size, (batch, 64), generator=gen), cache)
@@ -82,9 +98,15 @@ def worker(configs: list[tuple[int, int]], pairs: int, dtype: str, smoke: bool) 
         def tree_pass():
             model.forward_tree(tree, cache, validate=False)
 
+        if sizes is not None:
+            packed = cut_rows(tree, np.array(sizes)).packed()
+
+            def tree_pass():
+                model.forward_packed(*packed, cache, validate=False)
+
         for _ in range(20):  # (first calls measure the products and compile)
             tree_pass(), step()
-        ratios[f"{batch}x{nodes}"] = statistics.median(timed(tree_pass) / timed(step) for _ in range(pairs))
+        ratios[label(batch, nodes, sizes)] = statistics.median(timed(tree_pass) / timed(step) for _ in range(pairs))
     return dict(ratios=ratios, stree=str(Path(stree.__file__).parent))
 
 
@@ -104,7 +126,7 @@ def main(argv=None):
     if args.worker:
         print(json.dumps(worker(**json.loads(args.worker))))
         return 0
-    configs = parse_configs(args.configs or ("1x2" if args.smoke else "1x1,1x2,1x12,2x4,2x8"))
+    configs = parse_configs(args.configs or ("1x2,2x3:3+1" if args.smoke else "1x1,1x2,1x12,2x4,2x8"))
     if args.processes < 1 or args.pairs < 1:
         p.error(f"--processes and --pairs must be >= 1, got {args.processes} and {args.pairs}")
     processes, pairs = (1, 20) if args.smoke else (args.processes, args.pairs)
@@ -127,10 +149,10 @@ def main(argv=None):
                     raise RuntimeError(f"the {side} worker imported stree from {out['stree']}, not {paths[side]}")
                 runs[side].append(out["ratios"])
     rows = []
-    for batch, nodes in configs:
-        key = f"{batch}x{nodes}"
+    for batch, nodes, sizes in configs:
+        key = label(batch, nodes, sizes)
         mine = {side: [run[key] for run in runs[side]] for side in SIDES}
-        rows.append(dict(batch=batch, nodes=nodes, **{f"{side}_in_steps": mine[side] for side in SIDES},
+        rows.append(dict(batch=batch, nodes=nodes, row_sizes=sizes, **{f"{side}_in_steps": mine[side] for side in SIDES},
                          difference=statistics.mean(mine["working"]) - statistics.mean(mine["against"])))
     import torch
 
@@ -141,16 +163,21 @@ def main(argv=None):
                   results=rows)
     save_result(result, args.out, args.stem or ("pass_ab_smoke" if args.smoke else "pass_ab_cpu"), plot)
     for r in rows:
-        print(f"b{r['batch']} {r['nodes']:>3} nodes: {args.against} "
+        print(f"b{r['batch']} {r['nodes']:>3} nodes{_sizes(r)}: {args.against} "
               + " ".join(f"{v:.3f}" for v in r["against_in_steps"]) + "  working "
               + " ".join(f"{v:.3f}" for v in r["working_in_steps"]) + f"  difference {r['difference']:+.3f} steps")
     return result
 
 
+def _sizes(row) -> str:
+    """A packed config's rows' sizes, as printed and plotted (older results have none)."""
+    return "" if row.get("row_sizes") is None else " packed " + "+".join(map(str, row["row_sizes"]))
+
+
 def plot(result):
     from stree.tools.timing import plot_sides
 
-    return plot_sides(result, "in_steps", [f"b{r['batch']}, {r['nodes']} nodes" for r in result["results"]],
+    return plot_sides(result, "in_steps", [f"b{r['batch']}, {r['nodes']} nodes{_sizes(r)}" for r in result["results"]],
                       "tree pass / plain step (median of pairs)",
                       f"{result['model']}, {result['dtype']}: a tree pass in steps")
 

@@ -454,12 +454,14 @@ def test_pass_ab_smoke_prices_a_tree_pass_in_steps_for_the_working_tree_and_a_re
     """A fresh process of each side, each from its own stree (checked by the script); a config or
     revision it cannot run is a clear error."""
     result = smoke("pass_ab", tmp_path)
-    (row,) = result["results"]
-    assert (row["batch"], row["nodes"]) == (1, 2) and result["against"] == "HEAD"
-    (against,), (working,) = row["against_in_steps"], row["working_in_steps"]
-    assert against > 0 and working > 0 and row["difference"] == pytest.approx(working - against)
+    tree, packed = result["results"]
+    assert (tree["batch"], tree["nodes"], tree["row_sizes"]) == (1, 2, None) and result["against"] == "HEAD"
+    assert (packed["batch"], packed["nodes"], packed["row_sizes"]) == (2, 3, [3, 1])  # a packed pass's
+    for row in (tree, packed):
+        (against,), (working,) = row["against_in_steps"], row["working_in_steps"]
+        assert against > 0 and working > 0 and row["difference"] == pytest.approx(working - against)
     module = benchmark("pass_ab")
-    for bad in ("1x", "0x2", "two", "1x0"):
+    for bad in ("1x", "0x2", "two", "1x0", "2x3:3", "2x3:2+2", "2x3:3+0", "2x3:3+x"):
         with pytest.raises(ValueError, match="--configs"):
             module.main(["--configs", bad, "--out", str(tmp_path)])
     with pytest.raises(ValueError, match="--against 'no-such-revision'"):

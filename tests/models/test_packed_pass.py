@@ -69,6 +69,28 @@ def test_a_packed_pass_is_each_rows_own_pass_and_commit(family, kernel_backend, 
             torch.testing.assert_close(got, expected, rtol=TOL, atol=TOL, msg=f"row {r}")
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_packed_pass_multiplies_the_packed_nodes_alone_and_scans_on_the_bound_kernels(family):
+    """On the CPU the products of a packed pass see its ``total`` nodes, not the padded ``batch *
+    max_n`` (the point of packing), while its Mamba2 layers run the bound kernels on the padded
+    layout: their scratch is padded and commit replays it with them (the generic path those layers
+    took before had cost a packed pass about twice a padded one: docs/decoding.md)."""
+    model = FAMILIES[family]()
+    packed = pack_trees([[-1, 0, 1, 1, 0], [-1], [-1, 0]])
+    rows = []
+    hooks = [m.register_forward_pre_hook(lambda m, args: rows.append(args[0].shape[:-1].numel()))
+             for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    cache = _prefilled(model, [4, 3, 6], 0)
+    rows.clear()
+    _, tree_pass = model.forward_packed(torch.randint(0, VOCAB, (1, packed.total)), packed, cache)
+    for h in hooks:
+        h.remove()
+    assert rows and set(rows) == {packed.total}
+    ssm_layers = sum(kind == "ssm" for kind in model.kinds())
+    assert tree_pass.ssm.kernels is not None and None not in tree_pass.ssm.kernels
+    assert tuple(tree_pass.ssm.x.shape[:3]) == (ssm_layers, packed.batch, packed.max_n)
+
+
 def test_bad_packed_passes_are_refused():
     model = FAMILIES["hybrid"]()
     cache = _prefilled(model, [3, 4], 0)

@@ -20,7 +20,7 @@ from torch import nn
 from ...kernels import conv_step, multistep_update, replay, selective_state_update, tree_conv1d, tree_scan
 from ...kernels._common import FLOAT_DTYPES, as_numpy
 from ...kernels.cpu.bound import Mamba2LayerJit, replay_arrays, replay_in_place
-from ...tree import TreeIndex, leaf_paths
+from ...tree import PackedTrees, TreeIndex, leaf_paths
 from ..base import derived, value_key
 from ..cache import SSMLayerState, SSMScratch
 from ..config import Mamba2Config
@@ -160,13 +160,20 @@ class Mamba2Mixer(nn.Module):
     def tree(self, u, ctx, state: SSMLayerState):
         """Outputs for every node of the tree and the activations replay needs; state only read."""
         proj = self._proj(u)
-        if ctx.scan in ("tree", "chain") and isinstance(ctx.index, TreeIndex) and Mamba2LayerJit.takes_tree(ctx.index):
+        # Packed trees (scan "tree") take the bound kernels on the padded layout, their padding nodes
+        # leaves under the root whose outputs are dropped, while the products (in_proj before, out_proj
+        # after) take the packed nodes alone; the scratch is then padded, as commit's bound replay reads
+        # it (a path's node indices are the same in both layouts)
+        packed = isinstance(ctx.index, PackedTrees)
+        index = ctx.index.padded if packed and ctx.scan == "tree" else ctx.index
+        if ctx.scan in ("tree", "chain") and isinstance(index, TreeIndex) and Mamba2LayerJit.takes_tree(index):
             jit = self.bound(ctx.kernel_backend, proj, state)
             if jit is not None:
-                out, scratch = jit.tree(proj, _parents(ctx.index), state.conv, state.ssm, self.dt_limit(ctx.prefill),
-                                        _slots(ctx, state.index, jit, proj.shape[:-1]), chain=ctx.scan == "chain",
+                laid = ctx.index.unpack(proj) if packed else proj
+                out, scratch = jit.tree(laid, _parents(index), state.conv, state.ssm, self.dt_limit(ctx.prefill),
+                                        _slots(ctx, state.index, jit, laid.shape[:-1]), chain=ctx.scan == "chain",
                                         states=state.arrays)
-                return self.out_proj(out), scratch
+                return self.out_proj(ctx.index.pack(out) if packed else out), scratch
         z, xBC, dt = self._split(proj)
         conv_out = tree_conv1d(xBC, ctx.index, state.conv, self.conv1d.weight, self.conv1d.bias,
                                backend=ctx.kernel_backend)
@@ -201,11 +208,12 @@ class Mamba2Mixer(nn.Module):
     def commit_layers(model, cache, scratch: SSMScratch, accepted, num_accepted, kernel_backend: str, prefill: bool,
                       cu_seqlens=None):
         """Activation replay of every Mamba2 layer in one call (the model checked the path), with
-        the dt clamp the pass used (``cu_seqlens``: the pass was packed trees')."""
+        the dt clamp the pass used (``cu_seqlens``: the pass was packed trees'; where the bound
+        kernels wrote its scratch, that is padded, and replayed as a padded pass's)."""
         mixers = [blk.mixer for blk, kind in zip(model.blocks, model.kinds()) if kind == "ssm"]
         dt_limit = mixers[0].dt_limit(prefill)
         kernels = scratch.kernels
-        if kernel_backend == "auto" and cu_seqlens is None and kernels is not None and None not in kernels \
+        if kernel_backend == "auto" and kernels is not None and None not in kernels \
                 and accepted.dtype == num_accepted.dtype == torch.long and accepted.is_cpu and num_accepted.is_cpu:
             # every layer's bound kernels wrote the scratch (their preconditions hold of this cache: the
             # model checked it is the pass's): their parameters and the scratch's arrays as they are
