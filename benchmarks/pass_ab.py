@@ -95,13 +95,12 @@ def worker(configs: list[tuple[int, int, list | None]], pairs: int, dtype: str, 
             fn()
             return time.perf_counter() - start
 
+        packed = None if sizes is None else cut_rows(tree, np.array(sizes)).packed()
+
         def tree_pass():
-            model.forward_tree(tree, cache, validate=False)
-
-        if sizes is not None:
-            packed = cut_rows(tree, np.array(sizes)).packed()
-
-            def tree_pass():
+            if packed is None:
+                model.forward_tree(tree, cache, validate=False)
+            else:
                 model.forward_packed(*packed, cache, validate=False)
 
         for _ in range(20):  # (first calls measure the products and compile)
@@ -177,7 +176,8 @@ def _sizes(row) -> str:
 def plot(result):
     from stree.tools.timing import plot_sides
 
-    return plot_sides(result, "in_steps", [f"b{r['batch']}, {r['nodes']} nodes{_sizes(r)}" for r in result["results"]],
+    labels = [f"b{r['batch']}, {r['nodes']} nodes{_sizes(r)}" for r in result["results"]]
+    return plot_sides(result, "in_steps", labels,
                       "tree pass / plain step (median of pairs)",
                       f"{result['model']}, {result['dtype']}: a tree pass in steps")
 
