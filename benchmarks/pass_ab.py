@@ -152,7 +152,8 @@ def main(argv=None):
         key = label(batch, nodes, sizes)
         mine = {side: [run[key] for run in runs[side]] for side in SIDES}
         rows.append(dict(batch=batch, nodes=nodes, row_sizes=sizes,
-                         **{f"{side}_in_steps": mine[side] for side in SIDES}, difference=statistics.mean(mine["working"]) - statistics.mean(mine["against"])))
+                         **{f"{side}_in_steps": mine[side] for side in SIDES},
+                         difference=statistics.mean(mine["working"]) - statistics.mean(mine["against"])))
     import torch
 
     result = dict(benchmark="pass_ab", **run_info(torch.device("cpu"), argv), against=args.against, dtype=args.dtype,
