@@ -29,7 +29,11 @@ holds the weight exactly, and both accumulate in float32 and round once, so they
 rounding. Which wins again depends on the CPU and the rows: on an AMD EPYC without float16
 arithmetic, a 16-row float16 product of 2.7B-width weights ran several times slower than the
 float32 one, where one row, reading half the bytes, was the faster: a float16 tree pass cost
-many plain steps there. ``STREE_LINEAR=blas`` pins PyTorch's own half product, ``=packed``,
+many plain steps there. So the incumbent is PyTorch's own for one row and, where the tiled product is
+built, the float32 copy's for more: on an Intel Xeon with AMX and FP16 arithmetic, PyTorch's own half
+product of two to a few dozen rows measured about level with the copy's timed alone and was
+kept, while in decoding loops the copy's made batch-2 float16 decoding a fifth faster
+(docs/benchmarks.md). ``STREE_LINEAR=blas`` pins PyTorch's own half product, ``=packed``,
 ``=transposed`` and ``=tiled`` the float32 copy.
 
 The packed, transposed and tiled copies are made on first use and again whenever the weight changes
@@ -245,9 +249,12 @@ def _widened_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
 
 
 def _widened_is_faster(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    # (the first widened call also measures the float32 product's own paths for the copy)
-    faster = _fastest({"own": lambda: F.linear(x, weight, bias),
-                       "wide": lambda: _widened_product(x, weight, bias)}) == "wide"
+    # (the first widened call also measures the float32 product's own paths for the copy; the
+    # incumbent, first: PyTorch's own for a row, the copy's for more where the tiled product is built)
+    paths = {"own": lambda: F.linear(x, weight, bias), "wide": lambda: _widened_product(x, weight, bias)}
+    if x.shape[0] > 1 and gemm.available():
+        paths = {"wide": paths["wide"], "own": paths["own"]}
+    faster = _fastest(paths) == "wide"
     if not faster:  # no float32 copy of a weight staying in half precision (its other copies go with it)
         for t in (weight, bias):
             _WIDE.pop(id(t), None)
