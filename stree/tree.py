@@ -450,12 +450,25 @@ class TreeShape:
     def index(self, device=None) -> TreeIndex:
         """The shape's TreeIndex on ``device``, built once per shape and device (a decode loop
         drafts the same shape every step); its deepest level is known without a device sync."""
-        return _shape_index(self, torch.device(device) if device is not None else torch.device("cpu"))
+        if device is None or getattr(device, "type", None) == "cpu":
+            return self._cpu_index  # (kept on the shape: hashing it and a device, per draft, cost microseconds)
+        return _shape_index(self, torch.device(device))
+
+    @cached_property
+    def _cpu_index(self) -> TreeIndex:
+        return _shape_index(self, torch.device("cpu"))
 
     def prefix(self, m: int) -> "TreeShape":
         """The first ``m`` nodes (parents come first: a tree), made once per shape and size."""
-        _check_prefix(m, self.n)  # (before the cache, which takes 1.0 and True for 1)
-        return _shape_prefix(self, m)
+        known = self._prefixes.get(m) if type(m) is int else None  # (kept on the shape, as the index)
+        if known is None:
+            _check_prefix(m, self.n)  # (before the cache, which takes 1.0 and True for 1)
+            known = self._prefixes[m] = _shape_prefix(self, m)
+        return known
+
+    @cached_property
+    def _prefixes(self) -> dict:
+        return {}
 
     @classmethod
     def chain(cls, depth: int) -> "TreeShape":
@@ -646,6 +659,8 @@ class TokenTree:
     row_sizes: tuple[int, ...] | None = None
     _index: TreeIndex | None = field(default=None, init=False, repr=False, compare=False)
     _shape: TreeShape | None = field(default=None, init=False, repr=False, compare=False)  # from_shape's
+    # (tokens, valid, their arrays): arrays()'s, while the fields are those tensors
+    _arrays: tuple | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self):
         if self._index is None:
@@ -699,6 +714,41 @@ class TokenTree:
             trees = pack_trees([rows[r, :s] for r, s in enumerate(self.row_sizes)], device)
         return trees.pack(self.tokens), trees
 
+    def arrays(self) -> tuple[np.ndarray, np.ndarray | None]:
+        """A CPU tree's ``tokens`` and ``valid`` (None where it is) as NumPy arrays, their memory (not
+        to be written to): made once per tree, or handed over by its maker (:meth:`from_arrays`).
+        The host's verification, the choice of its size and what it learns each read them, and
+        each ``.numpy()`` is four dispatcher calls, microseconds each right after a model pass."""
+        hit = self._arrays
+        if hit is None or hit[0] is not self.tokens or hit[1] is not self.valid:
+            hit = self._arrays = (self.tokens, self.valid, self.tokens.numpy(),
+                                  None if self.valid is None else self.valid.numpy())
+        return hit[2], hit[3]
+
+    @classmethod
+    def from_arrays(cls, shape: "TreeShape", tokens: np.ndarray, valid: np.ndarray | None = None) -> "TokenTree":
+        """:meth:`from_shape` of a drafter's CPU arrays ``tokens`` ``[B, N]`` (integers) and ``valid``
+        (bool, or None), which the tree then holds (not copied) and hands out as :meth:`arrays`;
+        checked as :meth:`from_shape` checks its tensors, on the arrays (a drafter's tree made
+        through the tensors' checks cost a tenth of a plain step of a small model on the CPU)."""
+        if not isinstance(tokens, np.ndarray) or tokens.dtype.kind not in "iu":
+            raise TypeError(f"tokens must be an integer array [B, N], got {getattr(tokens, 'dtype', type(tokens))}")
+        if tokens.ndim != 2 or tokens.shape[1] != shape.n:
+            raise ValueError(f"tokens must have shape [B, {shape.n}], got {tokens.shape}")
+        if valid is not None:
+            if not isinstance(valid, np.ndarray) or valid.dtype != np.bool_ or valid.shape != tokens.shape:
+                raise ValueError(f"valid must be a bool array of shape {tokens.shape}")
+            if not all(valid[:, 0].tolist()):
+                raise ValueError("valid[:, 0] must be True: the root is always a real token")
+        tree = cls.__new__(cls)  # (fields set directly: checked above, the parents with the shape)
+        index = tree._index = shape.index()
+        tree.parents = index.memo("parents_long", lambda: index.parents[0].long())
+        tree.tokens, tree.valid = torch.from_numpy(tokens), None if valid is None else torch.from_numpy(valid)
+        tree.child_ids = tree.child_probs = tree.row_sizes = None
+        tree.with_replacement, tree._shape = False, shape
+        tree._arrays = (tree.tokens, tree.valid, tokens, valid)
+        return tree
+
     @property
     def n(self) -> int:
         return self.parents.shape[-1]
@@ -751,7 +801,7 @@ class TokenTree:
         tree.parents, tree.tokens, tree.valid = move(self.parents), move(self.tokens), move(self.valid)
         tree.child_ids, tree.child_probs, tree.with_replacement = move(self.child_ids), move(self.child_probs), self.with_replacement
         tree.row_sizes = self.row_sizes
-        tree._shape = self._shape
+        tree._shape, tree._arrays = self._shape, None
         tree._index = self._shape.index(device) if self._shape is not None else self.index.to(device)
         return tree
 
@@ -762,9 +812,15 @@ class TokenTree:
         _check_prefix(m, self.n)
         cut = lambda t: None if t is None else t[:, :m]  # noqa: E731
         tree = TokenTree.__new__(TokenTree)
-        tree.tokens, tree.valid, tree.child_ids, tree.child_probs = (cut(t) for t in (
-            self.tokens, self.valid, self.child_ids, self.child_probs))
+        tree.child_ids, tree.child_probs = cut(self.child_ids), cut(self.child_probs)
         tree.with_replacement, tree.row_sizes = self.with_replacement, None
+        if self._arrays is not None and self._arrays[0] is self.tokens and self._arrays[1] is self.valid:
+            # the cut of this tree's arrays, handed to torch: a slice is a dispatcher call, an array's is not
+            tokens, valid = cut(self._arrays[2]), cut(self._arrays[3])
+            tree.tokens, tree.valid = torch.from_numpy(tokens), None if valid is None else torch.from_numpy(valid)
+            tree._arrays = (tree.tokens, tree.valid, tokens, valid)
+        else:
+            tree.tokens, tree.valid, tree._arrays = cut(self.tokens), cut(self.valid), None
         if self._shape is not None:
             tree._shape = self._shape.prefix(m)
             tree._index = index = tree._shape.index(self.tokens.device)

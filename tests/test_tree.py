@@ -216,3 +216,59 @@ def test_a_trees_prefix_is_the_validated_tree_of_its_first_nodes(n, data):
             for owner in (tree, shape):
                 with pytest.raises(ValueError, match=f"a prefix has 1 to {n} nodes, got {bad!r}"):
                     owner.prefix(bad)
+
+
+@given(n=st.integers(1, 20), data=st.data())
+def test_a_trees_arrays_are_its_tensors_memory_and_follow_its_fields(n, data):
+    """``TokenTree.arrays()``: the tokens and valid flags as NumPy arrays sharing the tensors'
+    memory, whether made by the tree, handed over by its maker (``from_arrays``: not copied) or
+    cut with it (``prefix``); a field given another tensor gets that tensor's arrays."""
+    parents = data.draw(parent_lists(n))
+    m = data.draw(st.integers(1, n))
+    g = np.random.default_rng(n)
+    tokens = g.integers(0, 50, (2, n))
+    valid = g.random((2, n)) < 0.7
+    valid[:, 0] = True
+    shape = TreeShape(tuple(parents))
+    made = TokenTree.from_arrays(shape, tokens, valid)
+    assert made.arrays()[0] is tokens and made.arrays()[1] is valid
+    cut = made.prefix(m)  # (cut from the arrays: the tree's first m nodes all the same)
+    assert torch.equal(cut.tokens, torch.from_numpy(tokens[:, :m]))
+    assert torch.equal(cut.valid, torch.from_numpy(valid[:, :m]))
+    assert cut.static_shape is shape.prefix(m) and torch.equal(cut.parents, torch.tensor(parents[:m]))
+    assert np.shares_memory(made.tokens.numpy(), tokens) and torch.equal(made.valid, torch.from_numpy(valid))
+    for tree in (made, TokenTree.from_shape(shape, torch.from_numpy(tokens.copy())), made.prefix(m)):
+        got_tokens, got_valid = tree.arrays()
+        assert np.array_equal(got_tokens, tree.tokens.numpy()) and np.shares_memory(got_tokens, tree.tokens.numpy())
+        assert (got_valid is None) == (tree.valid is None)
+        if got_valid is not None:
+            assert np.array_equal(got_valid, tree.valid.numpy()) and np.shares_memory(got_valid, tree.valid.numpy())
+    other = torch.from_numpy(g.integers(0, 50, (2, n)))
+    made.tokens, made.valid = other, None
+    assert made.arrays()[0] is not tokens and np.array_equal(made.arrays()[0], other.numpy())
+    assert made.arrays()[1] is None
+
+
+def test_a_tree_of_arrays_is_checked_as_one_of_tensors():
+    """``from_arrays`` checks what ``from_shape`` checks, with the same errors: integer tokens of
+    the shape's width, bool valid flags of the tokens' shape, the root always valid."""
+    shape = TreeShape.paper13()
+    tokens, valid = np.zeros((2, shape.n), dtype=np.int64), np.ones((2, shape.n), dtype=bool)
+    for bad, error, match in ((tokens.astype(np.float32), TypeError, "tokens must be an integer"),
+                              (tokens[:, :5], ValueError, r"tokens must have shape \[B, 13\]")):
+        with pytest.raises(error, match=match):
+            TokenTree.from_arrays(shape, bad, valid)
+        with pytest.raises(error, match=match):
+            TokenTree.from_shape(shape, torch.from_numpy(bad), valid=torch.from_numpy(valid))
+    root = valid.copy()
+    root[1, 0] = False
+    for bad, match in ((valid[:1], "valid must be a bool"), (valid.astype(np.int64), "valid must be a bool"),
+                       (root, r"valid\[:, 0\] must be True")):
+        with pytest.raises(ValueError, match=match):
+            TokenTree.from_arrays(shape, tokens, bad)
+    tree = TokenTree.from_arrays(shape, tokens, valid)
+    want = TokenTree.from_shape(shape, torch.from_numpy(tokens), valid=torch.from_numpy(valid))
+    for name in ("parents", "tokens", "valid"):
+        assert torch.equal(getattr(tree, name), getattr(want, name))
+    assert tree.static_shape is shape and tree.index is want.index and tree.child_ids is None
+    assert not tree.with_replacement and tree.row_sizes is None

@@ -69,17 +69,18 @@ class PathRates:
         ``rows`` the emitted ``tokens[b, :counts[b]]`` (the accepted drafts, then the bonus);
         ``per_row`` also learns each row's own, under its id ``ids[b]``."""
         self.version += 1
-        self.accepted *= self.decay
-        self.reached *= self.decay
-        ids = np.zeros(0, dtype=np.int64) if per_row is None else np.asarray(ids, dtype=np.int64)
-        if per_row is not None:
-            per_row.fade(int(ids.max()) + 1 if len(ids) else 0)
+        if per_row is None:
+            ids, row_accepted, row_reached, row_decay = _NO_IDS, _NO_ROWS, _NO_ROWS, 1.0
+        else:
+            ids = np.asarray(ids, dtype=np.int64)
+            per_row.make_room(max(ids.tolist(), default=-1) + 1)  # (a list: see _record)
+            row_accepted, row_reached, row_decay = per_row.accepted, per_row.reached, per_row.decay
         parents, rank, depth = structure(tree)
         valid = valid_mask(tree)
-        row_accepted, row_reached = (_NO_ROWS, _NO_ROWS) if per_row is None else (per_row.accepted, per_row.reached)
-        # (C order always: a strided tree and a contiguous one would each cost numba a compile)
-        _record(parents, rank, depth, np.ascontiguousarray(tree.tokens.numpy()), np.ascontiguousarray(valid), tokens,
-                counts, rows, self.accepted, self.reached, ids, row_accepted, row_reached)
+        # (C order always: a strided tree and a contiguous one would each cost numba a compile; the
+        # fading too, in the same call: four small NumPy calls cost more than the walk)
+        _record(parents, rank, depth, np.ascontiguousarray(tree.arrays()[0]), np.ascontiguousarray(valid), tokens,
+                counts, rows, self.accepted, self.reached, self.decay, ids, row_accepted, row_reached, row_decay)
 
 
 class RowRates:
@@ -96,12 +97,17 @@ class RowRates:
 
     def fade(self, rows: int) -> None:
         """One step's decay; room for ids below ``rows``."""
+        self.make_room(rows)
+        self.accepted *= self.decay
+        self.reached *= self.decay
+
+    def make_room(self, rows: int) -> None:
+        """Room for ids below ``rows``, before a step's counts (which :meth:`PathRates.record` fades
+        and adds to at once)."""
         self.version += 1
         if rows > len(self.accepted):
             grow = np.zeros((rows - len(self.accepted), *self.accepted.shape[1:]))
             self.accepted, self.reached = np.concatenate([self.accepted, grow]), np.concatenate([self.reached, grow])
-        self.accepted *= self.decay
-        self.reached *= self.decay
 
     def hazard(self, ids: np.ndarray, batch: np.ndarray) -> np.ndarray:
         """``[len(ids), DEPTH + 1, RANKS]``: each row's hazards, ``batch`` (the batch's) where it
@@ -118,6 +124,7 @@ class RowRates:
 
 
 _NO_ROWS = np.zeros((0, PathRates.DEPTH + 1, PathRates.RANKS))
+_NO_IDS = np.zeros(0, dtype=np.int64)
 
 
 # (numba: the hazards are re-made after every verified step, and with NumPy's small-array calls
@@ -156,9 +163,8 @@ def _row_hazards(accepted, reached, ids, batch, w):
 
 
 def valid_mask(tree: TokenTree) -> np.ndarray:
-    if tree.valid is None:
-        return np.ones(tuple(tree.tokens.shape), dtype=np.bool_)
-    return tree.valid.numpy()
+    valid = tree.arrays()[1]
+    return np.ones(tuple(tree.tokens.shape), dtype=np.bool_) if valid is None else valid
 
 
 @functools.lru_cache(maxsize=256)
@@ -193,14 +199,23 @@ def rank_depth(parents):
 
 
 @njit(cache=True)
-def _record(parents, rank, depth, tokens, valid, emitted, counts, rows, accepted, reached, ids, row_accepted,
-            row_reached):
-    """Walk each row's accepted path down its tree by the emitted tokens: at every accepted node,
-    its valid children up to the accepted one were reached (all of them below the last). Counted
-    for the batch, and for row b under ``ids[b]`` too where ``row_accepted`` has rows."""
+def _record(parents, rank, depth, tokens, valid, emitted, counts, rows, accepted, reached, decay, ids, row_accepted,
+            row_reached, row_decay):
+    """Fade the counts (the batch's by ``decay``, the rows' own by ``row_decay``), then walk each
+    row's accepted path down its tree by the emitted tokens: at every accepted node, its valid
+    children up to the accepted one were reached (all of them below the last). Counted for the
+    batch, and for row b under ``ids[b]`` too where ``row_accepted`` has rows."""
     D, K = accepted.shape[0] - 1, accepted.shape[1]
     n = tokens.shape[1]
     per_row = row_accepted.shape[0] > 0
+    for counts_ in (accepted, reached):
+        flat = counts_.reshape(-1)
+        for i in range(flat.size):
+            flat[i] *= decay
+    for counts_ in (row_accepted, row_reached):
+        flat = counts_.reshape(-1)
+        for i in range(flat.size):
+            flat[i] *= row_decay
     for b in rows:
         s = b if parents.shape[0] > 1 else 0
         u = 0

@@ -524,7 +524,7 @@ class AutoTree:
         emitted = np.zeros((len(after), int(seen.max())), dtype=np.int64)
         for b in rows:
             emitted[b, : seen[b]] = after[b]
-        tokens = np.ascontiguousarray(draft.tokens.numpy())
+        tokens = np.ascontiguousarray(draft.arrays()[0])
         counts = walk(parents, tokens, valid, emitted, seen)
         served = served & (seen > 0)
         if served.any():
@@ -697,9 +697,11 @@ class AutoTree:
         their accepted drafts, returned; None where it served none)."""
         said, served = self._promised
         self._promised = None
-        if len(counts) != len(served) or not served.any():
+        # (lists: a NumPy reduction right after a model pass costs several times more)
+        served, counts = served.tolist(), counts.tolist()
+        if len(counts) != len(served) or not any(served):
             return None
-        got = float(counts[served].min()) - 1.0  # the bonus is no draft
+        got = float(min(c for c, s in zip(counts, served) if s)) - 1.0  # the bonus is no draft
         self._learn_gain(got, said)
         return got
 

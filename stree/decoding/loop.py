@@ -214,8 +214,11 @@ class _Loop:
         stop_at_sequences(rows, c.stops, self.seen)
         yield rows
         try:
-            while bool(rows.active.any()):
-                if not bool(rows.active.all()):
+            while True:
+                flags = rows.active.tolist()  # (a list: a torch reduction costs several times more after a pass)
+                if not any(flags):
+                    break
+                if not all(flags):
                     self.leave()
                 self.iterate()
                 yield rows
@@ -314,8 +317,10 @@ class _Loop:
             scope = self.plain_scope if self.since_tree < linear.FOLLOW_WIDE else contextlib.nullcontext
             self.since_tree += 1
             with scope():
-                host = autoregressive_step(self.model, self.cache, device_roots.to(c.device, non_blocking=True),
-                                           self.params, self.draws(), self.runner, laws(drafter_k, c.logprobs))
+                if device_roots.device != c.device:
+                    device_roots = device_roots.to(c.device, non_blocking=True)
+                host = autoregressive_step(self.model, self.cache, device_roots, self.params, self.draws(), self.runner,
+                                           laws(drafter_k, c.logprobs))
             stats.time_verify += self.clock.lap()
         else:
             self.since_tree = 0
@@ -327,8 +332,13 @@ class _Loop:
             drafter_k = c.drafter_k
         if self.held is not None:
             host = _spread(host, self.held, rows.batch_size)
-        for r in live:
-            rows.accepted[r].append(0 if full is None else int(host.counts[r]) - 1)
+        if full is None:
+            for r in live:
+                rows.accepted[r].append(0)
+        else:
+            counts = host.arrays()[1]
+            for r in live:
+                rows.accepted[r].append(int(counts[r]) - 1)
         n = 1 if full is None else full.n
         stats.trees[n] = stats.trees.get(n, 0) + 1
         stats.packed += full is not None and full.row_sizes is not None
@@ -373,8 +383,10 @@ class _Loop:
                 chooser.record(None, elapsed_ms=elapsed)
             else:
                 at = np.asarray(live)
-                chooser.record(draft, host.tokens.numpy()[at], host.counts.numpy()[at], np.arange(len(live)),
-                               elapsed, ids=at)
+                tokens, counts = host.arrays()
+                if len(live) < len(counts):  # (else the rows are the live ones, in order: no copies)
+                    tokens, counts = tokens[at], counts[at]
+                chooser.record(draft, tokens, counts, np.arange(len(live)), elapsed, ids=at)
             # after a tree too: the plain step after a probe, weighed alone (its plan, the drafter reading
             # its token, the choice learning it), took most of a run's step more than a run's first step
             # did (compiled, batch 2, 2-core EPYC)

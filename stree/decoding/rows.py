@@ -167,22 +167,33 @@ class Rows:
         self.logprobs = logprobs
         self.logprobs_of: list[list[TokenLogprob]] | None = None if logprobs is None else [[] for _ in range(B)]
         self.greedy = greedy
+        # Per step, the host's bookkeeping reads these through NumPy views made once (the tensors are
+        # only ever changed in place) and keeps each row's last token and the longest row at hand: right
+        # after a model pass has swept the caches, each small NumPy or torch call on the way costs
+        # several microseconds, and a step took a dozen of them.
+        self._arrays = tuple(t.numpy() for t in (self.eos, self.max_new_tokens, self.lengths, self.produced,
+                                                   self.active, self.exact))
+        self._seq = self.seq.numpy()  # (made again where the rows grow: _reserve)
+        self._last = self._seq[np.arange(B), self.lengths.numpy() - 1]
+        self._longest = longest
+        self._ids, self._n = np.empty(B, dtype=np.int64), np.empty(B, dtype=np.int64)
 
     @property
     def batch_size(self) -> int:
         return len(self.lengths)
 
     def active_ids(self) -> list[int]:
-        return np.flatnonzero(self.active.numpy()).tolist()
+        return [r for r, a in enumerate(self.active.tolist()) if a]
 
     def context(self) -> DraftContext:
         live = self.active_ids()
-        return DraftContext(self.seq, self.lengths, live, None if self.greedy is None else self.greedy[live])
+        return DraftContext(self.seq, self.lengths, live, None if self.greedy is None else self.greedy[live],
+                            (self._seq, self._arrays[2]))
 
     def roots(self) -> torch.Tensor:
         """Every row's last token (a finished row's too: where the batch keeps its shape, it rides
         along)."""
-        return torch.from_numpy(self.seq.numpy()[np.arange(self.batch_size), self.lengths.numpy() - 1])
+        return torch.from_numpy(self._last.copy())
 
     def steps_left(self) -> int:
         """The most steps the call may still take: its active rows' most tokens left."""
@@ -209,16 +220,18 @@ class Rows:
         ``drafter_k`` entries per token where it learns from them: the step may have packed more,
         for ``logprobs``); retire the finished rows. (One compiled pass over numpy views of the rows'
         tensors, :func:`_append`: a dozen small torch or numpy ops cost several times more here.)"""
-        lengths, active = self.lengths.numpy(), self.active.numpy()
-        ids = np.flatnonzero(active)
-        tokens, counts = step.tokens.numpy(), step.counts.numpy()
+        tokens, counts = step.arrays()
         # (room for every token the step brings: the rows take at most that many, within their limit)
-        self._reserve(min(self.limit, int(lengths[ids].max()) + tokens.shape[1]) if len(ids) else 0)
-        n = np.empty(len(ids), dtype=np.int64)
+        if self._longest + tokens.shape[1] > self.seq.shape[1]:
+            self._reserve(min(self.limit, self._longest + tokens.shape[1]))
+        eos, max_new, lengths, produced, active, exact = self._arrays
         before = None if drafter is None else torch.from_numpy(lengths.copy())  # the context the drafter saw
-        _append(tokens, counts, ids, self.eos.numpy(), self.max_new_tokens.numpy(), lengths, self.produced.numpy(),
-                active, self.exact.numpy(), self.seq.numpy(), n)
-        n_list, id_list = n.tolist(), ids.tolist()
+        k, longest = _append(tokens, counts, eos, max_new, lengths, produced, active, exact, self._seq, self._last,
+                             self._ids, self._n)
+        self._longest = max(self._longest, longest)
+        if drafter is None and self.logprobs_of is None:
+            return
+        n_list, id_list = self._n[:k].tolist(), self._ids[:k].tolist()
         if drafter is not None:
             target = None
             if step.top_ids is not None and drafter_k is not None:
@@ -236,7 +249,7 @@ class Rows:
             grown = torch.zeros(self.seq.shape[0], min(self.limit, max(length, 2 * self.seq.shape[1])),
                                 dtype=torch.long)
             grown[:, : self.seq.shape[1]] = self.seq
-            self.seq = grown
+            self.seq, self._seq = grown, grown.numpy()
 
     def generated(self, row: int) -> list[int]:
         """The tokens row ``row`` generated so far."""
@@ -251,18 +264,23 @@ class Rows:
         if self.logprobs_of is not None:
             del self.logprobs_of[row][keep:]
         self.lengths[row] = self.prompt_lengths[row] + keep
+        self._last[row] = self.seq[row, int(self.lengths[row]) - 1]
         self.produced[row] = keep
         self.active[row] = False
 
 
 @njit(cache=True)
-def _append(tokens, counts, ids, eos, max_new, lengths, produced, active, exact, seq, n):
-    """:meth:`Rows.emit`'s appending, one compiled pass over the active rows ``ids`` (a dozen small
-    numpy calls cost several times more): row r takes ``tokens[r, :counts[r]]`` cut after its first
-    EOS and at its budget (``n[i]`` of them for row ``ids[i]``), is retired at EOS or budget, and
-    stops being exact where the cache took tokens it drops."""
-    for i in range(len(ids)):
-        r = ids[i]
+def _append(tokens, counts, eos, max_new, lengths, produced, active, exact, seq, last, ids, n):
+    """:meth:`Rows.emit`'s appending, one compiled pass over the active rows (a dozen small numpy
+    calls cost several times more): row r takes ``tokens[r, :counts[r]]`` cut after its first EOS
+    and at its budget, is retired at EOS or budget, and stops being exact where the cache took
+    tokens it drops; ``last[r]`` becomes its last token. Writes the rows that were active to
+    ``ids`` and the tokens each took to ``n`` (the first k entries); returns k and the longest
+    of their lengths after."""
+    k, longest = 0, 0
+    for r in range(len(active)):
+        if not active[r]:
+            continue
         count = counts[r]
         upto, hit = count, False
         for j in range(count):
@@ -277,11 +295,16 @@ def _append(tokens, counts, ids, eos, max_new, lengths, produced, active, exact,
             seq[r, lengths[r] + j] = tokens[r, j]
         lengths[r] += m
         produced[r] += m
+        if m:
+            last[r] = tokens[r, m - 1]
         if hit or m == room:  # (an EOS past the budget: retired by the budget)
             active[r] = False
         if m < count:
             exact[r] = False
-        n[i] = m
+        ids[k], n[k] = r, m
+        k += 1
+        longest = max(longest, lengths[r])
+    return k, longest
 
 
 def full_batch(draft: TokenTree, active: torch.Tensor, roots: torch.Tensor) -> TokenTree:
@@ -327,10 +350,10 @@ def stop_at_sequences(rows: Rows, stops: list[tuple[int, ...]], seen: list[int])
 
 
 def check_finite(host: HostStep, rows: Rows, where: str) -> None:
-    finite = host.finite.numpy()
-    if finite.all():
+    finite = host.finite.tolist()  # (a list: a NumPy reduction costs several times more right after a pass)
+    if all(finite):
         return
-    bad = np.flatnonzero(~finite & rows.active.numpy()).tolist()
+    bad = [r for r, (ok, live) in enumerate(zip(finite, rows.active.tolist())) if live and not ok]
     if bad:
         raise ValueError(f"the target's logits hold NaN or +inf at {where} (rows {bad}): its weights or activations "
                          "are not finite (stree.models.load checks the weights; fp16 may overflow where bf16 or "

@@ -7,7 +7,7 @@ speculative step (:func:`speculative_step`: tree pass, verification, commit). Th
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -35,6 +35,16 @@ class HostStep:
     top_ids: torch.Tensor | None = None
     top_probs: torch.Tensor | None = None
     token_probs: torch.Tensor | None = None
+    _arrays: tuple | None = field(default=None, init=False, repr=False, compare=False)
+
+    def arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        """``tokens`` and ``counts`` as NumPy arrays (their memory, not to be written to), made once:
+        the rows' bookkeeping and the tree's choice both read them, and each ``.numpy()`` is four
+        dispatcher calls, microseconds each right after a model pass."""
+        hit = self._arrays
+        if hit is None or hit[0] is not self.tokens or hit[1] is not self.counts:
+            hit = self._arrays = (self.tokens, self.counts, self.tokens.numpy(), self.counts.numpy())
+        return hit[2], hit[3]
 
 
 def _finite(logits: torch.Tensor, params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
@@ -201,8 +211,9 @@ def autoregressive_step(model, cache, roots: torch.Tensor, params: SamplingParam
     else:
         finite, logits = _finite(logits, params)
         nxt, = agree(model, params.sample(logits, generator))
+        nxt = nxt[:, None]
     probs = None if top_k is None else params.observed(logits)[:, None]
-    return _to_host(nxt[:, None], torch.ones_like(nxt), probs, top_k or 0, finite)
+    return _to_host(nxt, torch.ones_like(finite, dtype=torch.long), probs, top_k or 0, finite)
 
 
 def speculative_step(model, cache, draft: TokenTree, params: SamplingParams, generator, scan: str = "tree",
@@ -330,8 +341,9 @@ def check_draft(draft: TokenTree, roots: torch.Tensor, vocab_size: int) -> None:
     rows' roots, every id in the vocabulary."""
     if not isinstance(draft, TokenTree) or draft.batch_size != len(roots):
         raise ValueError(f"the drafter must return a TokenTree with one row per active row ({len(roots)})")
-    tokens = draft.tokens.cpu().numpy()  # (numpy: a drafter's trees are on the host, and small)
-    fault = _token_fault(tokens, roots.cpu().numpy(), vocab_size)
+    # (numpy: a drafter's trees are on the host, and small)
+    tokens = draft.arrays()[0] if draft.tokens.device.type == "cpu" else draft.tokens.cpu().numpy()
+    fault = _token_fault(tokens, roots.numpy(), vocab_size)
     if fault == _WRONG_ROOT:
         raise ValueError("the drafter returned a tree whose root token is not the row's last token")
     if fault >= 0:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import numpy as np
@@ -25,9 +25,19 @@ class DraftContext:
     lengths: torch.Tensor
     rows: list[int]
     greedy: np.ndarray | None = None
+    # tokens and lengths as NumPy arrays (arrays()), where the maker has them at hand
+    views: tuple[np.ndarray, np.ndarray] | None = field(default=None, repr=False, compare=False)
 
     def __len__(self) -> int:
         return len(self.rows)
+
+    def arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        """``tokens`` and ``lengths`` as NumPy arrays (their memory, not to be written to), made once
+        per context: a drafter asked whether it can draft and then to draft reads them twice, and
+        each ``.numpy()`` is four dispatcher calls, microseconds each right after a model pass."""
+        if self.views is None:
+            self.views = (self.tokens.numpy(), self.lengths.numpy())
+        return self.views
 
     def row(self, i: int, start: int = 0) -> list[int]:
         """Tokens ``start:`` of the i-th drafted row, as a list."""

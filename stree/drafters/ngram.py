@@ -7,7 +7,6 @@ import itertools
 import math
 
 import numpy as np
-import torch
 
 from ..tree import ShapePlan, TokenTree, TreeShape
 from .base import DraftContext, Drafter
@@ -91,8 +90,10 @@ class RowIndex:
         """Whether the context's last tokens have a continuation (a draft's root a child)."""
         return bool(self.candidates(tuple(self.tokens[-self.max_n:]), 1, min_n))
 
-    def propose(self, min_n: int, plan: ShapePlan, n_nodes: int) -> tuple[np.ndarray, np.ndarray]:
-        """One row's draft on the plan's shape: tokens and which nodes were filled."""
+    def propose(self, min_n: int, plan: ShapePlan, n_nodes: int, out: tuple[np.ndarray, np.ndarray] | None = None
+                ) -> tuple[np.ndarray, np.ndarray]:
+        """One row's draft on the plan's shape: tokens and which nodes were filled (also written to
+        ``out`` where given)."""
         toks, ok, suffix = [0] * n_nodes, [False] * n_nodes, [()] * n_nodes
         toks[0], ok[0], suffix[0] = self.tokens[-1], True, tuple(self.tokens[-self.max_n:])
         for v in plan.nodes.tolist():  # parents come first
@@ -103,6 +104,8 @@ class RowIndex:
                 toks[child], ok[child] = tok, True
                 if plan.kids[child]:
                     suffix[child] = (suffix[v] + (tok,))[-self.max_n:]
+        if out is not None:
+            out[0][:], out[1][:] = toks, ok
         return np.array(toks, dtype=np.int64), np.array(ok, dtype=bool)
 
 
@@ -149,7 +152,7 @@ class NGramDrafter(Drafter):
 
     def can_draft(self, context: DraftContext) -> bool:
         """Whether any row's last tokens occurred before with a continuation (else its draft is its root)."""
-        tokens, lengths = context.tokens.numpy(), context.lengths.numpy()
+        tokens, lengths = context.arrays()
         return any(self._index(row, tokens, int(lengths[row])).continues(self.min_n) for row in context.rows)
 
     def build(self, shapes, batch: int) -> None:
@@ -161,9 +164,10 @@ class NGramDrafter(Drafter):
 
     def propose(self, context: DraftContext, shape: TreeShape) -> TokenTree:
         shape = self.tree_shape(shape)  # a clear error for a missing shape or a budget
-        tokens, lengths = context.tokens.numpy(), context.lengths.numpy()  # NumPy: a torch index costs more than a NumPy one
+        tokens, lengths = context.arrays()  # NumPy: a torch index costs more than a NumPy one
         out_tok = np.empty((len(context), shape.n), dtype=np.int64)
         out_ok = np.empty((len(context), shape.n), dtype=bool)
         for i, row in enumerate(context.rows):
-            out_tok[i], out_ok[i] = self._index(row, tokens, int(lengths[row])).propose(self.min_n, shape.plan, shape.n)
-        return TokenTree.from_shape(shape, torch.from_numpy(out_tok), valid=torch.from_numpy(out_ok))
+            index = self._index(row, tokens, int(lengths[row]))
+            index.propose(self.min_n, shape.plan, shape.n, (out_tok[i], out_ok[i]))
+        return TokenTree.from_arrays(shape, out_tok, out_ok)

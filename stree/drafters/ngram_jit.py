@@ -296,8 +296,12 @@ class CompiledRowIndex:
         return bool(continues(self.toks, self.ntoks, self.max_n, min_n, self.slots, self.key_tok, self.key_len,
                               self.c_start, self.c_len, self.pool_tok))
 
-    def propose(self, min_n: int, plan, n_nodes: int) -> tuple[np.ndarray, np.ndarray]:
-        out_tok, out_ok = np.empty(n_nodes, dtype=np.int64), np.empty(n_nodes, dtype=np.bool_)
+    def propose(self, min_n: int, plan, n_nodes: int, out: tuple[np.ndarray, np.ndarray] | None = None
+                ) -> tuple[np.ndarray, np.ndarray]:
+        """The draft's tokens and validity ``[n_nodes]``, written to ``out`` where given (a row of
+        the caller's arrays)."""
+        out_tok, out_ok = out if out is not None else (np.empty(n_nodes, dtype=np.int64),
+                                                       np.empty(n_nodes, dtype=np.bool_))
         propose(self.toks, self.ntoks, self.max_n, min_n, self.slots, self.key_tok, self.key_len, self.c_start,
                 self.c_len, self.pool_tok, plan.nodes, plan.child_at, plan.children, plan.inner, out_tok, out_ok)
         return out_tok, out_ok

@@ -372,7 +372,7 @@ class STANDDrafter(Drafter):
         if isinstance(shape, TreeBudget):
             return self._grow(context, shape)
         plan = shape.plan
-        tokens, lengths = context.tokens.numpy(), context.lengths.numpy()  # NumPy: a torch index costs more than a NumPy one
+        tokens, lengths = context.arrays()  # NumPy: a torch index costs more than a NumPy one
         max_n = self.store.max_n
         tails = [tokens[r, max(0, int(lengths[r]) - max_n): int(lengths[r])].tolist() for r in context.rows]
         bound = len(tails) * len(plan.nodes) * self.store.top_k  # K values per matched node at most
@@ -380,16 +380,15 @@ class STANDDrafter(Drafter):
         noise = self._noise_window(bound) if random.any() else np.empty(0)
         tokens, valid, child_ids, child_probs, used = self.store.draft(tails, plan, random, noise)
         self._pos += used
-        tokens, valid = torch.from_numpy(tokens), torch.from_numpy(valid)
         if not random.any():
-            return TokenTree.from_shape(shape, tokens, valid=valid)
-        return TokenTree.from_shape(shape, tokens, valid=valid, child_ids=torch.from_numpy(child_ids),
-                                    child_probs=torch.from_numpy(child_probs))
+            return TokenTree.from_arrays(shape, tokens, valid)
+        return TokenTree.from_shape(shape, torch.from_numpy(tokens), valid=torch.from_numpy(valid),
+                                    child_ids=torch.from_numpy(child_ids), child_probs=torch.from_numpy(child_probs))
 
     def _tails(self, context: DraftContext) -> tuple[np.ndarray, np.ndarray]:
         """Each row's last ``max_n`` tokens (or fewer), left-aligned, and how many."""
         max_n = self.store.max_n
-        tokens, lengths = context.tokens.numpy(), context.lengths.numpy()
+        tokens, lengths = context.arrays()
         paths = np.zeros((len(context), max_n), dtype=np.int64)
         plens = np.zeros(len(context), dtype=np.int64)
         for i, r in enumerate(context.rows):
@@ -439,7 +438,7 @@ class STANDDrafter(Drafter):
         if not self.learn:
             return
         max_n = self.store.max_n
-        tokens_np, lengths = context.tokens.numpy(), context.lengths.numpy()
+        tokens_np, lengths = context.arrays()
         for i, (r, emitted) in enumerate(zip(context.rows, tokens)):  # row by row, in batch order
             length = int(lengths[r])
             seq = np.concatenate([tokens_np[r, max(0, length - max_n): length], np.asarray(emitted, dtype=np.int64)])

@@ -35,7 +35,7 @@ import torch
 
 from ..tree import TokenTree
 from .keyed import Placed, draw_at, inverse_cdf_tensors
-from .verify_jit import greedy_walk
+from .verify_jit import greedy_rows, greedy_walk
 
 __all__ = ["RULES", "SamplingParams", "VerifyResult", "acceptance_tables", "choose_rule", "draw", "follow_choices",
            "process_logits", "sample_tokens", "verify"]
@@ -425,12 +425,13 @@ def verify_greedy_host(tree: TokenTree, logits: torch.Tensor) -> tuple[VerifyRes
     B, N, V = logits.shape
     index = tree.index
     kids = index.memo("children_by_rank", lambda: _children_by_rank(index))
-    valid = np.ones((B, N), dtype=np.bool_) if tree.valid is None else np.ascontiguousarray(tree.valid.numpy())
+    tokens, valid = tree.arrays()
+    valid = np.ones((B, N), dtype=np.bool_) if valid is None else np.ascontiguousarray(valid)
     L = _max_depth(tree) + 1
     path, emitted = np.empty((B, L), dtype=np.int64), np.empty((B, L), dtype=np.int64)
     num, bonus, finite = np.empty(B, dtype=np.int64), np.empty(B, dtype=np.int64), np.empty(B, dtype=np.bool_)
     wide = logits if logits.dtype == torch.float32 else logits.float()
-    greedy_walk(wide.numpy(), np.ascontiguousarray(tree.tokens.numpy()), valid, kids, path, num, emitted, bonus, finite)
+    greedy_walk(wide.numpy(), np.ascontiguousarray(tokens), valid, kids, path, num, emitted, bonus, finite)
     result = VerifyResult(torch.from_numpy(path), torch.from_numpy(num), torch.from_numpy(bonus))
     return result, torch.from_numpy(emitted), torch.from_numpy(finite)
 
@@ -438,17 +439,12 @@ def verify_greedy_host(tree: TokenTree, logits: torch.Tensor) -> tuple[VerifyRes
 def greedy_rows_host(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """A plain greedy step's :func:`verify_greedy_host`: the argmax of each row of CPU ``logits
     [B, V]`` and whether the row is free of NaN and +inf, in one compiled pass. Returns
-    ``(tokens [B], finite [B])``."""
-    B, V = logits.shape
+    ``(tokens [B, 1], finite [B])``."""
+    B = logits.shape[0]
     wide = logits if logits.dtype == torch.float32 else logits.float()
-    nothing = np.zeros((B, 1), dtype=np.int64)
-    emitted, tokens, finite = np.empty((B, 1), dtype=np.int64), np.empty(B, dtype=np.int64), np.empty(B, dtype=np.bool_)
-    greedy_walk(wide.numpy()[:, None], nothing, np.ones((B, 1), dtype=np.bool_), _NO_CHILDREN, nothing.copy(),
-                np.empty(B, dtype=np.int64), emitted, tokens, finite)
+    tokens, finite = np.empty((B, 1), dtype=np.int64), np.empty(B, dtype=np.bool_)
+    greedy_rows(wide.numpy(), tokens, finite)
     return torch.from_numpy(tokens), torch.from_numpy(finite)
-
-
-_NO_CHILDREN = np.full((1, 1, 1), -1, dtype=np.int64)  # a one-node tree's children by rank
 
 
 def greedy_path(parents: torch.Tensor, tokens: torch.Tensor, valid: torch.Tensor | None, choice: torch.Tensor,

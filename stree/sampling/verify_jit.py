@@ -18,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-__all__ = ["RULE_CODES", "follow", "greedy_walk", "inverse_cdf_rows", "keyed_walk", "walk"]
+__all__ = ["RULE_CODES", "follow", "greedy_rows", "greedy_walk", "inverse_cdf_rows", "keyed_walk", "walk"]
 
 RULE_CODES = {"one_hot": 0, "iid": 1, "without_replacement": 2}
 
@@ -83,8 +83,7 @@ def greedy_walk(logits, tokens, valid, kids, path, num, emitted, bonus, finite):
     for b in range(B):
         ok = True
         for n in range(N):
-            for i in range(V):
-                ok &= logits[b, n, i] < np.inf  # (False for NaN too)
+            ok &= _finite_row(logits[b, n])
         finite[b] = ok
         num[b] = _walk_row(logits[b], kids[min(b, kids.shape[0] - 1)], valid[b], tokens[b], _NO_DRAWS, path[b],
                            emitted[b])
@@ -92,6 +91,34 @@ def greedy_walk(logits, tokens, valid, kids, path, num, emitted, bonus, finite):
 
 
 _NO_DRAWS = np.empty(0)  # (a greedy walk's: it draws nothing)
+
+
+@njit(cache=True)
+def greedy_rows(logits, tokens, finite):
+    """A plain greedy step's :func:`greedy_walk`: each row's argmax of float32 ``logits [B, V]``
+    into ``tokens[b, 0]`` and whether the row is free of NaN and +inf into ``finite[b]``."""
+    for b in range(logits.shape[0]):
+        finite[b] = _finite_row(logits[b])
+        tokens[b, 0] = _argmax(logits[b])
+
+
+@njit(cache=True)
+def _finite_row(row):
+    """Whether ``row`` is free of NaN and +inf (-inf, a token ruled out, is allowed)."""
+    ok = True
+    for i in range(len(row)):
+        ok &= row[i] < np.inf  # (False for NaN too)
+    return ok
+
+
+@njit(cache=True)
+def _argmax(row):
+    """The first index of ``row``'s largest entry, as ``torch.argmax`` (NaN aside)."""
+    choice, best = 0, row[0]
+    for i in range(1, len(row)):
+        if row[i] > best:
+            choice, best = i, row[i]
+    return choice
 
 
 @njit(cache=True)
@@ -107,10 +134,7 @@ def _walk_row(laws, tree, valid, tokens, draws, path, emitted):
         if len(draws):
             choice = _inverse_cdf(row, draws[n - 1])
         else:
-            choice, best = 0, row[0]
-            for i in range(1, len(row)):
-                if row[i] > best:
-                    choice, best = i, row[i]
+            choice = _argmax(row)
         nxt = _child_drafting(tree, v, valid, tokens, choice)
         if nxt < 0:
             break

@@ -51,5 +51,41 @@ def test_emit_appends_as_the_rule_reads_row_by_row(batch, width, eos, seed):
             assert rows.seq[r, : int(rows.lengths[r])].tolist() == want[r]
             assert int(rows.produced[r]) == len(want[r]) - len(prompts[r])
         assert rows.active.tolist() == live and rows.exact.tolist() == exact
+        assert rows.active_ids() == [r for r in range(batch) if live[r]]
+        assert rows.roots().tolist() == [w[-1] for w in want]  # the next step's roots
         if not any(live):
             break
+        if g.random() < 0.3:  # a consumer ends a row (a stop string): its root is its new last token
+            r = int(g.choice([r for r in range(batch) if live[r]]))
+            keep = int(g.integers(0, len(want[r]) - len(prompts[r]) + 1))
+            exact[r] &= keep == len(want[r]) - len(prompts[r])
+            rows.finish(r, keep)
+            want[r], live[r] = want[r][: len(prompts[r]) + keep], False
+            assert rows.roots().tolist() == [w[-1] for w in want]
+            assert rows.active_ids() == [r for r in range(batch) if live[r]]
+
+
+def test_rows_grow_past_their_first_allocation_and_roots_are_copies():
+    """A budget past the first allocation (256 tokens beyond the longest prompt): the rows grow as
+    tokens come, ragged rows keep their own tokens, ``roots`` hands out a copy, and a drafter's
+    context reads the rows' memory as it now is."""
+    prompts, budgets = [[1, 2, 3], [4]], [400, 300]
+    rows = Rows(prompts, budgets, [])
+    want = [list(p) for p in prompts]
+    first = rows.seq.shape[1]
+    g = np.random.default_rng(0)
+    while bool(rows.active.any()):
+        tokens = torch.from_numpy(g.integers(5, 9, (2, 7)))
+        counts = torch.from_numpy(g.integers(1, 8, 2))
+        for r in range(2):
+            room = budgets[r] - (len(want[r]) - len(prompts[r]))
+            want[r] += tokens[r, : min(int(counts[r]), room)].tolist() if room > 0 else []
+        rows.emit(HostStep(tokens, counts, torch.ones(2, dtype=torch.bool)), None)
+        roots = rows.roots()
+        assert roots.tolist() == [w[-1] for w in want]
+        roots.fill_(-1)  # (the caller's to keep: the rows' own are untouched)
+        assert rows.roots().tolist() == [w[-1] for w in want]
+        tokens, lengths = rows.context().arrays()  # (the rows' own views, grown or not)
+        assert np.shares_memory(tokens, rows.seq.numpy()) and np.shares_memory(lengths, rows.lengths.numpy())
+    assert rows.seq.shape[1] > first
+    assert [rows.seq[r, : int(rows.lengths[r])].tolist() for r in range(2)] == want

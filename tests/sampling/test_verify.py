@@ -541,6 +541,8 @@ def test_greedy_verification_on_the_host_is_the_tensor_path(tree_and_batch, mask
                  (result.bonus, want.bonus), (emitted, _emitted(tokens, want.accepted, want.num_accepted, want.bonus))):
         assert a.dtype == b.dtype and torch.equal(a[ok], b[ok])
     rows, row_finite = greedy_rows_host(logits[:, 0])
+    assert rows.shape == (B, 1)
+    rows = rows[:, 0]
     assert torch.equal(row_finite, _finite(logits[:, 0].float(), SamplingParams(0.0))[0])
     assert torch.equal(rows[row_finite], logits[:, 0].float().argmax(-1)[row_finite])
 
