@@ -2,7 +2,9 @@
 processes: in each of ``--processes`` rounds, ``benchmarks/speculation.py`` runs once with each
 side's ``stree`` (the revision's exported with ``git archive``), the order alternating. Reported
 per configuration (mode, batch, temperature, drafter): both sides' gains over their own
-autoregressive decoding in each round, and the mean difference. Writes JSON and a PNG to
+autoregressive decoding in each round, and the mean difference; and both sides' tokens per
+second (autoregressive decoding's too), with their ratio: a change to what every step costs moves
+both sides of a gain, which the gains alone do not show. Writes JSON and a PNG to
 benchmarks/results/.
 
 Why: on the 2-core CPUs one process's gain for the same code moved from 1.13x to 1.75x in one
@@ -72,39 +74,46 @@ def main(argv=None):
         for r in range(processes):
             for side in SIDES if r % 2 == 0 else SIDES[::-1]:
                 results[side].append(_run(side, paths[side], rest, Path(tmp) / "out", f"{side}_{r}"))
-    rows = []
+    rows, fields = [], ("mode", "batch", "temperature", "drafter")
     for first in results["working"][0]["results"]:
-        if first["drafter"] == "autoregressive":
-            continue
-        key = tuple(first[k] for k in ("mode", "batch", "temperature", "drafter"))
-        gains = {side: [next(x["gain"] for x in run["results"]
-                             if tuple(x[k] for k in ("mode", "batch", "temperature", "drafter")) == key)
-                        for run in results[side]] for side in SIDES}
-        rows.append(dict(zip(("mode", "batch", "temperature", "drafter"), key),
-                         **{f"{side}_gains": gains[side] for side in SIDES},
-                         difference=statistics.mean(gains["working"]) - statistics.mean(gains["against"]),
-                         identical=all(x["identical"] is not False for side in SIDES for run in results[side]
-                                       for x in run["results"])))
+        key = tuple(first[k] for k in fields)
+        runs = {side: [next(x for x in run["results"] if tuple(x[k] for k in fields) == key) for run in results[side]]
+                for side in SIDES}
+        speed = {side: [x["tokens_per_s"] for x in runs[side]] for side in SIDES}
+        row = dict(zip(fields, key), **{f"{side}_tokens_per_s": speed[side] for side in SIDES},
+                   speed_ratio=statistics.mean(speed["working"]) / statistics.mean(speed["against"]))
+        if first["drafter"] != "autoregressive":
+            gains = {side: [x["gain"] for x in runs[side]] for side in SIDES}
+            row.update({f"{side}_gains": gains[side] for side in SIDES},
+                       difference=statistics.mean(gains["working"]) - statistics.mean(gains["against"]),
+                       identical=all(x["identical"] is not False for side in SIDES for run in results[side]
+                                     for x in run["results"]))
+        rows.append(row)
     import torch
 
     result = dict(benchmark="speculation_ab", **run_info(torch.device("cpu"), argv), against=args.against,
                   speculation_args=rest, processes=processes,
                   note="*_gains: per round, the configuration's gain over autoregressive decoding in its own "
-                       "speculation.py run with that side's stree; difference: working minus against, mean over rounds",
+                       "speculation.py run with that side's stree; difference: working minus against, mean over rounds; "
+                       "*_tokens_per_s: per round, that run's tokens per second; speed_ratio: working over against, "
+                       "means over rounds (autoregressive decoding's rows have no gains)",
                   results=rows)
     save_result(result, args.out, args.stem or ("speculation_ab_smoke" if args.smoke else "speculation_ab_cpu"), plot)
     for r in rows:
-        print(f"{r['mode']:<9}b{r['batch']:<3}T{r['temperature']:<4}{r['drafter']:<22}{args.against} "
-              + " ".join(f"{g:.2f}" for g in r["against_gains"]) + "  working "
-              + " ".join(f"{g:.2f}" for g in r["working_gains"]) + f"  difference {r['difference']:+.3f}")
+        gains = "" if "difference" not in r else (
+            f"gains {args.against} " + " ".join(f"{g:.2f}" for g in r["against_gains"]) + "  working "
+            + " ".join(f"{g:.2f}" for g in r["working_gains"]) + f"  difference {r['difference']:+.3f}  ")
+        print(f"{r['mode']:<9}b{r['batch']:<3}T{r['temperature']:<4}{r['drafter']:<22}{gains}"
+              f"tokens/s working/{args.against} {r['speed_ratio']:.3f}")
     return result
 
 
 def plot(result):
     from stree.tools.timing import plot_sides
 
-    return plot_sides(result, "gains", [f"{r['mode']} b{r['batch']}\nT{r['temperature']} {r['drafter']}"
-                                        for r in result["results"]],
+    gained = dict(result, results=[r for r in result["results"] if "difference" in r])
+    return plot_sides(gained, "gains", [f"{r['mode']} b{r['batch']}\nT{r['temperature']} {r['drafter']}"
+                                        for r in gained["results"]],
                       "gain over autoregressive", "speculation, two libraries in turns", line=1.0)
 
 

@@ -474,8 +474,14 @@ def test_speculation_ab_smoke_pairs_two_libraries_gains(tmp_path):
     before any run."""
     result = smoke("speculation_ab", tmp_path)
     rows = result["results"]
-    assert {r["drafter"] for r in rows} == {"autoregressive again", "ngram", "ssm"} and result["against"] == "HEAD"
+    assert {r["drafter"] for r in rows} == {"autoregressive", "autoregressive again", "ngram", "ssm"}
+    assert result["against"] == "HEAD"
     for r in rows:
+        (against,), (working,) = r["against_tokens_per_s"], r["working_tokens_per_s"]
+        assert against > 0 and working > 0 and r["speed_ratio"] == pytest.approx(working / against)
+        if r["drafter"] == "autoregressive":  # (the gains' reference: no gain of its own)
+            assert "against_gains" not in r and "difference" not in r
+            continue
         (against,), (working,) = r["against_gains"], r["working_gains"]
         assert against > 0 and working > 0 and r["difference"] == pytest.approx(working - against)
         assert r["identical"] is True
