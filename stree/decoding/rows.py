@@ -11,7 +11,7 @@ import numpy as np
 import torch
 from numba import njit
 
-from ..drafters.base import DraftContext, Drafter, TargetTop
+from ..drafters.base import DraftContext, Drafter, TargetTop, host_array, host_tensor
 from ..tree import TokenTree
 from .steps import HostStep
 from .stops import token_stop
@@ -225,7 +225,7 @@ class Rows:
         if self._longest + tokens.shape[1] > self.seq.shape[1]:
             self._reserve(min(self.limit, self._longest + tokens.shape[1]))
         eos, max_new, lengths, produced, active, exact = self._arrays
-        before = None if drafter is None else torch.from_numpy(lengths.copy())  # the context the drafter saw
+        before = None if drafter is None else lengths.copy()  # the context the drafter saw
         k, longest = _append(tokens, counts, eos, max_new, lengths, produced, active, exact, self._seq, self._last,
                              self._ids, self._n)
         self._longest = max(self._longest, longest)
@@ -234,10 +234,12 @@ class Rows:
         n_list, id_list = self._n[:k].tolist(), self._ids[:k].tolist()
         if drafter is not None:
             target = None
-            if step.top_ids is not None and drafter_k is not None:
-                target = [TargetTop(step.top_ids[i, :m, :drafter_k], step.top_probs[i, :m, :drafter_k],
-                                    step.token_probs[i, :m]) for i, m in zip(id_list, n_list)]
-            drafter.observe(DraftContext(self.seq, before, id_list),
+            if step.top_ids is not None and drafter_k is not None:  # (cut as arrays: a tensor's cut is three ops)
+                top_ids, top_probs, token_probs = (host_array(t) for t in (step.top_ids, step.top_probs,
+                                                                           step.token_probs))
+                target = [TargetTop(host_tensor(top_ids[i, :m, :drafter_k]), host_tensor(top_probs[i, :m, :drafter_k]),
+                                    host_tensor(token_probs[i, :m])) for i, m in zip(id_list, n_list)]
+            drafter.observe(DraftContext(self.seq, torch.from_numpy(before), id_list, views=(self._seq, before)),
                             [tokens[i, :m].tolist() for i, m in zip(id_list, n_list)], target)
         if self.logprobs_of is not None:
             for i, m in zip(id_list, n_list):

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 from numba import njit
 
+from ..drafters.base import host_tensor
 from .distributed import agree, tensor_parallel
 from ..runtime.runners import DecodeRunner, EagerRunner
 from ..sampling import verify as _verify
@@ -109,7 +110,7 @@ def _path_laws(x: torch.Tensor, accepted: torch.Tensor, num: torch.Tensor, token
         np.zeros((B, L), dtype=np.float32)
     _top_laws(counts, (picked if picked.dtype == torch.float32 else picked.float()).numpy(),  # (a half law's, exactly)
               np.ascontiguousarray(tokens.numpy()), ids, probs, own)
-    return torch.from_numpy(ids), torch.from_numpy(probs), torch.from_numpy(own)
+    return host_tensor(ids), host_tensor(probs), host_tensor(own)  # (a drafter reads them as arrays)
 
 
 @njit(cache=True)

@@ -89,3 +89,32 @@ def test_rows_grow_past_their_first_allocation_and_roots_are_copies():
         assert np.shares_memory(tokens, rows.seq.numpy()) and np.shares_memory(lengths, rows.lengths.numpy())
     assert rows.seq.shape[1] > first
     assert [rows.seq[r, : int(rows.lengths[r])].tolist() for r in range(2)] == want
+
+
+def test_a_drafter_reads_the_steps_laws_cut_per_row_as_their_arrays():
+    """What a drafter learning from the target is shown: each row's top entries and token
+    probabilities cut to the tokens it took (``TargetTop``), whose arrays (``host_array``) are the
+    step's memory, not copies; the context's arrays are the rows' before the step."""
+    from stree.drafters.base import TargetTop, host_array, host_tensor
+
+    class Laws(Drafter):
+        def observe(self, context, tokens, target=None):
+            self.seen = (context.arrays(), [list(t) for t in tokens], target)
+
+    rows, drafter = Rows([[1, 2], [3]], [5, 1], []), Laws()
+    g = np.random.default_rng(0)
+    top_ids, top_probs, token_probs = g.integers(0, 9, (2, 3, 4)), g.random((2, 3, 4)), g.random((2, 3))
+    step = HostStep(torch.tensor([[4, 5, 6], [7, 8, 9]]), torch.tensor([3, 2]), torch.ones(2, dtype=torch.bool),
+                    host_tensor(top_ids), host_tensor(top_probs), torch.from_numpy(token_probs))
+    rows.emit(step, drafter, drafter_k=2)
+    (seq, lengths), tokens, target = drafter.seen
+    assert lengths.tolist() == [2, 1] and np.shares_memory(seq, rows.seq.numpy())  # (before the step)
+    assert tokens == [[4, 5, 6], [7]]  # (the second row's budget: one token)
+    for row, (got, m) in enumerate(zip(target, (3, 1))):
+        assert isinstance(got, TargetTop)
+        for part, whole, cut in ((got.ids, top_ids, top_ids[row, :m, :2]),
+                                 (got.probs, top_probs, top_probs[row, :m, :2]),
+                                 (got.token_probs, token_probs, token_probs[row, :m])):
+            array = host_array(part)
+            assert np.array_equal(array, cut) and np.array_equal(part.numpy(), cut)
+            assert np.shares_memory(array, whole)
