@@ -36,6 +36,8 @@ __all__ = [
     "TreeBudget",
     "tree_spec",
     "TokenTree",
+    "host_array",
+    "host_tensor",
 ]
 
 
@@ -397,6 +399,21 @@ def _host_index(parents: tuple[int, ...]) -> TreeIndex:
         free[i] = pre[i] + 1
     rows = lambda v: torch.tensor([v], dtype=torch.int32, device="cpu")  # (named: a default-device context)
     return TreeIndex(rows(list(parents)), rows(depth), rows(pre), rows([p + s - 1 for p, s in zip(pre, size)]))
+
+
+def host_tensor(a: np.ndarray) -> torch.Tensor:
+    """``torch.from_numpy(a)`` that remembers ``a``: :func:`host_array` hands it back without a
+    dispatcher call (a ``.numpy()`` is four, microseconds each where a decoding step's host work
+    runs right after a model pass). The tensor must keep its memory (no ``set_``, no resize)."""
+    t = torch.from_numpy(a)
+    t._host_array = a
+    return t
+
+
+def host_array(t: torch.Tensor) -> np.ndarray:
+    """A CPU tensor's memory as an array: the one :func:`host_tensor` made it from, else ``.numpy()``."""
+    a = getattr(t, "_host_array", None)
+    return t.numpy() if a is None else a
 
 
 @dataclass(frozen=True)

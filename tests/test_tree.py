@@ -272,3 +272,20 @@ def test_a_tree_of_arrays_is_checked_as_one_of_tensors():
         assert torch.equal(getattr(tree, name), getattr(want, name))
     assert tree.static_shape is shape and tree.index is want.index and tree.child_ids is None
     assert not tree.with_replacement and tree.row_sizes is None
+
+
+def test_a_host_tensor_hands_back_its_array_and_any_other_tensor_its_memory():
+    """``host_tensor(a)`` is ``a``'s memory as a tensor and ``host_array`` of it is ``a`` itself (no
+    conversion: the kernels' ``as_numpy`` takes it too); any other CPU tensor's is its ``.numpy()``,
+    a view of it (such as a cut of a host tensor) included."""
+    from stree.kernels._common import as_numpy
+    from stree.tree import host_array, host_tensor
+
+    a = np.arange(12, dtype=np.int64).reshape(3, 4)
+    t = host_tensor(a)
+    assert host_array(t) is a and as_numpy(t) is a and np.shares_memory(t.numpy(), a)
+    t[0, 0] = 7  # (one memory)
+    assert a[0, 0] == 7
+    for other in (torch.arange(5), t[:, :2]):
+        got = host_array(other)
+        assert got is not a and np.array_equal(got, other.numpy()) and np.shares_memory(got, other.numpy())

@@ -640,9 +640,10 @@ class AutoTree:
             hazard = hazard[None]
         cost = self.cost[: n + 1] * self._scaled("tree")
         cost[1] = self.cost[1] * self.scale["plain"] / self.margin
-        valid = np.ascontiguousarray(valid[:, :n])
-        m, focus, promised, v, raw = weigh(parents[:, :n], rank[:, :n], depth[:, :n], valid, hazard, active, cost,
-                                            not self._probing, self.gain_scale())
+        if n < draft.n:  # (else the drafter's own arrays, contiguous: no views to make)
+            parents, rank, depth, valid = parents[:, :n], rank[:, :n], depth[:, :n], np.ascontiguousarray(valid[:, :n])
+        m, focus, promised, v, raw = weigh(parents, rank, depth, valid, hazard, active, cost, not self._probing,
+                                            self.gain_scale())
         if ids is not None:  # the row the choice before drafting weighs from now on: the one gaining least
             self._focus = int(ids[focus])
         sizes = self._row_sizes(v, active, cost, m) if ids is not None and self.per_row else None

@@ -11,8 +11,8 @@ import numpy as np
 import torch
 from numba import njit
 
-from ..drafters.base import DraftContext, Drafter, TargetTop, host_array, host_tensor
-from ..tree import TokenTree
+from ..drafters.base import DraftContext, Drafter, TargetTop
+from ..tree import TokenTree, host_array, host_tensor
 from .steps import HostStep
 from .stops import token_stop
 

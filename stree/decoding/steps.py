@@ -13,11 +13,10 @@ import numpy as np
 import torch
 from numba import njit
 
-from ..drafters.base import host_tensor
 from .distributed import agree, tensor_parallel
 from ..runtime.runners import DecodeRunner, EagerRunner
 from ..sampling import verify as _verify
-from ..tree import TokenTree
+from ..tree import TokenTree, host_array, host_tensor
 from ..sampling.verify import (SamplingParams, VerifyResult, greedy_on_host, greedy_path, greedy_rows_host, verify,
                                verify_greedy_host)
 
@@ -44,7 +43,7 @@ class HostStep:
         dispatcher calls, microseconds each right after a model pass."""
         hit = self._arrays
         if hit is None or hit[0] is not self.tokens or hit[1] is not self.counts:
-            hit = self._arrays = (self.tokens, self.counts, self.tokens.numpy(), self.counts.numpy())
+            hit = self._arrays = (self.tokens, self.counts, host_array(self.tokens), host_array(self.counts))
         return hit[2], hit[3]
 
 

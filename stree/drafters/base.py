@@ -56,21 +56,6 @@ class DraftContext:
         return self.tokens[rows, self.lengths[rows] - 1]
 
 
-def host_tensor(a: np.ndarray) -> torch.Tensor:
-    """``torch.from_numpy(a)`` that remembers ``a``: :func:`host_array` hands it back without a
-    dispatcher call (a ``.numpy()`` is four, microseconds each where a decoding step's host work
-    runs right after a model pass). The tensor must keep its memory (no ``set_``, no resize)."""
-    t = torch.from_numpy(a)
-    t._host_array = a
-    return t
-
-
-def host_array(t: torch.Tensor) -> np.ndarray:
-    """A CPU tensor's memory as an array: the one :func:`host_tensor` made it from, else ``.numpy()``."""
-    a = getattr(t, "_host_array", None)
-    return t.numpy() if a is None else a
-
-
 class TargetTop(NamedTuple):
     """For one row, the processed target distributions its emitted tokens were drawn from, one row
     per token: the ``target_top_k`` most likely entries (``ids``, ``probs`` ``[len, k]``, most likely

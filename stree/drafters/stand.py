@@ -16,8 +16,8 @@ import math
 import numpy as np
 import torch
 
-from ..tree import ShapePlan, TokenTree, TreeBudget, TreeShape
-from .base import DraftContext, Drafter, TargetTop, host_array
+from ..tree import ShapePlan, TokenTree, TreeBudget, TreeShape, host_array
+from .base import DraftContext, Drafter, TargetTop
 from .dynamic import Level, SlotRates, grow
 
 __all__ = ["STANDStore", "STANDDrafter", "gumbel_top_k", "race_top_k"]

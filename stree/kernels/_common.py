@@ -13,7 +13,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ..tree import PackedTrees, TreeIndex, tree_index
+from ..tree import PackedTrees, TreeIndex, host_array, tree_index
 
 BACKENDS = ("auto", "triton", "torch")
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -84,7 +84,7 @@ def as_numpy(t: torch.Tensor):
     detaching is a dispatcher call each time). In-place changes reach the view, as it is the same
     memory; a parameter given other storage or another shape gets a new view."""
     if not t.requires_grad:
-        return t.numpy()
+        return host_array(t)  # (the array a host tensor was made from, without a dispatcher call)
     return kept(_VIEWS, t, (t.data_ptr(), t.shape, t.stride()), torch.Tensor.numpy)
 
 

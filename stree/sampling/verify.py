@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..tree import TokenTree
+from ..tree import TokenTree, host_tensor
 from .keyed import Placed, draw_at, inverse_cdf_tensors
 from .verify_jit import greedy_rows, greedy_walk
 
@@ -432,8 +432,9 @@ def verify_greedy_host(tree: TokenTree, logits: torch.Tensor) -> tuple[VerifyRes
     num, bonus, finite = np.empty(B, dtype=np.int64), np.empty(B, dtype=np.int64), np.empty(B, dtype=np.bool_)
     wide = logits if logits.dtype == torch.float32 else logits.float()
     greedy_walk(wide.numpy(), np.ascontiguousarray(tokens), valid, kids, path, num, emitted, bonus, finite)
-    result = VerifyResult(torch.from_numpy(path), torch.from_numpy(num), torch.from_numpy(bonus))
-    return result, torch.from_numpy(emitted), torch.from_numpy(finite)
+    # (host tensors: the commit's replay and the rows' bookkeeping read them as these arrays)
+    result = VerifyResult(host_tensor(path), host_tensor(num), torch.from_numpy(bonus))
+    return result, host_tensor(emitted), torch.from_numpy(finite)
 
 
 def greedy_rows_host(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -95,7 +95,8 @@ def test_a_drafter_reads_the_steps_laws_cut_per_row_as_their_arrays():
     """What a drafter learning from the target is shown: each row's top entries and token
     probabilities cut to the tokens it took (``TargetTop``), whose arrays (``host_array``) are the
     step's memory, not copies; the context's arrays are the rows' before the step."""
-    from stree.drafters.base import TargetTop, host_array, host_tensor
+    from stree.drafters.base import TargetTop
+    from stree.tree import host_array, host_tensor
 
     class Laws(Drafter):
         def observe(self, context, tokens, target=None):
