@@ -17,7 +17,7 @@ from strategies import ssm_shapes, trees
 
 from stree.kernels import conv_step, gated_rms_norm, replay, rms_norm, selective_state_update, tree_conv1d, tree_scan
 from stree.kernels.cpu import bound
-from stree.kernels.cpu.bound import Mamba2LayerJit, RMSNormJit, empty_aligned, replay_in_place
+from stree.kernels.cpu.bound import Mamba2LayerJit, RMSNormJit, aligned_array, replay_in_place
 from stree.kernels.cpu.replay_jit import LONG_PATH
 from stree.kernels.cpu.tree_jit import JIT_MAX_NODES
 from stree.tree import tree_index
@@ -237,6 +237,6 @@ def test_the_scans_output_starts_on_a_64_byte_boundary(shape):
     """The tree scan adds into its output's rows in place, at half speed where they sit off a
     32-byte boundary (NumPy aligns to 16): the bound pass allocates it aligned, as torch does."""
     for _ in range(8):  # (NumPy's own allocations land on either side of a 32-byte boundary)
-        y = empty_aligned(shape)
+        y = aligned_array(shape)
         assert y.shape == shape and y.dtype == np.float32 and y.flags.c_contiguous
         assert y.__array_interface__["data"][0] % 64 == 0

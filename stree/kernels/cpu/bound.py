@@ -30,7 +30,7 @@ from .layer_jit import tree_layer_in, tree_layer_out
 from .tree_jit import (NOT_MADE, aligned_empty, chain_scan_rows, parallel_rows, takes_tree, tiled_state,
                        tree_conv_rows, tree_scan_rows)
 
-__all__ = ["Mamba2LayerJit", "RMSNormJit", "empty_aligned", "replay_arrays", "replay_in_place"]
+__all__ = ["Mamba2LayerJit", "RMSNormJit", "aligned_array", "replay_arrays", "replay_in_place"]
 
 
 def _check_params(**tensors) -> None:
@@ -50,7 +50,7 @@ def _round(a: np.ndarray, dtype: torch.dtype) -> None:
         round_half(a, dtype == torch.bfloat16)
 
 
-def empty_aligned(shape: tuple) -> np.ndarray:
+def aligned_array(shape: tuple) -> np.ndarray:
     """A float32 array of ``shape`` starting on a 64-byte boundary (:func:`.tree_jit.aligned_empty`)."""
     return aligned_empty(math.prod(shape)).reshape(shape)
 
@@ -60,7 +60,7 @@ def _empty_pair(shape: tuple) -> tuple[torch.Tensor, np.ndarray]:
     torch's own: made as an array and handed to torch (one dispatcher call), where a tensor made
     by torch and then read as an array took five (a ``.numpy()`` is four), microseconds each on
     a pass's host side."""
-    a = empty_aligned(shape)
+    a = aligned_array(shape)
     return torch.from_numpy(a), a
 
 
@@ -253,7 +253,7 @@ class Mamba2LayerJit:
         x, B, C = self._ssm_inputs(conv)
         np.copyto(arrays[1], x)
         np.copyto(arrays[3], B)
-        y = empty_aligned(x.shape)  # (the scan adds into y's rows in place)
+        y = aligned_array(x.shape)  # (the scan adds into y's rows in place)
         if chain:
             chain_scan_rows(arrays[1], arrays[2], self.A, arrays[3], C, self.D, True, self.dt_bias, True, True, lo, hi,
                             as_numpy(ssm_state), True, y)

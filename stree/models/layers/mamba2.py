@@ -19,7 +19,7 @@ from torch import nn
 
 from ...kernels import conv_step, multistep_update, replay, selective_state_update, tree_conv1d, tree_scan
 from ...kernels._common import FLOAT_DTYPES, as_numpy
-from ...kernels.cpu.bound import Mamba2LayerJit, empty_aligned, replay_arrays, replay_in_place
+from ...kernels.cpu.bound import Mamba2LayerJit, aligned_array, replay_arrays, replay_in_place
 from ...tree import PackedTrees, TreeIndex, leaf_paths
 from ..base import derived, value_key
 from ..cache import SSMLayerState, SSMScratch
@@ -253,7 +253,7 @@ def _slots(ctx, k: int, jit: Mamba2LayerJit, lead: torch.Size) -> tuple:
     shipped target's tree passes on the CPU, the more the more nodes (docs/kernels.md)."""
     scratch = ctx.ssm_scratch
     if scratch is None:  # (arrays handed to torch: a tensor's .numpy() is four dispatcher calls)
-        arrays = tuple(empty_aligned((ctx.ssm_layers, *lead, *tail)) for tail in jit.scratch_tails())
+        arrays = tuple(aligned_array((ctx.ssm_layers, *lead, *tail)) for tail in jit.scratch_tails())
         scratch = ctx.ssm_scratch = SSMScratch(*(torch.from_numpy(a) for a in arrays))
         scratch.arrays, scratch.kernels = arrays, [None] * ctx.ssm_layers
     scratch.kernels[k] = jit
