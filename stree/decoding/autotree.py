@@ -289,13 +289,25 @@ class AutoTree:
         # twice as much where nothing paid (sampled, STAND deterministic: 58 trees and 48 watched
         # drafts in 48 calls against 34 and 20). Over the demo's calls (one of 8 tokens, then eight of
         # 128; six processes each), mean tau: n-gram 2.13 carried whole, 2.45 capped, 2.63 whole at
-        # every call; STAND deterministic 2.04, 2.22, 1.66.
-        if self.scale.get("explored", self.AGAIN) >= self.AGAIN or not adaptive:
+        # every call; STAND deterministic 2.04, 2.22, 1.66. The probes' share, though, starts whole only
+        # where one of the last call's probes paid: where none did (sampled text the drafter cannot
+        # follow), whole at each call they had cost about a probe a call of 128 tokens, each some 1.3
+        # plain steps lost (n-gram at temperature 1.0, batch 1: 0.965x of plain decoding's pace against
+        # 0.984x carried, benchmarks/choice_ab.py, three processes; greedy, where some probe of a call
+        # pays, within +-1.3%). (Carried wherever the probes' average lost, or at the least share for
+        # every choice that watches, greedy batch 2 lost 5-17%: there probes pay where the choice
+        # declines trees.)
+        if not adaptive:
             self.scale.update(losing=0, watch_idle=0)
+        elif self.scale.get("explored", self.AGAIN) >= self.AGAIN:
+            self.scale["watch_idle"] = 0
+            if self.scale.get("paid", True):
+                self.scale["losing"] = 0
         elif self.watching:
             top = self.BACKOFF - 1
             self.scale.update(losing=min(self.scale["losing"], top), watch_idle=min(self.scale["watch_idle"], top))
         self.scale["explored"] = 0  # the drafts this call explored: probes and watched drafts
+        self.scale["paid"] = False  # whether a probe of this call paid
         self._plain_run = self.scale["plain_run"]
         self._closed = False  # whether a seeded choice's call has too few steps left for a probe to pay (plan)
         self._probe_loss = 0.0  # what the next probe is predicted to lose, its drafter's catch-up aside
@@ -822,7 +834,7 @@ class AutoTree:
         tokens (``BACKOFF``, ``PACE``)."""
         self.scale["pace"] += self.PACE * (lost - self.scale["pace"])
         if lost <= 0.0:
-            self.scale["losing"] = 0
+            self.scale["losing"], self.scale["paid"] = 0, True
         elif self.scale["pace"] > 0.0:
             self.scale["losing"] = min(self.scale["losing"] + 1, self.BACKOFF)
 

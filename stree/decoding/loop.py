@@ -356,7 +356,7 @@ class _Loop:
         to decide the next ones ahead), or a verified draft; ``elapsed``: the iteration's
         milliseconds (None: not a time the chooser learns from)."""
         chooser, run = self.chooser, self.plain_run
-        if self.watch is not None and (full is not None or self.watch.ready(self.rows)):
+        if self.watch is not None and (full is not None or self.watch.ready()):
             self.settle_watch()
             if run is not None and chooser.wants_trees():  # (what it taught ends the plain run)
                 run.left = 0
@@ -469,12 +469,15 @@ class _Watch:
         self.draft, self.live, self.drafting_ms = draft, np.asarray(live), drafting_ms
         self.served = rows.critical(live)
         self.start = rows.lengths.numpy()[self.live].copy()
-        self.depth = draft.static_shape.max_depth if draft.static_shape is not None else draft.n - 1
+        depth = draft.static_shape.max_depth if draft.static_shape is not None else draft.n - 1
+        self.left = depth + 1  # the plain steps until every row has emitted past the draft's depth
 
-    def ready(self, rows: Rows) -> bool:
-        """Whether every row has emitted past the draft's depth, or finished."""
-        new = rows.lengths.numpy()[self.live] - self.start
-        return bool(((new > self.depth) | ~rows.active.numpy()[self.live]).all())
+    def ready(self) -> bool:
+        """After a plain step: whether every row has emitted past the draft's depth, or finished.
+        Counted down: a plain step emits one token in every active row (read off the rows at each
+        step, it took a hundredth of a plain step where watches were pending most of the time)."""
+        self.left -= 1
+        return self.left <= 0
 
     def settle(self, rows: Rows, chooser: AutoTree) -> None:
         seq, ends = rows.seq.numpy(), rows.lengths.numpy()

@@ -722,9 +722,9 @@ def test_probes_that_pay_on_the_whole_keep_the_whole_share():
     that pay. One that pays makes the share whole whatever the average says."""
     auto = AutoTree(CostProfile(1.0, (2, 4), (1.1, 1.2)))
     auto._pace(0.2)  # the first probe loses: nothing says probes pay
-    assert auto.scale["losing"] == 1
+    assert auto.scale["losing"] == 1 and not auto.scale["paid"]
     auto._pace(-3.0)
-    assert auto.scale["losing"] == 0
+    assert auto.scale["losing"] == 0 and auto.scale["paid"]  # (the next call starts whole: see below)
     for _ in range(5):  # small losses after a large gain: probes still pay on the whole
         auto._pace(0.2)
     assert auto.scale["losing"] == 0 and auto.scale["pace"] < 0
@@ -770,9 +770,12 @@ def test_probes_that_keep_losing_slow_down_and_one_that_pays_brings_them_back(ad
 
 def test_each_call_explores_at_the_whole_shares_again_where_the_last_could_back_off():
     """A chooser handed the rates and scale of one whose probes and watched drafts all lost
-    (shares at their least) starts probing and watching at the whole shares, on a new text, while
-    what it learned of the machine and the text goes on: where that call explored drafts enough
-    to back off on its own (AGAIN). A call that explored fewer hands its backoff on: whole to a
+    (shares at their least) starts watching at the whole share, on a new text, while what it
+    learned of the machine and the text goes on: where that call explored drafts enough to back
+    off on its own (AGAIN). Its probes start whole too where one of the last call's probes paid;
+    where none did, their halvings carry over (n-gram at temperature 1.0 had paid about a probe a
+    call at the whole share, 1.5-2% of plain decoding's pace; greedy, where some probe of a call
+    pays, nothing changed). A call that explored fewer hands its backoff on: whole to a
     choice that cannot watch (a drafter model's probes, one every few calls, had never halved the
     share within a call and took the whole of it), one halving short of the least at most to one
     that watches (carried whole over calls too short to explore, a benchmark's warm-up, its shares
@@ -785,6 +788,11 @@ def test_each_call_explores_at_the_whole_shares_again_where_the_last_could_back_
     auto.scale.update(least, watch_ms=2.0)  # (watches that took 2 ms)
     slow_probes, slow_watches = auto._deposit(), auto._watch_gap()
     learned = {k: auto.scale[k] for k in ("probe_loss", "bank", "plain", "tree")}
+    assert not auto.scale["paid"]  # (no probe paid: none had a draft accepted)
+    carried = AutoTree(profile, adaptive=True, watch=True, rates=auto.rates, scale=dict(auto.scale))
+    assert carried.scale["losing"] == AutoTree.BACKOFF and carried.scale["watch_idle"] == 0
+    assert carried._deposit() == pytest.approx(slow_probes) and not carried.scale["paid"]
+    auto.scale["paid"] = True  # (had one of them paid)
     after = AutoTree(profile, adaptive=True, watch=True, rates=auto.rates, scale=auto.scale)
     assert after.scale["losing"] == after.scale["watch_idle"] == 0
     assert after._deposit() == pytest.approx(slow_probes * 2 ** AutoTree.BACKOFF)
@@ -1262,6 +1270,38 @@ def test_plain_runs_follow_one_another_where_only_watches_fall_due():
     assert set(out.stats.trees) == {1} and out.stats.watched >= 3  # (runs ended where each fell due)
     assert weighed == [True]
 
+
+
+def test_a_watched_draft_settles_once_every_row_has_emitted_past_its_depth():
+    """The loop counts plain steps down to a watched draft's settling (reading the rows at every
+    step cost a hundredth of a step): each draft is learned from once every row has emitted one
+    token past its depth (the bonus's), or finished, never earlier or later, whatever the draft's
+    depth; a row that finished early still teaches what it emitted (and the call's end settles
+    the one pending then with what its rows emitted)."""
+    class WatchOnly(AutoTree):
+        PROBE_SHARE = 0.0
+        WATCH_SHARE = 1e6  # (watches WATCH_EVERY plain steps apart, whatever they take by the clock)
+
+    auto = WatchOnly(CostProfile(1.0, (2, 4, 8, 16), (60.0, 65.0, 70.0, 80.0)), adaptive=True, watch=True)
+    settled, watched = [], auto.watched
+
+    def logged(draft, after, served, ids, drafting_ms=None):
+        depth = draft.static_shape.max_depth if draft.static_shape is not None else draft.n - 1
+        settled.append((depth, [len(a) for a in after], ids.tolist()))
+        return watched(draft, after, served, ids, drafting_ms)
+
+    auto.watched = logged
+    model = mamba2()
+    out = generate(model, [[1, 2, 3, 1, 2, 3, 1, 2], [4, 5, 6, 4, 5, 6]], tree=auto, max_new_tokens=[60, 21],
+                   drafter=make_drafter("ngram", vocab_size=model.vocab_size))
+    assert set(out.stats.trees) == {1} and len(settled) >= 4
+    assert len({depth for depth, _, _ in settled}) > 1 or settled[0][0] > 1
+    ends = [len(s) - n for s, n in zip(out.sequences, out.prompt_lengths)]
+    for depth, seen, ids in settled[:-1]:  # (the last may be one the call's end settled, short)
+        assert max(seen) == depth + 1
+        assert all(n == depth + 1 or ends[r] < 60 and n <= depth + 1 for n, r in zip(seen, ids))
+    assert max(settled[-1][1]) <= settled[-1][0] + 1
+    assert any(seen[ids.index(1)] < depth + 1 for depth, seen, ids in settled if 1 in ids)  # (row 1 ended inside one)
 
 def test_a_plain_run_starts_right_after_a_probe():
     """Plain steps win, probes a dozen steps apart: the plain steps after each probe run as a run
