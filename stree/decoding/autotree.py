@@ -294,7 +294,7 @@ class AutoTree:
         # follow), whole at each call they had cost about a probe a call of 128 tokens, each some 1.3
         # plain steps lost (n-gram at temperature 1.0, batch 1: 0.965x of plain decoding's pace against
         # 0.984x carried, benchmarks/choice_ab.py, three processes; greedy, where some probe of a call
-        # pays, within +-1.3%). (Carried wherever the probes' average lost, or at the least share for
+        # pays, -1.3% to +2.7%: the noise). (Carried wherever the probes' average lost, or at the least share for
         # every choice that watches, greedy batch 2 lost 5-17%: there probes pay where the choice
         # declines trees.)
         if not adaptive:

@@ -775,7 +775,7 @@ def test_each_call_explores_at_the_whole_shares_again_where_the_last_could_back_
     off on its own (AGAIN). Its probes start whole too where one of the last call's probes paid;
     where none did, their halvings carry over (n-gram at temperature 1.0 had paid about a probe a
     call at the whole share, 1.5-2% of plain decoding's pace; greedy, where some probe of a call
-    pays, nothing changed). A call that explored fewer hands its backoff on: whole to a
+    pays, no change beyond the noise). A call that explored fewer hands its backoff on: whole to a
     choice that cannot watch (a drafter model's probes, one every few calls, had never halved the
     share within a call and took the whole of it), one halving short of the least at most to one
     that watches (carried whole over calls too short to explore, a benchmark's warm-up, its shares
@@ -1269,7 +1269,6 @@ def test_plain_runs_follow_one_another_where_only_watches_fall_due():
                    tree=auto, max_new_tokens=60)
     assert set(out.stats.trees) == {1} and out.stats.watched >= 3  # (runs ended where each fell due)
     assert weighed == [True]
-
 
 
 def test_a_watched_draft_settles_once_every_row_has_emitted_past_its_depth():
