@@ -24,14 +24,17 @@ The choice (:class:`AutoTree`), every step:
    of it its E(m); the best prefix by E(m) / C(m) is verified (drafting is paid by then), or a
    plain step taken where that is better (not on a probe) or where nothing was drafted.
 
-In a batch, E is that of the rows expected to finish last (``Rows.critical``: within a step of
-the most tokens left at a row's own tokens per step so far), each under its own rates, and of
-the one of them gaining least: the batch decodes until the last of them is done, so tokens a tree
-brings rows that finish early anyway, or only some of the rows level at the end, buy nothing.
-What the verified trees then brought that row set (the least of its rows' tokens) against what
-was predicted calibrates every prediction (:meth:`AutoTree.gain_scale`): the least of several
-rows' draws falls short of the least of their expectations, and a row's rates lean on the
-batch's, so in a batch the raw predictions promise more than trees bring.
+In a batch, E is the mean over the rows expected to finish last (``Rows.critical``: within a
+step of the most tokens left at a row's own tokens per step so far), each under its own rates: the
+batch decodes until the last of them is done, so tokens a tree brings rows that finish early
+anyway buy nothing, and a tree that brings one of several rows level at the end its tokens is
+worth that row's share. Weighed by the least of them (until 2026-12-02), a batch-2 choice whose
+two rows took turns being behind priced every tree by the slower of two draws, calibrated its
+promises down by that, and in some processes stayed plain for whole calls (gains per process
+0.60x-1.29x with n-gram at batch 2, six processes; by the mean 1.13x-1.24x: docs/benchmarks.md). What the verified
+trees then brought those rows on average against what was predicted calibrates every prediction
+(:meth:`AutoTree.gain_scale`): a row's rates lean on the batch's and on their prior, and the
+drafts' chances are not independent as the rates assume.
 
 Rows may also take sizes of their own (:func:`~stree.decoding.plans.best_rows`, ``AutoTree.per_row``): for each level
 of gain an active row's prefix reaches, every row takes its smallest prefix reaching it, so a row
@@ -541,8 +544,8 @@ class AutoTree:
         served = served & (seen > 0)
         if served.any():
             hazard = self.row_rates.hazard(ids, self.rates.hazard())
-            said = chances(parents, rank, depth, valid, hazard)[served, 1:].sum(1).min()
-            self._learn_gain(float(counts[served].min() - 1), float(said))
+            said = chances(parents, rank, depth, valid, hazard)[served, 1:].sum(1).mean()
+            self._learn_gain(float(counts[served].mean() - 1), float(said))
         cut = remade(draft, valid=torch.from_numpy(valid))
         self.rates.record(cut, emitted, counts, rows, self.row_rates, ids)
         self._stale = True
@@ -663,7 +666,7 @@ class AutoTree:
         if sizes is not None:
             total = int(sizes.sum())
             kept = np.arange(1, n)[None] < sizes[:, None]
-            self._promised = (float((raw[:, 1:n] * kept)[active].sum(1).min()), active.copy())
+            self._promised = (float((raw[:, 1:n] * kept)[active].sum(1).mean()), active.copy())
             self._predicted = ("packed", drafting + float(self._packed_ms(total, len(sizes))))
             return cut_rows(draft, sizes)
         if m == 1:
@@ -700,21 +703,22 @@ class AutoTree:
 
     def gain_scale(self) -> float:
         """Accepted drafts per accepted draft promised, over the verified trees the choice served
-        (faded): the least any of the served rows got against the least their rates promised.
-        Every prediction of a tree's worth is scaled by it."""
+        (faded): what the served rows got on average against what their rates promised them on
+        average. Every prediction of a tree's worth is scaled by it."""
         w = self.GAIN_PRIOR
         return (self.scale["gain_got"] + w) / (self.scale["gain_said"] + w)
 
     def _calibrate(self, counts: np.ndarray) -> float | None:
-        """After a verified tree that :meth:`choose` kept: what its served rows got (the least of
-        their accepted drafts, returned; None where it served none)."""
+        """After a verified tree that :meth:`choose` kept: what its served rows got (their mean
+        accepted drafts, returned; None where it served none)."""
         said, served = self._promised
         self._promised = None
         # (lists: a NumPy reduction right after a model pass costs several times more)
         served, counts = served.tolist(), counts.tolist()
         if len(counts) != len(served) or not any(served):
             return None
-        got = float(min(c for c, s in zip(counts, served) if s)) - 1.0  # the bonus is no draft
+        drew = [c for c, s in zip(counts, served) if s]
+        got = sum(drew) / len(drew) - 1.0  # (the bonus is no draft)
         self._learn_gain(got, said)
         return got
 
@@ -793,11 +797,10 @@ class AutoTree:
         (its time beyond plain steps for the tokens it emitted; a probe whose draft came out empty
         emitted one), else at the price it was let through at. What it lost (by the clock, else by
         the profile's prediction) sets the ledger's pace (``BACKOFF``). The tokens it emitted are
-        those of the least of the rows it served (``got``, the accepted drafts :meth:`_calibrate`
-        found, plus the bonus), as trees are judged: counted for the one row the choice had
-        weighed before drafting, at batch 8 a probe that row took whole while another served row
-        took nothing looked paying, the ledger filled, and probes ran every few plain steps where
-        trees lost."""
+        the mean of the rows it served (``got``, the accepted drafts :meth:`_calibrate` found, plus
+        the bonus), as trees are judged: counted for the one row the choice had weighed before
+        drafting, at batch 8 a probe that row took whole while another served row took nothing
+        looked paying, the ledger filled, and probes ran every few plain steps where trees lost."""
         self.scale["explored"] += 1
         emitted = 1.0
         if got is not None:

@@ -23,17 +23,18 @@ __all__ = ["any_drafted", "best_first", "best_prefix", "best_rows", "best_size",
 @njit(cache=True)
 def best_prefix(v, active, cost, allow_plain):
     """The prefix size m (1: a plain step) maximising expected tokens per millisecond, ``cost[m]``
-    being an iteration of m nodes (inf: not allowed), for the active row that gains least: the
-    active rows are those the batch waits for, and it is done when the last of them is."""
+    being an iteration of m nodes (inf: not allowed), for the active rows' mean gain: the active
+    rows are those the batch waits for, and it is done when the last of them is."""
     gain = np.zeros(v.shape[0])
     best, best_rate = 1, (1.0 / cost[1] if allow_plain else -1.0)
     for m in range(2, v.shape[1] + 1):
-        least = np.inf
+        total, rows = 0.0, 0
         for b in range(v.shape[0]):
             gain[b] += v[b, m - 1]
             if active[b]:
-                least = min(least, gain[b])
-        rate = (1.0 + least) / cost[m]
+                total += gain[b]
+                rows += 1
+        rate = (1.0 + total / max(rows, 1)) / cost[m]
         if rate > best_rate * (1.0 + 1e-9):
             best, best_rate = m, rate
     return best
@@ -77,7 +78,7 @@ def weigh(parents, rank, depth, valid, h, active, cost, allow_plain, gain):
     step): every node's chance (:func:`~stree.decoding.acceptance.chances`) times ``gain``, the best
     prefix size m by them (:func:`best_prefix`), the active row gaining least by the unscaled
     chances (an index of the rows: the focus) and what the prefix of m nodes promises the active
-    rows (the least of their unscaled chances, summed).
+    rows (their unscaled chances summed, the mean over them).
     Returns ``(m, focus, promised, v, raw)``, ``v`` the scaled chances, ``raw`` the unscaled."""
     v = chances(parents, rank, depth, valid, h)
     B, n = v.shape
@@ -94,14 +95,13 @@ def weigh(parents, rank, depth, valid, h, active, cost, allow_plain, gain):
         for c in range(1, n):
             v[b, c] *= gain
     m = best_prefix(v, active, cost, allow_plain)
-    promised = np.inf
+    promised, rows = 0.0, 0
     for b in range(B):
         if active[b]:
-            total = 0.0
             for c in range(1, m):
-                total += raw[b, c]
-            promised = min(promised, total)
-    return m, focus, promised, v, raw
+                promised += raw[b, c]
+            rows += 1
+    return m, focus, promised / max(rows, 1), v, raw
 
 
 @njit(cache=True)
