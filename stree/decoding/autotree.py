@@ -24,17 +24,20 @@ The choice (:class:`AutoTree`), every step:
    of it its E(m); the best prefix by E(m) / C(m) is verified (drafting is paid by then), or a
    plain step taken where that is better (not on a probe) or where nothing was drafted.
 
-In a batch, E is the mean over the rows expected to finish last (``Rows.critical``: within a
-step of the most tokens left at a row's own tokens per step so far), each under its own rates: the
-batch decodes until the last of them is done, so tokens a tree brings rows that finish early
-anyway buy nothing, and a tree that brings one of several rows level at the end its tokens is
-worth that row's share. Weighed by the least of them (until 2026-12-02), a batch-2 choice whose
-two rows took turns being behind priced every tree by the slower of two draws, calibrated its
-promises down by that, and in some processes stayed plain for whole calls (gains per process
-0.60x-1.29x with n-gram at batch 2, six processes; by the mean 1.13x-1.24x: docs/benchmarks.md). What the verified
-trees then brought those rows on average against what was predicted calibrates every prediction
-(:meth:`AutoTree.gain_scale`): a row's rates lean on the batch's and on their prior, and the
-drafts' chances are not independent as the rates assume.
+In a batch, E is that of the rows expected to finish last (``Rows.critical``: within a step of
+the most tokens left at a row's own tokens per step so far), each under its own rates: the batch
+decodes until the last of them is done, so tokens a tree brings rows that finish early anyway buy
+nothing. Of two such rows E is their mean, of more the least of them
+(:func:`~stree.decoding.plans.rows_worth`): two level rows take turns being behind, and weighed by
+the least of them, a batch-2 choice priced every tree by the slower of two draws, calibrated its
+promises down by that, and in some processes stayed plain for whole calls (n-gram at batch 2, six
+processes: 0.60x-1.29x, by the mean 1.13x-1.24x); the slowest of many level rows sets the batch's
+end, and weighed by their mean, batches 8 and 16 ran trees that lost (0.91x-0.94x against
+0.95x-0.98x; docs/benchmarks.md). What the verified trees then brought those rows (the same: their
+mean, or their least) against what was predicted calibrates every prediction
+(:meth:`AutoTree.gain_scale`): the least of several rows' draws falls short of the least of their
+expectations, and a row's rates lean on the batch's, so the raw predictions promise more than trees
+bring.
 
 Rows may also take sizes of their own (:func:`~stree.decoding.plans.best_rows`, ``AutoTree.per_row``): for each level
 of gain an active row's prefix reaches, every row takes its smallest prefix reaching it, so a row
@@ -64,7 +67,7 @@ import torch
 
 from .acceptance import PathRates, RowRates, chances, shape_structure, structure, valid_mask, walk
 from .cost import WAKE, CostProfile, bracketed_profile, cost_profile, default_sizes
-from .plans import any_drafted, best_rows, best_size, cut_rows, plan_shape, remade, weigh
+from .plans import any_drafted, best_rows, best_size, cut_rows, plan_shape, remade, rows_worth, weigh
 from ..tree import TokenTree, TreeShape
 
 __all__ = ["AutoTree", "auto_tree", "tree_room"]
@@ -544,8 +547,8 @@ class AutoTree:
         served = served & (seen > 0)
         if served.any():
             hazard = self.row_rates.hazard(ids, self.rates.hazard())
-            said = chances(parents, rank, depth, valid, hazard)[served, 1:].sum(1).mean()
-            self._learn_gain(float(counts[served].mean() - 1), float(said))
+            said = rows_worth(chances(parents, rank, depth, valid, hazard)[served, 1:].sum(1).tolist())
+            self._learn_gain(rows_worth(counts[served].tolist()) - 1.0, said)
         cut = remade(draft, valid=torch.from_numpy(valid))
         self.rates.record(cut, emitted, counts, rows, self.row_rates, ids)
         self._stale = True
@@ -666,7 +669,7 @@ class AutoTree:
         if sizes is not None:
             total = int(sizes.sum())
             kept = np.arange(1, n)[None] < sizes[:, None]
-            self._promised = (float((raw[:, 1:n] * kept)[active].sum(1).mean()), active.copy())
+            self._promised = (rows_worth((raw[:, 1:n] * kept)[active].sum(1).tolist()), active.copy())
             self._predicted = ("packed", drafting + float(self._packed_ms(total, len(sizes))))
             return cut_rows(draft, sizes)
         if m == 1:
@@ -703,22 +706,22 @@ class AutoTree:
 
     def gain_scale(self) -> float:
         """Accepted drafts per accepted draft promised, over the verified trees the choice served
-        (faded): what the served rows got on average against what their rates promised them on
-        average. Every prediction of a tree's worth is scaled by it."""
+        (faded): what the served rows got against what their rates promised them, each as a tree
+        is judged (:func:`~stree.decoding.plans.rows_worth`: of two rows the mean, of more the
+        least). Every prediction of a tree's worth is scaled by it."""
         w = self.GAIN_PRIOR
         return (self.scale["gain_got"] + w) / (self.scale["gain_said"] + w)
 
     def _calibrate(self, counts: np.ndarray) -> float | None:
-        """After a verified tree that :meth:`choose` kept: what its served rows got (their mean
-        accepted drafts, returned; None where it served none)."""
+        """After a verified tree that :meth:`choose` kept: what its served rows got (their accepted
+        drafts as a tree is judged, returned; None where it served none)."""
         said, served = self._promised
         self._promised = None
         # (lists: a NumPy reduction right after a model pass costs several times more)
         served, counts = served.tolist(), counts.tolist()
         if len(counts) != len(served) or not any(served):
             return None
-        drew = [c for c, s in zip(counts, served) if s]
-        got = sum(drew) / len(drew) - 1.0  # (the bonus is no draft)
+        got = rows_worth([c for c, s in zip(counts, served) if s]) - 1.0  # (the bonus is no draft)
         self._learn_gain(got, said)
         return got
 
@@ -797,8 +800,8 @@ class AutoTree:
         (its time beyond plain steps for the tokens it emitted; a probe whose draft came out empty
         emitted one), else at the price it was let through at. What it lost (by the clock, else by
         the profile's prediction) sets the ledger's pace (``BACKOFF``). The tokens it emitted are
-        the mean of the rows it served (``got``, the accepted drafts :meth:`_calibrate` found, plus
-        the bonus), as trees are judged: counted for the one row the choice had weighed before
+        what the rows it served got as trees are judged (``got``, the accepted drafts
+        :meth:`_calibrate` found, plus the bonus): counted for the one row the choice had weighed before
         drafting, at batch 8 a probe that row took whole while another served row took nothing
         looked paying, the ledger filled, and probes ran every few plain steps where trees lost."""
         self.scale["explored"] += 1

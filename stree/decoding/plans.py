@@ -17,24 +17,50 @@ from ..tree import TokenTree, TreeShape
 from .acceptance import PathRates, chances
 
 __all__ = ["any_drafted", "best_first", "best_prefix", "best_rows", "best_size", "cut_rows", "plan_shape", "remade",
-           "weigh"]
+           "rows_worth", "weigh"]
+
+
+# Up to this many rows the batch waits for, a tree is worth their mean gain; with more, the least
+# of them (AutoTree's docstring): two level rows take turns being behind, and the least of two draws
+# priced trees short of what either row progressed (batch-2 choices stayed plain for whole calls);
+# the slowest of many rows sets the batch's end, and weighed by their mean, trees that lost ran at
+# batches 8 and 16 (docs/benchmarks.md, 2026-12-02).
+MEAN_ROWS = 2
+
+
+@njit(cache=True)
+def _batch_gain(gain, active):
+    """What a tree's gains ``gain[b]`` (its expected drafts accepted, per row) are worth to the
+    batch: the active rows' mean up to ``MEAN_ROWS`` of them, else their least (see above)."""
+    total, least, rows = 0.0, np.inf, 0
+    for b in range(gain.shape[0]):
+        if active[b]:
+            total += gain[b]
+            least = min(least, gain[b])
+            rows += 1
+    if rows == 0:
+        return 0.0
+    return total / rows if rows <= MEAN_ROWS else least
+
+
+def rows_worth(values) -> float:
+    """:func:`_batch_gain` of the active rows' ``values`` (a non-empty sequence), in Python: a
+    step's few rows, right after a model pass, cost a NumPy reduction several times more."""
+    return sum(values) / len(values) if len(values) <= MEAN_ROWS else min(values)
 
 
 @njit(cache=True)
 def best_prefix(v, active, cost, allow_plain):
     """The prefix size m (1: a plain step) maximising expected tokens per millisecond, ``cost[m]``
-    being an iteration of m nodes (inf: not allowed), for the active rows' mean gain: the active
-    rows are those the batch waits for, and it is done when the last of them is."""
+    being an iteration of m nodes (inf: not allowed), for the gain of the active rows
+    (:func:`_batch_gain`): the active rows are those the batch waits for, and it is done when the
+    last of them is."""
     gain = np.zeros(v.shape[0])
     best, best_rate = 1, (1.0 / cost[1] if allow_plain else -1.0)
     for m in range(2, v.shape[1] + 1):
-        total, rows = 0.0, 0
         for b in range(v.shape[0]):
             gain[b] += v[b, m - 1]
-            if active[b]:
-                total += gain[b]
-                rows += 1
-        rate = (1.0 + total / max(rows, 1)) / cost[m]
+        rate = (1.0 + _batch_gain(gain, active)) / cost[m]
         if rate > best_rate * (1.0 + 1e-9):
             best, best_rate = m, rate
     return best
@@ -78,7 +104,7 @@ def weigh(parents, rank, depth, valid, h, active, cost, allow_plain, gain):
     step): every node's chance (:func:`~stree.decoding.acceptance.chances`) times ``gain``, the best
     prefix size m by them (:func:`best_prefix`), the active row gaining least by the unscaled
     chances (an index of the rows: the focus) and what the prefix of m nodes promises the active
-    rows (their unscaled chances summed, the mean over them).
+    rows (their unscaled chances summed, :func:`_batch_gain`).
     Returns ``(m, focus, promised, v, raw)``, ``v`` the scaled chances, ``raw`` the unscaled."""
     v = chances(parents, rank, depth, valid, h)
     B, n = v.shape
@@ -95,13 +121,11 @@ def weigh(parents, rank, depth, valid, h, active, cost, allow_plain, gain):
         for c in range(1, n):
             v[b, c] *= gain
     m = best_prefix(v, active, cost, allow_plain)
-    promised, rows = 0.0, 0
+    promised = np.zeros(B)
     for b in range(B):
-        if active[b]:
-            for c in range(1, m):
-                promised += raw[b, c]
-            rows += 1
-    return m, focus, promised / max(rows, 1), v, raw
+        for c in range(1, m):
+            promised[b] += raw[b, c]
+    return m, focus, _batch_gain(promised, active), v, raw
 
 
 @njit(cache=True)

@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from stree.decoding.acceptance import PathRates, chances, rank_depth
-from stree.decoding.plans import best_first, best_prefix, best_size, weigh
+from stree.decoding.plans import best_first, best_prefix, best_size, rows_worth, weigh
 
 
 @given(st.lists(st.floats(0.05, 0.95), min_size=9, max_size=9), st.integers(2, 30))
@@ -51,16 +51,24 @@ def _paths(parents):
 @given(st.lists(st.lists(st.floats(0, 1), min_size=6, max_size=6), min_size=1, max_size=3),
        st.lists(st.floats(0.5, 20), min_size=6, max_size=6), st.booleans(), st.data())
 def test_best_prefix_maximises_tokens_per_millisecond(chances, costs, allow_plain, data):
-    """For the active rows' mean gain (the inactive rows' chances count for nothing)."""
+    """For the active rows' gain: of two rows their mean, of more their least (plans.rows_worth; the
+    inactive rows' chances count for nothing)."""
     v = np.array(chances)
     v[:, 0] = 1.0
     cost = np.array([np.inf] + costs)
     active = np.array(data.draw(st.lists(st.booleans(), min_size=len(v), max_size=len(v))))
     active[data.draw(st.integers(0, len(v) - 1))] = True
     m = best_prefix(v, active, cost, allow_plain)
-    rate = lambda k: (1 + v[active, 1:k].sum(1).mean()) / cost[k] if k > 1 else 1 / cost[1]  # noqa: E731
+    def rate(k):
+        gains = v[active, 1:k].sum(1)
+        return (1 + (gains.mean() if len(gains) <= 2 else gains.min())) / cost[k] if k > 1 else 1 / cost[1]
+
     candidates = range(1 if allow_plain else 2, 7)
     assert rate(m) == pytest.approx(max(rate(k) for k in candidates), rel=1e-9)
+
+
+def test_a_batch_weighs_two_rows_by_their_mean_and_more_by_their_least():
+    assert rows_worth([3.0]) == 3.0 and rows_worth([3.0, 1.0]) == 2.0 and rows_worth([3.0, 1.0, 2.0]) == 1.0
 
 
 @st.composite
@@ -83,7 +91,8 @@ def weighed_drafts(draw):
 def test_a_draft_weighed_in_one_call_is_its_steps_weighed_apart(case):
     """What AutoTree.choose reads off a draft (one compiled call) against its steps apart: the
     chances, the best prefix by the chances times the gain scale, the active row gaining least
-    (the first of equals), and what the prefix promises the active rows on average (unscaled)."""
+    (the first of equals), and what the prefix promises the active rows (unscaled: of two rows
+    their mean, of more their least)."""
     parents, valid, active, h, cost, allow_plain, gain = case
     rank, depth = rank_depth(parents)
     m, focus, promised, v, raw = weigh(parents, rank, depth, valid, h, active, cost, allow_plain, gain)
@@ -94,7 +103,8 @@ def test_a_draft_weighed_in_one_call_is_its_steps_weighed_apart(case):
     np.testing.assert_array_equal(v, scaled)
     assert m == best_prefix(scaled, active, cost, allow_plain)
     assert focus == np.flatnonzero(active)[int(np.argmin(want_raw[active, 1:].sum(1)))]
-    assert promised == pytest.approx(want_raw[active, 1:m].sum(1).mean(), rel=1e-12, abs=1e-15)
+    want = want_raw[active, 1:m].sum(1)
+    assert promised == pytest.approx(want.mean() if active.sum() <= 2 else want.min(), rel=1e-12, abs=1e-15)
 
 
 @given(st.lists(st.floats(0, 1), min_size=1, max_size=15), st.floats(0.2, 2.0),
