@@ -67,7 +67,7 @@ import torch
 
 from .acceptance import PathRates, RowRates, chances, shape_structure, structure, valid_mask, walk
 from .cost import WAKE, CostProfile, bracketed_profile, cost_profile, default_sizes
-from .plans import any_drafted, best_rows, best_size, cut_rows, plan_shape, remade, rows_worth, weigh
+from .plans import any_drafted, best_prefix, best_rows, best_size, cut_rows, plan_shape, remade, rows_worth, weigh
 from ..tree import TokenTree, TreeShape
 
 __all__ = ["AutoTree", "auto_tree", "tree_room"]
@@ -247,7 +247,8 @@ class AutoTree:
         # taken), relative to a plain step's as a tree's is: learned into the plain scale, what drafting
         # took beyond its prediction had made plain steps look dearer, and drafting look cheaper
         self.scale.setdefault("declined", 1.0)
-        # the share of drafts (probes aside) verified rather than found wanting. Carried over calls as
+        # the share of drafts (probes aside; watched ones as the choice would have judged them) verified
+        # rather than found wanting. Carried over calls as
         # the rates are: begun whole at each call, it said 0.68 on average where drafting was chosen,
         # and 0.47 of those drafts were verified (compiled, batch 2, STAND deterministic: drafting
         # was chosen where it lost)
@@ -528,8 +529,9 @@ class AutoTree:
         it, as far as they reach: nodes they do not reach below are left out (a path matching all
         of them is cut, the last one standing for the bonus). The rates learn it as a verified
         step, and what it brought the rows ``served`` (the mask of rows the choice served when it
-        was drafted) calibrates the promises (:meth:`gain_scale`); the sizes are then weighed
-        again. ``drafting_ms``: what drafting it took by the clock; with this call's own time, what
+        was drafted) calibrates the promises (:meth:`gain_scale`), and whether the choice would
+        have kept it for them the share of drafts kept; the sizes are then weighed again.
+        ``drafting_ms``: what drafting it took by the clock; with this call's own time, what
         the next watches are spaced by (:meth:`_watch_gap`)."""
         began = time.perf_counter()
         seen = np.array([len(a) for a in after], dtype=np.int64)
@@ -537,8 +539,9 @@ class AutoTree:
         if not len(rows):
             return
         parents, rank, depth = structure(draft)
+        drafted = valid_mask(draft)
         # (a row that emitted nothing keeps its root)
-        valid = valid_mask(draft) & (depth < np.maximum(seen, 1)[:, None])
+        valid = drafted & (depth < np.maximum(seen, 1)[:, None])
         emitted = np.zeros((len(after), int(seen.max())), dtype=np.int64)
         for b in rows:
             emitted[b, : seen[b]] = after[b]
@@ -549,6 +552,14 @@ class AutoTree:
             hazard = self.row_rates.hazard(ids, self.rates.hazard())
             said = rows_worth(chances(parents, rank, depth, valid, hazard)[served, 1:].sum(1).tolist())
             self._learn_gain(rows_worth(counts[served].tolist()) - 1.0, said)
+            # whether the choice would have kept it teaches the share of drafts kept: learned from chosen
+            # drafts alone, a share that had fallen kept the choice from drafting, and so from learning
+            # it again (compiled, batch 1, STAND: +0.18 over plain decoding, paired, docs/benchmarks.md)
+            n = min(draft.n, self.max_nodes)
+            cost = self.cost[: n + 1] * self._scaled("tree")
+            cost[1] = self.cost[1] * self.scale["plain"] / self.margin
+            v = chances(parents[:, :n], rank[:, :n], depth[:, :n], np.ascontiguousarray(drafted[:, :n]), hazard)
+            self._learn_kept(best_prefix(v * self.gain_scale(), served, cost, True) > 1)
         cut = remade(draft, valid=torch.from_numpy(valid))
         self.rates.record(cut, emitted, counts, rows, self.row_rates, ids)
         self._stale = True
@@ -740,7 +751,10 @@ class AutoTree:
 
     def _verified(self, kept: bool) -> None:
         if not self._probing:
-            self.scale["verified"] += self.ADAPT * (kept - self.scale["verified"])
+            self._learn_kept(kept)
+
+    def _learn_kept(self, kept: bool) -> None:
+        self.scale["verified"] += self.ADAPT * (kept - self.scale["verified"])
 
     # -- after the step -------------------------------------------------------------------------
     def record(self, tree: TokenTree | None, tokens: np.ndarray | None = None, counts: np.ndarray | None = None,

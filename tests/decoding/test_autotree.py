@@ -629,6 +629,23 @@ def test_the_share_of_drafts_verified_carries_over_calls():
     assert AutoTree(profile, sizes=(2,), rates=auto.rates).scale["verified"] == 1.0
 
 
+def test_a_watched_draft_teaches_the_share_of_drafts_kept_as_the_choice_would_have_judged_it():
+    """A watched draft is never verified, and what it teaches the share of drafts kept
+    (``scale["verified"]``, which the choice before drafting weighs) is whether the choice would
+    have kept it for the rows it served: a drafted chain of cheap trees raises a share that had
+    fallen, a draft with nothing past its root lowers it. Unlearned, a share that had fallen (drafts
+    found wanting for a stretch) kept the choice from drafting, and so from learning it again, until
+    a draft was chosen: compiled, batch 1, STAND's choice stayed plain where its trees paid
+    (docs/benchmarks.md, 2026-12-02, afternoon)."""
+    after = [np.array([6, 1, 2])]
+    kept, wanting = (0.2, None, AutoTree.ADAPT * 0.8), (0.8, [[True, False, False]], -AutoTree.ADAPT * 0.8)
+    for share, valid, moved in (kept, wanting):
+        auto = AutoTree(cheap(), adaptive=True, watch=True)
+        auto.scale["verified"] = share
+        auto.watched(tree_of([-1, 0, 1], [[5, 6, 7]], valid), after, np.ones(1, dtype=bool), np.arange(1))
+        assert auto.scale["verified"] == pytest.approx(share + moved)
+
+
 def test_nothing_to_draft_counts_as_an_empty_draft_less_its_drafting_and_is_no_probe():
     """Where the drafter says before drafting that it has nothing to draft (``can_draft``), the
     loop calls ``undrafted`` and takes a plain step: for the choice, a draft found wanting, as an
