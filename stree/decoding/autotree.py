@@ -67,7 +67,7 @@ import torch
 
 from .acceptance import PathRates, RowRates, chances, shape_structure, structure, valid_mask, walk
 from .cost import WAKE, CostProfile, bracketed_profile, cost_profile, default_sizes
-from .plans import any_drafted, best_prefix, best_rows, best_size, cut_rows, plan_shape, remade, rows_worth, weigh
+from .plans import any_drafted, best_rows, best_size, cut_rows, plan_shape, remade, rows_worth, weigh
 from ..tree import TokenTree, TreeShape
 
 __all__ = ["AutoTree", "auto_tree", "tree_room"]
@@ -556,10 +556,9 @@ class AutoTree:
             # drafts alone, a share that had fallen kept the choice from drafting, and so from learning
             # it again (compiled, batch 1, STAND: +0.18 over plain decoding, paired, docs/benchmarks.md)
             n = min(draft.n, self.max_nodes)
-            cost = self.cost[: n + 1] * self._scaled("tree")
-            cost[1] = self.cost[1] * self.scale["plain"] / self.margin
-            v = chances(parents[:, :n], rank[:, :n], depth[:, :n], np.ascontiguousarray(drafted[:, :n]), hazard)
-            self._learn_kept(best_prefix(v * self.gain_scale(), served, cost, True) > 1)
+            m = weigh(parents[:, :n], rank[:, :n], depth[:, :n], np.ascontiguousarray(drafted[:, :n]), hazard, served,
+                      self._weighing_costs(n), True, self.gain_scale())[0]
+            self._learn_kept(m > 1)
         cut = remade(draft, valid=torch.from_numpy(valid))
         self.rates.record(cut, emitted, counts, rows, self.row_rates, ids)
         self._stale = True
@@ -667,8 +666,7 @@ class AutoTree:
             hazard = self.row_rates.hazard(ids, hazard)
         else:
             hazard = hazard[None]
-        cost = self.cost[: n + 1] * self._scaled("tree")
-        cost[1] = self.cost[1] * self.scale["plain"] / self.margin
+        cost = self._weighing_costs(n)
         if n < draft.n:  # (else the drafter's own arrays, contiguous: no views to make)
             parents, rank, depth, valid = parents[:, :n], rank[:, :n], depth[:, :n], np.ascontiguousarray(valid[:, :n])
         m, focus, promised, v, raw = weigh(parents, rank, depth, valid, hazard, active, cost, not self._probing,
@@ -689,6 +687,13 @@ class AutoTree:
         self._promised = (promised, active.copy())
         self._predicted = ("tree", drafting + self.cost[m])
         return draft if m == draft.n else draft.prefix(m)
+
+    def _weighing_costs(self, n: int) -> np.ndarray:
+        """What a drafted tree of up to ``n`` nodes is weighed against (its drafting already spent):
+        each prefix's iteration at the trees' scale, and at 1 a plain step's, over the margin."""
+        cost = self.cost[: n + 1] * self._scaled("tree")
+        cost[1] = self.cost[1] * self.scale["plain"] / self.margin
+        return cost
 
     def _packed_ms(self, total, rows: int):
         """The target's part of an iteration scoring ``total`` nodes (an int or an array) of
