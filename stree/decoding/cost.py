@@ -42,7 +42,7 @@ __all__ = ["CostProfile", "bracketed_profile", "cache_file", "cost_profile", "MO
 
 MODES = ("eager", "compiled", "cuda_graph")
 CATCH = 64  # tokens of context a drafter model's catch-up is timed on
-FORMAT = 14  # of the cache file; another is re-measured (14: sampled iterations verify at keyed draws)
+FORMAT = 15  # of the cache file; another is re-measured (15: wakes fitted over the sizes, costs non-decreasing)
 # The least share of a plain step's iteration a tree's may take: a tree pass does a step's work and
 # more, so a profile below it was measured while something else took the cores (CostProfile.plausible).
 # (Not against smaller trees: on a GPU, where a small model's iterations are bound by the host, larger
@@ -183,9 +183,17 @@ def _interpolate(xs, ys, x: float) -> float:
 
 def default_sizes(device: torch.device) -> tuple[int, ...]:
     """Tree sizes to measure: up to 64 nodes on the CPU (where a pass grows about linearly past a
-    few nodes), 256 on a GPU (where a pass stays near a step's cost far longer)."""
-    top = 64 if device.type == "cpu" else 256
-    return tuple(2 ** k for k in range(1, int(math.log2(top)) + 1))
+    few nodes), 256 on a GPU (where a pass stays near a step's cost far longer). On the CPU every
+    size up to 8 and every other to 16, where a pass's cost turns from level to climbing (its
+    products read each weight once for a tile of rows, :mod:`stree.kernels.cpu.gemm`): on the
+    2-core Intel Xeon with AMX level to about ten rows (batch 1 to 8 nodes, batch 2 to 5), then
+    about linear. Timed at powers of two alone, the few sizes there each moved the choice by their
+    own noise (two profiles at batch 2 put 4 nodes at 1.27 and 1.91 steps, 8 nodes at 1.57 and
+    1.68); timed densely, the choice's batch-2 n-gram decoding gained 0.04 over plain decoding's
+    pace, paired in eight processes (docs/benchmarks.md)."""
+    if device.type != "cpu":
+        return tuple(2 ** k for k in range(1, 9))
+    return (2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16, 24, 32, 48, 64)
 
 
 # ---- the cache -------------------------------------------------------------------------------
@@ -565,9 +573,43 @@ def _measure(model, drafter, batch: int, mode: str, sampled: bool, shapes, budge
                 drafter.generator.set_state(state)
     cache.seqlens.zero_()
     draft = [statistics.median(d[2:] if len(d) > 3 else d) for d in drafting[: len(shapes)]]  # warm-up left out
-    return CostProfile(ms[0], tuple(s.n for s in shapes),
-                       tuple(max(t - d, 1e-3) + w for t, d, w in zip(ms[1:], draft, wakes[1:])),
-                       tuple(draft), catch_ms, tuple(s.max_depth for s in shapes) if inner is not None else ())
+    nodes = [s.n for s in shapes]
+    tree = nondecreasing([max(t - d, 1e-3) + w for t, d, w in zip(ms[1:], draft, fitted_wakes(nodes, wakes[1:]))])
+    return CostProfile(ms[0], tuple(nodes), tuple(tree), tuple(draft), catch_ms,
+                       tuple(s.max_depth for s in shapes) if inner is not None else ())
+
+
+def fitted_wakes(nodes: list[int], wakes: list[float]) -> list[float]:
+    """Each size's wake (:func:`_timed_rounds`) as the least-squares line a + b nodes through all
+    of them (a and b at least 0; one that comes out negative is left out and the other fitted
+    again). What a pass pushes out of the caches grows smoothly with its nodes, but timed per size,
+    as three plain steps' sum less three medians, a wake scattered by a tenth of a step or more
+    (at batch 2 on the 2-core Xeon with AMX, from none to a sixth of a plain step for 2 to 8 nodes
+    and from 0.13 to 0.3 steps for 16, in four profiles): noise in every size's price, and the
+    choice takes whichever size it happens to make cheap."""
+    if len(nodes) < 3:
+        return list(wakes)
+    n, w = np.asarray(nodes, dtype=np.float64), np.asarray(wakes, dtype=np.float64)
+    a, b = np.linalg.lstsq(np.stack([np.ones_like(n), n], 1), w, rcond=None)[0]
+    if b < 0:
+        a, b = max(float(w.mean()), 0.0), 0.0
+    elif a < 0:
+        a, b = 0.0, max(float(n @ w / (n @ n)), 0.0)
+    return [float(a + b * x) for x in n]
+
+
+def nondecreasing(values: list[float]) -> list[float]:
+    """The closest non-decreasing sequence to ``values`` in squared error (adjacent violators
+    pooled into their mean): a tree of more nodes does the work of a smaller one and more, so a
+    larger size timed below a smaller one was measured by noise, which the choice would seize."""
+    blocks: list[list[float]] = []  # [mean, count]
+    for v in values:
+        blocks.append([v, 1.0])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            m2, c2 = blocks.pop()
+            m1, c1 = blocks[-1]
+            blocks[-1] = [(m1 * c1 + m2 * c2) / (c1 + c2), c1 + c2]
+    return [m for m, c in blocks for _ in range(int(c))]
 
 
 def describe(profile: CostProfile) -> list[dict]:

@@ -496,3 +496,60 @@ def test_a_profile_the_file_prices_far_off_is_measured_again_by_an_adaptive_choi
     # Rewritten, unless both measurements met a burst of other work that made a tree cheaper than
     # SLACK of a step (CI's run once: a step 1.76 ms, a tree 1.38): such a profile is never written.
     assert CostProfile.from_dict(entry["value"]) == (again if again.plausible else dear)
+
+
+def test_tree_costs_are_made_non_decreasing_by_pooling_adjacent_violators():
+    """A larger tree timed below a smaller one was timed by noise: the two are pooled into their
+    mean (the closest non-decreasing sequence in squared error), which keeps the total."""
+    out = cost.nondecreasing([1.5, 1.3, 2.1, 2.0, 1.9, 3.0])
+    assert out == pytest.approx([1.4, 1.4, 2.0, 2.0, 2.0, 3.0])
+    assert sum(out) == pytest.approx(1.5 + 1.3 + 2.1 + 2.0 + 1.9 + 3.0)
+    assert cost.nondecreasing([1.0, 1.0, 2.0, 5.0]) == [1.0, 1.0, 2.0, 5.0]  # (already so: kept)
+    assert cost.nondecreasing([]) == []
+
+
+def test_wakes_are_fitted_as_one_line_over_the_sizes():
+    """Each size's wake, timed as plain steps' sums less their medians, scatters: a profile's wakes
+    are the least-squares line a + b nodes through them all, neither coefficient below 0."""
+    nodes = [2, 4, 8, 16]
+    assert cost.fitted_wakes(nodes, [0.1, 0.3, 0.5, 0.9]) == pytest.approx([0.1, 0.3, 0.5, 0.9], abs=0.11)
+    line = cost.fitted_wakes(nodes, [0.0, 0.2, 0.08, 0.13])  # (a profile's, batch 2: noise about a line)
+    assert all(b >= a for a, b in zip(line, line[1:])) and line[0] > 0.0
+    assert cost.fitted_wakes(nodes, [0.3, 0.2, 0.1, 0.0]) == pytest.approx([0.15] * 4)  # (falling: their mean)
+    assert cost.fitted_wakes(nodes, [0.0, 0.0, 0.05, 0.3]) == pytest.approx(  # (a negative intercept: a line through 0)
+        [x * (8 * 0.05 + 16 * 0.3) / (4 + 16 + 64 + 256) for x in nodes])
+    assert cost.fitted_wakes([2, 4], [0.4, 0.0]) == [0.4, 0.0]  # (two sizes: nothing to fit them by)
+
+
+def test_the_cpu_measures_every_small_size_where_a_gpu_measures_powers_of_two():
+    """A CPU pass's cost stays level up to a tile of its products' rows and then climbs: every size
+    up to 8 (and every other to 16) is timed, so the knee is not smoothed over by interpolation."""
+    cpu = cost.default_sizes(torch.device("cpu"))
+    assert set(range(2, 9)) <= set(cpu) and {10, 12, 14, 16, 64} <= set(cpu) and max(cpu) == 64
+    assert list(cpu) == sorted(set(cpu))
+    assert cost.default_sizes(torch.device("cuda")) == (2, 4, 8, 16, 32, 64, 128, 256)
+
+
+def test_a_measured_profile_never_prices_a_larger_tree_below_a_smaller_one(fresh_cache, monkeypatch):
+    """On a clock where the 3-node tree's iteration takes less than the 2-node one's, the profile
+    pools them: no size is cheaper than a smaller one (the choice would seize the dip)."""
+    import stree.decoding.steps as steps
+
+    clock = {"t": 0.0}
+    taken = {2: 3.0, 3: 2.0}
+
+    def plain(*args, **kw):
+        clock["t"] += 1e-3
+        return real_step(*args, **kw)
+
+    def tree(model, cache, draft, *args, **kw):
+        clock["t"] += taken[draft.n] * 1e-3
+        return real_spec(model, cache, draft, *args, **kw)
+
+    real_step, real_spec = steps.autoregressive_step, steps.speculative_step
+    monkeypatch.setattr(steps, "autoregressive_step", plain)
+    monkeypatch.setattr(steps, "speculative_step", tree)
+    monkeypatch.setattr(cost.time, "perf_counter", lambda: clock["t"])
+    p = cost_profile(mamba2(), 1, shapes=[TreeShape.chain(1), TreeShape.chain(2)], budget_s=0.05)
+    assert p.step_ms == pytest.approx(1.0)
+    assert p.tree_ms == pytest.approx((2.5, 2.5))
