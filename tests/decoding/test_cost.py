@@ -344,32 +344,46 @@ def test_compiled_sizes_are_all_timed_whatever_their_compiling_takes():
     assert len(_timed_rounds([slow_first() for _ in range(4)], 0.01, lambda: None, keep_all=True)[0]) == 4
 
 
+def profile_on_a_clock(monkeypatch, plain, tree, shapes):
+    """A tiny Mamba2's profile at batch 1 over ``shapes``, timed on a made-up clock that a plain step
+    moves by ``plain()`` ms and a tree of n nodes by ``tree(n)`` ms (the real calls still run)."""
+    import stree.decoding.steps as steps
+
+    clock = {"t": 0.0}
+    real_step, real_spec = steps.autoregressive_step, steps.speculative_step
+
+    def step(*args, **kw):
+        clock["t"] += plain() * 1e-3
+        return real_step(*args, **kw)
+
+    def spec(model, cache, draft, *args, **kw):
+        clock["t"] += tree(draft.n) * 1e-3
+        return real_spec(model, cache, draft, *args, **kw)
+
+    monkeypatch.setattr(steps, "autoregressive_step", step)
+    monkeypatch.setattr(steps, "speculative_step", spec)
+    monkeypatch.setattr(cost.time, "perf_counter", lambda: clock["t"])
+    return cost_profile(mamba2(), 1, shapes=shapes, budget_s=0.05)
+
+
 def test_a_plain_step_is_timed_past_a_trees_wake_and_the_wake_is_the_trees(fresh_cache, monkeypatch):
     """On a clock that makes the three plain steps after a tree take 3, 2 and 1.5 ms where later
     ones take 1 ms and a tree pass 2 ms: the profile's plain step is the 1 ms one (timed as the
     step after one plain step, it had been the 2 ms one), and its trees cost 2 ms and the 3.5 ms
     their wake took beyond plain steps. The loop charges a tree the same steps (AutoTree.AFTERMATH)."""
-    import stree.decoding.steps as steps
     from stree.decoding.autotree import AutoTree
 
-    clock = {"t": 0.0, "since": 99}
-    wake = (3.0, 2.0, 1.5)
+    wake, since = (3.0, 2.0, 1.5), [99]
 
-    def plain(*args, **kw):
-        clock["t"] += (wake[clock["since"]] if clock["since"] < len(wake) else 1.0) * 1e-3
-        clock["since"] += 1
-        return real_step(*args, **kw)
+    def plain():
+        since[0] += 1
+        return wake[since[0] - 1] if since[0] - 1 < len(wake) else 1.0
 
-    def tree(*args, **kw):
-        clock["t"] += 2e-3
-        clock["since"] = 0
-        return real_spec(*args, **kw)
+    def tree(n):
+        since[0] = 0
+        return 2.0
 
-    real_step, real_spec = steps.autoregressive_step, steps.speculative_step
-    monkeypatch.setattr(steps, "autoregressive_step", plain)
-    monkeypatch.setattr(steps, "speculative_step", tree)
-    monkeypatch.setattr(cost.time, "perf_counter", lambda: clock["t"])
-    p = cost_profile(mamba2(), 1, shapes=[TreeShape.chain(1), TreeShape.chain(2)], budget_s=0.05)
+    p = profile_on_a_clock(monkeypatch, plain, tree, [TreeShape.chain(1), TreeShape.chain(2)])
     assert p.step_ms == pytest.approx(1.0)
     assert p.tree_ms == pytest.approx((5.5, 5.5))
     assert AutoTree.AFTERMATH == cost.WAKE == len(wake)
@@ -533,23 +547,7 @@ def test_the_cpu_measures_every_small_size_where_a_gpu_measures_powers_of_two():
 def test_a_measured_profile_never_prices_a_larger_tree_below_a_smaller_one(fresh_cache, monkeypatch):
     """On a clock where the 3-node tree's iteration takes less than the 2-node one's, the profile
     pools them: no size is cheaper than a smaller one (the choice would seize the dip)."""
-    import stree.decoding.steps as steps
-
-    clock = {"t": 0.0}
     taken = {2: 3.0, 3: 2.0}
-
-    def plain(*args, **kw):
-        clock["t"] += 1e-3
-        return real_step(*args, **kw)
-
-    def tree(model, cache, draft, *args, **kw):
-        clock["t"] += taken[draft.n] * 1e-3
-        return real_spec(model, cache, draft, *args, **kw)
-
-    real_step, real_spec = steps.autoregressive_step, steps.speculative_step
-    monkeypatch.setattr(steps, "autoregressive_step", plain)
-    monkeypatch.setattr(steps, "speculative_step", tree)
-    monkeypatch.setattr(cost.time, "perf_counter", lambda: clock["t"])
-    p = cost_profile(mamba2(), 1, shapes=[TreeShape.chain(1), TreeShape.chain(2)], budget_s=0.05)
+    p = profile_on_a_clock(monkeypatch, lambda: 1.0, taken.__getitem__, [TreeShape.chain(1), TreeShape.chain(2)])
     assert p.step_ms == pytest.approx(1.0)
     assert p.tree_ms == pytest.approx((2.5, 2.5))
