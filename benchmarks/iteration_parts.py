@@ -12,7 +12,9 @@ layers' two compiled calls and the norms take there (``in_pass_*``: the pass tim
 kernels zeroing their outputs instead, :data:`IN_PASS`), where their code and data come cold.
 Then the same calls with the default choice (``tree="auto"``), their iterations by class (trees,
 plain steps decided ahead or weighed alone, those that drafted a watched draft): what each class
-made them gain or lose against plain decoding (``auto_loop``). ``--drafter``, ``--temperature``
+made them gain or lose against plain decoding (``auto_loop``), and each class by the class of the
+iteration before it (``auto_after``: a tree after plain steps, a plain step after a tree, the
+switches' price). ``--drafter``, ``--temperature``
 (seeded) and ``--compiled`` change the loops' settings.
 
     python benchmarks/iteration_parts.py
@@ -147,13 +149,16 @@ def parts(model, batch: int, shape: TreeShape, rounds: int) -> dict:
 
 
 def loop_iterations(lm, prompts, batch: int, tree, tokens: int, drafter: str = "ngram",
-                    **settings) -> tuple[dict, dict]:
+                    **settings) -> tuple[dict, dict, dict]:
     """Medians (ms) of the loop's speculative iterations, of the speculative steps inside them,
     and of autoregressive decoding's steps, over ``generate`` calls taking turns (``tree``: a
-    shape, or "auto"; ``settings``: more of ``generate``'s arguments, both sides); and the speculative
-    calls' iterations by class (:func:`classes`)."""
+    shape, or "auto"; ``settings``: more of ``generate``'s arguments, both sides); the speculative
+    calls' iterations by class (:func:`classes`); and by class and the class of the iteration
+    before (:func:`transitions`)."""
     seen = {"iteration": [], "speculative_step": [], "autoregressive": []}
     kinds: dict[str, list[float]] = {}
+    pairs: dict[str, list[float]] = {}  # "<class> after <class before>" (a call's first: after "prefill")
+    last = ["prefill"]  # the class of the call's last iteration
     real_iterate, real_step, real_watch = loop._Loop.iterate, loop.speculative_step, loop._Loop.start_watch
     watches = [0]
 
@@ -179,6 +184,8 @@ def loop_iterations(lm, prompts, batch: int, tree, tokens: int, drafter: str = "
                 seen["iteration"].append(ms)
             kind = "tree" if tree else "plain_run" if in_run else "plain"
             kinds.setdefault(kind + ("+watch" if watches[0] > watched else ""), []).append(ms)
+            pairs.setdefault(f"{kind} after {last[0]}", []).append(ms)
+            last[0] = "tree" if tree else "plain"
         else:
             seen["autoregressive"].append(ms)
 
@@ -189,13 +196,16 @@ def loop_iterations(lm, prompts, batch: int, tree, tokens: int, drafter: str = "
         for k in seen:
             seen[k].clear()
         kinds.clear()
+        pairs.clear()
         for start in range(0, len(prompts) - batch + 1, batch):
             rows = prompts[start: start + batch]
+            last[0] = "prefill"
             lm.generate(rows, max_new_tokens=tokens, drafter=drafter, tree=tree, **settings)
             lm.generate(rows, max_new_tokens=tokens, method="autoregressive", **settings)
     finally:
         loop._Loop.iterate, loop.speculative_step, loop._Loop.start_watch = real_iterate, real_step, real_watch
-    return {k: statistics.median(v) for k, v in seen.items() if v}, classes(kinds, seen["autoregressive"])
+    return ({k: statistics.median(v) for k, v in seen.items() if v}, classes(kinds, seen["autoregressive"]),
+            transitions(pairs, seen["autoregressive"]))
 
 
 def classes(kinds: dict[str, list[float]], autoregressive: list[float]) -> dict:
@@ -212,6 +222,16 @@ def classes(kinds: dict[str, list[float]], autoregressive: list[float]) -> dict:
     count = sum(len(v) for v in kinds.values())
     return dict(out, iterations=(count - len(autoregressive)) * mean / total,
                 time_ratio=sum(sum(v) for v in kinds.values()) / total)
+
+
+def transitions(pairs: dict[str, list[float]], autoregressive: list[float]) -> dict:
+    """Per pair "<class> after <class before>" (classes ``tree`` and ``plain``, a plain run's steps
+    among the latter; a call's first iteration after ``prefill``): the count and the median in
+    autoregressive iterations. What an iteration costs depends on the one before: a pass or a step
+    finds in the caches what the same kind of call left there (a tree after a tree, a plain step
+    after a plain step), and the other kind's code and data where a switch came between."""
+    median = statistics.median(autoregressive)
+    return {k: dict(count=len(v), in_steps=statistics.median(v) / median) for k, v in sorted(pairs.items())}
 
 
 def main(argv=None):
@@ -242,11 +262,12 @@ def main(argv=None):
         if lm is not None:
             settings = dict(temperature=args.temperature, seed=0 if args.temperature > 0 else None,
                             torch_compile=args.compiled)
-            it, _ = loop_iterations(lm, prompts, batch, shape, tokens, args.drafter, **settings)
+            it = loop_iterations(lm, prompts, batch, shape, tokens, args.drafter, **settings)[0]
             row["loop_ms"] = it
             row["loop_in_steps"] = {k: v / it["autoregressive"] for k, v in it.items()}
             # the default choice (tree="auto"): its calls' iterations by class, against plain decoding
-            row["auto_loop"] = loop_iterations(lm, prompts, batch, "auto", tokens, args.drafter, **settings)[1]
+            row["auto_loop"], row["auto_after"] = loop_iterations(lm, prompts, batch, "auto", tokens, args.drafter,
+                                                                  **settings)[1:]
         rows.append(row)
         print(f"batch {batch}, {shape.n} nodes, in steps: "
               + "  ".join(f"{k} {v:.2f}" for k, v in row["in_steps"].items())
@@ -258,6 +279,8 @@ def main(argv=None):
                   f"{auto['iterations']:+.3f}; " + "  ".join(
                       f"{k} x{v['count']} {v['in_steps']:.2f} steps ({v['beyond']:+.3f})"
                       for k, v in auto.items() if isinstance(v, dict)), file=sys.stderr)
+            print("  by the iteration before: " + "  ".join(
+                f"{k} x{v['count']} {v['in_steps']:.2f}" for k, v in row["auto_after"].items()), file=sys.stderr)
     result = dict(benchmark="iteration_parts", **run_info(model.device, argv), tree=args.tree, threads=torch.get_num_threads(),
                   drafter=args.drafter, temperature=args.temperature, compiled=args.compiled,
                   note="each part in plain steps of the same model and process: the tree pass, + greedy verification, "
@@ -269,7 +292,9 @@ def main(argv=None):
                        "instead (IN_PASS), the part's cost inside the pass; auto_loop: tree='auto' calls' iterations "
                        "by class (count, median in autoregressive iterations, beyond: time past as many "
                        "autoregressive iterations as a share of autoregressive decoding's; iterations: the count "
-                       "difference's share; time_ratio: the speculative calls' time over autoregressive decoding's)",
+                       "difference's share; time_ratio: the speculative calls' time over autoregressive decoding's); "
+                       "auto_after: the same iterations by class and the class of the one before (count, median "
+                       "in autoregressive iterations)",
                   results=rows)
     save_result(result, args.out, args.stem or ("iteration_parts_smoke" if args.smoke else "iteration_parts_cpu"), plot)
     return result

@@ -399,6 +399,13 @@ def test_iteration_parts_classes_say_what_each_kind_of_iteration_gained_or_lost(
     assert shares == pytest.approx(out["time_ratio"] - 1.0)
 
 
+def test_iteration_parts_transitions_are_medians_by_the_iteration_before():
+    module = benchmark("iteration_parts")
+    pairs = {"tree after plain": [3.0, 5.0, 4.0], "plain after tree": [2.0]}
+    out = module.transitions(pairs, [2.0, 2.0, 4.0])  # (median 2.0)
+    assert out == {"plain after tree": dict(count=1, in_steps=1.0), "tree after plain": dict(count=3, in_steps=2.0)}
+
+
 def test_serve_smoke_measures_both_modes_through_the_server(tmp_path):
     result = smoke("serve", tmp_path)
     assert result["device"].startswith("cpu") and result["dtype"] == "float32"  # where and how the server ran
