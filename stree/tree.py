@@ -379,8 +379,11 @@ def _check_prefix(m, n: int) -> None:
 
 
 @functools.lru_cache(maxsize=1024)
-def _shape_prefix(shape: "TreeShape", m: int) -> "TreeShape":
-    return TreeShape(shape.parents[:m])
+def shape_of(parents: tuple[int, ...]) -> "TreeShape":
+    """The process's one :class:`TreeShape` of ``parents`` (a tuple), checked once: what a shape
+    keeps (its index, the plan drafters fill it by, its prefixes) is then made once however many
+    plans name it (a choice re-plans every few steps, and most new plans begin as the last did)."""
+    return TreeShape(parents)
 
 
 def _host_index(parents: tuple[int, ...]) -> TreeIndex:
@@ -426,8 +429,8 @@ class TreeShape:
         p = self.parents
         # (plain ints checked in plain Python: a choice of tree sizes makes shapes as it plans; the
         # tensor check names what is wrong)
-        if not (isinstance(p, (tuple, list)) and 0 < len(p) <= MAX_TREE_NODES and all(type(v) is int for v in p)
-                and p[0] == -1 and all(0 <= v < i for i, v in enumerate(p[1:], 1))):
+        if not (isinstance(p, (tuple, list)) and 0 < len(p) <= MAX_TREE_NODES and set(map(type, p)) == {int}
+                and p[0] == -1 and (len(p) == 1 or min(p[1:]) >= 0 and all(map(int.__lt__, p[1:], range(1, len(p)))))):
             p = check_parents(list(p)).tolist()
         object.__setattr__(self, "parents", tuple(p))
 
@@ -480,7 +483,7 @@ class TreeShape:
         known = self._prefixes.get(m) if type(m) is int else None  # (kept on the shape, as the index)
         if known is None:
             _check_prefix(m, self.n)  # (before the cache, which takes 1.0 and True for 1)
-            known = self._prefixes[m] = _shape_prefix(self, m)
+            known = self._prefixes[m] = shape_of(self.parents[:m])
         return known
 
     @cached_property

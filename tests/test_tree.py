@@ -85,6 +85,18 @@ def test_static_shapes():
         TreeShape((-1, 0, 2))
 
 
+def test_prefixes_of_different_plans_that_begin_alike_are_one_shape_with_one_cache():
+    """A choice re-plans every few steps and most new plans begin as the last did: the prefix it
+    drafts is then the shape it drafted before, whose index and drafting plan are made already.
+    Shapes are still checked: a list of bools, a parent after its child, a negative parent."""
+    a, b = TreeShape((-1, 0, 0, 1, 2)), TreeShape((-1, 0, 0, 1, 1))
+    assert a.prefix(4) is b.prefix(4) and a.prefix(4).index() is b.prefix(4).index()
+    assert a.prefix(4).plan is b.prefix(4).plan and a.prefix(5) is not b.prefix(5)
+    for bad in ([True, False], (-1, 0, 2), (-1, -1)):
+        with pytest.raises((ValueError, TypeError)):
+            TreeShape(bad)
+
+
 def test_a_shapes_cached_index_is_where_it_was_asked_for_whatever_the_default_device():
     """The cache builds a device's index from its host one: a default-device context (a test's or
     a user's ``with torch.device("cuda")``) once put the host index on the GPU, and every later

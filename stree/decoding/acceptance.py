@@ -56,9 +56,7 @@ class PathRates:
         prod_{i<j} (1 - h(d, i)), made non-increasing in j (best-first growth needs it). One
         read-only array per version."""
         if self._positional is None or self._positional[0] != self.version:
-            h = self.hazard()
-            alive = np.cumprod(np.concatenate([np.ones((h.shape[0], 1)), 1 - h[:, :-1]], 1), 1)
-            out = np.minimum.accumulate(h * alive, axis=1)
+            out = _positional(self.hazard())
             out.setflags(write=False)
             self._positional = (self.version, out)
         return self._positional[1]
@@ -79,8 +77,11 @@ class PathRates:
         valid = valid_mask(tree)
         # (C order always: a strided tree and a contiguous one would each cost numba a compile; the
         # fading too, in the same call: four small NumPy calls cost more than the walk)
-        _record(parents, rank, depth, np.ascontiguousarray(tree.arrays()[0]), np.ascontiguousarray(valid), tokens,
-                counts, rows, self.accepted, self.reached, self.decay, ids, row_accepted, row_reached, row_decay)
+        # (the hazards too, which the next choice reads: one call cold after a model pass, not two)
+        hazard = _record(parents, rank, depth, np.ascontiguousarray(tree.arrays()[0]), np.ascontiguousarray(valid),
+                         tokens, counts, rows, self.accepted, self.reached, self.decay, ids, row_accepted, row_reached,
+                         row_decay, self.prior, self.weight)
+        self._hazard = (self.version, hazard)
 
 
 class RowRates:
@@ -146,6 +147,21 @@ def _hazards(accepted, reached, prior, w):
 
 
 @njit(cache=True)
+def _positional(h):
+    """:meth:`PathRates.positional` (numba: re-made after every verified tree, and as NumPy's
+    small-array calls a fifth of a re-plan)."""
+    D, K = h.shape
+    out = np.empty((D, K))
+    for d in range(D):
+        alive, last = 1.0, np.inf
+        for j in range(K):
+            last = min(h[d, j] * alive, last)
+            out[d, j] = last
+            alive *= 1.0 - h[d, j]
+    return out
+
+
+@njit(cache=True)
 def _row_hazards(accepted, reached, ids, batch, w):
     """:meth:`RowRates.hazard`: row ``ids[i]``'s counts leaning on the batch's hazards (the batch's
     alone for an id it has no counts for)."""
@@ -200,11 +216,12 @@ def rank_depth(parents):
 
 @njit(cache=True)
 def _record(parents, rank, depth, tokens, valid, emitted, counts, rows, accepted, reached, decay, ids, row_accepted,
-            row_reached, row_decay):
+            row_reached, row_decay, prior, w):
     """Fade the counts (the batch's by ``decay``, the rows' own by ``row_decay``), then walk each
     row's accepted path down its tree by the emitted tokens: at every accepted node, its valid
     children up to the accepted one were reached (all of them below the last). Counted for the
-    batch, and for row b under ``ids[b]`` too where ``row_accepted`` has rows."""
+    batch, and for row b under ``ids[b]`` too where ``row_accepted`` has rows. Returns the
+    batch's hazards after it (:func:`_hazards` at ``prior`` and ``w``)."""
     D, K = accepted.shape[0] - 1, accepted.shape[1]
     n = tokens.shape[1]
     per_row = row_accepted.shape[0] > 0
@@ -237,6 +254,7 @@ def _record(parents, rank, depth, tokens, valid, emitted, counts, rows, accepted
             if hit < 0:
                 break
             u = hit
+    return _hazards(accepted, reached, prior, w)
 
 
 @njit(cache=True)

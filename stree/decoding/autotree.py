@@ -67,7 +67,7 @@ import torch
 
 from .acceptance import PathRates, RowRates, chances, shape_structure, structure, valid_mask, walk
 from .cost import WAKE, CostProfile, bracketed_profile, cost_profile, default_sizes
-from .plans import any_drafted, best_rows, best_size, cut_rows, plan_shape, remade, rows_worth, weigh
+from .plans import best_rows, best_size, cut_rows, expected_accepted, plan_shape, remade, rows_worth, weigh
 from ..tree import TokenTree, TreeShape
 
 __all__ = ["AutoTree", "auto_tree", "tree_room"]
@@ -344,8 +344,7 @@ class AutoTree:
         memo = self._memo[1]
         expected = memo.get(order)
         if expected is None:
-            v = chances(*shape_structure(order), np.ones((1, order.n), dtype=np.bool_), hazard[None])[0]
-            expected = memo[order] = np.cumsum(v[1:])
+            expected = memo[order] = expected_accepted(*shape_structure(order), np.ascontiguousarray(hazard))
         best, rate, gain = best_size(expected, self.gain_scale(), self._size_array, self.cost, draft_cost,
                                      self._scaled("tree"), order.n)
         return int(best), rate, gain
@@ -555,9 +554,8 @@ class AutoTree:
             # whether the choice would have kept it teaches the share of drafts kept: learned from chosen
             # drafts alone, a share that had fallen kept the choice from drafting, and so from learning
             # it again (compiled, batch 1, STAND: +0.18 over plain decoding, paired, docs/benchmarks.md)
-            n = min(draft.n, self.max_nodes)
-            m = weigh(parents[:, :n], rank[:, :n], depth[:, :n], np.ascontiguousarray(drafted[:, :n]), hazard, served,
-                      self._weighing_costs(n), True, self.gain_scale())[0]
+            m = weigh(parents, rank, depth, drafted, hazard, served, min(draft.n, self.max_nodes), *self._weighing(),
+                      True, self.gain_scale())[0]
             self._learn_kept(m > 1)
         cut = remade(draft, valid=torch.from_numpy(valid))
         self.rates.record(cut, emitted, counts, rows, self.row_rates, ids)
@@ -655,22 +653,15 @@ class AutoTree:
         self._drafted = self._drafted or draft.n
         drafting = self.draft_cost[min(self._drafted, self.max_nodes)]
         self._predicted = ("declined", drafting + self.cost[1])  # (a tree's, below, where one is kept)
-        valid = valid_mask(draft)
         n = min(draft.n, self.max_nodes)
-        if not any_drafted(valid, active, n):
-            self._verified(False)
-            return None
         parents, rank, depth = structure(draft)
         hazard = self.rates.hazard()
-        if ids is not None:
-            hazard = self.row_rates.hazard(ids, hazard)
-        else:
-            hazard = hazard[None]
-        cost = self._weighing_costs(n)
-        if n < draft.n:  # (else the drafter's own arrays, contiguous: no views to make)
-            parents, rank, depth, valid = parents[:, :n], rank[:, :n], depth[:, :n], np.ascontiguousarray(valid[:, :n])
-        m, focus, promised, v, raw = weigh(parents, rank, depth, valid, hazard, active, cost, not self._probing,
-                                            self.gain_scale())
+        hazard = hazard[None] if ids is None else self.row_rates.hazard(ids, hazard)
+        m, focus, promised, v, raw, cost = weigh(parents, rank, depth, valid_mask(draft), hazard, active, n,
+                                                 *self._weighing(), not self._probing, self.gain_scale())
+        if m == 0:  # (no active row drafted anything)
+            self._verified(False)
+            return None
         if ids is not None:  # the row the choice before drafting weighs from now on: the one gaining least
             self._focus = int(ids[focus])
         sizes = self._row_sizes(v, active, cost, m) if ids is not None and self.per_row else None
@@ -688,12 +679,11 @@ class AutoTree:
         self._predicted = ("tree", drafting + self.cost[m])
         return draft if m == draft.n else draft.prefix(m)
 
-    def _weighing_costs(self, n: int) -> np.ndarray:
-        """What a drafted tree of up to ``n`` nodes is weighed against (its drafting already spent):
-        each prefix's iteration at the trees' scale, and at 1 a plain step's, over the margin."""
-        cost = self.cost[: n + 1] * self._scaled("tree")
-        cost[1] = self.cost[1] * self.scale["plain"] / self.margin
-        return cost
+    def _weighing(self) -> tuple[np.ndarray, float, float]:
+        """What a drafted tree is weighed against (its drafting already spent), as :func:`weigh`
+        takes it: each prefix's iteration (``cost``) at the trees' scale, and at 1 a plain
+        step's, over the margin."""
+        return self.cost, self._scaled("tree"), self.cost[1] * self.scale["plain"] / self.margin
 
     def _packed_ms(self, total, rows: int):
         """The target's part of an iteration scoring ``total`` nodes (an int or an array) of

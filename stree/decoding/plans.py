@@ -13,11 +13,11 @@ import numpy as np
 import torch
 from numba import njit
 
-from ..tree import TokenTree, TreeShape
+from ..tree import TokenTree, TreeShape, shape_of
 from .acceptance import PathRates, chances
 
-__all__ = ["any_drafted", "best_first", "best_prefix", "best_rows", "best_size", "cut_rows", "plan_shape", "remade",
-           "rows_worth", "weigh"]
+__all__ = ["best_first", "best_prefix", "best_rows", "best_size", "cut_rows", "expected_accepted", "plan_shape",
+           "remade", "rows_worth", "weigh"]
 
 
 # Up to this many rows the batch waits for, a tree is worth their mean gain; with more, the least
@@ -67,6 +67,21 @@ def best_prefix(v, active, cost, allow_plain):
 
 
 @njit(cache=True)
+def expected_accepted(parents, rank, depth, h):
+    """The drafts a shape's prefix of m nodes is expected to have accepted (index m - 2: its
+    nodes' chances under the hazards ``h``, summed), every node valid; in one call, as a choice
+    weighs its sizes right after a model pass."""
+    n = parents.shape[1]
+    v = chances(parents, rank, depth, np.ones((1, n), dtype=np.bool_), h.reshape((1, h.shape[0], h.shape[1])))
+    out = np.empty(n - 1)
+    total = 0.0
+    for c in range(1, n):
+        total += v[0, c]
+        out[c - 1] = total
+    return out
+
+
+@njit(cache=True)
 def best_size(expected, gain_scale, sizes, cost, draft_cost, tree_scale, n):
     """Before drafting, the size among ``sizes`` (ascending; those up to ``n``, a plan's nodes)
     with the most expected tokens per millisecond, (1 + ``gain_scale`` ``expected[m - 2]``) /
@@ -87,27 +102,30 @@ def best_size(expected, gain_scale, sizes, cost, draft_cost, tree_scale, n):
 
 
 @njit(cache=True)
-def any_drafted(valid, active, n):
-    """Whether an active row has a valid node past the root among the first ``n``."""
-    for b in range(valid.shape[0]):
+def weigh(parents, rank, depth, valid, h, active, n, cost, tree_scale, plain_ms, allow_plain, gain):
+    """A draft's first ``n`` nodes weighed after drafting (:meth:`~stree.decoding.autotree.AutoTree.choose`,
+    in one call: as some twenty small NumPy calls it cost a drafted iteration about a seventh of a
+    compiled step, and each call apart runs cold right after a model pass): every node's chance
+    (:func:`~stree.decoding.acceptance.chances`) times ``gain``, the best prefix size m by them
+    (:func:`best_prefix`) against ``cost[m]`` times ``tree_scale`` (at 1, ``plain_ms``), the active
+    row gaining least by the unscaled chances (an index of the rows: the focus) and what the prefix
+    of m nodes promises the active rows (their unscaled chances summed, :func:`_batch_gain`).
+    Returns ``(m, focus, promised, v, raw, scaled)``, ``v`` the scaled chances, ``raw`` the
+    unscaled, ``scaled`` the costs weighed; m is 0 where no active row has a valid node past the
+    root among the ``n`` (nothing else is then made)."""
+    B = valid.shape[0]
+    scaled = np.empty(n + 1)
+    drafted = False
+    for b in range(B):
         if active[b]:
             for c in range(1, n):
-                if valid[b, c]:
-                    return True
-    return False
-
-
-@njit(cache=True)
-def weigh(parents, rank, depth, valid, h, active, cost, allow_plain, gain):
-    """A draft weighed after drafting (:meth:`~stree.decoding.autotree.AutoTree.choose`, in one call:
-    as some twenty small NumPy calls it cost a drafted iteration about a seventh of a compiled
-    step): every node's chance (:func:`~stree.decoding.acceptance.chances`) times ``gain``, the best
-    prefix size m by them (:func:`best_prefix`), the active row gaining least by the unscaled
-    chances (an index of the rows: the focus) and what the prefix of m nodes promises the active
-    rows (their unscaled chances summed, :func:`_batch_gain`).
-    Returns ``(m, focus, promised, v, raw)``, ``v`` the scaled chances, ``raw`` the unscaled."""
-    v = chances(parents, rank, depth, valid, h)
-    B, n = v.shape
+                drafted = drafted or valid[b, c]
+    if not drafted:
+        return 0, -1, 0.0, np.zeros((B, n)), np.zeros((B, n)), scaled
+    for m in range(n + 1):
+        scaled[m] = cost[m] * tree_scale
+    scaled[1] = plain_ms
+    v = chances(parents[:, :n], rank[:, :n], depth[:, :n], valid[:, :n], h)
     focus, least = -1, np.inf
     for b in range(B):
         if active[b]:
@@ -120,12 +138,12 @@ def weigh(parents, rank, depth, valid, h, active, cost, allow_plain, gain):
     for b in range(B):
         for c in range(1, n):
             v[b, c] *= gain
-    m = best_prefix(v, active, cost, allow_plain)
+    m = best_prefix(v, active, scaled, allow_plain)
     promised = np.zeros(B)
     for b in range(B):
         for c in range(1, m):
             promised[b] += raw[b, c]
-    return m, focus, _batch_gain(promised, active), v, raw
+    return m, focus, _batch_gain(promised, active), v, raw, scaled
 
 
 @njit(cache=True)
@@ -221,17 +239,26 @@ def best_first(a, nodes):
     return parents[:count]
 
 
+@njit(cache=True)
+def _capped(a, depth, chain):
+    """A copy of positional chances ``a`` with the levels below ``depth`` at 0 (and for a chain
+    every rank past the first): in one call, as a re-plan runs right after a model pass."""
+    out = a.copy()
+    for d in range(depth + 1, a.shape[0]):
+        out[d, :] = 0.0
+    if chain:
+        out[:, 1:] = 0.0
+    return out
+
+
 def plan_shape(rates: PathRates, nodes: int, chain: bool = False, depth: int = PathRates.DEPTH) -> TreeShape:
     """The best-first tree of at most ``nodes`` nodes and ``depth`` levels under ``rates``
     (``chain``: one child per node)."""
-    a = rates.positional().copy()
-    a[depth + 1:] = 0.0
-    if chain:
-        a[:, 1:] = 0.0
+    a = _capped(rates.positional(), depth, chain)
     key = (a.tobytes(), nodes)
     shape = _PLANS.get(key)
     if shape is None:
-        shape = TreeShape(tuple(int(p) for p in best_first(a, nodes)))
+        shape = shape_of(tuple(best_first(a, nodes).tolist()))
         if len(_PLANS) >= 512:
             _PLANS.pop(next(iter(_PLANS)))
         _PLANS[key] = shape

@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from stree.decoding.acceptance import PathRates, chances, rank_depth
-from stree.decoding.plans import best_first, best_prefix, best_size, rows_worth, weigh
+from stree.decoding.plans import best_first, best_prefix, best_size, expected_accepted, rows_worth, weigh
 
 
 @given(st.lists(st.floats(0.05, 0.95), min_size=9, max_size=9), st.integers(2, 30))
@@ -74,7 +74,8 @@ def test_a_batch_weighs_two_rows_by_their_mean_and_more_by_their_least():
 @st.composite
 def weighed_drafts(draw):
     """Rows of one draft (a shape of its own per row or one for all), the rows that count, the
-    costs, whether a plain step may win, the gain scale, and hazards per row or one for all."""
+    nodes weighed, the costs and their scales, whether a plain step may win, the gain scale, and
+    hazards per row or one for all."""
     rows, n = draw(st.integers(1, 3)), draw(st.integers(2, 10))
     shapes = draw(st.integers(1, rows).filter(lambda k: k in (1, rows)))
     parents = np.array([[-1] + [draw(st.integers(0, i - 1)) for i in range(1, n)] for _ in range(shapes)])
@@ -84,24 +85,35 @@ def weighed_drafts(draw):
     h = np.array(draw(st.lists(st.floats(0.01, 0.99), min_size=4 * 3, max_size=4 * 3)))
     hazards = np.stack([h.reshape(4, 3) ** (1 + r) for r in range(draw(st.sampled_from([1, rows])))])
     cost = np.array([np.inf] + draw(st.lists(st.floats(0.5, 20), min_size=n, max_size=n)))
-    return parents, valid, active, hazards, cost, draw(st.booleans()), draw(st.floats(0.2, 2.0))
+    scales = (draw(st.floats(0.5, 2.0)), draw(st.floats(0.5, 20)))
+    return (parents, valid, active, hazards, draw(st.integers(2, n)), cost, scales, draw(st.booleans()),
+            draw(st.floats(0.2, 2.0)))
 
 
 @given(weighed_drafts())
 def test_a_draft_weighed_in_one_call_is_its_steps_weighed_apart(case):
-    """What AutoTree.choose reads off a draft (one compiled call) against its steps apart: the
-    chances, the best prefix by the chances times the gain scale, the active row gaining least
-    (the first of equals), and what the prefix promises the active rows (unscaled: of two rows
-    their mean, of more their least)."""
-    parents, valid, active, h, cost, allow_plain, gain = case
+    """What AutoTree.choose reads off a draft's first k nodes (one compiled call) against its steps
+    apart: whether an active row drafted anything there (else m is 0), the chances, the costs at
+    the trees' scale (at 1 a plain step's), the best prefix by the chances times the gain scale,
+    the active row gaining least (the first of equals), and what the prefix promises the active
+    rows (unscaled: of two rows their mean, of more their least)."""
+    parents, valid, active, h, k, cost, (tree_scale, plain), allow_plain, gain = case
     rank, depth = rank_depth(parents)
-    m, focus, promised, v, raw = weigh(parents, rank, depth, valid, h, active, cost, allow_plain, gain)
-    want_raw = chances(parents, rank, depth, valid, h)
+    m, focus, promised, v, raw, weighed = weigh(parents, rank, depth, valid, h, active, k, cost, tree_scale, plain,
+                                                allow_plain, gain)
+    if not valid[active, 1:k].any():
+        assert m == 0
+        return
+    want_cost = cost[: k + 1] * tree_scale
+    want_cost[1] = plain
+    np.testing.assert_array_equal(weighed, want_cost)
+    parents, rank, depth, valid = parents[:, :k], rank[:, :k], depth[:, :k], valid[:, :k]
+    want_raw = chances(parents, rank, depth, np.ascontiguousarray(valid), h)
     np.testing.assert_array_equal(raw, want_raw)
     scaled = want_raw.copy()
     scaled[:, 1:] *= gain
     np.testing.assert_array_equal(v, scaled)
-    assert m == best_prefix(scaled, active, cost, allow_plain)
+    assert m == best_prefix(scaled, active, want_cost, allow_plain)
     assert focus == np.flatnonzero(active)[int(np.argmin(want_raw[active, 1:].sum(1)))]
     want = want_raw[active, 1:m].sum(1)
     assert promised == pytest.approx(want.mean() if active.sum() <= 2 else want.min(), rel=1e-12, abs=1e-15)
@@ -134,3 +146,14 @@ def test_best_size_maximises_tokens_per_millisecond_over_the_sizes_that_fit(chan
     assert got[0] == want or rate(int(got[0])) == pytest.approx(top, rel=1e-8)
     assert got[1] == pytest.approx(rate(int(got[0])), rel=1e-12)
     assert got[2] == pytest.approx(1 + gain * expected[int(got[0]) - 2], rel=1e-12)
+
+
+@given(st.lists(st.integers(0, 30), min_size=1, max_size=12), st.lists(st.floats(0.01, 0.99), min_size=12, max_size=12))
+def test_a_shapes_expected_drafts_are_its_chances_summed_prefix_by_prefix(picks, h):
+    """What a plan's prefixes are expected to have accepted (before drafting, every node valid):
+    the running sum of its nodes' chances past the root."""
+    parents = np.array([[-1] + [p % i for i, p in enumerate(picks, 1)]])
+    rank, depth = rank_depth(parents)
+    hazard = np.array(h).reshape(4, 3)
+    want = np.cumsum(chances(parents, rank, depth, np.ones(parents.shape, dtype=np.bool_), hazard[None])[0, 1:])
+    np.testing.assert_array_equal(expected_accepted(parents, rank, depth, hazard), want)
