@@ -9,7 +9,8 @@ Why paired: between fresh processes the same configuration's gain moves by sever
 2-core CPUs (the product paths each process measures, the choice's path through its first calls),
 more than most changes of the choice; the paired difference moves by about one (docs/benchmarks.md,
 2026-11-30, night). Only the choice differs between the two: the rest of the library is the
-working tree's.
+working tree's, so the revision's choice must speak the working tree's interfaces (a change to
+``acceptance`` or ``plans`` calls for a copy of the working choice with the change undone).
 
     python benchmarks/choice_ab.py --against HEAD --configs "eager 2 0 ngram,eager 1 0 stand" --processes 5
     python benchmarks/choice_ab.py --smoke

@@ -658,6 +658,12 @@ def tree_spec(spec: str) -> "TreeShape | TreeBudget":
     return TreeShape.from_spec(spec)
 
 
+def _check_weak(weak, shape: tuple) -> None:
+    if not isinstance(weak, np.ndarray) or weak.dtype != np.bool_ or weak.shape != tuple(shape):
+        raise ValueError(f"weak must be a NumPy bool array of shape {tuple(shape)}, got "
+                         f"{getattr(weak, 'dtype', type(weak))} {getattr(weak, 'shape', '')}")
+
+
 @dataclass
 class TokenTree:
     """Draft tokens on a tree: ``parents`` ``[N]`` (shared) or ``[B, N]``, ``tokens`` ``[B, N]``.
@@ -667,7 +673,9 @@ class TokenTree:
     carry, for stochastic drafts, the distribution each node's children were drawn from.
     ``row_sizes`` (host ints, one per row; the largest ``N``): row r's tree is its first
     ``row_sizes[r]`` nodes, the rest invalid, and a tree pass may score the rows packed without
-    padding (:meth:`packed`) instead of ``B x N`` nodes.
+    padding (:meth:`packed`) instead of ``B x N`` nodes. ``weak`` (a host-side NumPy bool array
+    ``[B, N]``, or None): the nodes the drafter drafted from weak evidence, which ``tree="auto"``
+    prices by their own acceptance rates (:mod:`stree.decoding.acceptance`); verification ignores it.
     """
 
     parents: torch.Tensor
@@ -677,6 +685,7 @@ class TokenTree:
     child_probs: torch.Tensor | None = None
     with_replacement: bool = False
     row_sizes: tuple[int, ...] | None = None
+    weak: np.ndarray | None = None
     _index: TreeIndex | None = field(default=None, init=False, repr=False, compare=False)
     _shape: TreeShape | None = field(default=None, init=False, repr=False, compare=False)  # from_shape's
     # (tokens, valid, their arrays): arrays()'s, while the fields are those tensors
@@ -703,6 +712,8 @@ class TokenTree:
             raise ValueError("child_ids and child_probs must be given together")
         if self.row_sizes is not None:
             self._check_row_sizes()
+        if self.weak is not None:
+            _check_weak(self.weak, tuple(self.tokens.shape))
         if self.child_ids is not None and (
             self.child_ids.shape != self.child_probs.shape or tuple(self.child_ids.shape[:2]) != tuple(self.tokens.shape)
         ):
@@ -746,9 +757,10 @@ class TokenTree:
         return hit[2], hit[3]
 
     @classmethod
-    def from_arrays(cls, shape: "TreeShape", tokens: np.ndarray, valid: np.ndarray | None = None) -> "TokenTree":
-        """:meth:`from_shape` of a drafter's CPU arrays ``tokens`` ``[B, N]`` (integers) and ``valid``
-        (bool, or None), which the tree then holds (not copied) and hands out as :meth:`arrays`;
+    def from_arrays(cls, shape: "TreeShape", tokens: np.ndarray, valid: np.ndarray | None = None,
+                    weak: np.ndarray | None = None) -> "TokenTree":
+        """:meth:`from_shape` of a drafter's CPU arrays ``tokens`` ``[B, N]`` (integers), ``valid``
+        and ``weak`` (bool, or None), which the tree then holds (not copied) and hands out as :meth:`arrays`;
         checked as :meth:`from_shape` checks its tensors, on the arrays (a drafter's tree made
         through the tensors' checks cost a tenth of a plain step of a small model on the CPU)."""
         if not isinstance(tokens, np.ndarray) or tokens.dtype.kind not in "iu":
@@ -760,12 +772,14 @@ class TokenTree:
                 raise ValueError(f"valid must be a bool array of shape {tokens.shape}")
             if not all(valid[:, 0].tolist()):
                 raise ValueError("valid[:, 0] must be True: the root is always a real token")
+        if weak is not None:
+            _check_weak(weak, tokens.shape)
         tree = cls.__new__(cls)  # (fields set directly: checked above, the parents with the shape)
         index = tree._index = shape.index()
         tree.parents = index.memo("parents_long", lambda: index.parents[0].long())
         tree.tokens, tree.valid = torch.from_numpy(tokens), None if valid is None else torch.from_numpy(valid)
         tree.child_ids = tree.child_probs = tree.row_sizes = None
-        tree.with_replacement, tree._shape = False, shape
+        tree.with_replacement, tree._shape, tree.weak = False, shape, weak
         tree._arrays = (tree.tokens, tree.valid, tokens, valid)
         return tree
 
@@ -820,7 +834,7 @@ class TokenTree:
         tree = TokenTree.__new__(TokenTree)  # fields set directly: this tree was validated already
         tree.parents, tree.tokens, tree.valid = move(self.parents), move(self.tokens), move(self.valid)
         tree.child_ids, tree.child_probs, tree.with_replacement = move(self.child_ids), move(self.child_probs), self.with_replacement
-        tree.row_sizes = self.row_sizes
+        tree.row_sizes, tree.weak = self.row_sizes, self.weak
         tree._shape, tree._arrays = self._shape, None
         tree._index = self._shape.index(device) if self._shape is not None else self.index.to(device)
         return tree
@@ -833,7 +847,7 @@ class TokenTree:
         cut = lambda t: None if t is None else t[:, :m]  # noqa: E731
         tree = TokenTree.__new__(TokenTree)
         tree.child_ids, tree.child_probs = cut(self.child_ids), cut(self.child_probs)
-        tree.with_replacement, tree.row_sizes = self.with_replacement, None
+        tree.with_replacement, tree.row_sizes, tree.weak = self.with_replacement, None, cut(self.weak)
         if self._arrays is not None and self._arrays[0] is self.tokens and self._arrays[1] is self.valid:
             # the cut of this tree's arrays, handed to torch: a slice is a dispatcher call, an array's is not
             tokens, valid = cut(self._arrays[2]), cut(self._arrays[3])

@@ -210,14 +210,16 @@ def test_a_trees_prefix_is_the_validated_tree_of_its_first_nodes(n, data):
     tokens, ids = torch.randint(0, 50, (2, n), generator=g), torch.randint(0, 50, (2, n, 3), generator=g)
     valid = torch.rand(2, n, generator=g) < 0.7
     valid[:, 0] = True
-    laws = dict(valid=valid, child_ids=ids, child_probs=torch.rand(2, n, 3, generator=g), with_replacement=True)
+    laws = dict(valid=valid, child_ids=ids, child_probs=torch.rand(2, n, 3, generator=g), with_replacement=True,
+                weak=np.random.default_rng(n).random((2, n)) < 0.5)
     shape = TreeShape(tuple(parents))
     for tree in (TokenTree.from_shape(shape, tokens, **laws), TokenTree(torch.tensor([parents] * 2), tokens, **laws)):
         got = tree.prefix(m)
-        cut = {k: v[:, :m] if isinstance(v, torch.Tensor) else v for k, v in laws.items()}
+        cut = {k: v[:, :m] if isinstance(v, (torch.Tensor, np.ndarray)) else v for k, v in laws.items()}
         want = TokenTree(tree.parents[..., :m], tokens[:, :m], **cut)
         for name in ("parents", "tokens", "valid", "child_ids", "child_probs"):
             assert torch.equal(getattr(got, name), getattr(want, name)), name
+        assert np.array_equal(got.weak, want.weak) and np.array_equal(tree.to("cpu").weak, tree.weak)
         assert got.with_replacement and got.row_sizes is None and got.n == m
         for name in ("parents", "depth", "pre", "last"):
             assert torch.equal(getattr(got.index, name), getattr(want.index, name)), name
@@ -263,7 +265,8 @@ def test_a_trees_arrays_are_its_tensors_memory_and_follow_its_fields(n, data):
 
 def test_a_tree_of_arrays_is_checked_as_one_of_tensors():
     """``from_arrays`` checks what ``from_shape`` checks, with the same errors: integer tokens of
-    the shape's width, bool valid flags of the tokens' shape, the root always valid."""
+    the shape's width, bool valid flags of the tokens' shape, the root always valid, weak marks
+    as host bools of the tokens' shape."""
     shape = TreeShape.paper13()
     tokens, valid = np.zeros((2, shape.n), dtype=np.int64), np.ones((2, shape.n), dtype=bool)
     for bad, error, match in ((tokens.astype(np.float32), TypeError, "tokens must be an integer"),
@@ -278,6 +281,11 @@ def test_a_tree_of_arrays_is_checked_as_one_of_tensors():
                        (root, r"valid\[:, 0\] must be True")):
         with pytest.raises(ValueError, match=match):
             TokenTree.from_arrays(shape, tokens, bad)
+    for bad in (valid[:1], valid.astype(np.int64), torch.from_numpy(valid)):  # weak: host bools of the tokens' shape
+        with pytest.raises(ValueError, match="weak must be a NumPy bool array of shape"):
+            TokenTree.from_arrays(shape, tokens, valid, bad)
+        with pytest.raises(ValueError, match="weak must be a NumPy bool array of shape"):
+            TokenTree.from_shape(shape, torch.from_numpy(tokens), weak=bad)
     tree = TokenTree.from_arrays(shape, tokens, valid)
     want = TokenTree.from_shape(shape, torch.from_numpy(tokens), valid=torch.from_numpy(valid))
     for name in ("parents", "tokens", "valid"):

@@ -8,6 +8,14 @@ of h(d, j) prod_{i<j} (1 - h(d, i)) (Sequoia's positional acceptance, per depth:
 a tree's expected tokens per iteration is 1 (the bonus) plus its nodes' chances. Each row of a
 batch also keeps its own counts (:class:`RowRates`), leaning on the batch's.
 
+A drafter may say which nodes it drafted from weak evidence (``TokenTree.weak``: the n-gram
+drafter's one-token matches, a third as often right as its four-token ones): those are counted
+apart, a class of their own, and a drafted tree's weak nodes are priced by their class's hazards
+(the strong ones by theirs). The hazards are ``[DEPTH + 1, (CLASSES + 1) * RANKS]``: each class's
+``RANKS`` columns, then those of all classes pooled, which weigh a shape before anything is drafted
+(:meth:`PathRates.positional`, :func:`pooled`). A drafter that never marks a node leaves the weak
+class empty, and its hazards are those of one class.
+
 Also here, as arrays for the compiled helpers: a tree's parents, sibling ranks and depths
 (:func:`structure`), and what greedy verification would have accepted of a draft from the tokens
 emitted after it (:func:`walk`: a draft watched rather than verified).
@@ -22,7 +30,15 @@ from numba import njit
 
 from ..tree import TokenTree, TreeShape
 
-__all__ = ["PathRates", "RowRates", "chances", "rank_depth", "shape_structure", "structure", "valid_mask", "walk"]
+__all__ = ["PathRates", "RowRates", "chances", "pooled", "rank_depth", "shape_structure", "structure", "valid_mask",
+           "walk", "weak_mask"]
+
+RANKS = 8  # sibling ranks told apart (later ranks share the last): PathRates.RANKS
+CLASSES = 2  # a node is strong (0) or weak (1): TokenTree.weak
+# A weak node's prior against a strong one's of the same rank: the n-gram drafter's top draft was the
+# next token at a third of the positions whose longest match was one token, at 95% where it was four
+# (docs/benchmarks.md); the counts take over within a few verified steps.
+WEAK_PRIOR = 0.5
 
 
 class PathRates:
@@ -31,7 +47,7 @@ class PathRates:
     docstring). ``prior[j]`` is worth ``weight`` observations of rank j over all depths, and the
     rank's rate ``weight`` observations at each depth."""
 
-    DEPTH, RANKS = 16, 8
+    DEPTH, RANKS = 16, RANKS
     PRIOR = (0.6, 0.3, 0.2, 0.15, 0.12, 0.1, 0.08, 0.07)
 
     def __init__(self, decay: float = 0.97, weight: float = 2.0, prior=PRIOR):
@@ -39,24 +55,28 @@ class PathRates:
             raise ValueError(f"need 0 < decay <= 1, weight > 0 and {self.RANKS} prior rates in (0, 1), got "
                              f"{decay!r}, {weight!r}, {prior!r}")
         self.decay, self.weight, self.prior = decay, weight, np.asarray(prior, dtype=np.float64)
-        self.accepted = np.zeros((self.DEPTH + 1, self.RANKS))
-        self.reached = np.zeros((self.DEPTH + 1, self.RANKS))
+        self._priors = np.concatenate([self.prior, self.prior * WEAK_PRIOR])  # each class's columns'
+        # counts by depth and class-and-rank column (a strong node's rank j at j, a weak one's at RANKS + j)
+        self.accepted = np.zeros((self.DEPTH + 1, CLASSES * self.RANKS))
+        self.reached = np.zeros((self.DEPTH + 1, CLASSES * self.RANKS))
         self.version = 0  # bumped by every record
         self._hazard: tuple[int, np.ndarray] | None = None  # (version, hazard()): a step weighs them several times
         self._positional: tuple[int, np.ndarray] | None = None  # (version, positional()): a plan per depth cap reads it
 
     def hazard(self) -> np.ndarray:
-        """``[DEPTH + 1, RANKS]`` (row 0 unused); one array per version, not to be written to."""
+        """``[DEPTH + 1, (CLASSES + 1) * RANKS]`` (row 0 unused; see the module docstring); one array
+        per version, not to be written to."""
         if self._hazard is None or self._hazard[0] != self.version:
-            self._hazard = (self.version, _hazards(self.accepted, self.reached, self.prior, self.weight))
+            self._hazard = (self.version, _hazards(self.accepted, self.reached, self._priors, self.weight))
         return self._hazard[1]
 
     def positional(self) -> np.ndarray:
         """The chance that rank j's child is the accepted one, given its parent was: h(d, j)
-        prod_{i<j} (1 - h(d, i)), made non-increasing in j (best-first growth needs it). One
-        read-only array per version."""
+        prod_{i<j} (1 - h(d, i)), made non-increasing in j (best-first growth needs it), from the
+        pooled hazards (a plan is drafted before its nodes' classes are known). One read-only
+        array per version."""
         if self._positional is None or self._positional[0] != self.version:
-            out = _positional(self.hazard())
+            out = _positional(pooled(self.hazard()))
             out.setflags(write=False)
             self._positional = (self.version, out)
         return self._positional[1]
@@ -75,12 +95,13 @@ class PathRates:
             row_accepted, row_reached, row_decay = per_row.accepted, per_row.reached, per_row.decay
         parents, rank, depth = structure(tree)
         valid = valid_mask(tree)
+        weak = weak_mask(tree)
         # (C order always: a strided tree and a contiguous one would each cost numba a compile; the
         # fading too, in the same call: four small NumPy calls cost more than the walk)
         # (the hazards too, which the next choice reads: one call cold after a model pass, not two)
         hazard = _record(parents, rank, depth, np.ascontiguousarray(tree.arrays()[0]), np.ascontiguousarray(valid),
-                         tokens, counts, rows, self.accepted, self.reached, self.decay, ids, row_accepted, row_reached,
-                         row_decay, self.prior, self.weight)
+                         np.ascontiguousarray(weak), tokens, counts, rows, self.accepted, self.reached, self.decay, ids,
+                         row_accepted, row_reached, row_decay, self._priors, self.weight)
         self._hazard = (self.version, hazard)
 
 
@@ -91,7 +112,7 @@ class RowRates:
 
     def __init__(self, decay: float, weight: float = 4.0):
         self.decay, self.weight = decay, weight
-        self.accepted = np.zeros((0, PathRates.DEPTH + 1, PathRates.RANKS))
+        self.accepted = np.zeros((0, PathRates.DEPTH + 1, CLASSES * RANKS))
         self.reached = np.zeros_like(self.accepted)
         self.version = 0  # bumped by every fade (each record of PathRates that learns rows' own fades first)
         self._hazard: tuple | None = None  # ((version, ids, batch), hazard(ids, batch))
@@ -111,7 +132,7 @@ class RowRates:
             self.accepted, self.reached = np.concatenate([self.accepted, grow]), np.concatenate([self.reached, grow])
 
     def hazard(self, ids: np.ndarray, batch: np.ndarray) -> np.ndarray:
-        """``[len(ids), DEPTH + 1, RANKS]``: each row's hazards, ``batch`` (the batch's) where it
+        """``[len(ids), DEPTH + 1, (CLASSES + 1) * RANKS]``: each row's hazards, ``batch`` (the batch's) where it
         has seen little. The last answer is kept (not to be written to): a step asks for the same
         rows' several times."""
         ids = np.asarray(ids)
@@ -124,7 +145,7 @@ class RowRates:
         return out
 
 
-_NO_ROWS = np.zeros((0, PathRates.DEPTH + 1, PathRates.RANKS))
+_NO_ROWS = np.zeros((0, PathRates.DEPTH + 1, CLASSES * RANKS))
 _NO_IDS = np.zeros(0, dtype=np.int64)
 
 
@@ -132,18 +153,36 @@ _NO_IDS = np.zeros(0, dtype=np.int64)
 # each took a tenth of what the choice after drafting cost)
 @njit(cache=True)
 def _hazards(accepted, reached, prior, w):
-    """:meth:`PathRates.hazard`: each depth's rate leaning on its rank's over all depths."""
+    """:meth:`PathRates.hazard`: each depth's rate leaning on its column's over all depths; then the
+    classes' counts pooled, leaning on the strong class's prior."""
     D, K = accepted.shape
-    out = np.empty((D, K))
-    for j in range(K):
+    out = np.empty((D, K + RANKS))
+    for j in range(K + RANKS):
         a, r = 0.0, 0.0
         for d in range(D):
-            a += accepted[d, j]
-            r += reached[d, j]
-        by_rank = (a + w * prior[j]) / (r + w)
+            a += _count(accepted, d, j)
+            r += _count(reached, d, j)
+        by_rank = (a + w * prior[j % K]) / (r + w)
         for d in range(D):
-            out[d, j] = (accepted[d, j] + w * by_rank) / (reached[d, j] + w)
+            out[d, j] = (_count(accepted, d, j) + w * by_rank) / (_count(reached, d, j) + w)
     return out
+
+
+@njit(cache=True)
+def _count(counts, d, j):
+    """Column j of the hazards' counts at depth d: a class's own, or (past them) its rank's pooled."""
+    K = counts.shape[-1]
+    if j < K:
+        return counts[d, j]
+    total = 0.0
+    for c in range(j - K, K, RANKS):
+        total += counts[d, c]
+    return total
+
+
+def pooled(h: np.ndarray) -> np.ndarray:
+    """The pooled columns of hazards ``h`` (``[..., RANKS]``, a contiguous copy's view)."""
+    return np.ascontiguousarray(h[..., -RANKS:])
 
 
 @njit(cache=True)
@@ -164,7 +203,7 @@ def _positional(h):
 @njit(cache=True)
 def _row_hazards(accepted, reached, ids, batch, w):
     """:meth:`RowRates.hazard`: row ``ids[i]``'s counts leaning on the batch's hazards (the batch's
-    alone for an id it has no counts for)."""
+    alone for an id it has no counts for), each class's and pooled."""
     D, K = batch.shape
     out = np.empty((len(ids), D, K))
     for i in range(len(ids)):
@@ -172,7 +211,8 @@ def _row_hazards(accepted, reached, ids, batch, w):
         for d in range(D):
             for j in range(K):
                 if row < accepted.shape[0]:
-                    out[i, d, j] = (accepted[row, d, j] + w * batch[d, j]) / (reached[row, d, j] + w)
+                    out[i, d, j] = ((_count(accepted[row], d, j) + w * batch[d, j])
+                                    / (_count(reached[row], d, j) + w))
                 else:
                     out[i, d, j] = batch[d, j]
     return out
@@ -181,6 +221,18 @@ def _row_hazards(accepted, reached, ids, batch, w):
 def valid_mask(tree: TokenTree) -> np.ndarray:
     valid = tree.arrays()[1]
     return np.ones(tuple(tree.tokens.shape), dtype=np.bool_) if valid is None else valid
+
+
+def weak_mask(tree: TokenTree) -> np.ndarray:
+    """Which nodes the drafter drafted from weak evidence (none where it did not say)."""
+    return _strong(*tree.tokens.shape) if tree.weak is None else tree.weak
+
+
+@functools.lru_cache(maxsize=64)
+def _strong(rows: int, n: int) -> np.ndarray:
+    out = np.zeros((rows, n), dtype=np.bool_)
+    out.setflags(write=False)
+    return out
 
 
 @functools.lru_cache(maxsize=256)
@@ -215,14 +267,14 @@ def rank_depth(parents):
 
 
 @njit(cache=True)
-def _record(parents, rank, depth, tokens, valid, emitted, counts, rows, accepted, reached, decay, ids, row_accepted,
-            row_reached, row_decay, prior, w):
+def _record(parents, rank, depth, tokens, valid, weak, emitted, counts, rows, accepted, reached, decay, ids,
+            row_accepted, row_reached, row_decay, prior, w):
     """Fade the counts (the batch's by ``decay``, the rows' own by ``row_decay``), then walk each
     row's accepted path down its tree by the emitted tokens: at every accepted node, its valid
-    children up to the accepted one were reached (all of them below the last). Counted for the
-    batch, and for row b under ``ids[b]`` too where ``row_accepted`` has rows. Returns the
+    children up to the accepted one were reached (all of them below the last), each in its class's
+    columns. Counted for the batch, and for row b under ``ids[b]`` too where ``row_accepted`` has rows. Returns the
     batch's hazards after it (:func:`_hazards` at ``prior`` and ``w``)."""
-    D, K = accepted.shape[0] - 1, accepted.shape[1]
+    D = accepted.shape[0] - 1
     n = tokens.shape[1]
     per_row = row_accepted.shape[0] > 0
     for counts_ in (accepted, reached):
@@ -241,7 +293,7 @@ def _record(parents, rank, depth, tokens, valid, emitted, counts, rows, accepted
             for c in range(u + 1, n):
                 if parents[s, c] != u or not valid[b, c]:
                     continue
-                d, j = min(depth[s, c], D), min(rank[s, c], K - 1)
+                d, j = min(depth[s, c], D), min(rank[s, c], RANKS - 1) + RANKS * weak[b, c]
                 reached[d, j] += 1.0
                 if per_row:
                     row_reached[ids[b], d, j] += 1.0
@@ -281,11 +333,13 @@ def walk(parents, tokens, valid, emitted, seen):
 
 
 @njit(cache=True)
-def chances(parents, rank, depth, valid, h):
+def chances(parents, rank, depth, valid, weak, h):
     """Each node's chance to be accepted (0 for invalid nodes and their subtrees), ``[B, n]``,
     never above an earlier sibling's (as :meth:`PathRates.positional`: a rank the verified steps
     have not reached yet keeps its prior, which must not outbid a rank they have judged).
-    ``h``: the hazards ``[B or 1, DEPTH + 1, RANKS]``, each row's or one for all."""
+    ``h``: the hazards ``[B or 1, DEPTH + 1, K]``, each row's or one for all, a node priced by
+    its class's columns (``weak``: the classes' and pooled columns, ``K = (CLASSES + 1) * RANKS``;
+    given pooled hazards alone, every node is strong, and later ranks share the last column)."""
     B, n = valid.shape
     D, K = h.shape[1] - 1, h.shape[2]
     v = np.zeros((B, n))
@@ -300,7 +354,8 @@ def chances(parents, rank, depth, valid, h):
             p = parents[s, c]
             if not valid[b, c] or v[b, p] == 0.0:
                 continue
-            x = h[b if h.shape[0] > 1 else 0, min(depth[s, c], D), min(rank[s, c], K - 1)]
+            j = min(min(rank[s, c], RANKS - 1) + RANKS * weak[b, c], K - 1)
+            x = h[b if h.shape[0] > 1 else 0, min(depth[s, c], D), j]
             v[b, c] = min(v[b, p] * alive[p] * x, last[p])
             last[p] = v[b, c]
             alive[p] *= 1.0 - x

@@ -65,7 +65,7 @@ from collections import Counter
 import numpy as np
 import torch
 
-from .acceptance import PathRates, RowRates, chances, shape_structure, structure, valid_mask, walk
+from .acceptance import PathRates, RowRates, chances, pooled, shape_structure, structure, valid_mask, walk, weak_mask
 from .cost import WAKE, CostProfile, bracketed_profile, cost_profile, default_sizes
 from .plans import best_rows, best_size, cut_rows, expected_accepted, plan_shape, remade, rows_worth, weigh
 from ..tree import TokenTree, TreeShape
@@ -344,7 +344,7 @@ class AutoTree:
         memo = self._memo[1]
         expected = memo.get(order)
         if expected is None:
-            expected = memo[order] = expected_accepted(*shape_structure(order), np.ascontiguousarray(hazard))
+            expected = memo[order] = expected_accepted(*shape_structure(order), pooled(hazard))
         best, rate, gain = best_size(expected, self.gain_scale(), self._size_array, self.cost, draft_cost,
                                      self._scaled("tree"), order.n)
         return int(best), rate, gain
@@ -538,7 +538,7 @@ class AutoTree:
         if not len(rows):
             return
         parents, rank, depth = structure(draft)
-        drafted = valid_mask(draft)
+        drafted, weak = valid_mask(draft), weak_mask(draft)
         # (a row that emitted nothing keeps its root)
         valid = drafted & (depth < np.maximum(seen, 1)[:, None])
         emitted = np.zeros((len(after), int(seen.max())), dtype=np.int64)
@@ -549,15 +549,15 @@ class AutoTree:
         served = served & (seen > 0)
         if served.any():
             hazard = self.row_rates.hazard(ids, self.rates.hazard())
-            said = rows_worth(chances(parents, rank, depth, valid, hazard)[served, 1:].sum(1).tolist())
+            said = rows_worth(chances(parents, rank, depth, valid, weak, hazard)[served, 1:].sum(1).tolist())
             self._learn_gain(rows_worth(counts[served].tolist()) - 1.0, said)
             # whether the choice would have kept it teaches the share of drafts kept: learned from chosen
             # drafts alone, a share that had fallen kept the choice from drafting, and so from learning
             # it again (compiled, batch 1, STAND: +0.18 over plain decoding, paired, docs/benchmarks.md)
-            m = weigh(parents, rank, depth, drafted, hazard, served, min(draft.n, self.max_nodes), *self._weighing(),
-                      True, self.gain_scale())[0]
+            m = weigh(parents, rank, depth, drafted, weak, hazard, served, min(draft.n, self.max_nodes),
+                      *self._weighing(), True, self.gain_scale())[0]
             self._learn_kept(m > 1)
-        cut = remade(draft, valid=torch.from_numpy(valid))
+        cut = remade(draft, valid=torch.from_numpy(valid), weak=draft.weak)
         self.rates.record(cut, emitted, counts, rows, self.row_rates, ids)
         self._stale = True
         self._replan(cut)
@@ -657,8 +657,8 @@ class AutoTree:
         parents, rank, depth = structure(draft)
         hazard = self.rates.hazard()
         hazard = hazard[None] if ids is None else self.row_rates.hazard(ids, hazard)
-        m, focus, promised, v, raw, cost = weigh(parents, rank, depth, valid_mask(draft), hazard, active, n,
-                                                 *self._weighing(), not self._probing, self.gain_scale())
+        m, focus, promised, v, raw, cost = weigh(parents, rank, depth, valid_mask(draft), weak_mask(draft), hazard,
+                                                 active, n, *self._weighing(), not self._probing, self.gain_scale())
         if m == 0:  # (no active row drafted anything)
             self._verified(False)
             return None
@@ -934,7 +934,10 @@ def _load_helpers() -> None:
     shape = TreeShape((-1, 0, 0, 1))
     tokens = torch.zeros(2, shape.n, dtype=torch.long)
     both, rows = np.ones(2, dtype=np.bool_), np.arange(2)
-    for draft in (TokenTree.from_shape(shape, tokens), TokenTree(shape.parents_tensor().expand(2, -1), tokens)):
+    flags = np.zeros((2, shape.n), dtype=np.bool_)
+    marked = TokenTree.from_arrays(shape, tokens.numpy(), ~flags, flags)
+    for draft in (TokenTree.from_shape(shape, tokens), TokenTree(shape.parents_tensor().expand(2, -1), tokens), marked,
+                  marked.prefix(3)):  # (a drafter's weak nodes, and a cut draft's: other array types to numba)
         auto.choose(draft, both, rows)
         auto.record(draft, np.zeros((2, 2), dtype=np.int64), np.ones(2, dtype=np.int64), rows, ids=rows)
         auto.watched(draft, [np.zeros(2, dtype=np.int64)] * 2, both, rows)

@@ -69,10 +69,12 @@ def best_prefix(v, active, cost, allow_plain):
 @njit(cache=True)
 def expected_accepted(parents, rank, depth, h):
     """The drafts a shape's prefix of m nodes is expected to have accepted (index m - 2: its
-    nodes' chances under the hazards ``h``, summed), every node valid; in one call, as a choice
-    weighs its sizes right after a model pass."""
+    nodes' chances under the hazards ``h``, summed), every node valid and strong (``h`` the pooled
+    hazards: a shape is weighed before it is drafted); in one call, as a choice weighs its sizes
+    right after a model pass."""
     n = parents.shape[1]
-    v = chances(parents, rank, depth, np.ones((1, n), dtype=np.bool_), h.reshape((1, h.shape[0], h.shape[1])))
+    v = chances(parents, rank, depth, np.ones((1, n), dtype=np.bool_), np.zeros((1, n), dtype=np.bool_),
+                h.reshape((1, h.shape[0], h.shape[1])))
     out = np.empty(n - 1)
     total = 0.0
     for c in range(1, n):
@@ -102,7 +104,7 @@ def best_size(expected, gain_scale, sizes, cost, draft_cost, tree_scale, n):
 
 
 @njit(cache=True)
-def weigh(parents, rank, depth, valid, h, active, n, cost, tree_scale, plain_ms, allow_plain, gain):
+def weigh(parents, rank, depth, valid, weak, h, active, n, cost, tree_scale, plain_ms, allow_plain, gain):
     """A draft's first ``n`` nodes weighed after drafting (:meth:`~stree.decoding.autotree.AutoTree.choose`,
     in one call: as some twenty small NumPy calls it cost a drafted iteration about a seventh of a
     compiled step, and each call apart runs cold right after a model pass): every node's chance
@@ -125,7 +127,7 @@ def weigh(parents, rank, depth, valid, h, active, n, cost, tree_scale, plain_ms,
     for m in range(n + 1):
         scaled[m] = cost[m] * tree_scale
     scaled[1] = plain_ms
-    v = chances(parents[:, :n], rank[:, :n], depth[:, :n], valid[:, :n], h)
+    v = chances(parents[:, :n], rank[:, :n], depth[:, :n], valid[:, :n], weak[:, :n], h)
     focus, least = -1, np.inf
     for b in range(B):
         if active[b]:
@@ -279,7 +281,7 @@ def cut_rows(draft: TokenTree, sizes: np.ndarray) -> TokenTree:
     keep = torch.arange(top)[None] < torch.from_numpy(sizes)[:, None]
     valid = keep if draft.valid is None else draft.valid & keep
     return remade(draft, valid=valid, child_ids=draft.child_ids, child_probs=draft.child_probs,
-                   with_replacement=draft.with_replacement, row_sizes=tuple(int(s) for s in sizes))
+                   with_replacement=draft.with_replacement, row_sizes=tuple(int(s) for s in sizes), weak=draft.weak)
 
 
 def remade(draft: TokenTree, **fields) -> TokenTree:

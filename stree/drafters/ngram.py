@@ -66,22 +66,23 @@ class RowIndex:
         entry = self.next.get(key)
         return [] if entry is None else list(entry[1])
 
-    def candidates(self, suffix: tuple[int, ...], k: int, min_n: int) -> list[int]:
-        """Up to ``k`` distinct continuations: those of the longest matching suffix first (most
-        frequent, then most recent), then shorter suffixes' to fill the remaining slots."""
+    def candidates(self, suffix: tuple[int, ...], k: int, min_n: int) -> list[tuple[int, int]]:
+        """Up to ``k`` distinct continuations, each with the length of the match it came from:
+        those of the longest matching suffix first (most frequent, then most recent), then
+        shorter suffixes' to fill the remaining slots."""
         if len(suffix) < min_n:
             return []
         entry = self.next.get(suffix)
         if entry is not None and len(entry[1]) >= k:  # the common case: the longest suffix alone fills the slots
-            return entry[1][:k]
-        out: list[int] = []
+            return [(tok, len(suffix)) for tok in entry[1][:k]]
+        out: list[tuple[int, int]] = []
         for n in range(len(suffix), min_n - 1, -1):
             entry = self.next.get(suffix[len(suffix) - n:])
             if entry is None:
                 continue
             for tok in entry[1]:
-                if tok not in out:
-                    out.append(tok)
+                if all(tok != t for t, _ in out):
+                    out.append((tok, n))
                     if len(out) == k:
                         return out
         return out
@@ -90,33 +91,38 @@ class RowIndex:
         """Whether the context's last tokens have a continuation (a draft's root a child)."""
         return bool(self.candidates(tuple(self.tokens[-self.max_n:]), 1, min_n))
 
-    def propose(self, min_n: int, plan: ShapePlan, n_nodes: int, out: tuple[np.ndarray, np.ndarray] | None = None
-                ) -> tuple[np.ndarray, np.ndarray]:
-        """One row's draft on the plan's shape: tokens and which nodes were filled (also written to
-        ``out`` where given)."""
-        toks, ok, suffix = [0] * n_nodes, [False] * n_nodes, [()] * n_nodes
+    def propose(self, min_n: int, weak_n: int, plan: ShapePlan, n_nodes: int, out: tuple | None = None
+                ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """One row's draft on the plan's shape: tokens, which nodes were filled and which of them
+        from a match of at most ``weak_n`` tokens (also written to ``out`` where given)."""
+        toks, ok, weak, suffix = [0] * n_nodes, [False] * n_nodes, [False] * n_nodes, [()] * n_nodes
         toks[0], ok[0], suffix[0] = self.tokens[-1], True, tuple(self.tokens[-self.max_n:])
         for v in plan.nodes.tolist():  # parents come first
             if not ok[v]:
                 continue
             kids = plan.kids[v]
-            for child, tok in zip(kids, self.candidates(suffix[v], len(kids), min_n)):
-                toks[child], ok[child] = tok, True
+            for child, (tok, n) in zip(kids, self.candidates(suffix[v], len(kids), min_n)):
+                toks[child], ok[child], weak[child] = tok, True, n <= weak_n
                 if plan.kids[child]:
                     suffix[child] = (suffix[v] + (tok,))[-self.max_n:]
         if out is not None:
-            out[0][:], out[1][:] = toks, ok
-        return np.array(toks, dtype=np.int64), np.array(ok, dtype=bool)
+            out[0][:], out[1][:], out[2][:] = toks, ok, weak
+        return np.array(toks, dtype=np.int64), np.array(ok, dtype=bool), np.array(weak, dtype=bool)
 
 
 class NGramDrafter(Drafter):
     """Deterministic drafts from the row's own context (prompt + generated): each node's children
     are the distinct continuations of the longest suffix (n = ``max_n``..``min_n``) of the path
-    context that occurred before, most frequent first; slots with no candidate are invalid.
+    context that occurred before, most frequent first; slots with no candidate are invalid. Nodes
+    drafted from a match of at most ``WEAK`` tokens are marked weak (``TokenTree.weak``): over
+    the shipped pair's outputs a one-token match's top continuation was the next token a third as
+    often as a four-token one's, and ``tree="auto"`` prices such nodes by their own rates.
 
     Memory is bounded per row: at most ``capacity`` n-grams (about 250 bytes each; the default
     65536 covers 16k tokens of context at ``max_n`` 4), the ``evict_fraction`` least recently
     updated dropped when it is reached."""
+
+    WEAK = 1  # the longest match, in tokens, whose drafts are weak
 
     def __init__(self, max_n: int = 4, min_n: int = 1, capacity: int = 1 << 16, evict_fraction: float = 0.1,
                  compiled: bool = True):
@@ -167,7 +173,8 @@ class NGramDrafter(Drafter):
         tokens, lengths = context.arrays()  # NumPy: a torch index costs more than a NumPy one
         out_tok = np.empty((len(context), shape.n), dtype=np.int64)
         out_ok = np.empty((len(context), shape.n), dtype=bool)
+        out_weak = np.empty((len(context), shape.n), dtype=bool)
         for i, row in enumerate(context.rows):
             index = self._index(row, tokens, int(lengths[row]))
-            index.propose(self.min_n, shape.plan, shape.n, (out_tok[i], out_ok[i]))
-        return TokenTree.from_arrays(shape, out_tok, out_ok)
+            index.propose(self.min_n, self.WEAK, shape.plan, shape.n, (out_tok[i], out_ok[i], out_weak[i]))
+        return TokenTree.from_arrays(shape, out_tok, out_ok, out_weak)

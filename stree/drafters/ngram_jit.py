@@ -130,14 +130,15 @@ def extend(toks, end, max_n, capacity, evict, slots, key_tok, key_len, key_stamp
 
 
 @njit(cache=True)
-def _candidates(suffix, slen, k, min_n, slots, key_tok, key_len, c_start, c_len, pool_tok, out):
+def _candidates(suffix, slen, k, min_n, slots, key_tok, key_len, c_start, c_len, pool_tok, out, out_n):
     """Fills ``out[:m]`` with up to ``k`` distinct continuations of ``suffix[:slen]``, longest
-    matching suffix first; returns m."""
+    matching suffix first, and ``out_n[:m]`` with the length of the match each came from; returns m."""
     if slen < min_n:
         return 0
     key, _ = find(slots, key_tok, key_len, suffix, 0, slen)
     if key >= 0 and c_len[key] >= k:
         out[:k] = pool_tok[c_start[key]: c_start[key] + k]
+        out_n[:k] = slen
         return k
     m = 0
     for n in range(slen, min_n - 1, -1):
@@ -153,6 +154,7 @@ def _candidates(suffix, slen, k, min_n, slots, key_tok, key_len, c_start, c_len,
                     break
             if not seen:
                 out[m] = tok
+                out_n[m] = n
                 m += 1
                 if m == k:
                     return m
@@ -165,21 +167,24 @@ def continues(toks, ntoks, max_n, min_n, slots, key_tok, key_len, c_start, c_len
     first = max(0, ntoks - max_n)
     out = np.empty(1, dtype=np.int64)
     return _candidates(toks[first: ntoks], ntoks - first, 1, min_n, slots, key_tok, key_len, c_start, c_len, pool_tok,
-                       out) > 0
+                       out, np.empty(1, dtype=np.int64)) > 0
 
 
 @njit(cache=True)
 def propose(toks, ntoks, max_n, min_n, slots, key_tok, key_len, c_start, c_len, pool_tok,
-            plan_node, plan_kids, kids, has_kids, out_tok, out_ok):
+            plan_node, plan_kids, kids, has_kids, weak_n, out_tok, out_ok, out_weak):
     """Drafts one row on a static shape: node 0 the last token; the children of internal node
     ``plan_node[p]`` (parents first) are ``kids[plan_kids[p]: plan_kids[p + 1]]``, filled with the
-    continuations of their parent's path suffix. ``out_ok`` marks the filled nodes."""
+    continuations of their parent's path suffix. ``out_ok`` marks the filled nodes, ``out_weak``
+    those drafted from a match of at most ``weak_n`` tokens."""
     n_nodes = len(out_tok)
     suffix = np.zeros((n_nodes, max_n), dtype=np.int64)
     slen = np.zeros(n_nodes, dtype=np.int64)
     cand = np.empty(len(kids) + 1, dtype=np.int64)
+    cand_n = np.empty(len(kids) + 1, dtype=np.int64)
     out_tok[:] = 0
     out_ok[:] = False
+    out_weak[:] = False
     first = max(0, ntoks - max_n)
     slen[0] = ntoks - first
     suffix[0, : slen[0]] = toks[first: ntoks]
@@ -191,11 +196,12 @@ def propose(toks, ntoks, max_n, min_n, slots, key_tok, key_len, c_start, c_len, 
             continue
         lo = plan_kids[p]
         m = _candidates(suffix[v], slen[v], plan_kids[p + 1] - lo, min_n, slots, key_tok, key_len, c_start, c_len,
-                        pool_tok, cand)
+                        pool_tok, cand, cand_n)
         for c in range(m):
             child = kids[lo + c]
             out_tok[child] = cand[c]
             out_ok[child] = True
+            out_weak[child] = cand_n[c] <= weak_n
             if has_kids[lo + c]:
                 keep = min(slen[v], max_n - 1)  # the parent's last tokens, then this one
                 suffix[child, :keep] = suffix[v, slen[v] - keep: slen[v]]
@@ -296,15 +302,16 @@ class CompiledRowIndex:
         return bool(continues(self.toks, self.ntoks, self.max_n, min_n, self.slots, self.key_tok, self.key_len,
                               self.c_start, self.c_len, self.pool_tok))
 
-    def propose(self, min_n: int, plan, n_nodes: int, out: tuple[np.ndarray, np.ndarray] | None = None
-                ) -> tuple[np.ndarray, np.ndarray]:
-        """The draft's tokens and validity ``[n_nodes]``, written to ``out`` where given (a row of
-        the caller's arrays)."""
-        out_tok, out_ok = out if out is not None else (np.empty(n_nodes, dtype=np.int64),
-                                                       np.empty(n_nodes, dtype=np.bool_))
+    def propose(self, min_n: int, weak_n: int, plan, n_nodes: int, out: tuple | None = None
+                ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The draft's tokens, validity and weakness ``[n_nodes]`` (as ``ngram.RowIndex.propose``),
+        written to ``out`` where given (a row of the caller's arrays)."""
+        out_tok, out_ok, out_weak = out if out is not None else (
+            np.empty(n_nodes, dtype=np.int64), np.empty(n_nodes, dtype=np.bool_), np.empty(n_nodes, dtype=np.bool_))
         propose(self.toks, self.ntoks, self.max_n, min_n, self.slots, self.key_tok, self.key_len, self.c_start,
-                self.c_len, self.pool_tok, plan.nodes, plan.child_at, plan.children, plan.inner, out_tok, out_ok)
-        return out_tok, out_ok
+                self.c_len, self.pool_tok, plan.nodes, plan.child_at, plan.children, plan.inner, weak_n, out_tok,
+                out_ok, out_weak)
+        return out_tok, out_ok, out_weak
 
 
 @functools.cache
@@ -321,5 +328,5 @@ def warm() -> None:
         index = CompiledRowIndex(4, capacity, 0.5)
         index.extend(np.arange(1200, dtype=np.int64) * 7919 % 4099)  # (distinct n-grams)
         index.extend(np.arange(600, dtype=np.int64) % 7)  # (continuations outgrowing their regions)
-        index.propose(1, shape.plan, shape.n)
+        index.propose(1, 1, shape.plan, shape.n)
         index.continues(1)

@@ -215,18 +215,21 @@ class STANDStore:
             self._np_stamp[slots] = self._clock
 
 
-    def draft(self, tails: list[list[int]], plan: ShapePlan, stochastic: np.ndarray, noise: np.ndarray):
+    def draft(self, tails: list[list[int]], plan: ShapePlan, stochastic: np.ndarray, noise: np.ndarray,
+              weak_p: float = 0.0):
         """Trees for rows whose contexts end with ``tails`` (their last ``max_n`` tokens or fewer):
         each internal node's children are drawn from the entry of the longest n-gram matching its
         path, depth by depth -- for the rows ``stochastic`` marks, without replacement, the race of
         ``probs / noise`` (``noise`` i.i.d. Exp(1), K values per matched node of the level, in
-        order, where any row draws); for the others the top entries. Returns tokens, valid,
-        child_ids, child_probs and the noise values used."""
+        order, where any row draws); for the others the top entries. Returns tokens, valid, weak
+        (the other rows' nodes whose stored probability is below ``weak_p``: a random draft's
+        size must not depend on its draws, so its nodes are never marked), child_ids, child_probs
+        and the noise values used."""
         b, n, K = len(tails), plan.shape.n, self.top_k
         # (not np.broadcast_to, a Python function of a dozen NumPy calls: a tenth of a draft's time)
         flags = np.asarray(stochastic, dtype=np.bool_)
         stochastic = np.full(b, bool(flags)) if flags.ndim == 0 else np.ascontiguousarray(flags).reshape(b)
-        tokens, valid = np.zeros((b, n), dtype=np.int64), np.zeros((b, n), dtype=bool)
+        tokens, valid, weak = np.zeros((b, n), dtype=np.int64), np.zeros((b, n), dtype=bool), np.zeros((b, n), bool)
         child_ids, child_probs = np.zeros((b, n, K), dtype=np.int64), np.zeros((b, n, K), dtype=np.float32)
         if self.compiled:
             tail_arr = np.zeros((b, self.max_n), dtype=np.int64)
@@ -235,8 +238,8 @@ class STANDStore:
             used = self._jit.draft(tail_arr, np.array([len(t) for t in tails], dtype=np.int64), plan.nodes, plan.level_at,
                                    plan.child_at, plan.children, plan.inner,
                                    stochastic, noise, self.max_n, self._np_ids, self._np_probs, self._table,
-                                   self._key_tok, self._key_len, tokens, valid, child_ids, child_probs)
-            return tokens, valid, child_ids, child_probs, used
+                                   self._key_tok, self._key_len, weak_p, tokens, valid, weak, child_ids, child_probs)
+            return tokens, valid, weak, child_ids, child_probs, used
         paths: dict[tuple[int, int], tuple[int, ...]] = {}
         for i, tail in enumerate(tails):
             paths[i, 0] = tuple(tail)
@@ -263,8 +266,9 @@ class STANDStore:
                 for r, c in enumerate(plan.kids[v][:width]):
                     if drawn_p[j][r] > 0:
                         tokens[i, c], valid[i, c] = drawn_ids[j][r], True
+                        weak[i, c] = not stochastic[i] and drawn_p[j][r] < weak_p
                         paths[i, c] = (paths[i, v] + (drawn_ids[j][r],))[-self.max_n:]
-        return tokens, valid, child_ids, child_probs, used
+        return tokens, valid, weak, child_ids, child_probs, used
 
 
 def ngram_windows(seq: list[int], start: int, max_n: int):
@@ -327,6 +331,8 @@ class STANDDrafter(Drafter):
     # difference (its softmax, top-K and a larger transfer each step).
     plain_target = False
 
+    WEAK = 0.5  # a deterministic draft's nodes of a lower stored probability are weak (TokenTree.weak)
+
     def __init__(self, store: STANDStore, shape: TreeShape | None = None, stochastic: bool = True, seed: int = 0,
                  noise_size: int = 1 << 16, learn: bool = True):
         self.store, self.shape, self.stochastic, self.learn = store, shape, stochastic, learn
@@ -380,12 +386,13 @@ class STANDDrafter(Drafter):
         bound = len(tails) * len(plan.nodes) * self.store.top_k  # K values per matched node at most
         random = context.random_rows(self.stochastic)
         noise = self._noise_window(bound) if random.any() else np.empty(0)
-        tokens, valid, child_ids, child_probs, used = self.store.draft(tails, plan, random, noise)
+        tokens, valid, weak, child_ids, child_probs, used = self.store.draft(tails, plan, random, noise, self.WEAK)
         self._pos += used
         if not random.any():
-            return TokenTree.from_arrays(shape, tokens, valid)
+            return TokenTree.from_arrays(shape, tokens, valid, weak)
         return TokenTree.from_shape(shape, torch.from_numpy(tokens), valid=torch.from_numpy(valid),
-                                    child_ids=torch.from_numpy(child_ids), child_probs=torch.from_numpy(child_probs))
+                                    child_ids=torch.from_numpy(child_ids), child_probs=torch.from_numpy(child_probs),
+                                    weak=weak)
 
     def _tails(self, context: DraftContext) -> tuple[np.ndarray, np.ndarray]:
         """Each row's last ``max_n`` tokens (or fewer), left-aligned, and how many."""

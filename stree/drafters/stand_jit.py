@@ -159,7 +159,7 @@ def longest_many(table, key_tok, key_len, paths, plens, max_n):
 
 @njit(cache=True)
 def draft(tails, tail_len, nodes, level_start, kid_start, kids, has_kids, stochastic, noise, max_n, ids, probs,
-          table, key_tok, key_len, out_tok, out_ok, child_ids, child_probs):
+          table, key_tok, key_len, weak_p, out_tok, out_ok, out_weak, child_ids, child_probs):
     """Fills the trees of every row (see ``STANDStore.draft``; ``stochastic`` per row); returns the
     noise values used."""
     b, n_nodes = out_tok.shape
@@ -172,6 +172,7 @@ def draft(tails, tail_len, nodes, level_start, kid_start, kids, has_kids, stocha
         path[i, 0, : tail_len[i]] = tails[i, : tail_len[i]]
         out_tok[i, 0] = tails[i, tail_len[i] - 1]
         out_ok[i, 0] = True
+        out_weak[i, :] = False
     todo = np.empty((b * len(nodes), 3), dtype=np.int64)  # (row, position in nodes, slot)
     key = np.empty(K, dtype=np.float64)
     taken = np.zeros(K, dtype=np.bool_)
@@ -210,6 +211,7 @@ def draft(tails, tail_len, nodes, level_start, kid_start, kids, has_kids, stocha
                 child = kids[kid_start[p] + r]
                 out_tok[i, child] = ids[s, best]
                 out_ok[i, child] = True
+                out_weak[i, child] = not stochastic[i] and probs[s, best] < weak_p
                 if has_kids[kid_start[p] + r]:
                     keep = min(plen[i, v], max_n - 1)
                     path[i, child, :keep] = path[i, v, plen[i, v] - keep: plen[i, v]]

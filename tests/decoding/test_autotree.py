@@ -208,6 +208,26 @@ def test_rows_learn_their_own_rates_leaning_on_the_batchs():
     assert auto.row_rates.reached[5, 1, 0] > 10
 
 
+def test_weak_nodes_are_priced_by_their_own_rates():
+    """Where strong drafts are always accepted and weak ones never (a drafter's one-token n-gram
+    matches), the same draft is kept when its nodes are strong and declined when they are weak;
+    a plan, drafted before its nodes' classes are known, is weighed by the classes pooled."""
+    auto = AutoTree(CostProfile(1.0, (2, 4, 8, 16), (1.5, 1.7, 2.0, 2.6)))
+    chain = TreeShape.chain(2)
+    for _ in range(30):  # first node strong and taken, second weak and refused
+        tree = TokenTree.from_arrays(chain, np.array([[1, 10, 11]]), weak=np.array([[False, False, True]]))
+        auto.record(tree, np.array([[10, 999, 0]]), np.array([2]), np.arange(1))
+    shape = auto.prefix(8)
+    tokens = (np.arange(shape.n) + 100)[None]
+    strong = TokenTree.from_arrays(shape, tokens, weak=np.zeros((1, shape.n), dtype=bool))
+    weak = TokenTree.from_arrays(shape, tokens, weak=np.arange(shape.n)[None] > 0)
+    assert auto.choose(strong, np.ones(1, dtype=np.bool_)) is not None
+    assert auto.choose(weak, np.ones(1, dtype=np.bool_)) is None
+    h = auto.rates.hazard()
+    assert h[1, 0] > 0.8 and h[2, PathRates.RANKS] < 0.2  # the strong at depth 1, the weak at depth 2
+    assert auto.rates.positional()[2, 0] == pytest.approx(h[2, -PathRates.RANKS])  # planned: pooled, the weak's here
+
+
 def test_a_batch_choice_serves_the_row_that_finishes_last():
     """The batch decodes until its last row is done: a tree pays only if that row gains. Row 0
     accepts everything, row 1 nothing: trees for row 0's sake, plain steps for row 1's."""
@@ -259,7 +279,8 @@ def test_rows_level_at_the_end_are_served_by_their_mean_gain():
     assert both is not None and auto._focus == 1
     parents, rank, depth = shape_structure(both.static_shape)
     hazard = auto.row_rates.hazard(ids, auto.rates.hazard())
-    v = chances(parents, rank, depth, np.ones((2, both.n), dtype=np.bool_), hazard)
+    strong = np.zeros((2, both.n), dtype=np.bool_)
+    v = chances(parents, rank, depth, ~strong, strong, hazard)
     sums = v[:, 1:].sum(1)
     assert auto._promised[0] == pytest.approx(sums.mean()) and sums[1] < 0.2 * sums[0]
     three = TokenTree.from_shape(shape, torch.arange(24).reshape(3, 8) + 100)

@@ -75,18 +75,19 @@ def test_a_batch_weighs_two_rows_by_their_mean_and_more_by_their_least():
 def weighed_drafts(draw):
     """Rows of one draft (a shape of its own per row or one for all), the rows that count, the
     nodes weighed, the costs and their scales, whether a plain step may win, the gain scale, and
-    hazards per row or one for all."""
+    hazards per row or one for all (each class's columns and the pooled ones)."""
     rows, n = draw(st.integers(1, 3)), draw(st.integers(2, 10))
     shapes = draw(st.integers(1, rows).filter(lambda k: k in (1, rows)))
     parents = np.array([[-1] + [draw(st.integers(0, i - 1)) for i in range(1, n)] for _ in range(shapes)])
     valid = np.array([[True] + [draw(st.booleans()) for _ in range(n - 1)] for _ in range(rows)])
+    weak = np.array([[False] + [draw(st.booleans()) for _ in range(n - 1)] for _ in range(rows)])
     active = np.array([draw(st.booleans()) for _ in range(rows)])
     active[draw(st.integers(0, rows - 1))] = True
-    h = np.array(draw(st.lists(st.floats(0.01, 0.99), min_size=4 * 3, max_size=4 * 3)))
-    hazards = np.stack([h.reshape(4, 3) ** (1 + r) for r in range(draw(st.sampled_from([1, rows])))])
+    h = np.array(draw(st.lists(st.floats(0.01, 0.99), min_size=4 * 24, max_size=4 * 24)))
+    hazards = np.stack([h.reshape(4, 24) ** (1 + r) for r in range(draw(st.sampled_from([1, rows])))])
     cost = np.array([np.inf] + draw(st.lists(st.floats(0.5, 20), min_size=n, max_size=n)))
     scales = (draw(st.floats(0.5, 2.0)), draw(st.floats(0.5, 20)))
-    return (parents, valid, active, hazards, draw(st.integers(2, n)), cost, scales, draw(st.booleans()),
+    return (parents, valid, weak, active, hazards, draw(st.integers(2, n)), cost, scales, draw(st.booleans()),
             draw(st.floats(0.2, 2.0)))
 
 
@@ -97,10 +98,10 @@ def test_a_draft_weighed_in_one_call_is_its_steps_weighed_apart(case):
     the trees' scale (at 1 a plain step's), the best prefix by the chances times the gain scale,
     the active row gaining least (the first of equals), and what the prefix promises the active
     rows (unscaled: of two rows their mean, of more their least)."""
-    parents, valid, active, h, k, cost, (tree_scale, plain), allow_plain, gain = case
+    parents, valid, weak, active, h, k, cost, (tree_scale, plain), allow_plain, gain = case
     rank, depth = rank_depth(parents)
-    m, focus, promised, v, raw, weighed = weigh(parents, rank, depth, valid, h, active, k, cost, tree_scale, plain,
-                                                allow_plain, gain)
+    m, focus, promised, v, raw, weighed = weigh(parents, rank, depth, valid, weak, h, active, k, cost, tree_scale,
+                                                plain, allow_plain, gain)
     if not valid[active, 1:k].any():
         assert m == 0
         return
@@ -108,7 +109,7 @@ def test_a_draft_weighed_in_one_call_is_its_steps_weighed_apart(case):
     want_cost[1] = plain
     np.testing.assert_array_equal(weighed, want_cost)
     parents, rank, depth, valid = parents[:, :k], rank[:, :k], depth[:, :k], valid[:, :k]
-    want_raw = chances(parents, rank, depth, np.ascontiguousarray(valid), h)
+    want_raw = chances(parents, rank, depth, np.ascontiguousarray(valid), np.ascontiguousarray(weak[:, :k]), h)
     np.testing.assert_array_equal(raw, want_raw)
     scaled = want_raw.copy()
     scaled[:, 1:] *= gain
@@ -155,5 +156,6 @@ def test_a_shapes_expected_drafts_are_its_chances_summed_prefix_by_prefix(picks,
     parents = np.array([[-1] + [p % i for i, p in enumerate(picks, 1)]])
     rank, depth = rank_depth(parents)
     hazard = np.array(h).reshape(4, 3)
-    want = np.cumsum(chances(parents, rank, depth, np.ones(parents.shape, dtype=np.bool_), hazard[None])[0, 1:])
+    want = np.cumsum(chances(parents, rank, depth, np.ones(parents.shape, dtype=np.bool_),
+                             np.zeros(parents.shape, dtype=np.bool_), hazard[None])[0, 1:])
     np.testing.assert_array_equal(expected_accepted(parents, rank, depth, hazard), want)

@@ -74,8 +74,10 @@ def test_stand_compiled_and_reference_drafts_agree_row_by_row():
     plan = TreeShape.full(2, 3).plan
     tails = [[1, 2], [3], [4, 5], [6, 7]]
     noise = np.random.default_rng(3).exponential(size=len(tails) * len(plan.nodes) * 4)
-    for x, y in zip(ref.draft(tails, plan, ~GREEDY, noise), fast.draft(tails, plan, ~GREEDY, noise)):
+    drafts = ref.draft(tails, plan, ~GREEDY, noise, 0.5), fast.draft(tails, plan, ~GREEDY, noise, 0.5)
+    for x, y in zip(*drafts):
         assert np.array_equal(x, y)
+    assert not drafts[0][2][~GREEDY].any()  # weak marks on the greedy rows' drafts alone
 
 
 def test_per_row_drafters_mixing_greedy_and_sampled_rows_verify_one_hot():

@@ -72,20 +72,24 @@ def test_random_contexts_match_the_definition_at_every_depth(compiled):
             while u > 0:
                 path.append(int(tree.tokens[0, u]))
                 u = shape.parents[u]
-            # the index holds the committed context only: drafted tokens extend the key, not the table
-            got = [int(tree.tokens[0, c]) for c in kids[v] if tree.valid[0, c]]
-            assert got == want_from_committed(ctx, path[::-1], len(kids[v])), (ctx, v)
+            # the index holds the committed context only: drafted tokens extend the key, not the table;
+            # a child is weak where the match it came from was one token (NGramDrafter.WEAK)
+            got = [(int(tree.tokens[0, c]), bool(tree.weak[0, c])) for c in kids[v] if tree.valid[0, c]]
+            want = want_from_committed(ctx, path[::-1], len(kids[v]))
+            assert got == [(t, n <= 1) for t, n in want], (ctx, v)
+            assert not tree.weak[0, [c for c in kids[v] if not tree.valid[0, c]]].any()
 
 
 def want_from_committed(ctx, path, k, max_n=4):
-    """Continuations looked up with the path context's suffix, counted over the committed ``ctx``."""
+    """Continuations looked up with the path context's suffix, counted over the committed ``ctx``,
+    each with the length of the suffix it followed."""
     full = ctx + path
     out = []
     for n in range(min(max_n, len(full)), 0, -1):
         suffix = full[len(full) - n:]
         for t in continuations(ctx, suffix):
-            if t not in out and len(out) < k:
-                out.append(t)
+            if t not in [u for u, _ in out] and len(out) < k:
+                out.append((t, n))
     return out
 
 
@@ -180,8 +184,8 @@ def test_compiled_index_equals_the_reference(seed, vocab, max_n, capacity, evict
         fast.extend(new)
         assert sorted(ref.keys()) == sorted(fast.keys())
         assert all(ref.ranked(k) == fast.ranked(k) for k in ref.keys())
-        min_n = int(rng.integers(1, max_n + 1))
-        drafts = ref.propose(min_n, plan, plan.shape.n), fast.propose(min_n, plan, plan.shape.n)
+        min_n, weak_n = int(rng.integers(1, max_n + 1)), int(rng.integers(0, max_n + 1))
+        drafts = ref.propose(min_n, weak_n, plan, plan.shape.n), fast.propose(min_n, weak_n, plan, plan.shape.n)
         for a, b in zip(*drafts):
             assert np.array_equal(a, b)
         assert ref.continues(min_n) == fast.continues(min_n) == bool(drafts[0][1][1:].any())
@@ -201,7 +205,7 @@ def test_compiled_index_grows_and_compacts_like_the_reference(monkeypatch):
         new = rng.integers(0, 30, 100) if rng.random() < 0.5 else np.repeat(rng.integers(0, 30, 20), 5)
         ref.extend(new)
         fast.extend(new)
-        for a, b in zip(ref.propose(1, plan, plan.shape.n), fast.propose(1, plan, plan.shape.n)):
+        for a, b in zip(ref.propose(1, 1, plan, plan.shape.n), fast.propose(1, 1, plan, plan.shape.n)):
             assert np.array_equal(a, b)
     assert {"_grow_ids", "_rehash", "_compact"} <= set(grown)
     assert sorted(ref.keys()) == sorted(fast.keys())
