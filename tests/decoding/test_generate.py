@@ -261,8 +261,16 @@ def test_only_a_speculative_loops_plain_steps_follow_the_tree_passes_weights(mon
     generate(model, [[1, 2, 3, 4]], max_new_tokens=6, method="autoregressive")
     assert set(entered) == {"plain"}
     entered.clear()
+
+    class EveryFourth(NGramDrafter):  # (plain steps right after a pass and past FOLLOW_WIDE, whatever is accepted)
+        calls = 0
+
+        def can_draft(self, context):
+            self.calls += 1
+            return self.calls % 4 == 1 and super().can_draft(context)
+
     cheap = AutoTree(CostProfile(1.0, (2, 4), (1.0, 1.0)))  # trees where the n-gram drafts, else plain steps
-    generate(model, [[1, 2, 3, 1, 2, 3, 1, 2]], max_new_tokens=24, drafter=NGramDrafter(), tree=cheap)
+    generate(model, [[1, 2, 3, 1, 2, 3, 1, 2]], max_new_tokens=24, drafter=EveryFourth(), tree=cheap)
     since, followed = None, []  # plain steps since the last pass (None: no pass yet)
     for i, role in enumerate(entered):
         if role == "lead":
