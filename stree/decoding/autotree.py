@@ -66,7 +66,7 @@ import numpy as np
 import torch
 
 from .acceptance import PathRates, RowRates, chances, pooled, shape_structure, structure, valid_mask, walk, weak_mask
-from .cost import WAKE, CostProfile, bracketed_profile, cost_profile, default_sizes
+from .cost import STALE, WAKE, CostProfile, bracketed_profile, cost_profile, default_sizes, forget
 from .plans import best_rows, best_size, cut_rows, expected_accepted, plan_shape, remade, rows_worth, weigh
 from ..tree import TokenTree, TreeShape
 
@@ -184,7 +184,17 @@ class AutoTree:
     PACE = 0.1
     AGAIN = 2  # the drafts a call must explore (probes, watched) for the next to start whole (see __init__)
     ADAPT = 0.15  # weight of the newest iteration in the cost scales and the share of drafts verified
-    CLIP = 3.0  # the most one iteration's realised / predicted time may say
+    # The most one iteration's realised / predicted time may say, as a factor of its scale's present
+    # value (so that no one iteration moves a scale by more than ADAPT (CLIP - 1), while many take it
+    # anywhere: clipped to [1 / CLIP, CLIP] itself, a profile that priced plain steps at 4.8 times their
+    # time, measured beside a test run, left them priced at 1.4 times it, trees' own scale (relative)
+    # went below zero through their aftermath, and probes that lost looked paying: a probe every few
+    # plain steps, compiled STAND at batch 2 at 0.70-0.80 of plain decoding's pace)
+    CLIP = 3.0
+    # The plain steps weighed after which an adaptive choice that found them over ``STALE`` times faster
+    # than its profile says drops the profile from the cache file (cost.forget): measured while other
+    # work took the cores, it is measured again by the next process.
+    STALE_AFTER = 64
     # A call's first iteration is not learned from: it pays once per call (a drafter model's prefill
     # of the prompt, first-use allocations), which the steady state the scales describe does not.
     SETTLE = 1
@@ -440,13 +450,15 @@ class AutoTree:
             # (the steps left only fall and the plain steps only grow until a tree: no probe is due
             # again in this call unless one is taken for its worth)
             self._closed = self._closed or left() < self._plain_run
-        self._probing = self._plain_run >= self.PROBE and not self._closed and self._probe_paid(behind)
+        # (a plain step to weigh comes first: probes are priced against plain steps)
+        refresh = self.adaptive and self.scale["plain_age"] >= self.PLAIN_EVERY and self.fills_shapes
+        self._probing = (self._plain_run >= self.PROBE and not self._closed and not refresh
+                         and self._probe_paid(behind))
         if self._probing:
             self._plain_run, self._catch_due = 0, 0.0
         self._predicted, self._drafted = ("plain", self.cost[1]), 0
         if not self.fills_shapes:
             return "own"
-        refresh = self.adaptive and not self._probing and self.scale["plain_age"] >= self.PLAIN_EVERY
         if (refresh or self._pick == 1 or not self._worth_drafting()) and (not self._probing or not self.sizes):
             self._plain_run += 1
             return None
@@ -596,10 +608,11 @@ class AutoTree:
                 self._aftermath(ms)
             rest = times_ms[head:]
             if len(rest) and sum(rest) > 0:
-                ratio = min(max(sum(rest) / len(rest) / self.cost[1], 1.0 / self.CLIP), self.CLIP)
+                ratio = self._clipped("plain", sum(rest) / len(rest) / self.cost[1])
                 self.scale["plain"] += (1.0 - (1.0 - self.ADAPT) ** len(rest)) * (ratio - self.scale["plain"])
                 self.scale["plain_age"] = 0
                 self._stale = True
+                self._check_profile(len(rest))
         self._after_left = max(self._after_left - steps, 0)
         self._plain_run += steps
         self._unwatched += steps
@@ -607,6 +620,19 @@ class AutoTree:
         self._deposit_plain(steps)
         self._since_plan = (self._since_plan + steps) % self.REPLAN  # (nothing is stale: re-plans would do nothing)
         self.scale["plain_run"] = self._plain_run
+
+    def _clipped(self, kind: str, ratio: float) -> float:
+        """An iteration's realised / predicted time, within a factor ``CLIP`` of what ``kind``'s scale says."""
+        return min(max(ratio, self.scale[kind] / self.CLIP), self.scale[kind] * self.CLIP)
+
+    def _check_profile(self, steps: int) -> None:
+        """After ``steps`` plain steps taught the plain scale: drop a profile that prices them at more
+        than ``STALE`` times their time from the cache file, once (see ``STALE_AFTER``)."""
+        self.scale["plain_weighed"] = self.scale.get("plain_weighed", 0) + steps
+        if (self.scale["plain_weighed"] >= self.STALE_AFTER and self.scale["plain"] * STALE < 1.0
+                and not self.scale.get("forgotten")):
+            forget(self.profile)
+            self.scale["forgotten"] = True
 
     # -- the probes' ledger ---------------------------------------------------------------------
     def _deposit(self) -> float:
@@ -618,8 +644,16 @@ class AutoTree:
     def _deposit_plain(self, steps: int) -> None:
         """``steps`` plain steps' deposits. The ledger holds at most the next probe's price (and one
         deposit): a long run of plain steps buys one probe at its end, not a burst of them."""
+        self._credit(steps * self._deposit())
+
+    def _credit(self, ms: float) -> None:
+        """``ms`` into the ledger (a probe that paid, or the plain steps after it, credit what they
+        gained), up to the next probe's price and one deposit where it held less: a probe's gain
+        buys the next one, not a burst of them. (Uncapped, probes priced against a plain scale that
+        a stale profile left too dear gained on paper: the ledger held four hundred plain steps'
+        worth, and a probe came every few plain steps long after the scale had come down.)"""
         top = max(self._probe_price(), 0.0) + self._deposit()
-        self.scale["bank"] = min(self.scale["bank"] + steps * self._deposit(), max(top, self.scale["bank"]))
+        self.scale["bank"] = min(self.scale["bank"] + ms, max(top, self.scale["bank"]))
 
     def _probe_price(self) -> float:
         """What the next probe is expected to lose: what an adaptive choice's probes lost by the
@@ -773,9 +807,21 @@ class AutoTree:
         elif timed and self._iterations > self.SETTLE:
             # clipped: one iteration that compiled or measured something must not price trees out for good
             base = 1.0 if kind == "plain" else self.scale["plain"]  # (a tree's scale is relative: _scaled)
-            ratio = min(max(elapsed_ms / (predicted * base), 1.0 / self.CLIP), self.CLIP)
-            self.scale[kind] += self.ADAPT * (ratio - self.scale[kind])
-            self.scale["plain_age"] = 0 if kind == "plain" else self.scale["plain_age"] + 1
+            ratio, was = elapsed_ms / (predicted * base), self.scale[kind]
+            self.scale[kind] += self.ADAPT * (self._clipped(kind, ratio) - was)
+            self.scale["plain_age"] += 1
+            if kind == "plain":
+                # A plain step over STALE times quicker than its scale said has the next one weighed too
+                # (while trees win, one in PLAIN_EVERY is: from a profile measured beside other work, the
+                # scale took a thousand steps to come down, and trees ran where they lost meanwhile), and
+                # is the plain steps' own news, not the machine's: the prices the trees (and declined
+                # drafts) learned by the clock meanwhile stay as they are (moved with it, trees priced
+                # at a fifth of their time ran on).
+                stale = ratio * STALE < was
+                self.scale["plain_age"] = self.PLAIN_EVERY if stale else 0
+                for other in ("tree", "packed", "declined") if stale else ():
+                    self.scale[other] *= was / self.scale["plain"]
+                self._check_profile(1)
             self._stale = True
         if tree is not None:
             self._after, self._after_left = (kind, predicted, None), self.AFTERMATH
@@ -836,11 +882,11 @@ class AutoTree:
         if self.scale["probes"]:
             known = 2.0 * max(known, self.scale["probe_loss"])
         beyond = min(beyond, known)
-        self.scale["bank"] -= beyond
         self._pace(beyond)
         weight = 0.5 if self.scale["probes"] else 1.0
         self.scale["probe_loss"] += weight * (beyond - self.scale["probe_loss"])
         self.scale["probes"] += 1
+        self._credit(-beyond)
         if tree is not None:  # the plain steps after it add to its loss
             self._after = (self._after[0], self._after[1], weight)
 
@@ -861,11 +907,14 @@ class AutoTree:
         kind, predicted, weight = self._after
         plain = self.cost[1] * self.scale["plain"]
         excess = min(max(elapsed_ms - plain, -plain), plain)
-        self.scale[kind] += self.ADAPT * excess / (predicted * self.scale["plain"])
+        # (down by at most ADAPT of itself: plain steps quicker than the plain scale says must not price
+        # trees below nothing)
+        self.scale[kind] = max(self.scale[kind] + self.ADAPT * excess / (predicted * self.scale["plain"]),
+                               (1.0 - self.ADAPT) * self.scale[kind])
         self._stale = True
         if weight is not None:
-            self.scale["bank"] -= excess
             self.scale["probe_loss"] += weight * excess
+            self._credit(-excess)
 
     def _replan(self, tree: TokenTree | None) -> None:
         """The shape (after a verified ``tree``), and the sizes to draft where anything moved."""

@@ -51,6 +51,14 @@ SLACK = 0.8
 # How far a cached profile's iteration (in steps) may be from a spot check's before it is measured again
 # (cost_profile's check): spot checks of a few rounds scatter by about a tenth around the full measurement.
 AGREE = 1.25
+# How much slower than a spot check's (or than decoding's own plain steps: AutoTree) a cached profile's
+# plain step may be before it is measured again. Iterations in steps agree however busy the cores were,
+# where the whole machine slowed alike: profiles measured beside a test run, 1.6 to 4.8 times the
+# plain step's time, passed the check, and an adaptive choice that followed the clock still ran
+# compiled STAND at batch 2 at 0.70-0.80 of plain decoding's pace (docs/benchmarks.md). Only a
+# slower cached profile: where the spot check is the slower, the cores are busy now, and a
+# profile measured now would be the wrong one.
+STALE = 1.5
 
 
 @dataclass(frozen=True)
@@ -351,9 +359,29 @@ def cost_profile(model, batch_size: int, *, drafter=None, mode: str = "eager", s
 
 def agrees(cached: CostProfile, now: CostProfile) -> bool:
     """Whether ``now`` (a few sizes timed again) says what ``cached`` says: every size both hold
-    costs an iteration in steps within a factor ``AGREE`` of the other's."""
+    costs an iteration in steps within a factor ``AGREE`` of the other's, and the cached plain
+    step is at most ``STALE`` times the one timed now."""
     common = [n for n in now.nodes if n in cached.nodes]
-    return all(max(a, b) <= AGREE * min(a, b) for a, b in ((cached.in_steps(n), now.in_steps(n)) for n in common))
+    return cached.step_ms <= STALE * now.step_ms and all(max(a, b) <= AGREE * min(a, b) for a, b in ((cached.in_steps(n), now.in_steps(n)) for n in common))
+
+
+def forget(profile: CostProfile) -> None:
+    """Drop ``profile`` from the cache file, where this process read or wrote it there (the process
+    keeps it): decoding found its plain steps more than ``STALE`` times faster than it says
+    (:class:`~stree.decoding.autotree.AutoTree`), so the next process measures it again. (The check
+    a compiled profile cannot have before decoding: it would compile its calls again.)"""
+    keys = [key for key, value in _MEMO.items() if value is profile and isinstance(key, str)]
+    path = cache_file()
+    try:
+        data = json.loads(path.read_text())
+        gone = [data["entries"].pop(key) for key in keys if key in data["entries"]]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return
+    if gone:
+        try:
+            write_text(path, json.dumps(data, indent=1))
+        except OSError:
+            pass
 
 
 def default_budget() -> float:

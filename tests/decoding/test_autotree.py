@@ -737,6 +737,55 @@ def test_plain_runs_teach_the_machines_speed_and_trees_their_own_price():
         assert 2 <= trees < 20 and auto.scale["tree"] > 1.3
 
 
+def run_loop_rejecting(auto, steps: int, plain_ms: float, tree_ms) -> list[int]:
+    """``steps`` steps as the loop takes them (runs of plain steps decided ahead, each with its
+    steps' times), the target never accepting a draft: plain steps take ``plain_ms``, a verified
+    draft of n nodes ``tree_ms(n)``. The steps that verified a draft."""
+    drafted, i = [], 0
+    while i < steps:
+        ahead = min(auto.plain_ahead(), steps - i)
+        if ahead:
+            auto.plain_steps(ahead, [plain_ms] * ahead)
+            i += ahead
+            continue
+        plan = auto.plan()
+        draft = None if plan is None else auto.choose(full_draft(plan), np.ones(1, dtype=np.bool_))
+        if draft is None:
+            auto.record(None, elapsed_ms=plain_ms)
+        else:
+            drafted.append(i)
+            auto.record(draft, np.array([[999, 0]]), np.array([1]), np.arange(1), elapsed_ms=tree_ms(draft.n))
+        i += 1
+    return drafted
+
+
+def test_a_profile_measured_while_the_cores_were_busy_is_learned_whole_and_dropped_from_the_file(monkeypatch):
+    """A cached profile that prices everything at five times its time (measured beside other work):
+    plain steps of 1 ms, trees of 1.5-2.2 ms that never bring a token. Trees look cheap against
+    plain steps priced at 5 ms, and win; the first plain step weighed among them (PLAIN_EVERY) says
+    the plain scale is stale, and the steps after it are weighed too until it is learned (one
+    iteration moves a scale by at most a factor CLIP of itself: clipped to [1 / CLIP, CLIP] itself,
+    plain steps stayed priced dearer than they were, probes that lost looked paying and came every
+    few plain steps), the trees keeping the price they learned by the clock. From then on the
+    choice drafts as one whose profile is right does, and once ``STALE_AFTER`` plain steps are
+    weighed the profile is dropped from the cache file, once. A profile that says what the steps
+    take, or a seeded choice, keeps its file entry."""
+    import stree.decoding.autotree as autotree
+
+    forgotten = []
+    monkeypatch.setattr(autotree, "forget", forgotten.append)
+    true = CostProfile(1.0, (2, 4, 8, 16), (1.5, 1.6, 1.8, 2.2))
+    stale = CostProfile(5.0, true.nodes, tuple(5 * t for t in true.tree_ms))
+    auto, right = AutoTree(stale, adaptive=True), AutoTree(true, adaptive=True)
+    drafted, expected = (run_loop_rejecting(choice, 3000, 1.0, true.iteration_ms) for choice in (auto, right))
+    assert auto.scale["plain"] == pytest.approx(0.2, rel=0.05) and auto.scale["tree"] > 0.5
+    assert sum(i < 500 for i in drafted) <= 2 * AutoTree.PLAIN_EVERY
+    assert sum(i >= 500 for i in drafted) <= sum(i >= 500 for i in expected) + 2
+    assert forgotten == [stale]
+    run_loop_rejecting(AutoTree(stale), 3000, 1.0, true.iteration_ms)
+    assert forgotten == [stale]
+
+
 def test_adaptive_probes_are_spaced_by_what_they_took_and_the_next_call_goes_on():
     """A profile that says probes are cheap, probes that take 8 ms (a drafter model catching up):
     an adaptive choice charges the ledger the 7 ms they lose, so that they cost at most

@@ -215,6 +215,29 @@ def test_an_unwritable_cache_is_not_fatal(tmp_path, monkeypatch):
     assert cost_profile(mamba2(), 1, shapes=SHAPES, budget_s=0.1).step_ms > 0
 
 
+def test_a_forgotten_profile_leaves_the_file_and_the_next_process_measures_it_again(fresh_cache, monkeypatch):
+    """``forget``: the profile's entry leaves the cache file (the other entries stay), this process
+    keeps answering with it, and a new process measures it again. A profile this process never read
+    or wrote (made by hand, or interpolated), or a file that cannot be read, changes nothing."""
+    answers = [CostProfile(4.0, (2, 4), (6.0, 8.0)), CostProfile(1.0, (2, 4), (1.5, 2.0)),
+               CostProfile(0.9, (2, 4), (1.4, 1.9))]
+    monkeypatch.setattr(cost, "_measure", lambda *args: answers.pop(0))
+    model = mamba2()
+    shapes = [TreeShape.full(1, 1), TreeShape.full(3, 1)]
+    slow, other = cost_profile(model, 1, shapes=shapes), cost_profile(model, 2, shapes=shapes)
+    cost.forget(CostProfile(4.0, (2, 4), (6.0, 8.0)))  # (equal, but not the one this process read)
+    assert len(json.loads(fresh_cache.read_text())["entries"]) == 2
+    cost.forget(slow)
+    entries = json.loads(fresh_cache.read_text())["entries"]
+    assert [e["value"]["step_ms"] for e in entries.values()] == [1.0]
+    assert cost_profile(model, 1, shapes=shapes) is slow and cost_profile(model, 2, shapes=shapes) is other
+    monkeypatch.setattr(cost, "_MEMO", {})  # a new process
+    assert cost_profile(model, 1, shapes=shapes).step_ms == 0.9 and not answers
+    fresh_cache.write_text("{not json")
+    cost.forget(cost_profile(model, 1, shapes=shapes))
+    assert fresh_cache.read_text() == "{not json"
+
+
 def test_measuring_leaves_the_drafter_reset_and_its_random_stream_as_it_was(fresh_cache):
     """Measuring drafts and observes like the loop: a STAND store, which outlives calls, is
     measured through a fresh copy (learning from the measurement's random text made the first
@@ -420,9 +443,14 @@ def test_an_implausible_profile_is_measured_again_and_never_trusted_from_the_fil
     assert cost_profile(model, 1, shapes=SHAPES) is fine and measured == [1, 1, 2, 2, 2, 1]
 
 
-def test_agrees_holds_every_common_size_within_a_factor():
+def test_agrees_holds_every_common_size_within_a_factor_and_a_plain_step_not_far_dearer():
     cached = CostProfile(4.0, (2, 4, 8), (6.0, 8.0, 12.0), (1.0, 1.0, 2.0))
-    assert cost.agrees(cached, CostProfile(2.0, (2, 8), (3.0, 6.0), (0.5, 1.0)))  # the same in steps, halved in ms
+    assert cost.agrees(cached, CostProfile(8.0, (2, 8), (12.0, 24.0), (2.0, 4.0)))  # the same in steps, busier now
+    assert cost.agrees(cached, CostProfile(2.7, (2, 8), (4.05, 8.1), (0.675, 1.35)))  # (4 ms against 2.7: 1.48x)
+    # the same in steps, but the cached one measured while other work took the cores: its plain step
+    # dearer than STALE times the spot check's
+    assert not cost.agrees(cached, CostProfile(2.0, (2, 8), (3.0, 6.0), (0.5, 1.0)))
+    assert not cost.agrees(cached, CostProfile(2.6, (2, 8), (3.9, 7.8), (0.65, 1.3)))  # (1.54x)
     assert cost.agrees(cached, CostProfile(4.0, (2,), (6.0 * 1.2 + 1.4,), (0.0,)))  # (7 -> 8.6 ms: 1.23x)
     assert not cost.agrees(cached, CostProfile(4.0, (2,), (6.0 * 1.3 + 1.8,), (0.0,)))  # (7 -> 9.6 ms: 1.37x)
     assert not cost.agrees(cached, CostProfile(4.0, (4, 8), (8.0, 9.0), (1.0, 1.0)))  # 8 nodes: 14 ms -> 10 ms
@@ -435,12 +463,14 @@ def test_a_checked_profile_from_the_file_is_spot_checked_and_measured_again_wher
     middle sizes, in an eighth of the budget; where they disagree, measured again and rewritten;
     where they agree, the file's is kept. Without ``check`` (a seeded choice), the file's as it is."""
     cached = CostProfile(4.0, (2, 4, 8), (6.0, 8.0, 12.0))
-    spots = {"agree": CostProfile(2.0, (2, 4), (3.1, 4.1)), "off": CostProfile(4.0, (2, 4), (4.5, 5.0))}
-    answer, fresh, calls = {}, CostProfile(4.0, (2, 4, 8), (4.5, 5.0, 7.0)), []
+    spots = {"agree": CostProfile(3.0, (2, 4), (4.6, 6.1)), "off": CostProfile(4.0, (2, 4), (4.5, 5.0)),
+             "stale": CostProfile(2.0, (2, 4), (3.1, 4.1))}  # (the same in steps, the plain step half the file's)
+    answer, calls = {}, []
+    fresh = {"off": CostProfile(4.0, (2, 4, 8), (4.5, 5.0, 7.0)), "stale": CostProfile(2.0, (2, 4, 8), (3.0, 4.0, 6.0))}
 
     def measure(model, drafter, batch, mode, sampled, shapes, budget_s, scan):
         calls.append(([s.n for s in shapes], budget_s))
-        return answer["spot"] if len(shapes) < 3 else fresh
+        return answer["spot"] if len(shapes) < 3 else answer["fresh"]
     model = mamba2()
     shapes = [TreeShape.full(1, 1), TreeShape.full(3, 1), TreeShape.full(7, 1)]  # 2, 4 and 8 nodes
     for mode in ("eager", "compiled"):
@@ -450,13 +480,15 @@ def test_a_checked_profile_from_the_file_is_spot_checked_and_measured_again_wher
     assert cost_profile(model, 1, shapes=shapes) == cached and calls == []  # unchecked: the file's
     # compiled (or graphed): a spot check would compile its calls again
     assert cost_profile(model, 1, shapes=shapes, mode="compiled", check=True) == cached and calls == []
-    for case, want, timed in (("agree", cached, [([2, 4], 0.0625)]),  # (the measured one spot-checked too)
-                              ("off", fresh, [([2, 4], 0.0625), ([2, 4, 8], 0.5), ([2, 4], 0.0625)])):
+    remeasured = [([2, 4], 0.0625), ([2, 4, 8], 0.5), ([2, 4], 0.0625)]  # (the measured one spot-checked too)
+    for case in ("agree", "off", "stale"):
         monkeypatch.setattr(cost, "_MEMO", {})  # a new process
-        answer["spot"], calls[:] = spots[case], []
+        answer.update(spot=spots[case], fresh=fresh.get(case))
+        calls[:] = []
+        want, timed = (cached, [([2, 4], 0.0625)]) if case == "agree" else (fresh[case], remeasured)
         assert cost_profile(model, 1, shapes=shapes, budget_s=0.5, check=True) == want and calls == timed, case
-    monkeypatch.setattr(cost, "_MEMO", {})
-    assert cost_profile(model, 1, shapes=shapes) == fresh and calls == timed  # the file now holds it
+        monkeypatch.setattr(cost, "_MEMO", {})
+        assert cost_profile(model, 1, shapes=shapes) == want and calls == timed  # the file now holds it
 
 
 def test_a_checked_profile_measured_here_is_spot_checked_and_measured_once_more_where_it_is_off(fresh_cache,
