@@ -187,7 +187,7 @@ class AutoTree:
     # The most one iteration's realised / predicted time may say, as a factor of its scale's present
     # value (so that no one iteration moves a scale by more than ADAPT (CLIP - 1), while many take it
     # anywhere: clipped to [1 / CLIP, CLIP] itself, a profile that priced plain steps at 4.8 times their
-    # time, measured beside a test run, left them priced at 1.4 times it, trees' own scale (relative)
+    # time, measured beside other work, left them priced at 1.4 times it, trees' own scale (relative)
     # went below zero through their aftermath, and probes that lost looked paying: a probe every few
     # plain steps, compiled STAND at batch 2 at 0.70-0.80 of plain decoding's pace)
     CLIP = 3.0
@@ -811,13 +811,15 @@ class AutoTree:
             self.scale[kind] += self.ADAPT * (self._clipped(kind, ratio) - was)
             self.scale["plain_age"] += 1
             if kind == "plain":
-                # A plain step over STALE times quicker than its scale said has the next one weighed too
-                # (while trees win, one in PLAIN_EVERY is: from a profile measured beside other work, the
-                # scale took a thousand steps to come down, and trees ran where they lost meanwhile), and
-                # is the plain steps' own news, not the machine's: the prices the trees (and declined
-                # drafts) learned by the clock meanwhile stay as they are (moved with it, trees priced
-                # at a fifth of their time ran on).
-                stale = ratio * STALE < was
+                # A plain step over STALE times quicker than both its profile and its scale said has the
+                # next one weighed too (while trees win, one in PLAIN_EVERY is: from a profile measured
+                # beside other work, the scale took a thousand steps to come down, and trees ran where they
+                # lost meanwhile), and is the profile's error, not the machine's news: the prices the trees
+                # (and declined drafts) learned by the clock meanwhile stay as they are (moved with it,
+                # trees priced at a fifth of their time ran on). (Against its scale alone, a scale that
+                # plain steps weighed alone had raised, their bookkeeping and watched drafts in them, kept
+                # raising the trees' prices: STAND at batch 2, eager, lost 5.5% against plain decoding.)
+                stale = ratio * STALE < min(was, 1.0)
                 self.scale["plain_age"] = self.PLAIN_EVERY if stale else 0
                 for other in ("tree", "packed", "declined") if stale else ():
                     self.scale[other] *= was / self.scale["plain"]

@@ -53,7 +53,7 @@ SLACK = 0.8
 AGREE = 1.25
 # How much slower than a spot check's (or than decoding's own plain steps: AutoTree) a cached profile's
 # plain step may be before it is measured again. Iterations in steps agree however busy the cores were,
-# where the whole machine slowed alike: profiles measured beside a test run, 1.6 to 4.8 times the
+# where the whole machine slowed alike: profiles measured beside other work, at 1.6 to 4.8 times the
 # plain step's time, passed the check, and an adaptive choice that followed the clock still ran
 # compiled STAND at batch 2 at 0.70-0.80 of plain decoding's pace (docs/benchmarks.md). Only a
 # slower cached profile: where the spot check is the slower, the cores are busy now, and a
@@ -362,7 +362,8 @@ def agrees(cached: CostProfile, now: CostProfile) -> bool:
     costs an iteration in steps within a factor ``AGREE`` of the other's, and the cached plain
     step is at most ``STALE`` times the one timed now."""
     common = [n for n in now.nodes if n in cached.nodes]
-    return cached.step_ms <= STALE * now.step_ms and all(max(a, b) <= AGREE * min(a, b) for a, b in ((cached.in_steps(n), now.in_steps(n)) for n in common))
+    steps = ((cached.in_steps(n), now.in_steps(n)) for n in common)
+    return cached.step_ms <= STALE * now.step_ms and all(max(a, b) <= AGREE * min(a, b) for a, b in steps)
 
 
 def forget(profile: CostProfile) -> None:
