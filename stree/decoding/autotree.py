@@ -644,16 +644,8 @@ class AutoTree:
     def _deposit_plain(self, steps: int) -> None:
         """``steps`` plain steps' deposits. The ledger holds at most the next probe's price (and one
         deposit): a long run of plain steps buys one probe at its end, not a burst of them."""
-        self._credit(steps * self._deposit())
-
-    def _credit(self, ms: float) -> None:
-        """``ms`` into the ledger (a probe that paid, or the plain steps after it, credit what they
-        gained), up to the next probe's price and one deposit where it held less: a probe's gain
-        buys the next one, not a burst of them. (Uncapped, probes priced against a plain scale that
-        a stale profile left too dear gained on paper: the ledger held four hundred plain steps'
-        worth, and a probe came every few plain steps long after the scale had come down.)"""
         top = max(self._probe_price(), 0.0) + self._deposit()
-        self.scale["bank"] = min(self.scale["bank"] + ms, max(top, self.scale["bank"]))
+        self.scale["bank"] = min(self.scale["bank"] + steps * self._deposit(), max(top, self.scale["bank"]))
 
     def _probe_price(self) -> float:
         """What the next probe is expected to lose: what an adaptive choice's probes lost by the
@@ -888,7 +880,7 @@ class AutoTree:
         weight = 0.5 if self.scale["probes"] else 1.0
         self.scale["probe_loss"] += weight * (beyond - self.scale["probe_loss"])
         self.scale["probes"] += 1
-        self._credit(-beyond)
+        self.scale["bank"] -= beyond
         if tree is not None:  # the plain steps after it add to its loss
             self._after = (self._after[0], self._after[1], weight)
 
@@ -915,8 +907,8 @@ class AutoTree:
                                (1.0 - self.ADAPT) * self.scale[kind])
         self._stale = True
         if weight is not None:
+            self.scale["bank"] -= excess
             self.scale["probe_loss"] += weight * excess
-            self._credit(-excess)
 
     def _replan(self, tree: TokenTree | None) -> None:
         """The shape (after a verified ``tree``), and the sizes to draft where anything moved."""
