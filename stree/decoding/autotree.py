@@ -191,10 +191,11 @@ class AutoTree:
     # went below zero through their aftermath, and probes that lost looked paying: a probe every few
     # plain steps, compiled STAND at batch 2 at 0.70-0.80 of plain decoding's pace)
     CLIP = 3.0
-    # The plain steps weighed after which an adaptive choice that found them over ``STALE`` times faster
+    # The plain steps weighed after which an adaptive choice that found them over ``FORGET`` times faster
     # than its profile says drops the profile from the cache file (cost.forget): measured while other
-    # work took the cores, it is measured again by the next process.
-    STALE_AFTER = 64
+    # work took the cores, it is measured again by the next process. (Not at STALE, which a profile just
+    # measured in a compiled call's process, the machine otherwise idle, reached: 0.72 of its plain step.)
+    STALE_AFTER, FORGET = 64, 2.0
     # A call's first iteration is not learned from: it pays once per call (a drafter model's prefill
     # of the prompt, first-use allocations), which the steady state the scales describe does not.
     SETTLE = 1
@@ -627,9 +628,9 @@ class AutoTree:
 
     def _check_profile(self, steps: int) -> None:
         """After ``steps`` plain steps taught the plain scale: drop a profile that prices them at more
-        than ``STALE`` times their time from the cache file, once (see ``STALE_AFTER``)."""
+        than ``FORGET`` times their time from the cache file, once (see ``STALE_AFTER``)."""
         self.scale["plain_weighed"] = self.scale.get("plain_weighed", 0) + steps
-        if (self.scale["plain_weighed"] >= self.STALE_AFTER and self.scale["plain"] * STALE < 1.0
+        if (self.scale["plain_weighed"] >= self.STALE_AFTER and self.scale["plain"] * self.FORGET < 1.0
                 and not self.scale.get("forgotten")):
             forget(self.profile)
             self.scale["forgotten"] = True

@@ -51,8 +51,8 @@ SLACK = 0.8
 # How far a cached profile's iteration (in steps) may be from a spot check's before it is measured again
 # (cost_profile's check): spot checks of a few rounds scatter by about a tenth around the full measurement.
 AGREE = 1.25
-# How much slower than a spot check's (or than decoding's own plain steps: AutoTree) a cached profile's
-# plain step may be before it is measured again. Iterations in steps agree however busy the cores were,
+# How much slower than a spot check's a cached profile's plain step may be before it is measured again
+# (decoding's own plain steps have a factor of their own: AutoTree.FORGET). Iterations in steps agree however busy the cores were,
 # where the whole machine slowed alike: profiles measured beside other work, at 1.6 to 4.8 times the
 # plain step's time, passed the check, and an adaptive choice that followed the clock still ran
 # compiled STAND at batch 2 at 0.70-0.80 of plain decoding's pace (docs/benchmarks.md). Only a
@@ -368,7 +368,7 @@ def agrees(cached: CostProfile, now: CostProfile) -> bool:
 
 def forget(profile: CostProfile) -> None:
     """Drop ``profile`` from the cache file, where this process read or wrote it there (the process
-    keeps it): decoding found its plain steps more than ``STALE`` times faster than it says
+    keeps it): decoding found its plain steps far faster than it says
     (:class:`~stree.decoding.autotree.AutoTree`), so the next process measures it again. (The check
     a compiled profile cannot have before decoding: it would compile its calls again.)"""
     keys = [key for key, value in _MEMO.items() if value is profile and isinstance(key, str)]
