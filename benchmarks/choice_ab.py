@@ -13,7 +13,12 @@ working tree's, so the revision's choice must speak the working tree's interface
 ``acceptance`` or ``plans`` calls for a copy of the working choice with the change undone).
 
     python benchmarks/choice_ab.py --against HEAD --configs "eager 2 0 ngram,eager 1 0 stand" --processes 5
+    python benchmarks/choice_ab.py --against HEAD --configs "compiled 2 0 stand" --stale 4
     python benchmarks/choice_ab.py --smoke
+
+``--stale F``: every worker starts from a cost cache file whose times are F times what a setup
+process measured for its configuration (a profile measured while other work took the cores, which
+the file then keeps): what each choice makes of a profile that is off.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -55,16 +61,47 @@ def revision_source(revision: str) -> str:
     return run.stdout
 
 
-def worker(choice_file: str, config: dict, rounds: int, prompts: int, tokens: int, dtype: str) -> dict:
-    """One process's paired run of ``config``: each name's seconds over the timed turns, the gains,
-    and the steps by tree size of each choice."""
+def load_pair(config: dict, dtype: str):
+    """The shipped pair as a worker decodes with it (the drafter model compiled in compiled mode)."""
     import torch
 
     import stree
-    import stree.decoding.loop as loop
     from stree.models import load
     from stree.runtime import CompiledModel
-    from stree.tools.demo import DRAFTER, TARGET, read_prompts
+    from stree.tools.demo import DRAFTER, TARGET
+
+    torch.set_grad_enabled(False)
+    small = load(DRAFTER, dtype=getattr(torch, dtype))
+    return stree.LM.from_pretrained(TARGET, dtype=getattr(torch, dtype),
+                                    drafter_model=CompiledModel(small) if config["mode"] == "compiled" else small)
+
+
+def measure_costs(config: dict, dtype: str) -> None:
+    """Measure ``config``'s cost profile into this process's cost cache (``$STREE_CACHE_DIR``): one short call."""
+    from stree.tools.demo import TARGET, read_prompts
+
+    texts = read_prompts(TARGET / "prompts.jsonl", config["batch"])
+    load_pair(config, dtype).generate(texts[: config["batch"]], max_new_tokens=8, drafter=config["drafter"],
+                                      temperature=config["temperature"], torch_compile=config["mode"] == "compiled")
+
+
+def stale_file(measured: Path, factor: float, out: Path) -> None:
+    """``measured`` (a cost cache file) with every time in its profiles ``factor`` times over, written to ``out``."""
+    data = json.loads(measured.read_text())
+    for entry in data["entries"].values():
+        value = entry["value"]
+        for key in ("step_ms", "catch_ms"):
+            value[key] *= factor
+        for key in ("tree_ms", "draft_ms"):
+            value[key] = [factor * t for t in value[key]]
+    out.write_text(json.dumps(data))
+
+
+def worker(choice_file: str, config: dict, rounds: int, prompts: int, tokens: int, dtype: str) -> dict:
+    """One process's paired run of ``config``: each name's seconds over the timed turns, the gains,
+    and the steps by tree size of each choice."""
+    import stree.decoding.loop as loop
+    from stree.tools.demo import TARGET, read_prompts
 
     spec = importlib.util.spec_from_file_location("stree.decoding._autotree_against", choice_file)
     against = importlib.util.module_from_spec(spec)
@@ -75,11 +112,8 @@ def worker(choice_file: str, config: dict, rounds: int, prompts: int, tokens: in
     if not hasattr(loop, "auto_tree"):
         raise RuntimeError("stree.decoding.loop no longer makes its choice through auto_tree: update this benchmark")
     choices = dict(against=against.auto_tree, working=working.auto_tree)
-    torch.set_grad_enabled(False)
     compiled = config["mode"] == "compiled"
-    small = load(DRAFTER, dtype=getattr(torch, dtype))
-    lm = stree.LM.from_pretrained(TARGET, dtype=getattr(torch, dtype),
-                                  drafter_model=CompiledModel(small) if compiled else small)
+    lm = load_pair(config, dtype)
     texts = read_prompts(TARGET / "prompts.jsonl", max(prompts, config["batch"]))
     batch, temperature = config["batch"], config["temperature"]
     kw = dict(max_new_tokens=tokens, temperature=temperature, torch_compile=compiled)
@@ -124,11 +158,17 @@ def main(argv=None):
     p.add_argument("--prompts", type=int, default=8)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16"))
+    p.add_argument("--stale", type=float, default=None, metavar="F",
+                   help="start every worker from a cost cache with F times the measured times (see above)")
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--out", default=str(Path(__file__).parent / "results"))
     p.add_argument("--stem", default=None, help="result file name (default: choice_ab, or choice_ab_smoke)")
     p.add_argument("--worker", nargs=2, metavar=("CHOICE_FILE", "CONFIG"), help=argparse.SUPPRESS)
+    p.add_argument("--measure", metavar="CONFIG", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.measure:
+        measure_costs(parse_config(args.measure), args.dtype)
+        return 0
     if args.worker:
         print(json.dumps(worker(args.worker[0], parse_config(args.worker[1]), args.rounds, args.prompts,
                                 args.max_new_tokens, args.dtype)))
@@ -140,6 +180,8 @@ def main(argv=None):
         parse_config(c)
     if args.processes < 1 or args.rounds < 1:
         raise ValueError(f"--processes and --rounds must be >= 1, got {args.processes} and {args.rounds}")
+    if args.stale is not None and not args.stale > 0:
+        raise ValueError(f"--stale must be > 0, got {args.stale}")
     from tqdm import tqdm
 
     from stree.tools.timing import run_info, save_result
@@ -149,16 +191,26 @@ def main(argv=None):
     with tempfile.TemporaryDirectory() as tmp:
         choice_file = Path(tmp) / "autotree_against.py"
         choice_file.write_text(source)
-        for config in tqdm(configs, desc="configs", file=sys.stderr):
+        for k, config in enumerate(tqdm(configs, desc="configs", file=sys.stderr)):
             runs = []
-            for _ in range(args.processes):
+            stale = Path(tmp) / f"stale{k}.json"
+            if args.stale is not None:
+                _run([sys.executable, __file__, "--measure", config, "--dtype", args.dtype], config,
+                     cache=Path(tmp) / f"measured{k}")
+                stale_file(Path(tmp) / f"measured{k}" / "costs.json", args.stale, stale)
+            for i in range(args.processes):
                 cmd = [sys.executable, __file__, "--worker", str(choice_file), config, "--rounds", str(args.rounds),
                        "--prompts", str(args.prompts), "--max-new-tokens", str(args.max_new_tokens),
                        "--dtype", args.dtype]
-                done = subprocess.run(cmd, capture_output=True, text=True)
-                if done.returncode:
-                    raise RuntimeError(f"the worker for {config!r} failed:\n{done.stderr[-3000:]}")
+                cache = None
+                if args.stale is not None:  # (each worker from its own copy: a choice may drop what it finds off)
+                    cache = Path(tmp) / f"cache{k}-{i}"
+                    cache.mkdir()
+                    (cache / "costs.json").write_text(stale.read_text())
+                done = _run(cmd, config, cache)
                 runs.append(json.loads(done.stdout.strip().splitlines()[-1]))
+                if cache is not None:  # (the stale profiles still in the file: the working choice may drop them)
+                    runs[-1]["profiles_left"] = len(json.loads((cache / "costs.json").read_text())["entries"])
             diff = [r["gains"]["working"] - r["gains"]["against"] for r in runs]
             rows.append(dict(config=config, **parse_config(config), processes=runs,
                              against=statistics.mean(r["gains"]["against"] for r in runs),
@@ -168,11 +220,21 @@ def main(argv=None):
                   f"difference {rows[-1]['difference']['mean']:+.3f} ({min(diff):+.3f} to {max(diff):+.3f}), "
                   f"{len(runs)} processes", flush=True)
     result = dict(run_info("cpu", argv), against=args.against, rounds=args.rounds, prompts=args.prompts,
+                  stale=args.stale,
                   max_new_tokens=args.max_new_tokens, dtype=args.dtype, results=rows,
                   note="gains over autoregressive decoding in the same process; difference: working minus against, "
                        "per process")
     save_result(result, args.out, args.stem or ("choice_ab_smoke" if args.smoke else "choice_ab"), plot)
     return result
+
+
+def _run(cmd: list, config: str, cache: Path | None = None):
+    """``cmd`` run to its end (with ``cache`` as its cost cache directory, if given), or a clear error."""
+    env = None if cache is None else dict(os.environ, STREE_CACHE_DIR=str(cache))
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if done.returncode:
+        raise RuntimeError(f"the worker for {config!r} failed:\n{done.stderr[-3000:]}")
+    return done
 
 
 def plot(result: dict):

@@ -212,6 +212,14 @@ def test_choice_ab_smoke_pairs_the_working_trees_choice_with_a_revisions(tmp_pat
             module.main(["--configs", bad, "--out", str(tmp_path)])
     with pytest.raises(ValueError, match="--against 'no-such-revision'"):
         module.main(["--against", "no-such-revision", "--processes", "1", "--out", str(tmp_path)])
+    with pytest.raises(ValueError, match="--stale must be > 0, got 0.0"):
+        module.main(["--stale", "0", "--out", str(tmp_path)])
+    measured = {"format": 1, "entries": {"k": {"value": {"step_ms": 1.0, "nodes": [2], "tree_ms": [1.5],
+                                                         "draft_ms": [0.25], "catch_ms": 0.5, "depths": []}}}}
+    (tmp_path / "measured.json").write_text(json.dumps(measured))
+    module.stale_file(tmp_path / "measured.json", 4.0, tmp_path / "stale.json")
+    value = json.loads((tmp_path / "stale.json").read_text())["entries"]["k"]["value"]
+    assert value == {"step_ms": 4.0, "nodes": [2], "tree_ms": [6.0], "draft_ms": [1.0], "catch_ms": 2.0, "depths": []}
 
 
 def test_host_gap_smoke_times_each_call_after_each_wait(tmp_path):
