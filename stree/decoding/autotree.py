@@ -193,8 +193,8 @@ class AutoTree:
     CLIP = 3.0
     # The plain steps weighed after which an adaptive choice that found them over ``FORGET`` times faster
     # than its profile says drops the profile from the cache file (cost.forget): measured while other
-    # work took the cores, it is measured again by the next process. (Not at STALE, which a profile just
-    # measured in a compiled call's process, the machine otherwise idle, reached: 0.72 of its plain step.)
+    # work took the cores, it is measured again by the next process. (Not at cost.STALE, which a profile
+    # just measured in a compiled call's process, the machine otherwise idle, reached: 0.72 of its plain step.)
     STALE_AFTER, FORGET = 64, 2.0
     # A call's first iteration is not learned from: it pays once per call (a drafter model's prefill
     # of the prompt, first-use allocations), which the steady state the scales describe does not.
@@ -338,6 +338,7 @@ class AutoTree:
         self._promised: tuple[float, np.ndarray] | None = None  # this step's tree: the drafts promised, the rows
         self._predicted = ("plain", self.cost[1])  # this step's kind and predicted milliseconds
         self._iterations = 0  # recorded in this call
+        self._relearning = False  # whether plain steps are being weighed one after another (record)
         self._drafted = 0  # nodes drafted this step (0: none)
         self._pick, self._probe_size = self._pick_sizes()
 
@@ -804,17 +805,21 @@ class AutoTree:
             self.scale[kind] += self.ADAPT * (self._clipped(kind, ratio) - was)
             self.scale["plain_age"] += 1
             if kind == "plain":
-                # A plain step over STALE times quicker than both its profile and its scale said has the
-                # next one weighed too (while trees win, one in PLAIN_EVERY is: from a profile measured
-                # beside other work, the scale took a thousand steps to come down, and trees ran where they
-                # lost meanwhile), and is the profile's error, not the machine's news: the prices the trees
-                # (and declined drafts) learned by the clock meanwhile stay as they are (moved with it,
-                # trees priced at a fifth of their time ran on). (Against its scale alone, a scale that
-                # plain steps weighed alone had raised, their bookkeeping and watched drafts in them, kept
-                # raising the trees' prices: STAND at batch 2, eager, lost 5.5% against plain decoding.)
-                stale = ratio * STALE < min(was, 1.0)
-                self.scale["plain_age"] = self.PLAIN_EVERY if stale else 0
-                for other in ("tree", "packed", "declined") if stale else ():
+                # A plain step over FORGET times quicker than both its profile and its scale said has the
+                # next ones weighed too, until one comes within STALE of the scale (while trees win, one in
+                # PLAIN_EVERY is: from a profile measured beside other work, the scale took a thousand
+                # steps to come down, and trees ran where they lost meanwhile); and such steps are the
+                # profile's error, not the machine's news: the prices the trees (and declined drafts)
+                # learned by the clock meanwhile stay as they are (moved with the plain scale, trees priced
+                # at a fifth of their time ran on). (Entered against the scale alone, a scale that plain
+                # steps weighed alone had raised, their bookkeeping and watched drafts in them, kept
+                # raising the trees' prices: STAND at batch 2, eager, lost 5.5% against plain decoding;
+                # entered at STALE, where an eager profile's plain step is about 1.5 times a loop's, STAND
+                # at batch 1 lost 3-6%.)
+                self._relearning = (ratio * STALE < was if self._relearning
+                                    else ratio * self.FORGET < min(was, 1.0))
+                self.scale["plain_age"] = self.PLAIN_EVERY if self._relearning else 0
+                for other in ("tree", "packed", "declined") if self._relearning else ():
                     self.scale[other] *= was / self.scale["plain"]
                 self._check_profile(1)
             self._stale = True
