@@ -264,6 +264,8 @@ class AutoTree:
         # and 0.47 of those drafts were verified (compiled, batch 2, STAND deterministic: drafting
         # was chosen where it lost)
         self.scale.setdefault("verified", 1.0)
+        self.scale.setdefault("plain_weighed", 0)  # plain steps that taught the plain scale (_check_profile)
+        self.scale.setdefault("forgotten", False)  # whether the profile was dropped from the cache file
         self.depth = min(depth, PathRates.DEPTH)
         top = max(profile.nodes) if profile.nodes else 2
         self.fixed = sizes is not None
@@ -630,9 +632,9 @@ class AutoTree:
     def _check_profile(self, steps: int) -> None:
         """After ``steps`` plain steps taught the plain scale: drop a profile that prices them at more
         than ``FORGET`` times their time from the cache file, once (see ``STALE_AFTER``)."""
-        self.scale["plain_weighed"] = self.scale.get("plain_weighed", 0) + steps
+        self.scale["plain_weighed"] += steps
         if (self.scale["plain_weighed"] >= self.STALE_AFTER and self.scale["plain"] * self.FORGET < 1.0
-                and not self.scale.get("forgotten")):
+                and not self.scale["forgotten"]):
             forget(self.profile)
             self.scale["forgotten"] = True
 
@@ -882,11 +884,11 @@ class AutoTree:
         if self.scale["probes"]:
             known = 2.0 * max(known, self.scale["probe_loss"])
         beyond = min(beyond, known)
+        self.scale["bank"] -= beyond
         self._pace(beyond)
         weight = 0.5 if self.scale["probes"] else 1.0
         self.scale["probe_loss"] += weight * (beyond - self.scale["probe_loss"])
         self.scale["probes"] += 1
-        self.scale["bank"] -= beyond
         if tree is not None:  # the plain steps after it add to its loss
             self._after = (self._after[0], self._after[1], weight)
 

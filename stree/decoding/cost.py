@@ -52,12 +52,12 @@ SLACK = 0.8
 # (cost_profile's check): spot checks of a few rounds scatter by about a tenth around the full measurement.
 AGREE = 1.25
 # How much slower than a spot check's a cached profile's plain step may be before it is measured again
-# (decoding's own plain steps have a factor of their own: AutoTree.FORGET). Iterations in steps agree however busy the cores were,
-# where the whole machine slowed alike: profiles measured beside other work, at 1.6 to 4.8 times the
-# plain step's time, passed the check, and an adaptive choice that followed the clock still ran
-# compiled STAND at batch 2 at 0.70-0.80 of plain decoding's pace (docs/benchmarks.md). Only a
-# slower cached profile: where the spot check is the slower, the cores are busy now, and a
-# profile measured now would be the wrong one.
+# (decoding's own plain steps have a factor of their own: AutoTree.FORGET). Iterations in steps agree
+# however busy the cores were, where the whole machine slowed alike: profiles measured beside other
+# work, at 1.6 to 4.8 times the plain step's time, passed the check, and an adaptive choice that
+# followed the clock still ran compiled STAND at batch 2 at 0.70-0.80 of plain decoding's pace
+# (docs/benchmarks.md). Only a slower cached profile: where the spot check is the slower, the cores
+# are busy now, and a profile measured now would be the wrong one.
 STALE = 1.5
 
 
@@ -266,6 +266,12 @@ def _write(key: str, entry: dict) -> None:
     except (OSError, ValueError):
         data = dict(format=FORMAT, entries={})
     data["entries"][key] = dict(entry, key=key)
+    _store(data)
+
+
+def _store(data: dict) -> None:
+    """``data`` as the cache file; where it cannot be written, nothing (the process keeps what it has)."""
+    path = cache_file()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         write_text(path, json.dumps(data, indent=1))
@@ -372,17 +378,13 @@ def forget(profile: CostProfile) -> None:
     (:class:`~stree.decoding.autotree.AutoTree`), so the next process measures it again. (The check
     a compiled profile cannot have before decoding: it would compile its calls again.)"""
     keys = [key for key, value in _MEMO.items() if value is profile and isinstance(key, str)]
-    path = cache_file()
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(cache_file().read_text())
         gone = [data["entries"].pop(key) for key in keys if key in data["entries"]]
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return
     if gone:
-        try:
-            write_text(path, json.dumps(data, indent=1))
-        except OSError:
-            pass
+        _store(data)
 
 
 def default_budget() -> float:
