@@ -17,9 +17,13 @@ where it is built here (else PyTorch's own), unless another is clearly faster (`
 a decoding loop PyTorch's products cost far more than timed alone, the tiled one about what it did:
 with PyTorch's own kept where the two were near a tie timed alone (a step's out_proj), a whole
 step took a fifth to a third longer (the shipped target, eager batch 1 and compiled batch 2, on an
-AMD EPYC), and the tie broke either way from process to process. Row counts share power-of-two
-buckets (:func:`_bucket`), so that trees and prompts of every size do not each pay for a
-measurement. ``STREE_LINEAR=blas``, ``=packed``,
+AMD EPYC), and the tie broke either way from process to process. So a path that beat the incumbent
+timed alone is put on trial where it is used: its next products take it and the incumbent in turns,
+each timed inside the loop (``TRIAL`` each), and it is kept only if it is clearly faster there too
+(:class:`_Trial`; another AMD EPYC's transposed copy, a fifth faster than the tiled product for a
+step's out_proj timed alone, made the whole step an eighth slower, eager and compiled). Row counts
+share power-of-two buckets (:func:`_bucket`), so that trees and prompts of every size do not each
+pay for a measurement. ``STREE_LINEAR=blas``, ``=packed``,
 ``=transposed`` or ``=tiled`` in the environment pins one (they agree to float32 rounding, so a
 pinned path makes results bit-reproducible across processes).
 
@@ -50,6 +54,7 @@ import contextlib
 import contextvars
 import functools
 import os
+import statistics
 import time
 import weakref
 
@@ -81,6 +86,10 @@ _TILED: dict[int, tuple] = {}
 _FASTEST: dict[tuple, str] = {}
 # the same keys -> each path's best time there, seconds (what following() weighs)
 _TIMES: dict[tuple, dict[str, float]] = {}
+# the same keys -> the _Trial of a path that beat the incumbent timed alone, until it ends
+_TRIALS: dict[tuple, "_Trial"] = {}
+# Products of each of the two paths a trial times where they are used, before it judges them.
+TRIAL = 8
 HALF = (torch.float16, torch.bfloat16)
 _DTYPES = (torch.float32, *HALF)  # what linear() multiplies itself
 # id(half weight or bias) -> ((version, storage address), float32 copy); the entry goes with the tensor
@@ -236,12 +245,45 @@ def _fastest(paths: dict, best: dict | None = None) -> str:
     return other if best[other] < MARGIN * best[incumbent] else incumbent
 
 
-def _fastest_path(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, times: dict) -> str:
-    path = _fastest({name: functools.partial(fn, x, weight, bias) for name, fn in _candidates().items()}, times)
+def _fastest_path(key: tuple, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> str:
+    """The path measured fastest for ``key`` (the incumbent's challenger goes on trial)."""
+    paths = {name: functools.partial(fn, x, weight, bias) for name, fn in _candidates().items()}
+    path = _fastest(paths, _TIMES.setdefault(key, {}))
     for name, store in _COPIES.items():  # no copy of a weight for a path not taken (a bucket taking it copies again)
         if name != path:
             store.pop(id(weight), None)
+    incumbent = next(iter(paths))
+    if path != incumbent:
+        _TRIALS[key] = _Trial(path, incumbent)
     return path
+
+
+class _Trial:
+    """A path that beat the incumbent timed alone, and the incumbent, taking turns on the products
+    of one key where they are used (challenger first), each timed (``TRIAL`` each); then the key
+    keeps the challenger only if the median of its times is under ``MARGIN`` of the incumbent's."""
+
+    def __init__(self, challenger: str, incumbent: str):
+        self.paths = (challenger, incumbent)
+        self.times: tuple[list, list] = ([], [])
+
+    def product(self, key: tuple, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        turn = len(self.times[0]) > len(self.times[1])
+        path = _in_role(key, self.paths[turn], weight)  # (a tree pass's leads the steps after it)
+        start = _clock()
+        out = _PRODUCTS[path](x, weight, bias)
+        self.times[turn].append(_clock() - start)
+        if len(self.times[1]) == TRIAL:
+            lost = statistics.median(self.times[0]) >= MARGIN * statistics.median(self.times[1])
+            _FASTEST[key] = self.paths[lost]
+            del _TRIALS[key]
+            # (every layer of the key's shape took both paths: the loser's copies go, and a bucket
+            # still taking that path copies its weights again)
+            _COPIES.get(self.paths[not lost], {}).clear()
+        return out
+
+
+_clock = time.perf_counter  # (a trial's clock, which tests stand in for)
 
 
 def _widened_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -270,7 +312,7 @@ def _half_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         if wide is None:
             wide = _WIDER[key] = _widened_is_faster(x, weight, bias)
     else:
-        wide = PATH != "blas"
+        wide = _pinned() != "blas"
     return _widened_product(x, weight, bias) if wide else F.linear(x, weight, bias)
 
 
@@ -281,12 +323,19 @@ def _product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -
     if PATH == "auto":
         key = (_bucket(x.shape[0]), *weight.shape, bias is not None)
         path = _FASTEST.get(key)
-        if path is None:
-            path = _FASTEST[key] = _fastest_path(x, weight, bias, _TIMES.setdefault(key, {}))
+        if path is None:  # (the measuring call computes on the path found; a trial starts at the next)
+            path = _FASTEST[key] = _fastest_path(key, x, weight, bias)
+        elif _TRIALS and key in _TRIALS and _TRIALS[key].paths[0] == path and _ROLE.get() != "follow":
+            return _TRIALS[key].product(key, x, weight, bias)  # (a table set since holds another path)
         path = _in_role(key, path, weight)
     else:
-        path = PATH
+        path = _pinned()
     return _PRODUCTS[path](x, weight, bias)
+
+
+def _pinned() -> str:
+    """``STREE_LINEAR``'s path where it can run here, else PyTorch's own."""
+    return "blas" if (PATH == "packed" and not _ONEDNN) or (PATH == "tiled" and not gemm.available()) else PATH
 
 
 def _in_role(key: tuple, path: str, weight: torch.Tensor) -> str:
@@ -320,7 +369,7 @@ def _tiled_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         out = _tiled_rows(x.float(), _wide(weight), _wide(bias)) if wide else None
         return None if out is None else out.to(x.dtype)
     key = (_bucket(rows), *weight.shape, bias is not None)
-    if (PATH if PATH != "auto" else _FASTEST.get(key)) != "tiled" or _ROLE.get() == "follow":
+    if (_pinned() if PATH != "auto" else _FASTEST.get(key)) != "tiled" or _ROLE.get() == "follow":
         return None
     _in_role(key, "tiled", weight)
     return _tiled_product(x, weight, bias)
@@ -348,8 +397,9 @@ def _(x, weight, bias):
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear``, on the faster product for these sizes (see the module docstring)."""
     grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias))
-    if grad or (PATH == "packed" and not _ONEDNN) or (PATH == "tiled" and not gemm.available()) \
-            or not x.is_cpu or x.dtype not in _DTYPES or weight.dtype != x.dtype \
+    # (a pinned path that cannot run here is PyTorch's own, found inside the product: asked here, where
+    # torch.compile traces, whether the tiled product is built broke a compiled step's graph at every product)
+    if grad or not x.is_cpu or x.dtype not in _DTYPES or weight.dtype != x.dtype \
             or (bias is not None and bias.dtype != x.dtype) or not x.numel() or PATH == "blas":
         return F.linear(x, weight, bias)
     flat = x.dim() == 2 and x.is_contiguous()  # (a step's rows: no reshape and no view, two ops a product)

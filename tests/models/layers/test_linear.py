@@ -18,6 +18,12 @@ from stree.models.layers.linear import Linear, linear
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch build has no oneDNN")
 
 
+@pytest.fixture(autouse=True)
+def _no_trials(monkeypatch):
+    """No trial another test left (its key's table entry set since) runs here."""
+    monkeypatch.setattr(lin, "_TRIALS", {})
+
+
 def _definition(x, w, b):
     out = x.double() @ w.double().t()
     return out if b is None else out + b.double()
@@ -108,6 +114,41 @@ def test_the_product_measured_clearly_fastest_runs(monkeypatch, blas, packed, tr
             layer(torch.randn(rows, 64))
         layer(torch.randn(2, 64))
         assert set(lin._FASTEST) == {(4, 512, 64, True), (8, 512, 64, True), (64, 512, 64, True), (2, 512, 64, True)}
+
+
+@pytest.mark.parametrize("in_use, kept", [(0.5, "transposed"), (0.9, "incumbent"), (2.0, "incumbent")])
+def test_a_path_faster_alone_is_kept_only_if_clearly_faster_where_it_is_used(monkeypatch, in_use, kept):
+    """A path that beat the incumbent timed alone (the transposed copy here) and the incumbent take
+    turns on the next ``2 TRIAL`` products, each timed where it runs (the fake clock: the transposed
+    copy ``in_use`` against the incumbent's 1.0); then the key keeps the challenger only where it
+    took under ``MARGIN`` of the incumbent's time, and the loser's copies go. Inside following()
+    products take the followed path and are not timed. (On an AMD EPYC a step's 1-row out_proj
+    took 20 us transposed against 26 tiled timed alone, 45-57 against 24-30 in a decoding loop.)"""
+    incumbent = "tiled" if gemm.available() else "blas"
+    kept = incumbent if kept == "incumbent" else kept
+    _fake_clock(monkeypatch, dict(blas=1.0, packed=1.0, transposed=0.5, tiled=1.0))
+    now = [0.0]
+    costs = {name: 1.0 for name in lin._PRODUCTS} | {"transposed": in_use}
+
+    def timed(name, fn):
+        return lambda *args: now.__setitem__(0, now[0] + costs[name]) or fn(*args)
+
+    monkeypatch.setattr(lin, "_PRODUCTS", {name: timed(name, fn) for name, fn in lin._PRODUCTS.items()})
+    monkeypatch.setattr(lin, "_clock", lambda: now[0])
+    layer, x, key = Linear(64, 512), torch.randn(1, 64), (1, 512, 64, True)
+    with torch.no_grad():
+        layer(x)  # measures (its fake clock profiles each path: not inside another profile)
+        assert lin._FASTEST == {key: "transposed"}
+        ran = [_path(_ops(lambda: layer(x))) for _ in range(2 * lin.TRIAL - 1)]
+        assert ran == ["transposed", incumbent] * (lin.TRIAL - 1) + ["transposed"] and key in lin._TRIALS
+        with lin.leading():
+            layer(torch.randn(16, 64))  # (a tree pass's bucket, measured)
+        with lin.following():
+            layer(x)  # (the pass's path, untimed)
+        assert len(lin._TRIALS[key].times[1]) == lin.TRIAL - 1
+        assert _path(_ops(lambda: layer(x))) == incumbent and key not in lin._TRIALS  # the last turn
+        assert lin._FASTEST[key] == kept and _path(_ops(lambda: layer(x))) == kept
+        assert (id(layer.weight) in lin._TRANSPOSED) == (kept == "transposed")
 
 
 def test_measuring_rows_already_measured_walks_no_layer_and_new_rows_or_tables_are_measured(monkeypatch):
@@ -357,11 +398,15 @@ def test_training_stays_on_autograd():
     assert torch.allclose(layer.weight.grad, ref_w.grad) and torch.allclose(x.grad, ref_x.grad)
 
 
+@pytest.mark.parametrize("path", ["auto", "packed", "transposed", "tiled"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_compiled_is_one_opaque_op_with_the_eager_result(dtype):
+def test_compiled_is_one_opaque_op_with_the_eager_result(monkeypatch, dtype, path):
+    """One graph (``fullgraph``), pinned paths too: asking whether the tiled product is built, where
+    torch.compile traces, had broken a compiled step's graph at every product (3.5x its time)."""
+    monkeypatch.setattr(lin, "PATH", path)
     layer = Linear(40, 96, dtype=dtype)
     x = torch.randn(6, 40, dtype=dtype)
-    fn = torch.compile(lambda t: layer(t.relu()) * 2, dynamic=False)
+    fn = torch.compile(lambda t: layer(t.relu()) * 2, dynamic=False, fullgraph=True)
     atol = 1e-5 if dtype == torch.float32 else 1e-2
     with torch.no_grad():
         eager = layer(x.relu()) * 2
