@@ -75,6 +75,16 @@ def poison(monkeypatch):
     monkeypatch.setattr(torch, "empty_like", lambda *a, **k: fill(real_empty_like(*a, **k)))
 
 
+@pytest.fixture
+def fixed_products(monkeypatch):
+    """The CPU products' choice (stree.models.layers.linear) fixed from each key's first product, no
+    trials in use after it: a test counting a call's ops counts the same ops whatever ran before."""
+    import stree.models.layers.linear as lin
+
+    monkeypatch.setattr(lin, "TRIALS", False)
+    monkeypatch.setattr(lin, "_TRIALS", {})
+
+
 def pytest_sessionfinish(session):
     if _OWN_COSTS:
         shutil.rmtree(os.environ[_COSTS], ignore_errors=True)

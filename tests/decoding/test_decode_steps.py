@@ -16,6 +16,7 @@ from stree.tree import TokenTree, TreeShape
 from stree.sampling.verify import SamplingParams
 
 verify_module = sys.modules["stree.sampling.verify"]
+pytestmark = pytest.mark.usefixtures("fixed_products")  # (op counts)
 
 SHAPE = TreeShape.paper13()
 

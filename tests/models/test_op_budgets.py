@@ -13,6 +13,8 @@ from tiny_models import VOCAB, hybrid, mamba2
 from stree.tools.opcount import count_ops
 from stree.tree import TokenTree, TreeShape
 
+pytestmark = pytest.mark.usefixtures("fixed_products")
+
 SHAPE = TreeShape.paper13()
 PATH, NUM = torch.tensor([[0, 1, 4]]), torch.tensor([3])
 

@@ -18,12 +18,12 @@ a decoding loop PyTorch's products cost far more than timed alone, the tiled one
 with PyTorch's own kept where the two were near a tie timed alone (a step's out_proj), a whole
 step took a fifth to a third longer (the shipped target, eager batch 1 and compiled batch 2, on an
 AMD EPYC), and the tie broke either way from process to process. So a path that beat the incumbent
-timed alone is put on trial where it is used: its next products take it and the incumbent in turns,
-each timed inside the loop (``TRIAL`` each), and it is kept only if it is clearly faster there too
-(:class:`_Trial`; another AMD EPYC's transposed copy, a fifth faster than the tiled product for a
-step's out_proj timed alone, made the whole step an eighth slower, eager and compiled). Row counts
-share power-of-two buckets (:func:`_bucket`), so that trees and prompts of every size do not each
-pay for a measurement. ``STREE_LINEAR=blas``, ``=packed``,
+timed alone is put on trial where it is used: the incumbent makes its next ``TRIAL`` products, the
+challenger multiplying the same rows beside it, each timed inside the loop, and the challenger is
+taken only if it is clearly faster there too (:class:`_Trial`; another AMD EPYC's transposed
+copy, a fifth faster than the tiled product for a step's out_proj timed alone, made the whole step
+an eighth slower, eager and compiled). Row counts share power-of-two buckets (:func:`_bucket`), so
+that trees and prompts of every size do not each pay for a measurement. ``STREE_LINEAR=blas``, ``=packed``,
 ``=transposed`` or ``=tiled`` in the environment pins one (they agree to float32 rounding, so a
 pinned path makes results bit-reproducible across processes).
 
@@ -88,8 +88,11 @@ _FASTEST: dict[tuple, str] = {}
 _TIMES: dict[tuple, dict[str, float]] = {}
 # the same keys -> the _Trial of a path that beat the incumbent timed alone, until it ends
 _TRIALS: dict[tuple, "_Trial"] = {}
-# Products of each of the two paths a trial times where they are used, before it judges them.
+# Products of each of the two paths a trial times where they are used, before it judges them; and
+# whether trials run (off, the choice timed alone stands from the first product: what counting a
+# call's ops needs, tests/models/test_op_budgets.py, as a trial's products are made twice).
 TRIAL = 8
+TRIALS = True
 HALF = (torch.float16, torch.bfloat16)
 _DTYPES = (torch.float32, *HALF)  # what linear() multiplies itself
 # id(half weight or bias) -> ((version, storage address), float32 copy); the entry goes with the tensor
@@ -246,40 +249,46 @@ def _fastest(paths: dict, best: dict | None = None) -> str:
 
 
 def _fastest_path(key: tuple, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> str:
-    """The path measured fastest for ``key`` (the incumbent's challenger goes on trial)."""
+    """The path measured fastest for ``key``; where that is not the incumbent, the incumbent, the
+    other put on trial (:class:`_Trial`)."""
     paths = {name: functools.partial(fn, x, weight, bias) for name, fn in _candidates().items()}
     path = _fastest(paths, _TIMES.setdefault(key, {}))
-    for name, store in _COPIES.items():  # no copy of a weight for a path not taken (a bucket taking it copies again)
-        if name != path:
-            store.pop(id(weight), None)
     incumbent = next(iter(paths))
-    if path != incumbent:
+    if path != incumbent and TRIALS:
         _TRIALS[key] = _Trial(path, incumbent)
-    return path
+    for name, store in _COPIES.items():  # no copy of a weight for a path not taken (a bucket taking it copies again)
+        if name != path and (key not in _TRIALS or name != incumbent):
+            store.pop(id(weight), None)
+    return incumbent if key in _TRIALS else path
 
 
 class _Trial:
-    """A path that beat the incumbent timed alone, and the incumbent, taking turns on the products
-    of one key where they are used (challenger first), each timed (``TRIAL`` each); then the key
-    keeps the challenger only if the median of its times is under ``MARGIN`` of the incumbent's."""
+    """A path that beat the incumbent timed alone, tried where it is used: for ``TRIAL`` of its key's
+    products the incumbent makes them and the challenger multiplies the same rows beside it, the two
+    first in turns, each timed; then the key takes the challenger only if the median of its times is
+    under ``MARGIN`` of the incumbent's, and the loser's copies go. The results are the incumbent's
+    throughout, so a trial changes none (a process repeats its outputs from its first call on): only,
+    where the challenger wins, the path of the products after it."""
 
     def __init__(self, challenger: str, incumbent: str):
         self.paths = (challenger, incumbent)
         self.times: tuple[list, list] = ([], [])
 
     def product(self, key: tuple, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        turn = len(self.times[0]) > len(self.times[1])
-        path = _in_role(key, self.paths[turn], weight)  # (a tree pass's leads the steps after it)
-        start = _clock()
-        out = _PRODUCTS[path](x, weight, bias)
-        self.times[turn].append(_clock() - start)
-        if len(self.times[1]) == TRIAL:
-            lost = statistics.median(self.times[0]) >= MARGIN * statistics.median(self.times[1])
-            _FASTEST[key] = self.paths[lost]
+        incumbent = _in_role(key, self.paths[1], weight)  # (a tree pass's leads the steps after it)
+        for turn in ((0, 1) if len(self.times[0]) % 2 == 0 else (1, 0)):
+            start = _clock()
+            made = _PRODUCTS[incumbent if turn else self.paths[0]](x, weight, bias)
+            self.times[turn].append(_clock() - start)
+            if turn:
+                out = made
+        if len(self.times[0]) == TRIAL:
+            won = statistics.median(self.times[0]) < MARGIN * statistics.median(self.times[1])
+            _FASTEST[key] = self.paths[not won]
             del _TRIALS[key]
             # (every layer of the key's shape took both paths: the loser's copies go, and a bucket
             # still taking that path copies its weights again)
-            _COPIES.get(self.paths[not lost], {}).clear()
+            _COPIES.get(self.paths[won], {}).clear()
         return out
 
 
@@ -323,9 +332,9 @@ def _product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -
     if PATH == "auto":
         key = (_bucket(x.shape[0]), *weight.shape, bias is not None)
         path = _FASTEST.get(key)
-        if path is None:  # (the measuring call computes on the path found; a trial starts at the next)
+        if path is None:  # (a trial starts at the next product)
             path = _FASTEST[key] = _fastest_path(key, x, weight, bias)
-        elif _TRIALS and key in _TRIALS and _TRIALS[key].paths[0] == path and _ROLE.get() != "follow":
+        elif _TRIALS and key in _TRIALS and _TRIALS[key].paths[1] == path and _ROLE.get() != "follow":
             return _TRIALS[key].product(key, x, weight, bias)  # (a table set since holds another path)
         path = _in_role(key, path, weight)
     else:
@@ -369,7 +378,7 @@ def _tiled_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         out = _tiled_rows(x.float(), _wide(weight), _wide(bias)) if wide else None
         return None if out is None else out.to(x.dtype)
     key = (_bucket(rows), *weight.shape, bias is not None)
-    if (_pinned() if PATH != "auto" else _FASTEST.get(key)) != "tiled" or _ROLE.get() == "follow":
+    if (_pinned() if PATH != "auto" else _FASTEST.get(key)) != "tiled" or _ROLE.get() == "follow" or key in _TRIALS:
         return None
     _in_role(key, "tiled", weight)
     return _tiled_product(x, weight, bias)

@@ -99,6 +99,7 @@ def test_the_product_measured_clearly_fastest_runs(monkeypatch, blas, packed, tr
     the AMD EPYC) the tiled product, which a decoding loop does not slow as it slows PyTorch's."""
     chosen = chosen if gemm.available() else without_tiled
     _fake_clock(monkeypatch, dict(blas=blas, packed=packed, transposed=transposed, tiled=tiled))
+    monkeypatch.setattr(lin, "TRIALS", False)  # (the choice timed alone; a trial in use: the test below)
     layer = Linear(64, 512)
     x = torch.randn(3, 64)
     with torch.no_grad():
@@ -117,38 +118,49 @@ def test_the_product_measured_clearly_fastest_runs(monkeypatch, blas, packed, tr
 
 
 @pytest.mark.parametrize("in_use, kept", [(0.5, "transposed"), (0.9, "incumbent"), (2.0, "incumbent")])
-def test_a_path_faster_alone_is_kept_only_if_clearly_faster_where_it_is_used(monkeypatch, in_use, kept):
-    """A path that beat the incumbent timed alone (the transposed copy here) and the incumbent take
-    turns on the next ``2 TRIAL`` products, each timed where it runs (the fake clock: the transposed
-    copy ``in_use`` against the incumbent's 1.0); then the key keeps the challenger only where it
-    took under ``MARGIN`` of the incumbent's time, and the loser's copies go. Inside following()
-    products take the followed path and are not timed. (On an AMD EPYC a step's 1-row out_proj
-    took 20 us transposed against 26 tiled timed alone, 45-57 against 24-30 in a decoding loop.)"""
+def test_a_path_faster_alone_is_taken_only_if_clearly_faster_where_it_is_used(monkeypatch, in_use, kept):
+    """A path that beat the incumbent timed alone (the transposed copy here) is tried on the next
+    ``TRIAL`` products: the incumbent makes each (its result, exactly), the challenger multiplies the
+    same rows beside it, each timed where it runs (the fake clock: the transposed copy ``in_use``
+    against the incumbent's 1.0). Then the key takes the challenger only where it took under
+    ``MARGIN`` of the incumbent's time, and the loser's copies go. Inside following() products take
+    the followed path and are not timed. (On an AMD EPYC a step's 1-row out_proj took 20 us
+    transposed against 26 tiled timed alone, 45-57 against 24-30 in a decoding loop.)"""
     incumbent = "tiled" if gemm.available() else "blas"
     kept = incumbent if kept == "incumbent" else kept
     _fake_clock(monkeypatch, dict(blas=1.0, packed=1.0, transposed=0.5, tiled=1.0))
-    now = [0.0]
+    now, ran = [0.0], []
     costs = {name: 1.0 for name in lin._PRODUCTS} | {"transposed": in_use}
 
     def timed(name, fn):
-        return lambda *args: now.__setitem__(0, now[0] + costs[name]) or fn(*args)
+        return lambda *args: ran.append(name) or now.__setitem__(0, now[0] + costs[name]) or fn(*args)
 
-    monkeypatch.setattr(lin, "_PRODUCTS", {name: timed(name, fn) for name, fn in lin._PRODUCTS.items()})
+    real = dict(lin._PRODUCTS)
+    monkeypatch.setattr(lin, "_PRODUCTS", {name: timed(name, fn) for name, fn in real.items()})
     monkeypatch.setattr(lin, "_clock", lambda: now[0])
-    layer, x, key = Linear(64, 512), torch.randn(1, 64), (1, 512, 64, True)
+    layer, key = Linear(64, 512), (1, 512, 64, True)
     with torch.no_grad():
-        layer(x)  # measures (its fake clock profiles each path: not inside another profile)
-        assert lin._FASTEST == {key: "transposed"}
-        ran = [_path(_ops(lambda: layer(x))) for _ in range(2 * lin.TRIAL - 1)]
-        assert ran == ["transposed", incumbent] * (lin.TRIAL - 1) + ["transposed"] and key in lin._TRIALS
+        first = layer(x := torch.randn(1, 64))  # measures (the fake clock profiles: not inside another profile)
+        assert lin._FASTEST == {key: incumbent} and key in lin._TRIALS
+        assert torch.equal(first, real[incumbent](x, layer.weight, layer.bias))
+        for k in range(lin.TRIAL - 1):
+            ran.clear()
+            x = torch.randn(1, 64)
+            assert torch.equal(layer(x), real[incumbent](x, layer.weight, layer.bias))
+            assert ran == (["transposed", incumbent] if k % 2 == 0 else [incumbent, "transposed"])
         with lin.leading():
             layer(torch.randn(16, 64))  # (a tree pass's bucket, measured)
         with lin.following():
             layer(x)  # (the pass's path, untimed)
-        assert len(lin._TRIALS[key].times[1]) == lin.TRIAL - 1
-        assert _path(_ops(lambda: layer(x))) == incumbent and key not in lin._TRIALS  # the last turn
-        assert lin._FASTEST[key] == kept and _path(_ops(lambda: layer(x))) == kept
+        assert len(lin._TRIALS[key].times[0]) == lin.TRIAL - 1 and lin._FASTEST[key] == incumbent
+        want = real[incumbent](x, layer.weight, layer.bias)  # (before the verdict: it makes the tiled copy)
+        assert torch.equal(layer(x), want)  # the last one
+        assert key not in lin._TRIALS and lin._FASTEST[key] == kept
+        ran.clear()
+        layer(x)
+        assert ran == [kept]
         assert (id(layer.weight) in lin._TRANSPOSED) == (kept == "transposed")
+        assert (id(layer.weight) in lin._TILED) == (kept == "tiled")
 
 
 def test_measuring_rows_already_measured_walks_no_layer_and_new_rows_or_tables_are_measured(monkeypatch):
