@@ -199,6 +199,7 @@ class _Loop:
 
     def run(self):
         c, rows = self.c, self.rows
+        linear.settle()  # (products whose trials in use ended take their paths now, not inside a call)
         kind = DecodeGraphs if c.cuda_graph else CompiledDecode if c.torch_compile else None
         pool = kind.for_model(self.model, rows.batch_size, c.max_length) if kind is not None else None
         if self.drafter is not None:

@@ -285,6 +285,25 @@ def test_only_a_speculative_loops_plain_steps_follow_the_tree_passes_weights(mon
     assert len(entered) == out.stats.target_forwards and set(entered) == {"lead"}  # every step a tree pass
 
 
+@pytest.mark.parametrize("method", ["autoregressive", "stree"])
+@pytest.mark.parametrize("torch_compile", [False, True])
+def test_a_product_path_that_won_its_trial_is_taken_where_a_call_starts_not_inside_one(monkeypatch, method,
+                                                                                        torch_compile):
+    """A challenger that won its trial in use (stree.models.layers.linear._Trial) is taken by the next
+    decoding call at its start: every product inside a call keeps one path."""
+    import stree.models.layers.linear as lin
+
+    model = mamba2(seed=0)
+    key = (1, *model.lm_head.weight.shape, False)
+    generate(model, [[1, 2, 3]], max_new_tokens=2, method=method, torch_compile=torch_compile)  # (measured)
+    monkeypatch.setitem(lin._FASTEST, key, "blas")
+    monkeypatch.setattr(lin, "_WON", {key: "transposed"})
+    real, seen = lin.settle, []
+    monkeypatch.setattr(lin, "settle", lambda: seen.append(dict(lin._WON)) or real())
+    generate(model, [[1, 2, 3]], max_new_tokens=2, method=method, torch_compile=torch_compile)
+    assert seen[0] == {key: "transposed"} and lin._FASTEST[key] == "transposed" and key not in lin._WON
+
+
 def test_an_eager_call_measures_its_products_before_decoding(monkeypatch):
     """With ``tree="auto"`` an eager CPU call times the product choices of every row count its
     steps and trees may multiply (the batch times 1 to the most nodes) in its setup, and none

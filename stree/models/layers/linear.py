@@ -65,7 +65,7 @@ from torch import nn
 from ...kernels._common import kept, version
 from ...kernels.cpu import gemm
 
-__all__ = ["Linear", "following", "leading", "linear", "measure"]
+__all__ = ["Linear", "following", "leading", "linear", "measure", "settle"]
 
 PATHS = ("auto", "blas", "packed", "transposed", "tiled")
 PATH = os.environ.get("STREE_LINEAR", "auto")
@@ -86,8 +86,10 @@ _TILED: dict[int, tuple] = {}
 _FASTEST: dict[tuple, str] = {}
 # the same keys -> each path's best time there, seconds (what following() weighs)
 _TIMES: dict[tuple, dict[str, float]] = {}
-# the same keys -> the _Trial of a path that beat the incumbent timed alone, until it ends
+# the same keys -> the _Trial of a path that beat the incumbent timed alone, until it ends; and the
+# challengers that won theirs, taken at the next settle()
 _TRIALS: dict[tuple, "_Trial"] = {}
+_WON: dict[tuple, str] = {}
 # Products of each of the two paths a trial times where they are used, before it judges them; and
 # whether trials run (off, the choice timed alone stands from the first product: what counting a
 # call's ops needs, tests/models/test_op_budgets.py, as a trial's products are made twice).
@@ -265,10 +267,10 @@ def _fastest_path(key: tuple, x: torch.Tensor, weight: torch.Tensor, bias: torch
 class _Trial:
     """A path that beat the incumbent timed alone, tried where it is used: for ``TRIAL`` of its key's
     products the incumbent makes them and the challenger multiplies the same rows beside it, the two
-    first in turns, each timed; then the key takes the challenger only if the median of its times is
-    under ``MARGIN`` of the incumbent's, and the loser's copies go. The results are the incumbent's
-    throughout, so a trial changes none (a process repeats its outputs from its first call on): only,
-    where the challenger wins, the path of the products after it."""
+    first in turns, each timed. A challenger whose median is under ``MARGIN`` of the incumbent's is
+    taken at the next :func:`settle` (a decoding call's start), else its copies go. The results are
+    the incumbent's until then, so a trial changes none inside a call (nor those of a model's own
+    calls, which settle nothing): a step and the same step again stay equal to the last bit."""
 
     def __init__(self, challenger: str, incumbent: str):
         self.paths = (challenger, incumbent)
@@ -283,13 +285,28 @@ class _Trial:
             if turn:
                 out = made
         if len(self.times[0]) == TRIAL:
-            won = statistics.median(self.times[0]) < MARGIN * statistics.median(self.times[1])
-            _FASTEST[key] = self.paths[not won]
             del _TRIALS[key]
-            # (every layer of the key's shape took both paths: the loser's copies go, and a bucket
-            # still taking that path copies its weights again)
-            _COPIES.get(self.paths[won], {}).clear()
+            if statistics.median(self.times[0]) < MARGIN * statistics.median(self.times[1]):
+                _WON[key] = self.paths[0]
+            else:
+                _drop_unused(self.paths[0])
         return out
+
+
+def settle() -> None:
+    """Take the challengers that won their trials (:class:`_Trial`): called where a decoding call
+    starts, so that no call's products change path midway."""
+    for key, path in _WON.items():
+        lost, _FASTEST[key] = _FASTEST.get(key), path
+        _drop_unused(lost)
+    _WON.clear()
+
+
+def _drop_unused(path: str | None) -> None:
+    """The weight copies of ``path`` where no row count takes it now (every layer of a shape on trial
+    made both paths' copies; a path taken again copies its weights again)."""
+    if path not in {*_FASTEST.values(), *_WON.values(), *(trial.paths[0] for trial in _TRIALS.values())}:
+        _COPIES.get(path, {}).clear()
 
 
 _clock = time.perf_counter  # (a trial's clock, which tests stand in for)

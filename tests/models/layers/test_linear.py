@@ -20,8 +20,9 @@ pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason
 
 @pytest.fixture(autouse=True)
 def _no_trials(monkeypatch):
-    """No trial another test left (its key's table entry set since) runs here."""
+    """No trial another test left (its key's table entry set since) runs here, nor is settled."""
     monkeypatch.setattr(lin, "_TRIALS", {})
+    monkeypatch.setattr(lin, "_WON", {})
 
 
 def _definition(x, w, b):
@@ -122,8 +123,8 @@ def test_a_path_faster_alone_is_taken_only_if_clearly_faster_where_it_is_used(mo
     """A path that beat the incumbent timed alone (the transposed copy here) is tried on the next
     ``TRIAL`` products: the incumbent makes each (its result, exactly), the challenger multiplies the
     same rows beside it, each timed where it runs (the fake clock: the transposed copy ``in_use``
-    against the incumbent's 1.0). Then the key takes the challenger only where it took under
-    ``MARGIN`` of the incumbent's time, and the loser's copies go. Inside following() products take
+    against the incumbent's 1.0). A challenger under ``MARGIN`` of the incumbent's time is taken at
+    the next settle() (a decoding call's start), else its copies go. Inside following() products take
     the followed path and are not timed. (On an AMD EPYC a step's 1-row out_proj took 20 us
     transposed against 26 tiled timed alone, 45-57 against 24-30 in a decoding loop.)"""
     incumbent = "tiled" if gemm.available() else "blas"
@@ -148,19 +149,27 @@ def test_a_path_faster_alone_is_taken_only_if_clearly_faster_where_it_is_used(mo
             x = torch.randn(1, 64)
             assert torch.equal(layer(x), real[incumbent](x, layer.weight, layer.bias))
             assert ran == (["transposed", incumbent] if k % 2 == 0 else [incumbent, "transposed"])
+        lin._FASTEST[(16, 512, 64, True)] = incumbent  # (a tree pass's bucket, measured before)
         with lin.leading():
-            layer(torch.randn(16, 64))  # (a tree pass's bucket, measured)
+            layer(torch.randn(16, 64))
         with lin.following():
             layer(x)  # (the pass's path, untimed)
         assert len(lin._TRIALS[key].times[0]) == lin.TRIAL - 1 and lin._FASTEST[key] == incumbent
         want = real[incumbent](x, layer.weight, layer.bias)  # (before the verdict: it makes the tiled copy)
         assert torch.equal(layer(x), want)  # the last one
-        assert key not in lin._TRIALS and lin._FASTEST[key] == kept
+        assert key not in lin._TRIALS and lin._FASTEST[key] == incumbent  # (no path changes before settle())
+        assert lin._WON == ({key: "transposed"} if kept == "transposed" else {})
+        assert (id(layer.weight) in lin._TRANSPOSED) == (kept == "transposed")  # (a loser's copies go at once)
+        ran.clear()
+        layer(x)
+        assert ran == [incumbent]
+        lin.settle()
+        assert lin._FASTEST[key] == kept and not lin._WON
         ran.clear()
         layer(x)
         assert ran == [kept]
         assert (id(layer.weight) in lin._TRANSPOSED) == (kept == "transposed")
-        assert (id(layer.weight) in lin._TILED) == (kept == "tiled")
+        assert (id(layer.weight) in lin._TILED) == (incumbent == "tiled")  # (the tree pass's bucket takes it)
 
 
 def test_measuring_rows_already_measured_walks_no_layer_and_new_rows_or_tables_are_measured(monkeypatch):
