@@ -83,6 +83,7 @@ def fixed_products(monkeypatch):
 
     monkeypatch.setattr(lin, "TRIALS", False)
     monkeypatch.setattr(lin, "_TRIALS", {})
+    monkeypatch.setattr(lin, "_WON", {})  # (nor a verdict an earlier test left, taken at a call's start)
 
 
 def pytest_sessionfinish(session):
