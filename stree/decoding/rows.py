@@ -310,28 +310,33 @@ def _append(tokens, counts, eos, max_new, lengths, produced, active, exact, seq,
 
 
 def full_batch(draft: TokenTree, active: torch.Tensor, roots: torch.Tensor) -> TokenTree:
-    """The drafted rows in their batch positions; a finished row gets its root alone (its other
-    nodes invalid, so nothing of it is accepted)."""
-    B, n = len(active), draft.n
-    ids = torch.nonzero(active).flatten()
-    tokens = roots[:, None].repeat(1, n)
-    tokens[ids] = draft.tokens
-    valid = torch.zeros(B, n, dtype=torch.bool)
-    valid[:, 0] = True
-    valid[ids] = True if draft.valid is None else draft.valid
-    extra = dict(valid=valid, with_replacement=draft.with_replacement)
+    """The drafted rows (a host draft) in their batch positions; a finished row gets its root alone
+    (its other nodes invalid, so nothing of it is accepted). Made in NumPy: as a dozen torch ops a
+    batch-2 tree took 0.13 ms (a sixth of a compiled step of the shipped target), in each of the
+    iterations after a row finished where shapes stay fixed (compiled calls, CUDA graphs)."""
+    ids = np.flatnonzero(host_array(active))
+    tokens, valid = draft.arrays()
+    full = np.repeat(host_array(roots)[:, None], draft.n, 1)
+    full[ids] = tokens
+    real = np.zeros(full.shape, dtype=np.bool_)
+    real[:, 0] = True
+    real[ids] = True if valid is None else valid
+    shape = draft.static_shape
+    if shape is not None and draft.child_ids is None and not draft.with_replacement:
+        return TokenTree.from_arrays(shape, full, real)
+    extra = dict(valid=host_tensor(real), with_replacement=draft.with_replacement)
     if draft.child_ids is not None:
-        K = draft.child_ids.shape[-1]
-        extra.update(child_ids=torch.zeros(B, n, K, dtype=draft.child_ids.dtype),
-                     child_probs=torch.zeros(B, n, K, dtype=draft.child_probs.dtype))
-        extra["child_ids"][ids], extra["child_probs"][ids] = draft.child_ids, draft.child_probs
-    if draft.static_shape is not None:  # keep the static shape (and its cached index, and its graphs)
-        return TokenTree.from_shape(draft.static_shape, tokens, **extra)
+        at = torch.from_numpy(ids)
+        extra.update(child_ids=draft.child_ids.new_zeros((len(full), *draft.child_ids.shape[1:])),
+                     child_probs=draft.child_probs.new_zeros((len(full), *draft.child_probs.shape[1:])))
+        extra["child_ids"][at], extra["child_probs"][at] = draft.child_ids, draft.child_probs
+    if shape is not None:  # keep the static shape (and its cached index, and its graphs)
+        return TokenTree.from_shape(shape, host_tensor(full), **extra)
     parents = draft.parents
     if parents.dim() == 2:
-        parents = parents[:1].repeat(B, 1)
-        parents[ids] = draft.parents
-    return TokenTree(parents, tokens, **extra)
+        parents = parents[:1].repeat(len(full), 1)
+        parents[torch.from_numpy(ids)] = draft.parents
+    return TokenTree(parents, host_tensor(full), **extra)
 
 
 def stop_at_sequences(rows: Rows, stops: list[tuple[int, ...]], seen: list[int]) -> None:

@@ -158,7 +158,7 @@ def pack(tokens: torch.Tensor, counts: torch.Tensor, probs: torch.Tensor | None,
     ids; vocabularies stay below 2^24, where fp32 holds integers exactly): the emitted ``tokens
     [B, L]``, their ``counts``, ``finite [B, ...]`` (:func:`_finite`) and, with ``probs [B, L,
     V]`` (the law each emitted token was drawn from; None: no drafter learns), its top-``top_k``
-    and each emitted token's probability. Tensors only: a compiled pass packs for itself."""
+    and each emitted token's probability."""
     B = tokens.shape[0]
     parts = [tokens, counts[:, None], finite.reshape(B, -1)]
     if probs is not None:
@@ -227,19 +227,17 @@ def speculative_step(model, cache, draft: TokenTree, params: SamplingParams, gen
     runner = runner or EagerRunner(model, cache)
     fused = (params.greedy and scan == "tree" and draft.static_shape is not None
              and runner.fused(_greedy_iteration, draft.static_shape, "greedy"))
-    if fused:  # the pass, greedy verification and the host's packing as one compiled graph
+    if fused:  # the pass, greedy verification and what the host reads as one compiled graph (on the CPU)
         k = None if top_k is None else min(top_k, model.vocab_size)
-        depth = draft.static_shape.max_depth
         valid = draft.valid if draft.valid is not None else _all_valid(draft.tokens.shape, draft.tokens.device)
-        tree_pass, (accepted, num, bonus, packed) = fused(draft.tokens, valid, depth, k)
+        tree_pass, (accepted, num, bonus, host) = fused(draft.tokens, valid, draft.static_shape.max_depth, k)
         result = VerifyResult(accepted, num, bonus, None)
         if lap is not None:
             lap("verify")
         runner.tree(draft.static_shape)[1](tree_pass, accepted, num)
-        host = unpack(packed.cpu(), depth + 1, draft.n, k)  # the step's one device-to-host sync
         if lap is not None:
             lap("commit")
-        return host, result
+        return HostStep(*host), result
     tree_calls, commit = runner.tree_calls(draft, scan)
     logits, tree_pass = tree_calls(draft)
     if greedy_on_host(params, logits) and tensor_parallel(model) is None:
@@ -302,15 +300,21 @@ def _all_valid(shape: tuple, device: torch.device) -> torch.Tensor:
 
 
 def _greedy_iteration(model, tokens, index, cache, kernels: str, valid, max_depth: int, k: int | None):
-    """A static shape's tree pass, greedy verification, the emitted tokens and their packing for
-    the host (with the target's top-``k`` laws along the accepted path where a drafter learns
-    from them): tensors only, for :meth:`~stree.runtime.runners.DecodeRunner.fused` to compile as
-    one graph. The same arithmetic as the eager step's (:func:`speculative_step`), tested equal."""
+    """A static shape's tree pass, greedy verification, and the fields of the :class:`HostStep`:
+    the emitted tokens, their counts, finiteness (and the target's top-``k`` laws along the
+    accepted path where a drafter learns from them): tensors only, for
+    :meth:`~stree.runtime.runners.DecodeRunner.fused` to compile as one graph on the CPU, whose
+    outputs are the host's already (packed into one tensor and unpacked on the host, as a GPU's
+    transfer wants them, they had cost a compiled tree iteration a twentieth of a step). The same
+    arithmetic as the eager step's (:func:`speculative_step`), tested equal."""
     logits, ssm, attn = model.tree_layers(tokens, index, cache, "tree", kernels)
     accepted, num, bonus = greedy_path(index.parents, tokens, valid, logits.argmax(-1), max_depth)
-    probs = None if k is None else _GREEDY.observed(_along(logits, accepted))
-    packed = pack(_emitted(tokens, accepted, num, bonus), num, probs, k or 0, _finite_rows(logits))
-    return ssm, attn, (accepted, num, bonus, packed)
+    emitted = _emitted(tokens, accepted, num, bonus)
+    host = (emitted, num, _finite_rows(logits).all(1))
+    if k is not None:
+        top_ids, top_probs, token_probs = _laws(emitted, _GREEDY.observed(_along(logits, accepted)), k)
+        host += (top_ids, top_probs.float(), token_probs.float())
+    return ssm, attn, (accepted, num, bonus, host)
 
 
 _GREEDY = SamplingParams(0.0)

@@ -122,6 +122,12 @@ class SSMScratch:
     x: torch.Tensor  # [L, b, n, h, p] after conv and SiLU (repeated to heads)
     dt: torch.Tensor  # [L, b, n, h] raw, before bias
     B: torch.Tensor  # [L, b, n, g, s] after conv and SiLU
+    # The layers' A and dt_bias [L, h] (float32) as the pass computed them from the parameters, where it
+    # returned its activations (a compiled pass's, a GPU's): commit replays with them, reading no
+    # parameter again (keyed on the eight parameters' versions, a compiled tree iteration's commit
+    # cost a batch-1 step a sixth more on the 2-core EPYC)
+    A: torch.Tensor | None = None
+    dt_bias: torch.Tensor | None = None
     # Where the layers' bound CPU kernels wrote it in place (stree.kernels.cpu.bound): the four as
     # the NumPy arrays they wrote, and each layer's kernels (None: a layer that took another path),
     # whose parameters commit replays with, without converting them again

@@ -5,9 +5,9 @@ loops. ``commit`` is the model's own: a few gathers and one replay, which on the
 by numba (``stree.kernels.cpu.replay_jit``); the Inductor-compiled PyTorch replay measured slower
 (the shipped target, 13-node tree, batch 1 and 4), its guards alone a large part of it. On CUDA the loop replays CUDA graphs instead (:mod:`.graphs`),
 the commit included. :meth:`CompiledModel.fused` compiles a decoding step's own work around the
-tree pass into the pass's graph (greedy verification and the host's packing,
-``stree.decoding.steps``): run eager, a small iteration's verification and packing measured almost as
-long as a step.
+tree pass into the pass's graph (greedy verification and the tensors the host reads,
+``stree.decoding.steps``): run eager, a small iteration's verification and packing for the host
+measured almost as long as a step.
 
 The compiled functions are the eager ones (``step_pass``, ``tree_layers``), which stay the
 reference: tests compare the two. Compiling costs seconds per function and shape, once per process

@@ -7,9 +7,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from stree.decoding.rows import Rows
+from stree.decoding.rows import Rows, full_batch
 from stree.decoding.steps import HostStep
 from stree.drafters.base import Drafter
+from stree.tree import TokenTree, TreeShape
 
 
 class _Watcher(Drafter):
@@ -119,3 +120,56 @@ def test_a_drafter_reads_the_steps_laws_cut_per_row_as_their_arrays():
             array = host_array(part)
             assert np.array_equal(array, cut) and np.array_equal(part.numpy(), cut)
             assert np.shares_memory(array, whole)
+
+
+@settings(max_examples=120, deadline=None)
+@given(st.integers(1, 4), st.sampled_from(["static", "shared", "per-row"]), st.booleans(), st.booleans(),
+       st.booleans(), st.integers(0, 2**31 - 1))
+def test_a_full_batch_tree_holds_each_drafted_row_in_place_and_a_lone_root_elsewhere(batch, kind, valid, stochastic,
+                                                                                     replace, seed):
+    """The loop's tree for a batch whose finished rows ride along (compiled calls, CUDA graphs):
+    read node by node, each live row is its draft's row (tokens, validity, children's laws),
+    each finished row its root alone, every other node of it invalid; the shape, the parents and
+    whether children were drawn with replacement are the draft's."""
+    g = np.random.default_rng(seed)
+    active = torch.from_numpy(g.random(batch) < 0.6)
+    live = np.flatnonzero(active.numpy())
+    if not len(live):
+        active[int(g.integers(batch))] = True
+        live = np.flatnonzero(active.numpy())
+    shape = TreeShape.from_spec(str(g.choice(["paper13", "chain:3", "full:2x2"])))
+    roots = torch.from_numpy(g.integers(0, 50, batch))
+    tokens = torch.from_numpy(g.integers(0, 50, (len(live), shape.n)))
+    tokens[:, 0] = roots[torch.from_numpy(live)]
+    extra = {}
+    if valid:
+        extra["valid"] = torch.from_numpy(g.random((len(live), shape.n)) < 0.7)
+        extra["valid"][:, 0] = True
+    if stochastic:
+        extra.update(child_ids=torch.from_numpy(g.integers(0, 50, (len(live), shape.n, 2))),
+                     child_probs=torch.from_numpy(g.random((len(live), shape.n, 2)).astype(np.float32)),
+                     with_replacement=replace)
+    parents = torch.tensor(shape.parents)
+    if kind == "static":
+        draft = TokenTree.from_shape(shape, tokens, **extra)
+    else:
+        draft = TokenTree(parents if kind == "shared" else parents.repeat(len(live), 1), tokens, **extra)
+    full = full_batch(draft, active, roots)
+    assert full.static_shape == draft.static_shape and full.with_replacement == (stochastic and replace)
+    assert tuple(full.tokens.shape) == (batch, shape.n) and full.valid is not None
+    for r in range(batch):
+        at = list(live).index(r) if r in live else None
+        assert full.parents.reshape(-1, shape.n)[r if full.parents.dim() == 2 else 0].tolist() == list(shape.parents)
+        for i in range(shape.n):
+            if at is None:
+                assert int(full.tokens[r, i]) == int(roots[r]) and bool(full.valid[r, i]) == (i == 0)
+                if stochastic:
+                    assert not full.child_ids[r, i].any() and not full.child_probs[r, i].any()
+                continue
+            assert int(full.tokens[r, i]) == int(tokens[at, i])
+            assert bool(full.valid[r, i]) == (not valid or bool(extra["valid"][at, i]))
+            if stochastic:
+                assert full.child_ids[r, i].tolist() == extra["child_ids"][at, i].tolist()
+                assert full.child_probs[r, i].tolist() == extra["child_probs"][at, i].tolist()
+            else:
+                assert full.child_ids is None

@@ -246,6 +246,34 @@ def test_a_pass_writing_its_scratch_in_place_equals_one_stacking_it(family, unbo
     assert all(torch.equal(a, b) for a, b in zip(s1, s2)) and all(torch.equal(a, b) for a, b in zip(c1, c2))
 
 
+@pytest.mark.parametrize("family", [f for f in FAMILIES if "ssm" in FAMILIES[f]().kinds()])
+def test_a_commit_of_a_pass_that_returned_its_activations_replays_with_the_passs_own_parameters(family):
+    """A pass whose Mamba2 layers returned their activations (the PyTorch path: compiled calls, a
+    GPU) returns the layers' A and dt_bias as it computed them beside them, and the commit replays
+    with those, reading no parameter (keying on the eight of the shipped target had cost a compiled
+    tree iteration a sixth of a step): bit for bit the replay of the pass's scratch with the layers'
+    parameters."""
+    import stree.models.layers.mamba2 as layer_module
+    from stree.kernels.cpu.bound import replay_in_place
+
+    model = FAMILIES[family]()
+    g = torch.Generator().manual_seed(4)
+    cache = _prefilled(model, [6, 3], g)
+    tree = TokenTree.from_shape(TreeShape.paper13(), torch.randint(0, VOCAB, (2, 13), generator=g))
+    index, depth = model.check_tree(tree, cache, "tree", True)
+    _, tree_pass = model.tree_pass(tree, index, cache, "tree", "torch", depth)
+    mixers = [blk.mixer for blk, kind in zip(model.blocks, model.kinds()) if kind == "ssm"]
+    A, dt_bias = torch.stack([m.A() for m in mixers]), torch.stack([m.dt_bias.float() for m in mixers])
+    assert tree_pass.ssm.kernels is None
+    assert torch.equal(tree_pass.ssm.A, A) and torch.equal(tree_pass.ssm.dt_bias, dt_bias)
+    paths = torch.tensor([[0, 1, 4, 7], [0, 3, 0, 0]]), torch.tensor([4, 2])
+    want = cache.clone()
+    replay_in_place(want.ssm, want.conv, *tree_pass.ssm.parts(), A, dt_bias, *paths, mixers[0].dt_limit(False))
+    with mock.patch.object(layer_module, "value_key", side_effect=AssertionError("a parameter read again")):
+        model.commit(cache, tree_pass, *paths)
+    assert torch.equal(cache.ssm, want.ssm) and torch.equal(cache.conv, want.conv)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_a_commit_replays_with_the_parameters_and_arrays_of_the_passs_bound_kernels(dtype):
     """A CPU tree pass whose every Mamba2 layer ran its bound kernels leaves them and their NumPy

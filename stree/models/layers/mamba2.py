@@ -185,7 +185,7 @@ class Mamba2Mixer(nn.Module):
             y, _ = multistep_update(state.ssm, x, dt, self.A(), B, C, **kw)
         else:
             y = _unrolled_ssm(x, dt, self.A(), B, C, ctx.index, state.ssm, kw)
-        return self._output(y, z, ctx.kernel_backend), (xBC, x, dt, B)
+        return self._output(y, z, ctx.kernel_backend), (xBC, x, dt, B, self.A(), self.dt_bias.float())
 
     def step(self, u, state: SSMLayerState, ctx):
         """One token ``u [b, d]``; advances the layer's conv and SSM state in place."""
@@ -213,8 +213,9 @@ class Mamba2Mixer(nn.Module):
         mixers = [blk.mixer for blk, kind in zip(model.blocks, model.kinds()) if kind == "ssm"]
         dt_limit = mixers[0].dt_limit(prefill)
         kernels = scratch.kernels
-        if kernel_backend == "auto" and kernels is not None and None not in kernels \
-                and accepted.dtype == num_accepted.dtype == torch.long and accepted.is_cpu and num_accepted.is_cpu:
+        on_host = kernel_backend == "auto" and accepted.dtype == num_accepted.dtype == torch.long and accepted.is_cpu \
+            and num_accepted.is_cpu
+        if on_host and kernels is not None and None not in kernels:
             # every layer's bound kernels wrote the scratch (their preconditions hold of this cache: the
             # model checked it is the pass's): their parameters and the scratch's arrays as they are
             A, dt_bias = derived(model, "ssm_replay_constants", lambda: tuple(np.stack(p) for p in zip(
@@ -222,13 +223,15 @@ class Mamba2Mixer(nn.Module):
             replay_arrays(cache.ssm, cache.conv, scratch.arrays, A, dt_bias, accepted, num_accepted, dt_limit,
                           cache.arrays)
             return
-        A, dt_bias = derived(model, "ssm_A_dt_bias",
-                             lambda: (torch.stack([m.A() for m in mixers]), torch.stack([m.dt_bias for m in mixers])),
-                             key=value_key(*(m.A_log for m in mixers), *(m.dt_bias for m in mixers)))
+        if scratch.A is not None:
+            A, dt_bias = scratch.A, scratch.dt_bias
+        else:  # (layers of one pass that took the bound kernels and others that did not)
+            A, dt_bias = derived(model, "ssm_A_dt_bias", lambda: (torch.stack([m.A() for m in mixers]),
+                                                                  torch.stack([m.dt_bias for m in mixers])),
+                                 key=value_key(*(m.A_log for m in mixers), *(m.dt_bias for m in mixers)))
         wide = (cache.ssm, *scratch.parts(), A)  # (float32 for the kernel; a half model's conv state and dt_bias not)
-        if kernel_backend == "auto" and cu_seqlens is None and accepted.dtype == num_accepted.dtype == torch.long \
-                and cache.conv.dtype in FLOAT_DTYPES and all(t.dtype == torch.float32 for t in wide) \
-                and all(t.is_cpu and not t.requires_grad for t in (*wide, cache.conv, dt_bias)):
+        if on_host and cu_seqlens is None and cache.conv.dtype in FLOAT_DTYPES \
+                and all(t.dtype == torch.float32 for t in wide) and all(t.is_cpu and not t.requires_grad for t in (*wide, cache.conv, dt_bias)):
             # (the public replay's checks: the model's; a half model's scratch is the bound kernels' float32
             # arrays, its dt_bias widened exactly)
             replay_in_place(cache.ssm, cache.conv, *scratch.parts(), A,
