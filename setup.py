@@ -13,7 +13,8 @@ setup(
         "torch>=2.4",
         "triton>=3.2",
         "einops",
-        "transformers>=5.23",  # 5.23 normalises Mamba2's gated RMSNorm per group (ngroups > 1), as mamba_ssm does
+        # 5.23: Mamba2's gated RMSNorm per group, as mamba_ssm; 5.25: Nemotron-H's dt clamp read from time_step_limit
+        "transformers>=5.25",
         "safetensors",
         "numpy",
         "numba",  # the n-gram drafter's compiled index (stree/drafters/ngram_jit.py)

@@ -16,7 +16,8 @@ CONFIGS = {
     "nemotron_h": lambda: ("NemotronHConfig", "NemotronHForCausalLM", dict(
         vocab_size=VOCAB, hidden_size=32, intermediate_size=48, hybrid_override_pattern="M*M-M",
         num_attention_heads=4, num_key_value_heads=2, head_dim=8, mamba_num_heads=6, mamba_head_dim=8,
-        n_groups=2, ssm_state_size=8, chunk_size=16, pad_token_id=0, eos_token_id=2, bos_token_id=1)),
+        n_groups=2, ssm_state_size=8, chunk_size=16, time_step_limit=[0.001, math.inf], pad_token_id=0,
+        eos_token_id=2, bos_token_id=1)),
     # NoPE attention, a top-2 of 4 experts beside the shared MLP, every µP scalar away from 1
     "granitemoehybrid": lambda: ("GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM", dict(
         vocab_size=VOCAB, hidden_size=32, intermediate_size=16, shared_intermediate_size=40, num_hidden_layers=4,
@@ -45,7 +46,8 @@ CONFIGS = {
 
 def randomize(hf, seed: int):
     """Weights of order-one effect (transformers' 0.02 init makes every logit ~0), and dt biases
-    of which some fall below Nemotron-H's time_step_min, so that its prefill-only clamp matters."""
+    of which some fall below the lower dt limit of the tiny Nemotron-H (0.001), so that its
+    prefill-only clamp matters."""
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in hf.named_parameters():

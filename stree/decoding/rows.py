@@ -312,8 +312,8 @@ def _append(tokens, counts, eos, max_new, lengths, produced, active, exact, seq,
 def full_batch(draft: TokenTree, active: torch.Tensor, roots: torch.Tensor) -> TokenTree:
     """The drafted rows (a host draft) in their batch positions; a finished row gets its root alone
     (its other nodes invalid, so nothing of it is accepted). Made in NumPy: as a dozen torch ops a
-    batch-2 tree took 0.13 ms (a sixth of a compiled step of the shipped target), in each of the
-    iterations after a row finished where shapes stay fixed (compiled calls, CUDA graphs)."""
+    batch-2 tree took a sixth of a compiled step of the shipped target, in each of the iterations
+    after a row finished where shapes stay fixed (compiled calls, CUDA graphs)."""
     ids = np.flatnonzero(host_array(active))
     tokens, valid = draft.arrays()
     full = np.repeat(host_array(roots)[:, None], draft.n, 1)

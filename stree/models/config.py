@@ -104,7 +104,7 @@ class Mamba2Config:
     # multiply; mamba_ssm multiplies in fp32 and rounds once.
     norm_round_before_weight: bool = False
     # True: dt_limit clamps dt in prefill only, as mamba_ssm's and transformers' chunked scans do
-    # and their one-token steps do not (Nemotron-H's (time_step_min, inf) matters); decoding
+    # and their one-token steps do not (a Nemotron-H limit above 0 matters); decoding
     # (step, tree pass, commit) then leaves dt unclamped. False: every path clamps.
     dt_limit_prefill_only: bool = False
     # The gate around the SSM output y: "gate_first" norm(y * silu(z)) (mamba_ssm), "gate_last"

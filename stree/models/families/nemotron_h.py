@@ -1,21 +1,22 @@
 """Nemotron-H (transformers ``NemotronHForCausalLM``: Nemotron-H, Nemotron Nano 2): every layer is
 one pre-norm residual op, Mamba2 ("M"), attention without positional encoding ("*"), a
 squared-ReLU MLP ("-") or a mixture of squared-ReLU experts with a shared expert ("E", Nemotron
-3 Nano; see :class:`stree.models.layers.moe.GroupedMoE`); residual stream in the model dtype. The Mamba2 mixer is heads x head_dim
-wide with grouped gated norm (n_groups groups), and clamps dt >= time_step_min in prefill only,
-as transformers' chunked scan does and its step does not. Parameter names are the checkpoints'
-(``backbone.layers.i.mixer.*``, ``backbone.embeddings``, ``backbone.norm_f``)."""
+3 Nano; see :class:`stree.models.layers.moe.GroupedMoE`); residual stream in the model dtype. The
+Mamba2 mixer is heads x head_dim wide with grouped gated norm (n_groups groups), and clamps dt to the
+config's ``time_step_limit`` in prefill only, as transformers' chunked scan does and its step does
+not (transformers before 5.25 clamped at ``time_step_min`` whatever the limit said; the original
+code reads the limit). Parameter names are the checkpoints' (``backbone.layers.i.mixer.*``,
+``backbone.embeddings``, ``backbone.norm_f``)."""
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from torch import nn
 
 from ..layers.attention import AttentionConfig, LlamaAttention
 from ..base import Block, TreeLM
-from ..config import Mamba2Config, flag, require
+from ..config import Mamba2Config, dt_limit_of, flag, require
 from ..layers.mamba2 import Mamba2Mixer
 from ..layers.norms import RMSNorm
 from ..layers.mlp import ReluSquaredMLP
@@ -87,7 +88,8 @@ class NemotronHConfig:
             d_state=require(config, "ssm_state_size", file), d_conv=config.get("conv_kernel", 4),
             expand=max(1, d_inner // hidden), headdim=mamba_head_dim, ngroups=config.get("n_groups", 8),
             chunk_size=config.get("chunk_size", 128),
-            dt_limit=(float(config.get("time_step_min", 0.001)), math.inf),  # transformers ignores time_step_limit
+            # the chunked scan's clamp, as transformers (since 5.25) and the original code read it
+            dt_limit=dt_limit_of(config.get("mamba_dt_limit", config.get("time_step_limit")), file),
             conv_bias=flag(config, "use_conv_bias", True, file), bias=flag(config, "use_bias", False, file),
             pad_vocab_size_multiple=1, tie_embeddings=tie, residual_in_fp32=False, norm_eps=eps, d_ssm=d_inner,
             norm_round_before_weight=True, dt_limit_prefill_only=True)
@@ -120,7 +122,7 @@ class NemotronHConfig:
             intermediate_size=self.intermediate_size, num_attention_heads=a.num_heads,
             num_key_value_heads=a.num_kv_heads, head_dim=a.head_dim, mamba_num_heads=m.nheads,
             mamba_head_dim=m.headdim, n_groups=m.ngroups, ssm_state_size=m.d_state, conv_kernel=m.d_conv,
-            expand=m.expand, chunk_size=m.chunk_size, time_step_min=m.dt_limit[0], use_conv_bias=m.conv_bias,
+            expand=m.expand, chunk_size=m.chunk_size, time_step_limit=list(m.dt_limit), use_conv_bias=m.conv_bias,
             use_bias=m.bias, mlp_bias=self.mlp_bias, layer_norm_epsilon=self.norm_eps, mamba_hidden_act="silu",
             mlp_hidden_act="relu2", tie_word_embeddings=self.tie_word_embeddings)
 

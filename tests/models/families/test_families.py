@@ -90,7 +90,7 @@ def test_family_variants_equal_transformers(tmp_path, variant):
 
 
 def test_nemotron_h_clamps_dt_in_prefill_only(tmp_path):
-    """transformers' Nemotron-H clamps dt >= time_step_min in its chunked scan, not in its step, so
+    """transformers' Nemotron-H clamps dt to its time_step_limit in its chunked scan, not in its step, so
     a sequence fed whole and the same sequence stepped differ; stree decodes as the steps do."""
     hf = save_tiny("nemotron_h", tmp_path)
     model = load(tmp_path)
