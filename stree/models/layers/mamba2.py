@@ -178,14 +178,14 @@ class Mamba2Mixer(nn.Module):
         conv_out = tree_conv1d(xBC, ctx.index, state.conv, self.conv1d.weight, self.conv1d.bias,
                                backend=ctx.kernel_backend)
         x, B, C = self._ssm_inputs(conv_out)
-        kw = dict(D=self.D, **self.ssm_kwargs(ctx.prefill), backend=ctx.kernel_backend)
+        kw, A = dict(D=self.D, **self.ssm_kwargs(ctx.prefill), backend=ctx.kernel_backend), self.A()
         if ctx.scan == "tree":
-            y = tree_scan(x, dt, self.A(), B, C, ctx.index, initial_state=state.ssm, **kw)
+            y = tree_scan(x, dt, A, B, C, ctx.index, initial_state=state.ssm, **kw)
         elif ctx.scan == "chain":
-            y, _ = multistep_update(state.ssm, x, dt, self.A(), B, C, **kw)
+            y, _ = multistep_update(state.ssm, x, dt, A, B, C, **kw)
         else:
-            y = _unrolled_ssm(x, dt, self.A(), B, C, ctx.index, state.ssm, kw)
-        return self._output(y, z, ctx.kernel_backend), (xBC, x, dt, B, self.A(), self.dt_bias.float())
+            y = _unrolled_ssm(x, dt, A, B, C, ctx.index, state.ssm, kw)
+        return self._output(y, z, ctx.kernel_backend), (xBC, x, dt, B, A, self.dt_bias.float())
 
     def step(self, u, state: SSMLayerState, ctx):
         """One token ``u [b, d]``; advances the layer's conv and SSM state in place."""
@@ -231,7 +231,8 @@ class Mamba2Mixer(nn.Module):
                                  key=value_key(*(m.A_log for m in mixers), *(m.dt_bias for m in mixers)))
         wide = (cache.ssm, *scratch.parts(), A)  # (float32 for the kernel; a half model's conv state and dt_bias not)
         if on_host and cu_seqlens is None and cache.conv.dtype in FLOAT_DTYPES \
-                and all(t.dtype == torch.float32 for t in wide) and all(t.is_cpu and not t.requires_grad for t in (*wide, cache.conv, dt_bias)):
+                and all(t.dtype == torch.float32 for t in wide) \
+                and all(t.is_cpu and not t.requires_grad for t in (*wide, cache.conv, dt_bias)):
             # (the public replay's checks: the model's; a half model's scratch is the bound kernels' float32
             # arrays, its dt_bias widened exactly)
             replay_in_place(cache.ssm, cache.conv, *scratch.parts(), A,
