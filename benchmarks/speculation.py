@@ -21,6 +21,7 @@ gain is no gain at all.
     python benchmarks/speculation.py                       # batch 1, 2; greedy, 0.6, 1.0; eager, compiled
     python benchmarks/speculation.py --modes eager --temperatures 0 --batches 8,16
     python benchmarks/speculation.py --modes eager --temperatures 0 --batches 2,8 --per-row  # rows' own sizes
+    python benchmarks/speculation.py --modes eager --temperatures 0 --trees chain:3,chain:5  # beside fixed trees
     python benchmarks/speculation.py --smoke               # CI: 2 prompts x 8 tokens
     python benchmarks/speculation.py --device cuda --modes eager   # on a GPU (float32 unless --dtype)
 """
@@ -43,11 +44,13 @@ from stree.decoding.autotree import AutoTree
 from stree.decoding.loop import merged_trees, pooled_tau, trees_chosen
 from stree.models import load
 from stree.runtime import CompiledModel
+from stree.tree import TreeShape
 from stree.tools.timing import add_device_args, device_and_dtype, run_info, save_result
 
 DRAFTERS = ("ngram", "stand", "stand-det", "ssm")
 CONTROL = "autoregressive again"  # the same configuration twice: what the machine's noise alone makes of a gain
 PER_ROW = " per row"  # a drafter with AutoTree.PER_ROW on: each row of a batch may take a tree size of its own
+FIXED = "@"  # "<drafter>@<tree spec>": the drafter with that tree every step (--trees), beside its tree="auto"
 
 
 def main(argv=None):
@@ -62,6 +65,9 @@ def main(argv=None):
     p.add_argument("--per-row", action="store_true",
                    help=f"also run each drafter with each row of a batch at a tree size of its own where the choice "
                         f"finds that pays (\"<drafter>{PER_ROW}\": AutoTree.PER_ROW on, packed passes)")
+    p.add_argument("--trees", default="",
+                   help=f"comma-separated tree specs (chain:D, paper13, full:WxD) each drafter also runs with every "
+                        f"step (\"<drafter>{FIXED}<spec>\"), beside the default tree=\"auto\"")
     p.add_argument("--no-watch", action="store_true",
                    help="greedy choices verify probes alone, watching no drafts during plain steps (AutoTree.WATCH off)")
     p.add_argument("--no-cuda-graph", action="store_true",
@@ -80,6 +86,9 @@ def main(argv=None):
     if args.smoke:
         args.prompts, args.max_new_tokens, args.batches, args.temperatures = 2, 8, "1", "0"
         args.modes, args.drafters, args.rounds = "eager", "ngram,ssm", 1
+    fixed_trees = [t for t in args.trees.split(",") if t]
+    for t in fixed_trees:  # (a bad spec is refused before anything loads: TreeShape.from_spec's ValueError names it)
+        TreeShape.from_spec(t)
     batches = [int(b) for b in args.batches.split(",")]
     temperatures = [float(t) for t in args.temperatures.split(",")]
     modes, drafters = args.modes.split(","), args.drafters.split(",")
@@ -94,6 +103,7 @@ def main(argv=None):
     for mode, batch, temperature in tqdm(groups, desc="mode x batch x temperature", file=sys.stderr):
         lm = lms[mode]
         names = ["autoregressive", CONTROL] + drafters + ([d + PER_ROW for d in drafters] if args.per_row else [])
+        names += [d + FIXED + t for d in drafters for t in fixed_trees]
         kw = dict(max_new_tokens=args.max_new_tokens, temperature=temperature, torch_compile=mode == "compiled")
         if args.no_cuda_graph:
             kw["cuda_graph"] = False
@@ -101,8 +111,9 @@ def main(argv=None):
         def run(name, prompts, seed, **extra):
             """The output and the call's wall-clock seconds: what a user waits for, the drafter's
             making and the tree choice's setup included."""
+            drafter, _, tree = name.removesuffix(PER_ROW).partition(FIXED)
             spec = (dict(method="autoregressive") if name in ("autoregressive", CONTROL)
-                    else dict(drafter=name.removesuffix(PER_ROW)))
+                    else dict(drafter=drafter, **(dict(tree=TreeShape.from_spec(tree)) if tree else {})))
             default, AutoTree.PER_ROW = AutoTree.PER_ROW, name.endswith(PER_ROW) or AutoTree.PER_ROW
             t0 = time.perf_counter()
             out = lm.generate(prompts, seed=seed if temperature > 0 else None, **spec, **dict(kw, **extra))
@@ -205,7 +216,8 @@ def plot(result):
     ax.invert_yaxis()
     ax.tick_params(axis="y", labelsize=7)
     ax.set(xlabel="tokens/s over stree's own autoregressive decoding (same mode, batch, temperature)",
-           title=f"LM.generate defaults (tree='auto'), {result['device']}; whiskers: the turns' quartiles")
+           title=f"LM.generate defaults (tree='auto'; <drafter>{FIXED}<tree>: that tree every step)\n{result['device']}; "
+                 "whiskers: the turns' quartiles")
     ax.title.set_fontsize(8)
     return fig
 

@@ -195,6 +195,26 @@ def test_speculation_smoke_reports_gains_over_autoregressive(tmp_path):
     assert ar["gain_turns"]["min"] == ar["gain_turns"]["max"] == 1.0
 
 
+def test_speculation_runs_each_drafter_beside_fixed_trees_too(tmp_path):
+    """``--trees``: every drafter also drafts each given tree every step ("<drafter>@<spec>"), in
+    every group (two batch sizes here), its outputs the autoregressive ones; a bad spec is refused
+    before anything runs."""
+    module = benchmark("speculation")
+    result = module.main(["--prompts", "2", "--max-new-tokens", "8", "--batches", "1,2", "--temperatures", "0",
+                          "--modes", "eager", "--drafters", "ngram,ssm", "--rounds", "1", "--trees", "chain:2",
+                          "--out", str(tmp_path)])
+    for batch in (1, 2):
+        rows = [r for r in result["results"] if r["batch"] == batch]
+        fixed = {r["drafter"]: r for r in rows if "@" in r["drafter"]}
+        assert set(fixed) == {"ngram@chain:2", "ssm@chain:2"}
+        for r in fixed.values():  # (a 3-node chain wherever the drafter drafted)
+            trees = {int(n): k for n, k in r["trees"].items()}
+            assert set(trees) <= {1, 3} and trees.get(3, 0) > 0 and r["identical"] is True
+        assert set(fixed["ssm@chain:2"]["trees"]) == {3}  # (a drafter model always drafts)
+    with pytest.raises(ValueError, match="bogus"):
+        module.main(["--smoke", "--trees", "bogus", "--out", str(tmp_path)])
+
+
 def test_choice_ab_smoke_pairs_the_working_trees_choice_with_a_revisions(tmp_path):
     """The working tree's choice against HEAD's, in a fresh process: both gains over autoregressive
     decoding and their difference; a config or revision it cannot run is a clear error."""
