@@ -86,9 +86,8 @@ def main(argv=None):
     if args.smoke:
         args.prompts, args.max_new_tokens, args.batches, args.temperatures = 2, 8, "1", "0"
         args.modes, args.drafters, args.rounds = "eager", "ngram,ssm", 1
-    fixed_trees = [t for t in args.trees.split(",") if t]
-    for t in fixed_trees:  # (a bad spec is refused before anything loads: TreeShape.from_spec's ValueError names it)
-        TreeShape.from_spec(t)
+    # (parsed before anything loads: a bad spec is refused by TreeShape.from_spec's ValueError, which names it)
+    fixed_trees = {t: TreeShape.from_spec(t) for t in args.trees.split(",") if t}
     batches = [int(b) for b in args.batches.split(",")]
     temperatures = [float(t) for t in args.temperatures.split(",")]
     modes, drafters = args.modes.split(","), args.drafters.split(",")
@@ -113,7 +112,7 @@ def main(argv=None):
             making and the tree choice's setup included."""
             drafter, _, tree = name.removesuffix(PER_ROW).partition(FIXED)
             spec = (dict(method="autoregressive") if name in ("autoregressive", CONTROL)
-                    else dict(drafter=drafter, **(dict(tree=TreeShape.from_spec(tree)) if tree else {})))
+                    else dict(drafter=drafter, **(dict(tree=fixed_trees[tree]) if tree else {})))
             default, AutoTree.PER_ROW = AutoTree.PER_ROW, name.endswith(PER_ROW) or AutoTree.PER_ROW
             t0 = time.perf_counter()
             out = lm.generate(prompts, seed=seed if temperature > 0 else None, **spec, **dict(kw, **extra))
