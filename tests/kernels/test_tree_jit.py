@@ -203,20 +203,25 @@ def test_one_row_runs_alone_and_several_in_parallel_with_the_same_values(monkeyp
         assert ran == ["_scan_serial", "_conv_serial"]
 
 
-def test_a_long_chain_runs_its_rows_alone_and_in_parallel_with_the_same_values(monkeypatch):
-    """The chain kernel's drivers likewise: several rows in parallel, one alone, the same bits."""
+def test_a_long_chain_runs_its_rows_and_heads_alone_or_in_parallel_with_the_same_values(monkeypatch):
+    """The chain kernel's drivers: the (row, head) pairs in parallel where the work pays for the
+    threads, one row's heads too (a prompt's prefill is one row), else one after another; the same
+    bits either way, as every head is the same loop over its own chain."""
     monkeypatch.setattr(tree_jit, "PARALLEL_WORK", 1)
     ran = _drivers_run(monkeypatch, ("_chain_serial", "_chain_parallel"))
     n = tree_jit.JIT_MAX_NODES + 9
     chain = TreeShape.chain(n - 1).parents_tensor()
     inp = ssm_inputs(torch.Generator().manual_seed(5), 3, n, SHAPE, OPTS)
+    assert inp["x"].shape[2] > 1  # (heads to run apart)
     together = _scan(inp, chain)
     assert ran == ["_chain_parallel"]
     for b in range(3):
-        ran.clear()
         alone = {k: (v if v.dim() < 2 or k in ("A", "D", "dt_bias") else v[b: b + 1]) for k, v in inp.items()}
-        assert torch.equal(_scan(alone, chain), together[b: b + 1])
-        assert ran == ["_chain_serial"]
+        for work, driver in ((1, "_chain_parallel"), (1 << 62, "_chain_serial")):
+            ran.clear()
+            monkeypatch.setattr(tree_jit, "PARALLEL_WORK", work)
+            assert torch.equal(_scan(alone, chain), together[b: b + 1])
+            assert ran == [driver]
 
 
 def test_rows_run_in_parallel_only_where_their_work_pays_for_the_threads(monkeypatch):

@@ -271,41 +271,46 @@ def chain_scan_rows(x, dt, A, B, C, D, has_D, bias, has_bias, softplus, lo, hi, 
     where given, gets each row's state after its last token (:func:`~stree.kernels.multistep_update`)."""
     x, B, C, D = map(np.ascontiguousarray, (x, B, C, D))
     keep = final is not None
-    (_chain_parallel if parallel_rows(len(x), x.size * B.shape[3]) else _chain_serial)(
+    # (in parallel by (row, head): a prompt's prefill is one row, whose heads are independent chains)
+    (_chain_parallel if parallel_rows(len(x) * x.shape[2], x.size * B.shape[3]) else _chain_serial)(
         x, dt, A, B, C, D, has_D, bias, has_bias, softplus, lo, hi, x0, has_x0, y,
         final if keep else np.empty((1, 1, 1, 1), dtype=np.float32), keep)
 
 
 @njit(cache=True, fastmath={"reassoc"})  # (no contraction: the state rounds as a step's does)
-def chain_row(b, x, dt, A, B, C, D, has_D, bias, has_bias, softplus, lo, hi, x0, has_x0, y, final, keep):
-    """Row ``b`` of :func:`chain_scan_rows`; the state rounds as the step kernel's does
+def chain_head(b, h, x, dt, A, B, C, D, has_D, bias, has_bias, softplus, lo, hi, x0, has_x0, y, final, keep):
+    """Head ``h`` of row ``b`` of :func:`chain_scan_rows`; the state rounds as the step kernel's does
     (:func:`~.step_jit.state_update_rows`: the decay and dt x rounded from float64, then a
     product, a product and a sum per entry)."""
-    n, heads, headdim = x.shape[1], x.shape[2], x.shape[3]
-    groups, dstate = B.shape[2], B.shape[3]
-    per_group = heads // groups
-    state = np.empty((headdim, dstate), dtype=np.float32)  # one head's, carried along the tokens
-    for h in range(heads):
-        g = h // per_group
+    n, headdim, dstate = x.shape[1], x.shape[3], B.shape[3]
+    g = h // (x.shape[2] // B.shape[2])
+    state = np.empty((headdim, dstate), dtype=np.float32)  # the head's, carried along the tokens
+    for p in range(headdim):
+        for s in range(dstate):
+            state[p, s] = x0[b, h, p, s] if has_x0 else np.float32(0.0)
+    for t in range(n):
+        d = processed_dt(dt[b, t, h], bias[h], has_bias, softplus, lo, hi)
+        decay = np.float32(math.exp(d * float(A[h])))
         for p in range(headdim):
+            xv = x[b, t, h, p]
+            dx = np.float32(d * xv)
+            acc = np.float32(0.0)
             for s in range(dstate):
-                state[p, s] = x0[b, h, p, s] if has_x0 else np.float32(0.0)
-        for t in range(n):
-            d = processed_dt(dt[b, t, h], bias[h], has_bias, softplus, lo, hi)
-            decay = np.float32(math.exp(d * float(A[h])))
-            for p in range(headdim):
-                xv = x[b, t, h, p]
-                dx = np.float32(d * xv)
-                acc = np.float32(0.0)
-                for s in range(dstate):
-                    v = state[p, s] * decay + dx * B[b, t, g, s]
-                    state[p, s] = v
-                    acc += v * C[b, t, g, s]
-                if has_D:
-                    acc += D[h, p] * xv
-                y[b, t, h, p] = acc
-        if keep:
-            final[b, h] = state
+                v = state[p, s] * decay + dx * B[b, t, g, s]
+                state[p, s] = v
+                acc += v * C[b, t, g, s]
+            if has_D:
+                acc += D[h, p] * xv
+            y[b, t, h, p] = acc
+    if keep:
+        final[b, h] = state
+
+
+@njit(cache=True)
+def chain_row(b, x, dt, A, B, C, D, has_D, bias, has_bias, softplus, lo, hi, x0, has_x0, y, final, keep):
+    """Row ``b`` of :func:`chain_scan_rows`, head by head."""
+    for h in range(x.shape[2]):
+        chain_head(b, h, x, dt, A, B, C, D, has_D, bias, has_bias, softplus, lo, hi, x0, has_x0, y, final, keep)
 
 
 @njit(cache=True)
@@ -316,6 +321,7 @@ def _chain_serial(x, dt, A, B, C, D, has_D, bias, has_bias, softplus, lo, hi, x0
 
 @njit(cache=True, parallel=True)
 def _chain_parallel(x, dt, A, B, C, D, has_D, bias, has_bias, softplus, lo, hi, x0, has_x0, y, final, keep):
-    for b in prange(x.shape[0]):
-        chain_row(np.int64(b), x, dt, A, B, C, D, has_D, bias, has_bias, softplus, lo, hi, x0, has_x0, y, final,
-                   keep)
+    heads = x.shape[2]
+    for i in prange(x.shape[0] * heads):
+        chain_head(np.int64(i // heads), np.int64(i % heads), x, dt, A, B, C, D, has_D, bias, has_bias, softplus, lo,
+                   hi, x0, has_x0, y, final, keep)
