@@ -186,7 +186,7 @@ def test_speculation_smoke_reports_gains_over_autoregressive(tmp_path):
         assert r["identical"] is True and r["tokens"] == 2 * 8
         assert sum(r["trees"].values()) > 0 and r["gain"] > 0 and r["step_in_ar_steps"] > 0
         assert set(r["call_ms"]) == {"setup", "prefill", "loop", "outside"} and r["call_ms"]["loop"] > 0
-        assert (r["call_ms"]["setup"] > 0) == (r["drafter"] in ("ngram", "ssm"))  # the tree choice's setup
+        assert r["call_ms"]["setup"] > 0  # (every eager call measures its products' paths: the tree choice's too)
         # two turns (one round of two prompts), as many tokens each: the pooled gain lies between the
         # turns' paired ones
         turns = r["gain_turns"]

@@ -208,7 +208,7 @@ class _Loop:
         if prefill:
             self.cache = pool.cache if pool is not None else self.model.allocate_cache(rows.batch_size, c.max_length)
         self.runner = pool if pool is not None else EagerRunner(self.model, self.cache, c.target)
-        if prefill and (pool is not None or self.chooser is not None):
+        if prefill and (pool is not None or isinstance(self.model, torch.nn.Module)):
             self.build(pool)
         if prefill:
             self.prefill()
@@ -258,8 +258,8 @@ class _Loop:
     def build(self, pool: DecodeRunner | None) -> None:
         """Before decoding, as setup (their time is not decoding's): compile (CPU) or capture (CUDA
         graphs) the step and the passes of the static shapes this call may verify
-        (:func:`~stree.decoding.steps.build_calls`); eager with ``tree="auto"``, measure the
-        products of the rows its steps and trees may multiply
+        (:func:`~stree.decoding.steps.build_calls`); eager, measure the products of the rows
+        its steps and trees may multiply
         (:func:`~stree.models.layers.linear.measure`); and the drafter's calls for drafting them
         (:meth:`~stree.drafters.base.Drafter.build`)."""
         c, chooser, batch = self.c, self.chooser, self.rows.batch_size
@@ -272,10 +272,13 @@ class _Loop:
         t0 = time.perf_counter()
         if pool is not None:
             build_calls(self.model, pool, shapes, c.params, c.top_k)
-        elif chooser is not None and isinstance(self.model, torch.nn.Module):
-            # (rows leaving the batch: any row count up to the whole batch's largest tree)
-            measure(self.model, range(1, batch * chooser.max_nodes + 1) if self.compacts else
-                    [batch * m for m in range(1, chooser.max_nodes + 1)])
+        elif isinstance(self.model, torch.nn.Module):
+            # (rows leaving the batch: any row count up to the whole batch's largest tree) An explicit tree's
+            # and plain decoding's too: a process's first pass of an explicit tree had timed its products'
+            # paths inside a timed call (about fifteen plain steps' time, batch 2, 2-core EPYC).
+            nodes = _most_nodes(c, chooser)
+            measure(self.model, range(1, batch * nodes + 1) if self.compacts else
+                    [batch * m for m in range(1, nodes + 1)])
         if self.drafter is not None:
             self.drafter.build(shapes, batch)
         self.stats.time_setup += time.perf_counter() - t0
@@ -508,6 +511,16 @@ def _draft(drafter: Drafter, chooser: AutoTree | None, rows: Rows, shape, roots:
 
 
 _ROOT = TreeShape.chain(0)  # (made once: checking a parent array costs a dozen small torch ops)
+
+
+def _most_nodes(c: DecodeConfig, chooser: AutoTree | None) -> int:
+    """The most nodes a row of the call's passes may hold: the choice's largest tree, the explicit
+    shape's or budget's nodes, else one (plain steps; a drafter drafting trees of its own)."""
+    if chooser is not None:
+        return chooser.max_nodes
+    if not c.speculative:
+        return 1
+    return c.shape.n if isinstance(c.shape, TreeShape) else c.shape.nodes if isinstance(c.shape, TreeBudget) else 1
 
 
 def _spread(host: HostStep, held: np.ndarray, batch: int) -> HostStep:

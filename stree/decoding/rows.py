@@ -36,7 +36,9 @@ class GenerationStats:
     time_total: float = 0.0
     prefilled: bool = True  # the first token of each row came from a prefill (not from a decoding step)
     trees: dict[int, int] = field(default_factory=dict)  # tree nodes -> decoding steps (1: a plain step)
-    time_setup: float = 0.0  # measuring this machine's costs for tree="auto" (once per process), not in time_total
+    # measuring this machine's costs for tree="auto" and its products' paths, compiling (once per process), not in
+    # time_total
+    time_setup: float = 0.0
     packed: int = 0  # of the tree steps, those whose rows each had a size of their own (a packed pass)
     watched: int = 0  # drafts made during plain steps and learned from, not verified (AutoTree.watch_shape)
 

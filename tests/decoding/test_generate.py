@@ -304,12 +304,15 @@ def test_a_product_path_that_won_its_trial_is_taken_where_a_call_starts_not_insi
     assert seen[0] == {key: "transposed"} and lin._FASTEST[key] == "transposed" and key not in lin._WON
 
 
-def test_an_eager_call_measures_its_products_before_decoding(monkeypatch):
-    """With ``tree="auto"`` an eager CPU call times the product choices of every row count its
-    steps and trees may multiply (the batch times 1 to the most nodes) in its setup, and none
-    after its prefill: a tree size first used mid-call had paid its timing inside a timed step
-    (at batch 8, a few percent of the call). The machine's costs are known first (a new process
-    reads them from the cache file without multiplying anything; here the choice's costs are given)."""
+@pytest.mark.parametrize("tree", ["auto", "paper13", "plain"])
+def test_an_eager_call_measures_its_products_before_decoding(monkeypatch, tree):
+    """An eager CPU call times the product choices of every row count its steps and trees may
+    multiply (the batch times 1 to the most nodes) in its setup, and none after its prefill: a tree
+    size first used mid-call had paid its timing inside a timed step (at batch 8, a few percent of
+    the call; an explicit tree's first pass, fifteen plain steps' time). With ``tree="auto"`` the
+    machine's costs are known first (a new process reads them from the cache file without
+    multiplying anything; here the choice's costs are given); an explicit tree's shape, and plain
+    decoding's step, say their rows themselves."""
     import stree.models.layers.linear as lin
     from stree.decoding.loop import decode, drain
     from stree.decoding.autotree import AutoTree
@@ -322,15 +325,21 @@ def test_an_eager_call_measures_its_products_before_decoding(monkeypatch):
     monkeypatch.setattr(lin, "PATH", "auto")
     monkeypatch.setattr(lin, "_FASTEST", {})  # a process that has multiplied nothing
     monkeypatch.setattr(lin, "_fastest", lambda paths, *best: timed.append(1) or real(paths, *best))
-    # costs where trees win whatever this machine's clock says (a measured profile under load chose
-    # plain steps only, and there was no tree whose products to have timed)
-    chooser = AutoTree(CostProfile(1.0, (2, 4, 8, 16), (1.0, 1.0, 1.05, 1.1)))
-    steps = decode(model, prompts, drafter=NGramDrafter(), tree=chooser, max_new_tokens=24)
+    if tree == "auto":
+        # costs where trees win whatever this machine's clock says (a measured profile under load chose
+        # plain steps only, and there was no tree whose products to have timed)
+        kw = dict(drafter=NGramDrafter(), tree=AutoTree(CostProfile(1.0, (2, 4, 8, 16), (1.0, 1.0, 1.05, 1.1))))
+    elif tree == "paper13":
+        kw = dict(drafter=NGramDrafter(), tree=TreeShape.paper13())
+    else:
+        kw = dict(method="autoregressive")
+    steps = decode(model, prompts, max_new_tokens=24, **kw)
     next(steps)  # the setup and the prefill
     before = len(timed)
     out = drain(steps)
     assert before > 0 and len(timed) == before
-    assert any(n > 1 for n in out.stats.trees)  # trees were verified: their products were timed before
+    if tree != "plain":  # trees were verified: their products were timed before
+        assert any(n > 1 for n in out.stats.trees)
     assert out.stats.time_setup > 0
 
 
