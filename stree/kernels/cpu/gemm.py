@@ -43,7 +43,7 @@ import torch
 
 from .._common import cache_dir
 
-__all__ = ["available", "block", "compile_library", "pack", "product", "product_unchecked", "state_term_unchecked",
+__all__ = ["available", "block", "compile_library", "find_compiler", "pack", "product", "product_unchecked", "state_term_unchecked",
            "takes_state", "unavailable_reason"]
 
 SOURCE = Path(__file__).with_name("gemm.cpp")
@@ -70,12 +70,17 @@ def _build() -> tuple[ctypes.CDLL | None, str]:
     return compile_library(FLAGS)
 
 
+def find_compiler() -> str | None:
+    """The C++ compiler the library is built with: ``$CXX``, else ``c++`` or ``g++`` on the PATH."""
+    return os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+
+
 def compile_library(flags: tuple[str, ...]) -> tuple[ctypes.CDLL | None, str]:
     """The library built with ``flags`` (a later ``-march`` overrides ``-march=native``: the tests
     build the AVX2 variant so on an AVX-512 machine), loaded, or None and why not."""
     if platform.system() not in ("Linux", "FreeBSD"):
         return None, f"the tiled product is built on Linux only, not {platform.system()}"
-    compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+    compiler = find_compiler()
     if not compiler:
         return None, "no C++ compiler ($CXX, c++ or g++) on the PATH"
     try:
