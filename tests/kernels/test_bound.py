@@ -18,7 +18,7 @@ from strategies import ssm_shapes, trees
 from stree.kernels import conv_step, gated_rms_norm, replay, rms_norm, selective_state_update, tree_conv1d, tree_scan
 from stree.kernels.cpu import bound
 from stree.kernels.cpu.bound import Mamba2LayerJit, RMSNormJit, aligned_array, replay_in_place
-from stree.kernels.cpu.replay_jit import LONG_PATH
+from stree.kernels.cpu.replay_jit import SWEEP
 from stree.kernels.cpu.tree_jit import JIT_MAX_NODES
 from stree.tree import tree_index
 
@@ -205,15 +205,15 @@ def test_only_cpu_float32_parameters_of_matching_shapes_are_bound():
 
 
 @settings(max_examples=25, deadline=None)
-@given(layers=st.integers(1, 3), batch=st.integers(1, 3), shape=ssm_shapes(), n=st.integers(1, LONG_PATH + 4),
+@given(layers=st.integers(1, 3), batch=st.integers(1, 3), shape=ssm_shapes(), n=st.integers(1, 4 * SWEEP + 3),
        limit=st.sampled_from([(0.0, math.inf), (0.002, 0.05)]), seed=st.integers(0, 99), data=st.data(),
        dtype=DTYPES)
 def test_a_commits_replay_in_place_matches_the_public_kernel_bit_for_bit(layers, batch, shape, n, limit, seed, data,
                                                                        dtype):
-    """On a stack of layers, every row its own accepted chain (some as long as a prompt's commit,
-    past LONG_PATH), in place on the states: the public replay's new states exactly. A half model's
-    conv state and activations: the public replay on them, the in-place one on the activations
-    widened (the bound kernels' scratch)."""
+    """On a stack of layers, every row its own accepted chain (one to several sweeps of SWEEP
+    tokens, the last partial or whole), in place on the states: the public replay's new states
+    exactly. A half model's conv state and activations: the public replay on them, the in-place one
+    on the activations widened (the bound kernels' scratch)."""
     gen = torch.Generator().manual_seed(seed)
     h, p, g, s = shape["nheads"], shape["headdim"], shape["ngroups"], shape["dstate"]
     dim = h * p + 2 * g * s

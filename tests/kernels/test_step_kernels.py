@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from strategies import dt_options, ssm_inputs, ssm_shapes
 
 from stree.kernels import conv_step, replay, selective_state_update
-from stree.kernels.cpu.replay_jit import LONG_PATH
+from stree.kernels.cpu.replay_jit import SWEEP
 from stree.testing import max_rel_error, multistep_def, tree_conv1d_def
 
 FP32_TOL = 1e-5
@@ -91,13 +91,13 @@ def test_a_rows_step_on_the_cpu_is_the_same_alone_and_in_a_batch(heads, headdim,
         assert torch.equal(y[r], y_r[0]) and torch.equal(batched[r], alone[0]), r
 
 
-@pytest.mark.parametrize("tokens", [3, LONG_PATH + 5])
+@pytest.mark.parametrize("tokens", [3, SWEEP, 5 * SWEEP + 1])
 @given(batch=st.integers(1, 2), shape=ssm_shapes(), dt_opts=dt_options(), seed=st.integers(0, 2**16))
 @settings(max_examples=10, deadline=None)
 def test_a_replay_of_a_path_leaves_the_state_of_as_many_steps_on_the_cpu(tokens, batch, shape, dt_opts, seed):
-    """A decoding path (channel by channel) and a prompt's (each head's state transposed,
-    ``LONG_PATH`` tokens and more) replay with the step's roundings, token after token: the
-    commit of a path leaves the bit-identical state of stepping its tokens one by one."""
+    """A decoding path and a prompt's (``SWEEP`` tokens a pass along the state, the last pass
+    partial or whole) replay with the step's roundings, token after token: the commit of a path
+    leaves the bit-identical state of stepping its tokens one by one."""
     inp = ssm_inputs(torch.Generator().manual_seed(seed), batch, tokens, shape, dt_opts)
     kw = dict(dt_bias=inp["dt_bias"], dt_softplus=dt_opts["dt_softplus"], dt_limit=dt_opts["dt_limit"])
     stepped = inp["initial_state"].clone()

@@ -15,11 +15,13 @@ from .step_jit import processed_dt
 
 __all__ = ["replay_layers"]
 
-# A path of at least this many tokens (a prompt's commit) is replayed with each head's state
-# transposed, the innermost loop along headdim over the whole path; shorter ones (a decoding tree's
-# accepted path) channel by channel along d_state, whose state is read and written once per channel
-# where the transposing costs more than the path.
-LONG_PATH = 16
+# Tokens one sweep along a head's state applies: each entry read and written once per sweep, the
+# path's products and sums in its order (bit-identical to a token a sweep). Token by token, an
+# accepted path of four cost a batch-2 commit of the shipped target twice the time: a loop along
+# d_state (32 entries, one vectorised pass) per token and channel is mostly the loop's own entry.
+# Sweeping a prompt's path four tokens at a time also beat replaying it on each head's state
+# transposed (the loop along headdim), at every length (docs/kernels.md).
+SWEEP = 4
 
 
 @njit(cache=True)
@@ -37,8 +39,10 @@ def replay_layers(state, conv, xBC, x, dt, B, A, bias, has_bias, softplus, lo, h
     decay = np.empty(L, dtype=np.float32)
     xs = np.empty((L, headdim), dtype=np.float32)  # dt_t x_t for the path's nodes, contiguous
     Bs = np.empty((L, dstate), dtype=np.float32)
-    row = np.empty(dstate, dtype=np.float32)
-    rows = np.empty((dstate, headdim), dtype=np.float32)
+    # (the sweeps update new_state in place, read and written through the one array: the vectorised
+    # loops then need no check that an input and the output do not overlap, which an in-place commit's
+    # would fail, running scalar)
+    in_place = new_state.ctypes.data == state.ctypes.data
     for l in range(layers):
         for b in range(batch):
             m = num[b]
@@ -52,27 +56,11 @@ def replay_layers(state, conv, xBC, x, dt, B, A, bias, has_bias, softplus, lo, h
                         xs[t, p] = d * x[l, b, node, h, p]
                     for s in range(dstate):
                         Bs[t, s] = B[l, b, node, g, s]
-                if m < LONG_PATH:
-                    for p in range(headdim):
-                        for s in range(dstate):
-                            row[s] = state[l, b, h, p, s]
-                        for t in range(m):  # the channel loop innermost: contiguous, vectorised
-                            for s in range(dstate):
-                                row[s] = row[s] * decay[t] + xs[t, p] * Bs[t, s]
-                        for s in range(dstate):
-                            new_state[l, b, h, p, s] = row[s]
-                else:  # a long path: the head's state transposed, the loop along p
-                    for p in range(headdim):
-                        for s in range(dstate):
-                            rows[s, p] = state[l, b, h, p, s]
-                    for t in range(m):  # (the same products and sums per entry, in the same order)
-                        for s in range(dstate):
-                            c = Bs[t, s]
-                            for p in range(headdim):
-                                rows[s, p] = rows[s, p] * decay[t] + xs[t, p] * c
-                    for p in range(headdim):
-                        for s in range(dstate):
-                            new_state[l, b, h, p, s] = rows[s, p]
+                out = new_state[l, b, h]
+                if not in_place:
+                    out[:] = state[l, b, h]
+                for t in range(0, m, SWEEP):
+                    _sweep(out, decay, xs, Bs, t, min(m - t, SWEEP))
             # the window slot by slot, each a row's column (an activation row, or an older slot): a
             # loop over the channels per slot, not over the slots per channel, which took three
             # times as long (a four-wide inner loop with a branch in it)
@@ -85,3 +73,29 @@ def replay_layers(state, conv, xBC, x, dt, B, A, bias, has_bias, softplus, lo, h
                 else:
                     for d in range(dim):
                         new_conv[l, b, d, j] = conv[l, b, d, K + q]
+
+
+@njit(cache=True, inline="always")
+def _sweep(out, decay, xs, Bs, t, k):
+    """``out [p, s]`` (a head's state) advanced in place by the path's tokens t .. t + k - 1 (k <=
+    ``SWEEP``) in one pass: per entry, token by token, a product, a product and a sum."""
+    headdim, dstate = out.shape
+    d0, d1, d2, d3 = decay[t], decay[t + min(1, k - 1)], decay[t + min(2, k - 1)], decay[t + k - 1]
+    for p in range(headdim):
+        x0 = xs[t, p]
+        if k == 1:
+            for s in range(dstate):
+                out[p, s] = out[p, s] * d0 + x0 * Bs[t, s]
+        elif k == 2:
+            x1 = xs[t + 1, p]
+            for s in range(dstate):
+                out[p, s] = (out[p, s] * d0 + x0 * Bs[t, s]) * d1 + x1 * Bs[t + 1, s]
+        elif k == 3:
+            x1, x2 = xs[t + 1, p], xs[t + 2, p]
+            for s in range(dstate):
+                out[p, s] = ((out[p, s] * d0 + x0 * Bs[t, s]) * d1 + x1 * Bs[t + 1, s]) * d2 + x2 * Bs[t + 2, s]
+        else:
+            x1, x2, x3 = xs[t + 1, p], xs[t + 2, p], xs[t + 3, p]
+            for s in range(dstate):
+                out[p, s] = ((((out[p, s] * d0 + x0 * Bs[t, s]) * d1 + x1 * Bs[t + 1, s]) * d2
+                              + x2 * Bs[t + 2, s]) * d3 + x3 * Bs[t + 3, s])
