@@ -266,6 +266,25 @@ def test_plain_steps_of_a_speculative_loop_follow_the_tree_pass_for_a_while(monk
             assert not packed(lambda: layer(step))
 
 
+def test_where_every_product_takes_one_path_the_plain_steps_follow_nothing(monkeypatch):
+    """Where every product measured takes the same path, following() sets no role: no product could
+    take another path there, and its lookups would cost each product of the steps after a pass."""
+    monkeypatch.setattr(lin, "PATH", "auto")
+    monkeypatch.setattr(lin, "_LAST", {})
+    monkeypatch.setattr(lin, "_FASTEST", {(16, 512, 64, True): "blas", (1, 512, 64, True): "blas"})
+    layer, step, tree = Linear(64, 512), torch.randn(1, 64), torch.randn(16, 64)
+    with torch.no_grad():
+        with lin.leading():
+            layer(tree)
+        with lin.following():
+            assert lin._ROLE.get() is None
+            layer(step)
+        assert lin._LAST[id(layer.weight)] == ["blas", 0]  # (nothing counted as followed)
+        lin._FASTEST[(1, 512, 64, True)] = "packed"  # (paths that differ: the block is one again)
+        with lin.following():
+            assert lin._ROLE.get() == "follow"
+
+
 @_TILED
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_tree_pass_s_rows_take_the_tiled_product_as_they_lie_and_lead_the_steps_after(monkeypatch, dtype):
