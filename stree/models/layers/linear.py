@@ -142,12 +142,12 @@ def following():
     products a run of plain steps takes its own path again (the decoding loop then leaves this
     block out: a step multiplies each weight once, and the lookups here cost each product).
     Where every product measured so far takes one and the same path (on the AMD EPYC, the tiled
-    product at every row count), no product would take another, and the block is no block at all:
-    its lookups had cost each step after a tree pass 1-3% of its time (the shipped target, eager,
-    batch 2: 13 us of the nine products' 300, 30 us of a whole step's 1200, each in turns with the
-    same work outside the block).
-    Autoregressive decoding and prefills enter neither block."""
-    return _role("follow") if len(set(_FASTEST.values())) > 1 else contextlib.nullcontext()
+    product at every row count) and none is on trial (a trial times no product inside the block,
+    where the caches are as a tree pass left them: :class:`_Trial`), no product would take another
+    path, and the block is no block at all: its lookups had cost each step after a tree pass 1-3%
+    of its time (the shipped target, eager, batch 2, in turns with the same work outside the
+    block; docs/benchmarks.md). Autoregressive decoding and prefills enter neither block."""
+    return _role("follow") if _TRIALS or len(set(_FASTEST.values())) > 1 else contextlib.nullcontext()
 
 
 def _bucket(rows: int) -> int:

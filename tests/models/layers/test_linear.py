@@ -267,8 +267,10 @@ def test_plain_steps_of_a_speculative_loop_follow_the_tree_pass_for_a_while(monk
 
 
 def test_where_every_product_takes_one_path_the_plain_steps_follow_nothing(monkeypatch):
-    """Where every product measured takes the same path, following() sets no role: no product could
-    take another path there, and its lookups would cost each product of the steps after a pass."""
+    """Where every product measured takes the same path and none is on trial, following() sets no
+    role: no product could take another path there, and its lookups would cost each product of the
+    steps after a pass. A trial (whose products inside the block go untimed) or paths that differ
+    make it a block again."""
     monkeypatch.setattr(lin, "PATH", "auto")
     monkeypatch.setattr(lin, "_LAST", {})
     monkeypatch.setattr(lin, "_FASTEST", {(16, 512, 64, True): "blas", (1, 512, 64, True): "blas"})
@@ -280,7 +282,11 @@ def test_where_every_product_takes_one_path_the_plain_steps_follow_nothing(monke
             assert lin._ROLE.get() is None
             layer(step)
         assert lin._LAST[id(layer.weight)] == ["blas", 0]  # (nothing counted as followed)
-        lin._FASTEST[(1, 512, 64, True)] = "packed"  # (paths that differ: the block is one again)
+        monkeypatch.setitem(lin._TRIALS, (1, 512, 64, True), lin._Trial("packed", "blas"))
+        with lin.following():
+            assert lin._ROLE.get() == "follow"
+        del lin._TRIALS[(1, 512, 64, True)]
+        lin._FASTEST[(1, 512, 64, True)] = "packed"  # (paths that differ)
         with lin.following():
             assert lin._ROLE.get() == "follow"
 
