@@ -84,6 +84,8 @@ def run_demo(target_dir=TARGET, drafter_dir=DRAFTER, *, prompts: int = 8, max_ne
     longest = [max(ids, key=len)]  # (a long prompt's prefill runs the chain scan's heads in parallel: loaded here)
     for (method, _), drafter in zip(runs, drafters):  # compiling and measuring costs, before any timing
         generate(target, longest, method=method, drafter=drafter, **dict(kw, max_new_tokens=8))
+    for prompt in ids:  # (each prompt's prefill: the first product of a new row count measures the product paths)
+        generate(target, [prompt], method="autoregressive", **dict(kw, max_new_tokens=1))
     warmup = time.perf_counter() - t0
     results = [dict(outputs=[], stats=[]) for _ in runs]
     for turn, prompt in enumerate(ids):
