@@ -16,9 +16,9 @@ from .step_jit import processed_dt
 __all__ = ["replay_layers"]
 
 # Tokens one sweep along a head's state applies: each entry read and written once per sweep, the
-# path's products and sums in its order (bit-identical to a token a sweep). Token by token, an
-# accepted path of four cost a batch-2 commit of the shipped target twice the time: a loop along
-# d_state (32 entries, one vectorised pass) per token and channel is mostly the loop's own entry.
+# path's products and sums in its order (bit-identical to a token a sweep). Token by token (and each
+# channel copied to a buffer and back), an accepted path of four cost a batch-2 commit of the shipped
+# target twice the time: a loop along d_state (32 entries, one vectorised pass) is mostly its own entry.
 # Sweeping a prompt's path four tokens at a time also beat replaying it on each head's state
 # transposed (the loop along headdim), at every length (docs/kernels.md).
 SWEEP = 4
@@ -39,9 +39,9 @@ def replay_layers(state, conv, xBC, x, dt, B, A, bias, has_bias, softplus, lo, h
     decay = np.empty(L, dtype=np.float32)
     xs = np.empty((L, headdim), dtype=np.float32)  # dt_t x_t for the path's nodes, contiguous
     Bs = np.empty((L, dstate), dtype=np.float32)
-    # (the sweeps update new_state in place, read and written through the one array: the vectorised
-    # loops then need no check that an input and the output do not overlap, which an in-place commit's
-    # would fail, running scalar)
+    # (the sweeps update new_state in place, read and written through the one array: read from one
+    # array and written to another, the vectoriser's check that the two do not overlap would send an
+    # in-place commit, where they are the same memory, down its scalar loop)
     in_place = new_state.ctypes.data == state.ctypes.data
     for l in range(layers):
         for b in range(batch):
