@@ -203,7 +203,7 @@ def main(argv=None):
         r = results[-1]
         print(f"{args.mode} b{args.batch} {name:<15} gain {r['gain']:.3f}  tau {r['tau']:.2f}  trees "
               f"{r['tree_share']:.0%}  identical {'yes' if r['identical'] else 'NO'}", file=sys.stderr)
-    result = dict(benchmark="autotree_sim", **run_info("cpu", argv), mode=args.mode, batch=args.batch,
+    result = dict(benchmark="autotree_sim", **run_info(lm.model.device, argv), mode=args.mode, batch=args.batch,
                   prompts=args.prompts, max_new_tokens=args.max_new_tokens, passes=passes, draft=args.draft,
                   after=after, measured=measured,
                   note="virtual clock: gains are the cost table's (in plain steps), not measured speed",

@@ -9,9 +9,13 @@ tokens emitted per row:
 - ``probe`` and ``tree``, by size: a tree verified as a probe of the ledger, or chosen on its worth.
 
 Beside them, each configuration's wall time per call and per decoding step, against
-autoregressive decoding's. Where speculation loses, this says whether trees lost their bets
-(clock over prediction, fewer tokens than promised), probes cost more than their share, or the
-plain steps of a speculative call cost more than autoregressive ones.
+autoregressive decoding's, and the loop's own host time per iteration outside the model's step
+and pass (drafting, the choice, emitting, bookkeeping), by kind: ``plain``, ``run``, ``tree``
+(probes included) and autoregressive decoding's ``step``. Where speculation loses, this says
+whether trees lost their bets (clock over prediction, fewer tokens than promised), probes cost
+more than their share, or the plain steps of a speculative call cost more than autoregressive
+ones, and how much of that is the loop's host work (on a GPU, where a graphed step is a fraction
+of a millisecond, that work decides).
 
     python benchmarks/autotree_trace.py                    # results/autotree_trace_<device>.json
     python benchmarks/autotree_trace.py --compiled         # results/autotree_trace_<device>_compiled.json
@@ -30,6 +34,7 @@ import numpy as np
 
 import stree
 import stree.decoding.autotree as autotree
+import stree.decoding.loop as loop
 from stree.tools.demo import DRAFTER, TARGET, read_prompts
 from stree.models import load
 from stree.tools.timing import add_device_args, device_and_dtype, run_info, save_result
@@ -76,6 +81,44 @@ class Log:
         return out
 
 
+class HostClock:
+    """The loop's host time per iteration outside the model's device work: wraps
+    ``_Loop.iterate`` and the two step functions it calls (each ends in the device-to-host sync
+    that hands the host its tokens, so their time is the device's too), and sorts each iteration
+    by what it was: an autoregressive ``step``, a ``run`` step decided ahead, a ``plain`` step
+    weighed alone, or a ``tree``."""
+
+    def __init__(self):
+        self.kinds: dict[str, list[float]] = defaultdict(list)
+        inside = [0.0]
+
+        def timed(fn):
+            def run(*args, **kwargs):
+                t = time.perf_counter()
+                try:
+                    return fn(*args, **kwargs)
+                finally:
+                    inside[0] += time.perf_counter() - t
+            return run
+
+        loop.autoregressive_step, loop.speculative_step = map(timed, (loop.autoregressive_step,
+                                                                      loop.speculative_step))
+        iterate, kinds = loop._Loop.iterate, self.kinds
+
+        def clocked(state):
+            kind = "step" if not state.c.speculative else "run" if state.plain_run is not None else None
+            plain = state.stats.trees.get(1, 0)
+            inside[0], t = 0.0, time.perf_counter()
+            iterate(state)
+            kind = kind or ("plain" if state.stats.trees.get(1, 0) > plain else "tree")
+            kinds[kind].append((time.perf_counter() - t - inside[0]) * 1e3)
+
+        loop._Loop.iterate = clocked
+
+    def summary(self) -> dict[str, dict]:
+        return {k: dict(iterations=len(v), host_ms=float(np.mean(v))) for k, v in sorted(self.kinds.items())}
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_device_args(p)
@@ -94,7 +137,7 @@ def main(argv=None):
     device, dtype = device_and_dtype(args)
     if args.smoke:
         args.prompts, args.max_new_tokens, args.batches, args.drafters = 2, 8, "1", "ngram"
-    log = Log()
+    log, host = Log(), HostClock()
     small = load(DRAFTER, dtype=dtype, device=device)
     lm = stree.LM.from_pretrained(TARGET, dtype=dtype, device=device, drafter_model=small)
     texts = read_prompts(TARGET / "prompts.jsonl", args.prompts)
@@ -109,6 +152,7 @@ def main(argv=None):
             for s in starts:  # compiling, capturing, measuring the machine's costs: before any timing
                 lm.generate(texts[s: s + batch], seed=seed(s), **spec)
             log.rows.clear()
+            host.kinds.clear()
             t0, stats = time.perf_counter(), []
             for s in starts:
                 stats.append(lm.generate(texts[s: s + batch], seed=seed(s), **spec).stats)
@@ -120,10 +164,12 @@ def main(argv=None):
                                 tau=sum(sum(x.new_tokens) for x in stats) / (steps * batch * len(stats)),
                                 setup_ms=1e3 * sum(x.time_setup for x in stats) / len(stats),
                                 prefill_ms=1e3 * sum(x.time_prefill for x in stats) / len(stats),
-                                kinds=log.summary()))
+                                kinds=log.summary(), host=host.summary()))
             r = results[-1]
             print(f"b{batch} {name:<15} {r['ms_per_call']:8.2f} ms/call  {r['steps_per_call']:6.1f} steps  "
-                  f"step {r['step_in_ar_steps']:.2f} AR  tau {r['tau']:.2f}", file=sys.stderr)
+                  f"step {r['step_in_ar_steps']:.2f} AR  tau {r['tau']:.2f}  host ms outside the model: "
+                  + "  ".join(f"{k} {h['host_ms']:.3f} x{h['iterations']}" for k, h in r["host"].items()),
+                  file=sys.stderr)
             for k in r["kinds"]:
                 print(f"    {k['kind']:<6}{k['nodes']:>4} x{k['iterations']:<5} predicted {k['predicted_ms']:7.3f}  "
                       f"clock {k['clock_ms']:7.3f} ms  emitted {k['emitted']:5.2f}  {k['share_of_loop']:4.0%} of the loop",
@@ -133,7 +179,9 @@ def main(argv=None):
                   max_new_tokens=args.max_new_tokens,
                   note="LM.generate defaults (tree='auto'), after a warm-up over every batch of prompts; "
                        "per kind of iteration (plain: weighed alone; run: decided ahead, per step; probe / tree by "
-                       "size): mean predicted and clock ms, tokens emitted per row, share of the loop's clock",
+                       "size): mean predicted and clock ms, tokens emitted per row, share of the loop's clock; "
+                       "host: per kind of iteration (step: autoregressive; run; plain: weighed alone; tree, probes "
+                       "included) the mean ms of the loop's host work outside the model's step and pass",
                   results=results)
     stem = "autotree_trace_smoke" if args.smoke else f"autotree_trace_{device.type}{'_compiled' * args.compiled}"
     save_result(result, args.out, stem, plot)

@@ -7,35 +7,42 @@
 #   bash benchmarks/gpu_check.sh bench   # model forward, e2e, the cost tables, profile, speculation
 #   bash benchmarks/gpu_check.sh core    # a 15-minute lease: one call of under 10 minutes with the
 #                                        # selfcheck, the suite, speculation, profile and the traces
-# Logs and results go to $OUT/gpu_check/ (benchmarks/results/ without $OUT) and are packed into one
-# file, $OUT/gpu_check_<part>.tar.gz, since the device tool brings back at most 8 files.
+# Logs and results are written to /tmp/gpu_check_<part>/ and packed after every part into one file,
+# $OUT/gpu_check_<part>.tar.gz (benchmarks/results/ without $OUT): the device tool brings back at
+# most 8 files, and a call cut off at its limit still brings back the parts that finished.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 part="${1:?which part: core, tests or bench}"
 base="${OUT:-benchmarks/results}"
-out="$base/gpu_check"
+out="${TMPDIR:-/tmp}/gpu_check_$part"
+rm -rf "$out"
 mkdir -p "$out"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 # pytest-xdist workers share 16 cores: one BLAS/OpenMP/numba thread pool each would oversubscribe them
 export OMP_NUM_THREADS=2 MKL_NUM_THREADS=2 NUMBA_NUM_THREADS=2
 # The image's transformers may be older than setup.py's floor (5.17 there on 2026-11-25; the tests
 # compare against transformers' own models, whose grouped gated norm is right from 5.23 on), and it
-# has no math-verify (stree.patterns.answers). Carry wheels, then run with carry=[".whl"]:
-#   pip download --no-deps -d .whl transformers==5.24.0 math-verify==0.9.0 \
-#     latex2sympy2_extended==1.11.0 antlr4-python3-runtime==4.13.2
+# has no math-verify (stree.patterns.answers). transformers 5.25 checks for huggingface_hub >= 2.4 on
+# import (the image's: 1.33), which needs httpx2. Carry wheels, then run with carry=[".whl"] (2026-12-04):
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+#     -d .whl transformers==5.25.0 huggingface_hub==2.4.0 httpx2==2.16.2 httpcore2==2.16.2 \
+#     truststore==0.10.5 hf-xet==1.8.0 kernels==0.19.1 tomlkit==0.15.3 regex==2026.5.9 \
+#     math-verify==0.9.0 latex2sympy2_extended==1.11.0 antlr4-python3-runtime==4.13.2
 if compgen -G ".whl/*.whl" > /dev/null; then
   python -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH="$PYTHONPATH:/tmp/site"
 fi
 
-# step NAME SECONDS CMD...: run CMD under a time limit, its output in $out/NAME.log; print its status
-# and last lines (the device tool returns the end of the output)
+# step NAME SECONDS CMD...: run CMD under a time limit (SIGNAL, TERM unless set), its output in
+# $out/NAME.log; print its status and last lines (the device tool returns the end of the output)
 step() {
   local name=$1 limit=$2
   shift 2
   local t0=$SECONDS
-  timeout -k 10 "$limit" "$@" > "$out/$name.log" 2>&1
+  timeout -s "${SIGNAL:-TERM}" -k 30 "$limit" "$@" > "$out/$name.log" 2>&1
   local rc=$?
+  tar -czf "$base/gpu_check_$part.tar.gz" -C "$out" .
   echo "== $name: exit $rc after $((SECONDS - t0)) s$([ $rc -eq 124 ] && echo " (time limit $limit s)")"
   tail -n "${TAIL:-6}" "$out/$name.log"
 }
@@ -44,7 +51,9 @@ step() {
 # which. Left out: the torchrun exit tests (gloo on the CPU whatever the machine, minutes of process
 # starts; CI runs them).
 suite() {
-  TAIL=3 step tests "$1" python -m pytest -v -n "$2" -p no:cacheprovider --timeout 280 --tb=short -rfE tests \
+  # SIGINT at the limit: pytest stops and still prints the failures so far with their tracebacks (a
+  # run cut off by SIGTERM on 2026-12-04 named 18 failures and showed none of their errors)
+  SIGNAL=INT TAIL=3 step tests "$1" python -m pytest -v -n "$2" -p no:cacheprovider --timeout 280 --tb=short -rfE tests \
     --ignore tests/test_tensor_parallel_exit.py
   grep -E "(FAILED|ERROR) tests" "$out/tests.log" | sed 's/.*\(FAILED\|ERROR\) /\1 /' | sort -u | cut -c1-200 | head -n 40
 }
@@ -60,13 +69,13 @@ case "$part" in
 core)
   step device 20 bash -c device_info
   step selfcheck 60 python -m stree.tools.selfcheck
-  suite 300 14
+  suite 330 14
   TAIL=20 step speculation 110 python benchmarks/speculation.py --device cuda --modes eager \
     --temperatures 0 --batches 1,2 --rounds 1 --out "$out"
   step profile 40 bash -c "python -m stree profile --model stree/assets/tiny-target --png $out/profile_cuda.png --json > $out/profile_cuda.json &&
     python -m stree profile --model stree/assets/tiny-target --batch-size 2 --png $out/profile_cuda_b2.png --json > $out/profile_cuda_b2.json"
   TAIL=24 step iteration_trace 30 python benchmarks/iteration_trace.py --out "$out"
-  TAIL=40 step autotree_trace 60 python benchmarks/autotree_trace.py --out "$out"
+  TAIL=40 step autotree_trace 45 python benchmarks/autotree_trace.py --out "$out"
   ;;
 tests)
   step device 30 bash -c device_info
@@ -122,4 +131,4 @@ PY
   exit 2
   ;;
 esac
-tar -czf "$base/gpu_check_$part.tar.gz" -C "$out" . && rm -rf "$out"
+rm -rf "$out"

@@ -84,3 +84,8 @@ def accepted_paths(draw, parents, batch):
     L = max(nums) + draw(st.integers(0, 2))
     junk = draw(st.sampled_from([-1, 10**6]))
     return torch.tensor([r + [junk] * (L - len(r)) for r in rows]), torch.tensor(nums)
+
+
+def by(backend):
+    """``assert_close``'s message with the backend's name before torch's own (which says how far off)."""
+    return lambda message: f"{backend}: {message}"

@@ -11,7 +11,11 @@ import numpy as np
 import pytest
 import torch
 
+from stree.tools.timing import run_info
+
 ROOT = Path(__file__).resolve().parents[1]
+# where the benchmarks run by default (stree.tools.timing.device_and_dtype), and the library's models
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def benchmark(name: str):
@@ -306,6 +310,14 @@ def test_autotree_trace_smoke_logs_every_iteration_of_the_timed_calls(tmp_path):
     assert {k["kind"] for k in ngram["kinds"]} <= {"plain", "run", "probe", "tree"}
     assert sum(k["share_of_loop"] for k in ngram["kinds"]) == pytest.approx(1.0)
     assert all(k["clock_ms"] > 0 and k["predicted_ms"] > 0 and k["emitted"] >= 1 for k in ngram["kinds"])
+    # the loop's host time outside the model: every iteration once, autoregressive ones as steps, the
+    # chooser's kinds as it logged them (its probes among the trees)
+    assert list(rows["autoregressive"]["host"]) == ["step"]
+    assert rows["autoregressive"]["host"]["step"]["iterations"] == round(rows["autoregressive"]["steps_per_call"] * calls)
+    logged = {kind: sum(k["iterations"] for k in ngram["kinds"] if k["kind"] == kind) for kind in ("plain", "run")}
+    logged["tree"] = sum(k["iterations"] for k in ngram["kinds"] if k["kind"] in ("probe", "tree"))
+    assert {kind: h["iterations"] for kind, h in ngram["host"].items()} == {k: n for k, n in logged.items() if n}
+    assert all(h["host_ms"] > 0 for r in rows.values() for h in r["host"].values())
 
 
 def test_autotree_sim_is_the_same_in_every_run_and_follows_its_table(tmp_path):
@@ -356,8 +368,8 @@ def test_autotree_sim_measured_takes_its_table_from_the_machine(tmp_path, monkey
     assert result["passes"] == {str(n): pytest.approx(t / profile.step_ms * scale)
                                 for n, t in zip(profile.nodes, profile.tree_ms)}
     assert result["draft"] == pytest.approx(statistics.median(profile.draft_ms) / profile.step_ms * scale)
-    sizes = list(map(int, result["passes"]))  # (eager, the CPU's sizes: those measured within the profile's budget)
-    assert len(sizes) >= 2 and sizes == list(default_sizes(torch.device("cpu")))[: len(sizes)]
+    sizes = list(map(int, result["passes"]))  # (eager, the device's sizes: those measured within the profile's budget)
+    assert len(sizes) >= 2 and sizes == list(default_sizes(DEVICE))[: len(sizes)]
     assert result["after"] == [1.3, 1.3, 1.35, 1.19, 1.14, 1.09]  # (the first plain step after a tree: in the scale)
     assert all(r["identical"] for r in result["results"])
 
@@ -436,7 +448,9 @@ def test_iteration_parts_transitions_are_medians_by_the_iteration_before():
 
 def test_serve_smoke_measures_both_modes_through_the_server(tmp_path):
     result = smoke("serve", tmp_path)
-    assert result["device"].startswith("cpu") and result["dtype"] == "float32"  # where and how the server ran
+    # where and how the server ran: the benchmarks' defaults (the GPU in bfloat16 where there is one)
+    assert result["device"] == run_info(DEVICE)["device"]
+    assert result["dtype"] == ("bfloat16" if DEVICE.type == "cuda" else "float32")
     rows = result["results"]
     assert [(r["mode"], r["concurrency"]) for r in rows] == [(m, c) for c in (1, 2)
                                                              for m in ("autoregressive", "speculative")]

@@ -167,11 +167,14 @@ def _visible(cache: torch.Tensor, seqlens: torch.Tensor, dim: int = 1) -> torch.
 
 def launch_config(n, head_dim, dtype):
     """Tiles and warps of :func:`_tree_attention_kernel`, chosen with ``python -m stree.tools.aotcheck``
-    to keep head_dim 128 free of spills on sm_80 / sm_90: 32 queries x 64 keys in 16-bit; fp32
-    dots have no tensor-core path at full precision, so 16 x 16 on 8 warps there."""
+    to keep head_dim 128 free of spills on sm_80 / sm_90: up to 32 queries x 64 keys in 16-bit; fp32
+    dots have no tensor-core path at full precision, so 16 x 16 on 8 warps there. A 16-query tile
+    (a step, or a tree of up to 16 nodes) takes 8 warps: on 4, Triton 3.6 (the H200 image's, on
+    2026-12-04) spilled on sm_80 where 3.8 did not."""
     if dtype == torch.float32:
         return dict(BLOCK_M=16, BLOCK_N=16, BLOCK_D=pow2_block(head_dim), num_warps=8)
-    return dict(BLOCK_M=min(pow2_block(n), 32), BLOCK_N=64, BLOCK_D=pow2_block(head_dim), num_warps=4)
+    block_m = min(pow2_block(n), 32)
+    return dict(BLOCK_M=block_m, BLOCK_N=64, BLOCK_D=pow2_block(head_dim), num_warps=8 if block_m == 16 else 4)
 
 
 def tree_attention(q, k_cache, v_cache, cache_seqlens, k_tree, v_tree, parents, *, softmax_scale=None,

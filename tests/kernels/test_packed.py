@@ -9,7 +9,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from strategies import dt_options, parent_lists, ssm_inputs, ssm_shapes
+from strategies import by, dt_options, parent_lists, ssm_inputs, ssm_shapes
 
 from stree.kernels import replay, tree_attention, tree_conv1d, tree_scan
 from stree.testing import root_path
@@ -102,7 +102,7 @@ def test_tree_scan_of_packed_trees_is_each_trees_own_scan(trees, shape, dt_opts,
         got = tree_scan(*map(to, (args[0], args[1], inp["A"], args[2], args[3], packed)), **{k: to(v) for k, v in kw.items()},
                         initial_state=to(_pool(states, state_indices, slots)), state_indices=to(state_indices),
                         backend=backend)
-        torch.testing.assert_close(got.cpu(), want, rtol=TOL, atol=TOL, msg=backend)
+        torch.testing.assert_close(got.cpu(), want, rtol=TOL, atol=TOL, msg=by(backend))
 
 
 @settings(max_examples=15)  # each example is a whole forest, every backend
@@ -122,7 +122,7 @@ def test_tree_conv1d_of_packed_trees_is_each_trees_own_conv(trees, d_conv, bias,
         to = _on(backend, device)
         got = tree_conv1d(to(xBC), to(packed), to(_pool(conv, state_indices, slots)), to(weight), to(b),
                           state_indices=to(state_indices), backend=backend)
-        torch.testing.assert_close(got.cpu(), want, rtol=TOL, atol=TOL, msg=backend)
+        torch.testing.assert_close(got.cpu(), want, rtol=TOL, atol=TOL, msg=by(backend))
 
 
 @settings(max_examples=15)  # each example is a whole forest, every backend
@@ -146,7 +146,7 @@ def test_tree_attention_of_packed_trees_is_each_trees_own_attention(trees, heads
         got = tree_attention(to(q), to(_pool(k_rows, state_indices, slots)), to(_pool(v_rows, state_indices, slots)),
                              to(lens), to(k_tree), to(v_tree), to(packed), state_indices=to(state_indices),
                              backend=backend)
-        torch.testing.assert_close(got.cpu(), want, rtol=TOL, atol=TOL, msg=backend)
+        torch.testing.assert_close(got.cpu(), want, rtol=TOL, atol=TOL, msg=by(backend))
 
 
 @settings(max_examples=15)  # each example is a whole forest, every backend
@@ -186,37 +186,39 @@ def test_replay_of_packed_trees_writes_each_trees_own_commit_into_its_slot(trees
             got = replay(*pools, *map(to, (xBC, x, dt, B, A, accepted, num)), state_indices=to(state_indices), **kw)
             assert got[0] is pools[0] and got[1] is pools[1]  # in place
         torch.testing.assert_close(got[0].cpu().transpose(0, 1), want_ssm, rtol=TOL, atol=TOL, equal_nan=True,
-                                   msg=backend)
+                                   msg=by(backend))
         torch.testing.assert_close(got[1].cpu().transpose(0, 1), want_conv, rtol=0, atol=0, equal_nan=True,
-                                   msg=backend)
+                                   msg=by(backend))
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_bad_packings_are_refused_naming_the_argument(backend, backend_device):
-    with pytest.raises(ValueError, match=r"cu_seqlens gives tree 1 0 nodes"):
-        packed_trees(torch.tensor([-1, 0, -1]), torch.tensor([0, 2, 2, 3]))
-    with pytest.raises(ValueError, match=r"cu_seqlens must run from 0 to the 3 packed nodes, got 0 \.\. 4"):
-        packed_trees(torch.tensor([-1, 0, -1]), torch.tensor([0, 2, 4]))
-    with pytest.raises(TypeError, match="cu_seqlens must be an integer tensor"):
-        packed_trees(torch.tensor([-1, 0, -1]), torch.tensor([0.0, 2.0, 3.0]))
-    with pytest.raises(ValueError, match=r"parents\[1, 1\] = 1; need 0 <= parent < 1"):
-        packed_trees(torch.tensor([-1, 0, -1, 1]), torch.tensor([0, 2, 4]))
-    with pytest.raises(ValueError, match=r"trees\[1\] is empty"):
-        pack_trees([[-1], []])
-    with pytest.raises(ValueError, match="larger than the 1024 nodes"):
-        pack_trees([[-1], [-1] + list(range(1024))])
-    packed = pack_trees([[-1, 0], [-1]])
-    xBC, conv, weight = torch.randn(1, 4, 6), torch.randn(2, 6, 4), torch.randn(6, 4)
-    with pytest.raises(ValueError, match=r"with packed trees xBC must have shape \[1, total = 3, \.\.\.\], got \(1, 4, 6\)"):
-        tree_conv1d(xBC, packed, conv, weight, backend=backend)
-    with pytest.raises(ValueError, match=r"conv_state must have shape \(2, 6, 4\)"):
-        tree_conv1d(xBC[:, :3], packed, conv[:1], weight, backend=backend)
-    h, p, s = 2, 4, 8
-    args = (torch.zeros(2, h, p, s), torch.zeros(2, 6, 4), torch.zeros(1, 3, 6), torch.zeros(1, 3, h, p),
-            torch.zeros(1, 3, h), torch.zeros(1, 3, 1, s), torch.zeros(h))
-    with pytest.raises(ValueError, match=r"accepted\[1, 1\] = 1 is not a node index in \[0, 1\)"):
-        replay(*args, torch.tensor([[0, 1], [0, 1]]), torch.tensor([2, 2]), cu_seqlens=packed.cu_seqlens,
-               backend=backend)
-    with pytest.raises(ValueError, match=r"cu_seqlens must have shape \(3,\)"):
-        replay(*args, torch.tensor([[0, 1], [0, 1]]), torch.tensor([2, 1]), cu_seqlens=torch.tensor([0, 3]),
-               backend=backend)
+    with backend_device:  # the tensors built below: on the kernel's device
+        with pytest.raises(ValueError, match=r"cu_seqlens gives tree 1 0 nodes"):
+            packed_trees(torch.tensor([-1, 0, -1]), torch.tensor([0, 2, 2, 3]))
+        with pytest.raises(ValueError, match=r"cu_seqlens must run from 0 to the 3 packed nodes, got 0 \.\. 4"):
+            packed_trees(torch.tensor([-1, 0, -1]), torch.tensor([0, 2, 4]))
+        with pytest.raises(TypeError, match="cu_seqlens must be an integer tensor"):
+            packed_trees(torch.tensor([-1, 0, -1]), torch.tensor([0.0, 2.0, 3.0]))
+        with pytest.raises(ValueError, match=r"parents\[1, 1\] = 1; need 0 <= parent < 1"):
+            packed_trees(torch.tensor([-1, 0, -1, 1]), torch.tensor([0, 2, 4]))
+        with pytest.raises(ValueError, match=r"trees\[1\] is empty"):
+            pack_trees([[-1], []])
+        with pytest.raises(ValueError, match="larger than the 1024 nodes"):
+            pack_trees([[-1], [-1] + list(range(1024))])
+        packed = pack_trees([[-1, 0], [-1]])
+        xBC, conv, weight = torch.randn(1, 4, 6), torch.randn(2, 6, 4), torch.randn(6, 4)
+        with pytest.raises(ValueError,
+                           match=r"with packed trees xBC must have shape \[1, total = 3, \.\.\.\], got \(1, 4, 6\)"):
+            tree_conv1d(xBC, packed, conv, weight, backend=backend)
+        with pytest.raises(ValueError, match=r"conv_state must have shape \(2, 6, 4\)"):
+            tree_conv1d(xBC[:, :3], packed, conv[:1], weight, backend=backend)
+        h, p, s = 2, 4, 8
+        args = (torch.zeros(2, h, p, s), torch.zeros(2, 6, 4), torch.zeros(1, 3, 6), torch.zeros(1, 3, h, p),
+                torch.zeros(1, 3, h), torch.zeros(1, 3, 1, s), torch.zeros(h))
+        with pytest.raises(ValueError, match=r"accepted\[1, 1\] = 1 is not a node index in \[0, 1\)"):
+            replay(*args, torch.tensor([[0, 1], [0, 1]]), torch.tensor([2, 2]), cu_seqlens=packed.cu_seqlens,
+                   backend=backend)
+        with pytest.raises(ValueError, match=r"cu_seqlens must have shape \(3,\)"):
+            replay(*args, torch.tensor([[0, 1], [0, 1]]), torch.tensor([2, 1]), cu_seqlens=torch.tensor([0, 3]),
+                   backend=backend)

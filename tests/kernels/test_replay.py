@@ -4,7 +4,7 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
-from strategies import accepted_paths, dt_options, ssm_inputs, ssm_shapes, trees
+from strategies import accepted_paths, by, dt_options, ssm_inputs, ssm_shapes, trees
 from host_sync import count_kernel_launches
 
 from stree.kernels import replay, tree_conv1d, tree_scan
@@ -185,7 +185,7 @@ def test_slots_of_a_pool_match_the_padded_path(data, tree, shape, dt_opts, layer
                      dt_limit=dt_opts["dt_limit"], state_indices=to(state_indices), backend=backend)
         assert got[0] is pool_ssm and got[1] is pool_conv, backend  # in place
         torch.testing.assert_close(pool_ssm.cpu(), want_ssm, rtol=FP32_TOL, atol=FP32_TOL, equal_nan=True,
-                                   msg=backend)
+                                   msg=by(backend))
         assert torch.equal(pool_conv.cpu().nan_to_num(7.0), want_conv.nan_to_num(7.0)), backend
 
 
@@ -194,15 +194,17 @@ def test_bad_slots_are_refused(backend, backend_device):
     inp = _replay_inputs(0, 2, 3, dict(nheads=2, headdim=4, ngroups=1, dstate=4), dict(dt_softplus=True,
                                                                                        dt_limit=(0.0, math.inf),
                                                                                        use_bias=False))
-    accepted, num = torch.tensor([[0, 1], [0, 2]]), torch.tensor([2, 2])
-    pool_ssm, pool_conv = torch.zeros(3, 2, 4, 4), torch.zeros(3, 12, 4)
-    args = (inp["xBC"], inp["x"], inp["dt"], inp["B"], inp["A"], accepted, num)
-    for indices, match in (([0, 3], r"state_indices\[1\] = 3 is not a slot in \[0, 3\)"),
-                           ([1, 1], "names a slot twice"), ([0], "state_indices")):
-        with pytest.raises(ValueError, match=match):
-            replay(pool_ssm, pool_conv, *args, state_indices=torch.tensor(indices), backend=backend)
-    with pytest.raises(ValueError, match="out must be None"):
-        replay(pool_ssm, pool_conv, *args, state_indices=torch.tensor([0, 1]), out=(pool_ssm, pool_conv),
-               backend=backend)
-    with pytest.raises(ValueError, match=r"ssm_state must have shape \[slots"):
-        replay(pool_ssm[0], pool_conv, *args, state_indices=torch.tensor([0, 1]), backend=backend)
+    inp = {k: v if v is None else v.to(backend_device) for k, v in inp.items()}
+    with backend_device:  # the tensors built below: on the kernel's device
+        accepted, num = torch.tensor([[0, 1], [0, 2]]), torch.tensor([2, 2])
+        pool_ssm, pool_conv = torch.zeros(3, 2, 4, 4), torch.zeros(3, 12, 4)
+        args = (inp["xBC"], inp["x"], inp["dt"], inp["B"], inp["A"], accepted, num)
+        for indices, match in (([0, 3], r"state_indices\[1\] = 3 is not a slot in \[0, 3\)"),
+                               ([1, 1], "names a slot twice"), ([0], "state_indices")):
+            with pytest.raises(ValueError, match=match):
+                replay(pool_ssm, pool_conv, *args, state_indices=torch.tensor(indices), backend=backend)
+        with pytest.raises(ValueError, match="out must be None"):
+            replay(pool_ssm, pool_conv, *args, state_indices=torch.tensor([0, 1]), out=(pool_ssm, pool_conv),
+                   backend=backend)
+        with pytest.raises(ValueError, match=r"ssm_state must have shape \[slots"):
+            replay(pool_ssm[0], pool_conv, *args, state_indices=torch.tensor([0, 1]), backend=backend)

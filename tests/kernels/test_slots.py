@@ -10,7 +10,7 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
-from strategies import dt_options, ssm_inputs, ssm_shapes, trees
+from strategies import by, dt_options, ssm_inputs, ssm_shapes, trees
 
 from stree.kernels import conv_step, selective_state_update, tree_attention, tree_conv1d, tree_scan
 
@@ -54,7 +54,7 @@ def test_tree_scan_from_slots_matches_the_padded_call(data, tree, shape, dt_opts
         to = lambda t: t.to(dev) if isinstance(t, torch.Tensor) else t
         got = tree_scan(*map(to, args), **{k: to(v) for k, v in kw.items()}, initial_state=to(pool),
                         state_indices=to(state_indices), backend=backend)
-        torch.testing.assert_close(got.cpu(), want, rtol=TOL, atol=TOL, msg=backend)
+        torch.testing.assert_close(got.cpu(), want, rtol=TOL, atol=TOL, msg=by(backend))
 
 
 @given(data=st.data(), tree=trees(max_n=24), d_conv=st.sampled_from([1, 2, 4]), bias=st.booleans(),
@@ -74,26 +74,28 @@ def test_tree_conv1d_from_slots_matches_the_padded_call(data, tree, d_conv, bias
         to = lambda t: t.to(dev) if isinstance(t, torch.Tensor) else t
         got = tree_conv1d(to(xBC), to(parents), to(pool), to(weight), to(b), state_indices=to(state_indices),
                           backend=backend)
-        torch.testing.assert_close(got.cpu(), want, rtol=TOL, atol=TOL, msg=backend)
+        torch.testing.assert_close(got.cpu(), want, rtol=TOL, atol=TOL, msg=by(backend))
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_bad_slot_tables_are_refused(backend, backend_device):
-    parents = torch.tensor([-1, 0, 0])
-    xBC, pool = torch.randn(2, 3, 12), torch.randn(3, 12, 4)
-    weight = torch.randn(12, 4)
-    for indices, match in (([0, 3], r"state_indices\[1\] = 3 is not a slot in \[0, 3\)"),
-                           ([2, 2], "names a slot twice"), ([0], r"state_indices must have shape \(2,\)"),
-                           ([0.0, 1.0], "state_indices")):
-        with pytest.raises((ValueError, TypeError), match=match):
-            tree_conv1d(xBC, parents, pool, weight, state_indices=torch.tensor(indices), backend=backend)
-    with pytest.raises(ValueError, match=r"conv_state must be a pool \[slots, dim, d_conv\]"):
-        tree_conv1d(xBC, parents, pool[0], weight, state_indices=torch.tensor([0, 1]), backend=backend)
     inp = ssm_inputs(torch.Generator().manual_seed(0), 2, 3, dict(nheads=2, headdim=4, ngroups=1, dstate=4),
                      dict(dt_softplus=True, dt_limit=(0.0, float("inf")), use_bias=False))
-    with pytest.raises(ValueError, match=r"initial_state must be a pool \[slots"):
-        tree_scan(*[inp[k] for k in ("x", "dt", "A", "B", "C")], parents, state_indices=torch.tensor([0, 1]),
-                  backend=backend)
+    inp = {k: v if v is None else v.to(backend_device) for k, v in inp.items()}
+    with backend_device:  # the tensors built below: on the kernel's device
+        parents = torch.tensor([-1, 0, 0])
+        xBC, pool = torch.randn(2, 3, 12), torch.randn(3, 12, 4)
+        weight = torch.randn(12, 4)
+        for indices, match in (([0, 3], r"state_indices\[1\] = 3 is not a slot in \[0, 3\)"),
+                               ([2, 2], "names a slot twice"), ([0], r"state_indices must have shape \(2,\)"),
+                               ([0.0, 1.0], "state_indices")):
+            with pytest.raises((ValueError, TypeError), match=match):
+                tree_conv1d(xBC, parents, pool, weight, state_indices=torch.tensor(indices), backend=backend)
+        with pytest.raises(ValueError, match=r"conv_state must be a pool \[slots, dim, d_conv\]"):
+            tree_conv1d(xBC, parents, pool[0], weight, state_indices=torch.tensor([0, 1]), backend=backend)
+        with pytest.raises(ValueError, match=r"initial_state must be a pool \[slots"):
+            tree_scan(*[inp[k] for k in ("x", "dt", "A", "B", "C")], parents, state_indices=torch.tensor([0, 1]),
+                      backend=backend)
 
 
 @given(data=st.data(), batch=st.integers(1, 4), shape=ssm_shapes(), dt_opts=dt_options(), seed=st.integers(0, 2**16))
@@ -122,10 +124,10 @@ def test_step_kernels_advance_their_slots_in_place(data, batch, shape, dt_opts, 
         y = selective_state_update(pool, to(x), to(dt), to(inp["A"]), to(B), to(C), **{k: to(v) for k, v in kw.items()},
                                    state_indices=to(state_indices), backend=backend)
         out = conv_step(to(xbc), conv_pool, to(weight), state_indices=to(state_indices), backend=backend)
-        torch.testing.assert_close(y.cpu(), want_y, rtol=TOL, atol=TOL, msg=backend)
-        torch.testing.assert_close(pool.cpu(), want_pool, rtol=TOL, atol=TOL, equal_nan=True, msg=backend)
-        torch.testing.assert_close(out.cpu(), want_conv_out, rtol=TOL, atol=TOL, msg=backend)
-        torch.testing.assert_close(conv_pool.cpu(), want_conv_pool, rtol=0, atol=0, equal_nan=True, msg=backend)
+        torch.testing.assert_close(y.cpu(), want_y, rtol=TOL, atol=TOL, msg=by(backend))
+        torch.testing.assert_close(pool.cpu(), want_pool, rtol=TOL, atol=TOL, equal_nan=True, msg=by(backend))
+        torch.testing.assert_close(out.cpu(), want_conv_out, rtol=TOL, atol=TOL, msg=by(backend))
+        torch.testing.assert_close(conv_pool.cpu(), want_conv_pool, rtol=0, atol=0, equal_nan=True, msg=by(backend))
 
 
 @given(data=st.data(), tree=trees(max_n=20), heads=st.sampled_from([(1, 1), (4, 2)]), t_max=st.sampled_from([0, 5, 40]),
@@ -147,4 +149,4 @@ def test_tree_attention_over_slots_matches_the_padded_call(data, tree, heads, t_
         to = lambda t: t.to(dev)
         got = tree_attention(to(q), to(k_pool), to(v_pool), to(lens), to(k_tree), to(v_tree), to(parents),
                              state_indices=to(state_indices), backend=backend)
-        torch.testing.assert_close(got.cpu(), want, rtol=TOL, atol=TOL, msg=backend)
+        torch.testing.assert_close(got.cpu(), want, rtol=TOL, atol=TOL, msg=by(backend))

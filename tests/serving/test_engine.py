@@ -5,6 +5,7 @@ enumeration and chi-square); long prompts are read in chunks between other rows'
 come back; bad requests are refused before anything is queued."""
 
 import collections
+import functools
 import itertools
 import json
 import math
@@ -131,7 +132,7 @@ def test_prompt_logprobs_score_every_prompt_token_across_chunks(lm, monkeypatch)
     ids = lm.encode(PROMPTS[2])[0][:40]
     model = lm.model
     cache = model.allocate_cache(1, 64)
-    laws = [torch.softmax(model.step(torch.tensor([t]), cache)[0].float(), -1) for t in ids[:-1]]
+    laws = [torch.softmax(model.step(torch.tensor([t], device=model.device), cache)[0].float(), -1) for t in ids[:-1]]
     with Engine(lm, max_slots=2, max_length=128, seed=0) as engine:
         scored = engine.submit(ids, max_tokens=0, prompt_logprobs=2, n=2)
         both = engine.submit(ids, max_tokens=6, prompt_logprobs=0, logprobs=1)
@@ -212,10 +213,11 @@ def two_token_top2_law(model, prompt, temperature):
     """The exact law of the first two tokens drawn at ``temperature`` from the target's top 2."""
     with torch.no_grad():
         cache = model.allocate_cache(1, 64 + len(prompt))
-        first = (model.prefill(torch.tensor([prompt]), cache)[0].double() / temperature).softmax(-1).topk(2)
+        on = functools.partial(torch.tensor, device=model.device)  # (the model's device: a GPU where there is one)
+        first = (model.prefill(on([prompt]), cache)[0].double() / temperature).softmax(-1).topk(2)
         law = {}
         for a, pa in zip(first.indices.tolist(), (first.values / first.values.sum()).tolist()):
-            logits = model.step(torch.tensor([a]), cache.select(torch.tensor([0])))[0].double()
+            logits = model.step(on([a]), cache.select(on([0])))[0].double()
             second = (logits / temperature).softmax(-1).topk(2)
             for b, pb in zip(second.indices.tolist(), (second.values / second.values.sum()).tolist()):
                 law[(a, b)] = pa * pb
