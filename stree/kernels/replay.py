@@ -198,8 +198,9 @@ def _from_packed(cu_seqlens, accepted, num_accepted, validate, xBC, x, dt, B):
         raise ValueError(f"accepted must have shape [batch, L], got {getattr(accepted, 'shape', type(accepted))}")
     check_tensor("cu_seqlens", cu_seqlens, (accepted.shape[0] + 1,), x.device, kind="int")
     check_tensor("num_accepted", num_accepted, (accepted.shape[0],), x.device, kind="int")
-    if validate:
-        check_accepted(accepted, num_accepted, torch.tensor(check_cu_seqlens(cu_seqlens, x.shape[-3])))
+    if validate:  # (each tree's size on the tensors' device: a host tensor beside CUDA ones is refused)
+        check_cu_seqlens(cu_seqlens, x.shape[-3])
+        check_accepted(accepted, num_accepted, cu_seqlens.diff())
     batch = accepted.shape[0]
     rows = lambda t, rank: t.expand(*t.shape[:t.dim() - rank], batch, *t.shape[t.dim() - rank + 1:])
     moved = accepted + cu_seqlens[:-1, None].to(accepted.dtype)
