@@ -25,6 +25,7 @@ of a millisecond, that work decides).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import time
 from collections import defaultdict
@@ -44,11 +45,14 @@ DRAFTERS = ("ngram", "stand", "ssm")
 
 class Log:
     """The chooser's iterations, logged by wrapping :meth:`AutoTree.record` and
-    :meth:`AutoTree.plain_steps` (each call hands the original what it was given)."""
+    :meth:`AutoTree.plain_steps` (each call hands the original what it was given) until ``undo``
+    closes."""
 
-    def __init__(self):
+    def __init__(self, undo: contextlib.ExitStack):
         self.rows: list[tuple] = []
         record, plain_steps = autotree.AutoTree.record, autotree.AutoTree.plain_steps
+        undo.callback(setattr, autotree.AutoTree, "record", record)
+        undo.callback(setattr, autotree.AutoTree, "plain_steps", plain_steps)
         log = self.rows
 
         def logged_record(chooser, tree, tokens=None, counts=None, rows=None, elapsed_ms=None, ids=None):
@@ -86,11 +90,13 @@ class HostClock:
     ``_Loop.iterate`` and the two step functions it calls (each ends in the device-to-host sync
     that hands the host its tokens, so their time is the device's too), and sorts each iteration
     by what it was: an autoregressive ``step``, a ``run`` step decided ahead, a ``plain`` step
-    weighed alone, or a ``tree``."""
+    weighed alone, or a ``tree``. The wrappers come off when ``undo`` closes."""
 
-    def __init__(self):
+    def __init__(self, undo: contextlib.ExitStack):
         self.kinds: dict[str, list[float]] = defaultdict(list)
         inside = [0.0]
+        for owner, name in ((loop, "autoregressive_step"), (loop, "speculative_step"), (loop._Loop, "iterate")):
+            undo.callback(setattr, owner, name, getattr(owner, name))
 
         def timed(fn):
             def run(*args, **kwargs):
@@ -119,25 +125,9 @@ class HostClock:
         return {k: dict(iterations=len(v), host_ms=float(np.mean(v))) for k, v in sorted(self.kinds.items())}
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_device_args(p)
-    p.add_argument("--prompts", type=int, default=8)
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--batches", default="1,2")
-    p.add_argument("--drafters", default=",".join(DRAFTERS))
-    p.add_argument("--temperature", type=float, default=0.0, help="sampled: seeded per batch of prompts, as "
-                   "speculation.py does (a seeded choice then prices from the profile alone)")
-    p.add_argument("--compiled", action="store_true", help="torch_compile=True (CPU): the compiled step and "
-                   "tree passes, against compiled autoregressive decoding")
-    p.add_argument("--smoke", action="store_true")
-    p.add_argument("--out", default=str(Path(__file__).parent / "results"))
-    args = p.parse_args(argv)
-    args.dtype = args.dtype or "float32"
-    device, dtype = device_and_dtype(args)
-    if args.smoke:
-        args.prompts, args.max_new_tokens, args.batches, args.drafters = 2, 8, "1", "ngram"
-    log, host = Log(), HostClock()
+def trace(args, device, dtype, log: Log, host: HostClock) -> list[dict]:
+    """Each batch size and drafter (autoregressive decoding first), timed after its warm-up: wall
+    time per call and step, tau, and what ``log`` and ``host`` saw of the timed calls."""
     small = load(DRAFTER, dtype=dtype, device=device)
     lm = stree.LM.from_pretrained(TARGET, dtype=dtype, device=device, drafter_model=small)
     texts = read_prompts(TARGET / "prompts.jsonl", args.prompts)
@@ -174,6 +164,30 @@ def main(argv=None):
                 print(f"    {k['kind']:<6}{k['nodes']:>4} x{k['iterations']:<5} predicted {k['predicted_ms']:7.3f}  "
                       f"clock {k['clock_ms']:7.3f} ms  emitted {k['emitted']:5.2f}  {k['share_of_loop']:4.0%} of the loop",
                       file=sys.stderr)
+    return results
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_device_args(p)
+    p.add_argument("--prompts", type=int, default=8)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--batches", default="1,2")
+    p.add_argument("--drafters", default=",".join(DRAFTERS))
+    p.add_argument("--temperature", type=float, default=0.0, help="sampled: seeded per batch of prompts, as "
+                   "speculation.py does (a seeded choice then prices from the profile alone)")
+    p.add_argument("--compiled", action="store_true", help="torch_compile=True (CPU): the compiled step and "
+                   "tree passes, against compiled autoregressive decoding")
+    p.add_argument("--smoke", action="store_true")
+    p.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    args = p.parse_args(argv)
+    args.dtype = args.dtype or "float32"
+    device, dtype = device_and_dtype(args)
+    if args.smoke:
+        args.prompts, args.max_new_tokens, args.batches, args.drafters = 2, 8, "1", "ngram"
+    # (the wrappers come off at the end: a test that runs main in its process leaves the loop as it was)
+    with contextlib.ExitStack() as undo:
+        results = trace(args, device, dtype, Log(undo), HostClock(undo))
     result = dict(benchmark="autotree_trace", **run_info(device, argv), dtype=str(dtype).removeprefix("torch."),
                   temperature=args.temperature, compiled=args.compiled, prompts=args.prompts,
                   max_new_tokens=args.max_new_tokens,

@@ -300,7 +300,14 @@ def test_iteration_trace_smoke_counts_per_iteration(tmp_path):
 def test_autotree_trace_smoke_logs_every_iteration_of_the_timed_calls(tmp_path):
     """Each iteration of the timed calls is logged once, under one kind (autoregressive decoding
     has no chooser: none), and the kinds' shares of the loop add up."""
+    import stree.decoding.autotree as autotree
+    import stree.decoding.loop as loop
+
+    wrapped = (loop._Loop.iterate, loop.autoregressive_step, loop.speculative_step, autotree.AutoTree.record,
+               autotree.AutoTree.plain_steps)
     result = smoke("autotree_trace", tmp_path)
+    assert (loop._Loop.iterate, loop.autoregressive_step, loop.speculative_step, autotree.AutoTree.record,
+            autotree.AutoTree.plain_steps) == wrapped  # (its wrappers came off: later tests run the loop as it is)
     rows = {r["drafter"]: r for r in result["results"]}
     assert set(rows) == {"autoregressive", "ngram"} and rows["autoregressive"]["kinds"] == []
     assert result["compiled"] is False  # (--compiled: torch_compile=True, the result says so)
