@@ -69,7 +69,11 @@ case "$part" in
 core)
   step device 20 bash -c device_info
   step selfcheck 60 python -m stree.tools.selfcheck
-  suite 330 14
+  # first, what landed since the last GPU and has run on none: the graphed greedy iteration and step,
+  # and the packed replay's validation on the tensors' device
+  TAIL=12 step graphs 45 python -m pytest -q -p no:cacheprovider --tb=short tests/runtime/test_graphs.py \
+    tests/kernels/test_packed.py::test_replay_of_packed_trees_writes_each_trees_own_commit_into_its_slot
+  suite 300 14
   TAIL=20 step speculation 110 python benchmarks/speculation.py --device cuda --modes eager \
     --temperatures 0 --batches 1,2 --rounds 1 --out "$out"
   step profile 40 bash -c "python -m stree profile --model stree/assets/tiny-target --png $out/profile_cuda.png --json > $out/profile_cuda.json &&

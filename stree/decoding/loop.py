@@ -271,7 +271,9 @@ class _Loop:
                 shapes = [chooser.prefix(m) for m in chooser.sizes]
         t0 = time.perf_counter()
         if pool is not None:
-            build_calls(self.model, pool, shapes, c.params, c.top_k)
+            plain_ks = {laws(None, c.logprobs), laws(None if self.drafter is None else self.drafter.plain_top_k,
+                                                     c.logprobs)}  # (a plain run's steps, and a plain step's alone)
+            build_calls(self.model, pool, shapes, c.params, c.top_k, plain_ks)
         elif isinstance(self.model, torch.nn.Module):
             # (rows leaving the batch: any row count up to the whole batch's largest tree) An explicit tree's
             # and plain decoding's too: a process's first pass of an explicit tree had timed its products'

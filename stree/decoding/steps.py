@@ -159,10 +159,15 @@ def pack(tokens: torch.Tensor, counts: torch.Tensor, probs: torch.Tensor | None,
     [B, L]``, their ``counts``, ``finite [B, ...]`` (:func:`_finite`) and, with ``probs [B, L,
     V]`` (the law each emitted token was drawn from; None: no drafter learns), its top-``top_k``
     and each emitted token's probability."""
+    return _pack(tokens, counts, finite, None if probs is None else _laws(tokens, probs, packed_k(probs, top_k)))
+
+
+def _pack(tokens: torch.Tensor, counts: torch.Tensor, finite: torch.Tensor, laws: tuple | None) -> torch.Tensor:
+    """:func:`pack` of the laws' parts as :func:`_laws` gives them (None: none)."""
     B = tokens.shape[0]
     parts = [tokens, counts[:, None], finite.reshape(B, -1)]
-    if probs is not None:
-        top_i, top_p, token_p = _laws(tokens, probs, packed_k(probs, top_k))
+    if laws is not None:
+        top_i, top_p, token_p = laws
         parts += [top_i.flatten(1), top_p.flatten(1), token_p]
     return torch.cat(parts, 1).float()
 
@@ -205,7 +210,12 @@ def autoregressive_step(model, cache, roots: torch.Tensor, params: SamplingParam
     """One token for every row: the target's step on the roots (the ``runner``'s step, a CUDA graph
     or a compiled one, when given), then one sampled token each, with the law it was drawn from
     when ``top_k`` is set (a drafter learning from the target's distributions)."""
-    logits = (runner or EagerRunner(model, cache)).step()(roots, validate=False)
+    runner = runner or EagerRunner(model, cache)
+    fused = params.greedy and runner.fused_step(_greedy_step, "greedy")
+    if fused:  # (CUDA graphs: the step, the token's choice and the host's packed part as one graph)
+        k = None if top_k is None else min(top_k, model.vocab_size)
+        return unpack(fused(roots, k).to("cpu", copy=True), 1, 1, k)  # (a copy: the graph's output is its own)
+    logits = runner.step()(roots, validate=False)
     if greedy_on_host(params, logits) and tensor_parallel(model) is None:
         nxt, finite = greedy_rows_host(logits)
     else:
@@ -227,17 +237,23 @@ def speculative_step(model, cache, draft: TokenTree, params: SamplingParams, gen
     runner = runner or EagerRunner(model, cache)
     fused = (params.greedy and scan == "tree" and draft.static_shape is not None
              and runner.fused(_greedy_iteration, draft.static_shape, "greedy"))
-    if fused:  # the pass, greedy verification and what the host reads as one compiled graph (on the CPU)
+    if fused:  # the pass, greedy verification and what the host reads as one graph (compiled, or CUDA graphs)
         k = None if top_k is None else min(top_k, model.vocab_size)
         valid = draft.valid if draft.valid is not None else _all_valid(draft.tokens.shape, draft.tokens.device)
-        tree_pass, (accepted, num, bonus, host) = fused(draft.tokens, valid, draft.static_shape.max_depth, k)
+        packed = not runner.fused_on_host
+        tree_pass, (accepted, num, bonus, host) = fused(draft.tokens, valid, draft.static_shape.max_depth, k, packed)
         result = VerifyResult(accepted, num, bonus, None)
         if lap is not None:
             lap("verify")
-        runner.tree(draft.static_shape)[1](tree_pass, accepted, num)
+        fused.commit(tree_pass, accepted, num)
+        if packed:  # (the one transfer, a copy: the graph's outputs are its own, the next iteration's)
+            host = unpack(host[0].to("cpu", copy=True), draft.static_shape.max_depth + 1, 1, k)
+            result = VerifyResult(*(t.clone() for t in (accepted, num, bonus)))
+        else:
+            host = HostStep(*host)
         if lap is not None:
             lap("commit")
-        return HostStep(*host), result
+        return host, result
     tree_calls, commit = runner.tree_calls(draft, scan)
     logits, tree_pass = tree_calls(draft)
     if greedy_on_host(params, logits) and tensor_parallel(model) is None:
@@ -266,18 +282,26 @@ def speculative_step(model, cache, draft: TokenTree, params: SamplingParams, gen
     return host, result
 
 
-def build_calls(model, runner: DecodeRunner, shapes, params: SamplingParams, top_k: int | None = None) -> None:
-    """Build ``runner``'s step and, for each static shape of ``shapes`` (verified under the tree
-    scan), the pass :func:`speculative_step` takes (greedy: the fused iteration; else the tree
+def build_calls(model, runner: DecodeRunner, shapes, params: SamplingParams, top_k: int | None = None,
+                step_top_ks=(None,)) -> None:
+    """Build ``runner``'s step (greedy, where the runner fuses it, for each of ``step_top_ks``, the
+    ``top_k`` its plain steps may take) and, for each static shape of ``shapes`` (verified under the
+    tree scan), the pass :func:`speculative_step` takes (greedy: the fused iteration; else the tree
     pass), by running each once on the runner's cache, then empty the cache. A decoding loop calls
     it before its prefill: compiling a call costs seconds on the CPU, which would otherwise land
     inside the first decoding that uses it (every fixed size of ``tree="auto"``, whose costs
     were read from the cache file, compiled within a timed call). Nothing is drawn; what the
     runner has run once is not run again (``runner.built``)."""
     batch, device = runner.cache.batch_size, model.device
-    if "step" not in runner.built:
-        runner.step()(torch.zeros(batch, dtype=torch.long, device=device), validate=False)
+    roots = torch.zeros(batch, dtype=torch.long, device=device)
+    fused = params.greedy and runner.fused_step(_greedy_step, "greedy")
+    if "step" not in runner.built and not fused:
+        runner.step()(roots, validate=False)
         runner.built.add("step")
+    for k in set(step_top_ks) if fused else ():
+        if ("step", k) not in runner.built:
+            fused(roots, None if k is None else min(k, model.vocab_size))
+            runner.built.add(("step", k))
     k = None if top_k is None else min(top_k, model.vocab_size)
     for shape in shapes:
         if (shape, params.greedy, k) in runner.built:
@@ -285,7 +309,7 @@ def build_calls(model, runner: DecodeRunner, shapes, params: SamplingParams, top
         tokens = torch.zeros(batch, shape.n, dtype=torch.long, device=device)
         fused = params.greedy and runner.fused(_greedy_iteration, shape, "greedy")
         if fused:
-            fused(tokens, _all_valid(tuple(tokens.shape), device), shape.max_depth, k)
+            fused(tokens, _all_valid(tuple(tokens.shape), device), shape.max_depth, k, not runner.fused_on_host)
         else:
             runner.tree(shape)[0](tokens, validate=False)
         runner.built.add((shape, params.greedy, k))
@@ -299,22 +323,37 @@ def _all_valid(shape: tuple, device: torch.device) -> torch.Tensor:
     return torch.ones(shape, dtype=torch.bool, device=device)
 
 
-def _greedy_iteration(model, tokens, index, cache, kernels: str, valid, max_depth: int, k: int | None):
+def _greedy_iteration(model, tokens, index, cache, kernels: str, valid, max_depth: int, k: int | None, packed: bool):
     """A static shape's tree pass, greedy verification, and the fields of the :class:`HostStep`:
     the emitted tokens, their counts, finiteness (and the target's top-``k`` laws along the
     accepted path where a drafter learns from them): tensors only, for
-    :meth:`~stree.runtime.runners.DecodeRunner.fused` to compile as one graph on the CPU, whose
-    outputs are the host's already (packed into one tensor and unpacked on the host, as a GPU's
-    transfer wants them, they had cost a compiled tree iteration a twentieth of a step). The same
-    arithmetic as the eager step's (:func:`speculative_step`), tested equal."""
+    :meth:`~stree.runtime.runners.DecodeRunner.fused` to run as one graph. Compiled on the CPU its
+    outputs are the host's already (packed into one tensor and unpacked on the host, they had cost
+    a compiled tree iteration a twentieth of a step); for a device (``packed``) they are
+    :func:`pack`'s one tensor, for one transfer. The same arithmetic as the eager step's
+    (:func:`speculative_step`), tested equal."""
     logits, ssm, attn = model.tree_layers(tokens, index, cache, "tree", kernels)
     accepted, num, bonus = greedy_path(index.parents, tokens, valid, logits.argmax(-1), max_depth)
     emitted = _emitted(tokens, accepted, num, bonus)
-    host = (emitted, num, _finite_rows(logits).all(1))
-    if k is not None:
-        top_ids, top_probs, token_probs = _laws(emitted, _GREEDY.observed(_along(logits, accepted)), k)
-        host += (top_ids, top_probs.float(), token_probs.float())
+    finite = _finite_rows(logits).all(1)
+    laws = None if k is None else _laws(emitted, _GREEDY.observed(_along(logits, accepted)), k)
+    if packed:
+        host = (_pack(emitted, num, finite, laws),)
+    else:
+        host = (emitted, num, finite) + (() if laws is None else (laws[0], laws[1].float(), laws[2].float()))
     return ssm, attn, (accepted, num, bonus, host)
+
+
+def _greedy_step(model, tokens, cache, k: int | None) -> torch.Tensor:
+    """A plain greedy step and its :class:`HostStep` as :func:`pack` gives it (the target's
+    top-``k`` law where a drafter learns from it): tensors only, for
+    :meth:`~stree.runtime.runners.DecodeRunner.fused_step` to capture as one graph (run eager after a
+    graphed step, the choice, the check and the packing were seven launches, as much host time as
+    the step's graph on an H200). The same arithmetic as :func:`autoregressive_step`'s, tested equal."""
+    logits = model.step(tokens, cache, validate=False)
+    nxt = logits.argmax(-1)[:, None]
+    laws = None if k is None else _laws(nxt, _GREEDY.observed(logits)[:, None], k)
+    return _pack(nxt, torch.ones_like(nxt[:, 0]), _finite_rows(logits), laws)
 
 
 _GREEDY = SamplingParams(0.0)

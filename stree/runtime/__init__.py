@@ -2,8 +2,8 @@
 paper's baseline), behind the runners the decoding loop drives."""
 
 from .compiled import CompiledDecode, CompiledModel
-from .graphs import DecodeGraphs, GraphedCommit, GraphedStep, GraphedTreePass
+from .graphs import DecodeGraphs, GraphedCommit, GraphedIteration, GraphedStep, GraphedTreePass
 from .runners import DecodeRunner
 
-__all__ = ["CompiledDecode", "CompiledModel", "DecodeGraphs", "DecodeRunner", "GraphedCommit", "GraphedStep",
-           "GraphedTreePass"]
+__all__ = ["CompiledDecode", "CompiledModel", "DecodeGraphs", "DecodeRunner", "GraphedCommit", "GraphedIteration",
+           "GraphedStep", "GraphedTreePass"]

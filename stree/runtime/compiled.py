@@ -189,6 +189,8 @@ class CompiledDecode(DecodeRunner):
     """The compiled step, and tree pass + commit per tree shape, for one model, batch size and
     cache size, all on the pool's cache."""
 
+    fused_on_host = True
+
     def __init__(self, model: TreeLM, batch_size: int, max_length: int):
         self.compiled = CompiledModel.of(model)
         self._fused: dict = {}  # (shape, name) -> its fused pass (see fused)
@@ -216,5 +218,6 @@ class CompiledDecode(DecodeRunner):
                 check_tree_tokens(self.model, self.cache, tokens, (self.cache.batch_size, shape.n),
                                   shape.max_depth + 1, False)
                 return self.compiled.fused(fn, TokenTree.from_shape(shape, tokens), self.cache, name, *extra)
+            run.commit = self.tree(shape)[1]  # (the model's own, as for the shape's unfused pass)
             self._fused[(shape, name)] = run
         return self._fused[(shape, name)]

@@ -60,6 +60,9 @@ class EagerRunner:
     def fused(self, fn, shape: TreeShape, name: str) -> Callable | None:
         return None
 
+    def fused_step(self, fn, name: str) -> Callable | None:
+        return None
+
 
 def _packed_pass(model: TreeLM, draft, cache: ModelCache):
     """``draft``'s rows scored as the packed trees of its ``row_sizes``
@@ -78,6 +81,9 @@ class DecodeRunner:
     num_accepted)``), which subclasses build; other trees and scans run eager on the same cache."""
 
     eager = False
+    # whether fused()'s outputs are the host's own tensors (compiled on the CPU), else the device's, the
+    # host's part packed into one tensor for one transfer, and overwritten by the next call (CUDA graphs)
+    fused_on_host = False
     _pools: "weakref.WeakKeyDictionary[TreeLM, dict]" = weakref.WeakKeyDictionary()
 
     def __init__(self, model: TreeLM, batch_size: int, max_length: int):
@@ -132,9 +138,17 @@ class DecodeRunner:
         return self._calls[shape]
 
     def fused(self, fn, shape: TreeShape, name: str) -> Callable | None:
-        """``fn`` run with the tree pass of ``shape`` in one compiled graph, as
-        :meth:`CompiledModel.fused` describes (a callable ``(tokens, *extra) -> (TreePass,
-        rest)``), or None where the runner has no such path (CUDA graphs: the step's own)."""
+        """``fn`` run with the tree pass of ``shape`` as one graph, compiled
+        (:meth:`CompiledModel.fused`) or captured (:class:`~stree.runtime.graphs.GraphedIteration`):
+        a callable ``(tokens, *extra) -> (TreePass, rest)`` whose ``commit(tree_pass, accepted,
+        num_accepted)`` commits the pass, ``rest`` beginning with the accepted paths and their
+        lengths; or None where the runner has no such path."""
+        return None
+
+    def fused_step(self, fn, name: str) -> Callable | None:
+        """``fn(model, tokens, cache, *extra)``, a step and what follows it, as one graph: a callable
+        ``(tokens, *extra) -> fn's output`` (``extra``: Python constants of the graph), or None
+        where the runner has no such path."""
         return None
 
     def make_step(self) -> Callable:

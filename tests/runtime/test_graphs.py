@@ -1,5 +1,8 @@
 """CUDA-graph replays of step and of a tree pass must equal the eager calls, state included.
-Capture needs a GPU; off one only the argument errors are checked."""
+Capture needs a GPU; off one the argument errors are checked, and the greedy iteration's graphs
+run through a stand-in for capture (:class:`_Replayed`) that checks what surrounds them."""
+
+import dataclasses
 
 import pytest
 import torch
@@ -156,3 +159,153 @@ def test_generate_refuses_graphs_off_cuda():
         pytest.skip("this machine has CUDA: the refusal is for models elsewhere")
     with pytest.raises(ValueError, match="cuda_graph=True needs a stree model on a CUDA device"):
         generate(model, [[1, 2]], max_new_tokens=2, cuda_graph=True)
+
+
+class _Replayed:
+    """A stand-in for a captured graph on the CPU: a replay runs the captured function again and
+    writes its outputs into the first run's tensors, as a real graph's outputs are its own memory.
+    What it checks is what surrounds the graphs: static inputs copied in, outputs read where the
+    graph wrote them, the commit reading the paths the iteration wrote, results kept across
+    replays; what it cannot is the capture itself (the CUDA case below)."""
+
+    def __init__(self, fn, out):
+        self.fn, self.out = fn, out
+
+    def replay(self):
+        _write_into(self.out, self.fn())
+
+
+def _write_into(dst, src):
+    if isinstance(dst, torch.Tensor):
+        if dst is not src:
+            dst.copy_(src)
+    elif isinstance(dst, (tuple, list)):
+        for d, s in zip(dst, src):
+            _write_into(d, s)
+    elif dataclasses.is_dataclass(dst):
+        for f in dataclasses.fields(dst):
+            _write_into(getattr(dst, f.name), getattr(src, f.name))
+
+
+@pytest.fixture(params=["stand-in", "cuda"])
+def graph_device(request, monkeypatch):
+    """The device greedy iterations are graphed on: the CPU with :class:`_Replayed` for capture,
+    or CUDA (skipped without it)."""
+    import stree.runtime.graphs as graphs
+
+    if request.param == "cuda":
+        if not torch.cuda.is_available():
+            pytest.skip("CUDA graphs need a GPU (run benchmarks/gpu_check.sh)")
+        return "cuda"
+
+    def capture(model, cache, fn, warmup):  # (a capture runs nothing: the state stays as it was)
+        saved, version = [t.clone() for t in graphs._recurrent_state(cache)], cache.version
+        out = fn()
+        for t, s in zip(graphs._recurrent_state(cache), saved):
+            t.copy_(s)
+        cache.version = version
+        return _Replayed(fn, out), out
+
+    monkeypatch.setattr(graphs, "_capture", capture)
+    return "cpu"
+
+
+def _followed(model, cache, seed):
+    """A paper13 draft whose first children follow the target's greedy choices (long accepted
+    paths), with nodes invalid that differ by seed: seed 1 cuts row 0's path at its root."""
+    shape = TreeShape.paper13()
+    tokens = torch.randint(0, VOCAB, (2, shape.n), generator=torch.Generator().manual_seed(seed))
+    kids = shape.children()
+    for _ in range(shape.max_depth):
+        logits, _ = model.forward_tree(TokenTree.from_shape(shape, tokens.to(model.device)), cache.clone())
+        best = logits.argmax(-1).cpu()
+        for v, children in enumerate(kids):
+            if children:
+                tokens[:, children[0]] = best[:, v]
+    valid = torch.ones(2, shape.n, dtype=torch.bool)
+    valid[1 - seed % 2, kids[0][-1 if seed % 2 == 0 else 0]] = False
+    return TokenTree.from_shape(shape, tokens, valid=valid).to(model.device)
+
+
+@pytest.mark.parametrize("family, top_k", [(f, None) for f in FAMILIES] + [("hybrid", 3)])
+@torch.no_grad()
+def test_a_graphed_greedy_iteration_equals_the_eager_step(graph_device, family, top_k):
+    """Greedy decoding on CUDA graphs runs a tree pass, its verification and the host's packed
+    outputs as one graph and the commit as a second, which reads the accepted paths where the
+    first wrote them: three iterations in a row give the eager step's paths, tokens, laws and
+    state, and each iteration's result stays as it was after the next replays."""
+    from stree.decoding.loop import speculative_step
+    from stree.runtime import DecodeGraphs
+    from stree.sampling.verify import SamplingParams
+
+    model = FAMILIES[family]().to(graph_device)
+    eager = model.allocate_cache(2, 64)
+    model.prefill(torch.randint(0, VOCAB, (2, 6), generator=torch.Generator().manual_seed(1)).to(graph_device), eager)
+    runner = DecodeGraphs(model, 2, 64)
+    runner.cache.assign(torch.arange(2, device=graph_device), eager)
+    params, kept = SamplingParams(0.0), []
+    for seed in range(3):
+        draft = _followed(model, eager, seed)
+        want, want_result = speculative_step(model, eager, draft, params, None, top_k=top_k)
+        got, result = speculative_step(model, runner.cache, draft, params, None, top_k=top_k, runner=runner)
+        assert list(runner._fused) == [(draft.static_shape, "greedy")]  # the graphed iteration ran
+        assert int(want_result.num_accepted.max()) >= 3  # (a long path to compare)
+        for a, b in ((got.tokens, want.tokens), (got.counts, want.counts), (got.finite, want.finite)):
+            assert torch.equal(a, b.cpu())
+        kept.append(((result.accepted, result.num_accepted, result.bonus),
+                     tuple(t.clone() for t in (want_result.accepted, want_result.num_accepted, want_result.bonus))))
+        if top_k is not None:  # (a drafter reads a row's first counts[b] entries: past them each path has its own)
+            for b, n in enumerate(want.counts.tolist()):
+                assert torch.equal(got.top_ids[b, :n], want.top_ids[b, :n])
+                torch.testing.assert_close(got.top_probs[b, :n], want.top_probs[b, :n])
+                torch.testing.assert_close(got.token_probs[b, :n], want.token_probs[b, :n])
+        else:
+            assert got.top_ids is None
+        assert torch.equal(runner.cache.seqlens, eager.seqlens)
+        torch.testing.assert_close(runner.cache.ssm, eager.ssm, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(runner.cache.conv, eager.conv, atol=1e-4, rtol=1e-4)
+        if eager.k is not None:
+            for b, n in enumerate(eager.seqlens.tolist()):
+                torch.testing.assert_close(runner.cache.k[:, b, :n], eager.k[:, b, :n], atol=1e-4, rtol=1e-4)
+    for got, want in kept:  # (results are copies: the graphs' outputs are the next iteration's)
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+@pytest.mark.parametrize("top_k", [None, 3])
+@torch.no_grad()
+def test_a_graphed_greedy_step_equals_the_eager_step(graph_device, top_k):
+    """A greedy step on CUDA graphs is one graph with its token's choice and the host's packed
+    outputs, built before decoding (``build_calls``: nothing is captured while stepping): the eager
+    step's tokens, laws and state, step after step."""
+    import stree.runtime.graphs as graphs
+    from stree.decoding.steps import autoregressive_step, build_calls
+    from stree.runtime import DecodeGraphs
+    from stree.sampling.verify import SamplingParams
+
+    model = FAMILIES["hybrid"]().to(graph_device)
+    eager = model.allocate_cache(2, 64)
+    model.prefill(torch.randint(0, VOCAB, (2, 5), generator=torch.Generator().manual_seed(2)).to(graph_device), eager)
+    runner, params = DecodeGraphs(model, 2, 64), SamplingParams(0.0)
+    build_calls(model, runner, [], params, step_top_ks={None, top_k})
+    runner.cache.assign(torch.arange(2, device=graph_device), eager)
+    captures, real = [], graphs._capture
+    graphs._capture = lambda *a, **k: captures.append(1) or real(*a, **k)
+    try:
+        roots = torch.tensor([3, 9], device=graph_device)
+        for _ in range(4):
+            want = autoregressive_step(model, eager, roots, params, None, top_k=top_k)
+            got = autoregressive_step(model, runner.cache, roots, params, None, runner=runner, top_k=top_k)
+            assert torch.equal(got.tokens, want.tokens.cpu()) and torch.equal(got.finite, want.finite.cpu())
+            assert got.counts.tolist() == [1, 1]
+            if top_k is not None:
+                assert torch.equal(got.top_ids, want.top_ids.cpu())
+                torch.testing.assert_close(got.top_probs, want.top_probs.cpu())
+                torch.testing.assert_close(got.token_probs, want.token_probs.cpu())
+            else:
+                assert got.top_ids is None
+            assert torch.equal(runner.cache.seqlens, eager.seqlens)
+            torch.testing.assert_close(runner.cache.ssm, eager.ssm, atol=1e-4, rtol=1e-4)
+            roots = got.tokens[:, 0].to(graph_device)
+    finally:
+        graphs._capture = real
+    assert captures == [] and "step" not in runner.built  # (greedy: the plain step's graph is not needed)
