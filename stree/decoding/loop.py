@@ -500,13 +500,17 @@ def _draft(drafter: Drafter, chooser: AutoTree | None, rows: Rows, shape, roots:
     if plan is None:
         return None
     context = rows.context()
-    if chooser is not None and not drafter.can_draft(context):  # (known before drafting: a plain step)
-        chooser.undrafted()
-        return None
+    if chooser is not None:
+        # Known before drafting: a plain step, where none of the rows the batch waits for can draft (the
+        # choice weighs a tree by them alone, whatever the others' drafts: Rows.critical)
+        critical = rows.critical(live)
+        if not drafter.can_draft(context if critical.all() else context.among(critical)):
+            chooser.undrafted()
+            return None
     draft = drafter.propose(context, None if plan == "own" else plan)
     check_draft(draft, roots if len(live) == len(roots) else roots[live], vocab_size)  # (no index op when all are live)
     if chooser is not None:
-        return chooser.choose(draft, rows.critical(live), np.asarray(live))
+        return chooser.choose(draft, critical, np.asarray(live))
     if eager and draft.valid is not None and not bool(draft.valid[:, 1:].any()):
         return TokenTree.from_shape(_ROOT, draft.tokens[:, :1])  # nothing drafted: one node
     return draft

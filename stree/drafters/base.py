@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -38,6 +39,11 @@ class DraftContext:
         if self.views is None:
             self.views = (self.tokens.numpy(), self.lengths.numpy())
         return self.views
+
+    def among(self, keep: np.ndarray) -> "DraftContext":
+        """The context of the drafted rows ``keep`` marks (a bool mask over ``rows``)."""
+        return dataclasses.replace(self, rows=[r for r, k in zip(self.rows, keep.tolist()) if k],
+                                   greedy=None if self.greedy is None else self.greedy[keep])
 
     def row(self, i: int, start: int = 0) -> list[int]:
         """Tokens ``start:`` of the i-th drafted row, as a list."""

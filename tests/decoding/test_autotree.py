@@ -1262,6 +1262,22 @@ def test_the_loop_drafts_only_where_the_drafter_can_and_outputs_stay_the_same():
         assert out.stats.trees.get(1, 0) >= asked.count(False)
 
 
+def test_the_loop_asks_the_drafter_about_the_rows_the_batch_waits_for():
+    """Batch 2, one row with many more tokens to go: the choice weighs a tree by that row alone
+    (``Rows.critical``), so the loop asks ``can_draft`` about it alone, and where it cannot draft
+    takes a plain step without drafting for the other; the output is autoregressive decoding's."""
+    from stree.drafters.ngram import NGramDrafter
+
+    model = mamba2()
+    prompts = [[1, 2, 3, 4, 5, 6, 7, 8], [4, 5, 6, 4, 5, 6, 4, 5]]
+    asked, drafter = [], NGramDrafter()
+    can_draft = drafter.can_draft
+    drafter.can_draft = lambda context: asked.append(list(context.rows)) or can_draft(context)
+    out = generate(model, prompts, drafter=drafter, tree=AutoTree(cheap()), max_new_tokens=[60, 6])
+    assert out.sequences == generate(model, prompts, method="autoregressive", max_new_tokens=[60, 6]).sequences
+    assert asked and all(rows == [0] for rows in asked)
+
+
 def test_the_loop_tells_a_seeded_choice_the_steps_its_call_has_left():
     """Seeded sampling with STAND's random drafts and trees that lose: the choice's first probe
     falls due after s plain steps of a long call (as the steps left it is told say); a call of
