@@ -128,14 +128,14 @@ class HostClock:
 def trace(args, device, dtype, log: Log, host: HostClock) -> list[dict]:
     """Each batch size and drafter (autoregressive decoding first), timed after its warm-up: wall
     time per call and step, tau, and what ``log`` and ``host`` saw of the timed calls."""
-    small = load(DRAFTER, dtype=dtype, device=device)
-    lm = stree.LM.from_pretrained(TARGET, dtype=dtype, device=device, drafter_model=small)
+    small = None if args.target == "drafter" else load(DRAFTER, dtype=dtype, device=device)
+    lm = stree.LM.from_pretrained(DRAFTER if small is None else TARGET, dtype=dtype, device=device, drafter_model=small)
     texts = read_prompts(TARGET / "prompts.jsonl", args.prompts)
     results = []
     for batch in (int(b) for b in args.batches.split(",")):
         starts = range(0, len(texts) - batch + 1, batch)
         ar_step = None
-        for name in ["autoregressive"] + args.drafters.split(","):
+        for name in ["autoregressive"] + [d for d in args.drafters.split(",") if small or not d.startswith("ssm")]:
             spec = dict(method="autoregressive") if name == "autoregressive" else dict(drafter=name)
             spec.update(max_new_tokens=args.max_new_tokens, temperature=args.temperature, torch_compile=args.compiled)
             seed = (lambda s: s) if args.temperature > 0 else (lambda s: None)
@@ -178,6 +178,9 @@ def main(argv=None):
                    "speculation.py does (a seeded choice then prices from the profile alone)")
     p.add_argument("--compiled", action="store_true", help="torch_compile=True (CPU): the compiled step and "
                    "tree passes, against compiled autoregressive decoding")
+    p.add_argument("--target", choices=("target", "drafter"), default="target",
+                   help="the model that decodes: the shipped target, or the 1-layer drafter (a cheap step: the loop's "
+                        "host work weighs as on a GPU's graphed steps; the ssm drafters are left out)")
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--out", default=str(Path(__file__).parent / "results"))
     args = p.parse_args(argv)
@@ -189,7 +192,7 @@ def main(argv=None):
     with contextlib.ExitStack() as undo:
         results = trace(args, device, dtype, Log(undo), HostClock(undo))
     result = dict(benchmark="autotree_trace", **run_info(device, argv), dtype=str(dtype).removeprefix("torch."),
-                  temperature=args.temperature, compiled=args.compiled, prompts=args.prompts,
+                  temperature=args.temperature, compiled=args.compiled, prompts=args.prompts, target=args.target,
                   max_new_tokens=args.max_new_tokens,
                   note="LM.generate defaults (tree='auto'), after a warm-up over every batch of prompts; "
                        "per kind of iteration (plain: weighed alone; run: decided ahead, per step; probe / tree by "
@@ -197,7 +200,8 @@ def main(argv=None):
                        "host: per kind of iteration (step: autoregressive; run; plain: weighed alone; tree, probes "
                        "included) the mean ms of the loop's host work outside the model's step and pass",
                   results=results)
-    stem = "autotree_trace_smoke" if args.smoke else f"autotree_trace_{device.type}{'_compiled' * args.compiled}"
+    stem = "autotree_trace_smoke" if args.smoke else (f"autotree_trace_{device.type}{'_compiled' * args.compiled}"
+                                                      f"{'_host_bound' * (args.target == 'drafter')}")
     save_result(result, args.out, stem, plot)
     return result
 

@@ -73,6 +73,11 @@ def main(argv=None):
     p.add_argument("--no-cuda-graph", action="store_true",
                    help="on CUDA, eager calls without CUDA graphs (graphs are made per tree shape, so rows' own "
                         "sizes, --per-row, run only without them)")
+    p.add_argument("--target", choices=("target", "drafter"), default="target",
+                   help="the model that decodes: the shipped target, or the shipped 1-layer drafter, whose step costs "
+                        "a fraction of the target's, so that the loop's own host work weighs on a CPU as it does on a "
+                        "GPU's graphed steps (the drafter model then has none smaller to draft: the ssm drafters are "
+                        "left out)")
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--out", default=str(Path(__file__).parent / "results"))
     p.add_argument("--stem", default=None, help="result file name (default: speculation_<device>, or _smoke)")
@@ -92,9 +97,11 @@ def main(argv=None):
     temperatures = [float(t) for t in args.temperatures.split(",")]
     modes, drafters = args.modes.split(","), args.drafters.split(",")
     torch.manual_seed(0)
-    small = load(DRAFTER, dtype=dtype, device=device)
-    lms = {mode: stree.LM.from_pretrained(TARGET, dtype=dtype, device=device,
-                                          drafter_model=CompiledModel(small) if mode == "compiled" else small)
+    small = None if args.target == "drafter" else load(DRAFTER, dtype=dtype, device=device)
+    if small is None:
+        drafters = [d for d in drafters if not d.startswith("ssm")]
+    lms = {mode: stree.LM.from_pretrained(DRAFTER if small is None else TARGET, dtype=dtype, device=device,
+                                          drafter_model=CompiledModel(small) if mode == "compiled" and small else small)
            for mode in modes}
     texts = read_prompts(TARGET / "prompts.jsonl", max(args.prompts, max(batches)))
     rows = []
@@ -187,6 +194,7 @@ def main(argv=None):
                   file=sys.stderr)
     result = dict(benchmark="speculation", **run_info(device, argv), dtype=str(dtype).removeprefix("torch."), threads=torch.get_num_threads(),
                   prompts=args.prompts, max_new_tokens=args.max_new_tokens, watch=AutoTree.WATCH,
+                  target="the shipped drafter" if small is None else "the shipped target",
                   note="LM.generate at default settings (tree='auto'); gain: tokens/s (each call's wall clock: "
                        "tokenising, the drafter's making and the tree choice's setup included) over stree's own "
                        "autoregressive decoding in the same mode, batch size and temperature, runs interleaved per "
