@@ -27,3 +27,15 @@ def hybrid(vocab_size=VOCAB, seed=0, **kw):
 
 
 FAMILIES = {"mamba2": mamba2, "hybrid": hybrid}
+
+
+def assert_same_state(cache, reference, tol=1e-5):
+    """``cache`` holds ``reference``'s state: lengths equal, every SSM and conv state, and each row's
+    keys and values up to its length, within ``tol``."""
+    assert torch.equal(cache.seqlens, reference.seqlens)
+    torch.testing.assert_close(cache.ssm, reference.ssm, atol=tol, rtol=tol)
+    torch.testing.assert_close(cache.conv, reference.conv, atol=tol, rtol=tol)
+    if reference.k is not None:
+        for b, n in enumerate(reference.seqlens.tolist()):
+            torch.testing.assert_close(cache.k[:, b, :n], reference.k[:, b, :n], atol=tol, rtol=tol)
+            torch.testing.assert_close(cache.v[:, b, :n], reference.v[:, b, :n], atol=tol, rtol=tol)

@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from host_sync import count_host_syncs
-from tiny_models import FAMILIES, VOCAB
+from tiny_models import FAMILIES, VOCAB, assert_same_state
 
 from stree.decoding.loop import autoregressive_step, decode, generate, speculative_step
 from stree.tools.opcount import count_ops
@@ -318,13 +318,7 @@ def test_the_compiled_greedy_iteration_equals_the_eager_step(family, top_k):
         torch.testing.assert_close(got.token_probs, want.token_probs)
     else:
         assert got.top_ids is None
-    assert torch.equal(runner.cache.seqlens, eager.seqlens)
-    torch.testing.assert_close(runner.cache.ssm, eager.ssm, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(runner.cache.conv, eager.conv, atol=1e-5, rtol=1e-5)
-    if eager.k is not None:
-        for b, n in enumerate(eager.seqlens.tolist()):
-            torch.testing.assert_close(runner.cache.k[:, b, :n], eager.k[:, b, :n], atol=1e-5, rtol=1e-5)
-            torch.testing.assert_close(runner.cache.v[:, b, :n], eager.v[:, b, :n], atol=1e-5, rtol=1e-5)
+    assert_same_state(runner.cache, eager)
 
 
 @settings(max_examples=40, deadline=None)

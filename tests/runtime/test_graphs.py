@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 import torch
-from tiny_models import FAMILIES, VOCAB
+from tiny_models import FAMILIES, VOCAB, assert_same_state
 
 from stree.decoding.loop import generate
 from stree.runtime import GraphedCommit, GraphedStep, GraphedTreePass
@@ -261,12 +261,7 @@ def test_a_graphed_greedy_iteration_equals_the_eager_step(graph_device, family, 
                 torch.testing.assert_close(got.token_probs[b, :n], want.token_probs[b, :n])
         else:
             assert got.top_ids is None
-        assert torch.equal(runner.cache.seqlens, eager.seqlens)
-        torch.testing.assert_close(runner.cache.ssm, eager.ssm, atol=1e-4, rtol=1e-4)
-        torch.testing.assert_close(runner.cache.conv, eager.conv, atol=1e-4, rtol=1e-4)
-        if eager.k is not None:
-            for b, n in enumerate(eager.seqlens.tolist()):
-                torch.testing.assert_close(runner.cache.k[:, b, :n], eager.k[:, b, :n], atol=1e-4, rtol=1e-4)
+        assert_same_state(runner.cache, eager, 1e-4)
     for got, want in kept:  # (results are copies: the graphs' outputs are the next iteration's)
         assert all(torch.equal(a, b) for a, b in zip(got, want))
 
@@ -303,8 +298,7 @@ def test_a_graphed_greedy_step_equals_the_eager_step(graph_device, top_k):
                 torch.testing.assert_close(got.token_probs, want.token_probs.cpu())
             else:
                 assert got.top_ids is None
-            assert torch.equal(runner.cache.seqlens, eager.seqlens)
-            torch.testing.assert_close(runner.cache.ssm, eager.ssm, atol=1e-4, rtol=1e-4)
+            assert_same_state(runner.cache, eager, 1e-4)
             roots = got.tokens[:, 0].to(graph_device)
     finally:
         graphs._capture = real
