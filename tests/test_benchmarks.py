@@ -258,18 +258,22 @@ def test_choice_ab_smoke_pairs_the_working_trees_choice_with_a_revisions(tmp_pat
 
 
 def test_host_gap_smoke_times_each_call_after_each_wait(tmp_path):
-    """A step and a tree pass after each busy wait, each against itself without one; a tree or
-    round count it cannot run is a clear error."""
-    result = smoke("host_gap", tmp_path)
+    """A step, a tree pass and the control (plain PyTorch products) after each busy wait, each against itself without
+    one, and the calls after it (``--after``) against the call's steady state; a tree, round,
+    after count or wait it cannot run is a clear error."""
+    result = smoke("host_gap", tmp_path, "--after", "3")
     rows = result["results"]
-    assert [(r["call"], r["gap_ms"]) for r in rows] == [("step", 0.0), ("step", 0.4), ("tree", 0.0), ("tree", 0.4)]
+    assert [(r["call"], r["gap_ms"]) for r in rows] == [(c, g) for c in ("step", "tree", "products") for g in (0.0, 0.4)]
     assert all(r["median_ms"] > 0 for r in rows)
     for r in rows:
         base = next(b for b in rows if b["call"] == r["call"] and b["gap_ms"] == 0.0)
         assert r["over_no_gap"] == pytest.approx(r["median_ms"] / base["median_ms"])
-    assert rows[0]["in_steps_without_gap"] == 1.0 and result["nodes"] == 8
+        assert len(r["following"]) == 2 and all(x > 0 for x in r["following"])
+    # (the no-wait row's last call is the steady state the others are taken over)
+    assert all(r["following"][-1] == 1.0 for r in rows if r["gap_ms"] == 0.0)
+    assert rows[0]["in_steps_without_gap"] == 1.0 and result["nodes"] == 8 and result["after"] == 3
     module = benchmark("host_gap")
-    for bad in (["--nodes", "1"], ["--rounds", "0"]):
+    for bad in (["--nodes", "1"], ["--rounds", "0"], ["--after", "0"], ["--gaps", "x"], ["--gaps", "-1"]):
         with pytest.raises(SystemExit) as exc:
             module.main([*bad, "--out", str(tmp_path)])
         assert exc.value.code == 2
