@@ -110,9 +110,9 @@ def main(argv=None):
                   results=rows)
     save_result(result, args.out, args.stem or ("host_gap_smoke" if args.smoke else "host_gap_cpu"), plot)
     for r in rows:
-        print(f"{r['call']:<5} after {r['gap_ms']:4.1f} ms: {r['median_ms']:7.3f} ms  x{r['over_no_gap']:.2f} of no wait  "
-              f"{r['in_steps_without_gap']:.2f} steps" + ("  then x" + " ".join(f"{x:.2f}" for x in r["following"])
-                                                         if r["following"] else ""))
+        then = "  then x" + " ".join(f"{x:.2f}" for x in r["following"]) if r["following"] else ""
+        print(f"{r['call']:<5} after {r['gap_ms']:4.1f} ms: {r['median_ms']:7.3f} ms  x{r['over_no_gap']:.2f} of no "
+              f"wait  {r['in_steps_without_gap']:.2f} steps{then}")
     return result
 
 
