@@ -29,6 +29,13 @@ def hybrid(vocab_size=VOCAB, seed=0, **kw):
 FAMILIES = {"mamba2": mamba2, "hybrid": hybrid}
 
 
+def layer_by_layer(monkeypatch):
+    """A float32 Mamba2 model's steps and draft passes as its blocks' own calls, not one call each
+    (stree.models.fused_step): for tests of those calls, and of the compiled graphs of them."""
+    monkeypatch.setattr(Mamba2LM, "fused_step", lambda self, *a: None)
+    monkeypatch.setattr(Mamba2LM, "fused_tree", lambda self, *a: None)
+
+
 def assert_same_state(cache, reference, tol=1e-5):
     """``cache`` holds ``reference``'s state: lengths equal, every SSM and conv state, and each row's
     keys and values up to its length, within ``tol``."""

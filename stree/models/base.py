@@ -264,6 +264,10 @@ class TreeLM(nn.Module):
         """The layers over a checked tree (no host sync of its own); ``prefill``: the tree is a
         chain of prompt tokens (see :class:`TreeContext`); ``at``: logits at those nodes only
         (see :meth:`_run`)."""
+        fused = None if prefill or at is not None or scan != "tree" else \
+            self.fused_tree(cache, tree.tokens, index, kernel_backend)
+        if fused is not None:
+            return fused[0], TreePass(tree, index, max_depth, fused[1], None, weakref.ref(cache), cache.version)
         logits, ssm, attn = self.tree_layers(tree.tokens, index, cache, scan, kernel_backend, prefill, at)
         return logits, TreePass(tree, index, max_depth, ssm, attn, weakref.ref(cache), cache.version, prefill)
 
@@ -357,12 +361,27 @@ class TreeLM(nn.Module):
             if validate and len(heads) and not bool(((heads >= 0) & (heads < tokens.shape[0])).all()):
                 raise ValueError(f"heads must index the {tokens.shape[0]} rows, got {heads.tolist()}")
 
+    def fused_step(self, cache: ModelCache, tokens: torch.Tensor | None, kernel_backend: str):
+        """The whole step as one call, ``(tokens, conv, ssm, heads) -> logits``, where the family has
+        one for this cache and these tokens (None: int64 ones to come; :mod:`stree.models.fused_step`);
+        None: block by block."""
+        return None
+
+    def fused_tree(self, cache: ModelCache, tokens: torch.Tensor, index, kernel_backend: str):
+        """A draft's tree pass as one call, ``(logits, SSMScratch)``, where the family has one for
+        this cache, tree and these tokens (:mod:`stree.models.fused_step`); None: layer by layer."""
+        return None
+
     def step_pass(self, tokens: torch.Tensor, cache: ModelCache, kernel_backend: str | None = None,
                   heads: torch.Tensor | None = None) -> torch.Tensor:
         """One token per row through every layer (states advanced in place, ``seqlens`` not), with
         the model's kernels unless ``kernel_backend`` names others; the head on rows ``heads``
         only, where given."""
-        ctx = StepContext(cache.seqlens, kernel_backend or self.kernel_backend)
+        backend = kernel_backend or self.kernel_backend
+        fused = self.fused_step(cache, tokens, backend)
+        if fused is not None:  # (it reads raw memory: the roots are often a column of the context)
+            return fused(tokens.contiguous(), cache.conv, cache.ssm, None if heads is None else heads.contiguous())
+        ctx = StepContext(cache.seqlens, backend)
         return self._run(tokens, lambda i, blk, h: blk.mixer.step(h, cache.layers[i], ctx), heads=heads)
 
     @torch.no_grad()

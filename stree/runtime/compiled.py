@@ -27,6 +27,7 @@ import weakref
 
 import torch
 
+from ..kernels.cpu.tree_jit import JIT_MAX_NODES
 from ..tree import TokenTree, TreeShape
 from ..models.base import TreeLM
 from ..models.cache import ModelCache, TreePass
@@ -91,11 +92,13 @@ def _own_compiled(fn):
 
 
 class CompiledModel:
-    """``model`` with ``step`` and ``forward_tree`` compiled (``commit`` is the model's own), same
-    signatures and checks; everything else (``prefill``, ``allocate_cache``, ...) is the model's own. A tree
-    without a static shape (or another scan than "tree") takes the eager pass: its index is
-    new every call, and each would compile anew. Works with any cache of the model, so a drafter
-    model can be handed over in its place. ``CompiledModel.of(model)`` shares one per model.
+    """``model`` with ``step`` and ``forward_tree`` compiled (``commit`` is the model's own, and so is
+    ``step`` and a draft's tree pass where the model makes them one call: :meth:`TreeLM.fused_step`,
+    :meth:`TreeLM.fused_tree`), same signatures and checks; everything else (``prefill``,
+    ``allocate_cache``, ...) is the model's own. A tree without a static shape (or another scan than
+    "tree") takes the eager pass: its index is new every call, and each would compile anew. Works
+    with any cache of the model, so a drafter model can be handed over in its place.
+    ``CompiledModel.of(model)`` shares one per model.
 
     The model's parameters may change in value, not in dtype, device or shape (a changed dtype or
     device is refused: wrap the model again). Modules with a ``compile_layout`` method (Mamba2
@@ -141,6 +144,10 @@ class CompiledModel:
 
     def step(self, tokens: torch.Tensor, cache: ModelCache, validate: bool = True,
              heads: torch.Tensor | None = None) -> torch.Tensor:
+        with torch.no_grad():
+            one_call = self.model.fused_step(cache, tokens, self.model.kernel_backend) is not None
+        if one_call:  # (the model's whole step as one call of its own: faster than Inductor's graph of it)
+            return self.model.step(tokens, cache, validate, heads)
         self.model.check_step(tokens, cache, validate, heads)
         if heads is None:
             logits = self._call(_step, (cache.batch_size,), _dense(tokens), cache)
@@ -151,6 +158,11 @@ class CompiledModel:
 
     def forward_tree(self, tree: TokenTree, cache: ModelCache, scan: str = "tree", validate: bool = True):
         index, max_depth = self.model.check_tree(tree, cache, scan, validate)
+        with torch.no_grad():
+            one_call = None if scan != "tree" else self.model.fused_tree(cache, tree.tokens, index,
+                                                                          self.model.kernel_backend)
+        if one_call is not None:  # (the model's own pass as one call, as its step: faster than Inductor's)
+            return one_call[0], TreePass(tree, index, max_depth, one_call[1], None, weakref.ref(cache), cache.version)
         if scan != "tree" or tree.static_shape is None:
             return self.model.tree_pass(tree, index, cache, scan, KERNELS, max_depth)
         self.warm(tree, index, cache)
@@ -212,7 +224,12 @@ class CompiledDecode(DecodeRunner):
         return tree_pass, commit
 
     def fused(self, fn, shape: TreeShape, name: str):
-        """See :meth:`DecodeRunner.fused`: compiled by :meth:`CompiledModel.fused`."""
+        """See :meth:`DecodeRunner.fused`: compiled by :meth:`CompiledModel.fused`; None where the
+        model makes its step one call of its own (its tree passes are then one call too, in
+        :meth:`CompiledModel.forward_tree`)."""
+        with torch.no_grad():
+            if shape.n <= JIT_MAX_NODES and self.model.fused_step(self.cache, None, self.model.kernel_backend):
+                return None
         if (shape, name) not in self._fused:
             def run(tokens: torch.Tensor, *extra):
                 check_tree_tokens(self.model, self.cache, tokens, (self.cache.batch_size, shape.n),

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from host_sync import flag_kernel_launches
 from strategies import parent_lists
-from tiny_models import FAMILIES, VOCAB
+from tiny_models import FAMILIES, VOCAB, layer_by_layer
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from stree.models.layers.linear import measure
@@ -217,9 +217,11 @@ def test_a_pass_writing_its_scratch_in_place_equals_one_stacking_it(family, unbo
     """On the CPU the bound Mamba2 layers write their replay scratch into the pass's stacked one
     (stree.models.layers.mamba2._slots) instead of each returning its own for a stack after them:
     the same tensors bit for bit, the same commit. ``unbound``: that SSM layer takes the public
-    kernels and returns its own, copied in beside the others'."""
+    kernels and returns its own, copied in beside the others'. (Layer by layer: a float32 Mamba2
+    model's draft pass as one call writes its scratch at once.)"""
     from stree.models.layers import mamba2 as m2
 
+    layer_by_layer(monkeypatch)
     model = FAMILIES[family]()
     g = torch.Generator().manual_seed(3)
     cache = _prefilled(model, [5, 7], g)

@@ -6,7 +6,7 @@ import re
 
 import pytest
 import torch
-from tiny_models import FAMILIES, VOCAB
+from tiny_models import FAMILIES, VOCAB, layer_by_layer
 from torch._dynamo.utils import counters
 
 from stree.decoding.autotree import FIXED
@@ -18,6 +18,13 @@ from stree.testing import MarkovLM
 from stree.tree import TokenTree, TreeShape
 
 MAX_LENGTH = 256  # what generate's pool allocates for these prompts: the same shapes, no new compile
+
+
+@pytest.fixture(autouse=True)
+def _graphs(monkeypatch):
+    """The compiled graphs themselves: a float32 Mamba2 model's steps and draft passes are one call
+    each, which compiled decoding takes too (tests/models/test_fused_step.py)."""
+    layer_by_layer(monkeypatch)
 
 
 @functools.lru_cache(maxsize=None)

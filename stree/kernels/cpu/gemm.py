@@ -47,7 +47,12 @@ __all__ = ["available", "block", "compile_library", "find_compiler", "pack", "pr
            "takes_state", "unavailable_reason"]
 
 SOURCE = Path(__file__).with_name("gemm.cpp")
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
+# built into the same library: a Mamba2 model's whole decoding step, calling the product directly
+# (:mod:`.mamba_step`)
+SOURCES = (SOURCE, Path(__file__).with_name("mamba_step.cpp"))
+# (no contraction: the step keeps the numba kernels' multiplies and adds apart; the product's fused
+# multiply-adds are its intrinsics')
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC", "-std=c++17")
 _P, _L = ctypes.c_void_p, ctypes.c_long
 _ARGS = struct.Struct("=10q")  # stree_gemm_args's one argument
 _STATE_ARGS = struct.Struct("=12q")  # stree_state_term_args's
@@ -87,22 +92,22 @@ def compile_library(flags: tuple[str, ...]) -> tuple[ctypes.CDLL | None, str]:
         version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError) as e:
         return None, f"the C++ compiler {compiler!r} does not run: {e}"
-    source = SOURCE.read_bytes()
-    digest = hashlib.sha256(b"\0".join([source, compiler.encode(), version.encode(), " ".join(flags).encode(),
+    sources = b"\0".join(path.read_bytes() for path in SOURCES)
+    digest = hashlib.sha256(b"\0".join([sources, compiler.encode(), version.encode(), " ".join(flags).encode(),
                                         _cpu_identity().encode()])).hexdigest()[:20]
     path = cache_dir() / "kernels" / f"gemm-{digest}.so"
     if not path.exists():
         tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")  # (another process may build the same one)
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            done = subprocess.run([compiler, *flags, "-o", str(tmp), str(SOURCE)], capture_output=True, text=True,
-                                  timeout=300)
+            done = subprocess.run([compiler, *flags, "-o", str(tmp), *map(str, SOURCES)], capture_output=True,
+                                  text=True, timeout=300)
             if done.returncode != 0:
                 said = [line for line in done.stderr.splitlines() if "error" in line] or [f"exit {done.returncode}"]
-                return None, f"building {SOURCE.name} with {compiler} failed: {said[0].strip()}"
+                return None, f"building {SOURCE.name} and {SOURCES[1].name} with {compiler} failed: {said[0].strip()}"
             os.replace(tmp, path)
         except (OSError, subprocess.SubprocessError) as e:
-            return None, f"building {SOURCE.name} with {compiler} failed: {e}"
+            return None, f"building {SOURCE.name} and {SOURCES[1].name} with {compiler} failed: {e}"
         finally:
             tmp.unlink(missing_ok=True)
     try:
@@ -115,6 +120,9 @@ def compile_library(flags: tuple[str, ...]) -> tuple[ctypes.CDLL | None, str]:
     lib.stree_gemm_pack.restype = None
     lib.stree_state_term_args.argtypes = [ctypes.c_char_p]
     lib.stree_state_term_args.restype = None
+    for name in ("stree_mamba_step", "stree_mamba_tree"):
+        getattr(lib, name).argtypes = [ctypes.c_char_p]
+        getattr(lib, name).restype = ctypes.c_long
     return lib, ""
 
 
@@ -128,7 +136,7 @@ def unavailable_reason() -> str:
     return _build()[1]
 
 
-def _lib() -> ctypes.CDLL:
+def library() -> ctypes.CDLL:
     lib, why = _build()
     if lib is None:
         raise RuntimeError(why)
@@ -137,7 +145,7 @@ def _lib() -> ctypes.CDLL:
 
 def block() -> int:
     """The columns of one packed block (32 with AVX-512, 16 with AVX2)."""
-    return _lib().stree_gemm_block()
+    return library().stree_gemm_block()
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
@@ -146,7 +154,7 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or weight.dtype != torch.float32 \
             or weight.device.type != "cpu":
         raise TypeError(f"weight must be a 2-D float32 CPU tensor, got {_described(weight)}")
-    lib, w = _lib(), weight.detach().contiguous()
+    lib, w = library(), weight.detach().contiguous()
     n, k = w.shape
     nb = lib.stree_gemm_block()
     out = torch.empty((n + nb - 1) // nb, k, nb)
@@ -166,7 +174,7 @@ def product(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torc
     if not isinstance(out_features, int) or out_features < 1:
         raise ValueError(f"out_features must be an int >= 1, got {out_features!r}")
     m, k = x.shape
-    nb = _lib().stree_gemm_block()
+    nb = library().stree_gemm_block()
     if not isinstance(packed, torch.Tensor) or packed.shape != (-(-out_features // nb), k, nb) \
             or packed.dtype != torch.float32 or packed.device.type != "cpu" or not packed.is_contiguous():
         raise ValueError(f"packed must be a packed [{out_features}, {k}] weight (contiguous float32 "
@@ -197,7 +205,7 @@ def product_unchecked(x: torch.Tensor, packed: torch.Tensor, out_features: int, 
             out = torch.empty(shape[0], shape[1], out_features) if len(shape) == 3 else \
                 torch.empty((*shape[:-1], out_features))
     if m:
-        _lib().stree_gemm_args(_ARGS.pack(x.data_ptr(), m, x.shape[-1], ldx, packed.data_ptr(), out_features,
+        library().stree_gemm_args(_ARGS.pack(x.data_ptr(), m, x.shape[-1], ldx, packed.data_ptr(), out_features,
                                           out.data_ptr(), out_features, 0 if bias is None else bias.data_ptr(),
                                           torch.get_num_threads()))
     return out
@@ -225,7 +233,7 @@ def state_term_unchecked(c: int, batch: int, nodes: int, groups: int, d_state: i
     contiguous ``[batch, nodes, heads, headdim]``; the caller vouches for them (a tree pass's scan
     calls this per layer, and the checks would cost what the product saves), and for
     :func:`takes_state`. Each output sums its d_state products in order with fused multiply-adds."""
-    _lib().stree_state_term_args(_STATE_ARGS.pack(c, batch, nodes, groups, d_state, node_stride, row_stride, x0,
+    library().stree_state_term_args(_STATE_ARGS.pack(c, batch, nodes, groups, d_state, node_stride, row_stride, x0,
                                                   heads, headdim, out, torch.get_num_threads()))
 
 

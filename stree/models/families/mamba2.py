@@ -8,6 +8,7 @@ from __future__ import annotations
 from torch import nn
 
 from ..base import Block, TreeLM
+from ..fused_step import fused_step, fused_tree
 from ..config import Mamba2Config
 from ..layers.mamba2 import Mamba2Mixer
 from ..layers.norms import RMSNorm
@@ -42,3 +43,9 @@ class Mamba2LM(TreeLM):
         self.make_head(cfg.d_model, cfg.padded_vocab_size, cfg.tie_embeddings, device, dtype)
         self.residual_fp32 = cfg.residual_in_fp32
         self.blocks = [Block(layer.norm, layer.mixer) for layer in self.backbone.layers]
+
+    def fused_step(self, cache, tokens, kernel_backend):
+        return fused_step(self, cache, tokens, kernel_backend)
+
+    def fused_tree(self, cache, tokens, index, kernel_backend):
+        return fused_tree(self, cache, tokens, index, kernel_backend)

@@ -182,10 +182,16 @@ def _transposed_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     return torch.mm(x, w_t) if bias is None else torch.addmm(bias, x, w_t)
 
 
+def tiled_copy(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` packed for the tiled product (:func:`stree.kernels.cpu.gemm.pack`), one copy per
+    value of the weight, shared by every product that reads it so."""
+    return _copy(_TILED, weight, gemm.pack)
+
+
 def _tiled_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     # (x comes contiguous from linear(); the kernel reads a bias as contiguous memory)
     bias = bias if bias is None or bias.is_contiguous() else bias.contiguous()
-    return gemm.product_unchecked(x, _copy(_TILED, weight, gemm.pack), weight.shape[0], bias)
+    return gemm.product_unchecked(x, tiled_copy(weight), weight.shape[0], bias)
 
 
 # the float32 products by path, and the stores of the copies each keeps

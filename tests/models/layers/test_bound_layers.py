@@ -6,7 +6,7 @@ half norm that rounds before its weight)."""
 
 import pytest
 import torch
-from tiny_models import FAMILIES, VOCAB
+from tiny_models import FAMILIES, VOCAB, layer_by_layer
 
 from stree.kernels.cpu import bound
 from stree.kernels.cpu.tree_jit import JIT_MAX_NODES
@@ -17,7 +17,9 @@ from stree.tree import TokenTree, TreeShape
 
 @pytest.fixture
 def calls(monkeypatch):
-    """How often a bound kernel ran, by name."""
+    """How often a bound kernel ran, by name (steps and passes layer by layer: a Mamba2 model's as one
+    call each are tests/models/test_fused_step.py's)."""
+    layer_by_layer(monkeypatch)
     seen = {}
     for cls, names in ((bound.Mamba2LayerJit, ("tree", "step")), (bound.RMSNormJit, ("__call__",))):
         for name in names:

@@ -1,0 +1,313 @@
+// One decoding step of a whole Mamba2 language model in one call (stree/kernels/cpu/mamba_step.py
+// calls this; see its docstring for why): embedding, every block (RMSNorm, in_proj, the conv of the
+// new token with SiLU, the state update, the gated RMSNorm, out_proj, the residual add), the final
+// norm and the head, float32, for a few rows. The products are stree_gemm's (gemm.cpp, the same
+// library); the rest follows the numba kernels' arithmetic (step_jit.py, norm_jit.py) operation by
+// operation: the conv and the norms' mean squares in double, the state update in float with
+// replay's roundings. Built with -ffp-contract=off, so no multiply and add fuse where those
+// kernels keep them apart (a step and a replay of the same token leave the same state).
+#include <math.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include <vector>
+
+extern "C" void stree_gemm(const float* x, long M, long K, long ldx, const float* wp, long N, float* y, long ldy,
+                           const float* bias, int threads);
+
+namespace {
+
+// The model, as mamba_step.py lays it out in one int64 array: the sizes, then per layer the
+// addresses of its parameters (0 where a bias is absent).
+struct Sizes {
+  int64_t layers, d_model, vocab, d_in_proj, d_inner, conv_dim, d_conv, heads, headdim, d_state, groups,
+      norm_group, gate_first;
+};
+struct Layer {
+  const float *norm_w, *in_w, *in_b, *conv_w, *conv_b, *A, *D, *dt_bias, *gnorm_w, *out_w, *out_b;
+};
+struct Doubles {
+  double eps, gnorm_eps, final_eps, dt_lo, dt_hi;
+};
+struct Model {
+  Sizes n;
+  Doubles e;
+  const float *embed, *final_w, *head_w;
+  Layer layer[1];  // n.layers of them (the array runs on past the struct)
+};
+constexpr long LAYER_WORDS = sizeof(Layer) / 8;
+
+// rms_norm_rows: x / sqrt(mean(x^2) + eps) * w, the mean square and products in double
+void rms_norm(const float* x, long dim, const float* w, double eps, float* out) {
+  double acc = 0.0;
+  for (long d = 0; d < dim; d++) acc += (double)x[d] * (double)x[d];
+  double scale = 1.0 / sqrt(acc / (double)dim + eps);
+  for (long d = 0; d < dim; d++) out[d] = (float)((double)x[d] * scale * (double)w[d]);
+}
+
+// processed_dt: + bias, softplus (linear above 20), clamped
+double processed_dt(float raw, float bias, double lo, double hi) {
+  double d = (double)raw + (double)bias;
+  if (d <= 20.0) d = log1p(exp(d));
+  return fmin(fmax(d, lo), hi);
+}
+
+// conv_step_rows for one row: the window shifted left, x entering last; taps . window + bias, SiLU
+void conv_row(const float* x, float* state, const float* w, const float* bias, long dim, long K, float* out) {
+  for (long d = 0; d < dim; d++) {
+    float* s = state + d * K;
+    const float* wd = w + d * K;
+    double acc = bias ? (double)bias[d] : 0.0;
+    for (long k = 0; k < K - 1; k++) {
+      float v = s[k + 1];
+      s[k] = v;
+      acc += (double)wd[k] * (double)v;
+    }
+    s[K - 1] = x[d];
+    acc += (double)wd[K - 1] * (double)x[d];
+    out[d] = (float)(acc / (1.0 + exp(-acc)));
+  }
+}
+
+// state_update_rows for one (row, head): state [p, s] advanced, y [p] = C . state + D x
+void head_update(float* state, const float* x, float dt, float A, const float* B, const float* C, const float* D,
+                 float dt_bias, double lo, double hi, long headdim, long dstate, float* y) {
+  double d = processed_dt(dt, dt_bias, lo, hi);
+  float decay = (float)exp(d * (double)A);
+  for (long p = 0; p < headdim; p++) {
+    float xv = x[p], dx = (float)(d * (double)xv), acc = 0.f;
+    float* st = state + p * dstate;
+#pragma omp simd reduction(+ : acc)
+    for (long s = 0; s < dstate; s++) {
+      float v = st[s] * decay + dx * B[s];
+      st[s] = v;
+      acc += v * C[s];
+    }
+    y[p] = acc + D[p] * xv;
+  }
+}
+
+// gated_rms_norm_rows for one group of one row; gate = silu(z)
+void gated_norm(const float* y, const float* gate, const float* w, long group, double eps, bool gate_first,
+                float* out) {
+  double acc = 0.0;
+  for (long d = 0; d < group; d++) {
+    double v = gate_first ? (double)(y[d] * gate[d]) : (double)y[d];
+    acc += v * v;
+  }
+  double scale = 1.0 / sqrt(acc / (double)group + eps);
+  for (long d = 0; d < group; d++) {
+    if (gate_first)
+      out[d] = (float)((double)(y[d] * gate[d]) * scale * (double)w[d]);
+    else
+      out[d] = (float)((double)y[d] * scale * (double)w[d] * (double)gate[d]);
+  }
+}
+
+// One row's tree conv (tree_jit.conv_row's arithmetic): node i's taps over its path, itself at tap
+// K - 1, its parent at K - 2, ..., then the state's newest columns; + bias, then SiLU. xBC [n, ldx]
+// raw (the in_proj output's xBC), state [dim, K], parents [n]; out [n, dim].
+void tree_conv_row(const float* xBC, long ldx, const int64_t* parents, long n, const float* state, const float* w,
+                   const float* bias, long dim, long K, float* out) {
+  for (long i = 0; i < n; i++) {
+    float* o = out + i * dim;
+    for (long c = 0; c < dim; c++) o[c] = bias ? bias[c] : 0.f;
+    long pos = i;
+    for (long k = K - 1; k >= 0; k--) {  // tap k reads the node K - 1 - k steps up the path
+      if (pos >= 0) {
+        const float* src = xBC + pos * ldx;
+        for (long c = 0; c < dim; c++) o[c] += w[c * K + k] * src[c];
+        pos = parents[pos];
+      } else {
+        for (long c = 0; c < dim; c++) o[c] += w[c * K + k] * state[c * K + K + pos];
+        pos -= 1;
+      }
+    }
+    for (long c = 0; c < dim; c++) o[c] = o[c] / (1.f + expf(-o[c]));
+  }
+}
+
+// One row's tree scan (tree_jit.scan_row's arithmetic) over the conv's outputs conv [n, dim] (x, B, C
+// side by side), raw dt [n, ldt], parents [n], the state x0 [heads, headdim, d_state]: y [n, heads *
+// headdim] = C_i . (exp(Atree_i) x0) + the sum over i's ancestors-or-self j of exp(Atree_i - Atree_j)
+// (C_i . B_j) dt_j x_j, + D x_i. work: 3 * n * heads floats (d, decay, at as doubles after them).
+void tree_scan_row(const float* conv, long dim, const float* dt, long ldt, const int64_t* parents, long n,
+                   const float* x0, const Layer& L, const Sizes& sz, double lo, double hi, float* y, double* work) {
+  long H = sz.heads, Pd = sz.headdim, S = sz.d_state, G = sz.groups, HP = H * Pd, per_group = H / G;
+  double* at = work;
+  float *d = (float*)(at + n * H), *decay = d + n * H;
+  float cb[64];
+  for (long i = 0; i < n; i++) {
+    long q = parents[i];
+    for (long h = 0; h < H; h++) {
+      double v = processed_dt(dt[i * ldt + h], L.dt_bias[h], lo, hi);
+      d[i * H + h] = (float)v;
+      at[i * H + h] = v * (double)L.A[h] + (q >= 0 ? at[q * H + h] : 0.0);
+      decay[i * H + h] = (float)exp(at[i * H + h]);
+    }
+  }
+  for (long i = 0; i < n; i++) {
+    const float *x = conv + i * dim, *C = x + HP + G * S;
+    float* acc = y + i * HP;
+    for (long e = 0; e < HP; e++) acc[e] = L.D[e] * x[e];
+    for (long h = 0; h < H; h++) {
+      const float* c = C + h / per_group * S;
+      for (long p = 0; p < Pd; p++) {
+        const float* sp = x0 + (h * Pd + p) * S;
+        float v = 0.f;
+#pragma omp simd reduction(+ : v)
+        for (long s = 0; s < S; s++) v += c[s] * sp[s];
+        acc[h * Pd + p] += decay[i * H + h] * v;
+      }
+    }
+    for (long j = i; j >= 0; j = parents[j]) {
+      const float *xj = conv + j * dim, *Bj = xj + HP;
+      for (long g = 0; g < G; g++) {
+        float s0 = 0.f;
+#pragma omp simd reduction(+ : s0)
+        for (long s = 0; s < S; s++) s0 += C[g * S + s] * Bj[g * S + s];
+        cb[g] = s0;
+      }
+      for (long h = 0; h < H; h++) {
+        float coef = (float)exp(at[i * H + h] - at[j * H + h]) * cb[h / per_group] * d[j * H + h];
+        for (long p = 0; p < Pd; p++) acc[h * Pd + p] += coef * xj[h * Pd + p];
+      }
+    }
+  }
+}
+
+}  // namespace
+
+// The step's arguments as one array of int64 (see mamba_step.py): the model's layout, the tokens [b]
+// (int64), b, the conv states [layers, b, conv_dim, d_conv] and SSM states [layers, b, heads, headdim,
+// d_state] (float32, contiguous, advanced in place), the rows whose logits are made (int64 [k], or
+// 0: every row, k = b), k, the logits [k, vocab], threads. Returns 0; or, where nothing was computed,
+// 1 + the first row whose token is outside the vocabulary, or -1 - the first entry of the rows
+// outside [0, b).
+extern "C" long stree_mamba_step(const int64_t* a) {
+  const Model* m = (const Model*)a[0];
+  const int64_t* tokens = (const int64_t*)a[1];
+  long b = a[2];
+  float *conv_states = (float*)a[3], *ssm_states = (float*)a[4];
+  const int64_t* heads_at = (const int64_t*)a[5];
+  long k = a[6];
+  float* logits = (float*)a[7];
+  int threads = (int)a[8];
+  const Sizes& n = m->n;
+  for (long r = 0; r < b; r++)
+    if (tokens[r] < 0 || tokens[r] >= n.vocab) return r + 1;
+  for (long j = 0; heads_at && j < k; j++)
+    if (heads_at[j] < 0 || heads_at[j] >= b) return -1 - j;
+  long D = n.d_model, P = n.d_in_proj, I = n.d_inner, CD = n.conv_dim, K = n.d_conv, S = n.d_state;
+  long HP = n.heads * n.headdim, per_group = n.heads / n.groups;
+  thread_local std::vector<float> scratch;  // (grown once per thread and batch size, never freed)
+  scratch.resize((size_t)(b * (3 * D + P + CD + 3 * I)));
+  float *x = scratch.data(), *h = x + b * D, *out = h + b * D, *proj = out + b * D, *conv = proj + b * P;
+  float *y = conv + b * CD, *gate = y + b * I, *normed = gate + b * I;
+  // rows (and their heads) are independent: over the threads only where it is worth waking them
+  bool wide = b * HP * S >= (1 << 16);
+  for (long r = 0; r < b; r++)
+    for (long d = 0; d < D; d++) x[r * D + d] = m->embed[tokens[r] * D + d];
+  for (long l = 0; l < n.layers; l++) {
+    const Layer& L = m->layer[l];
+    for (long r = 0; r < b; r++) rms_norm(x + r * D, D, L.norm_w, m->e.eps, h + r * D);
+    stree_gemm(h, b, D, D, L.in_w, P, proj, P, L.in_b, threads);
+    float* cs = conv_states + l * b * CD * K;
+    float* ss = ssm_states + l * b * HP * S;
+#pragma omp parallel for schedule(static) num_threads(threads) if (wide)
+    for (long r = 0; r < b; r++) conv_row(proj + r * P + I, cs + r * CD * K, L.conv_w, L.conv_b, CD, K, conv + r * CD);
+#pragma omp parallel for schedule(static) num_threads(threads) if (wide)
+    for (long t = 0; t < b * n.heads; t++) {
+      long r = t / n.heads, hd = t % n.heads;
+      const float* c = conv + r * CD;  // x [heads, headdim], B and C [groups, d_state]
+      const float* group_B = c + HP + hd / per_group * S;
+      head_update(ss + t * n.headdim * S, c + hd * n.headdim, proj[r * P + I + CD + hd], L.A[hd], group_B,
+                  group_B + n.groups * S, L.D + hd * n.headdim, L.dt_bias[hd], m->e.dt_lo, m->e.dt_hi, n.headdim,
+                  S, y + r * I + hd * n.headdim);
+    }
+    for (long r = 0; r < b; r++) {
+      const float* z = proj + r * P;
+      for (long d = 0; d < I; d++) gate[r * I + d] = z[d] / (1.f + expf(-z[d]));
+      for (long g0 = 0; g0 < I; g0 += n.norm_group)
+        gated_norm(y + r * I + g0, gate + r * I + g0, L.gnorm_w + g0, n.norm_group, m->e.gnorm_eps,
+                   n.gate_first != 0, normed + r * I + g0);
+    }
+    stree_gemm(normed, b, I, I, L.out_w, D, out, D, L.out_b, threads);
+    for (long i = 0; i < b * D; i++) x[i] += out[i];
+  }
+  for (long j = 0; j < k; j++) rms_norm(x + (heads_at ? heads_at[j] : j) * D, D, m->final_w, m->e.final_eps, h + j * D);
+  if (k) stree_gemm(h, k, D, D, m->head_w, n.vocab, logits, n.vocab, nullptr, threads);
+  return 0;
+}
+
+// A tree pass's arguments as one array of int64 (see mamba_step.py): the model's layout, the tokens
+// [b, n] (int64), b, n, the parents [rows, n] (int64, rows 1 or b, parents before children), rows, the
+// conv and SSM states (read only), the four scratch arrays replay reads, [layers, b, n, ...] float32 (xBC
+// raw, x and B after the conv, dt raw), the logits [b, n, vocab], threads. Returns 0, or 1 + the first
+// node (row-major) whose token is outside the vocabulary (nothing computed then).
+extern "C" long stree_mamba_tree(const int64_t* a) {
+  const Model* m = (const Model*)a[0];
+  const int64_t* tokens = (const int64_t*)a[1];
+  long b = a[2], n = a[3];
+  const int64_t* parents = (const int64_t*)a[4];
+  long rows = a[5];
+  const float *conv_states = (const float*)a[6], *ssm_states = (const float*)a[7];
+  float *xBC_s = (float*)a[8], *x_s = (float*)a[9], *dt_s = (float*)a[10], *B_s = (float*)a[11];
+  float* logits = (float*)a[12];
+  int threads = (int)a[13];
+  const Sizes& sz = m->n;
+  long N = b * n;
+  for (long t = 0; t < N; t++)
+    if (tokens[t] < 0 || tokens[t] >= sz.vocab) return t + 1;
+  long D = sz.d_model, P = sz.d_in_proj, I = sz.d_inner, CD = sz.conv_dim, K = sz.d_conv, S = sz.d_state;
+  long H = sz.heads, HP = H * sz.headdim, GS = sz.groups * S;
+  thread_local std::vector<float> scratch;
+  thread_local std::vector<double> work;
+  scratch.resize((size_t)(N * (3 * D + P + CD + 3 * I)));
+  work.resize((size_t)(b * 2 * n * H));  // per row: at (doubles), then d and decay (floats)
+  float *x = scratch.data(), *h = x + N * D, *out = h + N * D, *proj = out + N * D, *conv = proj + N * P;
+  float *y = conv + N * CD, *gate = y + N * I, *normed = gate + N * I;
+  double* rows_work = work.data();  // (taken here: inside the parallel loop, `work` is each thread's own)
+  bool wide = b > 1 && N * HP * S >= (1 << 20);
+  for (long t = 0; t < N; t++)
+    for (long d = 0; d < D; d++) x[t * D + d] = m->embed[tokens[t] * D + d];
+  for (long l = 0; l < sz.layers; l++) {
+    const Layer& L = m->layer[l];
+    for (long t = 0; t < N; t++) rms_norm(x + t * D, D, L.norm_w, m->e.eps, h + t * D);
+    stree_gemm(h, N, D, D, L.in_w, P, proj, P, L.in_b, threads);
+    float *xBC_l = xBC_s + l * N * CD, *x_l = x_s + l * N * HP, *dt_l = dt_s + l * N * H, *B_l = B_s + l * N * GS;
+#pragma omp parallel for schedule(static) num_threads(threads) if (wide)
+    for (long r = 0; r < b; r++) {
+      const int64_t* pr = parents + (rows > 1 ? r : 0) * n;
+      const float* pj = proj + r * n * P;
+      for (long i = 0; i < n; i++)
+        for (long c = 0; c < CD + H; c++) (c < CD ? xBC_l[(r * n + i) * CD + c] : dt_l[(r * n + i) * H + c - CD]) =
+            pj[i * P + I + c];
+      tree_conv_row(pj + I, P, pr, n, conv_states + (l * b + r) * CD * K, L.conv_w, L.conv_b, CD, K,
+                    conv + r * n * CD);
+      for (long i = 0; i < n; i++) {
+        const float* ci = conv + (r * n + i) * CD;
+        for (long e = 0; e < HP; e++) x_l[(r * n + i) * HP + e] = ci[e];
+        for (long e = 0; e < GS; e++) B_l[(r * n + i) * GS + e] = ci[HP + e];
+      }
+      tree_scan_row(conv + r * n * CD, CD, pj + I + CD, P, pr, n, ssm_states + (l * b + r) * HP * S, L, sz,
+                    m->e.dt_lo, m->e.dt_hi, y + r * n * I, rows_work + r * 2 * n * H);
+    }
+    for (long t = 0; t < N; t++) {
+      const float* z = proj + t * P;
+      for (long d = 0; d < I; d++) gate[t * I + d] = z[d] / (1.f + expf(-z[d]));
+      for (long g0 = 0; g0 < I; g0 += sz.norm_group)
+        gated_norm(y + t * I + g0, gate + t * I + g0, L.gnorm_w + g0, sz.norm_group, m->e.gnorm_eps,
+                   sz.gate_first != 0, normed + t * I + g0);
+    }
+    stree_gemm(normed, N, I, I, L.out_w, D, out, D, L.out_b, threads);
+    for (long i = 0; i < N * D; i++) x[i] += out[i];
+  }
+  for (long t = 0; t < N; t++) rms_norm(x + t * D, D, m->final_w, m->e.final_eps, h + t * D);
+  stree_gemm(h, N, D, D, m->head_w, sz.vocab, logits, sz.vocab, nullptr, threads);
+  return 0;
+}
+
+// the int64 words of the model's layout before its layers, and of one layer (mamba_step.py checks them)
+extern "C" long stree_mamba_model_words(void) { return (long)(offsetof(Model, layer) / 8); }
+extern "C" long stree_mamba_layer_words(void) { return LAYER_WORDS; }

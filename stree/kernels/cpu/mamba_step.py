@@ -1,0 +1,158 @@
+"""A Mamba2 language model's whole decoding step in one call on the CPU (``mamba_step.cpp``, built
+into the tiled product's library: :mod:`.gemm`).
+
+Why: a step of a small model is bound by the host's work around its kernels, not by them. The
+shipped 4-layer target's eager step spent about two thirds of its time between the kernels (module
+calls, the products' choice, the parameters' and states' views, a dozen small tensors a layer),
+each layer's kernels a few numba or ctypes calls of a few microseconds of work. Here the model's
+parameters are laid out once (the products' weights packed as :func:`.gemm.pack` packs them) and a
+step is one call: embedding, each block's RMSNorm, in_proj, conv, state update, gated norm,
+out_proj and residual add, the final norm and the head. The arithmetic is the numba kernels'
+(:mod:`.step_jit`, :mod:`.norm_jit`) operation by operation, the products the tiled product's;
+tests compare it with the model's own step (``tests/models/test_fused_step.py``).
+
+What it takes: float32 parameters and states on the CPU, x and B one head / group each (no
+repeats), D per head or per channel; the model side decides where it applies
+(:mod:`stree.models.fused_step`).
+"""
+
+from __future__ import annotations
+
+import functools
+import struct
+
+import numpy as np
+import torch
+
+from . import gemm
+from .bound import aligned_array
+
+__all__ = ["MambaLayer", "MambaStep", "available"]
+
+_ARGS = struct.Struct("=9q")
+_TREE_ARGS = struct.Struct("=14q")
+MAX_GROUPS = 64  # (the tree scan's C . B per group is a fixed buffer in mamba_step.cpp)
+
+
+class MambaLayer:
+    """One block's parameters, float32 CPU tensors: the block's RMSNorm weight ``[d_model]``,
+    in_proj ``[d_in_proj, d_model]`` (+ bias), the conv ``[conv_dim, K]`` (+ bias), ``A`` (-exp of
+    A_log), ``D``, ``dt_bias`` ``[heads]`` (D also ``[heads, headdim]``), the gated norm's weight
+    ``[d_inner]``, out_proj ``[d_model, d_inner]`` (+ bias). ``pack``: what makes the products'
+    packed weights (:func:`.gemm.pack`, or a store of them shared with other products)."""
+
+    FIELDS = ("norm_w", "in_w", "in_b", "conv_w", "conv_b", "A", "D", "dt_bias", "gnorm_w", "out_w", "out_b")
+
+    def __init__(self, norm_w, in_w, in_b, conv_w, conv_b, A, D, dt_bias, gnorm_w, out_w, out_b, pack=gemm.pack):
+        heads = A.shape[0]
+        headdim = gnorm_w.shape[0] // heads
+        kept = dict(norm_w=norm_w, in_b=in_b, conv_b=conv_b, A=A, dt_bias=dt_bias, gnorm_w=gnorm_w, out_b=out_b,
+                    conv_w=conv_w.reshape(conv_w.shape[0], -1),
+                    D=D[:, None].expand(heads, headdim) if D.dim() == 1 else D,
+                    in_w=in_w, out_w=out_w)
+        for name, t in kept.items():
+            if t is not None and (t.dtype != torch.float32 or t.device.type != "cpu"):
+                raise TypeError(f"{name} must be a float32 CPU tensor, got {t.dtype} on {t.device}")
+        # (contiguous copies the layout owns, the C++ reading raw memory; the weights as packed)
+        self.arrays = {k: None if t is None else t.detach().contiguous().clone() for k, t in kept.items()}
+        self.arrays["in_w"], self.arrays["out_w"] = pack(in_w), pack(out_w)
+        self.in_features, self.out_features = in_w.shape[1], out_w.shape[0]
+        self.d_in_proj, self.d_inner = in_w.shape[0], out_w.shape[1]
+
+    # What a commit replays a tree pass's scratch with (stree.kernels.cpu.bound.replay_arrays), as
+    # arrays: made on the first commit, not with the layout (a step reads no array of its tensors).
+    @functools.cached_property
+    def A(self) -> np.ndarray:
+        return self.arrays["A"].numpy()
+
+    @functools.cached_property
+    def dt_bias(self) -> np.ndarray:
+        return self.arrays["dt_bias"].numpy()
+
+
+class MambaStep:
+    """The step of a model of ``layers`` (:class:`MambaLayer`), with ``embed`` ``[vocab, d_model]``,
+    the final norm's weight and the (tied or own) head ``[vocab, d_model]`` (packed by ``pack``, as
+    :class:`MambaLayer`'s); sizes: ``d_state``,
+    ``groups`` (of B and C), ``norm_group`` (the gated norm's group), ``gate_first``; epsilons of the
+    blocks' norms, the gated norms and the final norm; the dt clamp ``(lo, hi)`` of decoding.
+    :meth:`__call__` runs it on a cache's stacked states."""
+
+    def __init__(self, layers: list[MambaLayer], embed: torch.Tensor, final_w: torch.Tensor, head_w: torch.Tensor,
+                 *, d_state: int, groups: int, norm_group: int, gate_first: bool, eps: float, gnorm_eps: float,
+                 final_eps: float, dt_limit: tuple[float, float], pack=gemm.pack):
+        lib = gemm.library()
+        first = layers[0]
+        d_model, vocab = embed.shape[1], head_w.shape[0]
+        heads = first.arrays["A"].shape[0]
+        headdim = first.d_inner // heads
+        conv_dim, d_conv = first.arrays["conv_w"].shape
+        if (conv_dim != heads * headdim + 2 * groups * d_state or first.d_in_proj != first.d_inner + conv_dim + heads
+                or first.in_features != d_model or first.out_features != d_model or embed.shape[0] < vocab
+                or first.d_inner % norm_group or groups > MAX_GROUPS):
+            raise ValueError(f"the layers' sizes do not make a Mamba2 block of d_model {d_model}, {heads} heads of "
+                             f"{headdim}, {groups} groups of d_state {d_state}")
+        self.embed = embed.detach().contiguous()
+        self.final_w = final_w.detach().contiguous()
+        self.head_w = pack(head_w)
+        self.layers = layers
+        sizes = [len(layers), d_model, vocab, first.d_in_proj, first.d_inner, conv_dim, d_conv, heads, headdim,
+                 d_state, groups, norm_group, int(gate_first)]
+        doubles = np.array([eps, gnorm_eps, final_eps, *dt_limit], dtype=np.float64).view(np.int64)
+        words = sizes + doubles.tolist() + [t.data_ptr() for t in (self.embed, self.final_w, self.head_w)]
+        if len(words) != lib.stree_mamba_model_words():
+            raise RuntimeError("mamba_step.cpp's model layout and this module's disagree")
+        for layer in layers:
+            row = [0 if layer.arrays[k] is None else layer.arrays[k].data_ptr() for k in MambaLayer.FIELDS]
+            if len(row) != lib.stree_mamba_layer_words():
+                raise RuntimeError("mamba_step.cpp's layer layout and this module's disagree")
+            words += row
+        self._layout = np.array(words, dtype=np.int64)
+        self._run, self._tree = lib.stree_mamba_step, lib.stree_mamba_tree
+        self.vocab = vocab
+        # the trailing shapes of a tree pass's scratch (xBC, x, dt, B; stree.models.cache.SSMScratch)
+        self.tails = (conv_dim,), (heads, headdim), (heads,), (groups, d_state)
+
+    def __call__(self, tokens: torch.Tensor, conv: torch.Tensor, ssm: torch.Tensor,
+                 heads: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits ``[b, vocab]`` after ``tokens`` ``[b]`` (int64, contiguous), ``conv`` ``[layers,
+        b, conv_dim, d_conv]`` and ``ssm`` ``[layers, b, heads, headdim, d_state]`` (float32,
+        contiguous: a cache's stacked states, advanced in place); ``heads`` ``[k]`` (int64,
+        contiguous): those rows' logits alone, ``[k, vocab]``. The caller vouches for the shapes
+        (a decoding step is checked by its model); token ids and ``heads`` are checked here,
+        before anything is computed."""
+        b = tokens.shape[0]
+        k = b if heads is None else heads.shape[0]
+        logits = torch.empty(k, self.vocab)
+        status = self._run(_ARGS.pack(self._layout.ctypes.data, tokens.data_ptr(), b, conv.data_ptr(), ssm.data_ptr(),
+                                      0 if heads is None else heads.data_ptr(), k, logits.data_ptr(),
+                                      torch.get_num_threads()))
+        if status > 0:
+            raise ValueError(f"tokens must be in [0, {self.vocab}), got {int(tokens[status - 1])} at row {status - 1}")
+        if status < 0:
+            raise ValueError(f"heads must index the {b} rows, got {heads.tolist()}")
+        return logits
+
+
+    def tree(self, tokens: torch.Tensor, parents: np.ndarray, conv: torch.Tensor, ssm: torch.Tensor):
+        """A tree pass: logits ``[b, n, vocab]`` at every node of the trees over ``parents`` ``[rows,
+        n]`` (int64, contiguous, rows 1 or b, parents before children) with ``tokens`` ``[b, n]``
+        (int64, contiguous), the states only read; and what replay reads, (xBC, x, dt, B) as float32
+        arrays ``[layers, b, n, ...]`` (:attr:`tails`). The caller vouches for the shapes and the
+        tree (a model checks them); token ids are checked here."""
+        b, n = tokens.shape
+        scratch = tuple(aligned_array((len(self.layers), b, n, *tail)) for tail in self.tails)
+        logits = torch.empty(b, n, self.vocab)
+        status = self._tree(_TREE_ARGS.pack(
+            self._layout.ctypes.data, tokens.data_ptr(), b, n, parents.ctypes.data, parents.shape[0], conv.data_ptr(),
+            ssm.data_ptr(), *(a.ctypes.data for a in scratch), logits.data_ptr(), torch.get_num_threads()))
+        if status:
+            row, node = divmod(status - 1, n)
+            raise ValueError(f"tokens must be in [0, {self.vocab}), got {int(tokens[row, node])} at row {row}, "
+                             f"node {node}")
+        return logits, scratch
+
+
+def available() -> bool:
+    """Whether the step's library is built here (the tiled product's: :func:`.gemm.available`)."""
+    return gemm.available()

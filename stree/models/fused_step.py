@@ -1,0 +1,147 @@
+"""Where a model's decoding step runs as one call (:class:`stree.kernels.cpu.mamba_step.MambaStep`):
+a Mamba2 language model (every block a Mamba2 mixer behind an RMSNorm, no MLP, no µP scales, a
+gated norm, x and B one head / group each), float32 on the CPU, not tensor-parallel, where the
+tiled product is built and the products are not pinned to another path (``STREE_LINEAR``); a step
+outside autograd and ``torch.compile``, with the model's own kernels ("auto"), of int64 tokens, on a
+cache whose states are contiguous. Anything else steps block by block, as before.
+
+The layout is made once per value of the model's parameters (their versions and storages, and the
+parameter objects the modules hold, are its key): a model trained or reloaded between steps gets a
+new one."""
+
+from __future__ import annotations
+
+import operator
+
+import numpy as np
+
+import torch
+from torch.nn.utils import parametrize
+
+from ..kernels._common import as_numpy
+from ..kernels.cpu import mamba_step
+from ..kernels.cpu.tree_jit import JIT_MAX_NODES
+from ..tree import TreeIndex
+from .cache import ModelCache, SSMScratch
+from .layers import linear
+from .layers.mamba2 import Mamba2Mixer
+from .layers.norms import GatedRMSNorm, RMSNorm
+
+__all__ = ["fused_step", "fused_tree"]
+
+_VERSION = operator.attrgetter("_version")
+
+
+def _holders(model) -> list | None:
+    """Where the layout's tensors live, in order: (a module's parameter dict, the name) pairs (None:
+    a block of another kind somewhere)."""
+    head, norm_f = model.lm_head, model.final_norm
+    if any(parametrize.is_parametrized(m) for m in (model.embed, norm_f, head)):
+        return None
+    out = [(model.embed._parameters, "weight"), (norm_f._parameters, "weight"), (head._parameters, "weight"),
+           (head._parameters, "bias")]
+    for blk in model.blocks:
+        mixer = blk.mixer
+        if (not isinstance(mixer, Mamba2Mixer) or type(blk.norm) is not RMSNorm
+                or not isinstance(mixer.norm, GatedRMSNorm)):
+            return None
+        # (a parametrized parameter lives elsewhere, computed on each read: those step block by block)
+        if any(parametrize.is_parametrized(m) for m in (blk.norm, mixer, mixer.in_proj, mixer.conv1d, mixer.norm,
+                                                        mixer.out_proj)):
+            return None
+        own, conv, inp, outp = mixer._parameters, mixer.conv1d._parameters, mixer.in_proj._parameters, \
+            mixer.out_proj._parameters
+        out += [(blk.norm._parameters, "weight"), (inp, "weight"), (inp, "bias"), (conv, "weight"), (conv, "bias"),
+                (own, "A_log"), (own, "D"), (own, "dt_bias"), (mixer.norm._parameters, "weight"), (outp, "weight"),
+                (outp, "bias")]
+    return out
+
+
+def _eligible(model) -> bool:
+    """The model's structure and settings (see the module docstring)."""
+    if (model.tp is not None or model.embed_scale != 1.0 or model.logits_scale != 1.0 or model.dtype != torch.float32
+            or model.device.type != "cpu" or not mamba_step.available() or model.lm_head.bias is not None):
+        return False
+    first = model.blocks[0]
+    for blk in model.blocks:
+        cfg = getattr(blk.mixer, "cfg", None)
+        if (blk.mlp is not None or blk.parallel or (blk.in_scale, blk.out_scale, blk.mlp_scale) != (1.0, 1.0, 1.0)
+                or cfg is None or cfg.proj_scales is not None or cfg.d_xb is not None or blk.mixer.norm.tp is not None
+                or blk.mixer.norm.eps != first.mixer.norm.eps or blk.norm.eps != first.norm.eps):
+            return False
+    return True
+
+
+def _build(model) -> mamba_step.MambaStep | None:
+    if not _eligible(model):
+        return None
+    layers = []
+    for blk in model.blocks:
+        m = blk.mixer
+        layers.append(mamba_step.MambaLayer(blk.norm.weight, m.in_proj.weight, m.in_proj.bias, m.conv1d.weight,
+                                            m.conv1d.bias, m.A(), m.D, m.dt_bias, m.norm.weight, m.out_proj.weight,
+                                            m.out_proj.bias, linear.tiled_copy))
+    first = model.blocks[0].mixer
+    cfg = first.cfg
+    return mamba_step.MambaStep(layers, model.embed.weight, model.final_norm.weight, model.lm_head.weight,
+                                d_state=cfg.d_state, groups=cfg.ngroups, norm_group=first.norm.group_size,
+                                gate_first=first.norm.gate_first, eps=model.blocks[0].norm.eps,
+                                gnorm_eps=first.norm.eps, final_eps=model.final_norm.eps,
+                                dt_limit=first.dt_limit(False), pack=linear.tiled_copy)
+
+
+class _Plan:
+    """A model's step (None: not one this takes) and what it was made from: the parameter objects
+    where the modules held them, their versions and storages, the block list, the products' pin."""
+
+    def __init__(self, model):
+        self.blocks, self.path = model.blocks, linear.PATH
+        self.holders = _holders(model)
+        pairs = self.holders or ()
+        self.dicts, self.names = [d for d, _ in pairs], [name for _, name in pairs]
+        self.tensors = [] if self.holders is None else [d.get(name) for d, name in self.holders]
+        present = [t for t in self.tensors if t is not None]
+        self.versioned = [t for t in present if not t.is_inference()]  # (an inference tensor keeps no counter)
+        self.present = present
+        self.key = self._key()
+        self.step = None if self.holders is None or self.path not in ("auto", "tiled") else _build(model)
+
+    def _key(self) -> tuple:
+        # (map over C getters: a step checks every parameter, and list comprehensions took half again)
+        return list(map(_VERSION, self.versioned)), list(map(torch.Tensor.data_ptr, self.present))
+
+    def holds(self, model) -> bool:
+        if model.blocks is not self.blocks or linear.PATH != self.path or self.holders is None:
+            return model.blocks is self.blocks and linear.PATH == self.path
+        held = map(dict.get, self.dicts, self.names)
+        return all(map(operator.is_, held, self.tensors)) and self._key() == self.key
+
+
+def fused_step(model, cache: ModelCache, tokens: torch.Tensor | None, kernel_backend: str):
+    """The model's step as one call (:class:`~stree.kernels.cpu.mamba_step.MambaStep`) for this cache
+    and these tokens (None: int64 tokens to come), or None where it steps block by block (see the
+    module docstring)."""
+    if (kernel_backend != "auto" or torch.is_grad_enabled() or torch.compiler.is_compiling() or cache.conv is None
+            or cache.k is not None or (tokens is not None and tokens.dtype != torch.int64)
+            or cache.conv.dtype != torch.float32 or not cache.conv.is_contiguous() or not cache.ssm.is_contiguous()):
+        return None
+    plan = model.__dict__.get("_stree_fused_step")
+    if plan is None or not plan.holds(model):
+        plan = model.__dict__["_stree_fused_step"] = _Plan(model)
+    return plan.step
+
+
+def fused_tree(model, cache: ModelCache, tokens: torch.Tensor, index, kernel_backend: str):
+    """A tree pass of ``index`` (a draft's tree of at most ``JIT_MAX_NODES`` nodes, not packed) as
+    one call, where the step is one (:func:`fused_step`): the logits and the pass's scratch, made as
+    the layers' bound kernels make theirs (a commit replays it the same way); or None."""
+    if not isinstance(index, TreeIndex) or index.n > JIT_MAX_NODES:
+        return None
+    step = fused_step(model, cache, tokens, kernel_backend)
+    if step is None:
+        return None
+    parents = index.memo("parents_int64", lambda: np.ascontiguousarray(as_numpy(index.parents), dtype=np.int64))
+    logits, arrays = step.tree(tokens.contiguous(), parents, cache.conv, cache.ssm)
+    scratch = SSMScratch(*(torch.from_numpy(a) for a in arrays))
+    scratch.arrays, scratch.kernels = arrays, list(step.layers)
+    return logits, scratch

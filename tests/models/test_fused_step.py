@@ -1,0 +1,263 @@
+"""A Mamba2 model's whole decoding step, and a draft's tree pass, as one call each
+(stree.models.fused_step, stree.kernels.cpu.mamba_step): the logits and states of the
+block-by-block step (its numba kernels and products), and the logits, replay scratch and committed
+states of the layer-by-layer pass, within float32 rounding, for every layout they take and random
+trees; parameters changed between steps read anew; bad tokens and rows refused with the cache
+untouched; the block-by-block calls wherever they do not apply."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from strategies import accepted_paths, trees
+from tiny_models import VOCAB, assert_same_state, hybrid, layer_by_layer, mamba2
+
+from stree.kernels.cpu import mamba_step
+from stree.models.fused_step import fused_step
+from stree.models.layers import linear
+from stree.tools.opcount import count_ops
+from stree.tree import TokenTree, TreeShape
+
+pytestmark = pytest.mark.skipif(not mamba_step.available(), reason="no C++ compiler for the CPU library here")
+
+LAYOUTS = {
+    "groups": dict(),
+    "one group, biases": dict(ngroups=1, bias=True),
+    "no conv bias, gate last": dict(conv_bias=False, gate_norm="gate_last"),
+    "clamped dt, three layers": dict(dt_limit=(0.01, 0.2), n_layer=3),
+    "prefill-only clamp": dict(dt_limit=(0.01, 0.2), dt_limit_prefill_only=True),
+}
+
+
+@pytest.fixture
+def ran(monkeypatch):
+    """How many steps ran as one call."""
+    seen = [0]
+    real = mamba_step.MambaStep.__call__
+
+    def counted(self, *a, **k):
+        seen[0] += 1
+        return real(self, *a, **k)
+    monkeypatch.setattr(mamba_step.MambaStep, "__call__", counted)
+    return seen
+
+
+_blockwise = layer_by_layer
+
+
+def _with_biases(model):
+    with torch.no_grad():  # (D per channel, non-trivial biases: every parameter matters)
+        for name, p in model.named_parameters():
+            if name.endswith(("bias", ".D")):
+                p.add_(0.2 * torch.randn_like(p, generator=torch.Generator().manual_seed(len(name))))
+    return model
+
+
+def _prefilled(model, batch: int, seed: int = 1):
+    cache = model.allocate_cache(batch, 96)
+    model.prefill(torch.randint(0, VOCAB, (batch, 5), generator=torch.Generator().manual_seed(seed)), cache)
+    return cache
+
+
+def _steps(model, cache, count: int, seed: int, heads=None):
+    gen = torch.Generator().manual_seed(seed)
+    return [model.step(torch.randint(0, VOCAB, (cache.batch_size,), generator=gen), cache, heads=heads)
+            for _ in range(count)]
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_the_one_call_step_is_the_blockwise_step(layout, batch, ran, monkeypatch):
+    model = _with_biases(mamba2(**LAYOUTS[layout]))
+    cache = _prefilled(model, batch)
+    other = cache.clone()
+    got = _steps(model, cache, 6, seed=2)
+    assert ran[0] == 6
+    _blockwise(monkeypatch)
+    want = _steps(model, other, 6, seed=2)
+    assert ran[0] == 6
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, atol=2e-5, rtol=2e-5)
+        assert torch.equal(a.argmax(-1), b.argmax(-1))
+    assert_same_state(cache, other, tol=2e-5)
+
+
+def _pass_and_commit(model, cache, tree, accepted, num):
+    logits, tree_pass = model.forward_tree(tree, cache)
+    scratch = [t.clone() for t in tree_pass.ssm.parts()]
+    model.commit(cache, tree_pass, accepted, num)
+    return logits, scratch
+
+
+MODELS = {layout: _with_biases(mamba2(**kw)) for layout, kw in LAYOUTS.items()}
+
+
+@settings(max_examples=40, deadline=None)
+@given(data=st.data(), layout=st.sampled_from(sorted(LAYOUTS)))
+def test_the_one_call_tree_pass_is_the_layer_by_layer_pass(data, layout):
+    """Random trees (shared or a row's own, chains, stars, bushy), each row's path committed."""
+    parents, batch = data.draw(trees(max_n=24))
+    model, ran = MODELS[layout], [0]
+    n = parents.shape[-1]
+    tokens = torch.randint(0, VOCAB, (batch, n), generator=torch.Generator().manual_seed(n))
+    tree = TokenTree(parents, tokens)
+    accepted, num = data.draw(accepted_paths(parents, batch))
+    accepted = accepted[:, : int(num.max())]  # (the strategy's junk columns: a model's commit takes none)
+    cache = _prefilled(model, batch)
+    other = cache.clone()
+    real = mamba_step.MambaStep.tree
+
+    def counted(self, *a):
+        ran[0] += 1
+        return real(self, *a)
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(mamba_step.MambaStep, "tree", counted)
+        got = _pass_and_commit(model, cache, tree, accepted, num)
+        _blockwise(m)
+        want = _pass_and_commit(model, other, tree, accepted, num)
+    assert ran[0] == 1
+    torch.testing.assert_close(got[0], want[0], atol=2e-5, rtol=2e-5)
+    for a, b in zip(got[1], want[1]):  # (xBC, x, dt, B: what replay reads)
+        torch.testing.assert_close(a, b, atol=2e-6, rtol=2e-6)
+    assert_same_state(cache, other, tol=2e-5)
+
+
+def test_rows_with_enough_work_run_in_parallel_with_the_same_results(monkeypatch):
+    """A batch whose scan visits a million elements splits its rows over the threads (each row's
+    work in its own memory)."""
+    model = _with_biases(mamba2(d_model=128, d_state=64, headdim=32, ngroups=1))
+    tree = TokenTree.from_shape(TreeShape.full(2, 4), torch.randint(0, VOCAB, (4, 31)))  # (4 x 31 x 256 x 64 > 2**20)
+    path, num = torch.tensor([[0, 1, 3, 7, 15]] * 4), torch.tensor([5, 3, 1, 4])
+    cache = _prefilled(model, 4)
+    other = cache.clone()
+    torch.set_num_threads(2)
+    got = _pass_and_commit(model, cache, tree, path, num)
+    _blockwise(monkeypatch)
+    want = _pass_and_commit(model, other, tree, path, num)
+    torch.testing.assert_close(got[0], want[0], atol=2e-5, rtol=2e-5)
+    assert_same_state(cache, other, tol=2e-5)
+
+
+def test_a_tree_with_a_bad_token_is_refused_and_big_or_prompt_passes_go_layer_by_layer(ran):
+    model = mamba2()
+    cache = _prefilled(model, 2)
+    bad = TokenTree.from_shape(TreeShape.chain(3), torch.tensor([[1, 2, 3, 4], [1, 2, model.vocab_size, 4]]))
+    with pytest.raises(ValueError, match="row 1, node 2"):
+        model.forward_tree(bad, cache, validate=False)
+    calls = []
+    real = mamba_step.MambaStep.tree
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(mamba_step.MambaStep, "tree", lambda self, *a: calls.append(1) or real(self, *a))
+        model.forward_tree(TokenTree.from_shape(TreeShape.chain(64), torch.randint(0, VOCAB, (2, 65))), cache)
+        model.prefill(torch.randint(0, VOCAB, (2, 9)), cache)
+        model.forward_tree(TokenTree.from_shape(TreeShape.chain(3), torch.randint(0, VOCAB, (2, 4))), cache,
+                           scan="chain")
+        assert not calls
+        model.forward_tree(TokenTree.from_shape(TreeShape.chain(3), torch.randint(0, VOCAB, (2, 4))), cache)
+        assert calls == [1]
+
+
+def test_heads_make_those_rows_logits_alone(ran, monkeypatch):
+    model = mamba2()
+    cache = _prefilled(model, 3)
+    other = cache.clone()
+    for heads in (torch.tensor([2, 0]), torch.tensor([1, 1, 1]), torch.zeros(0, dtype=torch.long)):
+        got = _steps(model, cache, 2, seed=3, heads=heads)
+        with monkeypatch.context() as m:
+            _blockwise(m)
+            want = _steps(model, other, 2, seed=3, heads=heads)
+        for a, b in zip(got, want):
+            assert a.shape == (len(heads), model.vocab_size)
+            torch.testing.assert_close(a, b, atol=2e-5, rtol=2e-5)
+        assert_same_state(cache, other, tol=2e-5)
+    assert ran[0] == 6
+
+
+def test_parameters_changed_between_steps_are_read_anew(ran, monkeypatch):
+    model = mamba2()
+    cache = _prefilled(model, 2)
+    _steps(model, cache, 1, seed=4)
+    mixer = model.blocks[1].mixer
+    with torch.no_grad():
+        mixer.in_proj.weight.mul_(1.1)  # (in place: a new version)
+        mixer.dt_bias.add_(0.3)
+        model.final_norm.weight.data = model.final_norm.weight.data * 1.2  # (new memory)
+    model.blocks[0].norm.weight = torch.nn.Parameter(model.blocks[0].norm.weight.detach() * 0.9)  # (a new object)
+    other = cache.clone()
+    got = _steps(model, cache, 2, seed=5)
+    _blockwise(monkeypatch)
+    want = _steps(model, other, 2, seed=5)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, atol=2e-5, rtol=2e-5)
+    assert ran[0] == 3
+
+
+def test_bad_tokens_and_rows_are_refused_before_anything_moves():
+    model = mamba2()
+    cache = _prefilled(model, 2)
+    before = cache.clone()
+    for tokens in (torch.tensor([3, model.vocab_size]), torch.tensor([-1, 3])):
+        with pytest.raises(ValueError, match="tokens"):
+            model.step(tokens, cache, validate=False)
+    with pytest.raises(ValueError, match="heads"):
+        model.step(torch.tensor([3, 4]), cache, validate=False, heads=torch.tensor([0, 2]))
+    assert torch.equal(cache.conv, before.conv) and torch.equal(cache.ssm, before.ssm)
+
+
+def test_a_step_is_one_call_and_one_output(monkeypatch):
+    """Its PyTorch ops: the logits' allocation and the lengths' increment (block by block, 98)."""
+    model = mamba2(n_layer=4)
+    cache = _prefilled(model, 2)
+    tokens = torch.tensor([3, 4])
+    ops = count_ops(lambda: model.step(tokens, cache, validate=False))
+    assert ops.compute == 1 and ops.total == 2, ops.by_name
+    _blockwise(monkeypatch)
+    assert count_ops(lambda: model.step(tokens, cache, validate=False)).total > 40
+
+
+def test_where_it_does_not_apply_the_step_goes_block_by_block(ran, monkeypatch):
+    model = mamba2()
+    tokens = torch.tensor([3, 4])
+    cache = _prefilled(model, 2)
+    with torch.enable_grad():
+        assert fused_step(model, cache, tokens, "auto") is None
+    with torch.no_grad():
+        assert fused_step(model, cache, tokens, "auto") is not None
+        assert fused_step(model, cache, tokens, "triton") is None
+        assert fused_step(model, cache, tokens.to(torch.int32), "auto") is None
+        assert fused_step(model, cache, torch.tensor([[3, 0], [4, 0]])[:, 0], "auto") is not None  # (a column)
+        strided = model.allocate_cache(4, 64)
+        strided.conv = strided.conv[:, ::2]
+        assert fused_step(model, strided, tokens, "auto") is None
+        half = mamba2().to(torch.bfloat16)
+        assert fused_step(half, _prefilled(half, 2), tokens, "auto") is None
+        mil = hybrid()
+        assert mil.fused_step(_prefilled(mil, 2), tokens, "auto") is None  # (attention layers: not a Mamba2LM)
+        falcon_like = mamba2(proj_scales=(1.0, 0.5, 1.0, 1.0, 2.0))
+        assert fused_step(falcon_like, _prefilled(falcon_like, 2), tokens, "auto") is None
+        monkeypatch.setattr(linear, "PATH", "blas")  # (the products pinned to another path)
+        assert fused_step(model, cache, tokens, "auto") is None
+    assert ran[0] == 0
+
+
+def test_compiled_decoding_takes_both_one_call_paths_and_compiles_nothing(ran):
+    """torch_compile=True on a float32 Mamba2 model: its steps and draft passes are the one-call ones
+    (faster than Inductor's graphs of them), the tokens those of eager decoding, no graph compiled."""
+    from torch._dynamo.utils import counters
+
+    from stree.decoding.loop import generate
+    from stree.drafters.registry import make_drafter
+
+    model = mamba2(seed=3)
+    prompts = [[1, 2, 3, 1, 2, 3, 1, 2], [4, 5, 6, 4, 5]]
+    kw = dict(tree=TreeShape.chain(3), max_new_tokens=16)
+    want = generate(model, prompts, drafter=make_drafter("ngram", vocab_size=model.vocab_size), **kw)
+    trees = []
+    real = mamba_step.MambaStep.tree
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(mamba_step.MambaStep, "tree", lambda self, *a: trees.append(1) or real(self, *a))
+        graphs, steps = counters["stats"]["unique_graphs"], ran[0]
+        got = generate(model, prompts, torch_compile=True, drafter=make_drafter("ngram", vocab_size=model.vocab_size),
+                       **kw)
+    assert got.sequences == want.sequences
+    assert trees and ran[0] > steps and counters["stats"]["unique_graphs"] == graphs
