@@ -176,6 +176,23 @@ void tree_scan_row(const float* conv, long dim, const float* dt, long ldt, const
   }
 }
 
+// A block's end for ``rows`` tokens: the gated norm of y [rows, d_inner] by silu(z) (z: the first
+// d_inner of each in_proj output row, proj [rows, d_in_proj]), out_proj, and the residual add into x.
+void block_out(const Model* m, const Layer& L, long rows, const float* proj, const float* y, float* gate,
+               float* normed, float* out, float* x, int threads) {
+  const Sizes& n = m->n;
+  long D = n.d_model, P = n.d_in_proj, I = n.d_inner;
+  for (long r = 0; r < rows; r++) {
+    const float* z = proj + r * P;
+    for (long d = 0; d < I; d++) gate[r * I + d] = z[d] / (1.f + expf(-z[d]));
+    for (long g0 = 0; g0 < I; g0 += n.norm_group)
+      gated_norm(y + r * I + g0, gate + r * I + g0, L.gnorm_w + g0, n.norm_group, m->e.gnorm_eps, n.gate_first != 0,
+                 normed + r * I + g0);
+  }
+  stree_gemm(normed, rows, I, I, L.out_w, D, out, D, L.out_b, threads);
+  for (long i = 0; i < rows * D; i++) x[i] += out[i];
+}
+
 }  // namespace
 
 // The step's arguments as one array of int64 (see mamba_step.py): the model's layout, the tokens [b]
@@ -225,15 +242,7 @@ extern "C" long stree_mamba_step(const int64_t* a) {
                   group_B + n.groups * S, L.D + hd * n.headdim, L.dt_bias[hd], m->e.dt_lo, m->e.dt_hi, n.headdim,
                   S, y + r * I + hd * n.headdim);
     }
-    for (long r = 0; r < b; r++) {
-      const float* z = proj + r * P;
-      for (long d = 0; d < I; d++) gate[r * I + d] = z[d] / (1.f + expf(-z[d]));
-      for (long g0 = 0; g0 < I; g0 += n.norm_group)
-        gated_norm(y + r * I + g0, gate + r * I + g0, L.gnorm_w + g0, n.norm_group, m->e.gnorm_eps,
-                   n.gate_first != 0, normed + r * I + g0);
-    }
-    stree_gemm(normed, b, I, I, L.out_w, D, out, D, L.out_b, threads);
-    for (long i = 0; i < b * D; i++) x[i] += out[i];
+    block_out(m, L, b, proj, y, gate, normed, out, x, threads);
   }
   for (long j = 0; j < k; j++) rms_norm(x + (heads_at ? heads_at[j] : j) * D, D, m->final_w, m->e.final_eps, h + j * D);
   if (k) stree_gemm(h, k, D, D, m->head_w, n.vocab, logits, n.vocab, nullptr, threads);
@@ -293,15 +302,7 @@ extern "C" long stree_mamba_tree(const int64_t* a) {
       tree_scan_row(conv + r * n * CD, CD, pj + I + CD, P, pr, n, ssm_states + (l * b + r) * HP * S, L, sz,
                     m->e.dt_lo, m->e.dt_hi, y + r * n * I, rows_work + r * 2 * n * H);
     }
-    for (long t = 0; t < N; t++) {
-      const float* z = proj + t * P;
-      for (long d = 0; d < I; d++) gate[t * I + d] = z[d] / (1.f + expf(-z[d]));
-      for (long g0 = 0; g0 < I; g0 += sz.norm_group)
-        gated_norm(y + t * I + g0, gate + t * I + g0, L.gnorm_w + g0, sz.norm_group, m->e.gnorm_eps,
-                   sz.gate_first != 0, normed + t * I + g0);
-    }
-    stree_gemm(normed, N, I, I, L.out_w, D, out, D, L.out_b, threads);
-    for (long i = 0; i < N * D; i++) x[i] += out[i];
+    block_out(m, L, N, proj, y, gate, normed, out, x, threads);
   }
   for (long t = 0; t < N; t++) rms_norm(x + t * D, D, m->final_w, m->e.final_eps, h + t * D);
   stree_gemm(h, N, D, D, m->head_w, sz.vocab, logits, sz.vocab, nullptr, threads);
