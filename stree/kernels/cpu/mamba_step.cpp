@@ -176,6 +176,20 @@ void tree_scan_row(const float* conv, long dim, const float* dt, long ldt, const
   }
 }
 
+// The embeddings of ``rows`` tokens into x [rows, d_model].
+void embed_rows(const Model* m, const int64_t* tokens, long rows, float* x) {
+  long D = m->n.d_model;
+  for (long r = 0; r < rows; r++)
+    for (long d = 0; d < D; d++) x[r * D + d] = m->embed[tokens[r] * D + d];
+}
+
+// A block's start for ``rows`` tokens: the RMSNorm of x into h, then in_proj into proj [rows, d_in_proj].
+void block_in(const Model* m, const Layer& L, long rows, const float* x, float* h, float* proj, int threads) {
+  long D = m->n.d_model, P = m->n.d_in_proj;
+  for (long r = 0; r < rows; r++) rms_norm(x + r * D, D, L.norm_w, m->e.eps, h + r * D);
+  stree_gemm(h, rows, D, D, L.in_w, P, proj, P, L.in_b, threads);
+}
+
 // A block's end for ``rows`` tokens: the gated norm of y [rows, d_inner] by silu(z) (z: the first
 // d_inner of each in_proj output row, proj [rows, d_in_proj]), out_proj, and the residual add into x.
 void block_out(const Model* m, const Layer& L, long rows, const float* proj, const float* y, float* gate,
@@ -223,12 +237,10 @@ extern "C" long stree_mamba_step(const int64_t* a) {
   float *y = conv + b * CD, *gate = y + b * I, *normed = gate + b * I;
   // rows (and their heads) are independent: over the threads only where it is worth waking them
   bool wide = b * HP * S >= (1 << 16);
-  for (long r = 0; r < b; r++)
-    for (long d = 0; d < D; d++) x[r * D + d] = m->embed[tokens[r] * D + d];
+  embed_rows(m, tokens, b, x);
   for (long l = 0; l < n.layers; l++) {
     const Layer& L = m->layer[l];
-    for (long r = 0; r < b; r++) rms_norm(x + r * D, D, L.norm_w, m->e.eps, h + r * D);
-    stree_gemm(h, b, D, D, L.in_w, P, proj, P, L.in_b, threads);
+    block_in(m, L, b, x, h, proj, threads);
     float* cs = conv_states + l * b * CD * K;
     float* ss = ssm_states + l * b * HP * S;
 #pragma omp parallel for schedule(static) num_threads(threads) if (wide)
@@ -278,12 +290,10 @@ extern "C" long stree_mamba_tree(const int64_t* a) {
   float *y = conv + N * CD, *gate = y + N * I, *normed = gate + N * I;
   double* rows_work = work.data();  // (taken here: inside the parallel loop, `work` is each thread's own)
   bool wide = b > 1 && N * HP * S >= (1 << 20);
-  for (long t = 0; t < N; t++)
-    for (long d = 0; d < D; d++) x[t * D + d] = m->embed[tokens[t] * D + d];
+  embed_rows(m, tokens, N, x);
   for (long l = 0; l < sz.layers; l++) {
     const Layer& L = m->layer[l];
-    for (long t = 0; t < N; t++) rms_norm(x + t * D, D, L.norm_w, m->e.eps, h + t * D);
-    stree_gemm(h, N, D, D, L.in_w, P, proj, P, L.in_b, threads);
+    block_in(m, L, N, x, h, proj, threads);
     float *xBC_l = xBC_s + l * N * CD, *x_l = x_s + l * N * HP, *dt_l = dt_s + l * N * H, *B_l = B_s + l * N * GS;
 #pragma omp parallel for schedule(static) num_threads(threads) if (wide)
     for (long r = 0; r < b; r++) {
