@@ -14,6 +14,8 @@
 
 extern "C" void stree_gemm(const float* x, long M, long K, long ldx, const float* wp, long N, float* y, long ldy,
                            const float* bias, int threads);
+extern "C" void stree_state_term(const float* C, long batch, long n, long groups, long K, long ldc, long ldr,
+                                 const float* x0, long heads, long headdim, float* out, int threads);
 
 namespace {
 
@@ -36,6 +38,31 @@ struct Model {
   Layer layer[1];  // n.layers of them (the array runs on past the struct)
 };
 constexpr long LAYER_WORDS = sizeof(Layer) / 8;
+
+// e^x for the loops over a row (SiLU's), where libm's expf, a call per element, kept them scalar and
+// took most of a tree pass's time outside the products: x = n ln2 + r, e^r by Cephes' degree-6
+// polynomial (within 2 ulp of expf), times 2^n made in the exponent's bits. x is first held to
+// [-87, 88], where 2^n stays a normal float; a NaN is returned as it came, as expf returns it.
+inline float exp_poly(float x) {
+  float t = x < -87.f ? -87.f : x > 88.f ? 88.f : x;
+  float n = (t * 1.44269504088896341f + 12582912.f) - 12582912.f;  // (rounded to an integer by 1.5 * 2^23)
+  float r = t - n * 0.693359375f + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * (r * r) + r + 1.f;
+  float scale = __builtin_bit_cast(float, ((int32_t)n + 127) << 23);
+  return (x == x ? p * scale : x);
+}
+
+// v * sigmoid(v) over a row, in place or into out
+void silu_row(const float* v, long dim, float* out) {
+#pragma omp simd
+  for (long d = 0; d < dim; d++) out[d] = v[d] / (1.f + exp_poly(-v[d]));
+}
 
 // rms_norm_rows: x / sqrt(mean(x^2) + eps) * w, the mean square and products in double
 void rms_norm(const float* x, long dim, const float* w, double eps, float* out) {
@@ -109,30 +136,34 @@ void gated_norm(const float* y, const float* gate, const float* w, long group, d
 // raw (the in_proj output's xBC), state [dim, K], parents [n]; out [n, dim].
 void tree_conv_row(const float* xBC, long ldx, const int64_t* parents, long n, const float* state, const float* w,
                    const float* bias, long dim, long K, float* out) {
+  thread_local std::vector<float> cols;  // the weight's and the state's columns as rows: the loops run along dim
+  cols.resize((size_t)(2 * K * dim));
+  float *taps = cols.data(), *past = taps + K * dim;
+  for (long c = 0; c < dim; c++)
+    for (long k = 0; k < K; k++) {
+      taps[k * dim + c] = w[c * K + k];
+      past[k * dim + c] = state[c * K + k];
+    }
   for (long i = 0; i < n; i++) {
     float* o = out + i * dim;
     for (long c = 0; c < dim; c++) o[c] = bias ? bias[c] : 0.f;
     long pos = i;
     for (long k = K - 1; k >= 0; k--) {  // tap k reads the node K - 1 - k steps up the path
-      if (pos >= 0) {
-        const float* src = xBC + pos * ldx;
-        for (long c = 0; c < dim; c++) o[c] += w[c * K + k] * src[c];
-        pos = parents[pos];
-      } else {
-        for (long c = 0; c < dim; c++) o[c] += w[c * K + k] * state[c * K + K + pos];
-        pos -= 1;
-      }
+      const float *src = pos >= 0 ? xBC + pos * ldx : past + (K + pos) * dim, *tap = taps + k * dim;
+      for (long c = 0; c < dim; c++) o[c] += tap[c] * src[c];
+      pos = pos >= 0 ? parents[pos] : pos - 1;
     }
-    for (long c = 0; c < dim; c++) o[c] = o[c] / (1.f + expf(-o[c]));
+    silu_row(o, dim, o);
   }
 }
 
 // One row's tree scan (tree_jit.scan_row's arithmetic) over the conv's outputs conv [n, dim] (x, B, C
-// side by side), raw dt [n, ldt], parents [n], the state x0 [heads, headdim, d_state]: y [n, heads *
-// headdim] = C_i . (exp(Atree_i) x0) + the sum over i's ancestors-or-self j of exp(Atree_i - Atree_j)
-// (C_i . B_j) dt_j x_j, + D x_i. work: 3 * n * heads floats (d, decay, at as doubles after them).
+// side by side), raw dt [n, ldt], parents [n], the state's term xs [n, heads * headdim] (C_i . x0, by
+// stree_state_term): y [n, heads * headdim] = exp(Atree_i) xs_i + the sum over i's ancestors-or-self j
+// of exp(Atree_i - Atree_j) (C_i . B_j) dt_j x_j, + D x_i. work: 3 * n * heads floats (d, decay, at
+// as doubles after them).
 void tree_scan_row(const float* conv, long dim, const float* dt, long ldt, const int64_t* parents, long n,
-                   const float* x0, const Layer& L, const Sizes& sz, double lo, double hi, float* y, double* work) {
+                   const float* xs, const Layer& L, const Sizes& sz, double lo, double hi, float* y, double* work) {
   long H = sz.heads, Pd = sz.headdim, S = sz.d_state, G = sz.groups, HP = H * Pd, per_group = H / G;
   double* at = work;
   float *d = (float*)(at + n * H), *decay = d + n * H;
@@ -149,16 +180,10 @@ void tree_scan_row(const float* conv, long dim, const float* dt, long ldt, const
   for (long i = 0; i < n; i++) {
     const float *x = conv + i * dim, *C = x + HP + G * S;
     float* acc = y + i * HP;
-    for (long e = 0; e < HP; e++) acc[e] = L.D[e] * x[e];
     for (long h = 0; h < H; h++) {
-      const float* c = C + h / per_group * S;
-      for (long p = 0; p < Pd; p++) {
-        const float* sp = x0 + (h * Pd + p) * S;
-        float v = 0.f;
-#pragma omp simd reduction(+ : v)
-        for (long s = 0; s < S; s++) v += c[s] * sp[s];
-        acc[h * Pd + p] += decay[i * H + h] * v;
-      }
+      const float *D = L.D + h * Pd, *xh = x + h * Pd, *made = xs + i * HP + h * Pd;
+      float dec = decay[i * H + h], *a = acc + h * Pd;
+      for (long p = 0; p < Pd; p++) a[p] = D[p] * xh[p] + dec * made[p];
     }
     for (long j = i; j >= 0; j = parents[j]) {
       const float *xj = conv + j * dim, *Bj = xj + HP;
@@ -198,7 +223,7 @@ void block_out(const Model* m, const Layer& L, long rows, const float* proj, con
   long D = n.d_model, P = n.d_in_proj, I = n.d_inner;
   for (long r = 0; r < rows; r++) {
     const float* z = proj + r * P;
-    for (long d = 0; d < I; d++) gate[r * I + d] = z[d] / (1.f + expf(-z[d]));
+    silu_row(z, I, gate + r * I);
     for (long g0 = 0; g0 < I; g0 += n.norm_group)
       gated_norm(y + r * I + g0, gate + r * I + g0, L.gnorm_w + g0, n.norm_group, m->e.gnorm_eps, n.gate_first != 0,
                  normed + r * I + g0);
@@ -284,10 +309,10 @@ extern "C" long stree_mamba_tree(const int64_t* a) {
   long H = sz.heads, HP = H * sz.headdim, GS = sz.groups * S;
   thread_local std::vector<float> scratch;
   thread_local std::vector<double> work;
-  scratch.resize((size_t)(N * (3 * D + P + CD + 3 * I)));
+  scratch.resize((size_t)(N * (3 * D + P + CD + 3 * I + HP)));
   work.resize((size_t)(b * 2 * n * H));  // per row: at (doubles), then d and decay (floats)
   float *x = scratch.data(), *h = x + N * D, *out = h + N * D, *proj = out + N * D, *conv = proj + N * P;
-  float *y = conv + N * CD, *gate = y + N * I, *normed = gate + N * I;
+  float *y = conv + N * CD, *gate = y + N * I, *normed = gate + N * I, *xs = normed + N * I;
   double* rows_work = work.data();  // (taken here: inside the parallel loop, `work` is each thread's own)
   bool wide = b > 1 && N * HP * S >= (1 << 20);
   embed_rows(m, tokens, N, x);
@@ -299,9 +324,12 @@ extern "C" long stree_mamba_tree(const int64_t* a) {
     for (long r = 0; r < b; r++) {
       const int64_t* pr = parents + (rows > 1 ? r : 0) * n;
       const float* pj = proj + r * n * P;
-      for (long i = 0; i < n; i++)
-        for (long c = 0; c < CD + H; c++) (c < CD ? xBC_l[(r * n + i) * CD + c] : dt_l[(r * n + i) * H + c - CD]) =
-            pj[i * P + I + c];
+      for (long i = 0; i < n; i++) {
+        const float* raw = pj + i * P + I;
+        float *xBC_i = xBC_l + (r * n + i) * CD, *dt_i = dt_l + (r * n + i) * H;
+        for (long c = 0; c < CD; c++) xBC_i[c] = raw[c];
+        for (long c = 0; c < H; c++) dt_i[c] = raw[CD + c];
+      }
       tree_conv_row(pj + I, P, pr, n, conv_states + (l * b + r) * CD * K, L.conv_w, L.conv_b, CD, K,
                     conv + r * n * CD);
       for (long i = 0; i < n; i++) {
@@ -309,9 +337,14 @@ extern "C" long stree_mamba_tree(const int64_t* a) {
         for (long e = 0; e < HP; e++) x_l[(r * n + i) * HP + e] = ci[e];
         for (long e = 0; e < GS; e++) B_l[(r * n + i) * GS + e] = ci[HP + e];
       }
-      tree_scan_row(conv + r * n * CD, CD, pj + I + CD, P, pr, n, ssm_states + (l * b + r) * HP * S, L, sz,
-                    m->e.dt_lo, m->e.dt_hi, y + r * n * I, rows_work + r * 2 * n * H);
     }
+    // the state's term, C_i . x0, for every row's nodes as products (each block of the state packed once)
+    stree_state_term(conv + HP + GS, b, n, sz.groups, S, CD, n * CD, ssm_states + l * b * HP * S, H, sz.headdim, xs,
+                     threads);
+#pragma omp parallel for schedule(static) num_threads(threads) if (wide)
+    for (long r = 0; r < b; r++)
+      tree_scan_row(conv + r * n * CD, CD, proj + r * n * P + I + CD, P, parents + (rows > 1 ? r : 0) * n, n,
+                    xs + r * n * HP, L, sz, m->e.dt_lo, m->e.dt_hi, y + r * n * I, rows_work + r * 2 * n * H);
     block_out(m, L, N, proj, y, gate, normed, out, x, threads);
   }
   for (long t = 0; t < N; t++) rms_norm(x + t * D, D, m->final_w, m->e.final_eps, h + t * D);
