@@ -1,11 +1,13 @@
 // One decoding step of a whole Mamba2 language model in one call (stree/kernels/cpu/mamba_step.py
 // calls this; see its docstring for why): embedding, every block (RMSNorm, in_proj, the conv of the
 // new token with SiLU, the state update, the gated RMSNorm, out_proj, the residual add), the final
-// norm and the head, float32, for a few rows. The products are stree_gemm's (gemm.cpp, the same
-// library); the rest follows the numba kernels' arithmetic (step_jit.py, norm_jit.py) operation by
-// operation: the conv and the norms' mean squares in double, the state update in float with
-// replay's roundings. Built with -ffp-contract=off, so no multiply and add fuse where those
-// kernels keep them apart (a step and a replay of the same token leave the same state).
+// norm and the head, float32, for a few rows; and a draft tree's pass. The products are stree_gemm's
+// (gemm.cpp, the same library), the tree scan's state term stree_state_term's; the norms and the state
+// update follow the numba kernels' arithmetic (step_jit.py, norm_jit.py, tree_jit.py) operation by
+// operation: the norms' mean squares in double, the state update in float with replay's roundings.
+// The convs sum in float as the tree conv does, and every SiLU takes a polynomial exp that vectorises
+// (exp_poly). Built with -ffp-contract=off, so no multiply and add fuse where those kernels keep them
+// apart (a step and a replay of the same token leave the same state).
 #include <math.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -79,21 +81,19 @@ double processed_dt(float raw, float bias, double lo, double hi) {
   return fmin(fmax(d, lo), hi);
 }
 
-// conv_step_rows for one row: the window shifted left, x entering last; taps . window + bias, SiLU
+// A step's conv for one row: the window shifted left, x entering last; then the bias and the taps
+// from the newest down, in float, and SiLU, as a tree's conv sums a root's (tree_conv_row)
 void conv_row(const float* x, float* state, const float* w, const float* bias, long dim, long K, float* out) {
   for (long d = 0; d < dim; d++) {
     float* s = state + d * K;
     const float* wd = w + d * K;
-    double acc = bias ? (double)bias[d] : 0.0;
-    for (long k = 0; k < K - 1; k++) {
-      float v = s[k + 1];
-      s[k] = v;
-      acc += (double)wd[k] * (double)v;
-    }
+    for (long k = 0; k < K - 1; k++) s[k] = s[k + 1];
     s[K - 1] = x[d];
-    acc += (double)wd[K - 1] * (double)x[d];
-    out[d] = (float)(acc / (1.0 + exp(-acc)));
+    float acc = bias ? bias[d] : 0.f;
+    for (long k = K - 1; k >= 0; k--) acc += wd[k] * s[k];
+    out[d] = acc;
   }
+  silu_row(out, dim, out);
 }
 
 // state_update_rows for one (row, head): state [p, s] advanced, y [p] = C . state + D x

@@ -7,9 +7,11 @@ calls, the products' choice, the parameters' and states' views, a dozen small te
 each layer's kernels a few numba or ctypes calls of a few microseconds of work. Here the model's
 parameters are laid out once (the products' weights packed as :func:`.gemm.pack` packs them) and a
 step is one call: embedding, each block's RMSNorm, in_proj, conv, state update, gated norm,
-out_proj and residual add, the final norm and the head. The arithmetic is the numba kernels'
-(:mod:`.step_jit`, :mod:`.norm_jit`) operation by operation, the products the tiled product's;
-tests compare it with the model's own step (``tests/models/test_fused_step.py``).
+out_proj and residual add, the final norm and the head. The norms and the state update are the numba
+kernels' arithmetic (:mod:`.step_jit`, :mod:`.norm_jit`) operation by operation, the products the
+tiled product's; the conv sums in float as the tree conv does and SiLU takes a polynomial exp that
+vectorises (libm's, a call per element, had taken a 13-node pass's conv and gate most of their time).
+Tests compare it with the model's own step (``tests/models/test_fused_step.py``).
 
 What it takes: float32 parameters and states on the CPU, x and B one head / group each (no
 repeats), D per head or per channel; the model side decides where it applies
