@@ -122,6 +122,28 @@ def test_the_one_call_tree_pass_is_the_layer_by_layer_pass(data, layout):
     assert_same_state(cache, other, tol=2e-5)
 
 
+# (270: unclamped, its 2^n would wrap into an exponent of 2^122, a SiLU of about 0 instead of 270)
+@pytest.mark.parametrize("value", [float("nan"), -1e4, 270.0, 1e4])
+def test_a_conv_channel_far_out_or_nan_gives_the_blockwise_logits(value, monkeypatch):
+    """The SiLUs' exp (a polynomial, its input held to [-87, 88]) at a channel whose conv output is
+    NaN or far past that range: SiLU's limits (0, or the input itself) as the blockwise kernels
+    give them, and a NaN carried to every logit the channel reaches, where decoding's finiteness
+    check reads it, in a step and in a tree pass alike."""
+    model = mamba2(**LAYOUTS["one group, biases"])
+    with torch.no_grad():
+        model.blocks[0].mixer.conv1d.bias[3] = value  # (an x channel of head 0)
+    tree = TokenTree.from_shape(TreeShape.full(2, 2), torch.randint(0, VOCAB, (2, 7)))
+    cache = _prefilled(model, 2)
+    other = cache.clone()
+    got = model.step(torch.tensor([3, 4]), cache.clone()), model.forward_tree(tree, cache)[0]
+    _blockwise(monkeypatch)
+    want = model.step(torch.tensor([3, 4]), other.clone()), model.forward_tree(tree, other)[0]
+    for a, b in zip(got, want):
+        assert torch.equal(a.isnan(), b.isnan())
+        assert a.isnan().any() == (value != value)
+        torch.testing.assert_close(a, b, atol=2e-5, rtol=2e-5, equal_nan=True)
+
+
 def test_rows_with_enough_work_run_in_parallel_with_the_same_results(monkeypatch):
     """A batch whose scan visits a million elements splits its rows over the threads (each row's
     work in its own memory)."""
