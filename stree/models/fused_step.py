@@ -21,13 +21,13 @@ from torch.nn.utils import parametrize
 from ..kernels._common import as_numpy
 from ..kernels.cpu import mamba_step
 from ..kernels.cpu.tree_jit import JIT_MAX_NODES
-from ..tree import TreeIndex
+from ..tree import TreeIndex, host_tensor
 from .cache import ModelCache, SSMScratch
 from .layers import linear
 from .layers.mamba2 import Mamba2Mixer
 from .layers.norms import GatedRMSNorm, RMSNorm
 
-__all__ = ["fused_step", "fused_tree"]
+__all__ = ["fused_step", "fused_tree", "fused_tree_greedy"]
 
 _VERSION = operator.attrgetter("_version")
 
@@ -145,3 +145,20 @@ def fused_tree(model, cache: ModelCache, tokens: torch.Tensor, index, kernel_bac
     scratch = SSMScratch(*(torch.from_numpy(a) for a in arrays))
     scratch.arrays, scratch.kernels = arrays, list(step.layers)
     return logits, scratch
+
+
+def fused_tree_greedy(model, cache: ModelCache, tree, index, max_depth: int, kernel_backend: str):
+    """A draft's tree pass, greedy verification and replay as one call
+    (:meth:`~stree.kernels.cpu.mamba_step.MambaStep.tree_greedy`), where :func:`fused_tree` would
+    take the pass: the logits, the accepted paths, their lengths, the bonus tokens, the emitted
+    tokens and the rows' finiteness, the cache's states advanced (not its ``seqlens``); or None."""
+    if not isinstance(index, TreeIndex) or index.n > JIT_MAX_NODES:
+        return None
+    step = fused_step(model, cache, tree.tokens, kernel_backend)
+    if step is None:
+        return None
+    parents = index.memo("parents_int64", lambda: np.ascontiguousarray(as_numpy(index.parents), dtype=np.int64))
+    valid = tree.arrays()[1]
+    valid = np.ones(tuple(tree.tokens.shape), dtype=np.bool_) if valid is None else np.ascontiguousarray(valid)
+    logits, *arrays = step.tree_greedy(tree.tokens.contiguous(), parents, valid, max_depth, cache.conv, cache.ssm)
+    return (logits, *map(host_tensor, arrays))  # (host arrays: the rows' bookkeeping reads them as such)

@@ -93,7 +93,9 @@ def test_on_the_cpu_a_step_hands_the_host_what_a_devices_transfer_would(family, 
         monkeypatch.setattr(verify_module, "COMPILED_ON_CPU", on_host)
         model, cache = _ready(family)
         gen = torch.Generator().manual_seed(0)
-        speculative_step(model, cache, _draft(4, temperature > 0), params, gen, top_k=top_k)  # (the shape's first)
+        # (the shape's first, on a copy: greedy, the host commits in one call, its replay rounding dt's sums
+        # as the step does, and the states would part by an ulp)
+        speculative_step(model, cache.clone(), _draft(4, temperature > 0), params, gen, top_k=top_k)
         with count_host_syncs() as reads:
             plain = autoregressive_step(model, cache, torch.tensor([1, 2]), params, gen, top_k=top_k)
             host, result = speculative_step(model, cache, _draft(5, temperature > 0), params, gen, top_k=top_k)
@@ -173,9 +175,9 @@ def _alone(model, budgets=BUDGETS):
 
 
 def _batch_sizes_seen(model, monkeypatch) -> list[int]:
-    """The cache rows of every step and tree pass of ``model`` from now on."""
+    """The cache rows of every step, tree pass and one-call greedy iteration of ``model`` from now on."""
     seen = []
-    for name in ("step", "forward_tree"):
+    for name in ("step", "forward_tree", "greedy_tree"):
         real = getattr(type(model), name)
 
         def spy(self, tokens, cache, *a, _real=real, **k):
@@ -184,6 +186,31 @@ def _batch_sizes_seen(model, monkeypatch) -> list[int]:
 
         monkeypatch.setattr(type(model), name, spy)
     return seen
+
+
+@pytest.mark.parametrize("tree", [TreeShape.chain(3), TreeShape.paper13()], ids=["chain3", "paper13"])
+def test_greedy_trees_of_a_mamba2_model_take_the_one_call_iteration_and_decode_as_plain_steps(tree, monkeypatch):
+    """Greedy decoding of a float32 Mamba2 model on the CPU: every tree's pass, verification and
+    commit as one call (MambaStep.tree_greedy), no tree pass or commit of their own (the prompts'
+    prefill commits once), and each row's output the autoregressive one."""
+    from stree.kernels.cpu import mamba_step
+
+    if not mamba_step.available():
+        pytest.skip("no C++ compiler for the CPU library here")
+    model = FAMILIES["mamba2"]()
+    alone = _alone(model)
+    calls = {"tree_greedy": 0, "forward_tree": 0, "commit": 0}
+    for owner, name in ((mamba_step.MambaStep, "tree_greedy"), (type(model), "forward_tree"), (type(model), "commit")):
+        real = getattr(owner, name)
+
+        def spy(*a, _real=real, _name=name, **k):
+            calls[_name] += 1
+            return _real(*a, **k)
+        monkeypatch.setattr(owner, name, spy)
+    out = generate(model, PROMPTS, method="stree", max_new_tokens=BUDGETS, tree=tree)
+    assert out.sequences == alone
+    trees = sum(count for n, count in out.stats.trees.items() if n > 1)
+    assert trees > 0 and calls == {"tree_greedy": trees, "forward_tree": 0, "commit": 1}, (calls, out.stats.trees)
 
 
 @pytest.mark.parametrize("family", FAMILIES)

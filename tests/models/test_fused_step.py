@@ -15,6 +15,7 @@ from tiny_models import VOCAB, assert_same_state, hybrid, layer_by_layer, mamba2
 from stree.kernels.cpu import mamba_step
 from stree.models.fused_step import fused_step
 from stree.models.layers import linear
+from stree.sampling.verify import verify_greedy_host
 from stree.tools.opcount import count_ops
 from stree.tree import TokenTree, TreeShape
 
@@ -120,6 +121,73 @@ def test_the_one_call_tree_pass_is_the_layer_by_layer_pass(data, layout):
     for a, b in zip(got[1], want[1]):  # (xBC, x, dt, B: what replay reads)
         torch.testing.assert_close(a, b, atol=2e-6, rtol=2e-6)
     assert_same_state(cache, other, tol=2e-5)
+
+
+def _greedy_draft(model, cache, parents, batch, data):
+    """Random trees whose tokens mostly follow the model's own choices (paths that go deep, and
+    siblings holding the same token), some nodes invalid, the root's token the row's."""
+    n = parents.shape[-1]
+    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16)))
+    tokens = torch.randint(0, VOCAB, (batch, n), generator=gen)
+    choice = model.forward_tree(TokenTree(parents, tokens), cache.clone())[0].argmax(-1)
+    up = parents.expand(batch, n).clamp(min=0)
+    follow = torch.rand(batch, n, generator=gen) < data.draw(st.sampled_from([0.0, 0.6, 1.0]))
+    tokens = torch.where(follow, choice.gather(1, up), tokens)  # (a child of a followed parent: its choice)
+    valid = torch.rand(batch, n, generator=gen) < data.draw(st.sampled_from([0.7, 1.0]))
+    valid[:, 0] = True
+    return TokenTree(parents, tokens, valid=valid)
+
+
+@settings(max_examples=40, deadline=None)
+@given(data=st.data(), layout=st.sampled_from(sorted(LAYOUTS)))
+def test_the_one_call_greedy_iteration_is_the_pass_verification_and_commit(data, layout):
+    """Pass, greedy verification and replay in one call (greedy_tree): the pass's logits, the
+    compiled verification's path, count, bonus, emitted tokens and flags exactly, and the states
+    of the numba replay's commit within float32 rounding (that replay may fuse a multiply and an
+    add; the one call rounds both, as a step does)."""
+    parents, batch = data.draw(trees(max_n=24))
+    model = MODELS[layout]
+    cache = _prefilled(model, batch)
+    tree = _greedy_draft(model, cache, parents, batch, data)
+    other = cache.clone()
+    got = model.greedy_tree(tree, cache)
+    logits, tree_pass = model.forward_tree(tree, other)
+    result, emitted, finite = verify_greedy_host(tree, logits)
+    model.commit(other, tree_pass, result.accepted, result.num_accepted)
+    assert torch.equal(got[0], logits)
+    for a, b in zip(got[1:], (result.accepted, result.num_accepted, result.bonus, emitted, finite)):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    assert torch.equal(cache.seqlens, other.seqlens) and cache.version > 0
+    assert_same_state(cache, other, tol=2e-5)
+
+
+def test_a_greedy_iteration_flags_a_row_whose_logits_past_the_root_are_nan():
+    model = mamba2(tie_embeddings=False)
+    with torch.no_grad():
+        model.embed.weight[7] = float("nan")  # (node 2 of row 1 and its child: NaN logits)
+    cache = model.allocate_cache(2, 96)
+    model.prefill(torch.tensor([[1, 2, 3, 4, 5]] * 2), cache)
+    tree = TokenTree.from_shape(TreeShape.chain(3), torch.tensor([[1, 2, 3, 4], [1, 2, 7, 4]]))
+    got = model.greedy_tree(tree, cache.clone())
+    want = verify_greedy_host(tree, model.forward_tree(tree, cache)[0])
+    assert got[5].tolist() == want[2].tolist() == [True, False]
+    assert torch.equal(got[0].isnan(), model.forward_tree(tree, cache)[0].isnan())
+
+
+def test_a_greedy_iteration_with_a_bad_token_moves_nothing_and_packed_or_big_trees_take_none():
+    model = mamba2()
+    cache = _prefilled(model, 2)
+    before = cache.clone()
+    bad = TokenTree.from_shape(TreeShape.chain(3), torch.tensor([[1, 2, 3, 4], [1, 2, model.vocab_size, 4]]))
+    with pytest.raises(ValueError, match="row 1, node 2"):
+        model.greedy_tree(bad, cache, validate=False)
+    assert torch.equal(cache.seqlens, before.seqlens)
+    assert_same_state(cache, before, tol=0)
+    big = TokenTree.from_shape(TreeShape.chain(64), torch.randint(0, VOCAB, (2, 65)))
+    packed = TokenTree.from_shape(TreeShape.chain(3), torch.randint(0, VOCAB, (2, 4)),
+                                  valid=torch.tensor([[True] * 4, [True, True, False, False]]), row_sizes=(4, 2))
+    assert model.greedy_tree(big, cache) is None and model.greedy_tree(packed, cache) is None
+    assert_same_state(cache, before, tol=0)
 
 
 # (270: unclamped, its 2^n would wrap into an exponent of 2^122, a SiLU of about 0 instead of 270)

@@ -352,6 +352,128 @@ extern "C" long stree_mamba_tree(const int64_t* a) {
   return 0;
 }
 
+namespace {
+
+// Greedy verification of one row (verify_jit.greedy_walk's): from the root, each node's choice is the
+// argmax of its logits (the first of equal maxima), and the walk moves to the node's first valid child
+// (in index order) holding it. path [L] (root first, 0 past it), emitted [L] (the accepted drafts, then
+// the last node's choice, the root's token past them); returns the path's length, or 0 where it would
+// run past L (the caller's max depth was wrong: nothing is committed).
+long greedy_row(const float* logits, long V, const int64_t* tokens, const int64_t* parents, const uint8_t* valid,
+                long n, long L, int64_t* path, int64_t* emitted) {
+  long v = 0, count = 1, choice = 0;
+  for (long j = 0; j < L; j++) path[j] = 0;
+  while (true) {
+    const float* row = logits + v * V;
+    float best = row[0];
+    choice = 0;
+    for (long i = 1; i < V; i++)
+      if (row[i] > best) best = row[i], choice = i;
+    long next = -1;
+    for (long c = v + 1; c < n && next < 0; c++)
+      if (parents[c] == v && valid[c] && tokens[c] == choice) next = c;
+    if (next < 0) break;
+    if (count == L) return 0;
+    v = next;
+    path[count] = v;
+    emitted[count - 1] = tokens[v];
+    count++;
+  }
+  emitted[count - 1] = choice;
+  for (long j = count; j < L; j++) emitted[j] = tokens[0];
+  return count;
+}
+
+// Activation replay (replay_jit.replay_layers' arithmetic, per entry token by token: state * decay + dt x
+// B in float) of one row's accepted path acc [m] in one layer, in place: the SSM state [heads, headdim,
+// d_state] and the conv window [conv_dim, d_conv], from the pass's scratch of the row (xBC, x, dt, B at
+// its nodes, strides of a node CD, HP, H, GS). work: m * (1 + headdim) floats.
+void replay_row(const Layer& L, const Sizes& sz, double lo, double hi, const float* xBC, const float* x,
+                const float* dt, const float* B, const int64_t* acc, long m, float* conv, float* ssm, float* work) {
+  long H = sz.heads, Pd = sz.headdim, S = sz.d_state, CD = sz.conv_dim, K = sz.d_conv, per_group = H / sz.groups;
+  long HP = H * Pd, GS = sz.groups * S;
+  float *decay = work, *xs = work + m;
+  for (long h = 0; h < H; h++) {
+    for (long t = 0; t < m; t++) {
+      long node = acc[t];
+      double d = processed_dt(dt[node * H + h], L.dt_bias[h], lo, hi);
+      decay[t] = (float)exp(d * (double)L.A[h]);
+      for (long p = 0; p < Pd; p++) xs[t * Pd + p] = (float)(d * (double)x[node * HP + h * Pd + p]);
+    }
+    float* st = ssm + h * Pd * S;
+    long g = h / per_group;
+    for (long p = 0; p < Pd; p++) {
+      float* row = st + p * S;
+      for (long t = 0; t < m; t++) {
+        const float* Bt = B + acc[t] * GS + g * S;
+        float dec = decay[t], xv = xs[t * Pd + p];
+#pragma omp simd
+        for (long s = 0; s < S; s++) row[s] = row[s] * dec + xv * Bt[s];
+      }
+    }
+  }
+  // the window: slot j holds the path's node m - K + j, or, before the path, the old slot j + m (read
+  // before it is written: j rises)
+  for (long c = 0; c < CD; c++) {
+    float* w = conv + c * K;
+    for (long j = 0; j < K; j++) {
+      long q = m - K + j;
+      w[j] = q >= 0 ? xBC[acc[q] * CD + c] : w[K + q];
+    }
+  }
+}
+
+}  // namespace
+
+// A greedy iteration: the tree pass (stree_mamba_tree's arguments, a[0..13], the scratch arrays 0:
+// the call's own), greedy verification of its logits, and the accepted paths' replay into the states
+// (conv and SSM, advanced in place). Then: valid [b, n] (uint8), L (the tree's max depth + 1), and the
+// outputs path [b, L], num [b], emitted [b, L], bonus [b] (int64), finite [b] (uint8: every logit of
+// the row below +inf, NaN not). Returns stree_mamba_tree's status (nothing computed where it is not 0),
+// or -1 where a path ran past L (nothing committed).
+extern "C" long stree_mamba_tree_greedy(const int64_t* a) {
+  const Model* m = (const Model*)a[0];
+  const Sizes& sz = m->n;
+  long b = a[2], n = a[3], N = b * n, rows = a[5];
+  long CD = sz.conv_dim, K = sz.d_conv, H = sz.heads, HP = H * sz.headdim, GS = sz.groups * sz.d_state;
+  thread_local std::vector<float> kept;  // the pass's scratch (xBC, x, dt, B), read by the replay alone
+  kept.resize((size_t)(sz.layers * N * (CD + HP + H + GS)));
+  float *xBC = kept.data(), *x = xBC + sz.layers * N * CD, *dt = x + sz.layers * N * HP, *B = dt + sz.layers * N * H;
+  int64_t pass[14];
+  for (int i = 0; i < 14; i++) pass[i] = a[i];
+  pass[8] = (int64_t)xBC, pass[9] = (int64_t)x, pass[10] = (int64_t)dt, pass[11] = (int64_t)B;
+  long status = stree_mamba_tree(pass);
+  if (status) return status;
+  const int64_t *tokens = (const int64_t*)a[1], *parents = (const int64_t*)a[4];
+  float *conv_states = (float*)a[6], *ssm_states = (float*)a[7];
+  const float* logits = (const float*)a[12];
+  const uint8_t* valid = (const uint8_t*)a[14];
+  long L = a[15];
+  int64_t *path = (int64_t*)a[16], *num = (int64_t*)a[17], *emitted = (int64_t*)a[18], *bonus = (int64_t*)a[19];
+  uint8_t* finite = (uint8_t*)a[20];
+  long V = sz.vocab;
+  for (long r = 0; r < b; r++) {
+    const float* lr = logits + r * n * V;
+    bool ok = true;
+    for (long i = 0; i < n * V; i++) ok &= lr[i] < INFINITY;
+    finite[r] = ok;
+    num[r] = greedy_row(lr, V, tokens + r * n, parents + (rows > 1 ? r : 0) * n, valid + r * n, n, L, path + r * L,
+                        emitted + r * L);
+    if (!num[r]) return -1;
+    bonus[r] = emitted[r * L + num[r] - 1];
+  }
+  thread_local std::vector<float> work;
+  work.resize((size_t)(L * (1 + sz.headdim)));
+  long SS = HP * sz.d_state;
+  for (long l = 0; l < sz.layers; l++)
+    for (long r = 0; r < b; r++) {
+      long at = l * N + r * n;  // the row's first node in the layer's scratch
+      replay_row(m->layer[l], sz, m->e.dt_lo, m->e.dt_hi, xBC + at * CD, x + at * HP, dt + at * H, B + at * GS,
+                 path + r * L, num[r], conv_states + (l * b + r) * CD * K, ssm_states + (l * b + r) * SS, work.data());
+    }
+  return 0;
+}
+
 // the int64 words of the model's layout before its layers, and of one layer (mamba_step.py checks them)
 extern "C" long stree_mamba_model_words(void) { return (long)(offsetof(Model, layer) / 8); }
 extern "C" long stree_mamba_layer_words(void) { return LAYER_WORDS; }

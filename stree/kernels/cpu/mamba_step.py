@@ -33,6 +33,7 @@ __all__ = ["MambaLayer", "MambaStep", "available"]
 
 _ARGS = struct.Struct("=9q")
 _TREE_ARGS = struct.Struct("=14q")
+_GREEDY_ARGS = struct.Struct("=21q")
 MAX_GROUPS = 64  # (the tree scan's C . B per group is a fixed buffer in mamba_step.cpp)
 
 
@@ -110,7 +111,7 @@ class MambaStep:
                 raise RuntimeError("mamba_step.cpp's layer layout and this module's disagree")
             words += row
         self._layout = np.array(words, dtype=np.int64)
-        self._run, self._tree = lib.stree_mamba_step, lib.stree_mamba_tree
+        self._run, self._tree, self._greedy = lib.stree_mamba_step, lib.stree_mamba_tree, lib.stree_mamba_tree_greedy
         self.vocab = vocab
         # the trailing shapes of a tree pass's scratch (xBC, x, dt, B; stree.models.cache.SSMScratch)
         self.tails = (conv_dim,), (heads, headdim), (heads,), (groups, d_state)
@@ -153,6 +154,35 @@ class MambaStep:
             raise ValueError(f"tokens must be in [0, {self.vocab}), got {int(tokens[row, node])} at row {row}, "
                              f"node {node}")
         return logits, scratch
+
+    def tree_greedy(self, tokens: torch.Tensor, parents: np.ndarray, valid: np.ndarray, max_depth: int,
+                    conv: torch.Tensor, ssm: torch.Tensor):
+        """A greedy iteration in one call: :meth:`tree`'s pass, greedy verification of its logits
+        (``valid`` ``[b, n]`` bool: the nodes a path may take; ``max_depth``: the trees'), and the
+        accepted paths' replay into ``conv`` and ``ssm``, advanced in place. Returns the logits
+        ``[b, n, vocab]`` and, as arrays, each row's path ``[b, max_depth + 1]`` (root first, 0
+        past it), its length, the bonus, the emitted tokens (the accepted drafts, then the bonus;
+        the root's token past them) ``[b, max_depth + 1]`` and whether every logit of the row is
+        below +inf (NaN not). Token ids are checked before anything is computed; the rest is the
+        caller's to vouch for, as :meth:`tree`'s."""
+        b, n = tokens.shape
+        L = max_depth + 1
+        logits = torch.empty(b, n, self.vocab)
+        ints = np.empty(2 * b * (L + 1), dtype=np.int64)  # path, emitted, num, bonus: one allocation
+        path, emitted = ints[:b * L].reshape(b, L), ints[b * L:2 * b * L].reshape(b, L)
+        num, bonus = ints[2 * b * L:2 * b * L + b], ints[2 * b * L + b:]
+        finite = np.empty(b, dtype=np.bool_)
+        status = self._greedy(_GREEDY_ARGS.pack(
+            self._layout.ctypes.data, tokens.data_ptr(), b, n, parents.ctypes.data, parents.shape[0], conv.data_ptr(),
+            ssm.data_ptr(), 0, 0, 0, 0, logits.data_ptr(), torch.get_num_threads(), valid.ctypes.data, L,
+            path.ctypes.data, num.ctypes.data, emitted.ctypes.data, bonus.ctypes.data, finite.ctypes.data))
+        if status > 0:
+            row, node = divmod(status - 1, n)
+            raise ValueError(f"tokens must be in [0, {self.vocab}), got {int(tokens[row, node])} at row {row}, "
+                             f"node {node}")
+        if status < 0:
+            raise ValueError(f"a path runs deeper than max_depth {max_depth}")
+        return logits, path, num, bonus, emitted, finite
 
 
 def available() -> bool:

@@ -8,7 +8,7 @@ from __future__ import annotations
 from torch import nn
 
 from ..base import Block, TreeLM
-from ..fused_step import fused_step, fused_tree
+from ..fused_step import fused_step, fused_tree, fused_tree_greedy
 from ..config import Mamba2Config
 from ..layers.mamba2 import Mamba2Mixer
 from ..layers.norms import RMSNorm
@@ -49,3 +49,6 @@ class Mamba2LM(TreeLM):
 
     def fused_tree(self, cache, tokens, index, kernel_backend):
         return fused_tree(self, cache, tokens, index, kernel_backend)
+
+    def fused_tree_greedy(self, cache, tree, index, max_depth, kernel_backend):
+        return fused_tree_greedy(self, cache, tree, index, max_depth, kernel_backend)
