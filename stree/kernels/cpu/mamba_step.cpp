@@ -314,7 +314,9 @@ extern "C" long stree_mamba_tree(const int64_t* a) {
   float *x = scratch.data(), *h = x + N * D, *out = h + N * D, *proj = out + N * D, *conv = proj + N * P;
   float *y = conv + N * CD, *gate = y + N * I, *normed = gate + N * I, *xs = normed + N * I;
   double* rows_work = work.data();  // (taken here: inside the parallel loop, `work` is each thread's own)
-  bool wide = b > 1 && N * HP * S >= (1 << 20);
+  // rows over the threads from the step's own threshold: each row's conv and scan is its own memory, and
+  // at a million elements (where this had stood) a batch of two kept its trees of up to 31 nodes serial
+  bool wide = b > 1 && N * HP * S >= (1 << 16);
   embed_rows(m, tokens, N, x);
   for (long l = 0; l < sz.layers; l++) {
     const Layer& L = m->layer[l];

@@ -111,6 +111,7 @@ class MambaStep:
                 raise RuntimeError("mamba_step.cpp's layer layout and this module's disagree")
             words += row
         self._layout = np.array(words, dtype=np.int64)
+        self._at = self._layout.ctypes.data  # (its address, read once: an array's .ctypes costs microseconds)
         self._run, self._tree, self._greedy = lib.stree_mamba_step, lib.stree_mamba_tree, lib.stree_mamba_tree_greedy
         self.vocab = vocab
         # the trailing shapes of a tree pass's scratch (xBC, x, dt, B; stree.models.cache.SSMScratch)
@@ -127,7 +128,7 @@ class MambaStep:
         b = tokens.shape[0]
         k = b if heads is None else heads.shape[0]
         logits = torch.empty(k, self.vocab)
-        status = self._run(_ARGS.pack(self._layout.ctypes.data, tokens.data_ptr(), b, conv.data_ptr(), ssm.data_ptr(),
+        status = self._run(_ARGS.pack(self._at, tokens.data_ptr(), b, conv.data_ptr(), ssm.data_ptr(),
                                       0 if heads is None else heads.data_ptr(), k, logits.data_ptr(),
                                       torch.get_num_threads()))
         if status > 0:
@@ -147,7 +148,7 @@ class MambaStep:
         scratch = tuple(aligned_array((len(self.layers), b, n, *tail)) for tail in self.tails)
         logits = torch.empty(b, n, self.vocab)
         status = self._tree(_TREE_ARGS.pack(
-            self._layout.ctypes.data, tokens.data_ptr(), b, n, parents.ctypes.data, parents.shape[0], conv.data_ptr(),
+            self._at, tokens.data_ptr(), b, n, parents.ctypes.data, parents.shape[0], conv.data_ptr(),
             ssm.data_ptr(), *(a.ctypes.data for a in scratch), logits.data_ptr(), torch.get_num_threads()))
         if status:
             row, node = divmod(status - 1, n)
@@ -168,14 +169,17 @@ class MambaStep:
         b, n = tokens.shape
         L = max_depth + 1
         logits = torch.empty(b, n, self.vocab)
-        ints = np.empty(2 * b * (L + 1), dtype=np.int64)  # path, emitted, num, bonus: one allocation
+        # path, emitted, num, bonus (int64) and finite (bool) in one allocation, one address (each
+        # array's own .ctypes is a few microseconds where a pass has just swept the caches)
+        m = 2 * b * (L + 1)
+        raw = np.empty(8 * m + b, dtype=np.uint8)
+        ints, finite, at = raw[:8 * m].view(np.int64), raw[8 * m:].view(np.bool_), raw.ctypes.data
         path, emitted = ints[:b * L].reshape(b, L), ints[b * L:2 * b * L].reshape(b, L)
         num, bonus = ints[2 * b * L:2 * b * L + b], ints[2 * b * L + b:]
-        finite = np.empty(b, dtype=np.bool_)
         status = self._greedy(_GREEDY_ARGS.pack(
-            self._layout.ctypes.data, tokens.data_ptr(), b, n, parents.ctypes.data, parents.shape[0], conv.data_ptr(),
+            self._at, tokens.data_ptr(), b, n, parents.ctypes.data, parents.shape[0], conv.data_ptr(),
             ssm.data_ptr(), 0, 0, 0, 0, logits.data_ptr(), torch.get_num_threads(), valid.ctypes.data, L,
-            path.ctypes.data, num.ctypes.data, emitted.ctypes.data, bonus.ctypes.data, finite.ctypes.data))
+            at, at + 8 * 2 * b * L, at + 8 * b * L, at + 8 * (2 * b * L + b), at + 8 * m))
         if status > 0:
             row, node = divmod(status - 1, n)
             raise ValueError(f"tokens must be in [0, {self.vocab}), got {int(tokens[row, node])} at row {row}, "
