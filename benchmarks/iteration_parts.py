@@ -1,6 +1,8 @@
 """What one speculative iteration costs, part by part, in autoregressive steps of the same model
 and process: the tree pass (``forward_tree``), the pass with verification, the whole speculative
-step (commit and the one host transfer added), and the decoding loop's iteration (drafting, the
+step (commit and the one host transfer added; on a float32 Mamba2 model the pass, verification and
+commit as one call, and ``separate_calls`` the same step with them apart, as before that call),
+and the decoding loop's iteration (drafting, the
 choice, the rows' bookkeeping added), for an explicit tree (the paper's 13 nodes by default) and
 the n-gram drafter, batch 1 and 2, eager, greedy, on the shipped target. The first three are
 timed in turns with a plain step on a random context (medians); the loop's from ``generate``
@@ -116,7 +118,16 @@ def parts(model, batch: int, shape: TreeShape, rounds: int) -> dict:
             _, result = speculative_step(model, cache, tree, params, None, runner=runner)
         cache.seqlens -= result.num_accepted.to(cache.seqlens.dtype)
 
-    calls = dict(step=step, tree_pass=tree_pass, pass_and_verify=pass_and_verify, speculative_step=whole)
+    apart = EagerRunner(model, cache)
+    apart.greedy_tree = lambda draft: None  # (the step's calls as they were before the one-call iteration)
+
+    def separate_calls():
+        with leading():
+            _, result = speculative_step(model, cache, tree, params, None, runner=apart)
+        cache.seqlens -= result.num_accepted.to(cache.seqlens.dtype)
+
+    calls = dict(step=step, tree_pass=tree_pass, pass_and_verify=pass_and_verify, speculative_step=whole,
+                 separate_calls=separate_calls)
     calls.update({f"without_{part}": _without(kernels, tree_pass) for part, kernels in IN_PASS.items()})
     # The model's products (every Linear once, as a pass runs them) at the step's rows and at the tree's:
     # what the tree's rows add to them is arithmetic no overhead removes while the products run at the
@@ -284,7 +295,9 @@ def main(argv=None):
     result = dict(benchmark="iteration_parts", **run_info(model.device, argv), tree=args.tree, threads=torch.get_num_threads(),
                   drafter=args.drafter, temperature=args.temperature, compiled=args.compiled,
                   note="each part in plain steps of the same model and process: the tree pass, + greedy verification, "
-                       "+ commit and the host transfer (speculative_step), + drafting, the choice and the rows' "
+                       "+ commit and the host transfer (speculative_step: on a float32 Mamba2 model the pass, "
+                       "verification and commit as one call; separate_calls: the same step with them apart), "
+                       "+ drafting, the choice and the rows' "
                        "bookkeeping (the loop's iteration, against the loop's autoregressive iterations); "
                        "products_added: what the model's linear layers take at the tree's rows beyond the step's "
                        "(a tree pass costs at least 1 + that while they run at this machine's throughput); "
