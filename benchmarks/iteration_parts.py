@@ -119,7 +119,7 @@ def parts(model, batch: int, shape: TreeShape, rounds: int) -> dict:
         cache.seqlens -= result.num_accepted.to(cache.seqlens.dtype)
 
     apart = EagerRunner(model, cache)
-    apart.greedy_tree = lambda draft: None  # (the step's calls as they were before the one-call iteration)
+    apart.greedy_tree = lambda draft, top_k=None: None  # (the step's calls as they were before the one-call iteration)
 
     def separate_calls():
         with leading():

@@ -372,25 +372,28 @@ class TreeLM(nn.Module):
         this cache, tree and these tokens (:mod:`stree.models.fused_step`); None: layer by layer."""
         return None
 
-    def fused_tree_greedy(self, cache: ModelCache, tree: TokenTree, index, max_depth: int, kernel_backend: str):
+    def fused_tree_greedy(self, cache: ModelCache, tree: TokenTree, index, max_depth: int, kernel_backend: str,
+                          top_k: int | None = None):
         """:meth:`greedy_tree`'s one call, where the family has one for this cache and tree
         (:mod:`stree.models.fused_step`): the cache's states advanced, not ``seqlens``; None: none."""
         return None
 
     @torch.no_grad()
-    def greedy_tree(self, tree: TokenTree, cache: ModelCache, validate: bool = True):
+    def greedy_tree(self, tree: TokenTree, cache: ModelCache, validate: bool = True, top_k: int | None = None):
         """A draft's tree pass, greedy verification and the commit of the accepted paths as one call,
         where the family has one (the model's step is one call, the tree is not packed): returns the
         logits ``[b, n, V]`` and, per row, the accepted path ``[b, D + 1]`` (root first, 0 past
         it), its length, the bonus, the emitted tokens ``[b, D + 1]`` (the accepted drafts, then
         the bonus) and whether every logit of the row is free of NaN and +inf, as CPU tensors, with
         the cache advanced; the path :meth:`forward_tree`, greedy verification and :meth:`commit`
-        take (tested equal). None, the cache untouched, where there is no such call.
-        ``validate`` as :meth:`forward_tree`'s."""
+        take (tested equal); last, with ``top_k`` (cut to the vocabulary), the target's laws a
+        drafter learns from along the paths (the softmax's top ids and probabilities ``[b, D + 1,
+        top_k]``, the emitted tokens' own ``[b, D + 1]``), else None. None, the cache untouched,
+        where there is no such call. ``validate`` as :meth:`forward_tree`'s."""
         if tree.row_sizes is not None:
             return None
         index, max_depth = self.check_tree(tree, cache, "tree", validate)
-        out = self.fused_tree_greedy(cache, tree, index, max_depth, self.kernel_backend)
+        out = self.fused_tree_greedy(cache, tree, index, max_depth, self.kernel_backend, top_k)
         if out is None:
             return None
         cache.seqlens += out[2].to(cache.seqlens.dtype)

@@ -147,11 +147,13 @@ def fused_tree(model, cache: ModelCache, tokens: torch.Tensor, index, kernel_bac
     return logits, scratch
 
 
-def fused_tree_greedy(model, cache: ModelCache, tree, index, max_depth: int, kernel_backend: str):
+def fused_tree_greedy(model, cache: ModelCache, tree, index, max_depth: int, kernel_backend: str,
+                      top_k: int | None = None):
     """A draft's tree pass, greedy verification and replay as one call
     (:meth:`~stree.kernels.cpu.mamba_step.MambaStep.tree_greedy`), where :func:`fused_tree` would
     take the pass: the logits, the accepted paths, their lengths, the bonus tokens, the emitted
-    tokens and the rows' finiteness, the cache's states advanced (not its ``seqlens``); or None."""
+    tokens, the rows' finiteness and, with ``top_k``, the target's laws along the paths (else None),
+    the cache's states advanced (not its ``seqlens``); or None."""
     if not isinstance(index, TreeIndex) or index.n > JIT_MAX_NODES:
         return None
     step = fused_step(model, cache, tree.tokens, kernel_backend)
@@ -160,5 +162,6 @@ def fused_tree_greedy(model, cache: ModelCache, tree, index, max_depth: int, ker
     parents = index.memo("parents_int64", lambda: np.ascontiguousarray(as_numpy(index.parents), dtype=np.int64))
     valid = tree.arrays()[1]
     valid = np.ones(tuple(tree.tokens.shape), dtype=np.bool_) if valid is None else np.ascontiguousarray(valid)
-    logits, *arrays = step.tree_greedy(tree.tokens.contiguous(), parents, valid, max_depth, cache.conv, cache.ssm)
-    return (logits, *map(host_tensor, arrays))  # (host arrays: the rows' bookkeeping reads them as such)
+    logits, *arrays, laws = step.tree_greedy(tree.tokens.contiguous(), parents, valid, max_depth, cache.conv,
+                                             cache.ssm, top_k)
+    return (logits, *map(host_tensor, arrays), laws)  # (host arrays: the rows' bookkeeping reads them as such)

@@ -48,15 +48,17 @@ class EagerRunner:
                         for scan in ("tree", "chain", "unrolled")}
         self._packed = lambda draft: _packed_pass(target, draft, cache)
         greedy = getattr(target, "greedy_tree", None)  # (a stand-in target may have none)
-        self._greedy = (lambda draft: None) if greedy is None else (lambda draft: greedy(draft, cache, validate=False))
+        self._greedy = (lambda draft, top_k: None) if greedy is None else \
+            (lambda draft, top_k: greedy(draft, cache, validate=False, top_k=top_k))
 
     def step(self) -> Callable:
         return self._step
 
-    def greedy_tree(self, draft):
-        """The draft's tree pass, greedy verification and commit as one call
-        (:meth:`~stree.models.base.TreeLM.greedy_tree`), or None where the model has none."""
-        return self._greedy(draft)
+    def greedy_tree(self, draft, top_k: int | None = None):
+        """The draft's tree pass, greedy verification and commit as one call (with the target's
+        laws along the paths for ``top_k``: :meth:`~stree.models.base.TreeLM.greedy_tree`), or
+        None where the model has none."""
+        return self._greedy(draft, top_k)
 
     def tree_calls(self, draft, scan: str) -> tuple[Callable, Callable]:
         """A draft with ``row_sizes`` under the tree scan is scored packed, without padding."""
@@ -144,10 +146,10 @@ class DecodeRunner:
             self._calls[shape] = (lambda d: tree_pass(d.tokens, validate=False)), commit
         return self._calls[shape]
 
-    def greedy_tree(self, draft):
+    def greedy_tree(self, draft, top_k: int | None = None):
         """As :meth:`EagerRunner.greedy_tree` for a draft the runner has no built pass for (no static
         shape); None for the others (:meth:`fused` takes them)."""
-        return self._eager.greedy_tree(draft) if draft.static_shape is None else None
+        return self._eager.greedy_tree(draft, top_k) if draft.static_shape is None else None
 
     def fused(self, fn, shape: TreeShape, name: str) -> Callable | None:
         """``fn`` run with the tree pass of ``shape`` as one graph, compiled

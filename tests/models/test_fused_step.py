@@ -142,23 +142,37 @@ def _greedy_draft(model, cache, parents, batch, data):
 @given(data=st.data(), layout=st.sampled_from(sorted(LAYOUTS)))
 def test_the_one_call_greedy_iteration_is_the_pass_verification_and_commit(data, layout):
     """Pass, greedy verification and replay in one call (greedy_tree): the pass's logits, the
-    compiled verification's path, count, bonus, emitted tokens and flags exactly, and the states
-    of the numba replay's commit within float32 rounding (that replay may fuse a multiply and an
-    add; the one call rounds both, as a step does)."""
+    compiled verification's path, count, bonus, emitted tokens and flags exactly, the states of the
+    numba replay's commit within float32 rounding (numba takes dt's softplus in float32, the one
+    call in double, as the C++ step), and with ``top_k`` the softmax's top entries at the path's
+    nodes and the emitted tokens' own probabilities within float32 rounding."""
     parents, batch = data.draw(trees(max_n=24))
     model = MODELS[layout]
     cache = _prefilled(model, batch)
     tree = _greedy_draft(model, cache, parents, batch, data)
     other = cache.clone()
-    got = model.greedy_tree(tree, cache)
+    top_k = data.draw(st.sampled_from([None, 1, 3, 10, VOCAB + 5]))
+    got = model.greedy_tree(tree, cache, top_k=top_k)
     logits, tree_pass = model.forward_tree(tree, other)
     result, emitted, finite = verify_greedy_host(tree, logits)
     model.commit(other, tree_pass, result.accepted, result.num_accepted)
     assert torch.equal(got[0], logits)
-    for a, b in zip(got[1:], (result.accepted, result.num_accepted, result.bonus, emitted, finite)):
+    for a, b in zip(got[1:6], (result.accepted, result.num_accepted, result.bonus, emitted, finite)):
         assert a.dtype == b.dtype and torch.equal(a, b)
     assert torch.equal(cache.seqlens, other.seqlens) and cache.version > 0
     assert_same_state(cache, other, tol=2e-5)
+    assert (got[6] is None) == (top_k is None)
+    if top_k is not None:  # the softmax's top entries at each path node, the emitted tokens' own, 0 past the path
+        ids, probs, own = got[6]
+        k = min(top_k, model.vocab_size)
+        assert ids.shape == probs.shape == (batch, emitted.shape[1], k) and own.shape == emitted.shape
+        law = torch.softmax(logits, -1)
+        real = torch.arange(emitted.shape[1]) < result.num_accepted[:, None]
+        at = law[torch.arange(batch)[:, None], result.accepted]  # [b, L, V]
+        torch.testing.assert_close(probs[real], at.topk(k, -1).values[real], rtol=1e-5, atol=1e-9)
+        torch.testing.assert_close(at.gather(-1, ids)[real], probs[real], rtol=1e-5, atol=1e-9)  # (their ids)
+        torch.testing.assert_close(own[real], at.gather(-1, emitted[..., None])[..., 0][real], rtol=1e-5, atol=1e-9)
+        assert not ids[~real].any() and not probs[~real].any() and not own[~real].any()
 
 
 def test_a_greedy_iteration_flags_a_row_whose_logits_past_the_root_are_nan():

@@ -425,14 +425,40 @@ void replay_row(const Layer& L, const Sizes& sz, double lo, double hi, const flo
   }
 }
 
+// What a drafter learns of the target at one node: the softmax of its logits (its max taken off, the
+// exp a polynomial's, the sum in float), the k most likely ids and their probabilities (most likely
+// first; of equal ones the lower id, as steps.py's _top_laws), and token's own probability. ids [k],
+// probs [k], own; work [V].
+void node_law(const float* logits, long V, long k, int64_t token, int64_t* ids, float* probs, float* own, float* work) {
+  float top = logits[0];
+  for (long i = 1; i < V; i++) top = logits[i] > top ? logits[i] : top;
+#pragma omp simd
+  for (long i = 0; i < V; i++) work[i] = exp_poly(logits[i] - top);
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (long i = 0; i < V; i++) sum += work[i];
+  for (long i = 0; i < V; i++) work[i] /= sum;
+  for (long j = 0; j < k; j++) probs[j] = -INFINITY, ids[j] = 0;
+  for (long i = 0; i < V; i++) {
+    float p = work[i];
+    if (!(p > probs[k - 1])) continue;
+    long j = k - 1;
+    for (; j > 0 && probs[j - 1] < p; j--) probs[j] = probs[j - 1], ids[j] = ids[j - 1];
+    probs[j] = p, ids[j] = i;
+  }
+  *own = work[token];
+}
+
 }  // namespace
 
 // A greedy iteration: the tree pass (stree_mamba_tree's arguments, a[0..13], the scratch arrays 0:
 // the call's own), greedy verification of its logits, and the accepted paths' replay into the states
 // (conv and SSM, advanced in place). Then: valid [b, n] (uint8), L (the tree's max depth + 1), and the
 // outputs path [b, L], num [b], emitted [b, L], bonus [b] (int64), finite [b] (uint8: every logit of
-// the row below +inf, NaN not). Returns stree_mamba_tree's status (nothing computed where it is not 0),
-// or -1 where a path ran past L (nothing committed).
+// the row below +inf, NaN not); then k (0: none) and, at each row's path nodes, the target's laws
+// (node_law) for a drafter: top ids [b, L, k] (int64), their probabilities [b, L, k] and each emitted
+// token's own [b, L] (float32; 0 past a row's count). Returns stree_mamba_tree's status (nothing
+// computed where it is not 0), or -1 where a path ran past L (nothing committed).
 extern "C" long stree_mamba_tree_greedy(const int64_t* a) {
   const Model* m = (const Model*)a[0];
   const Sizes& sz = m->n;
@@ -473,6 +499,23 @@ extern "C" long stree_mamba_tree_greedy(const int64_t* a) {
       replay_row(m->layer[l], sz, m->e.dt_lo, m->e.dt_hi, xBC + at * CD, x + at * HP, dt + at * H, B + at * GS,
                  path + r * L, num[r], conv_states + (l * b + r) * CD * K, ssm_states + (l * b + r) * SS, work.data());
     }
+  long k = a[21];
+  if (k) {
+    int64_t* top_ids = (int64_t*)a[22];
+    float *top_probs = (float*)a[23], *own = (float*)a[24];
+    work.resize((size_t)V);
+    for (long r = 0; r < b; r++)
+      for (long t = 0; t < L; t++) {
+        long at = r * L + t;
+        if (t < num[r]) {
+          node_law(logits + (r * n + path[at]) * V, V, k, emitted[at], top_ids + at * k, top_probs + at * k, own + at,
+                   work.data());
+        } else {
+          for (long j = 0; j < k; j++) top_ids[at * k + j] = 0, top_probs[at * k + j] = 0.f;
+          own[at] = 0.f;
+        }
+      }
+  }
   return 0;
 }
 

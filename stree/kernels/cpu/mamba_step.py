@@ -33,7 +33,7 @@ __all__ = ["MambaLayer", "MambaStep", "available"]
 
 _ARGS = struct.Struct("=9q")
 _TREE_ARGS = struct.Struct("=14q")
-_GREEDY_ARGS = struct.Struct("=21q")
+_GREEDY_ARGS = struct.Struct("=25q")
 MAX_GROUPS = 64  # (the tree scan's C . B per group is a fixed buffer in mamba_step.cpp)
 
 
@@ -157,15 +157,19 @@ class MambaStep:
         return logits, scratch
 
     def tree_greedy(self, tokens: torch.Tensor, parents: np.ndarray, valid: np.ndarray, max_depth: int,
-                    conv: torch.Tensor, ssm: torch.Tensor):
+                    conv: torch.Tensor, ssm: torch.Tensor, top_k: int | None = None):
         """A greedy iteration in one call: :meth:`tree`'s pass, greedy verification of its logits
         (``valid`` ``[b, n]`` bool: the nodes a path may take; ``max_depth``: the trees'), and the
         accepted paths' replay into ``conv`` and ``ssm``, advanced in place. Returns the logits
         ``[b, n, vocab]`` and, as arrays, each row's path ``[b, max_depth + 1]`` (root first, 0
         past it), its length, the bonus, the emitted tokens (the accepted drafts, then the bonus;
         the root's token past them) ``[b, max_depth + 1]`` and whether every logit of the row is
-        below +inf (NaN not). Token ids are checked before anything is computed; the rest is the
-        caller's to vouch for, as :meth:`tree`'s."""
+        below +inf (NaN not); with ``top_k`` (cut to the vocabulary), also the laws a drafter
+        learns from at each row's path nodes (None without): the softmax's ``top_k`` most likely ids
+        ``[b, max_depth + 1, top_k]`` and probabilities, and each emitted token's own ``[b,
+        max_depth + 1]`` (0 past a row's count; the softmax's exp a polynomial's, within float32
+        rounding of ``torch.softmax``). Token ids are checked before anything is computed; the
+        rest is the caller's to vouch for, as :meth:`tree`'s."""
         b, n = tokens.shape
         L = max_depth + 1
         logits = torch.empty(b, n, self.vocab)
@@ -176,17 +180,20 @@ class MambaStep:
         ints, finite, at = raw[:8 * m].view(np.int64), raw[8 * m:].view(np.bool_), raw.ctypes.data
         path, emitted = ints[:b * L].reshape(b, L), ints[b * L:2 * b * L].reshape(b, L)
         num, bonus = ints[2 * b * L:2 * b * L + b], ints[2 * b * L + b:]
+        k = min(top_k or 0, self.vocab)
+        laws = None if not k else (torch.empty(b, L, k, dtype=torch.long), torch.empty(b, L, k), torch.empty(b, L))
         status = self._greedy(_GREEDY_ARGS.pack(
             self._at, tokens.data_ptr(), b, n, parents.ctypes.data, parents.shape[0], conv.data_ptr(),
             ssm.data_ptr(), 0, 0, 0, 0, logits.data_ptr(), torch.get_num_threads(), valid.ctypes.data, L,
-            at, at + 8 * 2 * b * L, at + 8 * b * L, at + 8 * (2 * b * L + b), at + 8 * m))
+            at, at + 8 * 2 * b * L, at + 8 * b * L, at + 8 * (2 * b * L + b), at + 8 * m, k,
+            *((0, 0, 0) if laws is None else (t.data_ptr() for t in laws))))
         if status > 0:
             row, node = divmod(status - 1, n)
             raise ValueError(f"tokens must be in [0, {self.vocab}), got {int(tokens[row, node])} at row {row}, "
                              f"node {node}")
         if status < 0:
             raise ValueError(f"a path runs deeper than max_depth {max_depth}")
-        return logits, path, num, bonus, emitted, finite
+        return logits, path, num, bonus, emitted, finite, laws
 
 
 def available() -> bool:

@@ -50,5 +50,5 @@ class Mamba2LM(TreeLM):
     def fused_tree(self, cache, tokens, index, kernel_backend):
         return fused_tree(self, cache, tokens, index, kernel_backend)
 
-    def fused_tree_greedy(self, cache, tree, index, max_depth, kernel_backend):
-        return fused_tree_greedy(self, cache, tree, index, max_depth, kernel_backend)
+    def fused_tree_greedy(self, cache, tree, index, max_depth, kernel_backend, top_k=None):
+        return fused_tree_greedy(self, cache, tree, index, max_depth, kernel_backend, top_k)
