@@ -67,7 +67,7 @@ import torch
 
 from .acceptance import PathRates, RowRates, chances, pooled, shape_structure, structure, valid_mask, walk, weak_mask
 from .cost import STALE, WAKE, CostProfile, bracketed_profile, cost_profile, default_sizes, forget
-from .plans import best_rows, best_size, cut_rows, expected_accepted, plan_shape, remade, rows_worth, weigh
+from .plans import best_prefix, best_rows, best_size, cut_rows, expected_accepted, plan_shape, remade, rows_worth, weigh
 from ..tree import TokenTree, TreeShape
 
 __all__ = ["AutoTree", "auto_tree", "tree_room"]
@@ -258,7 +258,7 @@ class AutoTree:
         # taken), relative to a plain step's as a tree's is: learned into the plain scale, what drafting
         # took beyond its prediction had made plain steps look dearer, and drafting look cheaper
         self.scale.setdefault("declined", 1.0)
-        # the share of drafts (probes aside; watched ones as the choice would have judged them) verified
+        # the share of drafts (probes and watched ones as the choice would have judged them) verified
         # rather than found wanting. Carried over calls as
         # the rates are: begun whole at each call, it said 0.68 on average where drafting was chosen,
         # and 0.47 of those drafts were verified (compiled, batch 2, STAND deterministic: drafting
@@ -483,7 +483,7 @@ class AutoTree:
             self._predicted, self._drafted = ("plain", self.cost[1]), 0
             return
         self._predicted = ("declined", self.draft_cost[min(self._drafted, self.max_nodes)] + self.cost[1])
-        self._verified(False)
+        self._learn_kept(False)
 
     def plain_ahead(self) -> int:
         """After a plain step's :meth:`record`: how many of the next steps are plain whatever they
@@ -690,12 +690,17 @@ class AutoTree:
         m, focus, promised, v, raw, cost = weigh(parents, rank, depth, valid_mask(draft), weak_mask(draft), hazard,
                                                  active, n, *self._weighing(), not self._probing, self.gain_scale())
         if m == 0:  # (no active row drafted anything)
-            self._verified(False)
+            self._learn_kept(False)
             return None
         if ids is not None:  # the row the choice before drafting weighs from now on: the one gaining least
             self._focus = int(ids[focus])
         sizes = self._row_sizes(v, active, cost, m) if ids is not None and self.per_row else None
-        self._verified(m > 1 or sizes is not None)
+        # A probe is verified whatever it is worth; whether the choice would have kept it teaches the
+        # share of drafts kept, as a watched draft's does. (Probes left out, a share that undrafted
+        # steps at a call's start had taken to 0.08 stayed there while probes accepted 8 and 14 of 14
+        # nodes: the choice stayed plain for most of the call, STAND deterministic, batch 1.)
+        kept = m > 1 if not self._probing else best_prefix(v, active, cost, True) > 1
+        self._learn_kept(kept or sizes is not None)
         if sizes is not None:
             total = int(sizes.sum())
             kept = np.arange(1, n)[None] < sizes[:, None]
@@ -773,10 +778,6 @@ class AutoTree:
         the choice weighs."""
         plain = self.cost[1] * self.scale["plain"]
         return predicted * self._scaled(kind) - emitted * plain > self.DEAR * plain
-
-    def _verified(self, kept: bool) -> None:
-        if not self._probing:
-            self._learn_kept(kept)
 
     def _learn_kept(self, kept: bool) -> None:
         self.scale["verified"] += self.ADAPT * (kept - self.scale["verified"])
@@ -989,7 +990,10 @@ def _load_helpers() -> None:
     marked = TokenTree.from_arrays(shape, tokens.numpy(), ~flags, flags)
     for draft in (TokenTree.from_shape(shape, tokens), TokenTree(shape.parents_tensor().expand(2, -1), tokens), marked,
                   marked.prefix(3)):  # (a drafter's weak nodes, and a cut draft's: other array types to numba)
-        auto.choose(draft, both, rows)
+        for probing in (False, True):  # (a probe's draft is also weighed as the choice would have kept it)
+            auto._probing = probing
+            auto.choose(draft, both, rows)
+        auto._probing = False
         auto.record(draft, np.zeros((2, 2), dtype=np.int64), np.ones(2, dtype=np.int64), rows, ids=rows)
         auto.watched(draft, [np.zeros(2, dtype=np.int64)] * 2, both, rows)
 
