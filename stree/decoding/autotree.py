@@ -219,6 +219,12 @@ class AutoTree:
     WATCH = True
     WATCH_EVERY = 4
     WATCH_SHARE = 0.01
+    # A call's first watched draft is due after this many plain steps at most, whatever the share: each
+    # call is new text, and at the share's pace (a watch in 100-200 plain steps once backed off) a call
+    # of 128 tokens explored nothing and decoded plain where its drafter's trees paid (STAND deterministic,
+    # batch 1, a fresh process: its second to fifth calls, whose text later calls drafted at 2.7-4.6
+    # tokens a step). At most one watch a call beyond the share: under one plain step's time in 128.
+    FIRST_WATCH = 16
     # Whether rows take sizes of their own by default (see per_row): off, as on the CPU measured so far
     # packed passes lost more than they saved (docs/decoding.md); benchmarks/speculation.py --per-row
     PER_ROW = False
@@ -230,6 +236,8 @@ class AutoTree:
         # drafts watched during plain steps (watch_shape): where the output cannot depend on the trees
         self.watching = watch and self.WATCH and adaptive and fills_shapes
         self._unwatched = 0  # plain steps since the last watched draft
+        self._paid_watch = False  # whether the last watched draft would have paid, verified
+        self._first_watch = True  # whether this call has yet to watch a draft (FIRST_WATCH)
         # each row its own size (packed passes) where that pays: by default where the clock says
         # what packed passes cost (the profile measures padded ones), in any size eager loops verify
         self.per_row = self.PER_ROW and adaptive and sizes is None and not chain if per_row is None else per_row
@@ -523,10 +531,20 @@ class AutoTree:
         watches took 4% of a compiled batch-2 loop's plain steps, not 1%.) The share halves with
         each watched draft in a row after which plain steps still won, down to ``WATCH_SHARE /
         2**BACKOFF``, as the probes' does (and is whole again at the next call): where trees never
-        pay (a batch of 8 here), watching them is a loss too."""
+        pay (a batch of 8 here), watching them is a loss too. After a watched draft that would have
+        paid, verified (its tokens against its iteration's price), the next one is due after
+        ``WATCH_EVERY`` plain steps, and the share is whole: text where drafts pay
+        is found within a call (at the share's pace, a call's one or two watches moved its rates too
+        little to leave plain steps: STAND deterministic, batch 1, decoded four calls of a fresh process
+        plain whose text later calls drafted at 2.5-4.9 tokens a step); where none would have paid,
+        watches keep the share's pace. A call's first is due after ``FIRST_WATCH`` plain steps at
+        most."""
+        if self._paid_watch:
+            return self.WATCH_EVERY
         watching = max(self.draft_cost[self._probe_size] * self._scaled("tree"), self.scale["watch_ms"])
         share = self.WATCH_SHARE * 0.5 ** self.scale["watch_idle"]
-        return max(self.WATCH_EVERY, math.ceil(watching / (share * self.cost[1] * self.scale["plain"])))
+        gap = max(self.WATCH_EVERY, math.ceil(watching / (share * self.cost[1] * self.scale["plain"])))
+        return min(gap, self.FIRST_WATCH) if self._first_watch else gap
 
     def watch_shape(self) -> TreeShape | None:
         """After a plain step's :meth:`record` (or a plain run's :meth:`plain_steps`): the shape to
@@ -553,8 +571,11 @@ class AutoTree:
         rows = np.flatnonzero(seen > 0)
         if not len(rows):
             return
+        self._first_watch = False
         parents, rank, depth = structure(draft)
         drafted, weak = valid_mask(draft), weak_mask(draft)
+        if not drafted[:, 1:].any():  # (the drafter had nothing: no lesson about its drafts, as for the ledger)
+            return
         # (a row that emitted nothing keeps its root)
         valid = drafted & (depth < np.maximum(seen, 1)[:, None])
         emitted = np.zeros((len(after), int(seen.max())), dtype=np.int64)
@@ -566,18 +587,24 @@ class AutoTree:
         if served.any():
             hazard = self.row_rates.hazard(ids, self.rates.hazard())
             said = rows_worth(chances(parents, rank, depth, valid, weak, hazard)[served, 1:].sum(1).tolist())
-            self._learn_gain(rows_worth(counts[served].tolist()) - 1.0, said)
+            brought = rows_worth(counts[served].tolist())
+            self._learn_gain(brought - 1.0, said)
             # whether the choice would have kept it teaches the share of drafts kept: learned from chosen
             # drafts alone, a share that had fallen kept the choice from drafting, and so from learning
             # it again (compiled, batch 1, STAND: +0.18 over plain decoding, paired, docs/benchmarks.md)
             m = weigh(parents, rank, depth, drafted, weak, hazard, served, min(draft.n, self.max_nodes),
                       *self._weighing(), True, self.gain_scale())[0]
             self._learn_kept(m > 1)
+            # (whether it paid in hindsight: what it brought the rows served, against its iteration's price)
+            self._paid_watch = brought * self.cost[1] * self.scale["plain"] > self._tree_ms + self._draft_ms
+        else:
+            self._paid_watch = False
         cut = remade(draft, valid=torch.from_numpy(valid), weak=draft.weak)
         self.rates.record(cut, emitted, counts, rows, self.row_rates, ids)
         self._stale = True
         self._replan(cut)
-        self.scale["watch_idle"] = 0 if self.wants_trees() else min(self.scale["watch_idle"] + 1, self.BACKOFF)
+        self.scale["watch_idle"] = (0 if self._paid_watch or self.wants_trees()
+                                    else min(self.scale["watch_idle"] + 1, self.BACKOFF))
         self.scale["explored"] += 1
         if drafting_ms is not None:
             # (from the predicted drafting, not from the first watch's time, which then spaced the next

@@ -656,14 +656,16 @@ def test_a_watched_draft_teaches_the_share_of_drafts_kept_as_the_choice_would_ha
     """A watched draft is never verified, and what it teaches the share of drafts kept
     (``scale["verified"]``, which the choice before drafting weighs) is whether the choice would
     have kept it for the rows it served: a drafted chain of cheap trees raises a share that had
-    fallen, a draft with nothing past its root lowers it. Unlearned, a share that had fallen (drafts
+    fallen, the same chain where trees cost six steps lowers it, and a draft with nothing past its
+    root (the drafter had nothing) teaches nothing. Unlearned, a share that had fallen (drafts
     found wanting for a stretch) kept the choice from drafting, and so from learning it again, until
     a draft was chosen: compiled, batch 1, STAND's choice stayed plain where its trees paid
     (docs/benchmarks.md, 2026-12-02, afternoon)."""
     after = [np.array([6, 1, 2])]
-    kept, wanting = (0.2, None, AutoTree.ADAPT * 0.8), (0.8, [[True, False, False]], -AutoTree.ADAPT * 0.8)
-    for share, valid, moved in (kept, wanting):
-        auto = AutoTree(cheap(), adaptive=True, watch=True)
+    kept, wanting = (cheap(), 0.2, None, AutoTree.ADAPT * 0.8), (expensive(), 0.8, None, -AutoTree.ADAPT * 0.8)
+    empty = (cheap(), 0.8, [[True, False, False]], 0.0)
+    for profile, share, valid, moved in (kept, wanting, empty):
+        auto = AutoTree(profile, adaptive=True, watch=True)
         auto.scale["verified"] = share
         auto.watched(tree_of([-1, 0, 1], [[5, 6, 7]], valid), after, np.ones(1, dtype=bool), np.arange(1))
         assert auto.scale["verified"] == pytest.approx(share + moved)
@@ -890,6 +892,7 @@ def test_each_call_explores_at_the_whole_shares_again_where_the_last_could_back_
     assert len(run_rejecting(auto, 20000, 8.0)) >= AutoTree.AGAIN
     least = {"losing": AutoTree.BACKOFF, "watch_idle": AutoTree.BACKOFF}
     auto.scale.update(least, watch_ms=2.0)  # (watches that took 2 ms)
+    auto._first_watch = False  # (the share's gap: a call's first watched draft aside, FIRST_WATCH)
     slow_probes, slow_watches = auto._deposit(), auto._watch_gap()
     learned = {k: auto.scale[k] for k in ("probe_loss", "bank", "plain", "tree")}
     assert not auto.scale["paid"]  # (no probe paid: none had a draft accepted)
@@ -900,6 +903,8 @@ def test_each_call_explores_at_the_whole_shares_again_where_the_last_could_back_
     after = AutoTree(profile, adaptive=True, watch=True, rates=auto.rates, scale=auto.scale)
     assert after.scale["losing"] == after.scale["watch_idle"] == 0
     assert after._deposit() == pytest.approx(slow_probes * 2 ** AutoTree.BACKOFF)
+    assert after._watch_gap() == AutoTree.FIRST_WATCH  # (its call's first watched draft)
+    after._first_watch = False
     assert after._watch_gap() == pytest.approx(slow_watches / 2 ** AutoTree.BACKOFF, rel=0.02)
     assert {k: after.scale[k] for k in learned} == learned and after.rates is auto.rates
     run_rejecting(after, 2 * AutoTree.PROBE, 8.0)  # (a short call)
@@ -1059,7 +1064,8 @@ def test_watched_drafts_are_spaced_by_what_watching_them_took(monkeypatch):
 
 def test_watches_back_off_while_plain_steps_keep_winning_and_come_back_when_trees_do():
     """Each watched draft after which plain steps still win halves the watches' share (the gap
-    doubles), down to WATCH_SHARE / 2**BACKOFF; one that makes a tree worth drafting restores it."""
+    doubles), down to WATCH_SHARE / 2**BACKOFF; one that would have paid, verified, restores it and
+    has the next one due after WATCH_EVERY plain steps."""
     auto = AutoTree(cheap(), adaptive=True, watch=True, rates=PathRates(prior=(0.02,) * 8))
     chain = tree_of([-1, 0, 1, 2], [[5, 6, 7, 8]])
     gaps = []
@@ -1073,7 +1079,10 @@ def test_watches_back_off_while_plain_steps_keep_winning_and_come_back_when_tree
     while not auto.wants_trees():  # text the drafter follows: every node matches
         auto.watched(chain, [np.array([6, 7, 8, 9])], np.ones(1, dtype=bool), np.arange(1), drafting_ms=0.5)
     auto.scale["watch_ms"] = 0.5
-    assert auto.scale["watch_idle"] == 0 and auto._watch_gap() * 2 == gaps[0]
+    assert auto.scale["watch_idle"] == 0 and auto._watch_gap() == AutoTree.WATCH_EVERY < gaps[0]
+    auto.watched(chain, [np.array([1, 2, 3, 4])], np.ones(1, dtype=bool), np.arange(1), drafting_ms=0.5)
+    auto.scale["watch_ms"] = 0.5
+    assert auto._watch_gap() * 2 == gaps[0]  # (one that would not have paid: the whole share's gap again)
 
 
 class NeverProbes(AutoTree):
@@ -1106,6 +1115,28 @@ def test_watched_drafts_bring_trees_back_where_probes_never_come():
     assert auto._watch_gap() >= AutoTree.WATCH_EVERY
     assert run(False)[:2] == (200, 0)
 
+
+
+def test_a_calls_first_watched_draft_is_due_within_first_watch_plain_steps():
+    """Each call is new text: its first watched draft is due after FIRST_WATCH plain steps, where
+    the share (backed off) would space watches further apart; after it, watches keep the share's
+    pace again where the draft would not have paid (one in about 200 plain steps here: no second
+    one within the call's 128)."""
+    auto = NeverProbes(cheap(), adaptive=True, watch=True, rates=PathRates(prior=(0.02,) * 8),
+                       scale={"plain": 1.0, "tree": 1.0, "watch_idle": AutoTree.BACKOFF, "watch_ms": 0.5,
+                              "explored": 0})
+    due_at = []
+    for step in range(1, 129):
+        assert auto.plan() is None
+        auto.record(None)
+        due = auto.watch_shape()
+        if due is not None:
+            due_at.append(step)
+            draft = TokenTree.from_shape(due, torch.arange(due.n)[None] + 100)  # (text it does not follow)
+            auto.watched(draft, [np.array([1, 2])], np.ones(1, dtype=bool), np.zeros(1, dtype=np.int64),
+                         drafting_ms=0.5)
+    assert due_at == [AutoTree.FIRST_WATCH]
+    assert auto._watch_gap() > 128
 
 # ---- in the loop ------------------------------------------------------------------------------
 @pytest.mark.parametrize("family", FAMILIES)
