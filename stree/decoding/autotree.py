@@ -222,7 +222,7 @@ class AutoTree:
     # A call's first watched draft is due after this many plain steps at most, whatever the share: each
     # call is new text, and at the share's pace (a watch in 100-200 plain steps once backed off) a call
     # of 128 tokens explored nothing and decoded plain where its drafter's trees paid (STAND deterministic,
-    # batch 1, a fresh process: its second to fifth calls, whose text later calls drafted at 2.7-4.6
+    # batch 1, a fresh process: its second to fifth calls, whose text later calls drafted at 2.7-5.8
     # tokens a step). At most one watch a call beyond the share: under one plain step's time in 128.
     FIRST_WATCH = 16
     # Whether rows take sizes of their own by default (see per_row): off, as on the CPU measured so far
@@ -536,7 +536,7 @@ class AutoTree:
         ``WATCH_EVERY`` plain steps, and the share is whole: text where drafts pay
         is found within a call (at the share's pace, a call's one or two watches moved its rates too
         little to leave plain steps: STAND deterministic, batch 1, decoded four calls of a fresh process
-        plain whose text later calls drafted at 2.5-4.9 tokens a step); where none would have paid,
+        plain whose text later calls drafted at 2.7-5.8 tokens a step); where none would have paid,
         watches keep the share's pace. A call's first is due after ``FIRST_WATCH`` plain steps at
         most."""
         if self._paid_watch:
@@ -726,8 +726,8 @@ class AutoTree:
         # share of drafts kept, as a watched draft's does. (Probes left out, a share that undrafted
         # steps at a call's start had taken to 0.08 stayed there while probes accepted 8 and 14 of 14
         # nodes: the choice stayed plain for most of the call, STAND deterministic, batch 1.)
-        kept = m > 1 if not self._probing else best_prefix(v, active, cost, True) > 1
-        self._learn_kept(kept or sizes is not None)
+        worth = m > 1 if not self._probing else best_prefix(v, active, cost, True) > 1
+        self._learn_kept(worth or sizes is not None)
         if sizes is not None:
             total = int(sizes.sum())
             kept = np.arange(1, n)[None] < sizes[:, None]
