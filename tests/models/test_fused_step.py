@@ -175,6 +175,33 @@ def test_the_one_call_greedy_iteration_is_the_pass_verification_and_commit(data,
         assert not ids[~real].any() and not probs[~real].any() and not own[~real].any()
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_a_greedy_iteration_takes_the_first_of_equal_largest_logits(seed):
+    """Logits with many equal largest entries at every node (the final norm keeps one channel, the
+    head's column there holds a few values): the one call's walk takes the first of them, as
+    torch's argmax in the host verification, across a vocabulary that is no multiple of the lanes."""
+    model = mamba2(tie_embeddings=False, seed=seed)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        model.final_norm.weight.zero_()
+        model.final_norm.weight[seed % 3] = 1.0
+        model.lm_head.weight.zero_()
+        model.lm_head.weight[:, seed % 3] = torch.randint(0, 3, (model.lm_head.weight.shape[0],), generator=gen).float()
+    cache = _prefilled(model, 2, seed)
+    shape = TreeShape.chain(5)
+    tokens = torch.randint(0, VOCAB, (2, shape.n), generator=gen)
+    for depth in range(shape.n - 1):  # (each node's child the model's choice there: the walk runs the chain)
+        choice = model.forward_tree(TokenTree.from_shape(shape, tokens), cache.clone())[0].argmax(-1)
+        tokens[:, depth + 1] = choice[:, depth]
+    tree = TokenTree.from_shape(shape, tokens)
+    logits = model.forward_tree(tree, cache.clone())[0]
+    assert (logits == logits.max(-1, keepdim=True).values).sum(-1).min() > 1  # (ties at every node)
+    got = model.greedy_tree(tree, cache.clone())
+    result, emitted, finite = verify_greedy_host(tree, logits)
+    assert got[2].tolist() == result.num_accepted.tolist() == [shape.n, shape.n]
+    assert torch.equal(got[4], emitted) and torch.equal(got[3], result.bonus) and finite.all()
+
+
 def test_a_greedy_iteration_flags_a_row_whose_logits_past_the_root_are_nan():
     model = mamba2(tie_embeddings=False)
     with torch.no_grad():

@@ -356,6 +356,42 @@ extern "C" long stree_mamba_tree(const int64_t* a) {
 
 namespace {
 
+// The first index of the row's largest entry, as a scan taking each entry strictly above the best so far
+// (NaNs never taken; a NaN first entry stays the choice): the largest by lanes, whose maximum a NaN
+// never enters (x > m ? x : m keeps m), then the first entry equal to it. Scalar, the scan's compare
+// and select per entry took a 13-node iteration's walk some microseconds a node.
+long first_max(const float* row, long V) {
+  float best = row[0];
+  if (best != best) return 0;
+  constexpr long W = 16;
+  float lane[W];
+  for (long j = 0; j < W; j++) lane[j] = best;
+  long i = 0;
+  for (; i + W <= V; i += W)
+#pragma omp simd
+    for (long j = 0; j < W; j++) lane[j] = row[i + j] > lane[j] ? row[i + j] : lane[j];
+  for (; i < V; i++) best = row[i] > best ? row[i] : best;
+  for (long j = 0; j < W; j++) best = lane[j] > best ? lane[j] : best;
+  for (i = 0; i + W <= V; i += W) {
+    int hit = 0;
+#pragma omp simd reduction(| : hit)
+    for (long j = 0; j < W; j++) hit |= row[i + j] == best;
+    if (hit) break;
+  }
+  for (; row[i] != best; i++) {
+  }
+  return i;
+}
+
+// Whether every entry is below +inf (NaN not), as one reduction (a scalar compare per entry, kept
+// apart by `&=` on a bool, had taken a 13-node iteration's check about as long as its walk)
+bool all_below_inf(const float* x, long count) {
+  int bad = 0;
+#pragma omp simd reduction(| : bad)
+  for (long i = 0; i < count; i++) bad |= !(x[i] < INFINITY);
+  return !bad;
+}
+
 // Greedy verification of one row (verify_jit.greedy_walk's): from the root, each node's choice is the
 // argmax of its logits (the first of equal maxima), and the walk moves to the node's first valid child
 // (in index order) holding it. path [L] (root first, 0 past it), emitted [L] (the accepted drafts, then
@@ -366,11 +402,7 @@ long greedy_row(const float* logits, long V, const int64_t* tokens, const int64_
   long v = 0, count = 1, choice = 0;
   for (long j = 0; j < L; j++) path[j] = 0;
   while (true) {
-    const float* row = logits + v * V;
-    float best = row[0];
-    choice = 0;
-    for (long i = 1; i < V; i++)
-      if (row[i] > best) best = row[i], choice = i;
+    choice = first_max(logits + v * V, V);
     long next = -1;
     for (long c = v + 1; c < n && next < 0; c++)
       if (parents[c] == v && valid[c] && tokens[c] == choice) next = c;
@@ -482,9 +514,7 @@ extern "C" long stree_mamba_tree_greedy(const int64_t* a) {
   long V = sz.vocab;
   for (long r = 0; r < b; r++) {
     const float* lr = logits + r * n * V;
-    bool ok = true;
-    for (long i = 0; i < n * V; i++) ok &= lr[i] < INFINITY;
-    finite[r] = ok;
+    finite[r] = all_below_inf(lr, n * V);
     num[r] = greedy_row(lr, V, tokens + r * n, parents + (rows > 1 ? r : 0) * n, valid + r * n, n, L, path + r * L,
                         emitted + r * L);
     if (!num[r]) return -1;
