@@ -30,10 +30,11 @@ FAMILIES = {"mamba2": mamba2, "hybrid": hybrid}
 
 
 def layer_by_layer(monkeypatch):
-    """A float32 Mamba2 model's steps, draft passes and greedy iterations as its blocks' own calls,
-    not one call each (stree.models.fused_step): for tests of those calls, and of the compiled
+    """A float32 Mamba2 model's steps, prefills, draft passes and greedy iterations as its blocks' own
+    calls, not one call each (stree.models.fused_step): for tests of those calls, and of the compiled
     graphs of them."""
     monkeypatch.setattr(Mamba2LM, "fused_step", lambda self, *a: None)
+    monkeypatch.setattr(Mamba2LM, "fused_prefill", lambda self, *a: None)
     monkeypatch.setattr(Mamba2LM, "fused_tree", lambda self, *a: None)
     monkeypatch.setattr(Mamba2LM, "fused_tree_greedy", lambda self, *a: None)
 

@@ -27,7 +27,7 @@ from .layers import linear
 from .layers.mamba2 import Mamba2Mixer
 from .layers.norms import GatedRMSNorm, RMSNorm
 
-__all__ = ["fused_step", "fused_tree", "fused_tree_greedy"]
+__all__ = ["fused_prefill", "fused_step", "fused_tree", "fused_tree_greedy"]
 
 _VERSION = operator.attrgetter("_version")
 
@@ -129,6 +129,18 @@ def fused_step(model, cache: ModelCache, tokens: torch.Tensor | None, kernel_bac
     if plan is None or not plan.holds(model):
         plan = model.__dict__["_stree_fused_step"] = _Plan(model)
     return plan.step
+
+
+def fused_prefill(model, cache: ModelCache, tokens: torch.Tensor, counts: torch.Tensor, kernel_backend: str):
+    """Each row's first ``counts[r]`` of ``tokens`` ``[b, T]`` fed into the cache's states as one call
+    (:meth:`~stree.kernels.cpu.mamba_step.MambaStep.prefill`, where the step is one call:
+    :func:`fused_step`), the dt clamped as the model's prefills clamp it: the logits after each
+    row's last token ``[b, V]`` (the cache's ``seqlens`` not advanced); or None."""
+    step = fused_step(model, cache, tokens, kernel_backend)
+    if step is None:
+        return None
+    counts = np.ascontiguousarray(counts.numpy(), dtype=np.int64)
+    return step.prefill(tokens.contiguous(), counts, cache.conv, cache.ssm, model.blocks[0].mixer.dt_limit(True))
 
 
 def fused_tree(model, cache: ModelCache, tokens: torch.Tensor, index, kernel_backend: str):

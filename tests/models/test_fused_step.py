@@ -5,6 +5,7 @@ states of the layer-by-layer pass, within float32 rounding, for every layout the
 trees; parameters changed between steps read anew; bad tokens and rows refused with the cache
 untouched; the block-by-block calls wherever they do not apply."""
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -392,3 +393,77 @@ def test_compiled_decoding_takes_both_one_call_paths_and_compiles_nothing(ran):
                        **kw)
     assert got.sequences == want.sequences
     assert trees and ran[0] > steps and counters["stats"]["unique_graphs"] == graphs
+
+
+@settings(max_examples=25, deadline=None)
+@given(data=st.data(), layout=st.sampled_from(sorted(LAYOUTS)), batch=st.integers(1, 3))
+def test_the_one_call_prefill_is_its_tokens_stepped_one_by_one(data, layout, batch):
+    """Rows of different lengths (past a block of 64 tokens): the one call leaves exactly the states,
+    and gives exactly the logits after each row's last token, of the one-call steps of its tokens one
+    after another (the step's arithmetic, the products over many rows summing in the same order); the
+    dt clamped as a prefill clamps it (a model clamping its prefills alone)."""
+    model = MODELS[layout]
+    lengths = data.draw(st.lists(st.integers(1, 150), min_size=batch, max_size=batch))
+    T = max(lengths)
+    tokens = torch.randint(0, VOCAB, (batch, T), generator=torch.Generator().manual_seed(sum(lengths)))
+    cache = _prefilled(model, batch)
+    other = cache.clone()
+    with torch.no_grad():  # (a step under autograd is the blocks')
+        step = fused_step(model, cache, tokens, "auto")
+    counts = np.array(lengths, dtype=np.int64)
+    got = step.prefill(tokens.contiguous(), counts, cache.conv, cache.ssm, model.blocks[0].mixer.dt_limit(True))
+    clamp = model.blocks[0].mixer.dt_limit(True)
+    stepper = mamba_step.MambaStep(step.layers, model.embed.weight, model.final_norm.weight, model.lm_head.weight,
+                                   d_state=model.blocks[0].mixer.cfg.d_state, groups=model.blocks[0].mixer.cfg.ngroups,
+                                   norm_group=model.blocks[0].mixer.norm.group_size,
+                                   gate_first=model.blocks[0].mixer.norm.gate_first, eps=model.blocks[0].norm.eps,
+                                   gnorm_eps=model.blocks[0].mixer.norm.eps, final_eps=model.final_norm.eps,
+                                   dt_limit=clamp, pack=linear.tiled_copy)
+    for row, n in enumerate(lengths):  # (each row alone: its own cache rows)
+        conv, ssm = other.conv[:, row: row + 1].clone(), other.ssm[:, row: row + 1].clone()
+        for t in range(n):
+            want = stepper(tokens[row, t: t + 1].contiguous(), conv, ssm)
+        assert torch.equal(got[row], want[0]), (row, n)
+        assert torch.equal(cache.conv[:, row], conv[:, 0]) and torch.equal(cache.ssm[:, row], ssm[:, 0])
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_prefill_takes_the_one_call_with_the_blockwise_prefills_logits_and_states(layout, monkeypatch):
+    """``model.prefill`` of ragged prompts in chunks: one call per chunk, the logits and states those
+    of the block-by-block prefill within float32 rounding, the lengths advanced; ``every`` (the logits
+    after every token) takes the block-by-block path."""
+    model = MODELS[layout]
+    ids = torch.randint(0, VOCAB, (3, 90), generator=torch.Generator().manual_seed(3))
+    lengths = torch.tensor([90, 33, 70])
+    cache, other = model.allocate_cache(3, 128), model.allocate_cache(3, 128)
+    calls = [0]
+    real = mamba_step.MambaStep.prefill
+
+    def counted(self, *a):
+        calls[0] += 1
+        return real(self, *a)
+    monkeypatch.setattr(mamba_step.MambaStep, "prefill", counted)
+    got = model.prefill(ids, cache, lengths=lengths, chunk=40)
+    assert calls[0] == 3 and cache.seqlens.tolist() == lengths.tolist() and cache.version > 0
+    model.prefill(ids, model.allocate_cache(3, 128), lengths=lengths, every=True)
+    assert calls[0] == 3
+    _blockwise(monkeypatch)
+    want = model.prefill(ids, other, lengths=lengths, chunk=40)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+    assert_same_state(cache, other, tol=2e-5)
+
+
+def test_a_one_call_prefill_with_a_bad_token_moves_nothing():
+    model = mamba2()
+    cache = _prefilled(model, 2)
+    before = cache.clone()
+    tokens = torch.tensor([[1, 2, 3], [4, VOCAB + 7, 5]])
+    with torch.no_grad():
+        step = fused_step(model, cache, tokens, "auto")
+    with pytest.raises(ValueError, match="row 1, position 1"):
+        step.prefill(tokens, np.array([3, 3]), cache.conv, cache.ssm, (0.0, float("inf")))
+    assert_same_state(cache, before, tol=0)
+    # (the bad token past row 1's count: fed no further, read nowhere)
+    assert step.prefill(tokens, np.array([3, 1]), cache.conv, cache.ssm, (0.0, float("inf"))).shape == (2, step.vocab)
+    assert not torch.equal(cache.ssm, before.ssm)

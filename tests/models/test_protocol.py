@@ -154,8 +154,10 @@ def test_forward_tree_never_materialises_a_per_node_ssm_state(family, kernel_bac
     assert 0 < seen.largest < per_node_states / 2, (seen.largest, per_node_states)
 
 
-def test_prefill_runs_the_head_on_each_rows_last_fed_token_only():
-    """The head is most of a small model's prefill: a chunk computes logits at one node per row."""
+def test_prefill_runs_the_head_on_each_rows_last_fed_token_only(monkeypatch):
+    """The head is most of a small model's prefill: a chunk computes logits at one node per row (block
+    by block; the one-call prefill's head is tests/models/test_fused_step.py's)."""
+    layer_by_layer(monkeypatch)
     model = FAMILIES["mamba2"]()
     seen = []
     model.lm_head.register_forward_hook(lambda module, args, out: seen.append(tuple(args[0].shape)))

@@ -133,9 +133,10 @@ void gated_norm(const float* y, const float* gate, const float* w, long group, d
 
 // One row's tree conv (tree_jit.conv_row's arithmetic): node i's taps over its path, itself at tap
 // K - 1, its parent at K - 2, ..., then the state's newest columns; + bias, then SiLU. xBC [n, ldx]
-// raw (the in_proj output's xBC), state [dim, K], parents [n]; out [n, dim].
+// raw (the in_proj output's xBC), state [dim, K], parents [n]; out [n, ldo]. Channels are independent:
+// a part of them is the same call on their columns.
 void tree_conv_row(const float* xBC, long ldx, const int64_t* parents, long n, const float* state, const float* w,
-                   const float* bias, long dim, long K, float* out) {
+                   const float* bias, long dim, long K, float* out, long ldo) {
   thread_local std::vector<float> cols;  // the weight's and the state's columns as rows: the loops run along dim
   cols.resize((size_t)(2 * K * dim));
   float *taps = cols.data(), *past = taps + K * dim;
@@ -145,7 +146,7 @@ void tree_conv_row(const float* xBC, long ldx, const int64_t* parents, long n, c
       past[k * dim + c] = state[c * K + k];
     }
   for (long i = 0; i < n; i++) {
-    float* o = out + i * dim;
+    float* o = out + i * ldo;
     for (long c = 0; c < dim; c++) o[c] = bias ? bias[c] : 0.f;
     long pos = i;
     for (long k = K - 1; k >= 0; k--) {  // tap k reads the node K - 1 - k steps up the path
@@ -201,6 +202,14 @@ void tree_scan_row(const float* conv, long dim, const float* dt, long ldt, const
   }
 }
 
+// Where part ``part`` of ``parts`` of ``dim`` channels starts: whole vectors of 16 floats, the last part
+// taking the rest.
+long channel_split(long dim, long part, long parts) {
+  if (part >= parts) return dim;
+  long at = dim * part / parts / 16 * 16;
+  return at < dim ? at : dim;
+}
+
 // The embeddings of ``rows`` tokens into x [rows, d_model].
 void embed_rows(const Model* m, const int64_t* tokens, long rows, float* x) {
   long D = m->n.d_model;
@@ -208,9 +217,14 @@ void embed_rows(const Model* m, const int64_t* tokens, long rows, float* x) {
     for (long d = 0; d < D; d++) x[r * D + d] = m->embed[tokens[r] * D + d];
 }
 
+// Rows from which a block's norms run over the threads, a share of the rows each (a prefill's scalar
+// norms in double, one row after another, had taken it longer than its products)
+constexpr long ROWS_APART = 16;
+
 // A block's start for ``rows`` tokens: the RMSNorm of x into h, then in_proj into proj [rows, d_in_proj].
 void block_in(const Model* m, const Layer& L, long rows, const float* x, float* h, float* proj, int threads) {
   long D = m->n.d_model, P = m->n.d_in_proj;
+#pragma omp parallel for schedule(static) num_threads(threads) if (rows >= ROWS_APART)
   for (long r = 0; r < rows; r++) rms_norm(x + r * D, D, L.norm_w, m->e.eps, h + r * D);
   stree_gemm(h, rows, D, D, L.in_w, P, proj, P, L.in_b, threads);
 }
@@ -221,6 +235,7 @@ void block_out(const Model* m, const Layer& L, long rows, const float* proj, con
                float* normed, float* out, float* x, int threads) {
   const Sizes& n = m->n;
   long D = n.d_model, P = n.d_in_proj, I = n.d_inner;
+#pragma omp parallel for schedule(static) num_threads(threads) if (rows >= ROWS_APART)
   for (long r = 0; r < rows; r++) {
     const float* z = proj + r * P;
     silu_row(z, I, gate + r * I);
@@ -286,6 +301,103 @@ extern "C" long stree_mamba_step(const int64_t* a) {
   return 0;
 }
 
+// A prefill's arguments as one array of int64 (see mamba_step.py): the model's layout, the tokens [b, T]
+// (int64, row-major), counts [b] (int64, 1 <= counts[r] <= T: row r feeds its first counts[r]), b, T,
+// the conv and SSM states (advanced in place by every row's tokens), the logits [b, vocab] after each
+// row's last token, the dt clamp's two doubles (as their bits: a prefill's may not be decoding's),
+// threads. Each row's tokens go through the step's arithmetic one after another (its conv window and
+// state update, token by token), the products over a block's tokens of every row at once: a product
+// sums each entry in the same order whatever its rows, so the states and logits are exactly those of
+// counts[r] steps. Returns 0, or 1 + the first (row-major) fed token outside the vocabulary (nothing
+// computed then).
+extern "C" long stree_mamba_prefill(const int64_t* a) {
+  const Model* m = (const Model*)a[0];
+  const int64_t *tokens = (const int64_t*)a[1], *counts = (const int64_t*)a[2];
+  long b = a[3], T = a[4];
+  float *conv_states = (float*)a[5], *ssm_states = (float*)a[6];
+  float* logits = (float*)a[7];
+  double lo = __builtin_bit_cast(double, a[8]), hi = __builtin_bit_cast(double, a[9]);
+  int threads = (int)a[10];
+  const Sizes& n = m->n;
+  for (long r = 0; r < b; r++)
+    for (long t = 0; t < counts[r]; t++)
+      if (tokens[r * T + t] < 0 || tokens[r * T + t] >= n.vocab) return r * T + t + 1;
+  long D = n.d_model, P = n.d_in_proj, I = n.d_inner, CD = n.conv_dim, K = n.d_conv, S = n.d_state;
+  long H = n.heads, HP = H * n.headdim, per_group = H / n.groups;
+  // a block of each row's tokens at a time: the scratch stays a block's (b * BLOCK rows), however long
+  // the prompts
+  constexpr long BLOCK = 64;
+  thread_local std::vector<float> scratch;
+  thread_local std::vector<int64_t> packed;
+  scratch.resize((size_t)(b * BLOCK * (3 * D + P + CD + 3 * I) + b * D));
+  packed.resize((size_t)(b * BLOCK + b + 1));
+  long rows_max = b * BLOCK;
+  float *x = scratch.data(), *h = x + rows_max * D, *out = h + rows_max * D, *proj = out + rows_max * D;
+  float *conv = proj + rows_max * P, *y = conv + rows_max * CD, *gate = y + rows_max * I, *normed = gate + rows_max * I;
+  float* last = normed + rows_max * I;  // each row's hidden state after its last token
+  int64_t *tok = packed.data(), *start = tok + rows_max;  // the block's tokens, row r's from start[r]
+  // a row's conv over its channels in parts where rows are fewer than threads (the window of each channel is
+  // its own), its state update over (row, head) pairs
+  long parts = b < threads ? threads / b : 1;
+  int64_t chain[BLOCK];  // a chain's parents
+  for (long i = 0; i < BLOCK; i++) chain[i] = i - 1;
+  for (long t0 = 0; t0 < T; t0 += BLOCK) {
+    long N = 0;
+    for (long r = 0; r < b; r++) {
+      start[r] = N;
+      long len = counts[r] - t0 < BLOCK ? counts[r] - t0 : BLOCK;
+      for (long j = 0; j < len; j++) tok[N + j] = tokens[r * T + t0 + j];
+      N += len > 0 ? len : 0;
+    }
+    start[b] = N;
+    if (!N) break;
+    bool wide = N * HP * S >= (1 << 16);
+    embed_rows(m, tok, N, x);
+    for (long l = 0; l < n.layers; l++) {
+      const Layer& L = m->layer[l];
+      block_in(m, L, N, x, h, proj, threads);
+      float* cs = conv_states + l * b * CD * K;
+      float* ss = ssm_states + l * b * HP * S;
+#pragma omp parallel for schedule(static) num_threads(threads) if (wide)
+      for (long t = 0; t < b * parts; t++) {
+        long r = t / parts, c0 = channel_split(CD, t % parts, parts), c1 = channel_split(CD, t % parts + 1, parts);
+        long len = start[r + 1] - start[r];
+        if (!len) continue;
+        // the block's tokens as a chain (the tree conv's loops run along the channels, the step's conv
+        // one channel at a time; each output sums the same products in the same order), then the window
+        // moved past them: slot j holds the token len - K + j, or, before them, the old slot j + len
+        const float* raw = proj + start[r] * P + I;
+        float* window = cs + r * CD * K;
+        tree_conv_row(raw + c0, P, chain, len, window + c0 * K, L.conv_w + c0 * K, L.conv_b ? L.conv_b + c0 : nullptr,
+                      c1 - c0, K, conv + start[r] * CD + c0, CD);
+        for (long c = c0; c < c1; c++)
+          for (long j = 0; j < K; j++) {
+            long q = len - K + j;
+            window[c * K + j] = q >= 0 ? raw[q * P + c] : window[c * K + j + len];
+          }
+      }
+#pragma omp parallel for schedule(static) num_threads(threads) if (wide)
+      for (long t = 0; t < b * H; t++) {
+        long r = t / H, hd = t % H;
+        for (long row = start[r]; row < start[r + 1]; row++) {
+          const float* c = conv + row * CD;  // x [heads, headdim], B and C [groups, d_state]
+          const float* group_B = c + HP + hd / per_group * S;
+          head_update(ss + t * n.headdim * S, c + hd * n.headdim, proj[row * P + I + CD + hd], L.A[hd], group_B,
+                      group_B + n.groups * S, L.D + hd * n.headdim, L.dt_bias[hd], lo, hi, n.headdim, S,
+                      y + row * I + hd * n.headdim);
+        }
+      }
+      block_out(m, L, N, proj, y, gate, normed, out, x, threads);
+    }
+    for (long r = 0; r < b; r++)
+      if (counts[r] > t0 && counts[r] <= t0 + BLOCK)
+        for (long d = 0; d < D; d++) last[r * D + d] = x[(start[r] + counts[r] - t0 - 1) * D + d];
+  }
+  for (long r = 0; r < b; r++) rms_norm(last + r * D, D, m->final_w, m->e.final_eps, h + r * D);
+  stree_gemm(h, b, D, D, m->head_w, n.vocab, logits, n.vocab, nullptr, threads);
+  return 0;
+}
+
 // A tree pass's arguments as one array of int64 (see mamba_step.py): the model's layout, the tokens
 // [b, n] (int64), b, n, the parents [rows, n] (int64, rows 1 or b, parents before children), rows, the
 // conv and SSM states (read only), the four scratch arrays replay reads, [layers, b, n, ...] float32 (xBC
@@ -333,7 +445,7 @@ extern "C" long stree_mamba_tree(const int64_t* a) {
         for (long c = 0; c < H; c++) dt_i[c] = raw[CD + c];
       }
       tree_conv_row(pj + I, P, pr, n, conv_states + (l * b + r) * CD * K, L.conv_w, L.conv_b, CD, K,
-                    conv + r * n * CD);
+                    conv + r * n * CD, CD);
       for (long i = 0; i < n; i++) {
         const float* ci = conv + (r * n + i) * CD;
         for (long e = 0; e < HP; e++) x_l[(r * n + i) * HP + e] = ci[e];

@@ -34,6 +34,7 @@ __all__ = ["MambaLayer", "MambaStep", "available"]
 _ARGS = struct.Struct("=9q")
 _TREE_ARGS = struct.Struct("=14q")
 _GREEDY_ARGS = struct.Struct("=25q")
+_PREFILL_ARGS = struct.Struct("=8q2d1q")
 MAX_GROUPS = 64  # (the tree scan's C . B per group is a fixed buffer in mamba_step.cpp)
 
 
@@ -113,6 +114,7 @@ class MambaStep:
         self._layout = np.array(words, dtype=np.int64)
         self._at = self._layout.ctypes.data  # (its address, read once: an array's .ctypes costs microseconds)
         self._run, self._tree, self._greedy = lib.stree_mamba_step, lib.stree_mamba_tree, lib.stree_mamba_tree_greedy
+        self._prefill = lib.stree_mamba_prefill
         self.vocab = vocab
         # the trailing shapes of a tree pass's scratch (xBC, x, dt, B; stree.models.cache.SSMScratch)
         self.tails = (conv_dim,), (heads, headdim), (heads,), (groups, d_state)
@@ -137,6 +139,25 @@ class MambaStep:
             raise ValueError(f"heads must index the {b} rows, got {heads.tolist()}")
         return logits
 
+
+    def prefill(self, tokens: torch.Tensor, counts: np.ndarray, conv: torch.Tensor, ssm: torch.Tensor,
+                dt_limit: tuple[float, float]) -> torch.Tensor:
+        """Feed each row ``counts[r]`` (int64 ``[b]``, in ``[1, T]``) of its ``tokens`` ``[b, T]`` (int64,
+        contiguous) into ``conv`` and ``ssm`` (as :meth:`__call__`'s, advanced in place), the dt
+        clamped to ``dt_limit`` (a prefill's: a model may clamp its prefills alone); returns the
+        logits after each row's last token, ``[b, vocab]``. Exactly ``counts[r]`` steps' arithmetic
+        (products over many rows at once: each entry sums in the same order). The caller vouches for
+        the shapes and counts; token ids are checked here, before anything is computed."""
+        b, T = tokens.shape
+        logits = torch.empty(b, self.vocab)
+        status = self._prefill(_PREFILL_ARGS.pack(self._at, tokens.data_ptr(), counts.ctypes.data, b, T,
+                                                  conv.data_ptr(), ssm.data_ptr(), logits.data_ptr(),
+                                                  float(dt_limit[0]), float(dt_limit[1]), torch.get_num_threads()))
+        if status:
+            row, at = divmod(status - 1, T)
+            raise ValueError(f"tokens must be in [0, {self.vocab}), got {int(tokens[row, at])} at row {row}, "
+                             f"position {at}")
+        return logits
 
     def tree(self, tokens: torch.Tensor, parents: np.ndarray, conv: torch.Tensor, ssm: torch.Tensor):
         """A tree pass: logits ``[b, n, vocab]`` at every node of the trees over ``parents`` ``[rows,

@@ -8,7 +8,7 @@ from __future__ import annotations
 from torch import nn
 
 from ..base import Block, TreeLM
-from ..fused_step import fused_step, fused_tree, fused_tree_greedy
+from ..fused_step import fused_prefill, fused_step, fused_tree, fused_tree_greedy
 from ..config import Mamba2Config
 from ..layers.mamba2 import Mamba2Mixer
 from ..layers.norms import RMSNorm
@@ -46,6 +46,9 @@ class Mamba2LM(TreeLM):
 
     def fused_step(self, cache, tokens, kernel_backend):
         return fused_step(self, cache, tokens, kernel_backend)
+
+    def fused_prefill(self, cache, tokens, counts, kernel_backend):
+        return fused_prefill(self, cache, tokens, counts, kernel_backend)
 
     def fused_tree(self, cache, tokens, index, kernel_backend):
         return fused_tree(self, cache, tokens, index, kernel_backend)
