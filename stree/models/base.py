@@ -438,8 +438,8 @@ class TreeLM(nn.Module):
                                                       dtype=self.dtype)
         for start, end, rows, counts, sub in chain_chunks(cache, lengths, T, chunk):
             n = counts.to(self.device)
-            # (the step's arithmetic token by token, the products over the chunk's tokens: where the pass and
-            # its replay had taken a 137-token prompt about 7 ms on the 2-core Xeon, this took under 3)
+            # (one call where the family has it: the step's arithmetic token by token, the products over the
+            # chunk's tokens; the chain pass and its replay had taken about twice as long, docs/kernels.md)
             logits = None if every else \
                 self.fused_prefill(sub, input_ids[rows, start:end], counts, self.kernel_backend)
             if logits is not None:

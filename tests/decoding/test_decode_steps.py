@@ -197,16 +197,17 @@ def _batch_sizes_seen(model, monkeypatch) -> list[int]:
 @pytest.mark.parametrize("tree", [TreeShape.chain(3), TreeShape.paper13()], ids=["chain3", "paper13"])
 def test_greedy_trees_of_a_mamba2_model_take_the_one_call_iteration_and_decode_as_plain_steps(tree, monkeypatch):
     """Greedy decoding of a float32 Mamba2 model on the CPU: every tree's pass, verification and
-    commit as one call (MambaStep.tree_greedy), no tree pass or commit of their own (the prompts'
-    prefill commits once), and each row's output the autoregressive one."""
+    commit as one call (MambaStep.tree_greedy), no tree pass or commit of their own (nor has the
+    prompts' prefill: one call, MambaStep.prefill), and each row's output the autoregressive one."""
     from stree.kernels.cpu import mamba_step
 
     if not mamba_step.available():
         pytest.skip("no C++ compiler for the CPU library here")
     model = FAMILIES["mamba2"]()
     alone = _alone(model)
-    calls = {"tree_greedy": 0, "forward_tree": 0, "commit": 0}
-    for owner, name in ((mamba_step.MambaStep, "tree_greedy"), (type(model), "forward_tree"), (type(model), "commit")):
+    calls = {"tree_greedy": 0, "prefill": 0, "forward_tree": 0, "commit": 0}
+    for owner, name in ((mamba_step.MambaStep, "tree_greedy"), (mamba_step.MambaStep, "prefill"),
+                        (type(model), "forward_tree"), (type(model), "commit")):
         real = getattr(owner, name)
 
         def spy(*a, _real=real, _name=name, **k):
@@ -216,7 +217,8 @@ def test_greedy_trees_of_a_mamba2_model_take_the_one_call_iteration_and_decode_a
     out = generate(model, PROMPTS, method="stree", max_new_tokens=BUDGETS, tree=tree)
     assert out.sequences == alone
     trees = sum(count for n, count in out.stats.trees.items() if n > 1)
-    assert trees > 0 and calls == {"tree_greedy": trees, "forward_tree": 0, "commit": 1}, (calls, out.stats.trees)
+    assert trees > 0 and calls == {"tree_greedy": trees, "prefill": 1, "forward_tree": 0, "commit": 0}, \
+        (calls, out.stats.trees)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
