@@ -1,4 +1,5 @@
-"""Where a model's decoding step runs as one call (:class:`stree.kernels.cpu.mamba_step.MambaStep`):
+"""Where a model's decoding step, a prompt's prefill, a draft's tree pass and a greedy iteration run as one
+call each (:class:`stree.kernels.cpu.mamba_step.MambaStep`):
 a Mamba2 language model (every block a Mamba2 mixer behind an RMSNorm, no MLP, no µP scales, a
 gated norm, x and B one head / group each), float32 on the CPU, not tensor-parallel, where the
 tiled product is built and the products are not pinned to another path (``STREE_LINEAR``); a step
