@@ -247,6 +247,28 @@ void block_out(const Model* m, const Layer& L, long rows, const float* proj, con
   for (long i = 0; i < rows * D; i++) x[i] += out[i];
 }
 
+// The state update of b rows' tokens in one layer, (row, head) pairs over the threads where ``wide``: row
+// r's tokens are rows start[r] .. start[r + 1] - 1 of proj [., d_in_proj] and conv [., conv_dim] (start
+// null: one token a row, row r's at r), each advancing the row's SSM state in ss [b, heads, headdim,
+// d_state] in turn, y [., d_inner] its output; the dt clamped to [lo, hi].
+void update_states(const Model* m, const Layer& L, long b, const int64_t* start, const float* proj,
+                   const float* conv, float* ss, double lo, double hi, float* y, int threads, bool wide) {
+  const Sizes& n = m->n;
+  long P = n.d_in_proj, I = n.d_inner, CD = n.conv_dim, S = n.d_state, H = n.heads;
+  long HP = H * n.headdim, per_group = H / n.groups;
+#pragma omp parallel for schedule(static) num_threads(threads) if (wide)
+  for (long t = 0; t < b * H; t++) {
+    long r = t / H, hd = t % H;
+    for (long row = start ? start[r] : r; row < (start ? start[r + 1] : r + 1); row++) {
+      const float* c = conv + row * CD;  // x [heads, headdim], B and C [groups, d_state]
+      const float* group_B = c + HP + hd / per_group * S;
+      head_update(ss + t * n.headdim * S, c + hd * n.headdim, proj[row * P + I + CD + hd], L.A[hd], group_B,
+                  group_B + n.groups * S, L.D + hd * n.headdim, L.dt_bias[hd], lo, hi, n.headdim, S,
+                  y + row * I + hd * n.headdim);
+    }
+  }
+}
+
 }  // namespace
 
 // The step's arguments as one array of int64 (see mamba_step.py): the model's layout, the tokens [b]
@@ -270,7 +292,7 @@ extern "C" long stree_mamba_step(const int64_t* a) {
   for (long j = 0; heads_at && j < k; j++)
     if (heads_at[j] < 0 || heads_at[j] >= b) return -1 - j;
   long D = n.d_model, P = n.d_in_proj, I = n.d_inner, CD = n.conv_dim, K = n.d_conv, S = n.d_state;
-  long HP = n.heads * n.headdim, per_group = n.heads / n.groups;
+  long HP = n.heads * n.headdim;
   thread_local std::vector<float> scratch;  // (grown once per thread and batch size, never freed)
   scratch.resize((size_t)(b * (3 * D + P + CD + 3 * I)));
   float *x = scratch.data(), *h = x + b * D, *out = h + b * D, *proj = out + b * D, *conv = proj + b * P;
@@ -285,15 +307,7 @@ extern "C" long stree_mamba_step(const int64_t* a) {
     float* ss = ssm_states + l * b * HP * S;
 #pragma omp parallel for schedule(static) num_threads(threads) if (wide)
     for (long r = 0; r < b; r++) conv_row(proj + r * P + I, cs + r * CD * K, L.conv_w, L.conv_b, CD, K, conv + r * CD);
-#pragma omp parallel for schedule(static) num_threads(threads) if (wide)
-    for (long t = 0; t < b * n.heads; t++) {
-      long r = t / n.heads, hd = t % n.heads;
-      const float* c = conv + r * CD;  // x [heads, headdim], B and C [groups, d_state]
-      const float* group_B = c + HP + hd / per_group * S;
-      head_update(ss + t * n.headdim * S, c + hd * n.headdim, proj[r * P + I + CD + hd], L.A[hd], group_B,
-                  group_B + n.groups * S, L.D + hd * n.headdim, L.dt_bias[hd], m->e.dt_lo, m->e.dt_hi, n.headdim,
-                  S, y + r * I + hd * n.headdim);
-    }
+    update_states(m, L, b, nullptr, proj, conv, ss, m->e.dt_lo, m->e.dt_hi, y, threads, wide);
     block_out(m, L, b, proj, y, gate, normed, out, x, threads);
   }
   for (long j = 0; j < k; j++) rms_norm(x + (heads_at ? heads_at[j] : j) * D, D, m->final_w, m->e.final_eps, h + j * D);
@@ -323,7 +337,7 @@ extern "C" long stree_mamba_prefill(const int64_t* a) {
     for (long t = 0; t < counts[r]; t++)
       if (tokens[r * T + t] < 0 || tokens[r * T + t] >= n.vocab) return r * T + t + 1;
   long D = n.d_model, P = n.d_in_proj, I = n.d_inner, CD = n.conv_dim, K = n.d_conv, S = n.d_state;
-  long H = n.heads, HP = H * n.headdim, per_group = H / n.groups;
+  long HP = n.heads * n.headdim;
   // a block of each row's tokens at a time: the scratch stays a block's (b * BLOCK rows), however long
   // the prompts
   constexpr long BLOCK = 64;
@@ -356,8 +370,7 @@ extern "C" long stree_mamba_prefill(const int64_t* a) {
     for (long l = 0; l < n.layers; l++) {
       const Layer& L = m->layer[l];
       block_in(m, L, N, x, h, proj, threads);
-      float* cs = conv_states + l * b * CD * K;
-      float* ss = ssm_states + l * b * HP * S;
+      float* cs = conv_states + l * b * CD * K;  // (the layer's windows; its SSM states below)
 #pragma omp parallel for schedule(static) num_threads(threads) if (wide)
       for (long t = 0; t < b * parts; t++) {
         long r = t / parts, c0 = channel_split(CD, t % parts, parts), c1 = channel_split(CD, t % parts + 1, parts);
@@ -376,17 +389,7 @@ extern "C" long stree_mamba_prefill(const int64_t* a) {
             window[c * K + j] = q >= 0 ? raw[q * P + c] : window[c * K + j + len];
           }
       }
-#pragma omp parallel for schedule(static) num_threads(threads) if (wide)
-      for (long t = 0; t < b * H; t++) {
-        long r = t / H, hd = t % H;
-        for (long row = start[r]; row < start[r + 1]; row++) {
-          const float* c = conv + row * CD;  // x [heads, headdim], B and C [groups, d_state]
-          const float* group_B = c + HP + hd / per_group * S;
-          head_update(ss + t * n.headdim * S, c + hd * n.headdim, proj[row * P + I + CD + hd], L.A[hd], group_B,
-                      group_B + n.groups * S, L.D + hd * n.headdim, L.dt_bias[hd], lo, hi, n.headdim, S,
-                      y + row * I + hd * n.headdim);
-        }
-      }
+      update_states(m, L, b, start, proj, conv, ssm_states + l * b * HP * S, lo, hi, y, threads, wide);
       block_out(m, L, N, proj, y, gate, normed, out, x, threads);
     }
     for (long r = 0; r < b; r++)
