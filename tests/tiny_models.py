@@ -30,13 +30,14 @@ FAMILIES = {"mamba2": mamba2, "hybrid": hybrid}
 
 
 def layer_by_layer(monkeypatch):
-    """A float32 Mamba2 model's steps, prefills, draft passes and greedy iterations as its blocks' own
-    calls, not one call each (stree.models.fused_step): for tests of those calls, and of the compiled
+    """A float32 Mamba2 model's steps, prefills, draft passes, greedy iterations and greedy drafts as its
+    blocks' own calls, not one call each (stree.models.fused_step): for tests of those calls, and of the compiled
     graphs of them."""
     monkeypatch.setattr(Mamba2LM, "fused_step", lambda self, *a: None)
     monkeypatch.setattr(Mamba2LM, "fused_prefill", lambda self, *a: None)
     monkeypatch.setattr(Mamba2LM, "fused_tree", lambda self, *a: None)
     monkeypatch.setattr(Mamba2LM, "fused_tree_greedy", lambda self, *a: None)
+    monkeypatch.setattr(Mamba2LM, "fused_draft", lambda self, *a: None)
 
 
 def assert_same_state(cache, reference, tol=1e-5):

@@ -123,7 +123,31 @@ def load(path, dtype: torch.dtype | None = None, device=None, plain_rope: bool =
         raise ValueError(f"{weights_file}: missing key {file_key(fmt, build.embed_key)!r}")
     model = build(cfg, device=device, dtype=dtype or embedding.dtype)
     fill(model, state, tied(cfg), weights_file, config_file)
+    if (path / DRAFT_VOCAB).exists():
+        model.draft_vocab = read_draft_vocab(path / DRAFT_VOCAB, model.vocab_size)
     return model.eval()
+
+
+# A drafter checkpoint's token ids, most frequent first in the text it was trained on (``stree distill``
+# writes it): what a drafter's greedy drafts may cut its head to (stree.drafters.ssm.SSMDrafter).
+DRAFT_VOCAB = "draft_vocab.json"
+
+
+def write_draft_vocab(out: Path, docs, corpus: str) -> None:
+    """``out/draft_vocab.json``: the ids of ``docs`` (token arrays) by count, most frequent first
+    (ties: the lower id), with their counts and ``corpus`` (what they were counted in)."""
+    counts = torch.bincount(torch.cat([torch.as_tensor(d, dtype=torch.long).flatten() for d in docs]))
+    ids = sorted((int(i) for i in torch.nonzero(counts).flatten()), key=lambda i: (-int(counts[i]), i))
+    write_text(Path(out) / DRAFT_VOCAB, json.dumps(dict(corpus=corpus, ids=ids, counts=[int(counts[i]) for i in ids])))
+
+
+def read_draft_vocab(path: Path, vocab_size: int) -> torch.Tensor:
+    """The ids of a draft_vocab.json (int64), checked: distinct ints in ``[0, vocab_size)``."""
+    ids = read_json(path).get("ids")
+    if (not isinstance(ids, list) or not ids or not all(type(i) is int and 0 <= i < vocab_size for i in ids)
+            or len(set(ids)) != len(ids)):
+        raise ValueError(f"{path}: 'ids' must be a non-empty list of distinct token ids in [0, {vocab_size})")
+    return torch.tensor(ids, dtype=torch.long)
 
 
 def from_transformers(hf_model):

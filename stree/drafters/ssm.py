@@ -27,6 +27,11 @@ __all__ = ["SSMDrafter"]
 # pass and commit: for the shipped 1-layer drafter on the CPU two steps measured faster than a
 # 2-token chain pass and its commit, compiled and eager alike.
 STEPS_UP_TO = 2
+# The share of the vocabulary, most frequent first, that greedy drafts in one call choose among, where the
+# drafter's checkpoint ranks its tokens (draft_vocab.json): the head is most of a small drafter's step,
+# and the shipped target's greedy tokens were the drafter's top one among the most frequent quarter
+# nearly as often as among them all (docs/kernels.md).
+HEAD_SHARE = 0.25
 # per drafter model, what SSMDrafter.build has run in this process: ("step" or "catch-up", row
 # count, cache size)
 _BUILT: "weakref.WeakKeyDictionary[object, set[tuple]]" = weakref.WeakKeyDictionary()
@@ -54,6 +59,16 @@ class _Drafted:
         self.level[rows, nodes] = len(self.caches)
         self.at[rows, nodes] = at
         self.caches.append(cache)
+
+
+class _OneCall(NamedTuple):
+    """A one-call draft (:meth:`SSMDrafter._continue`): the shape's children of each node, each
+    row's tokens, each node's slot (-1: not stepped) and the cache holding the slots' states."""
+
+    kids: list
+    tokens: list
+    slots: list
+    nodes: object
 
 
 class _Level(NamedTuple):
@@ -141,7 +156,7 @@ class SSMDrafter(Drafter):
 
     def __init__(self, model, shape: TreeShape | None = None, *, mode: str = "static", stochastic: bool = True,
                  temperature: float = 1.0, top_k: int = 10, beams: int = 4, steps: int = 4, seed: int = 0,
-                 max_length: int = 4096, vocab_size: int | None = None):
+                 max_length: int = 4096, vocab_size: int | None = None, head_share: float | None = HEAD_SHARE):
         if mode not in ("static", "beam"):
             raise ValueError(f"mode must be 'static' or 'beam', got {mode!r}")
         if temperature <= 0 or top_k < 1 or beams < 1 or steps < 1:
@@ -155,9 +170,22 @@ class SSMDrafter(Drafter):
         self.vocab_size = model.vocab_size if vocab_size is None else vocab_size
         if not 1 <= self.vocab_size <= model.vocab_size:
             raise ValueError(f"vocab_size must be in [1, {model.vocab_size}] (the drafter's logits), got {vocab_size}")
+        if head_share is not None and not 0 < head_share <= 1:
+            raise ValueError(f"head_share must be in (0, 1] or None, got {head_share!r}")
+        self.head_ids = self._head_cut(head_share)
         self.generator = torch.Generator().manual_seed(seed)
         self.rates = SlotRates()  # learned acceptance for calibrated TreeBudgets, kept across calls
         self.reset()
+
+    def _head_cut(self, share: float | None) -> torch.Tensor | None:
+        """The ids one-call greedy drafts choose among (None: every id): the ``share`` of the
+        vocabulary most frequent in the drafter's training text (its checkpoint's draft_vocab.json),
+        at most those below ``vocab_size``."""
+        ranked = getattr(self.model, "draft_vocab", None)
+        if share is None or ranked is None:
+            return None if self.vocab_size == self.model.vocab_size else torch.arange(self.vocab_size)
+        ranked = ranked[ranked < self.vocab_size]
+        return ranked[: max(1, round(share * self.vocab_size))].contiguous()
 
     @property
     def random_drafts(self) -> bool:
@@ -165,6 +193,8 @@ class SSMDrafter(Drafter):
 
     def reset(self) -> None:
         self._cache, self._rows, self._fed, self._last = None, [], torch.zeros(0, dtype=torch.long), None
+        self._nodes: dict[tuple[int, int], object] = {}  # (rows, nodes) -> a one-call draft's node states
+        self._one: _OneCall | None = None  # the last draft, where it was one call
         self._drafted: _Drafted | None = None
         self.rates.forget()
 
@@ -208,11 +238,14 @@ class SSMDrafter(Drafter):
             return min(int(want.max()), self.CATCH_WINDOW)  # a prefill of the contexts' ends
         return min(int((want - self._fed[torch.tensor([known[r] for r in context.rows])]).max()), self.CATCH_WINDOW)
 
-    def _advance(self, context: DraftContext, depth: int) -> torch.Tensor:
+    def _advance(self, context: DraftContext, depth: int, feed=None) -> torch.Tensor | TokenTree:
         """Bring the cache to each row's whole context (the root included) and return the
         drafter's logits after it, ``[rows, V]``: the root's children are drawn from the same pass
         that fed the new tokens. ``depth``: the levels drafting will add below the root (checked
-        here against ``max_length``, so that the level steps need no checks of their own)."""
+        here against ``max_length``, so that the level steps need no checks of their own).
+        ``feed(tokens [rows, T], counts [rows])``: feeds the new tokens and drafts in one call
+        (:meth:`_drafting`), the tree returned; where it returns None the new tokens are fed here."""
+        self._one = None  # (the cache moves past the root a one-call draft left it at)
         rows = context.rows
         want = context.lengths[torch.tensor(rows)]
         if int(want.max()) + depth > self.max_length:
@@ -223,16 +256,19 @@ class SSMDrafter(Drafter):
             pos = torch.tensor([known[r] for r in rows])
             if pos.tolist() != list(range(len(self._rows))):
                 self._cache, self._fed = self._cache.select(pos.to(self.model.device)), self._fed[pos]
-                self._last = self._last[pos.to(self._last.device)]
+                self._last = None if self._last is None else self._last[pos.to(self._last.device)]
             self._rows = list(rows)
             self._reuse(context, want)
             new = want - self._fed
-            if bool((new == 0).all()):
+            if bool((new == 0).all()) and self._last is not None:  # (None: a one-call draft made no logits)
                 return self._last
             if bool((new > 0).all()) and int(new.max()) <= self.CATCH_WINDOW:
                 m = int(new.max())
                 at = (self._fed[:, None] + torch.arange(m)).clamp(max=(want - 1)[:, None])
                 fresh = context.tokens[torch.tensor(rows)[:, None], at].to(self.model.device)
+                if feed is not None and (tree := feed(fresh, new)) is not None:
+                    self._fed = want.clone()
+                    return tree
                 if m <= STEPS_UP_TO and bool((new == m).all()):  # as many tokens in every row: fast steps
                     # (the last step's logits alone are read: the steps before it skip the head, a fifth
                     # of the shipped 1-layer drafter's step, paid after each accepted leaf drafting never fed)
@@ -250,9 +286,11 @@ class SSMDrafter(Drafter):
         span = want.clamp(max=self.CATCH_WINDOW)
         at = (want - span)[:, None] + torch.arange(int(span.max()))
         at = torch.minimum(at, (want - 1)[:, None])  # (a shorter row's tail repeats its last token, unread)
-        self._last = self.model.prefill(context.tokens[torch.tensor(rows)[:, None], at].to(self.model.device),
-                                        self._cache, lengths=span)
+        tokens = context.tokens[torch.tensor(rows)[:, None], at].to(self.model.device)
         self._rows, self._fed = list(rows), want.clone()
+        if feed is not None and (tree := feed(tokens, span)) is not None:
+            return tree
+        self._last = self.model.prefill(tokens, self._cache, lengths=span)
         return self._last
 
     def _reuse(self, context: DraftContext, want: torch.Tensor) -> None:
@@ -313,9 +351,19 @@ class SSMDrafter(Drafter):
         return work.select(rows.to(self.model.device))
 
     def propose(self, context: DraftContext, shape: TreeShape | TreeBudget | None = None) -> TokenTree:
+        feed = None
         if self.mode == "static":
             shape = self.tree_shape(shape)  # checked before the cache advances
-        last = self._advance(context, self.steps if self.mode == "beam" else shape.max_depth)
+            if (isinstance(shape, TreeShape) and shape.n > 1 and hasattr(self.model, "draft_greedy")
+                    and not context.random_rows(self.stochastic).any()):
+                # (greedy: the whole draft as one call where the model has it, continuing the last one's)
+                tree = self._continue(context, shape)
+                if tree is not None:
+                    return tree
+                feed = self._drafting(shape, context.last_tokens())
+        last = self._advance(context, self.steps if self.mode == "beam" else shape.max_depth, feed)
+        if isinstance(last, TokenTree):
+            return last
         roots = context.last_tokens()
         if self.mode == "beam":
             return self._beam(roots, self._law(last))
@@ -323,6 +371,69 @@ class SSMDrafter(Drafter):
         if isinstance(shape, TreeBudget):
             return self._grow(roots, self._law(last), shape, context.rows, random)
         return self._static(roots, self._ranked(last, random.any()), shape, random)
+
+    def _drafting(self, shape: TreeShape, roots: torch.Tensor):
+        """What :meth:`_advance` calls to feed the new tokens and draft ``shape`` greedily in one
+        call (:meth:`~stree.models.base.TreeLM.draft_greedy`, under the head's cut), where the
+        cache has no draft to continue from: the tree; None where the model has no such call."""
+        def feed(tokens: torch.Tensor, counts: torch.Tensor) -> TokenTree | None:
+            b = len(roots)
+            nodes = self._node_states(b, shape.n)
+            counts = np.ascontiguousarray(counts.numpy(), dtype=np.int64)
+            out = self.model.draft_greedy(tokens, counts, shape, self._cache, nodes, self.head_ids, validate=False)
+            return None if out is None else self._drafted_now(shape, out, roots.numpy(), nodes)
+        return feed
+
+    def _node_states(self, b: int, n: int):
+        """The cache a one-call draft of ``n`` nodes over ``b`` rows leaves its nodes' states in
+        (one per size, kept: made anew for each draft it cost more than the draft's head)."""
+        nodes = self._nodes.get((b, n))
+        if nodes is None:
+            nodes = self._nodes[(b, n)] = self.model.allocate_cache(n * b, self.max_length)
+        return nodes
+
+    def _drafted_now(self, shape: TreeShape, out, roots, nodes) -> TokenTree:
+        drafted, slots = out
+        drafted.numpy()[:, 0] = roots
+        self._last = self._drafted = None
+        self._one = _OneCall(shape.plan.kids, drafted.tolist(), slots.tolist(), nodes)
+        return TokenTree.from_shape(shape, drafted)
+
+    def _continue(self, context: DraftContext, shape: TreeShape) -> TokenTree | None:
+        """A one-call draft continuing the last one's (the same rows, each a few new tokens on): each
+        row's state restored, in the same call, to that of the deepest node of the last draft that
+        its new tokens (all but the last) followed and that drafting stepped, the rest fed. None
+        (nothing changed) where the rows are not the last draft's or not all a few tokens on: then
+        :meth:`_advance` brings the cache there."""
+        one, rows = self._one, context.rows
+        if one is None or rows != self._rows or context.tokens.device.type != "cpu":
+            return None
+        # (plain Python over the few rows and tokens: numpy calls cost more here than the work)
+        b, tokens, lengths = len(rows), context.tokens.numpy(), context.lengths.tolist()
+        want, fed = [lengths[r] for r in rows], self._fed.tolist()
+        restore = [-1] * b
+        for i, r in enumerate(rows):
+            node, kids, drafted, slots, f = 0, one.kids, one.tokens[i], one.slots, fed[i]
+            for k, tok in enumerate(tokens[r, f: want[i] - 1].tolist(), 1):
+                node = next((c for c in kids[node] if drafted[c] == tok), -1)
+                if node < 0:
+                    break
+                if slots[node] >= 0:
+                    restore[i], fed[i] = slots[node] * b + i, f + k
+        new = [w - f for w, f in zip(want, fed)]
+        if min(new) < 1 or max(new) > self.CATCH_WINDOW or max(want) + shape.max_depth > self.max_length:
+            return None
+        feed = np.empty((b, max(new)), dtype=np.int64)
+        for i, r in enumerate(rows):  # (a shorter row's tail repeats its last token, unread)
+            feed[i, : new[i]], feed[i, new[i]:] = tokens[r, fed[i]: want[i]], tokens[r, want[i] - 1]
+        nodes = self._node_states(b, shape.n)
+        out = self.model.draft_greedy(torch.from_numpy(feed), np.array(new), shape, self._cache, nodes,
+                                      self.head_ids, np.array(restore) if max(restore) >= 0 else None, one.nodes,
+                                      validate=False)
+        if out is None:
+            return None
+        self._fed = torch.from_numpy(np.array(want))
+        return self._drafted_now(shape, out, feed[np.arange(b), np.array(new) - 1], nodes)
 
     def _grow(self, roots: torch.Tensor, root_q: torch.Tensor, budget: TreeBudget, rows: list[int],
               random: np.ndarray) -> TokenTree:

@@ -11,9 +11,11 @@ kind in one call. Families differ only in their block list and config reader.
 
 from __future__ import annotations
 
+import functools
 import weakref
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -384,6 +386,56 @@ class TreeLM(nn.Module):
         (:mod:`stree.models.fused_step`): the cache's states advanced, not ``seqlens``; None: none."""
         return None
 
+    def fused_draft(self, cache: ModelCache, tokens: torch.Tensor, counts, parents, nodes: ModelCache,
+                    head_ids: torch.Tensor | None, restore, before: ModelCache | None, kernel_backend: str):
+        """:meth:`draft_greedy`'s one call, where the family has one for these caches
+        (:mod:`stree.models.fused_step`): ``(tokens [b, n], slots [n])``, the states advanced, not
+        ``seqlens``; None: none."""
+        return None
+
+    @torch.no_grad()
+    def draft_greedy(self, tokens: torch.Tensor, counts: np.ndarray, shape: TreeShape, cache: ModelCache,
+                     nodes: ModelCache, head_ids: torch.Tensor | None = None, restore: np.ndarray | None = None,
+                     before: ModelCache | None = None, validate: bool = True):
+        """A drafter's whole greedy draft of ``shape`` as one call, where the family has one: row r's
+        first ``counts[r]`` (int64 ``[b]``) of ``tokens [b, T]`` fed into ``cache`` (the last of them
+        the root), then every node's children its most likely next tokens in order (among
+        ``head_ids`` alone, where given: a cut of the head, its ids in the order ties go), each node
+        above the deepest level stepped from its parent's state into its slot of ``nodes`` (a cache
+        of ``shape.n * b`` rows: slot s of row r is its row s * b + r, ``seqlens`` set to the
+        node's). First, with ``restore`` (int64 ``[b]``), row r takes the state of row
+        ``restore[r]`` of ``before`` (an earlier draft's ``nodes``) where that is >= 0: the state
+        after a node its new tokens followed. Returns the draft's tokens ``[b, n]`` (the root's 0)
+        and each node's slot ``[n]`` (numpy, -1: not stepped), the cache advanced; None, both caches
+        untouched, where there is no such call. ``validate=False`` skips the checks of the counts
+        and the room (a drafter that checked them)."""
+        b, T = tokens.shape
+        if validate:
+            self.check_tokens("tokens", tokens, values=False)
+            if counts.shape != (b,) or counts.dtype != np.int64 or not ((counts >= 1) & (counts <= T)).all():
+                raise ValueError(f"counts must be int64 [{b}] in [1, {T}], got {counts}")
+            if nodes.batch_size != shape.n * b or (restore is not None and (before is None or restore.shape != (b,))):
+                raise ValueError(f"need nodes of {shape.n * b} rows (got {nodes.batch_size}) and, to restore, an "
+                                 f"earlier draft's nodes and [{b}] rows")
+            self.check_cache(cache, b, int(counts.max()) + shape.max_depth)
+        parents, slots, depth = _shape_arrays(shape)
+        out = self.fused_draft(cache, tokens, counts, parents, nodes, head_ids, restore, before, self.kernel_backend)
+        if out is None:
+            return None
+        # (numpy, and Python over the few rows: as torch ops these took longer than the draft's head)
+        lengths = cache.seqlens.numpy()
+        if restore is not None:
+            earlier = before.seqlens.numpy()
+            for r, at in enumerate(restore.tolist()):
+                if at >= 0:
+                    lengths[r] = earlier[at]
+        lengths += counts
+        cache.moved()
+        if len(slots):
+            nodes.seqlens.numpy().reshape(-1, b)[slots] = lengths + depth[:, None]
+            nodes.moved()
+        return out
+
     @torch.no_grad()
     def greedy_tree(self, tree: TokenTree, cache: ModelCache, validate: bool = True, top_k: int | None = None):
         """A draft's tree pass, greedy verification and the commit of the accepted paths as one call,
@@ -540,3 +592,14 @@ def check_path(tree_pass: TreePass, accepted, num_accepted, validate: bool) -> N
 
 
 __all__ = ["Block", "scaled", "TreeLM", "TreeContext", "StepContext", "derived", "check_commit", "check_path", "AttnLayerState", "SSMLayerState"]
+
+
+@functools.lru_cache(maxsize=256)
+def _shape_arrays(shape: TreeShape) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A shape's parents (int64, contiguous), and the slots a one-call draft steps its nodes into
+    (those above the deepest level, level by level, in index order within a level) with those nodes'
+    depths, made once per shape."""
+    depth = shape.depth
+    stepped = sorted((d, v) for v, d in enumerate(depth) if 0 < d < shape.max_depth)
+    return (np.array(shape.parents, dtype=np.int64), np.arange(len(stepped)),
+            np.array([d for d, _ in stepped], dtype=np.int64))

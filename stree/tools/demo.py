@@ -39,7 +39,7 @@ from ..checkpoints.tokenizer import load_tokenizer
 ASSETS = Path(__file__).resolve().parents[1] / "assets"
 TARGET, DRAFTER = ASSETS / "tiny-target", ASSETS / "tiny-drafter"
 SHIPPED = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "training.json",
-           "distill.json", "prompts.jsonl")
+           "distill.json", "draft_vocab.json", "prompts.jsonl")
 # (method, drafter), each with tree="auto": chains under method="chain", trees under "stree"; the
 # last, autoregressive decoding again, shows the run-to-run noise the other rows' gains sit in (on a
 # 2-core CPU rows that ran plain throughout came out at 0.84x-1.24x).

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from ..checkpoints.atomic import write_text
 from ..models import Mamba2Config, Mamba2LM
-from ..checkpoints.io import DTYPES, load, save
+from ..checkpoints.io import DTYPES, load, save, write_draft_vocab
 from ..checkpoints.tokenizer import load_tokenizer
 from .corpus import TokenCorpus, find_sources
 from .loop import LoopConfig, masked_mean, prepare_out, train
@@ -131,5 +131,6 @@ def distill(target, out, *, n_layer: int = 1, corpus=None, held_out=None, corpus
     report = dict(command="distill", **identity, initialised_from=copied, loop=asdict(loop), save_dtype=save_dtype,
                   teacher_format=type(teacher).__name__, final_train_kl=losses[-1],
                   seconds=round(earlier + time.time() - t0, 1), at_init=before, **after)
+    write_draft_vocab(out, train_corpus.docs, split.fingerprint())
     write_text(out / "distill.json", json.dumps(report, indent=2))
     return report

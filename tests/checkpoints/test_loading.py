@@ -222,3 +222,21 @@ def test_sharded_checkpoints_load_and_name_a_missing_shard(kind, tmp_path):
     (tmp_path / index).write_text(json.dumps({"metadata": {}}))
     with pytest.raises(ValueError, match=rf"{index}: missing or empty 'weight_map'"):
         load(tmp_path)
+
+
+def test_a_drafters_ranked_tokens_load_with_it_and_a_bad_file_is_named(tmp_path):
+    """draft_vocab.json (``stree distill`` writes it): the ids, most frequent first, on the loaded model;
+    ids repeated, out of the vocabulary or missing are a ValueError naming the file."""
+    from stree.checkpoints.io import write_draft_vocab
+
+    model = _model()
+    save(model, tmp_path)
+    assert not hasattr(load(tmp_path), "draft_vocab")
+    write_draft_vocab(tmp_path, [[5, 7, 7, 3], [7, 3]], "corpus-id")
+    assert json.loads((tmp_path / "draft_vocab.json").read_text()) == dict(corpus="corpus-id", ids=[7, 3, 5],
+                                                                          counts=[3, 2, 1])
+    assert load(tmp_path).draft_vocab.tolist() == [7, 3, 5]
+    for bad in ([7, 7], [7, 200], [], "7"):
+        (tmp_path / "draft_vocab.json").write_text(json.dumps(dict(ids=bad)))
+        with pytest.raises(ValueError, match="draft_vocab.json: 'ids' must be a non-empty list of distinct"):
+            load(tmp_path)

@@ -8,6 +8,8 @@ from tiny_models import FAMILIES, mamba2
 
 from stree.drafters import DraftContext
 from stree.drafters.ssm import SSMDrafter
+from stree.kernels.cpu import mamba_step
+from stree.models import Mamba2LM
 from stree.decoding.loop import generate
 from stree.testing import MarkovLM, cell_counts, chi_square
 from stree.tree import TreeBudget, TreeShape
@@ -171,7 +173,9 @@ def test_an_accepted_path_is_not_fed_again(mode, monkeypatch):
     left at the deepest fed node on them: the target's last token alone is left (one step),
     or two steps past a leaf drafting never fed, the first without the head (its logits go
     unread); rows off the tree chain-feed their tokens. The laws drafted next equal a fresh
-    drafter's on the same contexts."""
+    drafter's on the same contexts. (Drafts level by level: a model without the greedy draft's one
+    call, whose resumption test_one_call_drafts_are_the_level_by_level_drafts covers.)"""
+    monkeypatch.setattr(Mamba2LM, "fused_draft", lambda self, *a: None)
     model = mamba2(seed=3)
     shape = TreeShape.paper13()
     tokens = torch.randint(0, 90, (3, 40), generator=torch.Generator().manual_seed(4))
@@ -310,3 +314,66 @@ def test_build_steps_each_row_count_once_per_drafter_model(monkeypatch):
     assert headed == [(4, 2)]  # (the batch's own 2 rows were stepped above)
     SSMDrafter(model, lopsided).build([lopsided], 1)  # a catch-up's step with its head and without, the level's
     assert sorted(headed[1:], key=str) == [(1, 0), (1, None), (2, 1)]
+
+
+class _LevelByLevel:
+    """A model as the drafter sees it without the greedy draft's one call (``draft_greedy``)."""
+
+    def __init__(self, model):
+        self._model = model
+
+    def __getattr__(self, name):
+        if name == "draft_greedy":
+            raise AttributeError(name)
+        return getattr(self._model, name)
+
+
+@pytest.mark.skipif(not mamba_step.available(), reason="no C++ compiler for the CPU library here")
+@pytest.mark.parametrize("parents", [(-1, 0, 1, 2), TreeShape.paper13().parents, (-1, 0, 0, 2, 1, 3, 4)])
+def test_one_call_drafts_are_the_level_by_level_drafts(parents, monkeypatch):
+    """Greedy drafts of a static shape over three rows, eight times, each row then accepting a random
+    part of a random path and a bonus (rows falling behind and reordered once): the one-call drafts
+    (the whole head) are the level-by-level drafter's tree for tree, and rows resume from the state
+    of a node drafting stepped wherever their new tokens followed one."""
+    model = mamba2(seed=3)
+    shape = TreeShape(parents)
+    gen = torch.Generator().manual_seed(len(parents))
+    tokens = torch.randint(0, 90, (3, 120), generator=gen)
+    lengths = torch.tensor([6, 9, 7])
+    restored = []
+    real = mamba_step.MambaStep.draft
+    monkeypatch.setattr(mamba_step.MambaStep, "draft", lambda self, *a: restored.append(a[8] is not None)
+                        or real(self, *a))
+    one, levels = (SSMDrafter(m, shape, stochastic=False) for m in (model, _LevelByLevel(model)))
+    rows = [0, 1, 2]
+    for turn in range(8):
+        if turn == 5:
+            rows = [2, 0]  # (a row dropped, the rest reordered)
+        context = DraftContext(tokens, lengths, rows)
+        got, want = one.propose(context), levels.propose(context)
+        assert torch.equal(got.tokens, want.tokens) and torch.equal(got.parents, want.parents), turn
+        for i, r in enumerate(rows):  # a path's first k nodes accepted, then a bonus token
+            path = got.leaf_paths(i)[int(torch.randint(0, len(got.leaf_paths(i)), (1,), generator=gen))]
+            k = int(torch.randint(0, len(path), (1,), generator=gen))
+            new = got.tokens[i, path[1: k + 1]].tolist() + [int(torch.randint(0, 90, (1,), generator=gen))]
+            tokens[r, lengths[r]: lengths[r] + len(new)] = torch.tensor(new)
+            lengths[r] += len(new)
+    assert len(restored) == 8 and sum(restored) >= 3
+
+
+def test_a_cut_head_drafts_among_the_most_frequent_tokens_alone():
+    """A drafter whose model ranks its tokens (draft_vocab.json): greedy drafts choose among the first
+    ``head_share`` of the vocabulary alone; ``head_share=None`` among every token; a share outside
+    (0, 1] is a ValueError."""
+    model = mamba2(seed=3)
+    model.draft_vocab = torch.randperm(model.vocab_size, generator=torch.Generator().manual_seed(0))
+    tokens = torch.randint(0, 90, (2, 30), generator=torch.Generator().manual_seed(2))
+    context = DraftContext(tokens, torch.tensor([9, 12]), [0, 1])
+    keep = set(model.draft_vocab[: round(0.25 * model.vocab_size)].tolist())
+    cut = SSMDrafter(model, TreeShape.paper13(), stochastic=False).propose(context)
+    assert set(cut.tokens[:, 1:].flatten().tolist()) <= keep
+    whole = SSMDrafter(model, TreeShape.paper13(), stochastic=False, head_share=None).propose(context)
+    assert not set(whole.tokens[:, 1:].flatten().tolist()) <= keep
+    for share in (0, 1.5):
+        with pytest.raises(ValueError, match="head_share must be in"):
+            SSMDrafter(model, head_share=share)

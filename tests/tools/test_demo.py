@@ -11,7 +11,7 @@ from stree.tools.cli import main as cli_main
 def test_shipped_pair_is_small_trained_and_loadable():
     files = [f for d in (demo.TARGET, demo.DRAFTER) for f in d.iterdir()]
     assert {f.name for f in files} >= {"config.json", "model.safetensors", "tokenizer.json", "prompts.jsonl",
-                                       "training.json", "distill.json"}
+                                       "training.json", "distill.json", "draft_vocab.json"}
     assert sum(f.stat().st_size for f in files) <= 10.5e6
     trained = json.loads((demo.TARGET / "training.json").read_text())
     assert trained["model_bits_per_byte"] < 0.7 * trained["unigram_bits_per_byte"]

@@ -73,6 +73,10 @@ def test_distill_initialises_from_the_target_learns_and_saves(corpus, target, tm
     assert 0 <= report["held_out_top1_agreement"] <= 1
     assert json.loads((tmp_path / "distill.json").read_text())["held_out_kl_nats"] == report["held_out_kl_nats"]
     assert "embedding" in report["initialised_from"]
+    # the training split's tokens by count, most frequent first: what a one-call draft's head is cut to
+    ranked = json.loads((tmp_path / "draft_vocab.json").read_text())
+    assert ranked["corpus"] == report["corpus"] and sorted(ranked["counts"], reverse=True) == ranked["counts"]
+    assert student.draft_vocab.tolist() == ranked["ids"] and len(set(ranked["ids"])) == len(ranked["ids"]) > 20
 
 
 def test_initialisation_copies_the_targets_embeddings(corpus, target, tmp_path):

@@ -11,6 +11,7 @@
 #include <math.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <string.h>
 
 #include <vector>
 
@@ -269,73 +270,54 @@ void update_states(const Model* m, const Layer& L, long b, const int64_t* start,
   }
 }
 
-}  // namespace
-
-// The step's arguments as one array of int64 (see mamba_step.py): the model's layout, the tokens [b]
-// (int64), b, the conv states [layers, b, conv_dim, d_conv] and SSM states [layers, b, heads, headdim,
-// d_state] (float32, contiguous, advanced in place), the rows whose logits are made (int64 [k], or
-// 0: every row, k = b), k, the logits [k, vocab], threads. Returns 0; or, where nothing was computed,
-// 1 + the first row whose token is outside the vocabulary, or -1 - the first entry of the rows
-// outside [0, b).
-extern "C" long stree_mamba_step(const int64_t* a) {
-  const Model* m = (const Model*)a[0];
-  const int64_t* tokens = (const int64_t*)a[1];
-  long b = a[2];
-  float *conv_states = (float*)a[3], *ssm_states = (float*)a[4];
-  const int64_t* heads_at = (const int64_t*)a[5];
-  long k = a[6];
-  float* logits = (float*)a[7];
-  int threads = (int)a[8];
+// ``rows`` tokens, one a row, through every block: row i's conv window at conv_states + l * cstride + i *
+// conv_dim * d_conv and SSM state at ssm_states + l * sstride + i * heads * headdim * d_state in layer l (a
+// cache's rows, or a draft's node slots), advanced in place. Returns the rows' hidden states [rows,
+// d_model] after the last block (the thread's scratch: read before its next call).
+float* step_rows(const Model* m, const int64_t* tokens, long rows, float* conv_states, long cstride,
+                 float* ssm_states, long sstride, int threads) {
   const Sizes& n = m->n;
-  for (long r = 0; r < b; r++)
-    if (tokens[r] < 0 || tokens[r] >= n.vocab) return r + 1;
-  for (long j = 0; heads_at && j < k; j++)
-    if (heads_at[j] < 0 || heads_at[j] >= b) return -1 - j;
   long D = n.d_model, P = n.d_in_proj, I = n.d_inner, CD = n.conv_dim, K = n.d_conv, S = n.d_state;
   long HP = n.heads * n.headdim;
-  thread_local std::vector<float> scratch;  // (grown once per thread and batch size, never freed)
-  scratch.resize((size_t)(b * (3 * D + P + CD + 3 * I)));
-  float *x = scratch.data(), *h = x + b * D, *out = h + b * D, *proj = out + b * D, *conv = proj + b * P;
-  float *y = conv + b * CD, *gate = y + b * I, *normed = gate + b * I;
+  thread_local std::vector<float> scratch;  // (grown once per thread and row count, never freed)
+  scratch.resize((size_t)(rows * (3 * D + P + CD + 3 * I)));
+  float *x = scratch.data(), *h = x + rows * D, *out = h + rows * D, *proj = out + rows * D, *conv = proj + rows * P;
+  float *y = conv + rows * CD, *gate = y + rows * I, *normed = gate + rows * I;
   // rows (and their heads) are independent: over the threads only where it is worth waking them
-  bool wide = b * HP * S >= (1 << 16);
-  embed_rows(m, tokens, b, x);
+  bool wide = rows * HP * S >= (1 << 16);
+  embed_rows(m, tokens, rows, x);
   for (long l = 0; l < n.layers; l++) {
     const Layer& L = m->layer[l];
-    block_in(m, L, b, x, h, proj, threads);
-    float* cs = conv_states + l * b * CD * K;
-    float* ss = ssm_states + l * b * HP * S;
+    block_in(m, L, rows, x, h, proj, threads);
+    float* cs = conv_states + l * cstride;
 #pragma omp parallel for schedule(static) num_threads(threads) if (wide)
-    for (long r = 0; r < b; r++) conv_row(proj + r * P + I, cs + r * CD * K, L.conv_w, L.conv_b, CD, K, conv + r * CD);
-    update_states(m, L, b, nullptr, proj, conv, ss, m->e.dt_lo, m->e.dt_hi, y, threads, wide);
-    block_out(m, L, b, proj, y, gate, normed, out, x, threads);
+    for (long r = 0; r < rows; r++)
+      conv_row(proj + r * P + I, cs + r * CD * K, L.conv_w, L.conv_b, CD, K, conv + r * CD);
+    update_states(m, L, rows, nullptr, proj, conv, ssm_states + l * sstride, m->e.dt_lo, m->e.dt_hi, y, threads, wide);
+    block_out(m, L, rows, proj, y, gate, normed, out, x, threads);
   }
-  for (long j = 0; j < k; j++) rms_norm(x + (heads_at ? heads_at[j] : j) * D, D, m->final_w, m->e.final_eps, h + j * D);
-  if (k) stree_gemm(h, k, D, D, m->head_w, n.vocab, logits, n.vocab, nullptr, threads);
-  return 0;
+  return x;
 }
 
-// A prefill's arguments as one array of int64 (see mamba_step.py): the model's layout, the tokens [b, T]
-// (int64, row-major), counts [b] (int64, 1 <= counts[r] <= T: row r feeds its first counts[r]), b, T,
-// the conv and SSM states (advanced in place by every row's tokens), the logits [b, vocab] after each
-// row's last token, the dt clamp's two doubles (as their bits: a prefill's may not be decoding's),
-// threads. Each row's tokens go through the step's arithmetic one after another (its conv window and
-// state update, token by token), the products over a block's tokens of every row at once: a product
-// sums each entry in the same order whatever its rows, so the states and logits are exactly those of
-// counts[r] steps. Returns 0, or 1 + the first (row-major) fed token outside the vocabulary (nothing
-// computed then).
-extern "C" long stree_mamba_prefill(const int64_t* a) {
-  const Model* m = (const Model*)a[0];
-  const int64_t *tokens = (const int64_t*)a[1], *counts = (const int64_t*)a[2];
-  long b = a[3], T = a[4];
-  float *conv_states = (float*)a[5], *ssm_states = (float*)a[6];
-  float* logits = (float*)a[7];
-  double lo = __builtin_bit_cast(double, a[8]), hi = __builtin_bit_cast(double, a[9]);
-  int threads = (int)a[10];
+// The final norm and a head of V rows (head_w, packed) of rows at[j] (null: j) of x [., d_model], for j < k:
+// logits [k, V].
+void head_rows(const Model* m, const float* x, const int64_t* at, long k, const float* head_w, long V, float* logits,
+               int threads) {
+  long D = m->n.d_model;
+  thread_local std::vector<float> h;
+  h.resize((size_t)(k * D));
+  for (long j = 0; j < k; j++) rms_norm(x + (at ? at[j] : j) * D, D, m->final_w, m->e.final_eps, h.data() + j * D);
+  if (k) stree_gemm(h.data(), k, D, D, head_w, V, logits, V, nullptr, threads);
+}
+
+// Each row's first counts[r] (>= 1) of tokens [b, T] fed into the conv and SSM states [layers, b, ...]
+// (advanced in place), the dt clamped to [lo, hi], token after token with the step's arithmetic (its conv
+// window and state update), the products over a block's tokens of every row at once: a product sums
+// each entry in the same order whatever its rows, so the states are exactly those of counts[r] steps.
+// Returns each row's hidden state after its last token [b, d_model] (the thread's scratch).
+float* feed_rows(const Model* m, const int64_t* tokens, const int64_t* counts, long b, long T, float* conv_states,
+                 float* ssm_states, double lo, double hi, int threads) {
   const Sizes& n = m->n;
-  for (long r = 0; r < b; r++)
-    for (long t = 0; t < counts[r]; t++)
-      if (tokens[r * T + t] < 0 || tokens[r * T + t] >= n.vocab) return r * T + t + 1;
   long D = n.d_model, P = n.d_in_proj, I = n.d_inner, CD = n.conv_dim, K = n.d_conv, S = n.d_state;
   long HP = n.heads * n.headdim;
   // a block of each row's tokens at a time: the scratch stays a block's (b * BLOCK rows), however long
@@ -396,8 +378,56 @@ extern "C" long stree_mamba_prefill(const int64_t* a) {
       if (counts[r] > t0 && counts[r] <= t0 + BLOCK)
         for (long d = 0; d < D; d++) last[r * D + d] = x[(start[r] + counts[r] - t0 - 1) * D + d];
   }
-  for (long r = 0; r < b; r++) rms_norm(last + r * D, D, m->final_w, m->e.final_eps, h + r * D);
-  stree_gemm(h, b, D, D, m->head_w, n.vocab, logits, n.vocab, nullptr, threads);
+  return last;
+}
+
+}  // namespace
+
+// The step's arguments as one array of int64 (see mamba_step.py): the model's layout, the tokens [b]
+// (int64), b, the conv states [layers, b, conv_dim, d_conv] and SSM states [layers, b, heads, headdim,
+// d_state] (float32, contiguous, advanced in place), the rows whose logits are made (int64 [k], or
+// 0: every row, k = b), k, the logits [k, vocab], threads. Returns 0; or, where nothing was computed,
+// 1 + the first row whose token is outside the vocabulary, or -1 - the first entry of the rows
+// outside [0, b).
+extern "C" long stree_mamba_step(const int64_t* a) {
+  const Model* m = (const Model*)a[0];
+  const int64_t* tokens = (const int64_t*)a[1];
+  long b = a[2];
+  float *conv_states = (float*)a[3], *ssm_states = (float*)a[4];
+  const int64_t* heads_at = (const int64_t*)a[5];
+  long k = a[6];
+  float* logits = (float*)a[7];
+  int threads = (int)a[8];
+  const Sizes& n = m->n;
+  for (long r = 0; r < b; r++)
+    if (tokens[r] < 0 || tokens[r] >= n.vocab) return r + 1;
+  for (long j = 0; heads_at && j < k; j++)
+    if (heads_at[j] < 0 || heads_at[j] >= b) return -1 - j;
+  long HP = n.heads * n.headdim;
+  float* x = step_rows(m, tokens, b, conv_states, b * n.conv_dim * n.d_conv, ssm_states, b * HP * n.d_state, threads);
+  head_rows(m, x, heads_at, k, m->head_w, n.vocab, logits, threads);
+  return 0;
+}
+
+// A prefill's arguments as one array of int64 (see mamba_step.py): the model's layout, the tokens [b, T]
+// (int64, row-major), counts [b] (int64, 1 <= counts[r] <= T: row r feeds its first counts[r]), b, T,
+// the conv and SSM states (advanced in place by every row's tokens), the logits [b, vocab] after each
+// row's last token, the dt clamp's two doubles (as their bits: a prefill's may not be decoding's),
+// threads. feed_rows' arithmetic: the states and logits are exactly those of counts[r] steps. Returns 0,
+// or 1 + the first (row-major) fed token outside the vocabulary (nothing computed then).
+extern "C" long stree_mamba_prefill(const int64_t* a) {
+  const Model* m = (const Model*)a[0];
+  const int64_t *tokens = (const int64_t*)a[1], *counts = (const int64_t*)a[2];
+  long b = a[3], T = a[4];
+  float *conv_states = (float*)a[5], *ssm_states = (float*)a[6];
+  float* logits = (float*)a[7];
+  double lo = __builtin_bit_cast(double, a[8]), hi = __builtin_bit_cast(double, a[9]);
+  int threads = (int)a[10];
+  for (long r = 0; r < b; r++)
+    for (long t = 0; t < counts[r]; t++)
+      if (tokens[r * T + t] < 0 || tokens[r * T + t] >= m->n.vocab) return r * T + t + 1;
+  float* last = feed_rows(m, tokens, counts, b, T, conv_states, ssm_states, lo, hi, threads);
+  head_rows(m, last, nullptr, b, m->head_w, m->n.vocab, logits, threads);
   return 0;
 }
 
@@ -660,6 +690,140 @@ extern "C" long stree_mamba_tree_greedy(const int64_t* a) {
           own[at] = 0.f;
         }
       }
+  }
+  return 0;
+}
+
+namespace {
+
+// The c largest entries of row [V] into out, largest first, ties to the lower index; entries that are NaN
+// or -inf are taken last, lowest index first (a draft's children need c distinct ids whatever the logits).
+void top_entries(const float* row, long V, long c, int64_t* out) {
+  constexpr long MAX_C = 64;
+  float best[MAX_C];
+  long have = 0;
+  for (long i = 0; i < V; i++) {
+    float v = row[i];
+    if (!(v > (have < c ? -INFINITY : best[c - 1]))) continue;  // (NaN, -inf, or not above the c-th)
+    long j = have < c ? have++ : c - 1;
+    for (; j > 0 && v > best[j - 1]; j--) best[j] = best[j - 1], out[j] = out[j - 1];
+    best[j] = v, out[j] = i;
+  }
+  for (long i = 0; have < c && i < V; i++) {
+    bool taken = false;
+    for (long j = 0; j < have && !taken; j++) taken = out[j] == i;
+    if (!taken) out[have++] = i;
+  }
+}
+
+}  // namespace
+
+// A greedy draft of one tree shape by a drafter model in one call: each row's new tokens fed (feed_rows,
+// the step's dt clamp), then level by level each node's children are its parent's most likely tokens under
+// a head of V rows (a cut of the vocabulary: ids[i] is row i's token; 0: row i is token i), in order, and
+// every node that is not at the deepest level is stepped from a copy of its parent's state, so that the
+// next call finds the state of any such node on the accepted path. Arguments, as one array of int64:
+// the model's layout, tokens [b, T], counts [b] (1 <= counts[r] <= T), b, T, parents [n] (int64: -1,
+// then each node's parent before it), n, the conv and SSM states [layers, b, ...] (advanced in place by
+// the feed), the node slots' conv and SSM states [layers, n * b, ...] (slot s of row r at s * b + r),
+// the head (packed as gemm.pack packs) and V, ids (int64 [V], or 0), the draft's tokens [b, n] (int64:
+// every node's but the root's written), each node's slot [n] (int64, -1: a node not stepped), threads;
+// then restore [b] (int64, or 0: none) and the node slots' conv and SSM states of an earlier draft with
+// their rows in a layer: row r's states are first those of that draft's row restore[r] where it is >= 0
+// (the state after a node of it that the new tokens followed), then fed. The stepped nodes take the
+// slots 0, 1, ... level by level, in index order within a level. Returns 0;
+// 1 + the first (row-major) fed token outside the vocabulary, -1 where the parents are no tree (or a row
+// to restore past the earlier slots), -2 where
+// a node has more than 64 children or the head fewer rows than a node's children (nothing computed then).
+extern "C" long stree_mamba_draft(const int64_t* a) {
+  const Model* m = (const Model*)a[0];
+  const int64_t *tokens = (const int64_t*)a[1], *counts = (const int64_t*)a[2];
+  long b = a[3], T = a[4];
+  const int64_t* parents = (const int64_t*)a[5];
+  long n = a[6];
+  float *conv_states = (float*)a[7], *ssm_states = (float*)a[8], *node_conv = (float*)a[9], *node_ssm = (float*)a[10];
+  const float* head_w = (const float*)a[11];
+  long V = a[12];
+  const int64_t* ids = (const int64_t*)a[13];
+  int64_t *drafted = (int64_t*)a[14], *slot = (int64_t*)a[15];
+  int threads = (int)a[16];
+  const int64_t* restore = (const int64_t*)a[17];
+  const float *before_conv = (const float*)a[18], *before_ssm = (const float*)a[19];
+  long before_rows = a[20];
+  const Sizes& sz = m->n;
+  for (long r = 0; r < b; r++)
+    for (long t = 0; t < counts[r]; t++)
+      if (tokens[r * T + t] < 0 || tokens[r * T + t] >= sz.vocab) return r * T + t + 1;
+  for (long r = 0; restore && r < b; r++)
+    if (restore[r] >= before_rows) return -1;
+  if (n < 1 || parents[0] != -1) return -1;
+  std::vector<long> depth((size_t)n, 0), kids((size_t)n, 0);
+  long deepest = 0;
+  for (long v = 1; v < n; v++) {
+    if (parents[v] < 0 || parents[v] >= v) return -1;
+    depth[v] = depth[parents[v]] + 1;
+    kids[parents[v]]++;
+    deepest = depth[v] > deepest ? depth[v] : deepest;
+  }
+  for (long v = 0; v < n; v++)
+    if (kids[v] > 64 || kids[v] > V) return -2;
+  // the stepped nodes (depth 1 to deepest - 1) level by level: level d's slots first[d] .. first[d + 1] - 1
+  std::vector<long> order, first((size_t)deepest + 1, 0);
+  for (long v = 0; v < n; v++) slot[v] = -1;
+  for (long d = 1; d < deepest; d++) {
+    first[d] = (long)order.size();
+    for (long v = 1; v < n; v++)
+      if (depth[v] == d) slot[v] = (int64_t)order.size(), order.push_back(v);
+  }
+  if (deepest) first[deepest] = (long)order.size();
+  long CK = sz.conv_dim * sz.d_conv, SS = sz.heads * sz.headdim * sz.d_state;
+  for (long l = 0; restore && l < sz.layers; l++)
+    for (long r = 0; r < b; r++)
+      if (restore[r] >= 0) {
+        memcpy(conv_states + (l * b + r) * CK, before_conv + (l * before_rows + restore[r]) * CK, sizeof(float) * CK);
+        memcpy(ssm_states + (l * b + r) * SS, before_ssm + (l * before_rows + restore[r]) * SS, sizeof(float) * SS);
+      }
+  float* last = feed_rows(m, tokens, counts, b, T, conv_states, ssm_states, m->e.dt_lo, m->e.dt_hi, threads);
+  if (n == 1) return 0;
+  thread_local std::vector<float> logits;
+  thread_local std::vector<int64_t> level_tokens, heads, picked;
+  // node v's children in row r (in index order) from its row of logits
+  auto children = [&](long v, long r, const float* row) {
+    picked.resize((size_t)kids[v]);
+    top_entries(row, V, kids[v], picked.data());
+    long c = 0;
+    for (long u = v + 1; u < n && c < kids[v]; u++)
+      if (parents[u] == v) drafted[r * n + u] = ids ? ids[picked[c]] : picked[c], c++;
+  };
+  logits.resize((size_t)(b * V));
+  head_rows(m, last, nullptr, b, head_w, V, logits.data(), threads);
+  for (long r = 0; r < b; r++) children(0, r, logits.data() + r * V);
+  long rows_all = n * b;  // the node slots' rows in a layer
+  for (long d = 1; d < deepest; d++) {
+    long f = first[d], count = first[d + 1] - first[d];
+    // each node's rows start from its parent's state: the cache's row (the root's) or the parent's slot
+    for (long l = 0; l < sz.layers; l++)
+      for (long i = 0; i < count; i++) {
+        long v = order[f + i], p = parents[v];
+        for (long r = 0; r < b; r++) {
+          long to = l * rows_all + (f + i) * b + r, from = p ? l * rows_all + slot[p] * b + r : l * b + r;
+          memcpy(node_conv + to * CK, (p ? node_conv : conv_states) + from * CK, sizeof(float) * CK);
+          memcpy(node_ssm + to * SS, (p ? node_ssm : ssm_states) + from * SS, sizeof(float) * SS);
+        }
+      }
+    level_tokens.resize((size_t)(count * b));
+    heads.clear();
+    for (long i = 0; i < count; i++)
+      for (long r = 0; r < b; r++) {
+        level_tokens[i * b + r] = drafted[r * n + order[f + i]];
+        if (kids[order[f + i]]) heads.push_back(i * b + r);
+      }
+    float* x = step_rows(m, level_tokens.data(), count * b, node_conv + f * b * CK, rows_all * CK,
+                         node_ssm + f * b * SS, rows_all * SS, threads);
+    long k = (long)heads.size();
+    logits.resize((size_t)(k * V));
+    head_rows(m, x, heads.data(), k, head_w, V, logits.data(), threads);
+    for (long j = 0; j < k; j++) children(order[f + heads[j] / b], heads[j] % b, logits.data() + j * V);
   }
   return 0;
 }

@@ -35,6 +35,7 @@ _ARGS = struct.Struct("=9q")
 _TREE_ARGS = struct.Struct("=14q")
 _GREEDY_ARGS = struct.Struct("=25q")
 _PREFILL_ARGS = struct.Struct("=8q2d1q")
+_DRAFT_ARGS = struct.Struct("=21q")
 MAX_GROUPS = 64  # (the tree scan's C . B per group is a fixed buffer in mamba_step.cpp)
 
 
@@ -99,6 +100,7 @@ class MambaStep:
         self.embed = embed.detach().contiguous()
         self.final_w = final_w.detach().contiguous()
         self.head_w = pack(head_w)
+        self._head_src, self._pack, self._cuts = head_w.detach(), pack, {}
         self.layers = layers
         sizes = [len(layers), d_model, vocab, first.d_in_proj, first.d_inner, conv_dim, d_conv, heads, headdim,
                  d_state, groups, norm_group, int(gate_first)]
@@ -114,7 +116,7 @@ class MambaStep:
         self._layout = np.array(words, dtype=np.int64)
         self._at = self._layout.ctypes.data  # (its address, read once: an array's .ctypes costs microseconds)
         self._run, self._tree, self._greedy = lib.stree_mamba_step, lib.stree_mamba_tree, lib.stree_mamba_tree_greedy
-        self._prefill = lib.stree_mamba_prefill
+        self._prefill, self._draft = lib.stree_mamba_prefill, lib.stree_mamba_draft
         self.vocab = vocab
         # the trailing shapes of a tree pass's scratch (xBC, x, dt, B; stree.models.cache.SSMScratch)
         self.tails = (conv_dim,), (heads, headdim), (heads,), (groups, d_state)
@@ -158,6 +160,55 @@ class MambaStep:
             raise ValueError(f"tokens must be in [0, {self.vocab}), got {int(tokens[row, at])} at row {row}, "
                              f"position {at}")
         return logits
+
+    def head_cut(self, ids: torch.Tensor) -> tuple:
+        """The head cut to the tokens ``ids`` (int64, distinct, in the vocabulary; made once per
+        ``ids`` tensor held): what :meth:`draft` takes as ``head``."""
+        cut = self._cuts.get(id(ids))
+        if cut is None or cut[0] is not ids:
+            keep = ids.detach().contiguous()
+            if (keep.dim() != 1 or keep.dtype != torch.long or not len(keep) or int(keep.min()) < 0
+                    or int(keep.max()) >= self.vocab or len(torch.unique(keep)) != len(keep)):
+                raise ValueError(f"a head's cut must be distinct int64 token ids in [0, {self.vocab}), got "
+                                 f"{keep.dtype} of shape {tuple(keep.shape)}")
+            cut = self._cuts[id(ids)] = (ids, self._pack(self._head_src[keep]), len(keep), keep)
+        return cut[1:]
+
+    def draft(self, tokens: torch.Tensor, counts: np.ndarray, parents: np.ndarray, conv: torch.Tensor,
+              ssm: torch.Tensor, node_conv: torch.Tensor, node_ssm: torch.Tensor, head: tuple | None = None,
+              restore: np.ndarray | None = None, before: tuple | None = None):
+        """A greedy draft of the tree over ``parents`` (int64 ``[n]``, contiguous: -1, then each
+        node's parent before it) for every row in one call: each row's first ``counts[r]`` (int64
+        ``[b]``, in ``[1, T]``) of ``tokens`` ``[b, T]`` fed into ``conv`` and ``ssm`` (as
+        :meth:`prefill`'s, with the step's dt clamp), then each node's children its most likely
+        tokens in order (ties: the lower id; under ``head``, :meth:`head_cut`'s, among those ids
+        alone, ties to the earlier), every node above the deepest level stepped from a copy of its
+        parent's state into a slot of ``node_conv`` and ``node_ssm`` (``[layers, n * b, ...]``, as
+        the states'; slot s of row r at s * b + r). First, with ``restore`` (int64 ``[b]``), row r's
+        states are set to row ``restore[r]`` (where >= 0) of ``before``, an earlier draft's
+        ``(node_conv, node_ssm)``. Returns the draft's tokens ``[b, n]`` (the root's 0: the
+        caller's) and each node's slot ``[n]`` (-1: not stepped). The caller vouches for the shapes;
+        the fed tokens, the tree and the rows restored are checked here, before anything is computed."""
+        b, T = tokens.shape
+        n = parents.shape[0]
+        w, V, ids = (self.head_w, self.vocab, None) if head is None else head
+        old = (0, 0, 0, 0) if restore is None else (restore.ctypes.data, before[0].data_ptr(), before[1].data_ptr(),
+                                                   before[0].shape[1])
+        out, slots = torch.zeros(b, n, dtype=torch.long), np.empty(n, dtype=np.int64)
+        status = self._draft(_DRAFT_ARGS.pack(
+            self._at, tokens.data_ptr(), counts.ctypes.data, b, T, parents.ctypes.data, n, conv.data_ptr(),
+            ssm.data_ptr(), node_conv.data_ptr(), node_ssm.data_ptr(), w.data_ptr(), V,
+            0 if ids is None else ids.data_ptr(), out.data_ptr(), slots.ctypes.data, torch.get_num_threads(), *old))
+        if status > 0:
+            row, at = divmod(status - 1, T)
+            raise ValueError(f"tokens must be in [0, {self.vocab}), got {int(tokens[row, at])} at row {row}, "
+                             f"position {at}")
+        if status == -1:
+            raise ValueError(f"parents must be -1, then each node's parent before it, got {parents.tolist()}; and "
+                             f"the rows restored within the earlier draft's, got {restore}")
+        if status == -2:
+            raise ValueError(f"a node of the tree has more children than 64 or than the head's {V} rows")
+        return out, slots
 
     def tree(self, tokens: torch.Tensor, parents: np.ndarray, conv: torch.Tensor, ssm: torch.Tensor):
         """A tree pass: logits ``[b, n, vocab]`` at every node of the trees over ``parents`` ``[rows,

@@ -8,7 +8,7 @@ from __future__ import annotations
 from torch import nn
 
 from ..base import Block, TreeLM
-from ..fused_step import fused_prefill, fused_step, fused_tree, fused_tree_greedy
+from ..fused_step import fused_draft, fused_prefill, fused_step, fused_tree, fused_tree_greedy
 from ..config import Mamba2Config
 from ..layers.mamba2 import Mamba2Mixer
 from ..layers.norms import RMSNorm
@@ -55,3 +55,6 @@ class Mamba2LM(TreeLM):
 
     def fused_tree_greedy(self, cache, tree, index, max_depth, kernel_backend, top_k=None):
         return fused_tree_greedy(self, cache, tree, index, max_depth, kernel_backend, top_k)
+
+    def fused_draft(self, cache, tokens, counts, parents, nodes, head_ids, restore, before, kernel_backend):
+        return fused_draft(self, cache, tokens, counts, parents, nodes, head_ids, restore, before, kernel_backend)
