@@ -3,7 +3,8 @@ rows, and it drafts a tree with its own tree forwards, so it never rolls back.
 
 Any model with the decoding protocol works (``allocate_cache``, ``prefill`` continuing from what
 the cache holds, ``step``, ``forward_tree`` returning logits and a pass handle, ``commit`` of that
-handle): a distilled 1-2 layer Mamba2 in practice, an exact Markov table in the tests.
+handle; ``draft_greedy`` where it has one): a distilled 1-2 layer Mamba2 in practice, an exact Markov
+table in the tests.
 """
 
 from __future__ import annotations
@@ -145,7 +146,10 @@ class SSMDrafter(Drafter):
     tokens follow the tree (the accepted path), each row takes the state of the deepest fed node
     on it instead of feeding those tokens again, so mostly the target's own last token is left;
     what is left is fed by steps when each row has as many (up to ``STEPS_UP_TO``), else one
-    chain pass and commit.
+    chain pass and commit. Greedy drafts of a static shape are one call where the model has one
+    (``draft_greedy``: a float32 Mamba2 drafter on the CPU), the resumption and the feed included,
+    its children chosen among ``head_share`` of the vocabulary, most frequent first (the model's
+    ``draft_vocab``, read from its checkpoint's draft_vocab.json; None, or no such file: every id).
     On the CPU, ``stree.runtime.CompiledModel(model)`` in place of ``model`` runs those compiled."""
 
     # A row more than this many tokens behind (a new context, or one decoded plain for a while) is
