@@ -980,7 +980,9 @@ def auto_tree(model, drafter, batch: int, *, mode: str, sampled: bool = False, c
     (:func:`stree.decoding.cost.bracketed_profile`), for callers whose batch size keeps changing."""
     _load_helpers()
     device = model.device
-    fixed = None if mode == "eager" else (FIXED_CUDA if device.type == "cuda" else FIXED)
+    # (compiled, greedy, where the passes are one call each: nothing to compile per shape, so eager's sizes)
+    free = mode == "eager" or (mode == "compiled" and not sampled and _passes_are_one_call(model))
+    fixed = None if free else (FIXED_CUDA if device.type == "cuda" else FIXED)
     allowed = fixed or default_sizes(device)
     prior = _prior(max(allowed), chain, depth)
     sizes = tuple(n for n in allowed if n <= prior.n) or (prior.n,)
@@ -994,6 +996,18 @@ def auto_tree(model, drafter, batch: int, *, mode: str, sampled: bool = False, c
                                                                                    PathRates()))
     return AutoTree(profile, sizes=fixed and sizes, chain=chain, fills_shapes=fills, depth=depth, adaptive=adaptive,
                     rates=rates, scale=scale, watch=watch)
+
+
+def _passes_are_one_call(model) -> bool:
+    """Whether ``model``'s steps, tree passes and greedy iterations are one call each
+    (:mod:`stree.models.fused_step`: a float32 Mamba2 model on the CPU), which a compiled loop takes
+    too: it then compiles nothing per tree shape, and plans any size and shape as an eager one. (On
+    fixed sizes and the prior's plan, compiled STAND deterministic at batch 1 gained 1.23x-1.27x
+    where eager gained 1.4x-1.5x on the same machine, docs/benchmarks.md.)"""
+    if getattr(model, "fused_step", None) is None:  # (a stand-in model of the decoding protocol)
+        return False
+    with torch.no_grad():
+        return model.fused_step(model.allocate_cache(1, 1), None, model.kernel_backend) is not None
 
 
 @functools.lru_cache(maxsize=64)

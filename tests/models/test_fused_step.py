@@ -467,3 +467,25 @@ def test_a_one_call_prefill_with_a_bad_token_moves_nothing():
     # (the bad token past row 1's count: fed no further, read nowhere)
     assert step.prefill(tokens, np.array([3, 1]), cache.conv, cache.ssm, (0.0, float("inf"))).shape == (2, step.vocab)
     assert not torch.equal(cache.ssm, before.ssm)
+
+
+def test_a_compiled_greedy_choice_plans_as_an_eager_one_where_the_passes_are_one_call(monkeypatch):
+    """torch_compile=True, greedy, where the model's passes are one call: nothing is compiled per tree
+    shape, so the choice weighs every size and re-plans its shape (not the fixed sizes and the prior's
+    plan of compiled passes); sampled, or where the passes go layer by layer, the fixed sizes."""
+    from stree.decoding.autotree import FIXED, _passes_are_one_call, auto_tree
+    from stree.decoding.loop import generate
+    from stree.drafters.registry import make_drafter
+
+    model = mamba2(seed=3)
+    drafter = make_drafter("ngram", vocab_size=model.vocab_size)
+    greedy = auto_tree(model, drafter, 1, mode="compiled")
+    assert not greedy.fixed and greedy.sizes != FIXED and max(greedy.sizes) > max(FIXED)
+    assert auto_tree(model, drafter, 1, mode="compiled", sampled=True).sizes == FIXED
+    prompts = [[1, 2, 3, 1, 2, 3, 1, 2], [4, 5, 6, 4, 5]]
+    want = generate(model, prompts, max_new_tokens=16)
+    got = generate(model, prompts, drafter=make_drafter("ngram", vocab_size=model.vocab_size), max_new_tokens=16,
+                   torch_compile=True)
+    assert got.sequences == want.sequences
+    layer_by_layer(monkeypatch)
+    assert not _passes_are_one_call(model)
