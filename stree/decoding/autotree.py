@@ -995,7 +995,7 @@ def auto_tree(model, drafter, batch: int, *, mode: str, sampled: bool = False, c
     scale, rates = (None, None) if not adaptive else _LEARNED.setdefault(profile, ({"plain": 1.0, "tree": 1.0},
                                                                                    PathRates()))
     return AutoTree(profile, sizes=fixed and sizes, chain=chain, fills_shapes=fills, depth=depth, adaptive=adaptive,
-                    rates=rates, scale=scale, watch=watch)
+                    rates=rates, scale=scale, watch=watch, per_row=None if mode == "eager" else False)
 
 
 def _passes_are_one_call(model) -> bool:

@@ -473,6 +473,8 @@ def test_a_compiled_greedy_choice_plans_as_an_eager_one_where_the_passes_are_one
     """torch_compile=True, greedy, where the model's passes are one call: nothing is compiled per tree
     shape, so the choice weighs every size and re-plans its shape (not the fixed sizes and the prior's
     plan of compiled passes); sampled, or where the passes go layer by layer, the fixed sizes."""
+    from torch._dynamo.utils import counters
+
     from stree.decoding.autotree import FIXED, _passes_are_one_call, auto_tree
     from stree.decoding.loop import generate
     from stree.drafters.registry import make_drafter
@@ -482,10 +484,12 @@ def test_a_compiled_greedy_choice_plans_as_an_eager_one_where_the_passes_are_one
     greedy = auto_tree(model, drafter, 1, mode="compiled")
     assert not greedy.fixed and greedy.sizes != FIXED and max(greedy.sizes) > max(FIXED)
     assert auto_tree(model, drafter, 1, mode="compiled", sampled=True).sizes == FIXED
-    prompts = [[1, 2, 3, 1, 2, 3, 1, 2], [4, 5, 6, 4, 5]]
-    want = generate(model, prompts, max_new_tokens=16)
-    got = generate(model, prompts, drafter=make_drafter("ngram", vocab_size=model.vocab_size), max_new_tokens=16,
+    prompts = [[1, 2, 3, 1, 2, 3, 1, 2], [4, 5, 6, 4, 5]] * 2
+    want = generate(model, prompts, max_new_tokens=24)
+    graphs = counters["stats"]["unique_graphs"]
+    got = generate(model, prompts, drafter=make_drafter("ngram", vocab_size=model.vocab_size), max_new_tokens=24,
                    torch_compile=True)
-    assert got.sequences == want.sequences
+    assert got.sequences == want.sequences and counters["stats"]["unique_graphs"] == graphs  # (nothing compiled)
+    assert sum(n for size, n in got.stats.trees.items() if size > 1)  # (trees verified, of its own sizes)
     layer_by_layer(monkeypatch)
     assert not _passes_are_one_call(model)
