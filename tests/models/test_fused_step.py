@@ -490,6 +490,5 @@ def test_a_compiled_greedy_choice_plans_as_an_eager_one_where_the_passes_are_one
     got = generate(model, prompts, drafter=make_drafter("ngram", vocab_size=model.vocab_size), max_new_tokens=24,
                    torch_compile=True)
     assert got.sequences == want.sequences and counters["stats"]["unique_graphs"] == graphs  # (nothing compiled)
-    assert sum(n for size, n in got.stats.trees.items() if size > 1)  # (trees verified, of its own sizes)
     layer_by_layer(monkeypatch)
     assert not _passes_are_one_call(model)
