@@ -273,9 +273,11 @@ void update_states(const Model* m, const Layer& L, long b, const int64_t* start,
 // ``rows`` tokens, one a row, through every block: row i's conv window at conv_states + l * cstride + i *
 // conv_dim * d_conv and SSM state at ssm_states + l * sstride + i * heads * headdim * d_state in layer l (a
 // cache's rows, or a draft's node slots), advanced in place. Returns the rows' hidden states [rows,
-// d_model] after the last block (the thread's scratch: read before its next call).
-float* step_rows(const Model* m, const int64_t* tokens, long rows, float* conv_states, long cstride,
-                 float* ssm_states, long sstride, int threads) {
+// d_model] after the last block (the thread's scratch: read before its next call). Inlined, as the step's
+// body was before the draft shared it.
+__attribute__((always_inline)) inline float* step_rows(const Model* m, const int64_t* tokens, long rows,
+                                                      float* conv_states, long cstride, float* ssm_states,
+                                                      long sstride, int threads) {
   const Sizes& n = m->n;
   long D = n.d_model, P = n.d_in_proj, I = n.d_inner, CD = n.conv_dim, K = n.d_conv, S = n.d_state;
   long HP = n.heads * n.headdim;
@@ -301,8 +303,8 @@ float* step_rows(const Model* m, const int64_t* tokens, long rows, float* conv_s
 
 // The final norm and a head of V rows (head_w, packed) of rows at[j] (null: j) of x [., d_model], for j < k:
 // logits [k, V].
-void head_rows(const Model* m, const float* x, const int64_t* at, long k, const float* head_w, long V, float* logits,
-               int threads) {
+__attribute__((always_inline)) inline void head_rows(const Model* m, const float* x, const int64_t* at, long k,
+                                                    const float* head_w, long V, float* logits, int threads) {
   long D = m->n.d_model;
   thread_local std::vector<float> h;
   h.resize((size_t)(k * D));
