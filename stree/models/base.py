@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from ..kernels import MAX_TREE_NODES
+from ..kernels.cpu.mamba_step import DRAFT_MAX_CHILDREN
 from ..kernels._common import version
 from ..tree import PackedTrees, TokenTree, TreeIndex, TreeShape
 from .cache import AttnLayerState, ModelCache, SSMLayerState, SSMScratch, TreePass, chain_chunks
@@ -407,8 +408,9 @@ class TreeLM(nn.Module):
         ``restore[r]`` of ``before`` (an earlier draft's ``nodes``) where that is >= 0: the state
         after a node its new tokens followed. Returns the draft's tokens ``[b, n]`` (the root's 0)
         and each node's slot ``[n]`` (numpy, -1: not stepped), the cache advanced; None, both caches
-        untouched, where there is no such call. ``validate=False`` skips the checks of the counts
-        and the room (a drafter that checked them)."""
+        untouched, where there is no such call (nor where a node has more children than
+        ``DRAFT_MAX_CHILDREN`` or than ``head_ids``). ``validate=False`` skips the checks of the
+        counts and the room (a drafter that checked them)."""
         b, T = tokens.shape
         if validate:
             self.check_tokens("tokens", tokens, values=False)
@@ -418,7 +420,9 @@ class TreeLM(nn.Module):
                 raise ValueError(f"need nodes of {shape.n * b} rows (got {nodes.batch_size}) and, to restore, an "
                                  f"earlier draft's nodes and [{b}] rows")
             self.check_cache(cache, b, int(counts.max()) + shape.max_depth)
-        parents, slots, depth = _shape_arrays(shape)
+        parents, slots, depth, widest = _shape_arrays(shape)
+        if widest > min(DRAFT_MAX_CHILDREN, self.vocab_size if head_ids is None else len(head_ids)):
+            return None  # (more children than the call draws, or than the cut's tokens)
         out = self.fused_draft(cache, tokens, counts, parents, nodes, head_ids, restore, before, self.kernel_backend)
         if out is None:
             return None
@@ -595,11 +599,11 @@ __all__ = ["Block", "scaled", "TreeLM", "TreeContext", "StepContext", "derived",
 
 
 @functools.lru_cache(maxsize=256)
-def _shape_arrays(shape: TreeShape) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """A shape's parents (int64, contiguous), and the slots a one-call draft steps its nodes into
+def _shape_arrays(shape: TreeShape) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+    """A shape's parents (int64, contiguous), the slots a one-call draft steps its nodes into
     (those above the deepest level, level by level, in index order within a level) with those nodes'
-    depths, made once per shape."""
+    depths, and the most children a node has; made once per shape."""
     depth = shape.depth
     stepped = sorted((d, v) for v, d in enumerate(depth) if 0 < d < shape.max_depth)
     return (np.array(shape.parents, dtype=np.int64), np.arange(len(stepped)),
-            np.array([d for d, _ in stepped], dtype=np.int64))
+            np.array([d for d, _ in stepped], dtype=np.int64), max(map(len, shape.children())))

@@ -129,8 +129,11 @@ def test_bad_tokens_trees_and_rows_are_refused_before_anything_moves():
         _draft(model, cache, nodes, feed, [2, 2], shape)
     with pytest.raises(ValueError, match="rows restored"):
         _draft(model, cache, nodes, feed, [2, 1], shape, restore=[6, -1], before=nodes)
-    with pytest.raises(ValueError, match="more children"):
-        _draft(model, cache, nodes, feed, [2, 1], shape, ids=torch.tensor([3]))
+    with torch.no_grad():
+        step = fused_step(model, cache, feed, "auto")
+    with pytest.raises(ValueError, match="more children"):  # (the call itself; the model's declines it, below)
+        step.draft(feed, np.array([2, 1]), np.array(shape.parents), cache.conv, cache.ssm, nodes.conv, nodes.ssm,
+                   step.head_cut(torch.tensor([3])))
     with pytest.raises(ValueError, match="counts must be"):
         _draft(model, cache, nodes, feed, [0, 1], shape)
     with pytest.raises(ValueError, match="nodes of 6 rows"):
@@ -139,6 +142,11 @@ def test_bad_tokens_trees_and_rows_are_refused_before_anything_moves():
         _draft(model, cache, nodes, feed, [2, 1], shape, ids=torch.tensor([3, 3, 4]))
     assert_same_state(cache, kept, tol=0)
     assert_same_state(nodes, kept_nodes, tol=0)
+    # no one call for a node with more children than the cut's tokens, or than the call draws
+    assert _draft(model, cache, nodes, feed, [2, 1], shape, ids=torch.tensor([3])) is None
+    wide = TreeShape((-1,) + (0,) * (mamba_step.DRAFT_MAX_CHILDREN + 1))
+    assert _draft(model, cache, model.allocate_cache(wide.n * 2, 64), feed, [2, 1], wide) is None
+    assert_same_state(cache, kept, tol=0)
     # (the bad token past row 1's count: fed nowhere)
     assert _draft(model, cache, nodes, feed, [2, 1], shape)[0].shape == (2, 3)
 

@@ -29,7 +29,7 @@ import torch
 from . import gemm
 from .bound import aligned_array
 
-__all__ = ["MambaLayer", "MambaStep", "available"]
+__all__ = ["DRAFT_MAX_CHILDREN", "MambaLayer", "MambaStep", "available"]
 
 _ARGS = struct.Struct("=9q")
 _TREE_ARGS = struct.Struct("=14q")
@@ -37,6 +37,7 @@ _GREEDY_ARGS = struct.Struct("=25q")
 _PREFILL_ARGS = struct.Struct("=8q2d1q")
 _DRAFT_ARGS = struct.Struct("=21q")
 MAX_GROUPS = 64  # (the tree scan's C . B per group is a fixed buffer in mamba_step.cpp)
+DRAFT_MAX_CHILDREN = 64  # a draft's children of one node (mamba_step.cpp's top_entries keeps them in a buffer)
 
 
 class MambaLayer:
