@@ -62,11 +62,26 @@ class _Drafted:
         self.caches.append(cache)
 
 
-class _OneCall(NamedTuple):
-    """A one-call draft (:meth:`SSMDrafter._continue`): the shape's children of each node, each
-    row's tokens, each node's slot (-1: not stepped) and the cache holding the slots' states."""
+def _deepest_fed(parents: list, tokens: list, fed: list, new: list) -> tuple[int, int]:
+    """On the path of a drafted tree (one row's ``parents`` and ``tokens``) that the tokens ``new``
+    follow from the root (a node's first child in index order holding the next one), the deepest
+    node drafting fed (``fed[v] >= 0``: its state is kept) and how many of ``new`` reach it; (-1,
+    0) where none does. (Plain Python: over a few tokens numpy's calls cost more than the walk.)"""
+    node, found, depth = 0, -1, 0
+    for k, tok in enumerate(new, 1):
+        node = next((c for c in range(node + 1, len(parents)) if parents[c] == node and tokens[c] == tok), -1)
+        if node < 0:
+            break
+        if fed[node] >= 0:
+            found, depth = node, k
+    return found, depth
 
-    kids: list
+
+class _OneCall(NamedTuple):
+    """A one-call draft (:meth:`SSMDrafter._continue`): the shape's parents, each row's tokens,
+    each node's slot (-1: not stepped) and the cache holding the slots' states."""
+
+    parents: list
     tokens: list
     slots: list
     nodes: object
@@ -311,18 +326,12 @@ class SSMDrafter(Drafter):
             j, fed = before.get(r), int(self._fed[i])
             if j is None:
                 continue
-            node, depth, take = 0, 0, None
-            for step, tok in enumerate(context.tokens[r, fed: int(want[i]) - 1].tolist(), 1):
-                hit = np.flatnonzero((parents[j] == node) & (tokens[j] == tok))
-                if not len(hit):
-                    break
-                node = hit[0]
-                if level[j, node] >= 0:
-                    depth, take = step, (int(level[j, node]), int(at[j, node]))
-            if take is not None:
-                dst, src = moves.setdefault(take[0], ([], []))
+            node, depth = _deepest_fed(parents[j].tolist(), tokens[j].tolist(), level[j].tolist(),
+                                       context.tokens[r, fed: int(want[i]) - 1].tolist())
+            if node >= 0:
+                dst, src = moves.setdefault(int(level[j, node]), ([], []))
                 dst.append(i)
-                src.append(take[1])
+                src.append(int(at[j, node]))
                 self._fed[i] += depth
         device = self.model.device
         for level, (dst, src) in moves.items():
@@ -400,7 +409,7 @@ class SSMDrafter(Drafter):
         drafted, slots = out
         drafted.numpy()[:, 0] = roots
         self._last = self._drafted = None
-        self._one = _OneCall(shape.plan.kids, drafted.tolist(), slots.tolist(), nodes)
+        self._one = _OneCall(list(shape.parents), drafted.tolist(), slots.tolist(), nodes)
         return TokenTree.from_shape(shape, drafted)
 
     def _continue(self, context: DraftContext, shape: TreeShape) -> TokenTree | None:
@@ -417,13 +426,9 @@ class SSMDrafter(Drafter):
         want, fed = [lengths[r] for r in rows], self._fed.tolist()
         restore = [-1] * b
         for i, r in enumerate(rows):
-            node, kids, drafted, slots, f = 0, one.kids, one.tokens[i], one.slots, fed[i]
-            for k, tok in enumerate(tokens[r, f: want[i] - 1].tolist(), 1):
-                node = next((c for c in kids[node] if drafted[c] == tok), -1)
-                if node < 0:
-                    break
-                if slots[node] >= 0:
-                    restore[i], fed[i] = slots[node] * b + i, f + k
+            node, depth = _deepest_fed(one.parents, one.tokens[i], one.slots, tokens[r, fed[i]: want[i] - 1].tolist())
+            if node >= 0:
+                restore[i], fed[i] = one.slots[node] * b + i, fed[i] + depth
         new = [w - f for w, f in zip(want, fed)]
         if min(new) < 1 or max(new) > self.CATCH_WINDOW or max(want) + shape.max_depth > self.max_length:
             return None
