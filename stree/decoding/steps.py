@@ -215,6 +215,11 @@ def autoregressive_step(model, cache, roots: torch.Tensor, params: SamplingParam
     if fused:  # (CUDA graphs: the step, the token's choice and the host's packed part as one graph)
         k = None if top_k is None else min(top_k, model.vocab_size)
         return unpack(fused(roots, k).to("cpu", copy=True), 1, 1, k)  # (a copy: the graph's output is its own)
+    one = runner.greedy_step(roots) if params.greedy and tensor_parallel(model) is None else None
+    if one is not None:  # the step and each row's choice as one call
+        logits, nxt, counts, finite = one
+        probs = None if top_k is None else params.observed(logits)[:, None]
+        return _to_host(nxt, counts, probs, top_k or 0, finite)
     logits = runner.step()(roots, validate=False)
     if greedy_on_host(params, logits) and tensor_parallel(model) is None:
         nxt, finite = greedy_rows_host(logits)

@@ -347,6 +347,23 @@ class TreeLM(nn.Module):
         cache.moved()
         return logits
 
+    @torch.no_grad()
+    def greedy_step(self, tokens: torch.Tensor, cache: ModelCache, validate: bool = True):
+        """:meth:`step` with each row's greedy choice made in the same call, where the family's step
+        is one call (:mod:`stree.models.fused_step`): the logits ``[b, V]``, the choices ``[b, 1]``
+        (the first of equal maxima, as ``torch.argmax``), ones ``[b]`` and whether each row's logits
+        are free of NaN and +inf ``[b]``, the last three host tensors, the cache advanced; None, the
+        cache untouched, where there is no such call. ``validate`` as :meth:`step`'s."""
+        self.check_step(tokens, cache, validate)
+        fused = self.fused_step(cache, tokens, self.kernel_backend)
+        greedy = getattr(fused, "greedy", None)
+        if greedy is None:
+            return None
+        out = greedy(tokens.contiguous(), cache.conv, cache.ssm)
+        cache.seqlens += 1
+        cache.moved()
+        return out
+
     def check_step(self, tokens, cache: ModelCache, validate: bool = True, heads: torch.Tensor | None = None) -> None:
         """The checks of :meth:`step` (``validate``: also the token range, the room left and the
         range of ``heads``)."""

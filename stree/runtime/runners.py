@@ -50,6 +50,9 @@ class EagerRunner:
         greedy = getattr(target, "greedy_tree", None)  # (a stand-in target may have none)
         self._greedy = (lambda draft, top_k: None) if greedy is None else \
             (lambda draft, top_k: greedy(draft, cache, validate=False, top_k=top_k))
+        greedy_step = getattr(model, "greedy_step", None)
+        self._greedy_step = (lambda tokens: None) if greedy_step is None else \
+            (lambda tokens: greedy_step(tokens, cache, validate=False))
 
     def step(self) -> Callable:
         return self._step
@@ -59,6 +62,11 @@ class EagerRunner:
         laws along the paths for ``top_k``: :meth:`~stree.models.base.TreeLM.greedy_tree`), or
         None where the model has none."""
         return self._greedy(draft, top_k)
+
+    def greedy_step(self, tokens: torch.Tensor):
+        """The model's step with each row's greedy choice made in the same call
+        (:meth:`~stree.models.base.TreeLM.greedy_step`), or None where the model has none."""
+        return self._greedy_step(tokens)
 
     def tree_calls(self, draft, scan: str) -> tuple[Callable, Callable]:
         """A draft with ``row_sizes`` under the tree scan is scored packed, without padding."""
@@ -145,6 +153,11 @@ class DecodeRunner:
             tree_pass, commit = self.tree(shape)
             self._calls[shape] = (lambda d: tree_pass(d.tokens, validate=False)), commit
         return self._calls[shape]
+
+    def greedy_step(self, tokens: torch.Tensor):
+        """As :meth:`EagerRunner.greedy_step` (the model's own call: where it has one, the runner's
+        step is that call too)."""
+        return self._eager.greedy_step(tokens)
 
     def greedy_tree(self, draft, top_k: int | None = None):
         """As :meth:`EagerRunner.greedy_tree` for a draft the runner has no built pass for (no static

@@ -181,14 +181,18 @@ def _alone(model, budgets=BUDGETS):
 
 
 def _batch_sizes_seen(model, monkeypatch) -> list[int]:
-    """The cache rows of every step, tree pass and one-call greedy iteration of ``model`` from now on."""
+    """The cache rows of every step, tree pass and one-call greedy step or iteration of ``model`` from
+    now on (those that ran: a family without the greedy step's call takes a plain step instead)."""
     seen = []
-    for name in ("step", "forward_tree", "greedy_tree"):
+    for name in ("step", "forward_tree", "greedy_tree", "greedy_step"):
         real = getattr(type(model), name)
 
         def spy(self, tokens, cache, *a, _real=real, **k):
-            seen.append(cache.batch_size)
-            return _real(self, tokens, cache, *a, **k)
+            rows = cache.batch_size
+            out = _real(self, tokens, cache, *a, **k)
+            if out is not None:
+                seen.append(rows)
+            return out
 
         monkeypatch.setattr(type(model), name, spy)
     return seen
@@ -219,6 +223,41 @@ def test_greedy_trees_of_a_mamba2_model_take_the_one_call_iteration_and_decode_a
     trees = sum(count for n, count in out.stats.trees.items() if n > 1)
     assert trees > 0 and calls == {"tree_greedy": trees, "prefill": 1, "forward_tree": 0, "commit": 0}, \
         (calls, out.stats.trees)
+
+
+@pytest.mark.parametrize("method", ["autoregressive", "stree"])
+def test_greedy_plain_steps_of_a_mamba2_model_choose_their_tokens_in_the_step_call(method, monkeypatch):
+    # (stree: tree="auto", its plain steps as many as this machine's choice takes)
+    """Greedy, every plain step of a float32 Mamba2 model on the CPU is one call that also makes each
+    row's choice (MambaStep.greedy): no argmax of its own on the host; sampled steps keep the
+    host's draw; the outputs are those of decoding with the host's argmax."""
+    from stree.decoding import steps
+    from stree.kernels.cpu import mamba_step
+
+    if not mamba_step.available():
+        pytest.skip("no C++ compiler for the CPU library here")
+    model = FAMILIES["mamba2"]()
+    calls = {"greedy": 0, "greedy_rows_host": 0}
+    for owner, name in ((mamba_step.MambaStep, "greedy"), (steps, "greedy_rows_host")):
+        real = getattr(owner, name)
+
+        def spy(*a, _real=real, _name=name, **k):
+            calls[_name] += 1
+            return _real(*a, **k)
+        monkeypatch.setattr(owner, name, spy)
+    out = generate(model, PROMPTS, method=method, max_new_tokens=BUDGETS)
+    plain = out.stats.trees.get(1, 0)
+    # (stree: the choice's cost profile, measured on first use, steps the model too)
+    exact = method == "autoregressive"
+    assert calls["greedy_rows_host"] == 0 and (calls["greedy"] == plain > 0 if exact else calls["greedy"] >= plain), \
+        (calls, out.stats.trees)
+    monkeypatch.undo()
+    monkeypatch.setattr(type(model), "greedy_step", lambda *a, **k: None)  # (the host's argmax instead)
+    assert generate(model, PROMPTS, method=method, max_new_tokens=BUDGETS).sequences == out.sequences
+    calls["greedy"] = 0
+    monkeypatch.setattr(mamba_step.MambaStep, "greedy", lambda *a: calls.__setitem__("greedy", 1))
+    generate(model, PROMPTS, method="autoregressive", max_new_tokens=BUDGETS, temperature=1.0, seed=0)
+    assert calls["greedy"] == 0
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -33,14 +33,14 @@ LAYOUTS = {
 
 @pytest.fixture
 def ran(monkeypatch):
-    """How many steps ran as one call."""
+    """How many steps ran as one call (plain or greedy)."""
     seen = [0]
-    real = mamba_step.MambaStep.__call__
+    real = mamba_step.MambaStep._step
 
     def counted(self, *a, **k):
         seen[0] += 1
         return real(self, *a, **k)
-    monkeypatch.setattr(mamba_step.MambaStep, "__call__", counted)
+    monkeypatch.setattr(mamba_step.MambaStep, "_step", counted)
     return seen
 
 
@@ -334,6 +334,47 @@ def test_bad_tokens_and_rows_are_refused_before_anything_moves():
     with pytest.raises(ValueError, match="heads"):
         model.step(torch.tensor([3, 4]), cache, validate=False, heads=torch.tensor([0, 2]))
     assert torch.equal(cache.conv, before.conv) and torch.equal(cache.ssm, before.ssm)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_greedy_step_is_the_step_and_its_argmax(layout, ran):
+    """The one call's choices: torch's argmax of the step's own logits (ties: the head's column of
+    few values, the first of equal maxima), the same states and lengths, every row flagged finite
+    but the one whose logits are NaN, and nothing moved where a token is out of range."""
+    model = _with_biases(mamba2(tie_embeddings=False, **LAYOUTS[layout]))
+    with torch.no_grad():
+        model.lm_head.weight[:, 0] = torch.randint(0, 3, (model.lm_head.weight.shape[0],),
+                                                   generator=torch.Generator().manual_seed(2)).float()
+        model.lm_head.weight[:, 1:] = 0.0
+        model.embed.weight[9] = float("nan")
+    cache = _prefilled(model, 3)
+    twin = cache.clone()
+    gen = torch.Generator().manual_seed(7)
+    for step in range(6):
+        tokens = torch.randint(10, VOCAB, (3,), generator=gen)
+        if step == 3:
+            tokens[1] = 9
+        logits, choice, counts, finite = model.greedy_step(tokens, cache)
+        want = model.step(tokens, twin)
+        torch.testing.assert_close(logits, want, rtol=0, atol=0, equal_nan=True)
+        assert choice.shape == (3, 1) and counts.tolist() == [1, 1, 1]
+        assert choice[:, 0].tolist() == [0 if v.isnan().any() else int(v.argmax()) for v in want]
+        assert finite.tolist() == [bool(torch.isfinite(v).all()) for v in want] == [True, step < 3, True]  # (NaN from then on)
+        assert torch.equal(cache.seqlens, twin.seqlens)
+        assert_same_state(cache, twin, tol=0) if step < 3 else None
+    before = cache.clone()
+    with pytest.raises(ValueError, match="tokens"):
+        model.greedy_step(torch.tensor([3, model.vocab_size, 4]), cache, validate=False)
+    assert torch.equal(cache.seqlens, before.seqlens) and torch.equal(cache.ssm.nan_to_num(), before.ssm.nan_to_num())
+    assert ran[0] == 13
+
+
+def test_a_greedy_step_is_none_where_the_step_goes_block_by_block():
+    model = mamba2().to(torch.bfloat16)
+    cache = _prefilled(model, 2)
+    before = cache.clone()
+    assert model.greedy_step(torch.tensor([3, 4]), cache) is None
+    assert torch.equal(cache.seqlens, before.seqlens) and torch.equal(cache.ssm, before.ssm)
 
 
 def test_a_step_is_one_call_and_one_output(monkeypatch):

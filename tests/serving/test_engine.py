@@ -154,12 +154,14 @@ def test_a_long_prompt_is_read_between_the_other_rows_steps(lm, monkeypatch):
     """A prompt of three chunks joins while another request decodes: its prefill calls carry at
     most MAX_TREE_NODES tokens each, and the other request's steps run between them."""
     calls = []
-    for name in ("prefill", "step", "forward_tree"):
+    for name in ("prefill", "step", "greedy_step", "forward_tree"):  # (a greedy step that ran is a step)
         real = getattr(TreeLM, name)
 
         def spy(self, tokens, cache, *a, _real=real, _name=name, **k):
-            calls.append((_name, tokens.shape[-1] if _name == "prefill" else 0))
-            return _real(self, tokens, cache, *a, **k)
+            out = _real(self, tokens, cache, *a, **k)
+            if out is not None:
+                calls.append((_name.removeprefix("greedy_"), tokens.shape[-1] if _name == "prefill" else 0))
+            return out
 
         monkeypatch.setattr(TreeLM, name, spy)
     ids = lm.encode(PROMPTS[1] * (1 + 3 * MAX_TREE_NODES // len(lm.encode(PROMPTS[1])[0])))[0]

@@ -383,13 +383,52 @@ float* feed_rows(const Model* m, const int64_t* tokens, const int64_t* counts, l
   return last;
 }
 
+// The first index of the row's largest entry, as a scan taking each entry strictly above the best so far
+// (NaNs never taken; a NaN first entry stays the choice): the largest by lanes, whose maximum a NaN
+// never enters (x > m ? x : m keeps m), then the first entry equal to it. Scalar, the scan's compare
+// and select per entry took a 13-node iteration's walk some microseconds a node.
+long first_max(const float* row, long V) {
+  float best = row[0];
+  if (best != best) return 0;
+  constexpr long W = 16;
+  float lane[W];
+  for (long j = 0; j < W; j++) lane[j] = best;
+  long i = 0;
+  for (; i + W <= V; i += W)
+#pragma omp simd
+    for (long j = 0; j < W; j++) lane[j] = row[i + j] > lane[j] ? row[i + j] : lane[j];
+  for (; i < V; i++) best = row[i] > best ? row[i] : best;
+  for (long j = 0; j < W; j++) best = lane[j] > best ? lane[j] : best;
+  for (i = 0; i + W <= V; i += W) {
+    int hit = 0;
+#pragma omp simd reduction(| : hit)
+    for (long j = 0; j < W; j++) hit |= row[i + j] == best;
+    if (hit) break;
+  }
+  for (; row[i] != best; i++) {
+  }
+  return i;
+}
+
+// Whether every entry is below +inf (NaN not), as one reduction (a scalar compare per entry, kept
+// apart by `&=` on a bool, had taken a 13-node iteration's check about as long as its walk)
+bool all_below_inf(const float* x, long count) {
+  int bad = 0;
+#pragma omp simd reduction(| : bad)
+  for (long i = 0; i < count; i++) bad |= !(x[i] < INFINITY);
+  return !bad;
+}
+
 }  // namespace
 
 // The step's arguments as one array of int64 (see mamba_step.py): the model's layout, the tokens [b]
 // (int64), b, the conv states [layers, b, conv_dim, d_conv] and SSM states [layers, b, heads, headdim,
 // d_state] (float32, contiguous, advanced in place), the rows whose logits are made (int64 [k], or
-// 0: every row, k = b), k, the logits [k, vocab], threads. Returns 0; or, where nothing was computed,
-// 1 + the first row whose token is outside the vocabulary, or -1 - the first entry of the rows
+// 0: every row, k = b), k, the logits [k, vocab], threads, and where a greedy step wants them (else 0),
+// each logits row's choice (int64 [k]: its first largest entry, as first_max) and whether it is below
+// +inf throughout (uint8 [k]): the host's argmax and check of the logits, a few microseconds of work,
+// had cost a plain step's host path a tenth of the step in calls. Returns 0; or, where nothing was
+// computed, 1 + the first row whose token is outside the vocabulary, or -1 - the first entry of the rows
 // outside [0, b).
 extern "C" long stree_mamba_step(const int64_t* a) {
   const Model* m = (const Model*)a[0];
@@ -400,6 +439,8 @@ extern "C" long stree_mamba_step(const int64_t* a) {
   long k = a[6];
   float* logits = (float*)a[7];
   int threads = (int)a[8];
+  int64_t* choice = (int64_t*)a[9];
+  uint8_t* finite = (uint8_t*)a[10];
   const Sizes& n = m->n;
   for (long r = 0; r < b; r++)
     if (tokens[r] < 0 || tokens[r] >= n.vocab) return r + 1;
@@ -408,6 +449,10 @@ extern "C" long stree_mamba_step(const int64_t* a) {
   long HP = n.heads * n.headdim;
   float* x = step_rows(m, tokens, b, conv_states, b * n.conv_dim * n.d_conv, ssm_states, b * HP * n.d_state, threads);
   head_rows(m, x, heads_at, k, m->head_w, n.vocab, logits, threads);
+  for (long j = 0; choice && j < k; j++) {
+    choice[j] = first_max(logits + j * n.vocab, n.vocab);
+    finite[j] = all_below_inf(logits + j * n.vocab, n.vocab);
+  }
   return 0;
 }
 
@@ -503,41 +548,6 @@ extern "C" long stree_mamba_tree(const int64_t* a) {
 
 namespace {
 
-// The first index of the row's largest entry, as a scan taking each entry strictly above the best so far
-// (NaNs never taken; a NaN first entry stays the choice): the largest by lanes, whose maximum a NaN
-// never enters (x > m ? x : m keeps m), then the first entry equal to it. Scalar, the scan's compare
-// and select per entry took a 13-node iteration's walk some microseconds a node.
-long first_max(const float* row, long V) {
-  float best = row[0];
-  if (best != best) return 0;
-  constexpr long W = 16;
-  float lane[W];
-  for (long j = 0; j < W; j++) lane[j] = best;
-  long i = 0;
-  for (; i + W <= V; i += W)
-#pragma omp simd
-    for (long j = 0; j < W; j++) lane[j] = row[i + j] > lane[j] ? row[i + j] : lane[j];
-  for (; i < V; i++) best = row[i] > best ? row[i] : best;
-  for (long j = 0; j < W; j++) best = lane[j] > best ? lane[j] : best;
-  for (i = 0; i + W <= V; i += W) {
-    int hit = 0;
-#pragma omp simd reduction(| : hit)
-    for (long j = 0; j < W; j++) hit |= row[i + j] == best;
-    if (hit) break;
-  }
-  for (; row[i] != best; i++) {
-  }
-  return i;
-}
-
-// Whether every entry is below +inf (NaN not), as one reduction (a scalar compare per entry, kept
-// apart by `&=` on a bool, had taken a 13-node iteration's check about as long as its walk)
-bool all_below_inf(const float* x, long count) {
-  int bad = 0;
-#pragma omp simd reduction(| : bad)
-  for (long i = 0; i < count; i++) bad |= !(x[i] < INFINITY);
-  return !bad;
-}
 
 // Greedy verification of one row (verify_jit.greedy_walk's): from the root, each node's choice is the
 // argmax of its logits (the first of equal maxima), and the walk moves to the node's first valid child

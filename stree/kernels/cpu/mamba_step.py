@@ -26,12 +26,13 @@ import struct
 import numpy as np
 import torch
 
+from ...tree import host_tensor
 from . import gemm
 from .bound import aligned_array
 
 __all__ = ["DRAFT_MAX_CHILDREN", "MambaLayer", "MambaStep", "available"]
 
-_ARGS = struct.Struct("=9q")
+_ARGS = struct.Struct("=11q")
 _TREE_ARGS = struct.Struct("=14q")
 _GREEDY_ARGS = struct.Struct("=25q")
 _PREFILL_ARGS = struct.Struct("=8q2d1q")
@@ -130,12 +131,29 @@ class MambaStep:
         contiguous): those rows' logits alone, ``[k, vocab]``. The caller vouches for the shapes
         (a decoding step is checked by its model); token ids and ``heads`` are checked here,
         before anything is computed."""
+        return self._step(tokens, conv, ssm, heads, 0)
+
+    def greedy(self, tokens: torch.Tensor, conv: torch.Tensor, ssm: torch.Tensor):
+        """:meth:`__call__` for every row with each row's greedy choice made in the call: the logits
+        ``[b, vocab]``, the choices ``[b, 1]`` (the first of equal maxima, as ``torch.argmax``; NaN
+        never chosen but in the first entry), ones ``[b]`` (one token a row) and whether each row's
+        logits are below +inf throughout (NaN not) ``[b]``, the last three host tensors of one
+        array's memory (:func:`~stree.tree.host_tensor`)."""
+        b = tokens.shape[0]
+        raw = np.empty(17 * b, dtype=np.uint8)  # choices and counts (int64), then the flags
+        ints = raw[:16 * b].view(np.int64)
+        ints[b:] = 1
+        logits = self._step(tokens, conv, ssm, None, raw.ctypes.data)
+        return (logits, host_tensor(ints[:b].reshape(b, 1)), host_tensor(ints[b:]),
+                host_tensor(raw[16 * b:].view(np.bool_)))
+
+    def _step(self, tokens, conv, ssm, heads, at: int) -> torch.Tensor:
         b = tokens.shape[0]
         k = b if heads is None else heads.shape[0]
         logits = torch.empty(k, self.vocab)
         status = self._run(_ARGS.pack(self._at, tokens.data_ptr(), b, conv.data_ptr(), ssm.data_ptr(),
                                       0 if heads is None else heads.data_ptr(), k, logits.data_ptr(),
-                                      torch.get_num_threads()))
+                                      torch.get_num_threads(), at, at + 16 * b if at else 0))
         if status > 0:
             raise ValueError(f"tokens must be in [0, {self.vocab}), got {int(tokens[status - 1])} at row {status - 1}")
         if status < 0:
