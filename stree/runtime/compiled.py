@@ -223,28 +223,13 @@ class CompiledDecode(DecodeRunner):
 
         return tree_pass, commit
 
-    def greedy_tree(self, draft, top_k: int | None = None):
-        """As :meth:`DecodeRunner.greedy_tree`, and for a static shape whose pass is one call of the
-        model's own (:meth:`fused` has none there): the model's greedy iteration as one call, pass,
-        verification and commit (the pass alone, verified on the host and committed apart, had cost a
-        tree's iteration about a sixth of a plain step more)."""
-        shape = draft.static_shape
-        if shape is None or self._one_call(shape):
-            return self._eager.greedy_tree(draft, top_k)
-        return None
-
-    def _one_call(self, shape: TreeShape) -> bool:
-        """Whether the model's pass of ``shape`` is one call of its own (no graph of it compiled)."""
-        with torch.no_grad():
-            return shape.n <= JIT_MAX_NODES and self.model.fused_step(self.cache, None,
-                                                                      self.model.kernel_backend) is not None
-
     def fused(self, fn, shape: TreeShape, name: str):
         """See :meth:`DecodeRunner.fused`: compiled by :meth:`CompiledModel.fused`; None where the
         model makes its step one call of its own (its tree passes are then one call too: its greedy
-        iterations, :meth:`greedy_tree`; other passes, :meth:`CompiledModel.forward_tree`)."""
-        if self._one_call(shape):
-            return None
+        iterations, :meth:`DecodeRunner.greedy_tree`; other passes, :meth:`CompiledModel.forward_tree`)."""
+        with torch.no_grad():
+            if shape.n <= JIT_MAX_NODES and self.model.fused_step(self.cache, None, self.model.kernel_backend):
+                return None
         if (shape, name) not in self._fused:
             def run(tokens: torch.Tensor, *extra):
                 check_tree_tokens(self.model, self.cache, tokens, (self.cache.batch_size, shape.n),
