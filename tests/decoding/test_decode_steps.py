@@ -150,15 +150,16 @@ def test_verification_and_bookkeeping_cost_at_most_40_ops(top_k, temperature, st
 
 
 @pytest.mark.parametrize("batch", [1, 3])
-def test_an_autoregressive_iteration_dispatches_at_most_22_ops_beyond_the_models_step(batch):
-    """The loop's own work per plain step (the greedy argmax, the host step, appending, the rows'
+def test_an_autoregressive_iteration_dispatches_at_most_10_ops_beyond_the_models_step(batch):
+    """The loop's own work per plain step (the greedy choice, the host step, appending, the rows'
     flags and roots), counted in torch dispatches: the iterations of a longer call beyond a
-    shorter one's, less the model's step. Each dispatch, a ``.numpy()`` (four) or ``.tolist()``
-    (two) among them, costs microseconds right after a model pass has swept the caches: at 66 a
-    step (14 ``.numpy()`` calls, reductions of the rows' flags) the loop took a tenth of a plain
-    step of the shipped target on the CPU beside the model. Now: three ``.numpy()`` (the logits,
-    the step's tokens and counts), three ``.tolist()`` (the rows' flags, twice, and the step's
-    finiteness), three arrays handed to torch and the counts' ones."""
+    shorter one's, less the model's step. Each dispatch, a ``.numpy()`` (two here) or ``.tolist()``
+    among them, costs microseconds right after a model pass has swept the caches: at 66 a step (14
+    ``.numpy()`` calls, reductions of the rows' flags) the loop took a tenth of a plain step of the
+    shipped target on the CPU beside the model, at 22 (the argmax its own compiled call, the
+    counts' ones a torch op) the host's path around the step still about a third of the step. Now,
+    the choice made in the step's call (``MambaStep.greedy``): three ``.numpy()`` and four arrays
+    handed to torch, the step's choices, counts and flags among them."""
     model = FAMILIES["mamba2"]()
     prompts = torch.randint(0, VOCAB, (batch, 6), generator=torch.Generator().manual_seed(0))
     run = lambda n: count_ops(lambda: generate(model, prompts, max_new_tokens=n, method="autoregressive"))  # noqa: E731
@@ -167,7 +168,7 @@ def test_an_autoregressive_iteration_dispatches_at_most_22_ops_beyond_the_models
     model.prefill(prompts, cache)
     roots = prompts[:, 0].clone()
     step = count_ops(lambda: model.step(roots, cache, validate=False))
-    assert (long.total - short.total) / 8 - step.total <= 22, (long.by_name - short.by_name, step.by_name)
+    assert (long.total - short.total) / 8 - step.total <= 10, (long.by_name - short.by_name, step.by_name)
 
 
 PROMPTS = [[1, 2, 3, 1, 2], [4, 5], [6, 7, 8, 6]]
