@@ -50,9 +50,14 @@ class EagerRunner:
         greedy = getattr(target, "greedy_tree", None)  # (a stand-in target may have none)
         self._greedy = (lambda draft, top_k: None) if greedy is None else \
             (lambda draft, top_k: greedy(draft, cache, validate=False, top_k=top_k))
-        greedy_step = getattr(model, "greedy_step", None)
-        self._greedy_step = (lambda tokens: None) if greedy_step is None else \
-            (lambda tokens: greedy_step(tokens, cache, validate=False))
+        # asked once whether the model's step is one call here: else every greedy step would check its tokens
+        # and cache, and look for the one call, twice (a hybrid's, or a model on CUDA without graphs)
+        greedy_step, fused = getattr(model, "greedy_step", None), getattr(model, "fused_step", None)
+        with torch.no_grad():
+            one_call = greedy_step is not None and fused is not None and \
+                fused(cache, None, getattr(model, "kernel_backend", "auto")) is not None
+        self._greedy_step = (lambda tokens: greedy_step(tokens, cache, validate=False)) if one_call else \
+            (lambda tokens: None)
 
     def step(self) -> Callable:
         return self._step
