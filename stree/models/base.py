@@ -330,7 +330,7 @@ class TreeLM(nn.Module):
 
     @torch.no_grad()
     def step(self, tokens: torch.Tensor, cache: ModelCache, validate: bool = True,
-             heads: torch.Tensor | None = None) -> torch.Tensor:
+             heads: torch.Tensor | None = None, one_call=None) -> torch.Tensor:
         """Feed one token per row (``[b]``); returns next-token logits ``[b, V]``. The fast path:
         no tree, no scratch, each layer's state advanced in place by one token.
 
@@ -340,23 +340,28 @@ class TreeLM(nn.Module):
 
         ``validate=False`` skips the vocabulary-range and cache-room checks (and ``heads``'
         range), the only device-to-host syncs of a step, so that it can be captured in a CUDA
-        graph; the caller then answers for both (see :class:`stree.runtime.graphs.GraphedStep`)."""
+        graph; the caller then answers for both (see :class:`stree.runtime.graphs.GraphedStep`).
+
+        ``one_call``: the step as one call that :meth:`fused_step` gave for this cache, looked up
+        once by the caller (a decoding call's runner, :class:`~stree.runtime.runners.EagerRunner`)
+        and taken as it is: not looked up again, so not checked against the parameters again (a
+        decoding call reads them as they stand when it begins; each lookup checks every one of
+        them, a twentieth of a plain step of the shipped target, float32 on the CPU)."""
         self.check_step(tokens, cache, validate, heads)
-        logits = self.step_pass(tokens, cache, heads=heads)
+        logits = self.step_pass(tokens, cache, heads=heads, one_call=one_call)
         cache.seqlens += 1
         cache.moved()
         return logits
 
     @torch.no_grad()
-    def greedy_step(self, tokens: torch.Tensor, cache: ModelCache, validate: bool = True):
+    def greedy_step(self, tokens: torch.Tensor, cache: ModelCache, validate: bool = True, one_call=None):
         """:meth:`step` with each row's greedy choice made in the same call, where the family's step
         is one call (:mod:`stree.models.fused_step`): the logits ``[b, V]``, the choices ``[b, 1]``
         (the first of equal maxima, as ``torch.argmax``), ones ``[b]`` and whether each row's logits
         are free of NaN and +inf ``[b]``, the last three host tensors, the cache advanced; None, the
-        cache untouched, where there is no such call. ``validate`` as :meth:`step`'s."""
+        cache untouched, where there is no such call. ``validate`` and ``one_call`` as :meth:`step`'s."""
         self.check_step(tokens, cache, validate)
-        fused = self.fused_step(cache, tokens, self.kernel_backend)
-        greedy = getattr(fused, "greedy", None)
+        greedy = getattr(self._one_call(one_call, tokens, cache), "greedy", None)
         if greedy is None:
             return None
         out = greedy(tokens.contiguous(), cache.conv, cache.ssm)
@@ -399,10 +404,18 @@ class TreeLM(nn.Module):
         return None
 
     def fused_tree_greedy(self, cache: ModelCache, tree: TokenTree, index, max_depth: int, kernel_backend: str,
-                          top_k: int | None = None):
+                          top_k: int | None = None, step=None):
         """:meth:`greedy_tree`'s one call, where the family has one for this cache and tree
-        (:mod:`stree.models.fused_step`): the cache's states advanced, not ``seqlens``; None: none."""
+        (:mod:`stree.models.fused_step`; ``step``: the model's step as one call, :meth:`fused_step`'s,
+        where the caller has it): the cache's states advanced, not ``seqlens``; None: none."""
         return None
+
+    def _one_call(self, one_call, tokens: torch.Tensor, cache: ModelCache):
+        """The step as one call for these tokens: ``one_call`` where the caller looked it up (for
+        int64 tokens, as every lookup asks), else :meth:`fused_step`'s."""
+        if one_call is not None and tokens.dtype == torch.int64:
+            return one_call
+        return self.fused_step(cache, tokens, self.kernel_backend)
 
     def fused_draft(self, cache: ModelCache, tokens: torch.Tensor, counts, parents, nodes: ModelCache,
                     head_ids: torch.Tensor | None, restore, before: ModelCache | None, kernel_backend: str):
@@ -458,7 +471,8 @@ class TreeLM(nn.Module):
         return out
 
     @torch.no_grad()
-    def greedy_tree(self, tree: TokenTree, cache: ModelCache, validate: bool = True, top_k: int | None = None):
+    def greedy_tree(self, tree: TokenTree, cache: ModelCache, validate: bool = True, top_k: int | None = None,
+                    one_call=None):
         """A draft's tree pass, greedy verification and the commit of the accepted paths as one call,
         where the family has one (the model's step is one call, the tree is not packed): returns the
         logits ``[b, n, V]`` and, per row, the accepted path ``[b, D + 1]`` (root first, 0 past
@@ -468,11 +482,13 @@ class TreeLM(nn.Module):
         take (tested equal); last, with ``top_k`` (cut to the vocabulary), the target's laws a
         drafter learns from along the paths (the softmax's top ids and probabilities ``[b, D + 1,
         top_k]``, the emitted tokens' own ``[b, D + 1]``), else None. None, the cache untouched,
-        where there is no such call. ``validate`` as :meth:`forward_tree`'s."""
+        where there is no such call. ``validate`` as :meth:`forward_tree`'s, ``one_call`` as
+        :meth:`step`'s."""
         if tree.row_sizes is not None:
             return None
         index, max_depth = self.check_tree(tree, cache, "tree", validate)
-        out = self.fused_tree_greedy(cache, tree, index, max_depth, self.kernel_backend, top_k)
+        out = self.fused_tree_greedy(cache, tree, index, max_depth, self.kernel_backend, top_k,
+                                     self._one_call(one_call, tree.tokens, cache))
         if out is None:
             return None
         cache.seqlens += out[2].to(cache.seqlens.dtype)
@@ -480,12 +496,12 @@ class TreeLM(nn.Module):
         return out
 
     def step_pass(self, tokens: torch.Tensor, cache: ModelCache, kernel_backend: str | None = None,
-                  heads: torch.Tensor | None = None) -> torch.Tensor:
+                  heads: torch.Tensor | None = None, one_call=None) -> torch.Tensor:
         """One token per row through every layer (states advanced in place, ``seqlens`` not), with
         the model's kernels unless ``kernel_backend`` names others; the head on rows ``heads``
-        only, where given."""
+        only, where given; ``one_call`` as :meth:`step`'s."""
         backend = kernel_backend or self.kernel_backend
-        fused = self.fused_step(cache, tokens, backend)
+        fused = self.fused_step(cache, tokens, backend) if kernel_backend else self._one_call(one_call, tokens, cache)
         if fused is not None:  # (it reads raw memory: the roots are often a column of the context)
             return fused(tokens.contiguous(), cache.conv, cache.ssm, None if heads is None else heads.contiguous())
         ctx = StepContext(cache.seqlens, backend)

@@ -161,15 +161,17 @@ def fused_tree(model, cache: ModelCache, tokens: torch.Tensor, index, kernel_bac
 
 
 def fused_tree_greedy(model, cache: ModelCache, tree, index, max_depth: int, kernel_backend: str,
-                      top_k: int | None = None):
+                      top_k: int | None = None, step: mamba_step.MambaStep | None = None):
     """A draft's tree pass, greedy verification and replay as one call
     (:meth:`~stree.kernels.cpu.mamba_step.MambaStep.tree_greedy`), where :func:`fused_tree` would
     take the pass: the logits, the accepted paths, their lengths, the bonus tokens, the emitted
     tokens, the rows' finiteness and, with ``top_k``, the target's laws along the paths (else None),
-    the cache's states advanced (not its ``seqlens``); or None."""
+    the cache's states advanced (not its ``seqlens``); or None. ``step``: :func:`fused_step`'s for
+    this cache and the tree's tokens, where the caller looked it up (else looked up here)."""
     if not isinstance(index, TreeIndex) or index.n > JIT_MAX_NODES:
         return None
-    step = fused_step(model, cache, tree.tokens, kernel_backend)
+    if step is None:
+        step = fused_step(model, cache, tree.tokens, kernel_backend)
     if step is None:
         return None
     parents = index.memo("parents_int64", lambda: np.ascontiguousarray(as_numpy(index.parents), dtype=np.int64))

@@ -143,11 +143,13 @@ class CompiledModel:
         return compiled(self.model, *args)
 
     def step(self, tokens: torch.Tensor, cache: ModelCache, validate: bool = True,
-             heads: torch.Tensor | None = None) -> torch.Tensor:
-        with torch.no_grad():
-            one_call = self.model.fused_step(cache, tokens, self.model.kernel_backend) is not None
-        if one_call:  # (the model's whole step as one call of its own: faster than Inductor's graph of it)
-            return self.model.step(tokens, cache, validate, heads)
+             heads: torch.Tensor | None = None, one_call=None) -> torch.Tensor:
+        """The model's step (``one_call``: as :meth:`TreeLM.step` takes it), compiled where it is not one call."""
+        if one_call is None:
+            with torch.no_grad():
+                one_call = self.model.fused_step(cache, tokens, self.model.kernel_backend)
+        if one_call is not None:  # (the model's whole step as one call of its own: faster than Inductor's graph of it)
+            return self.model.step(tokens, cache, validate, heads, one_call=one_call)
         self.model.check_step(tokens, cache, validate, heads)
         if heads is None:
             logits = self._call(_step, (cache.batch_size,), _dense(tokens), cache)

@@ -42,22 +42,30 @@ class EagerRunner:
     def __init__(self, model, cache: ModelCache, target=None):
         target = model if target is None else target
         self.cache = cache
-        self._step = lambda tokens, validate: model.step(tokens, cache, validate=validate)
+        # The model's step as one call on this cache, looked up once: each lookup checks every parameter
+        # (a model trained or reloaded between steps), and the steps, greedy steps and greedy trees of a
+        # call then take it as it is (the parameters as they stand when the call begins). None: the
+        # model steps block by block, or has no such call (a hybrid, a model on CUDA without graphs),
+        # and a greedy step is a plain one (asked each time, a greedy step checked its tokens and cache,
+        # and looked for the one call, twice).
+        greedy_step, fused = getattr(model, "greedy_step", None), getattr(model, "fused_step", None)
+        with torch.no_grad():
+            one = None if greedy_step is None or fused is None else \
+                fused(cache, None, getattr(model, "kernel_backend", "auto"))
+        if one is None:
+            self._step = lambda tokens, validate: model.step(tokens, cache, validate=validate)
+            self._greedy_step = lambda tokens: None
+        else:
+            self._step = lambda tokens, validate: model.step(tokens, cache, validate=validate, one_call=one)
+            self._greedy_step = lambda tokens: greedy_step(tokens, cache, validate=False, one_call=one)
         self._commit = lambda tree_pass, accepted, num: target.commit(cache, tree_pass, accepted, num, validate=False)
         self._passes = {scan: (lambda draft, scan=scan: target.forward_tree(draft, cache, scan=scan, validate=False))
                         for scan in ("tree", "chain", "unrolled")}
         self._packed = lambda draft: _packed_pass(target, draft, cache)
         greedy = getattr(target, "greedy_tree", None)  # (a stand-in target may have none)
+        pinned = {} if one is None or target is not model else {"one_call": one}
         self._greedy = (lambda draft, top_k: None) if greedy is None else \
-            (lambda draft, top_k: greedy(draft, cache, validate=False, top_k=top_k))
-        # asked once whether the model's step is one call here: else every greedy step would check its tokens
-        # and cache, and look for the one call, twice (a hybrid's, or a model on CUDA without graphs)
-        greedy_step, fused = getattr(model, "greedy_step", None), getattr(model, "fused_step", None)
-        with torch.no_grad():
-            one_call = greedy_step is not None and fused is not None and \
-                fused(cache, None, getattr(model, "kernel_backend", "auto")) is not None
-        self._greedy_step = (lambda tokens: greedy_step(tokens, cache, validate=False)) if one_call else \
-            (lambda tokens: None)
+            (lambda draft, top_k: greedy(draft, cache, validate=False, top_k=top_k, **pinned))
 
     def step(self) -> Callable:
         return self._step

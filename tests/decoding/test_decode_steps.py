@@ -261,6 +261,39 @@ def test_greedy_plain_steps_of_a_mamba2_model_choose_their_tokens_in_the_step_ca
     assert calls["greedy"] == 0
 
 
+@pytest.mark.parametrize("method, temperature", [("autoregressive", 0.0), ("autoregressive", 1.0), ("stree", 0.0)],
+                         ids=["greedy-steps", "sampled-steps", "greedy-trees"])
+def test_a_decoding_call_looks_up_the_models_one_call_once(method, temperature, monkeypatch):
+    """Each lookup of a Mamba2 model's one call (stree.models.fused_step) checks every parameter,
+    about a twentieth of a plain step of the shipped target: a call's runner looks it up once, and
+    its steps, greedy steps and greedy trees take it as it is: a longer call looks it up no more
+    often than a shorter one."""
+    from stree.kernels.cpu import mamba_step
+    from stree.models import fused_step
+
+    if not mamba_step.available():
+        pytest.skip("no C++ compiler for the CPU library here")
+    model = FAMILIES["mamba2"]()
+    lookups, real = [0], fused_step._Plan.holds
+
+    def counted(plan, m):
+        lookups[0] += 1
+        return real(plan, m)
+
+    monkeypatch.setattr(fused_step._Plan, "holds", counted)
+    options = dict(method=method, temperature=temperature, seed=0 if temperature else None)
+    if method == "stree":
+        options["tree"] = TreeShape.paper13()
+    generate(model, PROMPTS[:1], max_new_tokens=4, **options)  # (the first call measures the choice's costs)
+    seen = {}
+    for n in (4, 16):
+        lookups[0] = 0
+        out = generate(model, PROMPTS[:1], max_new_tokens=n, **options)
+        seen[n] = (lookups[0], sum(c for m, c in out.stats.trees.items() if m > 1))
+    assert 0 < seen[16][0] == seen[4][0], seen
+    assert method != "stree" or seen[16][1] > 0, seen
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_finished_rows_leave_the_eager_batch(family, monkeypatch):
     """Rows finishing at different steps leave the device batch: the target's steps and tree

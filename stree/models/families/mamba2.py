@@ -53,8 +53,8 @@ class Mamba2LM(TreeLM):
     def fused_tree(self, cache, tokens, index, kernel_backend):
         return fused_tree(self, cache, tokens, index, kernel_backend)
 
-    def fused_tree_greedy(self, cache, tree, index, max_depth, kernel_backend, top_k=None):
-        return fused_tree_greedy(self, cache, tree, index, max_depth, kernel_backend, top_k)
+    def fused_tree_greedy(self, cache, tree, index, max_depth, kernel_backend, top_k=None, step=None):
+        return fused_tree_greedy(self, cache, tree, index, max_depth, kernel_backend, top_k, step)
 
     def fused_draft(self, cache, tokens, counts, parents, nodes, head_ids, restore, before, kernel_backend):
         return fused_draft(self, cache, tokens, counts, parents, nodes, head_ids, restore, before, kernel_backend)
