@@ -511,7 +511,8 @@ def _draft(drafter: Drafter, chooser: AutoTree | None, rows: Rows, shape, roots:
     check_draft(draft, roots if len(live) == len(roots) else roots[live], vocab_size)  # (no index op when all are live)
     if chooser is not None:
         return chooser.choose(draft, critical, np.asarray(live))
-    if eager and draft.valid is not None and not bool(draft.valid[:, 1:].any()):
+    valid = draft.arrays()[1]  # (numpy: a tensor's any() allocates its answer)
+    if eager and valid is not None and not valid[:, 1:].any():
         return TokenTree.from_shape(_ROOT, draft.tokens[:, :1])  # nothing drafted: one node
     return draft
 

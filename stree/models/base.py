@@ -27,6 +27,7 @@ from .cache import AttnLayerState, ModelCache, SSMLayerState, SSMScratch, TreePa
 from .layers.linear import Linear
 
 SCANS = ("tree", "chain", "unrolled")  # how the SSM layers walk a draft (forward_tree's scan)
+_ONE = torch.ones((), dtype=torch.long)  # a one-call (CPU) step's advance of a cache's lengths
 
 
 def value_key(*tensors) -> tuple:
@@ -365,7 +366,7 @@ class TreeLM(nn.Module):
         if greedy is None:
             return None
         out = greedy(tokens.contiguous(), cache.conv, cache.ssm)
-        cache.seqlens += 1
+        cache.seqlens += _ONE  # (a Python 1 is a new scalar tensor each step: an allocation)
         cache.moved()
         return out
 

@@ -8,7 +8,9 @@ cache whose states are contiguous. Anything else steps block by block, as before
 
 The layout is made once per value of the model's parameters (their versions and storages, and the
 parameter objects the modules hold, are its key): a model trained or reloaded between steps gets a
-new one."""
+new one. A decoding call looks it up once, as it begins (:class:`~stree.runtime.runners.EagerRunner`:
+each lookup checks every parameter), and its steps then write into outputs of their own
+(:meth:`~stree.kernels.cpu.mamba_step.MambaStep.reused`)."""
 
 from __future__ import annotations
 

@@ -44,14 +44,17 @@ class EagerRunner:
         self.cache = cache
         # The model's step as one call on this cache, looked up once: each lookup checks every parameter
         # (a model trained or reloaded between steps), and the steps, greedy steps and greedy trees of a
-        # call then take it as it is (the parameters as they stand when the call begins). None: the
-        # model steps block by block, or has no such call (a hybrid, a model on CUDA without graphs),
-        # and a greedy step is a plain one (asked each time, a greedy step checked its tokens and cache,
-        # and looked for the one call, twice).
+        # call then take it as it is (the parameters as they stand when the call begins), writing their
+        # logits into outputs kept for the runner's calls (MambaStep.reused: the loop reads a step's
+        # outputs before the next). None: the model steps block by block, or has no such call (a hybrid,
+        # a model on CUDA without graphs), and a greedy step is a plain one (asked each time, a greedy
+        # step checked its tokens and cache, and looked for the one call, twice).
         greedy_step, fused = getattr(model, "greedy_step", None), getattr(model, "fused_step", None)
         with torch.no_grad():
             one = None if greedy_step is None or fused is None else \
                 fused(cache, None, getattr(model, "kernel_backend", "auto"))
+        if one is not None and hasattr(one, "reused"):
+            one = one.reused()
         if one is None:
             self._step = lambda tokens, validate: model.step(tokens, cache, validate=validate)
             self._greedy_step = lambda tokens: None

@@ -294,6 +294,32 @@ def test_a_decoding_call_looks_up_the_models_one_call_once(method, temperature, 
     assert method != "stree" or seen[16][1] > 0, seen
 
 
+@pytest.mark.parametrize("method", ["autoregressive", "stree"])
+def test_greedy_iterations_of_a_mamba2_model_allocate_no_tensor(method):
+    """Greedy, a float32 Mamba2 model on the CPU: a decoding call's steps and one-call tree
+    iterations write into outputs its runner keeps (MambaStep.reused) and advance the cache's
+    lengths without a scalar tensor, so a longer call makes no more tensor allocations than a
+    shorter one (the profiler's memory events: every allocation and every free)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from stree.kernels.cpu import mamba_step
+
+    if not mamba_step.available():
+        pytest.skip("no C++ compiler for the CPU library here")
+    model = FAMILIES["mamba2"]()
+    options = dict(method=method, tree=TreeShape.paper13() if method == "stree" else "auto")
+
+    def allocations(n: int) -> tuple[int, dict]:
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            out = generate(model, PROMPTS[:1], max_new_tokens=n, **options)
+        return sum(e.name == "[memory]" for e in prof.events()), out.stats.trees
+
+    allocations(4)  # (first use: the choice of products, numba's loads)
+    (short, _), (long, trees) = allocations(4), allocations(20)
+    assert method == "autoregressive" or sum(c for m, c in trees.items() if m > 1) > 0, trees
+    assert long == short, (short, long, trees)
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_finished_rows_leave_the_eager_batch(family, monkeypatch):
     """Rows finishing at different steps leave the device batch: the target's steps and tree

@@ -20,6 +20,7 @@ repeats), D per head or per channel; the model side decides where it applies
 
 from __future__ import annotations
 
+import copy
 import functools
 import struct
 
@@ -122,6 +123,27 @@ class MambaStep:
         self.vocab = vocab
         # the trailing shapes of a tree pass's scratch (xBC, x, dt, B; stree.models.cache.SSMScratch)
         self.tails = (conv_dim,), (heads, headdim), (heads,), (groups, d_state)
+        self._kept: dict | None = None  # outputs reused from call to call, by shape (reused())
+
+    def reused(self) -> "MambaStep":
+        """This step, whose steps, greedy steps and greedy iterations write their logits (and a greedy
+        step its choices, counts and flags) into outputs kept from call to call, one set per shape:
+        each call overwrites what the last of its shape returned. For a decoding call's runner, which
+        reads a step's outputs before the next: no allocation a step (a 13-node iteration's logits of
+        the shipped target are 208 KiB, past the size glibc's malloc gives back to the system, so that
+        each allocation had faulted its pages in anew)."""
+        twin = copy.copy(self)
+        twin._kept = {}
+        return twin
+
+    def _logits(self, *shape: int) -> torch.Tensor:
+        """``torch.empty(*shape, vocab)``, or the one kept for that shape (:meth:`reused`)."""
+        if self._kept is None:
+            return torch.empty(*shape, self.vocab)
+        out = self._kept.get(shape)
+        if out is None:
+            out = self._kept[shape] = torch.empty(*shape, self.vocab)
+        return out
 
     def __call__(self, tokens: torch.Tensor, conv: torch.Tensor, ssm: torch.Tensor,
                  heads: torch.Tensor | None = None) -> torch.Tensor:
@@ -140,17 +162,21 @@ class MambaStep:
         logits are below +inf throughout (NaN not) ``[b]``, the last three host tensors of one
         array's memory (:func:`~stree.tree.host_tensor`)."""
         b = tokens.shape[0]
-        raw = np.empty(17 * b, dtype=np.uint8)  # choices and counts (int64), then the flags
-        ints = raw[:16 * b].view(np.int64)
-        ints[b:] = 1
-        logits = self._step(tokens, conv, ssm, None, raw.ctypes.data)
-        return (logits, host_tensor(ints[:b].reshape(b, 1)), host_tensor(ints[b:]),
-                host_tensor(raw[16 * b:].view(np.bool_)))
+        kept = None if self._kept is None else self._kept.get(("greedy", b))
+        if kept is None:
+            raw = np.empty(17 * b, dtype=np.uint8)  # choices and counts (int64), then the flags
+            ints = raw[:16 * b].view(np.int64)
+            ints[b:] = 1
+            kept = (raw.ctypes.data, host_tensor(ints[:b].reshape(b, 1)), host_tensor(ints[b:]),
+                    host_tensor(raw[16 * b:].view(np.bool_)))
+            if self._kept is not None:
+                self._kept[("greedy", b)] = kept
+        return self._step(tokens, conv, ssm, None, kept[0]), *kept[1:]
 
     def _step(self, tokens, conv, ssm, heads, at: int) -> torch.Tensor:
         b = tokens.shape[0]
         k = b if heads is None else heads.shape[0]
-        logits = torch.empty(k, self.vocab)
+        logits = self._logits(b) if heads is None else torch.empty(k, self.vocab)
         status = self._run(_ARGS.pack(self._at, tokens.data_ptr(), b, conv.data_ptr(), ssm.data_ptr(),
                                       0 if heads is None else heads.data_ptr(), k, logits.data_ptr(),
                                       torch.get_num_threads(), at, at + 16 * b if at else 0))
@@ -263,7 +289,7 @@ class MambaStep:
         rest is the caller's to vouch for, as :meth:`tree`'s."""
         b, n = tokens.shape
         L = max_depth + 1
-        logits = torch.empty(b, n, self.vocab)
+        logits = self._logits(b, n)
         # path, emitted, num, bonus (int64) and finite (bool) in one allocation, one address (each
         # array's own .ctypes is a few microseconds where a pass has just swept the caches)
         m = 2 * b * (L + 1)
