@@ -30,6 +30,12 @@ SCANS = ("tree", "chain", "unrolled")  # how the SSM layers walk a draft (forwar
 _ONE = torch.ones((), dtype=torch.long)  # a one-call (CPU) step's advance of a cache's lengths
 
 
+def _index(tree: TokenTree) -> tuple[TreeIndex, int]:
+    """The tree's index and deepest level (kept in the index)."""
+    index = tree.index
+    return index, index.memo("max_depth", lambda: int(index.depth.max()))
+
+
 def value_key(*tensors) -> tuple:
     """What identifies the values of ``tensors`` without reading them: each one's version counter
     and storage (a model moved to another device or dtype has new storages, its counters restart)."""
@@ -228,8 +234,7 @@ class TreeLM(nn.Module):
         if not isinstance(tree, TokenTree):
             raise TypeError(f"tree must be a TokenTree, got {type(tree).__name__}")
         self.check_tokens("tree.tokens", tree.tokens, values=validate)
-        index = tree.index
-        max_depth = index.memo("max_depth", lambda: int(index.depth.max()))
+        index, max_depth = _index(tree)
         self.check_cache(cache, tree.batch_size, max_depth + 1, lengths=validate)
         if scan == "chain" and max_depth != tree.n - 1:
             raise ValueError("scan='chain' needs a chain tree (parents[i] == i - 1)")
@@ -360,8 +365,11 @@ class TreeLM(nn.Module):
         is one call (:mod:`stree.models.fused_step`): the logits ``[b, V]``, the choices ``[b, 1]``
         (the first of equal maxima, as ``torch.argmax``), ones ``[b]`` and whether each row's logits
         are free of NaN and +inf ``[b]``, the last three host tensors, the cache advanced; None, the
-        cache untouched, where there is no such call. ``validate`` and ``one_call`` as :meth:`step`'s."""
-        self.check_step(tokens, cache, validate)
+        cache untouched, where there is no such call. ``validate`` as :meth:`step`'s; with ``one_call``
+        (as :meth:`step`'s) the caller also vouches for the tokens and cache, as a decoding call's runner
+        does for its own rows: they are not checked again."""
+        if one_call is None:
+            self.check_step(tokens, cache, validate)
         greedy = getattr(self._one_call(one_call, tokens, cache), "greedy", None)
         if greedy is None:
             return None
@@ -484,10 +492,13 @@ class TreeLM(nn.Module):
         drafter learns from along the paths (the softmax's top ids and probabilities ``[b, D + 1,
         top_k]``, the emitted tokens' own ``[b, D + 1]``), else None. None, the cache untouched,
         where there is no such call. ``validate`` as :meth:`forward_tree`'s, ``one_call`` as
-        :meth:`step`'s."""
+        :meth:`greedy_step`'s (a decoding call's drafts are checked as they are drafted)."""
         if tree.row_sizes is not None:
             return None
-        index, max_depth = self.check_tree(tree, cache, "tree", validate)
+        if one_call is None:
+            index, max_depth = self.check_tree(tree, cache, "tree", validate)
+        else:
+            index, max_depth = _index(tree)
         out = self.fused_tree_greedy(cache, tree, index, max_depth, self.kernel_backend, top_k,
                                      self._one_call(one_call, tree.tokens, cache))
         if out is None:
