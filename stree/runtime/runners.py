@@ -139,6 +139,9 @@ class DecodeRunner:
             pools[key] = cls(model, batch_size, size)
         runner = pools[key]
         runner.zero()
+        # a call's own eager runner: it looks the model's one call up as the call begins (the pool outlives
+        # calls, and the parameters may have changed since the last)
+        runner._eager = EagerRunner(model, runner.cache)
         return runner
 
     def zero(self) -> None:

@@ -438,6 +438,26 @@ def test_compiled_decoding_takes_both_one_call_paths_and_compiles_nothing(ran):
     assert ran[0] > steps and counters["stats"]["unique_graphs"] == graphs
 
 
+@pytest.mark.parametrize("torch_compile", [False, True], ids=["eager", "compiled"])
+def test_parameters_changed_between_decoding_calls_are_read_anew(torch_compile):
+    """A decoding call looks the one call up once, as it begins (its runner; a compiled call's pool
+    outlives calls): parameters changed in place between two calls decode in the second as a fresh
+    model of those parameters decodes, eager or compiled, greedy steps and greedy trees alike."""
+    from stree.decoding.loop import generate
+
+    model, fresh = mamba2(seed=5), mamba2(seed=5)
+    prompts = [[1, 2, 3, 1, 2, 3, 1, 2], [4, 5, 6, 4, 5]]
+    for method, kw in (("autoregressive", {}), ("stree", dict(tree=TreeShape.chain(3)))):
+        before = generate(model, prompts, method=method, max_new_tokens=12, torch_compile=torch_compile, **kw)
+        with torch.no_grad():
+            for m in (model, fresh):
+                m.blocks[1].mixer.in_proj.weight.mul_(1.5)
+                m.final_norm.weight.neg_()  # (the logits negated: other tokens)
+        after = generate(model, prompts, method=method, max_new_tokens=12, torch_compile=torch_compile, **kw)
+        want = generate(fresh, prompts, method=method, max_new_tokens=12, torch_compile=torch_compile, **kw)
+        assert after.sequences == want.sequences != before.sequences, method
+
+
 @settings(max_examples=25, deadline=None)
 @given(data=st.data(), layout=st.sampled_from(sorted(LAYOUTS)), batch=st.integers(1, 3))
 def test_the_one_call_prefill_is_its_tokens_stepped_one_by_one(data, layout, batch):
