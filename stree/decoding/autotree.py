@@ -225,6 +225,13 @@ class AutoTree:
     # batch 1, a fresh process: its second to fifth calls, whose text later calls drafted at 2.7-5.8
     # tokens a step). At most one watch a call beyond the share: under one plain step's time in 128.
     FIRST_WATCH = 16
+    # Calls in a row (of one cost profile, in one process) that explored drafts and found none that paid
+    # (no probe, no watched draft that would have paid, no tree kept on its worth), after which the next
+    # calls start at the least shares, without a first watch, until one finds a draft that pays. Sampled
+    # at temperature 0.6 or 1.0, where the shipped pair's drafts are next to never accepted, each call
+    # started whole again had paid a watched draft or two and a probe (a drafter catching up on the
+    # prompt, learning from them): 3-4% of plain decoding's time on the 2-core Xeon, batch 1.
+    IDLE_CALLS = 2
     # Whether rows take sizes of their own by default (see per_row): off, as on the CPU measured so far
     # packed passes lost more than they saved (docs/decoding.md); benchmarks/speculation.py --per-row
     PER_ROW = False
@@ -325,8 +332,17 @@ class AutoTree:
         # pays, -1.3% to +2.7%: the noise). (Carried wherever the probes' average lost, or at the least share for
         # every choice that watches, greedy batch 2 lost 5-17%: there probes pay where the choice
         # declines trees.)
+        # After IDLE_CALLS calls in a row that explored and found nothing, a call starts at the least
+        # shares and without its first watch, until a call finds a draft that pays (``found``, ``paid``).
+        if adaptive and self.scale.get("explored", 0):
+            found = self.scale.get("paid", True) or self.scale.get("found", True)
+            self.scale["idle_calls"] = 0 if found else self.scale.get("idle_calls", 0) + 1
+        idle = adaptive and self.scale.get("idle_calls", 0) >= self.IDLE_CALLS
         if not adaptive:
             self.scale.update(losing=0, watch_idle=0)
+        elif idle:
+            self.scale.update(losing=self.BACKOFF, watch_idle=self.BACKOFF)
+            self._first_watch = False
         elif self.scale.get("explored", self.AGAIN) >= self.AGAIN:
             self.scale["watch_idle"] = 0
             if self.scale.get("paid", True):
@@ -336,6 +352,7 @@ class AutoTree:
             self.scale.update(losing=min(self.scale["losing"], top), watch_idle=min(self.scale["watch_idle"], top))
         self.scale["explored"] = 0  # the drafts this call explored: probes and watched drafts
         self.scale["paid"] = False  # whether a probe of this call paid
+        self.scale["found"] = False  # whether a watched draft of this call would have paid, or a tree was kept
         self._plain_run = self.scale["plain_run"]
         self._closed = False  # whether a seeded choice's call has too few steps left for a probe to pay (plan)
         self._probe_loss = 0.0  # what the next probe is predicted to lose, its drafter's catch-up aside
@@ -603,8 +620,9 @@ class AutoTree:
         self.rates.record(cut, emitted, counts, rows, self.row_rates, ids)
         self._stale = True
         self._replan(cut)
-        self.scale["watch_idle"] = (0 if self._paid_watch or self.wants_trees()
-                                    else min(self.scale["watch_idle"] + 1, self.BACKOFF))
+        useful = self._paid_watch or self.wants_trees()
+        self.scale["watch_idle"] = 0 if useful else min(self.scale["watch_idle"] + 1, self.BACKOFF)
+        self.scale["found"] = self.scale["found"] or useful
         self.scale["explored"] += 1
         if drafting_ms is not None:
             # (from the predicted drafting, not from the first watch's time, which then spaced the next
@@ -865,6 +883,7 @@ class AutoTree:
                 self.rates.record(tree, tokens, counts, rows, self.row_rates, ids)
             if not self._probing:  # speculation won this step: plain steps count again from here
                 self._plain_run, self._closed = 0, False
+                self.scale["found"] = True
             if self._promised is not None:
                 got = self._calibrate(counts[rows])
         if self._probing:

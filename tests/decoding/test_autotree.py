@@ -1138,6 +1138,78 @@ def test_a_calls_first_watched_draft_is_due_within_first_watch_plain_steps():
     assert due_at == [AutoTree.FIRST_WATCH]
     assert auto._watch_gap() > 128
 
+def first_path(draft: TokenTree) -> np.ndarray:
+    """The tokens of ``draft``'s path of first children below its root (row 0), then a bonus."""
+    parents, tokens, path, at = draft.static_shape.parents, draft.tokens[0].tolist(), [], 0
+    for v in range(1, draft.n):
+        if parents[v] == at:
+            path.append(tokens[v])
+            at = v
+    return np.array(path + [7], dtype=np.int64)
+
+
+def explore_call(auto: AutoTree, steps: int = 128, follows: bool = False) -> int:
+    """One call of ``steps`` steps in which the target accepts no verified draft (plain steps 1 ms,
+    drafted ones 2 ms), watching the drafts the choice asks for: text a watched draft does not
+    follow, or, with ``follows``, its path of first children. Returns the drafts explored."""
+    explored = 0
+    for _ in range(steps):
+        plan = auto.plan()
+        draft = None if plan is None else auto.choose(full_draft(plan), np.ones(1, dtype=np.bool_))
+        if draft is not None:
+            explored += 1
+            auto.record(draft, np.array([[999, 0]]), np.array([1]), np.arange(1), elapsed_ms=2.0)
+            continue
+        auto.record(None, elapsed_ms=1.0)
+        due = auto.watch_shape()
+        if due is not None:
+            explored += 1
+            watched = full_draft(due)
+            after = first_path(watched) if follows else np.array([1, 2])
+            auto.watched(watched, [after], np.ones(1, dtype=bool), np.zeros(1, dtype=np.int64), drafting_ms=0.5)
+    return explored
+
+
+def test_calls_that_keep_exploring_in_vain_start_at_the_least_shares_until_a_draft_pays():
+    """Sampled text the drafter cannot follow: each call explored at the whole shares again (its
+    first watched draft within FIRST_WATCH plain steps, probes), and found nothing every time.
+    After IDLE_CALLS such calls in a row the next calls start at the least shares, with no first
+    watch: over four calls of 128 steps they explore at most one draft, where each of the first
+    calls explored several. A call in which a watched draft would have paid makes the next one
+    start whole again (its first watch due at FIRST_WATCH). A seeded choice starts whole anyway."""
+    profile, rates = cheap(), PathRates(prior=(0.02,) * 8)
+    scale = {"plain": 1.0, "tree": 1.0}
+
+    def call(**kw):
+        return AutoTree(profile, adaptive=True, watch=True, rates=rates, scale=scale, **kw)
+
+    whole = [explore_call(call()) for _ in range(AutoTree.IDLE_CALLS)]
+    assert min(whole) >= 2 and scale["idle_calls"] == AutoTree.IDLE_CALLS - 1
+    idle = call()
+    assert scale["idle_calls"] == AutoTree.IDLE_CALLS
+    assert idle.scale["losing"] == idle.scale["watch_idle"] == AutoTree.BACKOFF and not idle._first_watch
+    assert idle._watch_gap() > 128
+    quiet = [explore_call(idle)] + [explore_call(call()) for _ in range(3)]
+    assert sum(quiet) <= 1 < min(whole)
+    seeded = AutoTree(profile, rates=rates, scale=dict(scale))
+    assert seeded.scale["losing"] == seeded.scale["watch_idle"] == 0
+    # text the drafter follows: a call with its first watch at FIRST_WATCH (forced here) finds it
+    found = call()
+    found._first_watch = True
+    explore_call(found, follows=True)
+    assert scale["found"]
+    after = call()
+    assert scale["idle_calls"] == 0 and after._first_watch and after.scale["watch_idle"] == 0
+    assert after._watch_gap() == AutoTree.FIRST_WATCH
+    # a tree taken for its worth (not a probe) is a find too
+    trusting = AutoTree(profile, adaptive=True, rates=PathRates(prior=(0.9,) * 8), scale={"plain": 1.0, "tree": 1.0})
+    plan = trusting.plan()
+    assert plan is not None and not trusting._probing and not trusting.scale["found"]
+    tree = trusting.choose(full_draft(plan), np.ones(1, dtype=np.bool_))
+    trusting.record(tree, np.array([[101, 7]]), np.array([2]), np.arange(1), elapsed_ms=2.0)
+    assert trusting.scale["found"]
+
+
 # ---- in the loop ------------------------------------------------------------------------------
 @pytest.mark.parametrize("family", FAMILIES)
 def test_greedy_auto_is_token_identical_for_every_drafter(family):
