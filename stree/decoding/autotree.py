@@ -225,13 +225,17 @@ class AutoTree:
     # batch 1, a fresh process: its second to fifth calls, whose text later calls drafted at 2.7-5.8
     # tokens a step). At most one watch a call beyond the share: under one plain step's time in 128.
     FIRST_WATCH = 16
-    # Calls in a row (of one cost profile, in one process) that explored drafts and found none that paid
-    # (no probe, no watched draft that would have paid, no tree kept on its worth), after which the next
-    # calls start at the least shares, without a first watch, until one finds a draft that pays. Sampled
-    # at temperature 0.6 or 1.0, where the shipped pair's drafts are next to never accepted, each call
-    # started whole again had paid a watched draft or two and a probe (a drafter catching up on the
-    # prompt, learning from them): 3-4% of plain decoding's time on the 2-core Xeon, batch 1.
-    IDLE_CALLS = 2
+    # Calls in a row (of one cost profile, in one process) of at least FIRST_WATCH steps that explored
+    # drafts and found none that paid (no probe, no watched draft that would have paid, no tree kept on
+    # its worth), after which the next calls start at the least shares, and only one in IDLE_WAKE with
+    # a first watch, until one finds a draft that pays. Sampled at temperature 0.6 or 1.0, where the
+    # shipped pair's drafts are next to never accepted, each call started whole again had watched a
+    # draft or two and probed about once (the drafter catching up on the prompt, learning from them).
+    # (Counting shorter calls, and with no first watch at all, a benchmark's warm-up calls of 8 tokens,
+    # a failed probe each, had left greedy STAND at batch 1 plain for good: 0.97x, not 1.2x; after two
+    # fruitless calls, with a first watch one call in four, greedy n-gram decoded three predictable
+    # prompts plain after two that were not.)
+    IDLE_CALLS, IDLE_WAKE = 4, 2
     # Whether rows take sizes of their own by default (see per_row): off, as on the CPU measured so far
     # packed passes lost more than they saved (docs/decoding.md); benchmarks/speculation.py --per-row
     PER_ROW = False
@@ -332,17 +336,21 @@ class AutoTree:
         # pays, -1.3% to +2.7%: the noise). (Carried wherever the probes' average lost, or at the least share for
         # every choice that watches, greedy batch 2 lost 5-17%: there probes pay where the choice
         # declines trees.)
-        # After IDLE_CALLS calls in a row that explored and found nothing, a call starts at the least
-        # shares and without its first watch, until a call finds a draft that pays (``found``, ``paid``).
-        if adaptive and self.scale.get("explored", 0):
+        # After IDLE_CALLS calls in a row that explored in vain, a call starts at the least shares, one in
+        # IDLE_WAKE with its first watch, until a call finds a draft that pays (``found``, ``paid``).
+        if adaptive:
             found = self.scale.get("paid", True) or self.scale.get("found", True)
-            self.scale["idle_calls"] = 0 if found else self.scale.get("idle_calls", 0) + 1
+            if found:
+                self.scale["idle_calls"] = 0
+            elif self.scale.get("explored", 0) and self.scale.get("steps", 0) >= self.FIRST_WATCH:
+                self.scale["idle_calls"] = self.scale.get("idle_calls", 0) + 1
         idle = adaptive and self.scale.get("idle_calls", 0) >= self.IDLE_CALLS
         if not adaptive:
             self.scale.update(losing=0, watch_idle=0)
         elif idle:
             self.scale.update(losing=self.BACKOFF, watch_idle=self.BACKOFF)
-            self._first_watch = False
+            self.scale["quiet"] = (self.scale.get("quiet", 0) + 1) % self.IDLE_WAKE  # (idle calls begun)
+            self._first_watch = self.scale["quiet"] == 0
         elif self.scale.get("explored", self.AGAIN) >= self.AGAIN:
             self.scale["watch_idle"] = 0
             if self.scale.get("paid", True):
@@ -353,6 +361,7 @@ class AutoTree:
         self.scale["explored"] = 0  # the drafts this call explored: probes and watched drafts
         self.scale["paid"] = False  # whether a probe of this call paid
         self.scale["found"] = False  # whether a watched draft of this call would have paid, or a tree was kept
+        self.scale["steps"] = 0  # this call's steps, plain runs' included
         self._plain_run = self.scale["plain_run"]
         self._closed = False  # whether a seeded choice's call has too few steps left for a probe to pay (plan)
         self._probe_loss = 0.0  # what the next probe is predicted to lose, its drafter's catch-up aside
@@ -664,6 +673,7 @@ class AutoTree:
                 self._check_profile(len(rest))
         self._after_left = max(self._after_left - steps, 0)
         self._plain_run += steps
+        self.scale["steps"] += steps
         self._unwatched += steps
         self.chosen[1] += steps
         self._deposit_plain(steps)
@@ -836,6 +846,7 @@ class AutoTree:
         self.chosen[1 if tree is None else tree.n] += 1
         kind, predicted = self._predicted
         self._iterations += 1
+        self.scale["steps"] += 1
         # The plain steps right after a tree (AFTERMATH) read weights and state it pushed out of the
         # caches: what they take beyond a plain step's is the tree's (a probe's, the ledger's too).
         # Priced by such steps (in a run of trees the only plain steps there are), plain steps looked
