@@ -141,7 +141,8 @@ class AutoTree:
     tokens it emitted, and a probe waits until the bank holds what the next one is expected to
     lose. So, whatever a probe costs, probes together lose at most ``PROBE_SHARE`` of the plain
     steps' time (and one probe's loss): the most that turning speculation on loses where it never
-    pays; less once probes keep losing (``BACKOFF``). An adaptive choice charges what its probes
+    pays; less once probes keep losing (``BACKOFF``), and from call to call once calls keep exploring
+    in vain (``IDLE_CALLS``). An adaptive choice charges what its probes
     took by the clock (a drafter model catching up on the tokens of the plain steps before, the
     caches it evicts: costs the profile's steady state does not see); a seeded one what the
     profile predicts, its drafter's catch-up included.
