@@ -1023,8 +1023,12 @@ def auto_tree(model, drafter, batch: int, *, mode: str, sampled: bool = False, c
         shapes=[prior.prefix(n) for n in sizes if n >= 2], refresh=refresh, check=adaptive,
         scan="chain" if chain else "tree")
     # adaptive choosers of one profile hand on what they learned: a later call starts from it
-    scale, rates = (None, None) if not adaptive else _LEARNED.setdefault(profile, ({"plain": 1.0, "tree": 1.0},
-                                                                                   PathRates()))
+    scale = rates = None
+    if adaptive:
+        learned = _LEARNED.get(profile)  # (not setdefault: its default, new rates, made at every call)
+        if learned is None:
+            learned = _LEARNED[profile] = ({"plain": 1.0, "tree": 1.0}, PathRates())
+        scale, rates = learned
     return AutoTree(profile, sizes=fixed and sizes, chain=chain, fills_shapes=fills, depth=depth, adaptive=adaptive,
                     rates=rates, scale=scale, watch=watch, per_row=None if mode == "eager" else False)
 
