@@ -1233,6 +1233,24 @@ def test_short_calls_that_explore_in_vain_leave_the_idle_count_as_it_is():
     assert scale.get("idle_calls", 0) == 0 and fresh._first_watch
 
 
+def test_adaptive_choices_of_one_profile_hand_on_what_they_learned(monkeypatch):
+    """auto_tree's adaptive choosers of one cost profile share one scale and one set of rates across
+    calls (a call starts where the last left off), made at the first; another profile's are its own,
+    and a seeded choice's are its call's own."""
+    import stree.decoding.autotree as autotree
+
+    profiles = {1: CostProfile(1.0, (2, 4), (1.1, 1.2)), 2: CostProfile(1.0, (2, 4), (1.3, 1.5))}
+    monkeypatch.setattr(autotree, "cost_profile", lambda model, batch, **kw: profiles[batch])
+    monkeypatch.setattr(autotree, "_LEARNED", type(autotree._LEARNED)())
+    model, drafter = mamba2(), make_drafter("ngram")
+    first, second = (autotree.auto_tree(model, drafter, 1, mode="eager", adaptive=True) for _ in range(2))
+    assert second.rates is first.rates and second.scale is first.scale
+    other = autotree.auto_tree(model, drafter, 2, mode="eager", adaptive=True)
+    assert other.rates is not first.rates and other.scale is not first.scale
+    seeded = autotree.auto_tree(model, drafter, 1, mode="eager")
+    assert seeded.rates is not first.rates and seeded.scale is not first.scale
+
+
 # ---- in the loop ------------------------------------------------------------------------------
 @pytest.mark.parametrize("family", FAMILIES)
 def test_greedy_auto_is_token_identical_for_every_drafter(family):
