@@ -492,9 +492,9 @@ class TreeLM(nn.Module):
         drafter learns from along the paths (the softmax's top ids and probabilities ``[b, D + 1,
         top_k]``, the emitted tokens' own ``[b, D + 1]``), else None. None, the cache untouched,
         where there is no such call. ``validate`` as :meth:`forward_tree`'s, ``one_call`` as
-        :meth:`greedy_step`'s (a decoding call's drafts are checked as they are drafted)."""
-        if tree.row_sizes is not None:
-            return None
+        :meth:`greedy_step`'s (a decoding call's drafts are checked as they are drafted). A packed
+        draft (``row_sizes``) scores each row's own prefix alone, its logits past that left as they
+        were."""
         if one_call is None:
             index, max_depth = self.check_tree(tree, cache, "tree", validate)
         else:

@@ -168,7 +168,8 @@ def fused_tree_greedy(model, cache: ModelCache, tree, index, max_depth: int, ker
     (:meth:`~stree.kernels.cpu.mamba_step.MambaStep.tree_greedy`), where :func:`fused_tree` would
     take the pass: the logits, the accepted paths, their lengths, the bonus tokens, the emitted
     tokens, the rows' finiteness and, with ``top_k``, the target's laws along the paths (else None),
-    the cache's states advanced (not its ``seqlens``); or None. ``step``: :func:`fused_step`'s for
+    the cache's states advanced (not its ``seqlens``); or None. A draft with ``row_sizes`` has each
+    row's own prefix scored alone (the logits past a row's size are not made: left as they were). ``step``: :func:`fused_step`'s for
     this cache and the tree's tokens, where the caller looked it up (else looked up here)."""
     if not isinstance(index, TreeIndex) or index.n > JIT_MAX_NODES:
         return None
@@ -179,8 +180,10 @@ def fused_tree_greedy(model, cache: ModelCache, tree, index, max_depth: int, ker
     parents = index.memo("parents_int64", lambda: np.ascontiguousarray(as_numpy(index.parents), dtype=np.int64))
     valid = tree.arrays()[1]
     valid = np.ones(tuple(tree.tokens.shape), dtype=np.bool_) if valid is None else np.ascontiguousarray(valid)
+    # (a packed draft's rows, each its own prefix: its nodes alone computed, the others' padding left out)
+    sizes = None if tree.row_sizes is None else np.array(tree.row_sizes, dtype=np.int64)
     logits, *arrays, laws = step.tree_greedy(tree.tokens.contiguous(), parents, valid, max_depth, cache.conv,
-                                             cache.ssm, top_k)
+                                             cache.ssm, top_k, sizes)
     return (logits, *map(host_tensor, arrays), laws)  # (host arrays: the rows' bookkeeping reads them as such)
 
 

@@ -141,11 +141,17 @@ def test_bad_row_sizes_are_refused(row_sizes, error, match):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_greedy_output_is_unchanged_when_rows_take_sizes_of_their_own(family, monkeypatch):
     """Rows of a repeating motif and of noise, under costs where trees and packed passes pay: the
-    rows' sizes part, each such step is one packed pass, and every row is what plain decoding gives."""
+    rows' sizes part, each such step is one packed pass (a float32 Mamba2 model's: its one-call greedy
+    iteration, each row's prefix alone), and every row is what plain decoding gives."""
+    from stree.kernels.cpu import mamba_step
+
     model = FAMILIES[family]()
     passes = []
     packed = type(model).forward_packed
     monkeypatch.setattr(type(model), "forward_packed", lambda *a, **k: passes.append(a[2].batch) or packed(*a, **k))
+    one_call = mamba_step.MambaStep.tree_greedy
+    monkeypatch.setattr(mamba_step.MambaStep, "tree_greedy",
+                        lambda *a, **k: (passes.append(a[-1]) if a[-1] is not None else None) or one_call(*a, **k))
     g = torch.Generator().manual_seed(0)
     motif = torch.randint(0, model.vocab_size, (5,), generator=g).tolist()
     noise = torch.randint(0, model.vocab_size, (12,), generator=g).tolist()

@@ -216,20 +216,69 @@ def test_a_greedy_iteration_flags_a_row_whose_logits_past_the_root_are_nan():
     assert torch.equal(got[0].isnan(), model.forward_tree(tree, cache)[0].isnan())
 
 
-def test_a_greedy_iteration_with_a_bad_token_moves_nothing_and_packed_or_big_trees_take_none():
+def test_a_greedy_iteration_with_a_bad_token_moves_nothing_and_big_trees_take_none():
     model = mamba2()
     cache = _prefilled(model, 2)
     before = cache.clone()
     bad = TokenTree.from_shape(TreeShape.chain(3), torch.tensor([[1, 2, 3, 4], [1, 2, model.vocab_size, 4]]))
     with pytest.raises(ValueError, match="row 1, node 2"):
         model.greedy_tree(bad, cache, validate=False)
+    packed = TokenTree.from_shape(TreeShape.chain(3), bad.tokens, valid=torch.tensor([[True] * 4, [True] * 3 + [False]]),
+                                  row_sizes=(4, 3))  # (the bad node within row 1's size)
+    with pytest.raises(ValueError, match="row 1, node 2"):
+        model.greedy_tree(packed, cache, validate=False)
     assert torch.equal(cache.seqlens, before.seqlens)
     assert_same_state(cache, before, tol=0)
     big = TokenTree.from_shape(TreeShape.chain(64), torch.randint(0, VOCAB, (2, 65)))
-    packed = TokenTree.from_shape(TreeShape.chain(3), torch.randint(0, VOCAB, (2, 4)),
-                                  valid=torch.tensor([[True] * 4, [True, True, False, False]]), row_sizes=(4, 2))
-    assert model.greedy_tree(big, cache) is None and model.greedy_tree(packed, cache) is None
+    assert model.greedy_tree(big, cache) is None
     assert_same_state(cache, before, tol=0)
+
+
+@settings(max_examples=30, deadline=None)
+@given(data=st.data(), layout=st.sampled_from(sorted(LAYOUTS)))
+def test_a_packed_greedy_iteration_scores_each_rows_own_prefix_alone(data, layout):
+    """A draft with ``row_sizes`` (each row its own prefix, the rest invalid) in the one call: the
+    same paths, counts, bonus, emitted tokens, flags, laws and states, exactly, as the padded draft
+    with those nodes invalid, and the same logits within each row's size; the nodes past a row's
+    size are not computed: a bad token or a NaN embedding there is neither refused nor flagged."""
+    parents, batch = data.draw(trees(max_n=24, batch=data.draw(st.integers(2, 3))))
+    model = MODELS[layout]
+    cache = _prefilled(model, batch)
+    n = parents.shape[-1]
+    tree = _greedy_draft(model, cache, parents, batch, data)
+    sizes = [data.draw(st.integers(1, n)) for _ in range(batch)]
+    sizes[data.draw(st.integers(0, batch - 1))] = n  # (the largest is the tree's)
+    keep = tree.valid & (torch.arange(n)[None] < torch.tensor(sizes)[:, None])
+    tokens = tree.tokens.clone()
+    if min(sizes) < n:  # past the smallest row's size: a token outside the vocabulary, never read
+        tokens[sizes.index(min(sizes)), min(sizes):] = model.vocab_size
+    packed = TokenTree(parents, tokens, valid=keep, row_sizes=tuple(sizes))
+    padded = TokenTree(parents, tree.tokens, valid=keep)
+    top_k = data.draw(st.sampled_from([None, 3]))
+    other = cache.clone()
+    got = model.greedy_tree(packed, cache, validate=False, top_k=top_k)  # (the one call's own token check alone)
+    want = model.greedy_tree(padded, other, top_k=top_k)
+    for a, b in zip(got[1:6], want[1:6]):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    assert (got[6] is None) == (top_k is None) and (top_k is None or all(map(torch.equal, got[6], want[6])))
+    for r, size in enumerate(sizes):
+        assert torch.equal(got[0][r, :size], want[0][r, :size])
+    assert torch.equal(cache.seqlens, other.seqlens)
+    assert_same_state(cache, other, tol=0)
+
+
+def test_a_packed_greedy_iteration_flags_only_the_nodes_it_computes():
+    model = mamba2(tie_embeddings=False)
+    with torch.no_grad():
+        model.embed.weight[7] = float("nan")
+    cache = model.allocate_cache(2, 96)
+    model.prefill(torch.tensor([[1, 2, 3, 4, 5]] * 2), cache)
+    tokens = torch.tensor([[1, 2, 3, 4], [1, 2, 7, 4]])
+    valid = torch.tensor([[True] * 4, [True, True, False, False]])
+    packed = TokenTree.from_shape(TreeShape.chain(3), tokens, valid=valid, row_sizes=(4, 2))
+    padded = TokenTree.from_shape(TreeShape.chain(3), tokens, valid=valid)
+    assert model.greedy_tree(packed, cache.clone())[5].tolist() == [True, True]
+    assert model.greedy_tree(padded, cache.clone())[5].tolist() == [True, False]  # (computed there: NaN)
 
 
 # (270: unclamped, its 2^n would wrap into an exponent of 2^122, a SiLU of about 0 instead of 270)

@@ -478,29 +478,36 @@ extern "C" long stree_mamba_prefill(const int64_t* a) {
   return 0;
 }
 
-// A tree pass's arguments as one array of int64 (see mamba_step.py): the model's layout, the tokens
-// [b, n] (int64), b, n, the parents [rows, n] (int64, rows 1 or b, parents before children), rows, the
-// conv and SSM states (read only), the four scratch arrays replay reads, [layers, b, n, ...] float32 (xBC
-// raw, x and B after the conv, dt raw), the logits [b, n, vocab], threads. Returns 0, or 1 + the first
-// node (row-major) whose token is outside the vocabulary (nothing computed then).
-extern "C" long stree_mamba_tree(const int64_t* a) {
-  const Model* m = (const Model*)a[0];
-  const int64_t* tokens = (const int64_t*)a[1];
-  long b = a[2], n = a[3];
-  const int64_t* parents = (const int64_t*)a[4];
-  long rows = a[5];
-  const float *conv_states = (const float*)a[6], *ssm_states = (const float*)a[7];
-  float *xBC_s = (float*)a[8], *x_s = (float*)a[9], *dt_s = (float*)a[10], *B_s = (float*)a[11];
-  float* logits = (float*)a[12];
-  int threads = (int)a[13];
+namespace {
+
+// A tree pass over b rows' trees of n nodes (parents [rows, n], rows 1 or b, parents before children), each
+// row r its first sizes[r] nodes alone (sizes null: all n; the nodes past them are neither read nor
+// computed), laid back to back: row r's nodes are rows start[r] .. of the scratch (xBC raw, x and B after
+// the conv, dt raw: [layers, the nodes in all, ...]), and its logits rows r * n .. of logits [b, n, vocab]
+// (those past its size untouched). Returns 0, or 1 + the first node (row-major) it computes whose token
+// is outside the vocabulary (nothing computed then).
+long tree_pass(const Model* m, const int64_t* tokens, long b, long n, const int64_t* parents, long rows,
+               const int64_t* sizes, const float* conv_states, const float* ssm_states, float* xBC_s, float* x_s,
+               float* dt_s, float* B_s, float* logits, int threads) {
   const Sizes& sz = m->n;
-  long N = b * n;
-  for (long t = 0; t < N; t++)
-    if (tokens[t] < 0 || tokens[t] >= sz.vocab) return t + 1;
+  thread_local std::vector<int64_t> starts;
+  starts.resize((size_t)(b + 1));
+  int64_t* start = starts.data();
+  bool whole = true;
+  start[0] = 0;
+  for (long r = 0; r < b; r++) {
+    long size = sizes ? sizes[r] : n;
+    whole = whole && size == n;
+    start[r + 1] = start[r] + size;
+    for (long i = 0; i < size; i++)
+      if (tokens[r * n + i] < 0 || tokens[r * n + i] >= sz.vocab) return r * n + i + 1;
+  }
+  long N = start[b];
   long D = sz.d_model, P = sz.d_in_proj, I = sz.d_inner, CD = sz.conv_dim, K = sz.d_conv, S = sz.d_state;
   long H = sz.heads, HP = H * sz.headdim, GS = sz.groups * S;
   thread_local std::vector<float> scratch;
   thread_local std::vector<double> work;
+  thread_local std::vector<int64_t> fed;
   scratch.resize((size_t)(N * (3 * D + P + CD + 3 * I + HP)));
   work.resize((size_t)(b * 2 * n * H));  // per row: at (doubles), then d and decay (floats)
   float *x = scratch.data(), *h = x + N * D, *out = h + N * D, *proj = out + N * D, *conv = proj + N * P;
@@ -509,7 +516,14 @@ extern "C" long stree_mamba_tree(const int64_t* a) {
   // rows over the threads from the step's own threshold: each row's conv and scan is its own memory, and
   // at a million elements (where this had stood) a batch of two kept its trees of up to 31 nodes serial
   bool wide = b > 1 && N * HP * S >= (1 << 16);
-  embed_rows(m, tokens, N, x);
+  const int64_t* ids = tokens;
+  if (!whole) {  // (the rows' nodes back to back)
+    fed.resize((size_t)N);
+    for (long r = 0; r < b; r++)
+      for (long i = 0; i < start[r + 1] - start[r]; i++) fed[start[r] + i] = tokens[r * n + i];
+    ids = fed.data();
+  }
+  embed_rows(m, ids, N, x);
   for (long l = 0; l < sz.layers; l++) {
     const Layer& L = m->layer[l];
     block_in(m, L, N, x, h, proj, threads);
@@ -517,37 +531,62 @@ extern "C" long stree_mamba_tree(const int64_t* a) {
 #pragma omp parallel for schedule(static) num_threads(threads) if (wide)
     for (long r = 0; r < b; r++) {
       const int64_t* pr = parents + (rows > 1 ? r : 0) * n;
-      const float* pj = proj + r * n * P;
-      for (long i = 0; i < n; i++) {
+      long at = start[r], size = start[r + 1] - at;
+      const float* pj = proj + at * P;
+      for (long i = 0; i < size; i++) {
         const float* raw = pj + i * P + I;
-        float *xBC_i = xBC_l + (r * n + i) * CD, *dt_i = dt_l + (r * n + i) * H;
+        float *xBC_i = xBC_l + (at + i) * CD, *dt_i = dt_l + (at + i) * H;
         for (long c = 0; c < CD; c++) xBC_i[c] = raw[c];
         for (long c = 0; c < H; c++) dt_i[c] = raw[CD + c];
       }
-      tree_conv_row(pj + I, P, pr, n, conv_states + (l * b + r) * CD * K, L.conv_w, L.conv_b, CD, K,
-                    conv + r * n * CD, CD);
-      for (long i = 0; i < n; i++) {
-        const float* ci = conv + (r * n + i) * CD;
-        for (long e = 0; e < HP; e++) x_l[(r * n + i) * HP + e] = ci[e];
-        for (long e = 0; e < GS; e++) B_l[(r * n + i) * GS + e] = ci[HP + e];
+      tree_conv_row(pj + I, P, pr, size, conv_states + (l * b + r) * CD * K, L.conv_w, L.conv_b, CD, K,
+                    conv + at * CD, CD);
+      for (long i = 0; i < size; i++) {
+        const float* ci = conv + (at + i) * CD;
+        for (long e = 0; e < HP; e++) x_l[(at + i) * HP + e] = ci[e];
+        for (long e = 0; e < GS; e++) B_l[(at + i) * GS + e] = ci[HP + e];
       }
     }
-    // the state's term, C_i . x0, for every row's nodes as products (each block of the state packed once)
-    stree_state_term(conv + HP + GS, b, n, sz.groups, S, CD, n * CD, ssm_states + l * b * HP * S, H, sz.headdim, xs,
-                     threads);
+    // the state's term, C_i . x0, for every row's nodes as products (each block of the state packed once;
+    // rows of their own sizes one call each)
+    if (whole)
+      stree_state_term(conv + HP + GS, b, n, sz.groups, S, CD, n * CD, ssm_states + l * b * HP * S, H, sz.headdim,
+                       xs, threads);
+    else
+      for (long r = 0; r < b; r++)
+        stree_state_term(conv + start[r] * CD + HP + GS, 1, start[r + 1] - start[r], sz.groups, S, CD, 0,
+                         ssm_states + (l * b + r) * HP * S, H, sz.headdim, xs + start[r] * HP, threads);
 #pragma omp parallel for schedule(static) num_threads(threads) if (wide)
     for (long r = 0; r < b; r++)
-      tree_scan_row(conv + r * n * CD, CD, proj + r * n * P + I + CD, P, parents + (rows > 1 ? r : 0) * n, n,
-                    xs + r * n * HP, L, sz, m->e.dt_lo, m->e.dt_hi, y + r * n * I, rows_work + r * 2 * n * H);
+      tree_scan_row(conv + start[r] * CD, CD, proj + start[r] * P + I + CD, P, parents + (rows > 1 ? r : 0) * n,
+                    start[r + 1] - start[r], xs + start[r] * HP, L, sz, m->e.dt_lo, m->e.dt_hi, y + start[r] * I,
+                    rows_work + r * 2 * n * H);
     block_out(m, L, N, proj, y, gate, normed, out, x, threads);
   }
   for (long t = 0; t < N; t++) rms_norm(x + t * D, D, m->final_w, m->e.final_eps, h + t * D);
-  stree_gemm(h, N, D, D, m->head_w, sz.vocab, logits, sz.vocab, nullptr, threads);
+  if (whole)
+    stree_gemm(h, N, D, D, m->head_w, sz.vocab, logits, sz.vocab, nullptr, threads);
+  else
+    for (long r = 0; r < b; r++)
+      stree_gemm(h + start[r] * D, start[r + 1] - start[r], D, D, m->head_w, sz.vocab, logits + r * n * sz.vocab,
+                 sz.vocab, nullptr, threads);
   return 0;
 }
 
-namespace {
+}  // namespace
 
+// A tree pass's arguments as one array of int64 (see mamba_step.py): the model's layout, the tokens
+// [b, n] (int64), b, n, the parents [rows, n] (int64, rows 1 or b, parents before children), rows, the
+// conv and SSM states (read only), the four scratch arrays replay reads, [layers, b, n, ...] float32 (xBC
+// raw, x and B after the conv, dt raw), the logits [b, n, vocab], threads. Returns 0, or 1 + the first
+// node (row-major) whose token is outside the vocabulary (nothing computed then).
+extern "C" long stree_mamba_tree(const int64_t* a) {
+  return tree_pass((const Model*)a[0], (const int64_t*)a[1], a[2], a[3], (const int64_t*)a[4], a[5], nullptr,
+                   (const float*)a[6], (const float*)a[7], (float*)a[8], (float*)a[9], (float*)a[10], (float*)a[11],
+                   (float*)a[12], (int)a[13]);
+}
+
+namespace {
 
 // Greedy verification of one row (verify_jit.greedy_walk's): from the root, each node's choice is the
 // argmax of its logits (the first of equal maxima), and the walk moves to the node's first valid child
@@ -646,24 +685,28 @@ void node_law(const float* logits, long V, long k, int64_t token, int64_t* ids, 
 // outputs path [b, L], num [b], emitted [b, L], bonus [b] (int64), finite [b] (uint8: every logit of
 // the row below +inf, NaN not); then k (0: none) and, at each row's path nodes, the target's laws
 // (node_law) for a drafter: top ids [b, L, k] (int64), their probabilities [b, L, k] and each emitted
-// token's own [b, L] (float32; 0 past a row's count). Returns stree_mamba_tree's status (nothing
-// computed where it is not 0), or -1 where a path ran past L (nothing committed).
+// token's own [b, L] (float32; 0 past a row's count); last, sizes (int64 [b], or 0: every row all n
+// nodes): row r's tree is its first sizes[r] nodes, the others neither computed nor walked (their
+// logits untouched), so that a row drafting less costs the pass its nodes alone. Returns
+// stree_mamba_tree's status (nothing computed where it is not 0), or -1 where a path ran past L
+// (nothing committed).
 extern "C" long stree_mamba_tree_greedy(const int64_t* a) {
   const Model* m = (const Model*)a[0];
   const Sizes& sz = m->n;
-  long b = a[2], n = a[3], N = b * n, rows = a[5];
+  long b = a[2], n = a[3], rows = a[5];
+  const int64_t* sizes = (const int64_t*)a[25];
+  long N = 0;
+  for (long r = 0; r < b; r++) N += sizes ? sizes[r] : n;
   long CD = sz.conv_dim, K = sz.d_conv, H = sz.heads, HP = H * sz.headdim, GS = sz.groups * sz.d_state;
   thread_local std::vector<float> kept;  // the pass's scratch (xBC, x, dt, B), read by the replay alone
   kept.resize((size_t)(sz.layers * N * (CD + HP + H + GS)));
   float *xBC = kept.data(), *x = xBC + sz.layers * N * CD, *dt = x + sz.layers * N * HP, *B = dt + sz.layers * N * H;
-  int64_t pass[14];
-  for (int i = 0; i < 14; i++) pass[i] = a[i];
-  pass[8] = (int64_t)xBC, pass[9] = (int64_t)x, pass[10] = (int64_t)dt, pass[11] = (int64_t)B;
-  long status = stree_mamba_tree(pass);
-  if (status) return status;
   const int64_t *tokens = (const int64_t*)a[1], *parents = (const int64_t*)a[4];
   float *conv_states = (float*)a[6], *ssm_states = (float*)a[7];
-  const float* logits = (const float*)a[12];
+  float* logits = (float*)a[12];
+  long status = tree_pass(m, tokens, b, n, parents, rows, sizes, conv_states, ssm_states, xBC, x, dt, B, logits,
+                          (int)a[13]);
+  if (status) return status;
   const uint8_t* valid = (const uint8_t*)a[14];
   long L = a[15];
   int64_t *path = (int64_t*)a[16], *num = (int64_t*)a[17], *emitted = (int64_t*)a[18], *bonus = (int64_t*)a[19];
@@ -671,9 +714,10 @@ extern "C" long stree_mamba_tree_greedy(const int64_t* a) {
   long V = sz.vocab;
   for (long r = 0; r < b; r++) {
     const float* lr = logits + r * n * V;
-    finite[r] = all_below_inf(lr, n * V);
-    num[r] = greedy_row(lr, V, tokens + r * n, parents + (rows > 1 ? r : 0) * n, valid + r * n, n, L, path + r * L,
-                        emitted + r * L);
+    long size = sizes ? sizes[r] : n;
+    finite[r] = all_below_inf(lr, size * V);
+    num[r] = greedy_row(lr, V, tokens + r * n, parents + (rows > 1 ? r : 0) * n, valid + r * n, size, L,
+                        path + r * L, emitted + r * L);
     if (!num[r]) return -1;
     bonus[r] = emitted[r * L + num[r] - 1];
   }
@@ -681,11 +725,9 @@ extern "C" long stree_mamba_tree_greedy(const int64_t* a) {
   work.resize((size_t)(L * (1 + sz.headdim)));
   long SS = HP * sz.d_state;
   for (long l = 0; l < sz.layers; l++)
-    for (long r = 0; r < b; r++) {
-      long at = l * N + r * n;  // the row's first node in the layer's scratch
+    for (long r = 0, at = l * N; r < b; at += sizes ? sizes[r] : n, r++)  // (at: the row's first node there)
       replay_row(m->layer[l], sz, m->e.dt_lo, m->e.dt_hi, xBC + at * CD, x + at * HP, dt + at * H, B + at * GS,
                  path + r * L, num[r], conv_states + (l * b + r) * CD * K, ssm_states + (l * b + r) * SS, work.data());
-    }
   long k = a[21];
   if (k) {
     int64_t* top_ids = (int64_t*)a[22];

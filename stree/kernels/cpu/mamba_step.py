@@ -35,7 +35,7 @@ __all__ = ["DRAFT_MAX_CHILDREN", "MambaLayer", "MambaStep", "available"]
 
 _ARGS = struct.Struct("=11q")
 _TREE_ARGS = struct.Struct("=14q")
-_GREEDY_ARGS = struct.Struct("=25q")
+_GREEDY_ARGS = struct.Struct("=26q")
 _PREFILL_ARGS = struct.Struct("=8q2d1q")
 _DRAFT_ARGS = struct.Struct("=21q")
 MAX_GROUPS = 64  # (the tree scan's C . B per group is a fixed buffer in mamba_step.cpp)
@@ -274,7 +274,7 @@ class MambaStep:
         return logits, scratch
 
     def tree_greedy(self, tokens: torch.Tensor, parents: np.ndarray, valid: np.ndarray, max_depth: int,
-                    conv: torch.Tensor, ssm: torch.Tensor, top_k: int | None = None):
+                    conv: torch.Tensor, ssm: torch.Tensor, top_k: int | None = None, sizes: np.ndarray | None = None):
         """A greedy iteration in one call: :meth:`tree`'s pass, greedy verification of its logits
         (``valid`` ``[b, n]`` bool: the nodes a path may take; ``max_depth``: the trees'), and the
         accepted paths' replay into ``conv`` and ``ssm``, advanced in place. Returns the logits
@@ -286,7 +286,10 @@ class MambaStep:
         ``[b, max_depth + 1, top_k]`` and probabilities, and each emitted token's own ``[b,
         max_depth + 1]`` (0 past a row's count; the softmax's exp a polynomial's, within float32
         rounding of ``torch.softmax``). Token ids are checked before anything is computed; the
-        rest is the caller's to vouch for, as :meth:`tree`'s."""
+        rest is the caller's to vouch for, as :meth:`tree`'s. ``sizes`` (int64 ``[b]``, each in [1, n]):
+        row r's tree is its first ``sizes[r]`` nodes (a packed draft's ``row_sizes``), the nodes past
+        them neither computed nor walked, their logits left as they were; the pass then costs what
+        its rows' nodes in all do (None: every row all n)."""
         b, n = tokens.shape
         L = max_depth + 1
         logits = self._logits(b, n)
@@ -303,7 +306,7 @@ class MambaStep:
             self._at, tokens.data_ptr(), b, n, parents.ctypes.data, parents.shape[0], conv.data_ptr(),
             ssm.data_ptr(), 0, 0, 0, 0, logits.data_ptr(), torch.get_num_threads(), valid.ctypes.data, L,
             at, at + 8 * 2 * b * L, at + 8 * b * L, at + 8 * (2 * b * L + b), at + 8 * m, k,
-            *((0, 0, 0) if laws is None else (t.data_ptr() for t in laws))))
+            *((0, 0, 0) if laws is None else (t.data_ptr() for t in laws)), 0 if sizes is None else sizes.ctypes.data))
         if status > 0:
             row, node = divmod(status - 1, n)
             raise ValueError(f"tokens must be in [0, {self.vocab}), got {int(tokens[row, node])} at row {row}, "
