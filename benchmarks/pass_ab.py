@@ -12,10 +12,13 @@ gain of speculation depend on.
 
 A config ``BATCHxNODES:S1+S2+...`` times the packed pass instead (``TreeLM.forward_packed``): row r's
 tree the first ``Sr`` nodes (``AutoTree.per_row``'s rows of their own sizes, one ``Sr`` per row, the
-largest ``NODES``).
+largest ``NODES``). ``--iteration`` times a greedy iteration instead of the pass, as the decoding loop
+calls it (``speculative_step``: the pass, verification and commit, by whatever path the side's library
+takes for the draft, padded or packed).
 
     python benchmarks/pass_ab.py --against HEAD --configs 1x1,1x2,1x12,2x4,2x8 --processes 3
     python benchmarks/pass_ab.py --against HEAD --configs 2x13,2x13:13+1,8x13:13+1+1+1+1+1+1+1
+    python benchmarks/pass_ab.py --against HEAD --configs 2x13,2x13:13+1 --iteration
     python benchmarks/pass_ab.py --smoke
 """
 
@@ -58,13 +61,17 @@ def label(batch: int, nodes: int, sizes) -> str:
     return f"{batch}x{nodes}" + ("" if sizes is None else ":" + "+".join(map(str, sizes)))
 
 
-def worker(configs: list[tuple[int, int, list | None]], pairs: int, dtype: str, smoke: bool) -> dict:
-    """This process's median ratio of a tree pass to a step for each config, and where stree came from."""
+def worker(configs: list[tuple[int, int, list | None]], pairs: int, dtype: str, smoke: bool,
+           iteration: bool = False) -> dict:
+    """This process's median ratio of a tree pass (a greedy iteration) to a step for each config, and
+    where stree came from."""
     import numpy as np
     import torch
 
     import stree
     from stree.decoding.plans import cut_rows
+    from stree.decoding.steps import speculative_step
+    from stree.sampling.verify import SamplingParams
     from stree.models import load
     from stree.models.presets import TINY
     from stree.tools.demo import TARGET
@@ -95,10 +102,14 @@ def worker(configs: list[tuple[int, int, list | None]], pairs: int, dtype: str, 
             fn()
             return time.perf_counter() - start
 
-        packed = None if sizes is None else cut_rows(tree, np.array(sizes)).packed()
+        draft = tree if sizes is None else cut_rows(tree, np.array(sizes))
+        packed = None if sizes is None else draft.packed()
 
         def tree_pass():
-            if packed is None:
+            if iteration:  # (the commit moves the states: random ones, which the timing does not read)
+                num = speculative_step(model, cache, draft, SamplingParams(0.0), None)[1].num_accepted
+                cache.seqlens -= num.to(cache.seqlens.dtype)
+            elif packed is None:
                 model.forward_tree(tree, cache, validate=False)
             else:
                 model.forward_packed(*packed, cache, validate=False)
@@ -117,6 +128,7 @@ def main(argv=None):
     p.add_argument("--processes", type=int, default=3, help="rounds of one fresh process each side (default 3)")
     p.add_argument("--pairs", type=int, default=1500, help="timed (tree pass, step) pairs per config (default 1500)")
     p.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16"))
+    p.add_argument("--iteration", action="store_true", help="time a greedy iteration (speculative_step), not the pass")
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--out", default=str(Path(__file__).parent / "results"))
@@ -132,7 +144,7 @@ def main(argv=None):
     # (imported here: a worker imports its own side's stree, whose tools may predate these)
     from stree.tools.timing import revision_package, run_info, save_result
 
-    job = json.dumps(dict(configs=configs, pairs=pairs, dtype=args.dtype, smoke=args.smoke))
+    job = json.dumps(dict(configs=configs, pairs=pairs, dtype=args.dtype, smoke=args.smoke, iteration=args.iteration))
     runs = {side: [] for side in SIDES}
     with tempfile.TemporaryDirectory() as tmp:
         paths = {"against": revision_package(ROOT, args.against, tmp), "working": str(ROOT)}
@@ -156,9 +168,11 @@ def main(argv=None):
                          difference=statistics.mean(mine["working"]) - statistics.mean(mine["against"])))
     import torch
 
+    timed = "greedy iteration (speculative_step)" if args.iteration else "tree pass"
     result = dict(benchmark="pass_ab", **run_info(torch.device("cpu"), argv), against=args.against, dtype=args.dtype,
                   model="tiny mamba2" if args.smoke else "shipped target", processes=processes, pairs=pairs,
-                  note="*_in_steps: per round, the median over pairs of one tree pass's time over one step's, in a "
+                  timed=timed,
+                  note=f"*_in_steps: per round, the median over pairs of one {timed}'s time over one step's, in a "
                        "fresh process of each side; difference: working minus against, mean over rounds",
                   results=rows)
     save_result(result, args.out, args.stem or ("pass_ab_smoke" if args.smoke else "pass_ab_cpu"), plot)
@@ -178,9 +192,10 @@ def plot(result):
     from stree.tools.timing import plot_sides
 
     labels = [f"b{r['batch']}, {r['nodes']} nodes{_sizes(r)}" for r in result["results"]]
+    timed = result.get("timed", "tree pass")  # (older results: the pass)
     return plot_sides(result, "in_steps", labels,
-                      "tree pass / plain step (median of pairs)",
-                      f"{result['model']}, {result['dtype']}: a tree pass in steps")
+                      f"{timed} / plain step (median of pairs)",
+                      f"{result['model']}, {result['dtype']}: a {timed} in steps")
 
 
 if __name__ == "__main__":

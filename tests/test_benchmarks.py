@@ -533,6 +533,9 @@ def test_pass_ab_smoke_prices_a_tree_pass_in_steps_for_the_working_tree_and_a_re
         (against,), (working,) = row["against_in_steps"], row["working_in_steps"]
         assert against > 0 and working > 0 and row["difference"] == pytest.approx(working - against)
     module = benchmark("pass_ab")
+    iteration = module.main(["--smoke", "--iteration", "--out", str(tmp_path), "--stem", "iteration"])
+    assert iteration["timed"] == "greedy iteration (speculative_step)" and result["timed"] == "tree pass"
+    assert all(r["working_in_steps"][0] > 0 for r in iteration["results"])
     for bad in ("1x", "0x2", "two", "1x0", "2x3:3", "2x3:2+2", "2x3:3+0", "2x3:3+x"):
         with pytest.raises(ValueError, match="--configs"):
             module.main(["--configs", bad, "--out", str(tmp_path)])
