@@ -416,7 +416,7 @@ class TreeLM(nn.Module):
                           top_k: int | None = None, step=None):
         """:meth:`greedy_tree`'s one call, where the family has one for this cache and tree
         (:mod:`stree.models.fused_step`; ``step``: the model's step as one call, :meth:`fused_step`'s,
-        where the caller has it): the cache's states advanced, not ``seqlens``; None: none."""
+        where the caller has it): the cache advanced, its states and ``seqlens``; None: none."""
         return None
 
     def _one_call(self, one_call, tokens: torch.Tensor, cache: ModelCache):
@@ -503,7 +503,6 @@ class TreeLM(nn.Module):
                                      self._one_call(one_call, tree.tokens, cache))
         if out is None:
             return None
-        cache.seqlens += out[2].to(cache.seqlens.dtype)
         cache.moved()
         return out
 

@@ -4,7 +4,8 @@ a Mamba2 language model (every block a Mamba2 mixer behind an RMSNorm, no MLP, n
 gated norm, x and B one head / group each), float32 on the CPU, not tensor-parallel, where the
 tiled product is built and the products are not pinned to another path (``STREE_LINEAR``); a step
 outside autograd and ``torch.compile``, with the model's own kernels ("auto"), of int64 tokens, on a
-cache whose states are contiguous. Anything else steps block by block, as before.
+cache whose states are contiguous and whose lengths are int64 (a greedy iteration advances them in its
+call). Anything else steps block by block, as before.
 
 The layout is made once per value of the model's parameters (their versions and storages, and the
 parameter objects the modules hold, are its key): a model trained or reloaded between steps gets a
@@ -14,6 +15,7 @@ each lookup checks every parameter), and its steps then write into outputs of th
 
 from __future__ import annotations
 
+import functools
 import operator
 
 import numpy as np
@@ -24,7 +26,7 @@ from torch.nn.utils import parametrize
 from ..kernels._common import as_numpy
 from ..kernels.cpu import mamba_step
 from ..kernels.cpu.tree_jit import JIT_MAX_NODES
-from ..tree import TreeIndex, host_tensor
+from ..tree import TreeIndex
 from .cache import ModelCache, SSMScratch
 from .layers import linear
 from .layers.mamba2 import Mamba2Mixer
@@ -126,7 +128,8 @@ def fused_step(model, cache: ModelCache, tokens: torch.Tensor | None, kernel_bac
     module docstring)."""
     if (kernel_backend != "auto" or torch.is_grad_enabled() or torch.compiler.is_compiling() or cache.conv is None
             or cache.k is not None or (tokens is not None and tokens.dtype != torch.int64)
-            or cache.conv.dtype != torch.float32 or not cache.conv.is_contiguous() or not cache.ssm.is_contiguous()):
+            or cache.conv.dtype != torch.float32 or not cache.conv.is_contiguous() or not cache.ssm.is_contiguous()
+            or cache.seqlens.dtype != torch.int64 or not cache.seqlens.is_contiguous()):  # (iterations add to them)
         return None
     plan = model.__dict__.get("_stree_fused_step")
     if plan is None or not plan.holds(model):
@@ -168,9 +171,10 @@ def fused_tree_greedy(model, cache: ModelCache, tree, index, max_depth: int, ker
     (:meth:`~stree.kernels.cpu.mamba_step.MambaStep.tree_greedy`), where :func:`fused_tree` would
     take the pass: the logits, the accepted paths, their lengths, the bonus tokens, the emitted
     tokens, the rows' finiteness and, with ``top_k``, the target's laws along the paths (else None),
-    the cache's states advanced (not its ``seqlens``); or None. A draft with ``row_sizes`` has each
-    row's own prefix scored alone (the logits past a row's size are not made: left as they were). ``step``: :func:`fused_step`'s for
-    this cache and the tree's tokens, where the caller looked it up (else looked up here)."""
+    the cache advanced (its states and ``seqlens``); or None. A draft with ``row_sizes`` has each
+    row's own prefix scored alone (the logits past a row's size are not made: left as they were).
+    ``step``: :func:`fused_step`'s for this cache and the tree's tokens, where the caller looked it up
+    (else looked up here)."""
     if not isinstance(index, TreeIndex) or index.n > JIT_MAX_NODES:
         return None
     if step is None:
@@ -179,12 +183,19 @@ def fused_tree_greedy(model, cache: ModelCache, tree, index, max_depth: int, ker
         return None
     parents = index.memo("parents_int64", lambda: np.ascontiguousarray(as_numpy(index.parents), dtype=np.int64))
     valid = tree.arrays()[1]
-    valid = np.ones(tuple(tree.tokens.shape), dtype=np.bool_) if valid is None else np.ascontiguousarray(valid)
+    valid = _all_valid(*tree.tokens.shape) if valid is None else np.ascontiguousarray(valid)
     # (a packed draft's rows, each its own prefix: its nodes alone computed, the others' padding left out)
     sizes = None if tree.row_sizes is None else np.array(tree.row_sizes, dtype=np.int64)
-    logits, *arrays, laws = step.tree_greedy(tree.tokens.contiguous(), parents, valid, max_depth, cache.conv,
-                                             cache.ssm, top_k, sizes)
-    return (logits, *map(host_tensor, arrays), laws)  # (host arrays: the rows' bookkeeping reads them as such)
+    return step.tree_greedy(tree.tokens.contiguous(), parents, valid, max_depth, cache.conv, cache.ssm, top_k, sizes,
+                            cache.seqlens)
+
+
+@functools.lru_cache(maxsize=64)
+def _all_valid(b: int, n: int) -> np.ndarray:
+    """A read-only all-true mask ``[b, n]`` (a new one each iteration took a tenth of its host work)."""
+    out = np.ones((b, n), dtype=np.bool_)
+    out.setflags(write=False)
+    return out
 
 
 def fused_draft(model, cache: ModelCache, tokens: torch.Tensor, counts: np.ndarray, parents: np.ndarray,

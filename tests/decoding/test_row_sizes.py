@@ -150,8 +150,8 @@ def test_greedy_output_is_unchanged_when_rows_take_sizes_of_their_own(family, mo
     packed = type(model).forward_packed
     monkeypatch.setattr(type(model), "forward_packed", lambda *a, **k: passes.append(a[2].batch) or packed(*a, **k))
     one_call = mamba_step.MambaStep.tree_greedy
-    monkeypatch.setattr(mamba_step.MambaStep, "tree_greedy",
-                        lambda *a, **k: (passes.append(a[-1]) if a[-1] is not None else None) or one_call(*a, **k))
+    monkeypatch.setattr(mamba_step.MambaStep, "tree_greedy",  # (a[8]: the rows' sizes)
+                        lambda *a, **k: (passes.append(a[8]) if a[8] is not None else None) or one_call(*a, **k))
     g = torch.Generator().manual_seed(0)
     motif = torch.randint(0, model.vocab_size, (5,), generator=g).tolist()
     noise = torch.randint(0, model.vocab_size, (12,), generator=g).tolist()

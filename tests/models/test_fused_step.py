@@ -223,8 +223,8 @@ def test_a_greedy_iteration_with_a_bad_token_moves_nothing_and_big_trees_take_no
     bad = TokenTree.from_shape(TreeShape.chain(3), torch.tensor([[1, 2, 3, 4], [1, 2, model.vocab_size, 4]]))
     with pytest.raises(ValueError, match="row 1, node 2"):
         model.greedy_tree(bad, cache, validate=False)
-    packed = TokenTree.from_shape(TreeShape.chain(3), bad.tokens, valid=torch.tensor([[True] * 4, [True] * 3 + [False]]),
-                                  row_sizes=(4, 3))  # (the bad node within row 1's size)
+    valid = torch.tensor([[True] * 4, [True] * 3 + [False]])
+    packed = TokenTree.from_shape(TreeShape.chain(3), bad.tokens, valid=valid, row_sizes=(4, 3))  # (the bad one within)
     with pytest.raises(ValueError, match="row 1, node 2"):
         model.greedy_tree(packed, cache, validate=False)
     assert torch.equal(cache.seqlens, before.seqlens)

@@ -685,9 +685,11 @@ void node_law(const float* logits, long V, long k, int64_t token, int64_t* ids, 
 // outputs path [b, L], num [b], emitted [b, L], bonus [b] (int64), finite [b] (uint8: every logit of
 // the row below +inf, NaN not); then k (0: none) and, at each row's path nodes, the target's laws
 // (node_law) for a drafter: top ids [b, L, k] (int64), their probabilities [b, L, k] and each emitted
-// token's own [b, L] (float32; 0 past a row's count); last, sizes (int64 [b], or 0: every row all n
+// token's own [b, L] (float32; 0 past a row's count); then sizes (int64 [b], or 0: every row all n
 // nodes): row r's tree is its first sizes[r] nodes, the others neither computed nor walked (their
-// logits untouched), so that a row drafting less costs the pass its nodes alone. Returns
+// logits untouched), so that a row drafting less costs the pass its nodes alone; last, the rows'
+// lengths (int64 [b], or 0: none), each advanced by its path's length with the states (the host's
+// torch add after the call had taken a tenth of the iteration's host work). Returns
 // stree_mamba_tree's status (nothing computed where it is not 0), or -1 where a path ran past L
 // (nothing committed).
 extern "C" long stree_mamba_tree_greedy(const int64_t* a) {
@@ -728,6 +730,9 @@ extern "C" long stree_mamba_tree_greedy(const int64_t* a) {
     for (long r = 0, at = l * N; r < b; at += sizes ? sizes[r] : n, r++)  // (at: the row's first node there)
       replay_row(m->layer[l], sz, m->e.dt_lo, m->e.dt_hi, xBC + at * CD, x + at * HP, dt + at * H, B + at * GS,
                  path + r * L, num[r], conv_states + (l * b + r) * CD * K, ssm_states + (l * b + r) * SS, work.data());
+  int64_t* lengths = (int64_t*)a[26];
+  if (lengths)
+    for (long r = 0; r < b; r++) lengths[r] += num[r];
   long k = a[21];
   if (k) {
     int64_t* top_ids = (int64_t*)a[22];

@@ -35,7 +35,7 @@ __all__ = ["DRAFT_MAX_CHILDREN", "MambaLayer", "MambaStep", "available"]
 
 _ARGS = struct.Struct("=11q")
 _TREE_ARGS = struct.Struct("=14q")
-_GREEDY_ARGS = struct.Struct("=26q")
+_GREEDY_ARGS = struct.Struct("=27q")
 _PREFILL_ARGS = struct.Struct("=8q2d1q")
 _DRAFT_ARGS = struct.Struct("=21q")
 MAX_GROUPS = 64  # (the tree scan's C . B per group is a fixed buffer in mamba_step.cpp)
@@ -274,7 +274,8 @@ class MambaStep:
         return logits, scratch
 
     def tree_greedy(self, tokens: torch.Tensor, parents: np.ndarray, valid: np.ndarray, max_depth: int,
-                    conv: torch.Tensor, ssm: torch.Tensor, top_k: int | None = None, sizes: np.ndarray | None = None):
+                    conv: torch.Tensor, ssm: torch.Tensor, top_k: int | None = None, sizes: np.ndarray | None = None,
+                    lengths: torch.Tensor | None = None):
         """A greedy iteration in one call: :meth:`tree`'s pass, greedy verification of its logits
         (``valid`` ``[b, n]`` bool: the nodes a path may take; ``max_depth``: the trees'), and the
         accepted paths' replay into ``conv`` and ``ssm``, advanced in place. Returns the logits
@@ -289,31 +290,49 @@ class MambaStep:
         rest is the caller's to vouch for, as :meth:`tree`'s. ``sizes`` (int64 ``[b]``, each in [1, n]):
         row r's tree is its first ``sizes[r]`` nodes (a packed draft's ``row_sizes``), the nodes past
         them neither computed nor walked, their logits left as they were; the pass then costs what
-        its rows' nodes in all do (None: every row all n)."""
+        its rows' nodes in all do (None: every row all n). ``lengths`` (int64 ``[b]``, contiguous, on the
+        host: a cache's ``seqlens``), where given, is advanced by each row's path length in the call,
+        with the states. The path, length, bonus, emitted tokens
+        and flags are host tensors (:func:`~stree.tree.host_tensor`) of one array's memory; a
+        :meth:`reused` step keeps them, the logits and the laws per shape, as its greedy steps do."""
         b, n = tokens.shape
         L = max_depth + 1
         logits = self._logits(b, n)
-        # path, emitted, num, bonus (int64) and finite (bool) in one allocation, one address (each
-        # array's own .ctypes is a few microseconds where a pass has just swept the caches)
-        m = 2 * b * (L + 1)
-        raw = np.empty(8 * m + b, dtype=np.uint8)
-        ints, finite, at = raw[:8 * m].view(np.int64), raw[8 * m:].view(np.bool_), raw.ctypes.data
-        path, emitted = ints[:b * L].reshape(b, L), ints[b * L:2 * b * L].reshape(b, L)
-        num, bonus = ints[2 * b * L:2 * b * L + b], ints[2 * b * L + b:]
         k = min(top_k or 0, self.vocab)
-        laws = None if not k else (torch.empty(b, L, k, dtype=torch.long), torch.empty(b, L, k), torch.empty(b, L))
+        key = ("tree", b, L, k)
+        kept = None if self._kept is None else self._kept.get(key)
+        if kept is None:
+            kept = self._iteration_outputs(b, L, k)
+            if self._kept is not None:
+                self._kept[key] = kept
+        at, outputs, laws, addresses = kept
         status = self._greedy(_GREEDY_ARGS.pack(
             self._at, tokens.data_ptr(), b, n, parents.ctypes.data, parents.shape[0], conv.data_ptr(),
             ssm.data_ptr(), 0, 0, 0, 0, logits.data_ptr(), torch.get_num_threads(), valid.ctypes.data, L,
-            at, at + 8 * 2 * b * L, at + 8 * b * L, at + 8 * (2 * b * L + b), at + 8 * m, k,
-            *((0, 0, 0) if laws is None else (t.data_ptr() for t in laws)), 0 if sizes is None else sizes.ctypes.data))
+            at, at + 8 * 2 * b * L, at + 8 * b * L, at + 8 * (2 * b * L + b), at + 16 * b * (L + 1), k,
+            *addresses, 0 if sizes is None else sizes.ctypes.data, 0 if lengths is None else lengths.data_ptr()))
         if status > 0:
             row, node = divmod(status - 1, n)
             raise ValueError(f"tokens must be in [0, {self.vocab}), got {int(tokens[row, node])} at row {row}, "
                              f"node {node}")
         if status < 0:
             raise ValueError(f"a path runs deeper than max_depth {max_depth}")
-        return logits, path, num, bonus, emitted, finite, laws
+        return logits, *outputs, laws
+
+    @staticmethod
+    def _iteration_outputs(b: int, L: int, k: int) -> tuple:
+        """:meth:`tree_greedy`'s outputs for ``b`` rows, paths of ``L`` and ``k`` laws: path, emitted,
+        num, bonus (int64) and finite (bool) in one array, its address, and host tensors of them (each
+        array's own ``.ctypes`` and tensor took microseconds a call where a pass has just swept the
+        caches); the laws' tensors (None: ``k`` 0) and their addresses."""
+        m = 2 * b * (L + 1)
+        raw = np.empty(8 * m + b, dtype=np.uint8)
+        ints, finite = raw[:8 * m].view(np.int64), raw[8 * m:].view(np.bool_)
+        path, emitted = ints[:b * L].reshape(b, L), ints[b * L:2 * b * L].reshape(b, L)
+        num, bonus = ints[2 * b * L:2 * b * L + b], ints[2 * b * L + b:]
+        laws = None if not k else (torch.empty(b, L, k, dtype=torch.long), torch.empty(b, L, k), torch.empty(b, L))
+        return (raw.ctypes.data, tuple(map(host_tensor, (path, num, bonus, emitted, finite))), laws,
+                (0, 0, 0) if laws is None else tuple(t.data_ptr() for t in laws))
 
 
 def available() -> bool:
