@@ -262,7 +262,6 @@ def speculative_step(model, cache, draft: TokenTree, params: SamplingParams, gen
     # greedy, where the model has it: the pass, verification, commit and the laws a drafter learns from
     # as one call (their Python and the scratch's arrays had cost a small tree's iteration about half a
     # plain step, and the laws' softmax and top-k a STAND tree's a fifth more)
-    laws = None
     one = None
     if params.greedy and scan == "tree" and _verify.COMPILED_ON_CPU and tensor_parallel(model) is None:
         one = runner.greedy_tree(draft, top_k)
@@ -271,6 +270,13 @@ def speculative_step(model, cache, draft: TokenTree, params: SamplingParams, gen
         result = VerifyResult(accepted, num, bonus, None)
         if lap is not None:
             lap("verify")
+        if laws is not None or top_k is None:  # (its outputs are the host's own, with the laws asked for)
+            host = HostStep(out, num, finite)
+            if laws is not None:
+                host.top_ids, host.top_probs, host.token_probs = laws
+            if lap is not None:
+                lap("commit")
+            return host, result
     else:
         tree_calls, commit = runner.tree_calls(draft, scan)
         logits, tree_pass = tree_calls(draft)
@@ -286,10 +292,7 @@ def speculative_step(model, cache, draft: TokenTree, params: SamplingParams, gen
             lap("verify")
         commit(tree_pass, result.accepted, result.num_accepted)
     drawn_from = result.probs is not None and not params.some_greedy  # (else a greedy row's: the model's softmax)
-    if laws is not None:
-        host = _to_host(out, result.num_accepted, None, 0, finite)
-        host.top_ids, host.top_probs, host.token_probs = laws
-    elif top_k is not None and _verify.COMPILED_ON_CPU and out.device.type == "cpu" and (drawn_from or params.greedy):
+    if top_k is not None and _verify.COMPILED_ON_CPU and out.device.type == "cpu" and (drawn_from or params.greedy):
         host = _to_host(out, result.num_accepted, None, 0, finite)  # (the laws at the paths' real nodes alone)
         host.top_ids, host.top_probs, host.token_probs = _path_laws(
             result.probs if drawn_from else logits, result.accepted, result.num_accepted, out, top_k,
