@@ -165,7 +165,9 @@ class Drafter:
         ``context`` holds the rows *before* the emission, ``tokens`` each row's emitted tokens (in
         ``context.rows`` order) and ``target`` their :class:`TargetTop` (at temperature 0: from the
         softmax of the logits; None after a plain step where ``plain_target`` is False). Emitted
-        token i follows the row's context plus tokens 0..i-1."""
+        token i follows the row's context plus tokens 0..i-1. The ``target`` tensors may be the
+        step's own outputs, overwritten by a later step (a decoding call's one-call greedy
+        iterations keep theirs): a drafter copies what it keeps."""
 
 
 def check_budget(drafter, shape) -> None:
