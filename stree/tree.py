@@ -404,6 +404,16 @@ def _host_index(parents: tuple[int, ...]) -> TreeIndex:
     return TreeIndex(rows(list(parents)), rows(depth), rows(pre), rows([p + s - 1 for p, s in zip(pre, size)]))
 
 
+@functools.lru_cache(maxsize=128)
+def filled_mask(rows: int, n: int, value: bool) -> np.ndarray:
+    """A read-only bool mask ``[rows, n]`` of ``value`` throughout, made once per shape: the mask a
+    draft without one stands for (every node valid, none weak), read by each iteration's compiled
+    calls, where a new array per iteration cost a tenth of a greedy iteration's host work."""
+    out = np.full((rows, n), value, dtype=np.bool_)
+    out.setflags(write=False)
+    return out
+
+
 def host_tensor(a: np.ndarray) -> torch.Tensor:
     """``torch.from_numpy(a)`` that remembers ``a``: :func:`host_array` hands it back without a
     dispatcher call (a ``.numpy()`` is four, microseconds each where a decoding step's host work

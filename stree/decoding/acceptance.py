@@ -28,7 +28,7 @@ import functools
 import numpy as np
 from numba import njit
 
-from ..tree import TokenTree, TreeShape
+from ..tree import TokenTree, TreeShape, filled_mask
 
 __all__ = ["PathRates", "RowRates", "chances", "pooled", "rank_depth", "shape_structure", "structure", "valid_mask",
            "walk", "weak_mask"]
@@ -225,14 +225,7 @@ def valid_mask(tree: TokenTree) -> np.ndarray:
 
 def weak_mask(tree: TokenTree) -> np.ndarray:
     """Which nodes the drafter drafted from weak evidence (none where it did not say)."""
-    return _strong(*tree.tokens.shape) if tree.weak is None else tree.weak
-
-
-@functools.lru_cache(maxsize=64)
-def _strong(rows: int, n: int) -> np.ndarray:
-    out = np.zeros((rows, n), dtype=np.bool_)
-    out.setflags(write=False)
-    return out
+    return filled_mask(*tree.tokens.shape, False) if tree.weak is None else tree.weak
 
 
 @functools.lru_cache(maxsize=256)

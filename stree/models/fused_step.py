@@ -15,7 +15,6 @@ each lookup checks every parameter), and its steps then write into outputs of th
 
 from __future__ import annotations
 
-import functools
 import operator
 
 import numpy as np
@@ -26,7 +25,7 @@ from torch.nn.utils import parametrize
 from ..kernels._common import as_numpy
 from ..kernels.cpu import mamba_step
 from ..kernels.cpu.tree_jit import JIT_MAX_NODES
-from ..tree import TreeIndex
+from ..tree import TreeIndex, filled_mask
 from .cache import ModelCache, SSMScratch
 from .layers import linear
 from .layers.mamba2 import Mamba2Mixer
@@ -183,19 +182,11 @@ def fused_tree_greedy(model, cache: ModelCache, tree, index, max_depth: int, ker
         return None
     parents = index.memo("parents_int64", lambda: np.ascontiguousarray(as_numpy(index.parents), dtype=np.int64))
     valid = tree.arrays()[1]
-    valid = _all_valid(*tree.tokens.shape) if valid is None else np.ascontiguousarray(valid)
+    valid = filled_mask(*tree.tokens.shape, True) if valid is None else np.ascontiguousarray(valid)
     # (a packed draft's rows, each its own prefix: its nodes alone computed, the others' padding left out)
     sizes = None if tree.row_sizes is None else np.array(tree.row_sizes, dtype=np.int64)
     return step.tree_greedy(tree.tokens.contiguous(), parents, valid, max_depth, cache.conv, cache.ssm, top_k, sizes,
                             cache.seqlens)
-
-
-@functools.lru_cache(maxsize=64)
-def _all_valid(b: int, n: int) -> np.ndarray:
-    """A read-only all-true mask ``[b, n]`` (a new one each iteration took a tenth of its host work)."""
-    out = np.ones((b, n), dtype=np.bool_)
-    out.setflags(write=False)
-    return out
 
 
 def fused_draft(model, cache: ModelCache, tokens: torch.Tensor, counts: np.ndarray, parents: np.ndarray,

@@ -136,14 +136,18 @@ class MambaStep:
         twin._kept = {}
         return twin
 
+    def _kept_or_made(self, key, make):
+        """``make()``, or what it made the first time for ``key`` on a :meth:`reused` step."""
+        if self._kept is None:
+            return make()
+        out = self._kept.get(key)
+        if out is None:
+            out = self._kept[key] = make()
+        return out
+
     def _logits(self, *shape: int) -> torch.Tensor:
         """``torch.empty(*shape, vocab)``, or the one kept for that shape (:meth:`reused`)."""
-        if self._kept is None:
-            return torch.empty(*shape, self.vocab)
-        out = self._kept.get(shape)
-        if out is None:
-            out = self._kept[shape] = torch.empty(*shape, self.vocab)
-        return out
+        return self._kept_or_made(shape, lambda: torch.empty(*shape, self.vocab))
 
     def __call__(self, tokens: torch.Tensor, conv: torch.Tensor, ssm: torch.Tensor,
                  heads: torch.Tensor | None = None) -> torch.Tensor:
@@ -162,16 +166,18 @@ class MambaStep:
         logits are below +inf throughout (NaN not) ``[b]``, the last three host tensors of one
         array's memory (:func:`~stree.tree.host_tensor`)."""
         b = tokens.shape[0]
-        kept = None if self._kept is None else self._kept.get(("greedy", b))
-        if kept is None:
-            raw = np.empty(17 * b, dtype=np.uint8)  # choices and counts (int64), then the flags
-            ints = raw[:16 * b].view(np.int64)
-            ints[b:] = 1
-            kept = (raw.ctypes.data, host_tensor(ints[:b].reshape(b, 1)), host_tensor(ints[b:]),
-                    host_tensor(raw[16 * b:].view(np.bool_)))
-            if self._kept is not None:
-                self._kept[("greedy", b)] = kept
+        kept = self._kept_or_made(("greedy", b), lambda: self._step_outputs(b))
         return self._step(tokens, conv, ssm, None, kept[0]), *kept[1:]
+
+    @staticmethod
+    def _step_outputs(b: int) -> tuple:
+        """:meth:`greedy`'s outputs for ``b`` rows: choices and counts (int64, the counts 1), then the
+        flags, in one array, its address first."""
+        raw = np.empty(17 * b, dtype=np.uint8)
+        ints = raw[:16 * b].view(np.int64)
+        ints[b:] = 1
+        return (raw.ctypes.data, host_tensor(ints[:b].reshape(b, 1)), host_tensor(ints[b:]),
+                host_tensor(raw[16 * b:].view(np.bool_)))
 
     def _step(self, tokens, conv, ssm, heads, at: int) -> torch.Tensor:
         b = tokens.shape[0]
@@ -299,13 +305,7 @@ class MambaStep:
         L = max_depth + 1
         logits = self._logits(b, n)
         k = min(top_k or 0, self.vocab)
-        key = ("tree", b, L, k)
-        kept = None if self._kept is None else self._kept.get(key)
-        if kept is None:
-            kept = self._iteration_outputs(b, L, k)
-            if self._kept is not None:
-                self._kept[key] = kept
-        at, outputs, laws, addresses = kept
+        at, outputs, laws, addresses = self._kept_or_made(("tree", b, L, k), lambda: self._iteration_outputs(b, L, k))
         status = self._greedy(_GREEDY_ARGS.pack(
             self._at, tokens.data_ptr(), b, n, parents.ctypes.data, parents.shape[0], conv.data_ptr(),
             ssm.data_ptr(), 0, 0, 0, 0, logits.data_ptr(), torch.get_num_threads(), valid.ctypes.data, L,
