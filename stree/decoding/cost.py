@@ -16,7 +16,8 @@ costs more than one after another pass). The result is kept for the process and 
 model's class and config, the drafter's kind (and its model's config), dtype, device (the CPU's
 model and thread count, or the GPU's name), batch size, mode, sizes, the library's and torch's
 versions and a digest of the library's sources. A file that is corrupt, or whose entry was made
-for another key, is measured again and rewritten, never trusted and never fatal.
+for another key, is measured again and rewritten, never trusted and never fatal; written, it keeps
+the newest ``KEEP_OTHERS`` entries of other sources (see :func:`_pruned`).
 """
 
 from __future__ import annotations
@@ -266,7 +267,24 @@ def _write(key: str, entry: dict) -> None:
     except (OSError, ValueError):
         data = dict(format=FORMAT, entries={})
     data["entries"][key] = dict(entry, key=key)
-    _store(data)
+    _store(dict(data, entries=_pruned(data["entries"])))
+
+
+# Entries made by other library sources (their keys hold the sources' digest: this installation never
+# reads them again) that the file keeps, the newest: another installation sharing the directory keeps
+# its own, while every edit of a development install had left its profiles behind for good (722
+# entries, 1.5 MB, after two days of one machine's benchmarks, which each process's first look-up of a
+# profile read whole: docs/benchmarks.md).
+KEEP_OTHERS = 64
+
+
+def _pruned(entries: dict) -> dict:
+    """``entries`` less those made by other sources beyond the newest ``KEEP_OTHERS`` of them."""
+    code = source_digest()
+    made = {k: e["made"] if isinstance(e, dict) and isinstance(e.get("made"), dict) else {} for k, e in entries.items()}
+    others = sorted((str(m.get("date", "")), k) for k, m in made.items() if m.get("code") != code)
+    gone = {k for _, k in others[: max(len(others) - KEEP_OTHERS, 0)]}
+    return {k: e for k, e in entries.items() if k not in gone}
 
 
 def _store(data: dict) -> None:
@@ -378,6 +396,8 @@ def forget(profile: CostProfile) -> None:
     (:class:`~stree.decoding.autotree.AutoTree`), so the next process measures it again. (The check
     a compiled profile cannot have before decoding: it would compile its calls again.)"""
     keys = [key for key, value in _MEMO.items() if value is profile and isinstance(key, str)]
+    if not keys:  # (not the file's: nothing there to drop, and the file is not read for nothing)
+        return
     try:
         data = json.loads(cache_file().read_text())
         gone = [data["entries"].pop(key) for key in keys if key in data["entries"]]

@@ -238,6 +238,27 @@ def test_a_forgotten_profile_leaves_the_file_and_the_next_process_measures_it_ag
     assert fresh_cache.read_text() == "{not json"
 
 
+def test_the_file_keeps_every_entry_of_these_sources_and_the_newest_of_other_sources(fresh_cache, monkeypatch):
+    """An entry made by other library sources is never read again by these (its key holds their
+    digest): written with a new one, the file keeps every entry of these sources and the newest
+    KEEP_OTHERS of the others (another installation sharing the directory keeps its own), not all
+    of them for good."""
+    monkeypatch.setattr(cost, "_measure", lambda *args: CostProfile(1.0, (2, 4), (1.5, 2.0)))
+    monkeypatch.setattr(cost, "KEEP_OTHERS", 5)
+    code = cost.source_digest()
+    made = {f"other{i}": dict(key=f"other{i}", value={}, made=dict(code="elsewhere", date=f"2026-01-{i + 1:02d}"))
+            for i in range(8)}
+    made["ours"] = dict(key="ours", value={}, made=dict(code=code, date="2025-01-01"))  # (older than them all)
+    made["odd"], made["odder"] = "not an entry", dict(key="odder", made="not a record")
+    fresh_cache.write_text(json.dumps(dict(format=cost.FORMAT, entries=made)))
+    cost_profile(mamba2(), 1, shapes=SHAPES)
+    kept = json.loads(fresh_cache.read_text())["entries"]
+    assert len(kept) == 2 + 5 and "ours" in kept and {f"other{i}" for i in range(3, 8)} <= set(kept)  # (odd ones first)
+    # (a profile this process never read or wrote: the file is not even read)
+    monkeypatch.setattr(cost, "cache_file", lambda: pytest.fail("forget read the file"))
+    cost.forget(CostProfile(1.0, (2, 4), (1.5, 2.0)))
+
+
 def test_measuring_leaves_the_drafter_reset_and_its_random_stream_as_it_was(fresh_cache):
     """Measuring drafts and observes like the loop: a STAND store, which outlives calls, is
     measured through a fresh copy (learning from the measurement's random text made the first
