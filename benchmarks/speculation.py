@@ -22,6 +22,7 @@ gain is no gain at all.
     python benchmarks/speculation.py --modes eager --temperatures 0 --batches 8,16
     python benchmarks/speculation.py --modes eager --temperatures 0 --batches 2,8 --per-row  # rows' own sizes
     python benchmarks/speculation.py --modes eager --temperatures 0 --trees chain:3,chain:5  # beside fixed trees
+    python benchmarks/speculation.py --modes eager --floor  # beside a choice that never drafts: the floor
     python benchmarks/speculation.py --smoke               # CI: 2 prompts x 8 tokens
     python benchmarks/speculation.py --device cuda --modes eager   # on a GPU (float32 unless --dtype)
 """
@@ -41,6 +42,7 @@ from tqdm import tqdm
 import stree
 from stree.tools.demo import DRAFTER, TARGET, read_prompts
 from stree.decoding.autotree import AutoTree
+from stree.decoding.cost import CostProfile
 from stree.decoding.loop import merged_trees, pooled_tau, trees_chosen
 from stree.models import load
 from stree.runtime import CompiledModel
@@ -51,6 +53,26 @@ DRAFTERS = ("ngram", "stand", "stand-det", "ssm")
 CONTROL = "autoregressive again"  # the same configuration twice: what the machine's noise alone makes of a gain
 PER_ROW = " per row"  # a drafter with AutoTree.PER_ROW on: each row of a batch may take a tree size of its own
 FIXED = "@"  # "<drafter>@<tree spec>": the drafter with that tree every step (--trees), beside its tree="auto"
+NEVER = " never drafting"  # a drafter whose choice never drafts (--floor)
+
+
+class NeverDrafts(AutoTree):
+    """The speculative loop's floor: a choice that never drafts (every step plain, in one run decided
+    ahead, no draft watched or probed), so that a call costs what the drafter's learning from every
+    token, the choice's setup and the loop's bookkeeping add to plain decoding: the most that a
+    choice which never speculates where speculation does not pay can reach with that drafter."""
+
+    def __init__(self):  # (costs it never weighs, and nothing learned from the clock: every step is plain)
+        super().__init__(CostProfile(1.0, (2,), (1.0,)))
+
+    def plan(self, behind=None, left=None):
+        return None
+
+    def plain_ahead(self) -> int:
+        return self.NEVER
+
+    def watch_shape(self):
+        return None
 
 
 def main(argv=None):
@@ -68,6 +90,9 @@ def main(argv=None):
     p.add_argument("--trees", default="",
                    help=f"comma-separated tree specs (chain:D, paper13, full:WxD) each drafter also runs with every "
                         f"step (\"<drafter>{FIXED}<spec>\"), beside the default tree=\"auto\"")
+    p.add_argument("--floor", action="store_true",
+                   help=f"also run each drafter with a choice that never drafts (\"<drafter>{NEVER}\"): what its "
+                        f"learning from every token and the loop's bookkeeping cost where nothing is speculated")
     p.add_argument("--no-watch", action="store_true",
                    help="greedy choices verify probes alone, watching no drafts during plain steps (AutoTree.WATCH off)")
     p.add_argument("--no-cuda-graph", action="store_true",
@@ -110,6 +135,7 @@ def main(argv=None):
         lm = lms[mode]
         names = ["autoregressive", CONTROL] + drafters + ([d + PER_ROW for d in drafters] if args.per_row else [])
         names += [d + FIXED + t for d in drafters for t in fixed_trees]
+        names += [d + NEVER for d in drafters] if args.floor else []
         kw = dict(max_new_tokens=args.max_new_tokens, temperature=temperature, torch_compile=mode == "compiled")
         if args.no_cuda_graph:
             kw["cuda_graph"] = False
@@ -117,11 +143,12 @@ def main(argv=None):
         def run(name, prompts, seed, **extra):
             """The output and the call's wall-clock seconds: what a user waits for, the drafter's
             making and the tree choice's setup included."""
-            drafter, _, tree = name.removesuffix(PER_ROW).partition(FIXED)
+            t0 = time.perf_counter()  # (the floor's choice is made inside the call's time, as tree="auto"'s is)
+            drafter, _, tree = name.removesuffix(PER_ROW).removesuffix(NEVER).partition(FIXED)
             spec = (dict(method="autoregressive") if name in ("autoregressive", CONTROL)
+                    else dict(drafter=drafter, tree=NeverDrafts()) if name.endswith(NEVER)
                     else dict(drafter=drafter, **(dict(tree=fixed_trees[tree]) if tree else {})))
             default, AutoTree.PER_ROW = AutoTree.PER_ROW, name.endswith(PER_ROW) or AutoTree.PER_ROW
-            t0 = time.perf_counter()
             out = lm.generate(prompts, seed=seed if temperature > 0 else None, **spec, **dict(kw, **extra))
             seconds = time.perf_counter() - t0
             AutoTree.PER_ROW = default

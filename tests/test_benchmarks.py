@@ -230,6 +230,22 @@ def test_speculation_runs_each_drafter_beside_fixed_trees_too(tmp_path):
         module.main(["--smoke", "--trees", "bogus", "--out", str(tmp_path)])
 
 
+def test_speculation_floor_runs_each_drafter_with_a_choice_that_never_drafts(tmp_path):
+    """``--floor``: every drafter also decodes with a choice that never drafts ("<drafter> never
+    drafting"): every step plain, nothing watched or probed, the output autoregressive decoding's."""
+    module = benchmark("speculation")
+    floor = module.NeverDrafts()
+    assert floor.plan() is None and floor.plain_ahead() == floor.NEVER and floor.watch_shape() is None
+    result = module.main(["--prompts", "2", "--max-new-tokens", "24", "--batches", "1", "--temperatures", "0",
+                          "--modes", "eager", "--drafters", "ngram,ssm", "--rounds", "1", "--floor",
+                          "--out", str(tmp_path)])
+    rows = {r["drafter"]: r for r in result["results"]}
+    plain = rows["autoregressive"]["trees"]
+    for name in ("ngram never drafting", "ssm never drafting"):
+        assert rows[name]["trees"] == plain and rows[name]["identical"] is True
+        assert rows[name]["watched"] == 0 and rows[name]["tau"] == 1.0 and rows[name]["gain"] > 0
+
+
 def test_choice_ab_smoke_pairs_the_working_trees_choice_with_a_revisions(tmp_path):
     """The working tree's choice against HEAD's, in a fresh process: both gains over autoregressive
     decoding and their difference; a config or revision it cannot run is a clear error."""
