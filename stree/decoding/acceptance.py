@@ -99,10 +99,15 @@ class PathRates:
         # (C order always: a strided tree and a contiguous one would each cost numba a compile; the
         # fading too, in the same call: four small NumPy calls cost more than the walk)
         # (the hazards too, which the next choice reads: one call cold after a model pass, not two)
-        hazard = _record(parents, rank, depth, np.ascontiguousarray(tree.arrays()[0]), np.ascontiguousarray(valid),
-                         np.ascontiguousarray(weak), tokens, counts, rows, self.accepted, self.reached, self.decay, ids,
-                         row_accepted, row_reached, row_decay, self._priors, self.weight)
+        # (and the rows' own, which the next choice reads too: a cold call fewer; computed while the rows are the
+        # batch's, as the choice after drafting asks for them)
+        hazard, row_hazard = _record(parents, rank, depth, np.ascontiguousarray(tree.arrays()[0]),
+                                     np.ascontiguousarray(valid), np.ascontiguousarray(weak), tokens, counts, rows,
+                                     self.accepted, self.reached, self.decay, ids, row_accepted, row_reached, row_decay,
+                                     self._priors, self.weight, 0.0 if per_row is None else per_row.weight)
         self._hazard = (self.version, hazard)
+        if per_row is not None:
+            per_row.keep(ids, hazard, row_hazard)
 
 
 class RowRates:
@@ -143,6 +148,11 @@ class RowRates:
         out = _row_hazards(self.accepted, self.reached, ids.astype(np.int64, copy=False), batch, self.weight)
         self._hazard = (key, out)
         return out
+
+    def keep(self, ids: np.ndarray, batch: np.ndarray, hazard: np.ndarray) -> None:
+        """Take ``hazard`` as :meth:`hazard`'s answer for ``ids`` and ``batch`` at this version (made by
+        :meth:`PathRates.record` with the counts it learned)."""
+        self._hazard = ((self.version, np.asarray(ids).tobytes(), batch), hazard)
 
 
 _NO_ROWS = np.zeros((0, PathRates.DEPTH + 1, CLASSES * RANKS))
@@ -261,12 +271,13 @@ def rank_depth(parents):
 
 @njit(cache=True)
 def _record(parents, rank, depth, tokens, valid, weak, emitted, counts, rows, accepted, reached, decay, ids,
-            row_accepted, row_reached, row_decay, prior, w):
+            row_accepted, row_reached, row_decay, prior, w, row_w):
     """Fade the counts (the batch's by ``decay``, the rows' own by ``row_decay``), then walk each
     row's accepted path down its tree by the emitted tokens: at every accepted node, its valid
     children up to the accepted one were reached (all of them below the last), each in its class's
     columns. Counted for the batch, and for row b under ``ids[b]`` too where ``row_accepted`` has rows. Returns the
-    batch's hazards after it (:func:`_hazards` at ``prior`` and ``w``)."""
+    batch's hazards after it (:func:`_hazards` at ``prior`` and ``w``) and, where rows are counted, those of the
+    rows ``ids`` (:func:`_row_hazards` at ``row_w``; else an empty array)."""
     D = accepted.shape[0] - 1
     n = tokens.shape[1]
     per_row = row_accepted.shape[0] > 0
@@ -299,7 +310,10 @@ def _record(parents, rank, depth, tokens, valid, weak, emitted, counts, rows, ac
             if hit < 0:
                 break
             u = hit
-    return _hazards(accepted, reached, prior, w)
+    hazard = _hazards(accepted, reached, prior, w)
+    if not per_row:
+        return hazard, np.empty((0, hazard.shape[0], hazard.shape[1]))
+    return hazard, _row_hazards(row_accepted, row_reached, ids, hazard, row_w)
 
 
 @njit(cache=True)

@@ -101,6 +101,24 @@ def test_kept_hazards_follow_every_record():
     assert rows.hazard(np.array([3, 0]), batch)[0] is not faded[1]  # other rows: their own answer
 
 
+def test_a_record_leaves_the_recorded_rows_own_hazards_made(monkeypatch):
+    """PathRates.record makes the recorded rows' own hazards in its compiled call too (the choice
+    after the next draft asks for them: one cold call fewer): RowRates.hazard answers for those
+    rows without making them again, with what their counts give."""
+    from stree.decoding import acceptance
+
+    rates, rows = PathRates(decay=0.9), RowRates(0.9, weight=2.5)
+    tree = tree_of([-1, 0, 0, 1], [[3, 4, 5, 6], [3, 4, 5, 6]])
+    ids = [0, 3]
+    rates.record(tree, np.array([[4, 6, 1], [5, 0, 0]]), np.array([3, 2]), np.arange(2), rows, ids)
+    batch = rates.hazard()
+    want = [row_hazards_by_formula(rows, r, batch) for r in ids]
+    monkeypatch.setattr(acceptance, "_row_hazards", lambda *args: pytest.fail("the rows' hazards were made again"))
+    own = rows.hazard(np.array(ids), batch)
+    for i in range(len(ids)):
+        np.testing.assert_allclose(own[i], want[i], rtol=1e-12)
+
+
 def test_positional_chances_are_kept_per_version_and_follow_every_record():
     """The positional chances (what best-first plans grow from; a drafter model's choice plans once
     per depth cap) are made once per version of the counts, read-only, and made again after a
