@@ -227,3 +227,21 @@ def test_every_tile_multiplies_the_weights_from_registers(march, tmp_path):
     assert len([n for n in tiles if n.startswith("_Z5blockILi")]) >= 3, sorted(tiles)
     folded = {n: [f for f in fmas if re.search(r"vfmadd\w+\s+-?\d*\(%r(?!sp)", f)] for n, fmas in tiles.items()}
     assert not any(folded.values()), {n: f[:2] for n, f in folded.items() if f}
+
+
+def test_a_new_build_leaves_the_newest_keep_builds_other_libraries(tmp_path):
+    """The cache keeps, beside the library in use, the newest KEEP_BUILDS others (another
+    installation's, the tests' other variant), not every one ever built: a development install's
+    edits had each left one behind. Other files are left alone."""
+    kept = tmp_path / "gemm-new.so"
+    kept.write_bytes(b"")
+    os.utime(kept, (1, 1))  # (the oldest of all: kept whatever its age)
+    for i in range(gemm.KEEP_BUILDS + 4):
+        old = tmp_path / f"gemm-{i:02d}.so"
+        old.write_bytes(b"")
+        os.utime(old, (100 + i, 100 + i))
+    (tmp_path / "gemm-x.so.7.tmp").write_bytes(b"")
+    gemm._prune_builds(tmp_path, kept)
+    left = sorted(p.name for p in tmp_path.iterdir())
+    newest = [f"gemm-{i:02d}.so" for i in range(4, gemm.KEEP_BUILDS + 4)]
+    assert left == sorted(["gemm-new.so", "gemm-x.so.7.tmp", *newest])

@@ -16,7 +16,7 @@ It is built on first use with the system's C++ compiler (``$CXX``, else ``c++``;
 -march=native -fopenmp``), once per machine and source, and the library kept under the cache directory
 (``$STREE_CACHE_DIR``, else ``$XDG_CACHE_HOME/stree``, else ``~/.cache/stree``), named by a digest
 of the source, the compiler, the flags and the CPU, so a library built for another CPU or from
-another source is never loaded. Where it cannot be built (no compiler, neither AVX-512F nor
+another source is never loaded (a new build leaves the newest ``KEEP_BUILDS`` others there). Where it cannot be built (no compiler, neither AVX-512F nor
 AVX2+FMA, not Linux-like) :func:`available` is False and the reason is :func:`unavailable_reason`:
 the other products remain. It runs on ``torch.get_num_threads()`` OpenMP threads; with PyTorch's
 pip wheels, which bring their own ``libgomp``, the library joins that runtime rather than loading a
@@ -80,6 +80,24 @@ def find_compiler() -> str | None:
     return os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
 
 
+# Libraries built from other sources, compilers, flags or CPUs that the cache keeps beside a new one,
+# the newest (another installation's, the tests' other variant): every edit of a development install's
+# sources had left its library behind for good.
+KEEP_BUILDS = 8
+
+
+def _prune_builds(directory: Path, keep: Path) -> None:
+    """Remove the libraries in ``directory`` other than ``keep`` beyond the newest ``KEEP_BUILDS`` (one
+    that another process removes meanwhile, or that cannot be removed, ends the pruning: nothing fatal)."""
+    try:
+        others = sorted((p for p in directory.glob("gemm-*.so") if p != keep), key=lambda p: p.stat().st_mtime,
+                        reverse=True)
+        for old in others[KEEP_BUILDS:]:
+            old.unlink(missing_ok=True)
+    except OSError:
+        pass
+
+
 def compile_library(flags: tuple[str, ...]) -> tuple[ctypes.CDLL | None, str]:
     """The library built with ``flags`` (a later ``-march`` overrides ``-march=native``: the tests
     build the AVX2 variant so on an AVX-512 machine), loaded, or None and why not."""
@@ -106,6 +124,7 @@ def compile_library(flags: tuple[str, ...]) -> tuple[ctypes.CDLL | None, str]:
                 said = [line for line in done.stderr.splitlines() if "error" in line] or [f"exit {done.returncode}"]
                 return None, f"building {SOURCE.name} and {SOURCES[1].name} with {compiler} failed: {said[0].strip()}"
             os.replace(tmp, path)
+            _prune_builds(path.parent, path)
         except (OSError, subprocess.SubprocessError) as e:
             return None, f"building {SOURCE.name} and {SOURCES[1].name} with {compiler} failed: {e}"
         finally:
