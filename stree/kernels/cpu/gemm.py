@@ -16,8 +16,9 @@ It is built on first use with the system's C++ compiler (``$CXX``, else ``c++``;
 -march=native -fopenmp``), once per machine and source, and the library kept under the cache directory
 (``$STREE_CACHE_DIR``, else ``$XDG_CACHE_HOME/stree``, else ``~/.cache/stree``), named by a digest
 of the source, the compiler, the flags and the CPU, so a library built for another CPU or from
-another source is never loaded (a new build leaves the newest ``KEEP_BUILDS`` others there). Where it cannot be built (no compiler, neither AVX-512F nor
-AVX2+FMA, not Linux-like) :func:`available` is False and the reason is :func:`unavailable_reason`:
+another source is never loaded (a new build leaves the newest ``KEEP_BUILDS`` others there). Where
+it cannot be built (no compiler, neither AVX-512F nor AVX2+FMA, not Linux-like) :func:`available`
+is False and the reason is :func:`unavailable_reason`:
 the other products remain. It runs on ``torch.get_num_threads()`` OpenMP threads; with PyTorch's
 pip wheels, which bring their own ``libgomp``, the library joins that runtime rather than loading a
 second one (seen in the process's memory map on the project's machine).
