@@ -404,11 +404,14 @@ class _Loop:
 
     def start_watch(self) -> None:
         """Draft and keep, not verify, where the chooser says a watched draft is due."""
-        if self.watch is not None or not self.chooser.watching or not bool(self.rows.active.any()):
+        if self.watch is not None or not self.chooser.watching:
+            return
+        live = self.rows.active_ids()  # (a list: a tensor's any() right after a model step cost several times more)
+        if not live:
             return
         shape = self.chooser.watch_shape()
         if shape is not None:
-            began, live = time.perf_counter(), self.rows.active_ids()
+            began = time.perf_counter()
             draft = self.drafter.propose(self.rows.context(), shape)
             check_draft(draft, self.rows.roots()[live], self.model.vocab_size)
             self.watch = _Watch(draft, self.rows, live, (time.perf_counter() - began) * 1e3)
