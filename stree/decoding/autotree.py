@@ -248,6 +248,7 @@ class AutoTree:
         # drafts watched during plain steps (watch_shape): where the output cannot depend on the trees
         self.watching = watch and self.WATCH and adaptive and fills_shapes
         self._unwatched = 0  # plain steps since the last watched draft
+        self._pending = 0  # the plain steps until the watched draft drafted last is settled (0: none pending)
         self._paid_watch = False  # whether the last watched draft would have paid, verified
         self._first_watch = True  # whether this call has yet to watch a draft (FIRST_WATCH)
         # each row its own size (packed passes) where that pays: by default where the clock says
@@ -544,8 +545,12 @@ class AutoTree:
         else:
             buying = math.ceil(short / self._deposit() - 1e-9) if short > 0.0 else 0
             ahead = max(0, self.PROBE - self._plain_run, buying)
-        if self.watching and self._probe_size > 1:  # (the run ends where the next watched draft is due)
-            ahead = min(ahead, max(self._watch_gap() - self._unwatched, 1))
+        if self.watching and self._probe_size > 1:
+            # The run ends where the next watched draft is due, and not before the one pending is settled:
+            # the loop drafts no other meanwhile. (Ended where one was due alone, runs of one step followed
+            # each other until the pending one was settled, each run's end taking half a step's time more:
+            # compiled, batch 2, STAND, where watches paid every few steps.)
+            ahead = min(ahead, max(self._watch_gap() - self._unwatched, self._pending, 1))
         return ahead
 
     # -- watched drafts ----------------------------------------------------------------------------
@@ -579,7 +584,9 @@ class AutoTree:
         if not self.watching or self._probe_size < 2 or self._unwatched < self._watch_gap():
             return None
         self._unwatched = 0
-        return self.prefix(self._probe_size)
+        shape = self.prefix(self._probe_size)
+        self._pending = shape.max_depth + 1  # (as the loop's: every row past the draft's depth)
+        return shape
 
     def watched(self, draft: TokenTree, after: list[np.ndarray], served: np.ndarray, ids: np.ndarray,
                 drafting_ms: float | None = None) -> None:
@@ -594,6 +601,7 @@ class AutoTree:
         ``drafting_ms``: what drafting it took by the clock; with this call's own time, what
         the next watches are spaced by (:meth:`_watch_gap`)."""
         began = time.perf_counter()
+        self._pending = 0
         seen = np.array([len(a) for a in after], dtype=np.int64)
         rows = np.flatnonzero(seen > 0)
         if not len(rows):
@@ -676,6 +684,7 @@ class AutoTree:
         self._plain_run += steps
         self.scale["steps"] += steps
         self._unwatched += steps
+        self._pending = max(self._pending - steps, 0)
         self.chosen[1] += steps
         self._deposit_plain(steps)
         self._since_plan = (self._since_plan + steps) % self.REPLAN  # (nothing is stale: re-plans would do nothing)
@@ -904,6 +913,7 @@ class AutoTree:
             self._deposit_plain(1)
         if tree is None:
             self._unwatched += 1
+            self._pending = max(self._pending - 1, 0)
         self.scale["plain_run"] = self._plain_run
         if (tree is not None and self._probing) or self._since_plan >= self.REPLAN:
             self._replan(tree)

@@ -1538,6 +1538,30 @@ def test_plain_runs_follow_one_another_where_only_watches_fall_due():
     assert weighed == [True]
 
 
+def test_a_plain_run_lasts_until_the_pending_watched_draft_is_settled():
+    """Watches fall due WATCH_EVERY plain steps apart, but the loop drafts no other while one is
+    pending, for as many plain steps as its draft is deep: each run of plain steps lasts until the
+    pending one is settled, and ends where the next is drafted. (Ended where one fell due alone,
+    runs of one step followed one another until the pending one was settled, each run's end taking
+    half a step's time more.)"""
+    class WatchOnly(AutoTree):
+        PROBE_SHARE = 0.0
+        WATCH_SHARE = 1e6  # (watches WATCH_EVERY plain steps apart, whatever they take by the clock)
+
+    # (likely first children: the drafts watched are chains deeper than WATCH_EVERY)
+    auto = WatchOnly(CostProfile(1.0, (2, 4, 8, 16), (60.0, 65.0, 70.0, 80.0)), adaptive=True, watch=True,
+                     rates=PathRates(prior=(0.95, 0.3, 0.2, 0.15, 0.12, 0.1, 0.08, 0.07)))
+    assert auto.prefix(auto._probe_size).max_depth + 1 > AutoTree.WATCH_EVERY
+    runs, plain_steps = [], auto.plain_steps
+    auto.plain_steps = lambda steps, times_ms=None: (runs.append(steps), plain_steps(steps, times_ms))[1]
+    model = mamba2()
+    out = generate(model, [[1, 2, 3, 1, 2, 3, 1, 2]], drafter=make_drafter("ngram", vocab_size=model.vocab_size),
+                   tree=auto, max_new_tokens=80)
+    assert set(out.stats.trees) == {1} and out.stats.watched >= 3
+    # each run ends where a watch is drafted (the first run before the first one, the last at the call's end)
+    assert len(runs) <= out.stats.watched + 2 and min(runs[1:-1]) > 1, runs
+
+
 def test_a_watched_draft_settles_once_every_row_has_emitted_past_its_depth():
     """The loop counts plain steps down to a watched draft's settling (reading the rows at every
     step cost a hundredth of a step): each draft is learned from once every row has emitted one
