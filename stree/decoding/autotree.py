@@ -580,8 +580,12 @@ class AutoTree:
 
     def watch_shape(self) -> TreeShape | None:
         """After a plain step's :meth:`record` (or a plain run's :meth:`plain_steps`): the shape to
-        draft now and watch (:meth:`watched`), or None where no watched draft is due."""
-        if not self.watching or self._probe_size < 2 or self._unwatched < self._watch_gap():
+        draft now and watch (:meth:`watched`), or None where no watched draft is due, or where the
+        next step drafts anyway (:meth:`wants_trees`: the watched draft's lesson would come after
+        that tree's, for its drafting's price; where a watched draft that paid ended a run, the next
+        one was drafted at once, and the tree after it settled it with nothing seen)."""
+        if (not self.watching or self._probe_size < 2 or self._unwatched < self._watch_gap()
+                or self.wants_trees()):
             return None
         self._unwatched = 0
         shape = self.prefix(self._probe_size)

@@ -1538,6 +1538,18 @@ def test_plain_runs_follow_one_another_where_only_watches_fall_due():
     assert weighed == [True]
 
 
+def test_no_watched_draft_is_drafted_where_the_next_step_drafts_anyway():
+    """A watched draft due where the choice wants trees (the next step drafts one) would be
+    settled by that tree with nothing seen: none is drafted then, and the plain steps since the
+    last one go on counting, so one is drafted at once where trees are no longer wanted."""
+    auto = AutoTree(cheap(), adaptive=True, watch=True, rates=PathRates(prior=(0.9,) + (0.3,) * 7))
+    auto._unwatched = auto._watch_gap()
+    assert auto.wants_trees() and auto.watch_shape() is None
+    auto.scale["tree"] = 50.0  # (trees now dear: plain steps win)
+    auto._pick, auto._probe_size = auto._pick_sizes()
+    assert not auto.wants_trees() and auto.watch_shape() is not None
+
+
 def test_a_plain_run_lasts_until_the_pending_watched_draft_is_settled():
     """Watches fall due WATCH_EVERY plain steps apart, but the loop drafts no other while one is
     pending, for as many plain steps as its draft is deep: each run of plain steps lasts until the
