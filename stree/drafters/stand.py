@@ -342,6 +342,7 @@ class STANDDrafter(Drafter):
         self._noise_size = noise_size
         self._pos = 0
         self.rates = SlotRates()  # learned acceptance for calibrated TreeBudgets, kept across calls
+        self._ones_kept = np.ones((0, 1), np.float32)  # (_ones)
 
     def reset(self) -> None:
         self.rates.forget()
@@ -449,13 +450,26 @@ class STANDDrafter(Drafter):
         max_n = self.store.max_n
         tokens_np, lengths = context.arrays()
         for i, (r, emitted) in enumerate(zip(context.rows, tokens)):  # row by row, in batch order
-            length = int(lengths[r])
-            seq = np.concatenate([tokens_np[r, max(0, length - max_n): length], np.asarray(emitted, dtype=np.int64)])
+            length, m = int(lengths[r]), len(emitted)
+            start = max(0, length - max_n)
+            # The decoding loop hands the tokens it has just appended to the row: then the window is a view of
+            # the row, the tokens' own array too (copied, with the ones of a plain step's law, they took about
+            # half of an observed token's time right after a model pass, at every step a tree or a plain step
+            # weighed alone)
+            seq = tokens_np[r, start: length + m]
+            if len(seq) != length + m - start or seq[length - start:].tolist() != list(emitted):
+                seq = np.concatenate([tokens_np[r, start: length], np.asarray(emitted, dtype=np.int64)])
             if target is None:  # a plain step: the emitted tokens alone
-                ids, probs = np.asarray(emitted, dtype=np.int64)[:, None], np.ones((len(emitted), 1), np.float32)
+                ids, probs = seq[len(seq) - m:, None], self._ones(m)
             else:
                 ids, probs = host_array(target[i].ids), host_array(target[i].probs)
-            self.store.observe(seq, len(seq) - len(emitted), ids, probs)
+            self.store.observe(seq, len(seq) - m, ids, probs)
+
+    def _ones(self, m: int) -> np.ndarray:
+        """``[m, 1]`` float32 ones (a plain step's law of each emitted token), a view of an array kept."""
+        if len(self._ones_kept) < m:
+            self._ones_kept = np.ones((max(m, 2 * len(self._ones_kept)), 1), np.float32)
+        return self._ones_kept[:m]
 
 
 @functools.cache

@@ -336,6 +336,39 @@ def test_a_plain_step_teaches_the_emitted_tokens_alone():
     assert {int(i): round(float(p), 6) for i, p in zip(ids, probs) if p > 0} == {4: 0.5, 7: 0.5}
 
 
+@given(st.integers(0, 2**32 - 1))
+@settings(max_examples=25, deadline=None)
+def test_observing_tokens_the_rows_hold_already_teaches_what_tokens_they_do_not_hold_teach(seed):
+    """The decoding loop hands observe the tokens it has just appended to the rows (read as a view of
+    the row); any other caller's tokens (not in the rows, or past their room) are copied after the
+    context. Both teach the store the same, plain steps' tokens and target laws alike."""
+    rng = np.random.default_rng(seed)
+    rows, width, vocab = 2, 12, 6
+    held, other = (STANDDrafter(STANDStore(top_k=3, capacity=64), TreeShape.chain(2)) for _ in range(2))
+    for _ in range(int(rng.integers(1, 6))):
+        lengths = rng.integers(0, width, rows)
+        emitted = [rng.integers(0, vocab, int(rng.integers(1, width - n + 2))).tolist() for n in lengths.tolist()]
+        tokens = torch.from_numpy(rng.integers(0, vocab, (rows, width)))
+        appended = tokens.clone()
+        for r, (n, e) in enumerate(zip(lengths.tolist(), emitted)):
+            fits = min(len(e), width - n)
+            appended[r, n: n + fits] = torch.tensor(e[:fits])  # (a row past its room holds part of them)
+            tokens[r, n: n + fits] = torch.tensor([(t + 1) % vocab for t in e[:fits]])  # (not what was emitted)
+        laws = None
+        if rng.random() < 0.5:
+            laws = []
+            for e in emitted:
+                ids = torch.from_numpy(rng.integers(0, vocab, (len(e), 3)))
+                probs = torch.from_numpy(rng.dirichlet(np.ones(3), len(e)).astype(np.float32))
+                laws.append(TargetTop(ids, probs, probs[:, 0]))
+        held.observe(DraftContext(appended, torch.from_numpy(lengths), [0, 1]), emitted, laws)
+        other.observe(DraftContext(tokens, torch.from_numpy(lengths), [0, 1]), emitted, laws)
+    assert len(held.store) > 0 and sorted(held.store.keys()) == sorted(other.store.keys())
+    for key in held.store.keys():
+        a, b = held.store.entry(key), other.store.entry(key)
+        assert a[0].tolist() == b[0].tolist() and torch.equal(a[1], b[1]) and a[2] == b[2]
+
+
 def test_build_loads_the_stores_compiled_calls():
     """A decoding loop's setup (``build``) loads the compiled store's calls in a fresh process:
     each loads on first use, and a first draft had taken some 0.4 s inside decoding."""
