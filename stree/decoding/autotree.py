@@ -226,6 +226,7 @@ class AutoTree:
     # batch 1, a fresh process: its second to fifth calls, whose text later calls drafted at 2.7-5.8
     # tokens a step). At most one watch a call beyond the share: under one plain step's time in 128.
     FIRST_WATCH = 16
+    WAIT_AFTER, WAIT_MOST = 2, 4  # (plain_ahead, where the drafter keeps having nothing)
     # Calls in a row (of one cost profile, in one process) of at least FIRST_WATCH steps that explored
     # drafts and found none that paid (no probe, no watched draft that would have paid, no tree kept on
     # its worth), after which the next calls start at the least shares, and only one in IDLE_WAKE with
@@ -249,6 +250,8 @@ class AutoTree:
         self.watching = watch and self.WATCH and adaptive and fills_shapes
         self._unwatched = 0  # plain steps since the last watched draft
         self._pending = 0  # the plain steps until the watched draft drafted last is settled (0: none pending)
+        self._undrafted = 0  # steps in a row the drafter had nothing for, where the choice drafted (undrafted)
+        self._just_undrafted = False  # whether the last step was one of them
         self._paid_watch = False  # whether the last watched draft would have paid, verified
         self._first_watch = True  # whether this call has yet to watch a draft (FIRST_WATCH)
         # each row its own size (packed passes) where that pays: by default where the clock says
@@ -520,6 +523,8 @@ class AutoTree:
             return
         self._predicted = ("declined", self.draft_cost[min(self._drafted, self.max_nodes)] + self.cost[1])
         self._learn_kept(False)
+        self._undrafted += 1
+        self._just_undrafted = True
 
     def plain_ahead(self) -> int:
         """After a plain step's :meth:`record`: how many of the next steps are plain whatever they
@@ -537,8 +542,14 @@ class AutoTree:
         # without it compiled STAND at batch 1 lost 3.0% and 1.7%.
         if self._stale and (self._pick == 1 or self.fixed):
             self._replan(None)
+        just, self._just_undrafted = self._just_undrafted, False
         if self._pick > 1 and self._worth_drafting():
-            return 0
+            # Where the drafter had nothing for WAIT_AFTER steps in a row, a run of plain steps (1, 2, 4, at most
+            # WAIT_MOST) before it is asked again: each step asked alone (its plan, the drafter's answer and its
+            # reading of the token, the choice learning the step) took half a step's time more than a run's
+            # (the drafter is asked again at the run's end: the wait follows a step it had nothing for alone)
+            wait = self._undrafted - self.WAIT_AFTER
+            return 0 if wait < 0 or not just else min(1 << wait, self.WAIT_MOST)
         short = self._probe_price() - self.scale["bank"]
         if self._closed or (short > 0.0 and self._deposit() <= 0.0):
             ahead = self.NEVER  # (no probe falls due: PROBE_SHARE 0, or a seeded call's last steps)
@@ -750,6 +761,7 @@ class AutoTree:
         best prefix, or None where a plain step is better or nothing was drafted. ``ids``: the
         rows' ids in the batch, whose own acceptance (:class:`RowRates`) then prices their nodes."""
         self._drafted = self._drafted or draft.n
+        self._undrafted = 0
         drafting = self.draft_cost[min(self._drafted, self.max_nodes)]
         self._predicted = ("declined", drafting + self.cost[1])  # (a tree's, below, where one is kept)
         n = min(draft.n, self.max_nodes)

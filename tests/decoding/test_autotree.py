@@ -1538,6 +1538,26 @@ def test_plain_runs_follow_one_another_where_only_watches_fall_due():
     assert weighed == [True]
 
 
+def test_where_the_drafter_keeps_having_nothing_it_is_asked_again_after_runs_of_plain_steps():
+    """Trees are wanted but the drafter has nothing to draft: after WAIT_AFTER steps in a row asked
+    alone, the drafter is asked again after runs of 1, 2, 4, ... (at most WAIT_MOST) plain steps,
+    not at every step; once it can draft again, trees come back at the next asking, and the output
+    is plain decoding's."""
+    model = mamba2()
+    drafter = make_drafter("ngram", vocab_size=model.vocab_size)
+    asked, can_draft = [], drafter.can_draft  # (the row's length at each asking)
+    drafter.can_draft = lambda context: asked.append(int(context.lengths[0])) or len(asked) > 8 and can_draft(context)
+    auto = AutoTree(cheap(), adaptive=True, rates=PathRates(prior=(0.9,) + (0.3,) * 7))
+    prompt = [[1, 2, 3, 1, 2, 3, 1, 2]]
+    out = generate(model, prompt, drafter=drafter, tree=auto, max_new_tokens=120)
+    assert out.sequences == generate(model, prompt, max_new_tokens=120).sequences
+    # the first askings had nothing: WAIT_AFTER of them one step apart, then each after a run of plain steps
+    # (until the choice, every draft found wanting, stops wanting trees: the ledger's probes ask it then)
+    gaps = np.diff(asked[:AutoTree.WAIT_AFTER + 3]).tolist()
+    assert gaps == [1] * (AutoTree.WAIT_AFTER - 1) + [1 + min(1 << i, AutoTree.WAIT_MOST) for i in range(3)], gaps
+    assert out.stats.trees.keys() - {1}  # (then trees)
+
+
 def test_no_watched_draft_is_drafted_where_the_next_step_drafts_anyway():
     """A watched draft due where the choice wants trees (the next step drafts one) would be
     settled by that tree with nothing seen: none is drafted then, and the plain steps since the
