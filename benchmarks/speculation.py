@@ -68,7 +68,7 @@ class NeverDrafts(AutoTree):
     def plan(self, behind=None, left=None):
         return None
 
-    def plain_ahead(self) -> int:
+    def plain_ahead(self, pending: int = 0) -> int:
         return self.NEVER
 
     def watch_shape(self):

@@ -249,7 +249,6 @@ class AutoTree:
         # drafts watched during plain steps (watch_shape): where the output cannot depend on the trees
         self.watching = watch and self.WATCH and adaptive and fills_shapes
         self._unwatched = 0  # plain steps since the last watched draft
-        self._pending = 0  # the plain steps until the watched draft drafted last is settled (0: none pending)
         self._undrafted = 0  # steps in a row the drafter had nothing for, where the choice drafted (undrafted)
         self._just_undrafted = False  # whether the last step was one of them
         self._paid_watch = False  # whether the last watched draft would have paid, verified
@@ -526,11 +525,12 @@ class AutoTree:
         self._undrafted += 1
         self._just_undrafted = True
 
-    def plain_ahead(self) -> int:
+    def plain_ahead(self, pending: int = 0) -> int:
         """After a plain step's :meth:`record`: how many of the next steps are plain whatever they
         take (no probe falls due before they end; what the step taught is re-planned first, and
         nothing else moves the choice meanwhile). The loop may run them without asking
-        (:meth:`plain_steps` then records them)."""
+        (:meth:`plain_steps` then records them). ``pending``: the plain steps until a watched draft
+        the loop holds is settled (0: none), before which it drafts no other."""
         if not self.fills_shapes:
             return 0
         # Trees winning, an eager choice re-weighs its sizes every REPLAN steps (record), not after
@@ -561,7 +561,7 @@ class AutoTree:
             # the loop drafts no other meanwhile. (Ended where one was due alone, runs of one step followed
             # each other until the pending one was settled, each run's end taking half a step's time more:
             # compiled, batch 2, STAND, where watches paid every few steps.)
-            ahead = min(ahead, max(self._watch_gap() - self._unwatched, self._pending, 1))
+            ahead = min(ahead, max(self._watch_gap() - self._unwatched, pending, 1))
         return ahead
 
     # -- watched drafts ----------------------------------------------------------------------------
@@ -599,9 +599,7 @@ class AutoTree:
                 or self.wants_trees()):
             return None
         self._unwatched = 0
-        shape = self.prefix(self._probe_size)
-        self._pending = shape.max_depth + 1  # (as the loop's: every row past the draft's depth)
-        return shape
+        return self.prefix(self._probe_size)
 
     def watched(self, draft: TokenTree, after: list[np.ndarray], served: np.ndarray, ids: np.ndarray,
                 drafting_ms: float | None = None) -> None:
@@ -616,7 +614,6 @@ class AutoTree:
         ``drafting_ms``: what drafting it took by the clock; with this call's own time, what
         the next watches are spaced by (:meth:`_watch_gap`)."""
         began = time.perf_counter()
-        self._pending = 0
         seen = np.array([len(a) for a in after], dtype=np.int64)
         rows = np.flatnonzero(seen > 0)
         if not len(rows):
@@ -699,7 +696,6 @@ class AutoTree:
         self._plain_run += steps
         self.scale["steps"] += steps
         self._unwatched += steps
-        self._pending = max(self._pending - steps, 0)
         self.chosen[1] += steps
         self._deposit_plain(steps)
         self._since_plan = (self._since_plan + steps) % self.REPLAN  # (nothing is stale: re-plans would do nothing)
@@ -929,7 +925,6 @@ class AutoTree:
             self._deposit_plain(1)
         if tree is None:
             self._unwatched += 1
-            self._pending = max(self._pending - 1, 0)
         self.scale["plain_run"] = self._plain_run
         if (tree is not None and self._probing) or self._since_plan >= self.REPLAN:
             self._replan(tree)

@@ -381,7 +381,7 @@ class _Loop:
                 # token, the choice learning it) took half as long again as a run's step, and runs end
                 # wherever a watched draft falls due (compiled, batch 2, two processes each: 0.88-1.01 of
                 # plain decoding's pace before, 0.96-1.06 after)
-                ahead = chooser.plain_ahead()
+                ahead = chooser.plain_ahead(self.pending())
                 if ahead:
                     self.plain_run = _PlainRun(ahead, self.rows)
         else:
@@ -396,7 +396,8 @@ class _Loop:
             # after a tree too: the plain step after a probe, weighed alone (its plan, the drafter reading
             # its token, the choice learning it), took most of a run's step more than a run's first step
             # did (compiled, batch 2, 2-core EPYC)
-            ahead = chooser.plain_ahead() if self.drafter is not None and self.drafter.plain_top_k is None else 0
+            ahead = (chooser.plain_ahead(self.pending()) if self.drafter is not None and self.drafter.plain_top_k is None
+                     else 0)
             if ahead:
                 self.plain_run = _PlainRun(ahead, self.rows)
         if full is None and run is None:  # after a plain step weighed alone (a run's end starts its own above)
@@ -415,6 +416,10 @@ class _Loop:
             draft = self.drafter.propose(self.rows.context(), shape)
             check_draft(draft, self.rows.roots()[live], self.model.vocab_size)
             self.watch = _Watch(draft, self.rows, live, (time.perf_counter() - began) * 1e3)
+
+    def pending(self) -> int:
+        """The plain steps until the watched draft held is settled (0: none held)."""
+        return 0 if self.watch is None else self.watch.left
 
     def settle_watch(self) -> None:
         self.watch.settle(self.rows, self.chooser)

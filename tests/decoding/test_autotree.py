@@ -1662,7 +1662,7 @@ def test_plain_runs_decided_ahead_change_nothing_but_the_work(name, temperature)
         PROBE_SHARE = 0.5  # probes a dozen steps apart: several within the call
 
     class StepByStep(Quick):
-        def plain_ahead(self):
+        def plain_ahead(self, pending=0):
             return 0
 
     model, small = mamba2(), mamba2(n_layer=1, seed=3)
