@@ -1547,7 +1547,14 @@ def test_where_the_drafter_keeps_having_nothing_it_is_asked_again_after_runs_of_
     drafter = make_drafter("ngram", vocab_size=model.vocab_size)
     asked, can_draft = [], drafter.can_draft  # (the row's length at each asking)
     drafter.can_draft = lambda context: asked.append(int(context.lengths[0])) or len(asked) > 8 and can_draft(context)
-    auto = AutoTree(cheap(), adaptive=True, rates=PathRates(prior=(0.9,) + (0.3,) * 7))
+    class Unclocked(AutoTree):  # (the profile's costs alone: by this machine's clock trees may not pay)
+        def record(self, tree, tokens=None, counts=None, rows=None, elapsed_ms=None, ids=None):
+            super().record(tree, tokens, counts, rows, None, ids)
+
+        def plain_steps(self, steps, times_ms=None):
+            super().plain_steps(steps, None)
+
+    auto = Unclocked(cheap(), adaptive=True, rates=PathRates(prior=(0.9,) + (0.3,) * 7))
     prompt = [[1, 2, 3, 1, 2, 3, 1, 2]]
     out = generate(model, prompt, drafter=drafter, tree=auto, max_new_tokens=120)
     assert out.sequences == generate(model, prompt, max_new_tokens=120).sequences
