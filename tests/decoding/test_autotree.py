@@ -1217,6 +1217,36 @@ def test_calls_that_keep_exploring_in_vain_start_at_the_least_shares_until_a_dra
     assert trusting.scale["found"]
 
 
+def test_watched_drafts_that_paid_while_the_choice_still_declines_trees_find_nothing():
+    """A watched draft that would have paid in hindsight (its tokens against its iteration's price)
+    after which the choice still declines to draft (most of its drafts found wanting, each such
+    iteration dear) is watched again soon, but is no find: calls of such watches count toward
+    IDLE_CALLS, and the call after IDLE_CALLS of them starts at the least shares. (Counted as finds,
+    every call at batch 2 on a 2-core Zen 5 EPYC started whole, each watched draft some three plain
+    steps' time, the choice drafting next to nothing.)"""
+    profile, rates = cheap(), PathRates(prior=(0.9,) * 8)
+    scale = {"plain": 1.0, "tree": 1.0, "declined": 40.0}
+
+    def watch(auto):
+        shape = auto.prefix(auto._probe_size)
+        draft = full_draft(shape)
+        auto.watched(draft, [first_path(draft)], np.ones(1, dtype=bool), np.zeros(1, dtype=np.int64),
+                     drafting_ms=0.5)
+
+    for call in range(AutoTree.IDLE_CALLS):
+        scale["verified"] = 1e-3  # (the drafts it drafted meanwhile found wanting)
+        auto = AutoTree(profile, adaptive=True, watch=True, rates=rates, scale=scale)
+        assert not auto.wants_trees()
+        for _ in range(2):
+            watch(auto)
+            assert auto._paid_watch and not auto.wants_trees()
+            assert auto._watch_gap() == AutoTree.WATCH_EVERY  # (watched again soon)
+        auto.plain_steps(AutoTree.FIRST_WATCH, [1.0] * AutoTree.FIRST_WATCH)
+        assert not scale["found"]
+    idle = AutoTree(profile, adaptive=True, watch=True, rates=rates, scale=scale)
+    assert scale["idle_calls"] == AutoTree.IDLE_CALLS and idle.scale["watch_idle"] == AutoTree.BACKOFF
+
+
 def test_short_calls_that_explore_in_vain_leave_the_idle_count_as_it_is():
     """Calls of fewer than FIRST_WATCH steps (a benchmark's warm-up calls of 8 tokens) that explored
     a draft in vain do not count toward IDLE_CALLS: counted, such calls had left greedy choices at
