@@ -212,6 +212,24 @@ def test_compiled_index_grows_and_compacts_like_the_reference(monkeypatch):
     assert all(ref.ranked(k) == fast.ranked(k) for k in ref.keys())
 
 
+def test_a_prompts_indexing_grows_each_array_once(monkeypatch):
+    """A fresh row index handed a whole prompt makes room for its n-grams at once: each array grown
+    (ids, hash slots, the continuation pool) at most once, not doubled step by step as the compiled
+    call runs short (several growths, rehashes and compactions a call's first draft had paid), and
+    the index is the reference's."""
+    grown = []
+    for name in ("_grow_ids", "_rehash", "_compact"):
+        real = getattr(CompiledRowIndex, name)
+        monkeypatch.setattr(CompiledRowIndex, name, lambda self, *a, _r=real, _n=name: (grown.append(_n), _r(self, *a)))
+    prompt = np.random.default_rng(1).integers(0, 200, 600)
+    ref, fast = ngram_module.RowIndex(4, 1 << 16, 0.1), CompiledRowIndex(4, 1 << 16, 0.1)
+    ref.extend(prompt)
+    fast.extend(prompt)
+    assert sorted(grown) == ["_compact", "_grow_ids", "_rehash"]
+    assert sorted(ref.keys()) == sorted(fast.keys())
+    assert all(ref.ranked(k) == fast.ranked(k) for k in ref.keys())
+
+
 def test_build_loads_every_compiled_call_of_the_index():
     """A decoding loop's setup (``build``) loads the compiled index's calls, growth included, in a
     fresh process: each loads on first use, and the first index to outgrow its arrays inside
