@@ -225,6 +225,10 @@ class AutoTree:
     # of 128 tokens explored nothing and decoded plain where its drafter's trees paid (STAND deterministic,
     # batch 1, a fresh process: its second to fifth calls, whose text later calls drafted at 2.7-5.8
     # tokens a step). At most one watch a call beyond the share: under one plain step's time in 128.
+    # (Batch 1 only, as auto_tree makes choices: at batch 2, a call's first watch and those it led to took
+    # some three plain steps' time each on a 2-core Zen 5 EPYC, where a plain step is a tenth of a
+    # millisecond, and the batch's trees seldom paid: without it, every configuration at batch 2 gained
+    # +0.014 to +0.097 over plain decoding, benchmarks/choice_ab.py, five processes each, all positive.)
     FIRST_WATCH = 16
     WAIT_AFTER, WAIT_MOST = 2, 4  # (plain_ahead, where the drafter keeps having nothing)
     # Calls in a row (of one cost profile, in one process) of at least FIRST_WATCH steps that explored
@@ -244,7 +248,8 @@ class AutoTree:
 
     def __init__(self, profile: CostProfile, *, sizes=None, chain: bool = False, fills_shapes: bool = True,
                  depth: int = PathRates.DEPTH, adaptive: bool = False, rates: PathRates | None = None,
-                 scale: dict | None = None, per_row: bool | None = None, watch: bool = False):
+                 scale: dict | None = None, per_row: bool | None = None, watch: bool = False,
+                 first_watch: bool = True):
         self.profile, self.chain, self.fills_shapes, self.adaptive = profile, chain, fills_shapes, adaptive
         # drafts watched during plain steps (watch_shape): where the output cannot depend on the trees
         self.watching = watch and self.WATCH and adaptive and fills_shapes
@@ -252,7 +257,8 @@ class AutoTree:
         self._undrafted = 0  # steps in a row the drafter had nothing for, where the choice drafted (undrafted)
         self._just_undrafted = False  # whether the last step was one of them
         self._paid_watch = False  # whether the last watched draft would have paid, verified
-        self._first_watch = True  # whether this call has yet to watch a draft (FIRST_WATCH)
+        # whether this call has yet to watch a draft, due within FIRST_WATCH plain steps (first_watch False: none)
+        self._first_watch = first_watch
         # each row its own size (packed passes) where that pays: by default where the clock says
         # what packed passes cost (the profile measures padded ones), in any size eager loops verify
         self.per_row = self.PER_ROW and adaptive and sizes is None and not chain if per_row is None else per_row
@@ -354,7 +360,7 @@ class AutoTree:
         elif idle:
             self.scale.update(losing=self.BACKOFF, watch_idle=self.BACKOFF)
             self.scale["quiet"] = (self.scale.get("quiet", 0) + 1) % self.IDLE_WAKE  # (idle calls begun)
-            self._first_watch = self.scale["quiet"] == 0
+            self._first_watch = first_watch and self.scale["quiet"] == 0
         elif self.scale.get("explored", self.AGAIN) >= self.AGAIN:
             self.scale["watch_idle"] = 0
             if self.scale.get("paid", True):
@@ -1030,7 +1036,8 @@ def auto_tree(model, drafter, batch: int, *, mode: str, sampled: bool = False, c
     An ``adaptive`` one continues the cost scales and rates of the last adaptive chooser of the
     same profile in this process (where the output cannot depend on the trees, what earlier
     calls learned about this machine and drafter is worth keeping; ``watch``: it watches drafts
-    during plain steps, :meth:`AutoTree.watch_shape`). ``bracketed``: the costs of a
+    during plain steps, :meth:`AutoTree.watch_shape`; a call's first within ``FIRST_WATCH`` plain steps at
+    batch 1 alone). ``bracketed``: the costs of a
     batch size between two powers of two interpolated between theirs
     (:func:`stree.decoding.cost.bracketed_profile`), for callers whose batch size keeps changing."""
     _load_helpers()
@@ -1054,7 +1061,8 @@ def auto_tree(model, drafter, batch: int, *, mode: str, sampled: bool = False, c
             learned = _LEARNED[profile] = ({"plain": 1.0, "tree": 1.0}, PathRates())
         scale, rates = learned
     return AutoTree(profile, sizes=fixed and sizes, chain=chain, fills_shapes=fills, depth=depth, adaptive=adaptive,
-                    rates=rates, scale=scale, watch=watch, per_row=None if mode == "eager" else False)
+                    rates=rates, scale=scale, watch=watch, per_row=None if mode == "eager" else False,
+                    first_watch=batch == 1)
 
 
 def _passes_are_one_call(model) -> bool:

@@ -1281,6 +1281,21 @@ def test_adaptive_choices_of_one_profile_hand_on_what_they_learned(monkeypatch):
     assert seeded.rates is not first.rates and seeded.scale is not first.scale
 
 
+def test_only_a_batch_of_one_forces_a_watch_early_in_each_call(monkeypatch):
+    """auto_tree's choices at batch 1 watch a call's first draft within FIRST_WATCH plain steps,
+    whatever the share; at batch 2 watches keep the share's pace from the start (there a call's first
+    watch and those it led to cost more than the batch's rare paying trees brought)."""
+    import stree.decoding.autotree as autotree
+
+    profile = CostProfile(1.0, (2, 4, 8, 16), (1.05, 1.1, 1.2, 1.4), (5.0, 5.0, 5.0, 5.0))  # (dear drafting)
+    monkeypatch.setattr(autotree, "cost_profile", lambda model, batch, **kw: profile)
+    monkeypatch.setattr(autotree, "_LEARNED", type(autotree._LEARNED)())
+    model, drafter = mamba2(), make_drafter("ngram")
+    one, two = (autotree.auto_tree(model, drafter, b, mode="eager", adaptive=True, watch=True) for b in (1, 2))
+    assert one._first_watch and one._watch_gap() == AutoTree.FIRST_WATCH
+    assert not two._first_watch and two._watch_gap() > AutoTree.FIRST_WATCH
+
+
 # ---- in the loop ------------------------------------------------------------------------------
 @pytest.mark.parametrize("family", FAMILIES)
 def test_greedy_auto_is_token_identical_for_every_drafter(family):
