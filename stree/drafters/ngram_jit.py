@@ -274,10 +274,10 @@ class CompiledRowIndex:
 
     def _reserve(self, count: int) -> None:
         """Room, made at once, for the n-grams of ``count`` more tokens (each token at most ``max_n`` new
-        ones, up to the capacity): grown only as the compiled call ran short, a prompt's indexing had
-        taken a call's first draft some growths, rehashes and compactions each (a fifth to a third of a
-        millisecond on a 2-core Zen 5 EPYC, where a plain step took a tenth). Continuations that outgrow
-        their regions may still need a compaction."""
+        ones, up to the capacity). (Where the arrays grew only as the compiled call ran short, a prompt's
+        indexing took a call's first draft several growths, rehashes and compactions: a fifth to a third
+        of a millisecond on a 2-core Zen 5 EPYC, where a plain step took a tenth.) Continuations that
+        outgrow their regions may still need a compaction there."""
         live, ids, free = int(self.meta[M_LIVE]), int(self.meta[M_IDS]), int(self.meta[M_FREE])
         new_keys = max(min(live + self.max_n * count, self.capacity + self.max_n) - live, 0)
         if ids + new_keys - free > len(self.key_len):
