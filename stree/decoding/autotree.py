@@ -146,10 +146,11 @@ class AutoTree:
     took by the clock (a drafter model catching up on the tokens of the plain steps before, the
     caches it evicts: costs the profile's steady state does not see); a seeded one what the
     profile predicts, its drafter's catch-up included.
-    An adaptive choice learns no cost from a call's first iteration (``SETTLE``), and while trees
-    keep winning it takes plain steps once in ``PLAIN_EVERY`` to weigh plain steps again (``AFTERMATH``
-    and one: the plain steps right after a tree teach no cost, what they take beyond a plain step's is
-    the tree's, as they pay for what it evicted).
+    An adaptive choice learns no cost from a call's first iteration (``SETTLE``), nor from a tree
+    shape's first pass in the process (:func:`_first_pass`), and while trees keep winning it takes
+    plain steps once in ``PLAIN_EVERY`` to weigh plain steps again (``AFTERMATH`` and one: the plain
+    steps right after a tree teach no cost, what they take beyond a plain step's is the tree's, as
+    they pay for what it evicted).
     ``rates`` and ``scale`` (``{"plain": x, "tree": y}``: a plain step's realised / predicted
     time, and a tree's relative to that, as a declined draft's is; and the ledger) may be shared with
     earlier choosers, which then hand over what they learned. ``chosen`` counts the steps per tree
@@ -883,7 +884,9 @@ class AutoTree:
         # Priced by such steps (in a run of trees the only plain steps there are), plain steps looked
         # dearer than a run of them costs, and trees that lost to such a run went on winning; uncharged,
         # trees that alternate with plain steps (compiled, batch 2) looked cheaper than they were.
-        timed = self.adaptive and elapsed_ms is not None and elapsed_ms > 0
+        # (nor from a shape's first pass in the process, nor the plain steps in its wake: _first_pass)
+        first = tree is not None and _first_pass(tree)
+        timed = self.adaptive and elapsed_ms is not None and elapsed_ms > 0 and not first
         if tree is None and self._after_left:
             self._after_left -= 1
             if timed:
@@ -914,7 +917,7 @@ class AutoTree:
                 self._check_profile(1)
             self._stale = True
         if tree is not None:
-            self._after, self._after_left = (kind, predicted, None), self.AFTERMATH
+            self._after, self._after_left = None if first else (kind, predicted, None), self.AFTERMATH
         self._since_plan += 1
         got = None
         if tree is not None:
@@ -978,7 +981,7 @@ class AutoTree:
         weight = 0.5 if self.scale["probes"] else 1.0
         self.scale["probe_loss"] += weight * (beyond - self.scale["probe_loss"])
         self.scale["probes"] += 1
-        if tree is not None:  # the plain steps after it add to its loss
+        if tree is not None and self._after is not None:  # the plain steps after it add to its loss
             self._after = (self._after[0], self._after[1], weight)
 
     def _pace(self, lost: float) -> None:
@@ -995,6 +998,8 @@ class AutoTree:
         plain step's (at most a plain step's either way) added to what the tree's iteration took,
         in the tree's scale; after a measured probe, also charged to the ledger and added to the
         probe's loss (at its weight in the probes' average)."""
+        if self._after is None:  # (in the wake of a shape's first pass: _first_pass)
+            return
         kind, predicted, weight = self._after
         plain = self.cost[1] * self.scale["plain"]
         excess = min(max(elapsed_ms - plain, -plain), plain)
@@ -1015,6 +1020,23 @@ class AutoTree:
         if self._stale:  # (a run of plain steps of a seeded choice changes nothing to re-plan)
             self._pick, self._probe_size = self._pick_sizes()
             self._stale = False
+
+
+def _first_pass(tree: TokenTree) -> bool:
+    """Whether ``tree``'s static shape is verified for the first time in the process (it is marked
+    so now). Such a step is not learned from by the clock, as a call's first is not (SETTLE): what is
+    made once per shape (the plan drafters fill it by, its index, its structure for the choice) took
+    50-250 microseconds in its first tree there, on a 2-core Zen 5 EPYC up to twice a 5-node tree's
+    price, and a fresh process, whose plans are all new, had its trees priced at 1.5-1.8 times their
+    cost after its first call's two trees (1.1 with this rule), from where trees seldom came back.
+    (Fresh processes there, six each, the old rule's and this one's in turns: tau rose, n-gram's at
+    batch 1 from 1.80 to 2.13 eager and 1.50 to 2.46 compiled; the gain over plain decoding moved by
+    -0.002 to +0.014, within the noise: on that machine the trees it adds barely pay. docs/benchmarks.md)"""
+    shape = tree.static_shape
+    if shape is None or shape in _PRICED:
+        return False
+    _PRICED.add(shape)
+    return True
 
 
 def tree_room(drafter) -> int:
@@ -1105,6 +1127,9 @@ def _load_helpers() -> None:
         auto.record(draft, np.zeros((2, 2), dtype=np.int64), np.ones(2, dtype=np.int64), rows, ids=rows)
         auto.watched(draft, [np.zeros(2, dtype=np.int64)] * 2, both, rows)
 
+
+# the tree shapes verified so far in the process (_first_pass)
+_PRICED: "weakref.WeakSet[TreeShape]" = weakref.WeakSet()
 
 # what adaptive choosers learned, per cost profile (the same model, drafter kind, batch size and mode)
 _LEARNED: "weakref.WeakKeyDictionary[CostProfile, tuple[dict, PathRates]]" = weakref.WeakKeyDictionary()

@@ -481,6 +481,37 @@ def test_a_calls_first_iteration_teaches_no_cost():
     assert auto.scale["plain"] == pytest.approx(1.0 + AutoTree.ADAPT)
 
 
+def test_a_shapes_first_pass_in_the_process_teaches_no_cost(monkeypatch):
+    """A shape's first tree in the process pays for what is made once per shape (the plan drafters
+    fill it by, its index, its structure): neither it nor the plain steps in its wake move the
+    scales (nor its probe's price, where it is one); the same shape's next tree, and its wake, do."""
+    import weakref
+    from stree.decoding import autotree
+
+    monkeypatch.setattr(autotree, "_PRICED", weakref.WeakSet(), raising=False)  # (a new process: no shape priced)
+    auto = AutoTree(cheap(), adaptive=True, sizes=(2, 4, 8, 16))
+    auto.plan()
+    auto.record(None, elapsed_ms=auto.cost[1])  # (a call's first iteration teaches nothing anyway: SETTLE)
+    draft = full_draft(TreeShape.chain(3))
+
+    def tree_and_wake(times: float) -> None:
+        """The tree at ``times`` its price, then AFTERMATH plain steps at ``times`` a plain step's."""
+        auto._predicted = ("tree", auto.cost[draft.n])
+        auto.record(draft, np.array([[100 + 1, 7]]), np.array([2]), np.arange(1), elapsed_ms=times * auto.cost[draft.n])
+        for _ in range(AutoTree.AFTERMATH):
+            auto.record(None, elapsed_ms=times * auto.cost[1])
+
+    before = dict(auto.scale)
+    tree_and_wake(3.0)
+    assert (auto.scale["tree"], auto.scale["plain"]) == (before["tree"], before["plain"])
+    tree_and_wake(3.0)
+    assert auto.scale["tree"] > before["tree"] * (1.0 + AutoTree.ADAPT)  # the tree, its wake charged to it
+    assert auto.scale["plain"] == before["plain"]  # (a tree's wake is the tree's, never the plain steps')
+    auto._predicted = ("plain", auto.cost[1])  # (as plan() names a plain step)
+    auto.record(None, elapsed_ms=3.0 * auto.cost[1])  # past the wake: a plain step's own
+    assert auto.scale["plain"] > before["plain"]
+
+
 def test_a_stale_plain_scale_is_weighed_again_while_trees_win():
     """Plain steps priced 3x too dear (one slow plain iteration had done it): trees win every
     step, so no plain step would ever correct the price; one step in PLAIN_EVERY is plain and
