@@ -117,6 +117,21 @@ def test_a_repeated_ask_is_answered_without_making_the_files_key(fresh_cache, mo
     assert cost_profile(mamba2(), 1, shapes=SHAPES, budget_s=0.2) == p and len(keys) == 3
 
 
+def test_a_repeated_ask_reads_the_models_config_once_per_config_object(fresh_cache, monkeypatch):
+    """The key holds the model's config as text: made once per config object (its repr, cold after
+    decoding, was a fifth of what a call's lookup took), again for a new one, equal or not."""
+    import dataclasses
+
+    model = mamba2()
+    p = cost_profile(model, 1, shapes=SHAPES, budget_s=0.2)
+    made, real = [], type(model.cfg).__repr__
+    monkeypatch.setattr(type(model.cfg), "__repr__", lambda self: made.append(1) or real(self))
+    for _ in range(3):
+        assert cost_profile(model, 1, shapes=SHAPES, budget_s=0.2) is p
+    assert made == []
+    model.cfg = dataclasses.replace(model.cfg)  # (an equal config, a new object)
+    assert cost_profile(model, 1, shapes=SHAPES, budget_s=0.2) is p and len(made) == 1
+
 def test_a_profile_made_by_other_library_sources_is_measured_again(fresh_cache, monkeypatch, tmp_path):
     """A development install keeps its version string through code changes: the digest of the
     library's sources is part of the key, and follows every file's name and content."""

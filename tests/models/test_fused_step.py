@@ -581,6 +581,20 @@ def test_a_one_call_prefill_with_a_bad_token_moves_nothing():
     assert not torch.equal(cache.ssm, before.ssm)
 
 
+def test_whether_the_passes_are_one_call_is_asked_with_one_kept_cache_per_model(monkeypatch):
+    """Each compiled call's choice asks whether the model's passes are one call: with a one-row cache
+    made once per model, dtype and device (allocated at every call, it was half of that choice's
+    setup), the answer still following the model."""
+    from stree.decoding.autotree import _passes_are_one_call
+
+    model = mamba2(seed=4)
+    made, real = [], model.allocate_cache
+    monkeypatch.setattr(model, "allocate_cache", lambda *a, **k: made.append(a) or real(*a, **k))
+    assert all(_passes_are_one_call(model) for _ in range(3)) and len(made) == 1
+    layer_by_layer(monkeypatch)
+    assert not _passes_are_one_call(model) and len(made) == 1
+
+
 def test_a_compiled_greedy_choice_plans_as_an_eager_one_where_the_passes_are_one_call(monkeypatch):
     """torch_compile=True, greedy, where the model's passes are one call: nothing is compiled per tree
     shape, so the choice weighs every size and re-plans its shape (not the fixed sizes and the prior's
