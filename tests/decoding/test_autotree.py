@@ -484,7 +484,8 @@ def test_a_calls_first_iteration_teaches_no_cost():
 def test_a_shapes_first_pass_in_the_process_teaches_no_cost(monkeypatch):
     """A shape's first tree in the process pays for what is made once per shape (the plan drafters
     fill it by, its index, its structure): neither it nor the plain steps in its wake move the
-    scales (nor its probe's price, where it is one); the same shape's next tree, and its wake, do."""
+    scales; the same shape's next tree, and its wake, do. (A probe's time still goes to the
+    probes' ledger: what exploring costs, first uses included.)"""
     import weakref
     from stree.decoding import autotree
 

@@ -132,6 +132,7 @@ def test_a_repeated_ask_reads_the_models_config_once_per_config_object(fresh_cac
     model.cfg = dataclasses.replace(model.cfg)  # (an equal config, a new object)
     assert cost_profile(model, 1, shapes=SHAPES, budget_s=0.2) is p and len(made) == 1
 
+
 def test_a_profile_made_by_other_library_sources_is_measured_again(fresh_cache, monkeypatch, tmp_path):
     """A development install keeps its version string through code changes: the digest of the
     library's sources is part of the key, and follows every file's name and content."""
