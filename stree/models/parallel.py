@@ -95,6 +95,12 @@ def join(size: int, device=None) -> TensorParallel:
         cuda = device is not None and torch.device(device).type == "cuda"
         if cuda:
             torch.cuda.set_device(device)  # NCCL binds each rank to the current device
+        # Imported after the group began, torch._dynamo (which building a model on "meta" imports) keeps
+        # the group's backend alive past destroy_process_group (torch 2.13: its torch.distributed._shard
+        # import does): gloo's worker threads then ran on into the interpreter's exit, and one that freed
+        # the last collective's tensor there aborted the rank (about one torchrun launch in fifty).
+        from torch import _dynamo  # noqa: F401
+
         dist.init_process_group("nccl" if cuda else "gloo")
         global _JOINED
         if not _JOINED:
