@@ -24,6 +24,7 @@ only those slices (``stree.models.load(..., tensor_parallel=...)``).
 from __future__ import annotations
 
 import atexit
+import importlib
 import os
 import sys
 from dataclasses import dataclass, replace
@@ -99,7 +100,7 @@ def join(size: int, device=None) -> TensorParallel:
         # the group's backend alive past destroy_process_group (torch 2.13: its torch.distributed._shard
         # import does): gloo's worker threads then ran on into the interpreter's exit, and one that freed
         # the last collective's tensor there aborted the rank (about one torchrun launch in fifty).
-        from torch import _dynamo  # noqa: F401
+        importlib.import_module("torch._dynamo")
 
         dist.init_process_group("nccl" if cuda else "gloo")
         global _JOINED
