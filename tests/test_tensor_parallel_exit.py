@@ -131,7 +131,8 @@ def test_python_users_end_the_group_with_a_with_block(tmp_path):
     """The block ends the process group, its backend and gloo's threads with it: a group kept alive
     past its end (torch._dynamo imported after it began: models.parallel.join) left gloo's worker
     threads running into the interpreter's exit, where one freeing a tensor aborted the rank about
-    one launch in fifty; so the threads are counted here, each rank's, as they are not on exit."""
+    one launch in fifty, too rarely for a launch or two to catch: so each rank counts its gloo
+    threads inside the block (some) and after it (none)."""
     script = tmp_path / "run.py"
     script.write_text(textwrap.dedent(SCRIPT))
     run = torchrun(str(script), TARGET)
