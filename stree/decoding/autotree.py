@@ -154,7 +154,8 @@ class AutoTree:
     ``rates`` and ``scale`` (``{"plain": x, "tree": y}``: a plain step's realised / predicted
     time, and a tree's relative to that, as a declined draft's is; and the ledger) may be shared with
     earlier choosers, which then hand over what they learned. ``chosen`` counts the steps per tree
-    size (1: a plain step)."""
+    size (1: a plain step). ``probes``: whether a choice that watches drafts also probes (one that
+    cannot watch always does: it has no other way to explore)."""
 
     REPLAN = 8  # steps between re-plans (of an eager loop's shapes, and of the size to draft)
     # A tree that lost more than this many plain steps' time against plain steps for the tokens it
@@ -250,7 +251,7 @@ class AutoTree:
     def __init__(self, profile: CostProfile, *, sizes=None, chain: bool = False, fills_shapes: bool = True,
                  depth: int = PathRates.DEPTH, adaptive: bool = False, rates: PathRates | None = None,
                  scale: dict | None = None, per_row: bool | None = None, watch: bool = False,
-                 first_watch: bool = True):
+                 first_watch: bool = True, probes: bool = True):
         self.profile, self.chain, self.fills_shapes, self.adaptive = profile, chain, fills_shapes, adaptive
         # drafts watched during plain steps (watch_shape): where the output cannot depend on the trees
         self.watching = watch and self.WATCH and adaptive and fills_shapes
@@ -260,6 +261,7 @@ class AutoTree:
         self._paid_watch = False  # whether the last watched draft would have paid, verified
         # whether this call has yet to watch a draft, due within FIRST_WATCH plain steps (first_watch False: none)
         self._first_watch = first_watch
+        self.probes = probes or not self.watching
         # each row its own size (packed passes) where that pays: by default where the clock says
         # what packed passes cost (the profile measures padded ones), in any size eager loops verify
         self.per_row = self.PER_ROW and adaptive and sizes is None and not chain if per_row is None else per_row
@@ -727,7 +729,9 @@ class AutoTree:
     # -- the probes' ledger ---------------------------------------------------------------------
     def _deposit(self) -> float:
         """What one plain step puts in the ledger: ``PROBE_SHARE`` of its time, halved as many
-        times as probes said (``BACKOFF``)."""
+        times as probes said (``BACKOFF``); nothing where the choice takes no probes."""
+        if not self.probes:
+            return 0.0
         share = self.PROBE_SHARE * 0.5 ** self.scale["losing"]
         return share * self.cost[1] * self.scale["plain"]
 
@@ -1059,7 +1063,14 @@ def auto_tree(model, drafter, batch: int, *, mode: str, sampled: bool = False, c
     same profile in this process (where the output cannot depend on the trees, what earlier
     calls learned about this machine and drafter is worth keeping; ``watch``: it watches drafts
     during plain steps, :meth:`AutoTree.watch_shape`; a call's first within ``FIRST_WATCH`` plain steps at
-    batch 1 alone). ``bracketed``: the costs of a
+    batch 1 alone, and at larger batches its watched drafts are all it explores by: no probes). At batch 2 a
+    probe verifies the whole batch's tree, and one taken alone, after a plain run, took some eight plain
+    steps' time with its drafting and learning, cold (2-core Zen 5 EPYC, n-gram), where a watched draft
+    tells a greedy choice what verifying it would have, for its drafting alone; without probes there,
+    against with them, paired in five fresh processes each (benchmarks/choice_ab.py): eager n-gram
+    +0.025 and +0.016, STAND deterministic +0.031, STAND +0.037, compiled n-gram +0.018, STAND
+    deterministic +0.016, n-gram at temperature 1.0 +0.007. At batch 1 probes pay: without them eager
+    n-gram lost 0.046, STAND deterministic 0.021, compiled n-gram 0.009. ``bracketed``: the costs of a
     batch size between two powers of two interpolated between theirs
     (:func:`stree.decoding.cost.bracketed_profile`), for callers whose batch size keeps changing."""
     _load_helpers()
@@ -1084,7 +1095,7 @@ def auto_tree(model, drafter, batch: int, *, mode: str, sampled: bool = False, c
         scale, rates = learned
     return AutoTree(profile, sizes=fixed and sizes, chain=chain, fills_shapes=fills, depth=depth, adaptive=adaptive,
                     rates=rates, scale=scale, watch=watch, per_row=None if mode == "eager" else False,
-                    first_watch=batch == 1)
+                    first_watch=batch == 1, probes=batch == 1)
 
 
 def _passes_are_one_call(model) -> bool:

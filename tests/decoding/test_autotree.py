@@ -1149,6 +1149,34 @@ def test_watched_drafts_bring_trees_back_where_probes_never_come():
 
 
 
+def test_a_choice_told_to_take_no_probes_explores_by_watched_drafts_alone():
+    """probes=False, where drafts are watched: no plain step puts anything in the ledger and none
+    is ever a probe, however long the plain steps run (trees there cost six steps and nothing is
+    accepted), while drafts are still watched; the same choice with probes probes. A choice that
+    cannot watch (a seeded one) probes whatever it is told: it has no other way to explore."""
+    def run(probes):
+        auto = AutoTree(expensive(), adaptive=True, watch=True, probes=probes)
+        probed = watched = 0
+        for _ in range(1500):
+            plan = auto.plan()
+            probed += auto._probing
+            if plan is not None:
+                auto.record(full_draft(plan), np.array([[999, 0]]), np.array([1]), np.arange(1), elapsed_ms=6.0)
+                continue
+            auto.record(None, elapsed_ms=1.0)
+            due = auto.watch_shape()
+            if due is not None:
+                watched += 1
+                draft = TokenTree.from_shape(due, torch.arange(due.n)[None] + 100)
+                auto.watched(draft, [np.full(due.n, 999)], np.ones(1, dtype=bool), np.zeros(1, dtype=np.int64))
+        return probed, watched, auto
+
+    probed, watched, auto = run(False)
+    assert probed == 0 and watched >= 2 and auto.scale["bank"] == 0.0 and not auto.probes
+    assert run(True)[0] >= 2
+    assert AutoTree(expensive(), probes=False, watch=True).probes  # (seeded: no watching, so probes)
+
+
 def test_a_calls_first_watched_draft_is_due_within_first_watch_plain_steps():
     """Each call is new text: its first watched draft is due after FIRST_WATCH plain steps, where
     the share (backed off) would space watches further apart; after it, watches keep the share's
@@ -1316,7 +1344,8 @@ def test_adaptive_choices_of_one_profile_hand_on_what_they_learned(monkeypatch):
 def test_only_a_batch_of_one_forces_a_watch_early_in_each_call(monkeypatch):
     """auto_tree's choices at batch 1 watch a call's first draft within FIRST_WATCH plain steps,
     whatever the share; at batch 2 watches keep the share's pace from the start (there a call's first
-    watch and those it led to cost more than the batch's rare paying trees brought)."""
+    watch and those it led to cost more than the batch's rare paying trees brought), and are all the
+    choice explores by (no probes)."""
     import stree.decoding.autotree as autotree
 
     profile = CostProfile(1.0, (2, 4, 8, 16), (1.05, 1.1, 1.2, 1.4), (5.0, 5.0, 5.0, 5.0))  # (dear drafting)
@@ -1326,6 +1355,7 @@ def test_only_a_batch_of_one_forces_a_watch_early_in_each_call(monkeypatch):
     one, two = (autotree.auto_tree(model, drafter, b, mode="eager", adaptive=True, watch=True) for b in (1, 2))
     assert one._first_watch and one._watch_gap() == AutoTree.FIRST_WATCH
     assert not two._first_watch and two._watch_gap() > AutoTree.FIRST_WATCH
+    assert one.probes and not two.probes  # (at batch 2 watched drafts are all it explores by)
 
 
 # ---- in the loop ------------------------------------------------------------------------------
