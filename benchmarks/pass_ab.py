@@ -14,11 +14,14 @@ A config ``BATCHxNODES:S1+S2+...`` times the packed pass instead (``TreeLM.forwa
 tree the first ``Sr`` nodes (``AutoTree.per_row``'s rows of their own sizes, one ``Sr`` per row, the
 largest ``NODES``). ``--iteration`` times a greedy iteration instead of the pass, as the decoding loop
 calls it (``speculative_step``: the pass, verification and commit, by whatever path the side's library
-takes for the draft, padded or packed).
+takes for the draft, padded or packed). ``--accepted`` (with ``--iteration``): the drafts are chains whose
+tokens are the model's own choices, so that every node is accepted and committed (the states put back
+between calls, outside the timing): what a tree that is accepted whole costs, its replay included.
 
     python benchmarks/pass_ab.py --against HEAD --configs 1x1,1x2,1x12,2x4,2x8 --processes 3
     python benchmarks/pass_ab.py --against HEAD --configs 2x13,2x13:13+1,8x13:13+1+1+1+1+1+1+1
     python benchmarks/pass_ab.py --against HEAD --configs 2x13,2x13:13+1 --iteration
+    python benchmarks/pass_ab.py --against HEAD --configs 1x4,1x8,1x16,2x8 --iteration --accepted
     python benchmarks/pass_ab.py --smoke
 """
 
@@ -62,7 +65,7 @@ def label(batch: int, nodes: int, sizes) -> str:
 
 
 def worker(configs: list[tuple[int, int, list | None]], pairs: int, dtype: str, smoke: bool,
-           iteration: bool = False) -> dict:
+           iteration: bool = False, accepted: bool = False) -> dict:
     """This process's median ratio of a tree pass (a greedy iteration) to a step for each config, and
     where stree came from."""
     import numpy as np
@@ -89,8 +92,14 @@ def worker(configs: list[tuple[int, int, list | None]], pairs: int, dtype: str, 
         cache = model.allocate_cache(batch, 256)
         gen = torch.Generator().manual_seed(0)
         model.prefill(torch.randint(0, model.vocab_size, (batch, 64), generator=gen), cache)
-        shape = TreeShape(tuple([-1] + [(i - 1) // 2 for i in range(1, nodes)]))
+        shape = (TreeShape.chain(nodes - 1) if accepted
+                 else TreeShape(tuple([-1] + [(i - 1) // 2 for i in range(1, nodes)])))
         tree = TokenTree.from_shape(shape, torch.randint(0, model.vocab_size, (batch, nodes), generator=gen))
+        if accepted:  # each node the model's choice after its parent: the whole chain accepted
+            for j in range(1, nodes):
+                tree.tokens[:, j] = model.forward_tree(tree, cache.clone())[0][:, j - 1].argmax(-1)
+            tree = TokenTree.from_shape(shape, tree.tokens)
+        kept = (cache.conv.clone(), cache.ssm.clone())
         token = torch.randint(0, model.vocab_size, (batch,), generator=gen)
 
         def step():
@@ -98,6 +107,8 @@ def worker(configs: list[tuple[int, int, list | None]], pairs: int, dtype: str, 
             cache.seqlens -= 1
 
         def timed(fn) -> float:
+            if accepted:  # (the states the chain was drafted from, put back)
+                cache.conv.copy_(kept[0]), cache.ssm.copy_(kept[1])
             start = time.perf_counter()
             fn()
             return time.perf_counter() - start
@@ -129,6 +140,8 @@ def main(argv=None):
     p.add_argument("--pairs", type=int, default=1500, help="timed (tree pass, step) pairs per config (default 1500)")
     p.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16"))
     p.add_argument("--iteration", action="store_true", help="time a greedy iteration (speculative_step), not the pass")
+    p.add_argument("--accepted", action="store_true",
+                   help="with --iteration: chains of the model's own choices, accepted whole (their replay timed too)")
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--out", default=str(Path(__file__).parent / "results"))
@@ -138,13 +151,16 @@ def main(argv=None):
         print(json.dumps(worker(**json.loads(args.worker))))
         return 0
     configs = parse_configs(args.configs or ("1x2,2x3:3+1" if args.smoke else "1x1,1x2,1x12,2x4,2x8"))
+    if args.accepted and not args.iteration:
+        p.error("--accepted times a greedy iteration: add --iteration")
     if args.processes < 1 or args.pairs < 1:
         p.error(f"--processes and --pairs must be >= 1, got {args.processes} and {args.pairs}")
     processes, pairs = (1, 20) if args.smoke else (args.processes, args.pairs)
     # (imported here: a worker imports its own side's stree, whose tools may predate these)
     from stree.tools.timing import revision_package, run_info, save_result
 
-    job = json.dumps(dict(configs=configs, pairs=pairs, dtype=args.dtype, smoke=args.smoke, iteration=args.iteration))
+    job = json.dumps(dict(configs=configs, pairs=pairs, dtype=args.dtype, smoke=args.smoke, iteration=args.iteration,
+                          **(dict(accepted=True) if args.accepted else {})))
     runs = {side: [] for side in SIDES}
     with tempfile.TemporaryDirectory() as tmp:
         paths = {"against": revision_package(ROOT, args.against, tmp), "working": str(ROOT)}
@@ -168,7 +184,8 @@ def main(argv=None):
                          difference=statistics.mean(mine["working"]) - statistics.mean(mine["against"])))
     import torch
 
-    timed = "greedy iteration (speculative_step)" if args.iteration else "tree pass"
+    timed = ("greedy iteration (speculative_step)" + (" of chains accepted whole" if args.accepted else "")
+             if args.iteration else "tree pass")
     result = dict(benchmark="pass_ab", **run_info(torch.device("cpu"), argv), against=args.against, dtype=args.dtype,
                   model="tiny mamba2" if args.smoke else "shipped target", processes=processes, pairs=pairs,
                   timed=timed,

@@ -176,6 +176,40 @@ def test_the_one_call_greedy_iteration_is_the_pass_verification_and_commit(data,
         assert not ids[~real].any() and not probs[~real].any() and not own[~real].any()
 
 
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+@pytest.mark.parametrize("sizes", [None, (16, 9, 1)])
+def test_a_long_paths_replay_split_over_threads_commits_as_on_one_thread(layout, sizes):
+    """A greedy iteration replays each (layer, row) of a long accepted path on a thread of its own
+    (mamba_step.cpp, REPLAY_SPLIT): the paths and the states exactly as replayed on one thread, the rows
+    of a packed draft (each at its own offset in the pass's scratch) too. Chains whose tokens are the
+    model's own choices, so that every node is accepted."""
+    model, batch, n = MODELS[layout], 3, 16
+    cache = _prefilled(model, batch)
+    parents = TreeShape.chain(n - 1).parents_tensor().expand(batch, n)
+    tokens = torch.randint(0, VOCAB, (batch, n), generator=torch.Generator().manual_seed(0))
+    for j in range(1, n):  # (each node the choice after its parent: the whole chain accepted)
+        tokens[:, j] = model.forward_tree(TokenTree(parents, tokens), cache.clone())[0][:, j - 1].argmax(-1)
+    valid = torch.ones(batch, n, dtype=torch.bool)
+    if sizes is not None:
+        valid &= torch.arange(n)[None] < torch.tensor(sizes)[:, None]
+    tree = TokenTree(parents, tokens, valid=valid, row_sizes=sizes)
+    other, threads = cache.clone(), torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        want = model.greedy_tree(tree, other)
+        torch.set_num_threads(2)
+        got = model.greedy_tree(tree, cache)
+    finally:
+        torch.set_num_threads(threads)
+    assert got[2].tolist() == [n] * batch if sizes is None else got[2].tolist() == list(sizes)
+    for a, b in zip(got[1:6], want[1:6]):
+        assert torch.equal(a, b)
+    for r, size in enumerate(sizes or [n] * batch):  # (past a packed row's size its logits are not made)
+        assert torch.equal(got[0][r, :size], want[0][r, :size])
+    assert_same_state(cache, other, tol=0)
+    assert not torch.equal(cache.ssm, _prefilled(model, batch).ssm)  # (the replay moved them)
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_a_greedy_iteration_takes_the_first_of_equal_largest_logits(seed):
     """Logits with many equal largest entries at every node (the final norm keeps one channel, the

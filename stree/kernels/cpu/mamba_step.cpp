@@ -614,6 +614,8 @@ long greedy_row(const float* logits, long V, const int64_t* tokens, const int64_
   return count;
 }
 
+constexpr long REPLAY_SPLIT = 2;  // the nodes replayed (all rows') from which a greedy iteration splits its replay
+
 // Activation replay (replay_jit.replay_layers' arithmetic, per entry token by token: state * decay + dt x
 // B in float) of one row's accepted path acc [m] in one layer, in place: the SSM state [heads, headdim,
 // d_state] and the conv window [conv_dim, d_conv], from the pass's scratch of the row (xBC, x, dt, B at
@@ -723,13 +725,21 @@ extern "C" long stree_mamba_tree_greedy(const int64_t* a) {
     if (!num[r]) return -1;
     bonus[r] = emitted[r * L + num[r] - 1];
   }
-  thread_local std::vector<float> work;
-  work.resize((size_t)(L * (1 + sz.headdim)));
-  long SS = HP * sz.d_state;
-  for (long l = 0; l < sz.layers; l++)
-    for (long r = 0, at = l * N; r < b; at += sizes ? sizes[r] : n, r++)  // (at: the row's first node there)
-      replay_row(m->layer[l], sz, m->e.dt_lo, m->e.dt_hi, xBC + at * CD, x + at * HP, dt + at * H, B + at * GS,
-                 path + r * L, num[r], conv_states + (l * b + r) * CD * K, ssm_states + (l * b + r) * SS, work.data());
+  long SS = HP * sz.d_state, jobs = sz.layers * b, replayed = 0;
+  for (long r = 0; r < b; r++) replayed += num[r];
+  int threads = (int)a[13];
+  // Each (layer, row) replays alone, so they are split over the threads (the pass's products have just run
+  // on them): replayed on one, a 16-node chain accepted whole had taken 0.6 of a plain step more than split
+  // (benchmarks/pass_ab.py --accepted, docs/benchmarks.md); a single node, the root alone, stays on one
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && jobs > 1 && replayed >= REPLAY_SPLIT)
+  for (long j = 0; j < jobs; j++) {
+    long l = j / b, r = j % b, at = l * N;  // (at: the row's first node in the layer's scratch)
+    for (long q = 0; q < r; q++) at += sizes ? sizes[q] : n;
+    thread_local std::vector<float> work;
+    work.resize((size_t)(L * (1 + sz.headdim)));
+    replay_row(m->layer[l], sz, m->e.dt_lo, m->e.dt_hi, xBC + at * CD, x + at * HP, dt + at * H, B + at * GS,
+               path + r * L, num[r], conv_states + (l * b + r) * CD * K, ssm_states + (l * b + r) * SS, work.data());
+  }
   int64_t* lengths = (int64_t*)a[26];
   if (lengths)
     for (long r = 0; r < b; r++) lengths[r] += num[r];
@@ -737,6 +747,7 @@ extern "C" long stree_mamba_tree_greedy(const int64_t* a) {
   if (k) {
     int64_t* top_ids = (int64_t*)a[22];
     float *top_probs = (float*)a[23], *own = (float*)a[24];
+    thread_local std::vector<float> work;
     work.resize((size_t)V);
     for (long r = 0; r < b; r++)
       for (long t = 0; t < L; t++) {
