@@ -99,7 +99,7 @@ def worker(configs: list[tuple[int, int, list | None]], pairs: int, dtype: str, 
             for j in range(1, nodes):
                 tree.tokens[:, j] = model.forward_tree(tree, cache.clone())[0][:, j - 1].argmax(-1)
             tree = TokenTree.from_shape(shape, tree.tokens)
-        kept = (cache.conv.clone(), cache.ssm.clone())
+        kept = (cache.conv.clone(), cache.ssm.clone()) if accepted else None
         token = torch.randint(0, model.vocab_size, (batch,), generator=gen)
 
         def step():
@@ -108,7 +108,8 @@ def worker(configs: list[tuple[int, int, list | None]], pairs: int, dtype: str, 
 
         def timed(fn) -> float:
             if accepted:  # (the states the chain was drafted from, put back)
-                cache.conv.copy_(kept[0]), cache.ssm.copy_(kept[1])
+                cache.conv.copy_(kept[0])
+                cache.ssm.copy_(kept[1])
             start = time.perf_counter()
             fn()
             return time.perf_counter() - start
