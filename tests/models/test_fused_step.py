@@ -181,8 +181,10 @@ def test_the_one_call_greedy_iteration_is_the_pass_verification_and_commit(data,
 def test_a_long_paths_replay_split_over_threads_commits_as_on_one_thread(layout, sizes):
     """A greedy iteration replays each (layer, row) of a long accepted path on a thread of its own
     (mamba_step.cpp, REPLAY_SPLIT): the paths and the states exactly as replayed on one thread, the rows
-    of a packed draft (each at its own offset in the pass's scratch) too. Chains whose tokens are the
-    model's own choices, so that every node is accepted."""
+    of a packed draft (each at its own offset in the pass's scratch) too, and the states within float32
+    rounding of the block-by-block pass's numba replay (the reference; the suite's workers run one thread
+    each, so the split is compared with it here). Chains whose tokens are the model's own choices, so that
+    every node is accepted."""
     model, batch, n = MODELS[layout], 3, 16
     cache = _prefilled(model, batch)
     parents = TreeShape.chain(n - 1).parents_tensor().expand(batch, n)
@@ -193,7 +195,7 @@ def test_a_long_paths_replay_split_over_threads_commits_as_on_one_thread(layout,
     if sizes is not None:
         valid &= torch.arange(n)[None] < torch.tensor(sizes)[:, None]
     tree = TokenTree(parents, tokens, valid=valid, row_sizes=sizes)
-    other, threads = cache.clone(), torch.get_num_threads()
+    other, reference, threads = cache.clone(), cache.clone(), torch.get_num_threads()
     try:
         torch.set_num_threads(1)
         want = model.greedy_tree(tree, other)
@@ -208,6 +210,12 @@ def test_a_long_paths_replay_split_over_threads_commits_as_on_one_thread(layout,
         assert torch.equal(got[0][r, :size], want[0][r, :size])
     assert_same_state(cache, other, tol=0)
     assert not torch.equal(cache.ssm, _prefilled(model, batch).ssm)  # (the replay moved them)
+    padded = TokenTree(parents, tokens, valid=valid)  # (the reference scores every node; the rest are invalid)
+    logits, tree_pass = model.forward_tree(padded, reference)
+    result = verify_greedy_host(padded, logits)[0]
+    model.commit(reference, tree_pass, result.accepted, result.num_accepted)
+    assert torch.equal(result.num_accepted, got[2])
+    assert_same_state(cache, reference, tol=2e-5)
 
 
 @pytest.mark.parametrize("seed", range(4))
