@@ -215,11 +215,19 @@ def autoregressive_step(model, cache, roots: torch.Tensor, params: SamplingParam
     if fused:  # (CUDA graphs: the step, the token's choice and the host's packed part as one graph)
         k = None if top_k is None else min(top_k, model.vocab_size)
         return unpack(fused(roots, k).to("cpu", copy=True), 1, 1, k)  # (a copy: the graph's output is its own)
-    one = runner.greedy_step(roots) if params.greedy and tensor_parallel(model) is None else None
-    if one is not None:  # the step and each row's choice as one call
-        logits, nxt, counts, finite = one
-        probs = None if top_k is None else params.observed(logits)[:, None]
-        return _to_host(nxt, counts, probs, top_k or 0, finite)
+    # greedy, where the model has it: the step, each row's choice and the laws a drafter learns from as one
+    # call (the laws' softmax, top-k and gather in torch had cost a plain step a sixth more)
+    one = None
+    if params.greedy and tensor_parallel(model) is None:
+        one = runner.greedy_step(roots, top_k if _verify.COMPILED_ON_CPU else None)
+    if one is not None:
+        logits, nxt, counts, finite, laws = one
+        if laws is None:
+            probs = None if top_k is None else params.observed(logits)[:, None]
+            return _to_host(nxt, counts, probs, top_k or 0, finite)
+        host = HostStep(nxt, counts, finite)  # (its outputs are the host's own)
+        host.top_ids, host.top_probs, host.token_probs = laws
+        return host
     logits = runner.step()(roots, validate=False)
     if greedy_on_host(params, logits) and tensor_parallel(model) is None:
         nxt, finite = greedy_rows_host(logits)

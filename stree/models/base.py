@@ -360,20 +360,24 @@ class TreeLM(nn.Module):
         return logits
 
     @torch.no_grad()
-    def greedy_step(self, tokens: torch.Tensor, cache: ModelCache, validate: bool = True, one_call=None):
+    def greedy_step(self, tokens: torch.Tensor, cache: ModelCache, validate: bool = True, one_call=None,
+                    top_k: int | None = None):
         """:meth:`step` with each row's greedy choice made in the same call, where the family's step
         is one call (:mod:`stree.models.fused_step`): the logits ``[b, V]``, the choices ``[b, 1]``
         (the first of equal maxima, as ``torch.argmax``), ones ``[b]`` and whether each row's logits
-        are free of NaN and +inf ``[b]``, the last three host tensors, the cache advanced; None, the
-        cache untouched, where there is no such call. ``validate`` as :meth:`step`'s; with ``one_call``
-        (as :meth:`step`'s) the caller also vouches for the tokens and cache, as a decoding call's runner
-        does for its own rows: they are not checked again."""
+        are free of NaN and +inf ``[b]``, the last three host tensors, the cache advanced; last, with
+        ``top_k`` (cut to the vocabulary), the target's law at each choice a drafter learns from, as
+        :meth:`greedy_tree`'s along a path (``[b, 1, top_k]`` ids and probabilities, ``[b, 1]`` the
+        choice's own), else None. None, the cache untouched, where there is no such call.
+        ``validate`` as :meth:`step`'s; with ``one_call`` (as :meth:`step`'s) the caller also vouches
+        for the tokens and cache, as a decoding call's runner does for its own rows: they are not
+        checked again."""
         if one_call is None:
             self.check_step(tokens, cache, validate)
         greedy = getattr(self._one_call(one_call, tokens, cache), "greedy", None)
         if greedy is None:
             return None
-        out = greedy(tokens.contiguous(), cache.conv, cache.ssm)
+        out = greedy(tokens.contiguous(), cache.conv, cache.ssm, top_k)
         cache.seqlens += _ONE  # (a Python 1 is a new scalar tensor each step: an allocation)
         cache.moved()
         return out

@@ -57,10 +57,11 @@ class EagerRunner:
             one = one.reused()
         if one is None:
             self._step = lambda tokens, validate: model.step(tokens, cache, validate=validate)
-            self._greedy_step = lambda tokens: None
+            self._greedy_step = lambda tokens, top_k: None
         else:
             self._step = lambda tokens, validate: model.step(tokens, cache, validate=validate, one_call=one)
-            self._greedy_step = lambda tokens: greedy_step(tokens, cache, validate=False, one_call=one)
+            self._greedy_step = lambda tokens, top_k: greedy_step(tokens, cache, validate=False, one_call=one,
+                                                                  top_k=top_k)
         self._commit = lambda tree_pass, accepted, num: target.commit(cache, tree_pass, accepted, num, validate=False)
         self._passes = {scan: (lambda draft, scan=scan: target.forward_tree(draft, cache, scan=scan, validate=False))
                         for scan in ("tree", "chain", "unrolled")}
@@ -79,10 +80,11 @@ class EagerRunner:
         None where the model has none."""
         return self._greedy(draft, top_k)
 
-    def greedy_step(self, tokens: torch.Tensor):
-        """The model's step with each row's greedy choice made in the same call
-        (:meth:`~stree.models.base.TreeLM.greedy_step`), or None where the model has none."""
-        return self._greedy_step(tokens)
+    def greedy_step(self, tokens: torch.Tensor, top_k: int | None = None):
+        """The model's step with each row's greedy choice made in the same call (and the target's laws
+        at the choices for ``top_k``: :meth:`~stree.models.base.TreeLM.greedy_step`), or None where
+        the model has none."""
+        return self._greedy_step(tokens, top_k)
 
     def tree_calls(self, draft, scan: str) -> tuple[Callable, Callable]:
         """A draft with ``row_sizes`` under the tree scan is scored packed, without padding."""
@@ -173,10 +175,10 @@ class DecodeRunner:
             self._calls[shape] = (lambda d: tree_pass(d.tokens, validate=False)), commit
         return self._calls[shape]
 
-    def greedy_step(self, tokens: torch.Tensor):
+    def greedy_step(self, tokens: torch.Tensor, top_k: int | None = None):
         """As :meth:`EagerRunner.greedy_step` (the model's own call: where it has one, the runner's
         step is that call too)."""
-        return self._eager.greedy_step(tokens)
+        return self._eager.greedy_step(tokens, top_k)
 
     def greedy_tree(self, draft, top_k: int | None = None):
         """As :meth:`EagerRunner.greedy_tree`, the model's own call on the runner's cache, for the drafts

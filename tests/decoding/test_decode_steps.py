@@ -87,8 +87,8 @@ def test_on_the_cpu_a_step_hands_the_host_what_a_devices_transfer_would(family, 
     step's target laws are the same where a drafter reads them (each row's first ``counts[b]``
     tokens; ids of equal probabilities would run in id order on the host, in torch's own on the
     device: these laws have none); the host computes none for the paths' padding, which it leaves 0.
-    A Mamba2 model's greedy tree step computes its laws in its one call, their probabilities within
-    float32 rounding of the device path's softmax."""
+    A Mamba2 model's greedy steps, plain and tree, compute their laws in their one call, their
+    probabilities within float32 rounding of the device path's softmax."""
     params = SamplingParams(temperature=temperature)
     got = {}
     for on_host in (True, False):
@@ -103,7 +103,7 @@ def test_on_the_cpu_a_step_hands_the_host_what_a_devices_transfer_would(family, 
             host, result = speculative_step(model, cache, _draft(5, temperature > 0), params, gen, top_k=top_k)
         assert reads.count("Tensor.cpu") == (0 if on_host else 2)  # (the host's own: numpy views of CPU tensors)
         got[on_host] = (plain, host, result.accepted, result.num_accepted, result.bonus)
-    tree_step = got[True][1]
+    plain_step, tree_step = got[True][:2]
     real = torch.arange(tree_step.tokens.shape[1]) < tree_step.counts[:, None]
     for a, b in zip(got[True], got[False]):
         for name, x, y in (("", a, b),) if isinstance(a, torch.Tensor) else zip(vars(a), vars(a).values(),
@@ -112,7 +112,9 @@ def test_on_the_cpu_a_step_hands_the_host_what_a_devices_transfer_would(family, 
             if x is None:
                 continue
             assert x.dtype == y.dtype
-            if a is tree_step and name in ("top_probs", "token_probs") and temperature == 0 and family == "mamba2":
+            if a is plain_step and name in ("top_probs", "token_probs") and temperature == 0 and family == "mamba2":
+                torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-9)  # (the one-call greedy step's softmax)
+            elif a is tree_step and name in ("top_probs", "token_probs") and temperature == 0 and family == "mamba2":
                 # (the one-call greedy iteration's softmax: its exp a polynomial's, within float32 rounding)
                 torch.testing.assert_close(x[real], y[real], rtol=1e-5, atol=1e-9)
                 assert not x[~real].any()
@@ -259,6 +261,26 @@ def test_greedy_plain_steps_of_a_mamba2_model_choose_their_tokens_in_the_step_ca
     monkeypatch.setattr(mamba_step.MambaStep, "greedy", lambda *a: calls.__setitem__("greedy", 1))
     generate(model, PROMPTS, method="autoregressive", max_new_tokens=BUDGETS, temperature=1.0, seed=0)
     assert calls["greedy"] == 0
+
+
+def test_a_greedy_plain_step_brings_a_drafters_laws_from_the_step_call():
+    """A drafter learning from the target's laws (STAND's top 10) costs a greedy plain step of a
+    float32 Mamba2 model on the CPU no torch op: the law comes from the step's one call
+    (MambaStep.greedy), where its softmax, top-k and gather as torch ops had cost the shipped
+    target's plain steps a sixth more; as the host's argmax (the model's greedy step withheld)."""
+    from stree.kernels.cpu import mamba_step
+    from stree.runtime.runners import EagerRunner
+
+    if not mamba_step.available():
+        pytest.skip("no C++ compiler for the CPU library here")
+    model, cache = _ready("mamba2")
+    runner, params, roots = EagerRunner(model, cache), SamplingParams(), torch.tensor([1, 2])
+    counted = {k: count_ops(lambda k=k: autoregressive_step(model, cache, roots, params, None, runner, k))
+               for k in (None, 10, None)}  # (the first None: the kept outputs' first use)
+    with_laws, without = counted[10], counted[None]
+    assert with_laws.total == without.total, (with_laws.by_name - without.by_name)
+    host = autoregressive_step(model, cache, roots, params, None, runner, 10)
+    assert host.top_ids.shape == (2, 1, 10) and torch.equal(host.top_ids[:, 0, 0], host.tokens[:, 0])
 
 
 @pytest.mark.parametrize("method, temperature", [("autoregressive", 0.0), ("autoregressive", 1.0), ("stree", 0.0)],

@@ -445,10 +445,10 @@ def test_a_greedy_step_is_the_step_and_its_argmax(layout, ran):
         tokens = torch.randint(10, VOCAB, (3,), generator=gen)
         if step == 3:
             tokens[1] = 9
-        logits, choice, counts, finite = model.greedy_step(tokens, cache)
+        logits, choice, counts, finite, laws = model.greedy_step(tokens, cache)
         want = model.step(tokens, twin)
         torch.testing.assert_close(logits, want, rtol=0, atol=0, equal_nan=True)
-        assert choice.shape == (3, 1) and counts.tolist() == [1, 1, 1]
+        assert choice.shape == (3, 1) and counts.tolist() == [1, 1, 1] and laws is None
         assert choice[:, 0].tolist() == [0 if v.isnan().any() else int(v.argmax()) for v in want]
         assert finite.tolist() == [bool(torch.isfinite(v).all()) for v in want] == [True, step < 3, True]  # (NaN from then on)
         assert torch.equal(cache.seqlens, twin.seqlens)
@@ -458,6 +458,46 @@ def test_a_greedy_step_is_the_step_and_its_argmax(layout, ran):
         model.greedy_step(torch.tensor([3, model.vocab_size, 4]), cache, validate=False)
     assert torch.equal(cache.seqlens, before.seqlens) and torch.equal(cache.ssm.nan_to_num(), before.ssm.nan_to_num())
     assert ran[0] == 13
+
+
+@settings(max_examples=30, deadline=None)
+@given(data=st.data(), layout=st.sampled_from(sorted(LAYOUTS)))
+def test_a_greedy_steps_laws_are_the_softmaxs_top_entries_at_its_choices(data, layout):
+    """With ``top_k``, the greedy step's one call also hands over the law a drafter learns from at each
+    row's choice: the softmax's ``top_k`` (cut to the vocabulary) largest probabilities of the step's own
+    logits, most likely first, their ids, and the choice's own probability, within float32 rounding
+    (the exp a polynomial's), on one thread or split over two (rows apart), written over whatever the
+    kept outputs held; the choices, flags and states as without laws."""
+    model = MODELS[layout]
+    batch = data.draw(st.integers(1, 4))
+    top_k = data.draw(st.sampled_from([1, 3, 10, VOCAB + 5]))
+    threads = data.draw(st.sampled_from([1, 2]))
+    cache = _prefilled(model, batch, seed=data.draw(st.integers(0, 99)))
+    twin = cache.clone()
+    with torch.no_grad():
+        one = fused_step(model, cache, None, "auto").reused()
+    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 99)))
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for _ in range(2):  # (the second call writes over the first's kept outputs, poisoned in between)
+            tokens = torch.randint(0, VOCAB, (batch,), generator=gen)
+            logits, choice, counts, finite, laws = model.greedy_step(tokens, cache, one_call=one, top_k=top_k)
+            plain = model.greedy_step(tokens, twin, top_k=None)
+            assert torch.equal(logits, plain[0]) and torch.equal(choice, plain[1]) and torch.equal(finite, plain[3])
+            assert plain[4] is None
+            ids, probs, own = laws
+            k = min(top_k, model.vocab_size)
+            assert ids.shape == probs.shape == (batch, 1, k) and own.shape == (batch, 1)
+            law = torch.softmax(logits, -1)
+            torch.testing.assert_close(probs[:, 0], law.topk(k, -1).values, rtol=1e-5, atol=1e-9)
+            torch.testing.assert_close(law.gather(-1, ids[:, 0]), probs[:, 0], rtol=1e-5, atol=1e-9)  # (their ids)
+            assert all(len(set(row)) == k for row in ids[:, 0].tolist())
+            torch.testing.assert_close(own, law.gather(-1, choice), rtol=1e-5, atol=1e-9)
+            ids.fill_(-1), probs.fill_(float("nan")), own.fill_(float("nan"))
+    finally:
+        torch.set_num_threads(before)
+    assert_same_state(cache, twin, tol=0) and torch.equal(cache.seqlens, twin.seqlens)
 
 
 def test_a_greedy_step_is_none_where_the_step_goes_block_by_block():

@@ -419,6 +419,41 @@ bool all_below_inf(const float* x, long count) {
   return !bad;
 }
 
+// What a drafter learns of the target at one node: the softmax of its logits (its max taken off, the
+// exp a polynomial's, the sum in float), the k most likely ids and their probabilities (most likely
+// first; of equal ones the lower id, as steps.py's _top_laws), and token's own probability. ids [k],
+// probs [k], own; work [V].
+void node_law(const float* logits, long V, long k, int64_t token, int64_t* ids, float* probs, float* own, float* work) {
+  float top = logits[0];
+  for (long i = 1; i < V; i++) top = logits[i] > top ? logits[i] : top;
+#pragma omp simd
+  for (long i = 0; i < V; i++) work[i] = exp_poly(logits[i] - top);
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (long i = 0; i < V; i++) sum += work[i];
+  for (long i = 0; i < V; i++) work[i] /= sum;
+  for (long j = 0; j < k; j++) probs[j] = -INFINITY, ids[j] = 0;
+  // (a block none of whose entries beats the k-th kept is passed over by one vector compare: scalar, the
+  // compare and branch per entry had taken most of the law's time)
+  constexpr long W = 16;
+  for (long i0 = 0; i0 < V; i0 += W) {
+    long end = i0 + W < V ? i0 + W : V;
+    float least = probs[k - 1];
+    int beats = 0;
+#pragma omp simd reduction(| : beats)
+    for (long i = i0; i < end; i++) beats |= work[i] > least;
+    if (!beats) continue;
+    for (long i = i0; i < end; i++) {
+      float p = work[i];
+      if (!(p > probs[k - 1])) continue;
+      long j = k - 1;
+      for (; j > 0 && probs[j - 1] < p; j--) probs[j] = probs[j - 1], ids[j] = ids[j - 1];
+      probs[j] = p, ids[j] = i;
+    }
+  }
+  *own = work[token];
+}
+
 }  // namespace
 
 // The step's arguments as one array of int64 (see mamba_step.py): the model's layout, the tokens [b]
@@ -427,7 +462,10 @@ bool all_below_inf(const float* x, long count) {
 // 0: every row, k = b), k, the logits [k, vocab], threads, and where a greedy step wants them (else 0),
 // each logits row's choice (int64 [k]: its first largest entry, as first_max) and whether it is below
 // +inf throughout (uint8 [k]): the host's argmax and check of the logits, a few microseconds of work,
-// had cost a plain step's host path a tenth of the step in calls. Returns 0; or, where nothing was
+// had cost a plain step's host path a tenth of the step in calls; then, with a choice, laws (0: none) and,
+// for each row, the target's law for a drafter (node_law, at the row's choice): top ids [k, laws] (int64),
+// their probabilities [k, laws] and the choice's own [k] (float32; torch's softmax, top-k and gather
+// after the call had taken a plain step a sixth more). Returns 0; or, where nothing was
 // computed, 1 + the first row whose token is outside the vocabulary, or -1 - the first entry of the rows
 // outside [0, b).
 extern "C" long stree_mamba_step(const int64_t* a) {
@@ -452,6 +490,18 @@ extern "C" long stree_mamba_step(const int64_t* a) {
   for (long j = 0; choice && j < k; j++) {
     choice[j] = first_max(logits + j * n.vocab, n.vocab);
     finite[j] = all_below_inf(logits + j * n.vocab, n.vocab);
+  }
+  long laws = choice ? a[11] : 0;
+  if (laws) {
+    int64_t* top_ids = (int64_t*)a[12];
+    float *top_probs = (float*)a[13], *own = (float*)a[14];
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && k > 1)
+    for (long j = 0; j < k; j++) {
+      thread_local std::vector<float> work;
+      work.resize((size_t)n.vocab);
+      node_law(logits + j * n.vocab, n.vocab, laws, choice[j], top_ids + j * laws, top_probs + j * laws, own + j,
+               work.data());
+    }
   }
   return 0;
 }
@@ -653,30 +703,6 @@ void replay_row(const Layer& L, const Sizes& sz, double lo, double hi, const flo
       w[j] = q >= 0 ? xBC[acc[q] * CD + c] : w[K + q];
     }
   }
-}
-
-// What a drafter learns of the target at one node: the softmax of its logits (its max taken off, the
-// exp a polynomial's, the sum in float), the k most likely ids and their probabilities (most likely
-// first; of equal ones the lower id, as steps.py's _top_laws), and token's own probability. ids [k],
-// probs [k], own; work [V].
-void node_law(const float* logits, long V, long k, int64_t token, int64_t* ids, float* probs, float* own, float* work) {
-  float top = logits[0];
-  for (long i = 1; i < V; i++) top = logits[i] > top ? logits[i] : top;
-#pragma omp simd
-  for (long i = 0; i < V; i++) work[i] = exp_poly(logits[i] - top);
-  float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-  for (long i = 0; i < V; i++) sum += work[i];
-  for (long i = 0; i < V; i++) work[i] /= sum;
-  for (long j = 0; j < k; j++) probs[j] = -INFINITY, ids[j] = 0;
-  for (long i = 0; i < V; i++) {
-    float p = work[i];
-    if (!(p > probs[k - 1])) continue;
-    long j = k - 1;
-    for (; j > 0 && probs[j - 1] < p; j--) probs[j] = probs[j - 1], ids[j] = ids[j - 1];
-    probs[j] = p, ids[j] = i;
-  }
-  *own = work[token];
 }
 
 }  // namespace
