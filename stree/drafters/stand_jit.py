@@ -44,20 +44,24 @@ def _evict(count_evicted, stamp, key_len, key_slot, table, free, meta, keep, ids
 
 
 @njit(cache=True)
-def _merge(s, new_ids, new_p, ids, probs, count):
+def _merge(s, new_ids, new_p, ids, probs, count, all_ids, weight, score, taken):
     """Occurrence (``new_ids``, ``new_p``) merged into slot ``s``: the running mean over the union
-    of ids, re-truncated to the top K (ties: earlier position first, old entries before new)."""
+    of ids, re-truncated to the top K (ties: earlier position first, old entries before new).
+    ``all_ids``, ``weight``, ``score`` and ``taken`` (2K each) are the caller's scratch."""
     K = ids.shape[1]
     k = np.float32(count[s])
-    all_ids = np.empty(2 * K, dtype=np.int32)
-    weight = np.empty(2 * K, dtype=np.float32)
+    # A law of one entry, zero-padded (a plain step's token: most merges), skips its pads' sums and
+    # scans: each adds an exact zero, and only the first pad can be a new id (0).
+    one = True
     for j in range(K):
         all_ids[j] = ids[s, j]
         weight[j] = (probs[s, j] * k) / (k + np.float32(1))
         all_ids[K + j] = new_ids[j]
         weight[K + j] = new_p[j] / (k + np.float32(1))
-    score = np.empty(2 * K, dtype=np.float32)
-    for a in range(2 * K):
+        if j and (new_ids[j] != 0 or new_p[j] != 0):
+            one = False
+    summed = K + 1 if one else 2 * K  # the positions scored by their sums
+    for a in range(summed):
         first = True
         for b in range(a):
             if all_ids[b] == all_ids[a]:
@@ -65,16 +69,27 @@ def _merge(s, new_ids, new_p, ids, probs, count):
                 break
         if first:
             total = np.float32(0)
-            for b in range(a, 2 * K):
+            for b in range(a, summed):
                 if all_ids[b] == all_ids[a]:
                     total += weight[b]
             score[a] = total
         else:
             score[a] = np.float32(-1)
-    taken = np.zeros(2 * K, dtype=np.bool_)
+    if one:  # the pads: id 0 of weight 0, new only at the first pad and only if no earlier position holds it
+        zero_new = True
+        for b in range(K + 1):
+            if all_ids[b] == 0:
+                zero_new = False
+                break
+        for a in range(K + 1, 2 * K):
+            score[a] = np.float32(0) if a == K + 1 and zero_new else np.float32(-1)
+    # The top K, ties to the earlier position. Past the first ``ranked`` (>= K) positions every
+    # score is -1 (a pad repeating id 0): they rank after all of those, never among the top K.
+    ranked = min(K + 2, 2 * K) if one else 2 * K
+    taken[:] = False
     for r in range(K):
         best = -1
-        for a in range(2 * K):
+        for a in range(ranked):
             if not taken[a] and (best < 0 or score[a] > score[best]):
                 best = a
         taken[best] = True
@@ -90,6 +105,9 @@ def update(keys, lens, new_ids, new_p, piece, evict_count, ids, probs, count, st
     occurrence of a key in round r), each round in pieces of at most ``piece`` keys; a piece
     finding no free slot evicts the least recently updated ones (not its own)."""
     m = len(lens)
+    K = ids.shape[1]
+    all_ids, weight = np.empty(2 * K, dtype=np.int32), np.empty(2 * K, dtype=np.float32)
+    score, taken = np.empty(2 * K, dtype=np.float32), np.empty(2 * K, dtype=np.bool_)
     size = 2
     while size < 2 * m + 2:
         size *= 2
@@ -105,8 +123,20 @@ def update(keys, lens, new_ids, new_p, piece, evict_count, ids, probs, count, st
         rnd[i] = occurrences[first]
         occurrences[first] += 1
         rounds = max(rounds, rnd[i] + 1)
+    # each round's occurrences in order: a counting sort (a scan of all m per round cost a fifth of
+    # a plain run's update, whose most frequent token makes a round per occurrence)
+    begin = np.zeros(rounds + 1, dtype=np.int64)
+    for i in range(m):
+        begin[rnd[i] + 1] += 1
     for r in range(rounds):
-        members = np.nonzero(rnd == r)[0]
+        begin[r + 1] += begin[r]
+    order = np.empty(m, dtype=np.int64)
+    fill = begin[:rounds].copy()
+    for i in range(m):
+        order[fill[rnd[i]]] = i
+        fill[rnd[i]] += 1
+    for r in range(rounds):
+        members = order[begin[r]: begin[r + 1]]
         for lo in range(0, len(members), piece):
             part = members[lo: lo + piece]
             meta[M_CLOCK] += 1
@@ -135,7 +165,7 @@ def update(keys, lens, new_ids, new_p, piece, evict_count, ids, probs, count, st
                 meta[M_LIVE] += 1
                 slots[q] = s
             for q in range(len(part)):
-                _merge(slots[q], new_ids[part[q]], new_p[part[q]], ids, probs, count)
+                _merge(slots[q], new_ids[part[q]], new_p[part[q]], ids, probs, count, all_ids, weight, score, taken)
                 stamp[slots[q]] = meta[M_CLOCK]
 
 

@@ -289,6 +289,53 @@ def test_compiled_store_equals_the_reference(seed, vocab, top_k, max_n, capacity
                 assert np.array_equal(x, y)
 
 
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), vocab=st.integers(1, 6), top_k=st.integers(1, 10), max_n=st.integers(1, 4),
+       capacity=st.integers(1, 60))
+def test_plain_runs_teach_the_compiled_store_what_they_teach_the_reference(seed, vocab, top_k, max_n, capacity):
+    """The compiled merge's shortcut for a law of one entry (a plain step's token, zero-padded to K):
+    runs of plain steps over a few ids (token 0 and repeats among them: many rounds, ids the pads
+    repeat), between target laws whose tails are zero too, leave the same entries, counts and
+    stamps as the reference's full merge."""
+    rng = np.random.default_rng(seed)
+    ref, fast = (STANDStore(capacity, top_k, max_n, compiled=c) for c in (False, True))
+    seq = rng.integers(0, vocab, 4)
+    for _ in range(int(rng.integers(1, 8))):
+        m = int(rng.integers(1, 40))
+        seq = np.concatenate([seq, rng.integers(0, vocab, m)])
+        if rng.random() < 0.7:  # a plain run: one-hot laws of the emitted tokens
+            ids, probs = seq[-m:, None], np.ones((m, 1), np.float32)
+        else:  # the target's laws, some with zero entries after their first
+            width = int(rng.integers(1, top_k + 2))
+            ids = np.stack([rng.permutation(vocab + width)[:width] for _ in range(m)])
+            probs = rng.dirichlet(np.ones(width), m).astype(np.float32)
+            probs[rng.random((m, width)) < 0.3] = 0
+            ids[probs == 0] = np.where(rng.random(int((probs == 0).sum())) < 0.5, 0, ids[probs == 0])
+        ref.observe(seq, len(seq) - m, ids, probs)
+        fast.observe(seq, len(seq) - m, ids, probs)
+        assert sorted(ref.keys()) == sorted(fast.keys())
+        for key in ref.keys():
+            a, b = ref.entry(key), fast.entry(key)
+            assert a[0].tolist() == b[0].tolist() and torch.equal(a[1], b[1]) and a[2] == b[2], key
+            assert ref.stamp[ref.slot(key)] == fast.stamp[fast.slot(key)]
+
+
+@pytest.mark.parametrize("entry, token, expected", [
+    (([5, 5, 5], [0.5, 0, 0]), 7, [7, 5, 0]),  # no 0 held: the first pad's id 0 is new (score 0), not a 5
+    (([5, 0, 5], [0.5, 0, 0]), 5, [5, 0, 5]),  # 0 held: every pad repeats it (-1), so the held 5 comes next
+])
+def test_a_one_entry_law_merges_as_the_full_merge_into_any_entry(entry, token, expected):
+    """Entries no merge from an empty store leaves (a repeated id, no id 0), written into both stores:
+    one token's law, zero-padded, ranks its pads' id 0 as the full merge does."""
+    stores = [STANDStore(capacity=4, top_k=3, max_n=1, compiled=c) for c in (False, True)]
+    for store in stores:
+        store.update([(1,)], t(9, 8, 6, dtype=torch.long), t(0.5, 0.3, 0.2))
+        s = store.slot((1,))
+        store.ids[s], store.probs[s] = torch.tensor(entry[0], dtype=torch.int32), torch.tensor(entry[1])
+        store.update([(1,)], t(token, dtype=torch.long), t(1.0))
+        assert store.entry((1,))[0].tolist() == expected
+
+
 @pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "reference"])
 def test_it_says_before_drafting_exactly_when_no_row_would_get_more_than_its_root(compiled):
     """``can_draft``, which the decoding loop asks before drafting: False exactly where proposing,
