@@ -44,10 +44,10 @@ def _evict(count_evicted, stamp, key_len, key_slot, table, free, meta, keep, ids
 
 
 @njit(cache=True)
-def _merge(s, new_ids, new_p, ids, probs, count, all_ids, weight, score, taken):
+def _merge(s, new_ids, new_p, ids, probs, count, all_ids, weight, score, top):
     """Occurrence (``new_ids``, ``new_p``) merged into slot ``s``: the running mean over the union
     of ids, re-truncated to the top K (ties: earlier position first, old entries before new).
-    ``all_ids``, ``weight``, ``score`` and ``taken`` (2K each) are the caller's scratch."""
+    ``all_ids``, ``weight``, ``score`` (2K each) and ``top`` (K) are the caller's scratch."""
     K = ids.shape[1]
     k = np.float32(count[s])
     # A law of one entry, zero-padded (a plain step's token: most merges), skips its pads' sums and
@@ -61,20 +61,18 @@ def _merge(s, new_ids, new_p, ids, probs, count, all_ids, weight, score, taken):
         if j and (new_ids[j] != 0 or new_p[j] != 0):
             one = False
     summed = K + 1 if one else 2 * K  # the positions scored by their sums
+    # an id's score, at its first position, sums its weights in position order (-1 at the others)
     for a in range(summed):
-        first = True
+        first = a
         for b in range(a):
             if all_ids[b] == all_ids[a]:
-                first = False
+                first = b
                 break
-        if first:
-            total = np.float32(0)
-            for b in range(a, summed):
-                if all_ids[b] == all_ids[a]:
-                    total += weight[b]
-            score[a] = total
+        if first == a:
+            score[a] = weight[a]
         else:
             score[a] = np.float32(-1)
+            score[first] += weight[a]
     if one:  # the pads: id 0 of weight 0, new only at the first pad and only if no earlier position holds it
         zero_new = True
         for b in range(K + 1):
@@ -83,18 +81,24 @@ def _merge(s, new_ids, new_p, ids, probs, count, all_ids, weight, score, taken):
                 break
         for a in range(K + 1, 2 * K):
             score[a] = np.float32(0) if a == K + 1 and zero_new else np.float32(-1)
-    # The top K, ties to the earlier position. Past the first ``ranked`` (>= K) positions every
-    # score is -1 (a pad repeating id 0): they rank after all of those, never among the top K.
+    # The top K by score, ties to the earlier position: each position in turn inserted after the
+    # kept ones of a score at least its own. Past the first ``ranked`` (>= K) positions every score
+    # is -1 (a pad repeating id 0): they rank after all of those, never among the top K.
     ranked = min(K + 2, 2 * K) if one else 2 * K
-    taken[:] = False
+    kept = 0
+    for a in range(ranked):
+        v = score[a]
+        if kept == K and not v > score[top[K - 1]]:
+            continue
+        i = kept if kept < K else K - 1
+        while i > 0 and score[top[i - 1]] < v:
+            top[i] = top[i - 1]
+            i -= 1
+        top[i] = a
+        kept = min(kept + 1, K)
     for r in range(K):
-        best = -1
-        for a in range(ranked):
-            if not taken[a] and (best < 0 or score[a] > score[best]):
-                best = a
-        taken[best] = True
-        ids[s, r] = all_ids[best]
-        probs[s, r] = max(score[best], np.float32(0))
+        ids[s, r] = all_ids[top[r]]
+        probs[s, r] = max(score[top[r]], np.float32(0))
     count[s] += 1
 
 
@@ -107,7 +111,7 @@ def update(keys, lens, new_ids, new_p, piece, evict_count, ids, probs, count, st
     m = len(lens)
     K = ids.shape[1]
     all_ids, weight = np.empty(2 * K, dtype=np.int32), np.empty(2 * K, dtype=np.float32)
-    score, taken = np.empty(2 * K, dtype=np.float32), np.empty(2 * K, dtype=np.bool_)
+    score, top = np.empty(2 * K, dtype=np.float32), np.empty(K, dtype=np.int64)
     size = 2
     while size < 2 * m + 2:
         size *= 2
@@ -165,7 +169,7 @@ def update(keys, lens, new_ids, new_p, piece, evict_count, ids, probs, count, st
                 meta[M_LIVE] += 1
                 slots[q] = s
             for q in range(len(part)):
-                _merge(slots[q], new_ids[part[q]], new_p[part[q]], ids, probs, count, all_ids, weight, score, taken)
+                _merge(slots[q], new_ids[part[q]], new_p[part[q]], ids, probs, count, all_ids, weight, score, top)
                 stamp[slots[q]] = meta[M_CLOCK]
 
 
