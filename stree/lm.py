@@ -251,10 +251,11 @@ class LM:
         budget = params["max_new_tokens"]
         budget = budget if isinstance(budget, int) and budget > 0 else None  # decode checks it
         temperature = params["temperature"]
+        made = self.drafter(drafter, temperature, None if budget is None else len(ids) * (budget + 1))
+        if made is not None and made is not drafter:  # (made by name for this call alone: Drafter.serves_one_call)
+            made.serves_one_call = True
         steps = decode(self.model, ids, max_new_tokens=params["max_new_tokens"], temperature=temperature,
-                       top_k=params["top_k"], top_p=params["top_p"], eos_token_id=eos,
-                       drafter=self.drafter(drafter, temperature, None if budget is None else len(ids) * (budget + 1)),
-                       **kwargs)
+                       top_k=params["top_k"], top_p=params["top_p"], eos_token_id=eos, drafter=made, **kwargs)
         return rows, steps, eos, params
 
     def _output(self, out, rows: list[TextStops], eos, params: dict, stop_sequences=()) -> TextOutput:

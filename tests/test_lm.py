@@ -245,6 +245,21 @@ def test_a_calls_stand_store_is_sized_to_the_call(lm, monkeypatch):
     assert made == [dict(capacity=1024)] and len(out.token_ids) == 2  # 2 rows x 21 tokens x 4 n-grams
 
 
+def test_a_drafter_made_by_name_serves_its_call_alone(lm, monkeypatch):
+    """The drafter generate makes from a name is marked as serving that call alone
+    (``Drafter.serves_one_call``: the loop does not teach it the call's last run of plain steps);
+    a drafter object the caller passes, which may serve later calls, is not."""
+    import stree.lm as lm_module
+
+    given, real = [], lm_module.decode
+    monkeypatch.setattr(lm_module, "decode", lambda *a, **kw: given.append(kw["drafter"]) or real(*a, **kw))
+    own = NGramDrafter(max_n=2)
+    ref = lm.generate(PROMPTS, max_new_tokens=12, method="autoregressive").texts
+    assert lm.generate(PROMPTS, max_new_tokens=12, drafter="stand").texts == ref
+    assert lm.generate(PROMPTS, max_new_tokens=12, drafter=own).texts == ref
+    assert given[1].serves_one_call and given[2] is own and not own.serves_one_call
+
+
 def test_a_row_ended_by_a_token_stop_sequence_finished_for_stop(lm):
     """finish_reasons come from one place (stree.decoding.stops.finish_reasons), which knows the token
     stop sequences too: the text API reported "length" for a row they had ended."""

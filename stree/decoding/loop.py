@@ -226,8 +226,8 @@ class _Loop:
         finally:  # (also where the consumer stops early: the caller's cache holds every row as it stands)
             if self.held is not None and self.given is not None:
                 self.given.assign(torch.from_numpy(self.held).to(c.device), self.cache)
-        if self.plain_run is not None:
-            self.plain_run.end(rows, self.drafter, self.chooser)
+        if self.plain_run is not None:  # (the call's last: a drafter serving this call alone drafts nothing after it)
+            self.plain_run.end(rows, None if self.drafter.serves_one_call else self.drafter, self.chooser)
         if self.watch is not None:
             self.settle_watch()
         return self.output()
@@ -462,14 +462,15 @@ class _PlainRun:
         self.left, self.steps, self.ms = left, 0, []
         self.lengths, self.rows = rows.lengths.clone(), rows.active_ids()
 
-    def end(self, rows: Rows, drafter: Drafter, chooser: AutoTree) -> None:
-        """Show the drafter the run's tokens (as one emission per row: no target laws) and let the
-        chooser record its steps."""
+    def end(self, rows: Rows, drafter: Drafter | None, chooser: AutoTree) -> None:
+        """Show the drafter (None: none to show) the run's tokens (as one emission per row: no
+        target laws) and let the chooser record its steps."""
         if self.steps:
-            # (NumPy slices: a torch slice and index per row took a fifth of the run's end)
-            seq, starts, ends = rows.seq.numpy(), self.lengths.tolist(), rows.lengths.tolist()
-            drafter.observe(DraftContext(rows.seq, self.lengths, self.rows),
-                            [seq[r, starts[r]: ends[r]].tolist() for r in self.rows], None)
+            if drafter is not None:
+                # (NumPy slices: a torch slice and index per row took a fifth of the run's end)
+                seq, starts, ends = rows.seq.numpy(), self.lengths.tolist(), rows.lengths.tolist()
+                drafter.observe(DraftContext(rows.seq, self.lengths, self.rows),
+                                [seq[r, starts[r]: ends[r]].tolist() for r in self.rows], None)
             chooser.plain_steps(self.steps, self.ms)
 
 

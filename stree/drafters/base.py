@@ -106,6 +106,11 @@ class Drafter:
     #: the drafter's own random stream (None: it draws nothing)
     generator: torch.Generator | None = None
 
+    #: whether the drafter serves one decoding call alone (made for it, dropped after it: ``LM.generate``'s
+    #: drafter by name): what ``observe`` would learn after the call's last draft is never read, so the
+    #: loop does not show it the tokens of the call's last run of plain steps
+    serves_one_call = False
+
     @property
     def random_drafts(self) -> bool:
         """Whether the drafter's trees may carry random drafts (``child_probs``, verified by the

@@ -1798,6 +1798,42 @@ def test_plain_runs_decided_ahead_change_nothing_but_the_work(name, temperature)
     assert joined(calls[0]) == joined(calls[1])  # every token shown, in order
 
 
+@pytest.mark.parametrize("name", ["ngram", "stand"])
+def test_the_calls_last_plain_run_is_not_taught_to_a_drafter_serving_that_call_alone(name):
+    """At a call's end, the tokens of its last run of plain steps are shown to a drafter that may
+    draft again (later calls), not to one serving the call alone (``Drafter.serves_one_call``:
+    nothing reads what it would learn); the output, the steps and the chooser's record of the run
+    are the same."""
+    class NeverDrafts(AutoTree):  # every step plain, in one run decided ahead
+        def plan(self, behind=None, left=None):
+            return None
+
+        def plain_ahead(self, pending=0):
+            return self.NEVER
+
+        def watch_shape(self):
+            return None
+
+    model = mamba2()
+    prompts = [[1, 2, 3, 1, 2, 3, 1, 2], [4, 5, 6]]
+    outs, shown, recorded = [], [], []
+    for alone in (False, True):
+        drafter = make_drafter(name, vocab_size=model.vocab_size)
+        drafter.serves_one_call = alone
+        seen, observe = [], drafter.observe
+        drafter.observe = lambda context, tokens, target: (seen.append(tokens), observe(context, tokens, target))
+        auto = NeverDrafts(expensive())
+        runs, plain_steps = [], auto.plain_steps
+        auto.plain_steps = lambda steps, ms: (runs.append(steps), plain_steps(steps, ms))
+        outs.append(generate(model, prompts, drafter=drafter, tree=auto, max_new_tokens=30))
+        shown.append(seen)
+        recorded.append(runs)
+    assert outs[0].sequences == outs[1].sequences and outs[0].stats.trees == outs[1].stats.trees == {1: 29}
+    assert recorded[0] == recorded[1] == [28]  # (the first plain step weighed alone, then the run)
+    assert shown[0][:-1] == shown[1] and len(shown[1]) == 2  # the prefill's token, the first step's
+    assert shown[0][-1] == [t[2:] for t in outs[0].new_tokens]  # the run's 28, to the drafter that outlives the call
+
+
 def test_a_probe_teaches_the_share_of_drafts_kept_as_the_choice_would_have_judged_it():
     """A probe is verified whatever it is worth; what it teaches the share of drafts kept is
     whether the choice would have kept it, as a watched draft's does: a full draft where trees
