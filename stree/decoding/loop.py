@@ -254,6 +254,9 @@ class _Loop:
         self.params = self.params.select(np.flatnonzero(stay).tolist())
         self.held = held[stay]
         self.runner = EagerRunner(self.model, self.cache, c.target)
+        if self.chooser is not None:  # (its costs are now a smaller batch's: AutoTree.narrowed)
+            self.chooser.narrowed()
+            self.mark = None  # (the compaction is not the next iteration's)
 
     def build(self, pool: DecodeRunner | None) -> None:
         """Before decoding, as setup (their time is not decoding's): compile (CPU) or capture (CUDA
@@ -352,15 +355,15 @@ class _Loop:
         check_finite(host, rows, f"decoding step {stats.target_forwards}")
         rows.emit(host, self.drafter if self.plain_run is None else None, drafter_k)
         stop_at_sequences(rows, c.stops, self.seen)
-        if self.chooser is not None:  # (the profile's costs are the whole batch's: a smaller one's are not learned)
+        if self.chooser is not None:
             self.mark = time.perf_counter()
-            self.learn(draft, full, host, live, None if self.held is not None else (self.mark - began) * 1e3)
+            self.learn(draft, full, host, live, (self.mark - began) * 1e3)
         stats.time_draft += self.clock.lap()  # feeding the drafter is drafting work
 
-    def learn(self, draft, full, host: HostStep, live: list[int], elapsed: float | None) -> None:
+    def learn(self, draft, full, host: HostStep, live: list[int], elapsed: float) -> None:
         """What the chooser records of the step: a plain run's progress, a plain step (and whether
         to decide the next ones ahead), or a verified draft; ``elapsed``: the iteration's
-        milliseconds (None: not a time the chooser learns from)."""
+        milliseconds."""
         chooser, run = self.chooser, self.plain_run
         if self.watch is not None and (full is not None or self.watch.ready()):
             self.settle_watch()
@@ -368,10 +371,7 @@ class _Loop:
                 run.left = 0
         if run is not None:
             run.steps += 1
-            if elapsed is None:
-                run.ms = None
-            elif run.ms is not None:
-                run.ms.append(elapsed)
+            run.ms.append(elapsed)
             if run.left == 0:
                 run.end(self.rows, self.drafter, chooser)
                 self.plain_run = None
@@ -456,7 +456,7 @@ class _Clock:
 
 class _PlainRun:
     """``left`` more plain steps decided ahead (:meth:`AutoTree.plain_ahead`) from the rows as
-    they stood before them; ``steps`` taken so far, ``ms`` each one's time (None: one was not timed)."""
+    they stood before them; ``steps`` taken so far, ``ms`` each one's time."""
 
     def __init__(self, left: int, rows: Rows):
         self.left, self.steps, self.ms = left, 0, []

@@ -147,6 +147,53 @@ def test_probes_never_lose_more_than_their_share(adaptive, probe, after, steps):
     assert sum(lost) <= AutoTree.PROBE_SHARE * plain * max(1.0, after) + 2 * max(lost, default=0.0) + 1e-9
 
 
+class ProbesOnly(AutoTree):
+    """A choice that takes no tree for its worth: every draft it verifies is a probe."""
+
+    def _pick_sizes(self):
+        return 1, super()._pick_sizes()[1]
+
+
+def run_paying(auto, steps) -> int:
+    """``steps`` steps in which a verified draft has three nodes of its first root path accepted,
+    each taking what the profile says: a probe there gains the plain steps of the tokens it brings
+    beyond its time. Returns the probes."""
+    probes = 0
+    for _ in range(steps):
+        plan = auto.plan()
+        draft = None if plan is None else auto.choose(full_draft(plan), np.ones(1, dtype=np.bool_))
+        if draft is None:
+            auto.record(None, elapsed_ms=1.0)
+            continue
+        parents, path = draft.static_shape.parents, [0]
+        while len(path) < 4 and path[-1] in parents:
+            path.append(parents.index(path[-1]))
+        emitted = [100 + i for i in path[1:]] + [999]
+        probes += 1
+        auto.record(draft, np.array([emitted]), np.array([len(emitted)]), np.arange(1),
+                    elapsed_ms=auto.profile.iteration_ms(draft.n))
+    return probes
+
+
+def test_what_probes_gained_buys_no_burst_of_probes_later():
+    """Probes that pay put their gain in the ledger up to one probe's price only: after text where
+    probes brought four tokens for a step and a half each, calls of the same profile (sharing its
+    scales) on text where nothing is accepted still lose at most PROBE_SHARE of the plain steps'
+    time to probes, and a probe or two (the average the first losing ones bring above zero). (Banked
+    whole, the gains had funded a probe every PROBE plain steps in the calls after: n-gram at batch
+    2, eager, a process's calls at 0.86-0.90 of plain decoding's pace.)"""
+    profile = CostProfile(1.0, (2, 4, 8, 16), (1.5,) * 4)
+    scale = {"plain": 1.0, "tree": 1.0}
+    paying = ProbesOnly(profile, adaptive=True, scale=scale)
+    assert run_paying(paying, 600) >= 20
+    assert scale["bank"] <= paying._top() + 1e-9
+    later = AutoTree(profile, adaptive=True, scale=scale)
+    drafted = run_rejecting(later, 1000, profile.iteration_ms)
+    lost = drafted.probe_losses()
+    assert len(lost) >= 2
+    assert sum(lost) <= AutoTree.PROBE_SHARE * later.chosen[1] + 3 * max(lost) + 1e-9
+
+
 def test_a_share_of_zero_never_probes():
     class NoProbes(AutoTree):
         PROBE_SHARE = 0.0
@@ -1832,6 +1879,35 @@ def test_the_calls_last_plain_run_is_not_taught_to_a_drafter_serving_that_call_a
     assert recorded[0] == recorded[1] == [28]  # (the first plain step weighed alone, then the run)
     assert shown[0][:-1] == shown[1] and len(shown[1]) == 2  # the prefill's token, the first step's
     assert shown[0][-1] == [t[2:] for t in outs[0].new_tokens]  # the run's 28, to the drafter that outlives the call
+
+
+def test_iterations_after_rows_left_the_batch_are_timed_into_the_calls_own_scales():
+    """Eager, a finished row leaves the device batch, whose iterations then cost what a smaller
+    batch's do: the choice still learns them by the clock (a probe there is charged what it took),
+    into scales of the call alone; the scales it carries on to later calls of the profile (its whole
+    batch's) are as the rows left them."""
+    class Timed(AutoTree):
+        def record(self, tree, tokens=None, counts=None, rows=None, elapsed_ms=None, ids=None):
+            times.append((self._narrowed, elapsed_ms))
+            return super().record(tree, tokens, counts, rows, elapsed_ms, ids)
+
+        def plain_steps(self, steps, times_ms=None):
+            times.append((self._narrowed, None if times_ms is None else len(times_ms)))
+            return super().plain_steps(steps, times_ms)
+
+        def narrowed(self):
+            carried.update(self.scale)  # (the scales as the rows left)
+            return super().narrowed()
+
+    model = mamba2()
+    prompts = [[1, 2, 3, 1, 2, 3, 1, 2], [4, 5, 6, 4, 5, 6]]
+    times, carried, scale = [], {}, {"plain": 1.0, "tree": 1.0}
+    auto = Timed(cheap(), adaptive=True, scale=scale)
+    out = generate(model, prompts, tree=auto, max_new_tokens=[40, 8])
+    assert out.sequences == generate(model, prompts, method="autoregressive", max_new_tokens=[40, 8]).sequences
+    after = [t for narrowed, t in times if narrowed]
+    assert len(after) >= 3 and all(t is not None and t > 0 for t in after), times
+    assert scale == carried and auto.scale is not scale and auto.scale["steps"] > scale["steps"]
 
 
 def test_a_probe_teaches_the_share_of_drafts_kept_as_the_choice_would_have_judged_it():
