@@ -138,8 +138,9 @@ class AutoTree:
     :mod:`stree.sampling.keyed`); otherwise trees must beat plain steps by ``MARGIN``.
     Probes are paid from a ledger (``scale["bank"]``, milliseconds): every plain step puts
     ``PROBE_SHARE`` of its time in, every probe takes out what it lost against plain steps for the
-    tokens it emitted (what one gained goes in, up to one probe's price), and a probe waits until the
-    bank holds what the next one is expected to lose. So, whatever a probe costs, probes together lose at most ``PROBE_SHARE`` of the plain
+    tokens it emitted (what one gained goes in, up to one probe's price), and a probe waits until
+    the bank holds what the next one is expected to lose. So, whatever a probe costs, probes
+    together lose at most ``PROBE_SHARE`` of the plain
     steps' time (and one probe's loss): the most that turning speculation on loses where it never
     pays; less once probes keep losing (``BACKOFF``), and from call to call once calls keep exploring
     in vain (``IDLE_CALLS``). An adaptive choice charges what its probes
@@ -723,10 +724,11 @@ class AutoTree:
         device batch): its iterations no longer cost what the profile's batch size does. They are
         learned by the clock from here on all the same, into scales of this call alone, which later
         calls of the profile do not continue (they decode its whole batch), and which do not judge the
-        profile (:meth:`_check_profile`). (Left untimed, a batch of two whose rows drifted apart under
-        trees decoded its last row alone with a probe every few plain steps, never charged by the
-        clock, each a plain step or two lost: n-gram, eager, 2-core Zen 5 EPYC, 0.76-0.88 of plain
-        decoding's pace in the calls where it happened.)"""
+        profile (:meth:`_check_profile`). (Left untimed, they taught nothing, and a probe among them
+        was charged what the profile predicts for the whole batch: where a batch of two drifted
+        apart under trees, n-gram, eager, its last row decoded alone with a probe every few plain
+        steps, which the ledger, then banking probes' gains whole, let through for the rest of the
+        call; see :meth:`_withdraw`.)"""
         if not self._narrowed:
             self._narrowed = True
             self.scale = dict(self.scale)
@@ -762,11 +764,12 @@ class AutoTree:
 
     def _withdraw(self, lost: float) -> None:
         """Take what a probe (or a plain step in its wake) ``lost`` against plain steps out of the
-        ledger; what one gained (``lost`` below zero) goes in up to the ledger's top (:meth:`_top`)
-        alone. (Banked whole, the gains of probes where trees paid had built up tens of milliseconds
-        over a process's calls, carried on; text where they lost then drew a probe every ``PROBE``
-        plain steps until that was spent: n-gram at batch 2, eager, 2-core Zen 5 EPYC, 0.76-0.88 of
-        plain decoding's pace in such calls, whole processes at 0.86-0.90.)"""
+        ledger; what one gained (``lost`` below zero) goes in, but the ledger then holds no more
+        than its top (:meth:`_top`). (Banked whole, the gains of probes where trees paid had built up
+        tens of milliseconds over a process's calls, carried on; text where they lost then drew a
+        probe every ``PROBE`` plain steps until that was spent: n-gram at batch 2, eager, 2-core
+        Zen 5 EPYC, 0.76-0.88 of plain decoding's pace in such calls, whole processes at
+        0.86-0.90.)"""
         was = self.scale["bank"]
         self.scale["bank"] = was - lost if lost > 0.0 else min(was - lost, max(self._top(), was))
 
