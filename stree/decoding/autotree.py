@@ -155,8 +155,9 @@ class AutoTree:
     ``rates`` and ``scale`` (``{"plain": x, "tree": y}``: a plain step's realised / predicted
     time, and a tree's relative to that, as a declined draft's is; and the ledger) may be shared with
     earlier choosers, which then hand over what they learned. ``chosen`` counts the steps per tree
-    size (1: a plain step). ``probes``: whether a choice that watches drafts also probes (one that
-    cannot watch always does: it has no other way to explore)."""
+    size (1: a plain step). ``probes``: whether a choice that watches drafts also funds probes from its
+    plain steps (one that cannot watch always does: it has no other way to explore); unfunded, it
+    still probes where the next probe is priced at no loss."""
 
     REPLAN = 8  # steps between re-plans (of an eager loop's shapes, and of the size to draft)
     # A tree that lost more than this many plain steps' time against plain steps for the tokens it
@@ -1095,7 +1096,8 @@ def auto_tree(model, drafter, batch: int, *, mode: str, sampled: bool = False, c
     same profile in this process (where the output cannot depend on the trees, what earlier
     calls learned about this machine and drafter is worth keeping; ``watch``: it watches drafts
     during plain steps, :meth:`AutoTree.watch_shape`; a call's first within ``FIRST_WATCH`` plain steps at
-    batch 1 alone, and at larger batches its watched drafts are all it explores by: no probes). At batch 2 a
+    batch 1 alone, and at larger batches its plain steps fund no probes: it explores by its watched drafts,
+    and probes only where the next is priced at no loss, as after probes that paid on average). At batch 2 a
     probe verifies the whole batch's tree, and one taken alone, after a plain run, took some eight plain
     steps' time with its drafting and learning, cold (2-core Zen 5 EPYC, n-gram), where a watched draft
     tells a greedy choice what verifying it would have, for its drafting alone; without probes there,
