@@ -1224,6 +1224,24 @@ def test_a_choice_told_to_take_no_probes_explores_by_watched_drafts_alone():
     assert AutoTree(expensive(), probes=False, watch=True).probes  # (seeded: no watching, so probes)
 
 
+def test_a_choice_told_to_take_no_probes_still_probes_where_probes_paid_on_average():
+    """probes=False funds no probe from plain steps, but a probe priced at no loss (an earlier call's
+    probes of the profile paid on average) is let through after PROBE plain steps: at batch 2 those
+    verified drafts are what correct rates that promise more than the text gives (refused, drafts
+    found wanting at every step ran on: docs/benchmarks.md)."""
+    scale = {"plain": 1.0, "tree": 1.0, "probes": 3, "probe_loss": -0.5}
+    auto = AutoTree(expensive(), adaptive=True, watch=True, probes=False, scale=scale)
+    probed = 0
+    for _ in range(3 * AutoTree.PROBE):
+        plan = auto.plan()
+        probed += auto._probing
+        if plan is None:
+            auto.record(None, elapsed_ms=1.0)
+        else:
+            auto.record(full_draft(plan), np.array([[999, 0]]), np.array([1]), np.arange(1), elapsed_ms=1.0)
+    assert probed >= 1 and auto._deposit() == 0.0
+
+
 def test_a_calls_first_watched_draft_is_due_within_first_watch_plain_steps():
     """Each call is new text: its first watched draft is due after FIRST_WATCH plain steps, where
     the share (backed off) would space watches further apart; after it, watches keep the share's
