@@ -556,8 +556,9 @@ class AutoTree:
             self._replan(None)
         just, self._just_undrafted = self._just_undrafted, False
         if self._pick > 1 and self._worth_drafting():
-            # Where the drafter had nothing for WAIT_AFTER steps in a row, a run of plain steps (1, 2, 4, at most
-            # WAIT_MOST) before it is asked again: each step asked alone (its plan, the drafter's answer and its
+            # Where the drafter had nothing (or drafted nothing kept: _found_wanting) for WAIT_AFTER steps in a
+            # row, a run of plain steps (1, 2, 4, at most WAIT_MOST) before it is asked again: each step asked
+            # alone (its plan, the drafter's answer and its
             # reading of the token, the choice learning the step) took half a step's time more than a run's
             # (the drafter is asked again at the run's end: the wait follows a step it had nothing for alone)
             wait = self._undrafted - self.WAIT_AFTER
@@ -804,7 +805,6 @@ class AutoTree:
         best prefix, or None where a plain step is better or nothing was drafted. ``ids``: the
         rows' ids in the batch, whose own acceptance (:class:`RowRates`) then prices their nodes."""
         self._drafted = self._drafted or draft.n
-        self._undrafted = 0
         drafting = self.draft_cost[min(self._drafted, self.max_nodes)]
         self._predicted = ("declined", drafting + self.cost[1])  # (a tree's, below, where one is kept)
         n = min(draft.n, self.max_nodes)
@@ -815,6 +815,7 @@ class AutoTree:
                                                  active, n, *self._weighing(), not self._probing, self.gain_scale())
         if m == 0:  # (no active row drafted anything)
             self._learn_kept(False)
+            self._found_wanting()
             return None
         if ids is not None:  # the row the choice before drafting weighs from now on: the one gaining least
             self._focus = int(ids[focus])
@@ -826,6 +827,7 @@ class AutoTree:
         worth = m > 1 if not self._probing else best_prefix(v, active, cost, True) > 1
         self._learn_kept(worth or sizes is not None)
         if sizes is not None:
+            self._undrafted = 0
             total = int(sizes.sum())
             kept = np.arange(1, n)[None] < sizes[:, None]
             self._promised = (rows_worth((raw[:, 1:n] * kept)[active].sum(1).tolist()), active.copy())
@@ -833,10 +835,26 @@ class AutoTree:
             return cut_rows(draft, sizes)
         if m == 1:
             self._plain_run += 1
+            self._found_wanting()
             return None
+        self._undrafted = 0
         self._promised = (promised, active.copy())
         self._predicted = ("tree", drafting + self.cost[m])
         return draft if m == draft.n else draft.prefix(m)
+
+    def _found_wanting(self) -> None:
+        """A draft declined after drafting counts, for the runs of plain steps before the drafter is
+        asked again (:meth:`plain_ahead`, ``WAIT_AFTER``), as a step the drafter had nothing for
+        (:meth:`undrafted`). (Counted apart, drafts found wanting were drafted at every step through
+        text the drafter could not follow, each some half a plain step's time: n-gram at batch 1,
+        eager, 2-core Zen 5 EPYC, 13-22 a call of 128 tokens on such prompts; waiting, 1.04-1.06 ->
+        1.14-1.19 of plain decoding's pace, docs/benchmarks.md.) A probe that drafted nothing starts the count
+        again, as a verified one does."""
+        if self._probing:
+            self._undrafted = 0
+            return
+        self._undrafted += 1
+        self._just_undrafted = True
 
     def _weighing(self) -> tuple[np.ndarray, float, float]:
         """What a drafted tree is weighed against (its drafting already spent), as :func:`weigh`

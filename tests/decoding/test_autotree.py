@@ -1737,6 +1737,44 @@ def test_where_the_drafter_keeps_having_nothing_it_is_asked_again_after_runs_of_
     assert out.stats.trees.keys() - {1}  # (then trees)
 
 
+def test_where_drafts_keep_being_found_wanting_the_drafter_is_asked_again_after_runs_of_plain_steps():
+    """Trees are wanted and the drafter drafts, but nothing it drafts is kept (its drafts hold the root
+    alone): as where it has nothing to draft, after WAIT_AFTER such steps in a row it is asked again
+    after runs of 1, 2, 4, ... (at most WAIT_MOST) plain steps, not at every step; once its drafts are
+    kept again, trees come back, and the output is plain decoding's. (Counted apart, drafts found
+    wanting were drafted at every step: n-gram at batch 1 lost a tenth of its gain over plain decoding.)"""
+    model = mamba2()
+    drafter = make_drafter("ngram", vocab_size=model.vocab_size)
+    asked, propose = [], drafter.propose  # (the row's length at each draft)
+
+    def wanting(context, shape):
+        asked.append(int(context.lengths[0]))
+        draft = propose(context, shape)
+        if len(asked) > 8:
+            return draft
+        valid = torch.zeros_like(draft.tokens, dtype=torch.bool)
+        valid[:, 0] = True
+        return TokenTree.from_shape(draft.static_shape, draft.tokens, valid=valid)
+
+    drafter.propose = wanting
+    drafter.can_draft = lambda context: True
+
+    class Unclocked(AutoTree):  # (the profile's costs alone: by this machine's clock trees may not pay)
+        def record(self, tree, tokens=None, counts=None, rows=None, elapsed_ms=None, ids=None):
+            super().record(tree, tokens, counts, rows, None, ids)
+
+        def plain_steps(self, steps, times_ms=None):
+            super().plain_steps(steps, None)
+
+    auto = Unclocked(cheap(), adaptive=True, rates=PathRates(prior=(0.9,) + (0.3,) * 7))
+    prompt = [[1, 2, 3, 1, 2, 3, 1, 2]]
+    out = generate(model, prompt, drafter=drafter, tree=auto, max_new_tokens=120)
+    assert out.sequences == generate(model, prompt, max_new_tokens=120).sequences
+    gaps = np.diff(asked[:AutoTree.WAIT_AFTER + 3]).tolist()
+    assert gaps == [1] * (AutoTree.WAIT_AFTER - 1) + [1 + min(1 << i, AutoTree.WAIT_MOST) for i in range(3)], gaps
+    assert out.stats.trees.keys() - {1}  # (then trees)
+
+
 def test_no_watched_draft_is_drafted_where_the_next_step_drafts_anyway():
     """A watched draft due where the choice wants trees (the next step drafts one) would be
     settled by that tree with nothing seen: none is drafted then, and the plain steps since the
