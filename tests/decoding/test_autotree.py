@@ -1719,22 +1719,31 @@ def test_where_the_drafter_keeps_having_nothing_it_is_asked_again_after_runs_of_
     drafter = make_drafter("ngram", vocab_size=model.vocab_size)
     asked, can_draft = [], drafter.can_draft  # (the row's length at each asking)
     drafter.can_draft = lambda context: asked.append(int(context.lengths[0])) or len(asked) > 8 and can_draft(context)
-    class Unclocked(AutoTree):  # (the profile's costs alone: by this machine's clock trees may not pay)
-        def record(self, tree, tokens=None, counts=None, rows=None, elapsed_ms=None, ids=None):
-            super().record(tree, tokens, counts, rows, None, ids)
+    assert_asked_after_runs(model, drafter, asked)
 
-        def plain_steps(self, steps, times_ms=None):
-            super().plain_steps(steps, None)
 
+class Unclocked(AutoTree):
+    """A choice by the profile's costs alone (by this machine's clock trees may not pay)."""
+
+    def record(self, tree, tokens=None, counts=None, rows=None, elapsed_ms=None, ids=None):
+        super().record(tree, tokens, counts, rows, None, ids)
+
+    def plain_steps(self, steps, times_ms=None):
+        super().plain_steps(steps, None)
+
+
+def assert_asked_after_runs(model, drafter, asked):
+    """Decode with ``drafter`` (its first 8 askings, whose row lengths it appends to ``asked``, bring
+    nothing) where trees are wanted: the output is plain decoding's; WAIT_AFTER askings one step apart,
+    then each after a run of plain steps (until the choice, every draft found wanting, stops wanting
+    trees: the ledger's probes ask it then); then trees."""
     auto = Unclocked(cheap(), adaptive=True, rates=PathRates(prior=(0.9,) + (0.3,) * 7))
     prompt = [[1, 2, 3, 1, 2, 3, 1, 2]]
     out = generate(model, prompt, drafter=drafter, tree=auto, max_new_tokens=120)
     assert out.sequences == generate(model, prompt, max_new_tokens=120).sequences
-    # the first askings had nothing: WAIT_AFTER of them one step apart, then each after a run of plain steps
-    # (until the choice, every draft found wanting, stops wanting trees: the ledger's probes ask it then)
     gaps = np.diff(asked[:AutoTree.WAIT_AFTER + 3]).tolist()
     assert gaps == [1] * (AutoTree.WAIT_AFTER - 1) + [1 + min(1 << i, AutoTree.WAIT_MOST) for i in range(3)], gaps
-    assert out.stats.trees.keys() - {1}  # (then trees)
+    assert out.stats.trees.keys() - {1}
 
 
 def test_where_drafts_keep_being_found_wanting_the_drafter_is_asked_again_after_runs_of_plain_steps():
@@ -1758,21 +1767,7 @@ def test_where_drafts_keep_being_found_wanting_the_drafter_is_asked_again_after_
 
     drafter.propose = wanting
     drafter.can_draft = lambda context: True
-
-    class Unclocked(AutoTree):  # (the profile's costs alone: by this machine's clock trees may not pay)
-        def record(self, tree, tokens=None, counts=None, rows=None, elapsed_ms=None, ids=None):
-            super().record(tree, tokens, counts, rows, None, ids)
-
-        def plain_steps(self, steps, times_ms=None):
-            super().plain_steps(steps, None)
-
-    auto = Unclocked(cheap(), adaptive=True, rates=PathRates(prior=(0.9,) + (0.3,) * 7))
-    prompt = [[1, 2, 3, 1, 2, 3, 1, 2]]
-    out = generate(model, prompt, drafter=drafter, tree=auto, max_new_tokens=120)
-    assert out.sequences == generate(model, prompt, max_new_tokens=120).sequences
-    gaps = np.diff(asked[:AutoTree.WAIT_AFTER + 3]).tolist()
-    assert gaps == [1] * (AutoTree.WAIT_AFTER - 1) + [1 + min(1 << i, AutoTree.WAIT_MOST) for i in range(3)], gaps
-    assert out.stats.trees.keys() - {1}  # (then trees)
+    assert_asked_after_runs(model, drafter, asked)
 
 
 def test_no_watched_draft_is_drafted_where_the_next_step_drafts_anyway():
