@@ -234,7 +234,7 @@ class AutoTree:
     # millisecond, and the batch's trees seldom paid: without it, every configuration at batch 2 gained
     # +0.014 to +0.097 over plain decoding, benchmarks/choice_ab.py, five processes each, all positive.)
     FIRST_WATCH = 16
-    WAIT_AFTER, WAIT_MOST = 2, 4  # (plain_ahead, where the drafter keeps having nothing)
+    WAIT_AFTER, WAIT_MOST = 2, 4  # (plain_ahead, where the drafter keeps having nothing, or nothing kept)
     # Calls in a row (of one cost profile, in one process) of at least FIRST_WATCH steps that explored
     # drafts and found none that paid (no probe, no watched draft that would have paid, no tree kept on
     # its worth), after which the next calls start at the least shares, and only one in IDLE_WAKE with
