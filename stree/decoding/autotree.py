@@ -758,7 +758,7 @@ class AutoTree:
     def _deposit_plain(self, steps: int) -> None:
         """``steps`` plain steps' deposits. The ledger holds at most the next probe's price (and one
         deposit): a long run of plain steps buys one probe at its end, not a burst of them."""
-        self.scale["bank"] = min(self.scale["bank"] + steps * self._deposit(), max(self._top(), self.scale["bank"]))
+        self._withdraw(-steps * self._deposit())
 
     def _top(self) -> float:
         """The most the ledger holds: the next probe's price and one deposit."""
@@ -766,8 +766,8 @@ class AutoTree:
 
     def _withdraw(self, lost: float) -> None:
         """Take what a probe (or a plain step in its wake) ``lost`` against plain steps out of the
-        ledger; what one gained (``lost`` below zero) goes in, but the ledger then holds no more
-        than its top (:meth:`_top`). (Banked whole, the gains of probes where trees paid had built up
+        ledger; what one gained (``lost`` below zero, as plain steps' deposits come in too) goes in,
+        but the ledger then holds no more than its top (:meth:`_top`). (Banked whole, the gains of probes where trees paid had built up
         tens of milliseconds over a process's calls, carried on; text where they lost then drew a
         probe every ``PROBE`` plain steps until that was spent: n-gram at batch 2, eager, 2-core
         Zen 5 EPYC, 0.76-0.88 of plain decoding's pace in such calls, whole processes at
