@@ -767,8 +767,9 @@ class AutoTree:
     def _withdraw(self, lost: float) -> None:
         """Take what a probe (or a plain step in its wake) ``lost`` against plain steps out of the
         ledger; what one gained (``lost`` below zero, as plain steps' deposits come in too) goes in,
-        but the ledger then holds no more than its top (:meth:`_top`). (Banked whole, the gains of probes where trees paid had built up
-        tens of milliseconds over a process's calls, carried on; text where they lost then drew a
+        but the ledger then holds no more than its top (:meth:`_top`). (Banked whole, the gains of
+        probes where trees paid had built up tens of milliseconds over a process's calls, carried
+        on; text where they lost then drew a
         probe every ``PROBE`` plain steps until that was spent: n-gram at batch 2, eager, 2-core
         Zen 5 EPYC, 0.76-0.88 of plain decoding's pace in such calls, whole processes at
         0.86-0.90.)"""
