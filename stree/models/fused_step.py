@@ -168,10 +168,11 @@ def fused_tree_greedy(model, cache: ModelCache, tree, index, max_depth: int, ker
                       top_k: int | None = None, step: mamba_step.MambaStep | None = None):
     """A draft's tree pass, greedy verification and replay as one call
     (:meth:`~stree.kernels.cpu.mamba_step.MambaStep.tree_greedy`), where :func:`fused_tree` would
-    take the pass: the logits, the accepted paths, their lengths, the bonus tokens, the emitted
-    tokens, the rows' finiteness and, with ``top_k``, the target's laws along the paths (else None),
-    the cache advanced (its states and ``seqlens``); or None. A draft with ``row_sizes`` has each
-    row's own prefix scored alone (the logits past a row's size are not made: left as they were).
+    take the pass: the logits at the paths' nodes (the head runs on the nodes the walks read; the
+    rest unspecified), the accepted paths, their lengths, the bonus tokens, the emitted tokens, the
+    rows' finiteness (of the logits their walks read) and, with ``top_k``, the target's laws along the
+    paths (else None), the cache advanced (its states and ``seqlens``); or None. A draft with
+    ``row_sizes`` has each row's own prefix scored alone (the nodes past a row's size not computed).
     ``step``: :func:`fused_step`'s for this cache and the tree's tokens, where the caller looked it up
     (else looked up here)."""
     if not isinstance(index, TreeIndex) or index.n > JIT_MAX_NODES:

@@ -142,8 +142,9 @@ def _greedy_draft(model, cache, parents, batch, data):
 @settings(max_examples=40, deadline=None)
 @given(data=st.data(), layout=st.sampled_from(sorted(LAYOUTS)))
 def test_the_one_call_greedy_iteration_is_the_pass_verification_and_commit(data, layout):
-    """Pass, greedy verification and replay in one call (greedy_tree): the pass's logits, the
-    compiled verification's path, count, bonus, emitted tokens and flags exactly, the states of the
+    """Pass, greedy verification and replay in one call (greedy_tree): the pass's logits at the
+    paths' nodes, the compiled verification's path, count, bonus, emitted tokens and flags exactly
+    (every logit here finite), the states of the
     numba replay's commit within float32 rounding (numba takes dt's softplus in float32, the one
     call in double, as the C++ step), and with ``top_k`` the softmax's top entries at the path's
     nodes and the emitted tokens' own probabilities within float32 rounding."""
@@ -157,7 +158,7 @@ def test_the_one_call_greedy_iteration_is_the_pass_verification_and_commit(data,
     logits, tree_pass = model.forward_tree(tree, other)
     result, emitted, finite = verify_greedy_host(tree, logits)
     model.commit(other, tree_pass, result.accepted, result.num_accepted)
-    assert torch.equal(got[0], logits)
+    assert torch.equal(_on_paths(got[0], *got[1:3]), _on_paths(logits, result.accepted, result.num_accepted))
     for a, b in zip(got[1:6], (result.accepted, result.num_accepted, result.bonus, emitted, finite)):
         assert a.dtype == b.dtype and torch.equal(a, b)
     assert torch.equal(cache.seqlens, other.seqlens) and cache.version > 0
@@ -174,6 +175,52 @@ def test_the_one_call_greedy_iteration_is_the_pass_verification_and_commit(data,
         torch.testing.assert_close(at.gather(-1, ids)[real], probs[real], rtol=1e-5, atol=1e-9)  # (their ids)
         torch.testing.assert_close(own[real], at.gather(-1, emitted[..., None])[..., 0][real], rtol=1e-5, atol=1e-9)
         assert not ids[~real].any() and not probs[~real].any() and not own[~real].any()
+
+
+def _on_paths(logits, accepted, num):
+    """The logits ``[b, n, V]`` at each row's path nodes (``accepted [b, L]``, the first ``num [b]``
+    of each row's), in order, the rows' paths back to back."""
+    real = torch.arange(accepted.shape[1]) < num[:, None]
+    rows = torch.arange(len(logits))[:, None].expand_as(accepted)
+    return logits[rows[real], accepted[real]]
+
+
+def _branching_draft(model, cache, follow: list[list[int]]):
+    """A full tree of three children a node, three levels deep, whose row r at depth d holds the
+    model's choice at its parent in child ``follow[r][d]`` (the others other tokens): the walk takes
+    that child at every level."""
+    shape, batch = TreeShape.full(3, 3), len(follow)  # (node i's children: 3i+1 .. 3i+3)
+    tokens = torch.randint(0, VOCAB, (batch, shape.n), generator=torch.Generator().manual_seed(3))
+    for d, level in enumerate(((0,), range(1, 4), range(4, 13))):  # (a node's logits read its ancestors' tokens)
+        choice = model.forward_tree(TokenTree.from_shape(shape, tokens), cache.clone())[0].argmax(-1)
+        for r in range(batch):
+            for p in level:
+                want = int(choice[r, p])
+                for j in range(3):
+                    tokens[r, 3 * p + 1 + j] = want if j == follow[r][d] else (want + 1 + j) % VOCAB
+    return TokenTree.from_shape(shape, tokens)
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_a_greedy_iteration_whose_walks_leave_the_first_children_makes_their_logits_as_it_goes(layout):
+    """The one call makes the head's rows a wave at a time (the chain of first children from where
+    each walk waits, mamba_step.cpp's waves): walks that take a second or third child at every level
+    (a wave each), beside one that keeps to the first children, verify, commit and give the path
+    nodes' logits exactly as the whole pass and the host's verification."""
+    model, follow = MODELS[layout], [[1, 1, 1], [0, 0, 0], [2, 0, 1]]
+    cache = _prefilled(model, len(follow))
+    tree = _branching_draft(model, cache, follow)
+    other = cache.clone()
+    got = model.greedy_tree(tree, cache)
+    logits, tree_pass = model.forward_tree(tree, other)
+    result, emitted, finite = verify_greedy_host(tree, logits)
+    model.commit(other, tree_pass, result.accepted, result.num_accepted)
+    paths = [[0, 2, 8, 26], [0, 1, 4, 13], [0, 3, 10, 32]]  # (children 1+3i..3+3i of node i)
+    assert got[1].tolist() == result.accepted.tolist() == paths and got[2].tolist() == [4, 4, 4]
+    for a, b in zip(got[2:6], (result.num_accepted, result.bonus, emitted, finite)):
+        assert torch.equal(a, b)
+    assert torch.equal(_on_paths(got[0], *got[1:3]), _on_paths(logits, result.accepted, result.num_accepted))
+    assert_same_state(cache, other, tol=2e-5)
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
@@ -245,17 +292,26 @@ def test_a_greedy_iteration_takes_the_first_of_equal_largest_logits(seed):
     assert torch.equal(got[4], emitted) and torch.equal(got[3], result.bonus) and finite.all()
 
 
-def test_a_greedy_iteration_flags_a_row_whose_logits_past_the_root_are_nan():
+def test_a_greedy_iteration_flags_a_row_whose_walk_reads_nan_logits_and_not_one_whose_nan_it_never_reads():
+    """Where the walk reads NaN logits (row 0: its root's) the row is flagged; NaN logits at nodes no
+    walk reads (row 1: past a draft the root's choice turns down) are never made, the row's path and
+    bonus those of the host's verification of the whole pass (which flags every row: its check reads
+    every node), as plain decoding, which never feeds that token, decodes."""
     model = mamba2(tie_embeddings=False)
     with torch.no_grad():
-        model.embed.weight[7] = float("nan")  # (node 2 of row 1 and its child: NaN logits)
+        model.embed.weight[7] = float("nan")  # (a node holding token 7 and its descendants: NaN logits)
     cache = model.allocate_cache(2, 96)
     model.prefill(torch.tensor([[1, 2, 3, 4, 5]] * 2), cache)
-    tree = TokenTree.from_shape(TreeShape.chain(3), torch.tensor([[1, 2, 3, 4], [1, 2, 7, 4]]))
+    choice = int(model.forward_tree(TokenTree.from_shape(TreeShape.chain(0), torch.tensor([[1]])),
+                                    cache.select(torch.tensor([1])))[0][0, 0].argmax())
+    declined = next(t for t in range(VOCAB) if t not in (choice, 7))
+    tree = TokenTree.from_shape(TreeShape.chain(3), torch.tensor([[7, 1, 2, 3], [1, declined, 7, 4]]))
     got = model.greedy_tree(tree, cache.clone())
-    want = verify_greedy_host(tree, model.forward_tree(tree, cache)[0])
-    assert got[5].tolist() == want[2].tolist() == [True, False]
-    assert torch.equal(got[0].isnan(), model.forward_tree(tree, cache)[0].isnan())
+    result, _, finite = verify_greedy_host(tree, model.forward_tree(tree, cache.clone())[0])
+    assert got[5].tolist() == [False, True] and finite.tolist() == [False, False]
+    assert got[2].tolist() == result.num_accepted.tolist() == [1, 1]
+    assert got[3][1] == result.bonus[1] == choice
+    assert got[0][0, 0].isnan().any() and not got[0][1, 0].isnan().any()
 
 
 def test_a_greedy_iteration_with_a_bad_token_moves_nothing_and_big_trees_take_none():
@@ -281,7 +337,7 @@ def test_a_greedy_iteration_with_a_bad_token_moves_nothing_and_big_trees_take_no
 def test_a_packed_greedy_iteration_scores_each_rows_own_prefix_alone(data, layout):
     """A draft with ``row_sizes`` (each row its own prefix, the rest invalid) in the one call: the
     same paths, counts, bonus, emitted tokens, flags, laws and states, exactly, as the padded draft
-    with those nodes invalid, and the same logits within each row's size; the nodes past a row's
+    with those nodes invalid, and the same logits at the paths' nodes; the nodes past a row's
     size are not computed: a bad token or a NaN embedding there is neither refused nor flagged."""
     parents, batch = data.draw(trees(max_n=24, batch=data.draw(st.integers(2, 3))))
     model = MODELS[layout]
@@ -303,13 +359,14 @@ def test_a_packed_greedy_iteration_scores_each_rows_own_prefix_alone(data, layou
     for a, b in zip(got[1:6], want[1:6]):
         assert a.dtype == b.dtype and torch.equal(a, b)
     assert (got[6] is None) == (top_k is None) and (top_k is None or all(map(torch.equal, got[6], want[6])))
-    for r, size in enumerate(sizes):
-        assert torch.equal(got[0][r, :size], want[0][r, :size])
+    assert torch.equal(_on_paths(got[0], *got[1:3]), _on_paths(want[0], *want[1:3]))
     assert torch.equal(cache.seqlens, other.seqlens)
     assert_same_state(cache, other, tol=0)
 
 
-def test_a_packed_greedy_iteration_flags_only_the_nodes_it_computes():
+def test_a_greedy_iteration_flags_no_row_for_nan_past_its_size_or_at_invalid_nodes():
+    """Packed, the nodes past a row's size are not computed; padded, invalid ones are, but no walk
+    reads them (the head is never made there): neither flags the row."""
     model = mamba2(tie_embeddings=False)
     with torch.no_grad():
         model.embed.weight[7] = float("nan")
@@ -320,7 +377,7 @@ def test_a_packed_greedy_iteration_flags_only_the_nodes_it_computes():
     packed = TokenTree.from_shape(TreeShape.chain(3), tokens, valid=valid, row_sizes=(4, 2))
     padded = TokenTree.from_shape(TreeShape.chain(3), tokens, valid=valid)
     assert model.greedy_tree(packed, cache.clone())[5].tolist() == [True, True]
-    assert model.greedy_tree(padded, cache.clone())[5].tolist() == [True, False]  # (computed there: NaN)
+    assert model.greedy_tree(padded, cache.clone())[5].tolist() == [True, True]
 
 
 # (270: unclamped, its 2^n would wrap into an exponent of 2^122, a SiLU of about 0 instead of 270)

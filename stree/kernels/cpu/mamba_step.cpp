@@ -13,6 +13,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include <algorithm>
 #include <vector>
 
 extern "C" void stree_gemm(const float* x, long M, long K, long ldx, const float* wp, long N, float* y, long ldy,
@@ -534,11 +535,13 @@ namespace {
 // row r its first sizes[r] nodes alone (sizes null: all n; the nodes past them are neither read nor
 // computed), laid back to back: row r's nodes are rows start[r] .. of the scratch (xBC raw, x and B after
 // the conv, dt raw: [layers, the nodes in all, ...]), and its logits rows r * n .. of logits [b, n, vocab]
-// (those past its size untouched). Returns 0, or 1 + the first node (row-major) it computes whose token
-// is outside the vocabulary (nothing computed then).
+// (those past its size untouched). With `hidden`, no logits: *hidden is set to the last block's output
+// [the nodes in all, d_model] (the thread's scratch, until its next pass), whose final norm and head the
+// caller takes on the rows it needs (head_rows). Returns 0, or 1 + the first node (row-major) it computes
+// whose token is outside the vocabulary (nothing computed then).
 long tree_pass(const Model* m, const int64_t* tokens, long b, long n, const int64_t* parents, long rows,
                const int64_t* sizes, const float* conv_states, const float* ssm_states, float* xBC_s, float* x_s,
-               float* dt_s, float* B_s, float* logits, int threads) {
+               float* dt_s, float* B_s, float* logits, int threads, const float** hidden = nullptr) {
   const Sizes& sz = m->n;
   thread_local std::vector<int64_t> starts;
   starts.resize((size_t)(b + 1));
@@ -613,6 +616,10 @@ long tree_pass(const Model* m, const int64_t* tokens, long b, long n, const int6
                     rows_work + r * 2 * n * H);
     block_out(m, L, N, proj, y, gate, normed, out, x, threads);
   }
+  if (hidden) {
+    *hidden = x;
+    return 0;
+  }
   for (long t = 0; t < N; t++) rms_norm(x + t * D, D, m->final_w, m->e.final_eps, h + t * D);
   if (whole)
     stree_gemm(h, N, D, D, m->head_w, sz.vocab, logits, sz.vocab, nullptr, threads);
@@ -638,30 +645,54 @@ extern "C" long stree_mamba_tree(const int64_t* a) {
 
 namespace {
 
-// Greedy verification of one row (verify_jit.greedy_walk's): from the root, each node's choice is the
-// argmax of its logits (the first of equal maxima), and the walk moves to the node's first valid child
-// (in index order) holding it. path [L] (root first, 0 past it), emitted [L] (the accepted drafts, then
-// the last node's choice, the root's token past them); returns the path's length, or 0 where it would
-// run past L (the caller's max depth was wrong: nothing is committed).
-long greedy_row(const float* logits, long V, const int64_t* tokens, const int64_t* parents, const uint8_t* valid,
-                long n, long L, int64_t* path, int64_t* emitted) {
-  long v = 0, count = 1, choice = 0;
-  for (long j = 0; j < L; j++) path[j] = 0;
-  while (true) {
-    choice = first_max(logits + v * V, V);
-    long next = -1;
-    for (long c = v + 1; c < n && next < 0; c++)
-      if (parents[c] == v && valid[c] && tokens[c] == choice) next = c;
-    if (next < 0) break;
-    if (count == L) return 0;
-    v = next;
-    path[count] = v;
-    emitted[count - 1] = tokens[v];
-    count++;
+// Greedy verification of one row (verify_jit.greedy_walk's), resumable: from the root, each node's choice
+// is the argmax of its logits (the first of equal maxima), and the walk moves to the node's first valid
+// child (in index order) holding it. path [L] (root first, 0 past it), emitted [L] (the accepted drafts,
+// then the last node's choice, the root's token past them), finite: whether every logit the walk read is
+// below +inf (NaN not).
+struct Walk {
+  long v = 0, count = 1;  // the node reached, the path's length so far
+  bool open = true, finite = true;
+
+  // Walks on while the node reached has logits (at(node): its row, else null); returns -1 where the path
+  // would run past L (the caller's max depth was wrong: nothing is committed), else 0.
+  template <class Logits>
+  long run(Logits at, long V, const int64_t* tokens, const int64_t* parents, const uint8_t* valid, long n, long L,
+           int64_t* path, int64_t* emitted) {
+    while (open) {
+      const float* lv = at(v);
+      if (!lv) return 0;
+      finite = finite && all_below_inf(lv, V);
+      long choice = first_max(lv, V), next = -1;
+      for (long c = v + 1; c < n && next < 0; c++)
+        if (parents[c] == v && valid[c] && tokens[c] == choice) next = c;
+      if (next < 0) {
+        emitted[count - 1] = choice;
+        for (long j = count; j < L; j++) emitted[j] = tokens[0];
+        open = false;
+        return 0;
+      }
+      if (count == L) return -1;
+      v = next;
+      path[count] = v;
+      emitted[count - 1] = tokens[v];
+      count++;
+    }
+    return 0;
   }
-  emitted[count - 1] = choice;
-  for (long j = count; j < L; j++) emitted[j] = tokens[0];
-  return count;
+};
+
+// The head's rows a wave takes at least where the walks wait on fewer (the first of a row's: its root's
+// chain, then its other nodes in index order): a product's cost stays about one row's, the head's weight
+// streamed once, for the first few rows of a tile
+constexpr long HEAD_WAVE = 4;
+
+// The node's first valid child in index order (-1: none): the chain a walk is likeliest to follow (a
+// drafter's children come most likely first).
+long first_child(const int64_t* parents, const uint8_t* valid, long n, long v) {
+  for (long c = v + 1; c < n; c++)
+    if (parents[c] == v && valid[c]) return c;
+  return -1;
 }
 
 constexpr long REPLAY_SPLIT = 2;  // the nodes replayed (all rows') from which a greedy iteration splits its replay
@@ -709,9 +740,10 @@ void replay_row(const Layer& L, const Sizes& sz, double lo, double hi, const flo
 
 // A greedy iteration: the tree pass (stree_mamba_tree's arguments, a[0..13], the scratch arrays 0:
 // the call's own), greedy verification of its logits, and the accepted paths' replay into the states
-// (conv and SSM, advanced in place). Then: valid [b, n] (uint8), L (the tree's max depth + 1), and the
-// outputs path [b, L], num [b], emitted [b, L], bonus [b] (int64), finite [b] (uint8: every logit of
-// the row below +inf, NaN not); then k (0: none) and, at each row's path nodes, the target's laws
+// (conv and SSM, advanced in place). Of the logits [b, n, vocab] only each row's path nodes' are written
+// (the head is made where the walks read it). Then: valid [b, n] (uint8), L (the tree's max depth + 1),
+// and the outputs path [b, L], num [b], emitted [b, L], bonus [b] (int64), finite [b] (uint8: every logit
+// the row's walk read below +inf, NaN not); then k (0: none) and, at each row's path nodes, the target's laws
 // (node_law) for a drafter: top ids [b, L, k] (int64), their probabilities [b, L, k] and each emitted
 // token's own [b, L] (float32; 0 past a row's count); then sizes (int64 [b], or 0: every row all n
 // nodes): row r's tree is its first sizes[r] nodes, the others neither computed nor walked (their
@@ -734,26 +766,78 @@ extern "C" long stree_mamba_tree_greedy(const int64_t* a) {
   const int64_t *tokens = (const int64_t*)a[1], *parents = (const int64_t*)a[4];
   float *conv_states = (float*)a[6], *ssm_states = (float*)a[7];
   float* logits = (float*)a[12];
+  const float* hidden = nullptr;
+  int threads = (int)a[13];
   long status = tree_pass(m, tokens, b, n, parents, rows, sizes, conv_states, ssm_states, xBC, x, dt, B, logits,
-                          (int)a[13]);
+                          threads, &hidden);
   if (status) return status;
   const uint8_t* valid = (const uint8_t*)a[14];
   long L = a[15];
   int64_t *path = (int64_t*)a[16], *num = (int64_t*)a[17], *emitted = (int64_t*)a[18], *bonus = (int64_t*)a[19];
   uint8_t* finite = (uint8_t*)a[20];
   long V = sz.vocab;
-  for (long r = 0; r < b; r++) {
-    const float* lr = logits + r * n * V;
-    long size = sizes ? sizes[r] : n;
-    finite[r] = all_below_inf(lr, size * V);
-    num[r] = greedy_row(lr, V, tokens + r * n, parents + (rows > 1 ? r : 0) * n, valid + r * n, size, L,
-                        path + r * L, emitted + r * L);
-    if (!num[r]) return -1;
+  // The head on the nodes the walks read, wave by wave, not on every node: a walk reads its path's nodes
+  // alone, and the head's product was the pass's largest per node. A wave takes, for each walk waiting on
+  // a node, the chain of first children from it; the walks go on over what it made.
+  thread_local std::vector<int64_t> first, made, wave;  // row r's first node in the pass; a node's row of
+  thread_local std::vector<float> heads;                // `heads` (-1: not made); the wave's nodes
+  thread_local std::vector<Walk> walks;
+  first.resize((size_t)(b + 1));
+  first[0] = 0;
+  for (long r = 0; r < b; r++) first[r + 1] = first[r] + (sizes ? sizes[r] : n);
+  made.assign((size_t)N, -1);
+  heads.resize((size_t)(N * V));
+  walks.assign((size_t)b, Walk());
+  for (long r = 0; r < b * L; r++) path[r] = 0;
+  long rows_made = 0;
+  while (true) {
+    wave.clear();
+    for (long r = 0; r < b; r++) {  // (each walk's chain)
+      const Walk& w = walks[r];
+      long size = first[r + 1] - first[r];
+      const int64_t* pr = parents + (rows > 1 ? r : 0) * n;
+      if (!w.open || made[first[r] + w.v] >= 0) continue;
+      for (long u = w.v; u >= 0; u = first_child(pr, valid + r * n, size, u))
+        if (made[first[r] + u] < 0) wave.push_back(first[r] + u);
+    }
+    if (wave.empty()) break;
+    for (long r = 0; r < b && (long)wave.size() < HEAD_WAVE; r++) {  // (topped up with the rest of its subtree)
+      const Walk& w = walks[r];
+      if (!w.open) continue;
+      const int64_t* pr = parents + (rows > 1 ? r : 0) * n;
+      long size = first[r + 1] - first[r];
+      thread_local std::vector<uint8_t> under;
+      under.assign((size_t)size, 0);
+      under[w.v] = 1;
+      for (long u = w.v + 1; u < size && (long)wave.size() < HEAD_WAVE; u++) {
+        under[u] = under[pr[u]];
+        long at = first[r] + u;
+        if (under[u] && made[at] < 0 && std::find(wave.begin(), wave.end(), at) == wave.end()) wave.push_back(at);
+      }
+    }
+    long k = (long)wave.size();
+    head_rows(m, hidden, wave.data(), k, m->head_w, V, heads.data() + rows_made * V, threads);
+    for (long j = 0; j < k; j++) made[wave[j]] = rows_made + j;
+    rows_made += k;
+    for (long r = 0; r < b; r++) {
+      const float* hr = heads.data();
+      const int64_t* mr = made.data() + first[r];
+      auto at = [hr, mr, V](long v) { return mr[v] < 0 ? nullptr : hr + mr[v] * V; };
+      if (walks[r].run(at, V, tokens + r * n, parents + (rows > 1 ? r : 0) * n, valid + r * n,
+                       first[r + 1] - first[r], L, path + r * L, emitted + r * L))
+        return -1;
+    }
+  }
+  for (long r = 0; r < b; r++) {  // (the logits of each row's path, where the caller reads them)
+    num[r] = walks[r].count;
+    finite[r] = walks[r].finite;
     bonus[r] = emitted[r * L + num[r] - 1];
+    for (long t = 0; t < num[r]; t++)
+      memcpy(logits + (r * n + path[r * L + t]) * V, heads.data() + made[first[r] + path[r * L + t]] * V,
+             (size_t)V * sizeof(float));
   }
   long SS = HP * sz.d_state, jobs = sz.layers * b, replayed = 0;
   for (long r = 0; r < b; r++) replayed += num[r];
-  int threads = (int)a[13];
   // Each (layer, row) replays alone, so they are split over the threads (the pass's products have just run
   // on them): replayed on one, a 16-node chain accepted whole had taken 0.6 of a plain step more than split
   // (benchmarks/pass_ab.py --accepted, docs/benchmarks.md); a single node, the root alone, stays on one
