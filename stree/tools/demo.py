@@ -78,12 +78,22 @@ def run_demo(target_dir=TARGET, drafter_dir=DRAFTER, *, prompts: int = 8, max_ne
     texts = read_prompts(target_dir / "prompts.jsonl", prompts)
     ids = [tokenizer.encode(t, add_special_tokens=False) for t in texts]
     kw = dict(max_new_tokens=max_new_tokens, eos_token_id=tokenizer.eos_token_id)
-    drafters = [None if name is None else make_drafter(name, drafter_model=draft_model if name in NEEDS_MODEL else None,
-                                                       vocab_size=target.vocab_size) for _, name in runs]
+
+    def drafter(name):
+        """A drafter for one call, as ``LM.generate`` makes a named one (STAND a fresh store: one
+        store shared over the demo's unrelated prompts had its deterministic trees draft earlier
+        prompts' continuations, accepted next to never, in half the calls)."""
+        if name is None:
+            return None
+        made = make_drafter(name, drafter_model=draft_model if name in NEEDS_MODEL else None,
+                            vocab_size=target.vocab_size, tokens=max_new_tokens + 1)
+        made.serves_one_call = True
+        return made
+
     t0 = time.perf_counter()
     longest = [max(ids, key=len)]  # (a long prompt's prefill runs the chain scan's heads in parallel: loaded here)
-    for (method, _), drafter in zip(runs, drafters):  # compiling and measuring costs, before any timing
-        generate(target, longest, method=method, drafter=drafter, **dict(kw, max_new_tokens=8))
+    for method, name in runs:  # compiling and measuring costs, before any timing
+        generate(target, longest, method=method, drafter=drafter(name), **dict(kw, max_new_tokens=8))
     for prompt in ids:  # (each prompt's prefill: the first product of a new row count measures the product paths)
         generate(target, [prompt], method="autoregressive", **dict(kw, max_new_tokens=1))
     warmup = time.perf_counter() - t0
@@ -92,7 +102,7 @@ def run_demo(target_dir=TARGET, drafter_dir=DRAFTER, *, prompts: int = 8, max_ne
         # no run always goes first or always follows the same one (whose weights it finds in the caches)
         for k in range(len(runs)):
             i = (turn + k) % len(runs)
-            run = generate(target, [prompt], method=runs[i][0], drafter=drafters[i], **kw)
+            run = generate(target, [prompt], method=runs[i][0], drafter=drafter(runs[i][1]), **kw)
             res = results[i]
             res["outputs"].append(run.new_tokens[0])
             res["stats"].append(run.stats)

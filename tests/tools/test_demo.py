@@ -31,6 +31,26 @@ def test_demo_decodes_every_method_identically(capsys):
     assert "run-to-run noise" in out
 
 
+def test_demo_gives_every_call_a_drafter_of_its_own_as_the_text_api_does(monkeypatch):
+    """As ``LM.generate`` makes a named drafter for each call (STAND a fresh store sized for the call,
+    ``serves_one_call``), so does the demo: a store shared over its unrelated prompts had drafted earlier
+    prompts' continuations."""
+    real, seen = demo.generate, []
+
+    def spy(*args, **kw):
+        if kw.get("drafter") is not None:
+            seen.append(kw["drafter"])
+        return real(*args, **kw)
+
+    monkeypatch.setattr(demo, "generate", spy)
+    demo.run_demo(prompts=2, max_new_tokens=4, out=lambda *a: None)
+    speculative = sum(name is not None for _, name in demo.RUNS)
+    assert len(seen) == speculative * 3  # (a warm-up call and a call per prompt, each run)
+    assert len({id(d) for d in seen}) == len(seen) and all(d.serves_one_call for d in seen)
+    stand = [d for d in seen if type(d).__name__ == "STANDDrafter"]
+    assert stand and len({id(d.store) for d in stand}) == len(stand)
+
+
 def test_demo_reports_a_difference_and_exits_1(monkeypatch, capsys):
     real = demo.generate
 
