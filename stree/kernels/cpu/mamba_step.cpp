@@ -682,8 +682,8 @@ struct Walk {
   }
 };
 
-// The head's rows a wave takes at least where the walks wait on fewer (the first of a row's: its root's
-// chain, then its other nodes in index order): a product's cost stays about one row's, the head's weight
+// The head's rows a wave takes at least where the walks' chains hold fewer (topped up with the rest of each
+// waiting node's subtree, in index order): a product's cost stays about one row's, the head's weight
 // streamed once, for the first few rows of a tile
 constexpr long HEAD_WAVE = 4;
 

@@ -289,30 +289,27 @@ class MambaStep:
     def tree_greedy(self, tokens: torch.Tensor, parents: np.ndarray, valid: np.ndarray, max_depth: int,
                     conv: torch.Tensor, ssm: torch.Tensor, top_k: int | None = None, sizes: np.ndarray | None = None,
                     lengths: torch.Tensor | None = None):
-        """A greedy iteration in one call: :meth:`tree`'s pass, greedy verification of its logits
-        (``valid`` ``[b, n]`` bool: the nodes a path may take; ``max_depth``: the trees'), and the
-        accepted paths' replay into ``conv`` and ``ssm``, advanced in place. The head (final norm and
-        product) runs on the nodes the walks read, a wave at a time (each waiting walk's chain of first
-        children, the first wave topped up to a few rows), not on every node: a walk reads its path
-        alone, and the head's product was the pass's largest per node. Returns the logits ``[b, n,
-        vocab]``, those of each row's path nodes alone made (the rest unspecified), and, as arrays,
-        each row's path ``[b, max_depth + 1]`` (root first, 0
-        past it), its length, the bonus, the emitted tokens (the accepted drafts, then the bonus;
-        the root's token past them) ``[b, max_depth + 1]`` and whether every logit the row's walk
-        read is below +inf (NaN not: NaN or +inf at a node no walk reaches is never made, and plain
-        decoding would not feed its token); with ``top_k`` (cut to the vocabulary), also the laws a drafter
-        learns from at each row's path nodes (None without): the softmax's ``top_k`` most likely ids
-        ``[b, max_depth + 1, top_k]`` and probabilities, and each emitted token's own ``[b,
-        max_depth + 1]`` (0 past a row's count; the softmax's exp a polynomial's, within float32
-        rounding of ``torch.softmax``). Token ids are checked before anything is computed; the
-        rest is the caller's to vouch for, as :meth:`tree`'s. ``sizes`` (int64 ``[b]``, each in [1, n]):
-        row r's tree is its first ``sizes[r]`` nodes (a packed draft's ``row_sizes``), the nodes past
-        them neither computed nor walked; the pass then costs what
-        its rows' nodes in all do (None: every row all n). ``lengths`` (int64 ``[b]``, contiguous, on the
-        host: a cache's ``seqlens``), where given, is advanced by each row's path length in the call,
-        with the states. The path, length, bonus, emitted tokens
-        and flags are host tensors (:func:`~stree.tree.host_tensor`) of one array's memory; a
-        :meth:`reused` step keeps them, the logits and the laws per shape, as its greedy steps do."""
+        """A greedy iteration in one call: :meth:`tree`'s pass, greedy verification of its logits (``valid`` ``[b,
+        n]`` bool: the nodes a path may take; ``max_depth``: the trees'), and the accepted paths' replay into
+        ``conv`` and ``ssm``, advanced in place. The head (final norm and product) runs on the nodes the walks
+        read, a wave at a time (each waiting walk's chain of first children, topped up to a few rows), not on
+        every node: a walk reads its path alone, and the head's product was the pass's largest per node. Returns
+        the logits ``[b, n, vocab]``, those of each row's path nodes alone made (the rest unspecified), and, as
+        arrays, each row's path ``[b, max_depth + 1]`` (root first, 0 past it), its length, the bonus, the
+        emitted tokens (the accepted drafts, then the bonus; the root's token past them) ``[b, max_depth + 1]``
+        and whether every logit the row's walk read is below +inf (NaN not: NaN or +inf at a node no walk
+        reaches is never made, and plain decoding would not feed its token); with ``top_k`` (cut to the
+        vocabulary), also the laws a drafter learns from at each row's path nodes (None without): the softmax's
+        ``top_k`` most likely ids ``[b, max_depth + 1, top_k]`` and probabilities, and each emitted token's own
+        ``[b, max_depth + 1]`` (0 past a row's count; the softmax's exp a polynomial's, within float32 rounding
+        of ``torch.softmax``). Token ids are checked before anything is computed; the rest is the caller's to
+        vouch for, as :meth:`tree`'s. ``sizes`` (int64 ``[b]``, each in [1, n]): row r's tree is its first
+        ``sizes[r]`` nodes (a packed draft's ``row_sizes``), the nodes past them neither computed nor walked;
+        the pass then costs what its rows' nodes in all do (None: every row all n). ``lengths`` (int64 ``[b]``,
+        contiguous, on the host: a cache's ``seqlens``), where given, is advanced by each row's path length in
+        the call, with the states. The path, length, bonus, emitted tokens and flags are host tensors
+        (:func:`~stree.tree.host_tensor`) of one array's memory; a :meth:`reused` step keeps them, the logits
+        and the laws per shape, as its greedy steps do."""
         b, n = tokens.shape
         L = max_depth + 1
         logits = self._logits(b, n)
