@@ -786,7 +786,6 @@ extern "C" long stree_mamba_tree_greedy(const int64_t* a) {
   first[0] = 0;
   for (long r = 0; r < b; r++) first[r + 1] = first[r] + (sizes ? sizes[r] : n);
   made.assign((size_t)N, -1);
-  heads.resize((size_t)(N * V));
   walks.assign((size_t)b, Walk());
   for (long r = 0; r < b * L; r++) path[r] = 0;
   long rows_made = 0;
@@ -816,6 +815,8 @@ extern "C" long stree_mamba_tree_greedy(const int64_t* a) {
       }
     }
     long k = (long)wave.size();
+    // (grown wave by wave to the rows made: room for every node held a second copy of all the logits)
+    if ((long)heads.size() < (rows_made + k) * V) heads.resize((size_t)((rows_made + k) * V));
     head_rows(m, hidden, wave.data(), k, m->head_w, V, heads.data() + rows_made * V, threads);
     for (long j = 0; j < k; j++) made[wave[j]] = rows_made + j;
     rows_made += k;
