@@ -36,6 +36,11 @@ HEAD_SHARE = 0.25
 # per drafter model, what SSMDrafter.build has run in this process: ("step" or "catch-up", row
 # count, cache size)
 _BUILT: "weakref.WeakKeyDictionary[object, set[tuple]]" = weakref.WeakKeyDictionary()
+# per drafter model, the ids its one-call greedy drafts choose among, by (share, vocab_size): one tensor for
+# every drafter of the model (LM.generate makes one per call), so that the kernel's cut of the head for
+# them (MambaStep.head_cut, by the ids tensor) is made once (cut again for each call's new ids, half a
+# millisecond each, and each kept: a megabyte a call)
+_HEAD_IDS: "weakref.WeakKeyDictionary[object, dict]" = weakref.WeakKeyDictionary()
 
 
 @dataclass
@@ -201,10 +206,18 @@ class SSMDrafter(Drafter):
         vocabulary most frequent in the drafter's training text (its checkpoint's draft_vocab.json),
         at most those below ``vocab_size``."""
         ranked = getattr(self.model, "draft_vocab", None)
-        if share is None or ranked is None:
-            return None if self.vocab_size == self.model.vocab_size else torch.arange(self.vocab_size)
-        ranked = ranked[ranked < self.vocab_size]
-        return ranked[: max(1, round(share * self.vocab_size))].contiguous()
+        if (share is None or ranked is None) and self.vocab_size == self.model.vocab_size:
+            return None
+        share = None if ranked is None else share
+        made = _HEAD_IDS.setdefault(self.model, {})
+        hit = made.get((share, self.vocab_size))
+        if hit is None or hit[0] is not ranked:  # (made for the ranking the model holds now)
+            if share is None:
+                ids = torch.arange(self.vocab_size)
+            else:
+                ids = ranked[ranked < self.vocab_size][: max(1, round(share * self.vocab_size))].contiguous()
+            hit = made[(share, self.vocab_size)] = (ranked, ids)
+        return hit[1]
 
     @property
     def random_drafts(self) -> bool:

@@ -1388,6 +1388,32 @@ def test_short_calls_that_explore_in_vain_leave_the_idle_count_as_it_is():
     assert scale.get("idle_calls", 0) == 0 and fresh._first_watch
 
 
+
+def test_a_drafter_models_choices_plan_once_under_the_same_rates(monkeypatch):
+    """A drafter model's plan weighs every depth cap; a choice made under the rates (and profile) the
+    last one planned under takes that plan without weighing them again, and plans afresh once the
+    rates have learned from a step."""
+    import stree.decoding.autotree as autotree
+
+    nodes, depths = (2, 4, 8, 16), (1, 3, 5, 6)
+    profile = CostProfile(1.0, nodes, (1.1, 1.2, 1.3, 1.5), tuple(0.2 + 0.5 * d for d in depths), 0.01, depths)
+    rates = PathRates(prior=(0.85, 0.5, 0.4, 0.3, 0.2, 0.1, 0.08, 0.07))
+    planned = []
+    real = autotree.plan_shape
+    monkeypatch.setattr(autotree, "plan_shape", lambda *a, **k: planned.append(a[1:]) or real(*a, **k))
+    first = AutoTree(profile, rates=rates, adaptive=True)
+    weighed = len(planned)
+    assert weighed > 2  # (the first plan, then one per depth cap)
+    second = AutoTree(profile, rates=rates, adaptive=True)
+    assert len(planned) == weighed + 1 and second._order is first._order  # (the first plan alone)
+    other = AutoTree(CostProfile(1.0, nodes, profile.tree_ms, profile.draft_ms, 0.01, depths), rates=rates,
+                     adaptive=True)
+    assert len(planned) == 2 * weighed + 1  # (another profile: weighed again)
+    tree = TokenTree.from_shape(first._order.prefix(4), torch.zeros(1, 4, dtype=torch.long))
+    rates.record(tree, np.zeros((1, 2), dtype=np.int64), np.array([2]), np.arange(1))
+    AutoTree(profile, rates=rates, adaptive=True)
+    assert len(planned) == 3 * weighed + 1 and other._order is not None
+
 def test_adaptive_choices_of_one_profile_hand_on_what_they_learned(monkeypatch):
     """auto_tree's adaptive choosers of one cost profile share one scale and one set of rates across
     calls (a call starts where the last left off), made at the first; another profile's are its own,
@@ -1405,6 +1431,34 @@ def test_adaptive_choices_of_one_profile_hand_on_what_they_learned(monkeypatch):
     seeded = autotree.auto_tree(model, drafter, 1, mode="eager")
     assert seeded.rates is not first.rates and seeded.scale is not first.scale
 
+
+
+def test_auto_tree_looks_its_profile_up_once_per_model_and_arguments(monkeypatch):
+    """A decoding call asks auto_tree for its choice once: the profile (and the sizes) it asks for are
+    kept per model and arguments, and asked again where the arguments differ, ``refresh`` is given,
+    the model was moved to another dtype, or the drafter drafts with another model."""
+    import stree.decoding.autotree as autotree
+
+    asked = []
+    profile = CostProfile(1.0, (2, 4), (1.1, 1.2), (0.1, 0.2), 0.01, (1, 2))
+
+    def looked_up(model, batch, **kw):
+        asked.append((batch, kw["mode"], kw["refresh"]))
+        return profile
+    monkeypatch.setattr(autotree, "cost_profile", looked_up)
+    model, drafter = mamba2(), make_drafter("ngram")
+    choices = [autotree.auto_tree(model, drafter, 1, mode="eager", adaptive=True) for _ in range(3)]
+    assert asked == [(1, "eager", False)] and all(c.profile is profile for c in choices)
+    autotree.auto_tree(model, drafter, 2, mode="eager", adaptive=True)
+    autotree.auto_tree(model, drafter, 1, mode="eager", adaptive=True, refresh=True)
+    assert asked[1:] == [(2, "eager", False), (1, "eager", True)]
+    model.to(torch.float64)
+    autotree.auto_tree(model, drafter, 1, mode="eager", adaptive=True)
+    assert len(asked) == 4
+    small, other = mamba2(n_layer=1, seed=3), mamba2(n_layer=1, seed=4)
+    for inner in (small, small, other):
+        autotree.auto_tree(model, make_drafter("ssm-static", drafter_model=inner), 1, mode="eager", adaptive=True)
+    assert len(asked) == 6
 
 def test_only_a_batch_of_one_forces_a_watch_early_in_each_call(monkeypatch):
     """auto_tree's choices at batch 1 watch a call's first draft within FIRST_WATCH plain steps,

@@ -555,6 +555,14 @@ def test_a_checked_profile_measured_here_is_spot_checked_and_measured_once_more_
         assert cost_profile(model, 2, shapes=shapes, **kw) == bursty and calls == [[2, 4, 8]], kw
 
 
+def new_process(monkeypatch):
+    """What a new process knows of the costs: the file alone (the profiles and auto_tree's look-ups gone)."""
+    from stree.decoding import autotree
+
+    monkeypatch.setattr(cost, "_MEMO", {})
+    monkeypatch.setattr(autotree, "_ASKED", type(autotree._ASKED)())
+
+
 def test_a_profile_the_file_prices_far_off_is_measured_again_by_an_adaptive_choice(fresh_cache, monkeypatch):
     """For real: a file whose trees cost eight times what this machine's do (measured beside other
     work), read by a new process's adaptive choice, is measured again; a seeded one keeps it. (Eight,
@@ -568,9 +576,9 @@ def test_a_profile_the_file_prices_far_off_is_measured_again_by_an_adaptive_choi
     entry["value"]["tree_ms"] = [8 * (t + d) for t, d in zip(entry["value"]["tree_ms"], entry["value"]["draft_ms"])]
     fresh_cache.write_text(json.dumps(data))
     dear = CostProfile.from_dict(entry["value"])
-    monkeypatch.setattr(cost, "_MEMO", {})
+    new_process(monkeypatch)
     assert auto_tree(model, NGramDrafter(), 1, mode="eager").profile == dear  # seeded: the file's trees
-    monkeypatch.setattr(cost, "_MEMO", {})
+    new_process(monkeypatch)
     again = auto_tree(model, NGramDrafter(), 1, mode="eager", adaptive=True).profile
     common = [n for n in again.nodes if n in measured.nodes]  # (a loaded machine's budget may cut sizes)
     assert again != dear and common

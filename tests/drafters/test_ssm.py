@@ -10,6 +10,7 @@ from stree.drafters import DraftContext
 from stree.drafters.ssm import SSMDrafter
 from stree.kernels.cpu import mamba_step
 from stree.models import Mamba2LM
+from stree.models.fused_step import fused_step
 from stree.decoding.loop import generate
 from stree.testing import MarkovLM, cell_counts, chi_square
 from stree.tree import TreeBudget, TreeShape
@@ -380,3 +381,28 @@ def test_a_cut_head_drafts_among_the_most_frequent_tokens_alone():
     for share in (0, 1.5):
         with pytest.raises(ValueError, match="head_share must be in"):
             SSMDrafter(model, head_share=share)
+
+
+@pytest.mark.skipif(not mamba_step.available(), reason="no C++ compiler for the CPU library here")
+def test_the_drafters_of_one_model_cut_its_head_once():
+    """``LM.generate`` makes a drafter per call: every drafter of a model drafts among one ids tensor,
+    so the one-call step packs that cut of the head once (packed per drafter, each call paid half a
+    millisecond and kept another copy); a caller handing new ids each time keeps the step's last
+    ``CUTS`` cuts alone."""
+    model = mamba2(seed=3)
+    model.draft_vocab = torch.randperm(model.vocab_size, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        step = fused_step(model, model.allocate_cache(1, 8), None, "auto")
+    packed, pack = [], step._pack
+    step._pack = lambda w: packed.append(w.shape[0]) or pack(w)
+    tokens = torch.randint(0, 90, (2, 30), generator=torch.Generator().manual_seed(2))
+    drafts = [SSMDrafter(model, TreeShape.paper13(), stochastic=False).propose(
+        DraftContext(tokens, torch.tensor([9, 12]), [0, 1])) for _ in range(5)]
+    assert packed == [round(0.25 * model.vocab_size)]
+    assert all(torch.equal(d.tokens, drafts[0].tokens) for d in drafts)
+    for k in range(1, 3 * step.CUTS):
+        step.head_cut(torch.arange(k))
+    assert len(step._cuts) == step.CUTS and len(packed) == 3 * step.CUTS
+    recent = torch.arange(7)
+    step.head_cut(recent), step.head_cut(recent)
+    assert len(packed) == 3 * step.CUTS + 1 and len(step._cuts) == step.CUTS

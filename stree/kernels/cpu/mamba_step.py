@@ -86,6 +86,8 @@ class MambaStep:
     blocks' norms, the gated norms and the final norm; the dt clamp ``(lo, hi)`` of decoding.
     :meth:`__call__` runs it on a cache's stacked states."""
 
+    CUTS = 4  # the head's cuts kept (head_cut): a packed copy of its rows each
+
     def __init__(self, layers: list[MambaLayer], embed: torch.Tensor, final_w: torch.Tensor, head_w: torch.Tensor,
                  *, d_state: int, groups: int, norm_group: int, gate_first: bool, eps: float, gnorm_eps: float,
                  final_eps: float, dt_limit: tuple[float, float], pack=gemm.pack):
@@ -221,7 +223,7 @@ class MambaStep:
 
     def head_cut(self, ids: torch.Tensor) -> tuple:
         """The head cut to the tokens ``ids`` (int64, distinct, in the vocabulary; made once per
-        ``ids`` tensor held): what :meth:`draft` takes as ``head``."""
+        ``ids`` tensor held, the last ``CUTS`` of them kept): what :meth:`draft` takes as ``head``."""
         cut = self._cuts.get(id(ids))
         if cut is None or cut[0] is not ids:
             keep = ids.detach().contiguous()
@@ -229,6 +231,8 @@ class MambaStep:
                     or int(keep.max()) >= self.vocab or len(torch.unique(keep)) != len(keep)):
                 raise ValueError(f"a head's cut must be distinct int64 token ids in [0, {self.vocab}), got "
                                  f"{keep.dtype} of shape {tuple(keep.shape)}")
+            if len(self._cuts) >= self.CUTS:  # (a caller making new ids each time: the oldest cut goes)
+                self._cuts.pop(next(iter(self._cuts)))
             cut = self._cuts[id(ids)] = (ids, self._pack(self._head_src[keep]), len(keep), keep)
         return cut[1:]
 
