@@ -1233,8 +1233,8 @@ def _load_helpers() -> None:
 
 # per model, auto_tree's profiles and sizes by what it was asked (and what the model, its dtype and device,
 # and the drafter's model were then): a decoding call asks once, and looking the profile up again (its
-# key a text of the config and arguments) with the sizes and shapes it is asked for took a call of 128
-# tokens at batch 1 about 0.08 ms (2-core Zen 5 EPYC, cold after decoding), half a percent of the call
+# key a text of the config and arguments) with the sizes and shapes it is asked for was a third of what a
+# call's choice took to set up, cold after decoding (docs/benchmarks.md, "A call's setup")
 _ASKED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 # per model, the one-row cache _passes_are_one_call asks with, and the dtype and device it was made for
@@ -1245,8 +1245,8 @@ _PRICED: "weakref.WeakSet[TreeShape]" = weakref.WeakSet()
 
 # per rates, the last plan a drafter model's choice made under them for the batch (_plan_for): the rates'
 # version, its size and depth, the profile, the plan. Each call's choice plans from the rates the last call of its
-# profile left, and weighing every depth cap again took a call of 128 tokens at batch 1 (1-layer drafter,
-# 2-core Zen 5 EPYC) about 0.19 ms, where no draft moved the rates since the last call's plan.
+# profile left, and weighing every depth cap again was most of what a call's choice took to set up where no
+# draft had moved the rates since the last call's plan (docs/benchmarks.md, "A call's setup").
 _PLANNED: "weakref.WeakKeyDictionary[PathRates, tuple]" = weakref.WeakKeyDictionary()
 
 # what adaptive choosers learned, per cost profile (the same model, drafter kind, batch size and mode)

@@ -114,15 +114,14 @@ class NGramDrafter(Drafter):
     """Deterministic drafts from the row's own context (prompt + generated): each node's children
     are the distinct continuations of the longest suffix (n = ``max_n``..``min_n``) of the path
     context that occurred before, most frequent first; slots with no candidate are invalid. Nodes
-    drafted from a match of at most ``WEAK`` tokens are marked weak (``TokenTree.weak``): over
-    the shipped pair's outputs a one-token match's top continuation was the next token a third as
-    often as a four-token one's, and ``tree="auto"`` prices such nodes by their own rates.
+    drafted from a match shorter than ``max_n`` tokens are marked weak (``TokenTree.weak``), and
+    ``tree="auto"`` prices such nodes by their own rates: drafting chains for the shipped target on
+    its held-out prompts, nodes from a four-token match were accepted at 95%, from a two- or three-token
+    match at 70%, from a one-token match at 43% (``benchmarks/ngram_matches.py``).
 
     Memory is bounded per row: at most ``capacity`` n-grams (about 250 bytes each; the default
     65536 covers 16k tokens of context at ``max_n`` 4), the ``evict_fraction`` least recently
     updated dropped when it is reached."""
-
-    WEAK = 1  # the longest match, in tokens, whose drafts are weak
 
     def __init__(self, max_n: int = 4, min_n: int = 1, capacity: int = 1 << 16, evict_fraction: float = 0.1,
                  compiled: bool = True):
@@ -176,5 +175,5 @@ class NGramDrafter(Drafter):
         out_weak = np.empty((len(context), shape.n), dtype=bool)
         for i, row in enumerate(context.rows):
             index = self._index(row, tokens, int(lengths[row]))
-            index.propose(self.min_n, self.WEAK, shape.plan, shape.n, (out_tok[i], out_ok[i], out_weak[i]))
+            index.propose(self.min_n, self.max_n - 1, shape.plan, shape.n, (out_tok[i], out_ok[i], out_weak[i]))
         return TokenTree.from_arrays(shape, out_tok, out_ok, out_weak)

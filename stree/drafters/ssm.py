@@ -38,8 +38,8 @@ HEAD_SHARE = 0.25
 _BUILT: "weakref.WeakKeyDictionary[object, set[tuple]]" = weakref.WeakKeyDictionary()
 # per drafter model, the ids its one-call greedy drafts choose among, by (share, vocab_size): one tensor for
 # every drafter of the model (LM.generate makes one per call), so that the kernel's cut of the head for
-# them (MambaStep.head_cut, by the ids tensor) is made once (cut again for each call's new ids, half a
-# millisecond each, and each kept: a megabyte a call)
+# them (MambaStep.head_cut, by the ids tensor) is made once (it had been cut and packed again for each
+# call's new ids, and each copy kept: docs/kernels.md)
 _HEAD_IDS: "weakref.WeakKeyDictionary[object, dict]" = weakref.WeakKeyDictionary()
 
 

@@ -54,6 +54,19 @@ def test_children_are_the_longest_matches_continuations_then_backoff(compiled):
     assert tree.valid[0].tolist() == [True] * 4 + [False]  # only 3 distinct continuations exist
 
 
+
+@both
+def test_a_node_from_a_match_shorter_than_max_n_is_weak(compiled):
+    """Weak marks follow the longest match there could be: a continuation of a two-token match is weak
+    for a drafter matching up to four tokens (drafting for the shipped target, nodes from two- or
+    three-token matches were accepted at 70%, from four-token ones at 95%), strong for one matching up
+    to two."""
+    ctx = [7, 5, 1, 2, 3, 6, 1, 2]  # (1, 2) -> 3 once; no longer suffix of (.., 1, 2) occurred before
+    shape = TreeShape.full(1, 1)
+    for max_n, weak in ((4, True), (3, True), (2, False)):
+        tree = NGramDrafter(max_n=max_n, compiled=compiled).propose(context([ctx]), shape)
+        assert tree.tokens[0, 1] == 3 and tree.valid[0, 1] and bool(tree.weak[0, 1]) is weak, max_n
+
 @both
 def test_random_contexts_match_the_definition_at_every_depth(compiled):
     g = torch.Generator().manual_seed(0)
@@ -73,10 +86,10 @@ def test_random_contexts_match_the_definition_at_every_depth(compiled):
                 path.append(int(tree.tokens[0, u]))
                 u = shape.parents[u]
             # the index holds the committed context only: drafted tokens extend the key, not the table;
-            # a child is weak where the match it came from was one token (NGramDrafter.WEAK)
+            # a child is weak where the match it came from was shorter than max_n (4) tokens
             got = [(int(tree.tokens[0, c]), bool(tree.weak[0, c])) for c in kids[v] if tree.valid[0, c]]
             want = want_from_committed(ctx, path[::-1], len(kids[v]))
-            assert got == [(t, n <= 1) for t, n in want], (ctx, v)
+            assert got == [(t, n < 4) for t, n in want], (ctx, v)
             assert not tree.weak[0, [c for c in kids[v] if not tree.valid[0, c]]].any()
 
 
