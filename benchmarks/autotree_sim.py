@@ -92,7 +92,7 @@ class Virtual:
         self.profiles: dict = {}  # one per call kind, as the cache keeps one: what choosers learn goes on
         self.clock, self.since_tree = Clock(), len(after)
         self.saved = (loop.time, autotree.time, loop.autoregressive_step, loop.speculative_step, loop.check_draft,
-                      autotree.cost_profile)
+                      autotree.cost_profile, autotree._ASKED)
 
     def pass_steps(self, n: int) -> float:
         sizes = sorted(self.passes)
@@ -130,11 +130,12 @@ class Virtual:
         loop.time = autotree.time = clock
         loop.autoregressive_step, loop.speculative_step, loop.check_draft = plain, tree, drafted
         autotree.cost_profile = table
+        autotree._ASKED = type(autotree._ASKED)()  # (what auto_tree looked up before: the table answers now)
         return self
 
     def __exit__(self, *exc):
         (loop.time, autotree.time, loop.autoregressive_step, loop.speculative_step, loop.check_draft,
-         autotree.cost_profile) = self.saved
+         autotree.cost_profile, autotree._ASKED) = self.saved
 
 
 def main(argv=None):
