@@ -132,20 +132,21 @@ def test_acceptance_smoke_writes_json_table_and_png(tmp_path):
 def test_ngram_matches_smoke_shares_accepted_drafts_by_match_length(tmp_path):
     result = smoke("ngram_matches", tmp_path)
     rows = result["results"]
-    assert rows and all(1 <= r["match"] <= 4 for r in rows)
+    assert rows and all(1 <= r["match"] <= 4 and isinstance(r["others_followed"], bool) for r in rows)
     assert all(0 <= r["accepted"] <= r["reached"] and r["share"] == r["accepted"] / r["reached"] for r in rows)
     assert all(r["first_accepted"] <= r["first_reached"] <= r["reached"] for r in rows)
     assert sum(r["first_reached"] for r in rows) > 0  # (a chain's first child is reached at every step)
 
 
-def test_ngram_match_lengths_follow_the_path():
+def test_ngram_matches_follow_the_path():
     """The length of the context suffix each chain node's token continued, the path's drafted tokens
-    taking part in the suffix (0 where the token never followed any)."""
+    taking part in the suffix (0 where the token never followed any), and whether other tokens followed
+    that suffix too."""
     module = benchmark("ngram_matches")
     context = [1, 2, 3, 4, 9, 2, 3, 5, 1, 2, 3]
-    # root 3; then 4 after (1, 2, 3); then 9 after (1, 2, 3, 4); then 7, which never occurred
-    assert module.match_lengths(context, [3, 4, 9, 7], 4) == [3, 4, 0]
-    assert module.match_lengths(context, [3, 5], 4) == [2]  # (2, 3) -> 5 once, (1, 2, 3) -> 4 alone
+    # root 3; then 4 after (1, 2, 3) alone; then 9 after (1, 2, 3, 4); then 7, which never occurred
+    assert module.matches(context, [3, 4, 9, 7], 4) == [(3, False), (4, False), (0, False)]
+    assert module.matches(context, [3, 5], 4) == [(2, True)]  # (2, 3) -> 4 and 5; (1, 2, 3) -> 4 alone
 
 def test_e2e_smoke_compares_every_configuration_with_transformers(tmp_path, monkeypatch):
     import stree.models.layers.linear as lin

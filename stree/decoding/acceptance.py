@@ -37,7 +37,7 @@ RANKS = 8  # sibling ranks told apart (later ranks share the last): PathRates.RA
 CLASSES = 2  # a node is strong (0) or weak (1): TokenTree.weak
 # A weak node's prior against a strong one's of the same rank: the n-gram drafter's top draft was the
 # next token at a third of the positions whose longest match was one token, at 95% where it was four
-# (docs/benchmarks.md; its weak nodes are those of matches shorter than four tokens, docs/drafters.md);
+# (docs/benchmarks.md; its weak nodes are those of matches shorter than four tokens or contested, docs/drafters.md);
 # the counts take over within a few verified steps.
 WEAK_PRIOR = 0.5
 

@@ -66,23 +66,23 @@ class RowIndex:
         entry = self.next.get(key)
         return [] if entry is None else list(entry[1])
 
-    def candidates(self, suffix: tuple[int, ...], k: int, min_n: int) -> list[tuple[int, int]]:
-        """Up to ``k`` distinct continuations, each with the length of the match it came from:
-        those of the longest matching suffix first (most frequent, then most recent), then
-        shorter suffixes' to fill the remaining slots."""
+    def candidates(self, suffix: tuple[int, ...], k: int, min_n: int) -> list[tuple[int, int, bool]]:
+        """Up to ``k`` distinct continuations, each with the length of the match it came from and
+        whether other tokens followed that match too: those of the longest matching suffix first
+        (most frequent, then most recent), then shorter suffixes' to fill the remaining slots."""
         if len(suffix) < min_n:
             return []
         entry = self.next.get(suffix)
         if entry is not None and len(entry[1]) >= k:  # the common case: the longest suffix alone fills the slots
-            return [(tok, len(suffix)) for tok in entry[1][:k]]
-        out: list[tuple[int, int]] = []
+            return [(tok, len(suffix), len(entry[1]) > 1) for tok in entry[1][:k]]
+        out: list[tuple[int, int, bool]] = []
         for n in range(len(suffix), min_n - 1, -1):
             entry = self.next.get(suffix[len(suffix) - n:])
             if entry is None:
                 continue
             for tok in entry[1]:
-                if all(tok != t for t, _ in out):
-                    out.append((tok, n))
+                if all(tok != t for t, _, _ in out):
+                    out.append((tok, n, len(entry[1]) > 1))
                     if len(out) == k:
                         return out
         return out
@@ -93,16 +93,17 @@ class RowIndex:
 
     def propose(self, min_n: int, weak_n: int, plan: ShapePlan, n_nodes: int, out: tuple | None = None
                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """One row's draft on the plan's shape: tokens, which nodes were filled and which of them
-        from a match of at most ``weak_n`` tokens (also written to ``out`` where given)."""
+        """One row's draft on the plan's shape: tokens, which nodes were filled and which of them are
+        weak: from a match of at most ``weak_n`` tokens, or one other tokens followed too (also written
+        to ``out`` where given)."""
         toks, ok, weak, suffix = [0] * n_nodes, [False] * n_nodes, [False] * n_nodes, [()] * n_nodes
         toks[0], ok[0], suffix[0] = self.tokens[-1], True, tuple(self.tokens[-self.max_n:])
         for v in plan.nodes.tolist():  # parents come first
             if not ok[v]:
                 continue
             kids = plan.kids[v]
-            for child, (tok, n) in zip(kids, self.candidates(suffix[v], len(kids), min_n)):
-                toks[child], ok[child], weak[child] = tok, True, n <= weak_n
+            for child, (tok, n, several) in zip(kids, self.candidates(suffix[v], len(kids), min_n)):
+                toks[child], ok[child], weak[child] = tok, True, n <= weak_n or several
                 if plan.kids[child]:
                     suffix[child] = (suffix[v] + (tok,))[-self.max_n:]
         if out is not None:
@@ -114,10 +115,11 @@ class NGramDrafter(Drafter):
     """Deterministic drafts from the row's own context (prompt + generated): each node's children
     are the distinct continuations of the longest suffix (n = ``max_n``..``min_n``) of the path
     context that occurred before, most frequent first; slots with no candidate are invalid. Nodes
-    drafted from a match shorter than ``max_n`` tokens are marked weak (``TokenTree.weak``), and
-    ``tree="auto"`` prices such nodes by their own rates: drafting chains for the shipped target on
-    its held-out prompts, nodes from a four-token match were accepted at 95%, from a two- or three-token
-    match at 70%, from a one-token match at 43% (``benchmarks/ngram_matches.py``).
+    drafted from a match shorter than ``max_n`` tokens, or from a match other tokens followed too, are
+    marked weak (``TokenTree.weak``), and ``tree="auto"`` prices such nodes by their own rates:
+    drafting chains for the shipped target on its held-out prompts, nodes from a four-token match only
+    their token had followed were accepted at 97%, from one other tokens had followed too at 48%, from
+    a shorter match at 35-74% (``benchmarks/ngram_matches.py``).
 
     Memory is bounded per row: at most ``capacity`` n-grams (about 250 bytes each; the default
     65536 covers 16k tokens of context at ``max_n`` 4), the ``evict_fraction`` least recently

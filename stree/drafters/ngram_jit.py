@@ -130,15 +130,17 @@ def extend(toks, end, max_n, capacity, evict, slots, key_tok, key_len, key_stamp
 
 
 @njit(cache=True)
-def _candidates(suffix, slen, k, min_n, slots, key_tok, key_len, c_start, c_len, pool_tok, out, out_n):
+def _candidates(suffix, slen, k, min_n, slots, key_tok, key_len, c_start, c_len, pool_tok, out, out_n, out_many):
     """Fills ``out[:m]`` with up to ``k`` distinct continuations of ``suffix[:slen]``, longest
-    matching suffix first, and ``out_n[:m]`` with the length of the match each came from; returns m."""
+    matching suffix first, ``out_n[:m]`` with the length of the match each came from and
+    ``out_many[:m]`` with whether other tokens followed that match too; returns m."""
     if slen < min_n:
         return 0
     key, _ = find(slots, key_tok, key_len, suffix, 0, slen)
     if key >= 0 and c_len[key] >= k:
         out[:k] = pool_tok[c_start[key]: c_start[key] + k]
         out_n[:k] = slen
+        out_many[:k] = c_len[key] > 1
         return k
     m = 0
     for n in range(slen, min_n - 1, -1):
@@ -155,6 +157,7 @@ def _candidates(suffix, slen, k, min_n, slots, key_tok, key_len, c_start, c_len,
             if not seen:
                 out[m] = tok
                 out_n[m] = n
+                out_many[m] = c_len[key] > 1
                 m += 1
                 if m == k:
                     return m
@@ -167,7 +170,7 @@ def continues(toks, ntoks, max_n, min_n, slots, key_tok, key_len, c_start, c_len
     first = max(0, ntoks - max_n)
     out = np.empty(1, dtype=np.int64)
     return _candidates(toks[first: ntoks], ntoks - first, 1, min_n, slots, key_tok, key_len, c_start, c_len, pool_tok,
-                       out, np.empty(1, dtype=np.int64)) > 0
+                       out, np.empty(1, dtype=np.int64), np.empty(1, dtype=np.bool_)) > 0
 
 
 @njit(cache=True)
@@ -176,12 +179,13 @@ def propose(toks, ntoks, max_n, min_n, slots, key_tok, key_len, c_start, c_len, 
     """Drafts one row on a static shape: node 0 the last token; the children of internal node
     ``plan_node[p]`` (parents first) are ``kids[plan_kids[p]: plan_kids[p + 1]]``, filled with the
     continuations of their parent's path suffix. ``out_ok`` marks the filled nodes, ``out_weak``
-    those drafted from a match of at most ``weak_n`` tokens."""
+    those drafted from a match of at most ``weak_n`` tokens or from one other tokens followed too."""
     n_nodes = len(out_tok)
     suffix = np.zeros((n_nodes, max_n), dtype=np.int64)
     slen = np.zeros(n_nodes, dtype=np.int64)
     cand = np.empty(len(kids) + 1, dtype=np.int64)
     cand_n = np.empty(len(kids) + 1, dtype=np.int64)
+    cand_many = np.empty(len(kids) + 1, dtype=np.bool_)
     out_tok[:] = 0
     out_ok[:] = False
     out_weak[:] = False
@@ -196,12 +200,12 @@ def propose(toks, ntoks, max_n, min_n, slots, key_tok, key_len, c_start, c_len, 
             continue
         lo = plan_kids[p]
         m = _candidates(suffix[v], slen[v], plan_kids[p + 1] - lo, min_n, slots, key_tok, key_len, c_start, c_len,
-                        pool_tok, cand, cand_n)
+                        pool_tok, cand, cand_n, cand_many)
         for c in range(m):
             child = kids[lo + c]
             out_tok[child] = cand[c]
             out_ok[child] = True
-            out_weak[child] = cand_n[c] <= weak_n
+            out_weak[child] = cand_n[c] <= weak_n or cand_many[c]
             if has_kids[lo + c]:
                 keep = min(slen[v], max_n - 1)  # the parent's last tokens, then this one
                 suffix[child, :keep] = suffix[v, slen[v] - keep: slen[v]]
