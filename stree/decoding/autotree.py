@@ -268,12 +268,13 @@ class AutoTree:
         # what packed passes cost (the profile measures padded ones), in any size eager loops verify
         self.per_row = self.PER_ROW and adaptive and sizes is None and not chain if per_row is None else per_row
         self.rates = rates if rates is not None else PathRates()
-        self.row_rates = RowRates(self.rates.decay)  # this call's rows' own
+        self._row_rates: RowRates | None = None  # this call's rows' own (row_rates: made where first asked)
         self._focus: int | None = None  # the batch row the choice serves (the one to finish last), once known
         # The hazards last weighed and the expected accepted drafts of each prefix of the plans weighed
         # under them: most steps re-weigh the sizes with new costs under the same rates (every plain
-        # step does), and remaking both was most of what the choice cost a plain step.
-        self._memo: tuple[np.ndarray, dict] | None = None
+        # step does), and remaking both was most of what the choice cost a plain step. (Shared by the
+        # choices of one rates, _EXPECTED: a call's choice weighs at once under the rates the last left.)
+        self._memo: tuple[np.ndarray, dict] | None = _EXPECTED.get(self.rates)
         self.scale = scale if scale is not None else {"plain": 1.0, "tree": 1.0}  # realised / predicted time
         self.scale.setdefault("probe_loss", 0.0)  # ms a probe took beyond plain steps for its tokens (adaptive)
         self.scale.setdefault("probes", 0)  # the probes that measured it
@@ -394,6 +395,14 @@ class AutoTree:
         self._drafted = 0  # nodes drafted this step (0: none)
         self._pick, self._probe_size = self._pick_sizes()
 
+    @property
+    def row_rates(self) -> RowRates:
+        """This call's rows' own rates (:class:`~stree.decoding.acceptance.RowRates`), made where first
+        asked: a call whose steps all stay plain never asks."""
+        if self._row_rates is None:
+            self._row_rates = RowRates(self.rates.decay)
+        return self._row_rates
+
     # -- before drafting ----------------------------------------------------------------------
     def prefix(self, m: int) -> TreeShape:
         """The first ``m`` nodes of the current plan."""
@@ -404,7 +413,7 @@ class AutoTree:
         rate and its expected tokens."""
         made = hazard if hazard.base is None else hazard.base  # (a focus row's hazards: a view of the kept rows')
         if self._memo is None or self._memo[0] is not made:
-            self._memo = (made, {})
+            self._memo = _EXPECTED[self.rates] = (made, {})
         memo = self._memo[1]
         expected = memo.get(order)
         if expected is None:
@@ -1248,6 +1257,10 @@ _PRICED: "weakref.WeakSet[TreeShape]" = weakref.WeakSet()
 # profile left, and weighing every depth cap again was most of what a call's choice took to set up where no
 # draft had moved the rates since the last call's plan (docs/benchmarks.md, "A call's setup").
 _PLANNED: "weakref.WeakKeyDictionary[PathRates, tuple]" = weakref.WeakKeyDictionary()
+
+# per rates, the memo of expected accepted drafts their choices last weighed by (AutoTree._best_size): the
+# hazards, and the expectation of each plan's prefixes under them
+_EXPECTED: "weakref.WeakKeyDictionary[PathRates, tuple]" = weakref.WeakKeyDictionary()
 
 # what adaptive choosers learned, per cost profile (the same model, drafter kind, batch size and mode)
 _LEARNED: "weakref.WeakKeyDictionary[CostProfile, tuple[dict, PathRates]]" = weakref.WeakKeyDictionary()

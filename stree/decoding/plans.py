@@ -9,6 +9,8 @@ a packed pass (:func:`best_rows`); and drafts cut to those prefixes (``TokenTree
 
 from __future__ import annotations
 
+import weakref
+
 import numpy as np
 import torch
 from numba import njit
@@ -256,6 +258,12 @@ def _capped(a, depth, chain):
 def plan_shape(rates: PathRates, nodes: int, chain: bool = False, depth: int = PathRates.DEPTH) -> TreeShape:
     """The best-first tree of at most ``nodes`` nodes and ``depth`` levels under ``rates``
     (``chain``: one child per node)."""
+    made = _BY_RATES.get(rates)
+    if made is None or made[0] != rates.version:
+        made = _BY_RATES[rates] = (rates.version, {})
+    shape = made[1].get((nodes, chain, depth))
+    if shape is not None:
+        return shape
     a = _capped(rates.positional(), depth, chain)
     key = (a.tobytes(), nodes)
     shape = _PLANS.get(key)
@@ -264,6 +272,7 @@ def plan_shape(rates: PathRates, nodes: int, chain: bool = False, depth: int = P
         if len(_PLANS) >= 512:
             _PLANS.pop(next(iter(_PLANS)))
         _PLANS[key] = shape
+    made[1][(nodes, chain, depth)] = shape
     return shape
 
 
@@ -271,6 +280,10 @@ def plan_shape(rates: PathRates, nodes: int, chain: bool = False, depth: int = P
 # call's rates (and the prior) left off, several depth caps each, and would otherwise grow and
 # check the same shapes again at every call.
 _PLANS: dict[tuple[bytes, int], TreeShape] = {}
+# and per rates, the plans asked for under their current version, by size, chain and depth: a call's choice
+# plans at once from the rates the last call left, and capping their chances again and keying them as
+# bytes was a fifth of what setting the choice up took, cold after decoding (docs/benchmarks.md)
+_BY_RATES: "weakref.WeakKeyDictionary[PathRates, tuple[int, dict]]" = weakref.WeakKeyDictionary()
 
 
 def cut_rows(draft: TokenTree, sizes: np.ndarray) -> TokenTree:

@@ -1414,6 +1414,32 @@ def test_a_drafter_models_choices_plan_once_under_the_same_rates(monkeypatch):
     AutoTree(profile, rates=rates, adaptive=True)
     assert len(planned) == 3 * weighed + 1 and other._order is not None
 
+
+def test_a_choice_under_the_rates_the_last_left_weighs_them_without_reckoning_again(monkeypatch):
+    """The expected accepted drafts of a plan's prefixes under one rates' hazards are reckoned once for
+    every choice of those rates (a call's choice weighs its sizes at once, under the rates the last
+    call left), and again once the rates move (then once for every choice again); a call's rows' own
+    rates are made only where a draft is recorded (plain steps never ask for them)."""
+    import stree.decoding.autotree as autotree
+
+    reckoned = []
+    real = autotree.expected_accepted
+    monkeypatch.setattr(autotree, "expected_accepted", lambda *a: reckoned.append(1) or real(*a))
+    rates, profile = PathRates(), cheap()
+    first = AutoTree(profile, rates=rates, adaptive=True)
+    once = len(reckoned)
+    second = AutoTree(profile, rates=rates, adaptive=True)
+    assert once >= 1 and len(reckoned) == once and second._pick == first._pick
+    second.record(None, elapsed_ms=1.0)
+    assert second._row_rates is None
+    draft = TokenTree.from_shape(second.prefix(4), torch.zeros(1, 4, dtype=torch.long))
+    second.record(draft, np.zeros((1, 2), dtype=np.int64), np.array([2]), np.arange(1), ids=np.arange(1))
+    assert second._row_rates is not None and rates.version == 1
+    AutoTree(profile, rates=rates, adaptive=True)
+    moved = len(reckoned)
+    AutoTree(profile, rates=rates, adaptive=True)
+    assert moved > once and len(reckoned) == moved
+
 def test_adaptive_choices_of_one_profile_hand_on_what_they_learned(monkeypatch):
     """auto_tree's adaptive choosers of one cost profile share one scale and one set of rates across
     calls (a call starts where the last left off), made at the first; another profile's are its own,

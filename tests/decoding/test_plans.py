@@ -6,10 +6,12 @@ import itertools
 
 import numpy as np
 import pytest
+import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
 from stree.decoding.acceptance import PathRates, chances, rank_depth
+from stree.tree import TokenTree
 from stree.decoding.plans import best_first, best_prefix, best_size, expected_accepted, rows_worth, weigh
 
 
@@ -159,3 +161,27 @@ def test_a_shapes_expected_drafts_are_its_chances_summed_prefix_by_prefix(picks,
     want = np.cumsum(chances(parents, rank, depth, np.ones(parents.shape, dtype=np.bool_),
                              np.zeros(parents.shape, dtype=np.bool_), hazard[None])[0, 1:])
     np.testing.assert_array_equal(expected_accepted(parents, rank, depth, hazard), want)
+
+
+def test_a_plan_under_unchanged_rates_is_made_once(monkeypatch):
+    """plan_shape keeps each rates' plans by size, chain and depth while the rates stay as they are (a
+    call's choice plans at once from the rates the last call left): asked again, it caps nothing; once
+    the rates learn from a step, asked again it plans afresh, and what it plans is what a fresh copy
+    of those rates gives."""
+    import stree.decoding.plans as plans
+
+    rates = PathRates(prior=(0.9, 0.6, 0.4, 0.3, 0.2, 0.1, 0.05, 0.05))
+    capped = []
+    real = plans._capped
+    monkeypatch.setattr(plans, "_capped", lambda *a: capped.append(a[1:]) or real(*a))
+    first = plans.plan_shape(rates, 12)
+    assert plans.plan_shape(rates, 12) is first and len(capped) == 1
+    chain = plans.plan_shape(rates, 12, chain=True)
+    assert chain.max_depth == 11 and len(capped) == 2  # (another chain, depth or size: its own)
+    tree = TokenTree.from_shape(first, torch.zeros(1, first.n, dtype=torch.long))
+    rates.record(tree, np.zeros((1, 1), dtype=np.int64), np.array([1]), np.arange(1))  # (nothing accepted)
+    again = plans.plan_shape(rates, 12)
+    assert len(capped) == 3
+    fresh = PathRates(prior=rates.prior)
+    fresh.accepted, fresh.reached, fresh.version = rates.accepted.copy(), rates.reached.copy(), 1
+    assert again == plans.plan_shape(fresh, 12) and again != first
