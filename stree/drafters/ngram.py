@@ -119,7 +119,7 @@ class NGramDrafter(Drafter):
     marked weak (``TokenTree.weak``), and ``tree="auto"`` prices such nodes by their own rates:
     drafting chains for the shipped target on its held-out prompts, nodes from a four-token match only
     their token had followed were accepted at 97%, from one other tokens had followed too at 48%, from
-    a shorter match at 35-74% (``benchmarks/ngram_matches.py``).
+    a shorter match at 25-75% (``benchmarks/ngram_matches.py``).
 
     Memory is bounded per row: at most ``capacity`` n-grams (about 250 bytes each; the default
     65536 covers 16k tokens of context at ``max_n`` 4), the ``evict_fraction`` least recently

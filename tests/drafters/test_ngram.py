@@ -62,7 +62,7 @@ def test_a_node_from_a_short_or_ambiguous_match_is_weak(compiled):
     strong for one matching up to two; a continuation of a whole match that other tokens followed too
     is weak, the first child and the second alike. (Drafting chains for the shipped target, nodes from a
     four-token match its token alone had followed were accepted at 97%, from one others had followed
-    too at 48%, from shorter matches at 35-74%.)"""
+    too at 48%, from shorter matches at 25-75%.)"""
     ctx = [7, 5, 1, 2, 3, 6, 1, 2]  # (1, 2) -> 3 once; no longer suffix of (.., 1, 2) occurred before
     shape = TreeShape.full(1, 1)
     for max_n, weak in ((4, True), (3, True), (2, False)):
