@@ -23,7 +23,8 @@ import torch
 from tqdm import tqdm
 
 from stree.decoding.loop import generate
-from stree.drafters import NGramDrafter
+from stree.drafters import NGramDrafter, STANDDrafter
+from stree.drafters.stand import STANDStore
 from stree.drafters.ngram import RowIndex
 from stree.models import load, load_tokenizer
 from stree.tools.demo import TARGET, read_prompts
@@ -44,6 +45,35 @@ class _Recorded(NGramDrafter):
         row = context.rows[0]
         self.drafts.append((tokens[row, : int(lengths[row])].tolist(), tree.tokens[0].tolist()))
         return tree
+
+    def nodes(self, draft) -> list[tuple[int, bool]]:
+        return matches(*draft, self.max_n)
+
+
+class _RecordedSTAND(STANDDrafter):
+    """STAND deterministic, keeping for each draft's chain the length of the n-gram each node's entry was
+    found under in the store as it stood (0: none) and whether its stored probability was under one half."""
+
+    def __init__(self, tokens: int):
+        super().__init__(STANDStore(capacity=4 * tokens), stochastic=False)
+        self.drafts = []
+
+    def propose(self, context, shape):
+        tree = super().propose(context, shape)
+        tokens, lengths = context.arrays()
+        row = context.rows[0]
+        path, out = tokens[row, : int(lengths[row])].tolist(), []
+        for tok in tree.tokens[0, 1:].tolist():
+            n = next((n for n in range(min(self.store.max_n, len(path)), 0, -1)
+                      if self.store.slot(tuple(path[len(path) - n:])) is not None), 0)
+            entry = self.store.entry(tuple(path[len(path) - n:])) if n else None
+            out.append((n, entry is not None and float(entry[1][0]) < 0.5))
+            path.append(tok)
+        self.drafts.append(out)
+        return tree
+
+    def nodes(self, draft) -> list[tuple[int, bool]]:
+        return draft
 
 
 def matches(context: list[int], chain: list[int], max_n: int) -> list[tuple[int, bool]]:
@@ -70,24 +100,28 @@ def main(argv=None) -> None:
     p.add_argument("--prompts", type=int, default=16)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--depth", type=int, default=8, help="the chain's drafted nodes")
+    p.add_argument("--drafter", choices=("ngram", "stand-det"), default="ngram",
+                   help="stand-det: STAND deterministic, its nodes split by the length of the n-gram whose "
+                        "entry they come from and by a stored probability under one half")
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--out", default="benchmarks/results")
     p.add_argument("--stem", default=None, help="default ngram_matches (ngram_matches_smoke with --smoke)")
     args = p.parse_args(argv)
     if args.smoke:
         args.prompts, args.max_new_tokens = 2, 16
-    stem = args.stem or ("ngram_matches_smoke" if args.smoke else "ngram_matches")
+    stem = args.stem or (("ngram_matches" if args.drafter == "ngram" else "stand_matches")
+                         + ("_smoke" if args.smoke else ""))
     torch.manual_seed(0)
     model, tokenizer = load(TARGET, dtype=torch.float32), load_tokenizer(TARGET)
     chain = TreeShape.chain(args.depth)
     # by (match length, whether other tokens followed that match too, first child or deeper)
     reached, accepted = collections.Counter(), collections.Counter()
     for text in tqdm(read_prompts(TARGET / "prompts.jsonl", args.prompts), desc="prompts"):
-        drafter = _Recorded()
+        drafter = _Recorded() if args.drafter == "ngram" else _RecordedSTAND(args.max_new_tokens + 1)
         out = generate(model, [tokenizer.encode(text)], drafter=drafter, tree=chain,
                        max_new_tokens=args.max_new_tokens)
-        for (context, tokens), took in zip(drafter.drafts, out.stats.accepted[0]):
-            for depth, (n, several) in enumerate(matches(context, tokens, drafter.max_n)):
+        for draft, took in zip(drafter.drafts, out.stats.accepted[0]):
+            for depth, (n, several) in enumerate(drafter.nodes(draft)):
                 if depth > took or n == 0:  # (not reached by the verification, or nothing drafted there)
                     break
                 reached[n, several, depth > 0] += 1
@@ -96,15 +130,20 @@ def main(argv=None) -> None:
     for n, several in sorted({key[:2] for key in reached}):
         got = accepted[n, several, False] + accepted[n, several, True]
         seen = reached[n, several, False] + reached[n, several, True]
-        rows.append(dict(match=n, others_followed=several, reached=seen, accepted=got, share=got / seen,
+        rows.append(dict(match=n, other=several, reached=seen, accepted=got, share=got / seen,
                          first_reached=reached[n, several, False], first_accepted=accepted[n, several, False]))
-        print(f"match of {n} tokens{', others followed too' if several else ''}: {got}/{seen} accepted "
+        print(f"match of {n} tokens{', ' + OTHER[args.drafter] if several else ''}: {got}/{seen} accepted "
               f"({got / seen:.2f}); as the first child {accepted[n, several, False]}/{reached[n, several, False]}")
     save_result(dict(
-        benchmark="ngram_matches", **run_info(torch.device("cpu"), argv), target=str(TARGET), prompts=args.prompts,
-        max_new_tokens=args.max_new_tokens, tree=f"chain of {args.depth}", results=rows,
+        benchmark="ngram_matches", **run_info(torch.device("cpu"), argv), target=str(TARGET), drafter=args.drafter,
+        prompts=args.prompts, max_new_tokens=args.max_new_tokens, tree=f"chain of {args.depth}", results=rows,
+        other=OTHER[args.drafter],
         note="greedy, batch 1, every step a tree; nodes the verification reached, by the match they came from"),
         args.out, stem, _plot)
+
+
+# what a row's ``other`` says, per drafter
+OTHER = {"ngram": "other tokens followed that match too", "stand-det": "a stored probability under one half"}
 
 
 def _plot(result: dict):
@@ -112,12 +151,12 @@ def _plot(result: dict):
 
     fig, ax = plt.subplots(figsize=(5, 3.2))
     rows = result["results"]
-    ax.bar([f"{r['match']}{'+' if r['others_followed'] else ''}" for r in rows], [r["share"] for r in rows],
-           color=["tab:orange" if r["others_followed"] else "tab:blue" for r in rows])
+    ax.bar([f"{r['match']}{'+' if r['other'] else ''}" for r in rows], [r["share"] for r in rows],
+           color=["tab:orange" if r["other"] else "tab:blue" for r in rows])
     for i, r in enumerate(rows):
         ax.text(i, r["share"] + 0.02, f"{r['accepted']}/{r['reached']}", ha="center", fontsize=8)
-    ax.set(xlabel="match length (tokens; +: other tokens followed it too)", ylabel="accepted", ylim=(0, 1.1),
-           title="n-gram drafts accepted, by match length")
+    ax.set(xlabel=f"match length (tokens; +: {result['other']})", ylabel="accepted", ylim=(0, 1.1),
+           title=f"{result['drafter']} drafts accepted, by match length")
     return fig
 
 

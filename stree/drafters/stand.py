@@ -216,15 +216,15 @@ class STANDStore:
 
 
     def draft(self, tails: list[list[int]], plan: ShapePlan, stochastic: np.ndarray, noise: np.ndarray,
-              weak_p: float = 0.0):
+              weak_n: int = 0):
         """Trees for rows whose contexts end with ``tails`` (their last ``max_n`` tokens or fewer):
         each internal node's children are drawn from the entry of the longest n-gram matching its
         path, depth by depth -- for the rows ``stochastic`` marks, without replacement, the race of
         ``probs / noise`` (``noise`` i.i.d. Exp(1), K values per matched node of the level, in
         order, where any row draws); for the others the top entries. Returns tokens, valid, weak
-        (the other rows' nodes whose stored probability is below ``weak_p``: a random draft's
-        size must not depend on its draws, so its nodes are never marked), child_ids, child_probs
-        and the noise values used."""
+        (the other rows' nodes drawn from the entry of an n-gram of at most ``weak_n`` tokens: a
+        random draft's size must not depend on its draws, so its nodes are never marked), child_ids,
+        child_probs and the noise values used."""
         b, n, K = len(tails), plan.shape.n, self.top_k
         # (not np.broadcast_to, a Python function of a dozen NumPy calls: a tenth of a draft's time)
         flags = np.asarray(stochastic, dtype=np.bool_)
@@ -238,7 +238,7 @@ class STANDStore:
             used = self._jit.draft(tail_arr, np.array([len(t) for t in tails], dtype=np.int64), plan.nodes, plan.level_at,
                                    plan.child_at, plan.children, plan.inner,
                                    stochastic, noise, self.max_n, self._np_ids, self._np_probs, self._table,
-                                   self._key_tok, self._key_len, weak_p, tokens, valid, weak, child_ids, child_probs)
+                                   self._key_tok, self._key_len, weak_n, tokens, valid, weak, child_ids, child_probs)
             return tokens, valid, weak, child_ids, child_probs, used
         paths: dict[tuple[int, int], tuple[int, ...]] = {}
         for i, tail in enumerate(tails):
@@ -262,11 +262,12 @@ class STANDStore:
                 used += probs.size
             at = np.arange(len(todo))[:, None]
             drawn_ids, drawn_p = ids[at, order].tolist(), probs[at, order].tolist()
-            for j, (i, v, _) in enumerate(todo):
+            for j, (i, v, slot) in enumerate(todo):
+                short = len(self._key[slot]) <= weak_n  # (the n-gram whose entry the children come from)
                 for r, c in enumerate(plan.kids[v][:width]):
                     if drawn_p[j][r] > 0:
                         tokens[i, c], valid[i, c] = drawn_ids[j][r], True
-                        weak[i, c] = not stochastic[i] and drawn_p[j][r] < weak_p
+                        weak[i, c] = not stochastic[i] and short
                         paths[i, c] = (paths[i, v] + (drawn_ids[j][r],))[-self.max_n:]
         return tokens, valid, weak, child_ids, child_probs, used
 
@@ -315,7 +316,10 @@ class STANDDrafter(Drafter):
     twice) and attaches the entry as the children's law; ``stochastic=False`` takes the top-k by
     stored probability (deterministic drafts, one-hot verification), as the rows the context marks
     greedy (``DraftContext.greedy``) take it under ``stochastic=True``. Slots beyond the entry's
-    nonzero candidates, and subtrees of nodes without a match, are invalid.
+    nonzero candidates, and subtrees of nodes without a match, are invalid. A deterministic row's
+    nodes drawn from the entry of an n-gram shorter than ``max_n`` are weak (``TokenTree.weak``):
+    drafting chains for the shipped target on its held-out prompts, the nodes of a four-token entry
+    were accepted at 94-97%, of a shorter one at 45-75%, whatever their stored probability.
 
     ``learn=False`` leaves the store unchanged (a fixed or deliberately stale store). Every emitted
     token's distribution is inserted (the prefill's first token included); prompt positions are
@@ -331,7 +335,6 @@ class STANDDrafter(Drafter):
     # difference (its softmax, top-K and a larger transfer each step).
     plain_target = False
 
-    WEAK = 0.5  # a deterministic draft's nodes of a lower stored probability are weak (TokenTree.weak)
 
     def __init__(self, store: STANDStore, shape: TreeShape | None = None, stochastic: bool = True, seed: int = 0,
                  noise_size: int = 1 << 16, learn: bool = True):
@@ -387,7 +390,7 @@ class STANDDrafter(Drafter):
         bound = len(tails) * len(plan.nodes) * self.store.top_k  # K values per matched node at most
         random = context.random_rows(self.stochastic)
         noise = self._noise_window(bound) if random.any() else np.empty(0)
-        tokens, valid, weak, child_ids, child_probs, used = self.store.draft(tails, plan, random, noise, self.WEAK)
+        tokens, valid, weak, child_ids, child_probs, used = self.store.draft(tails, plan, random, noise, max_n - 1)
         self._pos += used
         if not random.any():
             return TokenTree.from_arrays(shape, tokens, valid, weak)

@@ -193,7 +193,7 @@ def longest_many(table, key_tok, key_len, paths, plens, max_n):
 
 @njit(cache=True)
 def draft(tails, tail_len, nodes, level_start, kid_start, kids, has_kids, stochastic, noise, max_n, ids, probs,
-          table, key_tok, key_len, weak_p, out_tok, out_ok, out_weak, child_ids, child_probs):
+          table, key_tok, key_len, weak_n, out_tok, out_ok, out_weak, child_ids, child_probs):
     """Fills the trees of every row (see ``STANDStore.draft``; ``stochastic`` per row); returns the
     noise values used."""
     b, n_nodes = out_tok.shape
@@ -245,7 +245,7 @@ def draft(tails, tail_len, nodes, level_start, kid_start, kids, has_kids, stocha
                 child = kids[kid_start[p] + r]
                 out_tok[i, child] = ids[s, best]
                 out_ok[i, child] = True
-                out_weak[i, child] = not stochastic[i] and probs[s, best] < weak_p
+                out_weak[i, child] = not stochastic[i] and key_len[s] <= weak_n
                 if has_kids[kid_start[p] + r]:
                     keep = min(plen[i, v], max_n - 1)
                     path[i, child, :keep] = path[i, v, plen[i, v] - keep: plen[i, v]]

@@ -95,8 +95,8 @@ def test_noise_is_never_reused(monkeypatch):
     used = []
     real = STANDStore.draft
 
-    def spy(self, tails, plan, stochastic, noise, weak_p=0.0):
-        out = real(self, tails, plan, stochastic, noise, weak_p)
+    def spy(self, tails, plan, stochastic, noise, weak_n=0):
+        out = real(self, tails, plan, stochastic, noise, weak_n)
         used.append(noise[: out[-1]].copy())  # the values this draft consumed
         return out
     monkeypatch.setattr(STANDStore, "draft", spy)
@@ -109,7 +109,11 @@ def test_noise_is_never_reused(monkeypatch):
 
 
 def hand_store():
-    store = STANDStore(top_k=3)
+    return hand_store_of(4)
+
+
+def hand_store_of(max_n):
+    store = STANDStore(top_k=3, max_n=max_n)
     store.update([(1,), (2, 1), (7, 2, 1), (4,)],
                  torch.tensor([[2, 3, 0], [5, 6, 0], [8, 0, 0], [3, 0, 0]]),
                  torch.tensor([[0.5, 0.3, 0.1], [0.6, 0.3, 0.0], [0.9, 0.0, 0.0], [1.0, 0.0, 0.0]]))
@@ -128,9 +132,12 @@ def test_children_come_from_the_longest_match_and_short_entries_prune():
     # row 2 only matches (1,): 2, 3, 0; node 1 (token 2) has no entry, node 2 (token 3) none either
     assert tree.tokens[2, :4].tolist() == [1, 2, 3, 0] and tree.valid[2, :4].all()
     assert tree.child_probs is None  # deterministic drafts: one-hot verification
-    # weak: a stored probability below STANDDrafter.WEAK (0.5): row 1's 6 (0.3), row 2's 3 (0.3) and 0 (0.1)
-    assert tree.weak[:, 1:4].tolist() == [[False] * 3, [False, True, False], [False, True, True]]
+    # weak: drawn from the entry of an n-gram shorter than max_n (4): row 0's (7, 2, 1) is three tokens, row
+    # 1's (2, 1) two, row 2's (1,) one, whatever the stored probability (0.9 for row 0's 8)
+    assert tree.weak[:, 1:4].tolist() == [[True, False, False], [True, True, False], [True] * 3]
     assert not tree.weak[:, 4:].any()
+    whole = STANDDrafter(hand_store_of(3), shape, stochastic=False, learn=False).propose(ctx)
+    assert whole.weak[:, 1:4].tolist() == [[False, False, False], [True, True, False], [True] * 3]
     stochastic = STANDDrafter(store, shape, learn=False).propose(ctx)
     assert not stochastic.weak.any()  # a random draft's size must not depend on its draws: never marked
     assert stochastic.child_probs is not None and not stochastic.with_replacement
@@ -282,10 +289,10 @@ def test_compiled_store_equals_the_reference(seed, vocab, top_k, max_n, capacity
             assert ref.stamp[ref.slot(key)] == fast.stamp[fast.slot(key)]
         tails = [rng.integers(0, vocab, int(rng.integers(1, max_n + 1))).tolist() for _ in range(int(rng.integers(1, 4)))]
         noise = rng.exponential(size=len(tails) * len(plan.nodes) * top_k)
-        weak_p = float(rng.uniform(0, 1))
+        weak_n = int(rng.integers(0, max_n + 1))
         for stochastic in (True, False):
-            for x, y in zip(ref.draft(tails, plan, stochastic, noise, weak_p),
-                            fast.draft(tails, plan, stochastic, noise, weak_p)):
+            for x, y in zip(ref.draft(tails, plan, stochastic, noise, weak_n),
+                            fast.draft(tails, plan, stochastic, noise, weak_n)):
                 assert np.array_equal(x, y)
 
 
