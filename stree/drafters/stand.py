@@ -335,7 +335,6 @@ class STANDDrafter(Drafter):
     # difference (its softmax, top-K and a larger transfer each step).
     plain_target = False
 
-
     def __init__(self, store: STANDStore, shape: TreeShape | None = None, stochastic: bool = True, seed: int = 0,
                  noise_size: int = 1 << 16, learn: bool = True):
         self.store, self.shape, self.stochastic, self.learn = store, shape, stochastic, learn
