@@ -6,8 +6,9 @@ The shipped target decodes the held-out prompts greedily at batch 1 with the n-g
 fixed chain (every step a tree: nothing chosen, the same run on every machine). For every drafted node
 the chain's verification reached (its parent accepted), the length of the context suffix its token
 continued (the reference index, ``stree.drafters.ngram.RowIndex``), whether other tokens had followed that
-suffix too, and whether it was accepted. Writes JSON and a PNG with the shares by both (and of the chains'
-first children alone).
+suffix too, whether a node above it in the chain came from a weak match (shorter than ``max_n``, or one
+others followed too: the drafter marks such nodes weak too), and whether it was accepted. Writes JSON and a
+PNG with the shares by all three (and of the chains' first children alone).
 
     python benchmarks/ngram_matches.py                 # 16 prompts x 128 new tokens, chain of 8
     python benchmarks/ngram_matches.py --smoke         # 2 prompts x 16 tokens
@@ -114,26 +115,31 @@ def main(argv=None) -> None:
     torch.manual_seed(0)
     model, tokenizer = load(TARGET, dtype=torch.float32), load_tokenizer(TARGET)
     chain = TreeShape.chain(args.depth)
-    # by (match length, whether other tokens followed that match too, first child or deeper)
+    # by (match length, whether other tokens followed that match too, whether a node above came from a weak
+    # match, first child or deeper)
     reached, accepted = collections.Counter(), collections.Counter()
     for text in tqdm(read_prompts(TARGET / "prompts.jsonl", args.prompts), desc="prompts"):
         drafter = _Recorded() if args.drafter == "ngram" else _RecordedSTAND(args.max_new_tokens + 1)
         out = generate(model, [tokenizer.encode(text)], drafter=drafter, tree=chain,
                        max_new_tokens=args.max_new_tokens)
+        max_n = drafter.max_n if args.drafter == "ngram" else drafter.store.max_n
         for draft, took in zip(drafter.drafts, out.stats.accepted[0]):
+            below = False
             for depth, (n, several) in enumerate(drafter.nodes(draft)):
                 if depth > took or n == 0:  # (not reached by the verification, or nothing drafted there)
                     break
-                reached[n, several, depth > 0] += 1
-                accepted[n, several, depth > 0] += depth < took
+                reached[n, several, below, depth > 0] += 1
+                accepted[n, several, below, depth > 0] += depth < took
+                below = below or n < max_n or (several and args.drafter == "ngram")
     rows = []
-    for n, several in sorted({key[:2] for key in reached}):
-        got = accepted[n, several, False] + accepted[n, several, True]
-        seen = reached[n, several, False] + reached[n, several, True]
-        rows.append(dict(match=n, other=several, reached=seen, accepted=got, share=got / seen,
-                         first_reached=reached[n, several, False], first_accepted=accepted[n, several, False]))
-        print(f"match of {n} tokens{', ' + OTHER[args.drafter] if several else ''}: {got}/{seen} accepted "
-              f"({got / seen:.2f}); as the first child {accepted[n, several, False]}/{reached[n, several, False]}")
+    for n, several, below in sorted({key[:3] for key in reached}):
+        first, deeper = (n, several, below, False), (n, several, below, True)
+        got, seen = accepted[first] + accepted[deeper], reached[first] + reached[deeper]
+        rows.append(dict(match=n, other=several, below_weak=below, reached=seen, accepted=got, share=got / seen,
+                         first_reached=reached[first], first_accepted=accepted[first]))
+        print(f"match of {n} tokens{', ' + OTHER[args.drafter] if several else ''}"
+              f"{', below a weak one' if below else ''}: {got}/{seen} accepted ({got / seen:.2f}); as the first child "
+              f"{accepted[first]}/{reached[first]}")
     save_result(dict(
         benchmark="ngram_matches", **run_info(torch.device("cpu"), argv), target=str(TARGET), drafter=args.drafter,
         prompts=args.prompts, max_new_tokens=args.max_new_tokens, tree=f"chain of {args.depth}", results=rows,
@@ -151,11 +157,13 @@ def _plot(result: dict):
 
     fig, ax = plt.subplots(figsize=(5, 3.2))
     rows = result["results"]
-    ax.bar([f"{r['match']}{'+' if r['other'] else ''}" for r in rows], [r["share"] for r in rows],
-           color=["tab:orange" if r["other"] else "tab:blue" for r in rows])
+    ax.bar([f"{r['match']}{'+' if r['other'] else ''}{'v' if r['below_weak'] else ''}" for r in rows],
+           [r["share"] for r in rows], color=["tab:orange" if r["other"] else "tab:blue" for r in rows],
+           hatch=["//" if r["below_weak"] else "" for r in rows])
     for i, r in enumerate(rows):
         ax.text(i, r["share"] + 0.02, f"{r['accepted']}/{r['reached']}", ha="center", fontsize=8)
-    ax.set(xlabel=f"match length (tokens; +: {result['other']})", ylabel="accepted", ylim=(0, 1.1),
+    ax.set(xlabel=f"match length (tokens; +: {result['other']}; v: below a weak node)", ylabel="accepted",
+           ylim=(0, 1.1),
            title=f"{result['drafter']} drafts accepted, by match length")
     return fig
 

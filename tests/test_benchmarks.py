@@ -134,7 +134,10 @@ def test_ngram_matches_smoke_shares_accepted_drafts_by_match_length(tmp_path):
     stand = smoke("ngram_matches", tmp_path, "--drafter", "stand-det", "--stem", "ngram_matches_smoke")
     assert (result["drafter"], stand["drafter"]) == ("ngram", "stand-det") and result["other"] != stand["other"]
     for rows in (result["results"], stand["results"]):
-        assert rows and all(1 <= r["match"] <= 4 and isinstance(r["other"], bool) for r in rows)
+        assert rows and all(1 <= r["match"] <= 4 and isinstance(r["other"], bool) and isinstance(r["below_weak"], bool)
+                            for r in rows)
+        # (a first child has nothing above it)
+        assert all(r["first_reached"] == 0 for r in rows if r["below_weak"])
         assert all(0 <= r["accepted"] <= r["reached"] and r["share"] == r["accepted"] / r["reached"] for r in rows)
         assert all(r["first_accepted"] <= r["first_reached"] <= r["reached"] for r in rows)
         assert sum(r["first_reached"] for r in rows) > 0  # (a chain's first child is reached at every step)

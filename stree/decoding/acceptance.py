@@ -31,7 +31,7 @@ from numba import njit
 from ..tree import TokenTree, TreeShape, filled_mask
 
 __all__ = ["PathRates", "RowRates", "chances", "pooled", "rank_depth", "shape_structure", "structure", "valid_mask",
-           "walk", "weak_mask"]
+           "walk", "weak_class", "weak_mask"]
 
 RANKS = 8  # sibling ranks told apart (later ranks share the last): PathRates.RANKS
 CLASSES = 2  # a node is strong (0) or weak (1): TokenTree.weak
@@ -198,6 +198,11 @@ def _with_pooled(counts):
 def pooled(h: np.ndarray) -> np.ndarray:
     """The pooled columns of hazards ``h`` (``[..., RANKS]``, a contiguous copy's view)."""
     return np.ascontiguousarray(h[..., -RANKS:])
+
+
+def weak_class(h: np.ndarray) -> np.ndarray:
+    """The weak class's columns of hazards ``h`` (``[..., RANKS]``, a contiguous copy)."""
+    return np.ascontiguousarray(h[..., RANKS: 2 * RANKS])
 
 
 @njit(cache=True)

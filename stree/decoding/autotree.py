@@ -65,7 +65,8 @@ from collections import Counter
 import numpy as np
 import torch
 
-from .acceptance import PathRates, RowRates, chances, pooled, shape_structure, structure, valid_mask, walk, weak_mask
+from .acceptance import (PathRates, RowRates, chances, pooled, shape_structure, structure, valid_mask, walk, weak_class,
+                         weak_mask)
 from .cost import STALE, WAKE, CostProfile, bracketed_profile, cost_profile, default_sizes, forget
 from .plans import best_prefix, best_rows, best_size, cut_rows, expected_accepted, plan_shape, remade, rows_worth, weigh
 from ..tree import TokenTree, TreeShape
@@ -393,7 +394,16 @@ class AutoTree:
         self._relearning = False  # whether plain steps are being weighed one after another (record)
         self._narrowed = False  # whether rows left the batch this call, its scales since then its own (narrowed)
         self._drafted = 0  # nodes drafted this step (0: none)
+        self._strong_only = False  # whether drafts weak throughout lose (_pick_sizes)
         self._pick, self._probe_size = self._pick_sizes()
+
+    @property
+    def strong_only(self) -> bool:
+        """Whether the loop asks the drafter for a draft with a strong node, not just any
+        (:meth:`~stree.drafters.base.Drafter.can_draft_strong`): where drafts weak throughout lose, but
+        not for a probe, which verifies what there is to learn from (a probe waiting for a strong draft
+        kept every step asking, sampled at temperature 1.0 where none came)."""
+        return self._strong_only and not self._probing
 
     @property
     def row_rates(self) -> RowRates:
@@ -408,16 +418,18 @@ class AutoTree:
         """The first ``m`` nodes of the current plan."""
         return self._order.prefix(m)
 
-    def _best_size(self, order: TreeShape, draft_cost: np.ndarray, hazard: np.ndarray) -> tuple[int, float, float]:
+    def _best_size(self, order: TreeShape, draft_cost: np.ndarray, hazard: np.ndarray,
+                   weak: bool = False) -> tuple[int, float, float]:
         """The prefix of ``order`` with the most expected tokens per millisecond: its size, that
-        rate and its expected tokens."""
+        rate and its expected tokens; ``weak``: every node priced as a weak one."""
         made = hazard if hazard.base is None else hazard.base  # (a focus row's hazards: a view of the kept rows')
         if self._memo is None or self._memo[0] is not made:
             self._memo = _EXPECTED[self.rates] = (made, {})
         memo = self._memo[1]
-        expected = memo.get(order)
+        expected = memo.get((order, weak))
         if expected is None:
-            expected = memo[order] = expected_accepted(*shape_structure(order), pooled(hazard))
+            expected = memo[order, weak] = expected_accepted(*shape_structure(order),
+                                                             weak_class(hazard) if weak else pooled(hazard))
         best, rate, gain = best_size(expected, self.gain_scale(), self._size_array, self.cost, draft_cost,
                                      self._scaled("tree"), order.n)
         return int(best), rate, gain
@@ -479,11 +491,19 @@ class AutoTree:
         order = self._order
         if order is None or not self.sizes:  # no tree fits: plain steps only
             return 1, 1
-        best, _, self._gain = self._best_size(order, self.draft_cost, self._hazard())
+        hazard = self._hazard()
+        best, _, self._gain = self._best_size(order, self.draft_cost, hazard)
         tree = self._scaled("tree")
         self._tree_ms, self._draft_ms = self.cost[best] * tree, self.draft_cost[best] * tree
         self._declined_ms = (self.draft_cost[best] + self.cost[1]) * self._scaled("declined")
         plain = self.cost[1] * self.scale["plain"]
+        # Drafts weak throughout (a drafter's nodes below a weak one are weak: the n-gram drafter's) at
+        # their best size, verified whatever they are worth, against a plain step: where they lose, the
+        # drafter is asked for a draft with a strong node (Drafter.can_draft_strong), and one it has
+        # nothing but weak drafts for is not drafted. (n-gram, batch 1, greedy, 2-core Zen 5 EPYC: trees
+        # rooted in weak nodes had accepted 0.3 drafts on average where verified, and most such drafts,
+        # each some one and a half plain steps' time, were declined after drafting; docs/benchmarks.md.)
+        self._strong_only = self._best_size(order, self.draft_cost, hazard, weak=True)[1] * plain <= self.margin
         # What a probe is predicted to lose against plain steps: its time beyond theirs for the tokens
         # it is expected to emit. A seeded choice prices the worst case, one token from a probe (with
         # the margin): its rates start from the prior each call, which may promise what this text

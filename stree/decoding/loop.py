@@ -514,7 +514,8 @@ def _draft(drafter: Drafter, chooser: AutoTree | None, rows: Rows, shape, roots:
         # Known before drafting: a plain step, where none of the rows the batch waits for can draft (the
         # choice weighs a tree by them alone, whatever the others' drafts: Rows.critical)
         critical = rows.critical(live)
-        if not drafter.can_draft(context if critical.all() else context.among(critical)):
+        can = drafter.can_draft_strong if chooser.strong_only else drafter.can_draft
+        if not can(context if critical.all() else context.among(critical)):
             chooser.undrafted()
             return None
     draft = drafter.propose(context, None if plan == "own" else plan)

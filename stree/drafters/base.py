@@ -147,6 +147,13 @@ class Drafter:
         decoding loop then takes a plain step without drafting. The default: True (it cannot tell)."""
         return True
 
+    def can_draft_strong(self, context: DraftContext) -> bool:
+        """As :meth:`can_draft`, for a node not marked weak (``TokenTree.weak``): False where the
+        drafter knows, for less than drafting costs, that every row's draft would be its root alone
+        or weak throughout. ``tree="auto"`` asks this where it has learned that drafts weak throughout
+        do not pay. The default: :meth:`can_draft` (a drafter that marks no node weak)."""
+        return self.can_draft(context)
+
     def reseed(self, seed: int) -> None:
         """Restart the drafter's random stream from ``seed`` (``generate(seed=...)`` derives it,
         independent of the verifier's stream)."""

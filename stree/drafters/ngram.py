@@ -87,15 +87,17 @@ class RowIndex:
                         return out
         return out
 
-    def continues(self, min_n: int) -> bool:
-        """Whether the context's last tokens have a continuation (a draft's root a child)."""
-        return bool(self.candidates(tuple(self.tokens[-self.max_n:]), 1, min_n))
+    def continues(self, min_n: int, weak_n: int = -1) -> bool:
+        """Whether the context's last tokens have a continuation (a draft's root a child); where
+        ``weak_n`` >= 0, one not weak (:meth:`propose`)."""
+        found = self.candidates(tuple(self.tokens[-self.max_n:]), 1, min_n)
+        return bool(found) and (weak_n < 0 or (found[0][1] > weak_n and not found[0][2]))
 
     def propose(self, min_n: int, weak_n: int, plan: ShapePlan, n_nodes: int, out: tuple | None = None
                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """One row's draft on the plan's shape: tokens, which nodes were filled and which of them are
-        weak: from a match of at most ``weak_n`` tokens, or one other tokens followed too (also written
-        to ``out`` where given)."""
+        weak: from a match of at most ``weak_n`` tokens, or one other tokens followed too, or below a weak
+        node (also written to ``out`` where given)."""
         toks, ok, weak, suffix = [0] * n_nodes, [False] * n_nodes, [False] * n_nodes, [()] * n_nodes
         toks[0], ok[0], suffix[0] = self.tokens[-1], True, tuple(self.tokens[-self.max_n:])
         for v in plan.nodes.tolist():  # parents come first
@@ -103,7 +105,7 @@ class RowIndex:
                 continue
             kids = plan.kids[v]
             for child, (tok, n, several) in zip(kids, self.candidates(suffix[v], len(kids), min_n)):
-                toks[child], ok[child], weak[child] = tok, True, n <= weak_n or several
+                toks[child], ok[child], weak[child] = tok, True, n <= weak_n or several or weak[v]
                 if plan.kids[child]:
                     suffix[child] = (suffix[v] + (tok,))[-self.max_n:]
         if out is not None:
@@ -115,11 +117,13 @@ class NGramDrafter(Drafter):
     """Deterministic drafts from the row's own context (prompt + generated): each node's children
     are the distinct continuations of the longest suffix (n = ``max_n``..``min_n``) of the path
     context that occurred before, most frequent first; slots with no candidate are invalid. Nodes
-    drafted from a match shorter than ``max_n`` tokens, or from a match other tokens followed too, are
-    marked weak (``TokenTree.weak``), and ``tree="auto"`` prices such nodes by their own rates:
-    drafting chains for the shipped target on its held-out prompts, nodes from a four-token match only
-    their token had followed were accepted at 97%, from one other tokens had followed too at 48%, from
-    a shorter match at 25-75% (``benchmarks/ngram_matches.py``).
+    drafted from a match shorter than ``max_n`` tokens, or from a match other tokens followed too, and the
+    nodes below them, are marked weak (``TokenTree.weak``), and ``tree="auto"`` prices such nodes by
+    their own rates: drafting chains for the shipped target on its held-out prompts, nodes from a
+    four-token match only their token had followed were accepted at 97%, from one other tokens had
+    followed too at 48%, from a shorter match at 25-75% (``benchmarks/ngram_matches.py``); trees the
+    choice verified whose first child was weak accepted 0.3 drafts on average, their whole-match
+    nodes included.
 
     Memory is bounded per row: at most ``capacity`` n-grams (about 250 bytes each; the default
     65536 covers 16k tokens of context at ``max_n`` 4), the ``evict_fraction`` least recently
@@ -161,6 +165,13 @@ class NGramDrafter(Drafter):
         """Whether any row's last tokens occurred before with a continuation (else its draft is its root)."""
         tokens, lengths = context.arrays()
         return any(self._index(row, tokens, int(lengths[row])).continues(self.min_n) for row in context.rows)
+
+    def can_draft_strong(self, context: DraftContext) -> bool:
+        """Whether any row's last ``max_n`` tokens occurred before followed by one token alone (a first
+        child not weak; without one, a draft is weak throughout)."""
+        tokens, lengths = context.arrays()
+        return any(self._index(row, tokens, int(lengths[row])).continues(self.min_n, self.max_n - 1)
+                   for row in context.rows)
 
     def build(self, shapes, batch: int) -> None:
         """Load the compiled index's calls (:func:`~.ngram_jit.warm`): setup, not a decoding step's."""

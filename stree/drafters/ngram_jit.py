@@ -165,12 +165,15 @@ def _candidates(suffix, slen, k, min_n, slots, key_tok, key_len, c_start, c_len,
 
 
 @njit(cache=True)
-def continues(toks, ntoks, max_n, min_n, slots, key_tok, key_len, c_start, c_len, pool_tok):
-    """Whether the last ``max_n`` tokens (or fewer, down to ``min_n``) have a continuation."""
+def continues(toks, ntoks, max_n, min_n, slots, key_tok, key_len, c_start, c_len, pool_tok, weak_n):
+    """Whether the last ``max_n`` tokens (or fewer, down to ``min_n``) have a continuation; where
+    ``weak_n`` >= 0, one not weak (from a match of more than ``weak_n`` tokens that no other token
+    followed: a draft's first child, which a draft without is weak throughout)."""
     first = max(0, ntoks - max_n)
-    out = np.empty(1, dtype=np.int64)
-    return _candidates(toks[first: ntoks], ntoks - first, 1, min_n, slots, key_tok, key_len, c_start, c_len, pool_tok,
-                       out, np.empty(1, dtype=np.int64), np.empty(1, dtype=np.bool_)) > 0
+    out, out_n, out_many = np.empty(1, dtype=np.int64), np.empty(1, dtype=np.int64), np.empty(1, dtype=np.bool_)
+    m = _candidates(toks[first: ntoks], ntoks - first, 1, min_n, slots, key_tok, key_len, c_start, c_len, pool_tok,
+                    out, out_n, out_many)
+    return m > 0 and (weak_n < 0 or (out_n[0] > weak_n and not out_many[0]))
 
 
 @njit(cache=True)
@@ -179,7 +182,8 @@ def propose(toks, ntoks, max_n, min_n, slots, key_tok, key_len, c_start, c_len, 
     """Drafts one row on a static shape: node 0 the last token; the children of internal node
     ``plan_node[p]`` (parents first) are ``kids[plan_kids[p]: plan_kids[p + 1]]``, filled with the
     continuations of their parent's path suffix. ``out_ok`` marks the filled nodes, ``out_weak``
-    those drafted from a match of at most ``weak_n`` tokens or from one other tokens followed too."""
+    those drafted from a match of at most ``weak_n`` tokens or from one other tokens followed too, and
+    every node below such a one."""
     n_nodes = len(out_tok)
     suffix = np.zeros((n_nodes, max_n), dtype=np.int64)
     slen = np.zeros(n_nodes, dtype=np.int64)
@@ -205,7 +209,7 @@ def propose(toks, ntoks, max_n, min_n, slots, key_tok, key_len, c_start, c_len, 
             child = kids[lo + c]
             out_tok[child] = cand[c]
             out_ok[child] = True
-            out_weak[child] = cand_n[c] <= weak_n or cand_many[c]
+            out_weak[child] = cand_n[c] <= weak_n or cand_many[c] or out_weak[v]
             if has_kids[lo + c]:
                 keep = min(slen[v], max_n - 1)  # the parent's last tokens, then this one
                 suffix[child, :keep] = suffix[v, slen[v] - keep: slen[v]]
@@ -320,9 +324,9 @@ class CompiledRowIndex:
         k, _ = find(self.slots, self.key_tok, self.key_len, np.array(key, dtype=np.int64), 0, len(key))
         return [] if k < 0 else self.pool_tok[self.c_start[k]: self.c_start[k] + self.c_len[k]].tolist()
 
-    def continues(self, min_n: int) -> bool:
+    def continues(self, min_n: int, weak_n: int = -1) -> bool:
         return bool(continues(self.toks, self.ntoks, self.max_n, min_n, self.slots, self.key_tok, self.key_len,
-                              self.c_start, self.c_len, self.pool_tok))
+                              self.c_start, self.c_len, self.pool_tok, weak_n))
 
     def propose(self, min_n: int, weak_n: int, plan, n_nodes: int, out: tuple | None = None
                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -352,3 +356,4 @@ def warm() -> None:
         index.extend(np.arange(600, dtype=np.int64) % 7)  # (continuations outgrowing their regions)
         index.propose(1, 1, shape.plan, shape.n)
         index.continues(1)
+        index.continues(1, 3)

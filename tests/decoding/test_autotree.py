@@ -1639,7 +1639,8 @@ def test_the_loop_learns_from_watched_drafts_and_outputs_stay_the_same():
 
 
 def test_the_loop_drafts_only_where_the_drafter_can_and_outputs_stay_the_same():
-    """Batch 1 and 2, an n-gram drafter whose ``can_draft`` says False at every third question
+    """Batch 1 and 2, an n-gram drafter whose ``can_draft`` (and ``can_draft_strong``, which the choice
+    asks where drafts weak throughout lose) says False at every third question
     (whether it could draft or not: the loop must take its word; when it is right, test_ngram):
     the loop asks before drafting each tree the choice plans, drafts only where told True, and
     takes a plain step where told False; the output is autoregressive decoding's."""
@@ -1650,7 +1651,7 @@ def test_the_loop_drafts_only_where_the_drafter_can_and_outputs_stay_the_same():
     for batch in (prompts[:1], prompts):
         log, drafter, answers = [], NGramDrafter(), itertools.cycle([True, True, False])
         propose = drafter.propose
-        drafter.can_draft = lambda context: log.append(next(answers)) or log[-1]
+        drafter.can_draft = drafter.can_draft_strong = lambda context: log.append(next(answers)) or log[-1]
         drafter.propose = lambda context, shape: (log.append("drafted"), propose(context, shape))[1]
         out = generate(model, batch, drafter=drafter, tree=AutoTree(cheap()), max_new_tokens=60)
         assert out.sequences == generate(model, batch, method="autoregressive", max_new_tokens=60).sequences
@@ -1669,8 +1670,9 @@ def test_the_loop_asks_the_drafter_about_the_rows_the_batch_waits_for():
     model = mamba2()
     prompts = [[1, 2, 3, 4, 5, 6, 7, 8], [4, 5, 6, 4, 5, 6, 4, 5]]
     asked, drafter = [], NGramDrafter()
-    can_draft = drafter.can_draft
+    can_draft, strong = drafter.can_draft, drafter.can_draft_strong
     drafter.can_draft = lambda context: asked.append(list(context.rows)) or can_draft(context)
+    drafter.can_draft_strong = lambda context: asked.append(list(context.rows)) or strong(context)
     out = generate(model, prompts, drafter=drafter, tree=AutoTree(cheap()), max_new_tokens=[60, 6])
     assert out.sequences == generate(model, prompts, method="autoregressive", max_new_tokens=[60, 6]).sequences
     assert asked and all(rows == [0] for rows in asked)
@@ -1799,6 +1801,7 @@ def test_where_the_drafter_keeps_having_nothing_it_is_asked_again_after_runs_of_
     drafter = make_drafter("ngram", vocab_size=model.vocab_size)
     asked, can_draft = [], drafter.can_draft  # (the row's length at each asking)
     drafter.can_draft = lambda context: asked.append(int(context.lengths[0])) or len(asked) > 8 and can_draft(context)
+    drafter.can_draft_strong = drafter.can_draft  # (what the choice asks where drafts weak throughout lose)
     assert_asked_after_runs(model, drafter, asked)
 
 
@@ -1826,6 +1829,40 @@ def assert_asked_after_runs(model, drafter, asked):
     assert out.stats.trees.keys() - {1}
 
 
+def weak_rated(accepted: float) -> PathRates:
+    """Rates whose weak nodes were verified 50 times at every depth and rank, a share ``accepted`` of them
+    accepted (the strong ones at the prior's)."""
+    rates = PathRates(prior=(0.9,) + (0.3,) * 7)
+    weak = slice(PathRates.RANKS, 2 * PathRates.RANKS)
+    rates.reached[:, weak], rates.accepted[:, weak] = 50.0, 50.0 * accepted
+    rates.version += 1
+    return rates
+
+
+def test_where_drafts_weak_throughout_lose_the_drafter_is_asked_for_a_strong_node():
+    """The choice weighs a draft weak throughout at its best size against a plain step: where it loses
+    (weak nodes seldom accepted), the loop asks the drafter whether it has a draft with a strong node
+    (``can_draft_strong``) and drafts nothing where it has not; where such drafts pay, whether it has any
+    (``can_draft``), as for a probe, which verifies whatever there is. The output is plain decoding's."""
+    assert AutoTree(cheap(), adaptive=True, rates=weak_rated(0.02)).strong_only
+    assert not AutoTree(cheap(), adaptive=True, rates=weak_rated(0.98)).strong_only
+    model = mamba2()
+    prompt = [[1, 2, 3, 1, 2, 3, 1, 2]]
+    plain = generate(model, prompt, max_new_tokens=60).sequences
+    probed = []
+    for accepted, strong, drafts in ((0.02, False, False), (0.02, True, True), (0.98, False, True)):
+        drafter = make_drafter("ngram", vocab_size=model.vocab_size)
+        auto = Unclocked(cheap(), adaptive=True, rates=weak_rated(accepted))
+        proposed, propose = [], drafter.propose  # (whether the choice was probing at each draft)
+        drafter.propose = lambda context, shape: proposed.append(auto._probing) or propose(context, shape)
+        drafter.can_draft_strong = lambda context: strong
+        out = generate(model, prompt, drafter=drafter, tree=auto, max_new_tokens=60)
+        assert out.sequences == plain
+        assert (False in proposed) is drafts, (accepted, strong)
+        probed.append(True in proposed)
+    assert probed[0]  # (where only strong drafts are asked for, probes still draft what there is)
+
+
 def test_where_drafts_keep_being_found_wanting_the_drafter_is_asked_again_after_runs_of_plain_steps():
     """Trees are wanted and the drafter drafts, but nothing it drafts is kept (its drafts hold the root
     alone): as where it has nothing to draft, after WAIT_AFTER such steps in a row it is asked again
@@ -1846,7 +1883,7 @@ def test_where_drafts_keep_being_found_wanting_the_drafter_is_asked_again_after_
         return TokenTree.from_shape(draft.static_shape, draft.tokens, valid=valid)
 
     drafter.propose = wanting
-    drafter.can_draft = lambda context: True
+    drafter.can_draft = drafter.can_draft_strong = lambda context: True
     assert_asked_after_runs(model, drafter, asked)
 
 

@@ -74,6 +74,23 @@ def test_a_node_from_a_short_or_ambiguous_match_is_weak(compiled):
     assert tree.valid[:, 1:3].tolist() == [[True, False], [True, True]]
     assert tree.weak[:, 1:3].tolist() == [[False, False], [True, True]]
 
+
+@both
+def test_a_node_below_a_weak_one_is_weak_and_strong_drafts_need_a_strong_first_child(compiled):
+    """A node drafted below a weak one is weak whatever its own match (verified, trees rooted in weak nodes
+    accepted 0.3 drafts on average, their strong-matched nodes included); ``can_draft_strong`` says whether a
+    row's first child would be strong, without which its draft is weak throughout."""
+    short = [1, 2, 3, 4, 5, 6, 1, 2, 3]  # (6, 1, 2, 3) unseen: (1, 2, 3) -> 4, three tokens; then (1, 2, 3, 4) -> 5
+    whole = [1, 2, 3, 4, 5, 6, 7, 2, 3, 4, 5, 1, 2, 3, 4]  # (1, 2, 3, 4) -> 5 alone, then (2, 3, 4, 5) -> 6 and 1
+    drafter = NGramDrafter(compiled=compiled)
+    tree = drafter.propose(context([short, whole]), TreeShape.chain(2))
+    assert tree.tokens[:, 1:].tolist() == [[4, 5], [5, 1]] and tree.valid.all()
+    assert tree.weak[:, 1:].tolist() == [[True, True], [False, True]]
+    assert drafter.can_draft_strong(context([short, whole]))
+    for ctx, can, strong in ((short, True, False), (whole, True, True), ([1, 2, 3], False, False)):
+        drafter.reset()
+        assert (drafter.can_draft(context([ctx])), drafter.can_draft_strong(context([ctx]))) == (can, strong), ctx
+
 @both
 def test_random_contexts_match_the_definition_at_every_depth(compiled):
     g = torch.Generator().manual_seed(0)
@@ -94,10 +111,10 @@ def test_random_contexts_match_the_definition_at_every_depth(compiled):
                 u = shape.parents[u]
             # the index holds the committed context only: drafted tokens extend the key, not the table;
             # a child is weak where the match it came from was shorter than max_n (4) tokens, or other
-            # tokens followed that match too
+            # tokens followed that match too, or its parent is weak
             got = [(int(tree.tokens[0, c]), bool(tree.weak[0, c])) for c in kids[v] if tree.valid[0, c]]
             want = want_from_committed(ctx, path[::-1], len(kids[v]))
-            assert got == [(t, n < 4 or several) for t, n, several in want], (ctx, v)
+            assert got == [(t, n < 4 or several or bool(tree.weak[0, v])) for t, n, several in want], (ctx, v)
             assert not tree.weak[0, [c for c in kids[v] if not tree.valid[0, c]]].any()
 
 
@@ -211,6 +228,8 @@ def test_compiled_index_equals_the_reference(seed, vocab, max_n, capacity, evict
         for a, b in zip(*drafts):
             assert np.array_equal(a, b)
         assert ref.continues(min_n) == fast.continues(min_n) == bool(drafts[0][1][1:].any())
+        strong = bool(drafts[0][1][1] and not drafts[0][2][1])  # (node 1: the root's first child)
+        assert ref.continues(min_n, weak_n) == fast.continues(min_n, weak_n) == strong
 
 
 def test_compiled_index_grows_and_compacts_like_the_reference(monkeypatch):
