@@ -501,8 +501,8 @@ class AutoTree:
         # their best size, verified whatever they are worth, against a plain step: where they lose, the
         # drafter is asked for a draft with a strong node (Drafter.can_draft_strong), and one it has
         # nothing but weak drafts for is not drafted. (n-gram, batch 1, greedy, 2-core Zen 5 EPYC: trees
-        # rooted in weak nodes had accepted 0.3 drafts on average where verified, and most such drafts,
-        # each some one and a half plain steps' time, were declined after drafting; docs/benchmarks.md.)
+        # rooted in weak nodes lost five times in six where verified, and most such drafts,
+        # each some 1.3 plain steps' time beyond its step, were declined after drafting; docs/benchmarks.md.)
         self._strong_only = self._best_size(order, self.draft_cost, hazard, weak=True)[1] * plain <= self.margin
         # What a probe is predicted to lose against plain steps: its time beyond theirs for the tokens
         # it is expected to emit. A seeded choice prices the worst case, one token from a probe (with

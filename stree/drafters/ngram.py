@@ -122,8 +122,8 @@ class NGramDrafter(Drafter):
     their own rates: drafting chains for the shipped target on its held-out prompts, nodes from a
     four-token match only their token had followed were accepted at 97%, from one other tokens had
     followed too at 48%, from a shorter match at 25-75% (``benchmarks/ngram_matches.py``); trees the
-    choice verified whose first child was weak accepted 0.3 drafts on average, their whole-match
-    nodes included.
+    choice verified whose first child was weak lost five times in six, accepting 0.3-0.5 drafts on
+    average there, their whole-match nodes included.
 
     Memory is bounded per row: at most ``capacity`` n-grams (about 250 bytes each; the default
     65536 covers 16k tokens of context at ``max_n`` 4), the ``evict_fraction`` least recently

@@ -78,7 +78,7 @@ def test_a_node_from_a_short_or_ambiguous_match_is_weak(compiled):
 @both
 def test_a_node_below_a_weak_one_is_weak_and_strong_drafts_need_a_strong_first_child(compiled):
     """A node drafted below a weak one is weak whatever its own match (verified, trees rooted in weak nodes
-    accepted 0.3 drafts on average, their strong-matched nodes included); ``can_draft_strong`` says whether a
+    lost five times in six, their strong-matched nodes included); ``can_draft_strong`` says whether a
     row's first child would be strong, without which its draft is weak throughout."""
     short = [1, 2, 3, 4, 5, 6, 1, 2, 3]  # (6, 1, 2, 3) unseen: (1, 2, 3) -> 4, three tokens; then (1, 2, 3, 4) -> 5
     whole = [1, 2, 3, 4, 5, 6, 7, 2, 3, 4, 5, 1, 2, 3, 4]  # (1, 2, 3, 4) -> 5 alone, then (2, 3, 4, 5) -> 6 and 1
