@@ -163,15 +163,16 @@ class NGramDrafter(Drafter):
 
     def can_draft(self, context: DraftContext) -> bool:
         """Whether any row's last tokens occurred before with a continuation (else its draft is its root)."""
-        tokens, lengths = context.arrays()
-        return any(self._index(row, tokens, int(lengths[row])).continues(self.min_n) for row in context.rows)
+        return self._continues(context, -1)
 
     def can_draft_strong(self, context: DraftContext) -> bool:
         """Whether any row's last ``max_n`` tokens occurred before followed by one token alone (a first
         child not weak; without one, a draft is weak throughout)."""
+        return self._continues(context, self.max_n - 1)
+
+    def _continues(self, context: DraftContext, weak_n: int) -> bool:
         tokens, lengths = context.arrays()
-        return any(self._index(row, tokens, int(lengths[row])).continues(self.min_n, self.max_n - 1)
-                   for row in context.rows)
+        return any(self._index(row, tokens, int(lengths[row])).continues(self.min_n, weak_n) for row in context.rows)
 
     def build(self, shapes, batch: int) -> None:
         """Load the compiled index's calls (:func:`~.ngram_jit.warm`): setup, not a decoding step's."""
