@@ -200,6 +200,8 @@ def main(argv=None):
                 step_in_ar_steps=(seconds / steps) / (ar_seconds / ar_steps),
                 trees=trees, trees_chosen=trees_chosen(trees), packed=sum(o.stats.packed for o in outs),
                 watched=sum(o.stats.watched for o in outs),
+                # (getattr: speculation_ab.py runs this script against revisions from before AutoTree.rests)
+                rested=sum(getattr(o.stats, "rested", False) for o in outs),
                 # where a call's wall clock goes (ms per call): setting up the tree choice, the prefill,
                 # the decoding loop after it, and what the call does outside the loop (tokenising,
                 # making the drafter, detokenising): on a GPU, where a call of 128 tokens takes tens of
@@ -215,7 +217,7 @@ def main(argv=None):
             r = rows[-1]
             print(f"{mode:<9}b{batch:<3}T{temperature:<4}{name:<15}{r['tokens_per_s']:>8.1f} tok/s  "
                   f"x{r['gain']:.2f} (turns {r['gain_turns']['q25']:.2f}-{r['gain_turns']['q75']:.2f})  tau {r['tau']:.2f}  step {r['step_in_ar_steps']:.2f} AR  {r['trees_chosen']}"
-                  f"  packed {r['packed']}  watched {r['watched']}"
+                  f"  packed {r['packed']}  watched {r['watched']}  rested {r['rested']}/{len(outs)}"
                   + ("" if r["identical"] is None else f"  identical {'yes' if r['identical'] else 'NO'}")
                   + "  ms/call " + " ".join(f"{k} {v:.2f}" for k, v in r["call_ms"].items()),
                   file=sys.stderr)
@@ -229,7 +231,9 @@ def main(argv=None):
                        "the same prompts in the same turn (paired: the machine's drift cancels); step_in_ar_steps: seconds per decoding step over the autoregressive one's; "
                        "trees: steps per tree size (1: a plain step); packed: tree steps whose rows each took a size "
                        "of their own; watched: drafts made during plain steps and learned from, not verified "
-                       "(greedy); warm-up (compiling, measuring costs) not timed",
+                       "(deterministic drafts); rested: calls decoded plainly, the drafter unused, where calls "
+                       "before had explored drafts in vain (AutoTree.rests); warm-up (compiling, measuring costs) "
+                       "not timed",
                   results=rows)
     stem = args.stem or ("speculation_smoke" if args.smoke else f"speculation_{device.type}")
     save_result(result, args.out, stem, plot)

@@ -144,7 +144,7 @@ class AutoTree:
     together lose at most ``PROBE_SHARE`` of the plain
     steps' time (and one probe's loss): the most that turning speculation on loses where it never
     pays; less once probes keep losing (``BACKOFF``), and from call to call once calls keep exploring
-    in vain (``IDLE_CALLS``). An adaptive choice charges what its probes
+    in vain (``IDLE_CALLS``), where most calls then rest (:meth:`rests`). An adaptive choice charges what its probes
     took by the clock (a drafter model catching up on the tokens of the plain steps before, the
     caches it evicts: costs the profile's steady state does not see); a seeded one what the
     profile predicts, its drafter's catch-up included.
@@ -236,10 +236,14 @@ class AutoTree:
     # +0.014 to +0.097 over plain decoding, benchmarks/choice_ab.py, five processes each, all positive.)
     FIRST_WATCH = 16
     WAIT_AFTER, WAIT_MOST = 2, 4  # (plain_ahead, where the drafter keeps having nothing, or nothing kept)
-    # Calls in a row (of one cost profile, in one process) of at least FIRST_WATCH steps that explored
-    # drafts and found none that paid (no probe, no watched draft that would have paid, no tree kept on
-    # its worth), after which the next calls start at the least shares, and only one in IDLE_WAKE with
-    # a first watch, until one finds a draft that pays. Sampled at temperature 0.6 or 1.0, where the
+    # Calls in a row (of one cost profile, in one process) of at least FIRST_WATCH steps that found no
+    # draft that paid (no probe, no watched draft that would have paid, no tree kept on its worth),
+    # whether they explored drafts in vain or explored none, after which the next calls start at the
+    # least shares, and only one in IDLE_WAKE explores (with a first watch) while the others rest
+    # (rests), until one finds a draft that pays. (Counting only calls that explored: at batch 2, where
+    # calls watch no first draft and fund no probes, and with a drafter model, whose probes are calls
+    # apart, calls that drafted nothing at all never rested.)
+    # Sampled at temperature 0.6 or 1.0, where the
     # shipped pair's drafts are next to never accepted, each call started whole again had watched a
     # draft or two and probed about once (the drafter catching up on the prompt, learning from them).
     # (Counting shorter calls, and with no first watch at all, a benchmark's warm-up calls of 8 tokens,
@@ -353,21 +357,16 @@ class AutoTree:
         # pays, -1.3% to +2.7%: the noise). (Carried wherever the probes' average lost, or at the least share for
         # every choice that watches, greedy batch 2 lost 5-17%: there probes pay where the choice
         # declines trees.)
-        # After IDLE_CALLS calls in a row that explored in vain, a call starts at the least shares, one in
-        # IDLE_WAKE with its first watch, until a call finds a draft that pays (``found``, ``paid``).
+        # After IDLE_CALLS calls in a row that found nothing, a call starts at the least shares (those
+        # that auto_tree lets rest, one in IDLE_WAKE, explore at all), until a call finds a draft that pays
+        # (``found``, ``paid``).
         if adaptive:
-            found = self.scale.get("paid", True) or self.scale.get("found", True)
-            if found:
-                self.scale["idle_calls"] = 0
-            elif self.scale.get("explored", 0) and self.scale.get("steps", 0) >= self.FIRST_WATCH:
-                self.scale["idle_calls"] = self.scale.get("idle_calls", 0) + 1
-        idle = adaptive and self.scale.get("idle_calls", 0) >= self.IDLE_CALLS
+            self.scale["idle_calls"] = self._idle_calls(self.scale)
+        idle = adaptive and self.scale["idle_calls"] >= self.IDLE_CALLS
         if not adaptive:
             self.scale.update(losing=0, watch_idle=0)
         elif idle:
             self.scale.update(losing=self.BACKOFF, watch_idle=self.BACKOFF)
-            self.scale["quiet"] = (self.scale.get("quiet", 0) + 1) % self.IDLE_WAKE  # (idle calls begun)
-            self._first_watch = first_watch and self.scale["quiet"] == 0
         elif self.scale.get("explored", self.AGAIN) >= self.AGAIN:
             self.scale["watch_idle"] = 0
             if self.scale.get("paid", True):
@@ -396,6 +395,30 @@ class AutoTree:
         self._drafted = 0  # nodes drafted this step (0: none)
         self._strong_only = False  # whether drafts weak throughout lose (_pick_sizes)
         self._pick, self._probe_size = self._pick_sizes()
+
+    @classmethod
+    def _idle_calls(cls, scale: dict) -> int:
+        """The calls in a row that found no draft that paid (IDLE_CALLS) as a call of the choices sharing
+        ``scale`` begins: 0 where the last one found one, one more where it did not in FIRST_WATCH steps
+        or more."""
+        if scale.get("paid", True) or scale.get("found", True):
+            return 0
+        return scale.get("idle_calls", 0) + (scale.get("steps", 0) >= cls.FIRST_WATCH)
+
+    @classmethod
+    def rests(cls, scale: dict) -> bool:
+        """Whether a call of the adaptive choices sharing ``scale`` rests: decodes plainly, as
+        ``method="autoregressive"`` does, its drafter neither asked nor shown a token and no choice made
+        (so nothing of ``scale`` moves but the count of idle calls begun). Where IDLE_CALLS calls in a row
+        found no draft that paid, all but one call in IDLE_WAKE rest; the one that does not explores (at the least
+        shares, its first watch kept) and, finding a draft that pays, ends the rest. Exploring at the
+        least shares, such calls had each still spent about three plain steps' time beyond plain decoding's
+        (the choice's setup, its first plan, a probe now and then; n-gram at temperature 1.0, batch 1,
+        2-core Zen 5 EPYC), where the text had paid no draft for several calls."""
+        if cls._idle_calls(scale) < cls.IDLE_CALLS:
+            return False
+        scale["quiet"] = (scale.get("quiet", 0) + 1) % cls.IDLE_WAKE  # (idle calls begun)
+        return scale["quiet"] != 0
 
     @property
     def strong_only(self) -> bool:
@@ -1143,7 +1166,7 @@ def tree_room(drafter) -> int:
 
 def auto_tree(model, drafter, batch: int, *, mode: str, sampled: bool = False, chain: bool = False,
               depth: int = PathRates.DEPTH, adaptive: bool = False, refresh: bool = False,
-              bracketed: bool = False, watch: bool = False) -> AutoTree:
+              bracketed: bool = False, watch: bool = False, may_rest: bool = False) -> AutoTree | None:
     """The :class:`AutoTree` of a decoding call: the costs of ``model`` with ``drafter`` at
     ``batch`` rows in ``mode``, greedy or ``sampled`` (measured on first use, then cached:
     :func:`stree.decoding.cost.cost_profile`; ``refresh``: measured again; an adaptive one's, from the
@@ -1162,7 +1185,9 @@ def auto_tree(model, drafter, batch: int, *, mode: str, sampled: bool = False, c
     deterministic +0.016, n-gram at temperature 1.0 +0.007. At batch 1 probes pay: without them eager
     n-gram lost 0.046, STAND deterministic 0.021, compiled n-gram 0.009. ``bracketed``: the costs of a
     batch size between two powers of two interpolated between theirs
-    (:func:`stree.decoding.cost.bracketed_profile`), for callers whose batch size keeps changing."""
+    (:func:`stree.decoding.cost.bracketed_profile`), for callers whose batch size keeps changing.
+    ``may_rest``: None where an adaptive call rests (:meth:`AutoTree.rests`), for a caller whose drafter
+    nothing outlasts the call (what it would learn is lost with it)."""
     _load_helpers()
     fills = getattr(drafter, "fills_shapes", True)
     profile, sizes, fixed = _profile(model, drafter if fills else None, batch, mode, sampled, chain, depth, refresh,
@@ -1174,6 +1199,8 @@ def auto_tree(model, drafter, batch: int, *, mode: str, sampled: bool = False, c
         if learned is None:
             learned = _LEARNED[profile] = ({"plain": 1.0, "tree": 1.0}, PathRates())
         scale, rates = learned
+        if may_rest and AutoTree.rests(scale):
+            return None
     return AutoTree(profile, sizes=fixed and sizes, chain=chain, fills_shapes=fills, depth=depth, adaptive=adaptive,
                     rates=rates, scale=scale, watch=watch, per_row=None if mode == "eager" else False,
                     first_watch=batch == 1, probes=batch == 1)

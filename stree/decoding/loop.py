@@ -161,8 +161,11 @@ class _Loop:
                                      # draws verifying deterministic drafts (stree.sampling.keyed)
                                      adaptive=config.params.greedy or seed is None or not self.drafter.random_drafts,
                                      watch=(config.params.greedy or not self.drafter.random_drafts)
-                                     and self.drafter.level_model is None)
+                                     and self.drafter.level_model is None,
+                                     may_rest=self.drafter.serves_one_call)
             self.stats.time_setup = time.perf_counter() - t0
+            if self.chooser is None:  # the call rests (AutoTree.rests): plain decoding, the drafter unused
+                self.drafter, self.stats.rested = None, True
         self.clock = _Clock(config.device, detailed=time_phases)
         self.start = self.clock.t
         self.shapes: dict = {}  # the static shapes of received trees (tensor parallelism)
@@ -173,7 +176,8 @@ class _Loop:
         self.plain_run: _PlainRun | None = None
         self.watch: _Watch | None = None  # a draft made after a plain step, not verified (AutoTree.watch_shape)
         # a speculative loop's plain steps read the weight copies its tree passes use (models.layers.linear)
-        self.plain_scope, self.tree_scope = ((following, leading) if config.speculative
+        self.speculative = config.speculative and not self.stats.rested
+        self.plain_scope, self.tree_scope = ((following, leading) if self.speculative
                                              else (contextlib.nullcontext,) * 2)
         # plain steps since the last tree pass: past linear.FOLLOW_WIDE (a step multiplies each weight
         # once) following() has nothing left to follow, and its per-product lookups cost ~1% of a step
@@ -267,7 +271,7 @@ class _Loop:
         (:meth:`~stree.drafters.base.Drafter.build`)."""
         c, chooser, batch = self.c, self.chooser, self.rows.batch_size
         shapes = []
-        if c.speculative and c.scan == "tree":
+        if self.speculative and c.scan == "tree":
             if isinstance(c.shape, TreeShape):
                 shapes = [c.shape]
             elif chooser is not None and chooser.fixed and chooser.fills_shapes:
@@ -310,7 +314,7 @@ class _Loop:
         # the device batch's roots: every row's, or, where rows left it (leave), the live rows'
         device_roots = roots if self.held is None else roots[torch.from_numpy(self.held)]
         draft = full = None
-        if c.speculative:
+        if self.speculative:
             if self.plain_run is not None:
                 self.plain_run.left -= 1
             elif self.drafter is not None:

@@ -41,6 +41,7 @@ class GenerationStats:
     time_setup: float = 0.0
     packed: int = 0  # of the tree steps, those whose rows each had a size of their own (a packed pass)
     watched: int = 0  # drafts made during plain steps and learned from, not verified (AutoTree.watch_shape)
+    rested: bool = False  # whether tree="auto" let the call rest: decoded plainly, its drafter unused (AutoTree.rests)
 
     @property
     def tau(self) -> float:

@@ -1295,41 +1295,47 @@ def explore_call(auto: AutoTree, steps: int = 128, follows: bool = False) -> int
     return explored
 
 
-def test_calls_that_keep_exploring_in_vain_start_at_the_least_shares_until_a_draft_pays():
+def test_calls_that_keep_exploring_in_vain_rest_but_one_in_idle_wake_until_a_draft_pays():
     """Sampled text the drafter cannot follow: each call explored at the whole shares again (its
     first watched draft within FIRST_WATCH plain steps, probes), and found nothing every time.
-    After IDLE_CALLS such calls in a row the next calls start at the least shares, only one in
-    IDLE_WAKE with a first watch: over IDLE_WAKE calls of 128 steps they explore at most half as
-    many drafts a call as the first calls did. A call in which a watched draft would have paid
-    makes the next one start whole again (its first watch due at FIRST_WATCH), as does a tree taken
-    for its worth. A seeded choice starts whole anyway."""
+    After IDLE_CALLS such calls in a row, all but one call in IDLE_WAKE rest (``AutoTree.rests``:
+    no choice made, nothing of the shared scales moved but the count of idle calls begun); the one
+    that does not starts at the least shares with its first watch. A call in which a watched draft
+    would have paid ends the rest: the next one starts whole again (its first watch due at
+    FIRST_WATCH), as after a tree taken for its worth. A seeded choice starts whole anyway."""
     profile, rates = cheap(), PathRates(prior=(0.02,) * 8)
     scale = {"plain": 1.0, "tree": 1.0}
 
     def call(**kw):
         return AutoTree(profile, adaptive=True, watch=True, rates=rates, scale=scale, **kw)
 
-    whole = [explore_call(call()) for _ in range(AutoTree.IDLE_CALLS)]
+    def begin():  # a call as auto_tree begins it: None where it rests
+        return None if AutoTree.rests(scale) else call()
+
+    whole = [explore_call(begin()) for _ in range(AutoTree.IDLE_CALLS)]
     assert min(whole) >= 1 and scale["idle_calls"] == AutoTree.IDLE_CALLS - 1
-    idle = call()
-    assert scale["idle_calls"] == AutoTree.IDLE_CALLS
-    assert idle.scale["losing"] == idle.scale["watch_idle"] == AutoTree.BACKOFF and not idle._first_watch
-    assert idle._watch_gap() > 128
-    woke, quiet = [idle._first_watch], [explore_call(idle)]
-    for _ in range(AutoTree.IDLE_WAKE - 1):
-        woken = call()
-        woke.append(woken._first_watch)
-        quiet.append(explore_call(woken))
-    assert woke == [False] * (AutoTree.IDLE_WAKE - 1) + [True] and quiet[-1] >= 1
-    assert woken._watch_gap() > 128
-    assert sum(quiet) / len(quiet) <= 0.5 * sum(whole) / len(whole), (quiet, whole)  # (half as many, at most)
+    rested, explored = [], []
+    for _ in range(2 * AutoTree.IDLE_WAKE):
+        before = dict(scale)
+        auto = begin()
+        rested.append(auto is None)
+        if auto is None:
+            assert {k: v for k, v in scale.items() if k != "quiet"} == {k: v for k, v in before.items() if k != "quiet"}
+            continue
+        assert scale["idle_calls"] >= AutoTree.IDLE_CALLS and auto._first_watch
+        assert auto.scale["losing"] == auto.scale["watch_idle"] == AutoTree.BACKOFF
+        assert auto._watch_gap() == AutoTree.FIRST_WATCH  # (its first watch)
+        explored.append(explore_call(auto))
+        assert auto._watch_gap() > 128  # (then the least share's)
+    assert rested == ([True] * (AutoTree.IDLE_WAKE - 1) + [False]) * 2 and min(explored) >= 1
     seeded = AutoTree(profile, rates=rates, scale=dict(scale))
     assert seeded.scale["losing"] == seeded.scale["watch_idle"] == 0
-    # text the drafter follows: a call with its first watch at FIRST_WATCH (forced here) finds it
-    found = call()
-    found._first_watch = True
+    # text the drafter follows: the call that does not rest finds it with its first watch
+    found = begin()
+    while found is None:
+        found = begin()
     explore_call(found, follows=True)
-    assert scale["found"]
+    assert scale["found"] and not AutoTree.rests(scale)
     after = call()
     assert scale["idle_calls"] == 0 and after._first_watch and after.scale["watch_idle"] == 0
     assert after._watch_gap() == AutoTree.FIRST_WATCH
@@ -1370,6 +1376,20 @@ def test_watched_drafts_that_paid_while_the_choice_still_declines_trees_find_not
         assert not scale["found"]
     idle = AutoTree(profile, adaptive=True, watch=True, rates=rates, scale=scale)
     assert scale["idle_calls"] == AutoTree.IDLE_CALLS and idle.scale["watch_idle"] == AutoTree.BACKOFF
+
+
+def test_calls_that_find_nothing_count_as_idle_whether_or_not_they_explored():
+    """Calls of FIRST_WATCH steps or more that found no draft that paid count toward IDLE_CALLS also
+    where they explored none (batch 2's calls, which watch no first draft and fund no probes; a drafter
+    model's calls between its probes): after IDLE_CALLS of them, calls rest."""
+    profile, rates = cheap(), PathRates(prior=(0.02,) * 8)
+    scale = {"plain": 1.0, "tree": 1.0}
+    for call in range(AutoTree.IDLE_CALLS):
+        assert not AutoTree.rests(scale)
+        auto = AutoTree(profile, adaptive=True, rates=rates, scale=scale)
+        auto.plain_steps(AutoTree.FIRST_WATCH, [1.0] * AutoTree.FIRST_WATCH)
+        assert scale["explored"] == 0 and not scale["found"] and not scale["paid"]
+    assert AutoTree.rests(scale)
 
 
 def test_short_calls_that_explore_in_vain_leave_the_idle_count_as_it_is():
@@ -2047,6 +2067,32 @@ def test_the_calls_last_plain_run_is_not_taught_to_a_drafter_serving_that_call_a
     assert recorded[0] == recorded[1] == [28]  # (the first plain step weighed alone, then the run)
     assert shown[0][:-1] == shown[1] and len(shown[1]) == 2  # the prefill's token, the first step's
     assert shown[0][-1] == [t[2:] for t in outs[0].new_tokens]  # the run's 28, to the drafter that outlives the call
+
+
+def test_a_resting_call_decodes_plainly_and_leaves_a_drafter_serving_it_alone_untouched(monkeypatch):
+    """Where ``AutoTree.rests`` says a call rests, ``tree="auto"`` decodes it as plain decoding does:
+    its drafter (one serving the call alone) neither reset, built, asked nor shown a token, every step
+    plain, the output plain decoding's, and the call's stats say it rested. A drafter that may draft
+    again (later calls learn from what it is shown) is never let rest."""
+    model = mamba2()
+    prompts = [[1, 2, 3, 1, 2, 3, 1, 2], [4, 5, 6]]
+    plain = generate(model, prompts, max_new_tokens=30, method="autoregressive")
+    # (the process's first call measures the cost profile, drafting with its drafter: not a call's work)
+    generate(model, prompts, drafter=make_drafter("ngram", vocab_size=model.vocab_size), max_new_tokens=4)
+    monkeypatch.setattr(AutoTree, "rests", classmethod(lambda cls, scale: True))
+    for alone in (True, False):
+        drafter = make_drafter("ngram", vocab_size=model.vocab_size)
+        drafter.serves_one_call = alone
+        used = []
+        for name in ("reset", "build", "can_draft", "can_draft_strong", "propose", "observe"):
+            method = getattr(drafter, name)
+            setattr(drafter, name, lambda *a, _name=name, _method=method: used.append(_name) or _method(*a))
+        out = generate(model, prompts, drafter=drafter, max_new_tokens=30)
+        assert out.sequences == plain.sequences and out.stats.rested is alone
+        if alone:
+            assert used == [] and out.stats.trees == {1: 29}
+        else:
+            assert "observe" in used
 
 
 def test_iterations_after_rows_left_the_batch_are_timed_into_the_calls_own_scales():
