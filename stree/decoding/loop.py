@@ -166,6 +166,8 @@ class _Loop:
             self.stats.time_setup = time.perf_counter() - t0
             if self.chooser is None:  # the call rests (AutoTree.rests): plain decoding, the drafter unused
                 self.drafter, self.stats.rested = None, True
+        # the drafter the loop shows emitted tokens: none where its observe learns nothing (Drafter.observes)
+        self.shown = self.drafter if self.drafter is not None and self.drafter.observes else None
         self.clock = _Clock(config.device, detailed=time_phases)
         self.start = self.clock.t
         self.shapes: dict = {}  # the static shapes of received trees (tensor parallelism)
@@ -231,7 +233,7 @@ class _Loop:
             if self.held is not None and self.given is not None:
                 self.given.assign(torch.from_numpy(self.held).to(c.device), self.cache)
         if self.plain_run is not None:  # (the call's last: a drafter serving this call alone drafts nothing after it)
-            self.plain_run.end(rows, None if self.drafter.serves_one_call else self.drafter, self.chooser)
+            self.plain_run.end(rows, None if self.drafter.serves_one_call else self.shown, self.chooser)
         if self.watch is not None:
             self.settle_watch()
         return self.output()
@@ -299,7 +301,7 @@ class _Loop:
         first = prefill_rows(self.model, rows, self.cache, self.params, self.draws(), c.top_k)
         check_finite(first, rows, "the prefill")
         self.stats.time_prefill += self.clock.lap()
-        rows.emit(first, self.drafter, c.drafter_k)
+        rows.emit(first, self.shown, c.drafter_k)
         self.stats.time_draft += self.clock.lap()
 
     def iterate(self) -> None:
@@ -357,7 +359,7 @@ class _Loop:
         stats.packed += full is not None and full.row_sizes is not None
         stats.target_forwards += 1
         check_finite(host, rows, f"decoding step {stats.target_forwards}")
-        rows.emit(host, self.drafter if self.plain_run is None else None, drafter_k)
+        rows.emit(host, self.shown if self.plain_run is None else None, drafter_k)
         stop_at_sequences(rows, c.stops, self.seen)
         if self.chooser is not None:
             self.mark = time.perf_counter()
@@ -377,7 +379,7 @@ class _Loop:
             run.steps += 1
             run.ms.append(elapsed)
             if run.left == 0:
-                run.end(self.rows, self.drafter, chooser)
+                run.end(self.rows, self.shown, chooser)
                 self.plain_run = None
                 self.start_watch()
                 # the next run at once where nothing falls due before it ends (no probe, no tree worth

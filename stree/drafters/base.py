@@ -172,6 +172,13 @@ class Drafter:
     def propose(self, context: DraftContext, shape: TreeShape | TreeBudget) -> TokenTree:
         raise NotImplementedError
 
+    @property
+    def observes(self) -> bool:
+        """Whether :meth:`observe` is the drafter's own: the base's learns nothing (a drafter that reads
+        its context as it drafts, the n-gram one, keeps it), and the decoding loop shows emitted tokens
+        only to a drafter that observes, sparing each step the context and token lists it would build."""
+        return getattr(self.observe, "__func__", None) is not Drafter.observe
+
     def observe(self, context: DraftContext, tokens: list[list[int]], target: list[TargetTop]) -> None:
         """Called each time tokens are emitted (the prefill's first token, then every verify step):
         ``context`` holds the rows *before* the emission, ``tokens`` each row's emitted tokens (in

@@ -384,3 +384,28 @@ def test_half_precision_greedy_identity_with_steps_and_tree_passes_on_different_
         accepted += sum(map(sum, out.stats.accepted))
     assert accepted > 20  # accepted paths were checked, not only bonuses
     assert any(id(p) in lin._WIDE for p in model.parameters())  # the tree passes took the float32 copies
+
+
+def test_a_drafter_whose_observe_learns_nothing_is_shown_nothing(monkeypatch):
+    """The n-gram drafter reads its context as it drafts and keeps the base's ``observe``, which learns
+    nothing: the loop builds nothing to show it (``Drafter.observes``), and its output is still plain
+    decoding's. A drafter with an ``observe`` of its own (STAND's, or a spy set on the instance) is
+    shown every token."""
+    from stree.decoding.rows import Rows
+    from stree.drafters.registry import make_drafter
+
+    model = mamba2()
+    prompt = [[1, 2, 3, 1, 2, 3, 1, 2]]
+    plain = generate(model, prompt, max_new_tokens=40, method="autoregressive")
+    shown, emit = [], Rows.emit
+    monkeypatch.setattr(Rows, "emit", lambda self, step, drafter, k=None: shown.append(drafter) or emit(self, step,
+                                                                                                        drafter, k))
+    ngram = NGramDrafter()
+    assert not ngram.observes and make_drafter("stand", vocab_size=model.vocab_size).observes
+    out = generate(model, prompt, drafter=ngram, tree=TreeShape.chain(3), max_new_tokens=40)
+    assert out.sequences == plain.sequences and max(out.stats.trees) > 1 and shown and not any(shown)
+    spied, seen = NGramDrafter(), []
+    spied.observe = lambda context, tokens, target: seen.extend(tokens[0])
+    shown.clear()
+    generate(model, prompt, drafter=spied, tree=TreeShape.chain(3), max_new_tokens=40)
+    assert spied.observes and all(d is spied for d in shown) and seen == plain.sequences[0][len(prompt[0]):]
