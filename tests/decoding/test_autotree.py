@@ -2072,8 +2072,8 @@ def test_the_calls_last_plain_run_is_not_taught_to_a_drafter_serving_that_call_a
 def test_a_resting_call_decodes_plainly_and_leaves_a_drafter_serving_it_alone_untouched(monkeypatch):
     """Where ``AutoTree.rests`` says a call rests, ``tree="auto"`` decodes it as plain decoding does:
     its drafter (one serving the call alone) neither reset, built, asked nor shown a token, every step
-    plain, the output plain decoding's, and the call's stats say it rested. A drafter that may draft
-    again (later calls learn from what it is shown) is never let rest."""
+    plain, the output plain decoding's (sampled at a seed too), and the call's stats say it rested. A
+    drafter that may draft again (later calls learn from what it is shown) is never let rest."""
     model = mamba2()
     prompts = [[1, 2, 3, 1, 2, 3, 1, 2], [4, 5, 6]]
     plain = generate(model, prompts, max_new_tokens=30, method="autoregressive")
@@ -2093,6 +2093,13 @@ def test_a_resting_call_decodes_plainly_and_leaves_a_drafter_serving_it_alone_un
             assert used == [] and out.stats.trees == {1: 29}
         else:
             assert "observe" in used
+    # sampled at a seed, a resting call draws what plain decoding draws (keyed draws)
+    drafter = make_drafter("ngram", vocab_size=model.vocab_size)
+    drafter.serves_one_call = True
+    sampled = generate(model, prompts, drafter=drafter, max_new_tokens=30, temperature=1.0, seed=3)
+    assert sampled.stats.rested
+    assert sampled.sequences == generate(model, prompts, max_new_tokens=30, temperature=1.0, seed=3,
+                                         method="autoregressive").sequences
 
 
 def test_iterations_after_rows_left_the_batch_are_timed_into_the_calls_own_scales():
