@@ -242,9 +242,8 @@ class AutoTree:
     # least shares, and only one in IDLE_WAKE explores (with a first watch) while the others rest
     # (rests), until one finds a draft that pays. (Counting only calls that explored: at batch 2, where
     # calls watch no first draft and fund no probes, and with a drafter model, whose probes are calls
-    # apart, calls that drafted nothing at all never rested.)
-    # Sampled at temperature 0.6 or 1.0, where the
-    # shipped pair's drafts are next to never accepted, each call started whole again had watched a
+    # apart, calls that drafted nothing at all never rested.) Sampled at temperature 0.6 or 1.0, where
+    # the shipped pair's drafts are next to never accepted, each call started whole again had watched a
     # draft or two and probed about once (the drafter catching up on the prompt, learning from them).
     # (Counting shorter calls, and with no first watch at all, a benchmark's warm-up calls of 8 tokens,
     # a failed probe each, had left greedy STAND at batch 1 plain for good: 0.97x, not 1.2x; after two
@@ -1187,7 +1186,7 @@ def auto_tree(model, drafter, batch: int, *, mode: str, sampled: bool = False, c
     batch size between two powers of two interpolated between theirs
     (:func:`stree.decoding.cost.bracketed_profile`), for callers whose batch size keeps changing.
     ``may_rest``: None where an adaptive call rests (:meth:`AutoTree.rests`), for a caller whose drafter
-    nothing outlasts the call (what it would learn is lost with it)."""
+    serves the call alone (what a resting call does not show it would be lost with the call anyway)."""
     _load_helpers()
     fills = getattr(drafter, "fills_shapes", True)
     profile, sizes, fixed = _profile(model, drafter if fills else None, batch, mode, sampled, chain, depth, refresh,
