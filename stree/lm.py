@@ -125,6 +125,17 @@ def rank_device(device, tensor_parallel: int | None) -> torch.device:
     return device
 
 
+def load_drafter_model(path, model):
+    """The small model the "ssm" drafters run, from the checkpoint directory or Hub id ``path``, for
+    the target ``model``: on its device, in its dtype on a GPU and in float32 on the CPU. A drafter's
+    precision never changes what the target emits (every drafted token is verified), and on the CPU
+    float32 is the one-call greedy draft's (:mod:`stree.models.fused_step`): drafted block by block in
+    the shipped target's float16, chains cost more than they brought (docs/benchmarks.md)."""
+    from .checkpoints.io import load
+
+    return load(path, dtype=torch.float32 if model.device.type == "cpu" else model.dtype, device=model.device)
+
+
 class LM:
     """``model`` (a loaded stree model) with its ``tokenizer`` (a transformers tokenizer) and the
     ids that end a row (``eos_token_id``: default the tokenizer's). ``drafter_model``: the small
@@ -153,8 +164,8 @@ class LM:
         decoding defaults (generation_config.json: :func:`generation_defaults`). ``device``:
         default CUDA when available (under torchrun, the process's local GPU); ``dtype`` (a torch
         dtype or its name): default the checkpoint's. ``drafter_model``: a checkpoint directory or
-        Hub id (loaded like the target, whole, on every rank) or a loaded model, for the "ssm"
-        drafters. ``tensor_parallel=N``: launched by ``torchrun --nproc-per-node N``, each rank
+        Hub id (loaded whole on every rank, as :func:`load_drafter_model` loads it) or a loaded model,
+        for the "ssm" drafters. ``tensor_parallel=N``: launched by ``torchrun --nproc-per-node N``, each rank
         loads its slice of the model (:mod:`stree.models.parallel`); every rank then calls
         ``generate`` with the same arguments and gets the same output."""
         from .models import join
@@ -172,7 +183,7 @@ class LM:
         model = load(path, dtype=dtype, device=device, tensor_parallel=tp)
         tok = load_tokenizer(tokenizer or path, vocab_size=model.vocab_size)
         if isinstance(drafter_model, (str, Path)):
-            drafter_model = load(drafter_model, dtype=model.dtype, device=device)
+            drafter_model = load_drafter_model(drafter_model, model)
         return cls(model, tok, checkpoint_eos(path), drafter_model, generation_defaults(path))
 
     def close(self) -> None:

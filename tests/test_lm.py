@@ -170,6 +170,29 @@ def test_a_drafter_model_and_a_drafter_object(lm):
     assert lm.generate(PROMPTS, max_new_tokens=16, drafter=NGramDrafter(max_n=2)).texts == ref
 
 
+def test_a_drafter_model_runs_in_float32_on_the_cpu_and_in_the_targets_dtype_on_a_gpu(monkeypatch):
+    """The shipped float16 pair by default: the target in its checkpoint's dtype, the drafter model
+    in float32 on the CPU (its one-call greedy draft: drafted block by block in float16, chains cost more
+    than they brought), the text plain decoding's, greedy and with a fixed chain; on a GPU the
+    target's dtype (the load's arguments, no GPU needed)."""
+    import stree.checkpoints.io as io
+    from stree.lm import load_drafter_model
+    from stree.tools.demo import DRAFTER
+
+    half = LM.from_pretrained(TARGET, drafter_model=DRAFTER)
+    assert half.model.dtype == torch.float16 and half.drafter_model.dtype == torch.float32
+    ref = half.generate(PROMPTS, max_new_tokens=16, method="autoregressive").texts
+    assert half.generate(PROMPTS, max_new_tokens=16, drafter="ssm").texts == ref
+    assert half.generate(PROMPTS, max_new_tokens=16, drafter="ssm", tree=TreeShape.chain(3)).texts == ref
+    asked = []
+    monkeypatch.setattr(io, "load", lambda path, **kw: asked.append((path, kw)))
+
+    class OnGPU:
+        device, dtype = torch.device("cuda", 1), torch.bfloat16
+    load_drafter_model("small", OnGPU())
+    assert asked == [("small", dict(dtype=torch.bfloat16, device=torch.device("cuda", 1)))]
+
+
 def test_a_checkpoint_without_a_tokenizer_takes_one_by_argument(tmp_path):
     """tokenizer=DIR for a checkpoint directory that holds none (the API twin of --tokenizer)."""
     bare = tmp_path / "bare"

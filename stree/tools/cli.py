@@ -131,7 +131,7 @@ def _run_profile(args) -> int:
     from ..decoding.cost import cache_file, describe
     from ..decoding.cost import device_name as name_of
     from ..drafters.registry import make_drafter
-    from ..lm import rank_device
+    from ..lm import load_drafter_model, rank_device
     from ..runtime import CompiledModel
     from ..checkpoints.io import load
 
@@ -143,7 +143,7 @@ def _run_profile(args) -> int:
     model = load(args.model, dtype=DTYPES.get(args.dtype), device=rank_device(args.device, None), revision=args.revision)
     small = None
     if args.drafter_model is not None:
-        small = load(args.drafter_model, dtype=model.dtype, device=model.device)
+        small = load_drafter_model(args.drafter_model, model)
         small = CompiledModel(small) if args.compile else small
     drafter = make_drafter(args.drafter, drafter_model=small, vocab_size=model.vocab_size)
     mode = "compiled" if args.compile else "cuda_graph" if model.device.type == "cuda" else "eager"
@@ -203,8 +203,7 @@ def _chat_parser(sub) -> None:
 
 def _run_chat(args) -> int:
     from ..patterns.chat import chat_prompts
-    from ..lm import LM
-    from ..checkpoints.io import load
+    from ..lm import LM, load_drafter_model
 
     if (args.drafter_model is None) == (args.drafter in NEEDS_MODEL):
         raise ValueError(f"--drafter {args.drafter} {'needs' if args.drafter in NEEDS_MODEL else 'takes no'} "
@@ -212,7 +211,7 @@ def _run_chat(args) -> int:
     lm = LM.from_pretrained(args.model, device=args.device, dtype=args.dtype, tokenizer=args.tokenizer,
                             revision=args.revision)
     if args.drafter_model is not None:
-        lm.drafter_model = load(args.drafter_model, dtype=lm.model.dtype, device=lm.model.device)
+        lm.drafter_model = load_drafter_model(args.drafter_model, lm.model)
     opening = [{"role": "system", "content": args.system}] if args.system else []
     chat_prompts(lm.tokenizer, [opening + [{"role": "user", "content": "-"}]])  # no template: stop before reading
     kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
@@ -535,8 +534,7 @@ def _checked_generate_inputs(args) -> list[str]:
 
 
 def _run_generate(args) -> int:
-    from ..lm import LM
-    from ..checkpoints.io import load
+    from ..lm import LM, load_drafter_model
 
     world = _launched_world()
     error = None
@@ -556,7 +554,7 @@ def _run_generate(args) -> int:
     if world is not None and lm.model.tp.rank != 0:
         sys.stdout = open(os.devnull, "w")  # every rank decodes the same; rank 0 reports
     if args.drafter_model is not None:
-        lm.drafter_model = load(args.drafter_model, dtype=lm.model.dtype, device=lm.model.device)
+        lm.drafter_model = load_drafter_model(args.drafter_model, lm.model)
         if args.compile:
             from ..runtime import CompiledModel
 
