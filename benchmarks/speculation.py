@@ -44,7 +44,6 @@ from stree.tools.demo import DRAFTER, TARGET, read_prompts
 from stree.decoding.autotree import AutoTree
 from stree.decoding.cost import CostProfile
 from stree.decoding.loop import merged_trees, pooled_tau, trees_chosen
-from stree.models import load
 from stree.runtime import CompiledModel
 from stree.tree import TreeShape
 from stree.tools.timing import add_device_args, device_and_dtype, run_info, save_result
@@ -73,6 +72,19 @@ class NeverDrafts(AutoTree):
 
     def watch_shape(self):
         return None
+
+
+def _drafter_model(device, dtype):
+    """The shipped drafter model as the text API loads it (float32 on the CPU, the target's dtype on a
+    GPU), or, with an older revision's stree (speculation_ab.py runs this script with one), as that
+    loaded it: in the target's dtype."""
+    try:
+        from stree.lm import load_drafter_model
+    except ImportError:
+        from stree.models import load
+
+        return load(DRAFTER, dtype=dtype, device=device)
+    return load_drafter_model(DRAFTER, device, dtype)
 
 
 def main(argv=None):
@@ -122,7 +134,7 @@ def main(argv=None):
     temperatures = [float(t) for t in args.temperatures.split(",")]
     modes, drafters = args.modes.split(","), args.drafters.split(",")
     torch.manual_seed(0)
-    small = None if args.target == "drafter" else load(DRAFTER, dtype=dtype, device=device)
+    small = None if args.target == "drafter" else _drafter_model(device, dtype)
     if small is None:
         drafters = [d for d in drafters if not d.startswith("ssm")]
     lms = {mode: stree.LM.from_pretrained(DRAFTER if small is None else TARGET, dtype=dtype, device=device,

@@ -125,15 +125,16 @@ def rank_device(device, tensor_parallel: int | None) -> torch.device:
     return device
 
 
-def load_drafter_model(path, model):
-    """The small model the "ssm" drafters run, from the checkpoint directory or Hub id ``path``, for
-    the target ``model``: on its device, in its dtype on a GPU and in float32 on the CPU. A drafter's
-    precision never changes what the target emits (every drafted token is verified), and on the CPU
-    float32 is the one-call greedy draft's (:mod:`stree.models.fused_step`): drafted block by block in
-    the shipped target's float16, chains cost more than they brought (docs/benchmarks.md)."""
+def load_drafter_model(path, device: torch.device, dtype: torch.dtype):
+    """The small model the "ssm" drafters run, from the checkpoint directory or Hub id ``path``, for a
+    target on ``device`` in ``dtype``: on that device, in that dtype on a GPU and in float32 on the
+    CPU. A drafter's precision never changes what the target emits (every drafted token is verified),
+    and on the CPU float32 is the one-call greedy draft's (:mod:`stree.models.fused_step`): drafted
+    block by block in the shipped target's float16, chains cost more than they brought
+    (docs/benchmarks.md)."""
     from .checkpoints.io import load
 
-    return load(path, dtype=torch.float32 if model.device.type == "cpu" else model.dtype, device=model.device)
+    return load(path, dtype=torch.float32 if device.type == "cpu" else dtype, device=device)
 
 
 class LM:
@@ -183,7 +184,7 @@ class LM:
         model = load(path, dtype=dtype, device=device, tensor_parallel=tp)
         tok = load_tokenizer(tokenizer or path, vocab_size=model.vocab_size)
         if isinstance(drafter_model, (str, Path)):
-            drafter_model = load_drafter_model(drafter_model, model)
+            drafter_model = load_drafter_model(drafter_model, model.device, model.dtype)
         return cls(model, tok, checkpoint_eos(path), drafter_model, generation_defaults(path))
 
     def close(self) -> None:

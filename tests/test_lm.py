@@ -187,9 +187,7 @@ def test_a_drafter_model_runs_in_float32_on_the_cpu_and_in_the_targets_dtype_on_
     asked = []
     monkeypatch.setattr(io, "load", lambda path, **kw: asked.append((path, kw)))
 
-    class OnGPU:
-        device, dtype = torch.device("cuda", 1), torch.bfloat16
-    load_drafter_model("small", OnGPU())
+    load_drafter_model("small", torch.device("cuda", 1), torch.bfloat16)
     assert asked == [("small", dict(dtype=torch.bfloat16, device=torch.device("cuda", 1)))]
 
 

@@ -143,7 +143,7 @@ def _run_profile(args) -> int:
     model = load(args.model, dtype=DTYPES.get(args.dtype), device=rank_device(args.device, None), revision=args.revision)
     small = None
     if args.drafter_model is not None:
-        small = load_drafter_model(args.drafter_model, model)
+        small = load_drafter_model(args.drafter_model, model.device, model.dtype)
         small = CompiledModel(small) if args.compile else small
     drafter = make_drafter(args.drafter, drafter_model=small, vocab_size=model.vocab_size)
     mode = "compiled" if args.compile else "cuda_graph" if model.device.type == "cuda" else "eager"
@@ -211,7 +211,7 @@ def _run_chat(args) -> int:
     lm = LM.from_pretrained(args.model, device=args.device, dtype=args.dtype, tokenizer=args.tokenizer,
                             revision=args.revision)
     if args.drafter_model is not None:
-        lm.drafter_model = load_drafter_model(args.drafter_model, lm.model)
+        lm.drafter_model = load_drafter_model(args.drafter_model, lm.model.device, lm.model.dtype)
     opening = [{"role": "system", "content": args.system}] if args.system else []
     chat_prompts(lm.tokenizer, [opening + [{"role": "user", "content": "-"}]])  # no template: stop before reading
     kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
@@ -554,7 +554,7 @@ def _run_generate(args) -> int:
     if world is not None and lm.model.tp.rank != 0:
         sys.stdout = open(os.devnull, "w")  # every rank decodes the same; rank 0 reports
     if args.drafter_model is not None:
-        lm.drafter_model = load_drafter_model(args.drafter_model, lm.model)
+        lm.drafter_model = load_drafter_model(args.drafter_model, lm.model.device, lm.model.dtype)
         if args.compile:
             from ..runtime import CompiledModel
 
