@@ -186,7 +186,6 @@ def test_a_drafter_model_runs_in_float32_on_the_cpu_and_in_the_targets_dtype_on_
     assert half.generate(PROMPTS, max_new_tokens=16, drafter="ssm", tree=TreeShape.chain(3)).texts == ref
     asked = []
     monkeypatch.setattr(io, "load", lambda path, **kw: asked.append((path, kw)))
-
     load_drafter_model("small", torch.device("cuda", 1), torch.bfloat16)
     assert asked == [("small", dict(dtype=torch.bfloat16, device=torch.device("cuda", 1)))]
 
