@@ -560,6 +560,85 @@ def test_a_shapes_first_pass_in_the_process_teaches_no_cost(monkeypatch):
     assert auto.scale["plain"] > before["plain"]
 
 
+def drafter_model_profile():
+    """Costs of a target with a drafter model (its drafting priced by depth too, and a catch-up)."""
+    nodes, depths = (2, 4, 8, 16), (1, 3, 5, 6)
+    return CostProfile(1.0, nodes, (1.1, 1.2, 1.3, 1.5), tuple(0.2 + 0.5 * d for d in depths), 0.01, depths)
+
+
+def test_a_drafter_models_first_tree_after_plain_steps_teaches_no_cost():
+    """The first tree after plain steps (weighed alone or in a run) pays the drafter model's catch-up
+    on the tokens they emitted: it moves no cost scale; a tree right after a tree does. A drafter
+    without a model reads no catch-up: its tree after a plain step teaches its cost."""
+    from stree.decoding import autotree
+
+    def tree_at(auto, times: float) -> None:
+        draft = full_draft(auto.prefix(4))
+        autotree._first_pass(draft)  # (the shape priced before: not its first pass in the process)
+        auto._predicted = ("tree", auto.cost[draft.n])
+        auto.record(draft, np.array([[int(draft.tokens[0, 1]), 7]]), np.array([2]), np.arange(1),
+                    elapsed_ms=times * auto.cost[draft.n])
+
+    auto = AutoTree(drafter_model_profile(), adaptive=True)
+    assert auto.texts
+    auto.plan()
+    auto.record(None, elapsed_ms=auto.cost[1])  # (a call's first iteration teaches nothing anyway: SETTLE)
+    auto.record(None, elapsed_ms=auto.cost[1])
+    before = auto.scale["tree"]
+    tree_at(auto, 3.0)
+    assert auto.scale["tree"] == before
+    tree_at(auto, 3.0)
+    moved = auto.scale["tree"]
+    assert moved > before * (1.0 + AutoTree.ADAPT)
+    auto.plain_steps(4, [auto.cost[1]] * 4)  # (past the tree's wake)
+    tree_at(auto, 3.0)
+    assert auto.scale["tree"] == moved
+    plain = AutoTree(cheap(), adaptive=True)
+    assert not plain.texts
+    plain.plan()
+    plain.record(None, elapsed_ms=plain.cost[1])
+    plain.record(None, elapsed_ms=plain.cost[1])
+    tree_at(plain, 3.0)
+    assert plain.scale["tree"] > 1.0 + AutoTree.ADAPT
+
+
+def test_a_drafter_models_adaptive_choice_takes_each_call_as_a_new_text():
+    """Each call of a drafter model's adaptive choice starts its rates from the mean of what the last
+    call left and of what the calls before it did, and its gain calibration anew, at a prior worth
+    TEXT_GAIN_PRIOR accepted drafts (a call's first tree falling short does not end its trees). A
+    drafter without a model carries both over, its calibration at a prior of one draft; a seeded
+    choice's rates and scales are its call's own anyway."""
+    def short_tree(auto) -> None:
+        """A verified tree promised two accepted drafts that brought none."""
+        draft = full_draft(auto.prefix(4))
+        auto._promised, auto._predicted = (2.0, np.ones(1, dtype=np.bool_)), ("tree", auto.cost[draft.n])
+        auto.record(draft, np.array([[999, 0]]), np.array([1]), np.arange(1))
+
+    rates, scale = PathRates(), {"plain": 1.0, "tree": 1.0}
+    first = AutoTree(drafter_model_profile(), rates=rates, scale=scale, adaptive=True)
+    assert first.texts and first.gain_scale() == 1.0
+    short_tree(first)
+    w = AutoTree.TEXT_GAIN_PRIOR
+    assert first.gain_scale() == pytest.approx(w / (2.0 + w))
+    left = rates.accepted.copy(), rates.reached.copy()
+    assert left[1].sum() > 0
+    second = AutoTree(drafter_model_profile(), rates=rates, scale=scale, adaptive=True)
+    assert second.gain_scale() == 1.0
+    np.testing.assert_allclose(rates.reached, left[1] / 2)  # (the calls before it: the prior's counts, none)
+
+    rates, scale = PathRates(), {"plain": 1.0, "tree": 1.0}
+    first = AutoTree(cheap(), rates=rates, scale=scale, adaptive=True)
+    assert not first.texts
+    short_tree(first)
+    carried = first.gain_scale()
+    assert carried == pytest.approx(AutoTree.GAIN_PRIOR / (2.0 + AutoTree.GAIN_PRIOR))
+    left = rates.reached.copy()
+    second = AutoTree(cheap(), rates=rates, scale=scale, adaptive=True)
+    assert second.gain_scale() == carried
+    np.testing.assert_array_equal(rates.reached, left)
+    assert not AutoTree(drafter_model_profile()).texts
+
+
 def test_a_stale_plain_scale_is_weighed_again_while_trees_win():
     """Plain steps priced 3x too dear (one slow plain iteration had done it): trees win every
     step, so no plain step would ever correct the price; one step in PLAIN_EVERY is plain and
