@@ -345,13 +345,9 @@ class AutoTree:
         # on the last ones' say little about. Carried on, the halved shares had left n-gram decoding at
         # batch 2 plain through whole benchmark runs (eager, 2-core EPYC, fresh processes: 0.99x-1.11x,
         # mean 1.04x, in six; whole at each call 1.01x-1.22x, mean 1.11x, in eight). Where a call
-        # explores one draft or none, the share could never halve within a call and probes took the whole
-        # of it: there the backoff carries over, but for a drafter model's adaptive choice, whose calls are
-        # each a new text (TEXT_GAIN_PRIOR), which starts whole at each call all the same (its probes pay a
-        # catch-up each, about one a call of 128 tokens at the whole share; carried over, a process whose
-        # first calls' probes lost kept a probe in eight calls, and its trees stayed off through the calls
-        # where they paid: SSM drafter, greedy, batch 1, docs/benchmarks.md); for a choice that watches
-        # drafts, one halving short of the
+        # explores one draft or none (a drafter model's probes, each paying its catch-up: one every three
+        # or four calls), the share could never halve within a call and probes took the whole of it:
+        # there the backoff carries over; for a choice that watches drafts, one halving short of the
         # least at most, where a call of 128 tokens still watches a draft or two: carried whole over
         # calls too short to explore (a benchmark's warm-up calls of 8 tokens), its shares had reached
         # their least, where such a call explores nothing, and stayed there (STAND at batch 2, eager:
@@ -373,14 +369,11 @@ class AutoTree:
         # (``found``, ``paid``).
         if adaptive:
             self.scale["idle_calls"] = self._idle_calls(self.scale)
-            self.scale["texts"] = self.texts  # (for _idle_calls, which rests asks before a call's choice is made)
         idle = adaptive and self.scale["idle_calls"] >= self.IDLE_CALLS
         if not adaptive:
             self.scale.update(losing=0, watch_idle=0)
         elif idle:
             self.scale.update(losing=self.BACKOFF, watch_idle=self.BACKOFF)
-        elif self.texts:  # (each call a new text: see TEXT_GAIN_PRIOR)
-            self.scale["losing"] = 0
         elif self.scale.get("explored", self.AGAIN) >= self.AGAIN:
             self.scale["watch_idle"] = 0
             if self.scale.get("paid", True):
@@ -415,14 +408,10 @@ class AutoTree:
     def _idle_calls(cls, scale: dict) -> int:
         """The calls in a row that found no draft that paid (IDLE_CALLS) as a call of the choices sharing
         ``scale`` begins: 0 where the last one found one, one more where it did not in FIRST_WATCH steps
-        or more; for a drafter model's adaptive choices (``texts``), that explored a draft: each call a new
-        text to them, one that explored nothing (its ledger short of a probe's price, a catch-up each)
-        says nothing of its drafter, and counted, two calls without a probe and two whose one probe
-        lost let calls rest while the drafter's trees paid on most prompts."""
+        or more."""
         if scale.get("paid", True) or scale.get("found", True):
             return 0
-        explored = scale.get("explored", 0) > 0 or not scale.get("texts", False)
-        return scale.get("idle_calls", 0) + (scale.get("steps", 0) >= cls.FIRST_WATCH and explored)
+        return scale.get("idle_calls", 0) + (scale.get("steps", 0) >= cls.FIRST_WATCH)
 
     @classmethod
     def rests(cls, scale: dict) -> bool:
@@ -1127,11 +1116,7 @@ class AutoTree:
             known = 2.0 * max(known, self.scale["probe_loss"])
         beyond = min(beyond, known)
         self._withdraw(beyond)
-        # A drafter model's probe (``texts``) is judged by what its tree would cost in a run of trees: what
-        # it took beyond that (the drafter's catch-up on the plain steps' tokens, caches it evicts) is the
-        # price of exploring, which the ledger pays, not a sign that its trees lose. (Judged by the clock,
-        # nearly every such probe lost, and four calls in a row whose one probe lost let calls rest.)
-        self._pace(predicted * self._scaled("tree") - plain if self.texts else beyond)
+        self._pace(beyond)
         weight = 0.5 if self.scale["probes"] else 1.0
         self.scale["probe_loss"] += weight * (beyond - self.scale["probe_loss"])
         self.scale["probes"] += 1

@@ -1040,13 +1040,11 @@ def test_each_call_explores_at_the_whole_shares_again_where_the_last_could_back_
     where none did, their halvings carry over (n-gram at temperature 1.0 had paid about a probe a
     call at the whole share, 1.5-2% of plain decoding's pace; greedy, where some probe of a call
     pays, no change beyond the noise). A call that explored fewer hands its backoff on: whole to a
-    choice that cannot watch (probes one every few calls had never halved the share within a call
-    and took the whole of it), one halving short of the least at most to one that watches (carried
-    whole over calls too short to explore, a benchmark's warm-up, its shares had stayed at their
-    least, where a call explores nothing). A drafter model's adaptive choice, whose calls are each
-    a new text to it (TEXT_GAIN_PRIOR), starts its probes whole at each call, unless calls in a row
-    found nothing (IDLE_CALLS). A seeded choice starts whole at every call (its choices follow the
-    seed alone)."""
+    choice that cannot watch (a drafter model's probes, one every few calls, had never halved the
+    share within a call and took the whole of it), one halving short of the least at most to one
+    that watches (carried whole over calls too short to explore, a benchmark's warm-up, its shares
+    had stayed at their least, where a call explores nothing). A seeded choice starts whole at
+    every call (its choices follow the seed alone)."""
     profile = CostProfile(1.0, (2, 4, 8, 16), (8.0,) * 4)
     auto = AutoTree(profile, adaptive=True, watch=True)
     assert len(run_rejecting(auto, 20000, 8.0)) >= AutoTree.AGAIN
@@ -1076,15 +1074,9 @@ def test_each_call_explores_at_the_whole_shares_again_where_the_last_could_back_
     watching.scale.update({"losing": 1, "watch_idle": 0}, explored=0)
     assert AutoTree(profile, adaptive=True, watch=True, scale=watching.scale).scale["losing"] == 1  # (less: as it was)
     watching.scale.update(least, explored=0)
-    kept = AutoTree(profile, adaptive=True, rates=auto.rates, scale=watching.scale)  # (no watching)
+    kept = AutoTree(profile, adaptive=True, rates=auto.rates, scale=watching.scale)  # (no watching: a drafter model's)
     assert not kept.watching and {k: kept.scale[k] for k in least} == least
     assert kept._deposit() == slow_probes
-    handed = dict(kept.scale, explored=0, paid=False, found=False, idle_calls=0, steps=0)
-    texts = AutoTree(drafter_model_profile(), adaptive=True, rates=PathRates(), scale=dict(handed))
-    assert texts.texts and texts.scale["losing"] == 0
-    idle = dict(handed, idle_calls=AutoTree.IDLE_CALLS - 1, steps=AutoTree.FIRST_WATCH)  # (this one found nothing too)
-    assert AutoTree(drafter_model_profile(), adaptive=True, rates=PathRates(), scale=idle).scale["losing"] == \
-        AutoTree.BACKOFF
     seeded = AutoTree(profile, scale={"plain": 1.0, "tree": 1.0, "explored": 0, **least})
     assert seeded.scale["losing"] == 0
 
@@ -1467,10 +1459,8 @@ def test_watched_drafts_that_paid_while_the_choice_still_declines_trees_find_not
 
 def test_calls_that_find_nothing_count_as_idle_whether_or_not_they_explored():
     """Calls of FIRST_WATCH steps or more that found no draft that paid count toward IDLE_CALLS also
-    where they explored none (batch 2's calls, which watch no first draft and fund no probes): after
-    IDLE_CALLS of them, calls rest. A drafter model's adaptive choice, whose calls are each a new text
-    to it, counts only the calls that explored a draft (a call between its probes, each paying a
-    catch-up, says nothing of its drafter)."""
+    where they explored none (batch 2's calls, which watch no first draft and fund no probes; a drafter
+    model's calls between its probes): after IDLE_CALLS of them, calls rest."""
     profile, rates = cheap(), PathRates(prior=(0.02,) * 8)
     scale = {"plain": 1.0, "tree": 1.0}
     for call in range(AutoTree.IDLE_CALLS):
@@ -1479,47 +1469,6 @@ def test_calls_that_find_nothing_count_as_idle_whether_or_not_they_explored():
         auto.plain_steps(AutoTree.FIRST_WATCH, [1.0] * AutoTree.FIRST_WATCH)
         assert scale["explored"] == 0 and not scale["found"] and not scale["paid"]
     assert AutoTree.rests(scale)
-    scale = {"plain": 1.0, "tree": 1.0}
-    for call in range(2 * AutoTree.IDLE_CALLS):
-        assert not AutoTree.rests(scale)
-        auto = AutoTree(drafter_model_profile(), adaptive=True, rates=PathRates(prior=(0.02,) * 8), scale=scale)
-        auto.plain_steps(AutoTree.FIRST_WATCH, [1.0] * AutoTree.FIRST_WATCH)
-    assert scale["texts"] and scale["explored"] == 0 and scale.get("idle_calls", 0) == 0
-    for call in range(AutoTree.IDLE_CALLS):  # (calls whose one draft explored found nothing)
-        assert not AutoTree.rests(scale)
-        auto = AutoTree(drafter_model_profile(), adaptive=True, rates=PathRates(prior=(0.02,) * 8), scale=scale)
-        auto.plain_steps(AutoTree.FIRST_WATCH, [1.0] * AutoTree.FIRST_WATCH)
-        scale["explored"] = 1
-    assert AutoTree.rests(scale)
-
-
-def test_a_drafter_models_probe_is_judged_at_what_its_tree_costs_in_a_run_of_trees():
-    """A probe that took twice what plain steps would have for its tokens by the clock (a drafter model's
-    catch-up on the plain steps' tokens) but emitted more than they would in its predicted time: the
-    ledger pays what it took, and for a drafter model's adaptive choice the probe paid (the share stays
-    whole); for another drafter's it lost (the clock judges)."""
-    def clocked_probe(auto) -> float:
-        auto._plain_run, auto.scale["bank"] = AutoTree.PROBE, max(auto._probe_price(), 0.0) + 10.0
-        plan = auto.plan()
-        assert auto._probing
-        draft = auto.choose(full_draft(plan), np.ones(1, dtype=np.bool_))
-        kids, v, path = draft.static_shape.children(), 0, []
-        while kids[v]:  # (the first-child path accepted whole, then a bonus)
-            v = kids[v][0]
-            path.append(int(draft.tokens[0, v]))
-        predicted = auto._predicted[1]
-        assert (len(path) + 1) * auto.cost[1] > predicted  # (it pays, at its predicted price)
-        bank = auto.scale["bank"]
-        auto.record(draft, np.array([path + [999]]), np.array([len(path) + 1]), np.arange(1),
-                    elapsed_ms=2 * (len(path) + 1) * auto.cost[1])
-        return bank - auto.scale["bank"]
-
-    texts = AutoTree(drafter_model_profile(), adaptive=True, rates=PathRates(prior=(0.9,) * 8))
-    assert texts.texts and clocked_probe(texts) > 0  # (the ledger pays what the probe took beyond plain steps)
-    assert texts.scale["paid"] and texts.scale["losing"] == 0
-    other = AutoTree(cheap(), adaptive=True, rates=PathRates(prior=(0.9,) * 8))
-    clocked_probe(other)
-    assert not other.scale["paid"] and other.scale["losing"] == 1
 
 
 def test_short_calls_that_explore_in_vain_leave_the_idle_count_as_it_is():
