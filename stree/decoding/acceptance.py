@@ -60,26 +60,9 @@ class PathRates:
         # counts by depth and class-and-rank column (a strong node's rank j at j, a weak one's at RANKS + j)
         self.accepted = np.zeros((self.DEPTH + 1, CLASSES * self.RANKS))
         self.reached = np.zeros((self.DEPTH + 1, CLASSES * self.RANKS))
-        self.version = 0  # bumped by every record and new text
-        self._across: tuple[np.ndarray, np.ndarray] | None = None  # the counts across texts (new_text)...
-        self._across_version = -1  # ...and the version they were last taken at
+        self.version = 0  # bumped by every record
         self._hazard: tuple[int, np.ndarray] | None = None  # (version, hazard()): a step weighs them several times
         self._positional: tuple[int, np.ndarray] | None = None  # (version, positional()): a plan per depth cap reads it
-
-    def new_text(self) -> None:
-        """A new text begins (a decoding call): the counts become the mean of those the last text
-        left and of those across the texts before it, which take that mean. What the last text
-        taught still counts, half of it, and a text the drafter followed unusually well or badly
-        is not what the next starts from. The first text starts from the counts as they are, and a
-        text after one that learned nothing from the same counts (and version: its plans stand)."""
-        if self._across is None:
-            self._across = (self.accepted.copy(), self.reached.copy())
-        elif self.version != self._across_version:
-            for now, across in zip((self.accepted, self.reached), self._across):
-                across += 0.5 * (now - across)
-                now[:] = across
-            self.version += 1
-        self._across_version = self.version
 
     def hazard(self) -> np.ndarray:
         """``[DEPTH + 1, (CLASSES + 1) * RANKS]`` (row 0 unused; see the module docstring); one array

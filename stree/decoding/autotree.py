@@ -272,12 +272,6 @@ class AutoTree:
         # what packed passes cost (the profile measures padded ones), in any size eager loops verify
         self.per_row = self.PER_ROW and adaptive and sizes is None and not chain if per_row is None else per_row
         self.rates = rates if rates is not None else PathRates()
-        # A drafter model's adaptive choice takes each call as a new text (see TEXT_GAIN_PRIOR): its rates
-        # start from the mean of what the last call left and of what the calls before it did
-        # (PathRates.new_text), and its gain calibration starts anew
-        self.texts = adaptive and bool(profile.depths)
-        if self.texts:
-            self.rates.new_text()
         self._row_rates: RowRates | None = None  # this call's rows' own (row_rates: made where first asked)
         self._focus: int | None = None  # the batch row the choice serves (the one to finish last), once known
         # The hazards last weighed and the expected accepted drafts of each prefix of the plans weighed
@@ -295,8 +289,6 @@ class AutoTree:
         self.scale.setdefault("plain_age", 0)  # weighed tree steps since the last weighed plain step
         self.scale.setdefault("gain_got", 0.0)  # drafts accepted by the rows a choice served (faded)...
         self.scale.setdefault("gain_said", 0.0)  # ...and what their rates had promised (gain_scale)
-        if self.texts:
-            self.scale.update(gain_got=0.0, gain_said=0.0)
         self.scale.setdefault("watch_ms", 0.0)  # what a watched draft took by the clock (0: none yet)
         self.scale.setdefault("watch_idle", 0)  # watched drafts in a row after which plain steps still won
         # realised / predicted time of packed passes (row_sizes), from the padded passes' until measured
@@ -400,7 +392,6 @@ class AutoTree:
         self._relearning = False  # whether plain steps are being weighed one after another (record)
         self._narrowed = False  # whether rows left the batch this call, its scales since then its own (narrowed)
         self._drafted = 0  # nodes drafted this step (0: none)
-        self._behind = True  # whether the last step was plain (or none was taken): see record
         self._strong_only = False  # whether drafts weak throughout lose (_pick_sizes)
         self._pick, self._probe_size = self._pick_sizes()
 
@@ -777,7 +768,6 @@ class AutoTree:
                 self._stale = True
                 self._check_profile(len(rest))
         self._after_left = max(self._after_left - steps, 0)
-        self._behind = self._behind or steps > 0
         self._plain_run += steps
         self.scale["steps"] += steps
         self._unwatched += steps
@@ -956,21 +946,13 @@ class AutoTree:
     # The weight of the prior (one accepted draft promised, one brought) in gain_scale, and the fade
     # of the counts per verified tree: recent trees speak, and one tree cannot swing it alone.
     GAIN_PRIOR, GAIN_DECAY = 1.0, 0.95
-    # A drafter model's adaptive choice (``texts``) calibrates each call anew, from a prior worth this many
-    # accepted drafts. Its probes pay a catch-up each, so a call sees few trees before it settles on plain
-    # steps or on trees, and the calibration the last call left (a text the drafter followed badly) had
-    # priced the next call's trees down before any was verified; at a prior of one, a call's first tree
-    # falling short (one accepted where two were promised) ended its trees. Both: tree="auto" with
-    # the shipped 1-layer drafter decoded plainly through calls where its fixed 3-draft chain went a
-    # third to two thirds faster than plain decoding (docs/benchmarks.md).
-    TEXT_GAIN_PRIOR = 8.0
 
     def gain_scale(self) -> float:
         """Accepted drafts per accepted draft promised, over the verified trees the choice served
         (faded): what the served rows got against what their rates promised them, each as a tree
         is judged (:func:`~stree.decoding.plans.rows_worth`: of two rows the mean, of more the
         least). Every prediction of a tree's worth is scaled by it."""
-        w = self.TEXT_GAIN_PRIOR if self.texts else self.GAIN_PRIOR
+        w = self.GAIN_PRIOR
         return (self.scale["gain_got"] + w) / (self.scale["gain_said"] + w)
 
     def _calibrate(self, counts: np.ndarray) -> float | None:
@@ -1018,13 +1000,7 @@ class AutoTree:
         # dearer than a run of them costs, and trees that lost to such a run went on winning; uncharged,
         # trees that alternate with plain steps (compiled, batch 2) looked cheaper than they were.
         # (nor from a shape's first pass in the process, nor the plain steps in its wake: _first_pass)
-        # Nor, for a drafter model, from the first tree after plain steps: the drafter read what they
-        # emitted before drafting it (up to its catch-up window of tokens: with the shipped 1-layer
-        # float32 drafter on the 2-core Zen 5 EPYC, a first draft took three to five times one in a run of
-        # trees), a price of exploring that the ledger pays, not one of the trees the scale prices.
-        # Learned from, such trees priced trees at up to 1.2 times their cost and the choice stayed plain.
-        first = tree is not None and ((self.texts and self._behind) or _first_pass(tree))
-        self._behind = tree is None
+        first = tree is not None and _first_pass(tree)
         timed = self.adaptive and elapsed_ms is not None and elapsed_ms > 0 and not first
         if tree is None and self._after_left:
             self._after_left -= 1

@@ -55,33 +55,6 @@ def test_rates_count_what_the_verifier_did():
     assert reached.sum() == 8 and acc.sum() == 3
 
 
-def test_a_new_text_starts_from_the_mean_of_the_last_texts_counts_and_those_before():
-    """new_text: the first text keeps the counts as they are; each later one starts from the mean of
-    what the last text left and of the counts across the texts before it (which take that mean), a
-    new version; a text after one that learned nothing keeps the counts and the version."""
-    parents, tokens = [-1, 0, 1], [[9, 10, 11]]
-    tree = tree_of(parents, tokens)
-    rates = PathRates(decay=1.0)
-    rates.new_text()
-    assert rates.version == 0 and rates.reached.sum() == 0
-    rates.record(tree, np.array([[10, 11, 5]]), np.array([3]), np.arange(1))  # both drafts taken
-    first = rates.accepted.copy(), rates.reached.copy()
-    rates.new_text()
-    np.testing.assert_allclose(rates.accepted, first[0] / 2)
-    np.testing.assert_allclose(rates.reached, first[1] / 2)
-    version = rates.version
-    rates.new_text()
-    assert rates.version == version
-    np.testing.assert_allclose(rates.reached, first[1] / 2)
-    across = rates.accepted.copy(), rates.reached.copy()
-    rates.record(tree, np.array([[4, 0, 0]]), np.array([1]), np.arange(1))  # nothing taken
-    left = rates.accepted.copy(), rates.reached.copy()
-    rates.new_text()
-    assert rates.version == version + 2  # (the record, then the new text)
-    np.testing.assert_allclose(rates.accepted, (across[0] + left[0]) / 2)
-    np.testing.assert_allclose(rates.reached, (across[1] + left[1]) / 2)
-
-
 def test_weak_nodes_are_counted_in_their_own_class_and_pooled_with_the_strong():
     """Root -> 1 (rank 0, weak), 2 (rank 1, strong); 1 -> 3 (weak). Row 0 accepts 1 then 3, row 1
     nothing. Weak nodes' counts land in the weak columns (RANKS + rank), the pooled hazards see
