@@ -13,11 +13,8 @@ drafter's one-token matches, a third as often right as its four-token ones): tho
 apart, a class of their own, and a drafted tree's weak nodes are priced by their class's hazards
 (the strong ones by theirs). The hazards are ``[DEPTH + 1, (CLASSES + 1) * RANKS]``: each class's
 ``RANKS`` columns, then those of all classes pooled, which weigh a shape before anything is drafted
-(:meth:`PathRates.positional`, :func:`pooled`): the classes' counts pooled, or, for a drafter model's
-rates (``by_drafts``), each class's hazard weighed by its share of the nodes drafted at that depth
-and rank (:meth:`PathRates.note`, every draft as drafted, not only the nodes verified, which the
-choice after drafting picks among them). A drafter that never marks a node leaves the weak class
-empty, and its hazards are those of one class either way.
+(:meth:`PathRates.positional`, :func:`pooled`). A drafter that never marks a node leaves the weak
+class empty, and its hazards are those of one class.
 
 Also here, as arrays for the compiled helpers: a tree's parents, sibling ranks and depths
 (:func:`structure`), and what greedy verification would have accepted of a draft from the tokens
@@ -54,25 +51,15 @@ class PathRates:
     DEPTH, RANKS = 16, RANKS
     PRIOR = (0.6, 0.3, 0.2, 0.15, 0.12, 0.1, 0.08, 0.07)
 
-    def __init__(self, decay: float = 0.97, weight: float = 2.0, prior=PRIOR, by_drafts: bool = False):
+    def __init__(self, decay: float = 0.97, weight: float = 2.0, prior=PRIOR):
         if not 0 < decay <= 1 or weight <= 0 or len(prior) != self.RANKS or not all(0 < p < 1 for p in prior):
             raise ValueError(f"need 0 < decay <= 1, weight > 0 and {self.RANKS} prior rates in (0, 1), got "
                              f"{decay!r}, {weight!r}, {prior!r}")
         self.decay, self.weight, self.prior = decay, weight, np.asarray(prior, dtype=np.float64)
         self._priors = np.concatenate([self.prior, self.prior * WEAK_PRIOR])  # each class's columns'
-        # counts by depth and class-and-rank column (a strong node's rank j at j, a weak one's at RANKS + j):
-        # of the nodes verified, of those accepted, and of those drafted (note)
+        # counts by depth and class-and-rank column (a strong node's rank j at j, a weak one's at RANKS + j)
         self.accepted = np.zeros((self.DEPTH + 1, CLASSES * self.RANKS))
         self.reached = np.zeros((self.DEPTH + 1, CLASSES * self.RANKS))
-        self.drafted = np.zeros((self.DEPTH + 1, CLASSES * self.RANKS))
-        # Whether the pooled hazards weigh the classes by the nodes drafted (a drafter model's: its drafting
-        # costs a step a level, and a tree cut to its sure nodes verified strong nodes alone, so that pools
-        # of the nodes verified priced every level of a plan at a strong node's chance: the shipped 1-layer
-        # drafter's deep plans, cut to a few nodes, lost to plain steps at float32) or by the nodes verified
-        # (the drafters without a model, whose drafting costs next to nothing whatever the plan: weighed by
-        # their drafts, their plans shrank and n-gram and STAND deterministic lost 6-11% of their gains;
-        # docs/benchmarks.md)
-        self.by_drafts = by_drafts
         self.version = 0  # bumped by every record
         self._hazard: tuple[int, np.ndarray] | None = None  # (version, hazard()): a step weighs them several times
         self._positional: tuple[int, np.ndarray] | None = None  # (version, positional()): a plan per depth cap reads it
@@ -81,21 +68,8 @@ class PathRates:
         """``[DEPTH + 1, (CLASSES + 1) * RANKS]`` (row 0 unused; see the module docstring); one array
         per version, not to be written to."""
         if self._hazard is None or self._hazard[0] != self.version:
-            self._hazard = (self.version, _hazards(self.accepted, self.reached, self.drafted, self._priors,
-                                                   self.weight, self.by_drafts))
+            self._hazard = (self.version, _hazards(self.accepted, self.reached, self._priors, self.weight))
         return self._hazard[1]
-
-    def note(self, tree: TokenTree, rows: np.ndarray) -> None:
-        """Count the classes of the valid nodes ``tree`` (CPU) holds in its rows ``rows`` as drafted,
-        before any of them is cut or verified (the counts faded by ``decay`` first): what the pooled
-        hazards weigh each class by. Read at the next record, which re-makes the hazards (noted alone,
-        a draft found wanting would re-make every plan weighed under them). Rates pooled by the nodes
-        verified (not ``by_drafts``) count nothing."""
-        if not self.by_drafts:
-            return
-        parents, rank, depth = structure(tree)
-        _note(rank, depth, np.ascontiguousarray(valid_mask(tree)), np.ascontiguousarray(weak_mask(tree)),
-              np.asarray(rows, dtype=np.int64), self.drafted, self.decay)
 
     def positional(self) -> np.ndarray:
         """The chance that rank j's child is the accepted one, given its parent was: h(d, j)
@@ -130,9 +104,8 @@ class PathRates:
         # batch's, as the choice after drafting asks for them)
         hazard, row_hazard = _record(parents, rank, depth, np.ascontiguousarray(tree.arrays()[0]),
                                      np.ascontiguousarray(valid), np.ascontiguousarray(weak), tokens, counts, rows,
-                                     self.accepted, self.reached, self.drafted, self.decay, ids, row_accepted,
-                                     row_reached, row_decay, self._priors, self.weight,
-                                     0.0 if per_row is None else per_row.weight, self.by_drafts)
+                                     self.accepted, self.reached, self.decay, ids, row_accepted, row_reached, row_decay,
+                                     self._priors, self.weight, 0.0 if per_row is None else per_row.weight)
         self._hazard = (self.version, hazard)
         if per_row is not None:
             per_row.keep(ids, hazard, row_hazard)
@@ -143,9 +116,8 @@ class RowRates:
     rows of one batch accept very differently (at batch 8, rows' own tau from 2.1 to 5.5), and a
     row's hazard leans on the batch's by ``weight`` observations."""
 
-    def __init__(self, decay: float, weight: float = 4.0, by_drafts: bool = False):
+    def __init__(self, decay: float, weight: float = 4.0):
         self.decay, self.weight = decay, weight
-        self.by_drafts = by_drafts  # (the batch's rates': each row's pooled columns weigh the classes as its do)
         self.accepted = np.zeros((0, PathRates.DEPTH + 1, CLASSES * RANKS))
         self.reached = np.zeros_like(self.accepted)
         self.version = 0  # bumped by every fade (each record of PathRates that learns rows' own fades first)
@@ -175,8 +147,6 @@ class RowRates:
         if hit is not None and hit[0][0] == key[0] and hit[0][1] == key[1] and hit[0][2] is batch:
             return hit[1]
         out = _row_hazards(self.accepted, self.reached, ids.astype(np.int64, copy=False), batch, self.weight)
-        if self.by_drafts:
-            _mix_rows(out, batch)
         self._hazard = (key, out)
         return out
 
@@ -193,82 +163,36 @@ _NO_IDS = np.zeros(0, dtype=np.int64)
 # (numba: the hazards are re-made after every verified step, and with NumPy's small-array calls
 # each took a tenth of what the choice after drafting cost)
 @njit(cache=True)
-def _hazards(accepted, reached, drafted, prior, w, by_drafts):
-    """:meth:`PathRates.hazard`: each depth's rate leaning on its column's over all depths, each
-    class's; then the pooled columns: ``by_drafts``, each class's weighed by its share of the nodes
-    drafted there (:func:`_mix`), else the classes' counts pooled, leaning on the strong class's
-    prior."""
+def _hazards(accepted, reached, prior, w):
+    """:meth:`PathRates.hazard`: each depth's rate leaning on its column's over all depths; then the
+    classes' counts pooled, leaning on the strong class's prior. (The pooled counts summed once into
+    a table first: summed again at each read, with a division per entry besides, this took a fifth of
+    what learning from a verified tree cost.)"""
     D, K = accepted.shape
-    out = np.empty((D, K + RANKS))
-    for j in range(K + RANKS):
-        if j >= K and by_drafts:
-            break
+    J = K + RANKS
+    a_all, r_all = _with_pooled(accepted), _with_pooled(reached)
+    out = np.empty((D, J))
+    for j in range(J):
         a, r = 0.0, 0.0
         for d in range(D):
-            a += _pooled_count(accepted, d, j, K)
-            r += _pooled_count(reached, d, j, K)
+            a += a_all[d, j]
+            r += r_all[d, j]
         by_rank = (a + w * prior[j % K]) / (r + w)
         for d in range(D):
-            out[d, j] = (_pooled_count(accepted, d, j, K) + w * by_rank) / (_pooled_count(reached, d, j, K) + w)
-    if by_drafts:
-        _mix(out, drafted, w)
+            out[d, j] = (a_all[d, j] + w * by_rank) / (r_all[d, j] + w)
     return out
 
 
 @njit(cache=True)
-def _pooled_count(counts, d, j, K):
-    """Column ``j`` of ``counts`` at depth ``d``, or past its ``K`` columns, rank ``j - K`` summed
-    over the classes."""
-    if j < K:
-        return counts[d, j]
-    return counts[d, j - K] + counts[d, j - K + RANKS]
-
-
-@njit(cache=True)
-def _mix(h, drafted, w):
-    """The pooled columns of hazards ``h`` ``[D, (CLASSES + 1) * RANKS]`` (in place): the strong
-    class's hazard weighed by the share of strong nodes among those ``drafted`` at that depth and rank
-    (leaning by ``w`` drafts on the rank's share over all depths, and that on every node strong), the
-    weak class's by the rest. Where nothing weak was drafted, the strong class's hazard itself."""
-    D = h.shape[0]
-    for k in range(RANKS):
-        s, t = 0.0, 0.0
-        for d in range(D):
-            s += drafted[d, k]
-            t += drafted[d, RANKS + k]
-        by_rank = (s + w) / (s + t + w)
-        for d in range(D):
-            share = (drafted[d, k] + w * by_rank) / (drafted[d, k] + drafted[d, RANKS + k] + w)
-            h[d, 2 * RANKS + k] = share * h[d, k] + (1.0 - share) * h[d, RANKS + k]
-
-
-@njit(cache=True)
-def _mix_rows(out, batch):
-    """Each row's pooled columns of ``out`` ``[rows, D, J]`` (in place) as the batch's hazards
-    ``batch`` weigh the classes (the share :func:`_mix` gave the strong class, read back off them;
-    all strong where the batch's classes agree)."""
-    D = batch.shape[0]
+def _with_pooled(counts):
+    """``counts`` ``[D, K]`` and, after its columns, each rank's summed over the classes ``[D, RANKS]``."""
+    D, K = counts.shape
+    out = np.zeros((D, K + RANKS))
     for d in range(D):
-        for k in range(RANKS):
-            hs, hw, hp = batch[d, k], batch[d, RANKS + k], batch[d, 2 * RANKS + k]
-            share = 1.0 if hs == hw else min(max((hp - hw) / (hs - hw), 0.0), 1.0)
-            for i in range(out.shape[0]):
-                out[i, d, 2 * RANKS + k] = share * out[i, d, k] + (1.0 - share) * out[i, d, RANKS + k]
-
-
-@njit(cache=True)
-def _note(rank, depth, valid, weak, rows, drafted, decay):
-    """:meth:`PathRates.note`: fade ``drafted``, then count the valid nodes below the root of the
-    batch rows ``rows``, each at its depth and class-and-rank column."""
-    D = drafted.shape[0] - 1
-    flat = drafted.reshape(-1)
-    for i in range(flat.size):
-        flat[i] *= decay
-    for b in rows:
-        s = b if rank.shape[0] > 1 else 0
-        for c in range(1, valid.shape[1]):
-            if valid[b, c]:
-                drafted[min(depth[s, c], D), min(rank[s, c], RANKS - 1) + RANKS * weak[b, c]] += 1.0
+        for j in range(K):
+            out[d, j] = counts[d, j]
+            out[d, K + j % RANKS] += counts[d, j]
+    return out
 
 
 def pooled(h: np.ndarray) -> np.ndarray:
@@ -363,8 +287,8 @@ def rank_depth(parents):
 
 
 @njit(cache=True)
-def _record(parents, rank, depth, tokens, valid, weak, emitted, counts, rows, accepted, reached, drafted, decay, ids,
-            row_accepted, row_reached, row_decay, prior, w, row_w, by_drafts):
+def _record(parents, rank, depth, tokens, valid, weak, emitted, counts, rows, accepted, reached, decay, ids,
+            row_accepted, row_reached, row_decay, prior, w, row_w):
     """Fade the counts (the batch's by ``decay``, the rows' own by ``row_decay``), then walk each
     row's accepted path down its tree by the emitted tokens: at every accepted node, its valid
     children up to the accepted one were reached (all of them below the last), each in its class's
@@ -403,13 +327,10 @@ def _record(parents, rank, depth, tokens, valid, weak, emitted, counts, rows, ac
             if hit < 0:
                 break
             u = hit
-    hazard = _hazards(accepted, reached, drafted, prior, w, by_drafts)
+    hazard = _hazards(accepted, reached, prior, w)
     if not per_row:
         return hazard, np.empty((0, hazard.shape[0], hazard.shape[1]))
-    rows_hazard = _row_hazards(row_accepted, row_reached, ids, hazard, row_w)
-    if by_drafts:
-        _mix_rows(rows_hazard, hazard)
-    return hazard, rows_hazard
+    return hazard, _row_hazards(row_accepted, row_reached, ids, hazard, row_w)
 
 
 @njit(cache=True)

@@ -271,7 +271,7 @@ class AutoTree:
         # each row its own size (packed passes) where that pays: by default where the clock says
         # what packed passes cost (the profile measures padded ones), in any size eager loops verify
         self.per_row = self.PER_ROW and adaptive and sizes is None and not chain if per_row is None else per_row
-        self.rates = rates if rates is not None else PathRates(by_drafts=bool(profile.depths))
+        self.rates = rates if rates is not None else PathRates()
         self._row_rates: RowRates | None = None  # this call's rows' own (row_rates: made where first asked)
         self._focus: int | None = None  # the batch row the choice serves (the one to finish last), once known
         # The hazards last weighed and the expected accepted drafts of each prefix of the plans weighed
@@ -432,7 +432,7 @@ class AutoTree:
         """This call's rows' own rates (:class:`~stree.decoding.acceptance.RowRates`), made where first
         asked: a call whose steps all stay plain never asks."""
         if self._row_rates is None:
-            self._row_rates = RowRates(self.rates.decay, by_drafts=self.rates.by_drafts)
+            self._row_rates = RowRates(self.rates.decay)
         return self._row_rates
 
     # -- before drafting ----------------------------------------------------------------------
@@ -703,7 +703,6 @@ class AutoTree:
         tokens = np.ascontiguousarray(draft.arrays()[0])
         counts = walk(parents, tokens, valid, emitted, seen)
         served = served & (seen > 0)
-        self.rates.note(draft, np.flatnonzero(served))
         if served.any():
             hazard = self.row_rates.hazard(ids, self.rates.hazard())
             said = rows_worth(chances(parents, rank, depth, valid, weak, hazard)[served, 1:].sum(1).tolist())
@@ -870,7 +869,6 @@ class AutoTree:
         self._predicted = ("declined", drafting + self.cost[1])  # (a tree's, below, where one is kept)
         n = min(draft.n, self.max_nodes)
         parents, rank, depth = structure(draft)
-        self.rates.note(draft, np.flatnonzero(active))  # (as drafted: the plans' pooled hazards weigh its classes)
         hazard = self.rates.hazard()
         hazard = hazard[None] if ids is None else self.row_rates.hazard(ids, hazard)
         m, focus, promised, v, raw, cost = weigh(parents, rank, depth, valid_mask(draft), weak_mask(draft), hazard,
@@ -1198,7 +1196,7 @@ def auto_tree(model, drafter, batch: int, *, mode: str, sampled: bool = False, c
     if adaptive:
         learned = _LEARNED.get(profile)  # (not setdefault: its default, new rates, made at every call)
         if learned is None:
-            learned = _LEARNED[profile] = ({"plain": 1.0, "tree": 1.0}, PathRates(by_drafts=bool(profile.depths)))
+            learned = _LEARNED[profile] = ({"plain": 1.0, "tree": 1.0}, PathRates())
         scale, rates = learned
         if may_rest and AutoTree.rests(scale):
             return None

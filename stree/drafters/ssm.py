@@ -120,22 +120,6 @@ def _no_rows(device: str) -> torch.Tensor:
 
 
 @functools.lru_cache(maxsize=64)
-def _first_children(shape: TreeShape) -> np.ndarray:
-    """Which nodes of ``shape`` are their parent's first child (bool ``[n]``, read-only)."""
-    first = np.zeros(shape.n, dtype=bool)
-    first[[kids[0] for kids in shape.plan.kids if kids]] = True
-    first.setflags(write=False)
-    return first
-
-
-def _marked(shape: TreeShape, margins: np.ndarray, below: float) -> np.ndarray:
-    """The weak nodes (``TokenTree.weak``) of a greedy draft of ``shape`` whose children's margins
-    (``[b, n]``: each child's logit less the next candidate's) are ``margins``: first children whose
-    margin is ``below`` the given one, or NaN."""
-    return _first_children(shape) & ~(margins >= below)
-
-
-@functools.lru_cache(maxsize=64)
 def _static_plan(shape: TreeShape, b: int, device: str) -> tuple[_Level, ...]:
     """The levels of drafting ``shape`` for ``b`` rows (its :class:`~stree.tree.ShapePlan`'s,
     depth by depth), with the index tensors each needs, made once per shape and batch size (they
@@ -193,15 +177,6 @@ class SSMDrafter(Drafter):
     # exact state (the target verifies them), and a probe after a long plain run would otherwise
     # pay for reading everything (at batch 8, 300 tokens a row cost the drafter 27 target steps).
     CATCH_WINDOW = 64
-    # A greedy draft's first child whose logit leads the next candidate's by less than this is marked
-    # weak (TokenTree.weak: tree="auto" prices such nodes by a class of acceptance rates of their own).
-    # Stepping the shipped 1-layer drafter along the shipped target's greedy outputs of the 8 held-out
-    # prompts (1,024 positions, float32 drafter, its head cut to the most frequent quarter), its top
-    # token was the target's at 0.93 of the positions where it led by at least 0.5 (62% of them) and at
-    # 0.25 of the others; the probability of the top token split them less well (0.93 and 0.45 at 0.3).
-    # The runner-up's chance, where the top one was wrong, was the same either way (0.52 and 0.46): the
-    # later children are left unmarked, their ranks' rates price them.
-    WEAK_MARGIN = 0.5
 
     def __init__(self, model, shape: TreeShape | None = None, *, mode: str = "static", stochastic: bool = True,
                  temperature: float = 1.0, top_k: int = 10, beams: int = 4, steps: int = 4, seed: int = 0,
@@ -251,7 +226,6 @@ class SSMDrafter(Drafter):
     def reset(self) -> None:
         self._cache, self._rows, self._fed, self._last = None, [], torch.zeros(0, dtype=torch.long), None
         self._nodes: dict[tuple[int, int], object] = {}  # (rows, nodes) -> a one-call draft's node states
-        self._margins: dict[tuple[int, int], np.ndarray] = {}  # (rows, nodes) -> where its margins are written
         self._one: _OneCall | None = None  # the last draft, where it was one call
         self._drafted: _Drafted | None = None
         self.rates.forget()
@@ -430,30 +404,26 @@ class SSMDrafter(Drafter):
         cache has no draft to continue from: the tree; None where the model has no such call."""
         def feed(tokens: torch.Tensor, counts: torch.Tensor) -> TokenTree | None:
             b = len(roots)
-            nodes, margins = self._node_states(b, shape.n)
+            nodes = self._node_states(b, shape.n)
             counts = np.ascontiguousarray(counts.numpy(), dtype=np.int64)
-            out = self.model.draft_greedy(tokens, counts, shape, self._cache, nodes, self.head_ids, validate=False,
-                                          margins=margins)
-            return None if out is None else self._drafted_now(shape, out, roots.numpy(), nodes, margins)
+            out = self.model.draft_greedy(tokens, counts, shape, self._cache, nodes, self.head_ids, validate=False)
+            return None if out is None else self._drafted_now(shape, out, roots.numpy(), nodes)
         return feed
 
     def _node_states(self, b: int, n: int):
         """The cache a one-call draft of ``n`` nodes over ``b`` rows leaves its nodes' states in
-        (one per size, kept: made anew for each draft it cost more than the draft's head), and the
-        array its children's margins go to."""
+        (one per size, kept: made anew for each draft it cost more than the draft's head)."""
         nodes = self._nodes.get((b, n))
         if nodes is None:
             nodes = self._nodes[(b, n)] = self.model.allocate_cache(n * b, self.max_length)
-            self._margins[(b, n)] = np.zeros((b, n), dtype=np.float32)
-        return nodes, self._margins[(b, n)]
+        return nodes
 
-    def _drafted_now(self, shape: TreeShape, out, roots, nodes, margins: np.ndarray) -> TokenTree:
+    def _drafted_now(self, shape: TreeShape, out, roots, nodes) -> TokenTree:
         drafted, slots = out
-        tokens = drafted.numpy()
-        tokens[:, 0] = roots
+        drafted.numpy()[:, 0] = roots
         self._last = self._drafted = None
         self._one = _OneCall(list(shape.parents), drafted.tolist(), slots.tolist(), nodes)
-        return TokenTree.from_arrays(shape, tokens, None, _marked(shape, margins, self.WEAK_MARGIN))
+        return TokenTree.from_shape(shape, drafted)
 
     def _continue(self, context: DraftContext, shape: TreeShape) -> TokenTree | None:
         """A one-call draft continuing the last one's (the same rows, each a few new tokens on): each
@@ -478,14 +448,14 @@ class SSMDrafter(Drafter):
         feed = np.empty((b, max(new)), dtype=np.int64)
         for i, r in enumerate(rows):  # (a shorter row's tail repeats its last token, unread)
             feed[i, : new[i]], feed[i, new[i]:] = tokens[r, fed[i]: want[i]], tokens[r, want[i] - 1]
-        nodes, margins = self._node_states(b, shape.n)
+        nodes = self._node_states(b, shape.n)
         out = self.model.draft_greedy(torch.from_numpy(feed), np.array(new), shape, self._cache, nodes,
                                       self.head_ids, np.array(restore) if max(restore) >= 0 else None, one.nodes,
-                                      validate=False, margins=margins)
+                                      validate=False)
         if out is None:
             return None
         self._fed = torch.from_numpy(np.array(want))
-        return self._drafted_now(shape, out, feed[np.arange(b), np.array(new) - 1], nodes, margins)
+        return self._drafted_now(shape, out, feed[np.arange(b), np.array(new) - 1], nodes)
 
     def _grow(self, roots: torch.Tensor, root_q: torch.Tensor, budget: TreeBudget, rows: list[int],
               random: np.ndarray) -> TokenTree:
@@ -539,12 +509,9 @@ class SSMDrafter(Drafter):
         q = root[None]  # [F, b, V]: the frontier's laws (or logits, see _ranked), node-major
         work = self._cache
         fed = self._feeding(b, n, np.asarray(shape.parents), tokens)
-        # (greedy: each child's logit less the next candidate's, for the weak marks; +inf where none is left)
-        margins = None if drawing else torch.full((b, n), float("inf"))
         for level in _static_plan(shape, b, str(self.model.device)):
-            # the whole level at once: node v's c children are the first c of its draws in order (greedy:
-            # and the candidate after them, for their margins)
-            probs, ids = torch.topk(q, min(K if drawing else level.width + 1, q.shape[-1]), dim=-1)  # [F, b, k]
+            # the whole level at once: node v's c children are the first c of its draws in order
+            probs, ids = torch.topk(q, min(K if drawing else level.width, q.shape[-1]), dim=-1)  # [F, b, k]
             F, k, width = probs.shape[0], probs.shape[-1], level.width
             if drawing:
                 child_ids[:, level.frontier, :k] = ids.transpose(0, 1)
@@ -555,9 +522,6 @@ class SSMDrafter(Drafter):
                 drawn = torch.where(ranked, ids[..., :width], drawn)
             else:
                 drawn = ids[..., :width]
-                gaps = torch.full((F, b, width), float("inf"))
-                gaps[..., : k - 1] = probs[..., :-1] - probs[..., 1:]
-                margins[:, level.nodes] = gaps.transpose(0, 1).reshape(b, F * width)[:, level.draw]
             tokens[:, level.nodes] = drawn.transpose(0, 1).reshape(b, F * width)[:, level.draw]
             if level.fork is None:
                 break
@@ -566,7 +530,7 @@ class SSMDrafter(Drafter):
             fed.add(work, level.nodes.numpy()[None], level.rows)
             q = self._ranked(logits.view(len(level.inner), b, -1), drawing)
         if not drawing:
-            return TokenTree.from_shape(shape, tokens, weak=_marked(shape, margins.numpy(), self.WEAK_MARGIN))
+            return TokenTree.from_shape(shape, tokens)
         return TokenTree.from_shape(shape, tokens, child_ids=child_ids, child_probs=child_probs)
 
     def _beam(self, roots: torch.Tensor, root_q: torch.Tensor) -> TokenTree:

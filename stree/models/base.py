@@ -431,17 +431,16 @@ class TreeLM(nn.Module):
         return self.fused_step(cache, tokens, self.kernel_backend)
 
     def fused_draft(self, cache: ModelCache, tokens: torch.Tensor, counts, parents, nodes: ModelCache,
-                    head_ids: torch.Tensor | None, restore, before: ModelCache | None, kernel_backend: str,
-                    margins: np.ndarray | None = None):
+                    head_ids: torch.Tensor | None, restore, before: ModelCache | None, kernel_backend: str):
         """:meth:`draft_greedy`'s one call, where the family has one for these caches
         (:mod:`stree.models.fused_step`): ``(tokens [b, n], slots [n])``, the states advanced, not
-        ``seqlens``, the margins written where asked; None: none."""
+        ``seqlens``; None: none."""
         return None
 
     @torch.no_grad()
     def draft_greedy(self, tokens: torch.Tensor, counts: np.ndarray, shape: TreeShape, cache: ModelCache,
                      nodes: ModelCache, head_ids: torch.Tensor | None = None, restore: np.ndarray | None = None,
-                     before: ModelCache | None = None, validate: bool = True, margins: np.ndarray | None = None):
+                     before: ModelCache | None = None, validate: bool = True):
         """A drafter's whole greedy draft of ``shape`` as one call, where the family has one: row r's
         first ``counts[r]`` (int64 ``[b]``) of ``tokens [b, T]`` fed into ``cache`` (the last of them
         the root), then every node's children its most likely next tokens in order (among
@@ -454,11 +453,7 @@ class TreeLM(nn.Module):
         and each node's slot ``[n]`` (numpy, -1: not stepped), the cache advanced; None, both caches
         untouched, where there is no such call (nor where a node has more children than
         ``DRAFT_MAX_CHILDREN`` or than ``head_ids``). ``validate=False`` skips the checks of the
-        counts and the room (a drafter that checked them). ``margins`` (float32 ``[b, n]``, or None):
-        where each child's logit less that of the candidate ranked after it among its parent's (its
-        next sibling, else the best token not drafted; +inf where none is left, NaN where the logits
-        are not finite there) is written, the root's entries left as they are: how sure the drafter
-        was of it."""
+        counts and the room (a drafter that checked them)."""
         b, T = tokens.shape
         if validate:
             self.check_tokens("tokens", tokens, values=False)
@@ -471,12 +466,7 @@ class TreeLM(nn.Module):
         parents, slots, depth, widest = _shape_arrays(shape)
         if widest > min(DRAFT_MAX_CHILDREN, self.vocab_size if head_ids is None else len(head_ids)):
             return None  # (more children than the call draws, or than the cut's tokens)
-        if validate and margins is not None and (margins.dtype != np.float32 or margins.shape != (b, shape.n)
-                                                 or not margins.flags.c_contiguous):
-            raise ValueError(f"margins must be a contiguous float32 array [{b}, {shape.n}], got {margins.dtype} "
-                             f"{margins.shape}")
-        out = self.fused_draft(cache, tokens, counts, parents, nodes, head_ids, restore, before, self.kernel_backend,
-                               margins)
+        out = self.fused_draft(cache, tokens, counts, parents, nodes, head_ids, restore, before, self.kernel_backend)
         if out is None:
             return None
         # (numpy, and Python over the few rows: as torch ops these took longer than the draft's head)

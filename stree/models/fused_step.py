@@ -192,15 +192,15 @@ def fused_tree_greedy(model, cache: ModelCache, tree, index, max_depth: int, ker
 
 def fused_draft(model, cache: ModelCache, tokens: torch.Tensor, counts: np.ndarray, parents: np.ndarray,
                 nodes: ModelCache, head_ids: torch.Tensor | None, restore: np.ndarray | None,
-                before: ModelCache | None, kernel_backend: str, margins: np.ndarray | None = None):
+                before: ModelCache | None, kernel_backend: str):
     """A drafter model's greedy draft as one call
     (:meth:`~stree.kernels.cpu.mamba_step.MambaStep.draft`), where the step is one call: the fed
     tokens' states in the cache (not its ``seqlens``), the nodes' in ``nodes`` (a cache of
-    ``len(parents) * b`` rows), rows first restored from ``before``'s where ``restore`` says, each
-    child's margin written into ``margins`` where given; the draft's tokens and the nodes' slots, or None."""
+    ``len(parents) * b`` rows), rows first restored from ``before``'s where ``restore`` says; the
+    draft's tokens and the nodes' slots, or None."""
     step = fused_step(model, cache, tokens, kernel_backend)
     if step is None or not all(t.is_contiguous() for c in (nodes, before) if c is not None for t in (c.conv, c.ssm)):
         return None
     head = None if head_ids is None else step.head_cut(head_ids)
     return step.draft(tokens.contiguous(), counts, parents, cache.conv, cache.ssm, nodes.conv, nodes.ssm, head,
-                      restore, None if restore is None else (before.conv, before.ssm), margins)
+                      restore, None if restore is None else (before.conv, before.ssm))

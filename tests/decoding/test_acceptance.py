@@ -23,36 +23,17 @@ def with_pooled(counts):
     return np.concatenate([counts, counts.reshape(*counts.shape[:-1], CLASSES, RANKS).sum(-2)], -1)
 
 
-def strong_share_by_formula(rates):
-    """``[17, RANKS]``: the share of strong nodes among those drafted at each depth and rank, leaning
-    (``weight``) on the rank's share over all depths, which leans on every node strong."""
-    strong, weak, w = rates.drafted[:, :RANKS], rates.drafted[:, RANKS:], rates.weight
-    by_rank = (strong.sum(0) + w) / (strong.sum(0) + weak.sum(0) + w)
-    return (strong + w * by_rank) / (strong + weak + w)
-
-
-def mixed(h, share):
-    """``h`` with its pooled columns each class's hazard weighed by its ``share``."""
-    out = h.copy()
-    out[..., 2 * RANKS:] = share * h[..., :RANKS] + (1 - share) * h[..., RANKS: 2 * RANKS]
-    return out
-
-
 def hazards_by_formula(rates):
     """Each column's rate at each depth leaning (``weight``) on its rate over all depths, which leans
-    on its prior: a strong rank's, a weak one's at WEAK_PRIOR of it, the pooled columns (the classes'
-    counts summed) the strong; rates ``by_drafts`` have their pooled columns each class's weighed by
-    its share of the nodes drafted instead."""
+    on its prior: a strong rank's, a weak one's at WEAK_PRIOR of it, the pooled columns the strong."""
     acc, reached, w = with_pooled(rates.accepted), with_pooled(rates.reached), rates.weight
     prior = np.concatenate([rates.prior, rates.prior * WEAK_PRIOR, rates.prior])
     by_rank = (acc.sum(0) + w * prior) / (reached.sum(0) + w)
-    h = (acc + w * by_rank) / (reached + w)
-    return mixed(h, strong_share_by_formula(rates)) if rates.by_drafts else h
+    return (acc + w * by_rank) / (reached + w)
 
 
-def row_hazards_by_formula(rows, row, batch, rates):
-    own = (with_pooled(rows.accepted[row]) + rows.weight * batch) / (with_pooled(rows.reached[row]) + rows.weight)
-    return mixed(own, strong_share_by_formula(rates)) if rates.by_drafts else own
+def row_hazards_by_formula(rows, row, batch):
+    return (with_pooled(rows.accepted[row]) + rows.weight * batch) / (with_pooled(rows.reached[row]) + rows.weight)
 
 
 def test_rates_count_what_the_verifier_did():
@@ -78,7 +59,7 @@ def test_weak_nodes_are_counted_in_their_own_class_and_pooled_with_the_strong():
     """Root -> 1 (rank 0, weak), 2 (rank 1, strong); 1 -> 3 (weak). Row 0 accepts 1 then 3, row 1
     nothing. Weak nodes' counts land in the weak columns (RANKS + rank), the pooled hazards see
     both classes, and a tree without weak marks leaves the weak columns at their prior and the
-    strong ones equal to the pooled. Noted drafts count for nothing there."""
+    strong ones equal to the pooled."""
     tree = tree_of([-1, 0, 0, 1], [[9, 10, 11, 12]] * 2, weak=[[False, True, False, True]] * 2)
     rates = PathRates(decay=1.0)
     rates.record(tree, np.array([[10, 12, 5], [4, 0, 0]]), np.array([3, 1]), np.arange(2))
@@ -87,8 +68,6 @@ def test_weak_nodes_are_counted_in_their_own_class_and_pooled_with_the_strong():
     assert (reached[1, 1], acc[1, 1]) == (1, 0)  # node 2: strong rank 1, reached by row 1 alone
     assert (reached[2, RANKS], acc[2, RANKS]) == (1, 1)  # node 3: weak, below row 0's accepted node 1
     assert reached[:, :RANKS].sum() == 1 and reached.sum() == 4
-    rates.note(tree, np.arange(2))
-    assert not rates.drafted.any()
     np.testing.assert_allclose(rates.hazard(), hazards_by_formula(rates), rtol=1e-12)
     plain = PathRates(decay=1.0)
     plain.record(tree_of([-1, 0, 0, 1], [[9, 10, 11, 12]] * 2), np.array([[10, 12, 5], [4, 0, 0]]), np.array([3, 1]),
@@ -97,41 +76,6 @@ def test_weak_nodes_are_counted_in_their_own_class_and_pooled_with_the_strong():
     np.testing.assert_array_equal(h[:, :RANKS], pooled(h))  # one class: the strong columns are the pooled
     np.testing.assert_allclose(h[:, RANKS: 2 * RANKS], np.broadcast_to(plain.prior * WEAK_PRIOR, (17, RANKS)))
     np.testing.assert_array_equal(pooled(h), pooled(rates.hazard()))  # the same counts, classes aside
-
-
-def test_a_drafter_models_rates_pool_the_classes_by_their_share_of_the_drafts():
-    """As above, for rates ``by_drafts``: the pooled hazards weigh each class by its share of the
-    nodes drafted (noted, not verified: a cut draft's nodes too), the strong class's alone before
-    any weak node is drafted; a tree without weak marks leaves the strong columns equal to the
-    pooled, as the rates that pool the nodes verified have them."""
-    tree = tree_of([-1, 0, 0, 1], [[9, 10, 11, 12]] * 2, weak=[[False, True, False, True]] * 2)
-    rates = PathRates(decay=1.0, by_drafts=True)
-    rates.record(tree, np.array([[10, 12, 5], [4, 0, 0]]), np.array([3, 1]), np.arange(2))
-    acc, reached = rates.accepted, rates.reached
-    assert (reached[1, RANKS], acc[1, RANKS]) == (2, 1)  # node 1: weak rank 0, reached by both, taken by row 0
-    assert (reached[1, 1], acc[1, 1]) == (1, 0)  # node 2: strong rank 1, reached by row 1 alone
-    assert (reached[2, RANKS], acc[2, RANKS]) == (1, 1)  # node 3: weak, below row 0's accepted node 1
-    assert reached[:, :RANKS].sum() == 1 and reached.sum() == 4
-    h = rates.hazard()
-    np.testing.assert_array_equal(pooled(h), h[:, :RANKS])  # nothing noted as drafted: the strong class's
-    np.testing.assert_allclose(h, hazards_by_formula(rates), rtol=1e-12)
-    strong = tree_of([-1, 0, 0, 1], [[9, 10, 11, 12]] * 2, weak=[[False] * 4, [False, False, False, True]])
-    for drafted, rows in ((tree, [0, 1]), (strong, [0]), (strong, [1]), (tree, [1])):
-        rates.note(drafted, np.array(rows))
-    assert rates.drafted[1, RANKS] == 3 and rates.drafted[1, 0] == 2 and rates.drafted[2, 0] == 1
-    assert rates.drafted.sum() == 15
-    rates.version += 1  # (read at the next record)
-    h = rates.hazard()
-    np.testing.assert_allclose(h, hazards_by_formula(rates), rtol=1e-12)
-    assert h[1, RANKS] < pooled(h)[1, 0] < h[1, 0]  # depth 1, rank 0: two strong nodes drafted, three weak
-    unmarked = tree_of([-1, 0, 0, 1], [[9, 10, 11, 12]] * 2)
-    plain, pooled_verified = PathRates(decay=1.0, by_drafts=True), PathRates(decay=1.0)
-    for each in (plain, pooled_verified):
-        each.note(unmarked, np.arange(2))
-        each.record(unmarked, np.array([[10, 12, 5], [4, 0, 0]]), np.array([3, 1]), np.arange(2))
-    h = plain.hazard()
-    np.testing.assert_array_equal(h[:, :RANKS], pooled(h))  # one class: the strong columns are the pooled
-    np.testing.assert_array_equal(h, pooled_verified.hazard())
 
 
 def test_kept_hazards_follow_every_record():
@@ -147,12 +91,12 @@ def test_kept_hazards_follow_every_record():
         batch = rates.hazard()
         np.testing.assert_allclose(batch, hazards_by_formula(rates), rtol=1e-12)
         own = rows.hazard(ids, batch)
-        np.testing.assert_allclose(own[1], row_hazards_by_formula(rows, 3, batch, rates), rtol=1e-12)
+        np.testing.assert_allclose(own[1], row_hazards_by_formula(rows, 3, batch), rtol=1e-12)
         assert not np.array_equal(batch, before[0]) and not np.array_equal(own, before[1])
         assert rates.hazard() is batch and rows.hazard(ids, batch) is own  # (kept until the next record)
     rows.fade(4)  # the rows' own counts fade, the batch's stay
     faded = rows.hazard(ids, batch)
-    np.testing.assert_allclose(faded[1], row_hazards_by_formula(rows, 3, batch, rates), rtol=1e-12)
+    np.testing.assert_allclose(faded[1], row_hazards_by_formula(rows, 3, batch), rtol=1e-12)
     assert not np.array_equal(faded, own)
     assert rows.hazard(np.array([3, 0]), batch)[0] is not faded[1]  # other rows: their own answer
 
@@ -168,7 +112,7 @@ def test_a_record_leaves_the_recorded_rows_own_hazards_made(monkeypatch):
     ids = [0, 3]
     rates.record(tree, np.array([[4, 6, 1], [5, 0, 0]]), np.array([3, 2]), np.arange(2), rows, ids)
     batch = rates.hazard()
-    want = [row_hazards_by_formula(rows, r, batch, rates) for r in ids]
+    want = [row_hazards_by_formula(rows, r, batch) for r in ids]
     monkeypatch.setattr(acceptance, "_row_hazards", lambda *args: pytest.fail("the rows' hazards were made again"))
     own = rows.hazard(np.array(ids), batch)
     for i in range(len(ids)):
@@ -248,25 +192,23 @@ def test_chances_follow_the_definition(case):
     np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-15)
 
 
-@given(st.integers(0, 2**32 - 1), st.floats(0.5, 4), st.lists(st.integers(0, 3), min_size=1, max_size=4),
-       st.booleans())
-def test_the_hazards_follow_their_formulas(seed, weight, ids, by_drafts):
+@given(st.integers(0, 2**32 - 1), st.floats(0.5, 4), st.lists(st.integers(0, 3), min_size=1, max_size=4))
+def test_the_hazards_follow_their_formulas(seed, weight, ids):
     """PathRates' hazards (each column's rate leaning on its rate over all depths, which leans on
     its prior; each class's and pooled) and RowRates' (each row's leaning on the batch's; the
     batch's alone for a row it has no counts for) against their formulas."""
     rng = np.random.default_rng(seed)
     counts = rng.uniform(0, 30, (2, 17, CLASSES * RANKS)) * (rng.random((2, 17, CLASSES * RANKS)) < 0.7)
-    rates = PathRates(weight=weight, by_drafts=by_drafts)
+    rates = PathRates(weight=weight)
     rates.accepted, rates.reached = np.minimum(counts[0], counts[1]), counts[1]
-    rates.drafted = rng.uniform(0, 30, (17, CLASSES * RANKS)) * (rng.random((17, CLASSES * RANKS)) < 0.7)
     rates.version += 1
     w = weight
     batch = rates.hazard()
     np.testing.assert_allclose(batch, hazards_by_formula(rates), rtol=1e-12)
-    rows = RowRates(0.9, weight=w, by_drafts=by_drafts)
+    rows = RowRates(0.9, weight=w)
     rows.fade(2)
     rows.accepted, rows.reached = np.stack([rates.accepted, rates.accepted / 2]), np.stack([rates.reached] * 2)
     got = rows.hazard(np.array(ids), batch)
     for i, r in enumerate(ids):
-        want = batch if r >= 2 else row_hazards_by_formula(rows, r, batch, rates)
+        want = batch if r >= 2 else row_hazards_by_formula(rows, r, batch)
         np.testing.assert_allclose(got[i], want, rtol=1e-12)

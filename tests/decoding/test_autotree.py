@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from markov_law import sampled_under
 from tiny_models import FAMILIES, mamba2
 
-from stree.decoding.acceptance import PathRates, chances, pooled, shape_structure
+from stree.decoding.acceptance import PathRates, chances, shape_structure
 from stree.decoding.autotree import AutoTree
 from stree.decoding.plans import plan_shape
 from stree.decoding.cost import CostProfile
@@ -275,32 +275,6 @@ def test_weak_nodes_are_priced_by_their_own_rates():
     h = auto.rates.hazard()
     assert h[1, 0] > 0.8 and h[2, PathRates.RANKS] < 0.2  # the strong at depth 1, the weak at depth 2
     assert auto.rates.positional()[2, 0] == pytest.approx(h[2, -PathRates.RANKS])  # planned: pooled, the weak's here
-
-
-def test_a_drafter_models_plan_weighs_each_class_by_its_share_of_the_drafts():
-    """A drafter model's choice (its profile has drafting depths); strong nodes always accepted, weak
-    ones never: drafts the choice cuts before their weak nodes verify strong nodes alone, but every
-    drafted node of the rows it serves counts toward the classes' shares (declined drafts too), and
-    the plan, drafted before its nodes' classes are known, prices a first child by them: at one
-    strong in four, far below the strong class's chance. A drafter without a model counts none."""
-    assert not AutoTree(CostProfile(1.0, (2, 4), (1.5, 1.7))).rates.by_drafts
-    auto = AutoTree(CostProfile(1.0, (2, 4, 8, 16), (1.5, 1.7, 2.0, 2.6), (0.2, 0.4, 0.6, 0.8), 0.01, (1, 2, 3, 4)))
-    assert auto.rates.by_drafts and auto.row_rates.by_drafts
-    chain = TreeShape.chain(2)
-    first_weak = np.array([[False, True, True], [False, True, True]])
-    for turn in range(40):
-        weak = np.zeros((2, 3), dtype=bool) if turn % 4 == 0 else first_weak
-        draft = TokenTree.from_arrays(chain, np.array([[1, 10, 11], [1, 20, 21]]), weak=weak)
-        kept = auto.choose(draft, np.array([True, False]))  # (row 1 not served: not counted)
-        if kept is not None:
-            auto.record(kept, np.array([[10, 11, 5], [7, 0, 0]]), np.array([min(kept.n, 3), 1]), np.arange(1))
-    drafted = auto.rates.drafted
-    assert drafted[1, 0] > 0 and drafted[1, PathRates.RANKS] == pytest.approx(3 * drafted[1, 0], rel=0.15)
-    assert drafted[:, PathRates.RANKS:].sum() > auto.rates.reached[:, PathRates.RANKS:].sum() * 5
-    h = auto.rates.hazard()
-    share = drafted[1, 0] / drafted[1, [0, PathRates.RANKS]].sum()
-    assert h[1, 0] > 0.9 and pooled(h)[1, 0] < 0.5
-    assert pooled(h)[1, 0] == pytest.approx(share * h[1, 0] + (1 - share) * h[1, PathRates.RANKS], abs=0.05)
 
 
 def test_a_batch_choice_serves_the_row_that_finishes_last():

@@ -348,17 +348,14 @@ def test_one_call_drafts_are_the_level_by_level_drafts(parents, monkeypatch):
     real = mamba_step.MambaStep.draft
     monkeypatch.setattr(mamba_step.MambaStep, "draft", lambda self, *a: restored.append(a[8] is not None)
                         or real(self, *a))
-    monkeypatch.setattr(SSMDrafter, "WEAK_MARGIN", 12.0)  # (the tiny model's first children lead by 0.1-20)
     one, levels = (SSMDrafter(m, shape, stochastic=False) for m in (model, _LevelByLevel(model)))
-    rows, weak = [0, 1, 2], []
+    rows = [0, 1, 2]
     for turn in range(8):
         if turn == 5:
             rows = [2, 0]  # (a row dropped, the rest reordered)
         context = DraftContext(tokens, lengths, rows)
         got, want = one.propose(context), levels.propose(context)
         assert torch.equal(got.tokens, want.tokens) and torch.equal(got.parents, want.parents), turn
-        assert np.array_equal(got.weak, want.weak), turn
-        weak += got.weak[:, 1:].flatten().tolist()
         for i, r in enumerate(rows):  # a path's first k nodes accepted, then a bonus token
             path = got.leaf_paths(i)[int(torch.randint(0, len(got.leaf_paths(i)), (1,), generator=gen))]
             k = int(torch.randint(0, len(path), (1,), generator=gen))
@@ -366,43 +363,6 @@ def test_one_call_drafts_are_the_level_by_level_drafts(parents, monkeypatch):
             tokens[r, lengths[r]: lengths[r] + len(new)] = torch.tensor(new)
             lengths[r] += len(new)
     assert len(restored) == 8 and sum(restored) >= 3
-    assert any(weak) and not all(weak)
-
-
-@pytest.mark.parametrize("parents", [(-1, 0, 1, 2), TreeShape.paper13().parents])
-@pytest.mark.parametrize("one_call", [True, False])
-def test_greedy_drafts_mark_the_first_children_the_drafter_was_unsure_of(parents, one_call):
-    """A greedy draft marks weak (TokenTree.weak) exactly the nodes that are their parent's first child
-    and whose logit leads the next candidate's by less than WEAK_MARGIN, read off the logits of the
-    model's prefill of each node's whole path (the one-call draft and the level-by-level one alike);
-    a draft whose rows draw, and a beam's, mark nothing."""
-    model = mamba2(seed=3)
-    shape = TreeShape(parents)
-    tokens = torch.randint(0, 90, (2, 30), generator=torch.Generator().manual_seed(5))
-    context = DraftContext(tokens, torch.tensor([7, 11]), [0, 1])
-    drafted = SSMDrafter(model, shape, stochastic=False).propose(context).tokens
-    first = [kids[0] for kids in shape.children() if kids]
-    path_to = {0: []}
-    for v in range(1, shape.n):
-        path_to[v] = path_to[shape.parents[v]] + [v]
-    margins = np.full((2, shape.n), np.inf)
-    for r in range(2):
-        for v in first:
-            seq = torch.cat([tokens[r, : int(context.lengths[r])], drafted[r, path_to[shape.parents[v]]]])
-            with torch.no_grad():
-                logits = model.prefill(seq[None], model.allocate_cache(1, 64))[0]
-            top = torch.topk(logits, 2).values
-            margins[r, v] = float(top[0] - top[1])
-    drafter = SSMDrafter(model if one_call else _LevelByLevel(model), shape, stochastic=False)
-    # (both kinds of node, the threshold halfway between two margins: the tiny model's lead by 0.1-20)
-    ranked = np.sort(margins[:, first].ravel())
-    drafter.WEAK_MARGIN = float(ranked[len(ranked) // 2 - 1] + ranked[len(ranked) // 2]) / 2
-    tree = drafter.propose(context)
-    assert torch.equal(tree.tokens, drafted)
-    marked = margins < drafter.WEAK_MARGIN
-    assert np.array_equal(tree.weak, marked) and marked.any() and not marked[:, first].all()
-    assert SSMDrafter(model, shape).propose(context).weak is None
-    assert SSMDrafter(model, mode="beam", beams=2, steps=2).propose(context).weak is None
 
 
 def test_a_cut_head_drafts_among_the_most_frequent_tokens_alone():

@@ -880,7 +880,7 @@ namespace {
 // The c largest entries of row [V] into out, largest first, ties to the lower index; entries that are NaN
 // or -inf are taken last, lowest index first (a draft's children need c distinct ids whatever the logits).
 void top_entries(const float* row, long V, long c, int64_t* out) {
-  constexpr long MAX_C = 65;  // (a node's 64 children and the candidate after them: margins)
+  constexpr long MAX_C = 64;
   float best[MAX_C];
   long have = 0;
   for (long i = 0; i < V; i++) {
@@ -911,11 +911,8 @@ void top_entries(const float* row, long V, long c, int64_t* out) {
 // every node's but the root's written), each node's slot [n] (int64, -1: a node not stepped), threads;
 // then restore [b] (int64, or 0: none) and the node slots' conv and SSM states of an earlier draft with
 // their rows in a layer: row r's states are first those of that draft's row restore[r] where it is >= 0
-// (the state after a node of it that the new tokens followed), then fed; last, margins [b, n] (float, or
-// 0: none): each child's logit less that of the candidate ranked after it among its parent's (its
-// next sibling's, or the best one not drafted: +inf where none is left; NaN where the child's logit is
-// not finite or the next one's is NaN; the root's left as it is). The stepped nodes take the slots 0, 1, ... level by level, in index order within a
-// level. Returns 0;
+// (the state after a node of it that the new tokens followed), then fed. The stepped nodes take the
+// slots 0, 1, ... level by level, in index order within a level. Returns 0;
 // 1 + the first (row-major) fed token outside the vocabulary, -1 where the parents are no tree (or a row
 // to restore past the earlier slots), -2 where
 // a node has more than 64 children or the head fewer rows than a node's children (nothing computed then).
@@ -934,7 +931,6 @@ extern "C" long stree_mamba_draft(const int64_t* a) {
   const int64_t* restore = (const int64_t*)a[17];
   const float *before_conv = (const float*)a[18], *before_ssm = (const float*)a[19];
   long before_rows = a[20];
-  float* margins = (float*)a[21];
   const Sizes& sz = m->n;
   for (long r = 0; r < b; r++)
     for (long t = 0; t < counts[r]; t++)
@@ -974,19 +970,11 @@ extern "C" long stree_mamba_draft(const int64_t* a) {
   thread_local std::vector<int64_t> level_tokens, heads, picked;
   // node v's children in row r (in index order) from its row of logits
   auto children = [&](long v, long r, const float* row) {
-    long ranked = margins && kids[v] < V ? kids[v] + 1 : kids[v];  // (the candidate after them, for margins)
-    picked.resize((size_t)ranked);
-    top_entries(row, V, ranked, picked.data());
+    picked.resize((size_t)kids[v]);
+    top_entries(row, V, kids[v], picked.data());
     long c = 0;
     for (long u = v + 1; u < n && c < kids[v]; u++)
-      if (parents[u] == v) {
-        drafted[r * n + u] = ids ? ids[picked[c]] : picked[c];
-        if (margins) {
-          float gap = c + 1 < ranked ? row[picked[c]] - row[picked[c + 1]] : INFINITY;
-          margins[r * n + u] = isfinite(row[picked[c]]) && !isnan(gap) ? gap : NAN;
-        }
-        c++;
-      }
+      if (parents[u] == v) drafted[r * n + u] = ids ? ids[picked[c]] : picked[c], c++;
   };
   logits.resize((size_t)(b * V));
   head_rows(m, last, nullptr, b, head_w, V, logits.data(), threads);

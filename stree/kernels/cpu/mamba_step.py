@@ -37,7 +37,7 @@ _ARGS = struct.Struct("=15q")
 _TREE_ARGS = struct.Struct("=14q")
 _GREEDY_ARGS = struct.Struct("=27q")
 _PREFILL_ARGS = struct.Struct("=8q2d1q")
-_DRAFT_ARGS = struct.Struct("=22q")
+_DRAFT_ARGS = struct.Struct("=21q")
 MAX_GROUPS = 64  # (the tree scan's C . B per group is a fixed buffer in mamba_step.cpp)
 DRAFT_MAX_CHILDREN = 64  # a draft's children of one node (mamba_step.cpp's top_entries keeps them in a buffer)
 
@@ -238,7 +238,7 @@ class MambaStep:
 
     def draft(self, tokens: torch.Tensor, counts: np.ndarray, parents: np.ndarray, conv: torch.Tensor,
               ssm: torch.Tensor, node_conv: torch.Tensor, node_ssm: torch.Tensor, head: tuple | None = None,
-              restore: np.ndarray | None = None, before: tuple | None = None, margins: np.ndarray | None = None):
+              restore: np.ndarray | None = None, before: tuple | None = None):
         """A greedy draft of the tree over ``parents`` (int64 ``[n]``, contiguous: -1, then each
         node's parent before it) for every row in one call: each row's first ``counts[r]`` (int64
         ``[b]``, in ``[1, T]``) of ``tokens`` ``[b, T]`` fed into ``conv`` and ``ssm`` (as
@@ -248,11 +248,7 @@ class MambaStep:
         parent's state into a slot of ``node_conv`` and ``node_ssm`` (``[layers, n * b, ...]``, as
         the states'; slot s of row r at s * b + r). First, with ``restore`` (int64 ``[b]``), row r's
         states are set to row ``restore[r]`` (where >= 0) of ``before``, an earlier draft's
-        ``(node_conv, node_ssm)``. With ``margins`` (float32 ``[b, n]``, contiguous), each child's
-        logit less that of the candidate ranked after it among its parent's (its next sibling, or the
-        best token not drafted: how sure the drafter was of it; +inf where no candidate is left, NaN
-        where the logits are not finite there) is written there, the root's entries left as they are.
-        Returns the draft's tokens ``[b, n]`` (the root's 0: the
+        ``(node_conv, node_ssm)``. Returns the draft's tokens ``[b, n]`` (the root's 0: the
         caller's) and each node's slot ``[n]`` (-1: not stepped). The caller vouches for the shapes;
         the fed tokens, the tree and the rows restored are checked here, before anything is computed."""
         b, T = tokens.shape
@@ -264,8 +260,7 @@ class MambaStep:
         status = self._draft(_DRAFT_ARGS.pack(
             self._at, tokens.data_ptr(), counts.ctypes.data, b, T, parents.ctypes.data, n, conv.data_ptr(),
             ssm.data_ptr(), node_conv.data_ptr(), node_ssm.data_ptr(), w.data_ptr(), V,
-            0 if ids is None else ids.data_ptr(), out.data_ptr(), slots.ctypes.data, torch.get_num_threads(), *old,
-            0 if margins is None else margins.ctypes.data))
+            0 if ids is None else ids.data_ptr(), out.data_ptr(), slots.ctypes.data, torch.get_num_threads(), *old))
         if status > 0:
             row, at = divmod(status - 1, T)
             raise ValueError(f"tokens must be in [0, {self.vocab}), got {int(tokens[row, at])} at row {row}, "

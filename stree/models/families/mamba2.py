@@ -56,7 +56,5 @@ class Mamba2LM(TreeLM):
     def fused_tree_greedy(self, cache, tree, index, max_depth, kernel_backend, top_k=None, step=None):
         return fused_tree_greedy(self, cache, tree, index, max_depth, kernel_backend, top_k, step)
 
-    def fused_draft(self, cache, tokens, counts, parents, nodes, head_ids, restore, before, kernel_backend,
-                    margins=None):
-        return fused_draft(self, cache, tokens, counts, parents, nodes, head_ids, restore, before, kernel_backend,
-                           margins)
+    def fused_draft(self, cache, tokens, counts, parents, nodes, head_ids, restore, before, kernel_backend):
+        return fused_draft(self, cache, tokens, counts, parents, nodes, head_ids, restore, before, kernel_backend)
