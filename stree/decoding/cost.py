@@ -40,7 +40,7 @@ import torch
 from ..checkpoints.atomic import write_text
 from ..kernels._common import cache_dir
 
-__all__ = ["CostProfile", "bracketed_profile", "cache_file", "cost_profile", "MODES"]
+__all__ = ["CostProfile", "bracketed_profile", "cache_file", "cost_profile", "model_step_ms", "MODES"]
 
 MODES = ("eager", "compiled", "cuda_graph")
 CATCH = 64  # tokens of context a drafter model's catch-up is timed on
@@ -531,6 +531,21 @@ def _timed_rounds(calls: list, budget_s: float, sync, keep_all: bool = False,
 
 def _sync(device: torch.device):
     return (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+
+
+@torch.no_grad()
+def model_step_ms(model, batch: int, budget_s: float = 0.2) -> float:
+    """Median milliseconds of ``model``'s own ``step`` over ``batch`` rows (:func:`_timed_rounds`'s
+    steady state): what one level of a drafter model's drafting costs, set beside its target's own
+    step. Not cached: ``stree profile`` reports it."""
+    cache = model.allocate_cache(batch, 8)
+    tokens = torch.zeros(batch, dtype=torch.long, device=model.device)
+
+    def step():
+        cache.seqlens.zero_()  # (the same position each time: the cache's room is never used up)
+        model.step(tokens, cache)
+
+    return _timed_rounds([step], budget_s, _sync(model.device))[0][0]
 
 
 @torch.no_grad()

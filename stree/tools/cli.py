@@ -128,7 +128,7 @@ def _run_profile(args) -> int:
     import json
 
     from ..decoding.autotree import auto_tree
-    from ..decoding.cost import cache_file, describe
+    from ..decoding.cost import cache_file, describe, model_step_ms
     from ..decoding.cost import device_name as name_of
     from ..drafters.registry import make_drafter
     from ..lm import load_drafter_model, rank_device
@@ -149,20 +149,26 @@ def _run_profile(args) -> int:
     mode = "compiled" if args.compile else "cuda_graph" if model.device.type == "cuda" else "eager"
     profile = auto_tree(model, drafter, args.batch_size, mode=mode, refresh=args.refresh).profile
     rows = describe(profile)
-    # a drafter model's cost of one level (one of its steps over the level's nodes), fitted over the measured trees
-    level_ms = profile.draft_fit[1] if profile.depths else None
+    # a drafter model's own step beside the target's, each timed alone at the batch size; and what a level adds
+    # to its drafting, fitted over the measured trees (a level and a node: the depth and node terms), where its
+    # greedy drafts may read a cut of the head
+    steps = None if small is None else (model_step_ms(small, args.batch_size), model_step_ms(model, args.batch_size))
+    level_ms = profile.draft_fit[1] + profile.draft_fit[2] if profile.depths else None
     if args.json:
         print(json.dumps(dict(device=name_of(model.device), mode=mode, batch_size=args.batch_size, rows=rows,
-                              catch_up_ms_per_token=profile.catch_ms, drafter_level_ms=level_ms)))
+                              catch_up_ms_per_token=profile.catch_ms, drafter_level_ms=level_ms,
+                              drafter_step_ms=None if steps is None else steps[0],
+                              target_step_ms=None if steps is None else steps[1])))
     else:
         print(f"{name_of(model.device)}, {mode}, batch {args.batch_size}, drafter {args.drafter} "
               f"(cached in {cache_file()})")
         print(f"{'nodes':>6}{'target ms':>11}{'draft ms':>10}{'in steps':>10}")
         for r in rows:
             print(f"{r['nodes']:>6}{r['target_ms']:>11.3f}{r['draft_ms']:>10.3f}{r['steps']:>10.2f}")
-        if level_ms is not None:
-            print(f"drafter model: {level_ms:.3f} ms a level ({level_ms / rows[0]['target_ms']:.2f} of the target's "
-                  f"steps)")
+        if steps is not None:
+            print(f"drafter model: {steps[0]:.3f} ms a step, {steps[0] / steps[1]:.2f} of the target's "
+                  f"({steps[1]:.3f} ms; each model's own step, timed alone); its drafting {level_ms:.3f} ms a level "
+                  f"(fitted over the trees above)")
         if profile.catch_ms:
             print(f"drafter catch-up: {profile.catch_ms:.4f} ms a token")
     _plot_profile(rows, f"{args.drafter}, batch {args.batch_size}, {mode}, {name_of(model.device)}", args.png)

@@ -293,13 +293,17 @@ def test_profile_prints_the_cost_table_and_plots_it(checkpoint, tmp_path, capsys
     assert "nodes" in out and "in steps" in out and "costs.json" in out
     assert main(["profile", "--model", str(checkpoint), "--png", str(png), "--dtype", "float32", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["rows"][0]["nodes"] == 1
-    assert table["drafter_level_ms"] is None  # STAND runs no model
+    assert table["drafter_step_ms"] is None and table["drafter_level_ms"] is None  # STAND runs no model
     small = tmp_path / "drafter"
     save(mamba2(vocab_size=load(checkpoint).cfg.vocab_size, n_layer=1, seed=5), small)
     assert main(["profile", "--model", str(checkpoint), "--drafter", "ssm", "--drafter-model", str(small),
                  "--png", str(png)]) == 0
     line, = [x for x in capsys.readouterr().out.splitlines() if x.startswith("drafter model: ")]
-    assert float(line.split()[2]) >= 0 and "of the target's steps" in line
+    assert float(line.split()[2]) > 0 and "of the target's" in line
+    assert main(["profile", "--model", str(checkpoint), "--drafter", "ssm", "--drafter-model", str(small),
+                 "--png", str(png), "--json"]) == 0
+    table = json.loads(capsys.readouterr().out)
+    assert 0 < table["drafter_step_ms"] and 0 < table["target_step_ms"] and table["drafter_level_ms"] >= 0
     for bad in (["--batch-size", "0"], ["--drafter", "ssm-static"], ["--drafter", "ssm"]):
         assert main(["profile", "--model", str(checkpoint), "--png", str(png), *bad]) == 2
         err = capsys.readouterr().err.strip().splitlines()
