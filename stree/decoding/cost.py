@@ -536,8 +536,9 @@ def _sync(device: torch.device):
 @torch.no_grad()
 def model_step_ms(model, batch: int, budget_s: float = 0.2) -> float:
     """Median milliseconds of ``model``'s own ``step`` over ``batch`` rows (:func:`_timed_rounds`'s
-    steady state): what one level of a drafter model's drafting costs, set beside its target's own
-    step. Not cached: ``stree profile`` reports it."""
+    steady state, its head over the whole vocabulary): what a drafter model's size costs, set beside
+    its target's step (a level of its greedy drafts may cost less: they can cut the head). Not cached:
+    ``stree profile`` reports it."""
     cache = model.allocate_cache(batch, 8)
     tokens = torch.zeros(batch, dtype=torch.long, device=model.device)
 
