@@ -29,8 +29,17 @@ def hybrid(vocab_size=VOCAB, seed=0, **kw):
 FAMILIES = {"mamba2": mamba2, "hybrid": hybrid}
 
 
+def with_biases(model):
+    """``model`` with its biases and D made non-trivial (every parameter matters)."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("bias", ".D")):
+                p.add_(0.2 * torch.randn_like(p, generator=torch.Generator().manual_seed(len(name))))
+    return model
+
+
 def layer_by_layer(monkeypatch):
-    """A float32 Mamba2 model's steps, prefills, draft passes, greedy iterations and greedy drafts as its
+    """A Mamba2 model's steps, prefills, draft passes, greedy iterations and greedy drafts as its
     blocks' own calls, not one call each (stree.models.fused_step): for tests of those calls, and of the compiled
     graphs of them."""
     monkeypatch.setattr(Mamba2LM, "fused_step", lambda self, *a: None)

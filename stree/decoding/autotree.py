@@ -1241,7 +1241,7 @@ def _profile(model, drafter, batch: int, mode: str, sampled: bool, chain: bool, 
 
 def _passes_are_one_call(model) -> bool:
     """Whether ``model``'s steps, tree passes and greedy iterations are one call each
-    (:mod:`stree.models.fused_step`: a float32 Mamba2 model on the CPU), which a compiled loop takes
+    (:mod:`stree.models.fused_step`: a Mamba2 model on the CPU), which a compiled loop takes
     too: it then compiles nothing per tree shape, and plans any size and shape as an eager one. (On
     fixed sizes and the prior's plan, compiled STAND deterministic at batch 1 gained 1.23x-1.27x
     where eager gained 1.4x-1.5x on the same machine, docs/benchmarks.md.)"""

@@ -167,7 +167,7 @@ class SSMDrafter(Drafter):
     on it instead of feeding those tokens again, so mostly the target's own last token is left;
     what is left is fed by steps when each row has as many (up to ``STEPS_UP_TO``), else one
     chain pass and commit. Greedy drafts of a static shape are one call where the model has one
-    (``draft_greedy``: a float32 Mamba2 drafter on the CPU), the resumption and the feed included,
+    (``draft_greedy``: a Mamba2 drafter on the CPU), the resumption and the feed included,
     its children chosen among ``head_share`` of the vocabulary, most frequent first (the model's
     ``draft_vocab``, read from its checkpoint's draft_vocab.json; None, or no such file: every id).
     On the CPU, ``stree.runtime.CompiledModel(model)`` in place of ``model`` runs those compiled."""

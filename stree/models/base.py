@@ -559,7 +559,7 @@ class TreeLM(nn.Module):
                 out[rows, start:end] = logits
                 continue
             pick = torch.nonzero((lengths[lengths > start] <= end).to(self.device)).flatten()
-            out[rows[pick]] = logits[pick]
+            out[rows[pick]] = logits[pick].to(out.dtype)  # (a half model's one call: float32 of its values)
         return out
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:

@@ -1,10 +1,11 @@
 """Where a model's decoding step, a prompt's prefill, a draft's tree pass and a greedy iteration run as one
 call each (:class:`stree.kernels.cpu.mamba_step.MambaStep`):
 a Mamba2 language model (every block a Mamba2 mixer behind an RMSNorm, no MLP, no µP scales, a
-gated norm, x and B one head / group each), float32 on the CPU, not tensor-parallel, where the
+gated norm, x and B one head / group each), float32, float16 or bfloat16 (a half model's norms not
+rounding before their weight) on the CPU, not tensor-parallel, where the
 tiled product is built and the products are not pinned to another path (``STREE_LINEAR``); a step
 outside autograd and ``torch.compile``, with the model's own kernels ("auto"), of int64 tokens, on a
-cache whose states are contiguous and whose lengths are int64 (a greedy iteration advances them in its
+cache whose states are contiguous, its conv states of the model's dtype, and whose lengths are int64 (a greedy iteration advances them in its
 call). Anything else steps block by block, as before.
 
 The layout is made once per value of the model's parameters (their versions and storages, and the
@@ -63,8 +64,11 @@ def _holders(model) -> list | None:
 
 def _eligible(model) -> bool:
     """The model's structure and settings (see the module docstring)."""
-    if (model.tp is not None or model.embed_scale != 1.0 or model.logits_scale != 1.0 or model.dtype != torch.float32
-            or model.device.type != "cpu" or not mamba_step.available() or model.lm_head.bias is not None):
+    half = model.dtype != torch.float32
+    if (model.tp is not None or model.embed_scale != 1.0 or model.logits_scale != 1.0
+            or model.dtype not in mamba_step.ROUNDING or model.device.type != "cpu" or not mamba_step.available()
+            or model.lm_head.bias is not None
+            or (half and any(norm.round_before_weight for norm in _norms(model)))):
         return False
     first = model.blocks[0]
     for blk in model.blocks:
@@ -76,22 +80,38 @@ def _eligible(model) -> bool:
     return True
 
 
+def _norms(model) -> list:
+    return [model.final_norm, *(n for blk in model.blocks for n in (blk.norm, blk.mixer.norm))]
+
+
+def _wide(t: torch.Tensor | None) -> torch.Tensor | None:
+    """A parameter in float32: itself, or a half one's float32 copy (exact; a weight's the copy that the
+    half products keep, :func:`~stree.models.layers.linear.wide`)."""
+    return t if t is None or t.dtype == torch.float32 else linear.wide(t)
+
+
+def _pack(weight: torch.Tensor) -> torch.Tensor:
+    return linear.tiled_copy(_wide(weight))
+
+
 def _build(model) -> mamba_step.MambaStep | None:
     if not _eligible(model):
         return None
     layers = []
     for blk in model.blocks:
         m = blk.mixer
-        layers.append(mamba_step.MambaLayer(blk.norm.weight, m.in_proj.weight, m.in_proj.bias, m.conv1d.weight,
-                                            m.conv1d.bias, m.A(), m.D, m.dt_bias, m.norm.weight, m.out_proj.weight,
-                                            m.out_proj.bias, linear.tiled_copy))
+        params = (blk.norm.weight, m.in_proj.weight, m.in_proj.bias, m.conv1d.weight, m.conv1d.bias, m.A(), m.D,
+                  m.dt_bias, m.norm.weight, m.out_proj.weight, m.out_proj.bias)
+        layers.append(mamba_step.MambaLayer(*map(_wide, params), _pack))
     first = model.blocks[0].mixer
     cfg = first.cfg
-    return mamba_step.MambaStep(layers, model.embed.weight, model.final_norm.weight, model.lm_head.weight,
+    embed, final, head = map(_wide, (model.embed.weight, model.final_norm.weight, model.lm_head.weight))
+    return mamba_step.MambaStep(layers, embed, final, head,
                                 d_state=cfg.d_state, groups=cfg.ngroups, norm_group=first.norm.group_size,
                                 gate_first=first.norm.gate_first, eps=model.blocks[0].norm.eps,
                                 gnorm_eps=first.norm.eps, final_eps=model.final_norm.eps,
-                                dt_limit=first.dt_limit(False), pack=linear.tiled_copy)
+                                dt_limit=first.dt_limit(False), pack=_pack, dtype=model.dtype,
+                                half_residual=not model.residual_fp32)
 
 
 class _Plan:
@@ -127,7 +147,7 @@ def fused_step(model, cache: ModelCache, tokens: torch.Tensor | None, kernel_bac
     module docstring)."""
     if (kernel_backend != "auto" or torch.is_grad_enabled() or torch.compiler.is_compiling() or cache.conv is None
             or cache.k is not None or (tokens is not None and tokens.dtype != torch.int64)
-            or cache.conv.dtype != torch.float32 or not cache.conv.is_contiguous() or not cache.ssm.is_contiguous()
+            or cache.conv.dtype != model.dtype or not cache.conv.is_contiguous() or not cache.ssm.is_contiguous()
             or cache.seqlens.dtype != torch.int64 or not cache.seqlens.is_contiguous()):  # (iterations add to them)
         return None
     plan = model.__dict__.get("_stree_fused_step")

@@ -343,18 +343,35 @@ def test_an_eager_call_measures_its_products_before_decoding(monkeypatch, tree):
     assert out.stats.time_setup > 0
 
 
+@pytest.mark.parametrize("path", ["one call", "block by block"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_half_precision_greedy_identity_with_steps_and_tree_passes_on_different_products(monkeypatch, dtype):
+def test_half_precision_greedy_identity_with_steps_and_tree_passes_on_different_products(monkeypatch, dtype, path):
     """The shipped target in half precision (float16 is its checkpoint's dtype, the README's
-    default): plain steps on PyTorch's own half products, tree passes on the float32 copies
-    (stree.models.layers.linear, as a CPU without float16 arithmetic measures it).
+    default). Block by block: plain steps on PyTorch's own half products, tree passes on the float32
+    copies (stree.models.layers.linear, as a CPU without float16 arithmetic measures it). One call
+    (stree.models.fused_step, where the CPU library is built): float32 rounded where the blocks round,
+    a tree's scan summing in another order than a step's state update.
 
     float16: greedy output token for token autoregressive decoding's. bfloat16 keeps 8 bits of
     mantissa: a tree pass and a step round differently, and a near-tie between two logits one
     bfloat16 step apart can go either way (seen on the H200 machine's CPU, and here with either
-    product pinned: 1-2 of 24 prompts). There every token emitted is within two bfloat16 steps of
-    the best logit that a full forward over the output gives its position."""
+    product pinned, and in one call: 1-2 of 24 prompts). There every token emitted is within two
+    bfloat16 steps of the best logit that a full forward over the output gives its position."""
     import stree.models.layers.linear as lin
+    from stree.kernels.cpu import mamba_step
+    from tiny_models import layer_by_layer
+
+    if path == "one call" and not mamba_step.available():
+        pytest.skip("no C++ compiler for the CPU library here")
+    if path == "block by block":
+        layer_by_layer(monkeypatch)
+    calls = [0]
+    real = mamba_step.MambaStep.tree_greedy
+
+    def counted(self, *a, **k):
+        calls[0] += 1
+        return real(self, *a, **k)
+    monkeypatch.setattr(mamba_step.MambaStep, "tree_greedy", counted)
     from stree.models import load
     from stree.tools.demo import TARGET, read_prompts
     from stree.checkpoints.tokenizer import load_tokenizer
@@ -384,6 +401,7 @@ def test_half_precision_greedy_identity_with_steps_and_tree_passes_on_different_
         accepted += sum(map(sum, out.stats.accepted))
     assert accepted > 20  # accepted paths were checked, not only bonuses
     assert any(id(p) in lin._WIDE for p in model.parameters())  # the tree passes took the float32 copies
+    assert (calls[0] > 0) == (path == "one call")
 
 
 def test_a_drafter_whose_observe_learns_nothing_is_shown_nothing(monkeypatch):

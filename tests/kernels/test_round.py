@@ -1,10 +1,12 @@
-"""The half rounding of the bound layers (:mod:`stree.kernels.cpu.round_jit`) against PyTorch's
-conversion there and back, bit for bit, over float32 values of every kind."""
+"""The half rounding of the bound layers (:mod:`stree.kernels.cpu.round_jit`) and of a half model's
+one-call step (``stree_round_half`` of :mod:`stree.kernels.cpu.mamba_step`'s library) against
+PyTorch's conversion there and back, bit for bit, over float32 values of every kind."""
 
 import numpy as np
 import pytest
 import torch
 
+from stree.kernels.cpu import gemm
 from stree.kernels.cpu.round_jit import round_half
 
 
@@ -21,12 +23,19 @@ def _values() -> np.ndarray:
     return np.concatenate([pos, pos | np.uint32(0x80000000)]).view(np.float32)
 
 
+def _one_call_rounding(a: np.ndarray, bfloat: bool) -> None:
+    gemm.library().stree_round_half(a.ctypes.data, a.size, int(bfloat))
+
+
+@pytest.mark.parametrize("rounding", ["numba", "one call"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_half_rounding_is_pytorchs_conversion_there_and_back(dtype):
+def test_half_rounding_is_pytorchs_conversion_there_and_back(dtype, rounding):
+    if rounding == "one call" and not gemm.available():
+        pytest.skip(f"no CPU library here: {gemm.unavailable_reason()}")
     values = _values()
     expect = torch.from_numpy(values.copy()).to(dtype).float().numpy()
     got = values.reshape(2, -1).copy()  # (any shape)
-    round_half(got, dtype == torch.bfloat16)
+    (round_half if rounding == "numba" else _one_call_rounding)(got, dtype == torch.bfloat16)
     got = got.reshape(-1)
     nan = np.isnan(values)
     assert nan.sum() > 0 and np.isnan(got[nan]).all()

@@ -1,8 +1,8 @@
 """A drafter model's greedy draft as one call (TreeLM.draft_greedy, MambaStep.draft): the new tokens fed
 token by token, each node's children its parent's most likely tokens (under a cut of the head, among
 those ids alone), every node above the deepest level stepped into its slot, rows restored first from
-an earlier draft's slots; all exactly what the model's own one-call steps make, on random trees; the
-lengths kept; bad tokens, trees and rows refused with nothing moved."""
+an earlier draft's slots; all exactly what the model's own one-call steps make, on random trees (float32
+and half models); the lengths kept; bad tokens, trees and rows refused with nothing moved."""
 
 import numpy as np
 import pytest
@@ -19,7 +19,10 @@ from stree.tree import TreeShape
 pytestmark = pytest.mark.skipif(not mamba_step.available(), reason="no C++ compiler for the CPU library here")
 
 MODELS = {"groups": mamba2(), "clamped, prefill-only, three layers": mamba2(dt_limit=(0.01, 0.2), n_layer=3,
-                                                                           dt_limit_prefill_only=True)}
+                                                                           dt_limit_prefill_only=True),
+          # (a half model's conv states of its dtype, widened and narrowed around the call)
+          "float16": mamba2().to(torch.float16),
+          "bfloat16, half residual": mamba2(residual_in_fp32=False).to(torch.bfloat16)}
 
 
 def _reference(model, conv, ssm, fed, parents, ids):

@@ -140,6 +140,8 @@ def compile_library(flags: tuple[str, ...]) -> tuple[ctypes.CDLL | None, str]:
     lib.stree_gemm_pack.restype = None
     lib.stree_state_term_args.argtypes = [ctypes.c_char_p]
     lib.stree_state_term_args.restype = None
+    lib.stree_round_half.argtypes = [_P, _L, _L]
+    lib.stree_round_half.restype = None
     for name in ("stree_mamba_step", "stree_mamba_tree", "stree_mamba_tree_greedy", "stree_mamba_prefill",
                  "stree_mamba_draft"):
         getattr(lib, name).argtypes = [ctypes.c_char_p]

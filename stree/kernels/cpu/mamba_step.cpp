@@ -25,9 +25,12 @@ namespace {
 
 // The model, as mamba_step.py lays it out in one int64 array: the sizes, then per layer the
 // addresses of its parameters (0 where a bias is absent).
+// rounding: -1 for a float32 model; a half model's (0 float16, 1 bfloat16), whose outputs round where its
+// block-by-block path rounds them (round_half) and whose conv states are of its dtype; half_residual: its
+// residual stream is of its dtype too (not float32), each add rounded.
 struct Sizes {
   int64_t layers, d_model, vocab, d_in_proj, d_inner, conv_dim, d_conv, heads, headdim, d_state, groups,
-      norm_group, gate_first;
+      norm_group, gate_first, rounding, half_residual;
 };
 struct Layer {
   const float *norm_w, *in_w, *in_b, *conv_w, *conv_b, *A, *D, *dt_bias, *gnorm_w, *out_w, *out_b;
@@ -62,6 +65,38 @@ inline float exp_poly(float x) {
   return (x == x ? p * scale : x);
 }
 
+// f rounded to float16's values (round_jit.round_half's rule: to nearest, ties to even; past 65504
+// infinity; below 2^-14, float16's smallest normal, a fixed step of 2^-24, which float32 has at 0.5: the
+// sum rounds to it, the difference is exact; a NaN made quiet), as float32. Branch-free: the loops over a
+// row vectorise.
+inline float round_f16(float f) {
+  uint32_t u = __builtin_bit_cast(uint32_t, f), sign = u & 0x80000000u, mag = u & 0x7fffffffu;
+  uint32_t r = (mag + 0x0fffu + ((mag >> 13) & 1u)) & 0xffffe000u;
+  r = r >= 0x47800000u ? 0x7f800000u : r;
+  uint32_t small = __builtin_bit_cast(uint32_t, (__builtin_fabsf(f) + 0.5f) - 0.5f);
+  uint32_t out = mag > 0x7f800000u ? (u | 0x00400000u) : sign | (mag < 0x38800000u ? small : r);
+  return __builtin_bit_cast(float, out);
+}
+
+// f rounded to bfloat16's values (float32's range: past its largest, infinity), as float32
+inline float round_bf16(float f) {
+  uint32_t u = __builtin_bit_cast(uint32_t, f), mag = u & 0x7fffffffu;
+  uint32_t r = (u & 0x80000000u) | ((mag + 0x7fffu + ((mag >> 16) & 1u)) & 0xffff0000u);
+  return __builtin_bit_cast(float, mag > 0x7f800000u ? (u | 0x00400000u) : r);
+}
+
+// v [count] rounded in place to a half model's values (mode: Sizes::rounding; -1 leaves it): where its
+// block-by-block path returns a half output that the next op reads widened again
+void round_half(float* v, long count, int64_t mode) {
+  if (mode == 0) {
+#pragma omp simd
+    for (long i = 0; i < count; i++) v[i] = round_f16(v[i]);
+  } else if (mode == 1) {
+#pragma omp simd
+    for (long i = 0; i < count; i++) v[i] = round_bf16(v[i]);
+  }
+}
+
 // v * sigmoid(v) over a row, in place or into out
 void silu_row(const float* v, long dim, float* out) {
 #pragma omp simd
@@ -85,7 +120,8 @@ double processed_dt(float raw, float bias, double lo, double hi) {
 
 // A step's conv for one row: the window shifted left, x entering last; then the bias and the taps
 // from the newest down, in float, and SiLU, as a tree's conv sums a root's (tree_conv_row)
-void conv_row(const float* x, float* state, const float* w, const float* bias, long dim, long K, float* out) {
+void conv_row(const float* x, float* state, const float* w, const float* bias, long dim, long K, float* out,
+              int64_t rounding) {
   for (long d = 0; d < dim; d++) {
     float* s = state + d * K;
     const float* wd = w + d * K;
@@ -96,6 +132,7 @@ void conv_row(const float* x, float* state, const float* w, const float* bias, l
     out[d] = acc;
   }
   silu_row(out, dim, out);
+  round_half(out, dim, rounding);
 }
 
 // state_update_rows for one (row, head): state [p, s] advanced, y [p] = C . state + D x
@@ -138,7 +175,7 @@ void gated_norm(const float* y, const float* gate, const float* w, long group, d
 // raw (the in_proj output's xBC), state [dim, K], parents [n]; out [n, ldo]. Channels are independent:
 // a part of them is the same call on their columns.
 void tree_conv_row(const float* xBC, long ldx, const int64_t* parents, long n, const float* state, const float* w,
-                   const float* bias, long dim, long K, float* out, long ldo) {
+                   const float* bias, long dim, long K, float* out, long ldo, int64_t rounding) {
   thread_local std::vector<float> cols;  // the weight's and the state's columns as rows: the loops run along dim
   cols.resize((size_t)(2 * K * dim));
   float *taps = cols.data(), *past = taps + K * dim;
@@ -157,6 +194,7 @@ void tree_conv_row(const float* xBC, long ldx, const int64_t* parents, long n, c
       pos = pos >= 0 ? parents[pos] : pos - 1;
     }
     silu_row(o, dim, o);
+    round_half(o, dim, rounding);
   }
 }
 
@@ -201,6 +239,7 @@ void tree_scan_row(const float* conv, long dim, const float* dt, long ldt, const
         for (long p = 0; p < Pd; p++) acc[h * Pd + p] += coef * xj[h * Pd + p];
       }
     }
+    round_half(acc, HP, sz.rounding);
   }
 }
 
@@ -227,8 +266,12 @@ constexpr long ROWS_APART = 16;
 void block_in(const Model* m, const Layer& L, long rows, const float* x, float* h, float* proj, int threads) {
   long D = m->n.d_model, P = m->n.d_in_proj;
 #pragma omp parallel for schedule(static) num_threads(threads) if (rows >= ROWS_APART)
-  for (long r = 0; r < rows; r++) rms_norm(x + r * D, D, L.norm_w, m->e.eps, h + r * D);
+  for (long r = 0; r < rows; r++) {
+    rms_norm(x + r * D, D, L.norm_w, m->e.eps, h + r * D);
+    round_half(h + r * D, D, m->n.rounding);
+  }
   stree_gemm(h, rows, D, D, L.in_w, P, proj, P, L.in_b, threads);
+  round_half(proj, rows * P, m->n.rounding);
 }
 
 // A block's end for ``rows`` tokens: the gated norm of y [rows, d_inner] by silu(z) (z: the first
@@ -244,9 +287,12 @@ void block_out(const Model* m, const Layer& L, long rows, const float* proj, con
     for (long g0 = 0; g0 < I; g0 += n.norm_group)
       gated_norm(y + r * I + g0, gate + r * I + g0, L.gnorm_w + g0, n.norm_group, m->e.gnorm_eps, n.gate_first != 0,
                  normed + r * I + g0);
+    round_half(normed + r * I, I, n.rounding);
   }
   stree_gemm(normed, rows, I, I, L.out_w, D, out, D, L.out_b, threads);
+  round_half(out, rows * D, n.rounding);
   for (long i = 0; i < rows * D; i++) x[i] += out[i];
+  if (n.half_residual) round_half(x, rows * D, n.rounding);
 }
 
 // The state update of b rows' tokens in one layer, (row, head) pairs over the threads where ``wide``: row
@@ -267,6 +313,7 @@ void update_states(const Model* m, const Layer& L, long b, const int64_t* start,
       head_update(ss + t * n.headdim * S, c + hd * n.headdim, proj[row * P + I + CD + hd], L.A[hd], group_B,
                   group_B + n.groups * S, L.D + hd * n.headdim, L.dt_bias[hd], lo, hi, n.headdim, S,
                   y + row * I + hd * n.headdim);
+      round_half(y + row * I + hd * n.headdim, n.headdim, n.rounding);
     }
   }
 }
@@ -295,7 +342,7 @@ __attribute__((always_inline)) inline float* step_rows(const Model* m, const int
     float* cs = conv_states + l * cstride;
 #pragma omp parallel for schedule(static) num_threads(threads) if (wide)
     for (long r = 0; r < rows; r++)
-      conv_row(proj + r * P + I, cs + r * CD * K, L.conv_w, L.conv_b, CD, K, conv + r * CD);
+      conv_row(proj + r * P + I, cs + r * CD * K, L.conv_w, L.conv_b, CD, K, conv + r * CD, n.rounding);
     update_states(m, L, rows, nullptr, proj, conv, ssm_states + l * sstride, m->e.dt_lo, m->e.dt_hi, y, threads, wide);
     block_out(m, L, rows, proj, y, gate, normed, out, x, threads);
   }
@@ -310,7 +357,9 @@ __attribute__((always_inline)) inline void head_rows(const Model* m, const float
   thread_local std::vector<float> h;
   h.resize((size_t)(k * D));
   for (long j = 0; j < k; j++) rms_norm(x + (at ? at[j] : j) * D, D, m->final_w, m->e.final_eps, h.data() + j * D);
+  round_half(h.data(), k * D, m->n.rounding);
   if (k) stree_gemm(h.data(), k, D, D, head_w, V, logits, V, nullptr, threads);
+  round_half(logits, k * V, m->n.rounding);
 }
 
 // Each row's first counts[r] (>= 1) of tokens [b, T] fed into the conv and SSM states [layers, b, ...]
@@ -367,7 +416,7 @@ float* feed_rows(const Model* m, const int64_t* tokens, const int64_t* counts, l
         const float* raw = proj + start[r] * P + I;
         float* window = cs + r * CD * K;
         tree_conv_row(raw + c0, P, chain, len, window + c0 * K, L.conv_w + c0 * K, L.conv_b ? L.conv_b + c0 : nullptr,
-                      c1 - c0, K, conv + start[r] * CD + c0, CD);
+                      c1 - c0, K, conv + start[r] * CD + c0, CD, n.rounding);
         for (long c = c0; c < c1; c++)
           for (long j = 0; j < K; j++) {
             long q = len - K + j;
@@ -383,6 +432,57 @@ float* feed_rows(const Model* m, const int64_t* tokens, const int64_t* counts, l
   }
   return last;
 }
+
+// A call's conv states [count] as float32: the array itself for a float32 model; a half model's (of its
+// dtype, half values, which float32 holds exactly) widened into a buffer of the thread's (``buf``: one
+// per array a call holds at once) and, where the call writes them (``written``), narrowed back as it ends.
+class ConvStates {
+ public:
+  ConvStates(void* at, long count, int64_t rounding, bool written, std::vector<float>& buf)
+      : at_(at), count_(count), rounding_(rounding), written_(written) {
+    if (rounding < 0 || !at) {
+      data = (float*)at;
+      return;
+    }
+    buf.resize((size_t)count);
+    data = buf.data();
+    if (rounding == 0) {
+      const _Float16* h = (const _Float16*)at;
+#pragma omp simd
+      for (long i = 0; i < count; i++) data[i] = (float)h[i];
+    } else {
+      const uint16_t* h = (const uint16_t*)at;
+#pragma omp simd
+      for (long i = 0; i < count; i++) data[i] = __builtin_bit_cast(float, (uint32_t)h[i] << 16);
+    }
+  }
+  ~ConvStates() {
+    if (rounding_ < 0 || !written_ || !at_) return;
+    if (rounding_ == 0) {  // (exact: the values are float16's)
+      _Float16* h = (_Float16*)at_;
+#pragma omp simd
+      for (long i = 0; i < count_; i++) h[i] = (_Float16)data[i];
+    } else {
+      uint16_t* h = (uint16_t*)at_;
+#pragma omp simd
+      for (long i = 0; i < count_; i++) h[i] = (uint16_t)(__builtin_bit_cast(uint32_t, data[i]) >> 16);
+    }
+  }
+  ConvStates(const ConvStates&) = delete;
+  ConvStates& operator=(const ConvStates&) = delete;
+  float* data;
+
+ private:
+  void* at_;
+  long count_;
+  int64_t rounding_;
+  bool written_;
+};
+
+// The conv states of every layer's b rows, [layers, b, conv_dim, d_conv]: their count
+long conv_count(const Model* m, long b) { return m->n.layers * b * m->n.conv_dim * m->n.d_conv; }
+
+thread_local std::vector<float> cache_conv, node_conv_buf, before_conv_buf;  // (ConvStates' buffers)
 
 // The first index of the row's largest entry, as a scan taking each entry strictly above the best so far
 // (NaNs never taken; a NaN first entry stays the choice): the largest by lanes, whose maximum a NaN
@@ -486,7 +586,8 @@ extern "C" long stree_mamba_step(const int64_t* a) {
   for (long j = 0; heads_at && j < k; j++)
     if (heads_at[j] < 0 || heads_at[j] >= b) return -1 - j;
   long HP = n.heads * n.headdim;
-  float* x = step_rows(m, tokens, b, conv_states, b * n.conv_dim * n.d_conv, ssm_states, b * HP * n.d_state, threads);
+  ConvStates conv(conv_states, conv_count(m, b), n.rounding, true, cache_conv);
+  float* x = step_rows(m, tokens, b, conv.data, b * n.conv_dim * n.d_conv, ssm_states, b * HP * n.d_state, threads);
   head_rows(m, x, heads_at, k, m->head_w, n.vocab, logits, threads);
   for (long j = 0; choice && j < k; j++) {
     choice[j] = first_max(logits + j * n.vocab, n.vocab);
@@ -524,7 +625,8 @@ extern "C" long stree_mamba_prefill(const int64_t* a) {
   for (long r = 0; r < b; r++)
     for (long t = 0; t < counts[r]; t++)
       if (tokens[r * T + t] < 0 || tokens[r * T + t] >= m->n.vocab) return r * T + t + 1;
-  float* last = feed_rows(m, tokens, counts, b, T, conv_states, ssm_states, lo, hi, threads);
+  ConvStates conv(conv_states, conv_count(m, b), m->n.rounding, true, cache_conv);
+  float* last = feed_rows(m, tokens, counts, b, T, conv.data, ssm_states, lo, hi, threads);
   head_rows(m, last, nullptr, b, m->head_w, m->n.vocab, logits, threads);
   return 0;
 }
@@ -593,7 +695,7 @@ long tree_pass(const Model* m, const int64_t* tokens, long b, long n, const int6
         for (long c = 0; c < H; c++) dt_i[c] = raw[CD + c];
       }
       tree_conv_row(pj + I, P, pr, size, conv_states + (l * b + r) * CD * K, L.conv_w, L.conv_b, CD, K,
-                    conv + at * CD, CD);
+                    conv + at * CD, CD, sz.rounding);
       for (long i = 0; i < size; i++) {
         const float* ci = conv + (at + i) * CD;
         for (long e = 0; e < HP; e++) x_l[(at + i) * HP + e] = ci[e];
@@ -621,12 +723,17 @@ long tree_pass(const Model* m, const int64_t* tokens, long b, long n, const int6
     return 0;
   }
   for (long t = 0; t < N; t++) rms_norm(x + t * D, D, m->final_w, m->e.final_eps, h + t * D);
-  if (whole)
+  round_half(h, N * D, sz.rounding);
+  if (whole) {
     stree_gemm(h, N, D, D, m->head_w, sz.vocab, logits, sz.vocab, nullptr, threads);
-  else
-    for (long r = 0; r < b; r++)
+    round_half(logits, N * sz.vocab, sz.rounding);
+  } else {
+    for (long r = 0; r < b; r++) {
       stree_gemm(h + start[r] * D, start[r + 1] - start[r], D, D, m->head_w, sz.vocab, logits + r * n * sz.vocab,
                  sz.vocab, nullptr, threads);
+      round_half(logits + r * n * sz.vocab, (start[r + 1] - start[r]) * sz.vocab, sz.rounding);
+    }
+  }
   return 0;
 }
 
@@ -638,9 +745,11 @@ long tree_pass(const Model* m, const int64_t* tokens, long b, long n, const int6
 // raw, x and B after the conv, dt raw), the logits [b, n, vocab], threads. Returns 0, or 1 + the first
 // node (row-major) whose token is outside the vocabulary (nothing computed then).
 extern "C" long stree_mamba_tree(const int64_t* a) {
-  return tree_pass((const Model*)a[0], (const int64_t*)a[1], a[2], a[3], (const int64_t*)a[4], a[5], nullptr,
-                   (const float*)a[6], (const float*)a[7], (float*)a[8], (float*)a[9], (float*)a[10], (float*)a[11],
-                   (float*)a[12], (int)a[13]);
+  const Model* m = (const Model*)a[0];
+  ConvStates conv((void*)a[6], conv_count(m, a[2]), m->n.rounding, false, cache_conv);
+  return tree_pass(m, (const int64_t*)a[1], a[2], a[3], (const int64_t*)a[4], a[5], nullptr, conv.data,
+                   (const float*)a[7], (float*)a[8], (float*)a[9], (float*)a[10], (float*)a[11], (float*)a[12],
+                   (int)a[13]);
 }
 
 namespace {
@@ -764,7 +873,8 @@ extern "C" long stree_mamba_tree_greedy(const int64_t* a) {
   kept.resize((size_t)(sz.layers * N * (CD + HP + H + GS)));
   float *xBC = kept.data(), *x = xBC + sz.layers * N * CD, *dt = x + sz.layers * N * HP, *B = dt + sz.layers * N * H;
   const int64_t *tokens = (const int64_t*)a[1], *parents = (const int64_t*)a[4];
-  float *conv_states = (float*)a[6], *ssm_states = (float*)a[7];
+  ConvStates conv((void*)a[6], conv_count(m, b), sz.rounding, true, cache_conv);
+  float *conv_states = conv.data, *ssm_states = (float*)a[7];
   float* logits = (float*)a[12];
   const float* hidden = nullptr;
   int threads = (int)a[13];
@@ -922,14 +1032,14 @@ extern "C" long stree_mamba_draft(const int64_t* a) {
   long b = a[3], T = a[4];
   const int64_t* parents = (const int64_t*)a[5];
   long n = a[6];
-  float *conv_states = (float*)a[7], *ssm_states = (float*)a[8], *node_conv = (float*)a[9], *node_ssm = (float*)a[10];
+  float *ssm_states = (float*)a[8], *node_ssm = (float*)a[10];
   const float* head_w = (const float*)a[11];
   long V = a[12];
   const int64_t* ids = (const int64_t*)a[13];
   int64_t *drafted = (int64_t*)a[14], *slot = (int64_t*)a[15];
   int threads = (int)a[16];
   const int64_t* restore = (const int64_t*)a[17];
-  const float *before_conv = (const float*)a[18], *before_ssm = (const float*)a[19];
+  const float* before_ssm = (const float*)a[19];
   long before_rows = a[20];
   const Sizes& sz = m->n;
   for (long r = 0; r < b; r++)
@@ -958,6 +1068,11 @@ extern "C" long stree_mamba_draft(const int64_t* a) {
   }
   if (deepest) first[deepest] = (long)order.size();
   long CK = sz.conv_dim * sz.d_conv, SS = sz.heads * sz.headdim * sz.d_state;
+  ConvStates cache((void*)a[7], conv_count(m, b), sz.rounding, true, cache_conv);
+  ConvStates nodes((void*)a[9], conv_count(m, n * b), sz.rounding, true, node_conv_buf);
+  ConvStates before(restore ? (void*)a[18] : nullptr, conv_count(m, before_rows), sz.rounding, false, before_conv_buf);
+  float *conv_states = cache.data, *node_conv = nodes.data;
+  const float* before_conv = before.data;
   for (long l = 0; restore && l < sz.layers; l++)
     for (long r = 0; r < b; r++)
       if (restore[r] >= 0) {
@@ -1008,6 +1123,10 @@ extern "C" long stree_mamba_draft(const int64_t* a) {
   }
   return 0;
 }
+
+// v [count] rounded in place to float16's (mode 0) or bfloat16's (mode 1) values: a half model's rounding,
+// for tests/kernels/test_round.py to hold to PyTorch's conversions
+extern "C" void stree_round_half(float* v, long count, long mode) { round_half(v, count, mode); }
 
 // the int64 words of the model's layout before its layers, and of one layer (mamba_step.py checks them)
 extern "C" long stree_mamba_model_words(void) { return (long)(offsetof(Model, layer) / 8); }

@@ -13,9 +13,11 @@ tiled product's; the conv sums in float as the tree conv does and SiLU takes a p
 vectorises (libm's, a call per element, had taken a 13-node pass's conv and gate most of their time).
 Tests compare it with the model's own step (``tests/models/test_fused_step.py``).
 
-What it takes: float32 parameters and states on the CPU, x and B one head / group each (no
-repeats), D per head or per channel; the model side decides where it applies
-(:mod:`stree.models.fused_step`).
+What it takes: float32 parameters (a half model's widened) and SSM states on the CPU, conv states of
+the model's dtype, x and B one head / group each (no repeats), D per head or per channel; the model side
+decides where it applies (:mod:`stree.models.fused_step`). A half model (float16, bfloat16) computes in
+float32 and rounds each output where its block-by-block path does, so that every call of it (step,
+prefill, pass, iteration, draft) makes a token's outputs the same way.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ _PREFILL_ARGS = struct.Struct("=8q2d1q")
 _DRAFT_ARGS = struct.Struct("=21q")
 MAX_GROUPS = 64  # (the tree scan's C . B per group is a fixed buffer in mamba_step.cpp)
 DRAFT_MAX_CHILDREN = 64  # a draft's children of one node (mamba_step.cpp's top_entries keeps them in a buffer)
+ROUNDING = {torch.float32: -1, torch.float16: 0, torch.bfloat16: 1}  # a model's dtype -> Sizes::rounding
 
 
 class MambaLayer:
@@ -84,13 +87,17 @@ class MambaStep:
     :class:`MambaLayer`'s); sizes: ``d_state``,
     ``groups`` (of B and C), ``norm_group`` (the gated norm's group), ``gate_first``; epsilons of the
     blocks' norms, the gated norms and the final norm; the dt clamp ``(lo, hi)`` of decoding.
-    :meth:`__call__` runs it on a cache's stacked states."""
+    ``dtype``: the model's; a half model's (float16, bfloat16) parameters come widened to float32
+    (exactly), its outputs round to its dtype where its block-by-block path rounds them (each norm's,
+    product's, conv's and scan's; the residual stream's adds too where ``half_residual``), and the conv
+    states it takes are of its dtype. :meth:`__call__` runs it on a cache's stacked states."""
 
     CUTS = 4  # the head's cuts kept (head_cut): a packed copy of its rows each
 
     def __init__(self, layers: list[MambaLayer], embed: torch.Tensor, final_w: torch.Tensor, head_w: torch.Tensor,
                  *, d_state: int, groups: int, norm_group: int, gate_first: bool, eps: float, gnorm_eps: float,
-                 final_eps: float, dt_limit: tuple[float, float], pack=gemm.pack):
+                 final_eps: float, dt_limit: tuple[float, float], pack=gemm.pack, dtype: torch.dtype = torch.float32,
+                 half_residual: bool = False):
         lib = gemm.library()
         first = layers[0]
         d_model, vocab = embed.shape[1], head_w.shape[0]
@@ -102,13 +109,17 @@ class MambaStep:
                 or first.d_inner % norm_group or groups > MAX_GROUPS):
             raise ValueError(f"the layers' sizes do not make a Mamba2 block of d_model {d_model}, {heads} heads of "
                              f"{headdim}, {groups} groups of d_state {d_state}")
+        if dtype not in ROUNDING:
+            raise TypeError(f"dtype must be float32, float16 or bfloat16, got {dtype}")
+        self.dtype = dtype
         self.embed = embed.detach().contiguous()
         self.final_w = final_w.detach().contiguous()
         self.head_w = pack(head_w)
         self._head_src, self._pack, self._cuts = head_w.detach(), pack, {}
         self.layers = layers
         sizes = [len(layers), d_model, vocab, first.d_in_proj, first.d_inner, conv_dim, d_conv, heads, headdim,
-                 d_state, groups, norm_group, int(gate_first)]
+                 d_state, groups, norm_group, int(gate_first), ROUNDING[dtype],
+                 int(half_residual and dtype != torch.float32)]
         doubles = np.array([eps, gnorm_eps, final_eps, *dt_limit], dtype=np.float64).view(np.int64)
         words = sizes + doubles.tolist() + [t.data_ptr() for t in (self.embed, self.final_w, self.head_w)]
         if len(words) != lib.stree_mamba_model_words():
@@ -154,8 +165,9 @@ class MambaStep:
     def __call__(self, tokens: torch.Tensor, conv: torch.Tensor, ssm: torch.Tensor,
                  heads: torch.Tensor | None = None) -> torch.Tensor:
         """Logits ``[b, vocab]`` after ``tokens`` ``[b]`` (int64, contiguous), ``conv`` ``[layers,
-        b, conv_dim, d_conv]`` and ``ssm`` ``[layers, b, heads, headdim, d_state]`` (float32,
-        contiguous: a cache's stacked states, advanced in place); ``heads`` ``[k]`` (int64,
+        b, conv_dim, d_conv]`` and ``ssm`` ``[layers, b, heads, headdim, d_state]`` (contiguous,
+        the conv states of the model's dtype, the SSM states float32: a cache's stacked states, advanced
+        in place); ``heads`` ``[k]`` (int64,
         contiguous): those rows' logits alone, ``[k, vocab]``. The caller vouches for the shapes
         (a decoding step is checked by its model); token ids and ``heads`` are checked here,
         before anything is computed."""

@@ -169,7 +169,9 @@ def _packed(weight: torch.Tensor) -> torch.Tensor:
     return _copy(_PACKED, weight, lambda w: torch.ops.mkldnn._reorder_linear_weight(w, None))
 
 
-def _wide(tensor: torch.Tensor | None) -> torch.Tensor | None:
+def wide(tensor: torch.Tensor | None) -> torch.Tensor | None:
+    """A half tensor's float32 copy (exact), kept while the tensor is unchanged: the one its products'
+    float32 path reads."""
     return None if tensor is None else _copy(_WIDE, tensor, lambda t: t.float())
 
 
@@ -324,7 +326,7 @@ _clock = time.perf_counter  # (a trial's clock, which tests stand in for)
 
 
 def _widened_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return _product(x.float(), _wide(weight), _wide(bias)).to(x.dtype)
+    return _product(x.float(), wide(weight), wide(bias)).to(x.dtype)
 
 
 def _widened_is_faster(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
@@ -345,12 +347,12 @@ def _half_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     or the float32 copy's (see the module docstring)."""
     if PATH == "auto":
         key = (_bucket(x.shape[0]), *weight.shape, bias is not None, x.dtype)
-        wide = _WIDER.get(key)
-        if wide is None:
-            wide = _WIDER[key] = _widened_is_faster(x, weight, bias)
+        widened = _WIDER.get(key)
+        if widened is None:
+            widened = _WIDER[key] = _widened_is_faster(x, weight, bias)
     else:
-        wide = _pinned() != "blas"
-    return _widened_product(x, weight, bias) if wide else F.linear(x, weight, bias)
+        widened = _pinned() != "blas"
+    return _widened_product(x, weight, bias) if widened else F.linear(x, weight, bias)
 
 
 def _product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -401,9 +403,9 @@ def _tiled_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     cost a tree pass's product about as much as the tiled kernel's call."""
     rows = x.numel() // x.shape[-1]
     if x.dtype in HALF:
-        wide = PATH != "blas" if PATH != "auto" else _WIDER.get((_bucket(rows), *weight.shape, bias is not None,
-                                                                 x.dtype))
-        out = _tiled_rows(x.float(), _wide(weight), _wide(bias)) if wide else None
+        widened = PATH != "blas" if PATH != "auto" else _WIDER.get((_bucket(rows), *weight.shape, bias is not None,
+                                                                    x.dtype))
+        out = _tiled_rows(x.float(), wide(weight), wide(bias)) if widened else None
         return None if out is None else out.to(x.dtype)
     key = (_bucket(rows), *weight.shape, bias is not None)
     if (_pinned() if PATH != "auto" else _FASTEST.get(key)) != "tiled" or _ROLE.get() == "follow" or key in _TRIALS:

@@ -1,0 +1,160 @@
+"""A half (float16, bfloat16) Mamba2 model's step, prefill, tree pass and greedy iteration as one call
+each (stree.models.fused_step, stree.kernels.cpu.mamba_step): they apply, every logit they hand on
+holds a value of the model's dtype, and they agree with the block-by-block calls, and a tree pass with
+the steps along each node's path, to the dtype's rounding (a tree's scan sums in another order than a
+step's state update); a prefill is its tokens stepped bit for bit, and a greedy iteration its own
+pass, verification and commit. (Its drafts: tests/models/test_fused_draft.py.)"""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from strategies import trees
+from tiny_models import VOCAB, layer_by_layer, mamba2, with_biases
+
+from stree.kernels.cpu import mamba_step
+from stree.models.fused_step import fused_step
+from stree.sampling.verify import verify_greedy_host
+from stree.tree import TokenTree
+
+pytestmark = pytest.mark.skipif(not mamba_step.available(), reason="no C++ compiler for the CPU library here")
+
+LAYOUTS = {"float32 residual": dict(),
+           "half residual, one group, biases, gate last": dict(residual_in_fp32=False, ngroups=1, bias=True,
+                                                               gate_norm="gate_last")}
+MODELS = {(dtype, layout): with_biases(mamba2(**kw)).to(dtype)
+          for dtype in (torch.float16, torch.bfloat16) for layout, kw in LAYOUTS.items()}
+
+
+def _counted(monkeypatch, name: str) -> list:
+    seen = [0]
+    real = getattr(mamba_step.MambaStep, name)
+
+    def counted(self, *a, **k):
+        seen[0] += 1
+        return real(self, *a, **k)
+    monkeypatch.setattr(mamba_step.MambaStep, name, counted)
+    return seen
+
+
+def _assert_rounded_and_near(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
+    """``got`` (float32, or a prefill's of ``dtype``) holds values of ``dtype``, most of them ``want``'s
+    exactly, every one within two of the dtype's steps of it (a product or SiLU summed in another order
+    can round the other way)."""
+    want = want.float()
+    assert got.dtype in (torch.float32, dtype)
+    got = got.float()
+    assert torch.equal(got, got.to(dtype).float())
+    assert (got - want).abs().le(2 * torch.finfo(dtype).eps * want.abs().clamp(min=1)).all()
+    assert got.eq(want).float().mean() > 0.9
+
+
+def _one_call(model, cache):
+    with torch.no_grad():
+        return fused_step(model, cache, None, "auto")
+
+
+@pytest.mark.parametrize("key", sorted(MODELS, key=str), ids=str)
+def test_a_half_models_prefill_and_steps_are_one_call_near_the_blockwise_ones(key, monkeypatch):
+    dtype, _ = key
+    model = MODELS[key]
+    ids = torch.randint(0, VOCAB, (2, 70), generator=torch.Generator().manual_seed(1))
+    steps = torch.randint(0, VOCAB, (6, 2), generator=torch.Generator().manual_seed(2))
+    prefills, stepped = _counted(monkeypatch, "prefill"), _counted(monkeypatch, "_step")
+    cache, other = model.allocate_cache(2, 96), model.allocate_cache(2, 96)
+    got = [model.prefill(ids, cache)] + [model.step(t, cache) for t in steps]
+    assert prefills[0] == 1 and stepped[0] == 6 and cache.conv.dtype == dtype
+    layer_by_layer(monkeypatch)
+    want = [model.prefill(ids, other)] + [model.step(t, other) for t in steps]
+    assert prefills[0] == 1 and stepped[0] == 6
+    for a, b in zip(got, want):
+        _assert_rounded_and_near(a, b, dtype)
+    torch.testing.assert_close(cache.conv.float(), other.conv.float(), atol=0.05, rtol=4 * torch.finfo(dtype).eps)
+    torch.testing.assert_close(cache.ssm, other.ssm, atol=0.05, rtol=4 * torch.finfo(dtype).eps)
+
+
+@pytest.mark.parametrize("key", sorted(MODELS, key=str), ids=str)
+def test_a_half_models_prefill_is_its_tokens_stepped_bit_for_bit(key):
+    model = MODELS[key]
+    lengths = [70, 3]
+    ids = torch.randint(0, VOCAB, (2, 70), generator=torch.Generator().manual_seed(3))
+    cache = model.allocate_cache(2, 96)
+    got = model.prefill(ids, cache, lengths=torch.tensor(lengths))
+    step = _one_call(model, cache)
+    for row, n in enumerate(lengths):
+        fresh = model.allocate_cache(1, 96)
+        for t in range(n):
+            want = step(ids[row, t: t + 1].contiguous(), fresh.conv, fresh.ssm)
+        assert torch.equal(got[row], want[0])
+        assert torch.equal(cache.conv[:, row], fresh.conv[:, 0]) and torch.equal(cache.ssm[:, row], fresh.ssm[:, 0])
+
+
+def _path(parents: list[int], v: int) -> list[int]:
+    path = [v]
+    while parents[path[-1]] >= 0:
+        path.append(parents[path[-1]])
+    return path[::-1]
+
+
+@settings(max_examples=30, deadline=None)
+@given(data=st.data(), key=st.sampled_from(sorted(MODELS, key=str)))
+def test_a_half_models_tree_pass_and_greedy_iteration_are_its_steps_along_each_path(data, key):
+    """Random trees: the one-call pass's logits at every node are near the one-call steps' along the
+    node's path from the row's state, and the layer-by-layer pass's; a greedy iteration over a draft
+    that mostly follows them is the pass, greedy verification and commit: its path, emitted tokens
+    and the logits at its path nodes exactly, its states within float32 rounding (the commit's
+    replay takes the softplus in float32, the one call in double)."""
+    dtype, _ = key
+    model = MODELS[key]
+    parents, batch = data.draw(trees(max_n=12))
+    n = parents.shape[-1]
+    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16)))
+    cache = model.allocate_cache(batch, 64)
+    model.prefill(torch.randint(0, VOCAB, (batch, 5), generator=gen), cache)
+    tree = TokenTree(parents, torch.randint(0, VOCAB, (batch, n), generator=gen))
+    with pytest.MonkeyPatch.context() as m:
+        passes = _counted(m, "tree")
+        logits, _ = model.forward_tree(tree, cache.clone())
+        assert passes[0] == 1
+        layer_by_layer(m)
+        _assert_rounded_and_near(logits, model.forward_tree(tree, cache.clone())[0], dtype)
+    step, rows = _one_call(model, cache), parents.expand(batch, n).tolist()
+    stepped = torch.empty_like(logits)
+    for r in range(batch):
+        for v in range(n):
+            conv, ssm = cache.conv[:, r: r + 1].clone(), cache.ssm[:, r: r + 1].clone()
+            for u in _path(rows[r], v):
+                stepped[r, v] = step(tree.tokens[r, u: u + 1].contiguous(), conv, ssm)[0]
+    _assert_rounded_and_near(logits, stepped, dtype)
+    # a draft whose child follows its parent's choice mostly: paths that go deep
+    choice = logits.argmax(-1).gather(1, parents.expand(batch, n).clamp(min=0))
+    follow = torch.rand(batch, n, generator=gen) < 0.7
+    draft = TokenTree(parents, torch.where(follow, choice, tree.tokens))
+    after, other = cache.clone(), cache.clone()
+    with pytest.MonkeyPatch.context() as m:
+        iterations = _counted(m, "tree_greedy")
+        got = model.greedy_tree(draft, after)
+        assert iterations[0] == 1
+    logits, tree_pass = model.forward_tree(draft, other)
+    result, emitted, finite = verify_greedy_host(draft, logits)
+    model.commit(other, tree_pass, result.accepted, result.num_accepted)
+    for a, b in zip(got[1:6], (result.accepted, result.num_accepted, result.bonus, emitted, finite)):
+        assert torch.equal(a, b)
+    real = torch.arange(emitted.shape[1]) < result.num_accepted[:, None]
+    rows_of = torch.arange(batch)[:, None].expand_as(result.accepted)
+    at = rows_of[real], result.accepted[real]
+    assert torch.equal(got[0][at], logits[at])
+    assert torch.equal(after.conv, other.conv) and torch.equal(after.seqlens, other.seqlens)
+    torch.testing.assert_close(after.ssm, other.ssm, atol=2e-5, rtol=2e-5)
+
+
+def test_a_half_model_whose_norms_round_before_their_weight_or_whose_conv_states_are_float32_steps_by_blocks():
+    tokens = torch.tensor([3, 4])
+    rounding = mamba2(norm_round_before_weight=True).to(torch.float16)
+    with torch.no_grad():
+        assert fused_step(rounding, rounding.allocate_cache(2, 8), tokens, "auto") is None
+        model = MODELS[torch.float16, "float32 residual"]
+        cache = model.allocate_cache(2, 8)
+        assert fused_step(model, cache, tokens, "auto") is not None
+        cache.conv = cache.conv.float()
+        assert fused_step(model, cache, tokens, "auto") is None
