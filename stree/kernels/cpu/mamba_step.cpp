@@ -313,7 +313,6 @@ void update_states(const Model* m, const Layer& L, long b, const int64_t* start,
       head_update(ss + t * n.headdim * S, c + hd * n.headdim, proj[row * P + I + CD + hd], L.A[hd], group_B,
                   group_B + n.groups * S, L.D + hd * n.headdim, L.dt_bias[hd], lo, hi, n.headdim, S,
                   y + row * I + hd * n.headdim);
-      round_half(y + row * I + hd * n.headdim, n.headdim, n.rounding);
     }
   }
 }
@@ -344,6 +343,7 @@ __attribute__((always_inline)) inline float* step_rows(const Model* m, const int
     for (long r = 0; r < rows; r++)
       conv_row(proj + r * P + I, cs + r * CD * K, L.conv_w, L.conv_b, CD, K, conv + r * CD, n.rounding);
     update_states(m, L, rows, nullptr, proj, conv, ssm_states + l * sstride, m->e.dt_lo, m->e.dt_hi, y, threads, wide);
+    round_half(y, rows * I, n.rounding);
     block_out(m, L, rows, proj, y, gate, normed, out, x, threads);
   }
   return x;
@@ -424,6 +424,7 @@ float* feed_rows(const Model* m, const int64_t* tokens, const int64_t* counts, l
           }
       }
       update_states(m, L, b, start, proj, conv, ssm_states + l * b * HP * S, lo, hi, y, threads, wide);
+      round_half(y, N * I, n.rounding);
       block_out(m, L, N, proj, y, gate, normed, out, x, threads);
     }
     for (long r = 0; r < b; r++)
