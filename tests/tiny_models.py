@@ -29,6 +29,18 @@ def hybrid(vocab_size=VOCAB, seed=0, **kw):
 FAMILIES = {"mamba2": mamba2, "hybrid": hybrid}
 
 
+def count_calls(monkeypatch, owner, name: str) -> list:
+    """A one-item list counting the calls of ``owner.name`` (a method, still called) from now on."""
+    seen = [0]
+    real = getattr(owner, name)
+
+    def counted(*a, **k):
+        seen[0] += 1
+        return real(*a, **k)
+    monkeypatch.setattr(owner, name, counted)
+    return seen
+
+
 def with_biases(model):
     """``model`` with its biases and D made non-trivial (every parameter matters)."""
     with torch.no_grad():

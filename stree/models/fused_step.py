@@ -219,7 +219,10 @@ def fused_draft(model, cache: ModelCache, tokens: torch.Tensor, counts: np.ndarr
     ``len(parents) * b`` rows), rows first restored from ``before``'s where ``restore`` says; the
     draft's tokens and the nodes' slots, or None."""
     step = fused_step(model, cache, tokens, kernel_backend)
-    if step is None or not all(t.is_contiguous() for c in (nodes, before) if c is not None for t in (c.conv, c.ssm)):
+    slots = [c for c in (nodes, before) if c is not None]
+    # (the call reads the slots' conv states as the cache's dtype: a half model's of its dtype)
+    if step is None or not all(c.conv.dtype == cache.conv.dtype and c.ssm.dtype == torch.float32 for c in slots) \
+            or not all(t.is_contiguous() for c in slots for t in (c.conv, c.ssm)):
         return None
     head = None if head_ids is None else step.head_cut(head_ids)
     return step.draft(tokens.contiguous(), counts, parents, cache.conv, cache.ssm, nodes.conv, nodes.ssm, head,

@@ -359,19 +359,13 @@ def test_half_precision_greedy_identity_with_steps_and_tree_passes_on_different_
     bfloat16 steps of the best logit that a full forward over the output gives its position."""
     import stree.models.layers.linear as lin
     from stree.kernels.cpu import mamba_step
-    from tiny_models import layer_by_layer
+    from tiny_models import count_calls, layer_by_layer
 
     if path == "one call" and not mamba_step.available():
         pytest.skip("no C++ compiler for the CPU library here")
     if path == "block by block":
         layer_by_layer(monkeypatch)
-    calls = [0]
-    real = mamba_step.MambaStep.tree_greedy
-
-    def counted(self, *a, **k):
-        calls[0] += 1
-        return real(self, *a, **k)
-    monkeypatch.setattr(mamba_step.MambaStep, "tree_greedy", counted)
+    calls = count_calls(monkeypatch, mamba_step.MambaStep, "tree_greedy")
     from stree.models import load
     from stree.tools.demo import TARGET, read_prompts
     from stree.checkpoints.tokenizer import load_tokenizer

@@ -11,7 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from strategies import accepted_paths, trees
-from tiny_models import VOCAB, assert_same_state, hybrid, layer_by_layer, mamba2, with_biases
+from tiny_models import VOCAB, assert_same_state, count_calls, hybrid, layer_by_layer, mamba2, with_biases
 
 from stree.kernels.cpu import mamba_step
 from stree.models.fused_step import fused_step
@@ -34,14 +34,7 @@ LAYOUTS = {
 @pytest.fixture
 def ran(monkeypatch):
     """How many steps ran as one call (plain or greedy)."""
-    seen = [0]
-    real = mamba_step.MambaStep._step
-
-    def counted(self, *a, **k):
-        seen[0] += 1
-        return real(self, *a, **k)
-    monkeypatch.setattr(mamba_step.MambaStep, "_step", counted)
-    return seen
+    return count_calls(monkeypatch, mamba_step.MambaStep, "_step")
 
 
 _blockwise = layer_by_layer

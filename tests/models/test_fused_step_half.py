@@ -5,15 +5,16 @@ the steps along each node's path, to the dtype's rounding (a tree's scan sums in
 step's state update); a prefill is its tokens stepped bit for bit, and a greedy iteration its own
 pass, verification and commit. (Its drafts: tests/models/test_fused_draft.py.)"""
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from strategies import trees
-from tiny_models import VOCAB, layer_by_layer, mamba2, with_biases
+from tiny_models import VOCAB, count_calls, layer_by_layer, mamba2, with_biases
 
 from stree.kernels.cpu import mamba_step
-from stree.models.fused_step import fused_step
+from stree.models.fused_step import fused_draft, fused_step
 from stree.sampling.verify import verify_greedy_host
 from stree.tree import TokenTree
 
@@ -27,14 +28,7 @@ MODELS = {(dtype, layout): with_biases(mamba2(**kw)).to(dtype)
 
 
 def _counted(monkeypatch, name: str) -> list:
-    seen = [0]
-    real = getattr(mamba_step.MambaStep, name)
-
-    def counted(self, *a, **k):
-        seen[0] += 1
-        return real(self, *a, **k)
-    monkeypatch.setattr(mamba_step.MambaStep, name, counted)
-    return seen
+    return count_calls(monkeypatch, mamba_step.MambaStep, name)
 
 
 def _assert_rounded_and_near(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
@@ -158,3 +152,15 @@ def test_a_half_model_whose_norms_round_before_their_weight_or_whose_conv_states
         assert fused_step(model, cache, tokens, "auto") is not None
         cache.conv = cache.conv.float()
         assert fused_step(model, cache, tokens, "auto") is None
+
+
+def test_a_draft_whose_node_slots_are_of_another_dtype_than_the_cache_is_not_one_call():
+    """(The call reads every conv state as the cache's dtype: slots of another would be misread.)"""
+    model = MODELS[torch.float16, "float32 residual"]
+    cache = model.allocate_cache(1, 64)
+    args = (torch.tensor([[5]]), np.array([1], dtype=np.int64), np.array([-1, 0, 1], dtype=np.int64))
+    with torch.no_grad():
+        nodes = model.allocate_cache(3, 64)
+        assert fused_draft(model, cache.clone(), *args, nodes, None, None, None, "auto") is not None
+        nodes.conv = nodes.conv.float()
+        assert fused_draft(model, cache.clone(), *args, nodes, None, None, None, "auto") is None

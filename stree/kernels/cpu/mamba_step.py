@@ -16,8 +16,8 @@ Tests compare it with the model's own step (``tests/models/test_fused_step.py``)
 What it takes: float32 parameters (a half model's widened) and SSM states on the CPU, conv states of
 the model's dtype, x and B one head / group each (no repeats), D per head or per channel; the model side
 decides where it applies (:mod:`stree.models.fused_step`). A half model (float16, bfloat16) computes in
-float32 and rounds each output where its block-by-block path does, so that every call of it (step,
-prefill, pass, iteration, draft) makes a token's outputs the same way.
+float32 and rounds each output where its block-by-block path does, in every call alike (step, prefill,
+pass, iteration, draft; a tree's scan, as in float32, sums in another order than a step's update).
 """
 
 from __future__ import annotations
