@@ -202,16 +202,18 @@ void tree_conv_row(const float* xBC, long ldx, const int64_t* parents, long n, c
 // side by side), raw dt [n, ldt], parents [n], the state's term xs [n, heads * headdim] (C_i . x0, by
 // stree_state_term): y [n, heads * headdim] = exp(Atree_i) xs_i + the sum over i's ancestors-or-self j
 // of exp(Atree_i - Atree_j) (C_i . B_j) dt_j x_j, + D x_i. work: 3 * n * heads floats (d, decay, at
-// as doubles after them).
+// as doubles after them). Heads h0 .. h1 - 1 alone (each head's y and work its own: a row's heads are split
+// over the threads so).
 void tree_scan_row(const float* conv, long dim, const float* dt, long ldt, const int64_t* parents, long n,
-                   const float* xs, const Layer& L, const Sizes& sz, double lo, double hi, float* y, double* work) {
+                   const float* xs, const Layer& L, const Sizes& sz, double lo, double hi, float* y, double* work,
+                   long h0, long h1) {
   long H = sz.heads, Pd = sz.headdim, S = sz.d_state, G = sz.groups, HP = H * Pd, per_group = H / G;
   double* at = work;
   float *d = (float*)(at + n * H), *decay = d + n * H;
   float cb[64];
   for (long i = 0; i < n; i++) {
     long q = parents[i];
-    for (long h = 0; h < H; h++) {
+    for (long h = h0; h < h1; h++) {
       double v = processed_dt(dt[i * ldt + h], L.dt_bias[h], lo, hi);
       d[i * H + h] = (float)v;
       at[i * H + h] = v * (double)L.A[h] + (q >= 0 ? at[q * H + h] : 0.0);
@@ -221,7 +223,7 @@ void tree_scan_row(const float* conv, long dim, const float* dt, long ldt, const
   for (long i = 0; i < n; i++) {
     const float *x = conv + i * dim, *C = x + HP + G * S;
     float* acc = y + i * HP;
-    for (long h = 0; h < H; h++) {
+    for (long h = h0; h < h1; h++) {
       const float *D = L.D + h * Pd, *xh = x + h * Pd, *made = xs + i * HP + h * Pd;
       float dec = decay[i * H + h], *a = acc + h * Pd;
       for (long p = 0; p < Pd; p++) a[p] = D[p] * xh[p] + dec * made[p];
@@ -234,12 +236,12 @@ void tree_scan_row(const float* conv, long dim, const float* dt, long ldt, const
         for (long s = 0; s < S; s++) s0 += C[g * S + s] * Bj[g * S + s];
         cb[g] = s0;
       }
-      for (long h = 0; h < H; h++) {
+      for (long h = h0; h < h1; h++) {
         float coef = (float)exp(at[i * H + h] - at[j * H + h]) * cb[h / per_group] * d[j * H + h];
         for (long p = 0; p < Pd; p++) acc[h * Pd + p] += coef * xj[h * Pd + p];
       }
     }
-    round_half(acc, HP, sz.rounding);
+    round_half(acc + h0 * Pd, (h1 - h0) * Pd, sz.rounding);
   }
 }
 
@@ -258,20 +260,49 @@ void embed_rows(const Model* m, const int64_t* tokens, long rows, float* x) {
     for (long d = 0; d < D; d++) x[r * D + d] = m->embed[tokens[r] * D + d];
 }
 
-// Rows from which a block's norms run over the threads, a share of the rows each (a prefill's scalar
-// norms in double, one row after another, had taken it longer than its products)
-constexpr long ROWS_APART = 16;
+// Rows from which a block's row-wise work (its norms, SiLU, roundings and residual add) runs over the
+// threads, a share of the rows each: a prefill's scalar norms in double, one row after another, had taken
+// it longer than its products, and a tree pass of 8 nodes at batch 1 (the shipped target, float16) spent
+// about a third of its time on one thread while the other waited, in this work and in its conv and scan
+// (below); a parallel loop costs about half a microsecond to start on the 2-core EPYC, a row of that
+// block's work a few
+constexpr long ROWS_APART = 4;
+
+// Elements (a tree's nodes times a head's state, in all) from which a tree pass's conv and scan split a row
+// over the threads too, a part of its channels or heads each
+constexpr long SPLIT_WORK = 2048;
+
+// f(i) for each i < count: over the threads where ``apart`` (a static share each), else in this thread
+// alone (a parallel loop whose `if` is false still starts a team of one, a third of a microsecond)
+template <class F>
+void for_each(long count, bool apart, int threads, F f) {
+  if (apart) {
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (long i = 0; i < count; i++) f(i);
+  } else {
+    for (long i = 0; i < count; i++) f(i);
+  }
+}
+
+// v [rows, cols] rounded in place to a half model's values (round_half), rows over the threads from
+// ROWS_APART
+void round_rows(float* v, long rows, long cols, int64_t mode, int threads) {
+  if (mode < 0) return;
+  if (threads > 1 && rows >= ROWS_APART)
+    for_each(rows, true, threads, [&](long r) { round_half(v + r * cols, cols, mode); });
+  else
+    round_half(v, rows * cols, mode);
+}
 
 // A block's start for ``rows`` tokens: the RMSNorm of x into h, then in_proj into proj [rows, d_in_proj].
 void block_in(const Model* m, const Layer& L, long rows, const float* x, float* h, float* proj, int threads) {
   long D = m->n.d_model, P = m->n.d_in_proj;
-#pragma omp parallel for schedule(static) num_threads(threads) if (rows >= ROWS_APART)
-  for (long r = 0; r < rows; r++) {
+  for_each(rows, threads > 1 && rows >= ROWS_APART, threads, [&](long r) {
     rms_norm(x + r * D, D, L.norm_w, m->e.eps, h + r * D);
     round_half(h + r * D, D, m->n.rounding);
-  }
+  });
   stree_gemm(h, rows, D, D, L.in_w, P, proj, P, L.in_b, threads);
-  round_half(proj, rows * P, m->n.rounding);
+  round_rows(proj, rows, P, m->n.rounding, threads);
 }
 
 // A block's end for ``rows`` tokens: the gated norm of y [rows, d_inner] by silu(z) (z: the first
@@ -280,19 +311,25 @@ void block_out(const Model* m, const Layer& L, long rows, const float* proj, con
                float* normed, float* out, float* x, int threads) {
   const Sizes& n = m->n;
   long D = n.d_model, P = n.d_in_proj, I = n.d_inner;
-#pragma omp parallel for schedule(static) num_threads(threads) if (rows >= ROWS_APART)
-  for (long r = 0; r < rows; r++) {
+  bool apart = threads > 1 && rows >= ROWS_APART;
+  for_each(rows, apart, threads, [&](long r) {
     const float* z = proj + r * P;
     silu_row(z, I, gate + r * I);
     for (long g0 = 0; g0 < I; g0 += n.norm_group)
       gated_norm(y + r * I + g0, gate + r * I + g0, L.gnorm_w + g0, n.norm_group, m->e.gnorm_eps, n.gate_first != 0,
                  normed + r * I + g0);
     round_half(normed + r * I, I, n.rounding);
-  }
+  });
   stree_gemm(normed, rows, I, I, L.out_w, D, out, D, L.out_b, threads);
-  round_half(out, rows * D, n.rounding);
-  for (long i = 0; i < rows * D; i++) x[i] += out[i];
-  if (n.half_residual) round_half(x, rows * D, n.rounding);
+  auto add = [&](float* o, float* xr, long count) {  // (the residual add of count entries)
+    round_half(o, count, n.rounding);
+    for (long i = 0; i < count; i++) xr[i] += o[i];
+    if (n.half_residual) round_half(xr, count, n.rounding);
+  };
+  if (apart)
+    for_each(rows, true, threads, [&](long r) { add(out + r * D, x + r * D, D); });
+  else
+    add(out, x, rows * D);
 }
 
 // The state update of b rows' tokens in one layer, (row, head) pairs over the threads where ``wide``: row
@@ -304,8 +341,7 @@ void update_states(const Model* m, const Layer& L, long b, const int64_t* start,
   const Sizes& n = m->n;
   long P = n.d_in_proj, I = n.d_inner, CD = n.conv_dim, S = n.d_state, H = n.heads;
   long HP = H * n.headdim, per_group = H / n.groups;
-#pragma omp parallel for schedule(static) num_threads(threads) if (wide)
-  for (long t = 0; t < b * H; t++) {
+  for_each(b * H, wide, threads, [&](long t) {
     long r = t / H, hd = t % H;
     for (long row = start ? start[r] : r; row < (start ? start[r + 1] : r + 1); row++) {
       const float* c = conv + row * CD;  // x [heads, headdim], B and C [groups, d_state]
@@ -314,7 +350,7 @@ void update_states(const Model* m, const Layer& L, long b, const int64_t* start,
                   group_B + n.groups * S, L.D + hd * n.headdim, L.dt_bias[hd], lo, hi, n.headdim, S,
                   y + row * I + hd * n.headdim);
     }
-  }
+  });
 }
 
 // ``rows`` tokens, one a row, through every block: row i's conv window at conv_states + l * cstride + i *
@@ -332,16 +368,18 @@ __attribute__((always_inline)) inline float* step_rows(const Model* m, const int
   scratch.resize((size_t)(rows * (3 * D + P + CD + 3 * I)));
   float *x = scratch.data(), *h = x + rows * D, *out = h + rows * D, *proj = out + rows * D, *conv = proj + rows * P;
   float *y = conv + rows * CD, *gate = y + rows * I, *normed = gate + rows * I;
-  // rows (and their heads) are independent: over the threads only where it is worth waking them
+  // rows (and their heads) are independent: over the threads only where it is worth waking them (a step of
+  // one row split its conv's channels and its heads over the threads too, as a tree pass does: timed alone
+  // it was no faster, and decoding at batch 1 measured 8% slower, benchmarks/speculation_ab.py)
   bool wide = rows * HP * S >= (1 << 16);
   embed_rows(m, tokens, rows, x);
   for (long l = 0; l < n.layers; l++) {
     const Layer& L = m->layer[l];
     block_in(m, L, rows, x, h, proj, threads);
     float* cs = conv_states + l * cstride;
-#pragma omp parallel for schedule(static) num_threads(threads) if (wide)
-    for (long r = 0; r < rows; r++)
+    for_each(rows, wide, threads, [&](long r) {
       conv_row(proj + r * P + I, cs + r * CD * K, L.conv_w, L.conv_b, CD, K, conv + r * CD, n.rounding);
+    });
     update_states(m, L, rows, nullptr, proj, conv, ssm_states + l * sstride, m->e.dt_lo, m->e.dt_hi, y, threads, wide);
     round_half(y, rows * I, n.rounding);
     block_out(m, L, rows, proj, y, gate, normed, out, x, threads);
@@ -356,10 +394,13 @@ __attribute__((always_inline)) inline void head_rows(const Model* m, const float
   long D = m->n.d_model;
   thread_local std::vector<float> h;
   h.resize((size_t)(k * D));
-  for (long j = 0; j < k; j++) rms_norm(x + (at ? at[j] : j) * D, D, m->final_w, m->e.final_eps, h.data() + j * D);
-  round_half(h.data(), k * D, m->n.rounding);
-  if (k) stree_gemm(h.data(), k, D, D, head_w, V, logits, V, nullptr, threads);
-  round_half(logits, k * V, m->n.rounding);
+  float* hd = h.data();
+  for_each(k, threads > 1 && k >= ROWS_APART, threads, [&](long j) {
+    rms_norm(x + (at ? at[j] : j) * D, D, m->final_w, m->e.final_eps, hd + j * D);
+    round_half(hd + j * D, D, m->n.rounding);
+  });
+  if (k) stree_gemm(hd, k, D, D, head_w, V, logits, V, nullptr, threads);
+  round_rows(logits, k, V, m->n.rounding, threads);
 }
 
 // Each row's first counts[r] (>= 1) of tokens [b, T] fed into the conv and SSM states [layers, b, ...]
@@ -405,11 +446,10 @@ float* feed_rows(const Model* m, const int64_t* tokens, const int64_t* counts, l
       const Layer& L = m->layer[l];
       block_in(m, L, N, x, h, proj, threads);
       float* cs = conv_states + l * b * CD * K;  // (the layer's windows; its SSM states below)
-#pragma omp parallel for schedule(static) num_threads(threads) if (wide)
-      for (long t = 0; t < b * parts; t++) {
+      for_each(b * parts, wide, threads, [&](long t) {
         long r = t / parts, c0 = channel_split(CD, t % parts, parts), c1 = channel_split(CD, t % parts + 1, parts);
         long len = start[r + 1] - start[r];
-        if (!len) continue;
+        if (!len) return;
         // the block's tokens as a chain (the tree conv's loops run along the channels, the step's conv
         // one channel at a time; each output sums the same products in the same order), then the window
         // moved past them: slot j holds the token len - K + j, or, before them, the old slot j + len
@@ -422,7 +462,7 @@ float* feed_rows(const Model* m, const int64_t* tokens, const int64_t* counts, l
             long q = len - K + j;
             window[c * K + j] = q >= 0 ? raw[q * P + c] : window[c * K + j + len];
           }
-      }
+      });
       update_states(m, L, b, start, proj, conv, ssm_states + l * b * HP * S, lo, hi, y, threads, wide);
       round_half(y, N * I, n.rounding);
       block_out(m, L, N, proj, y, gate, normed, out, x, threads);
@@ -598,13 +638,12 @@ extern "C" long stree_mamba_step(const int64_t* a) {
   if (laws) {
     int64_t* top_ids = (int64_t*)a[12];
     float *top_probs = (float*)a[13], *own = (float*)a[14];
-#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && k > 1)
-    for (long j = 0; j < k; j++) {
+    for_each(k, threads > 1 && k > 1, threads, [&](long j) {
       thread_local std::vector<float> work;
       work.resize((size_t)n.vocab);
       node_law(logits + j * n.vocab, n.vocab, laws, choice[j], top_ids + j * laws, top_probs + j * laws, own + j,
                work.data());
-    }
+    });
   }
   return 0;
 }
@@ -669,9 +708,11 @@ long tree_pass(const Model* m, const int64_t* tokens, long b, long n, const int6
   float *x = scratch.data(), *h = x + N * D, *out = h + N * D, *proj = out + N * D, *conv = proj + N * P;
   float *y = conv + N * CD, *gate = y + N * I, *normed = gate + N * I, *xs = normed + N * I;
   double* rows_work = work.data();  // (taken here: inside the parallel loop, `work` is each thread's own)
-  // rows over the threads from the step's own threshold: each row's conv and scan is its own memory, and
-  // at a million elements (where this had stood) a batch of two kept its trees of up to 31 nodes serial
-  bool wide = b > 1 && N * HP * S >= (1 << 16);
+  // each row's conv and scan is its own memory, a row's channels (conv) and heads (scan) independent: over
+  // the threads as (row, part) pairs, a row in parts where rows are fewer than threads; at batch 1 both
+  // had run on one thread, the other waiting, a seventh of an 8-node pass
+  bool wide = threads > 1 && N * HP * S >= SPLIT_WORK;
+  long parts = b < threads ? threads / b : 1;
   const int64_t* ids = tokens;
   if (!whole) {  // (the rows' nodes back to back)
     fed.resize((size_t)N);
@@ -684,25 +725,29 @@ long tree_pass(const Model* m, const int64_t* tokens, long b, long n, const int6
     const Layer& L = m->layer[l];
     block_in(m, L, N, x, h, proj, threads);
     float *xBC_l = xBC_s + l * N * CD, *x_l = x_s + l * N * HP, *dt_l = dt_s + l * N * H, *B_l = B_s + l * N * GS;
-#pragma omp parallel for schedule(static) num_threads(threads) if (wide)
-    for (long r = 0; r < b; r++) {
+    for_each(b * parts, wide, threads, [&](long t) {
+      long r = t / parts, part = t % parts;
+      long c0 = channel_split(CD, part, parts), c1 = channel_split(CD, part + 1, parts);
       const int64_t* pr = parents + (rows > 1 ? r : 0) * n;
       long at = start[r], size = start[r + 1] - at;
       const float* pj = proj + at * P;
-      for (long i = 0; i < size; i++) {
+      for (long i = 0; i < size; i++) {  // (the channels c0 .. c1 of xBC, and the part that comes first the dt)
         const float* raw = pj + i * P + I;
         float *xBC_i = xBC_l + (at + i) * CD, *dt_i = dt_l + (at + i) * H;
-        for (long c = 0; c < CD; c++) xBC_i[c] = raw[c];
-        for (long c = 0; c < H; c++) dt_i[c] = raw[CD + c];
+        for (long c = c0; c < c1; c++) xBC_i[c] = raw[c];
+        if (!part)
+          for (long c = 0; c < H; c++) dt_i[c] = raw[CD + c];
       }
-      tree_conv_row(pj + I, P, pr, size, conv_states + (l * b + r) * CD * K, L.conv_w, L.conv_b, CD, K,
-                    conv + at * CD, CD, sz.rounding);
+      tree_conv_row(pj + I + c0, P, pr, size, conv_states + ((l * b + r) * CD + c0) * K, L.conv_w + c0 * K,
+                    L.conv_b ? L.conv_b + c0 : nullptr, c1 - c0, K, conv + at * CD + c0, CD, sz.rounding);
+      // (of x [0, HP) and B [HP, HP + GS) the channels among c0 .. c1)
+      long x1 = c1 < HP ? c1 : HP, b0 = c0 > HP ? c0 : HP, b1 = c1 < HP + GS ? c1 : HP + GS;
       for (long i = 0; i < size; i++) {
         const float* ci = conv + (at + i) * CD;
-        for (long e = 0; e < HP; e++) x_l[(at + i) * HP + e] = ci[e];
-        for (long e = 0; e < GS; e++) B_l[(at + i) * GS + e] = ci[HP + e];
+        for (long e = c0; e < x1; e++) x_l[(at + i) * HP + e] = ci[e];
+        for (long e = b0; e < b1; e++) B_l[(at + i) * GS + e - HP] = ci[e];
       }
-    }
+    });
     // the state's term, C_i . x0, for every row's nodes as products (each block of the state packed once;
     // rows of their own sizes one call each)
     if (whole)
@@ -712,27 +757,30 @@ long tree_pass(const Model* m, const int64_t* tokens, long b, long n, const int6
       for (long r = 0; r < b; r++)
         stree_state_term(conv + start[r] * CD + HP + GS, 1, start[r + 1] - start[r], sz.groups, S, CD, 0,
                          ssm_states + (l * b + r) * HP * S, H, sz.headdim, xs + start[r] * HP, threads);
-#pragma omp parallel for schedule(static) num_threads(threads) if (wide)
-    for (long r = 0; r < b; r++)
+    for_each(b * parts, wide, threads, [&](long t) {
+      long r = t / parts, h0 = H * (t % parts) / parts, h1 = H * (t % parts + 1) / parts;
       tree_scan_row(conv + start[r] * CD, CD, proj + start[r] * P + I + CD, P, parents + (rows > 1 ? r : 0) * n,
                     start[r + 1] - start[r], xs + start[r] * HP, L, sz, m->e.dt_lo, m->e.dt_hi, y + start[r] * I,
-                    rows_work + r * 2 * n * H);
+                    rows_work + r * 2 * n * H, h0, h1);
+    });
     block_out(m, L, N, proj, y, gate, normed, out, x, threads);
   }
   if (hidden) {
     *hidden = x;
     return 0;
   }
-  for (long t = 0; t < N; t++) rms_norm(x + t * D, D, m->final_w, m->e.final_eps, h + t * D);
-  round_half(h, N * D, sz.rounding);
+  for_each(N, threads > 1 && N >= ROWS_APART, threads, [&](long t) {
+    rms_norm(x + t * D, D, m->final_w, m->e.final_eps, h + t * D);
+    round_half(h + t * D, D, sz.rounding);
+  });
   if (whole) {
     stree_gemm(h, N, D, D, m->head_w, sz.vocab, logits, sz.vocab, nullptr, threads);
-    round_half(logits, N * sz.vocab, sz.rounding);
+    round_rows(logits, N, sz.vocab, sz.rounding, threads);
   } else {
     for (long r = 0; r < b; r++) {
       stree_gemm(h + start[r] * D, start[r + 1] - start[r], D, D, m->head_w, sz.vocab, logits + r * n * sz.vocab,
                  sz.vocab, nullptr, threads);
-      round_half(logits + r * n * sz.vocab, (start[r + 1] - start[r]) * sz.vocab, sz.rounding);
+      round_rows(logits + r * n * sz.vocab, start[r + 1] - start[r], sz.vocab, sz.rounding, threads);
     }
   }
   return 0;
@@ -953,15 +1001,14 @@ extern "C" long stree_mamba_tree_greedy(const int64_t* a) {
   // Each (layer, row) replays alone, so they are split over the threads (the pass's products have just run
   // on them): replayed on one, a 16-node chain accepted whole had taken 0.6 of a plain step more than split
   // (benchmarks/pass_ab.py --accepted, docs/benchmarks.md); a single node, the root alone, stays on one
-#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && jobs > 1 && replayed >= REPLAY_SPLIT)
-  for (long j = 0; j < jobs; j++) {
+  for_each(jobs, threads > 1 && jobs > 1 && replayed >= REPLAY_SPLIT, threads, [&](long j) {
     long l = j / b, r = j % b, at = l * N;  // (at: the row's first node in the layer's scratch)
     for (long q = 0; q < r; q++) at += sizes ? sizes[q] : n;
     thread_local std::vector<float> work;
     work.resize((size_t)(L * (1 + sz.headdim)));
     replay_row(m->layer[l], sz, m->e.dt_lo, m->e.dt_hi, xBC + at * CD, x + at * HP, dt + at * H, B + at * GS,
                path + r * L, num[r], conv_states + (l * b + r) * CD * K, ssm_states + (l * b + r) * SS, work.data());
-  }
+  });
   int64_t* lengths = (int64_t*)a[26];
   if (lengths)
     for (long r = 0; r < b; r++) lengths[r] += num[r];
