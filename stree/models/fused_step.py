@@ -91,18 +91,22 @@ def _wide(t: torch.Tensor | None) -> torch.Tensor | None:
 
 
 def _pack(weight: torch.Tensor) -> torch.Tensor:
-    return linear.tiled_copy(_wide(weight))
+    """A weight packed for the tiled product: a float32 one's copy shared with the products that read it
+    so, a half one's packed in its dtype (the one call's half packs, mamba_step.MambaLayer)."""
+    return linear.tiled_copy(weight)
 
 
 def _build(model) -> mamba_step.MambaStep | None:
     if not _eligible(model):
         return None
+    half = model.dtype != torch.float32  # (its products' weights also packed in its dtype: mamba_step.MambaLayer)
     layers = []
     for blk in model.blocks:
         m = blk.mixer
         params = (blk.norm.weight, m.in_proj.weight, m.in_proj.bias, m.conv1d.weight, m.conv1d.bias, m.A(), m.D,
                   m.dt_bias, m.norm.weight, m.out_proj.weight, m.out_proj.bias)
-        layers.append(mamba_step.MambaLayer(*map(_wide, params), _pack))
+        layers.append(mamba_step.MambaLayer(*map(_wide, params), _pack,
+                                            half=None if not half else (m.in_proj.weight, m.out_proj.weight)))
     first = model.blocks[0].mixer
     cfg = first.cfg
     embed, final, head = map(_wide, (model.embed.weight, model.final_norm.weight, model.lm_head.weight))
@@ -111,7 +115,7 @@ def _build(model) -> mamba_step.MambaStep | None:
                                 gate_first=first.norm.gate_first, eps=model.blocks[0].norm.eps,
                                 gnorm_eps=first.norm.eps, final_eps=model.final_norm.eps,
                                 dt_limit=first.dt_limit(False), pack=_pack, dtype=model.dtype,
-                                half_residual=not model.residual_fp32)
+                                half_residual=not model.residual_fp32, head_half=model.lm_head.weight if half else None)
 
 
 class _Plan:

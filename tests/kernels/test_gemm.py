@@ -1,6 +1,7 @@
 """stree.kernels.cpu.gemm: the tiled few-row product against the float64 definition (random
 sizes across the row chunks and the last partial block, strided rows, a bias, poisoned outputs),
-its AVX2 variant too, its packing, its threads, its bad input, and its build: kept per source,
+its AVX2 variant too, its packing (a half weight's in its dtype too: the same sums as its float32
+copy's), its threads, its bad input, and its build: kept per source,
 compiler, flags and CPU, and a clean "unavailable" where it cannot be built. Also the tree scan's
 state term, the same product on a state packed as it is read, against its float64 definition."""
 
@@ -68,6 +69,10 @@ def test_the_avx2_variant_equals_the_definition(monkeypatch):
         packed = gemm.pack(w)
         assert packed.shape == (-(-d_out // 16), d_in, 16)
         assert _close(gemm.product(x, packed, d_out, b), x, w, b)
+        for dtype in (torch.float16, torch.bfloat16):  # (half packs widened by AVX2's instructions)
+            half = w.to(dtype)
+            want = gemm.product(x, gemm.pack(half.float()), d_out, b)
+            assert torch.equal(gemm.product(x, gemm.pack(half), d_out, b), want)
     for batch, nodes, groups, per_group, headdim, d_state in [(1, 13, 1, 8, 64, 32), (2, 7, 2, 1, 12, 19)]:
         C, x0, want, scale = _state_case(batch, nodes, groups, per_group, headdim, d_state, 3, nodes)
         out = torch.empty(batch, nodes, groups * per_group, headdim)
@@ -119,6 +124,19 @@ def test_the_state_term_equals_the_definition(batch, nodes, groups, per_group, h
 
 def test_the_state_term_runs_within_its_scratch_only():
     assert gemm.takes_state(1) and gemm.takes_state(256) and not gemm.takes_state(257)
+
+
+@settings(max_examples=40, deadline=None)
+@given(rows=st.integers(1, 30), d_in=st.integers(1, 70), d_out=st.integers(1, 100), bias=st.booleans(),
+       dtype=st.sampled_from([torch.float16, torch.bfloat16]), seed=st.integers(0, 2**16))
+def test_a_half_weight_packed_in_its_dtype_gives_its_float32_copys_products(rows, d_in, d_out, bias, dtype, seed):
+    """Each vector of a half pack widened as it is loaded (float16 by the conversion instruction, bfloat16
+    by a shift): the float32 copy's sums exactly, term for term, whatever the rows and partial blocks."""
+    x, w, b = _case(rows, d_in, d_out, bias, 3, seed)
+    half = (w * torch.logspace(-6, 0, d_in)).to(dtype)  # (float16's subnormals among them)
+    packed = gemm.pack(half)
+    assert packed.dtype == dtype and packed.shape == gemm.pack(half.float()).shape
+    assert torch.equal(gemm.product(x, packed, d_out, b), gemm.product(x, gemm.pack(half.float()), d_out, b))
 
 
 def test_packing_lays_column_blocks_padded_with_zeros():

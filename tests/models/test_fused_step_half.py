@@ -16,7 +16,7 @@ from tiny_models import VOCAB, count_calls, layer_by_layer, mamba2, with_biases
 from stree.kernels.cpu import mamba_step
 from stree.models.fused_step import fused_draft, fused_step
 from stree.sampling.verify import verify_greedy_host
-from stree.tree import TokenTree
+from stree.tree import TokenTree, TreeShape
 
 pytestmark = pytest.mark.skipif(not mamba_step.available(), reason="no C++ compiler for the CPU library here")
 
@@ -164,3 +164,51 @@ def test_a_draft_whose_node_slots_are_of_another_dtype_than_the_cache_is_not_one
         assert fused_draft(model, cache.clone(), *args, nodes, None, None, None, "auto") is not None
         nodes.conv = nodes.conv.float()
         assert fused_draft(model, cache.clone(), *args, nodes, None, None, None, "auto") is None
+
+
+def _without_half_packs(monkeypatch, model) -> None:
+    """The model's one call made anew with its products' weights packed as float32 alone (no half packs)."""
+    layer, step = mamba_step.MambaLayer.__init__, mamba_step.MambaStep.__init__
+    monkeypatch.setattr(mamba_step.MambaLayer, "__init__", lambda self, *a, half=None, **k: layer(self, *a, **k))
+    monkeypatch.setattr(mamba_step.MambaStep, "__init__", lambda self, *a, head_half=None, **k: step(self, *a, **k))
+    model.__dict__.pop("_stree_fused_step", None)
+
+
+@pytest.mark.parametrize("key", sorted(MODELS, key=str), ids=str)
+def test_a_half_models_products_read_half_packs_for_few_rows_with_the_float32_packs_sums(key, monkeypatch):
+    """A half model's one call packs its products' weights in its dtype too, and its products of up to three
+    rows (a step of one or two rows, a pass of two nodes, a draft's levels, an iteration's head waves) read
+    them: every output and state the same bits as with the float32 packs alone."""
+    dtype, _ = key
+    model = MODELS[key]
+    gen = torch.Generator().manual_seed(11)
+    prompt, steps = torch.randint(0, VOCAB, (2, 9), generator=gen), torch.randint(0, VOCAB, (3, 2), generator=gen)
+    pair = TokenTree(torch.tensor([-1, 0]), torch.randint(0, VOCAB, (1, 2), generator=gen))
+    tree = TokenTree(torch.tensor([-1, 0, 0, 1, 1]), torch.randint(0, VOCAB, (2, 5), generator=gen))
+    shape = TreeShape([-1, 0, 0, 1])
+
+    def run():
+        with torch.no_grad():
+            cache = model.allocate_cache(2, 64)
+            out = [model.prefill(prompt, cache)] + [model.step(t, cache) for t in steps]
+            one = model.allocate_cache(1, 64)
+            out += [model.prefill(prompt[:1], one), model.step(steps[0, :1], one)]
+            out += [model.forward_tree(pair, one.clone())[0], model.greedy_tree(pair, one.clone())[1]]
+            out += [model.forward_tree(tree, cache.clone())[0], *model.greedy_tree(tree, cache)[1:6]]
+            nodes = model.allocate_cache(shape.n, 64)
+            out += [*model.draft_greedy(steps[0, :1, None].contiguous(), np.ones(1, dtype=np.int64), shape, one, nodes),
+                    cache.conv, cache.ssm, one.conv, one.ssm, nodes.conv, nodes.ssm]
+            return out
+
+    model.__dict__.pop("_stree_fused_step", None)
+    with torch.no_grad():
+        step = fused_step(model, model.allocate_cache(1, 8), None, "auto")
+    assert step.head_h.dtype == dtype and all(layer.arrays["in_h"].dtype == dtype for layer in step.layers)
+    got = run()
+    _without_half_packs(monkeypatch, model)
+    with torch.no_grad():
+        assert fused_step(model, model.allocate_cache(1, 8), None, "auto").head_h is None
+    want = run()
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(torch.as_tensor(a), torch.as_tensor(b))
+    model.__dict__.pop("_stree_fused_step", None)

@@ -7,6 +7,12 @@
 // the block's two vectors of W once and multiplies them into every row, so the weight is read
 // once per call however many rows there are (up to MRMAX; more rows are split into near-equal
 // chunks, the block then re-read from the caches). Blocks are split over the threads.
+//
+// A half (float16, bfloat16) weight may also be packed in its own dtype, the same layout at half the
+// bytes, each vector widened (exactly) as it is loaded: a product of a row or two streams its weight
+// from memory, and the shipped target's head of 4 MB as float32 took about 42 us a row on the 2-core
+// EPYC, 24 as float16; a product of 4 rows or more, bound by its multiply-adds, gains nothing so, and
+// the widening costs one of 8 rows about a tenth.
 #include <immintrin.h>
 #include <stdint.h>
 
@@ -25,14 +31,14 @@ typedef __m512 vec;
 // 14 rows x 2 accumulators + 2 weight vectors + 1 broadcast: 31 of the 32 vector registers
 #define MRMAX 14
 VECTOR_OPS(_mm512, _mm512_setzero_ps)
-#elif defined(__AVX2__) && defined(__FMA__)
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 typedef __m256 vec;
 #define VW 8
 // 6 rows x 2 accumulators + 2 weight vectors + 1 broadcast: 15 of the 16 vector registers
 #define MRMAX 6
 VECTOR_OPS(_mm256, _mm256_setzero_ps)
 #else
-#error "the tiled product needs AVX-512F, or AVX2 with FMA"
+#error "the tiled product needs AVX-512F, or AVX2 with FMA and F16C"
 #endif
 
 #define NB (2 * VW)
@@ -40,23 +46,51 @@ VECTOR_OPS(_mm256, _mm256_setzero_ps)
 // on memory (docs/kernels.md)
 #define AHEAD 16
 
-// MR rows of one full block: y[r, 0:NB] = x[r, :] . W_block (+ bias[0:NB])
-template <int MR>
-static inline void tile(const float* x, long ldx, const float* wp, long K, float* y, long ldy, const float* bias) {
+// A packed weight's element type: float32, or a half model's float16 or bfloat16 (mamba_step.cpp's
+// Sizes::rounding codes)
+enum { W_F32 = -1, W_F16 = 0, W_BF16 = 1 };
+
+// VW weights from element i of a packed weight of type WT, as float32 (a half's value exactly)
+template <int WT>
+static inline vec wload(const void* w, long i) {
+  if constexpr (WT == W_F32) {
+    return vload((const float*)w + i);
+  } else {
+    const uint16_t* h = (const uint16_t*)w + i;
+#if defined(__AVX512F__)
+    __m256i bits = _mm256_loadu_si256((const __m256i*)h);
+    if constexpr (WT == W_F16) return _mm512_cvtph_ps(bits);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+#else
+    __m128i bits = _mm_loadu_si128((const __m128i*)h);
+    if constexpr (WT == W_F16) return _mm256_cvtph_ps(bits);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+#endif
+  }
+}
+
+// MR rows of one full block: y[r, 0:NB] = x[r, :] . W_block (+ bias[0:NB]), the block of type WT
+template <int MR, int WT>
+static inline void tile(const float* x, long ldx, const void* wp, long K, float* y, long ldy, const float* bias) {
   vec a0[MR], a1[MR];
+  const char* ahead = (const char*)wp + AHEAD * NB * (WT == W_F32 ? 4 : 2);  // (bytes: a half block's are two)
 #pragma GCC unroll 16
   for (int r = 0; r < MR; r++) {
     a0[r] = vzero();
     a1[r] = vzero();
   }
   for (long k = 0; k < K; k++) {
-    vec w0 = vload(wp + k * NB), w1 = vload(wp + k * NB + VW);
+    vec w0 = wload<WT>(wp, k * NB), w1 = wload<WT>(wp, k * NB + VW);
     // (held in registers: GCC otherwise folds the loads into the FMAs where MR is small, each row then loading
     // the block's two vectors again, and a tile of 3 or 4 rows waited on the load ports: on the 2-core EPYC
     // the model's products of 4 rows took 210 us against 153, of 8 rows (two tiles of 4) 388 against 259)
     asm("" : "+v"(w0), "+v"(w1));
-    __builtin_prefetch(wp + (k + AHEAD) * NB);
-    __builtin_prefetch(wp + (k + AHEAD) * NB + VW);
+    if constexpr (WT == W_F32) {
+      __builtin_prefetch(ahead + k * NB * 4);
+      __builtin_prefetch(ahead + k * NB * 4 + VW * 4);
+    } else {  // (a half block's NB weights of a k: one line of 64 bytes with AVX-512, half of one with AVX2)
+      __builtin_prefetch(ahead + k * NB * 2);
+    }
 #pragma GCC unroll 16
     for (int r = 0; r < MR; r++) {
       vec xb = vset1(x[r * ldx + k]);
@@ -74,23 +108,24 @@ static inline void tile(const float* x, long ldx, const float* wp, long K, float
 
 // MR rows of a block of nc <= NB columns (the last block of N not a multiple of NB: its padded
 // columns are computed into a scratch tile, and only the real ones written)
-template <int MR>
-static void block(const float* x, long ldx, const float* wp, long K, float* y, long ldy, const float* bias, int nc) {
+template <int MR, int WT = W_F32>
+static void block(const float* x, long ldx, const void* wp, long K, float* y, long ldy, const float* bias, int nc) {
   if (nc == NB) {
-    tile<MR>(x, ldx, wp, K, y, ldy, bias);
+    tile<MR, WT>(x, ldx, wp, K, y, ldy, bias);
     return;
   }
   float scratch[MR * NB];
-  tile<MR>(x, ldx, wp, K, scratch, NB, nullptr);
+  tile<MR, WT>(x, ldx, wp, K, scratch, NB, nullptr);
   for (int r = 0; r < MR; r++)
     for (int j = 0; j < nc; j++) y[r * ldy + j] = scratch[r * NB + j] + (bias ? bias[j] : 0.f);
 }
 
-static void rows(const float* x, long m, long ldx, const float* wp, long K, float* y, long ldy, const float* bias,
+template <int WT = W_F32>
+static void rows(const float* x, long m, long ldx, const void* wp, long K, float* y, long ldy, const float* bias,
                  int nc) {
   switch (m) {
 #define ROWS(n) \
-  case n: block<n>(x, ldx, wp, K, y, ldy, bias, nc); break;
+  case n: block<n, WT>(x, ldx, wp, K, y, ldy, bias, nc); break;
     ROWS(1) ROWS(2) ROWS(3) ROWS(4) ROWS(5) ROWS(6)
 #if MRMAX > 6
     ROWS(7) ROWS(8) ROWS(9) ROWS(10) ROWS(11) ROWS(12) ROWS(13) ROWS(14)
@@ -190,24 +225,50 @@ extern "C" void stree_state_term_args(const int64_t* a) {
                    (float*)a[10], (int)a[11]);
 }
 
-// x [M, K] (row stride ldx, unit column stride), wp packed, y [M, N] (row stride ldy), bias [N] or null
-extern "C" void stree_gemm(const float* x, long M, long K, long ldx, const float* wp, long N, float* y, long ldy,
-                           const float* bias, int threads) {
-  long blocks = (N + NB - 1) / NB, chunks = (M + MRMAX - 1) / MRMAX;
+template <int WT>
+static void product(const float* x, long M, long K, long ldx, const void* wp, long N, float* y, long ldy,
+                    const float* bias, int threads) {
+  long blocks = (N + NB - 1) / NB, chunks = (M + MRMAX - 1) / MRMAX, size = K * NB * (WT == W_F32 ? 4 : 2);
 #pragma omp parallel for schedule(static) num_threads(threads)
   for (long b = 0; b < blocks; b++) {
     int nc = (int)(N - b * NB < NB ? N - b * NB : NB);
     for (long c = 0, r = 0; c < chunks; c++) {
       long m = (M - r) / (chunks - c);  // near-equal chunks: 16 rows as 8 + 8, not 14 + 2
-      rows(x + r * ldx, m, ldx, wp + b * K * NB, K, y + r * ldy + b * NB, ldy, bias ? bias + b * NB : nullptr, nc);
+      rows<WT>(x + r * ldx, m, ldx, (const char*)wp + b * size, K, y + r * ldy + b * NB, ldy,
+               bias ? bias + b * NB : nullptr, nc);
       r += m;
     }
   }
 }
 
-// stree_gemm's arguments as one array of 10 int64 (x, M, K, ldx, wp, N, y, ldy, bias or 0, threads):
-// ctypes converts each argument of a call, and ten of them took longer than a small product
+// x [M, K] (row stride ldx, unit column stride), wp packed, y [M, N] (row stride ldy), bias [N] or null
+extern "C" void stree_gemm(const float* x, long M, long K, long ldx, const float* wp, long N, float* y, long ldy,
+                           const float* bias, int threads) {
+  product<W_F32>(x, M, K, ldx, wp, N, y, ldy, bias, threads);
+}
+
+// stree_gemm for a weight packed in type wt (W_F32, W_F16, W_BF16): the same sums, term for term (a half's
+// weights widened exactly)
+extern "C" void stree_gemm_typed(const float* x, long M, long K, long ldx, const void* wp, long N, float* y,
+                                 long ldy, const float* bias, int threads, long wt) {
+  if (wt == W_F16)
+    product<W_F16>(x, M, K, ldx, wp, N, y, ldy, bias, threads);
+  else if (wt == W_BF16)
+    product<W_BF16>(x, M, K, ldx, wp, N, y, ldy, bias, threads);
+  else
+    product<W_F32>(x, M, K, ldx, wp, N, y, ldy, bias, threads);
+}
+
+// w [N, K] of 16-bit elements (a half weight's bits) packed as stree_gemm_pack packs floats
+extern "C" void stree_gemm_pack_half(const uint16_t* w, long N, long K, uint16_t* wp) {
+  for (long b = 0; b * NB < N; b++)
+    for (long k = 0; k < K; k++)
+      for (long j = 0; j < NB; j++) wp[(b * K + k) * NB + j] = b * NB + j < N ? w[(b * NB + j) * K + k] : 0;
+}
+
+// stree_gemm_typed's arguments as one array of 11 int64 (x, M, K, ldx, wp, N, y, ldy, bias or 0, threads,
+// wt): ctypes converts each argument of a call, and ten of them took longer than a small product
 extern "C" void stree_gemm_args(const int64_t* a) {
-  stree_gemm((const float*)a[0], a[1], a[2], a[3], (const float*)a[4], a[5], (float*)a[6], a[7],
-             (const float*)a[8], (int)a[9]);
+  stree_gemm_typed((const float*)a[0], a[1], a[2], a[3], (const void*)a[4], a[5], (float*)a[6], a[7],
+                   (const float*)a[8], (int)a[9], a[10]);
 }

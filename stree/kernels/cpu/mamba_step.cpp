@@ -18,13 +18,16 @@
 
 extern "C" void stree_gemm(const float* x, long M, long K, long ldx, const float* wp, long N, float* y, long ldy,
                            const float* bias, int threads);
+extern "C" void stree_gemm_typed(const float* x, long M, long K, long ldx, const void* wp, long N, float* y,
+                                 long ldy, const float* bias, int threads, long wt);
 extern "C" void stree_state_term(const float* C, long batch, long n, long groups, long K, long ldc, long ldr,
                                  const float* x0, long heads, long headdim, float* out, int threads);
 
 namespace {
 
 // The model, as mamba_step.py lays it out in one int64 array: the sizes, then per layer the
-// addresses of its parameters (0 where a bias is absent).
+// addresses of its parameters (0 where a bias is absent). The products' weights are packed (gemm.cpp) as
+// float32 (in_w, out_w, head_w) and, for a half model, also in its dtype (in_h, out_h, head_h; 0: none).
 // rounding: -1 for a float32 model; a half model's (0 float16, 1 bfloat16), whose outputs round where its
 // block-by-block path rounds them (round_half) and whose conv states are of its dtype; half_residual: its
 // residual stream is of its dtype too (not float32), each add rounded.
@@ -34,6 +37,7 @@ struct Sizes {
 };
 struct Layer {
   const float *norm_w, *in_w, *in_b, *conv_w, *conv_b, *A, *D, *dt_bias, *gnorm_w, *out_w, *out_b;
+  const void *in_h, *out_h;
 };
 struct Doubles {
   double eps, gnorm_eps, final_eps, dt_lo, dt_hi;
@@ -42,6 +46,7 @@ struct Model {
   Sizes n;
   Doubles e;
   const float *embed, *final_w, *head_w;
+  const void* head_h;
   Layer layer[1];  // n.layers of them (the array runs on past the struct)
 };
 constexpr long LAYER_WORDS = sizeof(Layer) / 8;
@@ -294,6 +299,23 @@ void round_rows(float* v, long rows, long cols, int64_t mode, int threads) {
     round_half(v, rows * cols, mode);
 }
 
+// Rows up to which a product takes its weight's half pack, where the model has one: a row or two stream the
+// weight from memory, which a half pack halves; more rows are bound by their multiply-adds, which the
+// widening of each vector slows (the shipped target's head, 4 MB as float32, weights cycling past the
+// L2s on the 2-core EPYC: the half pack's product took 0.55 of the float32 pack's time for 1 row, 0.7 for 2,
+// 0.9 for 3, as long for 4)
+constexpr long HALF_ROWS = 3;
+
+// y [M, N] = x [M, K] @ W.T (+ bias) for a weight packed as wf (float32) and, where not null, wh (the
+// model's half dtype): the same sums either way
+inline void product(const Model* m, const float* x, long M, long K, long ldx, const float* wf, const void* wh,
+                    long N, float* y, long ldy, const float* bias, int threads) {
+  if (wh && M <= HALF_ROWS)
+    stree_gemm_typed(x, M, K, ldx, wh, N, y, ldy, bias, threads, m->n.rounding);
+  else
+    stree_gemm(x, M, K, ldx, wf, N, y, ldy, bias, threads);
+}
+
 // A block's start for ``rows`` tokens: the RMSNorm of x into h, then in_proj into proj [rows, d_in_proj].
 void block_in(const Model* m, const Layer& L, long rows, const float* x, float* h, float* proj, int threads) {
   long D = m->n.d_model, P = m->n.d_in_proj;
@@ -301,7 +323,7 @@ void block_in(const Model* m, const Layer& L, long rows, const float* x, float* 
     rms_norm(x + r * D, D, L.norm_w, m->e.eps, h + r * D);
     round_half(h + r * D, D, m->n.rounding);
   });
-  stree_gemm(h, rows, D, D, L.in_w, P, proj, P, L.in_b, threads);
+  product(m, h, rows, D, D, L.in_w, L.in_h, P, proj, P, L.in_b, threads);
   round_rows(proj, rows, P, m->n.rounding, threads);
 }
 
@@ -320,7 +342,7 @@ void block_out(const Model* m, const Layer& L, long rows, const float* proj, con
                  normed + r * I + g0);
     round_half(normed + r * I, I, n.rounding);
   });
-  stree_gemm(normed, rows, I, I, L.out_w, D, out, D, L.out_b, threads);
+  product(m, normed, rows, I, I, L.out_w, L.out_h, D, out, D, L.out_b, threads);
   auto add = [&](float* o, float* xr, long count) {  // (the residual add of count entries)
     round_half(o, count, n.rounding);
     for (long i = 0; i < count; i++) xr[i] += o[i];
@@ -387,10 +409,11 @@ __attribute__((always_inline)) inline float* step_rows(const Model* m, const int
   return x;
 }
 
-// The final norm and a head of V rows (head_w, packed) of rows at[j] (null: j) of x [., d_model], for j < k:
-// logits [k, V].
+// The final norm and a head of V rows (head_w, packed; head_h, its half pack or null) of rows at[j] (null: j)
+// of x [., d_model], for j < k: logits [k, V].
 __attribute__((always_inline)) inline void head_rows(const Model* m, const float* x, const int64_t* at, long k,
-                                                    const float* head_w, long V, float* logits, int threads) {
+                                                    const float* head_w, const void* head_h, long V, float* logits,
+                                                    int threads) {
   long D = m->n.d_model;
   thread_local std::vector<float> h;
   h.resize((size_t)(k * D));
@@ -399,7 +422,7 @@ __attribute__((always_inline)) inline void head_rows(const Model* m, const float
     rms_norm(x + (at ? at[j] : j) * D, D, m->final_w, m->e.final_eps, hd + j * D);
     round_half(hd + j * D, D, m->n.rounding);
   });
-  if (k) stree_gemm(hd, k, D, D, head_w, V, logits, V, nullptr, threads);
+  if (k) product(m, hd, k, D, D, head_w, head_h, V, logits, V, nullptr, threads);
   round_rows(logits, k, V, m->n.rounding, threads);
 }
 
@@ -629,7 +652,7 @@ extern "C" long stree_mamba_step(const int64_t* a) {
   long HP = n.heads * n.headdim;
   ConvStates conv(conv_states, conv_count(m, b), n.rounding, true, cache_conv);
   float* x = step_rows(m, tokens, b, conv.data, b * n.conv_dim * n.d_conv, ssm_states, b * HP * n.d_state, threads);
-  head_rows(m, x, heads_at, k, m->head_w, n.vocab, logits, threads);
+  head_rows(m, x, heads_at, k, m->head_w, m->head_h, n.vocab, logits, threads);
   for (long j = 0; choice && j < k; j++) {
     choice[j] = first_max(logits + j * n.vocab, n.vocab);
     finite[j] = all_below_inf(logits + j * n.vocab, n.vocab);
@@ -667,7 +690,7 @@ extern "C" long stree_mamba_prefill(const int64_t* a) {
       if (tokens[r * T + t] < 0 || tokens[r * T + t] >= m->n.vocab) return r * T + t + 1;
   ConvStates conv(conv_states, conv_count(m, b), m->n.rounding, true, cache_conv);
   float* last = feed_rows(m, tokens, counts, b, T, conv.data, ssm_states, lo, hi, threads);
-  head_rows(m, last, nullptr, b, m->head_w, m->n.vocab, logits, threads);
+  head_rows(m, last, nullptr, b, m->head_w, m->head_h, m->n.vocab, logits, threads);
   return 0;
 }
 
@@ -774,12 +797,12 @@ long tree_pass(const Model* m, const int64_t* tokens, long b, long n, const int6
     round_half(h + t * D, D, sz.rounding);
   });
   if (whole) {
-    stree_gemm(h, N, D, D, m->head_w, sz.vocab, logits, sz.vocab, nullptr, threads);
+    product(m, h, N, D, D, m->head_w, m->head_h, sz.vocab, logits, sz.vocab, nullptr, threads);
     round_rows(logits, N, sz.vocab, sz.rounding, threads);
   } else {
     for (long r = 0; r < b; r++) {
-      stree_gemm(h + start[r] * D, start[r + 1] - start[r], D, D, m->head_w, sz.vocab, logits + r * n * sz.vocab,
-                 sz.vocab, nullptr, threads);
+      product(m, h + start[r] * D, start[r + 1] - start[r], D, D, m->head_w, m->head_h, sz.vocab,
+              logits + r * n * sz.vocab, sz.vocab, nullptr, threads);
       round_rows(logits + r * n * sz.vocab, start[r + 1] - start[r], sz.vocab, sz.rounding, threads);
     }
   }
@@ -976,7 +999,7 @@ extern "C" long stree_mamba_tree_greedy(const int64_t* a) {
     long k = (long)wave.size();
     // (grown wave by wave to the rows made: room for every node held a second copy of all the logits)
     if ((long)heads.size() < (rows_made + k) * V) heads.resize((size_t)((rows_made + k) * V));
-    head_rows(m, hidden, wave.data(), k, m->head_w, V, heads.data() + rows_made * V, threads);
+    head_rows(m, hidden, wave.data(), k, m->head_w, m->head_h, V, heads.data() + rows_made * V, threads);
     for (long j = 0; j < k; j++) made[wave[j]] = rows_made + j;
     rows_made += k;
     for (long r = 0; r < b; r++) {
@@ -1082,6 +1105,7 @@ extern "C" long stree_mamba_draft(const int64_t* a) {
   long n = a[6];
   float *ssm_states = (float*)a[8], *node_ssm = (float*)a[10];
   const float* head_w = (const float*)a[11];
+  const void* head_h = head_w == m->head_w ? m->head_h : nullptr;  // (a cut of the head has no half pack)
   long V = a[12];
   const int64_t* ids = (const int64_t*)a[13];
   int64_t *drafted = (int64_t*)a[14], *slot = (int64_t*)a[15];
@@ -1140,7 +1164,7 @@ extern "C" long stree_mamba_draft(const int64_t* a) {
       if (parents[u] == v) drafted[r * n + u] = ids ? ids[picked[c]] : picked[c], c++;
   };
   logits.resize((size_t)(b * V));
-  head_rows(m, last, nullptr, b, head_w, V, logits.data(), threads);
+  head_rows(m, last, nullptr, b, head_w, head_h, V, logits.data(), threads);
   for (long r = 0; r < b; r++) children(0, r, logits.data() + r * V);
   long rows_all = n * b;  // the node slots' rows in a layer
   for (long d = 1; d < deepest; d++) {
@@ -1166,7 +1190,7 @@ extern "C" long stree_mamba_draft(const int64_t* a) {
                          node_ssm + f * b * SS, rows_all * SS, threads);
     long k = (long)heads.size();
     logits.resize((size_t)(k * V));
-    head_rows(m, x, heads.data(), k, head_w, V, logits.data(), threads);
+    head_rows(m, x, heads.data(), k, head_w, head_h, V, logits.data(), threads);
     for (long j = 0; j < k; j++) children(order[f + heads[j] / b], heads[j] % b, logits.data() + j * V);
   }
   return 0;

@@ -13,7 +13,8 @@ tiled product's; the conv sums in float as the tree conv does and SiLU takes a p
 vectorises (libm's, a call per element, had taken a 13-node pass's conv and gate most of their time).
 Tests compare it with the model's own step (``tests/models/test_fused_step.py``).
 
-What it takes: float32 parameters (a half model's widened) and SSM states on the CPU, conv states of
+What it takes: float32 parameters (a half model's widened; its products' weights also packed in its
+dtype, which a product of a row or two reads at half the bytes) and SSM states on the CPU, conv states of
 the model's dtype, x and B one head / group each (no repeats), D per head or per channel; the model side
 decides where it applies (:mod:`stree.models.fused_step`). A half model (float16, bfloat16) computes in
 float32 and rounds each output where its block-by-block path does, in every call alike (step, prefill,
@@ -50,11 +51,15 @@ class MambaLayer:
     in_proj ``[d_in_proj, d_model]`` (+ bias), the conv ``[conv_dim, K]`` (+ bias), ``A`` (-exp of
     A_log), ``D``, ``dt_bias`` ``[heads]`` (D also ``[heads, headdim]``), the gated norm's weight
     ``[d_inner]``, out_proj ``[d_model, d_inner]`` (+ bias). ``pack``: what makes the products'
-    packed weights (:func:`.gemm.pack`, or a store of them shared with other products)."""
+    packed weights (:func:`.gemm.pack`, or a store of them shared with other products). ``half``: a
+    half model's in_proj and out_proj weights in its dtype (float16, bfloat16), packed so too: the
+    products of a row or two read them (half the bytes), more rows the float32 ones."""
 
-    FIELDS = ("norm_w", "in_w", "in_b", "conv_w", "conv_b", "A", "D", "dt_bias", "gnorm_w", "out_w", "out_b")
+    FIELDS = ("norm_w", "in_w", "in_b", "conv_w", "conv_b", "A", "D", "dt_bias", "gnorm_w", "out_w", "out_b",
+              "in_h", "out_h")
 
-    def __init__(self, norm_w, in_w, in_b, conv_w, conv_b, A, D, dt_bias, gnorm_w, out_w, out_b, pack=gemm.pack):
+    def __init__(self, norm_w, in_w, in_b, conv_w, conv_b, A, D, dt_bias, gnorm_w, out_w, out_b, pack=gemm.pack,
+                 half: tuple[torch.Tensor, torch.Tensor] | None = None):
         heads = A.shape[0]
         headdim = gnorm_w.shape[0] // heads
         kept = dict(norm_w=norm_w, in_b=in_b, conv_b=conv_b, A=A, dt_bias=dt_bias, gnorm_w=gnorm_w, out_b=out_b,
@@ -67,6 +72,14 @@ class MambaLayer:
         # (contiguous copies the layout owns, the C++ reading raw memory; the weights as packed)
         self.arrays = {k: None if t is None else t.detach().contiguous().clone() for k, t in kept.items()}
         self.arrays["in_w"], self.arrays["out_w"] = pack(in_w), pack(out_w)
+        self.arrays["in_h"] = self.arrays["out_h"] = None
+        self.half_dtype = None if half is None else half[0].dtype
+        if half is not None:
+            if (half[0].dtype not in (torch.float16, torch.bfloat16) or half[1].dtype != half[0].dtype
+                    or half[0].shape != in_w.shape or half[1].shape != out_w.shape):
+                raise TypeError(f"half must be in_proj's and out_proj's weights in one half dtype, got "
+                                f"{[(t.dtype, tuple(t.shape)) for t in half]}")
+            self.arrays["in_h"], self.arrays["out_h"] = pack(half[0]), pack(half[1])
         self.in_features, self.out_features = in_w.shape[1], out_w.shape[0]
         self.d_in_proj, self.d_inner = in_w.shape[0], out_w.shape[1]
 
@@ -90,14 +103,16 @@ class MambaStep:
     ``dtype``: the model's; a half model's (float16, bfloat16) parameters come widened to float32
     (exactly), its outputs round to its dtype where its block-by-block path rounds them (each norm's,
     product's, conv's and scan's; the residual stream's adds too where ``half_residual``), and the conv
-    states it takes are of its dtype. :meth:`__call__` runs it on a cache's stacked states."""
+    states it takes are of its dtype. ``head_half``: a half model's head in its dtype, packed so too for
+    the products of a row or two, as its layers' ``half`` weights (given with them, or neither).
+    :meth:`__call__` runs it on a cache's stacked states."""
 
     CUTS = 4  # the head's cuts kept (head_cut): a packed copy of its rows each
 
     def __init__(self, layers: list[MambaLayer], embed: torch.Tensor, final_w: torch.Tensor, head_w: torch.Tensor,
                  *, d_state: int, groups: int, norm_group: int, gate_first: bool, eps: float, gnorm_eps: float,
                  final_eps: float, dt_limit: tuple[float, float], pack=gemm.pack, dtype: torch.dtype = torch.float32,
-                 half_residual: bool = False):
+                 half_residual: bool = False, head_half: torch.Tensor | None = None):
         lib = gemm.library()
         first = layers[0]
         d_model, vocab = embed.shape[1], head_w.shape[0]
@@ -111,10 +126,16 @@ class MambaStep:
                              f"{headdim}, {groups} groups of d_state {d_state}")
         if dtype not in ROUNDING:
             raise TypeError(f"dtype must be float32, float16 or bfloat16, got {dtype}")
+        halves = {layer.half_dtype for layer in layers} | {None if head_half is None else head_half.dtype}
+        if halves not in ({None}, {dtype}) or dtype == torch.float32 and halves != {None} \
+                or head_half is not None and head_half.shape != head_w.shape:
+            raise TypeError(f"the layers' half weights and head_half must be of the model's half dtype {dtype} "
+                            f"(all, or none), the head of the head's shape, got {sorted(map(str, halves))}")
         self.dtype = dtype
         self.embed = embed.detach().contiguous()
         self.final_w = final_w.detach().contiguous()
         self.head_w = pack(head_w)
+        self.head_h = None if head_half is None else pack(head_half)
         self._head_src, self._pack, self._cuts = head_w.detach(), pack, {}
         self.layers = layers
         sizes = [len(layers), d_model, vocab, first.d_in_proj, first.d_inner, conv_dim, d_conv, heads, headdim,
@@ -122,6 +143,7 @@ class MambaStep:
                  int(half_residual and dtype != torch.float32)]
         doubles = np.array([eps, gnorm_eps, final_eps, *dt_limit], dtype=np.float64).view(np.int64)
         words = sizes + doubles.tolist() + [t.data_ptr() for t in (self.embed, self.final_w, self.head_w)]
+        words.append(0 if self.head_h is None else self.head_h.data_ptr())
         if len(words) != lib.stree_mamba_model_words():
             raise RuntimeError("mamba_step.cpp's model layout and this module's disagree")
         for layer in layers:
