@@ -212,3 +212,20 @@ def test_a_half_models_products_read_half_packs_for_few_rows_with_the_float32_pa
     for a, b in zip(got, want, strict=True):
         assert torch.equal(torch.as_tensor(a), torch.as_tensor(b))
     model.__dict__.pop("_stree_fused_step", None)
+
+
+def test_half_packs_of_some_products_alone_or_of_another_dtype_are_refused(monkeypatch):
+    """(The call reads every half pack as the model's dtype: a layer without one, or a pack of the other half
+    dtype, would be misread.)"""
+    model = MODELS[torch.float16, "float32 residual"]
+    layer = mamba_step.MambaLayer.__init__
+    monkeypatch.setattr(mamba_step.MambaLayer, "__init__", lambda self, *a, half=None, **k: layer(self, *a, **k))
+    model.__dict__.pop("_stree_fused_step", None)
+    with torch.no_grad(), pytest.raises(TypeError, match="half"):
+        fused_step(model, model.allocate_cache(1, 8), None, "auto")
+    monkeypatch.setattr(mamba_step.MambaLayer, "__init__", lambda self, *a, half=None, **k: layer(
+        self, *a, **k, half=None if half is None else tuple(t.to(torch.bfloat16) for t in half)))
+    model.__dict__.pop("_stree_fused_step", None)
+    with torch.no_grad(), pytest.raises(TypeError, match="half"):
+        fused_step(model, model.allocate_cache(1, 8), None, "auto")
+    model.__dict__.pop("_stree_fused_step", None)
