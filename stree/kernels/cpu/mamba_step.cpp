@@ -16,6 +16,36 @@
 #include <algorithm>
 #include <vector>
 
+// Where a greedy iteration's time goes, part by part (benchmarks/pass_parts.py builds the library with
+// -DSTREE_PART_TIMERS and reads stree_part_times): PART(i) adds the wall time since the last mark to part
+// i (the calling thread's; the parts' parallel loops end within them). Without the flag they are nothing.
+#ifdef STREE_PART_TIMERS
+#include <chrono>
+enum { PART_IN, PART_CONV, PART_STATE, PART_SCAN, PART_OUT, PART_HEAD, PART_WALK, PART_REPLAY, PART_LAWS,
+       PART_HEAD_ROWS, PART_CALLS, PARTS };
+static double part_seconds[PARTS], part_mark;
+static inline double part_now() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+#define PART_START() (part_mark = part_now())
+#define PART(i)                            \
+  do {                                     \
+    double now_ = part_now();              \
+    part_seconds[i] += now_ - part_mark;   \
+    part_mark = now_;                      \
+  } while (0)
+#define PART_COUNT(i, k) (part_seconds[i] += (double)(k))
+// the parts' seconds (and the head's rows, the iterations) since the last read, zeroed
+extern "C" long stree_part_times(double* out) {
+  for (int i = 0; i < PARTS; i++) out[i] = part_seconds[i], part_seconds[i] = 0;
+  return PARTS;
+}
+#else
+#define PART_START() ((void)0)
+#define PART(i) ((void)0)
+#define PART_COUNT(i, k) ((void)0)
+#endif
+
 extern "C" void stree_gemm(const float* x, long M, long K, long ldx, const float* wp, long N, float* y, long ldy,
                            const float* bias, int threads);
 extern "C" void stree_gemm_typed(const float* x, long M, long K, long ldx, const void* wp, long N, float* y,
@@ -299,12 +329,16 @@ void round_rows(float* v, long rows, long cols, int64_t mode, int threads) {
     round_half(v, rows * cols, mode);
 }
 
-// Rows up to which a product takes its weight's half pack, where the model has one: a row or two stream the
-// weight from memory, which a half pack halves; more rows are bound by their multiply-adds, which the
-// widening of each vector slows (the shipped target's head, 4 MB as float32, weights cycling past the
-// L2s on the 2-core EPYC: the half pack's product took 0.55 of the float32 pack's time for 1 row, 0.7 for 2,
-// 0.9 for 3, as long for 4)
-constexpr long HALF_ROWS = 3;
+// Rows up to which a product takes its weight's half pack, where the model has one. A few rows stream the
+// weight from memory, which a half pack halves; many are bound by their multiply-adds, which the widening
+// of each vector slows. In decoding the float32 packs come cold: the steps between trees read the half
+// packs alone, so a tree's products of float32 weights stream twice the bytes from memory, not from the
+// caches. Timed in turns with plain steps as decoding has them (benchmarks/pass_parts.py, shipped float16
+// target, batch 1, 2-core EPYC Zen 4), a greedy iteration of 4 nodes took 1.85 steps with half packs against
+// 2.45-2.79 with float32 ones, of 6 nodes 2.15-2.32 against 2.22-2.48, of 8 as long, of 13 and 16 nodes a
+// tenth longer (there the multiply-adds bind). (Up to 3 rows, as first chosen from products timed back to
+// back, warm, a 4-node tree cost about as much as a 6-node one.)
+constexpr long HALF_ROWS = 8;
 
 // y [M, N] = x [M, K] @ W.T (+ bias) for a weight packed as wf (float32) and, where not null, wh (the
 // model's half dtype): the same sums either way
@@ -743,10 +777,12 @@ long tree_pass(const Model* m, const int64_t* tokens, long b, long n, const int6
       for (long i = 0; i < start[r + 1] - start[r]; i++) fed[start[r] + i] = tokens[r * n + i];
     ids = fed.data();
   }
+  PART_START();
   embed_rows(m, ids, N, x);
   for (long l = 0; l < sz.layers; l++) {
     const Layer& L = m->layer[l];
     block_in(m, L, N, x, h, proj, threads);
+    PART(PART_IN);
     float *xBC_l = xBC_s + l * N * CD, *x_l = x_s + l * N * HP, *dt_l = dt_s + l * N * H, *B_l = B_s + l * N * GS;
     for_each(b * parts, wide, threads, [&](long t) {
       long r = t / parts, part = t % parts;
@@ -771,6 +807,7 @@ long tree_pass(const Model* m, const int64_t* tokens, long b, long n, const int6
         for (long e = b0; e < b1; e++) B_l[(at + i) * GS + e - HP] = ci[e];
       }
     });
+    PART(PART_CONV);
     // the state's term, C_i . x0, for every row's nodes as products (each block of the state packed once;
     // rows of their own sizes one call each)
     if (whole)
@@ -780,13 +817,16 @@ long tree_pass(const Model* m, const int64_t* tokens, long b, long n, const int6
       for (long r = 0; r < b; r++)
         stree_state_term(conv + start[r] * CD + HP + GS, 1, start[r + 1] - start[r], sz.groups, S, CD, 0,
                          ssm_states + (l * b + r) * HP * S, H, sz.headdim, xs + start[r] * HP, threads);
+    PART(PART_STATE);
     for_each(b * parts, wide, threads, [&](long t) {
       long r = t / parts, h0 = H * (t % parts) / parts, h1 = H * (t % parts + 1) / parts;
       tree_scan_row(conv + start[r] * CD, CD, proj + start[r] * P + I + CD, P, parents + (rows > 1 ? r : 0) * n,
                     start[r + 1] - start[r], xs + start[r] * HP, L, sz, m->e.dt_lo, m->e.dt_hi, y + start[r] * I,
                     rows_work + r * 2 * n * H, h0, h1);
     });
+    PART(PART_SCAN);
     block_out(m, L, N, proj, y, gate, normed, out, x, threads);
+    PART(PART_OUT);
   }
   if (hidden) {
     *hidden = x;
@@ -999,7 +1039,10 @@ extern "C" long stree_mamba_tree_greedy(const int64_t* a) {
     long k = (long)wave.size();
     // (grown wave by wave to the rows made: room for every node held a second copy of all the logits)
     if ((long)heads.size() < (rows_made + k) * V) heads.resize((size_t)((rows_made + k) * V));
+    PART(PART_WALK);
     head_rows(m, hidden, wave.data(), k, m->head_w, m->head_h, V, heads.data() + rows_made * V, threads);
+    PART(PART_HEAD);
+    PART_COUNT(PART_HEAD_ROWS, k);
     for (long j = 0; j < k; j++) made[wave[j]] = rows_made + j;
     rows_made += k;
     for (long r = 0; r < b; r++) {
@@ -1019,6 +1062,7 @@ extern "C" long stree_mamba_tree_greedy(const int64_t* a) {
       memcpy(logits + (r * n + path[r * L + t]) * V, heads.data() + made[first[r] + path[r * L + t]] * V,
              (size_t)V * sizeof(float));
   }
+  PART(PART_WALK);
   long SS = HP * sz.d_state, jobs = sz.layers * b, replayed = 0;
   for (long r = 0; r < b; r++) replayed += num[r];
   // Each (layer, row) replays alone, so they are split over the threads (the pass's products have just run
@@ -1032,6 +1076,7 @@ extern "C" long stree_mamba_tree_greedy(const int64_t* a) {
     replay_row(m->layer[l], sz, m->e.dt_lo, m->e.dt_hi, xBC + at * CD, x + at * HP, dt + at * H, B + at * GS,
                path + r * L, num[r], conv_states + (l * b + r) * CD * K, ssm_states + (l * b + r) * SS, work.data());
   });
+  PART(PART_REPLAY);
   int64_t* lengths = (int64_t*)a[26];
   if (lengths)
     for (long r = 0; r < b; r++) lengths[r] += num[r];
@@ -1053,6 +1098,8 @@ extern "C" long stree_mamba_tree_greedy(const int64_t* a) {
         }
       }
   }
+  PART(PART_LAWS);
+  PART_COUNT(PART_CALLS, 1);
   return 0;
 }
 

@@ -14,7 +14,7 @@ vectorises (libm's, a call per element, had taken a 13-node pass's conv and gate
 Tests compare it with the model's own step (``tests/models/test_fused_step.py``).
 
 What it takes: float32 parameters (a half model's widened; its products' weights also packed in its
-dtype, which a product of up to three rows reads at half the bytes) and SSM states on the CPU, conv states of
+dtype, which a product of up to eight rows reads at half the bytes) and SSM states on the CPU, conv states of
 the model's dtype, x and B one head / group each (no repeats), D per head or per channel; the model side
 decides where it applies (:mod:`stree.models.fused_step`). A half model (float16, bfloat16) computes in
 float32 and rounds each output where its block-by-block path does, in every call alike (step, prefill,
@@ -53,7 +53,7 @@ class MambaLayer:
     ``[d_inner]``, out_proj ``[d_model, d_inner]`` (+ bias). ``pack``: what makes the products'
     packed weights (:func:`.gemm.pack`, or a store of them shared with other products). ``half``: a
     half model's in_proj and out_proj weights in its dtype (float16, bfloat16), packed so too: the
-    products of up to three rows read them (half the bytes), more rows the float32 ones."""
+    products of up to eight rows read them (half the bytes), more rows the float32 ones."""
 
     FIELDS = ("norm_w", "in_w", "in_b", "conv_w", "conv_b", "A", "D", "dt_bias", "gnorm_w", "out_w", "out_b",
               "in_h", "out_h")
@@ -104,7 +104,7 @@ class MambaStep:
     (exactly), its outputs round to its dtype where its block-by-block path rounds them (each norm's,
     product's, conv's and scan's; the residual stream's adds too where ``half_residual``), and the conv
     states it takes are of its dtype. ``head_half``: a half model's head in its dtype, packed so too for
-    the products of up to three rows, as its layers' ``half`` weights (given with them, or neither).
+    the products of up to eight rows, as its layers' ``half`` weights (given with them, or neither).
     :meth:`__call__` runs it on a cache's stacked states."""
 
     CUTS = 4  # the head's cuts kept (head_cut): a packed copy of its rows each
