@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from stree.kernels.cpu import mamba_step
 from stree.tools.timing import run_info
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -630,3 +631,23 @@ def test_speculation_ab_smoke_pairs_two_libraries_gains(tmp_path):
         assert exc.value.code == 2
     with pytest.raises(ValueError, match="--against 'no-such-revision'"):
         module.main(["--against", "no-such-revision", "--out", str(tmp_path)])
+
+
+@pytest.mark.skipif(not mamba_step.available(), reason="no C++ compiler for the CPU library here")
+def test_pass_parts_smoke_times_each_part_of_a_greedy_iteration(tmp_path):
+    """The timed build's parts are there (a build without the marks would read zeros) and within the call:
+    a chain's head takes its whole chain at once, and a random draft's walk stops at the root."""
+    result = smoke("pass_parts", tmp_path)
+    assert set(result["rows"]) == {"chain 1", "binary 1", "chain 3", "binary 3"}
+    for key, row in result["rows"].items():
+        parts = row["parts_us"]
+        assert set(parts) == {"in", "conv", "state", "scan", "out", "head", "walk", "replay", "laws"}
+        assert all(parts[p] > 0 for p in ("in", "conv", "state", "scan", "out", "head", "replay")), key
+        assert parts["laws"] >= 0 and sum(parts.values()) <= row["call_us"] and row["step_us"] > 0
+        assert row["head_rows"] == int(key.split()[1])  # (a binary tree of 3: its chain of 2 topped up with the rest)
+
+
+def test_pass_parts_refuses_bad_sizes():
+    with pytest.raises(SystemExit) as e:
+        benchmark("pass_parts").main(["--sizes", "2,x"])
+    assert e.value.code == 2

@@ -14,6 +14,7 @@ from strategies import trees
 from tiny_models import VOCAB, count_calls, layer_by_layer, mamba2, with_biases
 
 from stree.kernels.cpu import mamba_step
+from stree.models import fused_step as fused_step_module
 from stree.models.fused_step import fused_draft, fused_step
 from stree.sampling.verify import verify_greedy_host
 from stree.tree import TokenTree, TreeShape
@@ -176,7 +177,7 @@ def _without_half_packs(monkeypatch, model) -> None:
 
 @pytest.mark.parametrize("key", sorted(MODELS, key=str), ids=str)
 def test_a_half_models_products_read_half_packs_for_few_rows_with_the_float32_packs_sums(key, monkeypatch):
-    """A half model's one call packs its products' weights in its dtype too, and its products of up to three
+    """A half model's one call packs its products' weights in its dtype too, and its products of up to eight
     rows (a step of one or two rows, a pass of two nodes, a draft's levels, an iteration's head waves) read
     them: every output and state the same bits as with the float32 packs alone."""
     dtype, _ = key
@@ -229,3 +230,38 @@ def test_half_packs_of_some_products_alone_or_of_another_dtype_are_refused(monke
     with torch.no_grad(), pytest.raises(TypeError, match="half"):
         fused_step(model, model.allocate_cache(1, 8), None, "auto")
     model.__dict__.pop("_stree_fused_step", None)
+
+
+def test_a_half_models_products_of_up_to_eight_rows_read_the_half_packs_alone(monkeypatch):
+    """In decoding the float32 packs come cold (the steps read the half packs), so a half model's products of
+    up to 8 rows read the half packs (mamba_step.cpp's HALF_ROWS), more rows the float32 ones: with the float32
+    packs poisoned (NaN), steps at batch 1 and 2 and a greedy iteration of an 8-node tree at batch 1 are what
+    they are unpoisoned, and a pass of 9 nodes reads NaN."""
+    model = MODELS[torch.float16, "float32 residual"]
+    gen = torch.Generator().manual_seed(5)
+    prompt, steps = torch.randint(0, VOCAB, (2, 12), generator=gen), torch.randint(0, VOCAB, (2, 2), generator=gen)
+    eight = TokenTree(torch.tensor([-1, 0, 0, 1, 1, 2, 3, 3]), torch.randint(0, VOCAB, (1, 8), generator=gen))
+    nine = TokenTree(torch.tensor([-1, 0, 0, 1, 1, 2, 3, 3, 4]), torch.randint(0, VOCAB, (1, 9), generator=gen))
+    with torch.no_grad():
+        cache = model.allocate_cache(2, 64)
+        model.prefill(prompt, cache)
+
+    def run():
+        with torch.no_grad():
+            two, one = cache.clone(), model.allocate_cache(1, 64)
+            one.conv.copy_(cache.conv[:, :1]), one.ssm.copy_(cache.ssm[:, :1])
+            one.seqlens.copy_(cache.seqlens[:1])
+            out = [model.step(t, two) for t in steps] + [model.step(steps[0, :1], one)]
+            out += [*model.greedy_tree(eight, one.clone())[1:6], model.forward_tree(nine, one.clone())[0]]
+            return out
+
+    want = run()
+    model.__dict__.pop("_stree_fused_step", None)
+    real = fused_step_module._pack
+    monkeypatch.setattr(fused_step_module, "_pack", lambda w: real(w) if w.dtype != torch.float32
+                        else torch.full_like(real(w), float("nan")))
+    got = run()
+    model.__dict__.pop("_stree_fused_step", None)
+    for a, b in zip(got[:-1], want[:-1], strict=True):
+        assert torch.equal(torch.as_tensor(a), torch.as_tensor(b))
+    assert want[-1].isfinite().all() and got[-1].isnan().all()
