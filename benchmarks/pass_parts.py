@@ -72,6 +72,7 @@ def drafts(model, cache, nodes: int, batch: int, accepted: str, gen: torch.Gener
     return out
 
 
+@torch.no_grad()
 def measure(model, lib, sizes: list[int], batch: int, accepted: str, calls: int) -> dict:
     """Per draft (``"<shape> <nodes>"``): the call's and the plain step's median microseconds, each
     part's, the head's rows a call, and the call and parts in steps."""
@@ -171,7 +172,6 @@ def main(argv=None) -> int:
     from stree.tools.demo import TARGET
     from stree.tools.timing import run_info, save_result
 
-    torch.set_grad_enabled(False)
     dtype = getattr(torch, args.dtype)
     if args.smoke:
         sizes, args.calls = [1, 3], 3

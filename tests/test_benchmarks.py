@@ -638,6 +638,7 @@ def test_pass_parts_smoke_times_each_part_of_a_greedy_iteration(tmp_path):
     """The timed build's parts are there (a build without the marks would read zeros) and within the call:
     a chain's head takes its whole chain at once, and a random draft's walk stops at the root."""
     result = smoke("pass_parts", tmp_path)
+    assert torch.is_grad_enabled()  # (its measurement without autograd, the process's mode put back)
     assert set(result["rows"]) == {"chain 1", "binary 1", "chain 3", "binary 3"}
     for key, row in result["rows"].items():
         parts = row["parts_us"]
