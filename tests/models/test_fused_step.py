@@ -5,6 +5,8 @@ states of the layer-by-layer pass, within float32 rounding, for every layout the
 trees; parameters changed between steps read anew; bad tokens and rows refused with the cache
 untouched; the block-by-block calls wherever they do not apply."""
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -13,7 +15,7 @@ from hypothesis import strategies as st
 from strategies import accepted_paths, trees
 from tiny_models import VOCAB, assert_same_state, count_calls, hybrid, layer_by_layer, mamba2, with_biases
 
-from stree.kernels.cpu import mamba_step
+from stree.kernels.cpu import gemm, mamba_step
 from stree.models.fused_step import fused_step
 from stree.models.layers import linear
 from stree.sampling.verify import verify_greedy_host
@@ -66,6 +68,41 @@ def test_the_one_call_step_is_the_blockwise_step(layout, batch, ran, monkeypatch
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, atol=2e-5, rtol=2e-5)
         assert torch.equal(a.argmax(-1), b.argmax(-1))
+    assert_same_state(cache, other, tol=2e-5)
+
+
+# d_state and the conv's taps across the step's paths: the state update's dot products in vectors where
+# d_state is a multiple of theirs (16 floats with AVX-512, 8 with AVX2), lane by lane else; a window of
+# 4 taps shifted by moves known when compiled, others by a loop
+SIZES = {"d_state 32": dict(d_state=32), "d_state 24, 3 taps": dict(d_state=24, d_conv=3),
+         "d_state 8, 2 taps": dict(d_conv=2)}
+
+
+@pytest.mark.parametrize("build", ["native", "avx2"])
+@pytest.mark.parametrize("sizes", SIZES)
+def test_the_one_call_prefill_and_step_are_the_blockwise_ones_for_state_and_window_sizes(sizes, build, ran,
+                                                                                            monkeypatch):
+    """Each size through the one-call prefill and steps, built for this CPU and for AVX2 alone
+    (``-march=haswell``, where this CPU runs it): the block-by-block prefill's and steps' logits and
+    states."""
+    if build == "avx2":
+        cpu = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
+        if " avx2" not in cpu or " fma" not in cpu:
+            pytest.skip("this CPU has no AVX2 with FMA")
+        lib, why = gemm.compile_library(gemm.FLAGS + ("-march=haswell",))
+        assert lib is not None, why
+        monkeypatch.setattr(gemm, "_build", lambda: (lib, ""))
+    model = with_biases(mamba2(**SIZES[sizes]))
+    prompt = torch.randint(0, VOCAB, (2, 7), generator=torch.Generator().manual_seed(4))
+    cache = model.allocate_cache(2, 96)
+    got = [model.prefill(prompt, cache)] + _steps(model, cache, 5, seed=5)
+    assert ran[0] == 5
+    _blockwise(monkeypatch)
+    other = model.allocate_cache(2, 96)
+    want = [model.prefill(prompt, other)] + _steps(model, other, 5, seed=5)
+    assert ran[0] == 5
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, atol=2e-5, rtol=2e-5)
     assert_same_state(cache, other, tol=2e-5)
 
 

@@ -8,6 +8,7 @@
 // The convs sum in float as the tree conv does, and every SiLU takes a polynomial exp that vectorises
 // (exp_poly). Built with -ffp-contract=off, so no multiply and add fuse where those kernels keep them
 // apart (a step and a replay of the same token leave the same state).
+#include <immintrin.h>
 #include <math.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -154,20 +155,70 @@ double processed_dt(float raw, float bias, double lo, double hi) {
 }
 
 // A step's conv for one row: the window shifted left, x entering last; then the bias and the taps
-// from the newest down, in float, and SiLU, as a tree's conv sums a root's (tree_conv_row)
-void conv_row(const float* x, float* state, const float* w, const float* bias, long dim, long K, float* out,
-              int64_t rounding) {
+// from the newest down, in float, and SiLU, as a tree's conv sums a root's (tree_conv_row). KK: the
+// window's length where known when compiled (0: K), so that a channel's shift is a few moves (with K
+// known only at run time each was a call to memmove, most of a 1-layer drafter's step outside its products)
+template <long KK>
+void conv_taps(const float* x, float* state, const float* w, const float* bias, long dim, long K, float* out) {
+  const long k_len = KK ? KK : K;
   for (long d = 0; d < dim; d++) {
-    float* s = state + d * K;
-    const float* wd = w + d * K;
-    for (long k = 0; k < K - 1; k++) s[k] = s[k + 1];
-    s[K - 1] = x[d];
+    float* s = state + d * k_len;
+    const float* wd = w + d * k_len;
+    for (long k = 0; k < k_len - 1; k++) s[k] = s[k + 1];
+    s[k_len - 1] = x[d];
     float acc = bias ? bias[d] : 0.f;
-    for (long k = K - 1; k >= 0; k--) acc += wd[k] * s[k];
+    for (long k = k_len - 1; k >= 0; k--) acc += wd[k] * s[k];
     out[d] = acc;
   }
+}
+
+void conv_row(const float* x, float* state, const float* w, const float* bias, long dim, long K, float* out,
+              int64_t rounding) {
+  if (K == 4)  // (every Mamba2 checkpoint's d_conv so far)
+    conv_taps<4>(x, state, w, bias, dim, K, out);
+  else
+    conv_taps<0>(x, state, w, bias, dim, K, out);
   silu_row(out, dim, out);
   round_half(out, dim, rounding);
+}
+
+// y's dot product C . state over one row of a head's state (dstate entries) as it is advanced: v = state *
+// decay + dx * B (a multiply and an add each, as everywhere in the step), written back, and the sum of v * C.
+// In vectors, their lanes summed at the end in the intrinsic's fixed order: as an `omp simd` reduction each
+// row's sum had ended in 16 dependent scalar adds, half of a batch-1 step's state update.
+inline float advance_row(float* st, float decay, float dx, const float* B, const float* C, long dstate) {
+  long s = 0;
+  float acc = 0.f;
+#if defined(__AVX512F__)
+  if (dstate % 16 == 0) {
+    __m512 vdec = _mm512_set1_ps(decay), vdx = _mm512_set1_ps(dx), sum = _mm512_setzero_ps();
+    for (; s < dstate; s += 16) {
+      __m512 v = _mm512_add_ps(_mm512_mul_ps(_mm512_loadu_ps(st + s), vdec), _mm512_mul_ps(vdx, _mm512_loadu_ps(B + s)));
+      _mm512_storeu_ps(st + s, v);
+      sum = _mm512_add_ps(sum, _mm512_mul_ps(v, _mm512_loadu_ps(C + s)));
+    }
+    return _mm512_reduce_add_ps(sum);
+  }
+#elif defined(__AVX2__)
+  if (dstate % 8 == 0) {
+    __m256 vdec = _mm256_set1_ps(decay), vdx = _mm256_set1_ps(dx), sum = _mm256_setzero_ps();
+    for (; s < dstate; s += 8) {
+      __m256 v = _mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(st + s), vdec), _mm256_mul_ps(vdx, _mm256_loadu_ps(B + s)));
+      _mm256_storeu_ps(st + s, v);
+      sum = _mm256_add_ps(sum, _mm256_mul_ps(v, _mm256_loadu_ps(C + s)));
+    }
+    __m128 q = _mm_add_ps(_mm256_castps256_ps128(sum), _mm256_extractf128_ps(sum, 1));
+    q = _mm_add_ps(q, _mm_movehl_ps(q, q));
+    return _mm_cvtss_f32(_mm_add_ss(q, _mm_movehdup_ps(q)));
+  }
+#endif
+#pragma omp simd reduction(+ : acc)
+  for (s = 0; s < dstate; s++) {
+    float v = st[s] * decay + dx * B[s];
+    st[s] = v;
+    acc += v * C[s];
+  }
+  return acc;
 }
 
 // state_update_rows for one (row, head): state [p, s] advanced, y [p] = C . state + D x
@@ -176,15 +227,8 @@ void head_update(float* state, const float* x, float dt, float A, const float* B
   double d = processed_dt(dt, dt_bias, lo, hi);
   float decay = (float)exp(d * (double)A);
   for (long p = 0; p < headdim; p++) {
-    float xv = x[p], dx = (float)(d * (double)xv), acc = 0.f;
-    float* st = state + p * dstate;
-#pragma omp simd reduction(+ : acc)
-    for (long s = 0; s < dstate; s++) {
-      float v = st[s] * decay + dx * B[s];
-      st[s] = v;
-      acc += v * C[s];
-    }
-    y[p] = acc + D[p] * xv;
+    float xv = x[p], dx = (float)(d * (double)xv);
+    y[p] = advance_row(state + p * dstate, decay, dx, B, C, dstate) + D[p] * xv;
   }
 }
 
@@ -545,9 +589,12 @@ class ConvStates {
     buf.resize((size_t)count);
     data = buf.data();
     if (rounding == 0) {
+      long i = 0;
       const _Float16* h = (const _Float16*)at;
-#pragma omp simd
-      for (long i = 0; i < count; i++) data[i] = (float)h[i];
+#if defined(__F16C__)  // (GCC widens _Float16 one element at a time: a plain step's widening took 2-3 us)
+      for (; i + 8 <= count; i += 8) _mm256_storeu_ps(data + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(h + i))));
+#endif
+      for (; i < count; i++) data[i] = (float)h[i];
     } else {
       const uint16_t* h = (const uint16_t*)at;
 #pragma omp simd
@@ -557,9 +604,13 @@ class ConvStates {
   ~ConvStates() {
     if (rounding_ < 0 || !written_ || !at_) return;
     if (rounding_ == 0) {  // (exact: the values are float16's)
+      long i = 0;
       _Float16* h = (_Float16*)at_;
-#pragma omp simd
-      for (long i = 0; i < count_; i++) h[i] = (_Float16)data[i];
+#if defined(__F16C__)
+      for (; i + 8 <= count_; i += 8)
+        _mm_storeu_si128((__m128i*)(h + i), _mm256_cvtps_ph(_mm256_loadu_ps(data + i), _MM_FROUND_TO_NEAREST_INT));
+#endif
+      for (; i < count_; i++) h[i] = (_Float16)data[i];
     } else {
       uint16_t* h = (uint16_t*)at_;
 #pragma omp simd
@@ -916,7 +967,6 @@ long first_child(const int64_t* parents, const uint8_t* valid, long n, long v) {
   return -1;
 }
 
-constexpr long REPLAY_SPLIT = 2;  // the nodes replayed (all rows') from which a greedy iteration splits its replay
 
 // Activation replay (replay_jit.replay_layers' arithmetic, per entry token by token: state * decay + dt x
 // B in float) of one row's accepted path acc [m] in one layer, in place: the SSM state [heads, headdim,
@@ -947,12 +997,15 @@ void replay_row(const Layer& L, const Sizes& sz, double lo, double hi, const flo
     }
   }
   // the window: slot j holds the path's node m - K + j, or, before the path, the old slot j + m (read
-  // before it is written: j rises)
-  for (long c = 0; c < CD; c++) {
-    float* w = conv + c * K;
-    for (long j = 0; j < K; j++) {
-      long q = m - K + j;
-      w[j] = q >= 0 ? xBC[acc[q] * CD + c] : w[K + q];
+  // before it is written: j rises). Slot by slot, each a loop over the channels without a branch (a
+  // channel's K slots one by one, each choosing its source, had taken half of a one-node replay)
+  for (long j = 0; j < K; j++) {
+    long q = m - K + j;
+    if (q >= 0) {
+      const float* src = xBC + acc[q] * CD;
+      for (long c = 0; c < CD; c++) conv[c * K + j] = src[c];
+    } else {
+      for (long c = 0; c < CD; c++) conv[c * K + j] = conv[c * K + j + m];
     }
   }
 }
@@ -1063,12 +1116,14 @@ extern "C" long stree_mamba_tree_greedy(const int64_t* a) {
              (size_t)V * sizeof(float));
   }
   PART(PART_WALK);
-  long SS = HP * sz.d_state, jobs = sz.layers * b, replayed = 0;
-  for (long r = 0; r < b; r++) replayed += num[r];
+  long SS = HP * sz.d_state, jobs = sz.layers * b;
   // Each (layer, row) replays alone, so they are split over the threads (the pass's products have just run
   // on them): replayed on one, a 16-node chain accepted whole had taken 0.6 of a plain step more than split
-  // (benchmarks/pass_ab.py --accepted, docs/benchmarks.md); a single node, the root alone, stays on one
-  for_each(jobs, threads > 1 && jobs > 1 && replayed >= REPLAY_SPLIT, threads, [&](long j) {
+  // (benchmarks/pass_ab.py --accepted, docs/benchmarks.md); the root alone too, whose replay reads and writes
+  // every layer's SSM state after the pass's products pushed them out of the core's caches (split, a 1-node
+  // replay of the shipped float16 target took 10-11 us, on one thread 18-19: benchmarks/pass_parts.py, 2-core
+  // EPYC Zen 4)
+  for_each(jobs, threads > 1 && jobs > 1, threads, [&](long j) {
     long l = j / b, r = j % b, at = l * N;  // (at: the row's first node in the layer's scratch)
     for (long q = 0; q < r; q++) at += sizes ? sizes[q] : n;
     thread_local std::vector<float> work;
