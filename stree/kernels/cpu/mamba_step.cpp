@@ -253,16 +253,28 @@ void gated_norm(const float* y, const float* gate, const float* w, long group, d
 // K - 1, its parent at K - 2, ..., then the state's newest columns; + bias, then SiLU. xBC [n, ldx]
 // raw (the in_proj output's xBC), state [dim, K], parents [n]; out [n, ldo]. Channels are independent:
 // a part of them is the same call on their columns.
+// The weight's and the state's columns as rows ([K, dim] each), so that the loops run along dim. KK: K where
+// known when compiled (0: K), the stride of the columns' reads then a constant (a tree pass's convs had spent
+// a third of their time on these copies).
+template <long KK>
+void conv_columns(const float* state, const float* w, long dim, long K, float* taps, float* past) {
+  const long k_len = KK ? KK : K;
+  for (long c = 0; c < dim; c++)
+    for (long k = 0; k < k_len; k++) {
+      taps[k * dim + c] = w[c * k_len + k];
+      past[k * dim + c] = state[c * k_len + k];
+    }
+}
+
 void tree_conv_row(const float* xBC, long ldx, const int64_t* parents, long n, const float* state, const float* w,
                    const float* bias, long dim, long K, float* out, long ldo, int64_t rounding) {
-  thread_local std::vector<float> cols;  // the weight's and the state's columns as rows: the loops run along dim
+  thread_local std::vector<float> cols;
   cols.resize((size_t)(2 * K * dim));
   float *taps = cols.data(), *past = taps + K * dim;
-  for (long c = 0; c < dim; c++)
-    for (long k = 0; k < K; k++) {
-      taps[k * dim + c] = w[c * K + k];
-      past[k * dim + c] = state[c * K + k];
-    }
+  if (K == 4)
+    conv_columns<4>(state, w, dim, K, taps, past);
+  else
+    conv_columns<0>(state, w, dim, K, taps, past);
   for (long i = 0; i < n; i++) {
     float* o = out + i * ldo;
     for (long c = 0; c < dim; c++) o[c] = bias ? bias[c] : 0.f;
