@@ -232,8 +232,9 @@ def test_greedy_trees_of_a_mamba2_model_take_the_one_call_iteration_and_decode_a
 def test_greedy_plain_steps_of_a_mamba2_model_choose_their_tokens_in_the_step_call(method, monkeypatch):
     # (stree: tree="auto", its plain steps as many as this machine's choice takes)
     """Greedy, every plain step of a float32 Mamba2 model on the CPU is one call that also makes each
-    row's choice (MambaStep.greedy): no argmax of its own on the host; sampled steps keep the
-    host's draw; the outputs are those of decoding with the host's argmax."""
+    row's choice (MambaStep.greedy): no argmax of its own on the host; the outputs are those of
+    decoding with the host's argmax. Sampled steps take the same call for its finiteness flags (no
+    sum and mask of the logits in torch) and keep the host's draw: the tokens of the step without it."""
     from stree.decoding import steps
     from stree.kernels.cpu import mamba_step
 
@@ -254,13 +255,14 @@ def test_greedy_plain_steps_of_a_mamba2_model_choose_their_tokens_in_the_step_ca
     exact = method == "autoregressive"
     assert calls["greedy_rows_host"] == 0 and (calls["greedy"] == plain > 0 if exact else calls["greedy"] >= plain), \
         (calls, out.stats.trees)
+    calls["greedy"] = 0
+    sampled = generate(model, PROMPTS, method="autoregressive", max_new_tokens=BUDGETS, temperature=1.0, seed=0)
+    assert calls["greedy"] == sampled.stats.trees[1] > 0 and calls["greedy_rows_host"] == 0
     monkeypatch.undo()
     monkeypatch.setattr(type(model), "greedy_step", lambda *a, **k: None)  # (the host's argmax instead)
     assert generate(model, PROMPTS, method=method, max_new_tokens=BUDGETS).sequences == out.sequences
-    calls["greedy"] = 0
-    monkeypatch.setattr(mamba_step.MambaStep, "greedy", lambda *a: calls.__setitem__("greedy", 1))
-    generate(model, PROMPTS, method="autoregressive", max_new_tokens=BUDGETS, temperature=1.0, seed=0)
-    assert calls["greedy"] == 0
+    assert generate(model, PROMPTS, method="autoregressive", max_new_tokens=BUDGETS, temperature=1.0,
+                    seed=0).sequences == sampled.sequences
 
 
 def test_a_greedy_plain_step_brings_a_drafters_laws_from_the_step_call():
