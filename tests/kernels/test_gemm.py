@@ -14,6 +14,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from avx2_build import use_avx2_build
+
 from stree.kernels.cpu import gemm
 
 pytestmark = pytest.mark.skipif(not gemm.available(), reason=f"the tiled product cannot be built here: "
@@ -57,12 +59,7 @@ def test_equals_the_definition(rows, d_in, d_out, bias, pad, seed):
 def test_the_avx2_variant_equals_the_definition(monkeypatch):
     """Built with ``-march=haswell`` (AVX2 + FMA: 16-column blocks, 6-row tiles), where this CPU
     runs it, on the sizes that cross its chunks and partial blocks."""
-    flags = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
-    if " avx2" not in flags or " fma" not in flags:
-        pytest.skip("this CPU has no AVX2 with FMA")
-    lib, why = gemm.compile_library(gemm.FLAGS + ("-march=haswell",))
-    assert lib is not None, why
-    monkeypatch.setattr(gemm, "_build", lambda: (lib, ""))
+    use_avx2_build(monkeypatch)
     assert gemm.block() == 16
     for rows, d_in, d_out in [(1, 5, 16), (6, 33, 17), (7, 64, 100), (13, 9, 48), (26, 40, 31)]:
         x, w, b = _case(rows, d_in, d_out, True, 3, rows)

@@ -5,17 +5,16 @@ states of the layer-by-layer pass, within float32 rounding, for every layout the
 trees; parameters changed between steps read anew; bad tokens and rows refused with the cache
 untouched; the block-by-block calls wherever they do not apply."""
 
-import os
-
 import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from avx2_build import use_avx2_build
 from strategies import accepted_paths, trees
 from tiny_models import VOCAB, assert_same_state, count_calls, hybrid, layer_by_layer, mamba2, with_biases
 
-from stree.kernels.cpu import gemm, mamba_step
+from stree.kernels.cpu import mamba_step
 from stree.models.fused_step import fused_step
 from stree.models.layers import linear
 from stree.sampling.verify import verify_greedy_host
@@ -86,12 +85,7 @@ def test_the_one_call_prefill_and_step_are_the_blockwise_ones_for_state_and_wind
     (``-march=haswell``, where this CPU runs it): the block-by-block prefill's and steps' logits and
     states."""
     if build == "avx2":
-        cpu = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
-        if " avx2" not in cpu or " fma" not in cpu:
-            pytest.skip("this CPU has no AVX2 with FMA")
-        lib, why = gemm.compile_library(gemm.FLAGS + ("-march=haswell",))
-        assert lib is not None, why
-        monkeypatch.setattr(gemm, "_build", lambda: (lib, ""))
+        use_avx2_build(monkeypatch)
     model = with_biases(mamba2(**SIZES[sizes]))
     prompt = torch.randint(0, VOCAB, (2, 7), generator=torch.Generator().manual_seed(4))
     cache = model.allocate_cache(2, 96)

@@ -182,38 +182,52 @@ void conv_row(const float* x, float* state, const float* w, const float* bias, l
   round_half(out, dim, rounding);
 }
 
+// The state update's vectors: SW floats, by their intrinsics' prefix P, and their lanes' sum in a fixed
+// order (ssum; SW 0: no vector path)
+#define STATE_OPS(P)                                                         \
+  inline svec sload(const float* p) { return P##_loadu_ps(p); }         \
+  inline void sstore(float* p, svec v) { P##_storeu_ps(p, v); }         \
+  inline svec sset1(float x) { return P##_set1_ps(x); }                 \
+  inline svec smul(svec a, svec b) { return P##_mul_ps(a, b); }         \
+  inline svec sadd(svec a, svec b) { return P##_add_ps(a, b); }
+#if defined(__AVX512F__)
+constexpr long SW = 16;
+typedef __m512 svec;
+STATE_OPS(_mm512)
+inline float ssum(svec v) { return _mm512_reduce_add_ps(v); }
+#elif defined(__AVX2__)
+constexpr long SW = 8;
+typedef __m256 svec;
+STATE_OPS(_mm256)
+inline float ssum(svec v) {
+  __m128 q = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  q = _mm_add_ps(q, _mm_movehl_ps(q, q));
+  return _mm_cvtss_f32(_mm_add_ss(q, _mm_movehdup_ps(q)));
+}
+#else
+constexpr long SW = 0;
+#endif
+
 // y's dot product C . state over one row of a head's state (dstate entries) as it is advanced: v = state *
 // decay + dx * B (a multiply and an add each, as everywhere in the step), written back, and the sum of v * C.
-// In vectors, their lanes summed at the end in the intrinsic's fixed order: as an `omp simd` reduction each
-// row's sum had ended in 16 dependent scalar adds, half of a batch-1 step's state update.
+// In vectors where dstate is a multiple of theirs, their lanes summed at the end in a fixed order: as an
+// `omp simd` reduction each row's sum had ended in 16 dependent scalar adds, half of a batch-1 step's state
+// update.
 inline float advance_row(float* st, float decay, float dx, const float* B, const float* C, long dstate) {
-  long s = 0;
-  float acc = 0.f;
-#if defined(__AVX512F__)
-  if (dstate % 16 == 0) {
-    __m512 vdec = _mm512_set1_ps(decay), vdx = _mm512_set1_ps(dx), sum = _mm512_setzero_ps();
-    for (; s < dstate; s += 16) {
-      __m512 v = _mm512_add_ps(_mm512_mul_ps(_mm512_loadu_ps(st + s), vdec), _mm512_mul_ps(vdx, _mm512_loadu_ps(B + s)));
-      _mm512_storeu_ps(st + s, v);
-      sum = _mm512_add_ps(sum, _mm512_mul_ps(v, _mm512_loadu_ps(C + s)));
+#if defined(__AVX512F__) || defined(__AVX2__)
+  if (dstate % SW == 0) {
+    svec vdec = sset1(decay), vdx = sset1(dx), sum = sset1(0.f);
+    for (long s = 0; s < dstate; s += SW) {
+      svec v = sadd(smul(sload(st + s), vdec), smul(vdx, sload(B + s)));
+      sstore(st + s, v);
+      sum = sadd(sum, smul(v, sload(C + s)));
     }
-    return _mm512_reduce_add_ps(sum);
-  }
-#elif defined(__AVX2__)
-  if (dstate % 8 == 0) {
-    __m256 vdec = _mm256_set1_ps(decay), vdx = _mm256_set1_ps(dx), sum = _mm256_setzero_ps();
-    for (; s < dstate; s += 8) {
-      __m256 v = _mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(st + s), vdec), _mm256_mul_ps(vdx, _mm256_loadu_ps(B + s)));
-      _mm256_storeu_ps(st + s, v);
-      sum = _mm256_add_ps(sum, _mm256_mul_ps(v, _mm256_loadu_ps(C + s)));
-    }
-    __m128 q = _mm_add_ps(_mm256_castps256_ps128(sum), _mm256_extractf128_ps(sum, 1));
-    q = _mm_add_ps(q, _mm_movehl_ps(q, q));
-    return _mm_cvtss_f32(_mm_add_ss(q, _mm_movehdup_ps(q)));
+    return ssum(sum);
   }
 #endif
+  float acc = 0.f;
 #pragma omp simd reduction(+ : acc)
-  for (s = 0; s < dstate; s++) {
+  for (long s = 0; s < dstate; s++) {
     float v = st[s] * decay + dx * B[s];
     st[s] = v;
     acc += v * C[s];
