@@ -157,7 +157,8 @@ double processed_dt(float raw, float bias, double lo, double hi) {
 // A step's conv for one row: the window shifted left, x entering last; then the bias and the taps
 // from the newest down, in float, and SiLU, as a tree's conv sums a root's (tree_conv_row). KK: the
 // window's length where known when compiled (0: K), so that a channel's shift is a few moves (with K
-// known only at run time each was a call to memmove, most of a 1-layer drafter's step outside its products)
+// known only at run time each was a call to memmove: in perf, the step's body, mostly this conv, took 11% of
+// both cores' time in a 1-layer drafter's steps, its products 24%)
 template <long KK>
 void conv_taps(const float* x, float* state, const float* w, const float* bias, long dim, long K, float* out) {
   const long k_len = KK ? KK : K;
@@ -263,13 +264,10 @@ void gated_norm(const float* y, const float* gate, const float* w, long group, d
   }
 }
 
-// One row's tree conv (tree_jit.conv_row's arithmetic): node i's taps over its path, itself at tap
-// K - 1, its parent at K - 2, ..., then the state's newest columns; + bias, then SiLU. xBC [n, ldx]
-// raw (the in_proj output's xBC), state [dim, K], parents [n]; out [n, ldo]. Channels are independent:
-// a part of them is the same call on their columns.
-// The weight's and the state's columns as rows ([K, dim] each), so that the loops run along dim. KK: K where
-// known when compiled (0: K), the stride of the columns' reads then a constant (a tree pass's convs had spent
-// a third of their time on these copies).
+// The weight's and the state's columns as rows ([K, dim] each), so that the tree conv's loops run along dim.
+// KK: K where known when compiled (0: K), the stride of the columns' reads then a constant (a tree pass's
+// conv part took 10-13 us against 11-16 with K known at run time alone: benchmarks/pass_parts.py, 2-core EPYC
+// Zen 4).
 template <long KK>
 void conv_columns(const float* state, const float* w, long dim, long K, float* taps, float* past) {
   const long k_len = KK ? KK : K;
@@ -280,6 +278,10 @@ void conv_columns(const float* state, const float* w, long dim, long K, float* t
     }
 }
 
+// One row's tree conv (tree_jit.conv_row's arithmetic): node i's taps over its path, itself at tap
+// K - 1, its parent at K - 2, ..., then the state's newest columns; + bias, then SiLU. xBC [n, ldx]
+// raw (the in_proj output's xBC), state [dim, K], parents [n]; out [n, ldo]. Channels are independent:
+// a part of them is the same call on their columns.
 void tree_conv_row(const float* xBC, long ldx, const int64_t* parents, long n, const float* state, const float* w,
                    const float* bias, long dim, long K, float* out, long ldo, int64_t rounding) {
   thread_local std::vector<float> cols;
@@ -617,7 +619,7 @@ class ConvStates {
     if (rounding == 0) {
       long i = 0;
       const _Float16* h = (const _Float16*)at;
-#if defined(__F16C__)  // (GCC widens _Float16 one element at a time: a plain step's widening took 2-3 us)
+#if defined(__F16C__)  // (GCC widens _Float16 one element at a time, as perf showed in a plain step)
       for (; i + 8 <= count; i += 8) _mm256_storeu_ps(data + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(h + i))));
 #endif
       for (; i < count; i++) data[i] = (float)h[i];
@@ -992,7 +994,6 @@ long first_child(const int64_t* parents, const uint8_t* valid, long n, long v) {
     if (parents[c] == v && valid[c]) return c;
   return -1;
 }
-
 
 // Activation replay (replay_jit.replay_layers' arithmetic, per entry token by token: state * decay + dt x
 // B in float) of one row's accepted path acc [m] in one layer, in place: the SSM state [heads, headdim,
