@@ -514,3 +514,19 @@ def test_the_hosts_path_laws_are_the_top_entries_of_each_real_path_node(batch, n
                 assert probs[b, t, j] > probs[b, t, j + 1] or ids[b, t, j] < ids[b, t, j + 1]
             if len(set(law.tolist())) == vocab:
                 assert torch.equal(ids[b, t], want.indices)
+
+
+def test_sampled_logits_are_masked_only_where_a_position_is_not_finite():
+    """On the CPU finite logits go to the draw as they are (no masked copy); a position holding NaN
+    or +inf is zeroed and flagged, the others untouched; greedy logits are never masked."""
+    from stree.decoding.steps import _finite
+
+    logits = torch.randn(3, 2, 7, generator=torch.Generator().manual_seed(0))
+    finite, out = _finite(logits, SamplingParams(0.6))
+    assert out is logits and bool(finite.all())
+    logits[1, 0, 3], logits[2, 1, 0] = float("nan"), float("inf")
+    finite, out = _finite(logits, SamplingParams(0.6))
+    assert finite.tolist() == [[True, True], [False, True], [True, False]]
+    assert bool((out[1, 0] == 0).all()) and bool((out[2, 1] == 0).all())
+    assert torch.equal(out[0], logits[0]) and torch.equal(out[1, 1], logits[1, 1]) and torch.equal(out[2, 0], logits[2, 0])
+    assert _finite(logits, SamplingParams(0.0))[1] is logits
