@@ -54,7 +54,7 @@ def _finite(logits: torch.Tensor, params: SamplingParams) -> tuple[torch.Tensor,
     before the host sees the flag."""
     finite = _finite_rows(logits)
     # (on the CPU, where reading the flags costs no transfer, finite logits go as they are: for a 4-node
-    # tree's logits the flags and the masked copy took 19 us, the flags and their reading 8, timed warm)
+    # tree's logits, reading the flags took less than half the time of the masked copy, timed warm)
     if params.greedy or _verify.COMPILED_ON_CPU and logits.device.type == "cpu" and bool(finite.all()):
         return finite, logits
     return finite, logits.where(finite[..., None], 0.0)
@@ -221,8 +221,8 @@ def autoregressive_step(model, cache, roots: torch.Tensor, params: SamplingParam
         return unpack(fused(roots, k).to("cpu", copy=True), 1, 1, k)  # (a copy: the graph's output is its own)
     # where the model has it, the step with each row's greedy choice, its finiteness and (greedy) the laws a
     # drafter learns from as one call (the laws' softmax, top-k and gather in torch had cost a plain step a
-    # sixth more; sampled, its flags spare the logits' sum and masking in torch, 47 of a sampled step's 311
-    # us at batch 2, line-profiled)
+    # sixth more; sampled, its flags spare the logits' sum and masking in torch, about a seventh of a
+    # sampled step at batch 2: docs/benchmarks.md)
     one = None
     if tensor_parallel(model) is None:
         one = runner.greedy_step(roots, top_k if params.greedy and _verify.COMPILED_ON_CPU else None)
