@@ -278,12 +278,12 @@ void conv_columns(const float* state, const float* w, long dim, long K, float* t
     }
 }
 
-// One row's tree conv (tree_jit.conv_row's arithmetic): node i's taps over its path, itself at tap
-// K - 1, its parent at K - 2, ..., then the state's newest columns; + bias, then SiLU. xBC [n, ldx]
-// raw (the in_proj output's xBC), state [dim, K], parents [n]; out [n, ldo]. Channels are independent:
-// a part of them is the same call on their columns.
-void tree_conv_row(const float* xBC, long ldx, const int64_t* parents, long n, const float* state, const float* w,
-                   const float* bias, long dim, long K, float* out, long ldo, int64_t rounding) {
+// One row's tree conv (tree_jit.conv_row's arithmetic) of its nodes i0 .. i1 - 1: node i's taps over its
+// path, itself at tap K - 1, its parent at K - 2, ..., then the state's newest columns; + bias, then SiLU.
+// xBC [., ldx] raw (the in_proj output's xBC), state [dim, K], parents [.]; out [., ldo]. Channels and
+// nodes are independent: a part of either is the same call on their columns or its node range.
+void tree_conv_row(const float* xBC, long ldx, const int64_t* parents, long i0, long i1, const float* state,
+                   const float* w, const float* bias, long dim, long K, float* out, long ldo, int64_t rounding) {
   thread_local std::vector<float> cols;
   cols.resize((size_t)(2 * K * dim));
   float *taps = cols.data(), *past = taps + K * dim;
@@ -291,7 +291,7 @@ void tree_conv_row(const float* xBC, long ldx, const int64_t* parents, long n, c
     conv_columns<4>(state, w, dim, K, taps, past);
   else
     conv_columns<0>(state, w, dim, K, taps, past);
-  for (long i = 0; i < n; i++) {
+  for (long i = i0; i < i1; i++) {
     float* o = out + i * ldo;
     for (long c = 0; c < dim; c++) o[c] = bias ? bias[c] : 0.f;
     long pos = i;
@@ -305,32 +305,41 @@ void tree_conv_row(const float* xBC, long ldx, const int64_t* parents, long n, c
   }
 }
 
-// One row's tree scan (tree_jit.scan_row's arithmetic) over the conv's outputs conv [n, dim] (x, B, C
-// side by side), raw dt [n, ldt], parents [n], the state's term xs [n, heads * headdim] (C_i . x0, by
-// stree_state_term): y [n, heads * headdim] = exp(Atree_i) xs_i + the sum over i's ancestors-or-self j
-// of exp(Atree_i - Atree_j) (C_i . B_j) dt_j x_j, + D x_i. work: 3 * n * heads floats (d, decay, at
-// as doubles after them). Heads h0 .. h1 - 1 alone (each head's y and work its own: a row's heads are split
-// over the threads so).
-void tree_scan_row(const float* conv, long dim, const float* dt, long ldt, const int64_t* parents, long n,
-                   const float* xs, const Layer& L, const Sizes& sz, double lo, double hi, float* y, double* work,
-                   long h0, long h1) {
-  long H = sz.heads, Pd = sz.headdim, S = sz.d_state, G = sz.groups, HP = H * Pd, per_group = H / G;
+// One row's tree scan (tree_jit.scan_row's arithmetic), in two parts. tree_scan_decays: over nodes 0 .. n - 1
+// (parents before children), from raw dt [n, ldt], each node's processed dt d, its cumulative log decay
+// Atree along its path (at, doubles) and exp(Atree): work [n * heads doubles, then 2 * n * heads floats].
+void tree_scan_decays(const float* dt, long ldt, const int64_t* parents, long n, const Layer& L, long H, double lo,
+                      double hi, double* work) {
   double* at = work;
   float *d = (float*)(at + n * H), *decay = d + n * H;
-  float cb[64];
   for (long i = 0; i < n; i++) {
     long q = parents[i];
-    for (long h = h0; h < h1; h++) {
+    for (long h = 0; h < H; h++) {
       double v = processed_dt(dt[i * ldt + h], L.dt_bias[h], lo, hi);
       d[i * H + h] = (float)v;
       at[i * H + h] = v * (double)L.A[h] + (q >= 0 ? at[q * H + h] : 0.0);
       decay[i * H + h] = (float)exp(at[i * H + h]);
     }
   }
-  for (long i = 0; i < n; i++) {
+}
+
+// tree_scan_nodes: nodes i0 .. i1 - 1's outputs from the conv's outputs conv [., dim] (x, B, C side by side),
+// the state's term xs [., heads * headdim] (C_i . x0, by stree_state_term) and tree_scan_decays' work (made
+// for at least nodes 0 .. i1 - 1): y [., heads * headdim] = exp(Atree_i) xs_i + the sum over i's
+// ancestors-or-self j of exp(Atree_i - Atree_j) (C_i . B_j) dt_j x_j, + D x_i. A node's y is its own memory
+// (its row of y, every head), so that a row's nodes split over the threads share no line they write (split
+// by heads, two threads each wrote half of every node's row and of the shared work's lines: a 16-node
+// chain's scan took longer on two threads than on one, 2-core Xeon)
+void tree_scan_nodes(const float* conv, long dim, const int64_t* parents, long n, long i0, long i1, const float* xs,
+                     const Layer& L, const Sizes& sz, float* y, const double* work) {
+  long H = sz.heads, Pd = sz.headdim, S = sz.d_state, G = sz.groups, HP = H * Pd, per_group = H / G;
+  const double* at = work;
+  const float *d = (const float*)(at + n * H), *decay = d + n * H;
+  float cb[64];
+  for (long i = i0; i < i1; i++) {
     const float *x = conv + i * dim, *C = x + HP + G * S;
     float* acc = y + i * HP;
-    for (long h = h0; h < h1; h++) {
+    for (long h = 0; h < H; h++) {
       const float *D = L.D + h * Pd, *xh = x + h * Pd, *made = xs + i * HP + h * Pd;
       float dec = decay[i * H + h], *a = acc + h * Pd;
       for (long p = 0; p < Pd; p++) a[p] = D[p] * xh[p] + dec * made[p];
@@ -343,13 +352,30 @@ void tree_scan_row(const float* conv, long dim, const float* dt, long ldt, const
         for (long s = 0; s < S; s++) s0 += C[g * S + s] * Bj[g * S + s];
         cb[g] = s0;
       }
-      for (long h = h0; h < h1; h++) {
+      for (long h = 0; h < H; h++) {
         float coef = (float)exp(at[i * H + h] - at[j * H + h]) * cb[h / per_group] * d[j * H + h];
         for (long p = 0; p < Pd; p++) acc[h * Pd + p] += coef * xj[h * Pd + p];
       }
     }
-    round_half(acc + h0 * Pd, (h1 - h0) * Pd, sz.rounding);
+    round_half(acc, HP, sz.rounding);
   }
+}
+
+// Where part ``part`` of ``parts`` of a row's n nodes (parents [n], parents before children) starts, the
+// scan's work (each node's ancestors-or-self) shared about equally: node i's share its depth + 1.
+long node_split(const int64_t* parents, long n, long part, long parts) {
+  if (part <= 0) return 0;
+  if (part >= parts) return n;
+  thread_local std::vector<long> depth;
+  depth.resize((size_t)n);
+  long total = 0;
+  for (long i = 0; i < n; i++) total += depth[i] = parents[i] >= 0 ? depth[parents[i]] + 1 : 1;
+  long acc = 0;
+  for (long i = 0; i < n; i++) {
+    if (acc * parts >= total * part) return i;
+    acc += depth[i];
+  }
+  return n;
 }
 
 // Where part ``part`` of ``parts`` of ``dim`` channels starts: whole vectors of 16 floats, the last part
@@ -376,7 +402,7 @@ void embed_rows(const Model* m, const int64_t* tokens, long rows, float* x) {
 constexpr long ROWS_APART = 4;
 
 // Elements (a tree's nodes times a head's state, in all) from which a tree pass's conv and scan split a row
-// over the threads too, a part of its channels or heads each
+// over the threads too, a part of its nodes each
 constexpr long SPLIT_WORK = 2048;
 
 // f(i) for each i < count: over the threads where ``apart`` (a static share each), else in this thread
@@ -584,7 +610,7 @@ float* feed_rows(const Model* m, const int64_t* tokens, const int64_t* counts, l
         // moved past them: slot j holds the token len - K + j, or, before them, the old slot j + len
         const float* raw = proj + start[r] * P + I;
         float* window = cs + r * CD * K;
-        tree_conv_row(raw + c0, P, chain, len, window + c0 * K, L.conv_w + c0 * K, L.conv_b ? L.conv_b + c0 : nullptr,
+        tree_conv_row(raw + c0, P, chain, 0, len, window + c0 * K, L.conv_w + c0 * K, L.conv_b ? L.conv_b + c0 : nullptr,
                       c1 - c0, K, conv + start[r] * CD + c0, CD, n.rounding);
         for (long c = c0; c < c1; c++)
           for (long j = 0; j < K; j++) {
@@ -840,15 +866,18 @@ long tree_pass(const Model* m, const int64_t* tokens, long b, long n, const int6
   thread_local std::vector<double> work;
   thread_local std::vector<int64_t> fed;
   scratch.resize((size_t)(N * (3 * D + P + CD + 3 * I + HP)));
-  work.resize((size_t)(b * 2 * n * H));  // per row: at (doubles), then d and decay (floats)
+  long parts = b < threads ? threads / b : 1;
+  work.resize((size_t)(b * parts * 2 * n * H));  // per (row, part): at (doubles), then d and decay (floats)
   float *x = scratch.data(), *h = x + N * D, *out = h + N * D, *proj = out + N * D, *conv = proj + N * P;
   float *y = conv + N * CD, *gate = y + N * I, *normed = gate + N * I, *xs = normed + N * I;
-  double* rows_work = work.data();  // (taken here: inside the parallel loop, `work` is each thread's own)
-  // each row's conv and scan is its own memory, a row's channels (conv) and heads (scan) independent: over
-  // the threads as (row, part) pairs, a row in parts where rows are fewer than threads; at batch 1 both
-  // had run on one thread, the other waiting, a seventh of an 8-node pass
+  double* parts_work = work.data();  // (taken here: inside the parallel loop, `work` is each thread's own)
+  // each row's conv and scan is its own memory, a row's nodes independent in both: over the threads as (row,
+  // part) pairs, a row's nodes in parts where rows are fewer than threads, each part writing whole nodes'
+  // rows (at batch 1 both had run on one thread, the other waiting, a seventh of an 8-node pass; split by
+  // channels and heads, the parts' writes met in lines that moved from core to core: a 16-node chain's conv
+  // and scan took 90 and 136 us of its 845 on the 2-core Xeon, split by nodes 56 and 72 of 751,
+  // benchmarks/pass_parts.py)
   bool wide = threads > 1 && N * HP * S >= SPLIT_WORK;
-  long parts = b < threads ? threads / b : 1;
   const int64_t* ids = tokens;
   if (!whole) {  // (the rows' nodes back to back)
     fed.resize((size_t)N);
@@ -865,25 +894,21 @@ long tree_pass(const Model* m, const int64_t* tokens, long b, long n, const int6
     float *xBC_l = xBC_s + l * N * CD, *x_l = x_s + l * N * HP, *dt_l = dt_s + l * N * H, *B_l = B_s + l * N * GS;
     for_each(b * parts, wide, threads, [&](long t) {
       long r = t / parts, part = t % parts;
-      long c0 = channel_split(CD, part, parts), c1 = channel_split(CD, part + 1, parts);
       const int64_t* pr = parents + (rows > 1 ? r : 0) * n;
-      long at = start[r], size = start[r + 1] - at;
+      long at = start[r], size = start[r + 1] - at, i0 = size * part / parts, i1 = size * (part + 1) / parts;
       const float* pj = proj + at * P;
-      for (long i = 0; i < size; i++) {  // (the channels c0 .. c1 of xBC, and the part that comes first the dt)
+      for (long i = i0; i < i1; i++) {
         const float* raw = pj + i * P + I;
         float *xBC_i = xBC_l + (at + i) * CD, *dt_i = dt_l + (at + i) * H;
-        for (long c = c0; c < c1; c++) xBC_i[c] = raw[c];
-        if (!part)
-          for (long c = 0; c < H; c++) dt_i[c] = raw[CD + c];
+        for (long c = 0; c < CD; c++) xBC_i[c] = raw[c];
+        for (long c = 0; c < H; c++) dt_i[c] = raw[CD + c];
       }
-      tree_conv_row(pj + I + c0, P, pr, size, conv_states + ((l * b + r) * CD + c0) * K, L.conv_w + c0 * K,
-                    L.conv_b ? L.conv_b + c0 : nullptr, c1 - c0, K, conv + at * CD + c0, CD, sz.rounding);
-      // (of x [0, HP) and B [HP, HP + GS) the channels among c0 .. c1)
-      long x1 = c1 < HP ? c1 : HP, b0 = c0 > HP ? c0 : HP, b1 = c1 < HP + GS ? c1 : HP + GS;
-      for (long i = 0; i < size; i++) {
+      tree_conv_row(pj + I, P, pr, i0, i1, conv_states + (l * b + r) * CD * K, L.conv_w, L.conv_b, CD, K,
+                    conv + at * CD, CD, sz.rounding);
+      for (long i = i0; i < i1; i++) {  // (x [0, HP) and B [HP, HP + GS) of the conv's outputs)
         const float* ci = conv + (at + i) * CD;
-        for (long e = c0; e < x1; e++) x_l[(at + i) * HP + e] = ci[e];
-        for (long e = b0; e < b1; e++) B_l[(at + i) * GS + e - HP] = ci[e];
+        for (long e = 0; e < HP; e++) x_l[(at + i) * HP + e] = ci[e];
+        for (long e = HP; e < HP + GS; e++) B_l[(at + i) * GS + e - HP] = ci[e];
       }
     });
     PART(PART_CONV);
@@ -898,10 +923,13 @@ long tree_pass(const Model* m, const int64_t* tokens, long b, long n, const int6
                          ssm_states + (l * b + r) * HP * S, H, sz.headdim, xs + start[r] * HP, threads);
     PART(PART_STATE);
     for_each(b * parts, wide, threads, [&](long t) {
-      long r = t / parts, h0 = H * (t % parts) / parts, h1 = H * (t % parts + 1) / parts;
-      tree_scan_row(conv + start[r] * CD, CD, proj + start[r] * P + I + CD, P, parents + (rows > 1 ? r : 0) * n,
-                    start[r + 1] - start[r], xs + start[r] * HP, L, sz, m->e.dt_lo, m->e.dt_hi, y + start[r] * I,
-                    rows_work + r * 2 * n * H, h0, h1);
+      long r = t / parts, part = t % parts, at = start[r], size = start[r + 1] - at;
+      const int64_t* pr = parents + (rows > 1 ? r : 0) * n;
+      // (each part's decays its own, over the nodes up to its last: a part's nodes' ancestors come before them)
+      long i0 = node_split(pr, size, part, parts), i1 = node_split(pr, size, part + 1, parts);
+      double* own = parts_work + t * 2 * n * H;
+      tree_scan_decays(proj + at * P + I + CD, P, pr, i1, L, H, m->e.dt_lo, m->e.dt_hi, own);
+      tree_scan_nodes(conv + at * CD, CD, pr, i1, i0, i1, xs + at * HP, L, sz, y + at * I, own);
     });
     PART(PART_SCAN);
     block_out(m, L, N, proj, y, gate, normed, out, x, threads);
