@@ -27,7 +27,6 @@ from .cache import AttnLayerState, ModelCache, SSMLayerState, SSMScratch, TreePa
 from .layers.linear import Linear
 
 SCANS = ("tree", "chain", "unrolled")  # how the SSM layers walk a draft (forward_tree's scan)
-_ONE = torch.ones((), dtype=torch.long)  # a one-call (CPU) step's advance of a cache's lengths
 
 
 def _index(tree: TokenTree) -> tuple[TreeIndex, int]:
@@ -377,8 +376,7 @@ class TreeLM(nn.Module):
         greedy = getattr(self._one_call(one_call, tokens, cache), "greedy", None)
         if greedy is None:
             return None
-        out = greedy(tokens.contiguous(), cache.conv, cache.ssm, top_k)
-        cache.seqlens += _ONE  # (a Python 1 is a new scalar tensor each step: an allocation)
+        out = greedy(tokens.contiguous(), cache.conv, cache.ssm, top_k, cache.seqlens)  # (the lengths advanced in it)
         cache.moved()
         return out
 

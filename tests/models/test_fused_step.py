@@ -11,7 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from avx2_build import use_avx2_build
-from strategies import accepted_paths, parent_lists, trees
+from strategies import accepted_paths, trees
 from tiny_models import VOCAB, assert_same_state, count_calls, hybrid, layer_by_layer, mamba2, with_biases
 
 from stree.kernels.cpu import mamba_step
@@ -279,36 +279,6 @@ def test_a_long_paths_replay_split_over_threads_commits_as_on_one_thread(layout,
     model.commit(reference, tree_pass, result.accepted, result.num_accepted)
     assert torch.equal(result.num_accepted, got[2])
     assert_same_state(cache, reference, tol=2e-5)
-
-
-@settings(max_examples=30, deadline=None)
-@given(data=st.data(), layout=st.sampled_from(sorted(LAYOUTS)))
-def test_a_rows_nodes_split_over_two_threads_score_and_commit_as_on_one(data, layout):
-    """A row alone (batch 1) splits its nodes over the threads (mamba_step.cpp: the conv's by count,
-    the scan's by their ancestors, node_split; from 4 nodes of these models): the pass's logits and
-    replay scratch, and a greedy iteration's outputs and committed states, exactly those of one thread
-    (the suite's workers run one thread each, so the split is compared with it here), for chains,
-    stars and bushy trees whose paths go deep."""
-    n = data.draw(st.integers(4, 24))
-    parents = torch.tensor(data.draw(parent_lists(n)))
-    model = MODELS[layout]
-    cache = _prefilled(model, 1)
-    tree = _greedy_draft(model, cache, parents, 1, data)
-    outs, threads = [], torch.get_num_threads()
-    try:
-        for count in (1, 2):
-            torch.set_num_threads(count)
-            scored, iterated = cache.clone(), cache.clone()
-            logits, tree_pass = model.forward_tree(tree, scored)
-            outs.append((logits, [t.clone() for t in tree_pass.ssm.parts()],
-                         model.greedy_tree(tree, iterated)[1:6], iterated))
-    finally:
-        torch.set_num_threads(threads)
-    (logits, scratch, got, after), (logits2, scratch2, got2, after2) = outs
-    assert torch.equal(logits, logits2)
-    for a, b in zip(scratch + list(got), scratch2 + list(got2)):
-        assert torch.equal(a, b)
-    assert_same_state(after, after2, tol=0)
 
 
 @pytest.mark.parametrize("seed", range(4))

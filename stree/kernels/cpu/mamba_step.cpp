@@ -769,7 +769,8 @@ void node_law(const float* logits, long V, long k, int64_t token, int64_t* ids, 
 // had cost a plain step's host path a tenth of the step in calls; then, with a choice, laws (0: none) and,
 // for each row, the target's law for a drafter (node_law, at the row's choice): top ids [k, laws] (int64),
 // their probabilities [k, laws] and the choice's own [k] (float32; torch's softmax, top-k and gather
-// after the call had taken a plain step a sixth more). Returns 0; or, where nothing was
+// after the call had taken a plain step a sixth more); last, lengths (int64 [b], or 0: none), each advanced by
+// one with the states (a cache's, as a greedy iteration advances them). Returns 0; or, where nothing was
 // computed, 1 + the first row whose token is outside the vocabulary, or -1 - the first entry of the rows
 // outside [0, b).
 extern "C" long stree_mamba_step(const int64_t* a) {
@@ -807,6 +808,8 @@ extern "C" long stree_mamba_step(const int64_t* a) {
                work.data());
     });
   }
+  int64_t* lengths = (int64_t*)a[15];
+  for (long r = 0; lengths && r < b; r++) lengths[r] += 1;
   return 0;
 }
 

@@ -36,7 +36,7 @@ from .bound import aligned_array
 
 __all__ = ["DRAFT_MAX_CHILDREN", "MambaLayer", "MambaStep", "available"]
 
-_ARGS = struct.Struct("=15q")
+_ARGS = struct.Struct("=16q")
 _TREE_ARGS = struct.Struct("=14q")
 _GREEDY_ARGS = struct.Struct("=27q")
 _PREFILL_ARGS = struct.Struct("=8q2d1q")
@@ -195,7 +195,8 @@ class MambaStep:
         before anything is computed."""
         return self._step(tokens, conv, ssm, heads, 0)
 
-    def greedy(self, tokens: torch.Tensor, conv: torch.Tensor, ssm: torch.Tensor, top_k: int | None = None):
+    def greedy(self, tokens: torch.Tensor, conv: torch.Tensor, ssm: torch.Tensor, top_k: int | None = None,
+               lengths: torch.Tensor | None = None):
         """:meth:`__call__` for every row with each row's greedy choice made in the call: the logits
         ``[b, vocab]``, the choices ``[b, 1]`` (the first of equal maxima, as ``torch.argmax``; NaN
         never chosen but in the first entry), ones ``[b]`` (one token a row) and whether each row's
@@ -203,11 +204,13 @@ class MambaStep:
         array's memory (:func:`~stree.tree.host_tensor`); last, with ``top_k`` (cut to the
         vocabulary), the law a drafter learns from, as :meth:`tree_greedy`'s at a path's node: the
         softmax's ``top_k`` most likely ids ``[b, 1, top_k]`` and probabilities, and each choice's own
-        ``[b, 1]`` (None without)."""
+        ``[b, 1]`` (None without). ``lengths`` (int64 ``[b]``, contiguous, on the host: a cache's
+        ``seqlens``), where given, is advanced by one a row in the call, with the states (a torch add
+        after it had cost a plain step a tenth more in decoding, its code cold after the step's)."""
         b = tokens.shape[0]
         k = min(top_k or 0, self.vocab)
         at, *outputs, laws, addresses = self._kept_or_made(("greedy", b, k), lambda: self._step_outputs(b, k))
-        return self._step(tokens, conv, ssm, None, at, k, addresses), *outputs, laws
+        return self._step(tokens, conv, ssm, None, at, k, addresses, lengths), *outputs, laws
 
     @staticmethod
     def _step_outputs(b: int, k: int) -> tuple:
@@ -222,13 +225,15 @@ class MambaStep:
                 host_tensor(raw[16 * b:].view(np.bool_)), laws,
                 (0, 0, 0) if laws is None else tuple(t.data_ptr() for t in laws))
 
-    def _step(self, tokens, conv, ssm, heads, at: int, laws: int = 0, addresses=(0, 0, 0)) -> torch.Tensor:
+    def _step(self, tokens, conv, ssm, heads, at: int, laws: int = 0, addresses=(0, 0, 0),
+              lengths: torch.Tensor | None = None) -> torch.Tensor:
         b = tokens.shape[0]
         k = b if heads is None else heads.shape[0]
         logits = self._logits(b) if heads is None else torch.empty(k, self.vocab)
         status = self._run(_ARGS.pack(self._at, tokens.data_ptr(), b, conv.data_ptr(), ssm.data_ptr(),
                                       0 if heads is None else heads.data_ptr(), k, logits.data_ptr(),
-                                      torch.get_num_threads(), at, at + 16 * b if at else 0, laws, *addresses))
+                                      torch.get_num_threads(), at, at + 16 * b if at else 0, laws, *addresses,
+                                      0 if lengths is None else lengths.data_ptr()))
         if status > 0:
             raise ValueError(f"tokens must be in [0, {self.vocab}), got {int(tokens[status - 1])} at row {status - 1}")
         if status < 0:
