@@ -186,7 +186,11 @@ class Rows:
         return len(self.lengths)
 
     def active_ids(self) -> list[int]:
-        return [r for r, a in enumerate(self.active.tolist()) if a]
+        return [r for r, a in enumerate(self._arrays[4].tolist()) if a]  # (NumPy's: the view made once)
+
+    def lengths_now(self) -> np.ndarray:
+        """Every row's length as it stands, a copy (NumPy)."""
+        return self._arrays[2].copy()
 
     def context(self) -> DraftContext:
         live = self.active_ids()
