@@ -523,7 +523,7 @@ __attribute__((always_inline)) inline float* step_rows(const Model* m, const int
   float *x = scratch.data(), *h = x + rows * D, *out = h + rows * D, *proj = out + rows * D, *conv = proj + rows * P;
   float *y = conv + rows * CD, *gate = y + rows * I, *normed = gate + rows * I;
   // rows (and their heads) are independent: over the threads only where it is worth waking them (a step of
-  // one row split its conv's channels and its heads over the threads too, as a tree pass does: timed alone
+  // one row split its conv's channels and its heads over the threads too, as a tree pass once did: timed alone
   // it was no faster, and decoding at batch 1 measured 8% slower, benchmarks/speculation_ab.py)
   bool wide = rows * HP * S >= (1 << 16);
   embed_rows(m, tokens, rows, x);
