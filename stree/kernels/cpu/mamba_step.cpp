@@ -878,8 +878,8 @@ long tree_pass(const Model* m, const int64_t* tokens, long b, long n, const int6
   // part) pairs, a row's nodes in parts where rows are fewer than threads, each part writing whole nodes'
   // rows (at batch 1 both had run on one thread, the other waiting, a seventh of an 8-node pass; split by
   // channels and heads, the parts' writes met in lines that moved from core to core: a 16-node chain's conv
-  // and scan took 90 and 136 us of its 845 on the 2-core Xeon, split by nodes 56 and 72 of 751,
-  // benchmarks/pass_parts.py)
+  // and scan took 77 and 92 us of its 824 on the 2-core Xeon, split by nodes 56 and 69 of 778,
+  // benchmarks/pass_parts.py, results pass_parts_xeon_192f0ee and _node_split)
   bool wide = threads > 1 && N * HP * S >= SPLIT_WORK;
   const int64_t* ids = tokens;
   if (!whole) {  // (the rows' nodes back to back)
