@@ -1,8 +1,9 @@
 """The one-call functions (stree.kernels.cpu.mamba_step) give the same bits whatever the threads: a
 step, a prefill, a tree pass, a greedy iteration and a draft on two threads (the rows, a tree row's
-nodes in its conv and scan, a prompt's conv channels and scan heads, norms and roundings split between
-them where the work is large enough: trees of 4 nodes or more, prompts of 128 tokens or more for these
-models) equal the same calls on one, where every loop runs in order on the calling thread."""
+nodes in its conv and scan (its conv's channels where it has fewer nodes than threads), a prompt's conv
+channels and scan heads, norms and roundings split between them where the work is large enough: trees of 4
+nodes or more, of one with a head's state of 32, prompts of 128 tokens or more for these models) equal the
+same calls on one, where every loop runs in order on the calling thread."""
 
 import numpy as np
 import pytest
@@ -18,6 +19,9 @@ from stree.tree import TokenTree, TreeShape
 pytestmark = pytest.mark.skipif(not mamba_step.available(), reason="no C++ compiler for the CPU library here")
 
 MODELS = {"float32": with_biases(mamba2()),
+          # (a head's state of 32: a tree of one node already splits, by channels, where a row has fewer nodes
+          # than threads)
+          "float32, d_state 32": with_biases(mamba2(d_state=32)),
           "float16, half residual, one group": with_biases(mamba2(residual_in_fp32=False, ngroups=1)).to(torch.float16),
           "bfloat16": mamba2().to(torch.bfloat16)}
 
