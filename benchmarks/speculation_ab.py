@@ -10,8 +10,10 @@ benchmarks/results/.
 
 Why: on the 2-core CPUs one process's gain for the same code moved from 1.13x to 1.75x in one
 evening (docs/benchmarks.md, "Forwards after host work"), more than most changes to the library;
-rounds of the two sides, back to back, share the machine's phase. For a change to the tree choice
-alone, ``choice_ab.py`` pairs the two within one process (finer).
+rounds of the two sides, back to back, share the machine's phase. Each run measures its own cost
+profiles (a fresh cache directory, the built libraries linked into it), so that the rounds sample
+their error too. For a change to the tree choice alone, ``choice_ab.py`` pairs the two within one
+process (finer).
 
     python benchmarks/speculation_ab.py --against HEAD --processes 3 -- --modes eager --temperatures 0 --rounds 2
     python benchmarks/speculation_ab.py --smoke
@@ -36,8 +38,9 @@ DEFAULT = ["--modes", "eager", "--temperatures", "0", "--rounds", "2", "--drafte
 
 def _run(side: str, path: str, args: list[str], out: Path, stem: str) -> dict:
     """speculation.py with ``side``'s stree first on the path: its result, after checking that it
-    imported that stree."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([path, os.environ.get("PYTHONPATH", "")]))
+    imported that stree. The run's cost profiles are its own (:func:`_own_costs`)."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([path, os.environ.get("PYTHONPATH", "")]),
+               STREE_CACHE_DIR=str(_own_costs(out.parent / f"cache_{stem}")))
     where = subprocess.run([sys.executable, "-c", "import stree; print(stree.__file__)"], capture_output=True,
                            text=True, env=env, cwd=path)
     if where.returncode or not where.stdout.strip().startswith(path):
@@ -48,6 +51,23 @@ def _run(side: str, path: str, args: list[str], out: Path, stem: str) -> dict:
     if run.returncode:
         raise RuntimeError(f"speculation.py failed on the {side} side: {run.stderr[-2000:]}")
     return json.loads((out / f"{stem}.json").read_text())
+
+
+def _own_costs(root: Path) -> Path:
+    """A cache directory for one run (``$STREE_CACHE_DIR``): no cost profiles in it, so that the run
+    measures its own, and the built libraries' directory linked from the shared cache. A profile is
+    kept in a file and read by every later process of the same sources (stree.decoding.cost): shared,
+    each side's profiles were measured once, in its first run, and every round read them, so that one
+    measurement's error moved all of a side's rounds alike, which pairing cannot cancel (a change to the
+    products read +0.034 for n-gram at batch 1 in one such run, -0.106 in all three rounds of the next:
+    docs/benchmarks.md, 2026-12-07)."""
+    from stree.kernels._common import cache_dir
+
+    shared = cache_dir() / "kernels"
+    shared.mkdir(parents=True, exist_ok=True)
+    root.mkdir(parents=True)
+    (root / "kernels").symlink_to(shared, target_is_directory=True)
+    return root
 
 
 def main(argv=None):

@@ -2,6 +2,7 @@ import importlib.util
 import inspect
 import json
 import math
+import os
 import statistics
 import subprocess
 import sys
@@ -652,3 +653,35 @@ def test_pass_parts_refuses_bad_sizes():
     with pytest.raises(SystemExit) as e:
         benchmark("pass_parts").main(["--sizes", "2,x"])
     assert e.value.code == 2
+
+
+def test_speculation_ab_gives_each_run_its_own_cost_profiles(tmp_path, monkeypatch):
+    """Each run of speculation.py gets a cache directory of its own, without the shared cost profiles
+    (each run measures its own, so the rounds sample a profile's error) and with the built libraries
+    linked in (not built again)."""
+    module = benchmark("speculation_ab")
+    shared = tmp_path / "shared"
+    (shared / "kernels").mkdir(parents=True)
+    (shared / "costs.json").write_text("{}")
+    monkeypatch.setenv("STREE_CACHE_DIR", str(shared))
+    seen = []
+
+    class Done:
+        returncode, stdout, stderr = 0, "", ""
+
+    def fake_run(cmd, env, **kwargs):
+        seen.append(env["STREE_CACHE_DIR"])
+        done = Done()
+        done.stdout = env["PYTHONPATH"].split(os.pathsep)[0] + "/stree/__init__.py"
+        if "-c" not in cmd:
+            out, stem = Path(cmd[cmd.index("--out") + 1]), cmd[cmd.index("--stem") + 1]
+            out.mkdir(parents=True, exist_ok=True)
+            (out / f"{stem}.json").write_text('{"results": []}')
+        return done
+    monkeypatch.setattr(module.subprocess, "run", fake_run)
+    for stem in ("working_0", "working_1"):
+        assert module._run("working", str(tmp_path / "lib"), [], tmp_path / "out", stem) == {"results": []}
+    own = {Path(d) for d in seen}
+    assert len(own) == 2 and shared not in own
+    for d in own:
+        assert not (d / "costs.json").exists() and (d / "kernels").resolve() == (shared / "kernels").resolve()
