@@ -225,6 +225,17 @@ class AutoTree:
     WATCH = True
     WATCH_EVERY = 4
     WATCH_SHARE = 0.01
+    # A watched draft's nodes, at least, where the sizes allow (not the probe's few), and it would have paid
+    # where a prefix of it of one of the sizes would have (_prefix_paid): a probe's size, early in a
+    # process its rates' prior plan of two or three levels, brought three or four tokens at most against
+    # its price, and whether the first such watch paid decided whether a fresh process's choice drafted
+    # at all. n-gram, batch 1, greedy (2-core Xeon, benchmarks/speculation.py in fresh processes): five
+    # processes in fifteen decoded their first predictable prompts plain, some then resting, tau 1.29-1.41
+    # where the others' was 2.2-2.4; with this, none of five. Deep watches judged by the probe's size
+    # alone, or the probe's size judged by its best prefix, left three of five so. (Paired in twelve fresh
+    # processes a side, benchmarks/speculation_ab.py: n-gram +0.040, STAND deterministic -0.008, STAND
+    # -0.018; docs/benchmarks.md, 2026-12-07, evening.)
+    WATCH_NODES = 16
     # A call's first watched draft is due after this many plain steps at most, whatever the share: each
     # call is new text, and at the share's pace (a watch in 100-200 plain steps once backed off) a call
     # of 128 tokens explored nothing and decoded plain where its drafter's trees paid (STAND deterministic,
@@ -656,7 +667,7 @@ class AutoTree:
         most."""
         if self._paid_watch:
             return self.WATCH_EVERY
-        watching = max(self.draft_cost[self._probe_size] * self._scaled("tree"), self.scale["watch_ms"])
+        watching = max(self.draft_cost[self._watch_size()] * self._scaled("tree"), self.scale["watch_ms"])
         share = self.WATCH_SHARE * 0.5 ** self.scale["watch_idle"]
         gap = max(self.WATCH_EVERY, math.ceil(watching / (share * self.cost[1] * self.scale["plain"])))
         return min(gap, self.FIRST_WATCH) if self._first_watch else gap
@@ -671,7 +682,25 @@ class AutoTree:
                 or self.wants_trees()):
             return None
         self._unwatched = 0
-        return self.prefix(self._probe_size)
+        return self.prefix(self._watch_size())
+
+    def _watch_size(self) -> int:
+        """A watched draft's nodes: the probe's size, or more, up to ``WATCH_NODES`` where the sizes allow."""
+        deep = max((m for m in self.sizes if m <= self.WATCH_NODES), default=1)
+        return max(self._probe_size, deep)
+
+    def _prefix_paid(self, parents, tokens, valid, emitted, seen, served) -> bool:
+        """Whether a prefix of a watched draft of one of the sizes would have paid, verified: what it would
+        have brought the rows ``served`` against its iteration's price."""
+        plain, tree = self.cost[1] * self.scale["plain"], self._scaled("tree")
+        index = np.arange(valid.shape[1])
+        for m in self.sizes:
+            if m > valid.shape[1]:
+                break
+            counts = walk(parents, tokens, valid & (index < m), emitted, seen)
+            if rows_worth(counts[served].tolist()) * plain > (self.cost[m] + self.draft_cost[m]) * tree:
+                return True
+        return False
 
     def watched(self, draft: TokenTree, after: list[np.ndarray], served: np.ndarray, ids: np.ndarray,
                 drafting_ms: float | None = None) -> None:
@@ -714,8 +743,8 @@ class AutoTree:
             m = weigh(parents, rank, depth, drafted, weak, hazard, served, min(draft.n, self.max_nodes),
                       *self._weighing(), True, self.gain_scale())[0]
             self._learn_kept(m > 1)
-            # (whether it paid in hindsight: what it brought the rows served, against its iteration's price)
-            self._paid_watch = brought * self.cost[1] * self.scale["plain"] > self._tree_ms + self._draft_ms
+            # (whether it paid in hindsight: what a prefix of it brought the rows served, against its price)
+            self._paid_watch = self._prefix_paid(parents, tokens, valid, emitted, seen, served)
         else:
             self._paid_watch = False
         cut = remade(draft, valid=torch.from_numpy(valid), weak=draft.weak)

@@ -1141,6 +1141,30 @@ def test_watched_drafts_are_spaced_by_what_watching_them_took(monkeypatch):
     assert auto.watch_shape() is not None
 
 
+def test_a_watched_draft_has_watch_nodes_and_pays_where_a_prefix_of_it_would_have():
+    """A watched draft has WATCH_NODES nodes where the sizes allow, whatever the probe's size: a
+    probe's few nodes, two or three levels, settled whether a fresh process's choice ever drafted
+    (n-gram, batch 1, greedy: about one process in three decoded its first predictable prompts
+    plain, 1.0x against 1.2x). And it would have paid, verified, where a prefix of it of an allowed
+    size would have: its path's tokens against that prefix's price (a draft of 16 nodes whose first
+    level alone matched pays as a 2-node tree, not as a 16-node one)."""
+    pessimist = AutoTree(cheap(), adaptive=True, watch=True, rates=PathRates(prior=(0.02,) * 8))
+    for _ in range(AutoTree.FIRST_WATCH):
+        pessimist.record(None)
+    due = pessimist.watch_shape()
+    assert pessimist._probe_size < 16 and due is not None and due.n == 16
+    steep = CostProfile(1.0, (2, 4, 8, 16), (1.05, 1.5, 2.0, 3.0))
+    auto = AutoTree(steep, adaptive=True, watch=True, rates=PathRates(prior=(0.95,) * 8))
+    assert auto._probe_size == 16  # (the best size, whose price the tokens below do not reach)
+    chain = TokenTree.from_shape(TreeShape.chain(15), torch.arange(16)[None])
+    auto.scale["watch_ms"] = 50.0  # (what watches take: far apart, unless the last would have paid)
+    one, served = np.zeros(1, dtype=np.int64), np.ones(1, dtype=bool)
+    auto.watched(chain, [np.array([1, 99, 99])], served, one)  # the first draft accepted: 2 tokens
+    assert auto._watch_gap() == AutoTree.WATCH_EVERY
+    auto.watched(chain, [np.array([99, 99])], served, one)  # none: no prefix pays
+    assert auto._watch_gap() > AutoTree.WATCH_EVERY
+
+
 def test_watches_back_off_while_plain_steps_keep_winning_and_come_back_when_trees_do():
     """Each watched draft after which plain steps still win halves the watches' share (the gap
     doubles), down to WATCH_SHARE / 2**BACKOFF; one that would have paid, verified, restores it and
