@@ -69,6 +69,7 @@ from .acceptance import (PathRates, RowRates, chances, pooled, shape_structure, 
                          weak_mask)
 from .cost import STALE, WAKE, CostProfile, bracketed_profile, cost_profile, default_sizes, forget
 from .plans import best_prefix, best_rows, best_size, cut_rows, expected_accepted, plan_shape, remade, rows_worth, weigh
+from ..models.fused_step import measure_half_rows
 from ..tree import TokenTree, TreeShape
 
 __all__ = ["AutoTree", "auto_tree", "tree_room"]
@@ -1217,6 +1218,7 @@ def auto_tree(model, drafter, batch: int, *, mode: str, sampled: bool = False, c
     ``may_rest``: None where an adaptive call rests (:meth:`AutoTree.rests`), for a caller whose drafter
     serves the call alone (what a resting call does not show it would be lost with the call anyway)."""
     _load_helpers()
+    measure_half_rows(model)  # (before the costs, which the packs move; once per model's step in a process)
     fills = getattr(drafter, "fills_shapes", True)
     profile, sizes, fixed = _profile(model, drafter if fills else None, batch, mode, sampled, chain, depth, refresh,
                                      adaptive, bracketed)

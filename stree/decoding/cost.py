@@ -39,6 +39,7 @@ import torch
 
 from ..checkpoints.atomic import write_text
 from ..kernels._common import cache_dir
+from ..models.fused_step import half_rows_of
 
 __all__ = ["CostProfile", "bracketed_profile", "cache_file", "cost_profile", "model_step_ms", "MODES"]
 
@@ -359,6 +360,9 @@ def cost_profile(model, batch_size: int, *, drafter=None, mode: str = "eager", s
     sizes = sorted(s.n for s in shapes)
     fields = dict(batch=batch_size, mode=mode, sizes=sizes, drafter=drafter_kind(drafter),
                   sampled=bool(sampled), **({} if scan == "tree" else dict(scan=scan)))  # (tree: the older keys)
+    packs = half_rows_of(model)
+    if packs is not None:  # (the products' packs measured other than the default: their passes cost otherwise)
+        fields["half_rows"] = packs
     checked = check and mode == "eager"
     asked = ("profile", type(model).__name__, _config_text(model), str(model.dtype), str(model.device),
              torch.get_num_threads(), repr(sorted(fields.items())))

@@ -17,6 +17,8 @@ each lookup checks every parameter), and its steps then write into outputs of th
 from __future__ import annotations
 
 import operator
+import statistics
+import time
 
 import numpy as np
 
@@ -27,12 +29,13 @@ from ..kernels._common import as_numpy
 from ..kernels.cpu import mamba_step
 from ..kernels.cpu.tree_jit import JIT_MAX_NODES
 from ..tree import TreeIndex, filled_mask
+from .base import TreeLM
 from .cache import ModelCache, SSMScratch
 from .layers import linear
 from .layers.mamba2 import Mamba2Mixer
 from .layers.norms import GatedRMSNorm, RMSNorm
 
-__all__ = ["fused_draft", "fused_prefill", "fused_step", "fused_tree", "fused_tree_greedy"]
+__all__ = ["fused_draft", "fused_prefill", "fused_step", "fused_tree", "fused_tree_greedy", "half_rows_of", "measure_half_rows"]
 
 _VERSION = operator.attrgetter("_version")
 
@@ -158,6 +161,61 @@ def fused_step(model, cache: ModelCache, tokens: torch.Tensor | None, kernel_bac
     if plan is None or not plan.holds(model):
         plan = model.__dict__["_stree_fused_step"] = _Plan(model)
     return plan.step
+
+
+# (measure_half_rows) a tree of this many nodes is timed, this many times with each pack choice, after one
+# warm-up each; the half packs are taken past HALF_ROWS where they are this much cheaper
+HALF_ROWS_NODES, HALF_ROWS_ROUNDS, HALF_ROWS_MARGIN = 16, 8, 0.03
+
+
+def measure_half_rows(model) -> int | None:
+    """Where a half model's step is one call (:func:`fused_step`): whether the products of more than
+    :data:`~stree.kernels.cpu.mamba_step.HALF_ROWS` rows take its half packs too, timed on this
+    machine once per step made (each later call answers at once): a plain step, then a tree pass of
+    ``HALF_ROWS_NODES`` nodes, in turns with each choice, as decoding has them (the float32 packs a
+    big tree reads come cold after plain steps, and push the half packs out). The half packs for
+    every row count where their medians are ``HALF_ROWS_MARGIN`` cheaper, else the default; the same
+    sums either way. (A 16-node chain of the shipped float16 target took 3.35 plain steps against
+    3.68 so on the 2-core Intel Xeon; on the 2-core Zen 4 the float32 packs were a tenth cheaper.)
+    Returns the rows set, or None where there is no such call (a float32 model: no half packs)."""
+    if not isinstance(model, TreeLM) or model.device.type != "cpu" or model.dtype == torch.float32:
+        return None
+    with torch.no_grad():
+        cache = model.allocate_cache(1, HALF_ROWS_NODES + 2)
+        step = fused_step(model, cache, None, model.kernel_backend)
+        if step is None or step.head_h is None:
+            return None
+        if getattr(step, "half_rows_measured", False):
+            return step.half_rows
+        gen = torch.Generator().manual_seed(0)
+        tokens = torch.randint(0, step.vocab, (1, HALF_ROWS_NODES), generator=gen)
+        parents = np.arange(-1, HALF_ROWS_NODES - 1, dtype=np.int64)  # (a chain)
+        root = tokens[0, :1].contiguous()
+        choices = (mamba_step.HALF_ROWS, 1 << 30)
+        times: dict[int, list[float]] = {rows: [] for rows in choices}
+        for turn in range(HALF_ROWS_ROUNDS + 1):
+            for rows in choices if turn % 2 else choices[::-1]:
+                step.half_rows = rows
+                t0 = time.perf_counter()
+                step(root, cache.conv, cache.ssm)
+                step.tree(tokens, parents, cache.conv, cache.ssm)
+                if turn:  # (the first: warm-up)
+                    times[rows].append(time.perf_counter() - t0)
+        default, half = (statistics.median(times[rows]) for rows in choices)
+        step.half_rows = choices[1] if half < default * (1.0 - HALF_ROWS_MARGIN) else choices[0]
+        step.half_rows_measured = True
+        return step.half_rows
+
+
+def half_rows_of(model) -> int | None:
+    """The rows :func:`measure_half_rows` set on the model's step where they are not the default (None:
+    the default, or no step measured): a cost profile measured with the other packs would price the
+    passes of more rows wrongly, so the profiles' cache keeps them apart."""
+    plan = model.__dict__.get("_stree_fused_step") if isinstance(model, TreeLM) else None
+    step = None if plan is None else plan.step
+    if step is None or not getattr(step, "half_rows_measured", False) or step.half_rows == mamba_step.HALF_ROWS:
+        return None
+    return step.half_rows
 
 
 def fused_prefill(model, cache: ModelCache, tokens: torch.Tensor, counts: torch.Tensor, kernel_backend: str):

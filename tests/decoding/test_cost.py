@@ -94,6 +94,29 @@ def test_measured_once_then_cached_in_the_process_and_the_file(fresh_cache, monk
     assert len(json.loads(fresh_cache.read_text())["entries"]) == 4
 
 
+def test_a_profile_is_kept_apart_for_the_half_packs_the_models_step_was_measured_to_take(fresh_cache, monkeypatch):
+    """A half model's step whose products take the half packs past the default rows
+    (measure_half_rows) prices its passes otherwise: its profile is measured and filed apart from the
+    default's (a process that had chosen the other packs read the default's, and its choice of trees
+    lost to the default's, paired), and the default's is asked again once the step is back to it."""
+    from stree.kernels.cpu import mamba_step
+    from stree.models.fused_step import fused_step, half_rows_of
+
+    model = mamba2().to(torch.float16)
+    calls = counting(monkeypatch)
+    default = cost_profile(model, 1, shapes=SHAPES, budget_s=0.2)
+    assert half_rows_of(model) is None
+    with torch.no_grad():
+        step = fused_step(model, model.allocate_cache(1, 8), None, "auto")
+    step.half_rows, step.half_rows_measured = 1 << 30, True
+    assert half_rows_of(model) == 1 << 30
+    half = cost_profile(model, 1, shapes=SHAPES, budget_s=0.2)
+    assert half is not default and len(calls) == 2
+    assert len(json.loads(fresh_cache.read_text())["entries"]) == 2
+    step.half_rows = mamba_step.HALF_ROWS
+    assert half_rows_of(model) is None and cost_profile(model, 1, shapes=SHAPES, budget_s=0.2) is default
+
+
 def test_a_repeated_ask_is_answered_without_making_the_files_key(fresh_cache, monkeypatch):
     """Every decoding call asks for its profile: the process answers again from what the key is
     made of, and makes the file's key (a JSON text and its digest) only where something in it

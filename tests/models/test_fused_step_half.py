@@ -234,9 +234,10 @@ def test_half_packs_of_some_products_alone_or_of_another_dtype_are_refused(monke
 
 def test_a_half_models_products_of_up_to_eight_rows_read_the_half_packs_alone(monkeypatch):
     """In decoding the float32 packs come cold (the steps read the half packs), so a half model's products of
-    up to 8 rows read the half packs (mamba_step.cpp's HALF_ROWS), more rows the float32 ones: with the float32
-    packs poisoned (NaN), steps at batch 1 and 2 and a greedy iteration of an 8-node tree at batch 1 are what
-    they are unpoisoned, and a pass of 9 nodes reads NaN."""
+    up to 8 rows read the half packs (mamba_step.HALF_ROWS, the layout's default), more rows the float32 ones:
+    with the float32 packs poisoned (NaN), steps at batch 1 and 2 and a greedy iteration of an 8-node tree at
+    batch 1 are what they are unpoisoned, and a pass of 9 nodes reads NaN; with ``half_rows`` past 9 (as
+    measure_half_rows may set it) that pass reads the half packs alone, the same sums as unpoisoned."""
     model = MODELS[torch.float16, "float32 residual"]
     gen = torch.Generator().manual_seed(5)
     prompt, steps = torch.randint(0, VOCAB, (2, 12), generator=gen), torch.randint(0, VOCAB, (2, 2), generator=gen)
@@ -261,7 +262,38 @@ def test_a_half_models_products_of_up_to_eight_rows_read_the_half_packs_alone(mo
     monkeypatch.setattr(fused_step_module, "_pack", lambda w: real(w) if w.dtype != torch.float32
                         else torch.full_like(real(w), float("nan")))
     got = run()
+    with torch.no_grad():
+        fused_step(model, model.allocate_cache(1, 8), None, "auto").half_rows = 9
+    wider = run()
     model.__dict__.pop("_stree_fused_step", None)
     for a, b in zip(got[:-1], want[:-1], strict=True):
         assert torch.equal(torch.as_tensor(a), torch.as_tensor(b))
     assert want[-1].isfinite().all() and got[-1].isnan().all()
+    for a, b in zip(wider, want, strict=True):
+        assert torch.equal(torch.as_tensor(a), torch.as_tensor(b))
+
+
+def test_the_half_packs_rows_are_measured_once_per_step_where_the_model_has_them(monkeypatch):
+    """measure_half_rows times a plain step and a 16-node pass with each choice (the default, or the half
+    packs for every row count) and sets the faster on the model's step, once per step made (a second
+    call times nothing; a step made again, its parameters changed, is measured again); a float32 model,
+    which has no half packs, is left alone; a bad value is refused."""
+    model = MODELS[torch.float16, "float32 residual"]
+    model.__dict__.pop("_stree_fused_step", None)
+    passes = _counted(monkeypatch, "tree")
+    rows = fused_step_module.measure_half_rows(model)
+    with torch.no_grad():
+        step = fused_step(model, model.allocate_cache(1, 8), None, "auto")
+    assert rows in (mamba_step.HALF_ROWS, 1 << 30) and step.half_rows == rows
+    assert passes[0] == 2 * (fused_step_module.HALF_ROWS_ROUNDS + 1)
+    assert fused_step_module.measure_half_rows(model) == rows and passes[0] == 2 * (fused_step_module.HALF_ROWS_ROUNDS + 1)
+    model.__dict__.pop("_stree_fused_step", None)  # (as a changed parameter makes the step again)
+    with torch.no_grad():
+        assert fused_step(model, model.allocate_cache(1, 8), None, "auto").half_rows == mamba_step.HALF_ROWS
+    fused_step_module.measure_half_rows(model)
+    assert passes[0] == 4 * (fused_step_module.HALF_ROWS_ROUNDS + 1)
+    model.__dict__.pop("_stree_fused_step", None)
+    assert fused_step_module.measure_half_rows(with_biases(mamba2())) is None and passes[0] == 4 * (
+        fused_step_module.HALF_ROWS_ROUNDS + 1)
+    with pytest.raises(ValueError, match="half_rows"):
+        step.half_rows = -1

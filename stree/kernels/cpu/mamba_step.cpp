@@ -61,10 +61,11 @@ namespace {
 // float32 (in_w, out_w, head_w) and, for a half model, also in its dtype (in_h, out_h, head_h; 0: none).
 // rounding: -1 for a float32 model; a half model's (0 float16, 1 bfloat16), whose outputs round where its
 // block-by-block path rounds them (round_half) and whose conv states are of its dtype; half_residual: its
-// residual stream is of its dtype too (not float32), each add rounded.
+// residual stream is of its dtype too (not float32), each add rounded. half_rows: the rows up to which a
+// product takes its weight's half pack, where the model has one (product, below).
 struct Sizes {
   int64_t layers, d_model, vocab, d_in_proj, d_inner, conv_dim, d_conv, heads, headdim, d_state, groups,
-      norm_group, gate_first, rounding, half_residual;
+      norm_group, gate_first, rounding, half_residual, half_rows;
 };
 struct Layer {
   const float *norm_w, *in_w, *in_b, *conv_w, *conv_b, *A, *D, *dt_bias, *gnorm_w, *out_w, *out_b;
@@ -427,7 +428,8 @@ void round_rows(float* v, long rows, long cols, int64_t mode, int threads) {
     round_half(v, rows * cols, mode);
 }
 
-// Rows up to which a product takes its weight's half pack, where the model has one. A few rows stream the
+// Rows up to which a product takes its weight's half pack (Sizes::half_rows, mamba_step.py's default 8; a
+// decoding call measures it where it runs, fused_step.measure_half_rows). A few rows stream the
 // weight from memory, which a half pack halves; many are bound by their multiply-adds, which the widening
 // of each vector slows. In decoding the float32 packs come cold: the steps between trees read the half
 // packs alone, so a tree's products of float32 weights stream twice the bytes from memory, not from the
@@ -435,14 +437,15 @@ void round_rows(float* v, long rows, long cols, int64_t mode, int threads) {
 // target, batch 1, 2-core EPYC Zen 4), a greedy iteration of 4 nodes took 1.85 steps with half packs against
 // 2.45-2.79 with float32 ones, of 6 nodes 2.15-2.32 against 2.22-2.48, of 8 as long, of 13 and 16 nodes a
 // tenth longer (there the multiply-adds bind). (Up to 3 rows, as first chosen from products timed back to
-// back, warm, a 4-node tree cost about as much as a 6-node one.)
-constexpr long HALF_ROWS = 8;
+// back, warm, a 4-node tree cost about as much as a 6-node one.) On the 2-core Intel Xeon the other way:
+// with half packs for every row count, a 16-node chain took 3.35 steps against 3.68, 13 nodes 2.78 against
+// 2.95, and the plain steps between them 2-5% less (the float32 packs no longer pushed the half ones out).
 
 // y [M, N] = x [M, K] @ W.T (+ bias) for a weight packed as wf (float32) and, where not null, wh (the
 // model's half dtype): the same sums either way
 inline void product(const Model* m, const float* x, long M, long K, long ldx, const float* wf, const void* wh,
                     long N, float* y, long ldy, const float* bias, int threads) {
-  if (wh && M <= HALF_ROWS)
+  if (wh && M <= m->n.half_rows)
     stree_gemm_typed(x, M, K, ldx, wh, N, y, ldy, bias, threads, m->n.rounding);
   else
     stree_gemm(x, M, K, ldx, wf, N, y, ldy, bias, threads);

@@ -44,6 +44,10 @@ _DRAFT_ARGS = struct.Struct("=21q")
 MAX_GROUPS = 64  # (the tree scan's C . B per group is a fixed buffer in mamba_step.cpp)
 DRAFT_MAX_CHILDREN = 64  # a draft's children of one node (mamba_step.cpp's top_entries keeps them in a buffer)
 ROUNDING = {torch.float32: -1, torch.float16: 0, torch.bfloat16: 1}  # a model's dtype -> Sizes::rounding
+# the products' rows up to which a half model's take its half packs (Sizes::half_rows), until measured where it
+# runs (MambaStep.half_rows; stree.models.fused_step.measure_half_rows)
+HALF_ROWS = 8
+_HALF_ROWS_AT = 15  # (its word in the layout)
 
 
 class MambaLayer:
@@ -140,7 +144,7 @@ class MambaStep:
         self.layers = layers
         sizes = [len(layers), d_model, vocab, first.d_in_proj, first.d_inner, conv_dim, d_conv, heads, headdim,
                  d_state, groups, norm_group, int(gate_first), ROUNDING[dtype],
-                 int(half_residual and dtype != torch.float32)]
+                 int(half_residual and dtype != torch.float32), HALF_ROWS]
         doubles = np.array([eps, gnorm_eps, final_eps, *dt_limit], dtype=np.float64).view(np.int64)
         words = sizes + doubles.tolist() + [t.data_ptr() for t in (self.embed, self.final_w, self.head_w)]
         words.append(0 if self.head_h is None else self.head_h.data_ptr())
@@ -159,6 +163,19 @@ class MambaStep:
         # the trailing shapes of a tree pass's scratch (xBC, x, dt, B; stree.models.cache.SSMScratch)
         self.tails = (conv_dim,), (heads, headdim), (heads,), (groups, d_state)
         self._kept: dict | None = None  # outputs reused from call to call, by shape (reused())
+
+    @property
+    def half_rows(self) -> int:
+        """The rows up to which the products take the half packs (a half model's; more take the float32
+        ones): the same sums either way, at another price. Set, it holds for this step and its
+        :meth:`reused` twins (one layout)."""
+        return int(self._layout[_HALF_ROWS_AT])
+
+    @half_rows.setter
+    def half_rows(self, rows: int) -> None:
+        if not isinstance(rows, int) or isinstance(rows, bool) or rows < 0:
+            raise ValueError(f"half_rows must be an int >= 0, got {rows!r}")
+        self._layout[_HALF_ROWS_AT] = rows
 
     def reused(self) -> "MambaStep":
         """This step, whose steps, greedy steps and greedy iterations write their logits (and a greedy
