@@ -180,6 +180,9 @@ def measure_half_rows(model) -> int | None:
     Returns the rows set, or None where there is no such call (a float32 model: no half packs)."""
     if not isinstance(model, TreeLM) or model.device.type != "cpu" or model.dtype == torch.float32:
         return None
+    known = _measured_step(model)
+    if known is not None:  # (asked at every decoding call's setup: no cache made to find the step again)
+        return known.half_rows
     with torch.no_grad():
         cache = model.allocate_cache(1, HALF_ROWS_NODES + 2)
         step = fused_step(model, cache, None, model.kernel_backend)
@@ -211,11 +214,15 @@ def half_rows_of(model) -> int | None:
     """The rows :func:`measure_half_rows` set on the model's step where they are not the default (None:
     the default, or no step measured): a cost profile measured with the other packs would price the
     passes of more rows wrongly, so the profiles' cache keeps them apart."""
+    step = _measured_step(model)
+    return None if step is None or step.half_rows == mamba_step.HALF_ROWS else step.half_rows
+
+
+def _measured_step(model):
+    """The model's step, where :func:`measure_half_rows` has measured it (else None)."""
     plan = model.__dict__.get("_stree_fused_step") if isinstance(model, TreeLM) else None
     step = None if plan is None else plan.step
-    if step is None or not getattr(step, "half_rows_measured", False) or step.half_rows == mamba_step.HALF_ROWS:
-        return None
-    return step.half_rows
+    return step if getattr(step, "half_rows_measured", False) else None
 
 
 def fused_prefill(model, cache: ModelCache, tokens: torch.Tensor, counts: torch.Tensor, kernel_backend: str):
