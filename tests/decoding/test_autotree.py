@@ -6,6 +6,7 @@ explicit trees honoured exactly."""
 import itertools
 import subprocess
 import sys
+import time
 import math
 
 import numpy as np
@@ -1680,6 +1681,62 @@ def test_the_loop_learns_from_watched_drafts_and_outputs_stay_the_same():
                                                                      **sampled).sequences
     ssm = make_drafter("ssm-static", drafter_model=mamba2(n_layer=1, seed=3), vocab_size=model.vocab_size)
     assert generate(model, prompts, max_new_tokens=48, drafter=ssm).stats.watched == 0
+
+
+def test_a_watched_drafts_drafting_and_learning_stay_out_of_the_plain_steps_time(monkeypatch):
+    """Drafting a watched draft and learning from it take time between two iterations, which the chooser
+    prices on their own clock (``watch_ms``): the iteration after either is timed without it. Here both
+    take 40 ms, and an iteration of the tiny model far less: no iteration the choice learns from
+    (a plain step weighed alone or in a run, or a tree) may take 40 ms. (Counted in them, a fresh process's first watches, a
+    millisecond or two each, had priced plain steps at half as much again as they cost, and trees ran
+    where they lost.)"""
+    from stree.decoding import loop
+
+    pause = 40.0
+
+    class SlowWatch(loop._Watch):
+        def __init__(self, *args):
+            time.sleep(pause / 1e3)
+            super().__init__(*args)
+
+        def settle(self, rows, chooser):
+            time.sleep(pause / 1e3)
+            super().settle(rows, chooser)
+
+    class Timed(NeverProbes):
+        def record(self, tree, tokens=None, counts=None, rows=None, elapsed_ms=None, ids=None):
+            if elapsed_ms is not None:
+                timed.append(elapsed_ms)
+            return super().record(tree, tokens, counts, rows, elapsed_ms, ids)
+
+        def plain_steps(self, steps, times_ms=None):
+            timed.extend(times_ms or [])
+            return super().plain_steps(steps, times_ms)
+
+    monkeypatch.setattr(loop, "_Watch", SlowWatch)
+    model = mamba2()
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, model.vocab_size, (4,), generator=g).tolist() * 4]
+    timed = []
+    auto = Timed(cheap(), adaptive=True, watch=True, rates=PathRates(prior=(0.02,) * 8))
+    out = generate(model, prompts, max_new_tokens=48, tree=auto)
+    assert out.sequences == generate(model, prompts, method="autoregressive", max_new_tokens=48).sequences
+    assert out.stats.watched >= 1 and len(timed) > 5
+    assert max(timed) < pause, sorted(timed)[-3:]
+    assert auto.scale["watch_ms"] > 0.0
+
+
+def test_a_plain_runs_steps_are_each_clipped_as_a_step_weighed_alone():
+    """A run of plain steps teaches the plain scale their mean, each step's time clipped to ``CLIP`` times
+    the scale as a step weighed alone is: one hiccup of thirty steps' time in a run of seventy moves the
+    scale as a step of three would, not by four tenths."""
+    auto = AutoTree(cheap(), adaptive=True)
+    was = auto.scale["plain"]
+    times = [1.0] * 69 + [30.0]
+    auto.plain_steps(len(times), times)
+    ratio = (69 * 1.0 + AutoTree.CLIP * was) / 70
+    assert auto.scale["plain"] == pytest.approx(was + (1 - (1 - AutoTree.ADAPT) ** 70) * (ratio - was))
+    assert auto.scale["plain"] < 1.05
 
 
 def test_the_loop_drafts_only_where_the_drafter_can_and_outputs_stay_the_same():
