@@ -261,7 +261,13 @@ class AutoTree:
     # a failed probe each, had left greedy STAND at batch 1 plain for good: 0.97x, not 1.2x; after two
     # fruitless calls, with a first watch one call in four, greedy n-gram decoded three predictable
     # prompts plain after two that were not.)
-    IDLE_CALLS, IDLE_WAKE = 4, 2
+    # Each call that explores while calls rest and again finds nothing doubles the calls between such calls,
+    # up to one in IDLE_WAKE_MOST: an exploring call there costs what its choice's setup, first plan and first
+    # watch take, a few plain steps' time (sampled at temperature 0.6, n-gram, batch 1, 2-core Intel Xeon:
+    # such calls at 0.95 of plain decoding's pace, the rested ones at 1.00, the process at 0.97 with one call
+    # in two exploring), where the text had paid no draft for several calls; a call that finds one ends the
+    # rest at once, as before.
+    IDLE_CALLS, IDLE_WAKE, IDLE_WAKE_MOST = 4, 2, 8
     # Whether rows take sizes of their own by default (see per_row): off, as on the CPU measured so far
     # packed passes lost more than they saved (docs/decoding.md); benchmarks/speculation.py --per-row
     PER_ROW = False
@@ -421,14 +427,17 @@ class AutoTree:
         """Whether a call of the adaptive choices sharing ``scale`` rests: decodes plainly, as
         ``method="autoregressive"`` does, its drafter neither asked nor shown a token and no choice made
         (so nothing of ``scale`` moves but the count of idle calls begun). Where IDLE_CALLS calls in a row
-        found no draft that paid, all but one call in IDLE_WAKE rest; the one that does not explores (at the least
+        found no draft that paid, all but one call in IDLE_WAKE rest, and one in twice as many after each exploring
+        call that again found none (up to IDLE_WAKE_MOST); the one that does not explores (at the least
         shares, its first watch kept) and, finding a draft that pays, ends the rest. Exploring at the
         least shares, such calls had each still spent about three plain steps' time beyond plain decoding's
         (the choice's setup, its first plan, a probe now and then; n-gram at temperature 1.0, batch 1,
         2-core Zen 5 EPYC), where the text had paid no draft for several calls."""
-        if cls._idle_calls(scale) < cls.IDLE_CALLS:
+        idle = cls._idle_calls(scale)
+        if idle < cls.IDLE_CALLS:
             return False
-        scale["quiet"] = (scale.get("quiet", 0) + 1) % cls.IDLE_WAKE  # (idle calls begun)
+        wake = min(cls.IDLE_WAKE << (idle - cls.IDLE_CALLS), cls.IDLE_WAKE_MOST)
+        scale["quiet"] = (scale.get("quiet", 0) + 1) % wake  # (idle calls begun)
         return scale["quiet"] != 0
 
     @property

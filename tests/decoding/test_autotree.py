@@ -1323,7 +1323,8 @@ def explore_call(auto: AutoTree, steps: int = 128, follows: bool = False) -> int
 def test_calls_that_keep_exploring_in_vain_rest_but_one_in_idle_wake_until_a_draft_pays():
     """Sampled text the drafter cannot follow: each call explored at the whole shares again (its
     first watched draft within FIRST_WATCH plain steps, probes), and found nothing every time.
-    After IDLE_CALLS such calls in a row, all but one call in IDLE_WAKE rest (``AutoTree.rests``:
+    After IDLE_CALLS such calls in a row, all but one call in IDLE_WAKE rest, one in twice as many after each
+    exploring call that found nothing again, up to IDLE_WAKE_MOST (``AutoTree.rests``:
     no choice made, nothing of the shared scales moved but the count of idle calls begun); the one
     that does not starts at the least shares with its first watch. A call in which a watched draft
     would have paid ends the rest: the next one starts whole again (its first watch due at
@@ -1339,8 +1340,14 @@ def test_calls_that_keep_exploring_in_vain_rest_but_one_in_idle_wake_until_a_dra
 
     whole = [explore_call(begin()) for _ in range(AutoTree.IDLE_CALLS)]
     assert min(whole) >= 1 and scale["idle_calls"] == AutoTree.IDLE_CALLS - 1
+    # one call in IDLE_WAKE explores, then one in twice as many after each that found nothing, up to IDLE_WAKE_MOST
+    expected, wake = [], AutoTree.IDLE_WAKE
+    for _ in range(4):
+        expected += [True] * (wake - 1) + [False]
+        wake = min(2 * wake, AutoTree.IDLE_WAKE_MOST)
+    assert expected.count(False) == 4 and len(expected) == 2 + 4 + 8 + 8
     rested, explored = [], []
-    for _ in range(2 * AutoTree.IDLE_WAKE):
+    for _ in range(len(expected)):
         before = dict(scale)
         auto = begin()
         rested.append(auto is None)
@@ -1352,7 +1359,7 @@ def test_calls_that_keep_exploring_in_vain_rest_but_one_in_idle_wake_until_a_dra
         assert auto._watch_gap() == AutoTree.FIRST_WATCH  # (its first watch)
         explored.append(explore_call(auto))
         assert auto._watch_gap() > 128  # (then the least share's)
-    assert rested == ([True] * (AutoTree.IDLE_WAKE - 1) + [False]) * 2 and min(explored) >= 1
+    assert rested == expected and min(explored) >= 1
     seeded = AutoTree(profile, rates=rates, scale=dict(scale))
     assert seeded.scale["losing"] == seeded.scale["watch_idle"] == 0
     # text the drafter follows: the call that does not rest finds it with its first watch
