@@ -801,10 +801,7 @@ class AutoTree:
                 self._aftermath(ms)
             rest = times_ms[head:]
             if len(rest) and sum(rest) > 0:
-                # (each step clipped as a step weighed alone is: one hiccup of a dozen plain steps' time in a
-                # run of seventy had moved the plain scale by a sixth, and trees looked that much cheaper)
-                scale = self.scale["plain"]
-                ratio = float(np.clip(np.asarray(rest) / self.cost[1], scale / self.CLIP, scale * self.CLIP).mean())
+                ratio = self._clipped("plain", sum(rest) / len(rest) / self.cost[1])
                 self.scale["plain"] += (1.0 - (1.0 - self.ADAPT) ** len(rest)) * (ratio - self.scale["plain"])
                 self.scale["plain_age"] = 0
                 self._stale = True

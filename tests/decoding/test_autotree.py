@@ -1733,19 +1733,6 @@ def test_a_watched_drafts_drafting_and_learning_stay_out_of_the_plain_steps_time
     assert auto.scale["watch_ms"] > 0.0
 
 
-def test_a_plain_runs_steps_are_each_clipped_as_a_step_weighed_alone():
-    """A run of plain steps teaches the plain scale their mean, each step's time clipped to ``CLIP`` times
-    the scale as a step weighed alone is: one hiccup of thirty steps' time in a run of seventy moves the
-    scale as a step of three would, not by four tenths."""
-    auto = AutoTree(cheap(), adaptive=True)
-    was = auto.scale["plain"]
-    times = [1.0] * 69 + [30.0]
-    auto.plain_steps(len(times), times)
-    ratio = (69 * 1.0 + AutoTree.CLIP * was) / 70
-    assert auto.scale["plain"] == pytest.approx(was + (1 - (1 - AutoTree.ADAPT) ** 70) * (ratio - was))
-    assert auto.scale["plain"] < 1.05
-
-
 def test_the_loop_drafts_only_where_the_drafter_can_and_outputs_stay_the_same():
     """Batch 1 and 2, an n-gram drafter whose ``can_draft`` (and ``can_draft_strong``, which the choice
     asks where drafts weak throughout lose) says False at every third question
