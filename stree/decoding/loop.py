@@ -422,28 +422,15 @@ class _Loop:
             draft = self.drafter.propose(self.rows.context(), shape)
             check_draft(draft, self.rows.roots()[live], self.model.vocab_size)
             self.watch = _Watch(draft, self.rows, live, (time.perf_counter() - began) * 1e3)
-            self.unclocked(began)
 
     def pending(self) -> int:
         """The plain steps until the watched draft held is settled (0: none held)."""
         return 0 if self.watch is None else self.watch.left
 
     def settle_watch(self) -> None:
-        began = time.perf_counter()
         self.watch.settle(self.rows, self.chooser)
         self.watch = None
         self.stats.watched += 1
-        self.unclocked(began)
-
-    def unclocked(self, began: float) -> None:
-        """Leave the time since ``began`` (a watched draft's drafting, or learning from it) out of the next
-        iteration's: the chooser prices watches by their own clock (AutoTree.watched), and counted in the
-        plain step after them too, a process's first watches (a millisecond or two each, cold) had taught
-        the plain scale that plain steps cost half as much again as they do, and trees ran where they lost
-        (n-gram, batch 2, 2-core Intel Xeon: each fresh process's first call of 128 tokens at 0.76-0.83 of
-        plain decoding's pace)."""
-        if self.mark is not None:
-            self.mark += time.perf_counter() - began
 
     def output(self) -> GenerationOutput:
         rows, stats = self.rows, self.stats

@@ -6,7 +6,6 @@ explicit trees honoured exactly."""
 import itertools
 import subprocess
 import sys
-import time
 import math
 
 import numpy as np
@@ -1688,49 +1687,6 @@ def test_the_loop_learns_from_watched_drafts_and_outputs_stay_the_same():
                                                                      **sampled).sequences
     ssm = make_drafter("ssm-static", drafter_model=mamba2(n_layer=1, seed=3), vocab_size=model.vocab_size)
     assert generate(model, prompts, max_new_tokens=48, drafter=ssm).stats.watched == 0
-
-
-def test_a_watched_drafts_drafting_and_learning_stay_out_of_the_plain_steps_time(monkeypatch):
-    """Drafting a watched draft and learning from it take time between two iterations, which the chooser
-    prices on their own clock (``watch_ms``): the iteration after either is timed without it. Here both
-    take 40 ms, and an iteration of the tiny model far less: no iteration the choice learns from
-    (a plain step weighed alone or in a run, or a tree) may take 40 ms. (Counted in them, a fresh process's first watches, a
-    millisecond or two each, had priced plain steps at half as much again as they cost, and trees ran
-    where they lost.)"""
-    from stree.decoding import loop
-
-    pause = 40.0
-
-    class SlowWatch(loop._Watch):
-        def __init__(self, *args):
-            time.sleep(pause / 1e3)
-            super().__init__(*args)
-
-        def settle(self, rows, chooser):
-            time.sleep(pause / 1e3)
-            super().settle(rows, chooser)
-
-    class Timed(NeverProbes):
-        def record(self, tree, tokens=None, counts=None, rows=None, elapsed_ms=None, ids=None):
-            if elapsed_ms is not None:
-                timed.append(elapsed_ms)
-            return super().record(tree, tokens, counts, rows, elapsed_ms, ids)
-
-        def plain_steps(self, steps, times_ms=None):
-            timed.extend(times_ms or [])
-            return super().plain_steps(steps, times_ms)
-
-    monkeypatch.setattr(loop, "_Watch", SlowWatch)
-    model = mamba2()
-    g = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(0, model.vocab_size, (4,), generator=g).tolist() * 4]
-    timed = []
-    auto = Timed(cheap(), adaptive=True, watch=True, rates=PathRates(prior=(0.02,) * 8))
-    out = generate(model, prompts, max_new_tokens=48, tree=auto)
-    assert out.sequences == generate(model, prompts, method="autoregressive", max_new_tokens=48).sequences
-    assert out.stats.watched >= 1 and len(timed) > 5
-    assert max(timed) < pause, sorted(timed)[-3:]
-    assert auto.scale["watch_ms"] > 0.0
 
 
 def test_the_loop_drafts_only_where_the_drafter_can_and_outputs_stay_the_same():
