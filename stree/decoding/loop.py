@@ -316,10 +316,13 @@ class _Loop:
         # the device batch's roots: every row's, or, where rows left it (leave), the live rows'
         device_roots = roots if self.held is None else roots[torch.from_numpy(self.held)]
         draft = full = None
-        if self.speculative:
-            if self.plain_run is not None:
-                self.plain_run.left -= 1
-            elif self.drafter is not None:
+        if self.speculative and self.plain_run is not None:
+            # (a step decided ahead: nothing to draft, share or time apart (only a choice makes runs, and a
+            # tensor-parallel loop has none): an autoregressive step's work, bar the run's count and clock, in
+            # most of a batch's steps where trees do not pay)
+            self.plain_run.left -= 1
+        elif self.speculative:
+            if self.drafter is not None:
                 draft = _draft(self.drafter, self.chooser, rows, c.shape, roots, live, self.model.vocab_size,
                                self.runner.eager)
                 if draft is not None:

@@ -1843,6 +1843,39 @@ def test_plain_runs_follow_one_another_where_only_watches_fall_due():
     assert weighed == [True]
 
 
+def test_a_plain_runs_steps_do_the_work_of_autoregressive_steps_and_count_themselves(monkeypatch):
+    """A step of a plain run (decided ahead by the choice) neither drafts nor shares a tree nor takes a clock lap of
+    its own beyond an autoregressive step's: only the steps weighed alone do (here, the call's first). The run's
+    steps are still counted and timed for the choice, and the output is autoregressive decoding's."""
+    from stree.decoding import loop
+
+    shared, laps, runs = [], [], []
+    share_tree, lap, plain_steps = loop.share_tree, loop._Clock.lap, AutoTree.plain_steps
+    monkeypatch.setattr(loop, "share_tree", lambda *a: (shared.append(1), share_tree(*a))[1])
+    monkeypatch.setattr(loop._Clock, "lap", lambda self: (laps.append(1), lap(self))[1])
+    monkeypatch.setattr(AutoTree, "plain_steps", lambda self, steps, times_ms=None: (
+        runs.append((steps, len(times_ms or []))), plain_steps(self, steps, times_ms))[1])
+
+    class PlainOnly(AutoTree):
+        PROBE_SHARE = 0.0
+        WATCH = False
+
+    model = mamba2()
+    prompts, n = [[1, 2, 3, 1, 2, 3, 1, 2]], 40
+    auto = PlainOnly(CostProfile(1.0, (2, 4, 8, 16), (60.0, 65.0, 70.0, 80.0)), adaptive=True, watch=True)
+    out = generate(model, prompts, drafter=make_drafter("ngram", vocab_size=model.vocab_size), tree=auto,
+                   max_new_tokens=n)
+    ref_laps = len(laps)
+    assert out.sequences == generate(model, prompts, method="autoregressive", max_new_tokens=n).sequences
+    assert set(out.stats.trees) == {1} and out.stats.target_forwards == n - 1
+    run_steps = sum(steps for steps, _ in runs)
+    assert run_steps == n - 2 and all(steps == timed for steps, timed in runs)  # (every step but the first)
+    assert len(shared) == out.stats.target_forwards - run_steps == 1
+    laps.clear()
+    generate(model, prompts, method="autoregressive", max_new_tokens=n)
+    assert ref_laps - len(laps) == 1  # (the one step weighed alone: its drafting lap)
+
+
 def test_where_the_drafter_keeps_having_nothing_it_is_asked_again_after_runs_of_plain_steps():
     """Trees are wanted but the drafter has nothing to draft: after WAIT_AFTER steps in a row asked
     alone, the drafter is asked again after runs of 1, 2, 4, ... (at most WAIT_MOST) plain steps,
