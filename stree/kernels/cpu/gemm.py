@@ -52,8 +52,11 @@ SOURCE = Path(__file__).with_name("gemm.cpp")
 # (:mod:`.mamba_step`)
 SOURCES = (SOURCE, Path(__file__).with_name("mamba_step.cpp"))
 # (no contraction: the step keeps the numba kernels' multiplies and adds apart; the product's fused
-# multiply-adds are its intrinsics')
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC", "-std=c++17")
+# multiply-adds are its intrinsics'. No trapping math: the same operations in the same order, but GCC may
+# then turn a row loop's selects into vector blends; without it, with AVX2 alone, the SiLU and the float16
+# rounding loops stayed scalar ("control flow in loop"): docs/kernels.md, "Row loops in vectors with AVX2")
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fno-trapping-math", "-shared", "-fPIC",
+         "-std=c++17")
 _P, _L = ctypes.c_void_p, ctypes.c_long
 _ARGS = struct.Struct("=11q")  # stree_gemm_args's one argument
 # a packed weight's dtype -> its element type in gemm.cpp (W_F32, W_F16, W_BF16)
