@@ -685,3 +685,22 @@ def test_speculation_ab_gives_each_run_its_own_cost_profiles(tmp_path, monkeypat
     assert len(own) == 2 and shared not in own
     for d in own:
         assert not (d / "costs.json").exists() and (d / "kernels").resolve() == (shared / "kernels").resolve()
+
+
+@pytest.mark.skipif(not mamba_step.available(), reason="no C++ compiler for the CPU library here")
+def test_library_ab_smoke_pairs_two_builds_of_the_one_call(tmp_path):
+    """Both builds decode (two libraries, the same greedy text), each round timed; a flag the library is
+    not built with is refused."""
+    from stree.kernels.cpu import gemm
+
+    module = benchmark("library_ab")
+    result = smoke("library_ab", tmp_path)
+    assert [(r["method"], r["batch"]) for r in result["rows"]] == [("autoregressive", 1), ("ngram", 1)]
+    for row in result["rows"]:
+        assert row["identical"] and len(row["ratios"]) == result["rounds"] == 2
+        assert min(row["working_tokens_per_s"] + row["without_tokens_per_s"]) > 0
+    libs = module.libraries(["-fno-trapping-math"])
+    assert libs["working"]._name != libs["without"]._name and libs["working"]._name == gemm.library()._name
+    with pytest.raises(SystemExit) as e:
+        module.main(["--drop", "-O9", "--out", str(tmp_path)])
+    assert e.value.code == 2
