@@ -362,6 +362,15 @@ void tree_scan_nodes(const float* conv, long dim, const int64_t* parents, long n
   }
 }
 
+// A thread's scratch of at least ``count`` elements: grown where it is short, never shrunk. (std::vector's
+// resize down and up again value-initialises every element it adds back: with tree passes of a few sizes in
+// turn, a 16-node pass after a 4-node one zeroed some 0.4 MB of scratch that it then overwrote.)
+template <class T>
+T* scratch_of(std::vector<T>& v, long count) {
+  if ((long)v.size() < count) v.resize((size_t)count);
+  return v.data();
+}
+
 // Where part ``part`` of ``parts`` of a row's n nodes (parents [n], parents before children) starts, the
 // scan's work (each node's ancestors-or-self) shared about equally: node i's share its depth + 1.
 long node_split(const int64_t* parents, long n, long part, long parts) {
@@ -521,9 +530,9 @@ __attribute__((always_inline)) inline float* step_rows(const Model* m, const int
   const Sizes& n = m->n;
   long D = n.d_model, P = n.d_in_proj, I = n.d_inner, CD = n.conv_dim, K = n.d_conv, S = n.d_state;
   long HP = n.heads * n.headdim;
-  thread_local std::vector<float> scratch;  // (grown once per thread and row count, never freed)
-  scratch.resize((size_t)(rows * (3 * D + P + CD + 3 * I)));
-  float *x = scratch.data(), *h = x + rows * D, *out = h + rows * D, *proj = out + rows * D, *conv = proj + rows * P;
+  thread_local std::vector<float> scratch;  // (grown to the most rows a thread has stepped, never freed)
+  float* x = scratch_of(scratch, rows * (3 * D + P + CD + 3 * I));
+  float *h = x + rows * D, *out = h + rows * D, *proj = out + rows * D, *conv = proj + rows * P;
   float *y = conv + rows * CD, *gate = y + rows * I, *normed = gate + rows * I;
   // rows (and their heads) are independent: over the threads only where it is worth waking them (a step of
   // one row split its conv's channels and its heads over the threads too, as a tree pass once did: timed alone
@@ -576,10 +585,10 @@ float* feed_rows(const Model* m, const int64_t* tokens, const int64_t* counts, l
   constexpr long BLOCK = 64;
   thread_local std::vector<float> scratch;
   thread_local std::vector<int64_t> packed;
-  scratch.resize((size_t)(b * BLOCK * (3 * D + P + CD + 3 * I) + b * D));
-  packed.resize((size_t)(b * BLOCK + b + 1));
+  scratch_of(packed, b * BLOCK + b + 1);
   long rows_max = b * BLOCK;
-  float *x = scratch.data(), *h = x + rows_max * D, *out = h + rows_max * D, *proj = out + rows_max * D;
+  float* x = scratch_of(scratch, b * BLOCK * (3 * D + P + CD + 3 * I) + b * D);
+  float *h = x + rows_max * D, *out = h + rows_max * D, *proj = out + rows_max * D;
   float *conv = proj + rows_max * P, *y = conv + rows_max * CD, *gate = y + rows_max * I, *normed = gate + rows_max * I;
   float* last = normed + rows_max * I;  // each row's hidden state after its last token
   int64_t *tok = packed.data(), *start = tok + rows_max;  // the block's tokens, row r's from start[r]
@@ -871,9 +880,9 @@ long tree_pass(const Model* m, const int64_t* tokens, long b, long n, const int6
   thread_local std::vector<float> scratch;
   thread_local std::vector<double> work;
   thread_local std::vector<int64_t> fed;
-  scratch.resize((size_t)(N * (3 * D + P + CD + 3 * I + HP)));
+  scratch_of(scratch, N * (3 * D + P + CD + 3 * I + HP));
   long parts = b < threads ? threads / b : 1;
-  work.resize((size_t)(b * parts * 2 * n * H));  // per (row, part): at (doubles), then d and decay (floats)
+  scratch_of(work, b * parts * 2 * n * H);  // per (row, part): at (doubles), then d and decay (floats)
   float *x = scratch.data(), *h = x + N * D, *out = h + N * D, *proj = out + N * D, *conv = proj + N * P;
   float *y = conv + N * CD, *gate = y + N * I, *normed = gate + N * I, *xs = normed + N * I;
   double* parts_work = work.data();  // (taken here: inside the parallel loop, `work` is each thread's own)
@@ -1104,8 +1113,8 @@ extern "C" long stree_mamba_tree_greedy(const int64_t* a) {
   for (long r = 0; r < b; r++) N += sizes ? sizes[r] : n;
   long CD = sz.conv_dim, K = sz.d_conv, H = sz.heads, HP = H * sz.headdim, GS = sz.groups * sz.d_state;
   thread_local std::vector<float> kept;  // the pass's scratch (xBC, x, dt, B), read by the replay alone
-  kept.resize((size_t)(sz.layers * N * (CD + HP + H + GS)));
-  float *xBC = kept.data(), *x = xBC + sz.layers * N * CD, *dt = x + sz.layers * N * HP, *B = dt + sz.layers * N * H;
+  float* xBC = scratch_of(kept, sz.layers * N * (CD + HP + H + GS));
+  float *x = xBC + sz.layers * N * CD, *dt = x + sz.layers * N * HP, *B = dt + sz.layers * N * H;
   const int64_t *tokens = (const int64_t*)a[1], *parents = (const int64_t*)a[4];
   ConvStates conv((void*)a[6], conv_count(m, b), sz.rounding, true, cache_conv);
   float *conv_states = conv.data, *ssm_states = (float*)a[7];
