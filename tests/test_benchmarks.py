@@ -689,18 +689,24 @@ def test_speculation_ab_gives_each_run_its_own_cost_profiles(tmp_path, monkeypat
 
 @pytest.mark.skipif(not mamba_step.available(), reason="no C++ compiler for the CPU library here")
 def test_library_ab_smoke_pairs_two_builds_of_the_one_call(tmp_path):
-    """Both builds decode (two libraries, the same greedy text), each round timed; a flag the library is
-    not built with is refused."""
+    """Both builds decode (two libraries, the same greedy text), each round timed; the other build's
+    sources may be a revision's (the same sources: the same library); bad input is refused."""
     from stree.kernels.cpu import gemm
 
     module = benchmark("library_ab")
-    result = smoke("library_ab", tmp_path)
+    result = smoke("library_ab", tmp_path, "--drop=-fno-trapping-math")
     assert [(r["method"], r["batch"]) for r in result["rows"]] == [("autoregressive", 1), ("ngram", 1)]
     for row in result["rows"]:
         assert row["identical"] and len(row["ratios"]) == result["rounds"] == 2
-        assert min(row["working_tokens_per_s"] + row["without_tokens_per_s"]) > 0
-    libs = module.libraries(["-fno-trapping-math"])
-    assert libs["working"]._name != libs["without"]._name and libs["working"]._name == gemm.library()._name
-    with pytest.raises(SystemExit) as e:
-        module.main(["--drop", "-O9", "--out", str(tmp_path)])
-    assert e.value.code == 2
+        assert min(row["working_tokens_per_s"] + row["other_tokens_per_s"]) > 0
+    libs = module.libraries(["-fno-trapping-math"], None)
+    assert libs["working"]._name != libs["other"]._name and libs["working"]._name == gemm.library()._name
+    if subprocess.run(["git", "-C", str(ROOT), "diff", "--quiet", "HEAD", "--", "stree/kernels/cpu"]).returncode == 0:
+        same = module.libraries([], "HEAD")  # (the working tree's sources are HEAD's: one library)
+        assert same["working"]._name == same["other"]._name == gemm.library()._name
+    with pytest.raises(SystemExit, match="no-such-revision"):
+        module.libraries([], "no-such-revision")
+    for bad in (["--drop", "-O9"], []):
+        with pytest.raises(SystemExit) as e:
+            module.main([*bad, "--out", str(tmp_path)])
+        assert e.value.code == 2

@@ -104,9 +104,10 @@ def _prune_builds(directory: Path, keep: Path) -> None:
         pass
 
 
-def compile_library(flags: tuple[str, ...]) -> tuple[ctypes.CDLL | None, str]:
+def compile_library(flags: tuple[str, ...], sources: tuple[Path, ...] = SOURCES) -> tuple[ctypes.CDLL | None, str]:
     """The library built with ``flags`` (a later ``-march`` overrides ``-march=native``: the tests
-    build the AVX2 variant so on an AVX-512 machine), loaded, or None and why not."""
+    build the AVX2 variant so on an AVX-512 machine) from ``sources`` (the library's own, or another
+    revision's, which ``benchmarks/library_ab.py`` pairs with them), loaded, or None and why not."""
     if platform.system() not in ("Linux", "FreeBSD"):
         return None, f"the tiled product is built on Linux only, not {platform.system()}"
     compiler = find_compiler()
@@ -116,23 +117,23 @@ def compile_library(flags: tuple[str, ...]) -> tuple[ctypes.CDLL | None, str]:
         version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError) as e:
         return None, f"the C++ compiler {compiler!r} does not run: {e}"
-    sources = b"\0".join(path.read_bytes() for path in SOURCES)
-    digest = hashlib.sha256(b"\0".join([sources, compiler.encode(), version.encode(), " ".join(flags).encode(),
+    text, names = b"\0".join(path.read_bytes() for path in sources), " and ".join(path.name for path in sources)
+    digest = hashlib.sha256(b"\0".join([text, compiler.encode(), version.encode(), " ".join(flags).encode(),
                                         _cpu_identity().encode()])).hexdigest()[:20]
     path = cache_dir() / "kernels" / f"gemm-{digest}.so"
     if not path.exists():
         tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")  # (another process may build the same one)
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            done = subprocess.run([compiler, *flags, "-o", str(tmp), *map(str, SOURCES)], capture_output=True,
+            done = subprocess.run([compiler, *flags, "-o", str(tmp), *map(str, sources)], capture_output=True,
                                   text=True, timeout=300)
             if done.returncode != 0:
                 said = [line for line in done.stderr.splitlines() if "error" in line] or [f"exit {done.returncode}"]
-                return None, f"building {SOURCE.name} and {SOURCES[1].name} with {compiler} failed: {said[0].strip()}"
+                return None, f"building {names} with {compiler} failed: {said[0].strip()}"
             os.replace(tmp, path)
             _prune_builds(path.parent, path)
         except (OSError, subprocess.SubprocessError) as e:
-            return None, f"building {SOURCE.name} and {SOURCES[1].name} with {compiler} failed: {e}"
+            return None, f"building {names} with {compiler} failed: {e}"
         finally:
             tmp.unlink(missing_ok=True)
     try:
