@@ -6,6 +6,7 @@ compiler, flags and CPU, and a clean "unavailable" where it cannot be built. Als
 state term, the same product on a state packed as it is read, against its float64 definition."""
 
 import os
+import re
 import subprocess
 import sys
 
@@ -216,6 +217,24 @@ def test_without_a_compiler_it_is_unavailable_and_products_take_the_other_paths(
     assert out.startswith("False True ['blas', 'packed', 'transposed'] |") and "no-such-compiler" in out
 
 
+def _assembly(source, march: str, tmp_path) -> dict[str, list[str]]:
+    """The compiler's assembly of ``source`` with the library's flags for ``march`` (compiled, not run:
+    no such CPU is needed), its lines by the function they lie in."""
+    compiler = gemm.find_compiler()
+    flags = [f for f in gemm.FLAGS if f not in ("-shared", "-fPIC", "-march=native")]
+    out = tmp_path / f"{source.stem}.s"
+    run = subprocess.run([compiler, *flags, f"-march={march}", "-S", "-o", str(out), str(source)],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    bodies, name = {}, None
+    for line in out.read_text().splitlines():
+        if re.match(r"^[A-Za-z_]\S*:", line):
+            name = line[:-1]
+        elif name is not None:
+            bodies.setdefault(name, []).append(line)
+    return bodies
+
+
 @pytest.mark.parametrize("march", ["haswell", "skylake-avx512"])
 def test_every_tile_multiplies_the_weights_from_registers(march, tmp_path):
     """The tiles' FMAs read the block's weight vectors from registers, loaded once per k: folded into
@@ -223,20 +242,8 @@ def test_every_tile_multiplies_the_weights_from_registers(march, tmp_path):
     again and a tile waits on the load ports (on the 2-core EPYC the shipped target's products of 8
     rows, two tiles of 4, took 388 us against 259 with the weights in registers). Checked in the
     compiler's assembly for AVX2 and AVX-512 (compiled, not run: no such CPU is needed)."""
-    import re
-
-    compiler = gemm.find_compiler()
-    flags = [f for f in gemm.FLAGS if f not in ("-shared", "-fPIC", "-march=native")]
-    out = tmp_path / "gemm.s"
-    run = subprocess.run([compiler, *flags, f"-march={march}", "-S", "-o", str(out), str(gemm.SOURCE)],
-                         capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stderr
-    tiles, name = {}, None
-    for line in out.read_text().splitlines():
-        if re.match(r"^[A-Za-z_]\S*:", line):
-            name = line[:-1]
-        elif name is not None and "vfmadd" in line:
-            tiles.setdefault(name, []).append(line)
+    tiles = {name: fmas for name, body in _assembly(gemm.SOURCE, march, tmp_path).items()
+             if (fmas := [line for line in body if "vfmadd" in line])}
     # every function with FMAs (the tiles are inlined into block<MR>, the product's threads and the state
     # term's), of several row counts; a register spilled to the stack and read back by an FMA is no weight
     assert len([n for n in tiles if n.startswith("_Z5blockILi")]) >= 3, sorted(tiles)
@@ -252,20 +259,7 @@ def test_the_row_loops_with_selects_run_in_vectors(march, tmp_path):
     GCC's default trapping math it kept both scalar for AVX2 ("control flow in loop"), and on the 2-core
     EPYC Zen 3 a plain step of the shipped float16 target took a fifth longer, a 16-node chain's pass a
     quarter. Checked in the compiler's assembly of the library's flags (compiled, not run)."""
-    import re
-
-    compiler = gemm.find_compiler()
-    flags = [f for f in gemm.FLAGS if f not in ("-shared", "-fPIC", "-march=native")]
-    out = tmp_path / "mamba_step.s"
-    run = subprocess.run([compiler, *flags, f"-march={march}", "-S", "-o", str(out), str(gemm.SOURCES[1])],
-                         capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stderr
-    bodies, name = {}, None
-    for line in out.read_text().splitlines():
-        if re.match(r"^[A-Za-z_]\S*:", line):
-            name = line[:-1]
-        elif name is not None:
-            bodies.setdefault(name, []).append(line)
+    bodies = _assembly(gemm.SOURCES[1], march, tmp_path)
 
     def vector_ops(function: str) -> set[str]:
         lines = [line for n, body in bodies.items() if function in n for line in body]
