@@ -50,8 +50,11 @@ def libraries(drop: list[str], against: str | None) -> dict:
         if against is not None:
             sources = tuple(Path(tmp) / path.name for path in gemm.SOURCES)
             for path, own in zip(sources, gemm.SOURCES):
-                shown = subprocess.run(["git", "-C", str(ROOT), "show", f"{against}:{own.relative_to(ROOT)}"],
-                                       capture_output=True)
+                try:
+                    shown = subprocess.run(["git", "-C", str(ROOT), "show", f"{against}:{own.relative_to(ROOT)}"],
+                                           capture_output=True)
+                except OSError as e:
+                    raise SystemExit(f"--against {against!r}: git does not run here ({e})") from None
                 if shown.returncode:
                     raise SystemExit(f"--against {against!r}: git cannot show {own.relative_to(ROOT)} there")
                 path.write_bytes(shown.stdout)

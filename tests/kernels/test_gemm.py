@@ -255,10 +255,10 @@ def test_every_tile_multiplies_the_weights_from_registers(march, tmp_path):
 def test_the_row_loops_with_selects_run_in_vectors(march, tmp_path):
     """The SiLU (its polynomial exp clamps and passes NaN by selects) and the float16 rounding (F16C's
     conversions, and its branch-free rule's selects for a row's last few) run over a row in vector
-    registers with AVX2 as with AVX-512: under
-    GCC's default trapping math it kept both scalar for AVX2 ("control flow in loop"), and on the 2-core
-    EPYC Zen 3 a plain step of the shipped float16 target took a fifth longer, a 16-node chain's pass a
-    quarter. Checked in the compiler's assembly of the library's flags (compiled, not run)."""
+    registers with AVX2 as with AVX-512: under GCC's default trapping math it kept both scalar for AVX2
+    ("control flow in loop"), and on the 2-core EPYC Zen 3 a plain step of the shipped float16 target
+    took a quarter longer, a 16-node chain's pass a third. Checked in the compiler's assembly of the
+    library's flags (compiled, not run)."""
     bodies = _assembly(gemm.SOURCES[1], march, tmp_path)
 
     def vector_ops(function: str) -> set[str]:
